@@ -1,0 +1,36 @@
+// The public attention entry points.
+#pragma once
+
+#include <string>
+
+#include "flashattn/options.hpp"
+#include "flashattn/tensor.hpp"
+
+namespace flashattn {
+
+// Exact attention, FlashAttention layout:
+//   q   (batch, seqlen_q, heads_q,  head_dim)
+//   k   (batch, seqlen_k, heads_kv, head_dim)
+//   v   (batch, seqlen_k, heads_kv, head_dim_v)
+//   out (batch, seqlen_q, heads_q,  head_dim_v)  same dtype as q
+//   lse (batch, heads_q, seqlen_q)               float32, natural-log log-sum-exp of
+//                                                each scaled score row
+// heads_q must be a multiple of heads_kv (grouped / multi-query attention). Any strides
+// are accepted as long as the last dimension is contiguous. Throws flashattn::Error on
+// invalid input; writes nothing outside out and lse.
+void forward(const TensorView& q, const TensorView& k, const TensorView& v,
+             const MutableTensorView& out, const MutableTensorView& lse,
+             const AttentionOptions& options = {});
+
+struct ForwardResult {
+  Tensor out;  // (batch, seqlen_q, heads_q, head_dim_v), q's dtype
+  Tensor lse;  // (batch, heads_q, seqlen_q), float32
+};
+// Convenience overload that allocates its outputs.
+ForwardResult forward(const TensorView& q, const TensorView& k, const TensorView& v,
+                      const AttentionOptions& options = {});
+
+// Name of the SIMD target the CPU kernels dispatch to on this machine, e.g. "AVX3".
+std::string cpu_simd_target();
+
+}  // namespace flashattn

@@ -1,0 +1,11 @@
+// Umbrella header: everything a C++ caller needs.
+#pragma once
+
+#include "flashattn/attention.hpp"
+#include "flashattn/error.hpp"
+#include "flashattn/online_softmax.hpp"
+#include "flashattn/options.hpp"
+#include "flashattn/plan.hpp"
+#include "flashattn/problem.hpp"
+#include "flashattn/reference.hpp"
+#include "flashattn/tensor.hpp"

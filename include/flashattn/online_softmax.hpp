@@ -1,0 +1,70 @@
+// The online-softmax state of one score row: the heart of every FlashAttention kernel.
+//
+// Scores are kept in log2 units: the kernel multiplies Q·Kᵀ by softmax_scale·log2(e)
+// so that every exponential is a plain exp2 (SPEC §2, §3). The state is
+//   max  — a reference maximum m of the scores seen so far (log2 units),
+//   sum  — ℓ = Σ 2^(s_j − m) over those scores,
+// and the caller's unnormalized output õ = Σ 2^(s_j − m) v_j, which it keeps in its own
+// buffer (a d-vector per row does not belong in a scalar state). Whenever m changes, õ
+// must be multiplied by the factor that `rescale_to` / `merge` return. At the end
+// o = õ / ℓ and the natural-log log-sum-exp is (m + log2 ℓ)·ln 2.
+//
+// −∞ guards: a row that has seen no visible key keeps m = −∞ and ℓ = 0. Rescaling from
+// −∞ would compute 2^(−∞ − (−∞)) = NaN, so the factor is defined as 0 there (õ is 0
+// anyway); finalize gives out = 0 and lse = −∞ for such rows, never NaN.
+#pragma once
+
+#include <cmath>
+#include <limits>
+
+namespace flashattn {
+
+struct OnlineSoftmaxState {
+  static constexpr float kLog2e = 1.4426950408889634f;  // log2(e): exp(x) = 2^(x·log2e)
+  static constexpr float kLn2 = 0.6931471805599453f;    // ln(2): back to natural log
+
+  float max = -std::numeric_limits<float>::infinity();
+  float sum = 0.0f;
+
+  // Moves the reference maximum up to cover `tile_max` and returns the factor
+  // 2^(m_old − m_new) by which the caller must multiply its õ (already applied to sum).
+  float rescale_to(float tile_max) {
+    if (!(tile_max > max)) return 1.0f;
+    const float factor = max == -std::numeric_limits<float>::infinity()
+                             ? 0.0f
+                             : std::exp2(max - tile_max);
+    max = tile_max;
+    sum *= factor;
+    return factor;
+  }
+
+  // Adds Σ 2^(s_j − max) of a tile that was exponentiated against the current max.
+  void add(float tile_sum) { sum += tile_sum; }
+
+  // Combines two states over disjoint key sets. Returns the factors {self, other} by
+  // which the two unnormalized outputs must be multiplied before they are added.
+  struct MergeFactors {
+    float self;
+    float other;
+  };
+  MergeFactors merge(const OnlineSoftmaxState& other) {
+    const float new_max = std::fmax(max, other.max);
+    if (new_max == -std::numeric_limits<float>::infinity()) return {1.0f, 0.0f};
+    const float self_factor = std::exp2(max - new_max);    // 0 when max is −∞
+    const float other_factor = std::exp2(other.max - new_max);
+    sum = sum * self_factor + other.sum * other_factor;
+    max = new_max;
+    return {self_factor, other_factor};
+  }
+
+  // 1/ℓ, the factor that normalizes õ; 0 for a row without visible keys.
+  float inverse_sum() const { return sum > 0.0f ? 1.0f / sum : 0.0f; }
+
+  // Natural-log log-sum-exp of the (scaled) scores; −∞ for a row without visible keys.
+  float lse() const {
+    if (sum <= 0.0f) return -std::numeric_limits<float>::infinity();
+    return (max + std::log2(sum)) * kLn2;
+  }
+};
+
+}  // namespace flashattn

@@ -1,0 +1,44 @@
+// Plan, then run (STYLE.md §4): tile sizes, thread partitioning and workspace for the
+// CPU forward kernel come from one inspectable Plan computed from (problem, hardware).
+// The kernel executes a Plan; the CLI and the cost model read the same Plan.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "flashattn/problem.hpp"
+
+namespace flashattn {
+
+// What the planner needs to know about the machine.
+struct CpuHardware {
+  std::size_t l1d_bytes = 48 * 1024;
+  std::size_t l2_bytes = 1024 * 1024;
+  int threads = 1;                // worker threads the plan may use
+  std::string simd_target;        // Highway target the kernels dispatch to, e.g. "AVX3"
+  int float_lanes = 4;            // fp32 lanes per vector of that target
+  int micro_rows = 4;             // rows of the register-blocked micro-kernel
+  int micro_cols = 8;             // columns (floats) of the register-blocked micro-kernel
+
+  // Cache sizes from the OS, micro-kernel geometry from the dispatched SIMD target.
+  static CpuHardware detect(int num_threads);
+};
+
+struct CpuForwardPlan {
+  std::int64_t block_q = 0;          // Q rows per work item (Br)
+  std::int64_t block_k = 0;          // keys per K/V tile (Bc), a multiple of micro_cols
+  std::int64_t head_dim_v_padded = 0;  // Dv rounded up to micro_cols
+  std::int64_t q_blocks = 0;         // per (batch, head)
+  std::int64_t work_items = 0;       // batch · heads_q · q_blocks
+  int threads = 1;
+  std::size_t workspace_bytes_per_thread = 0;
+  CpuHardware hardware;
+
+  std::size_t workspace_bytes() const { return workspace_bytes_per_thread * threads; }
+  std::string describe() const;
+};
+
+CpuForwardPlan plan_forward(const AttentionProblem& problem, const CpuHardware& hardware);
+
+}  // namespace flashattn

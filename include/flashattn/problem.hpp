@@ -1,0 +1,48 @@
+// One description of an attention problem: shapes, dtype and mask options. It drives
+// validation, the plan, the FLOP count reported by the CLI and benchmarks, and tests.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "flashattn/options.hpp"
+#include "flashattn/tensor.hpp"
+
+namespace flashattn {
+
+struct AttentionProblem {
+  std::int64_t batch = 1;
+  std::int64_t seqlen_q = 0;
+  std::int64_t seqlen_k = 0;
+  std::int64_t heads_q = 1;
+  std::int64_t heads_kv = 1;
+  std::int64_t head_dim = 0;    // D, of q and k
+  std::int64_t head_dim_v = 0;  // Dv, of v and out
+  DType dtype = DType::f32;
+  bool causal = false;
+  float softmax_scale = 0.0f;  // resolved: never unset here
+
+  static constexpr std::int64_t kMaxHeadDim = 512;
+
+  // Validates q, k, v (and their consistency) and resolves the options.
+  static AttentionProblem from_inputs(const TensorView& q, const TensorView& k,
+                                      const TensorView& v, const AttentionOptions& options);
+  // Builds and validates a problem from sizes alone (CLI, benchmarks, cost model).
+  static AttentionProblem from_sizes(std::int64_t batch, std::int64_t seqlen_q,
+                                     std::int64_t seqlen_k, std::int64_t heads_q,
+                                     std::int64_t heads_kv, std::int64_t head_dim,
+                                     std::int64_t head_dim_v, DType dtype,
+                                     const AttentionOptions& options);
+
+  // Number of keys query row i may attend to (bottom-right causal alignment).
+  std::int64_t visible_keys(std::int64_t row) const;
+  // Forward FLOPs: 2·Sq·Sk·D for Q·Kᵀ plus 2·Sq·Sk·Dv for P·V, per (batch, head),
+  // counting only visible scores when causal (upstream's convention halves the square).
+  double forward_flops() const;
+  // Upstream's convention for the headline GFLOP/s: 4·B·Hq·Sq·Sk·D, halved for causal.
+  double conventional_forward_flops() const;
+
+  std::string describe() const;
+};
+
+}  // namespace flashattn

@@ -1,0 +1,28 @@
+// The float64 reference: attention exactly as written in the textbook, one score row
+// at a time (S row and P row materialized in double). Tests and the CLI judge every
+// kernel against it.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "flashattn/options.hpp"
+#include "flashattn/problem.hpp"
+#include "flashattn/tensor.hpp"
+
+namespace flashattn::reference {
+
+// Output row (head_dim_v values) and natural-log lse of query `row` of (batch, head).
+// A row without visible keys gives zeros and lse = −∞.
+void attention_row(const AttentionProblem& problem, const TensorView& q,
+                   const TensorView& k, const TensorView& v, std::int64_t batch,
+                   std::int64_t head, std::int64_t row, double* out_row, double* lse);
+
+struct Result {
+  std::vector<double> out;  // (batch, seqlen_q, heads_q, head_dim_v), contiguous
+  std::vector<double> lse;  // (batch, heads_q, seqlen_q), contiguous
+};
+Result attention(const TensorView& q, const TensorView& k, const TensorView& v,
+                 const AttentionOptions& options = {});
+
+}  // namespace flashattn::reference

@@ -1,0 +1,101 @@
+#include "src/baseline/standard_attention.hpp"
+
+#include <cblas.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <vector>
+
+#include "flashattn/problem.hpp"
+#include "src/baseline/softmax_rows.hpp"
+#include "src/core/element.hpp"
+#include "src/core/validate.hpp"
+
+extern "C" {
+char* openblas_get_corename(void);
+void openblas_set_num_threads(int num_threads);
+}
+
+namespace flashattn::baseline {
+namespace {
+
+// Copies head `h` of a (batch, seqlen, heads, dim) view into a contiguous float matrix.
+void gather_head(const TensorView& t, std::int64_t b, std::int64_t h, std::vector<float>& dst) {
+  const std::int64_t rows = t.shape[1], cols = t.shape[3];
+  dst.resize(static_cast<std::size_t>(rows * cols));
+#pragma omp parallel for
+  for (std::int64_t i = 0; i < rows; ++i)
+    for (std::int64_t c = 0; c < cols; ++c)
+      dst[static_cast<std::size_t>(i * cols + c)] =
+          detail::load_element(t, detail::offset4(t, b, i, h, c));
+}
+
+}  // namespace
+
+std::size_t standard_attention(const TensorView& q, const TensorView& k, const TensorView& v,
+                               const MutableTensorView& out, const MutableTensorView& lse,
+                               const AttentionOptions& options) {
+  const AttentionProblem p = AttentionProblem::from_inputs(q, k, v, options);
+  detail::check_forward_outputs(p, q, k, v, out, lse);
+  const int threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
+  set_blas_threads(threads);
+  std::vector<float> qf, kf, vf, of(static_cast<std::size_t>(p.seqlen_q * p.head_dim_v));
+  std::vector<float> s(static_cast<std::size_t>(p.seqlen_q * p.seqlen_k));
+  const std::size_t peak =
+      (s.size() + of.size() +
+       static_cast<std::size_t>(p.seqlen_q * p.head_dim + p.seqlen_k * (p.head_dim + p.head_dim_v))) *
+      sizeof(float);
+  const int sq = static_cast<int>(p.seqlen_q), sk = static_cast<int>(p.seqlen_k);
+  const int d = static_cast<int>(p.head_dim), dv = static_cast<int>(p.head_dim_v);
+  for (std::int64_t b = 0; b < p.batch; ++b) {
+    for (std::int64_t h = 0; h < p.heads_q; ++h) {
+      const std::int64_t kvh = h / (p.heads_q / p.heads_kv);
+      gather_head(q, b, h, qf);
+      gather_head(k, b, kvh, kf);
+      gather_head(v, b, kvh, vf);
+      if (sq > 0 && sk > 0)  // S = Q·Kᵀ
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, sq, sk, d, 1.0f, qf.data(), d,
+                    kf.data(), d, 0.0f, s.data(), sk);
+#pragma omp parallel for num_threads(threads)
+      for (std::int64_t i = 0; i < p.seqlen_q; ++i) {  // P = softmax(scale · S)
+        float* row_lse = static_cast<float*>(lse.data) + b * lse.strides[0] +
+                         h * lse.strides[1] + i * lse.strides[2];
+        softmax_row(s.data() + i * p.seqlen_k, p.visible_keys(i), p.seqlen_k, p.softmax_scale,
+                    row_lse);
+      }
+      if (sk > 0) {  // O = P·V
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, sq, dv, sk, 1.0f, s.data(), sk,
+                    vf.data(), dv, 0.0f, of.data(), dv);
+      } else {
+        std::fill(of.begin(), of.end(), 0.0f);
+      }
+#pragma omp parallel for num_threads(threads)
+      for (std::int64_t i = 0; i < p.seqlen_q; ++i)
+        for (std::int64_t c = 0; c < p.head_dim_v; ++c)
+          detail::store_element(out, detail::offset4(out, b, i, h, c),
+                                of[static_cast<std::size_t>(i * p.head_dim_v + c)]);
+    }
+  }
+  return peak;
+}
+
+std::string openblas_corename() { return openblas_get_corename(); }
+
+void set_blas_threads(int threads) { openblas_set_num_threads(threads); }
+
+double sgemm_gflops(int n, int threads, int repeats) {
+  set_blas_threads(threads);
+  std::vector<float> a(static_cast<std::size_t>(n) * n, 0.5f), b(a.size(), 0.25f), c(a.size());
+  double best = 1e30;
+  for (int r = 0; r < repeats + 1; ++r) {  // the first run is a warm-up
+    const auto t0 = std::chrono::steady_clock::now();
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data(), n, b.data(),
+                n, 0.0f, c.data(), n);
+    const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (r > 0) best = std::min(best, sec);
+  }
+  return 2.0 * n * n * static_cast<double>(n) / best * 1e-9;
+}
+
+}  // namespace flashattn::baseline

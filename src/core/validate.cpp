@@ -1,0 +1,146 @@
+#include "validate.hpp"
+
+#include <utility>
+#include <array>
+#include <sstream>
+
+#include "flashattn/error.hpp"
+
+namespace flashattn::detail {
+namespace {
+
+// Offset in elements of the last element, or -1 for an empty view.
+std::int64_t last_offset(const TensorView& view) {
+  if (view.numel() == 0) return -1;
+  std::int64_t offset = 0;
+  for (int d = 0; d < view.rank; ++d) offset += (view.shape[d] - 1) * view.strides[d];
+  return offset;
+}
+
+struct ByteRange {
+  std::uintptr_t begin = 0, end = 0;  // [begin, end)
+};
+
+ByteRange byte_range(const TensorView& view) {
+  const std::int64_t last = last_offset(view);
+  if (last < 0) return {};
+  const auto begin = reinterpret_cast<std::uintptr_t>(view.data);
+  return {begin, begin + static_cast<std::uintptr_t>(last + 1) * dtype_size(view.dtype)};
+}
+
+}  // namespace
+
+std::string shape_string(const TensorView& view) {
+  std::ostringstream s;
+  s << '(';
+  for (int d = 0; d < view.rank; ++d) s << (d ? ", " : "") << view.shape[d];
+  s << ')';
+  return s.str();
+}
+
+void check_view(const char* name, const TensorView& view, int rank, const char* layout) {
+  const std::string n = name;
+  if (view.rank != rank)
+    throw Error(n + ": expected rank " + std::to_string(rank) + " " + layout + ", got rank " +
+                std::to_string(view.rank));
+  for (int d = 0; d < rank; ++d)
+    if (view.shape[d] < 0)
+      throw Error(n + ": negative size " + std::to_string(view.shape[d]) + " in dim " +
+                  std::to_string(d) + " of shape " + shape_string(view));
+  for (int d = 0; d < rank; ++d) {
+    if (view.strides[d] < 0)
+      throw Error(n + ": negative stride " + std::to_string(view.strides[d]) + " in dim " +
+                  std::to_string(d) + " (only non-negative strides are supported)");
+  }
+  if (view.shape[rank - 1] > 1 && view.strides[rank - 1] != 1)
+    throw Error(n + ": last dimension must be contiguous (stride 1), got stride " +
+                std::to_string(view.strides[rank - 1]));
+  // Extent must be addressable: Σ (size − 1)·stride in bytes and the element count fit
+  // in int64.
+  std::int64_t extent = 0, count = 1, bytes = 0;
+  for (int d = 0; d < rank; ++d) {
+    std::int64_t term = 0;
+    if (view.shape[d] > 0 &&
+        (__builtin_mul_overflow(view.shape[d] - 1, view.strides[d], &term) ||
+         __builtin_add_overflow(extent, term, &extent) ||
+         __builtin_mul_overflow(count, view.shape[d], &count) ||
+         __builtin_mul_overflow(extent + 1, static_cast<std::int64_t>(dtype_size(view.dtype)), &bytes)))
+      throw Error(n + ": shape " + shape_string(view) +
+                  " with its strides overflows 64-bit indexing");
+  }
+  if (view.data == nullptr && view.numel() > 0)
+    throw Error(n + ": null data with " + std::to_string(view.numel()) + " elements");
+}
+
+void check_dtype(const char* name, const TensorView& view, DType expected, const char* why) {
+  if (view.dtype != expected)
+    throw Error(std::string(name) + ": dtype " + to_string(view.dtype) + " but expected " +
+                to_string(expected) + " (" + why + ")");
+}
+
+void check_shape(const char* name, const TensorView& view,
+                 std::initializer_list<std::int64_t> expected, const char* layout) {
+  bool same = static_cast<int>(expected.size()) == view.rank;
+  int d = 0;
+  for (std::int64_t e : expected) same = same && view.shape[d++] == e;
+  if (!same) {
+    std::ostringstream s;
+    s << name << ": shape " << shape_string(view) << " but expected (";
+    d = 0;
+    for (std::int64_t e : expected) s << (d++ ? ", " : "") << e;
+    s << ") " << layout;
+    throw Error(s.str());
+  }
+}
+
+void check_output_layout(const char* name, const TensorView& out) {
+  if (out.numel() == 0) return;
+  // Sufficient condition for no self-overlap: with dimensions sorted by stride, each
+  // stride exceeds the extent of all inner dimensions.
+  std::array<int, kMaxRank> order{};
+  int used = 0;
+  for (int d = 0; d < out.rank; ++d)
+    if (out.shape[d] > 1) order[used++] = d;
+  for (int i = 1; i < used; ++i)  // insertion sort by stride: at most 4 entries
+    for (int j = i; j > 0 && out.strides[order[j]] < out.strides[order[j - 1]]; --j)
+      std::swap(order[j], order[j - 1]);
+  std::int64_t inner_extent = 0;
+  for (int i = 0; i < used; ++i) {
+    const int d = order[i];
+    if (out.strides[d] <= inner_extent)
+      throw Error(std::string(name) + ": stride " + std::to_string(out.strides[d]) +
+                  " of dim " + std::to_string(d) +
+                  " makes elements of the output overlap (outputs need distinct addresses)");
+    inner_extent += (out.shape[d] - 1) * out.strides[d];
+  }
+}
+
+void check_no_overlap(const char* out_name, const TensorView& out, const char* in_name,
+                      const TensorView& in) {
+  const ByteRange a = byte_range(out), b = byte_range(in);
+  if (a.begin == a.end || b.begin == b.end) return;
+  if (a.begin < b.end && b.begin < a.end)
+    throw Error(std::string(out_name) + ": output memory overlaps input " + in_name +
+                " (inputs are never modified; pass a separate buffer)");
+}
+
+void check_forward_outputs(const AttentionProblem& p, const TensorView& q, const TensorView& k,
+                           const TensorView& v, const TensorView& out, const TensorView& lse) {
+  constexpr const char* kOutLayout = "(batch, seqlen_q, heads_q, head_dim_v)";
+  constexpr const char* kLseLayout = "(batch, heads_q, seqlen_q)";
+  check_view("out", out, 4, kOutLayout);
+  check_dtype("out", out, q.dtype, "out must have q's dtype");
+  check_shape("out", out, {p.batch, p.seqlen_q, p.heads_q, p.head_dim_v}, kOutLayout);
+  check_view("lse", lse, 3, kLseLayout);
+  check_dtype("lse", lse, DType::f32, "lse is always float32");
+  check_shape("lse", lse, {p.batch, p.heads_q, p.seqlen_q}, kLseLayout);
+  check_output_layout("out", out);
+  check_output_layout("lse", lse);
+  for (const auto& [name, input] : {std::pair{"q", q}, {"k", k}, {"v", v}}) {
+    check_no_overlap("out", out, name, input);
+    check_no_overlap("lse", lse, name, input);
+  }
+  check_no_overlap("lse", lse, "out", out);
+}
+
+}  // namespace flashattn::detail

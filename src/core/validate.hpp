@@ -1,0 +1,37 @@
+// Argument checks shared by every entry point. Each throws flashattn::Error with a
+// message that names the argument and the offending values.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+
+#include "flashattn/problem.hpp"
+#include "flashattn/tensor.hpp"
+
+namespace flashattn::detail {
+
+// Rank, non-negative sizes and strides, contiguous last dimension, non-null data when
+// non-empty, and an addressable extent (no 64-bit overflow).
+void check_view(const char* name, const TensorView& view, int rank, const char* layout);
+
+// `view` must have exactly this dtype and these sizes.
+void check_dtype(const char* name, const TensorView& view, DType expected,
+                 const char* why);
+void check_shape(const char* name, const TensorView& view,
+                 std::initializer_list<std::int64_t> expected, const char* layout);
+
+// An output must not overlap itself (two elements at one address) nor any input.
+void check_output_layout(const char* name, const TensorView& out);
+void check_no_overlap(const char* out_name, const TensorView& out, const char* in_name,
+                      const TensorView& in);
+
+// out (batch, seqlen_q, heads_q, head_dim_v) in q's dtype and lse (batch, heads_q,
+// seqlen_q) float32, distinct from each other and from every input.
+void check_forward_outputs(const AttentionProblem& problem, const TensorView& q,
+                           const TensorView& k, const TensorView& v, const TensorView& out,
+                           const TensorView& lse);
+
+std::string shape_string(const TensorView& view);
+
+}  // namespace flashattn::detail

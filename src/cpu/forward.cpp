@@ -1,0 +1,74 @@
+// CPU forward driver: validate, plan, then run the work items on OpenMP threads.
+#include <omp.h>
+
+#include "flashattn/attention.hpp"
+#include "flashattn/problem.hpp"
+#include "src/core/validate.hpp"
+#include "src/cpu/forward_kernel.hpp"
+
+namespace flashattn {
+namespace cpu {
+
+namespace {
+std::size_t round_up(std::size_t n, std::size_t m) { return (n + m - 1) / m * m; }
+}  // namespace
+
+std::size_t forward_workspace_bytes(const CpuForwardPlan& plan, const AttentionProblem& p) {
+  const auto bq = static_cast<std::size_t>(plan.block_q);
+  const auto bc = static_cast<std::size_t>(plan.block_k);
+  const auto d = static_cast<std::size_t>(p.head_dim);
+  const auto dv_pad = static_cast<std::size_t>(plan.head_dim_v_padded);
+  const std::size_t keys_pad = round_up(static_cast<std::size_t>(p.seqlen_k), bc);
+  const std::size_t floats = bq * d + bq * bc + bq * dv_pad + keys_pad * d + keys_pad * dv_pad;
+  return floats * sizeof(float) + bq * (sizeof(OnlineSoftmaxState) + sizeof(std::int64_t));
+}
+
+ForwardWorkspace::ForwardWorkspace(const CpuForwardPlan& plan, const AttentionProblem& p)
+    : states(static_cast<std::size_t>(plan.block_q)),
+      valid(static_cast<std::size_t>(plan.block_q)) {
+  const auto bq = static_cast<std::size_t>(plan.block_q);
+  const auto bc = static_cast<std::size_t>(plan.block_k);
+  const auto d = static_cast<std::size_t>(p.head_dim);
+  const auto dv_pad = static_cast<std::size_t>(plan.head_dim_v_padded);
+  const std::size_t keys_pad = round_up(static_cast<std::size_t>(p.seqlen_k), bc);
+  q_tile = hwy::AllocateAligned<float>(bq * d);
+  s_tile = hwy::AllocateAligned<float>(bq * bc);
+  o_acc = hwy::AllocateAligned<float>(bq * dv_pad);
+  k_packed = hwy::AllocateAligned<float>(keys_pad * d + 1);
+  v_packed = hwy::AllocateAligned<float>(keys_pad * dv_pad + 1);
+}
+
+}  // namespace cpu
+
+void forward(const TensorView& q, const TensorView& k, const TensorView& v,
+             const MutableTensorView& out, const MutableTensorView& lse,
+             const AttentionOptions& options) {
+  const AttentionProblem problem = AttentionProblem::from_inputs(q, k, v, options);
+  detail::check_forward_outputs(problem, q, k, v, out, lse);
+  if (problem.batch == 0 || problem.seqlen_q == 0) return;
+
+  const cpu::ForwardParams params{problem,
+                                  plan_forward(problem, CpuHardware::detect(options.num_threads)),
+                                  q, k, v, out, lse};
+  const cpu::ForwardWorkItemFn kernel = cpu::forward_work_item_kernel();
+  const std::int64_t items = params.plan.work_items;
+#pragma omp parallel num_threads(params.plan.threads)
+  {
+    cpu::ForwardWorkspace workspace(params.plan, problem);
+#pragma omp for schedule(dynamic, 1)
+    for (std::int64_t item = 0; item < items; ++item) kernel(params, workspace, item);
+  }
+}
+
+ForwardResult forward(const TensorView& q, const TensorView& k, const TensorView& v,
+                      const AttentionOptions& options) {
+  const AttentionProblem p = AttentionProblem::from_inputs(q, k, v, options);
+  ForwardResult result{Tensor(p.dtype, {p.batch, p.seqlen_q, p.heads_q, p.head_dim_v}),
+                       Tensor(DType::f32, {p.batch, p.heads_q, p.seqlen_q})};
+  forward(q, k, v, result.out.view(), result.lse.view(), options);
+  return result;
+}
+
+std::string cpu_simd_target() { return cpu::kernel_geometry().target; }
+
+}  // namespace flashattn

@@ -1,0 +1,278 @@
+// The CPU forward kernel, compiled once per Highway SIMD target (foreach_target) and
+// dispatched once per call. One work item = one block of Q rows of one (batch, head);
+// it streams every visible K/V tile through fast memory (SPEC §2–§3):
+//
+//   load Q tile (pre-scaled by softmax_scale·log2e)
+//   for each K/V tile:  S = Q·Kᵀ → mask → online-softmax update (P = 2^(S − m)) → õ += P·V
+//   epilogue: o = õ / ℓ, lse = (m + log2 ℓ)·ln2
+//
+// Both products run on one register-blocked micro-kernel; S never leaves the L2 cache.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "src/cpu/forward_kernel.cpp"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+
+#include <hwy/highway.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
+#include "flashattn/online_softmax.hpp"
+#include "src/core/element.hpp"
+#include "src/cpu/forward_kernel.hpp"
+#include "src/cpu/simd_math-inl.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace flashattn::cpu::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+using DF = hn::ScalableTag<float>;
+using VF = hn::Vec<DF>;
+
+// Register blocking of the micro-kernel C(rows × 2 vectors) += A·B. Each step of the
+// depth loop loads 2 vectors of B, broadcasts one A value per row and issues rows × 2
+// FMAs into independent accumulators. With 2 FMA ports of 4-cycle latency at least 8
+// must be in flight. AVX-512 has 32 registers: 8 rows → 16 accumulators + 2 B vectors
+// + a broadcast. The 16-register targets take 4 rows → 8 accumulators.
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+constexpr std::int64_t kMicroRows = 8;
+#else
+constexpr std::int64_t kMicroRows = 4;
+#endif
+constexpr std::int64_t kMicroVecs = 2;
+constexpr std::int64_t kLanes = HWY_LANES(float);
+constexpr std::int64_t kMicroCols = kMicroVecs * kLanes;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// C(kMicroRows × kMicroCols) (+)= A(kMicroRows × depth) · B(depth × kMicroCols).
+// B and C rows are vector-aligned; A is read one broadcast scalar at a time.
+template <bool kAccumulate>
+HWY_INLINE void MicroTile(const float* HWY_RESTRICT a, std::int64_t lda,
+                          const float* HWY_RESTRICT b, std::int64_t ldb, float* HWY_RESTRICT c,
+                          std::int64_t ldc, std::int64_t depth) {
+  const DF df;
+  VF acc[kMicroRows][kMicroVecs];
+  for (std::int64_t r = 0; r < kMicroRows; ++r)
+    for (std::int64_t v = 0; v < kMicroVecs; ++v)
+      acc[r][v] = kAccumulate ? hn::Load(df, c + r * ldc + v * kLanes) : hn::Zero(df);
+  for (std::int64_t p = 0; p < depth; ++p) {
+    VF bv[kMicroVecs];
+    for (std::int64_t v = 0; v < kMicroVecs; ++v) bv[v] = hn::Load(df, b + p * ldb + v * kLanes);
+    for (std::int64_t r = 0; r < kMicroRows; ++r) {
+      const VF ar = hn::Set(df, a[r * lda + p]);
+      for (std::int64_t v = 0; v < kMicroVecs; ++v) acc[r][v] = hn::MulAdd(ar, bv[v], acc[r][v]);
+    }
+  }
+  for (std::int64_t r = 0; r < kMicroRows; ++r)
+    for (std::int64_t v = 0; v < kMicroVecs; ++v) hn::Store(acc[r][v], df, c + r * ldc + v * kLanes);
+}
+
+// C(rows × cols) (+)= A(rows × depth) · B(depth × cols); rows and cols are multiples of
+// the micro-tile. Column panels outermost so one B panel stays in L1 across row strips.
+template <bool kAccumulate>
+void TileGemm(const float* HWY_RESTRICT a, std::int64_t lda, const float* HWY_RESTRICT b,
+              std::int64_t ldb, float* HWY_RESTRICT c, std::int64_t ldc, std::int64_t rows,
+              std::int64_t cols, std::int64_t depth) {
+  for (std::int64_t j = 0; j < cols; j += kMicroCols)
+    for (std::int64_t i = 0; i < rows; i += kMicroRows)
+      MicroTile<kAccumulate>(a + i * lda, lda, b + j, ldb, c + i * ldc + j, ldc, depth);
+}
+
+// dst[0, n) = scale · src[0, n), converting from the storage dtype once.
+void LoadRow(const void* src, DType dtype, std::int64_t n, float scale, float* HWY_RESTRICT dst) {
+  const DF df;
+  const VF vscale = hn::Set(df, scale);
+  std::int64_t i = 0;
+  switch (dtype) {
+    case DType::f32: {
+      const float* s = static_cast<const float*>(src);
+      for (; i + kLanes <= n; i += kLanes) hn::StoreU(hn::Mul(hn::LoadU(df, s + i), vscale), df, dst + i);
+      for (; i < n; ++i) dst[i] = s[i] * scale;
+      break;
+    }
+    case DType::bf16: {
+      const hn::Rebind<hwy::bfloat16_t, DF> dbf;
+      const auto* s = static_cast<const hwy::bfloat16_t*>(src);
+      for (; i + kLanes <= n; i += kLanes)
+        hn::StoreU(hn::Mul(hn::PromoteTo(df, hn::LoadU(dbf, s + i)), vscale), df, dst + i);
+      for (; i < n; ++i) dst[i] = bf16_to_float(static_cast<const std::uint16_t*>(src)[i]) * scale;
+      break;
+    }
+    case DType::f16: {
+      const hn::Rebind<hwy::float16_t, DF> dh;
+      const auto* s = static_cast<const hwy::float16_t*>(src);
+      for (; i + kLanes <= n; i += kLanes)
+        hn::StoreU(hn::Mul(hn::PromoteTo(df, hn::LoadU(dh, s + i)), vscale), df, dst + i);
+      for (; i < n; ++i) dst[i] = f16_to_float(static_cast<const std::uint16_t*>(src)[i]) * scale;
+      break;
+    }
+  }
+}
+
+const void* RowPointer(const TensorView& t, std::int64_t b, std::int64_t s, std::int64_t h) {
+  return static_cast<const unsigned char*>(t.data) +
+         detail::offset4(t, b, s, h, 0) * static_cast<std::int64_t>(dtype_size(t.dtype));
+}
+
+// The producer role (SPEC §4) on a CPU: convert and lay out K (transposed, one
+// (head_dim, block_k) panel per tile) and V (rows padded to head_dim_v_padded) of one
+// (batch, kv head) up to `keys`, whole tiles at a time, reusing what is already packed.
+void EnsurePacked(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t b,
+                  std::int64_t kv_head, std::int64_t keys) {
+  const AttentionProblem& p = prm.problem;
+  const std::int64_t bc = prm.plan.block_k, d = p.head_dim, dv = p.head_dim_v;
+  const std::int64_t dv_pad = prm.plan.head_dim_v_padded;
+  if (ws.cached_batch != b || ws.cached_kv_head != kv_head) {
+    ws.cached_batch = b;
+    ws.cached_kv_head = kv_head;
+    ws.packed_keys = 0;
+  }
+  const std::int64_t end = std::min(p.seqlen_k, (keys + bc - 1) / bc * bc);
+  float* row = ws.q_tile.get();  // scratch: Q is loaded after packing
+  for (std::int64_t j = ws.packed_keys; j < end; ++j) {
+    float* kt = ws.k_packed.get() + (j / bc) * d * bc + (j % bc);
+    LoadRow(RowPointer(prm.k, b, j, kv_head), p.dtype, d, 1.0f, row);
+    for (std::int64_t c = 0; c < d; ++c) kt[c * bc] = row[c];
+    float* vrow = ws.v_packed.get() + j * dv_pad;
+    LoadRow(RowPointer(prm.v, b, j, kv_head), p.dtype, dv, 1.0f, vrow);
+    std::fill(vrow + dv, vrow + dv_pad, 0.0f);
+  }
+  if (end == p.seqlen_k && ws.packed_keys < end && end % bc != 0) {
+    // Zero the padding of the last tile: masked scores must meet finite K and V.
+    const std::int64_t tile = end / bc, used = end % bc;
+    float* kt = ws.k_packed.get() + tile * d * bc;
+    for (std::int64_t c = 0; c < d; ++c) std::fill(kt + c * bc + used, kt + (c + 1) * bc, 0.0f);
+    std::fill(ws.v_packed.get() + end * dv_pad, ws.v_packed.get() + (tile + 1) * bc * dv_pad, 0.0f);
+  }
+  ws.packed_keys = std::max(ws.packed_keys, end);
+}
+
+// Mask and online-softmax update of one S tile, in place: S(rows × cols) → P.
+// `valid[r]` columns of row r are visible; the rest become −∞ (ragged tail, causal).
+void SoftmaxTile(float* HWY_RESTRICT s, std::int64_t lds, std::int64_t rows, std::int64_t cols,
+                 const std::int64_t* HWY_RESTRICT valid, OnlineSoftmaxState* HWY_RESTRICT state,
+                 float* HWY_RESTRICT o_acc, std::int64_t ldo) {
+  const DF df;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    float* srow = s + r * lds;
+    std::fill(srow + valid[r], srow + cols, kNegInf);
+    VF vmax = hn::Set(df, kNegInf);
+    for (std::int64_t j = 0; j < cols; j += kLanes) vmax = hn::Max(vmax, hn::Load(df, srow + j));
+    const float factor = state[r].rescale_to(hn::GetLane(hn::MaxOfLanes(df, vmax)));
+    float* orow = o_acc + r * ldo;
+    if (factor != 1.0f) {
+      const VF vf = hn::Set(df, factor);
+      for (std::int64_t c = 0; c < ldo; c += kLanes) hn::Store(hn::Mul(hn::Load(df, orow + c), vf), df, orow + c);
+    }
+    if (state[r].max == kNegInf) {  // nothing visible yet: P = 0, never 2^(−∞ + ∞)
+      std::fill(srow, srow + cols, 0.0f);
+      continue;
+    }
+    const VF vm = hn::Set(df, state[r].max);
+    VF vsum = hn::Zero(df);
+    for (std::int64_t j = 0; j < cols; j += kLanes) {
+      const VF pj = Exp2(df, hn::Sub(hn::Load(df, srow + j), vm));
+      hn::Store(pj, df, srow + j);
+      vsum = hn::Add(vsum, pj);
+    }
+    state[r].add(hn::GetLane(hn::SumOfLanes(df, vsum)));
+  }
+}
+
+void StoreRow(const float* HWY_RESTRICT src, std::int64_t n, float scale, void* dst, DType dtype) {
+  switch (dtype) {
+    case DType::f32: {
+      float* d = static_cast<float*>(dst);
+      for (std::int64_t i = 0; i < n; ++i) d[i] = src[i] * scale;
+      break;
+    }
+    case DType::bf16:
+      for (std::int64_t i = 0; i < n; ++i)
+        static_cast<std::uint16_t*>(dst)[i] = float_to_bf16(src[i] * scale);
+      break;
+    case DType::f16:
+      for (std::int64_t i = 0; i < n; ++i)
+        static_cast<std::uint16_t*>(dst)[i] = float_to_f16(src[i] * scale);
+      break;
+  }
+}
+
+void ForwardWorkItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item) {
+  const AttentionProblem& p = prm.problem;
+  const CpuForwardPlan& plan = prm.plan;
+  const std::int64_t d = p.head_dim, dv_pad = plan.head_dim_v_padded;
+  const std::int64_t bq = plan.block_q, bc = plan.block_k;
+
+  // Items run head-major; within a head, causal blocks run longest first.
+  const std::int64_t t = item % plan.q_blocks, bh = item / plan.q_blocks;
+  const std::int64_t h = bh % p.heads_q, b = bh / p.heads_q;
+  const std::int64_t q_block = p.causal ? plan.q_blocks - 1 - t : t;
+  const std::int64_t kv_head = h / (p.heads_q / p.heads_kv);
+  const std::int64_t i0 = q_block * bq;
+  const std::int64_t rows = std::min(bq, p.seqlen_q - i0);
+  const std::int64_t rows_pad = (rows + kMicroRows - 1) / kMicroRows * kMicroRows;
+  const std::int64_t keys = p.visible_keys(i0 + rows - 1);  // the last row sees the most
+
+  EnsurePacked(prm, ws, b, kv_head, keys);
+
+  float* q_tile = ws.q_tile.get();  // (rows_pad, d)
+  const float q_scale = p.softmax_scale * OnlineSoftmaxState::kLog2e;
+  for (std::int64_t r = 0; r < rows; ++r)
+    LoadRow(RowPointer(prm.q, b, i0 + r, h), p.dtype, d, q_scale, q_tile + r * d);
+  std::fill(q_tile + rows * d, q_tile + rows_pad * d, 0.0f);
+
+  float* o_acc = ws.o_acc.get();  // (rows_pad, dv_pad)
+  std::fill(o_acc, o_acc + rows_pad * dv_pad, 0.0f);
+  OnlineSoftmaxState* state = ws.states.data();
+  std::fill(state, state + rows_pad, OnlineSoftmaxState{});
+
+  std::int64_t* valid = ws.valid.data();
+  for (std::int64_t j0 = 0; j0 < keys; j0 += bc) {
+    const std::int64_t n = std::min(bc, keys - j0);
+    const std::int64_t n_pad = (n + kMicroCols - 1) / kMicroCols * kMicroCols;
+    for (std::int64_t r = 0; r < rows_pad; ++r)
+      valid[r] = std::clamp<std::int64_t>(p.visible_keys(std::min(i0 + r, p.seqlen_q - 1)) - j0, 0, n);
+
+    float* s_tile = ws.s_tile.get();  // (rows_pad, bc)
+    TileGemm<false>(q_tile, d, ws.k_packed.get() + (j0 / bc) * d * bc, bc, s_tile, bc, rows_pad,
+                    n_pad, d);
+    SoftmaxTile(s_tile, bc, rows_pad, n_pad, valid, state, o_acc, dv_pad);
+    TileGemm<true>(s_tile, bc, ws.v_packed.get() + j0 * dv_pad, dv_pad, o_acc, dv_pad, rows_pad,
+                   dv_pad, n_pad);
+  }
+
+  // Epilogue: normalize once (deferred normalization) and store lse.
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const std::int64_t i = i0 + r;
+    StoreRow(o_acc + r * dv_pad, p.head_dim_v, state[r].inverse_sum(),
+             static_cast<unsigned char*>(prm.out.data) +
+                 detail::offset4(prm.out, b, i, h, 0) *
+                     static_cast<std::int64_t>(dtype_size(prm.out.dtype)),
+             prm.out.dtype);
+    static_cast<float*>(prm.lse.data)[b * prm.lse.strides[0] + h * prm.lse.strides[1] +
+                                      i * prm.lse.strides[2]] = state[r].lse();
+  }
+}
+
+KernelGeometry GetKernelGeometry() {
+  return {hwy::TargetName(HWY_TARGET), static_cast<int>(kLanes), static_cast<int>(kMicroRows),
+          static_cast<int>(kMicroCols)};
+}
+
+}  // namespace flashattn::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace flashattn::cpu {
+
+HWY_EXPORT(GetKernelGeometry);
+HWY_EXPORT(ForwardWorkItem);
+
+KernelGeometry kernel_geometry() { return HWY_DYNAMIC_DISPATCH(GetKernelGeometry)(); }
+
+ForwardWorkItemFn forward_work_item_kernel() {
+  kernel_geometry();  // the first dispatched call picks the target; then the table is direct
+  return &HWY_DYNAMIC_DISPATCH(ForwardWorkItem);
+}
+
+}  // namespace flashattn::cpu
+#endif  // HWY_ONCE

@@ -1,0 +1,59 @@
+// Internal interface between the CPU forward driver (forward.cpp: validation, plan,
+// threads) and the per-SIMD-target kernel (forward_kernel.cpp).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include <hwy/aligned_allocator.h>
+
+#include "flashattn/online_softmax.hpp"
+#include "flashattn/plan.hpp"
+#include "flashattn/problem.hpp"
+#include "flashattn/tensor.hpp"
+
+namespace flashattn::cpu {
+
+// Everything a work item needs; filled once per call by the driver.
+struct ForwardParams {
+  AttentionProblem problem;
+  CpuForwardPlan plan;
+  TensorView q, k, v;
+  MutableTensorView out, lse;
+};
+
+// Per-thread scratch memory, sized by the plan. The packed K/V of one (batch, kv head)
+// stays cached across the work items of that head: a thread packs each head once.
+struct ForwardWorkspace {
+  explicit ForwardWorkspace(const CpuForwardPlan& plan, const AttentionProblem& problem);
+
+  hwy::AlignedFreeUniquePtr<float[]> q_tile;    // (block_q, head_dim), pre-scaled; also
+                                                // the row scratch of K packing
+  hwy::AlignedFreeUniquePtr<float[]> s_tile;    // (block_q, block_k): S, then P in place
+  hwy::AlignedFreeUniquePtr<float[]> o_acc;     // (block_q, head_dim_v_padded): õ
+  std::vector<OnlineSoftmaxState> states;       // (block_q): m and ℓ of each row
+  std::vector<std::int64_t> valid;              // (block_q): visible columns of a tile
+  hwy::AlignedFreeUniquePtr<float[]> k_packed;  // k tiles, each (head_dim, block_k): Kᵀ
+  hwy::AlignedFreeUniquePtr<float[]> v_packed;  // (k_tiles · block_k, head_dim_v_padded)
+  std::int64_t cached_batch = -1;
+  std::int64_t cached_kv_head = -1;
+  std::int64_t packed_keys = 0;  // prefix of the cached head already packed
+};
+
+// Bytes ForwardWorkspace allocates for this plan (the plan reports it).
+std::size_t forward_workspace_bytes(const CpuForwardPlan& plan, const AttentionProblem& problem);
+
+// Micro-kernel geometry of the SIMD target chosen at run time.
+struct KernelGeometry {
+  const char* target;
+  int float_lanes;
+  int micro_rows;
+  int micro_cols;
+};
+KernelGeometry kernel_geometry();
+
+// The kernel for one work item (batch, q head, q block), resolved once per call.
+using ForwardWorkItemFn = void (*)(const ForwardParams&, ForwardWorkspace&, std::int64_t item);
+ForwardWorkItemFn forward_work_item_kernel();
+
+}  // namespace flashattn::cpu

@@ -1,0 +1,77 @@
+#include "flashattn/plan.hpp"
+
+#include <omp.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <sstream>
+
+#include "src/cpu/forward_kernel.hpp"
+
+namespace flashattn {
+namespace {
+
+std::int64_t round_up(std::int64_t n, std::int64_t m) { return (n + m - 1) / m * m; }
+
+std::size_t cache_size(int name, std::size_t fallback) {
+  const long bytes = sysconf(name);  // 0 or -1 in some VMs: keep the fallback
+  return bytes > 0 ? static_cast<std::size_t>(bytes) : fallback;
+}
+
+}  // namespace
+
+CpuHardware CpuHardware::detect(int num_threads) {
+  CpuHardware hw;
+  hw.l1d_bytes = cache_size(_SC_LEVEL1_DCACHE_SIZE, hw.l1d_bytes);
+  hw.l2_bytes = cache_size(_SC_LEVEL2_CACHE_SIZE, hw.l2_bytes);
+  hw.threads = num_threads > 0 ? num_threads : omp_get_max_threads();
+  const cpu::KernelGeometry g = cpu::kernel_geometry();
+  hw.simd_target = g.target;
+  hw.float_lanes = g.float_lanes;
+  hw.micro_rows = g.micro_rows;
+  hw.micro_cols = g.micro_cols;
+  return hw;
+}
+
+CpuForwardPlan plan_forward(const AttentionProblem& p, const CpuHardware& hw) {
+  CpuForwardPlan plan;
+  plan.hardware = hw;
+  const std::int64_t mr = hw.micro_rows, mc = hw.micro_cols;
+  plan.head_dim_v_padded = round_up(p.head_dim_v, mc);
+
+  // K/V tile: 128 keys amortize the per-tile softmax bookkeeping (row max, rescale of õ)
+  // over 128·(D + Dv) FMAs per row, while a B panel of the micro-kernel — 128 rows of V
+  // or D rows of Kᵀ, micro_cols floats wide — stays within L1.
+  constexpr std::int64_t kBlockK = 128;
+  plan.block_k = std::min(round_up(kBlockK, mc), round_up(std::max<std::int64_t>(p.seqlen_k, 1), mc));
+
+  // Q tile: the Q rows, their õ accumulators and the S tile should fill at most half of
+  // L2, leaving the rest for the streamed K/V panels. Capped at 128 rows.
+  constexpr std::int64_t kMaxBlockQ = 128;
+  const std::int64_t bytes_per_row =
+      (p.head_dim + plan.head_dim_v_padded + plan.block_k) * static_cast<std::int64_t>(sizeof(float));
+  std::int64_t bq = static_cast<std::int64_t>(hw.l2_bytes / 2) / bytes_per_row;
+  bq = std::clamp(bq / mr * mr, mr, kMaxBlockQ);
+  bq = std::min(bq, round_up(std::max<std::int64_t>(p.seqlen_q, 1), mr));
+  // Enough work items to keep every thread busy (SPEC §3: parallelize over the sequence).
+  const std::int64_t heads = p.batch * p.heads_q;
+  while (bq > 2 * mr && heads * ((p.seqlen_q + bq - 1) / bq) < 4 * hw.threads)
+    bq = std::max(mr, bq / 2 / mr * mr);
+  plan.block_q = bq;
+  plan.q_blocks = (p.seqlen_q + bq - 1) / bq;
+  plan.work_items = heads * plan.q_blocks;
+  plan.threads = static_cast<int>(std::clamp<std::int64_t>(plan.work_items, 1, hw.threads));
+  plan.workspace_bytes_per_thread = cpu::forward_workspace_bytes(plan, p);
+  return plan;
+}
+
+std::string CpuForwardPlan::describe() const {
+  std::ostringstream s;
+  s << "simd=" << hardware.simd_target << " micro_tile=" << hardware.micro_rows << "x"
+    << hardware.micro_cols << " block_q=" << block_q << " block_k=" << block_k
+    << " q_blocks=" << q_blocks << " work_items=" << work_items << " threads=" << threads
+    << " workspace_bytes=" << workspace_bytes();
+  return s.str();
+}
+
+}  // namespace flashattn

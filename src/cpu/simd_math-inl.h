@@ -1,0 +1,49 @@
+// Small named SIMD helpers shared by the CPU kernels, compiled once per Highway target.
+// Include from inside HWY_BEFORE_NAMESPACE / HWY_AFTER_NAMESPACE (per-target guard).
+#if defined(FLASHATTN_CPU_SIMD_MATH_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef FLASHATTN_CPU_SIMD_MATH_INL_H_
+#undef FLASHATTN_CPU_SIMD_MATH_INL_H_
+#else
+#define FLASHATTN_CPU_SIMD_MATH_INL_H_
+#endif
+
+#include <hwy/highway.h>
+
+HWY_BEFORE_NAMESPACE();
+namespace flashattn::cpu::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+// 2^x on the FMA units (SPEC §5): x = n + f with n = round(x), |f| ≤ 1/2; 2^n goes
+// straight into the exponent bits, 2^f = e^(f·ln2) comes from its degree-6 Taylor
+// polynomial by Horner's rule. Truncation error (ln2/2)^7/7! ≈ 1.2e-7 relative, i.e.
+// about one float ulp. Inputs below −127 give exactly 0 (covers −∞, the masked score);
+// the argument order of Max keeps a NaN input NaN on x86.
+template <class D, class V = hn::Vec<D>>
+HWY_INLINE V Exp2(D d, V x) {
+  constexpr float kLn2 = 0.693147180559945309f;
+  // Taylor coefficients ln2^k / k! for k = 6 .. 1.
+  constexpr float kC6 = 1.5403530393381606e-4f;
+  constexpr float kC5 = 1.3333558146428443e-3f;
+  constexpr float kC4 = 9.6181291076284772e-3f;
+  constexpr float kC3 = 5.5504108664821580e-2f;
+  constexpr float kC2 = 2.4022650695910071e-1f;
+  constexpr float kC1 = kLn2;
+  const hn::RebindToSigned<D> di;
+  x = hn::Min(hn::Max(hn::Set(d, -127.0f), x), hn::Set(d, 127.0f));
+  const V n = hn::Round(x);
+  const V f = hn::Sub(x, n);
+  V p = hn::MulAdd(hn::Set(d, kC6), f, hn::Set(d, kC5));
+  p = hn::MulAdd(p, f, hn::Set(d, kC4));
+  p = hn::MulAdd(p, f, hn::Set(d, kC3));
+  p = hn::MulAdd(p, f, hn::Set(d, kC2));
+  p = hn::MulAdd(p, f, hn::Set(d, kC1));
+  p = hn::MulAdd(p, f, hn::Set(d, 1.0f));
+  // Biased exponent n + 127 in bits 23..30; n = −127 gives +0.0f.
+  const auto bits = hn::ShiftLeft<23>(hn::Add(hn::ConvertTo(di, n), hn::Set(di, 127)));
+  return hn::Mul(p, hn::BitCast(d, bits));
+}
+
+}  // namespace flashattn::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#endif  // per-target include guard

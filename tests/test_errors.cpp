@@ -1,0 +1,169 @@
+// Every invalid argument gets a flashattn::Error whose message names it and its values.
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "test_util.hpp"
+
+namespace flashattn::test {
+namespace {
+
+// Calls forward and expects an Error whose message contains every one of `fragments`.
+void expect_error(const std::function<void()>& call, const std::vector<std::string>& fragments) {
+  try {
+    call();
+    ADD_FAILURE() << "expected flashattn::Error";
+  } catch (const Error& e) {
+    for (const auto& f : fragments)
+      EXPECT_NE(std::string(e.what()).find(f), std::string::npos)
+          << "message '" << e.what() << "' lacks '" << f << "'";
+  }
+}
+
+struct Inputs {
+  Tensor q = random_tensor(DType::f32, {2, 5, 4, 8}, 1);
+  Tensor k = random_tensor(DType::f32, {2, 6, 2, 8}, 2);
+  Tensor v = random_tensor(DType::f32, {2, 6, 2, 8}, 3);
+  Tensor out{DType::f32, {2, 5, 4, 8}};
+  Tensor lse{DType::f32, {2, 4, 5}};
+  void run(const AttentionOptions& options = {}) {
+    forward(q.view(), k.view(), v.view(), out.view(), lse.view(), options);
+  }
+};
+
+TEST(Errors, ValidInputsPass) {
+  Inputs in;
+  EXPECT_NO_THROW(in.run());
+}
+
+TEST(Errors, MismatchedShapes) {
+  {
+    Inputs in;
+    in.k = random_tensor(DType::f32, {3, 6, 2, 8}, 2);
+    expect_error([&] { in.run(); }, {"k: batch 3", "q batch 2"});
+  }
+  {
+    Inputs in;
+    in.v = random_tensor(DType::f32, {2, 7, 2, 8}, 3);
+    expect_error([&] { in.run(); }, {"v: seqlen 7", "k seqlen 6"});
+  }
+  {
+    Inputs in;
+    in.v = random_tensor(DType::f32, {2, 6, 1, 8}, 3);
+    expect_error([&] { in.run(); }, {"v: heads 1", "k heads 2"});
+  }
+  {
+    Inputs in;
+    in.k = random_tensor(DType::f32, {2, 6, 2, 16}, 2);
+    expect_error([&] { in.run(); }, {"k: head_dim 16", "q head_dim 8"});
+  }
+  {
+    Inputs in;
+    in.k = random_tensor(DType::f32, {2, 6, 3, 8}, 2);
+    in.v = random_tensor(DType::f32, {2, 6, 3, 8}, 3);
+    expect_error([&] { in.run(); }, {"q has 4 heads", "3 heads"});
+  }
+  {
+    Inputs in;
+    in.out = Tensor(DType::f32, {2, 5, 4, 9});
+    expect_error([&] { in.run(); }, {"out: shape (2, 5, 4, 9)", "expected (2, 5, 4, 8)"});
+  }
+  {
+    Inputs in;
+    in.lse = Tensor(DType::f32, {2, 5, 4});
+    expect_error([&] { in.run(); }, {"lse: shape (2, 5, 4)", "expected (2, 4, 5)"});
+  }
+  {
+    Inputs in;
+    in.q = random_tensor(DType::f32, {2, 5, 4}, 1);
+    expect_error([&] { in.run(); }, {"q: expected rank 4", "got rank 3"});
+  }
+}
+
+TEST(Errors, MismatchedDtypes) {
+  {
+    Inputs in;
+    in.k = random_tensor(DType::bf16, {2, 6, 2, 8}, 2);
+    expect_error([&] { in.run(); }, {"k: dtype bf16", "expected f32"});
+  }
+  {
+    Inputs in;
+    in.out = Tensor(DType::f16, {2, 5, 4, 8});
+    expect_error([&] { in.run(); }, {"out: dtype f16", "expected f32"});
+  }
+  {
+    Inputs in;
+    in.lse = Tensor(DType::bf16, {2, 4, 5});
+    expect_error([&] { in.run(); }, {"lse: dtype bf16", "float32"});
+  }
+}
+
+TEST(Errors, HeadDimOutOfRange) {
+  for (std::int64_t d : {513, 1000}) {
+    const Tensor q = random_tensor(DType::f32, {1, 2, 1, d}, 1);
+    expect_error([&] { forward(q.view(), q.view(), q.view()); },
+                 {"head_dim: " + std::to_string(d), "[1, 512]"});
+  }
+  const Tensor q(DType::f32, {1, 2, 1, 0});
+  expect_error([&] { forward(q.view(), q.view(), q.view()); }, {"head_dim: 0"});
+  const Tensor big = random_tensor(DType::f32, {1, 2, 1, 600}, 1);
+  const Tensor small = random_tensor(DType::f32, {1, 2, 1, 8}, 1);
+  expect_error([&] { forward(small.view(), small.view(), big.view()); }, {"head_dim_v: 600"});
+}
+
+TEST(Errors, NullDataNegativeSizesAndStrides) {
+  Inputs in;
+  TensorView null_q(nullptr, DType::f32, {2, 5, 4, 8});
+  expect_error([&] { forward(null_q, in.k.view(), in.v.view(), in.out.view(), in.lse.view()); },
+               {"q: null data with 320 elements"});
+  TensorView negative(in.q.data(), DType::f32, {2, -5, 4, 8});
+  expect_error([&] { forward(negative, in.k.view(), in.v.view()); }, {"q: negative size -5", "dim 1"});
+  TensorView neg_stride(in.q.data(), DType::f32, {2, 5, 4, 8}, {160, -32, 8, 1});
+  expect_error([&] { forward(neg_stride, in.k.view(), in.v.view()); }, {"q: negative stride -32"});
+  TensorView empty_null(nullptr, DType::f32, {0, 5, 4, 8});  // no elements: null is fine
+  const Tensor k0(DType::f32, {0, 6, 2, 8});
+  EXPECT_NO_THROW(forward(empty_null, k0.view(), k0.view()));
+}
+
+TEST(Errors, LastDimensionMustBeContiguous) {
+  Inputs in;
+  TensorView strided(in.k.data(), DType::f32, {2, 6, 2, 4}, {96, 16, 8, 2});
+  expect_error([&] { forward(in.q.view(), strided, in.v.view()); },
+               {"k: last dimension must be contiguous", "got stride 2"});
+}
+
+TEST(Errors, BadOptions) {
+  Inputs in;
+  AttentionOptions nan_scale;
+  nan_scale.softmax_scale = std::nanf("");
+  expect_error([&] { in.run(nan_scale); }, {"softmax_scale: must be finite", "nan"});
+  AttentionOptions threads;
+  threads.num_threads = -2;
+  expect_error([&] { in.run(threads); }, {"num_threads", "-2"});
+}
+
+TEST(Errors, OutputsMayNotOverlapInputsOrThemselves) {
+  Inputs in;
+  Tensor shared(DType::f32, {2, 5, 4, 8});
+  const Tensor q = random_tensor(DType::f32, {2, 5, 4, 8}, 1);
+  std::copy_n(q.data_as<float>(), q.numel(), shared.data_as<float>());
+  expect_error([&] { forward(shared.view(), in.k.view(), in.v.view(), shared.view(), in.lse.view()); },
+               {"out: output memory overlaps input q"});
+  MutableTensorView broadcast(in.out.data(), DType::f32, {2, 5, 4, 8}, {0, 32, 8, 1});
+  expect_error([&] { forward(in.q.view(), in.k.view(), in.v.view(), broadcast, in.lse.view()); },
+               {"out: stride 0 of dim 0", "overlap"});
+  EXPECT_EQ(std::vector<float>(shared.data_as<float>(), shared.data_as<float>() + shared.numel()),
+            std::vector<float>(q.data_as<float>(), q.data_as<float>() + q.numel()))
+      << "a rejected call must not write";
+}
+
+TEST(Errors, IndexOverflowIsRejected) {
+  Inputs in;
+  TensorView huge(in.q.data(), DType::f32, {2, 5, 4, 8}, {std::int64_t{1} << 62, 32, 8, 1});
+  expect_error([&] { forward(huge, in.k.view(), in.v.view()); }, {"q: shape (2, 5, 4, 8)", "overflows"});
+}
+
+}  // namespace
+}  // namespace flashattn::test

@@ -1,0 +1,214 @@
+// The CPU forward kernel against the float64 reference.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <sstream>
+
+#include "test_util.hpp"
+
+namespace flashattn::test {
+namespace {
+
+struct Case {
+  std::int64_t batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, head_dim_v;
+  bool causal;
+  DType dtype;
+  int threads;
+};
+
+std::string describe(const Case& c) {
+  std::ostringstream s;
+  s << "B=" << c.batch << " Sq=" << c.seqlen_q << " Sk=" << c.seqlen_k << " Hq=" << c.heads_q
+    << " Hkv=" << c.heads_kv << " D=" << c.head_dim << " Dv=" << c.head_dim_v
+    << " causal=" << c.causal << " dtype=" << to_string(c.dtype) << " threads=" << c.threads;
+  return s.str();
+}
+
+// Runs one case and checks out and lse against the float64 reference with upstream's
+// rule: float32 within 1e-5; bf16/f16 within 2× the error of a naive implementation in
+// the same precision, plus 1e-5.
+void check_case(const Case& c, std::uint64_t seed) {
+  SCOPED_TRACE(describe(c) + " seed=" + std::to_string(seed));
+  const Tensor q = random_tensor(c.dtype, {c.batch, c.seqlen_q, c.heads_q, c.head_dim}, seed);
+  const Tensor k = random_tensor(c.dtype, {c.batch, c.seqlen_k, c.heads_kv, c.head_dim}, seed + 1);
+  const Tensor v = random_tensor(c.dtype, {c.batch, c.seqlen_k, c.heads_kv, c.head_dim_v}, seed + 2);
+  AttentionOptions options;
+  options.causal = c.causal;
+  options.num_threads = c.threads;
+  const ForwardResult got = forward(q.view(), k.view(), v.view(), options);
+  const reference::Result want = reference::attention(q.view(), k.view(), v.view(), options);
+
+  double tolerance = 1e-5;
+  if (c.dtype != DType::f32) {
+    const AttentionProblem p = AttentionProblem::from_inputs(q.view(), k.view(), v.view(), options);
+    tolerance = 2.0 * max_abs_error(naive_same_precision(p, q, k, v), want.out) + 1e-5;
+  }
+  EXPECT_LE(max_abs_error(got.out, want.out), tolerance);
+  for (std::int64_t i = 0; i < got.lse.numel(); ++i) {
+    const double expected = want.lse[static_cast<std::size_t>(i)];
+    const double actual = got.lse.get(i);
+    if (std::isinf(expected)) {
+      ASSERT_EQ(actual, expected) << "lse index " << i;
+    } else {
+      ASSERT_NEAR(actual, expected, 1e-5 + 1e-6 * std::fabs(expected)) << "lse index " << i;
+    }
+  }
+}
+
+// The (Sq, Sk) pairs upstream tests, with ragged tails against every tile size.
+constexpr std::pair<std::int64_t, std::int64_t> kSeqlenPairs[] = {
+    {1, 239}, {3, 799}, {113, 203}, {127, 513}, {239, 1}, {1023, 1024}, {1024, 1023}};
+
+TEST(Forward, SeqlenPairsFloat32) {
+  std::uint64_t seed = 100;
+  for (const auto& [sq, sk] : kSeqlenPairs)
+    for (bool causal : {false, true})
+      check_case({1, sq, sk, 2, 1, 64, 64, causal, DType::f32, 2}, seed++);
+}
+
+TEST(Forward, HeadDims) {
+  std::uint64_t seed = 200;
+  for (std::int64_t d : {1, 5, 32, 40, 59, 64, 80, 96, 111, 128, 160, 192, 224, 256, 300, 384, 512})
+    check_case({1, 67, 131, 2, 2, d, d, d % 2 == 0, DType::f32, 2}, seed++);
+}
+
+TEST(Forward, ValueDimDiffersFromKeyDim) {
+  check_case({2, 45, 77, 4, 2, 64, 32, false, DType::f32, 2}, 300);
+  check_case({1, 80, 80, 2, 1, 40, 128, true, DType::f32, 2}, 301);
+  check_case({1, 33, 65, 1, 1, 3, 257, false, DType::f32, 1}, 302);
+}
+
+TEST(Forward, GroupedAndMultiQuery) {
+  check_case({2, 70, 90, 8, 8, 64, 64, true, DType::f32, 2}, 400);  // MHA
+  check_case({2, 70, 90, 8, 2, 64, 64, true, DType::f32, 2}, 401);  // GQA
+  check_case({2, 70, 90, 6, 1, 64, 64, false, DType::f32, 2}, 402);  // MQA
+}
+
+TEST(Forward, ThreadCounts) {
+  for (int threads : {1, 2, 3, 8})
+    check_case({2, 150, 260, 3, 1, 48, 48, true, DType::f32, threads}, 500 + threads);
+}
+
+TEST(Forward, LowPrecision) {
+  std::uint64_t seed = 600;
+  for (DType dtype : {DType::bf16, DType::f16}) {
+    check_case({1, 113, 203, 4, 2, 64, 64, false, dtype, 2}, seed++);
+    check_case({1, 127, 513, 2, 1, 128, 128, true, dtype, 2}, seed++);
+    check_case({2, 31, 45, 2, 2, 59, 80, true, dtype, 2}, seed++);
+  }
+}
+
+TEST(Forward, EverySimdTarget) {
+  for_each_simd_target([](const std::string& target) {
+    EXPECT_EQ(cpu_simd_target(), target);
+    std::uint64_t seed = 700;
+    for (const auto& [sq, sk] : {std::pair<std::int64_t, std::int64_t>{113, 203}, {239, 1}, {3, 799}})
+      check_case({1, sq, sk, 2, 1, 59, 37, true, DType::f32, 2}, seed++);
+    check_case({2, 65, 129, 4, 2, 128, 128, false, DType::f32, 3}, seed++);
+    check_case({1, 50, 70, 2, 1, 96, 96, true, DType::bf16, 2}, seed++);
+    check_case({1, 50, 70, 2, 1, 40, 40, false, DType::f16, 1}, seed++);
+  });
+}
+
+TEST(Forward, RowsWithoutVisibleKeysGiveZeroAndMinusInfinity) {
+  // Causal with Sq > Sk: bottom-right alignment leaves the first Sq − Sk rows empty.
+  const std::int64_t sq = 40, sk = 25, d = 16;
+  const Tensor q = random_tensor(DType::f32, {1, sq, 1, d}, 1);
+  const Tensor k = random_tensor(DType::f32, {1, sk, 1, d}, 2);
+  const Tensor v = random_tensor(DType::f32, {1, sk, 1, d}, 3);
+  AttentionOptions options;
+  options.causal = true;
+  const ForwardResult r = forward(q.view(), k.view(), v.view(), options);
+  for (std::int64_t i = 0; i < sq; ++i) {
+    const float lse = r.lse.get(i);
+    if (i < sq - sk) {
+      EXPECT_EQ(lse, -std::numeric_limits<float>::infinity()) << "row " << i;
+      for (std::int64_t c = 0; c < d; ++c) EXPECT_EQ(r.out.get(i * d + c), 0.0f) << "row " << i;
+    } else {
+      EXPECT_TRUE(std::isfinite(lse)) << "row " << i;
+    }
+  }
+  check_case({2, 40, 25, 2, 1, 16, 16, true, DType::f32, 2}, 800);
+}
+
+TEST(Forward, EmptySizesGiveEmptyOutputs) {
+  for (const auto& [b, sq, sk] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{0, 5, 5}, {2, 0, 5}, {2, 5, 0}}) {
+    const Tensor q = random_tensor(DType::f32, {b, sq, 2, 8}, 1);
+    const Tensor k = random_tensor(DType::f32, {b, sk, 2, 8}, 2);
+    const ForwardResult r = forward(q.view(), k.view(), k.view());
+    EXPECT_EQ(r.out.numel(), b * sq * 2 * 8);
+    for (std::int64_t i = 0; i < r.lse.numel(); ++i)  // Sk = 0: no key is visible
+      EXPECT_EQ(r.lse.get(i), -std::numeric_limits<float>::infinity());
+    for (std::int64_t i = 0; i < r.out.numel(); ++i) EXPECT_EQ(r.out.get(i), 0.0f);
+  }
+}
+
+TEST(Forward, StridedViewsAndUntouchedMemory) {
+  // q, k, v as slices of one packed (B, S, 3, H, D) buffer, out written into a wider
+  // buffer whose gaps must stay untouched, lse with a padded row stride.
+  const std::int64_t b = 2, s = 57, h = 3, d = 40;
+  const Tensor qkv = random_tensor(DType::f32, {b, s, 3 * h, d}, 11);
+  const float* base = qkv.data_as<float>();
+  const std::int64_t row = 3 * h * d;
+  TensorView q(base, DType::f32, {b, s, h, d}, {s * row, row, d, 1});
+  TensorView k(base + h * d, DType::f32, {b, s, h, d}, {s * row, row, d, 1});
+  TensorView v(base + 2 * h * d, DType::f32, {b, s, h, d}, {s * row, row, d, 1});
+
+  const float sentinel = 12345.0f;
+  std::vector<float> out_buf(static_cast<std::size_t>(b * s * h * (d + 7)), sentinel);
+  std::vector<float> lse_buf(static_cast<std::size_t>(b * h * (s + 3)), sentinel);
+  MutableTensorView out(out_buf.data(), DType::f32, {b, s, h, d}, {s * h * (d + 7), h * (d + 7), d + 7, 1});
+  MutableTensorView lse(lse_buf.data(), DType::f32, {b, h, s}, {h * (s + 3), s + 3, 1});
+  const std::vector<float> qkv_before(base, base + qkv.numel());
+  AttentionOptions options;
+  options.causal = true;
+  forward(q, k, v, out, lse, options);
+
+  const reference::Result want = reference::attention(q, k, v, options);
+  double err = 0.0;
+  for (std::int64_t bi = 0; bi < b; ++bi)
+    for (std::int64_t i = 0; i < s; ++i)
+      for (std::int64_t hi = 0; hi < h; ++hi)
+        for (std::int64_t c = 0; c < d + 7; ++c) {
+          const float got = out_buf[static_cast<std::size_t>(((bi * s + i) * h + hi) * (d + 7) + c)];
+          if (c >= d) {
+            ASSERT_EQ(got, sentinel);
+          } else {
+            err = std::fmax(err, std::fabs(got - want.out[static_cast<std::size_t>(((bi * s + i) * h + hi) * d + c)]));
+          }
+        }
+  EXPECT_LE(err, 1e-5);
+  for (std::int64_t r = 0; r < b * h; ++r)
+    for (std::int64_t c = s; c < s + 3; ++c) ASSERT_EQ(lse_buf[static_cast<std::size_t>(r * (s + 3) + c)], sentinel);
+  EXPECT_EQ(std::vector<float>(base, base + qkv.numel()), qkv_before) << "inputs were modified";
+}
+
+TEST(Forward, LargeScoresDoNotOverflow) {
+  // Scores near ±1e4 overflow a naive exp; the running maximum keeps the kernel exact.
+  Tensor q = random_tensor(DType::f32, {1, 64, 1, 32}, 21);
+  const Tensor k = random_tensor(DType::f32, {1, 300, 1, 32}, 22);
+  const Tensor v = random_tensor(DType::f32, {1, 300, 1, 32}, 23);
+  for (std::int64_t i = 0; i < q.numel(); ++i) q.set(i, q.get(i) * 300.0f);
+  const ForwardResult got = forward(q.view(), k.view(), v.view());
+  const reference::Result want = reference::attention(q.view(), k.view(), v.view());
+  EXPECT_LE(max_abs_error(got.out, want.out), 1e-4);
+  for (std::int64_t i = 0; i < got.lse.numel(); ++i)
+    EXPECT_NEAR(got.lse.get(i), want.lse[static_cast<std::size_t>(i)], 1e-6 * std::fabs(want.lse[static_cast<std::size_t>(i)]) + 1e-4);
+}
+
+TEST(Forward, ExplicitSoftmaxScale) {
+  const Tensor q = random_tensor(DType::f32, {1, 90, 2, 64}, 31);
+  const Tensor k = random_tensor(DType::f32, {1, 150, 2, 64}, 32);
+  const Tensor v = random_tensor(DType::f32, {1, 150, 2, 64}, 33);
+  for (float scale : {0.0f, 0.3f, -0.2f}) {
+    AttentionOptions options;
+    options.softmax_scale = scale;
+    const ForwardResult got = forward(q.view(), k.view(), v.view(), options);
+    EXPECT_LE(max_abs_error(got.out, reference::attention(q.view(), k.view(), v.view(), options).out), 1e-5)
+        << "scale " << scale;
+  }
+}
+
+}  // namespace
+}  // namespace flashattn::test

@@ -1,0 +1,66 @@
+// The float64 reference against closed forms, so it cannot be wrong the way a kernel is.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "test_util.hpp"
+
+namespace flashattn::test {
+namespace {
+
+TEST(Reference, EqualScoresAverageTheValues) {
+  // q = 0 makes every score 0: out is the mean of the visible values, lse = log(n).
+  const std::int64_t sk = 7, d = 3;
+  Tensor q(DType::f32, {1, 2, 1, d});
+  const Tensor k = random_tensor(DType::f32, {1, sk, 1, d}, 1);
+  const Tensor v = random_tensor(DType::f32, {1, sk, 1, d}, 2);
+  AttentionOptions options;
+  options.causal = true;  // row 0 sees keys 0..5, row 1 sees 0..6
+  const reference::Result r = reference::attention(q.view(), k.view(), v.view(), options);
+  for (std::int64_t row = 0; row < 2; ++row) {
+    const std::int64_t n = sk - 1 + row;
+    for (std::int64_t c = 0; c < d; ++c) {
+      double mean = 0;
+      for (std::int64_t j = 0; j < n; ++j) mean += v.get(j * d + c) / static_cast<double>(n);
+      EXPECT_NEAR(r.out[static_cast<std::size_t>(row * d + c)], mean, 1e-12);
+    }
+    EXPECT_NEAR(r.lse[static_cast<std::size_t>(row)], std::log(static_cast<double>(n)), 1e-12);
+  }
+}
+
+TEST(Reference, TwoKeysFollowTheLogisticFunction) {
+  // Scores a and b give weights σ(a − b) and σ(b − a).
+  Tensor q(DType::f32, {1, 1, 1, 1}), k(DType::f32, {1, 2, 1, 1}), v(DType::f32, {1, 2, 1, 1});
+  q.set(0, 2.0f);
+  k.set(0, 1.5f);
+  k.set(1, -0.5f);
+  v.set(0, 10.0f);
+  v.set(1, -4.0f);
+  AttentionOptions options;
+  options.softmax_scale = 0.7f;
+  const reference::Result r = reference::attention(q.view(), k.view(), v.view(), options);
+  const double a = 0.7f * 3.0, b = 0.7f * -1.0;
+  const double w = 1.0 / (1.0 + std::exp(b - a));
+  EXPECT_NEAR(r.out[0], w * 10.0 + (1 - w) * -4.0, 1e-12);
+  EXPECT_NEAR(r.lse[0], std::log(std::exp(a) + std::exp(b)), 1e-12);
+}
+
+TEST(Reference, GroupedHeadsReadTheirSharedKvHead) {
+  // With Hq = 4, Hkv = 2, q heads 0,1 use kv head 0 and 2,3 use kv head 1: giving every
+  // q head the same query must give equal outputs within each group only.
+  const std::int64_t d = 4, sk = 5;
+  Tensor q(DType::f32, {1, 1, 4, d});
+  for (std::int64_t h = 0; h < 4; ++h)
+    for (std::int64_t c = 0; c < d; ++c) q.set(h * d + c, 0.1f * static_cast<float>(c + 1));
+  const Tensor k = random_tensor(DType::f32, {1, sk, 2, d}, 5);
+  const Tensor v = random_tensor(DType::f32, {1, sk, 2, d}, 6);
+  const reference::Result r = reference::attention(q.view(), k.view(), v.view());
+  for (std::int64_t c = 0; c < d; ++c) {
+    EXPECT_EQ(r.out[static_cast<std::size_t>(0 * d + c)], r.out[static_cast<std::size_t>(1 * d + c)]);
+    EXPECT_EQ(r.out[static_cast<std::size_t>(2 * d + c)], r.out[static_cast<std::size_t>(3 * d + c)]);
+  }
+  EXPECT_NE(r.out[0], r.out[static_cast<std::size_t>(2 * d)]);
+}
+
+}  // namespace
+}  // namespace flashattn::test
