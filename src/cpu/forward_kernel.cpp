@@ -32,9 +32,12 @@ using VF = hn::Vec<DF>;
 // depth loop loads 2 vectors of B, broadcasts one A value per row and issues rows × 2
 // FMAs into independent accumulators. With 2 FMA ports of 4-cycle latency at least 8
 // must be in flight. AVX-512 has 32 registers: 8 rows → 16 accumulators + 2 B vectors
-// + a broadcast. The 16-register targets take 4 rows → 8 accumulators.
+// + a broadcast. AVX2 has 16: 6 rows → 12 accumulators + 2 B vectors + a broadcast
+// (the classic 6×16 sgemm tile). The 128-bit targets take 4 rows.
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
 constexpr std::int64_t kMicroRows = 8;
+#elif HWY_TARGET == HWY_AVX2
+constexpr std::int64_t kMicroRows = 6;
 #else
 constexpr std::int64_t kMicroRows = 4;
 #endif

@@ -51,7 +51,7 @@ CpuForwardPlan plan_forward(const AttentionProblem& p, const CpuHardware& hw) {
   const std::int64_t bytes_per_row =
       (p.head_dim + plan.head_dim_v_padded + plan.block_k) * static_cast<std::int64_t>(sizeof(float));
   std::int64_t bq = static_cast<std::int64_t>(hw.l2_bytes / 2) / bytes_per_row;
-  bq = std::clamp(bq / mr * mr, mr, kMaxBlockQ);
+  bq = std::clamp(bq, mr, kMaxBlockQ) / mr * mr;  // a whole number of micro-tiles
   bq = std::min(bq, round_up(std::max<std::int64_t>(p.seqlen_q, 1), mr));
   // Enough work items to keep every thread busy (SPEC §3: parallelize over the sequence).
   const std::int64_t heads = p.batch * p.heads_q;

@@ -1,0 +1,65 @@
+// `flashattn attend`: file mode. Reads q, k, v from NumPy .npy files, writes out and lse,
+// so anyone can check flashattn with their own tools.
+#include <iostream>
+#include <memory>
+#include <optional>
+
+#include "tools/cli/commands.hpp"
+#include "tools/cli/common.hpp"
+#include "tools/cli/npy.hpp"
+
+namespace flashattn::cli {
+namespace {
+
+struct AttendFlags {
+  std::string q, k, v, out, lse;
+  std::optional<std::string> dtype;
+  bool causal = false;
+  std::optional<float> softmax_scale;
+  int threads = 0;
+};
+
+Tensor converted(const Tensor& t, DType dtype) {
+  if (t.dtype() == dtype) return t;
+  Tensor r(dtype, t.shape());
+  for (std::int64_t i = 0; i < t.numel(); ++i) r.set(i, t.get(i));
+  return r;
+}
+
+void attend(const AttendFlags& f) {
+  Tensor q = read_npy(f.q), k = read_npy(f.k), v = read_npy(f.v);
+  // --dtype bf16 rounds the inputs to bf16; by default the kernel runs in q's file dtype.
+  const DType dtype = f.dtype ? parse_dtype(*f.dtype) : q.dtype();
+  q = converted(q, dtype);
+  k = converted(k, dtype);
+  v = converted(v, dtype);
+  AttentionOptions options;
+  options.causal = f.causal;
+  options.softmax_scale = f.softmax_scale;
+  options.num_threads = f.threads;
+  const ForwardResult r = forward(q.view(), k.view(), v.view(), options);
+  // NumPy has no bf16: a bf16 result is written as float32 (exactly representable).
+  write_npy(f.out, r.out.dtype() == DType::bf16 ? converted(r.out, DType::f32) : r.out);
+  if (!f.lse.empty()) write_npy(f.lse, r.lse);
+}
+
+}  // namespace
+
+void register_attend(CLI::App& app) {
+  auto flags = std::make_shared<AttendFlags>();
+  CLI::App* cmd = app.add_subcommand(
+      "attend", "attention on .npy inputs (float32/float16, layout (batch, seqlen, heads, dim))");
+  cmd->add_option("--q", flags->q, "queries (B, Sq, Hq, D)")->required()->check(CLI::ExistingFile);
+  cmd->add_option("--k", flags->k, "keys (B, Sk, Hkv, D)")->required()->check(CLI::ExistingFile);
+  cmd->add_option("--v", flags->v, "values (B, Sk, Hkv, Dv)")->required()->check(CLI::ExistingFile);
+  cmd->add_option("--out", flags->out, "output .npy (B, Sq, Hq, Dv); float32 when --dtype bf16")
+      ->required();
+  cmd->add_option("--lse", flags->lse, "log-sum-exp .npy (B, Hq, Sq), float32");
+  cmd->add_option("--dtype", flags->dtype, "compute dtype f32|f16|bf16 (default: q's dtype)");
+  cmd->add_flag("--causal", flags->causal, "bottom-right aligned causal mask");
+  cmd->add_option("--softmax-scale", flags->softmax_scale, "scale of Q·Kᵀ (default 1/sqrt(D))");
+  cmd->add_option("--threads", flags->threads, "worker threads (0 = all cores)");
+  cmd->callback([flags] { attend(*flags); });
+}
+
+}  // namespace flashattn::cli

@@ -1,0 +1,72 @@
+// `flashattn bench`: the performance floor, measured in one process as ratios to
+// baselines measured beside it (OpenBLAS sgemm, standard attention).
+#include <cstdio>
+#include <iostream>
+#include <memory>
+
+#include "src/baseline/standard_attention.hpp"
+#include "tools/cli/commands.hpp"
+#include "tools/cli/common.hpp"
+
+namespace flashattn::cli {
+namespace {
+
+struct BenchFlags {
+  ShapeFlags shape;
+  bool json = false;
+  int repeats = 5;
+  int sgemm_n = 2048;
+};
+
+void bench(const BenchFlags& f) {
+  const int threads = resolved_threads(f.shape.threads);
+  std::cerr << "sgemm " << f.sgemm_n << "^3 on " << threads << " threads (OpenBLAS "
+            << baseline::openblas_corename() << ")\n";
+  nlohmann::json j = machine_json(f.shape.threads);
+  j["sgemm_gflops"] = baseline::sgemm_gflops(f.sgemm_n, threads, f.repeats);
+  j["cases"] = nlohmann::json::array();
+  for (const char* dtype : {"f32", "bf16"}) {
+    for (bool causal : {false, true}) {
+      ShapeFlags shape = f.shape;
+      shape.dtype = dtype;
+      shape.causal = causal;
+      const AttentionProblem p = shape.problem();
+      std::cerr << "case " << p.describe() << "\n";
+      const Inputs in = random_inputs(p, 7);
+      for (Impl impl : {Impl::flashattn, Impl::standard})
+        j["cases"].push_back(case_json(measure_forward(impl, p, shape.options(), in, f.repeats), p));
+    }
+  }
+  if (f.json) {
+    std::cout << j.dump(2) << "\n";
+    return;
+  }
+  const double sgemm = j["sgemm_gflops"];
+  std::printf("cpu: %s, %d threads, simd %s, OpenBLAS %s: sgemm %.1f GFLOP/s\n",
+              j["cpu"].get<std::string>().c_str(), threads, j["simd_target"].get<std::string>().c_str(),
+              j["openblas_corename"].get<std::string>().c_str(), sgemm);
+  std::printf("%-10s %-4s %-6s %10s %9s %8s %12s\n", "impl", "op", "dtype", "causal", "GFLOP/s",
+              "/sgemm", "seconds");
+  for (const auto& c : j["cases"])
+    std::printf("%-10s %-4s %-6s %10s %9.1f %7.0f%% %12.4f\n", c["impl"].get<std::string>().c_str(),
+                c["op"].get<std::string>().c_str(), c["dtype"].get<std::string>().c_str(),
+                c["causal"].get<bool>() ? "yes" : "no", c["gflops"].get<double>(),
+                100.0 * c["gflops"].get<double>() / sgemm, c["seconds"].get<double>());
+}
+
+}  // namespace
+
+void register_bench(CLI::App& app) {
+  auto flags = std::make_shared<BenchFlags>();
+  CLI::App* cmd = app.add_subcommand(
+      "bench", "forward benchmark: f32/bf16 x causal/full, flashattn and standard, vs OpenBLAS sgemm");
+  flags->shape.add_to(*cmd, /*with_mode=*/false);
+  cmd->add_flag("--json", flags->json, "machine-readable output");
+  cmd->add_option("--repeats", flags->repeats, "timed runs per case, median reported (>= 5)")
+      ->capture_default_str()->check(CLI::Range(5, 1000));
+  cmd->add_option("--sgemm-size", flags->sgemm_n, "n of the n^3 sgemm baseline")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->callback([flags] { bench(*flags); });
+}
+
+}  // namespace flashattn::cli

@@ -1,0 +1,12 @@
+// The subcommands of the flashattn CLI; each registers itself on the top-level app.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+namespace flashattn::cli {
+
+void register_run(CLI::App& app);     // the main job: flashattn vs standard attention
+void register_attend(CLI::App& app);  // file mode on .npy inputs
+void register_bench(CLI::App& app);   // the benchmark suite, JSON for machines
+
+}  // namespace flashattn::cli

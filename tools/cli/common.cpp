@@ -1,0 +1,169 @@
+#include "tools/cli/common.hpp"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <iostream>
+#include <random>
+#include <vector>
+
+namespace flashattn::cli {
+
+void ShapeFlags::add_to(CLI::App& app, bool with_mode) {
+  app.add_option("--batch", batch, "batch size")->capture_default_str();
+  app.add_option("--seqlen", seqlen, "sequence length of queries and keys")->capture_default_str();
+  app.add_option("--seqlen-q", seqlen_q, "query sequence length (overrides --seqlen)");
+  app.add_option("--seqlen-k", seqlen_k, "key/value sequence length (overrides --seqlen)");
+  app.add_option("--heads", heads, "query heads")->capture_default_str();
+  app.add_option("--heads-kv", heads_kv, "key/value heads (GQA/MQA; default: --heads)");
+  app.add_option("--dim", dim, "head dimension of q and k")->capture_default_str();
+  app.add_option("--dim-v", dim_v, "head dimension of v (default: --dim)");
+  app.add_option("--threads", threads, "worker threads (0 = all cores)")->capture_default_str();
+  if (!with_mode) return;
+  app.add_option("--dtype", dtype, "f32, bf16 or f16")->capture_default_str();
+  app.add_flag("--causal,!--no-causal", causal, "bottom-right aligned causal mask")
+      ->capture_default_str();
+  app.add_option("--softmax-scale", softmax_scale, "scale of Q·Kᵀ (default 1/sqrt(dim))");
+}
+
+AttentionOptions ShapeFlags::options() const {
+  AttentionOptions o;
+  o.causal = causal;
+  o.softmax_scale = softmax_scale;
+  o.num_threads = threads;
+  return o;
+}
+
+AttentionProblem ShapeFlags::problem() const {
+  return AttentionProblem::from_sizes(batch, seqlen_q.value_or(seqlen), seqlen_k.value_or(seqlen),
+                                      heads, heads_kv.value_or(heads), dim, dim_v.value_or(dim),
+                                      parse_dtype(dtype), options());
+}
+
+Inputs random_inputs(const AttentionProblem& p, std::uint64_t seed) {
+  Inputs in{Tensor(p.dtype, {p.batch, p.seqlen_q, p.heads_q, p.head_dim}),
+            Tensor(p.dtype, {p.batch, p.seqlen_k, p.heads_kv, p.head_dim}),
+            Tensor(p.dtype, {p.batch, p.seqlen_k, p.heads_kv, p.head_dim_v})};
+  std::uint64_t stream = 0;
+  for (Tensor* t : {&in.q, &in.k, &in.v}) {
+    const std::int64_t n = t->numel();
+    const std::uint64_t s = seed * 3 + stream++;
+#pragma omp parallel
+    {
+      // One generator per thread and chunk: deterministic for a given thread count.
+      const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+      std::mt19937_64 rng(s * 1000003 + static_cast<std::uint64_t>(tid));
+      std::normal_distribution<float> normal;
+      for (std::int64_t i = n * tid / nt; i < n * (tid + 1) / nt; ++i) t->set(i, normal(rng));
+    }
+  }
+  return in;
+}
+
+double median_seconds(const std::function<void()>& fn, int repeats, int warmup,
+                      const std::string& label) {
+  using clock = std::chrono::steady_clock;
+  std::vector<double> times;
+  const auto start = clock::now();
+  bool announced = false;
+  for (int r = 0; r < warmup + repeats; ++r) {
+    const auto t0 = clock::now();
+    fn();
+    const double sec = std::chrono::duration<double>(clock::now() - t0).count();
+    if (r >= warmup) times.push_back(sec);
+    const double elapsed = std::chrono::duration<double>(clock::now() - start).count();
+    const double expected = elapsed / (r + 1) * (warmup + repeats);
+    if (expected > 3.0 && r + 1 < warmup + repeats) {
+      std::cerr << "\r  " << label << ": run " << (r + 1) << "/" << (warmup + repeats) << std::flush;
+      announced = true;
+    }
+  }
+  if (announced) std::cerr << "\r  " << label << ": done" << std::string(12, ' ') << "\n";
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+double sampled_max_error(const AttentionProblem& p, const Inputs& in, const Tensor& out,
+                         int samples) {
+  double worst = 0.0;
+  std::vector<double> row(static_cast<std::size_t>(p.head_dim_v));
+  const std::int64_t rows = p.batch * p.heads_q * p.seqlen_q;
+  for (int s = 0; s < samples && rows > 0; ++s) {
+    // Evenly spread, always including the first and last row.
+    const std::int64_t r = samples > 1 ? s * (rows - 1) / (samples - 1) : 0;
+    const std::int64_t i = r % p.seqlen_q, h = (r / p.seqlen_q) % p.heads_q;
+    const std::int64_t b = r / (p.seqlen_q * p.heads_q);
+    double lse = 0.0;
+    reference::attention_row(p, in.q.view(), in.k.view(), in.v.view(), b, h, i, row.data(), &lse);
+    for (std::int64_t c = 0; c < p.head_dim_v; ++c)
+      worst = std::fmax(worst, std::fabs(out.get(((b * p.seqlen_q + i) * p.heads_q + h) * p.head_dim_v + c) -
+                                         row[static_cast<std::size_t>(c)]));
+  }
+  return worst;
+}
+
+std::string cpu_model() {
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  for (std::string line; std::getline(cpuinfo, line);)
+    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
+  return "unknown";
+}
+
+int resolved_threads(int requested) { return requested > 0 ? requested : omp_get_max_threads(); }
+
+}  // namespace flashattn::cli
+
+#include "src/baseline/standard_attention.hpp"
+
+namespace flashattn::cli {
+
+const char* impl_name(Impl impl) { return impl == Impl::flashattn ? "flashattn" : "standard"; }
+
+Measurement measure_forward(Impl impl, const AttentionProblem& p, const AttentionOptions& options,
+                            const Inputs& in, int repeats) {
+  Measurement m{impl};
+  m.out = Tensor(p.dtype, {p.batch, p.seqlen_q, p.heads_q, p.head_dim_v});
+  Tensor lse(DType::f32, {p.batch, p.heads_q, p.seqlen_q});
+  const std::string label = std::string(impl_name(impl)) + " " + to_string(p.dtype) +
+                            (p.causal ? " causal" : "");
+  m.seconds = median_seconds(
+      [&] {
+        if (impl == Impl::flashattn) {
+          forward(in.q.view(), in.k.view(), in.v.view(), m.out.view(), lse.view(), options);
+        } else {
+          m.peak_bytes = baseline::standard_attention(in.q.view(), in.k.view(), in.v.view(),
+                                                      m.out.view(), lse.view(), options);
+        }
+      },
+      repeats, 1, label);
+  if (impl == Impl::flashattn)
+    m.peak_bytes = plan_forward(p, CpuHardware::detect(options.num_threads)).workspace_bytes();
+  m.gflops = p.conventional_forward_flops() / m.seconds * 1e-9;
+  return m;
+}
+
+}  // namespace flashattn::cli
+
+namespace flashattn::cli {
+
+nlohmann::json case_json(const Measurement& m, const AttentionProblem& p) {
+  return {{"impl", impl_name(m.impl)},  {"op", "fwd"},
+          {"dtype", to_string(p.dtype)}, {"batch", p.batch},
+          {"heads", p.heads_q},          {"heads_kv", p.heads_kv},
+          {"seqlen_q", p.seqlen_q},      {"seqlen_k", p.seqlen_k},
+          {"dim", p.head_dim},           {"dim_v", p.head_dim_v},
+          {"causal", p.causal},          {"seconds", m.seconds},
+          {"gflops", m.gflops},          {"peak_bytes", m.peak_bytes}};
+}
+
+nlohmann::json machine_json(int threads) {
+  return {{"cpu", cpu_model()},
+          {"threads", resolved_threads(threads)},
+          {"simd_target", cpu_simd_target()},
+          {"openblas_corename", baseline::openblas_corename()}};
+}
+
+}  // namespace flashattn::cli

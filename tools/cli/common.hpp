@@ -1,0 +1,82 @@
+// Pieces shared by the CLI subcommands: the shape flags (named the same way in every
+// subcommand), random inputs, timing, sampled accuracy and machine facts.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+
+#include "flashattn/flashattn.hpp"
+
+namespace flashattn::cli {
+
+struct ShapeFlags {
+  std::int64_t batch = 1;
+  std::int64_t seqlen = 4096;
+  std::optional<std::int64_t> seqlen_q, seqlen_k;
+  std::int64_t heads = 16;
+  std::optional<std::int64_t> heads_kv;
+  std::int64_t dim = 128;
+  std::optional<std::int64_t> dim_v;
+  std::string dtype = "bf16";
+  bool causal = true;
+  std::optional<float> softmax_scale;
+  int threads = 0;
+
+  // Sizes and --threads; with_mode adds --dtype, --causal and --softmax-scale too.
+  void add_to(CLI::App& app, bool with_mode = true);
+  AttentionOptions options() const;
+  AttentionProblem problem() const;  // validated
+};
+
+struct Inputs {
+  Tensor q, k, v;
+};
+Inputs random_inputs(const AttentionProblem& problem, std::uint64_t seed);
+
+// Median wall time of `repeats` calls after `warmup` calls; reports progress on stderr
+// under `label` when the whole measurement is expected to take more than a few seconds.
+double median_seconds(const std::function<void()>& fn, int repeats, int warmup,
+                      const std::string& label);
+
+// Max |out − reference| over `samples` rows spread over batch, heads and sequence.
+double sampled_max_error(const AttentionProblem& problem, const Inputs& in, const Tensor& out,
+                         int samples);
+
+std::string cpu_model();
+int resolved_threads(int requested);
+
+}  // namespace flashattn::cli
+
+namespace flashattn::cli {
+
+enum class Impl { flashattn, standard };
+const char* impl_name(Impl impl);
+
+struct Measurement {
+  Impl impl;
+  double seconds = 0.0;      // median
+  double gflops = 0.0;       // conventional FLOPs (4·B·Hq·Sq·Sk·D, halved when causal)
+  std::size_t peak_bytes = 0;  // extra memory the implementation allocated
+  Tensor out;                // output of the last run
+};
+
+// Times forward of `impl` on `in` (median of `repeats` after one warm-up).
+Measurement measure_forward(Impl impl, const AttentionProblem& problem,
+                            const AttentionOptions& options, const Inputs& in, int repeats);
+
+}  // namespace flashattn::cli
+
+#include <nlohmann/json.hpp>
+
+namespace flashattn::cli {
+
+// One benchmark case in the JSON schema shared by `run --json` and `bench --json`.
+nlohmann::json case_json(const Measurement& m, const AttentionProblem& p);
+// Top-level facts of the machine and build: cpu, threads, simd_target, openblas_corename.
+nlohmann::json machine_json(int threads);
+
+}  // namespace flashattn::cli
