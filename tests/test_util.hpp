@@ -90,3 +90,89 @@ inline double max_abs_error(const std::vector<double>& actual, const std::vector
 }
 
 }  // namespace flashattn::test
+
+namespace flashattn::test {
+
+// Naive backward in the inputs' precision (the way a framework differentiates attention
+// on low-precision tensors): every materialized matrix (S, P, dP, dS) and every gradient
+// is rounded to dtype, accumulations run in float32. Its error against the float64
+// reference gradients is the yardstick of upstream's "at most 3× a naive implementation".
+struct NaiveGradients {
+  std::vector<double> dq, dk, dv;
+};
+inline NaiveGradients naive_backward_same_precision(const AttentionProblem& p, const Tensor& dout,
+                                                    const Tensor& q, const Tensor& k,
+                                                    const Tensor& v) {
+  const std::int64_t d = p.head_dim, dv = p.head_dim_v, group = p.heads_q / p.heads_kv;
+  auto qi = [&](std::int64_t b, std::int64_t i, std::int64_t h, std::int64_t c) {
+    return ((b * p.seqlen_q + i) * p.heads_q + h) * d + c;
+  };
+  auto ki = [&](std::int64_t b, std::int64_t j, std::int64_t h, std::int64_t c, std::int64_t dim) {
+    return ((b * p.seqlen_k + j) * p.heads_kv + h) * dim + c;
+  };
+  std::vector<float> dq(static_cast<std::size_t>(q.numel())), dk(static_cast<std::size_t>(k.numel())),
+      dvv(static_cast<std::size_t>(v.numel()));
+  const std::int64_t sq = p.seqlen_q, sk = p.seqlen_k;
+  std::vector<float> prob(static_cast<std::size_t>(sq * sk)), ds(prob.size()), o(static_cast<std::size_t>(sq * dv));
+  for (std::int64_t b = 0; b < p.batch; ++b)
+    for (std::int64_t h = 0; h < p.heads_q; ++h) {
+      const std::int64_t kvh = h / group;
+      for (std::int64_t i = 0; i < sq; ++i) {  // P and O, rounded
+        const std::int64_t n = p.visible_keys(i);
+        float m = -INFINITY, sum = 0.0f;
+        float* pr = &prob[static_cast<std::size_t>(i * sk)];
+        for (std::int64_t j = 0; j < sk; ++j) {
+          if (j >= n) { pr[j] = 0.0f; continue; }
+          float dot = 0.0f;
+          for (std::int64_t c = 0; c < d; ++c) dot += q.get(qi(b, i, h, c)) * k.get(ki(b, j, kvh, c, d));
+          pr[j] = round_to(p.dtype, round_to(p.dtype, dot) * p.softmax_scale);
+          m = std::fmax(m, pr[j]);
+        }
+        for (std::int64_t j = 0; j < n; ++j) sum += (pr[j] = std::exp(pr[j] - m));
+        for (std::int64_t j = 0; j < n; ++j) pr[j] = round_to(p.dtype, pr[j] / sum);
+        for (std::int64_t c = 0; c < dv; ++c) {
+          float acc = 0.0f;
+          for (std::int64_t j = 0; j < n; ++j) acc += pr[j] * v.get(ki(b, j, kvh, c, dv));
+          o[static_cast<std::size_t>(i * dv + c)] = round_to(p.dtype, acc);
+        }
+      }
+      for (std::int64_t i = 0; i < sq; ++i) {  // dP, D, dS, rounded
+        float delta = 0.0f;
+        for (std::int64_t c = 0; c < dv; ++c)
+          delta += dout.get(((b * sq + i) * p.heads_q + h) * dv + c) * o[static_cast<std::size_t>(i * dv + c)];
+        for (std::int64_t j = 0; j < sk; ++j) {
+          float dp = 0.0f;
+          for (std::int64_t c = 0; c < dv; ++c)
+            dp += dout.get(((b * sq + i) * p.heads_q + h) * dv + c) * v.get(ki(b, j, kvh, c, dv));
+          const float pij = prob[static_cast<std::size_t>(i * sk + j)];
+          ds[static_cast<std::size_t>(i * sk + j)] = round_to(p.dtype, pij * (round_to(p.dtype, dp) - delta));
+        }
+      }
+      for (std::int64_t i = 0; i < sq; ++i)
+        for (std::int64_t c = 0; c < d; ++c) {
+          float acc = 0.0f;
+          for (std::int64_t j = 0; j < sk; ++j) acc += ds[static_cast<std::size_t>(i * sk + j)] * k.get(ki(b, j, kvh, c, d));
+          dq[static_cast<std::size_t>(qi(b, i, h, c))] = round_to(p.dtype, acc * p.softmax_scale);
+        }
+      for (std::int64_t j = 0; j < sk; ++j) {  // this head's share of dK, dV (fp32 sum over the group)
+        for (std::int64_t c = 0; c < d; ++c) {
+          float acc = 0.0f;
+          for (std::int64_t i = 0; i < sq; ++i) acc += ds[static_cast<std::size_t>(i * sk + j)] * q.get(qi(b, i, h, c));
+          dk[static_cast<std::size_t>(ki(b, j, kvh, c, d))] += round_to(p.dtype, acc * p.softmax_scale);
+        }
+        for (std::int64_t c = 0; c < dv; ++c) {
+          float acc = 0.0f;
+          for (std::int64_t i = 0; i < sq; ++i)
+            acc += prob[static_cast<std::size_t>(i * sk + j)] * dout.get(((b * sq + i) * p.heads_q + h) * dv + c);
+          dvv[static_cast<std::size_t>(ki(b, j, kvh, c, dv))] += round_to(p.dtype, acc);
+        }
+      }
+    }
+  NaiveGradients g;
+  for (float x : dq) g.dq.push_back(x);
+  for (float x : dk) g.dk.push_back(round_to(p.dtype, x));
+  for (float x : dvv) g.dv.push_back(round_to(p.dtype, x));
+  return g;
+}
+
+}  // namespace flashattn::test

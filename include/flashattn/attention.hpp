@@ -30,6 +30,28 @@ struct ForwardResult {
 ForwardResult forward(const TensorView& q, const TensorView& k, const TensorView& v,
                       const AttentionOptions& options = {});
 
+// Gradients of Σ dout ∘ out with respect to q, k and v (SPEC §2, §3, §5). P is
+// recomputed tile by tile as exp(S·scale − lse) from the forward's lse; nothing
+// O(seqlen_q·seqlen_k) is allocated.
+//   dout (batch, seqlen_q, heads_q, head_dim_v)  same dtype and shape as out
+//   out, lse                                     as returned by forward
+//   dq, dk, dv                                   shapes and dtype of q, k, v
+// For grouped-query attention dk/dv of a kv head sum the contributions of every q head
+// that shares it. options.deterministic makes the result bit-identical for every run and
+// thread count.
+void backward(const TensorView& dout, const TensorView& q, const TensorView& k,
+              const TensorView& v, const TensorView& out, const TensorView& lse,
+              const MutableTensorView& dq, const MutableTensorView& dk,
+              const MutableTensorView& dv, const AttentionOptions& options = {});
+
+struct BackwardResult {
+  Tensor dq, dk, dv;
+};
+// Convenience overload that allocates its outputs.
+BackwardResult backward(const TensorView& dout, const TensorView& q, const TensorView& k,
+                        const TensorView& v, const TensorView& out, const TensorView& lse,
+                        const AttentionOptions& options = {});
+
 // Name of the SIMD target the CPU kernels dispatch to on this machine, e.g. "AVX3".
 std::string cpu_simd_target();
 

@@ -14,6 +14,10 @@ struct AttentionOptions {
   bool causal = false;
   // Worker threads; 0 means the OpenMP default (all cores).
   int num_threads = 0;
+  // Backward only: bit-identical dq, dk, dv on every run and for every thread count
+  // (dQ is computed in its own pass in a fixed order instead of being accumulated
+  // across K/V blocks as they finish). Costs two extra matrix products per tile.
+  bool deterministic = false;
 };
 
 }  // namespace flashattn

@@ -41,4 +41,30 @@ struct CpuForwardPlan {
 
 CpuForwardPlan plan_forward(const AttentionProblem& problem, const CpuHardware& hardware);
 
+// Backward: pass 1 owns one K/V tile of one (batch, kv head) per work item and produces
+// its dK, dV (and, unless deterministic, adds its dQ share under a lock); pass 2
+// (deterministic only) owns one Q tile per work item and produces its dQ in key order.
+// Tile sizes never depend on the thread count, so deterministic results do not either.
+struct CpuBackwardPlan {
+  std::int64_t block_q = 0;            // Q rows per tile
+  std::int64_t block_k = 0;            // keys per tile: a multiple of micro_rows and micro_cols
+  std::int64_t head_dim_padded = 0;    // D rounded up to micro_cols
+  std::int64_t head_dim_v_padded = 0;  // Dv rounded up to micro_cols
+  std::int64_t q_blocks = 0;           // per (batch, head)
+  std::int64_t k_blocks = 0;           // per (batch, kv head)
+  std::int64_t kv_work_items = 0;      // pass 1: batch · heads_kv · k_blocks
+  std::int64_t q_work_items = 0;       // pass 2: batch · heads_q · q_blocks (deterministic)
+  bool deterministic = false;
+  int threads = 1;
+  std::size_t workspace_bytes_per_thread = 0;
+  std::size_t shared_bytes = 0;        // rowsum(dO∘O), and the float32 dQ accumulator
+  CpuHardware hardware;
+
+  std::size_t workspace_bytes() const { return workspace_bytes_per_thread * threads + shared_bytes; }
+  std::string describe() const;
+};
+
+CpuBackwardPlan plan_backward(const AttentionProblem& problem, const CpuHardware& hardware,
+                              bool deterministic);
+
 }  // namespace flashattn

@@ -25,4 +25,15 @@ struct Result {
 Result attention(const TensorView& q, const TensorView& k, const TensorView& v,
                  const AttentionOptions& options = {});
 
+struct Gradients {
+  std::vector<double> dq;  // (batch, seqlen_q, heads_q, head_dim), contiguous
+  std::vector<double> dk;  // (batch, seqlen_k, heads_kv, head_dim), contiguous
+  std::vector<double> dv;  // (batch, seqlen_k, heads_kv, head_dim_v), contiguous
+};
+// Analytic gradients of Σ dout ∘ attention(q, k, v) in float64, row by row:
+// P = softmax(S), dV += Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − rowsum(dO ∘ O)),
+// dQ = scale · dS K, dK += scale · dSᵀ Q. dk/dv of a kv head sum over its q heads.
+Gradients attention_backward(const TensorView& dout, const TensorView& q, const TensorView& k,
+                             const TensorView& v, const AttentionOptions& options = {});
+
 }  // namespace flashattn::reference

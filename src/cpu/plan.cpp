@@ -4,8 +4,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <numeric>
 #include <sstream>
 
+#include "src/cpu/backward_kernel.hpp"
 #include "src/cpu/forward_kernel.hpp"
 
 namespace flashattn {
@@ -63,6 +65,48 @@ CpuForwardPlan plan_forward(const AttentionProblem& p, const CpuHardware& hw) {
   plan.threads = static_cast<int>(std::clamp<std::int64_t>(plan.work_items, 1, hw.threads));
   plan.workspace_bytes_per_thread = cpu::forward_workspace_bytes(plan, p);
   return plan;
+}
+
+CpuBackwardPlan plan_backward(const AttentionProblem& p, const CpuHardware& hw,
+                              bool deterministic) {
+  CpuBackwardPlan plan;
+  plan.hardware = hw;
+  plan.deterministic = deterministic;
+  const std::int64_t mr = hw.micro_rows, mc = hw.micro_cols;
+  plan.head_dim_padded = round_up(p.head_dim, mc);
+  plan.head_dim_v_padded = round_up(p.head_dim_v, mc);
+  // A K/V tile is the row side of the dK/dV products and the column side of S and dP:
+  // whole micro-tiles both ways, about 128 keys as in the forward.
+  const std::int64_t unit = std::lcm(mr, mc);
+  constexpr std::int64_t kBlockK = 128;
+  plan.block_k = std::max<std::int64_t>(1, (kBlockK + unit / 2) / unit) * unit;
+  plan.block_k = std::min(plan.block_k, round_up(std::max<std::int64_t>(p.seqlen_k, 1), unit));
+  // Q tile: 64 rows keep Q, dO, P, dS and the dK/dV accumulators (≈ 320 KiB at
+  // D = 128) inside a 512 KiB L2. Independent of the thread count, so deterministic
+  // results are too.
+  constexpr std::int64_t kBlockQ = 64;
+  plan.block_q = std::max(mr, kBlockQ / mr * mr);
+  plan.q_blocks = (p.seqlen_q + plan.block_q - 1) / plan.block_q;
+  plan.k_blocks = (p.seqlen_k + plan.block_k - 1) / plan.block_k;
+  plan.kv_work_items = p.batch * p.heads_kv * plan.k_blocks;
+  plan.q_work_items = deterministic ? p.batch * p.heads_q * plan.q_blocks : 0;
+  plan.threads = static_cast<int>(std::clamp<std::int64_t>(
+      std::max(plan.kv_work_items, p.batch * p.heads_q), 1, hw.threads));
+  plan.workspace_bytes_per_thread = cpu::backward_workspace_bytes(plan, p);
+  const std::size_t rows = static_cast<std::size_t>(p.batch * p.heads_q * p.seqlen_q);
+  plan.shared_bytes = rows * sizeof(float) *
+                      (1 + (deterministic ? 0 : static_cast<std::size_t>(plan.head_dim_padded)));
+  return plan;
+}
+
+std::string CpuBackwardPlan::describe() const {
+  std::ostringstream s;
+  s << "simd=" << hardware.simd_target << " micro_tile=" << hardware.micro_rows << "x"
+    << hardware.micro_cols << " block_q=" << block_q << " block_k=" << block_k
+    << " kv_work_items=" << kv_work_items << " q_work_items=" << q_work_items
+    << " deterministic=" << (deterministic ? "true" : "false") << " threads=" << threads
+    << " workspace_bytes=" << workspace_bytes();
+  return s.str();
 }
 
 std::string CpuForwardPlan::describe() const {

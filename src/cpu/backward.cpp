@@ -1,0 +1,149 @@
+// CPU backward driver: validate, plan, D = rowsum(dO∘O), then the passes on OpenMP threads.
+#include <omp.h>
+
+#include <algorithm>
+#include <memory>
+
+#include "flashattn/attention.hpp"
+#include "flashattn/error.hpp"
+#include "src/core/validate.hpp"
+#include "src/cpu/backward_kernel.hpp"
+
+namespace flashattn {
+namespace cpu {
+
+namespace {
+std::size_t round_up(std::size_t n, std::size_t m) { return (n + m - 1) / m * m; }
+
+struct BackwardSizes {
+  std::size_t bq, bc, d, dv, d_pad, dv_pad, keys_pad;
+  BackwardSizes(const CpuBackwardPlan& plan, const AttentionProblem& p)
+      : bq(static_cast<std::size_t>(plan.block_q)), bc(static_cast<std::size_t>(plan.block_k)),
+        d(static_cast<std::size_t>(p.head_dim)), dv(static_cast<std::size_t>(p.head_dim_v)),
+        d_pad(static_cast<std::size_t>(plan.head_dim_padded)),
+        dv_pad(static_cast<std::size_t>(plan.head_dim_v_padded)),
+        keys_pad(round_up(static_cast<std::size_t>(p.seqlen_k), bc)) {}
+  std::size_t floats() const {
+    return bq * (d_pad + dv_pad + 2 * bc + d_pad) + bc * (d_pad + dv_pad) +
+           keys_pad * (d + dv + d_pad) + std::max(d_pad, dv_pad);
+  }
+};
+}  // namespace
+
+std::size_t backward_workspace_bytes(const CpuBackwardPlan& plan, const AttentionProblem& p) {
+  const BackwardSizes s(plan, p);
+  return s.floats() * sizeof(float) + s.bq * (2 * sizeof(float) + sizeof(std::int64_t));
+}
+
+BackwardWorkspace::BackwardWorkspace(const CpuBackwardPlan& plan, const AttentionProblem& p)
+    : row_lse2(static_cast<std::size_t>(plan.block_q)),
+      row_delta(static_cast<std::size_t>(plan.block_q)),
+      valid(static_cast<std::size_t>(plan.block_q)) {
+  const BackwardSizes s(plan, p);
+  q_tile = hwy::AllocateAligned<float>(s.bq * s.d_pad);
+  do_tile = hwy::AllocateAligned<float>(s.bq * s.dv_pad);
+  p_tile = hwy::AllocateAligned<float>(s.bq * s.bc);
+  ds_tile = hwy::AllocateAligned<float>(s.bq * s.bc);
+  dq_tile = hwy::AllocateAligned<float>(s.bq * s.d_pad);
+  dk_acc = hwy::AllocateAligned<float>(s.bc * s.d_pad);
+  dv_acc = hwy::AllocateAligned<float>(s.bc * s.dv_pad);
+  kt_packed = hwy::AllocateAligned<float>(s.keys_pad * s.d + 1);
+  vt_packed = hwy::AllocateAligned<float>(s.keys_pad * s.dv + 1);
+  k_packed = hwy::AllocateAligned<float>(s.keys_pad * s.d_pad + 1);
+  row_scratch = hwy::AllocateAligned<float>(std::max(s.d_pad, s.dv_pad));
+}
+
+}  // namespace cpu
+
+namespace {
+
+void check_backward_args(const AttentionProblem& p, const TensorView& dout, const TensorView& q,
+                         const TensorView& k, const TensorView& v, const TensorView& out,
+                         const TensorView& lse, const TensorView& dq, const TensorView& dk,
+                         const TensorView& dv) {
+  using namespace detail;
+  constexpr const char* kOutLayout = "(batch, seqlen_q, heads_q, head_dim_v)";
+  check_view("dout", dout, 4, kOutLayout);
+  check_dtype("dout", dout, q.dtype, "dout must have q's dtype");
+  check_shape("dout", dout, {p.batch, p.seqlen_q, p.heads_q, p.head_dim_v}, kOutLayout);
+  check_view("out", out, 4, kOutLayout);
+  check_dtype("out", out, q.dtype, "out must have q's dtype");
+  check_shape("out", out, {p.batch, p.seqlen_q, p.heads_q, p.head_dim_v}, kOutLayout);
+  check_view("lse", lse, 3, "(batch, heads_q, seqlen_q)");
+  check_dtype("lse", lse, DType::f32, "lse is always float32");
+  check_shape("lse", lse, {p.batch, p.heads_q, p.seqlen_q}, "(batch, heads_q, seqlen_q)");
+  const std::pair<const char*, const TensorView*> grads[] = {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}};
+  const std::pair<const char*, const TensorView*> like[] = {{"q", &q}, {"k", &k}, {"v", &v}};
+  for (int g = 0; g < 3; ++g) {
+    const auto& [name, grad] = grads[g];
+    const TensorView& ref = *like[g].second;
+    check_view(name, *grad, 4, "(like its input)");
+    check_dtype(name, *grad, ref.dtype, "gradients have their input's dtype");
+    check_shape(name, *grad, {ref.shape[0], ref.shape[1], ref.shape[2], ref.shape[3]},
+                "(the shape of its input)");
+    check_output_layout(name, *grad);
+    for (const auto& [in_name, input] : {std::pair{"dout", dout}, {"q", q}, {"k", k}, {"v", v},
+                                         {"out", out}, {"lse", lse}})
+      check_no_overlap(name, *grad, in_name, input);
+    for (int o = 0; o < g; ++o) check_no_overlap(name, *grad, grads[o].first, *grads[o].second);
+  }
+}
+
+}  // namespace
+
+void backward(const TensorView& dout, const TensorView& q, const TensorView& k,
+              const TensorView& v, const TensorView& out, const TensorView& lse,
+              const MutableTensorView& dq, const MutableTensorView& dk, const MutableTensorView& dv,
+              const AttentionOptions& options) {
+  const AttentionProblem problem = AttentionProblem::from_inputs(q, k, v, options);
+  check_backward_args(problem, dout, q, k, v, out, lse, dq, dk, dv);
+  const AttentionProblem& p = problem;
+  if (p.batch == 0) return;
+  const std::int64_t heads = p.batch * p.heads_q;
+  const CpuBackwardPlan plan =
+      plan_backward(p, CpuHardware::detect(options.num_threads), options.deterministic);
+  const cpu::BackwardKernels kernels = cpu::backward_kernels();
+
+  const std::size_t d_pad = static_cast<std::size_t>(plan.head_dim_padded);
+  auto delta = hwy::AllocateAligned<float>(static_cast<std::size_t>(heads * p.seqlen_q) + 1);
+  hwy::AlignedFreeUniquePtr<float[]> dq_accum;
+  std::unique_ptr<std::mutex[]> dq_locks;
+  if (!plan.deterministic) {
+    const std::size_t n = static_cast<std::size_t>(heads * p.seqlen_q) * d_pad;
+    dq_accum = hwy::AllocateAligned<float>(n + 1);
+    std::fill(dq_accum.get(), dq_accum.get() + n, 0.0f);
+    dq_locks = std::make_unique<std::mutex[]>(cpu::kDqLockStripes);
+  }
+  const cpu::BackwardParams params{p,      plan, dout, q,  k,  v,  out, lse, dq, dk, dv,
+                                   delta.get(), dq_accum.get(), dq_locks.get()};
+#pragma omp parallel num_threads(plan.threads)
+  {
+#pragma omp for schedule(dynamic, 1)
+    for (std::int64_t bh = 0; bh < heads; ++bh) kernels.delta(params, bh);
+    cpu::BackwardWorkspace workspace(plan, p);
+#pragma omp for schedule(dynamic, 1)
+    for (std::int64_t item = 0; item < plan.kv_work_items; ++item)
+      kernels.kv_item(params, workspace, item);
+    if (plan.deterministic) {
+#pragma omp for schedule(dynamic, 1)
+      for (std::int64_t item = 0; item < plan.q_work_items; ++item)
+        kernels.q_item(params, workspace, item);
+    } else {
+#pragma omp for schedule(dynamic, 1)
+      for (std::int64_t bh = 0; bh < heads; ++bh) kernels.store_dq(params, bh);
+    }
+  }
+}
+
+BackwardResult backward(const TensorView& dout, const TensorView& q, const TensorView& k,
+                        const TensorView& v, const TensorView& out, const TensorView& lse,
+                        const AttentionOptions& options) {
+  const AttentionProblem p = AttentionProblem::from_inputs(q, k, v, options);
+  BackwardResult r{Tensor(p.dtype, {p.batch, p.seqlen_q, p.heads_q, p.head_dim}),
+                   Tensor(p.dtype, {p.batch, p.seqlen_k, p.heads_kv, p.head_dim}),
+                   Tensor(p.dtype, {p.batch, p.seqlen_k, p.heads_kv, p.head_dim_v})};
+  backward(dout, q, k, v, out, lse, r.dq.view(), r.dk.view(), r.dv.view(), options);
+  return r;
+}
+
+}  // namespace flashattn

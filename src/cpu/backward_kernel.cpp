@@ -1,0 +1,277 @@
+// The CPU backward kernel (SPEC §2 recomputation, §3 parallel over K/V blocks, §5
+// deterministic dQ), compiled once per Highway SIMD target. Per pair of tiles
+// (Q rows i, K/V columns j), with S' = Q·scale·log2e·Kᵀ in log2 units:
+//
+//   P  = 2^(S' − lse·log2e)           recomputed from the forward's lse, masked to 0
+//   dP = dO·Vᵀ,  dS = P ∘ (dP − D)    with D = rowsum(dO ∘ O) precomputed
+//   dV += Pᵀ·dO,  dK += scale·dSᵀ·Q,  dQ += scale·dS·K
+//
+// Every product runs on the forward's micro-kernel; Pᵀ and dSᵀ are read in place
+// through a transposed view (MatA), never copied.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "src/cpu/backward_kernel.cpp"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+
+#include <hwy/highway.h>
+
+#include <algorithm>
+#include <limits>
+#include <numeric>
+
+#include "flashattn/online_softmax.hpp"
+#include "src/core/element.hpp"
+#include "src/cpu/backward_kernel.hpp"
+#include "src/cpu/forward_kernel.hpp"
+#include "src/cpu/simd_math-inl.h"
+#include "src/cpu/tile_ops-inl.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace flashattn::cpu::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+std::int64_t RoundUp(std::int64_t n, std::int64_t m) { return (n + m - 1) / m * m; }
+
+// A K/V tile is the row dimension of the dK/dV products and the column dimension of the
+// S/dP products, so its padded width must be whole micro-tiles both ways.
+constexpr std::int64_t kMicroTileLcm = std::lcm(kMicroRows, kMicroCols);
+
+float* LsePointer(const BackwardParams& prm, std::int64_t b, std::int64_t h, std::int64_t i) {
+  return const_cast<float*>(static_cast<const float*>(prm.lse.data)) + b * prm.lse.strides[0] +
+         h * prm.lse.strides[1] + i * prm.lse.strides[2];
+}
+
+void* OutRowPointer(const MutableTensorView& t, std::int64_t b, std::int64_t s, std::int64_t h) {
+  return static_cast<unsigned char*>(t.data) +
+         detail::offset4(t, b, s, h, 0) * static_cast<std::int64_t>(dtype_size(t.dtype));
+}
+
+void BackwardDelta(const BackwardParams& prm, std::int64_t bh) {
+  const AttentionProblem& p = prm.problem;
+  const std::int64_t b = bh / p.heads_q, h = bh % p.heads_q;
+  const DF df;
+  const std::int64_t dv = p.head_dim_v;
+  auto o_row = hwy::AllocateAligned<float>(static_cast<std::size_t>(2 * RoundUp(dv, kLanes)));
+  float* go_row = o_row.get() + RoundUp(dv, kLanes);
+  for (std::int64_t i = 0; i < p.seqlen_q; ++i) {
+    LoadRow(RowPointer(prm.out, b, i, h), p.dtype, dv, 1.0f, o_row.get());
+    LoadRow(RowPointer(prm.dout, b, i, h), p.dtype, dv, 1.0f, go_row);
+    std::fill(o_row.get() + dv, o_row.get() + RoundUp(dv, kLanes), 0.0f);
+    std::fill(go_row + dv, go_row + RoundUp(dv, kLanes), 0.0f);
+    VF acc = hn::Zero(df);
+    for (std::int64_t c = 0; c < dv; c += kLanes)
+      acc = hn::MulAdd(hn::Load(df, o_row.get() + c), hn::Load(df, go_row + c), acc);
+    prm.delta[bh * p.seqlen_q + i] = hn::GetLane(hn::SumOfLanes(df, acc));
+  }
+}
+
+// Packs Kᵀ and Vᵀ (one (dim, block_k) panel per tile) and K (rows padded to D_pad) of one
+// (batch, kv head) up to `keys`, whole tiles at a time, reusing what is already packed.
+void EnsurePacked(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t b,
+                  std::int64_t kv_head, std::int64_t keys) {
+  const AttentionProblem& p = prm.problem;
+  const std::int64_t bc = prm.plan.block_k, d = p.head_dim, dv = p.head_dim_v;
+  const std::int64_t d_pad = prm.plan.head_dim_padded;
+  if (ws.cached_batch != b || ws.cached_kv_head != kv_head) {
+    ws.cached_batch = b;
+    ws.cached_kv_head = kv_head;
+    ws.packed_keys = 0;
+  }
+  const std::int64_t begin = ws.packed_keys;
+  const std::int64_t end = std::min(p.seqlen_k, RoundUp(keys, bc));
+  if (begin >= end) return;
+  float* row = ws.row_scratch.get();
+  for (std::int64_t j = begin; j < end; ++j) {
+    const std::int64_t tile = j / bc, col = j % bc;
+    float* krow = ws.k_packed.get() + j * d_pad;
+    LoadRow(RowPointer(prm.k, b, j, kv_head), p.dtype, d, 1.0f, krow);
+    std::fill(krow + d, krow + d_pad, 0.0f);
+    float* kt = ws.kt_packed.get() + tile * d * bc + col;
+    for (std::int64_t c = 0; c < d; ++c) kt[c * bc] = krow[c];
+    LoadRow(RowPointer(prm.v, b, j, kv_head), p.dtype, dv, 1.0f, row);
+    float* vt = ws.vt_packed.get() + tile * dv * bc + col;
+    for (std::int64_t c = 0; c < dv; ++c) vt[c * bc] = row[c];
+  }
+  if (end == p.seqlen_k && end % bc != 0) {
+    // Zero the padding of the last tile so masked products meet finite values.
+    const std::int64_t tile = end / bc, used = end % bc;
+    float* kt = ws.kt_packed.get() + tile * d * bc;
+    for (std::int64_t c = 0; c < d; ++c) std::fill(kt + c * bc + used, kt + (c + 1) * bc, 0.0f);
+    float* vt = ws.vt_packed.get() + tile * dv * bc;
+    for (std::int64_t c = 0; c < dv; ++c) std::fill(vt + c * bc + used, vt + (c + 1) * bc, 0.0f);
+    std::fill(ws.k_packed.get() + end * d_pad, ws.k_packed.get() + (tile + 1) * bc * d_pad, 0.0f);
+  }
+  ws.packed_keys = end;
+}
+
+// Loads the Q tile (scaled by scale·log2e), the dO tile, lse·log2e and D of rows
+// [i0, i0 + rows) of (b, h); rows up to rows_pad are zero.
+void LoadQTile(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t b, std::int64_t h,
+               std::int64_t i0, std::int64_t rows, std::int64_t rows_pad) {
+  const AttentionProblem& p = prm.problem;
+  const std::int64_t d = p.head_dim, dv = p.head_dim_v;
+  const std::int64_t d_pad = prm.plan.head_dim_padded, dv_pad = prm.plan.head_dim_v_padded;
+  const float q_scale = p.softmax_scale * OnlineSoftmaxState::kLog2e;
+  for (std::int64_t r = 0; r < rows_pad; ++r) {
+    float* qrow = ws.q_tile.get() + r * d_pad;
+    float* dorow = ws.do_tile.get() + r * dv_pad;
+    if (r < rows) {
+      const std::int64_t i = i0 + r;
+      LoadRow(RowPointer(prm.q, b, i, h), p.dtype, d, q_scale, qrow);
+      LoadRow(RowPointer(prm.dout, b, i, h), p.dtype, dv, 1.0f, dorow);
+      ws.row_lse2[r] = *LsePointer(prm, b, h, i) * OnlineSoftmaxState::kLog2e;
+      ws.row_delta[r] = prm.delta[(b * p.heads_q + h) * p.seqlen_q + i];
+    } else {
+      std::fill(qrow, qrow + d, 0.0f);
+      std::fill(dorow, dorow + dv, 0.0f);
+      ws.row_lse2[r] = 0.0f;
+      ws.row_delta[r] = 0.0f;
+    }
+    std::fill(qrow + d, qrow + d_pad, 0.0f);
+    std::fill(dorow + dv, dorow + dv_pad, 0.0f);
+  }
+}
+
+// For the loaded Q tile against K/V tile `j0` (n_pad columns): P into p_tile and dS into
+// ds_tile. Column j of row r is visible iff j < valid[r]; everything else gets P = 0.
+void ComputePAndDS(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t i0,
+                   std::int64_t rows, std::int64_t rows_pad, std::int64_t j0, std::int64_t n,
+                   std::int64_t n_pad) {
+  const AttentionProblem& p = prm.problem;
+  const std::int64_t bc = prm.plan.block_k, d = p.head_dim, dv = p.head_dim_v;
+  const std::int64_t d_pad = prm.plan.head_dim_padded, dv_pad = prm.plan.head_dim_v_padded;
+  const std::int64_t tile = j0 / bc;
+  float* pt = ws.p_tile.get();
+  float* ds = ws.ds_tile.get();
+  TileGemm<false>({ws.q_tile.get(), d_pad}, ws.kt_packed.get() + tile * d * bc, bc, pt, bc,
+                  rows_pad, n_pad, d);
+  TileGemm<false>({ws.do_tile.get(), dv_pad}, ws.vt_packed.get() + tile * dv * bc, bc, ds, bc,
+                  rows_pad, n_pad, dv);
+  const DF df;
+  for (std::int64_t r = 0; r < rows_pad; ++r) {
+    const std::int64_t valid =
+        r < rows ? std::clamp<std::int64_t>(p.visible_keys(i0 + r) - j0, 0, n) : 0;
+    float* prow = pt + r * bc;
+    float* dsrow = ds + r * bc;
+    const VF lse2 = hn::Set(df, ws.row_lse2[r]);
+    const VF delta = hn::Set(df, ws.row_delta[r]);
+    std::int64_t j = 0;
+    for (; j + kLanes <= valid; j += kLanes) {
+      const VF pj = Exp2(df, hn::Sub(hn::Load(df, prow + j), lse2));
+      hn::Store(pj, df, prow + j);
+      hn::Store(hn::Mul(pj, hn::Sub(hn::Load(df, dsrow + j), delta)), df, dsrow + j);
+    }
+    for (; j < valid; ++j) {  // scalar ragged tail
+      const float pj = std::exp2(prow[j] - ws.row_lse2[r]);
+      prow[j] = pj;
+      dsrow[j] = pj * (dsrow[j] - ws.row_delta[r]);
+    }
+    std::fill(prow + valid, prow + n_pad, 0.0f);
+    std::fill(dsrow + valid, dsrow + n_pad, 0.0f);
+  }
+}
+
+// Pass 1: item = (b, kv head, k block). Owns dK and dV of its K/V tile, so they need no
+// synchronization; streams the Q tiles of every q head sharing the kv head.
+void BackwardKvItem(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t item) {
+  const AttentionProblem& p = prm.problem;
+  const CpuBackwardPlan& plan = prm.plan;
+  const std::int64_t bq = plan.block_q, bc = plan.block_k;
+  const std::int64_t d_pad = plan.head_dim_padded, dv_pad = plan.head_dim_v_padded;
+  const std::int64_t kb = item % plan.k_blocks, bkv = item / plan.k_blocks;
+  const std::int64_t kv_head = bkv % p.heads_kv, b = bkv / p.heads_kv;
+  const std::int64_t group = p.heads_q / p.heads_kv;
+  const std::int64_t j0 = kb * bc, n = std::min(bc, p.seqlen_k - j0);
+  const std::int64_t n_pad = RoundUp(n, kMicroTileLcm);
+  EnsurePacked(prm, ws, b, kv_head, j0 + n);
+
+  std::fill(ws.dk_acc.get(), ws.dk_acc.get() + n_pad * d_pad, 0.0f);
+  std::fill(ws.dv_acc.get(), ws.dv_acc.get() + n_pad * dv_pad, 0.0f);
+  // Causal: rows before i_first cannot see key j0 (or any later key of this tile).
+  const std::int64_t i_first = p.causal ? std::max<std::int64_t>(0, j0 + p.seqlen_q - p.seqlen_k) : 0;
+  for (std::int64_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
+    for (std::int64_t qb = i_first / bq; qb < plan.q_blocks; ++qb) {
+      const std::int64_t i0 = qb * bq, rows = std::min(bq, p.seqlen_q - i0);
+      const std::int64_t rows_pad = RoundUp(rows, kMicroRows);
+      LoadQTile(prm, ws, b, h, i0, rows, rows_pad);
+      ComputePAndDS(prm, ws, i0, rows, rows_pad, j0, n, n_pad);
+      // dV += Pᵀ·dO and dK += dSᵀ·Q' (Pᵀ, dSᵀ read through transposed views).
+      TileGemm<true>({ws.p_tile.get(), 1, bc}, ws.do_tile.get(), dv_pad, ws.dv_acc.get(), dv_pad,
+                     n_pad, dv_pad, rows_pad);
+      TileGemm<true>({ws.ds_tile.get(), 1, bc}, ws.q_tile.get(), d_pad, ws.dk_acc.get(), d_pad,
+                     n_pad, d_pad, rows_pad);
+      if (prm.dq_accum == nullptr) continue;  // deterministic: pass 2 computes dQ
+      // dQ share of this K/V tile, added to the shared accumulator under its stripe lock.
+      float* dq_tile = ws.dq_tile.get();
+      TileGemm<false>({ws.ds_tile.get(), bc}, ws.k_packed.get() + j0 * d_pad, d_pad, dq_tile,
+                      d_pad, rows_pad, d_pad, n_pad);
+      const std::int64_t tile_id = (b * p.heads_q + h) * plan.q_blocks + qb;
+      float* dst = prm.dq_accum + ((b * p.heads_q + h) * p.seqlen_q + i0) * d_pad;
+      const DF df;
+      std::lock_guard<std::mutex> lock(prm.dq_locks[tile_id % kDqLockStripes]);
+      for (std::int64_t e = 0; e < rows * d_pad; e += kLanes)
+        hn::Store(hn::Add(hn::Load(df, dst + e), hn::Load(df, dq_tile + e)), df, dst + e);
+    }
+  }
+  // dK = scale·dSᵀ·Q = ln2·dSᵀ·Q' because Q' = Q·scale·log2e.
+  for (std::int64_t r = 0; r < n; ++r) {
+    StoreRow(ws.dk_acc.get() + r * d_pad, p.head_dim, OnlineSoftmaxState::kLn2,
+             OutRowPointer(prm.dk, b, j0 + r, kv_head), prm.dk.dtype);
+    StoreRow(ws.dv_acc.get() + r * dv_pad, p.head_dim_v, 1.0f,
+             OutRowPointer(prm.dv, b, j0 + r, kv_head), prm.dv.dtype);
+  }
+}
+
+// Pass 2 (deterministic): item = (b, h, q block); dQ = scale·Σ_j dS_j·K_j in key order.
+void BackwardQItem(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t item) {
+  const AttentionProblem& p = prm.problem;
+  const CpuBackwardPlan& plan = prm.plan;
+  const std::int64_t bq = plan.block_q, bc = plan.block_k, d_pad = plan.head_dim_padded;
+  const std::int64_t qb = item % plan.q_blocks, bh = item / plan.q_blocks;
+  const std::int64_t h = bh % p.heads_q, b = bh / p.heads_q;
+  const std::int64_t kv_head = h / (p.heads_q / p.heads_kv);
+  const std::int64_t i0 = qb * bq, rows = std::min(bq, p.seqlen_q - i0);
+  const std::int64_t rows_pad = RoundUp(rows, kMicroRows);
+  const std::int64_t keys = p.visible_keys(i0 + rows - 1);
+  EnsurePacked(prm, ws, b, kv_head, keys);
+  LoadQTile(prm, ws, b, h, i0, rows, rows_pad);
+  float* dq_tile = ws.dq_tile.get();
+  std::fill(dq_tile, dq_tile + rows_pad * d_pad, 0.0f);
+  for (std::int64_t j0 = 0; j0 < keys; j0 += bc) {
+    const std::int64_t n = std::min(bc, keys - j0);
+    const std::int64_t n_pad = RoundUp(n, kMicroTileLcm);
+    ComputePAndDS(prm, ws, i0, rows, rows_pad, j0, n, n_pad);
+    TileGemm<true>({ws.ds_tile.get(), bc}, ws.k_packed.get() + j0 * d_pad, d_pad, dq_tile, d_pad,
+                   rows_pad, d_pad, n_pad);
+  }
+  for (std::int64_t r = 0; r < rows; ++r)
+    StoreRow(dq_tile + r * d_pad, p.head_dim, p.softmax_scale, OutRowPointer(prm.dq, b, i0 + r, h),
+             prm.dq.dtype);
+}
+
+void BackwardStoreDq(const BackwardParams& prm, std::int64_t bh) {
+  const AttentionProblem& p = prm.problem;
+  const std::int64_t b = bh / p.heads_q, h = bh % p.heads_q, d_pad = prm.plan.head_dim_padded;
+  for (std::int64_t i = 0; i < p.seqlen_q; ++i)
+    StoreRow(prm.dq_accum + (bh * p.seqlen_q + i) * d_pad, p.head_dim, p.softmax_scale,
+             OutRowPointer(prm.dq, b, i, h), prm.dq.dtype);
+}
+
+}  // namespace flashattn::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace flashattn::cpu {
+
+HWY_EXPORT(BackwardDelta);
+HWY_EXPORT(BackwardKvItem);
+HWY_EXPORT(BackwardQItem);
+HWY_EXPORT(BackwardStoreDq);
+
+BackwardKernels backward_kernels() {
+  kernel_geometry();  // the first dispatched call picks the target
+  return {&HWY_DYNAMIC_DISPATCH(BackwardDelta), &HWY_DYNAMIC_DISPATCH(BackwardKvItem),
+          &HWY_DYNAMIC_DISPATCH(BackwardQItem), &HWY_DYNAMIC_DISPATCH(BackwardStoreDq)};
+}
+
+}  // namespace flashattn::cpu
+#endif  // HWY_ONCE

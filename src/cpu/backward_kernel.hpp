@@ -1,0 +1,74 @@
+// Internal interface between the CPU backward driver (backward.cpp) and the per-SIMD-
+// target kernel (backward_kernel.cpp).
+#pragma once
+
+#include <cstdint>
+#include <mutex>
+#include <vector>
+
+#include <hwy/aligned_allocator.h>
+
+#include "flashattn/plan.hpp"
+#include "flashattn/problem.hpp"
+#include "flashattn/tensor.hpp"
+
+namespace flashattn::cpu {
+
+struct BackwardParams {
+  AttentionProblem problem;
+  CpuBackwardPlan plan;
+  TensorView dout, q, k, v, out, lse;
+  MutableTensorView dq, dk, dv;
+  float* delta = nullptr;     // (batch, heads_q, seqlen_q): D = rowsum(dO ∘ O)
+  float* dq_accum = nullptr;  // (batch, heads_q, seqlen_q, head_dim_padded), default mode
+  std::mutex* dq_locks = nullptr;  // kDqLockStripes locks over the Q tiles of dq_accum
+};
+
+// Striped locks guard the dQ accumulator in the default mode: enough stripes that two
+// threads rarely meet, few enough to cost nothing to create.
+inline constexpr std::int64_t kDqLockStripes = 1024;
+
+// Per-thread scratch, sized by the plan. Like the forward, K and V of one (batch, kv
+// head) are packed once per thread and reused by that head's work items.
+struct BackwardWorkspace {
+  BackwardWorkspace(const CpuBackwardPlan& plan, const AttentionProblem& problem);
+
+  hwy::AlignedFreeUniquePtr<float[]> q_tile;   // (block_q, D_pad): Q·scale·log2e
+  hwy::AlignedFreeUniquePtr<float[]> do_tile;  // (block_q, Dv_pad): dO
+  hwy::AlignedFreeUniquePtr<float[]> p_tile;   // (block_q, block_k): P
+  hwy::AlignedFreeUniquePtr<float[]> ds_tile;  // (block_q, block_k): dP, then dS in place
+  hwy::AlignedFreeUniquePtr<float[]> dq_tile;  // (block_q, D_pad)
+  hwy::AlignedFreeUniquePtr<float[]> dk_acc;   // (block_k, D_pad)
+  hwy::AlignedFreeUniquePtr<float[]> dv_acc;   // (block_k, Dv_pad)
+  hwy::AlignedFreeUniquePtr<float[]> kt_packed;  // per tile (D, block_k): Kᵀ
+  hwy::AlignedFreeUniquePtr<float[]> vt_packed;  // per tile (Dv, block_k): Vᵀ
+  hwy::AlignedFreeUniquePtr<float[]> k_packed;   // (k tiles · block_k, D_pad): K
+  hwy::AlignedFreeUniquePtr<float[]> row_scratch;  // (max(D, Dv)): one converted row
+  std::vector<float> row_lse2;   // (block_q): lse·log2e, the exp2 offset of each row
+  std::vector<float> row_delta;  // (block_q): D of each row
+  std::vector<std::int64_t> valid;  // (block_q): visible columns of the current tile
+  std::int64_t cached_batch = -1;
+  std::int64_t cached_kv_head = -1;
+  std::int64_t packed_keys = 0;
+};
+
+std::size_t backward_workspace_bytes(const CpuBackwardPlan& plan, const AttentionProblem& problem);
+
+// One (batch, head) row range of D = rowsum(dO ∘ O).
+using BackwardDeltaFn = void (*)(const BackwardParams&, std::int64_t batch_head);
+// Pass 1: dK, dV (and dQ shares) of one K/V tile of one (batch, kv head).
+using BackwardKvItemFn = void (*)(const BackwardParams&, BackwardWorkspace&, std::int64_t item);
+// Pass 2 (deterministic): dQ of one Q tile of one (batch, head).
+using BackwardQItemFn = void (*)(const BackwardParams&, BackwardWorkspace&, std::int64_t item);
+// Default mode epilogue: dq = dq_accum · scale in dq's dtype, for one (batch, head).
+using BackwardStoreDqFn = void (*)(const BackwardParams&, std::int64_t batch_head);
+
+struct BackwardKernels {
+  BackwardDeltaFn delta;
+  BackwardKvItemFn kv_item;
+  BackwardQItemFn q_item;
+  BackwardStoreDqFn store_dq;
+};
+BackwardKernels backward_kernels();
+
+}  // namespace flashattn::cpu

@@ -1,0 +1,140 @@
+// Tile operations shared by the CPU kernels, compiled once per Highway target: the
+// register-blocked micro-kernel behind every matrix product, and row loads/stores that
+// convert from and to the storage dtype. Include inside the per-target section.
+#if defined(FLASHATTN_CPU_TILE_OPS_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef FLASHATTN_CPU_TILE_OPS_INL_H_
+#undef FLASHATTN_CPU_TILE_OPS_INL_H_
+#else
+#define FLASHATTN_CPU_TILE_OPS_INL_H_
+#endif
+
+#include <hwy/highway.h>
+
+#include <cstdint>
+
+#include "flashattn/tensor.hpp"
+#include "src/core/element.hpp"
+
+HWY_BEFORE_NAMESPACE();
+namespace flashattn::cpu::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+using DF = hn::ScalableTag<float>;
+using VF = hn::Vec<DF>;
+
+// Register blocking of the micro-kernel C(rows × 2 vectors) += A·B. Each step of the
+// depth loop loads 2 vectors of B, broadcasts one A value per row and issues rows × 2
+// FMAs into independent accumulators. With 2 FMA ports of 4-cycle latency at least 8
+// must be in flight. AVX-512 has 32 registers: 8 rows → 16 accumulators + 2 B vectors
+// + a broadcast. AVX2 has 16: 6 rows → 12 accumulators + 2 B vectors + a broadcast
+// (the classic 6×16 sgemm tile). The 128-bit targets take 4 rows.
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+constexpr std::int64_t kMicroRows = 8;
+#elif HWY_TARGET == HWY_AVX2
+constexpr std::int64_t kMicroRows = 6;
+#else
+constexpr std::int64_t kMicroRows = 4;
+#endif
+constexpr std::int64_t kMicroVecs = 2;
+constexpr std::int64_t kLanes = HWY_LANES(float);
+constexpr std::int64_t kMicroCols = kMicroVecs * kLanes;
+
+// A matrix operand read one broadcast scalar at a time: element (r, p) is at
+// data[r·row_stride + p·col_stride], so a transposed operand (Pᵀ, dSᵀ in the backward
+// pass) needs no copy.
+struct MatA {
+  const float* data;
+  std::int64_t row_stride;
+  std::int64_t col_stride = 1;
+  MatA rows_from(std::int64_t r) const { return {data + r * row_stride, row_stride, col_stride}; }
+};
+
+// C(kMicroRows × kMicroCols) (+)= A(kMicroRows × depth) · B(depth × kMicroCols).
+// B and C rows are vector-aligned.
+template <bool kAccumulate>
+HWY_INLINE void MicroTile(MatA a, const float* HWY_RESTRICT b, std::int64_t ldb,
+                          float* HWY_RESTRICT c, std::int64_t ldc, std::int64_t depth) {
+  const DF df;
+  VF acc[kMicroRows][kMicroVecs];
+  for (std::int64_t r = 0; r < kMicroRows; ++r)
+    for (std::int64_t v = 0; v < kMicroVecs; ++v)
+      acc[r][v] = kAccumulate ? hn::Load(df, c + r * ldc + v * kLanes) : hn::Zero(df);
+  for (std::int64_t p = 0; p < depth; ++p) {
+    VF bv[kMicroVecs];
+    for (std::int64_t v = 0; v < kMicroVecs; ++v) bv[v] = hn::Load(df, b + p * ldb + v * kLanes);
+    for (std::int64_t r = 0; r < kMicroRows; ++r) {
+      const VF ar = hn::Set(df, a.data[r * a.row_stride + p * a.col_stride]);
+      for (std::int64_t v = 0; v < kMicroVecs; ++v) acc[r][v] = hn::MulAdd(ar, bv[v], acc[r][v]);
+    }
+  }
+  for (std::int64_t r = 0; r < kMicroRows; ++r)
+    for (std::int64_t v = 0; v < kMicroVecs; ++v) hn::Store(acc[r][v], df, c + r * ldc + v * kLanes);
+}
+
+// C(rows × cols) (+)= A(rows × depth) · B(depth × cols); rows and cols are multiples of
+// the micro-tile. Column panels outermost so one B panel stays in L1 across row strips.
+template <bool kAccumulate>
+HWY_INLINE void TileGemm(MatA a, const float* HWY_RESTRICT b, std::int64_t ldb, float* HWY_RESTRICT c,
+              std::int64_t ldc, std::int64_t rows, std::int64_t cols, std::int64_t depth) {
+  for (std::int64_t j = 0; j < cols; j += kMicroCols)
+    for (std::int64_t i = 0; i < rows; i += kMicroRows)
+      MicroTile<kAccumulate>(a.rows_from(i), b + j, ldb, c + i * ldc + j, ldc, depth);
+}
+
+// dst[0, n) = scale · src[0, n), converting from the storage dtype once.
+HWY_INLINE void LoadRow(const void* src, DType dtype, std::int64_t n, float scale, float* HWY_RESTRICT dst) {
+  const DF df;
+  const VF vscale = hn::Set(df, scale);
+  std::int64_t i = 0;
+  switch (dtype) {
+    case DType::f32: {
+      const float* s = static_cast<const float*>(src);
+      for (; i + kLanes <= n; i += kLanes) hn::StoreU(hn::Mul(hn::LoadU(df, s + i), vscale), df, dst + i);
+      for (; i < n; ++i) dst[i] = s[i] * scale;
+      break;
+    }
+    case DType::bf16: {
+      const hn::Rebind<hwy::bfloat16_t, DF> dbf;
+      const auto* s = static_cast<const hwy::bfloat16_t*>(src);
+      for (; i + kLanes <= n; i += kLanes)
+        hn::StoreU(hn::Mul(hn::PromoteTo(df, hn::LoadU(dbf, s + i)), vscale), df, dst + i);
+      for (; i < n; ++i) dst[i] = bf16_to_float(static_cast<const std::uint16_t*>(src)[i]) * scale;
+      break;
+    }
+    case DType::f16: {
+      const hn::Rebind<hwy::float16_t, DF> dh;
+      const auto* s = static_cast<const hwy::float16_t*>(src);
+      for (; i + kLanes <= n; i += kLanes)
+        hn::StoreU(hn::Mul(hn::PromoteTo(df, hn::LoadU(dh, s + i)), vscale), df, dst + i);
+      for (; i < n; ++i) dst[i] = f16_to_float(static_cast<const std::uint16_t*>(src)[i]) * scale;
+      break;
+    }
+  }
+}
+
+HWY_INLINE const void* RowPointer(const TensorView& t, std::int64_t b, std::int64_t s, std::int64_t h) {
+  return static_cast<const unsigned char*>(t.data) +
+         detail::offset4(t, b, s, h, 0) * static_cast<std::int64_t>(dtype_size(t.dtype));
+}
+
+HWY_INLINE void StoreRow(const float* HWY_RESTRICT src, std::int64_t n, float scale, void* dst, DType dtype) {
+  switch (dtype) {
+    case DType::f32: {
+      float* d = static_cast<float*>(dst);
+      for (std::int64_t i = 0; i < n; ++i) d[i] = src[i] * scale;
+      break;
+    }
+    case DType::bf16:
+      for (std::int64_t i = 0; i < n; ++i)
+        static_cast<std::uint16_t*>(dst)[i] = float_to_bf16(src[i] * scale);
+      break;
+    case DType::f16:
+      for (std::int64_t i = 0; i < n; ++i)
+        static_cast<std::uint16_t*>(dst)[i] = float_to_f16(src[i] * scale);
+      break;
+  }
+}
+
+}  // namespace flashattn::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#endif  // per-target include guard
