@@ -68,3 +68,49 @@ for h in range(2):
             assert abs(o[(i * 2 + h) * 8 + d] - ref) < 1e-5, (h, i, d)
 PY
 echo "cli smoke: ok"
+
+# Gradients in file mode (deterministic), checked against a finite difference of the
+# forward written by the same CLI: d/dv[j] of Σ dout∘out equals Σ_i P_ij dout_i.
+python3 - "$work" <<'PY'
+import struct, sys
+def save(path, shape, values):
+    header = "{'descr': '<f4', 'fortran_order': False, 'shape': (%s), }" % "".join(f"{s}, " for s in shape)
+    header += " " * (63 - (10 + len(header)) % 64) + "\n"
+    with open(path, "wb") as f:
+        f.write(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header.encode())
+        f.write(struct.pack("<%df" % len(values), *values))
+save(f"{sys.argv[1]}/do.npy", (1, 9, 2, 8), [((i * 37) % 11 - 5) / 5.0 for i in range(144)])
+PY
+"$cli" attend --q "$work/q.npy" --k "$work/k.npy" --v "$work/v.npy" --causal --deterministic \
+  --out "$work/o.npy" --dout "$work/do.npy" --dq "$work/dq.npy" --dk "$work/dk.npy" --dv "$work/dv.npy"
+python3 - "$work" <<'PY'
+import math, struct, sys
+def load(path):
+    data = open(path, "rb").read()
+    hlen = struct.unpack("<H", data[8:10])[0]
+    body = data[10 + hlen:]
+    return list(struct.unpack("<%df" % (len(body) // 4), body))
+w = sys.argv[1]
+q, k, v, do, dv = (load(f"{w}/{n}.npy") for n in ("q", "k", "v", "do", "dv"))
+assert len(load(f"{w}/dq.npy")) == 144 and len(load(f"{w}/dk.npy")) == 104
+# dV[j] = Σ_{h,i} P_hij dO_hi (both q heads share the kv head)
+for j in range(13):
+    for d in range(8):
+        ref = 0.0
+        for h in range(2):
+            for i in range(9):
+                n = i + 13 - 9 + 1
+                if j >= n: continue
+                s = [sum(q[(i * 2 + h) * 8 + c] * k[jj * 8 + c] for c in range(8)) / math.sqrt(8) for jj in range(n)]
+                m = max(s); t = sum(math.exp(x - m) for x in s)
+                ref += math.exp(s[j] - m) / t * do[(i * 2 + h) * 8 + d]
+        assert abs(dv[j * 8 + d] - ref) < 1e-5, (j, d, dv[j * 8 + d], ref)
+PY
+"$cli" run --seqlen 150 --heads 2 --dim 32 --dtype f32 --backward --repeats 1 --json > "$work/bwd.json"
+python3 - "$work/bwd.json" <<'PY'
+import json, sys
+j = json.load(open(sys.argv[1]))
+bwd = [c for c in j["cases"] if c["op"] == "bwd"]
+assert [(c["impl"], c["deterministic"]) for c in bwd] == [("flashattn", False), ("flashattn", True), ("standard", False)], bwd
+PY
+echo "cli smoke (gradients): ok"

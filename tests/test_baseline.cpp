@@ -33,3 +33,28 @@ TEST(Baseline, StandardAttentionMatchesReference) {
 
 }  // namespace
 }  // namespace flashattn::test
+
+namespace flashattn::test {
+namespace {
+
+TEST(Baseline, StandardBackwardMatchesReference) {
+  for (bool causal : {false, true}) {
+    const Tensor q = random_tensor(DType::f32, {2, 37, 4, 24}, 11);
+    const Tensor k = random_tensor(DType::f32, {2, 50, 2, 24}, 12);
+    const Tensor v = random_tensor(DType::f32, {2, 50, 2, 16}, 13);
+    const Tensor dout = random_tensor(DType::f32, {2, 37, 4, 16}, 14);
+    Tensor dq(DType::f32, {2, 37, 4, 24}), dk(DType::f32, {2, 50, 2, 24}), dv(DType::f32, {2, 50, 2, 16});
+    AttentionOptions options;
+    options.causal = causal;
+    baseline::standard_attention_backward(dout.view(), q.view(), k.view(), v.view(), dq.view(),
+                                          dk.view(), dv.view(), options);
+    const reference::Gradients want =
+        reference::attention_backward(dout.view(), q.view(), k.view(), v.view(), options);
+    EXPECT_LE(max_abs_error(dq, want.dq), 1e-4) << "causal " << causal;
+    EXPECT_LE(max_abs_error(dk, want.dk), 1e-4) << "causal " << causal;
+    EXPECT_LE(max_abs_error(dv, want.dv), 1e-4) << "causal " << causal;
+  }
+}
+
+}  // namespace
+}  // namespace flashattn::test

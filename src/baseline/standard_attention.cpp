@@ -80,6 +80,81 @@ std::size_t standard_attention(const TensorView& q, const TensorView& k, const T
   return peak;
 }
 
+namespace {
+
+// Writes a contiguous float matrix (rows, cols) · scale into head `h` of a 4-d view.
+void scatter_head(const std::vector<float>& src, float scale, const MutableTensorView& t,
+                  std::int64_t b, std::int64_t h) {
+  const std::int64_t rows = t.shape[1], cols = t.shape[3];
+#pragma omp parallel for
+  for (std::int64_t i = 0; i < rows; ++i)
+    for (std::int64_t c = 0; c < cols; ++c)
+      detail::store_element(t, detail::offset4(t, b, i, h, c),
+                            src[static_cast<std::size_t>(i * cols + c)] * scale);
+}
+
+}  // namespace
+
+std::size_t standard_attention_backward(const TensorView& dout, const TensorView& q,
+                                        const TensorView& k, const TensorView& v,
+                                        const MutableTensorView& dq, const MutableTensorView& dk,
+                                        const MutableTensorView& dv,
+                                        const AttentionOptions& options) {
+  const AttentionProblem p = AttentionProblem::from_inputs(q, k, v, options);
+  const int threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
+  set_blas_threads(threads);
+  const int sq = static_cast<int>(p.seqlen_q), sk = static_cast<int>(p.seqlen_k);
+  const int d = static_cast<int>(p.head_dim), dvd = static_cast<int>(p.head_dim_v);
+  const std::int64_t group = p.heads_q / p.heads_kv;
+  std::vector<float> qf, kf, vf, gof, dqf(static_cast<std::size_t>(sq) * d);
+  std::vector<float> dkf(static_cast<std::size_t>(sk) * d), dvf(static_cast<std::size_t>(sk) * dvd);
+  std::vector<float> prob(static_cast<std::size_t>(sq) * sk), dp(prob.size());
+  const std::size_t peak = (2 * prob.size() + dqf.size() + 2 * (dkf.size() + dvf.size()) +
+                            static_cast<std::size_t>(sq) * (d + dvd)) * sizeof(float);
+  for (std::int64_t b = 0; b < p.batch; ++b)
+    for (std::int64_t kvh = 0; kvh < p.heads_kv; ++kvh) {
+      gather_head(k, b, kvh, kf);
+      gather_head(v, b, kvh, vf);
+      std::fill(dkf.begin(), dkf.end(), 0.0f);
+      std::fill(dvf.begin(), dvf.end(), 0.0f);
+      for (std::int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
+        gather_head(q, b, h, qf);
+        gather_head(dout, b, h, gof);
+        if (sq > 0 && sk > 0) {
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, sq, sk, d, 1.0f, qf.data(), d,
+                      kf.data(), d, 0.0f, prob.data(), sk);  // S
+#pragma omp parallel for num_threads(threads)
+          for (std::int64_t i = 0; i < p.seqlen_q; ++i) {  // P
+            float lse = 0.0f;
+            softmax_row(prob.data() + i * sk, p.visible_keys(i), sk, p.softmax_scale, &lse);
+          }
+          cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, sk, dvd, sq, 1.0f, prob.data(), sk,
+                      gof.data(), dvd, 1.0f, dvf.data(), dvd);  // dV += Pᵀ·dO
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, sq, sk, dvd, 1.0f, gof.data(), dvd,
+                      vf.data(), dvd, 0.0f, dp.data(), sk);  // dP = dO·Vᵀ
+#pragma omp parallel for num_threads(threads)
+          for (std::int64_t i = 0; i < p.seqlen_q; ++i) {  // dS = P ∘ (dP − rowsum(P ∘ dP))
+            float* pr = prob.data() + i * sk;
+            float* dr = dp.data() + i * sk;
+            float delta = 0.0f;
+            for (int j = 0; j < sk; ++j) delta += pr[j] * dr[j];
+            for (int j = 0; j < sk; ++j) dr[j] = pr[j] * (dr[j] - delta);
+          }
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, sq, d, sk, 1.0f, dp.data(), sk,
+                      kf.data(), d, 0.0f, dqf.data(), d);  // dQ = dS·K
+          cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, sk, d, sq, 1.0f, dp.data(), sk,
+                      qf.data(), d, 1.0f, dkf.data(), d);  // dK += dSᵀ·Q
+        } else {
+          std::fill(dqf.begin(), dqf.end(), 0.0f);
+        }
+        scatter_head(dqf, p.softmax_scale, dq, b, h);
+      }
+      scatter_head(dkf, p.softmax_scale, dk, b, kvh);
+      scatter_head(dvf, 1.0f, dv, b, kvh);
+    }
+  return peak;
+}
+
 std::string openblas_corename() { return openblas_get_corename(); }
 
 void set_blas_threads(int threads) { openblas_set_num_threads(threads); }

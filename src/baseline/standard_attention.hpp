@@ -18,6 +18,16 @@ std::size_t standard_attention(const TensorView& q, const TensorView& k, const T
                                const MutableTensorView& out, const MutableTensorView& lse,
                                const AttentionOptions& options = {});
 
+// Standard attention's backward: per (batch, head) S and P are materialized again (as a
+// framework's saved P would be), then dV = Pᵀ·dO, dP = dO·Vᵀ, dS = P∘(dP − rowsum(P∘dP)),
+// dQ = scale·dS·K, dK = scale·dSᵀ·Q with sgemm. Returns the peak extra bytes (P and dP of
+// one head plus float32 copies of its operands and gradient accumulators).
+std::size_t standard_attention_backward(const TensorView& dout, const TensorView& q,
+                                        const TensorView& k, const TensorView& v,
+                                        const MutableTensorView& dq, const MutableTensorView& dk,
+                                        const MutableTensorView& dv,
+                                        const AttentionOptions& options = {});
+
 // The OpenBLAS kernel family in use (e.g. "Cooperlake", "Haswell"), and its threads.
 std::string openblas_corename();
 void set_blas_threads(int threads);

@@ -13,6 +13,8 @@ namespace {
 
 struct AttendFlags {
   std::string q, k, v, out, lse;
+  std::string dout, dq, dk, dv;  // gradients: all four or none
+  bool deterministic = false;
   std::optional<std::string> dtype;
   bool causal = false;
   std::optional<float> softmax_scale;
@@ -41,6 +43,14 @@ void attend(const AttendFlags& f) {
   // NumPy has no bf16: a bf16 result is written as float32 (exactly representable).
   write_npy(f.out, r.out.dtype() == DType::bf16 ? converted(r.out, DType::f32) : r.out);
   if (!f.lse.empty()) write_npy(f.lse, r.lse);
+  if (f.dout.empty()) return;
+  const Tensor dout = converted(read_npy(f.dout), dtype);
+  options.deterministic = f.deterministic;
+  const BackwardResult g =
+      backward(dout.view(), q.view(), k.view(), v.view(), r.out.view(), r.lse.view(), options);
+  const std::pair<const std::string*, const Tensor*> grads[] = {{&f.dq, &g.dq}, {&f.dk, &g.dk}, {&f.dv, &g.dv}};
+  for (const auto& [path, grad] : grads)
+    write_npy(*path, grad->dtype() == DType::bf16 ? converted(*grad, DType::f32) : *grad);
 }
 
 }  // namespace
@@ -59,6 +69,17 @@ void register_attend(CLI::App& app) {
   cmd->add_flag("--causal", flags->causal, "bottom-right aligned causal mask");
   cmd->add_option("--softmax-scale", flags->softmax_scale, "scale of Q·Kᵀ (default 1/sqrt(D))");
   cmd->add_option("--threads", flags->threads, "worker threads (0 = all cores)");
+  CLI::Option* dout = cmd->add_option("--dout", flags->dout, "upstream gradient (B, Sq, Hq, Dv): computes dq, dk, dv")
+                          ->check(CLI::ExistingFile);
+  for (auto [name, target, help] : {std::tuple{"--dq", &flags->dq, "gradient of q (.npy)"},
+                                     {"--dk", &flags->dk, "gradient of k (.npy)"},
+                                     {"--dv", &flags->dv, "gradient of v (.npy)"}}) {
+    CLI::Option* opt = cmd->add_option(name, *target, help);
+    opt->needs(dout);
+    dout->needs(opt);
+  }
+  cmd->add_flag("--deterministic", flags->deterministic,
+                "bit-identical gradients for any run and thread count");
   cmd->callback([flags] { attend(*flags); });
 }
 

@@ -1,5 +1,6 @@
 // `flashattn bench`: the performance floor, measured in one process as ratios to
 // baselines measured beside it (OpenBLAS sgemm, standard attention).
+#include <algorithm>
 #include <cstdio>
 #include <iostream>
 #include <memory>
@@ -16,6 +17,7 @@ struct BenchFlags {
   bool json = false;
   int repeats = 5;
   int sgemm_n = 2048;
+  std::vector<std::string> ops{"fwd", "bwd"};
 };
 
 void bench(const BenchFlags& f) {
@@ -33,8 +35,16 @@ void bench(const BenchFlags& f) {
       const AttentionProblem p = shape.problem();
       std::cerr << "case " << p.describe() << "\n";
       const Inputs in = random_inputs(p, 7);
+      const bool fwd = std::find(f.ops.begin(), f.ops.end(), "fwd") != f.ops.end();
+      const bool bwd = std::find(f.ops.begin(), f.ops.end(), "bwd") != f.ops.end();
       for (Impl impl : {Impl::flashattn, Impl::standard})
-        j["cases"].push_back(case_json(measure_forward(impl, p, shape.options(), in, f.repeats), p));
+        if (fwd) j["cases"].push_back(case_json(measure_forward(impl, p, shape.options(), in, f.repeats), p));
+      if (!bwd) continue;
+      AttentionOptions det = shape.options();
+      det.deterministic = true;
+      j["cases"].push_back(case_json(measure_backward(Impl::flashattn, p, shape.options(), in, f.repeats), p));
+      j["cases"].push_back(case_json(measure_backward(Impl::flashattn, p, det, in, f.repeats), p));
+      j["cases"].push_back(case_json(measure_backward(Impl::standard, p, shape.options(), in, f.repeats), p));
     }
   }
   if (f.json) {
@@ -45,11 +55,13 @@ void bench(const BenchFlags& f) {
   std::printf("cpu: %s, %d threads, simd %s, OpenBLAS %s: sgemm %.1f GFLOP/s\n",
               j["cpu"].get<std::string>().c_str(), threads, j["simd_target"].get<std::string>().c_str(),
               j["openblas_corename"].get<std::string>().c_str(), sgemm);
-  std::printf("%-10s %-4s %-6s %10s %9s %8s %12s\n", "impl", "op", "dtype", "causal", "GFLOP/s",
-              "/sgemm", "seconds");
+  std::printf("%-10s %-4s %-6s %-6s %10s %9s %8s %12s\n", "impl", "op", "determ", "dtype", "causal",
+              "GFLOP/s", "/sgemm", "seconds");
   for (const auto& c : j["cases"])
-    std::printf("%-10s %-4s %-6s %10s %9.1f %7.0f%% %12.4f\n", c["impl"].get<std::string>().c_str(),
-                c["op"].get<std::string>().c_str(), c["dtype"].get<std::string>().c_str(),
+    std::printf("%-10s %-4s %-6s %-6s %10s %9.1f %7.0f%% %12.4f\n", c["impl"].get<std::string>().c_str(),
+                c["op"].get<std::string>().c_str(),
+                c.contains("deterministic") ? (c["deterministic"].get<bool>() ? "yes" : "no") : "-",
+                c["dtype"].get<std::string>().c_str(),
                 c["causal"].get<bool>() ? "yes" : "no", c["gflops"].get<double>(),
                 100.0 * c["gflops"].get<double>() / sgemm, c["seconds"].get<double>());
 }
@@ -59,13 +71,15 @@ void bench(const BenchFlags& f) {
 void register_bench(CLI::App& app) {
   auto flags = std::make_shared<BenchFlags>();
   CLI::App* cmd = app.add_subcommand(
-      "bench", "forward benchmark: f32/bf16 x causal/full, flashattn and standard, vs OpenBLAS sgemm");
+      "bench", "forward/backward benchmark: f32/bf16 x causal/full, flashattn and standard, vs OpenBLAS sgemm");
   flags->shape.add_to(*cmd, /*with_mode=*/false);
   cmd->add_flag("--json", flags->json, "machine-readable output");
   cmd->add_option("--repeats", flags->repeats, "timed runs per case, median reported (>= 5)")
       ->capture_default_str()->check(CLI::Range(5, 1000));
   cmd->add_option("--sgemm-size", flags->sgemm_n, "n of the n^3 sgemm baseline")
       ->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--ops", flags->ops, "which passes to time: fwd, bwd")
+      ->capture_default_str()->check(CLI::IsMember({"fwd", "bwd"}))->delimiter(',');
   cmd->callback([flags] { bench(*flags); });
 }
 

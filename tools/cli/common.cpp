@@ -46,9 +46,10 @@ AttentionProblem ShapeFlags::problem() const {
 Inputs random_inputs(const AttentionProblem& p, std::uint64_t seed) {
   Inputs in{Tensor(p.dtype, {p.batch, p.seqlen_q, p.heads_q, p.head_dim}),
             Tensor(p.dtype, {p.batch, p.seqlen_k, p.heads_kv, p.head_dim}),
-            Tensor(p.dtype, {p.batch, p.seqlen_k, p.heads_kv, p.head_dim_v})};
+            Tensor(p.dtype, {p.batch, p.seqlen_k, p.heads_kv, p.head_dim_v}),
+            Tensor(p.dtype, {p.batch, p.seqlen_q, p.heads_q, p.head_dim_v})};
   std::uint64_t stream = 0;
-  for (Tensor* t : {&in.q, &in.k, &in.v}) {
+  for (Tensor* t : {&in.q, &in.k, &in.v, &in.dout}) {
     const std::int64_t n = t->numel();
     const std::uint64_t s = seed * 3 + stream++;
 #pragma omp parallel
@@ -145,18 +146,46 @@ Measurement measure_forward(Impl impl, const AttentionProblem& p, const Attentio
   return m;
 }
 
+Measurement measure_backward(Impl impl, const AttentionProblem& p, const AttentionOptions& options,
+                             const Inputs& in, int repeats) {
+  Measurement m{impl, Op::bwd, impl == Impl::flashattn && options.deterministic};
+  const ForwardResult fwd = forward(in.q.view(), in.k.view(), in.v.view(), options);
+  Tensor dq(p.dtype, in.q.shape()), dk(p.dtype, in.k.shape()), dv(p.dtype, in.v.shape());
+  const std::string label = std::string(impl_name(impl)) + " backward " + to_string(p.dtype) +
+                            (p.causal ? " causal" : "") + (m.deterministic ? " deterministic" : "");
+  m.seconds = median_seconds(
+      [&] {
+        if (impl == Impl::flashattn) {
+          backward(in.dout.view(), in.q.view(), in.k.view(), in.v.view(), fwd.out.view(),
+                   fwd.lse.view(), dq.view(), dk.view(), dv.view(), options);
+        } else {
+          m.peak_bytes = baseline::standard_attention_backward(in.dout.view(), in.q.view(),
+                                                               in.k.view(), in.v.view(), dq.view(),
+                                                               dk.view(), dv.view(), options);
+        }
+      },
+      repeats, 1, label);
+  if (impl == Impl::flashattn)
+    m.peak_bytes = plan_backward(p, CpuHardware::detect(options.num_threads), options.deterministic)
+                       .workspace_bytes();
+  m.gflops = 2.5 * p.conventional_forward_flops() / m.seconds * 1e-9;
+  return m;
+}
+
 }  // namespace flashattn::cli
 
 namespace flashattn::cli {
 
 nlohmann::json case_json(const Measurement& m, const AttentionProblem& p) {
-  return {{"impl", impl_name(m.impl)},  {"op", "fwd"},
+  nlohmann::json j = {{"impl", impl_name(m.impl)},  {"op", m.op == Op::fwd ? "fwd" : "bwd"},
           {"dtype", to_string(p.dtype)}, {"batch", p.batch},
           {"heads", p.heads_q},          {"heads_kv", p.heads_kv},
           {"seqlen_q", p.seqlen_q},      {"seqlen_k", p.seqlen_k},
           {"dim", p.head_dim},           {"dim_v", p.head_dim_v},
           {"causal", p.causal},          {"seconds", m.seconds},
           {"gflops", m.gflops},          {"peak_bytes", m.peak_bytes}};
+  if (m.op == Op::bwd) j["deterministic"] = m.deterministic;
+  return j;
 }
 
 nlohmann::json machine_json(int threads) {

@@ -34,6 +34,7 @@ struct ShapeFlags {
 
 struct Inputs {
   Tensor q, k, v;
+  Tensor dout;  // (batch, seqlen_q, heads_q, head_dim_v), for backward
 };
 Inputs random_inputs(const AttentionProblem& problem, std::uint64_t seed);
 
@@ -55,18 +56,25 @@ namespace flashattn::cli {
 
 enum class Impl { flashattn, standard };
 const char* impl_name(Impl impl);
+enum class Op { fwd, bwd };
 
 struct Measurement {
   Impl impl;
+  Op op = Op::fwd;
+  bool deterministic = false;  // bwd only
   double seconds = 0.0;      // median
-  double gflops = 0.0;       // conventional FLOPs (4·B·Hq·Sq·Sk·D, halved when causal)
+  double gflops = 0.0;       // conventional FLOPs: 4·B·Hq·Sq·Sk·D (halved when causal),
+                             // 2.5× that for backward (upstream's convention)
   std::size_t peak_bytes = 0;  // extra memory the implementation allocated
-  Tensor out;                // output of the last run
+  Tensor out;                // fwd: output of the last run
 };
 
 // Times forward of `impl` on `in` (median of `repeats` after one warm-up).
 Measurement measure_forward(Impl impl, const AttentionProblem& problem,
                             const AttentionOptions& options, const Inputs& in, int repeats);
+// Times backward of `impl` on `in` (options.deterministic selects flashattn's mode).
+Measurement measure_backward(Impl impl, const AttentionProblem& problem,
+                             const AttentionOptions& options, const Inputs& in, int repeats);
 
 }  // namespace flashattn::cli
 

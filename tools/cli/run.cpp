@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <iostream>
 #include <memory>
+#include <vector>
 
 #include "src/baseline/standard_attention.hpp"
 #include "tools/cli/commands.hpp"
@@ -16,6 +17,7 @@ struct RunFlags {
   bool json = false;
   int repeats = 3;
   int samples = 64;
+  bool backward = false;
 };
 
 std::string human_bytes(double bytes) {
@@ -32,18 +34,27 @@ void run(const RunFlags& f) {
   const AttentionOptions options = f.shape.options();
   if (!f.json) std::cerr << "generating random inputs: " << p.describe() << "\n";
   const Inputs in = random_inputs(p, 1);
-  Measurement results[] = {measure_forward(Impl::flashattn, p, options, in, f.repeats),
-                           measure_forward(Impl::standard, p, options, in, f.repeats)};
-  double errors[2];
-  for (int i = 0; i < 2; ++i) errors[i] = sampled_max_error(p, in, results[i].out, f.samples);
+  std::vector<Measurement> results;
+  results.push_back(measure_forward(Impl::flashattn, p, options, in, f.repeats));
+  results.push_back(measure_forward(Impl::standard, p, options, in, f.repeats));
+  std::vector<double> errors;  // forward only: max |out − float64| on sampled rows
+  for (const Measurement& m : results) errors.push_back(sampled_max_error(p, in, m.out, f.samples));
+  if (f.backward) {
+    AttentionOptions det = options;
+    det.deterministic = true;
+    results.push_back(measure_backward(Impl::flashattn, p, options, in, f.repeats));
+    results.push_back(measure_backward(Impl::flashattn, p, det, in, f.repeats));
+    results.push_back(measure_backward(Impl::standard, p, options, in, f.repeats));
+  }
 
   if (f.json) {
     nlohmann::json j = machine_json(f.shape.threads);
-    for (int i = 0; i < 2; ++i) {
+    for (std::size_t i = 0; i < results.size(); ++i) {
       j["cases"].push_back(case_json(results[i], p));
-      j["cases"].back()["max_error"] = errors[i];
+      if (i < errors.size()) j["cases"].back()["max_error"] = errors[i];
     }
     j["speedup"] = results[1].seconds / results[0].seconds;
+    if (f.backward) j["backward_speedup"] = results[4].seconds / results[2].seconds;
     std::cout << j.dump(2) << "\n";
     return;
   }
@@ -51,16 +62,27 @@ void run(const RunFlags& f) {
   std::printf("cpu: %s, %d threads, simd %s, OpenBLAS %s\n\n", cpu_model().c_str(),
               resolved_threads(f.shape.threads), cpu_simd_target().c_str(),
               baseline::openblas_corename().c_str());
-  std::printf("%-10s %12s %10s %14s %22s\n", "impl", "time (ms)", "GFLOP/s", "extra memory",
-              "max |err| vs float64");
-  for (int i = 0; i < 2; ++i)
-    std::printf("%-10s %12.2f %10.1f %14s %22.2e\n", impl_name(results[i].impl),
-                results[i].seconds * 1e3, results[i].gflops,
-                human_bytes(static_cast<double>(results[i].peak_bytes)).c_str(), errors[i]);
-  std::printf("\nflashattn is %.2fx faster and uses %.1fx less extra memory than standard attention\n",
+  std::printf("%-10s %-18s %12s %10s %14s %22s\n", "impl", "op", "time (ms)", "GFLOP/s",
+              "extra memory", "max |err| vs float64");
+  for (std::size_t i = 0; i < results.size(); ++i) {
+    const Measurement& m = results[i];
+    const char* op = m.op == Op::fwd ? "forward" : (m.deterministic ? "backward (determ.)" : "backward");
+    char error[32] = "-";
+    if (i < errors.size()) std::snprintf(error, sizeof error, "%.2e", errors[i]);
+    std::printf("%-10s %-18s %12.2f %10.1f %14s %22s\n", impl_name(m.impl), op, m.seconds * 1e3,
+                m.gflops, human_bytes(static_cast<double>(m.peak_bytes)).c_str(), error);
+  }
+  std::printf("\nforward: flashattn is %.2fx faster and uses %.1fx less extra memory than standard attention\n",
               results[1].seconds / results[0].seconds,
               static_cast<double>(results[1].peak_bytes) / static_cast<double>(results[0].peak_bytes));
-  std::printf("(GFLOP/s counts 4*B*Hq*Sq*Sk*D, halved when causal; error on %d sampled rows)\n",
+  if (f.backward)
+    std::printf("backward: flashattn is %.2fx faster and uses %.1fx less extra memory; "
+                "deterministic mode costs %.2fx\n",
+                results[4].seconds / results[2].seconds,
+                static_cast<double>(results[4].peak_bytes) / static_cast<double>(results[2].peak_bytes),
+                results[3].seconds / results[2].seconds);
+  std::printf("(GFLOP/s counts 4*B*Hq*Sq*Sk*D, halved when causal, x2.5 for backward; "
+              "forward error on %d sampled rows; gradients are checked by the tests)\n",
               f.samples);
 }
 
@@ -75,6 +97,8 @@ void register_run(CLI::App& app) {
       ->check(CLI::PositiveNumber);
   cmd->add_option("--samples", flags->samples, "rows checked against the float64 reference")
       ->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_flag("--backward", flags->backward,
+                "also time backward (default and deterministic) against standard attention's");
   cmd->callback([flags] { run(*flags); });
 }
 
