@@ -64,7 +64,7 @@ void check_case(const Case& c, std::uint64_t seed) {
   double tol_q = 1e-4, tol_k = 1e-4, tol_v = 1e-4;
   if (c.dtype != DType::f32) {
     const AttentionProblem ap = AttentionProblem::from_inputs(p.q.view(), p.k.view(), p.v.view(), p.options);
-    const NaiveGradients naive = naive_backward_same_precision(ap, p.dout, p.q, p.k, p.v);
+    const NaiveGradients naive = naive_backward_same_precision(ap, p.options, p.dout, p.q, p.k, p.v);
     tol_q = 3.0 * max_abs_error(naive.dq, want.dq) + 1e-4;
     tol_k = 3.0 * max_abs_error(naive.dk, want.dk) + 1e-4;
     tol_v = 3.0 * max_abs_error(naive.dv, want.dv) + 1e-4;

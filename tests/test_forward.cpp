@@ -42,7 +42,7 @@ void check_case(const Case& c, std::uint64_t seed) {
   double tolerance = 1e-5;
   if (c.dtype != DType::f32) {
     const AttentionProblem p = AttentionProblem::from_inputs(q.view(), k.view(), v.view(), options);
-    tolerance = 2.0 * max_abs_error(naive_same_precision(p, q, k, v), want.out) + 1e-5;
+    tolerance = 2.0 * max_abs_error(naive_same_precision(p, options, q, k, v), want.out) + 1e-5;
   }
   EXPECT_LE(max_abs_error(got.out, want.out), tolerance);
   for (std::int64_t i = 0; i < got.lse.numel(); ++i) {

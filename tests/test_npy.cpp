@@ -238,7 +238,7 @@ TEST(NpyErrors, UnsupportedVersion) {
 }
 
 TEST(NpyErrors, UnsupportedDtypes) {
-  for (const std::string descr : {"<f8", ">f4", "|u1", "<i4", ">f2"}) {
+  for (const std::string descr : {"<f8", ">f4", "<i8", ">i4", ">f2", "<u2"}) {
     SCOPED_TRACE(descr);
     const std::string path = temp_path();
     write_bytes(path, npy_bytes(1, "{'descr': '" + descr + "', 'fortran_order': False, 'shape': (2,), }",
@@ -250,6 +250,25 @@ TEST(NpyErrors, UnsupportedDtypes) {
   write_bytes(path, npy_bytes(1, "{'descr': [('a', '<f4')], 'fortran_order': False, 'shape': (2,), }",
                               std::string(8, '\0')));
   EXPECT_THAT(read_error(path), AllOf(HasSubstr(path), HasSubstr("unsupported dtype")));
+}
+
+TEST(Npy, ReadsInt32OffsetsAndBoolMasks) {
+  const std::string offsets = temp_path("_i4");
+  std::string data(12, '\0');
+  const std::int32_t values[] = {0, 7, -3};
+  std::memcpy(data.data(), values, sizeof values);
+  write_bytes(offsets, npy_bytes(1, "{'descr': '<i4', 'fortran_order': False, 'shape': (3,), }", data));
+  const flashattn::Tensor t = flashattn::cli::read_npy(offsets);
+  EXPECT_EQ(t.dtype(), flashattn::DType::i32);
+  EXPECT_EQ(t.get(1), 7.0f);
+  EXPECT_EQ(t.get(2), -3.0f);
+  const std::string mask = temp_path("_b1");
+  write_bytes(mask, npy_bytes(1, "{'descr': '|b1', 'fortran_order': False, 'shape': (2, 2), }",
+                              std::string("\x01\x00\x00\x01", 4)));
+  const flashattn::Tensor m = flashattn::cli::read_npy(mask);
+  EXPECT_EQ(m.dtype(), flashattn::DType::u8);
+  EXPECT_EQ(m.get(0), 1.0f);
+  EXPECT_EQ(m.get(1), 0.0f);
 }
 
 TEST(NpyErrors, FortranOrder) {

@@ -43,31 +43,38 @@ inline void for_each_simd_target(const std::function<void(const std::string&)>& 
 
 // Naive attention in the inputs' precision, the way a framework does it on low-precision
 // tensors: S accumulated in float32 and rounded to dtype, softmax in float32 rounded to
-// dtype, O = P·V accumulated in float32 and rounded to dtype. Its error against the
-// float64 reference is the yardstick of upstream's "at most 2× a naive implementation".
-inline std::vector<double> naive_same_precision(const AttentionProblem& p, const Tensor& q,
+// dtype, O = P·V accumulated in float32 and rounded to dtype; variants as the reference
+// states them. Its error against the float64 reference is the yardstick of upstream's
+// "at most 2× a naive implementation".
+inline std::vector<double> naive_same_precision(const AttentionProblem& p,
+                                                const AttentionOptions& options, const Tensor& q,
                                                 const Tensor& k, const Tensor& v) {
+  const reference::Semantics sem{&p, &options};
   std::vector<double> out(static_cast<std::size_t>(p.batch * p.seqlen_q * p.heads_q * p.head_dim_v));
   const std::int64_t group = p.heads_q / p.heads_kv;
   std::vector<float> s(static_cast<std::size_t>(p.seqlen_k));
   for (std::int64_t b = 0; b < p.batch; ++b)
     for (std::int64_t h = 0; h < p.heads_q; ++h)
       for (std::int64_t i = 0; i < p.seqlen_q; ++i) {
-        const std::int64_t n = p.visible_keys(i), kvh = h / group;
+        const std::int64_t kvh = h / group;
         float m = -INFINITY, sum = 0.0f;
-        for (std::int64_t j = 0; j < n; ++j) {
+        for (std::int64_t j = 0; j < p.seqlen_k; ++j) {
+          s[j] = -INFINITY;
+          if (!sem.visible(i, j)) continue;
           float dot = 0.0f;
           for (std::int64_t d = 0; d < p.head_dim; ++d)
             dot += q.get(((b * p.seqlen_q + i) * p.heads_q + h) * p.head_dim + d) *
                    k.get(((b * p.seqlen_k + j) * p.heads_kv + kvh) * p.head_dim + d);
-          s[j] = round_to(p.dtype, round_to(p.dtype, dot) * p.softmax_scale);
+          s[j] = round_to(p.dtype, static_cast<float>(sem.score(b, h, i, j, round_to(p.dtype, dot))));
           m = std::fmax(m, s[j]);
         }
-        for (std::int64_t j = 0; j < n; ++j) sum += (s[j] = std::exp(s[j] - m));
-        for (std::int64_t j = 0; j < n; ++j) s[j] = round_to(p.dtype, s[j] / sum);
+        if (m == -INFINITY) continue;
+        for (std::int64_t j = 0; j < p.seqlen_k; ++j) sum += (s[j] = std::exp(s[j] - m));
+        for (std::int64_t j = 0; j < p.seqlen_k; ++j)
+          s[j] = round_to(p.dtype, round_to(p.dtype, s[j] / sum) * static_cast<float>(sem.dropout_weight(b, h, i, j)));
         for (std::int64_t d = 0; d < p.head_dim_v; ++d) {
           float acc = 0.0f;
-          for (std::int64_t j = 0; j < n; ++j)
+          for (std::int64_t j = 0; j < p.seqlen_k; ++j)
             acc += s[j] * v.get(((b * p.seqlen_k + j) * p.heads_kv + kvh) * p.head_dim_v + d);
           out[static_cast<std::size_t>(((b * p.seqlen_q + i) * p.heads_q + h) * p.head_dim_v + d)] =
               round_to(p.dtype, acc);
@@ -100,79 +107,93 @@ namespace flashattn::test {
 struct NaiveGradients {
   std::vector<double> dq, dk, dv;
 };
-inline NaiveGradients naive_backward_same_precision(const AttentionProblem& p, const Tensor& dout,
-                                                    const Tensor& q, const Tensor& k,
-                                                    const Tensor& v) {
+inline NaiveGradients naive_backward_same_precision(const AttentionProblem& p,
+                                                    const AttentionOptions& options,
+                                                    const Tensor& dout, const Tensor& q,
+                                                    const Tensor& k, const Tensor& v) {
+  const reference::Semantics sem{&p, &options};
   const std::int64_t d = p.head_dim, dv = p.head_dim_v, group = p.heads_q / p.heads_kv;
-  auto qi = [&](std::int64_t b, std::int64_t i, std::int64_t h, std::int64_t c) {
-    return ((b * p.seqlen_q + i) * p.heads_q + h) * d + c;
+  const std::int64_t sq = p.seqlen_q, sk = p.seqlen_k;
+  auto qi = [&](std::int64_t b, std::int64_t i, std::int64_t h, std::int64_t dim) {
+    return ((b * sq + i) * p.heads_q + h) * dim;
   };
-  auto ki = [&](std::int64_t b, std::int64_t j, std::int64_t h, std::int64_t c, std::int64_t dim) {
-    return ((b * p.seqlen_k + j) * p.heads_kv + h) * dim + c;
+  auto ki = [&](std::int64_t b, std::int64_t j, std::int64_t h, std::int64_t dim) {
+    return ((b * sk + j) * p.heads_kv + h) * dim;
   };
   std::vector<float> dq(static_cast<std::size_t>(q.numel())), dk(static_cast<std::size_t>(k.numel())),
       dvv(static_cast<std::size_t>(v.numel()));
-  const std::int64_t sq = p.seqlen_q, sk = p.seqlen_k;
-  std::vector<float> prob(static_cast<std::size_t>(sq * sk)), ds(prob.size()), o(static_cast<std::size_t>(sq * dv));
+  // Per head: P (undropped), W (dropout weights), G (dscore/ddot), dS, all (sq, sk).
+  std::vector<float> prob(static_cast<std::size_t>(sq * sk)), w(prob.size()), g(prob.size()), ds(prob.size());
+  std::vector<float> o(static_cast<std::size_t>(sq * dv));
   for (std::int64_t b = 0; b < p.batch; ++b)
     for (std::int64_t h = 0; h < p.heads_q; ++h) {
       const std::int64_t kvh = h / group;
-      for (std::int64_t i = 0; i < sq; ++i) {  // P and O, rounded
-        const std::int64_t n = p.visible_keys(i);
+      for (std::int64_t i = 0; i < sq; ++i) {
         float m = -INFINITY, sum = 0.0f;
         float* pr = &prob[static_cast<std::size_t>(i * sk)];
         for (std::int64_t j = 0; j < sk; ++j) {
-          if (j >= n) { pr[j] = 0.0f; continue; }
+          const std::size_t e = static_cast<std::size_t>(i * sk + j);
+          pr[j] = -INFINITY;
+          w[e] = static_cast<float>(sem.dropout_weight(b, h, i, j));
+          if (!sem.visible(i, j)) continue;
           float dot = 0.0f;
-          for (std::int64_t c = 0; c < d; ++c) dot += q.get(qi(b, i, h, c)) * k.get(ki(b, j, kvh, c, d));
-          pr[j] = round_to(p.dtype, round_to(p.dtype, dot) * p.softmax_scale);
+          for (std::int64_t c = 0; c < d; ++c) dot += q.get(qi(b, i, h, d) + c) * k.get(ki(b, j, kvh, d) + c);
+          dot = round_to(p.dtype, dot);
+          g[e] = static_cast<float>(sem.score_gradient(dot));
+          pr[j] = round_to(p.dtype, static_cast<float>(sem.score(b, h, i, j, dot)));
           m = std::fmax(m, pr[j]);
         }
-        for (std::int64_t j = 0; j < n; ++j) sum += (pr[j] = std::exp(pr[j] - m));
-        for (std::int64_t j = 0; j < n; ++j) pr[j] = round_to(p.dtype, pr[j] / sum);
+        if (m == -INFINITY) {
+          std::fill(pr, pr + sk, 0.0f);
+        } else {
+          for (std::int64_t j = 0; j < sk; ++j) sum += (pr[j] = std::exp(pr[j] - m));
+          for (std::int64_t j = 0; j < sk; ++j) pr[j] = round_to(p.dtype, pr[j] / sum);
+        }
         for (std::int64_t c = 0; c < dv; ++c) {
           float acc = 0.0f;
-          for (std::int64_t j = 0; j < n; ++j) acc += pr[j] * v.get(ki(b, j, kvh, c, dv));
+          for (std::int64_t j = 0; j < sk; ++j)
+            acc += round_to(p.dtype, pr[j] * w[static_cast<std::size_t>(i * sk + j)]) * v.get(ki(b, j, kvh, dv) + c);
           o[static_cast<std::size_t>(i * dv + c)] = round_to(p.dtype, acc);
         }
       }
-      for (std::int64_t i = 0; i < sq; ++i) {  // dP, D, dS, rounded
+      for (std::int64_t i = 0; i < sq; ++i) {
         float delta = 0.0f;
-        for (std::int64_t c = 0; c < dv; ++c)
-          delta += dout.get(((b * sq + i) * p.heads_q + h) * dv + c) * o[static_cast<std::size_t>(i * dv + c)];
+        for (std::int64_t c = 0; c < dv; ++c) delta += dout.get(qi(b, i, h, dv) + c) * o[static_cast<std::size_t>(i * dv + c)];
         for (std::int64_t j = 0; j < sk; ++j) {
+          const std::size_t e = static_cast<std::size_t>(i * sk + j);
           float dp = 0.0f;
-          for (std::int64_t c = 0; c < dv; ++c)
-            dp += dout.get(((b * sq + i) * p.heads_q + h) * dv + c) * v.get(ki(b, j, kvh, c, dv));
-          const float pij = prob[static_cast<std::size_t>(i * sk + j)];
-          ds[static_cast<std::size_t>(i * sk + j)] = round_to(p.dtype, pij * (round_to(p.dtype, dp) - delta));
+          for (std::int64_t c = 0; c < dv; ++c) dp += dout.get(qi(b, i, h, dv) + c) * v.get(ki(b, j, kvh, dv) + c);
+          ds[e] = prob[e] == 0.0f ? 0.0f
+                                  : round_to(p.dtype, prob[e] * (w[e] * round_to(p.dtype, dp) - delta) * g[e]);
         }
       }
       for (std::int64_t i = 0; i < sq; ++i)
         for (std::int64_t c = 0; c < d; ++c) {
           float acc = 0.0f;
-          for (std::int64_t j = 0; j < sk; ++j) acc += ds[static_cast<std::size_t>(i * sk + j)] * k.get(ki(b, j, kvh, c, d));
-          dq[static_cast<std::size_t>(qi(b, i, h, c))] = round_to(p.dtype, acc * p.softmax_scale);
+          for (std::int64_t j = 0; j < sk; ++j) acc += ds[static_cast<std::size_t>(i * sk + j)] * k.get(ki(b, j, kvh, d) + c);
+          dq[static_cast<std::size_t>(qi(b, i, h, d) + c)] = round_to(p.dtype, acc);
         }
-      for (std::int64_t j = 0; j < sk; ++j) {  // this head's share of dK, dV (fp32 sum over the group)
+      for (std::int64_t j = 0; j < sk; ++j) {  // this head's share of dK, dV
         for (std::int64_t c = 0; c < d; ++c) {
           float acc = 0.0f;
-          for (std::int64_t i = 0; i < sq; ++i) acc += ds[static_cast<std::size_t>(i * sk + j)] * q.get(qi(b, i, h, c));
-          dk[static_cast<std::size_t>(ki(b, j, kvh, c, d))] += round_to(p.dtype, acc * p.softmax_scale);
+          for (std::int64_t i = 0; i < sq; ++i) acc += ds[static_cast<std::size_t>(i * sk + j)] * q.get(qi(b, i, h, d) + c);
+          dk[static_cast<std::size_t>(ki(b, j, kvh, d) + c)] += round_to(p.dtype, acc);
         }
         for (std::int64_t c = 0; c < dv; ++c) {
           float acc = 0.0f;
-          for (std::int64_t i = 0; i < sq; ++i)
-            acc += prob[static_cast<std::size_t>(i * sk + j)] * dout.get(((b * sq + i) * p.heads_q + h) * dv + c);
-          dvv[static_cast<std::size_t>(ki(b, j, kvh, c, dv))] += round_to(p.dtype, acc);
+          for (std::int64_t i = 0; i < sq; ++i) {
+            const std::size_t e = static_cast<std::size_t>(i * sk + j);
+            acc += round_to(p.dtype, prob[e] * w[e]) * dout.get(qi(b, i, h, dv) + c);
+          }
+          dvv[static_cast<std::size_t>(ki(b, j, kvh, dv) + c)] += round_to(p.dtype, acc);
         }
       }
     }
-  NaiveGradients g;
-  for (float x : dq) g.dq.push_back(x);
-  for (float x : dk) g.dk.push_back(round_to(p.dtype, x));
-  for (float x : dvv) g.dv.push_back(round_to(p.dtype, x));
-  return g;
+  NaiveGradients r;
+  for (float x : dq) r.dq.push_back(x);
+  for (float x : dk) r.dk.push_back(round_to(p.dtype, x));
+  for (float x : dvv) r.dv.push_back(round_to(p.dtype, x));
+  return r;
 }
 
 }  // namespace flashattn::test

@@ -1,8 +1,11 @@
-// Options shared by every attention entry point. Later features (window, softcap,
-// ALiBi, dropout, ...) add fields here, named as upstream FlashAttention's arguments.
+// Options shared by every attention entry point, named as upstream FlashAttention's
+// arguments. Every variant is exact and works in forward and backward.
 #pragma once
 
+#include <cstdint>
 #include <optional>
+
+#include "flashattn/tensor.hpp"
 
 namespace flashattn {
 
@@ -12,6 +15,31 @@ struct AttentionOptions {
   // Causal mask aligned to the bottom-right corner of the (seqlen_q, seqlen_k) score
   // matrix, as upstream: query i sees key j iff j <= i + seqlen_k - seqlen_q.
   bool causal = false;
+  // Sliding window (local attention): query i sees keys j with
+  //   i + Sk − Sq − left <= j <= i + Sk − Sq + right;  −1 means unbounded on that side.
+  // causal is the same as right = 0. K/V tiles entirely outside the window are skipped.
+  struct WindowSize {
+    std::int64_t left = -1;
+    std::int64_t right = -1;
+  } window_size;
+  // Logit soft-capping: scores become softcap·tanh(s / softcap) before the softmax
+  // (s already scaled); 0 disables it.
+  float softcap = 0.0f;
+  // ALiBi: adds −slope·|i + Sk − Sq − j| to score (i, j); float32 slopes of shape
+  // (heads_q) or (batch, heads_q). Unset (null data) disables it.
+  TensorView alibi_slopes;
+  // Dropout on the attention probabilities with probability dropout_p; kept weights are
+  // scaled by 1/(1 − dropout_p). The mask is a pure function of (seed, offset, batch,
+  // head, row, column) — see dropout_keep() — so it does not depend on tiling or threads
+  // and is the same in forward and backward.
+  float dropout_p = 0.0f;
+  std::uint64_t seed = 0;
+  std::uint64_t offset = 0;
+  // Block-sparse attention: u8 mask of shape (ceil(Sq / block), ceil(Sk / block)) shared by
+  // every batch and head; score (i, j) is kept only where block_mask[i / block][j / block]
+  // is non-zero. K/V tiles whose blocks are all masked are skipped. Unset disables it.
+  TensorView block_mask;
+  std::int64_t block_mask_block_size = 0;
   // Worker threads; 0 means the OpenMP default (all cores).
   int num_threads = 0;
   // Backward only: bit-identical dq, dk, dv on every run and for every thread count

@@ -21,6 +21,15 @@ struct AttentionProblem {
   DType dtype = DType::f32;
   bool causal = false;
   float softmax_scale = 0.0f;  // resolved: never unset here
+  // Variants (see AttentionOptions), resolved: causal folds into window_right = 0.
+  std::int64_t window_left = -1;   // −1: unbounded
+  std::int64_t window_right = -1;  // −1: unbounded
+  float softcap = 0.0f;
+  bool alibi = false;
+  float dropout_p = 0.0f;
+  std::uint64_t seed = 0;
+  std::uint64_t offset = 0;
+  std::int64_t block_mask_block_size = 0;  // 0: no block mask
 
   static constexpr std::int64_t kMaxHeadDim = 512;
 
@@ -34,10 +43,16 @@ struct AttentionProblem {
                                      std::int64_t head_dim_v, DType dtype,
                                      const AttentionOptions& options);
 
-  // Number of keys query row i may attend to (bottom-right causal alignment).
-  std::int64_t visible_keys(std::int64_t row) const;
+  // Keys [begin, end) query row i may attend to under causal and window (bottom-right
+  // alignment); empty when begin >= end. A block mask may hide more inside the range.
+  struct KeyRange {
+    std::int64_t begin;
+    std::int64_t end;
+    std::int64_t size() const { return end > begin ? end - begin : 0; }
+  };
+  KeyRange key_range(std::int64_t row) const;
   // Forward FLOPs: 2·Sq·Sk·D for Q·Kᵀ plus 2·Sq·Sk·Dv for P·V, per (batch, head),
-  // counting only visible scores when causal (upstream's convention halves the square).
+  // counting only scores inside the causal/window range.
   double forward_flops() const;
   // Upstream's convention for the headline GFLOP/s: 4·B·Hq·Sq·Sk·D, halved for causal.
   double conventional_forward_flops() const;

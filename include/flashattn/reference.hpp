@@ -12,9 +12,28 @@
 
 namespace flashattn::reference {
 
-// Output row (head_dim_v values) and natural-log lse of query `row` of (batch, head).
-// A row without visible keys gives zeros and lse = −∞.
-void attention_row(const AttentionProblem& problem, const TensorView& q,
+// Every variant of AttentionOptions stated once, in float64 scalar form: the definition
+// the kernels are tested against.
+struct Semantics {
+  const AttentionProblem* problem;
+  const AttentionOptions* options;
+
+  // Row i may see key j: inside the causal/window range and a kept block.
+  bool visible(std::int64_t i, std::int64_t j) const;
+  double slope(std::int64_t b, std::int64_t h) const;
+  // Score of (i, j) from the raw dot product q_i·k_j: scale, then softcap, then ALiBi.
+  double score(std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j, double dot) const;
+  // d score / d dot (the softcap's tanh included).
+  double score_gradient(double dot) const;
+  // 0 if (i, j) is dropped, 1/(1 − p) if kept, 1 without dropout.
+  double dropout_weight(std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j) const;
+};
+
+// Output row (head_dim_v values) and natural-log lse of query `row` of (batch, head), with
+// every variant of `options` (window, softcap, ALiBi, dropout, block mask). A row without
+// visible keys gives zeros and lse = −∞.
+void attention_row(const AttentionProblem& problem, const AttentionOptions& options,
+                   const TensorView& q,
                    const TensorView& k, const TensorView& v, std::int64_t batch,
                    std::int64_t head, std::int64_t row, double* out_row, double* lse);
 

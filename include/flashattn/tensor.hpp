@@ -10,10 +10,14 @@
 
 namespace flashattn {
 
-enum class DType : std::uint8_t { f32, bf16, f16 };
+// Floating dtypes hold attention operands; i32 (sequence offsets) and u8 (boolean masks)
+// hold the integer side inputs of some options.
+enum class DType : std::uint8_t { f32, bf16, f16, i32, u8 };
+inline bool is_floating(DType dtype) { return dtype == DType::f32 || dtype == DType::bf16 || dtype == DType::f16; }
 
 std::string to_string(DType dtype);
-// Parses "f32" / "float32", "bf16" / "bfloat16", "f16" / "float16"; throws Error otherwise.
+// Parses "f32" / "float32", "bf16" / "bfloat16", "f16" / "float16" (the floating dtypes);
+// throws Error otherwise.
 DType parse_dtype(const std::string& name);
 std::size_t dtype_size(DType dtype);
 

@@ -17,11 +17,15 @@ HWY_BEFORE_NAMESPACE();
 namespace flashattn::baseline::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
-void SoftmaxRow(float* HWY_RESTRICT row, std::int64_t visible, std::int64_t cols, float scale,
-                float* HWY_RESTRICT lse) {
+void SoftmaxRow(float* HWY_RESTRICT all, std::int64_t begin, std::int64_t end, std::int64_t cols,
+                float scale, float* HWY_RESTRICT lse) {
   const hn::ScalableTag<float> df;
   const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(df));
-  std::fill(row + visible, row + cols, 0.0f);
+  end = std::max(begin, end);
+  std::fill(all, all + begin, 0.0f);
+  std::fill(all + end, all + cols, 0.0f);
+  float* row = all + begin;
+  const std::int64_t visible = end - begin;
   if (visible == 0) {
     *lse = -std::numeric_limits<float>::infinity();
     return;
@@ -51,8 +55,9 @@ HWY_AFTER_NAMESPACE();
 #if HWY_ONCE
 namespace flashattn::baseline {
 HWY_EXPORT(SoftmaxRow);
-void softmax_row(float* row, std::int64_t visible, std::int64_t cols, float scale, float* lse) {
-  HWY_DYNAMIC_DISPATCH(SoftmaxRow)(row, visible, cols, scale, lse);
+void softmax_row(float* row, std::int64_t begin, std::int64_t end, std::int64_t cols, float scale,
+                 float* lse) {
+  HWY_DYNAMIC_DISPATCH(SoftmaxRow)(row, begin, end, cols, scale, lse);
 }
 }  // namespace flashattn::baseline
 #endif

@@ -4,8 +4,9 @@
 
 namespace flashattn::baseline {
 
-// row[0, visible) ← softmax(scale · row[0, visible)); row[visible, cols) ← 0;
-// *lse ← natural-log log-sum-exp (−∞ when visible = 0).
-void softmax_row(float* row, std::int64_t visible, std::int64_t cols, float scale, float* lse);
+// row[begin, end) ← softmax(scale · row[begin, end)); the rest of row[0, cols) ← 0;
+// *lse ← natural-log log-sum-exp (−∞ when the range is empty).
+void softmax_row(float* row, std::int64_t begin, std::int64_t end, std::int64_t cols, float scale,
+                 float* lse);
 
 }  // namespace flashattn::baseline

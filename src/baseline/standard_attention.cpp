@@ -7,6 +7,7 @@
 #include <chrono>
 #include <vector>
 
+#include "flashattn/error.hpp"
 #include "flashattn/problem.hpp"
 #include "src/baseline/softmax_rows.hpp"
 #include "src/core/element.hpp"
@@ -19,6 +20,19 @@ void openblas_set_num_threads(int num_threads);
 
 namespace flashattn::baseline {
 namespace {
+
+// The textbook baseline covers causal and sliding-window masks; other variants are
+// flashattn's alone, and asking the baseline for them is an error, never a silent skip.
+void require_plain(const AttentionProblem& p) {
+  const char* unsupported = p.softcap > 0.0f         ? "softcap"
+                            : p.alibi                ? "alibi_slopes"
+                            : p.dropout_p > 0.0f     ? "dropout_p"
+                            : p.block_mask_block_size ? "block_mask"
+                                                     : nullptr;
+  if (unsupported != nullptr)
+    throw Error(std::string("standard attention baseline: ") + unsupported +
+                " is not supported (it covers causal and window_size only)");
+}
 
 // Copies head `h` of a (batch, seqlen, heads, dim) view into a contiguous float matrix.
 void gather_head(const TensorView& t, std::int64_t b, std::int64_t h, std::vector<float>& dst) {
@@ -38,6 +52,7 @@ std::size_t standard_attention(const TensorView& q, const TensorView& k, const T
                                const AttentionOptions& options) {
   const AttentionProblem p = AttentionProblem::from_inputs(q, k, v, options);
   detail::check_forward_outputs(p, q, k, v, out, lse);
+  require_plain(p);
   const int threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
   set_blas_threads(threads);
   std::vector<float> qf, kf, vf, of(static_cast<std::size_t>(p.seqlen_q * p.head_dim_v));
@@ -61,8 +76,8 @@ std::size_t standard_attention(const TensorView& q, const TensorView& k, const T
       for (std::int64_t i = 0; i < p.seqlen_q; ++i) {  // P = softmax(scale · S)
         float* row_lse = static_cast<float*>(lse.data) + b * lse.strides[0] +
                          h * lse.strides[1] + i * lse.strides[2];
-        softmax_row(s.data() + i * p.seqlen_k, p.visible_keys(i), p.seqlen_k, p.softmax_scale,
-                    row_lse);
+        const AttentionProblem::KeyRange r = p.key_range(i);
+        softmax_row(s.data() + i * p.seqlen_k, r.begin, r.end, p.seqlen_k, p.softmax_scale, row_lse);
       }
       if (sk > 0) {  // O = P·V
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, sq, dv, sk, 1.0f, s.data(), sk,
@@ -101,6 +116,7 @@ std::size_t standard_attention_backward(const TensorView& dout, const TensorView
                                         const MutableTensorView& dv,
                                         const AttentionOptions& options) {
   const AttentionProblem p = AttentionProblem::from_inputs(q, k, v, options);
+  require_plain(p);
   const int threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
   set_blas_threads(threads);
   const int sq = static_cast<int>(p.seqlen_q), sk = static_cast<int>(p.seqlen_k);
@@ -126,7 +142,8 @@ std::size_t standard_attention_backward(const TensorView& dout, const TensorView
 #pragma omp parallel for num_threads(threads)
           for (std::int64_t i = 0; i < p.seqlen_q; ++i) {  // P
             float lse = 0.0f;
-            softmax_row(prob.data() + i * sk, p.visible_keys(i), sk, p.softmax_scale, &lse);
+            const AttentionProblem::KeyRange r = p.key_range(i);
+            softmax_row(prob.data() + i * sk, r.begin, r.end, sk, p.softmax_scale, &lse);
           }
           cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, sk, dvd, sq, 1.0f, prob.data(), sk,
                       gof.data(), dvd, 1.0f, dvf.data(), dvd);  // dV += Pᵀ·dO

@@ -17,6 +17,8 @@ inline float load_element(const TensorView& v, std::int64_t offset) {
     case DType::f32: return static_cast<const float*>(v.data)[offset];
     case DType::bf16: return bf16_to_float(static_cast<const std::uint16_t*>(v.data)[offset]);
     case DType::f16: return f16_to_float(static_cast<const std::uint16_t*>(v.data)[offset]);
+    case DType::i32: return static_cast<float>(static_cast<const std::int32_t*>(v.data)[offset]);
+    case DType::u8: return static_cast<float>(static_cast<const std::uint8_t*>(v.data)[offset]);
   }
   return 0.0f;
 }
@@ -26,6 +28,8 @@ inline void store_element(const MutableTensorView& v, std::int64_t offset, float
     case DType::f32: static_cast<float*>(v.data)[offset] = value; break;
     case DType::bf16: static_cast<std::uint16_t*>(v.data)[offset] = float_to_bf16(value); break;
     case DType::f16: static_cast<std::uint16_t*>(v.data)[offset] = float_to_f16(value); break;
+    case DType::i32: static_cast<std::int32_t*>(v.data)[offset] = static_cast<std::int32_t>(value); break;
+    case DType::u8: static_cast<std::uint8_t*>(v.data)[offset] = static_cast<std::uint8_t>(value); break;
   }
 }
 

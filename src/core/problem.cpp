@@ -1,5 +1,6 @@
 #include "flashattn/problem.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <sstream>
 
@@ -42,6 +43,13 @@ AttentionProblem AttentionProblem::from_sizes(std::int64_t batch, std::int64_t s
   if (options.softmax_scale)
     require(std::isfinite(*options.softmax_scale),
             "softmax_scale: must be finite, got " + std::to_string(*options.softmax_scale));
+  require(options.window_size.left >= -1 && options.window_size.right >= -1,
+          "window_size: (" + str(options.window_size.left) + ", " + str(options.window_size.right) +
+              ") but each side must be >= -1 (-1 = unbounded)");
+  require(std::isfinite(options.softcap) && options.softcap >= 0.0f,
+          "softcap: must be >= 0 (0 disables it), got " + std::to_string(options.softcap));
+  require(options.dropout_p >= 0.0f && options.dropout_p < 1.0f,
+          "dropout_p: must be in [0, 1), got " + std::to_string(options.dropout_p));
   require(options.num_threads >= 0,
           "num_threads: must be >= 0 (0 = all cores), got " + str(options.num_threads));
 
@@ -55,9 +63,43 @@ AttentionProblem AttentionProblem::from_sizes(std::int64_t batch, std::int64_t s
   p.head_dim_v = head_dim_v;
   p.dtype = dtype;
   p.causal = options.causal;
+  p.window_left = options.window_size.left;
+  p.window_right = options.causal ? 0
+                   : options.window_size.right;
+  if (options.causal && options.window_size.right > 0)
+    throw Error("window_size: right = " + str(options.window_size.right) +
+                " contradicts causal = true (causal means right = 0)");
+  p.softcap = options.softcap;
+  p.dropout_p = options.dropout_p;
+  p.seed = options.seed;
+  p.offset = options.offset;
+  p.alibi = options.alibi_slopes.data != nullptr || options.alibi_slopes.rank != 0;
+  p.block_mask_block_size = options.block_mask.data != nullptr || options.block_mask.rank != 0
+                                ? options.block_mask_block_size
+                                : 0;
   p.softmax_scale = options.softmax_scale
                         ? *options.softmax_scale
                         : static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
+  if (p.alibi) {
+    const TensorView& a = options.alibi_slopes;
+    require(a.rank == 1 || a.rank == 2,
+            "alibi_slopes: expected rank 1 (heads_q) or 2 (batch, heads_q), got rank " + str(a.rank));
+    detail::check_view("alibi_slopes", a, a.rank, a.rank == 1 ? "(heads_q)" : "(batch, heads_q)");
+    detail::check_dtype("alibi_slopes", a, DType::f32, "slopes are float32");
+    if (a.rank == 1)
+      detail::check_shape("alibi_slopes", a, {heads_q}, "(heads_q)");
+    else
+      detail::check_shape("alibi_slopes", a, {batch, heads_q}, "(batch, heads_q)");
+  }
+  if (options.block_mask.data != nullptr || options.block_mask.rank != 0) {
+    const std::int64_t bs = options.block_mask_block_size;
+    require(bs >= 1, "block_mask_block_size: must be >= 1 with a block_mask, got " + str(bs));
+    const TensorView& m = options.block_mask;
+    detail::check_view("block_mask", m, 2, "(q blocks, k blocks)");
+    detail::check_dtype("block_mask", m, DType::u8, "a boolean mask, one byte per block");
+    detail::check_shape("block_mask", m, {(seqlen_q + bs - 1) / bs, (seqlen_k + bs - 1) / bs},
+                        "(ceil(seqlen_q / block), ceil(seqlen_k / block))");
+  }
   return p;
 }
 
@@ -67,6 +109,8 @@ AttentionProblem AttentionProblem::from_inputs(const TensorView& q, const Tensor
   detail::check_view("q", q, 4, kQLayout);
   detail::check_view("k", k, 4, kKLayout);
   detail::check_view("v", v, 4, kVLayout);
+  if (!is_floating(q.dtype))
+    throw Error("q: dtype " + to_string(q.dtype) + " is not a floating dtype (f32, bf16, f16)");
   detail::check_dtype("k", k, q.dtype, "k must have q's dtype");
   detail::check_dtype("v", v, q.dtype, "v must have q's dtype");
   require(k.shape[0] == q.shape[0], "k: batch " + str(k.shape[0]) +
@@ -83,19 +127,17 @@ AttentionProblem AttentionProblem::from_inputs(const TensorView& q, const Tensor
                     v.shape[3], q.dtype, options);
 }
 
-std::int64_t AttentionProblem::visible_keys(std::int64_t row) const {
-  if (!causal) return seqlen_k;
-  const std::int64_t last = row + seqlen_k - seqlen_q;  // last visible key index
-  return last < 0 ? 0 : (last + 1 < seqlen_k ? last + 1 : seqlen_k);
+AttentionProblem::KeyRange AttentionProblem::key_range(std::int64_t row) const {
+  const std::int64_t diagonal = row + seqlen_k - seqlen_q;  // key aligned with this row
+  KeyRange r{0, seqlen_k};
+  if (window_left >= 0) r.begin = std::max<std::int64_t>(0, diagonal - window_left);
+  if (window_right >= 0) r.end = std::clamp<std::int64_t>(diagonal + window_right + 1, 0, seqlen_k);
+  return r;
 }
 
 double AttentionProblem::forward_flops() const {
   double scores = 0.0;
-  if (!causal) {
-    scores = static_cast<double>(seqlen_q) * static_cast<double>(seqlen_k);
-  } else {
-    for (std::int64_t i = 0; i < seqlen_q; ++i) scores += static_cast<double>(visible_keys(i));
-  }
+  for (std::int64_t i = 0; i < seqlen_q; ++i) scores += static_cast<double>(key_range(i).size());
   return 2.0 * scores * static_cast<double>(head_dim + head_dim_v) *
          static_cast<double>(batch * heads_q);
 }
@@ -113,6 +155,12 @@ std::string AttentionProblem::describe() const {
     << " heads_q=" << heads_q << " heads_kv=" << heads_kv << " head_dim=" << head_dim
     << " head_dim_v=" << head_dim_v << " dtype=" << to_string(dtype)
     << " causal=" << (causal ? "true" : "false") << " softmax_scale=" << softmax_scale;
+  if (window_left >= 0 || (window_right >= 0 && !causal))
+    s << " window_size=(" << window_left << ", " << window_right << ")";
+  if (softcap > 0.0f) s << " softcap=" << softcap;
+  if (alibi) s << " alibi";
+  if (dropout_p > 0.0f) s << " dropout_p=" << dropout_p << " seed=" << seed;
+  if (block_mask_block_size > 0) s << " block_mask_block_size=" << block_mask_block_size;
   return s.str();
 }
 

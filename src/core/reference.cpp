@@ -2,40 +2,90 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 
 #include "element.hpp"
+#include "flashattn/dropout.hpp"
 
 namespace flashattn::reference {
 
-void attention_row(const AttentionProblem& p, const TensorView& q, const TensorView& k,
-                   const TensorView& v, std::int64_t b, std::int64_t h, std::int64_t i,
-                   double* out_row, double* lse) {
-  using detail::load_element;
-  using detail::offset4;
+bool Semantics::visible(std::int64_t i, std::int64_t j) const {
+  const AttentionProblem::KeyRange r = problem->key_range(i);
+  if (j < r.begin || j >= r.end) return false;
+  if (problem->block_mask_block_size == 0) return true;
+  const std::int64_t bs = problem->block_mask_block_size;
+  const TensorView& m = options->block_mask;
+  return detail::load_element(m, (i / bs) * m.strides[0] + (j / bs) * m.strides[1]) != 0.0f;
+}
+
+double Semantics::slope(std::int64_t b, std::int64_t h) const {
+  const TensorView& a = options->alibi_slopes;
+  return a.rank == 1 ? detail::load_element(a, h * a.strides[0])
+                     : detail::load_element(a, b * a.strides[0] + h * a.strides[1]);
+}
+
+double Semantics::score(std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j, double dot) const {
+  const AttentionProblem& p = *problem;
+  double s = dot * static_cast<double>(p.softmax_scale);
+  if (p.softcap > 0.0f) s = p.softcap * std::tanh(s / p.softcap);
+  if (p.alibi) s -= slope(b, h) * static_cast<double>(std::llabs(i + p.seqlen_k - p.seqlen_q - j));
+  return s;
+}
+
+double Semantics::score_gradient(double dot) const {
+  const double scale = problem->softmax_scale;
+  if (problem->softcap <= 0.0f) return scale;
+  const double t = std::tanh(dot * scale / problem->softcap);
+  return scale * (1.0 - t * t);
+}
+
+double Semantics::dropout_weight(std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j) const {
+  const AttentionProblem& p = *problem;
+  if (p.dropout_p <= 0.0f) return 1.0;
+  return dropout_keep(p.seed, p.offset, b, h, i, j, p.dropout_p) ? 1.0 / (1.0 - p.dropout_p) : 0.0;
+}
+
+namespace {
+
+double dot_row(const AttentionProblem& p, const TensorView& q, const TensorView& k, std::int64_t b,
+               std::int64_t h, std::int64_t kv_head, std::int64_t i, std::int64_t j) {
+  double dot = 0.0;
+  for (std::int64_t c = 0; c < p.head_dim; ++c)
+    dot += static_cast<double>(detail::load_element(q, detail::offset4(q, b, i, h, c))) *
+           static_cast<double>(detail::load_element(k, detail::offset4(k, b, j, kv_head, c)));
+  return dot;
+}
+
+}  // namespace
+
+void attention_row(const AttentionProblem& p, const AttentionOptions& options, const TensorView& q,
+                   const TensorView& k, const TensorView& v, std::int64_t b, std::int64_t h,
+                   std::int64_t i, double* out_row, double* lse) {
+  const Semantics sem{&p, &options};
   const std::int64_t kv_head = h / (p.heads_q / p.heads_kv);
-  const std::int64_t n = p.visible_keys(i);
   std::fill(out_row, out_row + p.head_dim_v, 0.0);
-  if (n == 0) {
+  // S row (visible keys only) = score(q_i·k_j), P row = softmax(S row), o = Σ P·w·V.
+  std::vector<std::int64_t> keys;
+  std::vector<double> s;
+  const AttentionProblem::KeyRange range = p.key_range(i);
+  for (std::int64_t j = range.begin; j < range.end; ++j)
+    if (sem.visible(i, j)) {
+      keys.push_back(j);
+      s.push_back(sem.score(b, h, i, j, dot_row(p, q, k, b, h, kv_head, i, j)));
+    }
+  if (keys.empty()) {
     *lse = -std::numeric_limits<double>::infinity();
     return;
-  }
-  // S row = scale · q_i · K_jᵀ, then P row = softmax(S row), then o = P row · V.
-  std::vector<double> s(static_cast<std::size_t>(n));
-  for (std::int64_t j = 0; j < n; ++j) {
-    double dot = 0.0;
-    for (std::int64_t d = 0; d < p.head_dim; ++d)
-      dot += static_cast<double>(load_element(q, offset4(q, b, i, h, d))) *
-             static_cast<double>(load_element(k, offset4(k, b, j, kv_head, d)));
-    s[j] = dot * static_cast<double>(p.softmax_scale);
   }
   const double m = *std::max_element(s.begin(), s.end());
   double sum = 0.0;
   for (double& x : s) sum += (x = std::exp(x - m));
-  for (std::int64_t j = 0; j < n; ++j) {
-    const double pj = s[j] / sum;
-    for (std::int64_t d = 0; d < p.head_dim_v; ++d)
-      out_row[d] += pj * static_cast<double>(load_element(v, offset4(v, b, j, kv_head, d)));
+  for (std::size_t n = 0; n < keys.size(); ++n) {
+    const std::int64_t j = keys[n];
+    const double pj = s[n] / sum * sem.dropout_weight(b, h, i, j);
+    for (std::int64_t c = 0; c < p.head_dim_v; ++c)
+      out_row[c] += pj * static_cast<double>(detail::load_element(v, detail::offset4(v, b, j, kv_head, c)));
   }
   *lse = m + std::log(sum);
 }
@@ -50,7 +100,7 @@ Result attention(const TensorView& q, const TensorView& k, const TensorView& v,
   for (std::int64_t b = 0; b < p.batch; ++b)
     for (std::int64_t h = 0; h < p.heads_q; ++h)
       for (std::int64_t i = 0; i < p.seqlen_q; ++i)
-        attention_row(p, q, k, v, b, h, i,
+        attention_row(p, options, q, k, v, b, h, i,
                       &r.out[static_cast<std::size_t>(((b * p.seqlen_q + i) * p.heads_q + h) *
                                                       p.head_dim_v)],
                       &r.lse[static_cast<std::size_t>((b * p.heads_q + h) * p.seqlen_q + i)]);
@@ -62,40 +112,39 @@ Gradients attention_backward(const TensorView& dout, const TensorView& q, const 
   using detail::load_element;
   using detail::offset4;
   const AttentionProblem p = AttentionProblem::from_inputs(q, k, v, options);
+  const Semantics sem{&p, &options};
   const std::int64_t d = p.head_dim, dv = p.head_dim_v, group = p.heads_q / p.heads_kv;
   Gradients g;
   g.dq.assign(static_cast<std::size_t>(p.batch * p.seqlen_q * p.heads_q * d), 0.0);
   g.dk.assign(static_cast<std::size_t>(p.batch * p.seqlen_k * p.heads_kv * d), 0.0);
   g.dv.assign(static_cast<std::size_t>(p.batch * p.seqlen_k * p.heads_kv * dv), 0.0);
-  const double scale = p.softmax_scale;
   // One (batch, kv head) per task: its dk/dv rows are written by nobody else.
 #pragma omp parallel for collapse(2) schedule(dynamic)
   for (std::int64_t b = 0; b < p.batch; ++b)
     for (std::int64_t kvh = 0; kvh < p.heads_kv; ++kvh) {
-      std::vector<double> out_row(static_cast<std::size_t>(dv)), prob(static_cast<std::size_t>(p.seqlen_k));
+      std::vector<double> out_row(static_cast<std::size_t>(dv));
       for (std::int64_t h = kvh * group; h < (kvh + 1) * group; ++h)
         for (std::int64_t i = 0; i < p.seqlen_q; ++i) {
-          const std::int64_t n = p.visible_keys(i);
-          if (n == 0) continue;
           double lse = 0.0;
-          attention_row(p, q, k, v, b, h, i, out_row.data(), &lse);
+          attention_row(p, options, q, k, v, b, h, i, out_row.data(), &lse);
+          if (std::isinf(lse)) continue;  // no visible key: no gradient
           double delta = 0.0;  // D_i = rowsum(dO ∘ O) = Σ_j P_ij dP_ij
           for (std::int64_t c = 0; c < dv; ++c)
             delta += static_cast<double>(load_element(dout, offset4(dout, b, i, h, c))) *
                      out_row[static_cast<std::size_t>(c)];
-          for (std::int64_t j = 0; j < n; ++j) {
-            double s = 0.0;
-            for (std::int64_t c = 0; c < d; ++c)
-              s += static_cast<double>(load_element(q, offset4(q, b, i, h, c))) *
-                   static_cast<double>(load_element(k, offset4(k, b, j, kvh, c)));
-            const double pij = std::exp(s * scale - lse);
-            double dp = 0.0;
+          const AttentionProblem::KeyRange range = p.key_range(i);
+          for (std::int64_t j = range.begin; j < range.end; ++j) {
+            if (!sem.visible(i, j)) continue;
+            const double dot = dot_row(p, q, k, b, h, kvh, i, j);
+            const double pij = std::exp(sem.score(b, h, i, j, dot) - lse);
+            const double w = sem.dropout_weight(b, h, i, j);
+            double dp = 0.0;  // dP_ij = w · dO_i·V_j
             for (std::int64_t c = 0; c < dv; ++c) {
               const double go = load_element(dout, offset4(dout, b, i, h, c));
               dp += go * static_cast<double>(load_element(v, offset4(v, b, j, kvh, c)));
-              g.dv[static_cast<std::size_t>(((b * p.seqlen_k + j) * p.heads_kv + kvh) * dv + c)] += pij * go;
+              g.dv[static_cast<std::size_t>(((b * p.seqlen_k + j) * p.heads_kv + kvh) * dv + c)] += pij * w * go;
             }
-            const double ds = pij * (dp - delta) * scale;
+            const double ds = pij * (w * dp - delta) * sem.score_gradient(dot);
             for (std::int64_t c = 0; c < d; ++c) {
               g.dq[static_cast<std::size_t>(((b * p.seqlen_q + i) * p.heads_q + h) * d + c)] +=
                   ds * static_cast<double>(load_element(k, offset4(k, b, j, kvh, c)));

@@ -13,6 +13,8 @@ std::string to_string(DType dtype) {
     case DType::f32: return "f32";
     case DType::bf16: return "bf16";
     case DType::f16: return "f16";
+    case DType::i32: return "i32";
+    case DType::u8: return "u8";
   }
   return "unknown";
 }
@@ -24,7 +26,16 @@ DType parse_dtype(const std::string& name) {
   throw Error("dtype: unknown dtype '" + name + "' (expected f32, bf16 or f16)");
 }
 
-std::size_t dtype_size(DType dtype) { return dtype == DType::f32 ? 4 : 2; }
+std::size_t dtype_size(DType dtype) {
+  switch (dtype) {
+    case DType::f32:
+    case DType::i32: return 4;
+    case DType::bf16:
+    case DType::f16: return 2;
+    case DType::u8: return 1;
+  }
+  return 1;
+}
 
 float bf16_to_float(std::uint16_t bits) {
   return std::bit_cast<float>(static_cast<std::uint32_t>(bits) << 16);
@@ -70,9 +81,11 @@ std::uint16_t float_to_f16(float value) {
 
 float round_to(DType dtype, float value) {
   switch (dtype) {
-    case DType::f32: return value;
     case DType::bf16: return bf16_to_float(float_to_bf16(value));
     case DType::f16: return f16_to_float(float_to_f16(value));
+    case DType::f32:
+    case DType::i32:
+    case DType::u8: return value;
   }
   return value;
 }
@@ -122,6 +135,8 @@ float Tensor::get(std::int64_t i) const {
     case DType::f32: return data_as<float>()[i];
     case DType::bf16: return bf16_to_float(data_as<std::uint16_t>()[i]);
     case DType::f16: return f16_to_float(data_as<std::uint16_t>()[i]);
+    case DType::i32: return static_cast<float>(data_as<std::int32_t>()[i]);
+    case DType::u8: return static_cast<float>(data_as<std::uint8_t>()[i]);
   }
   return 0.0f;
 }
@@ -131,6 +146,8 @@ void Tensor::set(std::int64_t i, float value) {
     case DType::f32: data_as<float>()[i] = value; break;
     case DType::bf16: data_as<std::uint16_t>()[i] = float_to_bf16(value); break;
     case DType::f16: data_as<std::uint16_t>()[i] = float_to_f16(value); break;
+    case DType::i32: data_as<std::int32_t>()[i] = static_cast<std::int32_t>(value); break;
+    case DType::u8: data_as<std::uint8_t>()[i] = static_cast<std::uint8_t>(value); break;
   }
 }
 

@@ -24,7 +24,7 @@ struct BackwardSizes {
         dv_pad(static_cast<std::size_t>(plan.head_dim_v_padded)),
         keys_pad(round_up(static_cast<std::size_t>(p.seqlen_k), bc)) {}
   std::size_t floats() const {
-    return bq * (d_pad + dv_pad + 2 * bc + d_pad) + bc * (d_pad + dv_pad) +
+    return bq * (d_pad + dv_pad + 4 * bc + d_pad) + bc * (d_pad + dv_pad) +
            keys_pad * (d + dv + d_pad) + std::max(d_pad, dv_pad);
   }
 };
@@ -32,18 +32,19 @@ struct BackwardSizes {
 
 std::size_t backward_workspace_bytes(const CpuBackwardPlan& plan, const AttentionProblem& p) {
   const BackwardSizes s(plan, p);
-  return s.floats() * sizeof(float) + s.bq * (2 * sizeof(float) + sizeof(std::int64_t));
+  return s.floats() * sizeof(float) + s.bq * 2 * sizeof(float);
 }
 
 BackwardWorkspace::BackwardWorkspace(const CpuBackwardPlan& plan, const AttentionProblem& p)
     : row_lse2(static_cast<std::size_t>(plan.block_q)),
-      row_delta(static_cast<std::size_t>(plan.block_q)),
-      valid(static_cast<std::size_t>(plan.block_q)) {
+      row_delta(static_cast<std::size_t>(plan.block_q)) {
   const BackwardSizes s(plan, p);
   q_tile = hwy::AllocateAligned<float>(s.bq * s.d_pad);
   do_tile = hwy::AllocateAligned<float>(s.bq * s.dv_pad);
   p_tile = hwy::AllocateAligned<float>(s.bq * s.bc);
   ds_tile = hwy::AllocateAligned<float>(s.bq * s.bc);
+  g_tile = hwy::AllocateAligned<float>(s.bq * s.bc);
+  w_tile = hwy::AllocateAligned<float>(s.bq * s.bc);
   dq_tile = hwy::AllocateAligned<float>(s.bq * s.d_pad);
   dk_acc = hwy::AllocateAligned<float>(s.bc * s.d_pad);
   dv_acc = hwy::AllocateAligned<float>(s.bc * s.dv_pad);
@@ -115,6 +116,7 @@ void backward(const TensorView& dout, const TensorView& q, const TensorView& k,
     dq_locks = std::make_unique<std::mutex[]>(cpu::kDqLockStripes);
   }
   const cpu::BackwardParams params{p,      plan, dout, q,  k,  v,  out, lse, dq, dk, dv,
+                                   options.alibi_slopes, options.block_mask,
                                    delta.get(), dq_accum.get(), dq_locks.get()};
 #pragma omp parallel num_threads(plan.threads)
   {

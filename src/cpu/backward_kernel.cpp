@@ -22,6 +22,7 @@
 #include "src/core/element.hpp"
 #include "src/cpu/backward_kernel.hpp"
 #include "src/cpu/forward_kernel.hpp"
+#include "src/cpu/score_mods-inl.h"
 #include "src/cpu/simd_math-inl.h"
 #include "src/cpu/tile_ops-inl.h"
 
@@ -131,42 +132,54 @@ void LoadQTile(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t b,
   }
 }
 
-// For the loaded Q tile against K/V tile `j0` (n_pad columns): P into p_tile and dS into
-// ds_tile. Column j of row r is visible iff j < valid[r]; everything else gets P = 0.
-void ComputePAndDS(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t i0,
-                   std::int64_t rows, std::int64_t rows_pad, std::int64_t j0, std::int64_t n,
-                   std::int64_t n_pad) {
+// For the loaded Q tile against K/V tile `j0` (n keys, n_pad columns): P·w into p_tile
+// (w the dropout weights, 1 without dropout) and dS into ds_tile, with the variants of
+// `mods` applied exactly as in the forward. Hidden scores become −∞, so P = 0 there.
+void ComputePAndDS(const BackwardParams& prm, BackwardWorkspace& ws, const RowMods& mods,
+                   std::int64_t i0, std::int64_t rows, std::int64_t rows_pad, std::int64_t j0,
+                   std::int64_t n, std::int64_t n_pad) {
   const AttentionProblem& p = prm.problem;
   const std::int64_t bc = prm.plan.block_k, d = p.head_dim, dv = p.head_dim_v;
   const std::int64_t d_pad = prm.plan.head_dim_padded, dv_pad = prm.plan.head_dim_v_padded;
   const std::int64_t tile = j0 / bc;
-  float* pt = ws.p_tile.get();
-  float* ds = ws.ds_tile.get();
-  TileGemm<false>({ws.q_tile.get(), d_pad}, ws.kt_packed.get() + tile * d * bc, bc, pt, bc,
-                  rows_pad, n_pad, d);
-  TileGemm<false>({ws.do_tile.get(), dv_pad}, ws.vt_packed.get() + tile * dv * bc, bc, ds, bc,
-                  rows_pad, n_pad, dv);
+  TileGemm<false>({ws.q_tile.get(), d_pad}, ws.kt_packed.get() + tile * d * bc, bc, ws.p_tile.get(),
+                  bc, rows_pad, n_pad, d);
+  TileGemm<false>({ws.do_tile.get(), dv_pad}, ws.vt_packed.get() + tile * dv * bc, bc,
+                  ws.ds_tile.get(), bc, rows_pad, n_pad, dv);
+  const bool softcap = p.softcap > 0.0f, dropout = mods.dropout_threshold != 0;
   const DF df;
   for (std::int64_t r = 0; r < rows_pad; ++r) {
-    const std::int64_t valid =
-        r < rows ? std::clamp<std::int64_t>(p.visible_keys(i0 + r) - j0, 0, n) : 0;
-    float* prow = pt + r * bc;
-    float* dsrow = ds + r * bc;
+    float* prow = ws.p_tile.get() + r * bc;
+    float* dsrow = ws.ds_tile.get() + r * bc;
+    float* grow = ws.g_tile.get() + r * bc;
+    float* wrow = ws.w_tile.get() + r * bc;
+    if (r >= rows || ws.row_lse2[r] == -std::numeric_limits<float>::infinity()) {
+      std::fill(prow, prow + n_pad, 0.0f);  // padding, or a row that sees no key at all
+      std::fill(dsrow, dsrow + n_pad, 0.0f);
+      continue;
+    }
+    const std::int64_t i = i0 + r;
+    mods.apply(prow, softcap ? grow : nullptr, i, j0, n, n_pad);
+    if (dropout) {
+      std::fill(wrow, wrow + n_pad, 1.0f);
+      mods.apply_dropout(wrow, i, j0, n_pad);
+    }
     const VF lse2 = hn::Set(df, ws.row_lse2[r]);
     const VF delta = hn::Set(df, ws.row_delta[r]);
-    std::int64_t j = 0;
-    for (; j + kLanes <= valid; j += kLanes) {
+    for (std::int64_t j = 0; j < n_pad; j += kLanes) {
       const VF pj = Exp2(df, hn::Sub(hn::Load(df, prow + j), lse2));
-      hn::Store(pj, df, prow + j);
-      hn::Store(hn::Mul(pj, hn::Sub(hn::Load(df, dsrow + j), delta)), df, dsrow + j);
+      VF dp = hn::Load(df, dsrow + j);
+      VF pw = pj;
+      if (dropout) {  // dP of the undropped P is w·dP of the dropped one
+        const VF w = hn::Load(df, wrow + j);
+        pw = hn::Mul(pj, w);
+        dp = hn::Mul(dp, w);
+      }
+      VF ds = hn::Mul(pj, hn::Sub(dp, delta));
+      if (softcap) ds = hn::Mul(ds, hn::Load(df, grow + j));  // through the tanh
+      hn::Store(pw, df, prow + j);
+      hn::Store(ds, df, dsrow + j);
     }
-    for (; j < valid; ++j) {  // scalar ragged tail
-      const float pj = std::exp2(prow[j] - ws.row_lse2[r]);
-      prow[j] = pj;
-      dsrow[j] = pj * (dsrow[j] - ws.row_delta[r]);
-    }
-    std::fill(prow + valid, prow + n_pad, 0.0f);
-    std::fill(dsrow + valid, dsrow + n_pad, 0.0f);
   }
 }
 
@@ -186,14 +199,14 @@ void BackwardKvItem(const BackwardParams& prm, BackwardWorkspace& ws, std::int64
 
   std::fill(ws.dk_acc.get(), ws.dk_acc.get() + n_pad * d_pad, 0.0f);
   std::fill(ws.dv_acc.get(), ws.dv_acc.get() + n_pad * dv_pad, 0.0f);
-  // Causal: rows before i_first cannot see key j0 (or any later key of this tile).
-  const std::int64_t i_first = p.causal ? std::max<std::int64_t>(0, j0 + p.seqlen_q - p.seqlen_k) : 0;
   for (std::int64_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
-    for (std::int64_t qb = i_first / bq; qb < plan.q_blocks; ++qb) {
+    const RowMods mods(p, prm.alibi_slopes, prm.block_mask, b, h);
+    for (std::int64_t qb = 0; qb < plan.q_blocks; ++qb) {
       const std::int64_t i0 = qb * bq, rows = std::min(bq, p.seqlen_q - i0);
+      if (!mods.tile_has_work(i0, rows, j0, n)) continue;  // causal, window, block mask
       const std::int64_t rows_pad = RoundUp(rows, kMicroRows);
       LoadQTile(prm, ws, b, h, i0, rows, rows_pad);
-      ComputePAndDS(prm, ws, i0, rows, rows_pad, j0, n, n_pad);
+      ComputePAndDS(prm, ws, mods, i0, rows, rows_pad, j0, n, n_pad);
       // dV += Pᵀ·dO and dK += dSᵀ·Q' (Pᵀ, dSᵀ read through transposed views).
       TileGemm<true>({ws.p_tile.get(), 1, bc}, ws.do_tile.get(), dv_pad, ws.dv_acc.get(), dv_pad,
                      n_pad, dv_pad, rows_pad);
@@ -231,15 +244,18 @@ void BackwardQItem(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_
   const std::int64_t kv_head = h / (p.heads_q / p.heads_kv);
   const std::int64_t i0 = qb * bq, rows = std::min(bq, p.seqlen_q - i0);
   const std::int64_t rows_pad = RoundUp(rows, kMicroRows);
-  const std::int64_t keys = p.visible_keys(i0 + rows - 1);
-  EnsurePacked(prm, ws, b, kv_head, keys);
+  const std::int64_t key_begin = p.key_range(i0).begin;
+  const std::int64_t key_end = p.key_range(i0 + rows - 1).end;
+  const RowMods mods(p, prm.alibi_slopes, prm.block_mask, b, h);
+  EnsurePacked(prm, ws, b, kv_head, key_end);
   LoadQTile(prm, ws, b, h, i0, rows, rows_pad);
   float* dq_tile = ws.dq_tile.get();
   std::fill(dq_tile, dq_tile + rows_pad * d_pad, 0.0f);
-  for (std::int64_t j0 = 0; j0 < keys; j0 += bc) {
-    const std::int64_t n = std::min(bc, keys - j0);
+  for (std::int64_t j0 = key_begin / bc * bc; j0 < key_end; j0 += bc) {
+    const std::int64_t n = std::min(bc, key_end - j0);
     const std::int64_t n_pad = RoundUp(n, kMicroTileLcm);
-    ComputePAndDS(prm, ws, i0, rows, rows_pad, j0, n, n_pad);
+    if (!mods.tile_has_work(i0, rows, j0, n)) continue;
+    ComputePAndDS(prm, ws, mods, i0, rows, rows_pad, j0, n, n_pad);
     TileGemm<true>({ws.ds_tile.get(), bc}, ws.k_packed.get() + j0 * d_pad, d_pad, dq_tile, d_pad,
                    rows_pad, d_pad, n_pad);
   }

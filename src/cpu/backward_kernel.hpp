@@ -19,6 +19,7 @@ struct BackwardParams {
   CpuBackwardPlan plan;
   TensorView dout, q, k, v, out, lse;
   MutableTensorView dq, dk, dv;
+  TensorView alibi_slopes, block_mask;  // from the options; empty when unused
   float* delta = nullptr;     // (batch, heads_q, seqlen_q): D = rowsum(dO ∘ O)
   float* dq_accum = nullptr;  // (batch, heads_q, seqlen_q, head_dim_padded), default mode
   std::mutex* dq_locks = nullptr;  // kDqLockStripes locks over the Q tiles of dq_accum
@@ -37,6 +38,8 @@ struct BackwardWorkspace {
   hwy::AlignedFreeUniquePtr<float[]> do_tile;  // (block_q, Dv_pad): dO
   hwy::AlignedFreeUniquePtr<float[]> p_tile;   // (block_q, block_k): P
   hwy::AlignedFreeUniquePtr<float[]> ds_tile;  // (block_q, block_k): dP, then dS in place
+  hwy::AlignedFreeUniquePtr<float[]> g_tile;   // (block_q, block_k): softcap's 1 − tanh²
+  hwy::AlignedFreeUniquePtr<float[]> w_tile;   // (block_q, block_k): dropout weights
   hwy::AlignedFreeUniquePtr<float[]> dq_tile;  // (block_q, D_pad)
   hwy::AlignedFreeUniquePtr<float[]> dk_acc;   // (block_k, D_pad)
   hwy::AlignedFreeUniquePtr<float[]> dv_acc;   // (block_k, Dv_pad)
@@ -46,7 +49,6 @@ struct BackwardWorkspace {
   hwy::AlignedFreeUniquePtr<float[]> row_scratch;  // (max(D, Dv)): one converted row
   std::vector<float> row_lse2;   // (block_q): lse·log2e, the exp2 offset of each row
   std::vector<float> row_delta;  // (block_q): D of each row
-  std::vector<std::int64_t> valid;  // (block_q): visible columns of the current tile
   std::int64_t cached_batch = -1;
   std::int64_t cached_kv_head = -1;
   std::int64_t packed_keys = 0;

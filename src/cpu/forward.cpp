@@ -20,12 +20,11 @@ std::size_t forward_workspace_bytes(const CpuForwardPlan& plan, const AttentionP
   const auto dv_pad = static_cast<std::size_t>(plan.head_dim_v_padded);
   const std::size_t keys_pad = round_up(static_cast<std::size_t>(p.seqlen_k), bc);
   const std::size_t floats = bq * d + bq * bc + bq * dv_pad + keys_pad * d + keys_pad * dv_pad;
-  return floats * sizeof(float) + bq * (sizeof(OnlineSoftmaxState) + sizeof(std::int64_t));
+  return floats * sizeof(float) + bq * sizeof(OnlineSoftmaxState);
 }
 
 ForwardWorkspace::ForwardWorkspace(const CpuForwardPlan& plan, const AttentionProblem& p)
-    : states(static_cast<std::size_t>(plan.block_q)),
-      valid(static_cast<std::size_t>(plan.block_q)) {
+    : states(static_cast<std::size_t>(plan.block_q)) {
   const auto bq = static_cast<std::size_t>(plan.block_q);
   const auto bc = static_cast<std::size_t>(plan.block_k);
   const auto d = static_cast<std::size_t>(p.head_dim);
@@ -49,7 +48,7 @@ void forward(const TensorView& q, const TensorView& k, const TensorView& v,
 
   const cpu::ForwardParams params{problem,
                                   plan_forward(problem, CpuHardware::detect(options.num_threads)),
-                                  q, k, v, out, lse};
+                                  q, k, v, out, lse, options.alibi_slopes, options.block_mask};
   const cpu::ForwardWorkItemFn kernel = cpu::forward_work_item_kernel();
   const std::int64_t items = params.plan.work_items;
 #pragma omp parallel num_threads(params.plan.threads)

@@ -20,6 +20,7 @@
 #include "flashattn/online_softmax.hpp"
 #include "src/core/element.hpp"
 #include "src/cpu/forward_kernel.hpp"
+#include "src/cpu/score_mods-inl.h"
 #include "src/cpu/simd_math-inl.h"
 #include "src/cpu/tile_ops-inl.h"
 
@@ -61,15 +62,17 @@ void EnsurePacked(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t b
   ws.packed_keys = std::max(ws.packed_keys, end);
 }
 
-// Mask and online-softmax update of one S tile, in place: S(rows × cols) → P.
-// `valid[r]` columns of row r are visible; the rest become −∞ (ragged tail, causal).
-void SoftmaxTile(float* HWY_RESTRICT s, std::int64_t lds, std::int64_t rows, std::int64_t cols,
-                 const std::int64_t* HWY_RESTRICT valid, OnlineSoftmaxState* HWY_RESTRICT state,
-                 float* HWY_RESTRICT o_acc, std::int64_t ldo) {
+// Variants, mask and online-softmax update of one S tile, in place: S(rows × cols) of
+// keys j0.. → P (dropout applied after the row sums, which must not see it).
+void SoftmaxTile(const RowMods& mods, float* HWY_RESTRICT s, std::int64_t lds, std::int64_t i0,
+                 std::int64_t rows, std::int64_t j0, std::int64_t n, std::int64_t cols,
+                 OnlineSoftmaxState* HWY_RESTRICT state, float* HWY_RESTRICT o_acc, std::int64_t ldo) {
   const DF df;
+  const AttentionProblem& p = *mods.problem;
   for (std::int64_t r = 0; r < rows; ++r) {
+    const std::int64_t i = std::min(i0 + r, p.seqlen_q - 1);  // padded rows copy the last
     float* srow = s + r * lds;
-    std::fill(srow + valid[r], srow + cols, kNegInf);
+    mods.apply(srow, nullptr, i, j0, n, cols);
     VF vmax = hn::Set(df, kNegInf);
     for (std::int64_t j = 0; j < cols; j += kLanes) vmax = hn::Max(vmax, hn::Load(df, srow + j));
     const float factor = state[r].rescale_to(hn::GetLane(hn::MaxOfLanes(df, vmax)));
@@ -90,6 +93,7 @@ void SoftmaxTile(float* HWY_RESTRICT s, std::int64_t lds, std::int64_t rows, std
       vsum = hn::Add(vsum, pj);
     }
     state[r].add(hn::GetLane(hn::SumOfLanes(df, vsum)));
+    if (mods.dropout_threshold != 0) mods.apply_dropout(srow, i, j0, cols);
   }
 }
 
@@ -107,9 +111,13 @@ void ForwardWorkItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_
   const std::int64_t i0 = q_block * bq;
   const std::int64_t rows = std::min(bq, p.seqlen_q - i0);
   const std::int64_t rows_pad = (rows + kMicroRows - 1) / kMicroRows * kMicroRows;
-  const std::int64_t keys = p.visible_keys(i0 + rows - 1);  // the last row sees the most
+  // Key ranges are non-decreasing in the row: the block spans [first row's begin, last
+  // row's end); tiles outside it (causal, window) are never touched.
+  const std::int64_t key_begin = p.key_range(i0).begin;
+  const std::int64_t key_end = p.key_range(i0 + rows - 1).end;
+  const RowMods mods(p, prm.alibi_slopes, prm.block_mask, b, h);
 
-  EnsurePacked(prm, ws, b, kv_head, keys);
+  EnsurePacked(prm, ws, b, kv_head, key_end);
 
   float* q_tile = ws.q_tile.get();  // (rows_pad, d)
   const float q_scale = p.softmax_scale * OnlineSoftmaxState::kLog2e;
@@ -122,17 +130,15 @@ void ForwardWorkItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_
   OnlineSoftmaxState* state = ws.states.data();
   std::fill(state, state + rows_pad, OnlineSoftmaxState{});
 
-  std::int64_t* valid = ws.valid.data();
-  for (std::int64_t j0 = 0; j0 < keys; j0 += bc) {
-    const std::int64_t n = std::min(bc, keys - j0);
+  for (std::int64_t j0 = key_begin / bc * bc; j0 < key_end; j0 += bc) {
+    const std::int64_t n = std::min(bc, key_end - j0);
     const std::int64_t n_pad = (n + kMicroCols - 1) / kMicroCols * kMicroCols;
-    for (std::int64_t r = 0; r < rows_pad; ++r)
-      valid[r] = std::clamp<std::int64_t>(p.visible_keys(std::min(i0 + r, p.seqlen_q - 1)) - j0, 0, n);
+    if (!mods.tile_has_work(i0, rows, j0, n)) continue;  // block-sparse: skip it entirely
 
     float* s_tile = ws.s_tile.get();  // (rows_pad, bc)
     TileGemm<false>({q_tile, d}, ws.k_packed.get() + (j0 / bc) * d * bc, bc, s_tile, bc, rows_pad,
                     n_pad, d);
-    SoftmaxTile(s_tile, bc, rows_pad, n_pad, valid, state, o_acc, dv_pad);
+    SoftmaxTile(mods, s_tile, bc, i0, rows_pad, j0, n, n_pad, state, o_acc, dv_pad);
     TileGemm<true>({s_tile, bc}, ws.v_packed.get() + j0 * dv_pad, dv_pad, o_acc, dv_pad, rows_pad,
                    dv_pad, n_pad);
   }

@@ -20,6 +20,7 @@ struct ForwardParams {
   CpuForwardPlan plan;
   TensorView q, k, v;
   MutableTensorView out, lse;
+  TensorView alibi_slopes, block_mask;  // from the options; empty when unused
 };
 
 // Per-thread scratch memory, sized by the plan. The packed K/V of one (batch, kv head)
@@ -32,7 +33,6 @@ struct ForwardWorkspace {
   hwy::AlignedFreeUniquePtr<float[]> s_tile;    // (block_q, block_k): S, then P in place
   hwy::AlignedFreeUniquePtr<float[]> o_acc;     // (block_q, head_dim_v_padded): õ
   std::vector<OnlineSoftmaxState> states;       // (block_q): m and ℓ of each row
-  std::vector<std::int64_t> valid;              // (block_q): visible columns of a tile
   hwy::AlignedFreeUniquePtr<float[]> k_packed;  // k tiles, each (head_dim, block_k): Kᵀ
   hwy::AlignedFreeUniquePtr<float[]> v_packed;  // (k_tiles · block_k, head_dim_v_padded)
   std::int64_t cached_batch = -1;

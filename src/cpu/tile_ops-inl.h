@@ -108,6 +108,8 @@ HWY_INLINE void LoadRow(const void* src, DType dtype, std::int64_t n, float scal
       for (; i < n; ++i) dst[i] = f16_to_float(static_cast<const std::uint16_t*>(src)[i]) * scale;
       break;
     }
+    case DType::i32:
+    case DType::u8: break;  // never attention operands: rejected by validation
   }
 }
 
@@ -131,6 +133,8 @@ HWY_INLINE void StoreRow(const float* HWY_RESTRICT src, std::int64_t n, float sc
       for (std::int64_t i = 0; i < n; ++i)
         static_cast<std::uint16_t*>(dst)[i] = float_to_f16(src[i] * scale);
       break;
+    case DType::i32:
+    case DType::u8: break;  // never attention outputs: rejected by validation
   }
 }
 

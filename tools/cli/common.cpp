@@ -87,8 +87,8 @@ double median_seconds(const std::function<void()>& fn, int repeats, int warmup,
   return times[times.size() / 2];
 }
 
-double sampled_max_error(const AttentionProblem& p, const Inputs& in, const Tensor& out,
-                         int samples) {
+double sampled_max_error(const AttentionProblem& p, const AttentionOptions& options,
+                         const Inputs& in, const Tensor& out, int samples) {
   double worst = 0.0;
   std::vector<double> row(static_cast<std::size_t>(p.head_dim_v));
   const std::int64_t rows = p.batch * p.heads_q * p.seqlen_q;
@@ -98,7 +98,7 @@ double sampled_max_error(const AttentionProblem& p, const Inputs& in, const Tens
     const std::int64_t i = r % p.seqlen_q, h = (r / p.seqlen_q) % p.heads_q;
     const std::int64_t b = r / (p.seqlen_q * p.heads_q);
     double lse = 0.0;
-    reference::attention_row(p, in.q.view(), in.k.view(), in.v.view(), b, h, i, row.data(), &lse);
+    reference::attention_row(p, options, in.q.view(), in.k.view(), in.v.view(), b, h, i, row.data(), &lse);
     for (std::int64_t c = 0; c < p.head_dim_v; ++c)
       worst = std::fmax(worst, std::fabs(out.get(((b * p.seqlen_q + i) * p.heads_q + h) * p.head_dim_v + c) -
                                          row[static_cast<std::size_t>(c)]));

@@ -44,8 +44,8 @@ double median_seconds(const std::function<void()>& fn, int repeats, int warmup,
                       const std::string& label);
 
 // Max |out − reference| over `samples` rows spread over batch, heads and sequence.
-double sampled_max_error(const AttentionProblem& problem, const Inputs& in, const Tensor& out,
-                         int samples);
+double sampled_max_error(const AttentionProblem& problem, const AttentionOptions& options,
+                         const Inputs& in, const Tensor& out, int samples);
 
 std::string cpu_model();
 int resolved_threads(int requested);

@@ -49,7 +49,7 @@ class HeaderParser {
         skip_ws();
         if (peek() == '[')
           fail(path_, "unsupported dtype: structured arrays are not supported "
-                      "(only '<f4' float32 and '<f2' float16 are)");
+                      "(plain '<f4', '<f2', '<i4', '|b1' or '|u1' arrays are)");
         h.descr = string_literal();
         have_descr = true;
       } else if (key == "fortran_order" && !have_fortran) {
@@ -219,9 +219,14 @@ flashattn::Tensor read_npy(const std::string& path) {
     dtype = DType::f32;
   } else if (header.descr == "<f2") {
     dtype = DType::f16;
+  } else if (header.descr == "<i4") {
+    dtype = DType::i32;
+  } else if (header.descr == "|u1" || header.descr == "|b1") {
+    dtype = DType::u8;
   } else {
     fail(path, "unsupported dtype '" + header.descr +
-                   "' (only little-endian float32 '<f4' and float16 '<f2' are supported)");
+                   "' (supported: little-endian float32 '<f4' and float16 '<f2'; int32 '<i4' and "
+                   "bool/uint8 '|b1'/'|u1' for offsets and masks)");
   }
   if (header.fortran_order)
     fail(path, "fortran_order True is not supported (save a C-ordered array, "
@@ -263,6 +268,8 @@ void write_npy(const std::string& path, const flashattn::Tensor& tensor) {
   switch (tensor.dtype()) {
     case DType::f32: descr = "<f4"; break;
     case DType::f16: descr = "<f2"; break;
+    case DType::i32: descr = "<i4"; break;
+    case DType::u8: descr = "|u1"; break;
     case DType::bf16:
       fail(path, "cannot write dtype bf16: numpy has no bfloat16 (convert to f32 first)");
   }

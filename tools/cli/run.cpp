@@ -38,7 +38,7 @@ void run(const RunFlags& f) {
   results.push_back(measure_forward(Impl::flashattn, p, options, in, f.repeats));
   results.push_back(measure_forward(Impl::standard, p, options, in, f.repeats));
   std::vector<double> errors;  // forward only: max |out − float64| on sampled rows
-  for (const Measurement& m : results) errors.push_back(sampled_max_error(p, in, m.out, f.samples));
+  for (const Measurement& m : results) errors.push_back(sampled_max_error(p, options, in, m.out, f.samples));
   if (f.backward) {
     AttentionOptions det = options;
     det.deterministic = true;

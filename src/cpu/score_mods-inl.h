@@ -1,0 +1,155 @@
+// The attention variants applied to one row of a score tile (SPEC §6), shared by the
+// forward and backward kernels, compiled per Highway target. Scores arrive in log2 units
+// (Q was pre-scaled by softmax_scale·log2e); the float64 reference states the same
+// semantics in natural units (src/core/reference.cpp, Semantics).
+#if defined(FLASHATTN_CPU_SCORE_MODS_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef FLASHATTN_CPU_SCORE_MODS_INL_H_
+#undef FLASHATTN_CPU_SCORE_MODS_INL_H_
+#else
+#define FLASHATTN_CPU_SCORE_MODS_INL_H_
+#endif
+
+#include <hwy/contrib/math/math-inl.h>
+#include <hwy/highway.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+#include "flashattn/dropout.hpp"
+#include "flashattn/online_softmax.hpp"
+#include "flashattn/problem.hpp"
+#include "src/core/element.hpp"
+
+HWY_BEFORE_NAMESPACE();
+namespace flashattn::cpu::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+// The variants of one (batch, head), resolved once per work item.
+struct RowMods {
+  const AttentionProblem* problem;
+  const TensorView* block_mask;  // null when there is none
+  float softcap2 = 0.0f;         // softcap·log2e, 0 when off
+  float alibi_slope2 = 0.0f;     // slope·log2e, 0 when off
+  bool alibi = false;
+  std::uint32_t dropout_threshold = 0;
+  float dropout_scale = 1.0f;  // 1/(1 − p)
+  std::int64_t batch = 0, head = 0;
+
+  RowMods(const AttentionProblem& p, const TensorView& alibi_slopes, const TensorView& mask,
+          std::int64_t b, std::int64_t h)
+      : problem(&p), block_mask(p.block_mask_block_size > 0 ? &mask : nullptr), batch(b), head(h) {
+    constexpr float kLog2e = OnlineSoftmaxState::kLog2e;
+    softcap2 = p.softcap * kLog2e;
+    alibi = p.alibi;
+    if (alibi) {
+      const float slope = alibi_slopes.rank == 1
+                              ? detail::load_element(alibi_slopes, h * alibi_slopes.strides[0])
+                              : detail::load_element(alibi_slopes, b * alibi_slopes.strides[0] +
+                                                                       h * alibi_slopes.strides[1]);
+      alibi_slope2 = slope * kLog2e;
+    }
+    if (p.dropout_p > 0.0f) {
+      dropout_threshold = flashattn::dropout_threshold(p.dropout_p);
+      dropout_scale = 1.0f / (1.0f - p.dropout_p);
+    }
+  }
+
+  bool block_kept(std::int64_t i, std::int64_t j) const {
+    const std::int64_t bs = problem->block_mask_block_size;
+    return detail::load_element(*block_mask, (i / bs) * block_mask->strides[0] +
+                                                 (j / bs) * block_mask->strides[1]) != 0.0f;
+  }
+
+  // Does any row of [i0, i0 + rows) keep any key of [j0, j0 + n)? Tiles that fail are
+  // skipped entirely (window, causal and block mask).
+  bool tile_has_work(std::int64_t i0, std::int64_t rows, std::int64_t j0, std::int64_t n) const {
+    const AttentionProblem& p = *problem;
+    // key_range bounds are non-decreasing in the row, so the first and last rows bound it.
+    if (p.key_range(i0 + rows - 1).end <= j0 || p.key_range(i0).begin >= j0 + n) return false;
+    if (block_mask == nullptr) return true;
+    const std::int64_t bs = p.block_mask_block_size;
+    for (std::int64_t bi = i0 / bs; bi <= (i0 + rows - 1) / bs; ++bi)
+      for (std::int64_t bj = j0 / bs; bj <= (j0 + n - 1) / bs; ++bj)
+        if (block_kept(bi * bs, bj * bs)) return true;
+    return false;
+  }
+
+  // One score row of a tile: columns [0, cols) hold keys j0 + c. Applies softcap and
+  // ALiBi in place and sets every score that row i may not see to −∞. With `grad`, also
+  // stores d(capped)/d(raw) = 1 − tanh² for the backward pass.
+  void apply(float* HWY_RESTRICT s, float* HWY_RESTRICT grad, std::int64_t i, std::int64_t j0,
+             std::int64_t n, std::int64_t cols) const {
+    const AttentionProblem& p = *problem;
+    using DF = hn::ScalableTag<float>;
+    const DF df;
+    const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(df));
+    if (softcap2 > 0.0f) {
+      const auto cap = hn::Set(df, softcap2), inv_cap = hn::Set(df, 1.0f / softcap2);
+      const auto one = hn::Set(df, 1.0f);
+      for (std::int64_t c = 0; c < cols; c += lanes) {
+        const auto t = hn::Tanh(df, hn::Mul(hn::Load(df, s + c), inv_cap));
+        hn::Store(hn::Mul(cap, t), df, s + c);
+        if (grad != nullptr) hn::Store(hn::NegMulAdd(t, t, one), df, grad + c);
+      }
+    } else if (grad != nullptr) {
+      std::fill(grad, grad + cols, 1.0f);
+    }
+    if (alibi) {  // s −= slope·|i + Sk − Sq − j|
+      const auto diagonal = hn::Set(df, static_cast<float>(i + p.seqlen_k - p.seqlen_q - j0));
+      const auto slope = hn::Set(df, alibi_slope2);
+      for (std::int64_t c = 0; c < cols; c += lanes) {
+        const auto distance = hn::Abs(hn::Sub(diagonal, hn::Iota(df, static_cast<float>(c))));
+        hn::Store(hn::NegMulAdd(slope, distance, hn::Load(df, s + c)), df, s + c);
+      }
+    }
+    constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+    const AttentionProblem::KeyRange r = p.key_range(i);
+    const std::int64_t lo = std::clamp<std::int64_t>(r.begin - j0, 0, n);
+    const std::int64_t hi = std::clamp<std::int64_t>(r.end - j0, lo, n);
+    std::fill(s, s + lo, kNegInf);
+    std::fill(s + hi, s + cols, kNegInf);
+    if (block_mask == nullptr || lo >= hi) return;
+    const std::int64_t bs = p.block_mask_block_size;
+    for (std::int64_t c = lo; c < hi;) {
+      const std::int64_t end = std::min(hi, ((j0 + c) / bs + 1) * bs - j0);  // end of this block
+      if (!block_kept(i, j0 + c)) std::fill(s + c, s + end, kNegInf);
+      c = end;
+    }
+  }
+
+  // Multiplies P row (keys j0 + c, c < cols) by the dropout weights: 0 where dropped,
+  // 1/(1 − p) where kept — the same bits as flashattn::dropout_keep.
+  void apply_dropout(float* HWY_RESTRICT prow, std::int64_t i, std::int64_t j0, std::int64_t cols) const {
+    using DF = hn::ScalableTag<float>;
+    const DF df;
+    const hn::RebindToUnsigned<DF> du;
+    const hn::RebindToSigned<DF> di;
+    const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(df));
+    const std::uint32_t row_key = dropout_row_key(problem->seed, problem->offset, batch, head, i);
+    // Dropped iff bits < threshold (unsigned), compared as signed after flipping the sign bit.
+    const auto flip = hn::Set(du, 0x80000000u);
+    const auto threshold = hn::BitCast(di, hn::Xor(hn::Set(du, dropout_threshold), flip));
+    const auto key = hn::Set(du, row_key);
+    const auto scale = hn::Set(df, dropout_scale);
+    auto mix = [&](hn::Vec<decltype(du)> x) {
+      x = hn::Xor(x, hn::ShiftRight<16>(x));
+      x = hn::Mul(x, hn::Set(du, 0x7FEB352Du));
+      x = hn::Xor(x, hn::ShiftRight<15>(x));
+      x = hn::Mul(x, hn::Set(du, 0x846CA68Bu));
+      return hn::Xor(x, hn::ShiftRight<16>(x));
+    };
+    for (std::int64_t c = 0; c < cols; c += lanes) {
+      const auto column = hn::Iota(du, static_cast<std::uint32_t>(j0 + c) + 1u);
+      const auto bits = mix(hn::Xor(key, mix(column)));
+      const auto drop = hn::Gt(threshold, hn::BitCast(di, hn::Xor(bits, flip)));
+      const auto p = hn::Mul(hn::Load(df, prow + c), scale);
+      hn::Store(hn::IfThenZeroElse(hn::RebindMask(df, drop), p), df, prow + c);
+    }
+  }
+};
+
+}  // namespace flashattn::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#endif  // per-target include guard
