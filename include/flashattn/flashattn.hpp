@@ -2,6 +2,7 @@
 #pragma once
 
 #include "flashattn/attention.hpp"
+#include "flashattn/dropout.hpp"
 #include "flashattn/error.hpp"
 #include "flashattn/online_softmax.hpp"
 #include "flashattn/options.hpp"

@@ -1,0 +1,246 @@
+// Sliding window, softcap, ALiBi, dropout and block-sparse attention — alone and in the
+// combinations users meet — forward and backward against the float64 reference.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <sstream>
+
+#include "test_util.hpp"
+
+namespace flashattn::test {
+namespace {
+
+struct Shape {
+  std::int64_t batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, head_dim_v;
+};
+
+// Holds the side inputs (slopes, block mask) that options point to.
+struct Variant {
+  AttentionOptions options;
+  Tensor alibi, block_mask;
+  std::string name;
+};
+
+Variant make_variant(const Shape& s, const std::string& name, std::uint64_t seed) {
+  Variant v;
+  v.name = name;
+  std::mt19937_64 rng(seed);
+  auto has = [&](const char* key) { return name.find(key) != std::string::npos; };
+  if (has("causal")) v.options.causal = true;
+  if (has("window")) v.options.window_size = {37, v.options.causal ? 0 : 11};
+  if (has("leftonly")) v.options.window_size = {20, -1};
+  if (has("rightonly")) v.options.window_size = {-1, 5};
+  if (has("softcap")) v.options.softcap = 1.5f;
+  if (has("alibi")) {
+    const bool per_batch = has("alibi2");
+    v.alibi = per_batch ? Tensor(DType::f32, {s.batch, s.heads_q}) : Tensor(DType::f32, {s.heads_q});
+    for (std::int64_t i = 0; i < v.alibi.numel(); ++i) v.alibi.set(i, std::exp2(-1.0f - 0.7f * static_cast<float>(i)));
+    v.options.alibi_slopes = v.alibi.view();
+  }
+  if (has("dropout")) {
+    v.options.dropout_p = 0.17f;
+    v.options.seed = seed;
+    v.options.offset = 5;
+  }
+  if (has("blocks")) {
+    const std::int64_t bs = has("blocks16") ? 16 : 50;
+    v.block_mask = Tensor(DType::u8, {(s.seqlen_q + bs - 1) / bs, (s.seqlen_k + bs - 1) / bs});
+    for (std::int64_t i = 0; i < v.block_mask.numel(); ++i) v.block_mask.set(i, rng() % 3 != 0 ? 1.0f : 0.0f);
+    v.options.block_mask = v.block_mask.view();
+    v.options.block_mask_block_size = bs;
+  }
+  return v;
+}
+
+void check_variant(const Shape& s, const std::string& name, DType dtype, std::uint64_t seed,
+                   bool deterministic = false, int threads = 2) {
+  std::ostringstream trace;
+  trace << name << " dtype=" << to_string(dtype) << " B=" << s.batch << " Sq=" << s.seqlen_q
+        << " Sk=" << s.seqlen_k << " Hq=" << s.heads_q << " Hkv=" << s.heads_kv << " D=" << s.head_dim
+        << " Dv=" << s.head_dim_v << " det=" << deterministic << " seed=" << seed;
+  SCOPED_TRACE(trace.str());
+  Variant var = make_variant(s, name, seed);
+  AttentionOptions& o = var.options;
+  o.deterministic = deterministic;
+  o.num_threads = threads;
+  const Tensor q = random_tensor(dtype, {s.batch, s.seqlen_q, s.heads_q, s.head_dim}, seed);
+  const Tensor k = random_tensor(dtype, {s.batch, s.seqlen_k, s.heads_kv, s.head_dim}, seed + 1);
+  const Tensor v = random_tensor(dtype, {s.batch, s.seqlen_k, s.heads_kv, s.head_dim_v}, seed + 2);
+  const Tensor dout = random_tensor(dtype, {s.batch, s.seqlen_q, s.heads_q, s.head_dim_v}, seed + 3);
+
+  const ForwardResult fwd = forward(q.view(), k.view(), v.view(), o);
+  const reference::Result want = reference::attention(q.view(), k.view(), v.view(), o);
+  const AttentionProblem p = AttentionProblem::from_inputs(q.view(), k.view(), v.view(), o);
+  double tol_out = 1e-5;
+  if (dtype != DType::f32) tol_out += 2.0 * max_abs_error(naive_same_precision(p, o, q, k, v), want.out);
+  EXPECT_LE(max_abs_error(fwd.out, want.out), tol_out) << "out";
+  for (std::int64_t i = 0; i < fwd.lse.numel(); ++i) {
+    const double e = want.lse[static_cast<std::size_t>(i)];
+    if (std::isinf(e)) {
+      ASSERT_EQ(fwd.lse.get(i), e) << "lse " << i;
+    } else {
+      ASSERT_NEAR(fwd.lse.get(i), e, 1e-5 + 1e-6 * std::fabs(e)) << "lse " << i;
+    }
+  }
+
+  const BackwardResult got = backward(dout.view(), q.view(), k.view(), v.view(), fwd.out.view(),
+                                      fwd.lse.view(), o);
+  const reference::Gradients g = reference::attention_backward(dout.view(), q.view(), k.view(), v.view(), o);
+  double tq = 1e-4, tk = 1e-4, tv = 1e-4;
+  if (dtype != DType::f32) {
+    const NaiveGradients n = naive_backward_same_precision(p, o, dout, q, k, v);
+    tq += 3.0 * max_abs_error(n.dq, g.dq);
+    tk += 3.0 * max_abs_error(n.dk, g.dk);
+    tv += 3.0 * max_abs_error(n.dv, g.dv);
+  }
+  EXPECT_LE(max_abs_error(got.dq, g.dq), tq) << "dq";
+  EXPECT_LE(max_abs_error(got.dk, g.dk), tk) << "dk";
+  EXPECT_LE(max_abs_error(got.dv, g.dv), tv) << "dv";
+}
+
+const Shape kShapes[] = {{1, 113, 203, 2, 1, 40, 40}, {2, 97, 97, 4, 2, 32, 24}, {1, 203, 113, 2, 2, 64, 64}};
+
+TEST(Variants, SlidingWindow) {
+  std::uint64_t seed = 10;
+  for (const Shape& s : kShapes)
+    for (const char* v : {"window", "leftonly", "rightonly", "causal+window"}) check_variant(s, v, DType::f32, seed++);
+}
+
+TEST(Variants, Softcap) {
+  std::uint64_t seed = 20;
+  for (const Shape& s : kShapes)
+    for (const char* v : {"softcap", "window+softcap", "causal+softcap"}) check_variant(s, v, DType::f32, seed++);
+}
+
+TEST(Variants, Alibi) {
+  std::uint64_t seed = 30;
+  for (const Shape& s : kShapes)
+    for (const char* v : {"alibi", "alibi2", "causal+alibi", "window+alibi2"}) check_variant(s, v, DType::f32, seed++);
+}
+
+TEST(Variants, Dropout) {
+  std::uint64_t seed = 40;
+  for (const Shape& s : kShapes)
+    for (const char* v : {"dropout", "causal+dropout", "window+softcap+dropout"}) {
+      check_variant(s, v, DType::f32, seed, false);
+      check_variant(s, v, DType::f32, seed++, true);
+    }
+}
+
+TEST(Variants, BlockSparse) {
+  std::uint64_t seed = 50;
+  for (const Shape& s : kShapes)
+    for (const char* v : {"blocks", "blocks16", "causal+blocks16", "blocks+alibi+softcap"})
+      check_variant(s, v, DType::f32, seed++, seed % 2 == 0);
+}
+
+TEST(Variants, LowPrecisionAndEveryTarget) {
+  std::uint64_t seed = 60;
+  for (DType dtype : {DType::bf16, DType::f16})
+    check_variant({1, 70, 90, 4, 2, 48, 48}, "causal+window+softcap+alibi+dropout", dtype, seed++);
+  for_each_simd_target([&](const std::string&) {
+    check_variant({1, 61, 77, 2, 1, 24, 24}, "window+softcap+alibi+dropout+blocks16", DType::f32, seed++, true, 3);
+  });
+}
+
+TEST(Variants, DropoutFractionAndMaskIndependentOfThreads) {
+  const float p = 0.3f;
+  std::int64_t dropped = 0, total = 0;
+  for (std::int64_t i = 0; i < 512; ++i)
+    for (std::int64_t j = 0; j < 512; ++j, ++total) dropped += !dropout_keep(1234, 0, 0, 3, i, j, p);
+  EXPECT_NEAR(static_cast<double>(dropped) / static_cast<double>(total), p, 0.01);
+  // Different seeds, offsets, heads give different masks.
+  int differ = 0;
+  for (std::int64_t j = 0; j < 256; ++j)
+    differ += dropout_keep(1, 0, 0, 0, 0, j, p) != dropout_keep(2, 0, 0, 0, 0, j, p);
+  EXPECT_GT(differ, 40);
+
+  const Tensor q = random_tensor(DType::f32, {1, 150, 2, 32}, 1);
+  const Tensor k = random_tensor(DType::f32, {1, 170, 2, 32}, 2);
+  AttentionOptions o;
+  o.dropout_p = 0.5f;
+  o.seed = 99;
+  o.num_threads = 1;
+  const ForwardResult one = forward(q.view(), k.view(), k.view(), o);
+  o.num_threads = 3;
+  const ForwardResult three = forward(q.view(), k.view(), k.view(), o);
+  EXPECT_EQ(std::memcmp(one.out.data(), three.out.data(), static_cast<std::size_t>(one.out.numel()) * 4), 0);
+  o.seed = 100;
+  const ForwardResult other_seed = forward(q.view(), k.view(), k.view(), o);
+  EXPECT_GT(max_abs_error(other_seed.out, std::vector<double>(one.out.data_as<float>(),
+                                                              one.out.data_as<float>() + one.out.numel())),
+            1e-3);
+}
+
+TEST(Variants, FullyMaskedRowsGiveZeroAndMinusInfinity) {
+  // A block mask whose first q block sees nothing.
+  const Tensor q = random_tensor(DType::f32, {1, 40, 1, 16}, 1);
+  const Tensor k = random_tensor(DType::f32, {1, 40, 1, 16}, 2);
+  Tensor mask(DType::u8, {2, 2});
+  mask.set(3, 1.0f);
+  AttentionOptions o;
+  o.block_mask = mask.view();
+  o.block_mask_block_size = 20;
+  const ForwardResult r = forward(q.view(), k.view(), k.view(), o);
+  for (std::int64_t i = 0; i < 20; ++i) {
+    EXPECT_EQ(r.lse.get(i), -std::numeric_limits<float>::infinity());
+    for (std::int64_t c = 0; c < 16; ++c) EXPECT_EQ(r.out.get(i * 16 + c), 0.0f);
+  }
+  const Tensor dout = random_tensor(DType::f32, {1, 40, 1, 16}, 3);
+  const BackwardResult g = backward(dout.view(), q.view(), k.view(), k.view(), r.out.view(), r.lse.view(), o);
+  for (std::int64_t i = 0; i < g.dq.numel(); ++i) ASSERT_FALSE(std::isnan(g.dq.get(i)));
+  for (std::int64_t i = 0; i < 20 * 16; ++i) EXPECT_EQ(g.dq.get(i), 0.0f);
+}
+
+TEST(Variants, BadInputNamesTheArgument) {
+  const Tensor q = random_tensor(DType::f32, {2, 10, 4, 8}, 1);
+  const Tensor k = random_tensor(DType::f32, {2, 12, 2, 8}, 2);
+  auto expect = [&](const AttentionOptions& o, const std::string& fragment) {
+    try {
+      forward(q.view(), k.view(), k.view(), o);
+      ADD_FAILURE() << "expected flashattn::Error containing " << fragment;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
+    }
+  };
+  AttentionOptions o;
+  o.window_size = {-2, 3};
+  expect(o, "window_size: (-2, 3)");
+  o = {};
+  o.causal = true;
+  o.window_size = {4, 2};
+  expect(o, "contradicts causal");
+  o = {};
+  o.softcap = -1.0f;
+  expect(o, "softcap: must be >= 0");
+  o = {};
+  o.dropout_p = 1.0f;
+  expect(o, "dropout_p: must be in [0, 1)");
+  const Tensor slopes(DType::f32, {3});
+  o = {};
+  o.alibi_slopes = slopes.view();
+  expect(o, "alibi_slopes: shape (3) but expected (4)");
+  const Tensor slopes2(DType::f32, {3, 4});
+  o.alibi_slopes = slopes2.view();
+  expect(o, "alibi_slopes: shape (3, 4) but expected (2, 4)");
+  const Tensor bf_slopes(DType::bf16, {4});
+  o.alibi_slopes = bf_slopes.view();
+  expect(o, "alibi_slopes: dtype bf16");
+  const Tensor mask(DType::u8, {2, 2});
+  o = {};
+  o.block_mask = mask.view();
+  o.block_mask_block_size = 4;
+  expect(o, "block_mask: shape (2, 2) but expected (3, 3)");
+  o.block_mask_block_size = 0;
+  expect(o, "block_mask_block_size: must be >= 1");
+  const Tensor fmask(DType::f32, {3, 3});
+  o.block_mask = fmask.view();
+  o.block_mask_block_size = 4;
+  expect(o, "block_mask: dtype f32");
+}
+
+}  // namespace
+}  // namespace flashattn::test
