@@ -52,6 +52,33 @@ BackwardResult backward(const TensorView& dout, const TensorView& q, const Tenso
                         const TensorView& v, const TensorView& out, const TensorView& lse,
                         const AttentionOptions& options = {});
 
+// Variable-length packed batches (upstream's flash_attn_varlen_func): the sequences of a
+// batch are concatenated along the token dimension and sequence b holds tokens
+// [cu_seqlens[b], cu_seqlens[b + 1]); it attends only within itself.
+//   q (total_q, heads_q, head_dim), k (total_k, heads_kv, head_dim),
+//   v (total_k, heads_kv, head_dim_v), out (total_q, heads_q, head_dim_v), lse (heads_q, total_q)
+struct VarlenSeqlens {
+  TensorView cu_seqlens_q;  // int32 (batch + 1): 0, ..., total_q, non-decreasing
+  TensorView cu_seqlens_k;  // int32 (batch + 1): 0, ..., total_k, non-decreasing
+  std::int64_t max_seqlen_q = 0;  // >= every query length
+  std::int64_t max_seqlen_k = 0;  // >= every key length
+};
+
+void forward_varlen(const TensorView& q, const TensorView& k, const TensorView& v,
+                    const VarlenSeqlens& seqlens, const MutableTensorView& out,
+                    const MutableTensorView& lse, const AttentionOptions& options = {});
+ForwardResult forward_varlen(const TensorView& q, const TensorView& k, const TensorView& v,
+                             const VarlenSeqlens& seqlens, const AttentionOptions& options = {});
+
+void backward_varlen(const TensorView& dout, const TensorView& q, const TensorView& k,
+                     const TensorView& v, const TensorView& out, const TensorView& lse,
+                     const VarlenSeqlens& seqlens, const MutableTensorView& dq,
+                     const MutableTensorView& dk, const MutableTensorView& dv,
+                     const AttentionOptions& options = {});
+BackwardResult backward_varlen(const TensorView& dout, const TensorView& q, const TensorView& k,
+                               const TensorView& v, const TensorView& out, const TensorView& lse,
+                               const VarlenSeqlens& seqlens, const AttentionOptions& options = {});
+
 // Name of the SIMD target the CPU kernels dispatch to on this machine, e.g. "AVX3".
 std::string cpu_simd_target();
 

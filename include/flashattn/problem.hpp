@@ -30,6 +30,10 @@ struct AttentionProblem {
   std::uint64_t seed = 0;
   std::uint64_t offset = 0;
   std::int64_t block_mask_block_size = 0;  // 0: no block mask
+  // Index of batch element 0 in a larger batch: a variable-length batch runs each
+  // sequence as its own problem, and sequence b keys its dropout mask and ALiBi slopes
+  // with batch index b.
+  std::int64_t batch_offset = 0;
 
   static constexpr std::int64_t kMaxHeadDim = 512;
 

@@ -22,7 +22,7 @@ bool Semantics::visible(std::int64_t i, std::int64_t j) const {
 double Semantics::slope(std::int64_t b, std::int64_t h) const {
   const TensorView& a = options->alibi_slopes;
   return a.rank == 1 ? detail::load_element(a, h * a.strides[0])
-                     : detail::load_element(a, b * a.strides[0] + h * a.strides[1]);
+                     : detail::load_element(a, (b + problem->batch_offset) * a.strides[0] + h * a.strides[1]);
 }
 
 double Semantics::score(std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j, double dot) const {
@@ -43,7 +43,9 @@ double Semantics::score_gradient(double dot) const {
 double Semantics::dropout_weight(std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j) const {
   const AttentionProblem& p = *problem;
   if (p.dropout_p <= 0.0f) return 1.0;
-  return dropout_keep(p.seed, p.offset, b, h, i, j, p.dropout_p) ? 1.0 / (1.0 - p.dropout_p) : 0.0;
+  return dropout_keep(p.seed, p.offset, b + p.batch_offset, h, i, j, p.dropout_p)
+             ? 1.0 / (1.0 - p.dropout_p)
+             : 0.0;
 }
 
 namespace {

@@ -8,6 +8,7 @@
 #include "flashattn/error.hpp"
 #include "src/core/validate.hpp"
 #include "src/cpu/backward_kernel.hpp"
+#include "src/cpu/drivers.hpp"
 
 namespace flashattn {
 namespace cpu {
@@ -92,11 +93,13 @@ void check_backward_args(const AttentionProblem& p, const TensorView& dout, cons
 
 }  // namespace
 
-void backward(const TensorView& dout, const TensorView& q, const TensorView& k,
-              const TensorView& v, const TensorView& out, const TensorView& lse,
-              const MutableTensorView& dq, const MutableTensorView& dk, const MutableTensorView& dv,
-              const AttentionOptions& options) {
-  const AttentionProblem problem = AttentionProblem::from_inputs(q, k, v, options);
+void detail::backward_impl(const TensorView& dout, const TensorView& q, const TensorView& k,
+                           const TensorView& v, const TensorView& out, const TensorView& lse,
+                           const MutableTensorView& dq, const MutableTensorView& dk,
+                           const MutableTensorView& dv, const AttentionOptions& options,
+                           std::int64_t batch_offset) {
+  AttentionProblem problem = AttentionProblem::from_inputs(q, k, v, options);
+  problem.batch_offset = batch_offset;
   check_backward_args(problem, dout, q, k, v, out, lse, dq, dk, dv);
   const AttentionProblem& p = problem;
   if (p.batch == 0) return;
@@ -135,6 +138,13 @@ void backward(const TensorView& dout, const TensorView& q, const TensorView& k,
       for (std::int64_t bh = 0; bh < heads; ++bh) kernels.store_dq(params, bh);
     }
   }
+}
+
+void backward(const TensorView& dout, const TensorView& q, const TensorView& k,
+              const TensorView& v, const TensorView& out, const TensorView& lse,
+              const MutableTensorView& dq, const MutableTensorView& dk, const MutableTensorView& dv,
+              const AttentionOptions& options) {
+  detail::backward_impl(dout, q, k, v, out, lse, dq, dk, dv, options, 0);
 }
 
 BackwardResult backward(const TensorView& dout, const TensorView& q, const TensorView& k,

@@ -4,6 +4,7 @@
 #include "flashattn/attention.hpp"
 #include "flashattn/problem.hpp"
 #include "src/core/validate.hpp"
+#include "src/cpu/drivers.hpp"
 #include "src/cpu/forward_kernel.hpp"
 
 namespace flashattn {
@@ -39,10 +40,11 @@ ForwardWorkspace::ForwardWorkspace(const CpuForwardPlan& plan, const AttentionPr
 
 }  // namespace cpu
 
-void forward(const TensorView& q, const TensorView& k, const TensorView& v,
-             const MutableTensorView& out, const MutableTensorView& lse,
-             const AttentionOptions& options) {
-  const AttentionProblem problem = AttentionProblem::from_inputs(q, k, v, options);
+void detail::forward_impl(const TensorView& q, const TensorView& k, const TensorView& v,
+                          const MutableTensorView& out, const MutableTensorView& lse,
+                          const AttentionOptions& options, std::int64_t batch_offset) {
+  AttentionProblem problem = AttentionProblem::from_inputs(q, k, v, options);
+  problem.batch_offset = batch_offset;
   detail::check_forward_outputs(problem, q, k, v, out, lse);
   if (problem.batch == 0 || problem.seqlen_q == 0) return;
 
@@ -57,6 +59,12 @@ void forward(const TensorView& q, const TensorView& k, const TensorView& v,
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t item = 0; item < items; ++item) kernel(params, workspace, item);
   }
+}
+
+void forward(const TensorView& q, const TensorView& k, const TensorView& v,
+             const MutableTensorView& out, const MutableTensorView& lse,
+             const AttentionOptions& options) {
+  detail::forward_impl(q, k, v, out, lse, options, 0);
 }
 
 ForwardResult forward(const TensorView& q, const TensorView& k, const TensorView& v,

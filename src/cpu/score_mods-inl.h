@@ -34,18 +34,19 @@ struct RowMods {
   bool alibi = false;
   std::uint32_t dropout_threshold = 0;
   float dropout_scale = 1.0f;  // 1/(1 − p)
-  std::int64_t batch = 0, head = 0;
+  std::int64_t batch = 0, head = 0;  // batch counts from problem->batch_offset (varlen)
 
   RowMods(const AttentionProblem& p, const TensorView& alibi_slopes, const TensorView& mask,
           std::int64_t b, std::int64_t h)
-      : problem(&p), block_mask(p.block_mask_block_size > 0 ? &mask : nullptr), batch(b), head(h) {
+      : problem(&p), block_mask(p.block_mask_block_size > 0 ? &mask : nullptr),
+        batch(b + p.batch_offset), head(h) {
     constexpr float kLog2e = OnlineSoftmaxState::kLog2e;
     softcap2 = p.softcap * kLog2e;
     alibi = p.alibi;
     if (alibi) {
       const float slope = alibi_slopes.rank == 1
                               ? detail::load_element(alibi_slopes, h * alibi_slopes.strides[0])
-                              : detail::load_element(alibi_slopes, b * alibi_slopes.strides[0] +
+                              : detail::load_element(alibi_slopes, batch * alibi_slopes.strides[0] +
                                                                        h * alibi_slopes.strides[1]);
       alibi_slope2 = slope * kLog2e;
     }

@@ -1,0 +1,23 @@
+// The CPU drivers behind the public entry points, with the one parameter the public API
+// does not expose: the batch index of element 0 (variable-length batches run each
+// sequence as its own problem, and its dropout mask is keyed by its index in the batch).
+#pragma once
+
+#include <cstdint>
+
+#include "flashattn/options.hpp"
+#include "flashattn/tensor.hpp"
+
+namespace flashattn::detail {
+
+void forward_impl(const TensorView& q, const TensorView& k, const TensorView& v,
+                  const MutableTensorView& out, const MutableTensorView& lse,
+                  const AttentionOptions& options, std::int64_t batch_offset);
+
+void backward_impl(const TensorView& dout, const TensorView& q, const TensorView& k,
+                   const TensorView& v, const TensorView& out, const TensorView& lse,
+                   const MutableTensorView& dq, const MutableTensorView& dk,
+                   const MutableTensorView& dv, const AttentionOptions& options,
+                   std::int64_t batch_offset);
+
+}  // namespace flashattn::detail

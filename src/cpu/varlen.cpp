@@ -1,0 +1,176 @@
+// Variable-length packed batches: validate the offsets, then run every sequence as its
+// own (batch 1) problem through the ordinary drivers on strided views of the packed
+// tensors. Each call parallelizes over heads and Q tiles.
+#include <tuple>
+#include <vector>
+
+#include "flashattn/attention.hpp"
+#include "flashattn/error.hpp"
+#include "src/core/element.hpp"
+#include "src/core/validate.hpp"
+#include "src/cpu/drivers.hpp"
+
+namespace flashattn {
+namespace {
+
+std::string str(std::int64_t v) { return std::to_string(v); }
+
+// Reads and checks one cu_seqlens tensor: int32 (batch + 1), starts at 0, non-decreasing,
+// ends at `total`, every length at most `max_seqlen`.
+std::vector<std::int64_t> read_offsets(const char* name, const TensorView& cu, std::int64_t total,
+                                       std::int64_t max_seqlen, const char* max_name) {
+  detail::check_view(name, cu, 1, "(batch + 1)");
+  detail::check_dtype(name, cu, DType::i32, "offsets are int32");
+  if (cu.shape[0] < 1) throw Error(std::string(name) + ": needs at least one offset (batch + 1)");
+  std::vector<std::int64_t> offsets(static_cast<std::size_t>(cu.shape[0]));
+  for (std::int64_t b = 0; b < cu.shape[0]; ++b)
+    offsets[static_cast<std::size_t>(b)] =
+        static_cast<std::int64_t>(static_cast<const std::int32_t*>(cu.data)[b * cu.strides[0]]);
+  if (offsets.front() != 0)
+    throw Error(std::string(name) + ": must start at 0, got " + str(offsets.front()));
+  for (std::size_t b = 1; b < offsets.size(); ++b) {
+    const std::int64_t len = offsets[b] - offsets[b - 1];
+    if (len < 0)
+      throw Error(std::string(name) + ": must be non-decreasing, but [" + str(static_cast<std::int64_t>(b - 1)) +
+                  "] = " + str(offsets[b - 1]) + " > [" + str(static_cast<std::int64_t>(b)) + "] = " + str(offsets[b]));
+    if (len > max_seqlen)
+      throw Error(std::string(name) + ": sequence " + str(static_cast<std::int64_t>(b - 1)) + " has length " +
+                  str(len) + " > " + max_name + " = " + str(max_seqlen));
+  }
+  if (offsets.back() != total)
+    throw Error(std::string(name) + ": last offset " + str(offsets.back()) +
+                " does not match the " + str(total) + " packed tokens");
+  return offsets;
+}
+
+struct Offsets {
+  std::vector<std::int64_t> q, k;
+  std::int64_t batch() const { return static_cast<std::int64_t>(q.size()) - 1; }
+};
+
+Offsets check_varlen(const TensorView& q, const TensorView& k, const TensorView& v,
+                     const VarlenSeqlens& s, const AttentionOptions& options) {
+  detail::check_view("q", q, 3, "(total_q, heads_q, head_dim)");
+  detail::check_view("k", k, 3, "(total_k, heads_kv, head_dim)");
+  detail::check_view("v", v, 3, "(total_k, heads_kv, head_dim_v)");
+  if (v.shape[0] != k.shape[0])
+    throw Error("v: total_k " + str(v.shape[0]) + " does not match k total_k " + str(k.shape[0]));
+  if (options.block_mask.data != nullptr || options.block_mask.rank != 0)
+    throw Error("block_mask: not supported with variable-length batches");
+  Offsets o{read_offsets("cu_seqlens_q", s.cu_seqlens_q, q.shape[0], s.max_seqlen_q, "max_seqlen_q"),
+            read_offsets("cu_seqlens_k", s.cu_seqlens_k, k.shape[0], s.max_seqlen_k, "max_seqlen_k")};
+  if (o.q.size() != o.k.size())
+    throw Error("cu_seqlens_k: " + str(static_cast<std::int64_t>(o.k.size())) + " offsets but cu_seqlens_q has " +
+                str(static_cast<std::int64_t>(o.q.size())) + " (both are batch + 1)");
+  return o;
+}
+
+// Tokens [begin, begin + len) of a packed (total, heads, dim) view as a (1, len, heads, dim) view.
+template <class View>
+View sequence(const View& t, std::int64_t begin, std::int64_t len) {
+  View r;
+  r.data = t.data == nullptr ? t.data
+                             : static_cast<decltype(t.data)>(static_cast<std::conditional_t<
+                                   std::is_const_v<std::remove_pointer_t<decltype(t.data)>>,
+                                   const unsigned char*, unsigned char*>>(t.data) +
+                                                              begin * t.strides[0] *
+                                                                  static_cast<std::int64_t>(dtype_size(t.dtype)));
+  r.dtype = t.dtype;
+  r.rank = 4;
+  r.shape = {1, len, t.shape[1], t.shape[2]};
+  r.strides = {std::max<std::int64_t>(len, 1) * t.strides[0], t.strides[0], t.strides[1], t.strides[2]};
+  return r;
+}
+
+// Columns [begin, begin + len) of a (heads, total) lse view as a (1, heads, len) view.
+template <class View>
+View lse_sequence(const View& t, std::int64_t begin, std::int64_t len) {
+  View r = t;
+  if (t.data != nullptr) r.data = static_cast<float*>(const_cast<void*>(static_cast<const void*>(t.data))) + begin * t.strides[1];
+  r.rank = 3;
+  r.shape = {1, t.shape[0], len, 0};
+  r.strides = {t.shape[0] * t.strides[0] + len * t.strides[1], t.strides[0], t.strides[1], 0};
+  return r;
+}
+
+// Per-sequence options: ALiBi slopes of shape (batch, heads_q) become sequence b's row.
+AttentionOptions sequence_options(const AttentionOptions& options, std::int64_t b) {
+  AttentionOptions o = options;
+  const TensorView& a = options.alibi_slopes;
+  if (a.rank == 2 && a.data != nullptr) {
+    o.alibi_slopes.data = static_cast<const float*>(a.data) + b * a.strides[0];
+    o.alibi_slopes.rank = 1;
+    o.alibi_slopes.shape = {a.shape[1], 0, 0, 0};
+    o.alibi_slopes.strides = {a.strides[1], 0, 0, 0};
+  }
+  return o;
+}
+
+void check_out_shapes(const TensorView& q, const TensorView& v, const TensorView& out,
+                      const TensorView& lse) {
+  detail::check_view("out", out, 3, "(total_q, heads_q, head_dim_v)");
+  detail::check_shape("out", out, {q.shape[0], q.shape[1], v.shape[2]}, "(total_q, heads_q, head_dim_v)");
+  detail::check_view("lse", lse, 2, "(heads_q, total_q)");
+  detail::check_shape("lse", lse, {q.shape[1], q.shape[0]}, "(heads_q, total_q)");
+}
+
+}  // namespace
+
+void forward_varlen(const TensorView& q, const TensorView& k, const TensorView& v,
+                    const VarlenSeqlens& seqlens, const MutableTensorView& out,
+                    const MutableTensorView& lse, const AttentionOptions& options) {
+  const Offsets o = check_varlen(q, k, v, seqlens, options);
+  check_out_shapes(q, v, out, lse);
+  if (options.alibi_slopes.rank == 2 && options.alibi_slopes.shape[0] != o.batch())
+    throw Error("alibi_slopes: " + str(options.alibi_slopes.shape[0]) + " rows but the batch has " +
+                str(o.batch()) + " sequences");
+  for (std::int64_t b = 0; b < o.batch(); ++b) {
+    const std::int64_t q0 = o.q[b], sq = o.q[b + 1] - q0, k0 = o.k[b], sk = o.k[b + 1] - k0;
+    detail::forward_impl(sequence(q, q0, sq), sequence(k, k0, sk), sequence(v, k0, sk),
+                         sequence(out, q0, sq), lse_sequence(lse, q0, sq), sequence_options(options, b), b);
+  }
+}
+
+ForwardResult forward_varlen(const TensorView& q, const TensorView& k, const TensorView& v,
+                             const VarlenSeqlens& seqlens, const AttentionOptions& options) {
+  check_varlen(q, k, v, seqlens, options);
+  ForwardResult r{Tensor(q.dtype, {q.shape[0], q.shape[1], v.shape[2]}),
+                  Tensor(DType::f32, {q.shape[1], q.shape[0]})};
+  forward_varlen(q, k, v, seqlens, r.out.view(), r.lse.view(), options);
+  return r;
+}
+
+void backward_varlen(const TensorView& dout, const TensorView& q, const TensorView& k,
+                     const TensorView& v, const TensorView& out, const TensorView& lse,
+                     const VarlenSeqlens& seqlens, const MutableTensorView& dq,
+                     const MutableTensorView& dk, const MutableTensorView& dv,
+                     const AttentionOptions& options) {
+  const Offsets o = check_varlen(q, k, v, seqlens, options);
+  check_out_shapes(q, v, out, lse);
+  detail::check_view("dout", dout, 3, "(total_q, heads_q, head_dim_v)");
+  const std::tuple<const char*, TensorView, TensorView> grads[] = {{"dq", dq, q}, {"dk", dk, k}, {"dv", dv, v}};
+  for (const auto& [name, grad, like] : grads) {
+    detail::check_view(name, grad, 3, "(like its input)");
+    detail::check_shape(name, grad, {like.shape[0], like.shape[1], like.shape[2]}, "(the shape of its input)");
+  }
+  for (std::int64_t b = 0; b < o.batch(); ++b) {
+    const std::int64_t q0 = o.q[b], sq = o.q[b + 1] - q0, k0 = o.k[b], sk = o.k[b + 1] - k0;
+    detail::backward_impl(sequence(dout, q0, sq), sequence(q, q0, sq), sequence(k, k0, sk),
+                          sequence(v, k0, sk), sequence(out, q0, sq), lse_sequence(lse, q0, sq),
+                          sequence(dq, q0, sq), sequence(dk, k0, sk), sequence(dv, k0, sk),
+                          sequence_options(options, b), b);
+  }
+}
+
+BackwardResult backward_varlen(const TensorView& dout, const TensorView& q, const TensorView& k,
+                               const TensorView& v, const TensorView& out, const TensorView& lse,
+                               const VarlenSeqlens& seqlens, const AttentionOptions& options) {
+  check_varlen(q, k, v, seqlens, options);
+  BackwardResult r{Tensor(q.dtype, {q.shape[0], q.shape[1], q.shape[2]}),
+                   Tensor(q.dtype, {k.shape[0], k.shape[1], k.shape[2]}),
+                   Tensor(q.dtype, {v.shape[0], v.shape[1], v.shape[2]})};
+  backward_varlen(dout, q, k, v, out, lse, seqlens, r.dq.view(), r.dk.view(), r.dv.view(), options);
+  return r;
+}
+
+}  // namespace flashattn
