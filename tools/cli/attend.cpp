@@ -3,6 +3,7 @@
 #include <iostream>
 #include <memory>
 #include <optional>
+#include <algorithm>
 
 #include "tools/cli/commands.hpp"
 #include "tools/cli/common.hpp"
@@ -19,6 +20,8 @@ struct AttendFlags {
   bool causal = false;
   std::optional<float> softmax_scale;
   int threads = 0;
+  VariantFlags variants;
+  std::string cu_seqlens_q, cu_seqlens_k;  // variable-length packed batch: both or neither
 };
 
 Tensor converted(const Tensor& t, DType dtype) {
@@ -28,7 +31,15 @@ Tensor converted(const Tensor& t, DType dtype) {
   return r;
 }
 
-void attend(const AttendFlags& f) {
+// Largest difference of consecutive offsets (the longest sequence).
+std::int64_t max_length(const Tensor& cu) {
+  std::int64_t m = 0;
+  for (std::int64_t b = 1; b < cu.numel(); ++b)
+    m = std::max<std::int64_t>(m, static_cast<std::int64_t>(cu.get(b) - cu.get(b - 1)));
+  return m;
+}
+
+void attend(AttendFlags& f) {
   Tensor q = read_npy(f.q), k = read_npy(f.k), v = read_npy(f.v);
   // --dtype bf16 rounds the inputs to bf16; by default the kernel runs in q's file dtype.
   const DType dtype = f.dtype ? parse_dtype(*f.dtype) : q.dtype();
@@ -39,15 +50,27 @@ void attend(const AttendFlags& f) {
   options.causal = f.causal;
   options.softmax_scale = f.softmax_scale;
   options.num_threads = f.threads;
-  const ForwardResult r = forward(q.view(), k.view(), v.view(), options);
+  f.variants.apply(options);
+  options.deterministic = f.deterministic;
+  const bool varlen = !f.cu_seqlens_q.empty();
+  Tensor cu_q, cu_k;
+  VarlenSeqlens seqlens;
+  if (varlen) {
+    cu_q = read_npy(f.cu_seqlens_q);
+    cu_k = read_npy(f.cu_seqlens_k);
+    seqlens = {cu_q.view(), cu_k.view(), max_length(cu_q), max_length(cu_k)};
+  }
+  const ForwardResult r = varlen ? forward_varlen(q.view(), k.view(), v.view(), seqlens, options)
+                                 : forward(q.view(), k.view(), v.view(), options);
   // NumPy has no bf16: a bf16 result is written as float32 (exactly representable).
   write_npy(f.out, r.out.dtype() == DType::bf16 ? converted(r.out, DType::f32) : r.out);
   if (!f.lse.empty()) write_npy(f.lse, r.lse);
   if (f.dout.empty()) return;
   const Tensor dout = converted(read_npy(f.dout), dtype);
-  options.deterministic = f.deterministic;
   const BackwardResult g =
-      backward(dout.view(), q.view(), k.view(), v.view(), r.out.view(), r.lse.view(), options);
+      varlen ? backward_varlen(dout.view(), q.view(), k.view(), v.view(), r.out.view(), r.lse.view(),
+                               seqlens, options)
+             : backward(dout.view(), q.view(), k.view(), v.view(), r.out.view(), r.lse.view(), options);
   const std::pair<const std::string*, const Tensor*> grads[] = {{&f.dq, &g.dq}, {&f.dk, &g.dk}, {&f.dv, &g.dv}};
   for (const auto& [path, grad] : grads)
     write_npy(*path, grad->dtype() == DType::bf16 ? converted(*grad, DType::f32) : *grad);
@@ -80,6 +103,15 @@ void register_attend(CLI::App& app) {
   }
   cmd->add_flag("--deterministic", flags->deterministic,
                 "bit-identical gradients for any run and thread count");
+  flags->variants.add_to(*cmd);
+  CLI::Option* cq = cmd->add_option("--cu-seqlens-q", flags->cu_seqlens_q,
+                                    "int32 offsets (batch + 1): q is packed (total_q, heads, dim)")
+                        ->check(CLI::ExistingFile);
+  CLI::Option* ck = cmd->add_option("--cu-seqlens-k", flags->cu_seqlens_k,
+                                    "int32 offsets (batch + 1): k, v are packed (total_k, heads, dim)")
+                        ->check(CLI::ExistingFile);
+  cq->needs(ck);
+  ck->needs(cq);
   cmd->callback([flags] { attend(*flags); });
 }
 

@@ -1,4 +1,5 @@
 #include "tools/cli/common.hpp"
+#include "tools/cli/npy.hpp"
 
 #include <omp.h>
 
@@ -8,6 +9,7 @@
 #include <fstream>
 #include <iostream>
 #include <random>
+#include <thread>
 #include <vector>
 
 namespace flashattn::cli {
@@ -29,6 +31,42 @@ void ShapeFlags::add_to(CLI::App& app, bool with_mode) {
   app.add_option("--softmax-scale", softmax_scale, "scale of Q·Kᵀ (default 1/sqrt(dim))");
 }
 
+void VariantFlags::add_to(CLI::App& app) {
+  app.add_option("--window-size", window_size, "sliding window LEFT RIGHT (-1 = unbounded)")
+      ->expected(2);
+  app.add_option("--softcap", softcap, "soft-capping: scores become softcap*tanh(s/softcap)");
+  app.add_option("--alibi-slopes", alibi_slopes_path, "ALiBi slopes .npy, float32 (heads) or (batch, heads)")
+      ->check(CLI::ExistingFile);
+  app.add_option("--dropout-p", dropout_p, "dropout probability on the attention weights");
+  app.add_option("--seed", seed, "dropout seed");
+  CLI::Option* mask = app.add_option("--block-mask", block_mask_path,
+                                     "block-sparse mask .npy, bool/uint8 (q blocks, k blocks)")
+                          ->check(CLI::ExistingFile);
+  CLI::Option* size = app.add_option("--block-size", block_size, "tokens per block of --block-mask");
+  mask->needs(size);
+  size->needs(mask);
+}
+
+void VariantFlags::apply(AttentionOptions& o) {
+  if (!window_size.empty()) o.window_size = {window_size[0], window_size[1]};
+  o.softcap = softcap;
+  o.dropout_p = dropout_p;
+  o.seed = seed;
+  if (!alibi_slopes_path.empty()) {
+    alibi_slopes = read_npy(alibi_slopes_path);
+    o.alibi_slopes = alibi_slopes.view();
+  }
+  if (!block_mask_path.empty()) {
+    block_mask = read_npy(block_mask_path);
+    o.block_mask = block_mask.view();
+    o.block_mask_block_size = block_size;
+  }
+}
+
+bool VariantFlags::needs_flashattn_only() const {
+  return softcap > 0.0f || dropout_p > 0.0f || !alibi_slopes_path.empty() || !block_mask_path.empty();
+}
+
 AttentionOptions ShapeFlags::options() const {
   AttentionOptions o;
   o.causal = causal;
@@ -37,10 +75,10 @@ AttentionOptions ShapeFlags::options() const {
   return o;
 }
 
-AttentionProblem ShapeFlags::problem() const {
+AttentionProblem ShapeFlags::problem(const std::optional<AttentionOptions>& o) const {
   return AttentionProblem::from_sizes(batch, seqlen_q.value_or(seqlen), seqlen_k.value_or(seqlen),
                                       heads, heads_kv.value_or(heads), dim, dim_v.value_or(dim),
-                                      parse_dtype(dtype), options());
+                                      parse_dtype(dtype), o ? *o : options());
 }
 
 Inputs random_inputs(const AttentionProblem& p, std::uint64_t seed) {
@@ -120,6 +158,14 @@ int resolved_threads(int requested) { return requested > 0 ? requested : omp_get
 #include "src/baseline/standard_attention.hpp"
 
 namespace flashattn::cli {
+namespace {
+
+// Idle worker threads busy-wait before they sleep — OpenBLAS's for about 2^28 cycles
+// (~0.1 s), OpenMP's for a spin count — and on a 2-core machine they would steal a core
+// from whichever implementation is timed next. Every measurement ends with a pause.
+void let_worker_threads_sleep() { std::this_thread::sleep_for(std::chrono::milliseconds(300)); }
+
+}  // namespace
 
 const char* impl_name(Impl impl) { return impl == Impl::flashattn ? "flashattn" : "standard"; }
 
@@ -140,6 +186,7 @@ Measurement measure_forward(Impl impl, const AttentionProblem& p, const Attentio
         }
       },
       repeats, 1, label);
+  let_worker_threads_sleep();
   if (impl == Impl::flashattn)
     m.peak_bytes = plan_forward(p, CpuHardware::detect(options.num_threads)).workspace_bytes();
   m.gflops = p.conventional_forward_flops() / m.seconds * 1e-9;
@@ -165,6 +212,7 @@ Measurement measure_backward(Impl impl, const AttentionProblem& p, const Attenti
         }
       },
       repeats, 1, label);
+  let_worker_threads_sleep();
   if (impl == Impl::flashattn)
     m.peak_bytes = plan_backward(p, CpuHardware::detect(options.num_threads), options.deterministic)
                        .workspace_bytes();
@@ -185,6 +233,10 @@ nlohmann::json case_json(const Measurement& m, const AttentionProblem& p) {
           {"causal", p.causal},          {"seconds", m.seconds},
           {"gflops", m.gflops},          {"peak_bytes", m.peak_bytes}};
   if (m.op == Op::bwd) j["deterministic"] = m.deterministic;
+  if (p.window_left >= 0 || (p.window_right >= 0 && !p.causal)) {
+    j["window_left"] = p.window_left;
+    j["window_right"] = p.window_right;
+  }
   return j;
 }
 

@@ -8,6 +8,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "flashattn/flashattn.hpp"
 
@@ -29,7 +30,26 @@ struct ShapeFlags {
   // Sizes and --threads; with_mode adds --dtype, --causal and --softmax-scale too.
   void add_to(CLI::App& app, bool with_mode = true);
   AttentionOptions options() const;
-  AttentionProblem problem() const;  // validated
+  // Validated problem of these sizes with `options` (by default this->options()).
+  AttentionProblem problem(const std::optional<AttentionOptions>& options = std::nullopt) const;
+};
+
+// The attention variants, named as upstream's Python arguments; side inputs come from
+// .npy files and stay alive here while options point at them.
+struct VariantFlags {
+  std::vector<std::int64_t> window_size;  // (left, right), −1 = unbounded
+  float softcap = 0.0f;
+  std::string alibi_slopes_path;  // float32 (heads_q) or (batch, heads_q)
+  float dropout_p = 0.0f;
+  std::uint64_t seed = 0;
+  std::string block_mask_path;  // bool/uint8 (q blocks, k blocks)
+  std::int64_t block_size = 0;
+  Tensor alibi_slopes, block_mask;
+
+  void add_to(CLI::App& app);
+  // Loads the files and sets the variant fields of `options`.
+  void apply(AttentionOptions& options);
+  bool needs_flashattn_only() const;  // beyond what the standard baseline implements
 };
 
 struct Inputs {
@@ -64,7 +84,8 @@ struct Measurement {
   bool deterministic = false;  // bwd only
   double seconds = 0.0;      // median
   double gflops = 0.0;       // conventional FLOPs: 4·B·Hq·Sq·Sk·D (halved when causal),
-                             // 2.5× that for backward (upstream's convention)
+                             // 2.5× that for backward (upstream's convention); a window
+                             // counts as its causal or full square, so it shows as speed
   std::size_t peak_bytes = 0;  // extra memory the implementation allocated
   Tensor out;                // fwd: output of the last run
 };
