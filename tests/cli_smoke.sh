@@ -4,6 +4,7 @@ set -euo pipefail
 cli=$1
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
+export PYTHONPATH="$(dirname "$0")${PYTHONPATH:+:$PYTHONPATH}"  # npyio.py
 
 "$cli" run --seqlen 200 --heads 2 --dim 64 --dtype f32 --repeats 1 > "$work/run.txt"
 grep -q "flashattn" "$work/run.txt"
@@ -29,13 +30,8 @@ grep -q "not a multiple" "$work/err.txt"
 
 # File mode: .npy inputs written without numpy (header + raw little-endian float32).
 python3 - "$work" <<'PY'
-import random, struct, sys
-def save(path, shape, values):
-    header = "{'descr': '<f4', 'fortran_order': False, 'shape': (%s), }" % "".join(f"{s}, " for s in shape)
-    header += " " * (63 - (10 + len(header)) % 64) + "\n"
-    with open(path, "wb") as f:
-        f.write(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header.encode())
-        f.write(struct.pack("<%df" % len(values), *values))
+import random, sys
+from npyio import save
 random.seed(3)
 for name, shape in [("q", (1, 9, 2, 8)), ("k", (1, 13, 1, 8)), ("v", (1, 13, 1, 8))]:
     n = 1
@@ -45,14 +41,8 @@ PY
 "$cli" attend --q "$work/q.npy" --k "$work/k.npy" --v "$work/v.npy" --causal --threads 2 \
   --out "$work/o.npy" --lse "$work/lse.npy"
 python3 - "$work" <<'PY'
-import math, struct, sys
-def load(path):
-    data = open(path, "rb").read()
-    hlen = struct.unpack("<H", data[8:10])[0]
-    header = data[10:10 + hlen].decode()
-    assert "'<f4'" in header, header
-    body = data[10 + hlen:]
-    return header, struct.unpack("<%df" % (len(body) // 4), body)
+import math, sys
+from npyio import load
 _, q = load(f"{sys.argv[1]}/q.npy"); _, k = load(f"{sys.argv[1]}/k.npy"); _, v = load(f"{sys.argv[1]}/v.npy")
 hdr, o = load(f"{sys.argv[1]}/o.npy"); _, lse = load(f"{sys.argv[1]}/lse.npy")
 assert "(1, 9, 2, 8)" in hdr, hdr
@@ -72,27 +62,18 @@ echo "cli smoke: ok"
 # Gradients in file mode (deterministic), checked against a finite difference of the
 # forward written by the same CLI: d/dv[j] of Σ dout∘out equals Σ_i P_ij dout_i.
 python3 - "$work" <<'PY'
-import struct, sys
-def save(path, shape, values):
-    header = "{'descr': '<f4', 'fortran_order': False, 'shape': (%s), }" % "".join(f"{s}, " for s in shape)
-    header += " " * (63 - (10 + len(header)) % 64) + "\n"
-    with open(path, "wb") as f:
-        f.write(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header.encode())
-        f.write(struct.pack("<%df" % len(values), *values))
+import sys
+from npyio import save
 save(f"{sys.argv[1]}/do.npy", (1, 9, 2, 8), [((i * 37) % 11 - 5) / 5.0 for i in range(144)])
 PY
 "$cli" attend --q "$work/q.npy" --k "$work/k.npy" --v "$work/v.npy" --causal --deterministic \
   --out "$work/o.npy" --dout "$work/do.npy" --dq "$work/dq.npy" --dk "$work/dk.npy" --dv "$work/dv.npy"
 python3 - "$work" <<'PY'
-import math, struct, sys
-def load(path):
-    data = open(path, "rb").read()
-    hlen = struct.unpack("<H", data[8:10])[0]
-    body = data[10 + hlen:]
-    return list(struct.unpack("<%df" % (len(body) // 4), body))
+import math, sys
+from npyio import load
 w = sys.argv[1]
-q, k, v, do, dv = (load(f"{w}/{n}.npy") for n in ("q", "k", "v", "do", "dv"))
-assert len(load(f"{w}/dq.npy")) == 144 and len(load(f"{w}/dk.npy")) == 104
+q, k, v, do, dv = (load(f"{w}/{n}.npy")[1] for n in ("q", "k", "v", "do", "dv"))
+assert len(load(f"{w}/dq.npy")[1]) == 144 and len(load(f"{w}/dk.npy")[1]) == 104
 # dV[j] = Σ_{h,i} P_hij dO_hi (both q heads share the kv head)
 for j in range(13):
     for d in range(8):
@@ -114,3 +95,46 @@ bwd = [c for c in j["cases"] if c["op"] == "bwd"]
 assert [(c["impl"], c["deterministic"]) for c in bwd] == [("flashattn", False), ("flashattn", True), ("standard", False)], bwd
 PY
 echo "cli smoke (gradients): ok"
+
+# Variants and a packed variable-length batch in file mode: two sequences (3 and 6 queries,
+# 5 and 8 keys) with a window, softcap and ALiBi, checked against a Python reference.
+python3 - "$work" <<'PY'
+import random, sys
+from npyio import save
+random.seed(5)
+w = sys.argv[1]
+save(f"{w}/vq.npy", (9, 2, 4), [random.gauss(0, 1) for _ in range(72)])
+save(f"{w}/vk.npy", (13, 1, 4), [random.gauss(0, 1) for _ in range(52)])
+save(f"{w}/vv.npy", (13, 1, 4), [random.gauss(0, 1) for _ in range(52)])
+save(f"{w}/cuq.npy", (3,), [0, 3, 9], "<i4")
+save(f"{w}/cuk.npy", (3,), [0, 5, 13], "<i4")
+save(f"{w}/slopes.npy", (2,), [0.5, 0.25])
+PY
+"$cli" attend --q "$work/vq.npy" --k "$work/vk.npy" --v "$work/vv.npy" --cu-seqlens-q "$work/cuq.npy" \
+  --cu-seqlens-k "$work/cuk.npy" --causal --window-size 3 0 --softcap 2 --alibi-slopes "$work/slopes.npy" \
+  --out "$work/vo.npy" --lse "$work/vlse.npy"
+python3 - "$work" <<'PY'
+import math, sys
+from npyio import load
+w = sys.argv[1]
+q, k, v = (load(f"{w}/{n}.npy")[1] for n in ("vq", "vk", "vv"))
+_, o = load(f"{w}/vo.npy")
+_, lse = load(f"{w}/vlse.npy")
+cq, ck, slopes = [0, 3, 9], [0, 5, 13], [0.5, 0.25]
+for b in range(2):
+    sq, sk = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
+    for h in range(2):
+        for i in range(sq):
+            diag = i + sk - sq
+            keys = [j for j in range(sk) if diag - 3 <= j <= diag]
+            s = []
+            for j in keys:
+                x = sum(q[((cq[b] + i) * 2 + h) * 4 + c] * k[(ck[b] + j) * 4 + c] for c in range(4)) / 2.0
+                s.append(2 * math.tanh(x / 2) - slopes[h] * abs(diag - j))
+            m = max(s); t = sum(math.exp(x - m) for x in s)
+            assert abs(lse[h * 9 + cq[b] + i] - (m + math.log(t))) < 1e-5
+            for c in range(4):
+                ref = sum(math.exp(s[n] - m) / t * v[(ck[b] + j) * 4 + c] for n, j in enumerate(keys))
+                assert abs(o[((cq[b] + i) * 2 + h) * 4 + c] - ref) < 1e-5, (b, h, i, c)
+PY
+echo "cli smoke (variants, varlen): ok"

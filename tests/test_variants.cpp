@@ -175,6 +175,31 @@ TEST(Variants, DropoutFractionAndMaskIndependentOfThreads) {
             1e-3);
 }
 
+TEST(Variants, ReturnedProbabilitiesExplainTheOutput) {
+  // out = (dropped-and-scaled P)·V with P from attention_probs, and the zeros of P are the
+  // dropped fraction.
+  const std::int64_t sq = 64, sk = 300, d = 16;
+  const Tensor q = random_tensor(DType::f32, {1, sq, 1, d}, 1);
+  const Tensor k = random_tensor(DType::f32, {1, sk, 1, d}, 2);
+  const Tensor v = random_tensor(DType::f32, {1, sk, 1, d}, 3);
+  AttentionOptions o;
+  o.dropout_p = 0.4f;
+  o.seed = 11;
+  const Tensor probs = reference::attention_probs(q.view(), k.view(), v.view(), o);
+  const ForwardResult r = forward(q.view(), k.view(), v.view(), o);
+  std::int64_t zeros = 0;
+  double err = 0.0;
+  for (std::int64_t i = 0; i < sq; ++i)
+    for (std::int64_t c = 0; c < d; ++c) {
+      double acc = 0.0;
+      for (std::int64_t j = 0; j < sk; ++j) acc += probs.get(i * sk + j) * v.get(j * d + c);
+      err = std::fmax(err, std::fabs(acc - r.out.get(i * d + c)));
+    }
+  for (std::int64_t e = 0; e < probs.numel(); ++e) zeros += probs.get(e) == 0.0f;
+  EXPECT_LE(err, 1e-5);
+  EXPECT_NEAR(static_cast<double>(zeros) / static_cast<double>(probs.numel()), 0.4, 0.01);
+}
+
 TEST(Variants, FullyMaskedRowsGiveZeroAndMinusInfinity) {
   // A block mask whose first q block sees nothing.
   const Tensor q = random_tensor(DType::f32, {1, 40, 1, 16}, 1);

@@ -42,9 +42,9 @@ struct AttentionOptions {
   std::int64_t block_mask_block_size = 0;
   // Worker threads; 0 means the OpenMP default (all cores).
   int num_threads = 0;
-  // Backward only: bit-identical dq, dk, dv on every run and for every thread count
-  // (dQ is computed in its own pass in a fixed order instead of being accumulated
-  // across K/V blocks as they finish). Costs two extra matrix products per tile.
+  // Backward only: bit-identical dq, dk, dv on every run and for every thread count: the
+  // dQ shares of the K/V tiles are added in K/V-block order (a ticket per Q tile) instead
+  // of as they finish. Costs waiting, not arithmetic.
   bool deterministic = false;
 };
 

@@ -41,10 +41,10 @@ struct CpuForwardPlan {
 
 CpuForwardPlan plan_forward(const AttentionProblem& problem, const CpuHardware& hardware);
 
-// Backward: pass 1 owns one K/V tile of one (batch, kv head) per work item and produces
-// its dK, dV (and, unless deterministic, adds its dQ share under a lock); pass 2
-// (deterministic only) owns one Q tile per work item and produces its dQ in key order.
-// Tile sizes never depend on the thread count, so deterministic results do not either.
+// Backward: each work item owns one K/V tile of one (batch, kv head) and produces its dK
+// and dV; its dQ shares go into a shared float32 accumulator — in any order by default,
+// in K/V-block order when deterministic. Tile sizes never depend on the thread count, so
+// deterministic results do not either.
 struct CpuBackwardPlan {
   std::int64_t block_q = 0;            // Q rows per tile
   std::int64_t block_k = 0;            // keys per tile: a multiple of micro_rows and micro_cols
@@ -52,12 +52,11 @@ struct CpuBackwardPlan {
   std::int64_t head_dim_v_padded = 0;  // Dv rounded up to micro_cols
   std::int64_t q_blocks = 0;           // per (batch, head)
   std::int64_t k_blocks = 0;           // per (batch, kv head)
-  std::int64_t kv_work_items = 0;      // pass 1: batch · heads_kv · k_blocks
-  std::int64_t q_work_items = 0;       // pass 2: batch · heads_q · q_blocks (deterministic)
+  std::int64_t kv_work_items = 0;      // batch · heads_kv · k_blocks
   bool deterministic = false;
   int threads = 1;
   std::size_t workspace_bytes_per_thread = 0;
-  std::size_t shared_bytes = 0;        // rowsum(dO∘O), and the float32 dQ accumulator
+  std::size_t shared_bytes = 0;        // rowsum(dO∘O), the float32 dQ accumulator, tickets
   CpuHardware hardware;
 
   std::size_t workspace_bytes() const { return workspace_bytes_per_thread * threads + shared_bytes; }

@@ -44,6 +44,12 @@ struct Result {
 Result attention(const TensorView& q, const TensorView& k, const TensorView& v,
                  const AttentionOptions& options = {});
 
+// The attention probabilities after dropout — P/(1 − p) where kept, 0 where dropped or
+// masked — as upstream's return_attn_probs: (batch, heads_q, seqlen_q, seqlen_k) float32.
+// It materializes Sq × Sk per head: for testing and inspection, never for speed.
+Tensor attention_probs(const TensorView& q, const TensorView& k, const TensorView& v,
+                       const AttentionOptions& options = {});
+
 struct Gradients {
   std::vector<double> dq;  // (batch, seqlen_q, heads_q, head_dim), contiguous
   std::vector<double> dk;  // (batch, seqlen_k, heads_kv, head_dim), contiguous

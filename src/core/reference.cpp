@@ -109,6 +109,31 @@ Result attention(const TensorView& q, const TensorView& k, const TensorView& v,
   return r;
 }
 
+Tensor attention_probs(const TensorView& q, const TensorView& k, const TensorView& v,
+                       const AttentionOptions& options) {
+  const AttentionProblem p = AttentionProblem::from_inputs(q, k, v, options);
+  const Semantics sem{&p, &options};
+  Tensor probs(DType::f32, {p.batch, p.heads_q, p.seqlen_q, p.seqlen_k});
+  float* out = probs.data_as<float>();
+  const std::int64_t group = p.heads_q / p.heads_kv;
+#pragma omp parallel for collapse(3) schedule(dynamic, 16)
+  for (std::int64_t b = 0; b < p.batch; ++b)
+    for (std::int64_t h = 0; h < p.heads_q; ++h)
+      for (std::int64_t i = 0; i < p.seqlen_q; ++i) {
+        std::vector<double> out_row(static_cast<std::size_t>(p.head_dim_v));
+        double lse = 0.0;
+        attention_row(p, options, q, k, v, b, h, i, out_row.data(), &lse);
+        float* row = out + ((b * p.heads_q + h) * p.seqlen_q + i) * p.seqlen_k;
+        for (std::int64_t j = 0; j < p.seqlen_k; ++j) {
+          const bool seen = sem.visible(i, j) && !std::isinf(lse);
+          row[j] = seen ? static_cast<float>(std::exp(sem.score(b, h, i, j, dot_row(p, q, k, b, h, h / group, i, j)) - lse) *
+                                             sem.dropout_weight(b, h, i, j))
+                        : 0.0f;
+        }
+      }
+  return probs;
+}
+
 Gradients attention_backward(const TensorView& dout, const TensorView& q, const TensorView& k,
                              const TensorView& v, const AttentionOptions& options) {
   using detail::load_element;

@@ -2,6 +2,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <memory>
 
 #include "flashattn/attention.hpp"
@@ -109,34 +110,35 @@ void detail::backward_impl(const TensorView& dout, const TensorView& q, const Te
   const cpu::BackwardKernels kernels = cpu::backward_kernels();
 
   const std::size_t d_pad = static_cast<std::size_t>(plan.head_dim_padded);
-  auto delta = hwy::AllocateAligned<float>(static_cast<std::size_t>(heads * p.seqlen_q) + 1);
-  hwy::AlignedFreeUniquePtr<float[]> dq_accum;
+  const std::size_t rows = static_cast<std::size_t>(heads * p.seqlen_q);
+  auto delta = hwy::AllocateAligned<float>(rows + 1);
+  auto dq_accum = hwy::AllocateAligned<float>(rows * d_pad + 1);
+  std::fill(dq_accum.get(), dq_accum.get() + rows * d_pad, 0.0f);
   std::unique_ptr<std::mutex[]> dq_locks;
-  if (!plan.deterministic) {
-    const std::size_t n = static_cast<std::size_t>(heads * p.seqlen_q) * d_pad;
-    dq_accum = hwy::AllocateAligned<float>(n + 1);
-    std::fill(dq_accum.get(), dq_accum.get() + n, 0.0f);
+  std::unique_ptr<std::atomic<std::int64_t>[]> dq_tickets;
+  if (plan.deterministic) {
+    const std::size_t tiles = static_cast<std::size_t>(heads * plan.q_blocks);
+    dq_tickets = std::make_unique<std::atomic<std::int64_t>[]>(tiles);
+    for (std::size_t t = 0; t < tiles; ++t) dq_tickets[t].store(0, std::memory_order_relaxed);
+  } else {
     dq_locks = std::make_unique<std::mutex[]>(cpu::kDqLockStripes);
   }
   const cpu::BackwardParams params{p,      plan, dout, q,  k,  v,  out, lse, dq, dk, dv,
                                    options.alibi_slopes, options.block_mask,
-                                   delta.get(), dq_accum.get(), dq_locks.get()};
+                                   delta.get(), dq_accum.get(), dq_locks.get(), dq_tickets.get()};
+  // Items are handed out strictly in order (an atomic counter, not an OpenMP schedule):
+  // the deterministic mode's tickets rely on K/V block kb − 1 starting before kb.
+  std::atomic<std::int64_t> next_item{0};
 #pragma omp parallel num_threads(plan.threads)
   {
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t bh = 0; bh < heads; ++bh) kernels.delta(params, bh);
     cpu::BackwardWorkspace workspace(plan, p);
-#pragma omp for schedule(dynamic, 1)
-    for (std::int64_t item = 0; item < plan.kv_work_items; ++item)
+    for (std::int64_t item = next_item++; item < plan.kv_work_items; item = next_item++)
       kernels.kv_item(params, workspace, item);
-    if (plan.deterministic) {
+#pragma omp barrier
 #pragma omp for schedule(dynamic, 1)
-      for (std::int64_t item = 0; item < plan.q_work_items; ++item)
-        kernels.q_item(params, workspace, item);
-    } else {
-#pragma omp for schedule(dynamic, 1)
-      for (std::int64_t bh = 0; bh < heads; ++bh) kernels.store_dq(params, bh);
-    }
+    for (std::int64_t bh = 0; bh < heads; ++bh) kernels.store_dq(params, bh);
   }
 }
 

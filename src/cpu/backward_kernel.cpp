@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <limits>
 #include <numeric>
+#include <thread>
 
 #include "flashattn/online_softmax.hpp"
 #include "src/core/element.hpp"
@@ -183,8 +184,21 @@ void ComputePAndDS(const BackwardParams& prm, BackwardWorkspace& ws, const RowMo
   }
 }
 
-// Pass 1: item = (b, kv head, k block). Owns dK and dV of its K/V tile, so they need no
-// synchronization; streams the Q tiles of every q head sharing the kv head.
+void AddTile(const float* HWY_RESTRICT src, float* HWY_RESTRICT dst, std::int64_t n) {
+  const DF df;
+  for (std::int64_t e = 0; e < n; e += kLanes)
+    hn::Store(hn::Add(hn::Load(df, dst + e), hn::Load(df, src + e)), df, dst + e);
+}
+
+// Deterministic mode: waits until K/V block `kb` is next to add into a Q tile. Work items
+// are handed out in K/V-block order, so the block it waits for is already running.
+void WaitForTicket(const std::atomic<std::int64_t>& ticket, std::int64_t kb) {
+  while (ticket.load(std::memory_order_acquire) != kb) std::this_thread::yield();
+}
+
+// Item = (b, kv head, k block). Owns dK and dV of its K/V tile, so they need no
+// synchronization; streams the Q tiles of every q head sharing the kv head and adds its
+// dQ shares — under a striped lock in any order, or in K/V-block order (deterministic).
 void BackwardKvItem(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t item) {
   const AttentionProblem& p = prm.problem;
   const CpuBackwardPlan& plan = prm.plan;
@@ -212,18 +226,31 @@ void BackwardKvItem(const BackwardParams& prm, BackwardWorkspace& ws, std::int64
                      n_pad, dv_pad, rows_pad);
       TileGemm<true>({ws.ds_tile.get(), 1, bc}, ws.q_tile.get(), d_pad, ws.dk_acc.get(), d_pad,
                      n_pad, d_pad, rows_pad);
-      if (prm.dq_accum == nullptr) continue;  // deterministic: pass 2 computes dQ
-      // dQ share of this K/V tile, added to the shared accumulator under its stripe lock.
+      // dQ share of this K/V tile, added to the shared float32 accumulator.
       float* dq_tile = ws.dq_tile.get();
       TileGemm<false>({ws.ds_tile.get(), bc}, ws.k_packed.get() + j0 * d_pad, d_pad, dq_tile,
                       d_pad, rows_pad, d_pad, n_pad);
       const std::int64_t tile_id = (b * p.heads_q + h) * plan.q_blocks + qb;
       float* dst = prm.dq_accum + ((b * p.heads_q + h) * p.seqlen_q + i0) * d_pad;
-      const DF df;
-      std::lock_guard<std::mutex> lock(prm.dq_locks[tile_id % kDqLockStripes]);
-      for (std::int64_t e = 0; e < rows * d_pad; e += kLanes)
-        hn::Store(hn::Add(hn::Load(df, dst + e), hn::Load(df, dq_tile + e)), df, dst + e);
+      if (prm.dq_tickets != nullptr) {
+        WaitForTicket(prm.dq_tickets[tile_id], kb);
+        AddTile(dq_tile, dst, rows * d_pad);
+        prm.dq_tickets[tile_id].store(kb + 1, std::memory_order_release);
+      } else {
+        std::lock_guard<std::mutex> lock(prm.dq_locks[tile_id % kDqLockStripes]);
+        AddTile(dq_tile, dst, rows * d_pad);
+      }
     }
+  }
+  if (prm.dq_tickets != nullptr) {
+    // Pass on the tickets of the Q tiles this K/V tile had no work for, in the same order.
+    for (std::int64_t h = kv_head * group; h < (kv_head + 1) * group; ++h)
+      for (std::int64_t qb = 0; qb < plan.q_blocks; ++qb) {
+        std::atomic<std::int64_t>& ticket = prm.dq_tickets[(b * p.heads_q + h) * plan.q_blocks + qb];
+        if (ticket.load(std::memory_order_acquire) > kb) continue;
+        WaitForTicket(ticket, kb);
+        ticket.store(kb + 1, std::memory_order_release);
+      }
   }
   // dK = scale·dSᵀ·Q = ln2·dSᵀ·Q' because Q' = Q·scale·log2e.
   for (std::int64_t r = 0; r < n; ++r) {
@@ -232,36 +259,6 @@ void BackwardKvItem(const BackwardParams& prm, BackwardWorkspace& ws, std::int64
     StoreRow(ws.dv_acc.get() + r * dv_pad, p.head_dim_v, 1.0f,
              OutRowPointer(prm.dv, b, j0 + r, kv_head), prm.dv.dtype);
   }
-}
-
-// Pass 2 (deterministic): item = (b, h, q block); dQ = scale·Σ_j dS_j·K_j in key order.
-void BackwardQItem(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t item) {
-  const AttentionProblem& p = prm.problem;
-  const CpuBackwardPlan& plan = prm.plan;
-  const std::int64_t bq = plan.block_q, bc = plan.block_k, d_pad = plan.head_dim_padded;
-  const std::int64_t qb = item % plan.q_blocks, bh = item / plan.q_blocks;
-  const std::int64_t h = bh % p.heads_q, b = bh / p.heads_q;
-  const std::int64_t kv_head = h / (p.heads_q / p.heads_kv);
-  const std::int64_t i0 = qb * bq, rows = std::min(bq, p.seqlen_q - i0);
-  const std::int64_t rows_pad = RoundUp(rows, kMicroRows);
-  const std::int64_t key_begin = p.key_range(i0).begin;
-  const std::int64_t key_end = p.key_range(i0 + rows - 1).end;
-  const RowMods mods(p, prm.alibi_slopes, prm.block_mask, b, h);
-  EnsurePacked(prm, ws, b, kv_head, key_end);
-  LoadQTile(prm, ws, b, h, i0, rows, rows_pad);
-  float* dq_tile = ws.dq_tile.get();
-  std::fill(dq_tile, dq_tile + rows_pad * d_pad, 0.0f);
-  for (std::int64_t j0 = key_begin / bc * bc; j0 < key_end; j0 += bc) {
-    const std::int64_t n = std::min(bc, key_end - j0);
-    const std::int64_t n_pad = RoundUp(n, kMicroTileLcm);
-    if (!mods.tile_has_work(i0, rows, j0, n)) continue;
-    ComputePAndDS(prm, ws, mods, i0, rows, rows_pad, j0, n, n_pad);
-    TileGemm<true>({ws.ds_tile.get(), bc}, ws.k_packed.get() + j0 * d_pad, d_pad, dq_tile, d_pad,
-                   rows_pad, d_pad, n_pad);
-  }
-  for (std::int64_t r = 0; r < rows; ++r)
-    StoreRow(dq_tile + r * d_pad, p.head_dim, p.softmax_scale, OutRowPointer(prm.dq, b, i0 + r, h),
-             prm.dq.dtype);
 }
 
 void BackwardStoreDq(const BackwardParams& prm, std::int64_t bh) {
@@ -280,13 +277,12 @@ namespace flashattn::cpu {
 
 HWY_EXPORT(BackwardDelta);
 HWY_EXPORT(BackwardKvItem);
-HWY_EXPORT(BackwardQItem);
 HWY_EXPORT(BackwardStoreDq);
 
 BackwardKernels backward_kernels() {
   kernel_geometry();  // the first dispatched call picks the target
   return {&HWY_DYNAMIC_DISPATCH(BackwardDelta), &HWY_DYNAMIC_DISPATCH(BackwardKvItem),
-          &HWY_DYNAMIC_DISPATCH(BackwardQItem), &HWY_DYNAMIC_DISPATCH(BackwardStoreDq)};
+          &HWY_DYNAMIC_DISPATCH(BackwardStoreDq)};
 }
 
 }  // namespace flashattn::cpu

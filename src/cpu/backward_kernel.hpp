@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <atomic>
 #include <mutex>
 #include <vector>
 
@@ -21,8 +22,12 @@ struct BackwardParams {
   MutableTensorView dq, dk, dv;
   TensorView alibi_slopes, block_mask;  // from the options; empty when unused
   float* delta = nullptr;     // (batch, heads_q, seqlen_q): D = rowsum(dO ∘ O)
-  float* dq_accum = nullptr;  // (batch, heads_q, seqlen_q, head_dim_padded), default mode
-  std::mutex* dq_locks = nullptr;  // kDqLockStripes locks over the Q tiles of dq_accum
+  float* dq_accum = nullptr;  // (batch, heads_q, seqlen_q, head_dim_padded), float32
+  // Default mode: kDqLockStripes locks over the Q tiles of dq_accum; tiles add in any order.
+  std::mutex* dq_locks = nullptr;
+  // Deterministic mode: one ticket per (batch, head, q block) holding the next K/V block
+  // allowed to add its share, so every Q tile sums its shares in K/V-block order.
+  std::atomic<std::int64_t>* dq_tickets = nullptr;
 };
 
 // Striped locks guard the dQ accumulator in the default mode: enough stripes that two
@@ -58,17 +63,14 @@ std::size_t backward_workspace_bytes(const CpuBackwardPlan& plan, const Attentio
 
 // One (batch, head) row range of D = rowsum(dO ∘ O).
 using BackwardDeltaFn = void (*)(const BackwardParams&, std::int64_t batch_head);
-// Pass 1: dK, dV (and dQ shares) of one K/V tile of one (batch, kv head).
+// dK, dV and the dQ shares of one K/V tile of one (batch, kv head).
 using BackwardKvItemFn = void (*)(const BackwardParams&, BackwardWorkspace&, std::int64_t item);
-// Pass 2 (deterministic): dQ of one Q tile of one (batch, head).
-using BackwardQItemFn = void (*)(const BackwardParams&, BackwardWorkspace&, std::int64_t item);
-// Default mode epilogue: dq = dq_accum · scale in dq's dtype, for one (batch, head).
+// Epilogue: dq = dq_accum · scale in dq's dtype, for one (batch, head).
 using BackwardStoreDqFn = void (*)(const BackwardParams&, std::int64_t batch_head);
 
 struct BackwardKernels {
   BackwardDeltaFn delta;
   BackwardKvItemFn kv_item;
-  BackwardQItemFn q_item;
   BackwardStoreDqFn store_dq;
 };
 BackwardKernels backward_kernels();

@@ -89,13 +89,14 @@ CpuBackwardPlan plan_backward(const AttentionProblem& p, const CpuHardware& hw,
   plan.q_blocks = (p.seqlen_q + plan.block_q - 1) / plan.block_q;
   plan.k_blocks = (p.seqlen_k + plan.block_k - 1) / plan.block_k;
   plan.kv_work_items = p.batch * p.heads_kv * plan.k_blocks;
-  plan.q_work_items = deterministic ? p.batch * p.heads_q * plan.q_blocks : 0;
   plan.threads = static_cast<int>(std::clamp<std::int64_t>(
       std::max(plan.kv_work_items, p.batch * p.heads_q), 1, hw.threads));
   plan.workspace_bytes_per_thread = cpu::backward_workspace_bytes(plan, p);
   const std::size_t rows = static_cast<std::size_t>(p.batch * p.heads_q * p.seqlen_q);
-  plan.shared_bytes = rows * sizeof(float) *
-                      (1 + (deterministic ? 0 : static_cast<std::size_t>(plan.head_dim_padded)));
+  plan.shared_bytes = rows * sizeof(float) * (1 + static_cast<std::size_t>(plan.head_dim_padded)) +
+                      (deterministic ? static_cast<std::size_t>(p.batch * p.heads_q * plan.q_blocks) *
+                                           sizeof(std::int64_t)
+                                     : 0);
   return plan;
 }
 
@@ -103,7 +104,7 @@ std::string CpuBackwardPlan::describe() const {
   std::ostringstream s;
   s << "simd=" << hardware.simd_target << " micro_tile=" << hardware.micro_rows << "x"
     << hardware.micro_cols << " block_q=" << block_q << " block_k=" << block_k
-    << " kv_work_items=" << kv_work_items << " q_work_items=" << q_work_items
+    << " work_items=" << kv_work_items
     << " deterministic=" << (deterministic ? "true" : "false") << " threads=" << threads
     << " workspace_bytes=" << workspace_bytes();
   return s.str();

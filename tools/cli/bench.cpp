@@ -6,6 +6,7 @@
 #include <thread>
 #include <iostream>
 #include <memory>
+#include <random>
 
 #include "src/baseline/standard_attention.hpp"
 #include "tools/cli/commands.hpp"
@@ -64,6 +65,33 @@ void bench(const BenchFlags& f) {
     if (std::find(f.ops.begin(), f.ops.end(), "bwd") != f.ops.end())
       j["cases"].push_back(case_json(measure_backward(Impl::flashattn, p, options, in, f.repeats), p));
   }
+  // Block-sparse (128-token blocks, a random quarter or half kept): time should follow
+  // the kept fraction, against the full non-causal f32 case above.
+  for (double kept : {0.25, 0.5}) {
+    if (std::find(f.ops.begin(), f.ops.end(), "fwd") == f.ops.end()) break;
+    ShapeFlags shape = f.shape;
+    shape.dtype = "f32";
+    shape.causal = false;
+    constexpr std::int64_t kBlock = 128;
+    const std::int64_t sq = shape.seqlen_q.value_or(shape.seqlen), sk = shape.seqlen_k.value_or(shape.seqlen);
+    Tensor mask(DType::u8, {(sq + kBlock - 1) / kBlock, (sk + kBlock - 1) / kBlock});
+    std::mt19937_64 rng(3);
+    std::int64_t kept_blocks = 0;
+    for (std::int64_t e = 0; e < mask.numel(); ++e) {
+      const bool keep = std::uniform_real_distribution<double>(0.0, 1.0)(rng) < kept;
+      mask.set(e, keep ? 1.0f : 0.0f);
+      kept_blocks += keep;
+    }
+    AttentionOptions options = shape.options();
+    options.block_mask = mask.view();
+    options.block_mask_block_size = kBlock;
+    const AttentionProblem p = shape.problem(options);
+    std::cerr << "case " << p.describe() << "\n";
+    const Inputs in = random_inputs(p, 7);
+    nlohmann::json c = case_json(measure_forward(Impl::flashattn, p, options, in, f.repeats), p);
+    c["block_kept_fraction"] = static_cast<double>(kept_blocks) / static_cast<double>(mask.numel());
+    j["cases"].push_back(c);
+  }
   if (f.json) {
     std::cout << j.dump(2) << "\n";
     return;
@@ -79,7 +107,8 @@ void bench(const BenchFlags& f) {
                 c["op"].get<std::string>().c_str(),
                 c.contains("deterministic") ? (c["deterministic"].get<bool>() ? "yes" : "no") : "-",
                 c["dtype"].get<std::string>().c_str(),
-                c.contains("window_left") ? "window"
+                c.contains("block_kept_fraction") ? "blocks"
+                : c.contains("window_left")       ? "window"
                 : c["causal"].get<bool>() ? "causal"
                                           : "full",
                 c["gflops"].get<double>(),
