@@ -1,0 +1,44 @@
+"""flashattn: exact attention the FlashAttention way, on the CPU.
+
+Upstream FlashAttention's Python functions, with the same names, arguments, defaults,
+layouts ((batch, seqlen, heads, head_dim)) and return conventions, on NumPy arrays
+(float32, float16, ml_dtypes.bfloat16) and PyTorch CPU tensors. Inputs are passed to the
+C++ library without copies; the GIL is released while it computes.
+
+Dropout: the mask is a pure function of (seed, offset, batch, head, row, column). Pass
+``seed=`` for reproducible results (NumPy users must pass the same seed to
+``flash_attn_backward``); without it a fresh seed is drawn, and the PyTorch autograd path
+keeps it for the backward pass.
+"""
+
+import pkgutil as _pkgutil
+
+# The native module may live in a build tree beside these sources (development) or in
+# this directory (installed wheel).
+__path__ = _pkgutil.extend_path(__path__, __name__)
+
+from ._interface import (  # noqa: E402
+    flash_attn_backward,
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_backward,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+    flash_attn_with_kvcache,
+    simd_target,
+)
+
+__all__ = [
+    "flash_attn_backward",
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_backward",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
+    "simd_target",
+]

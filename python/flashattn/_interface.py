@@ -1,0 +1,313 @@
+"""Upstream FlashAttention's functions on top of the native core (flashattn._C)."""
+
+from __future__ import annotations
+
+import secrets
+
+import ml_dtypes
+import numpy as np
+
+from . import _C
+
+try:  # PyTorch is optional: tensors in, tensors out, autograd when it is importable.
+    import torch
+except ImportError:  # pragma: no cover - exercised on machines without torch
+    torch = None
+
+_NUMPY_DTYPES = {
+    np.dtype(np.float32): "f32",
+    np.dtype(np.float16): "f16",
+    np.dtype(ml_dtypes.bfloat16): "bf16",
+}
+_NUMPY_OF = {name: dtype for dtype, name in _NUMPY_DTYPES.items()}
+
+
+def _torch_dtypes():
+    return {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+
+
+def _is_tensor(x) -> bool:
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _raw(x, name, int32=False):
+    """A zero-copy NumPy view of `x` for the native core, and its dtype name.
+
+    float16 and bfloat16 travel as uint16 views (NumPy has no bfloat16 of its own)."""
+    if _is_tensor(x):
+        if x.device.type != "cpu":
+            raise ValueError(f"{name}: only CPU tensors are supported, got device {x.device}")
+        t = x.detach()
+        if int32:
+            if t.dtype != torch.int32:
+                raise TypeError(f"{name}: dtype {t.dtype} but expected torch.int32")
+            return t.numpy(), "i32"
+        dt = _torch_dtypes().get(t.dtype)
+        if dt is None:
+            raise TypeError(f"{name}: dtype {t.dtype} is not supported (float32, float16, bfloat16)")
+        return (t.numpy() if dt == "f32" else t.view(torch.int16).numpy().view(np.uint16)), dt
+    if isinstance(x, np.ndarray):
+        if int32:
+            if x.dtype != np.int32:
+                raise TypeError(f"{name}: dtype {x.dtype} but expected int32")
+            return x, "i32"
+        dt = _NUMPY_DTYPES.get(x.dtype)
+        if dt is None:
+            raise TypeError(f"{name}: dtype {x.dtype} is not supported (float32, float16, bfloat16)")
+        return (x if dt == "f32" else x.view(np.uint16)), dt
+    raise TypeError(f"{name}: expected a numpy.ndarray or a torch.Tensor, got {type(x).__name__}")
+
+
+def _empty(shape, dt, like):
+    """An output of the same kind as `like` (NumPy or torch) and its raw view."""
+    if _is_tensor(like):
+        tdt = {v: k for k, v in _torch_dtypes().items()}[dt]
+        t = torch.empty(shape, dtype=tdt)
+        return t, (t.numpy() if dt == "f32" else t.view(torch.int16).numpy().view(np.uint16))
+    a = np.empty(shape, dtype=_NUMPY_OF[dt])
+    return a, (a if dt == "f32" else a.view(np.uint16))
+
+
+def _inputs(**named):
+    """Raw views of the named arrays; all of one kind (NumPy or torch)."""
+    kinds = {_is_tensor(x) for x in named.values()}
+    if len(kinds) > 1:
+        raise TypeError("inputs mix numpy arrays and torch tensors: " + ", ".join(named))
+    raws, dtypes = {}, {}
+    for name, x in named.items():
+        raws[name], dtypes[name] = _raw(x, name)
+    first = next(iter(named))
+    for name, dt in dtypes.items():
+        if dt != dtypes[first]:
+            raise TypeError(f"{name}: dtype {dt} does not match {first}'s dtype {dtypes[first]}")
+    return raws, dtypes[first]
+
+
+def _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, seed):
+    o = _C.Options()
+    o.softmax_scale = None if softmax_scale is None else float(softmax_scale)
+    o.causal = bool(causal)
+    if len(window_size) != 2:
+        raise ValueError(f"window_size: expected (left, right), got {window_size!r}")
+    o.window_left, o.window_right = int(window_size[0]), int(window_size[1])
+    o.softcap = float(softcap)
+    if alibi_slopes is not None:
+        raw, dt = _raw(alibi_slopes, "alibi_slopes")
+        if dt != "f32":
+            raise TypeError(f"alibi_slopes: dtype {dt} but expected float32")
+        o.alibi_slopes = raw
+    o.dropout_p = float(dropout_p)
+    o.seed = int(seed) if seed is not None else 0
+    o.deterministic = bool(deterministic)
+    return o
+
+
+def _seed_for(dropout_p, seed):
+    if dropout_p > 0.0 and seed is None:
+        return secrets.randbits(63)
+    return seed
+
+
+# ---- the computations, on raw views ------------------------------------------------------
+
+
+def _forward(q, k, v, opts, return_attn_probs):
+    raws, dt = _inputs(q=q, k=k, v=v)
+    if raws["q"].ndim != 4:
+        raise ValueError(f"q: expected rank 4 (batch, seqlen_q, heads_q, head_dim), got rank {raws['q'].ndim}")
+    b, sq, hq, _ = raws["q"].shape
+    out, out_raw = _empty((b, sq, hq, raws["v"].shape[-1]), dt, q)
+    lse, lse_raw = _empty((b, hq, sq), "f32", q)
+    _C.forward(raws["q"], raws["k"], raws["v"], out_raw, lse_raw, dt, opts)
+    if not return_attn_probs:
+        return out, lse, None
+    probs, probs_raw = _empty((b, hq, sq, raws["k"].shape[1]), "f32", q)
+    _C.attention_probs(raws["q"], raws["k"], raws["v"], probs_raw, dt, opts)
+    return out, lse, probs
+
+
+def _backward(dout, q, k, v, out, lse, opts):
+    raws, dt = _inputs(dout=dout, q=q, k=k, v=v, out=out)
+    lse_raw, lse_dt = _raw(lse, "softmax_lse")
+    if lse_dt != "f32":
+        raise TypeError(f"softmax_lse: dtype {lse_dt} but expected float32")
+    dq, dq_raw = _empty(raws["q"].shape, dt, q)
+    dk, dk_raw = _empty(raws["k"].shape, dt, q)
+    dv, dv_raw = _empty(raws["v"].shape, dt, q)
+    _C.backward(raws["dout"], raws["q"], raws["k"], raws["v"], raws["out"], lse_raw, dq_raw, dk_raw, dv_raw,
+                dt, opts)
+    return dq, dk, dv
+
+
+def _varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, opts, return_attn_probs):
+    if return_attn_probs:
+        raise NotImplementedError("return_attn_probs: not implemented for variable-length batches")
+    raws, dt = _inputs(q=q, k=k, v=v)
+    if raws["q"].ndim != 3:
+        raise ValueError(f"q: expected rank 3 (total_q, heads_q, head_dim), got rank {raws['q'].ndim}")
+    total_q, hq, _ = raws["q"].shape
+    out, out_raw = _empty((total_q, hq, raws["v"].shape[-1]), dt, q)
+    lse, lse_raw = _empty((hq, total_q), "f32", q)
+    _C.forward_varlen(raws["q"], raws["k"], raws["v"], _raw(cu_q, "cu_seqlens_q", int32=True)[0],
+                      _raw(cu_k, "cu_seqlens_k", int32=True)[0], int(max_q), int(max_k), out_raw, lse_raw, dt,
+                      opts)
+    return out, lse, None
+
+
+def _varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, opts):
+    raws, dt = _inputs(dout=dout, q=q, k=k, v=v, out=out)
+    lse_raw, _ = _raw(lse, "softmax_lse")
+    dq, dq_raw = _empty(raws["q"].shape, dt, q)
+    dk, dk_raw = _empty(raws["k"].shape, dt, q)
+    dv, dv_raw = _empty(raws["v"].shape, dt, q)
+    _C.backward_varlen(raws["dout"], raws["q"], raws["k"], raws["v"], raws["out"], lse_raw,
+                       _raw(cu_q, "cu_seqlens_q", int32=True)[0], _raw(cu_k, "cu_seqlens_k", int32=True)[0],
+                       int(max_q), int(max_k), dq_raw, dk_raw, dv_raw, dt, opts)
+    return dq, dk, dv
+
+
+# ---- PyTorch autograd ------------------------------------------------------------------------
+
+if torch is not None:
+
+    class _Attention(torch.autograd.Function):
+        """out = attention(q, k, v); backward recomputes P from the saved lse."""
+
+        @staticmethod
+        def forward(ctx, q, k, v, varlen, opts, return_attn_probs):
+            if varlen is None:
+                out, lse, probs = _forward(q, k, v, opts, return_attn_probs)
+            else:
+                out, lse, probs = _varlen_forward(q, k, v, *varlen, opts, return_attn_probs)
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.varlen, ctx.opts = varlen, opts
+            ctx.mark_non_differentiable(lse)
+            if probs is not None:
+                ctx.mark_non_differentiable(probs)
+            return out, lse, probs
+
+        @staticmethod
+        def backward(ctx, dout, _dlse, _dprobs):
+            q, k, v, out, lse = ctx.saved_tensors
+            dout = dout.to(q.dtype)
+            if ctx.varlen is None:
+                dq, dk, dv = _backward(dout, q, k, v, out, lse, ctx.opts)
+            else:
+                dq, dk, dv = _varlen_backward(dout, q, k, v, out, lse, *ctx.varlen, ctx.opts)
+            return dq, dk, dv, None, None, None
+
+
+def _run(q, k, v, varlen, opts, return_attn_probs):
+    needs_grad = _is_tensor(q) and torch.is_grad_enabled() and any(
+        t.requires_grad for t in (q, k, v))
+    if needs_grad:
+        out, lse, probs = _Attention.apply(q, k, v, varlen, opts, return_attn_probs)
+    elif varlen is None:
+        out, lse, probs = _forward(q, k, v, opts, return_attn_probs)
+    else:
+        out, lse, probs = _varlen_forward(q, k, v, *varlen, opts, return_attn_probs)
+    return (out, lse, probs) if return_attn_probs else out
+
+
+# ---- upstream's functions ----------------------------------------------------------------------
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                    seed=None):
+    """Exact attention. q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) -> out (B, Sq, Hq, Dv).
+
+    With return_attn_probs: (out, softmax_lse (B, Hq, Sq) float32, S_dmask (B, Hq, Sq, Sk) float32,
+    the probabilities after dropout — materialized, for testing only)."""
+    seed = _seed_for(dropout_p, seed)
+    opts = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, seed)
+    return _run(q, k, v, None, opts, return_attn_probs)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                              seed=None):
+    """flash_attn_func on qkv (B, S, 3, H, D), sliced without copies."""
+    return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal,
+                           window_size, softcap, alibi_slopes, deterministic, return_attn_probs, seed=seed)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                             seed=None):
+    """flash_attn_func on q and kv (B, Sk, 2, Hkv, D), sliced without copies."""
+    return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs, seed=seed)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                           alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None, *,
+                           seed=None):
+    """Packed variable-length batch: q (total_q, Hq, D), k/v (total_k, Hkv, D), int32 cu_seqlens (B + 1).
+
+    Each sequence attends only within itself; softmax_lse is (Hq, total_q)."""
+    if block_table is not None:
+        raise NotImplementedError("block_table: the paged KV cache is not implemented yet")
+    seed = _seed_for(dropout_p, seed)
+    opts = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, seed)
+    return _run(q, k, v, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), opts, return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
+                                     causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                                     deterministic=False, return_attn_probs=False, *, seed=None):
+    """flash_attn_varlen_func on qkv (total, 3, H, D)."""
+    return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen,
+                                  max_seqlen, dropout_p, softmax_scale, causal, window_size, softcap,
+                                  alibi_slopes, deterministic, return_attn_probs, seed=seed)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                                    softcap=0.0, alibi_slopes=None, deterministic=False,
+                                    return_attn_probs=False, *, seed=None):
+    """flash_attn_varlen_func on q and kv (total_k, 2, Hkv, D)."""
+    return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
+                                  alibi_slopes, deterministic, return_attn_probs, seed=seed)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                            return_softmax_lse=False):
+    """Not implemented yet: raises NotImplementedError (never a silent fallback)."""
+    raise NotImplementedError(
+        "flash_attn_with_kvcache: the paged / appending KV cache with rotary embeddings and split-KV "
+        "decoding is not implemented yet in flashattn; call flash_attn_func on the cached keys and values")
+
+
+def flash_attn_backward(dout, q, k, v, out, softmax_lse, dropout_p=0.0, softmax_scale=None, causal=False,
+                        window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, *,
+                        seed=None):
+    """Gradients (dq, dk, dv) of sum(dout * out) for NumPy users; P is recomputed from softmax_lse.
+
+    With dropout, pass the seed the forward used."""
+    if dropout_p > 0.0 and seed is None:
+        raise ValueError("seed: backward with dropout needs the seed the forward used")
+    opts = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, seed)
+    return _backward(dout, q, k, v, out, softmax_lse, opts)
+
+
+def flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                               max_seqlen_k, dropout_p=0.0, softmax_scale=None, causal=False,
+                               window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, *,
+                               seed=None):
+    """Gradients (dq, dk, dv) of a packed variable-length batch."""
+    if dropout_p > 0.0 and seed is None:
+        raise ValueError("seed: backward with dropout needs the seed the forward used")
+    opts = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, seed)
+    return _varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                            max_seqlen_k, opts)
+
+
+def simd_target() -> str:
+    """The SIMD instruction set the CPU kernels dispatch to on this machine, e.g. 'AVX2'."""
+    return _C.simd_target()

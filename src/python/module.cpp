@@ -1,0 +1,177 @@
+// The native half of the Python package: thin nanobind wrappers over the C++ API. The
+// Python half (python/flashattn) owns upstream's function names, argument handling and
+// output allocation; arrays arrive zero-copy as raw buffers plus a dtype name (float16
+// and bfloat16 travel as uint16 views, since NumPy has no bfloat16 of its own).
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+
+#include <algorithm>
+#include <optional>
+#include <string>
+
+#include "flashattn/flashattn.hpp"
+
+namespace nb = nanobind;
+using Array = nb::ndarray<nb::device::cpu>;
+
+namespace {
+
+flashattn::DType dtype_of(const Array& a, const std::string& name, const char* arg) {
+  const flashattn::DType d = flashattn::parse_dtype(name);
+  const std::size_t bits = a.dtype().bits;
+  if (bits != 8 * flashattn::dtype_size(d))
+    throw nb::type_error((std::string(arg) + ": buffer of " + std::to_string(bits) +
+                          "-bit elements does not hold dtype " + name).c_str());
+  return d;
+}
+
+template <class View, class Ptr>
+View view_of(const Array& a, flashattn::DType dtype, Ptr data) {
+  View v;
+  v.data = data;
+  v.dtype = dtype;
+  v.rank = static_cast<int>(a.ndim());
+  if (v.rank > flashattn::kMaxRank) throw nb::value_error("arrays of rank > 4 are not supported");
+  for (int d = 0; d < v.rank; ++d) {
+    v.shape[d] = static_cast<std::int64_t>(a.shape(d));
+    v.strides[d] = static_cast<std::int64_t>(a.stride(d));
+  }
+  return v;
+}
+
+flashattn::TensorView in(const Array& a, const std::string& dtype, const char* arg) {
+  return view_of<flashattn::TensorView>(a, dtype_of(a, dtype, arg), static_cast<const void*>(a.data()));
+}
+
+flashattn::MutableTensorView out(const Array& a, const std::string& dtype, const char* arg) {
+  return view_of<flashattn::MutableTensorView>(a, dtype_of(a, dtype, arg), static_cast<void*>(a.data()));
+}
+
+flashattn::TensorView optional_in(const std::optional<Array>& a, const std::string& dtype,
+                                  const char* arg) {
+  return a ? in(*a, dtype, arg) : flashattn::TensorView{};
+}
+
+struct Options {
+  std::optional<float> softmax_scale;
+  bool causal = false;
+  std::int64_t window_left = -1, window_right = -1;
+  float softcap = 0.0f;
+  std::optional<Array> alibi_slopes;
+  float dropout_p = 0.0f;
+  std::uint64_t seed = 0;
+  bool deterministic = false;
+  int num_threads = 0;
+
+  flashattn::AttentionOptions get() const {
+    flashattn::AttentionOptions o;
+    o.softmax_scale = softmax_scale;
+    o.causal = causal;
+    o.window_size = {window_left, window_right};
+    o.softcap = softcap;
+    o.alibi_slopes = optional_in(alibi_slopes, "f32", "alibi_slopes");
+    o.dropout_p = dropout_p;
+    o.seed = seed;
+    o.deterministic = deterministic;
+    o.num_threads = num_threads;
+    return o;
+  }
+};
+
+}  // namespace
+
+NB_MODULE(_C, m) {
+  m.doc() = "flashattn native core: exact tiled attention with an online softmax on the CPU";
+
+  // flashattn::Error: dtype problems are TypeErrors, everything else ValueErrors; the
+  // message (naming the argument and its values) is kept as it is.
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const flashattn::Error& e) {
+      const std::string what = e.what();
+      PyErr_SetString(what.find(": dtype ") != std::string::npos ? PyExc_TypeError : PyExc_ValueError,
+                      what.c_str());
+    }
+  });
+
+  nb::class_<Options>(m, "Options")
+      .def(nb::init<>())
+      .def_rw("softmax_scale", &Options::softmax_scale)
+      .def_rw("causal", &Options::causal)
+      .def_rw("window_left", &Options::window_left)
+      .def_rw("window_right", &Options::window_right)
+      .def_rw("softcap", &Options::softcap)
+      .def_rw("alibi_slopes", &Options::alibi_slopes)
+      .def_rw("dropout_p", &Options::dropout_p)
+      .def_rw("seed", &Options::seed)
+      .def_rw("deterministic", &Options::deterministic)
+      .def_rw("num_threads", &Options::num_threads);
+
+  m.def(
+      "forward",
+      [](Array q, Array k, Array v, Array o, Array lse, const std::string& dtype, const Options& opt) {
+        const flashattn::AttentionOptions options = opt.get();
+        nb::gil_scoped_release release;
+        flashattn::forward(in(q, dtype, "q"), in(k, dtype, "k"), in(v, dtype, "v"), out(o, dtype, "out"),
+                           out(lse, "f32", "softmax_lse"), options);
+      },
+      "q, k, v (B, S, H, D) -> out, lse written in place");
+
+  m.def(
+      "backward",
+      [](Array dout, Array q, Array k, Array v, Array o, Array lse, Array dq, Array dk, Array dv,
+         const std::string& dtype, const Options& opt) {
+        const flashattn::AttentionOptions options = opt.get();
+        nb::gil_scoped_release release;
+        flashattn::backward(in(dout, dtype, "dout"), in(q, dtype, "q"), in(k, dtype, "k"), in(v, dtype, "v"),
+                            in(o, dtype, "out"), in(lse, "f32", "softmax_lse"), out(dq, dtype, "dq"),
+                            out(dk, dtype, "dk"), out(dv, dtype, "dv"), options);
+      },
+      "gradients written into dq, dk, dv");
+
+  m.def(
+      "forward_varlen",
+      [](Array q, Array k, Array v, Array cu_q, Array cu_k, std::int64_t max_q, std::int64_t max_k,
+         Array o, Array lse, const std::string& dtype, const Options& opt) {
+        const flashattn::AttentionOptions options = opt.get();
+        const flashattn::VarlenSeqlens s{in(cu_q, "i32", "cu_seqlens_q"), in(cu_k, "i32", "cu_seqlens_k"), max_q,
+                                         max_k};
+        nb::gil_scoped_release release;
+        flashattn::forward_varlen(in(q, dtype, "q"), in(k, dtype, "k"), in(v, dtype, "v"), s,
+                                  out(o, dtype, "out"), out(lse, "f32", "softmax_lse"), options);
+      },
+      "packed variable-length batch: q (total_q, H, D) ...");
+
+  m.def(
+      "backward_varlen",
+      [](Array dout, Array q, Array k, Array v, Array o, Array lse, Array cu_q, Array cu_k,
+         std::int64_t max_q, std::int64_t max_k, Array dq, Array dk, Array dv, const std::string& dtype,
+         const Options& opt) {
+        const flashattn::AttentionOptions options = opt.get();
+        const flashattn::VarlenSeqlens s{in(cu_q, "i32", "cu_seqlens_q"), in(cu_k, "i32", "cu_seqlens_k"), max_q,
+                                         max_k};
+        nb::gil_scoped_release release;
+        flashattn::backward_varlen(in(dout, dtype, "dout"), in(q, dtype, "q"), in(k, dtype, "k"),
+                                   in(v, dtype, "v"), in(o, dtype, "out"), in(lse, "f32", "softmax_lse"), s,
+                                   out(dq, dtype, "dq"), out(dk, dtype, "dk"), out(dv, dtype, "dv"), options);
+      },
+      "gradients of a packed variable-length batch");
+
+  m.def(
+      "attention_probs",
+      [](Array q, Array k, Array v, Array probs, const std::string& dtype, const Options& opt) {
+        const flashattn::AttentionOptions options = opt.get();
+        nb::gil_scoped_release release;
+        const flashattn::Tensor p =
+            flashattn::reference::attention_probs(in(q, dtype, "q"), in(k, dtype, "k"), in(v, dtype, "v"), options);
+        const flashattn::MutableTensorView dst = out(probs, "f32", "S_dmask");
+        if (dst.numel() != p.numel()) throw flashattn::Error("S_dmask: wrong size");
+        std::copy_n(p.data_as<float>(), p.numel(), static_cast<float*>(dst.data));
+      },
+      "dropped-and-scaled attention probabilities (B, Hq, Sq, Sk), float32 (testing only)");
+
+  m.def("simd_target", &flashattn::cpu_simd_target, "the SIMD target the CPU kernels dispatch to");
+}
