@@ -33,11 +33,14 @@ def _is_tensor(x) -> bool:
 def _raw(x, name, int32=False):
     """A zero-copy NumPy view of `x` for the native core, and its dtype name.
 
-    float16 and bfloat16 travel as uint16 views (NumPy has no bfloat16 of its own)."""
+    float16 and bfloat16 travel as uint16 views (NumPy has no bfloat16 of its own). Like
+    upstream, an array whose last dimension is not contiguous is copied first."""
     if _is_tensor(x):
         if x.device.type != "cpu":
             raise ValueError(f"{name}: only CPU tensors are supported, got device {x.device}")
         t = x.detach()
+        if t.dim() > 0 and t.stride(-1) != 1 and t.shape[-1] > 1:  # as upstream's maybe_contiguous
+            t = t.contiguous()
         if int32:
             if t.dtype != torch.int32:
                 raise TypeError(f"{name}: dtype {t.dtype} but expected torch.int32")
@@ -47,6 +50,8 @@ def _raw(x, name, int32=False):
             raise TypeError(f"{name}: dtype {t.dtype} is not supported (float32, float16, bfloat16)")
         return (t.numpy() if dt == "f32" else t.view(torch.int16).numpy().view(np.uint16)), dt
     if isinstance(x, np.ndarray):
+        if x.ndim > 0 and x.strides[-1] != x.itemsize and x.shape[-1] > 1:  # upstream's maybe_contiguous
+            x = np.ascontiguousarray(x)
         if int32:
             if x.dtype != np.int32:
                 raise TypeError(f"{name}: dtype {x.dtype} but expected int32")
@@ -140,18 +145,29 @@ def _backward(dout, q, k, v, out, lse, opts):
 
 
 def _varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, opts, return_attn_probs):
-    if return_attn_probs:
-        raise NotImplementedError("return_attn_probs: not implemented for variable-length batches")
     raws, dt = _inputs(q=q, k=k, v=v)
     if raws["q"].ndim != 3:
         raise ValueError(f"q: expected rank 3 (total_q, heads_q, head_dim), got rank {raws['q'].ndim}")
     total_q, hq, _ = raws["q"].shape
     out, out_raw = _empty((total_q, hq, raws["v"].shape[-1]), dt, q)
     lse, lse_raw = _empty((hq, total_q), "f32", q)
-    _C.forward_varlen(raws["q"], raws["k"], raws["v"], _raw(cu_q, "cu_seqlens_q", int32=True)[0],
-                      _raw(cu_k, "cu_seqlens_k", int32=True)[0], int(max_q), int(max_k), out_raw, lse_raw, dt,
-                      opts)
-    return out, lse, None
+    cq, ck = _raw(cu_q, "cu_seqlens_q", int32=True)[0], _raw(cu_k, "cu_seqlens_k", int32=True)[0]
+    _C.forward_varlen(raws["q"], raws["k"], raws["v"], cq, ck, int(max_q), int(max_k), out_raw, lse_raw, dt, opts)
+    if not return_attn_probs:
+        return out, lse, None
+    # As upstream: (batch, heads_q, max_seqlen_q, max_seqlen_k), zero beyond each sequence.
+    batch = cq.shape[0] - 1
+    probs, probs_raw = _empty((batch, hq, int(max_q), int(max_k)), "f32", q)
+    probs_raw[...] = 0.0
+    alibi = opts.alibi_slopes
+    for b in range(batch):
+        q0, q1, k0, k1 = int(cq[b]), int(cq[b + 1]), int(ck[b]), int(ck[b + 1])
+        if alibi is not None and alibi.ndim == 2:
+            opts.alibi_slopes = alibi[b]
+        _C.attention_probs(raws["q"][None, q0:q1], raws["k"][None, k0:k1], raws["v"][None, k0:k1],
+                           probs_raw[b:b + 1, :, :q1 - q0, :k1 - k0], dt, opts)
+    opts.alibi_slopes = alibi
+    return out, lse, probs
 
 
 def _varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, opts):
@@ -198,6 +214,8 @@ if torch is not None:
 
 
 def _run(q, k, v, varlen, opts, return_attn_probs):
+    if len({_is_tensor(x) for x in (q, k, v)}) > 1:
+        raise TypeError("inputs mix numpy arrays and torch tensors: q, k, v")
     needs_grad = _is_tensor(q) and torch.is_grad_enabled() and any(
         t.requires_grad for t in (q, k, v))
     if needs_grad:
@@ -210,6 +228,16 @@ def _run(q, k, v, varlen, opts, return_attn_probs):
 
 
 # ---- upstream's functions ----------------------------------------------------------------------
+
+
+def _check_packed(name, x, rank, axis, count, layout, q=None):
+    """A packed input's shape, and its dtype (against q's, for kv), named as the argument."""
+    shape = tuple(x.shape)
+    if len(shape) != rank or shape[axis] != count:
+        raise ValueError(f"{name}: expected shape {layout}, got {shape}")
+    dt = _raw(x, name)[1]
+    if q is not None and _raw(q, "q")[1] != dt:
+        raise TypeError(f"{name}: dtype {dt} does not match q's dtype {_raw(q, 'q')[1]}")
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -228,6 +256,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
                               softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
                               seed=None):
     """flash_attn_func on qkv (B, S, 3, H, D), sliced without copies."""
+    _check_packed("qkv", qkv, 5, 2, 3, "(batch, seqlen, 3, heads, head_dim)")
     return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal,
                            window_size, softcap, alibi_slopes, deterministic, return_attn_probs, seed=seed)
 
@@ -236,6 +265,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
                              seed=None):
     """flash_attn_func on q and kv (B, Sk, 2, Hkv, D), sliced without copies."""
+    _check_packed("kv", kv, 5, 2, 2, "(batch, seqlen_k, 2, heads_kv, head_dim)", q)
     return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
                            alibi_slopes, deterministic, return_attn_probs, seed=seed)
 
@@ -258,6 +288,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                                      causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                                      deterministic=False, return_attn_probs=False, *, seed=None):
     """flash_attn_varlen_func on qkv (total, 3, H, D)."""
+    _check_packed("qkv", qkv, 4, 1, 3, "(total, 3, heads, head_dim)")
     return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen,
                                   max_seqlen, dropout_p, softmax_scale, causal, window_size, softcap,
                                   alibi_slopes, deterministic, return_attn_probs, seed=seed)
@@ -268,6 +299,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                     softcap=0.0, alibi_slopes=None, deterministic=False,
                                     return_attn_probs=False, *, seed=None):
     """flash_attn_varlen_func on q and kv (total_k, 2, Hkv, D)."""
+    _check_packed("kv", kv, 4, 1, 2, "(total_k, 2, heads_kv, head_dim)", q)
     return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
                                   alibi_slopes, deterministic, return_attn_probs, seed=seed)

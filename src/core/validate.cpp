@@ -52,7 +52,7 @@ void check_view(const char* name, const TensorView& view, int rank, const char* 
       throw Error(n + ": negative stride " + std::to_string(view.strides[d]) + " in dim " +
                   std::to_string(d) + " (only non-negative strides are supported)");
   }
-  if (view.shape[rank - 1] > 1 && view.strides[rank - 1] != 1)
+  if (view.shape[rank - 1] > 1 && view.strides[rank - 1] != 1 && view.numel() > 0)
     throw Error(n + ": last dimension must be contiguous (stride 1), got stride " +
                 std::to_string(view.strides[rank - 1]));
   // Extent must be addressable: Σ (size − 1)·stride in bytes and the element count fit

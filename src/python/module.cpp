@@ -19,7 +19,7 @@ using Array = nb::ndarray<nb::device::cpu>;
 namespace {
 
 flashattn::DType dtype_of(const Array& a, const std::string& name, const char* arg) {
-  const flashattn::DType d = flashattn::parse_dtype(name);
+  const flashattn::DType d = name == "i32" ? flashattn::DType::i32 : flashattn::parse_dtype(name);
   const std::size_t bits = a.dtype().bits;
   if (bits != 8 * flashattn::dtype_size(d))
     throw nb::type_error((std::string(arg) + ": buffer of " + std::to_string(bits) +
@@ -28,12 +28,14 @@ flashattn::DType dtype_of(const Array& a, const std::string& name, const char* a
 }
 
 template <class View, class Ptr>
-View view_of(const Array& a, flashattn::DType dtype, Ptr data) {
+View view_of(const Array& a, flashattn::DType dtype, Ptr data, const char* arg) {
   View v;
   v.data = data;
   v.dtype = dtype;
   v.rank = static_cast<int>(a.ndim());
-  if (v.rank > flashattn::kMaxRank) throw nb::value_error("arrays of rank > 4 are not supported");
+  if (v.rank > flashattn::kMaxRank)
+    throw nb::value_error((std::string(arg) + ": rank " + std::to_string(v.rank) +
+                           " is not supported (at most 4)").c_str());
   for (int d = 0; d < v.rank; ++d) {
     v.shape[d] = static_cast<std::int64_t>(a.shape(d));
     v.strides[d] = static_cast<std::int64_t>(a.stride(d));
@@ -42,11 +44,11 @@ View view_of(const Array& a, flashattn::DType dtype, Ptr data) {
 }
 
 flashattn::TensorView in(const Array& a, const std::string& dtype, const char* arg) {
-  return view_of<flashattn::TensorView>(a, dtype_of(a, dtype, arg), static_cast<const void*>(a.data()));
+  return view_of<flashattn::TensorView>(a, dtype_of(a, dtype, arg), static_cast<const void*>(a.data()), arg);
 }
 
 flashattn::MutableTensorView out(const Array& a, const std::string& dtype, const char* arg) {
-  return view_of<flashattn::MutableTensorView>(a, dtype_of(a, dtype, arg), static_cast<void*>(a.data()));
+  return view_of<flashattn::MutableTensorView>(a, dtype_of(a, dtype, arg), static_cast<void*>(a.data()), arg);
 }
 
 flashattn::TensorView optional_in(const std::optional<Array>& a, const std::string& dtype,
@@ -84,6 +86,8 @@ struct Options {
 
 NB_MODULE(_C, m) {
   m.doc() = "flashattn native core: exact tiled attention with an online softmax on the CPU";
+  // Options objects kept alive by torch autograd contexts at interpreter exit are not leaks.
+  nb::set_leak_warnings(false);
 
   // flashattn::Error: dtype problems are TypeErrors, everything else ValueErrors; the
   // message (naming the argument and its values) is kept as it is.

@@ -1,0 +1,326 @@
+"""NumPy references for the flashattn tests, independent of the library.
+
+Two references, as in upstream FlashAttention's tests/test_flash_attn.py:
+
+* ``attention_ref`` / ``attention_backward_ref``: float64 textbook attention (the
+  "upcast" reference, ``out_ref``) and its analytic gradients.
+* ``attention_naive`` / ``attention_backward_naive``: the same computation in the
+  input's precision (upstream's ``upcast=False`` reference, ``out_pt``): every
+  materialized tensor (scores, probabilities, outputs, gradient intermediates) is
+  rounded to the input dtype, products accumulate in float32.
+
+The tolerance rule of upstream (see ``check_low_precision``) compares the library's
+error against the float64 reference with the naive reference's error.
+
+Layout is upstream's: q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv).
+Internally everything is (B, H, S, ·).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+try:  # only needed for bfloat16 inputs
+    import ml_dtypes
+
+    BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover
+    ml_dtypes = None
+    BFLOAT16 = None
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _to_bhsd(x, dtype=np.float64):
+    """(B, S, H, D) -> (B, H, S, D) as ``dtype``."""
+    return np.ascontiguousarray(np.asarray(x).astype(dtype).transpose(0, 2, 1, 3))
+
+
+def _from_bhsd(x):
+    return np.ascontiguousarray(x.transpose(0, 2, 1, 3))
+
+
+def _repeat_kv(x, group):
+    """(B, Hkv, S, D) -> (B, Hkv*group, S, D): q head h uses kv head h // group."""
+    return np.repeat(x, group, axis=1) if group > 1 else x
+
+
+def _sum_groups(x, group):
+    """(B, Hkv*group, S, D) -> (B, Hkv, S, D), the adjoint of _repeat_kv."""
+    if group == 1:
+        return x
+    b, h, s, d = x.shape
+    return x.reshape(b, h // group, group, s, d).sum(axis=2)
+
+
+def visible_mask(seqlen_q, seqlen_k, causal=False, window_size=(-1, -1)):
+    """Bool (Sq, Sk): query i sees key j (bottom-right aligned, upstream semantics)."""
+    left, right = window_size
+    if causal:
+        right = 0
+    i = np.arange(seqlen_q)[:, None]
+    j = np.arange(seqlen_k)[None, :]
+    diag = i + seqlen_k - seqlen_q
+    mask = np.ones((seqlen_q, seqlen_k), dtype=bool)
+    if left >= 0:
+        mask &= j >= diag - left
+    if right >= 0:
+        mask &= j <= diag + right
+    return mask
+
+
+def alibi_bias(alibi_slopes, batch, heads, seqlen_q, seqlen_k):
+    """float64 (B, H, Sq, Sk): -slope * |i + Sk - Sq - j|."""
+    slopes = np.asarray(alibi_slopes, dtype=np.float64)
+    if slopes.ndim == 1:
+        slopes = np.broadcast_to(slopes[None, :], (batch, heads))
+    i = np.arange(seqlen_q)[:, None]
+    j = np.arange(seqlen_k)[None, :]
+    dist = np.abs(i + seqlen_k - seqlen_q - j).astype(np.float64)
+    return -slopes[:, :, None, None] * dist[None, None]
+
+
+def _scale(softmax_scale, head_dim):
+    return 1.0 / np.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+
+
+# --------------------------------------------------------------------------- float64
+
+
+def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                  alibi_slopes=None, dropout_weights=None):
+    """Float64 reference forward.
+
+    dropout_weights: optional (B, Hq, Sq, Sk) multiplier applied to the probabilities
+    (0 where dropped, 1/(1-p) where kept), i.e. out = (P * w) @ v.
+
+    Returns (out (B, Sq, Hq, Dv), lse (B, Hq, Sq), P (B, Hq, Sq, Sk)), all float64.
+    """
+    qh, kh, vh = _to_bhsd(q), _to_bhsd(k), _to_bhsd(v)
+    batch, heads, seqlen_q, dim = qh.shape
+    seqlen_k = kh.shape[2]
+    group = heads // kh.shape[1]
+    kh, vh = _repeat_kv(kh, group), _repeat_kv(vh, group)
+    scale = _scale(softmax_scale, dim)
+
+    s = (qh @ kh.transpose(0, 1, 3, 2)) * scale
+    if softcap > 0:
+        s = softcap * np.tanh(s / softcap)
+    if alibi_slopes is not None:
+        s = s + alibi_bias(alibi_slopes, batch, heads, seqlen_q, seqlen_k)
+    mask = visible_mask(seqlen_q, seqlen_k, causal, window_size)
+    s = np.where(mask, s, -np.inf)
+
+    with np.errstate(invalid="ignore"):
+        m = np.max(s, axis=-1, keepdims=True) if seqlen_k else np.full(s.shape[:-1] + (1,), -np.inf)
+        m_safe = np.where(np.isfinite(m), m, 0.0)
+        e = np.exp(s - m_safe)
+        total = e.sum(axis=-1, keepdims=True)
+        p = np.where(total > 0, e / np.where(total > 0, total, 1.0), 0.0)
+        with np.errstate(divide="ignore"):
+            lse = np.where(total > 0, m_safe + np.log(np.where(total > 0, total, 1.0)), -np.inf)[..., 0]
+    z = p if dropout_weights is None else p * np.asarray(dropout_weights, dtype=np.float64)
+    out = z @ vh
+    return _from_bhsd(out), lse, p
+
+
+def attention_backward_ref(dout, q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           softcap=0.0, alibi_slopes=None, dropout_weights=None):
+    """Analytic float64 gradients (dq, dk, dv) of sum(out * dout), shapes of q, k, v."""
+    qh, kh0, vh0 = _to_bhsd(q), _to_bhsd(k), _to_bhsd(v)
+    doh = _to_bhsd(dout)
+    batch, heads, seqlen_q, dim = qh.shape
+    group = heads // kh0.shape[1]
+    kh, vh = _repeat_kv(kh0, group), _repeat_kv(vh0, group)
+    scale = _scale(softmax_scale, dim)
+
+    _, _, p = attention_ref(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    z = p if dropout_weights is None else p * np.asarray(dropout_weights, dtype=np.float64)
+
+    dv = z.transpose(0, 1, 3, 2) @ doh                      # (B, Hq, Sk, Dv)
+    da = doh @ vh.transpose(0, 1, 3, 2)                     # dO V^T, before dropout weights
+    delta = np.sum(z * da, axis=-1, keepdims=True)          # rowsum(dO * O)
+    ds = z * da - p * delta                                 # d loss / d (score after softcap+alibi)
+    if softcap > 0:
+        t = np.tanh((qh @ kh.transpose(0, 1, 3, 2)) * scale / softcap)
+        ds = ds * (1.0 - t * t)
+    ds = ds * scale                                         # d loss / d (q . k)
+    dq = ds @ kh
+    dk = ds.transpose(0, 1, 3, 2) @ qh
+    return (_from_bhsd(dq), _from_bhsd(_sum_groups(dk, group)), _from_bhsd(_sum_groups(dv, group)))
+
+
+# --------------------------------------------------------------------------- same precision
+
+
+def _rounder(dtype):
+    dtype = np.dtype(dtype)
+
+    def rnd(x):
+        return np.asarray(x, dtype=np.float32).astype(dtype).astype(np.float32)
+
+    return rnd
+
+
+def _softmax_f32(s):
+    """Softmax over the last axis in float32 (fully masked rows give 0)."""
+    if s.shape[-1] == 0:
+        return np.zeros(s.shape, np.float32)
+    with np.errstate(invalid="ignore"):
+        m = np.max(s, axis=-1, keepdims=True)
+        m = np.where(np.isfinite(m), m, np.float32(0))
+        e = np.exp(s - m)
+        total = e.sum(axis=-1, keepdims=True, dtype=np.float32)
+        return np.where(total > 0, e / np.where(total > 0, total, 1), 0).astype(np.float32)
+
+
+def _naive_scores(q, k, rnd, scale, causal, window_size, softcap, alibi_slopes):
+    qh, kh = _to_bhsd(q, np.float32), _to_bhsd(k, np.float32)
+    batch, heads, seqlen_q, _ = qh.shape
+    seqlen_k = kh.shape[2]
+    group = heads // kh.shape[1]
+    kh = _repeat_kv(kh, group)
+    qs = rnd(qh * np.float32(scale))                        # upstream: q / sqrt(d) in the dtype
+    s = rnd(qs @ kh.transpose(0, 1, 3, 2))
+    t = None
+    if softcap > 0:
+        t = rnd(np.tanh(rnd(s / np.float32(softcap))))
+        s = rnd(t * np.float32(softcap))
+    if alibi_slopes is not None:
+        s = rnd(s + alibi_bias(alibi_slopes, batch, heads, seqlen_q, seqlen_k).astype(np.float32))
+    mask = visible_mask(seqlen_q, seqlen_k, causal, window_size)
+    s = np.where(mask, s, np.float32(-np.inf))
+    return qs, kh, s, t, group
+
+
+def attention_naive(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, dropout_weights=None):
+    """Forward in the input precision (upstream's upcast=False reference).
+
+    Returns out (B, Sq, Hq, Dv) as float32 values rounded to q's dtype.
+    """
+    dtype = np.asarray(q).dtype
+    rnd = _rounder(dtype)
+    scale = _scale(softmax_scale, np.shape(q)[-1])
+    _, _, s, _, group = _naive_scores(q, k, rnd, scale, causal, window_size, softcap, alibi_slopes)
+    p = rnd(_softmax_f32(s))
+    vh = _repeat_kv(_to_bhsd(v, np.float32), group)
+    if dropout_weights is not None:
+        p = rnd(p * np.asarray(dropout_weights, dtype=np.float32))
+    return _from_bhsd(rnd(p @ vh))
+
+
+def attention_backward_naive(dout, q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, dropout_weights=None):
+    """Gradients in the input precision, as autograd through attention_naive would give."""
+    dtype = np.asarray(q).dtype
+    rnd = _rounder(dtype)
+    scale = _scale(softmax_scale, np.shape(q)[-1])
+    qs, kh, s, t, group = _naive_scores(q, k, rnd, scale, causal, window_size, softcap, alibi_slopes)
+    vh = _repeat_kv(_to_bhsd(v, np.float32), group)
+    doh = _to_bhsd(dout, np.float32)
+    p = rnd(_softmax_f32(s))
+    if dropout_weights is not None:
+        w = np.asarray(dropout_weights, dtype=np.float32)
+        z = rnd(p * w)
+    else:
+        w, z = None, p
+    dv = rnd(z.transpose(0, 1, 3, 2) @ doh)
+    dz = rnd(doh @ vh.transpose(0, 1, 3, 2))
+    dp = rnd(dz * w) if w is not None else dz
+    delta = np.sum(dp * p, axis=-1, keepdims=True, dtype=np.float32)
+    ds = rnd(p * (dp - delta))                              # softmax backward, one rounding
+    if softcap > 0:
+        ds = rnd(ds * np.float32(softcap))
+        ds = rnd(ds * (1 - t * t))
+        ds = rnd(ds / np.float32(softcap))
+    dqs = rnd(ds @ kh)
+    dq = rnd(dqs * np.float32(scale))
+    dk = rnd(ds.transpose(0, 1, 3, 2) @ qs)
+    return (_from_bhsd(dq), _from_bhsd(rnd(_sum_groups(dk, group))),
+            _from_bhsd(rnd(_sum_groups(dv, group))))
+
+
+# --------------------------------------------------------------------------- tolerance rule
+
+
+def max_abs(a, b):
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    if a.size == 0:
+        return 0.0
+    return float(np.max(np.abs(a - b)))
+
+
+def check_close(name, actual, ref, naive, dtype, *, grad=False, context=""):
+    """Upstream's rule. float32: |actual - ref| <= 1e-5 (out) / 1e-4 (grads);
+    float16/bfloat16: |actual - ref| <= 2 x |naive - ref| + 1e-5 (out),
+    3 x |naive - ref| + 1e-4 (grads).
+    """
+    actual = np.asarray(actual)
+    assert actual.shape == np.shape(ref), f"{name}: shape {actual.shape} != {np.shape(ref)} {context}"
+    assert not np.any(np.isnan(actual.astype(np.float32))), f"{name}: NaN in result {context}"
+    err = max_abs(actual, ref)
+    if np.dtype(dtype) == np.float32:
+        tol = 1e-4 if grad else 1e-5
+        naive_err = None
+    else:
+        naive_err = max_abs(naive, ref)
+        tol = (3 * naive_err + 1e-4) if grad else (2 * naive_err + 1e-5)
+    assert err <= tol, (f"{name}: max |actual - ref| = {err:.3e} > tolerance {tol:.3e} "
+                        f"(naive error {naive_err}) {context}")
+    return err
+
+
+def dropout_weights_from_s_dmask(s_dmask, dropout_p):
+    """Keep weights (0 or 1/(1-p)) recovered from the returned S_dmask."""
+    s = np.asarray(s_dmask)
+    return np.where(s > 0, 1.0 / (1.0 - np.float64(np.float32(dropout_p))), 0.0)
+
+
+# --------------------------------------------------------------------------- brute force
+
+
+def attention_bruteforce(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1),
+                         softcap=0.0, alibi_slopes=None):
+    """Per-element loops straight from the definitions (tiny sizes only): out, lse."""
+    q = np.asarray(q, dtype=np.float64)
+    k = np.asarray(k, dtype=np.float64)
+    v = np.asarray(v, dtype=np.float64)
+    batch, seqlen_q, heads, dim = q.shape
+    _, seqlen_k, heads_kv, dim_v = v.shape
+    scale = _scale(softmax_scale, dim)
+    left, right = window_size
+    if causal:
+        right = 0
+    out = np.zeros((batch, seqlen_q, heads, dim_v))
+    lse = np.full((batch, heads, seqlen_q), -np.inf)
+    for b in range(batch):
+        for h in range(heads):
+            hk = h // (heads // heads_kv)
+            slope = 0.0
+            if alibi_slopes is not None:
+                a = np.asarray(alibi_slopes, dtype=np.float64)
+                slope = a[h] if a.ndim == 1 else a[b, h]
+            for i in range(seqlen_q):
+                scores = {}
+                for j in range(seqlen_k):
+                    d = i + seqlen_k - seqlen_q
+                    if left >= 0 and j < d - left:
+                        continue
+                    if right >= 0 and j > d + right:
+                        continue
+                    s = sum(q[b, i, h, c] * k[b, j, hk, c] for c in range(dim)) * scale
+                    if softcap > 0:
+                        s = softcap * np.tanh(s / softcap)
+                    s -= slope * abs(i + seqlen_k - seqlen_q - j)
+                    scores[j] = s
+                if not scores:
+                    continue
+                mx = max(scores.values())
+                total = sum(np.exp(s - mx) for s in scores.values())
+                lse[b, h, i] = mx + np.log(total)
+                for j, s in scores.items():
+                    out[b, i, h, :] += np.exp(s - mx) / total * v[b, j, hk, :]
+    return out, lse
