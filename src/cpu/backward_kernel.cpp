@@ -73,12 +73,7 @@ void EnsurePacked(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t
   const AttentionProblem& p = prm.problem;
   const std::int64_t bc = prm.plan.block_k, d = p.head_dim, dv = p.head_dim_v;
   const std::int64_t d_pad = prm.plan.head_dim_padded;
-  if (ws.cached_batch != b || ws.cached_kv_head != kv_head) {
-    ws.cached_batch = b;
-    ws.cached_kv_head = kv_head;
-    ws.packed_keys = 0;
-  }
-  const std::int64_t begin = ws.packed_keys;
+  const std::int64_t begin = ws.packed.first_to_pack(b, kv_head);
   const std::int64_t end = std::min(p.seqlen_k, RoundUp(keys, bc));
   if (begin >= end) return;
   float* row = ws.row_scratch.get();
@@ -102,7 +97,7 @@ void EnsurePacked(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t
     for (std::int64_t c = 0; c < dv; ++c) std::fill(vt + c * bc + used, vt + (c + 1) * bc, 0.0f);
     std::fill(ws.k_packed.get() + end * d_pad, ws.k_packed.get() + (tile + 1) * bc * d_pad, 0.0f);
   }
-  ws.packed_keys = end;
+  ws.packed.done(end);
 }
 
 // Loads the Q tile (scaled by scale·log2e), the dO tile, lse·log2e and D of rows

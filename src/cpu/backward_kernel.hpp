@@ -12,6 +12,7 @@
 #include "flashattn/plan.hpp"
 #include "flashattn/problem.hpp"
 #include "flashattn/tensor.hpp"
+#include "src/cpu/packed_head.hpp"
 
 namespace flashattn::cpu {
 
@@ -54,9 +55,7 @@ struct BackwardWorkspace {
   hwy::AlignedFreeUniquePtr<float[]> row_scratch;  // (max(D, Dv)): one converted row
   std::vector<float> row_lse2;   // (block_q): lse·log2e, the exp2 offset of each row
   std::vector<float> row_delta;  // (block_q): D of each row
-  std::int64_t cached_batch = -1;
-  std::int64_t cached_kv_head = -1;
-  std::int64_t packed_keys = 0;
+  PackedHead packed;  // which head k/v buffers hold, and how much of it
 };
 
 std::size_t backward_workspace_bytes(const CpuBackwardPlan& plan, const AttentionProblem& problem);

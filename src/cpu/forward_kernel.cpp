@@ -37,14 +37,10 @@ void EnsurePacked(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t b
   const AttentionProblem& p = prm.problem;
   const std::int64_t bc = prm.plan.block_k, d = p.head_dim, dv = p.head_dim_v;
   const std::int64_t dv_pad = prm.plan.head_dim_v_padded;
-  if (ws.cached_batch != b || ws.cached_kv_head != kv_head) {
-    ws.cached_batch = b;
-    ws.cached_kv_head = kv_head;
-    ws.packed_keys = 0;
-  }
+  const std::int64_t begin = ws.packed.first_to_pack(b, kv_head);
   const std::int64_t end = std::min(p.seqlen_k, (keys + bc - 1) / bc * bc);
   float* row = ws.q_tile.get();  // scratch: Q is loaded after packing
-  for (std::int64_t j = ws.packed_keys; j < end; ++j) {
+  for (std::int64_t j = begin; j < end; ++j) {
     float* kt = ws.k_packed.get() + (j / bc) * d * bc + (j % bc);
     LoadRow(RowPointer(prm.k, b, j, kv_head), p.dtype, d, 1.0f, row);
     for (std::int64_t c = 0; c < d; ++c) kt[c * bc] = row[c];
@@ -52,14 +48,14 @@ void EnsurePacked(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t b
     LoadRow(RowPointer(prm.v, b, j, kv_head), p.dtype, dv, 1.0f, vrow);
     std::fill(vrow + dv, vrow + dv_pad, 0.0f);
   }
-  if (end == p.seqlen_k && ws.packed_keys < end && end % bc != 0) {
+  if (end == p.seqlen_k && begin < end && end % bc != 0) {
     // Zero the padding of the last tile: masked scores must meet finite K and V.
     const std::int64_t tile = end / bc, used = end % bc;
     float* kt = ws.k_packed.get() + tile * d * bc;
     for (std::int64_t c = 0; c < d; ++c) std::fill(kt + c * bc + used, kt + (c + 1) * bc, 0.0f);
     std::fill(ws.v_packed.get() + end * dv_pad, ws.v_packed.get() + (tile + 1) * bc * dv_pad, 0.0f);
   }
-  ws.packed_keys = std::max(ws.packed_keys, end);
+  ws.packed.done(end);
 }
 
 // Variants, mask and online-softmax update of one S tile, in place: S(rows × cols) of

@@ -11,6 +11,7 @@
 #include "flashattn/plan.hpp"
 #include "flashattn/problem.hpp"
 #include "flashattn/tensor.hpp"
+#include "src/cpu/packed_head.hpp"
 
 namespace flashattn::cpu {
 
@@ -35,9 +36,7 @@ struct ForwardWorkspace {
   std::vector<OnlineSoftmaxState> states;       // (block_q): m and ℓ of each row
   hwy::AlignedFreeUniquePtr<float[]> k_packed;  // k tiles, each (head_dim, block_k): Kᵀ
   hwy::AlignedFreeUniquePtr<float[]> v_packed;  // (k_tiles · block_k, head_dim_v_padded)
-  std::int64_t cached_batch = -1;
-  std::int64_t cached_kv_head = -1;
-  std::int64_t packed_keys = 0;  // prefix of the cached head already packed
+  PackedHead packed;  // which head k/v buffers hold, and how much of it
 };
 
 // Bytes ForwardWorkspace allocates for this plan (the plan reports it).
