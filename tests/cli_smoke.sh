@@ -138,3 +138,12 @@ for b in range(2):
                 assert abs(o[((cq[b] + i) * 2 + h) * 4 + c] - ref) < 1e-5, (b, h, i, c)
 PY
 echo "cli smoke (variants, varlen): ok"
+"$cli" run --cu-seqlens-q "$work/cuq.npy" --cu-seqlens-k "$work/cuk.npy" --heads 2 --heads-kv 1 --dim 4 \
+  --dtype f32 --window-size 3 0 --repeats 1 --backward --json > "$work/varlen.json"
+python3 - "$work/varlen.json" <<'PY'
+import json, sys
+j = json.load(open(sys.argv[1]))["varlen"]
+assert j["batch"] == 2 and j["total_q"] == 9 and j["total_k"] == 13, j
+assert j["max_error"] < 1e-5 and j["bwd_seconds"] > 0, j
+PY
+echo "cli smoke (run varlen): ok"

@@ -1,5 +1,7 @@
 // `flashattn run`: the main job. Random inputs of a realistic shape, flashattn against
 // standard attention, a small table of time, GFLOP/s, memory and accuracy.
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <iostream>
 #include <memory>
@@ -8,6 +10,7 @@
 #include "src/baseline/standard_attention.hpp"
 #include "tools/cli/commands.hpp"
 #include "tools/cli/common.hpp"
+#include "tools/cli/npy.hpp"
 
 namespace flashattn::cli {
 namespace {
@@ -19,6 +22,7 @@ struct RunFlags {
   int repeats = 3;
   int samples = 64;
   bool backward = false;
+  std::string cu_seqlens_q, cu_seqlens_k;  // a packed variable-length batch: both or neither
 };
 
 std::string human_bytes(double bytes) {
@@ -30,9 +34,109 @@ std::string human_bytes(double bytes) {
   return buf;
 }
 
+// A packed variable-length batch of random inputs with the offsets of two .npy files:
+// flashattn only (the textbook baseline has no packed form), its time, GFLOP/s and the
+// max error against float64 on sampled rows of every sequence.
+void run_varlen(const RunFlags& f, const AttentionOptions& options) {
+  const Tensor cu_q = read_npy(f.cu_seqlens_q), cu_k = read_npy(f.cu_seqlens_k);
+  const std::int64_t batch = cu_q.numel() - 1;
+  std::int64_t max_q = 0, max_k = 0;
+  double flops = 0.0;
+  for (std::int64_t b = 0; b < batch; ++b) {
+    const auto sq = static_cast<std::int64_t>(cu_q.get(b + 1) - cu_q.get(b));
+    const auto sk = static_cast<std::int64_t>(cu_k.get(b + 1) - cu_k.get(b));
+    max_q = std::max(max_q, sq);
+    max_k = std::max(max_k, sk);
+    ShapeFlags one = f.shape;
+    one.batch = 1;
+    one.seqlen_q = sq;
+    one.seqlen_k = sk;
+    flops += one.problem(options).conventional_forward_flops();
+  }
+  ShapeFlags packed = f.shape;  // a (1, total, H, D) problem supplies the random tensors
+  packed.batch = 1;
+  packed.seqlen_q = static_cast<std::int64_t>(cu_q.get(batch));
+  packed.seqlen_k = static_cast<std::int64_t>(cu_k.get(batch));
+  AttentionOptions plain = options;
+  plain.alibi_slopes = {};
+  const AttentionProblem whole = packed.problem(plain);
+  const Inputs in = random_inputs(whole, 1);
+  auto drop_batch = [](const Tensor& t) {
+    TensorView v = t.view();
+    v.rank = 3;
+    v.shape = {t.shape()[1], t.shape()[2], t.shape()[3], 0};
+    v.strides = {t.view().strides[1], t.view().strides[2], 1, 0};
+    return v;
+  };
+  const VarlenSeqlens seqlens{cu_q.view(), cu_k.view(), max_q, max_k};
+  ForwardResult fwd;
+  const double fwd_s = median_seconds(
+      [&] { fwd = forward_varlen(drop_batch(in.q), drop_batch(in.k), drop_batch(in.v), seqlens, options); },
+      f.repeats, 1, "flashattn varlen");
+  double bwd_s = 0.0;
+  if (f.backward)
+    bwd_s = median_seconds(
+        [&] {
+          backward_varlen(drop_batch(in.dout), drop_batch(in.q), drop_batch(in.k), drop_batch(in.v),
+                          fwd.out.view(), fwd.lse.view(), seqlens, options);
+        },
+        f.repeats, 1, "flashattn varlen backward");
+  // Max error on sampled rows: each sequence as its own problem, through the reference.
+  double error = 0.0;
+  std::vector<double> row(static_cast<std::size_t>(whole.head_dim_v));
+  for (std::int64_t b = 0; b < batch; ++b) {
+    const auto q0 = static_cast<std::int64_t>(cu_q.get(b)), k0 = static_cast<std::int64_t>(cu_k.get(b));
+    const auto sq = static_cast<std::int64_t>(cu_q.get(b + 1)) - q0;
+    const auto sk = static_cast<std::int64_t>(cu_k.get(b + 1)) - k0;
+    if (sq == 0) continue;
+    auto slice = [](const Tensor& t, std::int64_t begin, std::int64_t len) {
+      TensorView v = t.view();
+      v.data = static_cast<const unsigned char*>(v.data) + begin * v.strides[1] * static_cast<std::int64_t>(dtype_size(v.dtype));
+      v.shape[1] = len;
+      return v;
+    };
+    AttentionOptions ob = options;
+    if (ob.alibi_slopes.rank == 2) {  // sequence b's row of (batch, heads) slopes
+      ob.alibi_slopes.data = static_cast<const float*>(ob.alibi_slopes.data) + b * ob.alibi_slopes.strides[0];
+      ob.alibi_slopes.rank = 1;
+      ob.alibi_slopes.shape = {ob.alibi_slopes.shape[1], 0, 0, 0};
+      ob.alibi_slopes.strides = {ob.alibi_slopes.strides[1], 0, 0, 0};
+    }
+    const TensorView qb = slice(in.q, q0, sq), kb = slice(in.k, k0, sk), vb = slice(in.v, k0, sk);
+    const AttentionProblem pb = AttentionProblem::from_inputs(qb, kb, vb, ob);
+    for (std::int64_t i : {std::int64_t{0}, sq / 2, sq - 1})
+      for (std::int64_t h = 0; h < pb.heads_q; h += std::max<std::int64_t>(1, pb.heads_q - 1)) {
+        double lse = 0.0;
+        reference::attention_row(pb, ob, qb, kb, vb, 0, h, i, row.data(), &lse);
+        for (std::int64_t c = 0; c < pb.head_dim_v; ++c)
+          error = std::max(error, std::fabs(fwd.out.get(((q0 + i) * pb.heads_q + h) * pb.head_dim_v + c) -
+                                            row[static_cast<std::size_t>(c)]));
+      }
+  }
+  if (f.json) {
+    nlohmann::json j = machine_json(f.shape.threads);
+    j["varlen"] = {{"batch", batch}, {"total_q", whole.seqlen_q}, {"total_k", whole.seqlen_k},
+                   {"fwd_seconds", fwd_s}, {"fwd_gflops", flops / fwd_s * 1e-9}, {"max_error", error}};
+    if (f.backward) {
+      j["varlen"]["bwd_seconds"] = bwd_s;
+      j["varlen"]["bwd_gflops"] = 2.5 * flops / bwd_s * 1e-9;
+    }
+    std::cout << j.dump(2) << "\n";
+    return;
+  }
+  std::printf("flashattn run (varlen): %lld sequences, %lld queries, %lld keys in all\n",
+              static_cast<long long>(batch), static_cast<long long>(whole.seqlen_q),
+              static_cast<long long>(whole.seqlen_k));
+  std::printf("forward  %10.2f ms %10.1f GFLOP/s   max |err| vs float64 %.2e\n", fwd_s * 1e3,
+              flops / fwd_s * 1e-9, error);
+  if (f.backward)
+    std::printf("backward %10.2f ms %10.1f GFLOP/s\n", bwd_s * 1e3, 2.5 * flops / bwd_s * 1e-9);
+}
+
 void run(RunFlags& f) {
   AttentionOptions options = f.shape.options();
   f.variants.apply(options);
+  if (!f.cu_seqlens_q.empty()) return run_varlen(f, options);
   const AttentionProblem p = f.shape.problem(options);
   const bool baseline = !f.variants.needs_flashattn_only();
   if (!f.json) std::cerr << "generating random inputs: " << p.describe() << "\n";
@@ -108,6 +212,13 @@ void register_run(CLI::App& app) {
       ->check(CLI::PositiveNumber);
   cmd->add_option("--samples", flags->samples, "rows checked against the float64 reference")
       ->capture_default_str()->check(CLI::PositiveNumber);
+  CLI::Option* cq = cmd->add_option("--cu-seqlens-q", flags->cu_seqlens_q,
+                                    "int32 offsets .npy (batch + 1): a packed variable-length batch")
+                        ->check(CLI::ExistingFile);
+  CLI::Option* ck = cmd->add_option("--cu-seqlens-k", flags->cu_seqlens_k, "int32 key offsets .npy (batch + 1)")
+                        ->check(CLI::ExistingFile);
+  cq->needs(ck);
+  ck->needs(cq);
   cmd->add_flag("--backward", flags->backward,
                 "also time backward (default and deterministic) against standard attention's");
   cmd->callback([flags] { run(*flags); });
