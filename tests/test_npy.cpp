@@ -278,11 +278,11 @@ TEST(NpyErrors, FortranOrder) {
   EXPECT_THAT(read_error(path), AllOf(HasSubstr(path), HasSubstr("fortran_order True")));
 }
 
-TEST(NpyErrors, RankAboveFour) {
+TEST(NpyErrors, RankAboveFive) {
   const std::string path = temp_path();
-  write_bytes(path, npy_bytes(1, "{'descr': '<f4', 'fortran_order': False, 'shape': (1, 1, 1, 1, 1), }",
+  write_bytes(path, npy_bytes(1, "{'descr': '<f4', 'fortran_order': False, 'shape': (1, 1, 1, 1, 1, 1), }",
                               raw(std::vector<float>{1})));
-  EXPECT_THAT(read_error(path), AllOf(HasSubstr(path), HasSubstr("rank 5")));
+  EXPECT_THAT(read_error(path), AllOf(HasSubstr(path), HasSubstr("rank 6")));
 }
 
 TEST(NpyErrors, TruncatedData) {

@@ -79,6 +79,15 @@ BackwardResult backward_varlen(const TensorView& dout, const TensorView& q, cons
                                const TensorView& v, const TensorView& out, const TensorView& lse,
                                const VarlenSeqlens& seqlens, const AttentionOptions& options = {});
 
+// The exact combination of partial attention results over disjoint key sets (split-KV
+// decoding, cascade or distributed attention), through their log-sum-exps — the merge of
+// OnlineSoftmaxState: lse = log Σ_s exp(lse_s), out = Σ_s exp(lse_s − lse)·out_s.
+//   outs (splits, batch, seqlen_q, heads_q, head_dim_v) float32, each normalized
+//   lses (splits, batch, heads_q, seqlen_q) float32; −∞ marks a split with no visible key
+//   out (batch, seqlen_q, heads_q, head_dim_v) any floating dtype, lse (batch, heads_q, seqlen_q) float32
+void merge_attention_states(const TensorView& outs, const TensorView& lses,
+                            const MutableTensorView& out, const MutableTensorView& lse);
+
 // Name of the SIMD target the CPU kernels dispatch to on this machine, e.g. "AVX3".
 std::string cpu_simd_target();
 

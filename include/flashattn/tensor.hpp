@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "flashattn/error.hpp"
+
 namespace flashattn {
 
 // Floating dtypes hold attention operands; i32 (sequence offsets) and u8 (boolean masks)
@@ -29,7 +31,9 @@ std::uint16_t float_to_f16(float value);
 // Rounds a float to the nearest value representable in `dtype` (identity for f32).
 float round_to(DType dtype, float value);
 
-inline constexpr int kMaxRank = 4;
+// Attention tensors have rank 4; split-KV partial outputs (splits, batch, seqlen, heads,
+// dim) have rank 5.
+inline constexpr int kMaxRank = 5;
 
 // A strided view of up to kMaxRank dimensions. Shapes and strides are in elements.
 // `Ptr` is `const void*` for inputs and `void*` for outputs.
@@ -45,6 +49,8 @@ struct BasicTensorView {
   // Row-major contiguous view.
   BasicTensorView(Ptr data_, DType dtype_, std::initializer_list<std::int64_t> shape_)
       : data(data_), dtype(dtype_), rank(static_cast<int>(shape_.size())) {
+    if (rank > kMaxRank)
+      throw Error("tensor view: rank " + std::to_string(rank) + " exceeds " + std::to_string(kMaxRank));
     int i = 0;
     for (std::int64_t s : shape_) shape[i++] = s;
     std::int64_t stride = 1;
@@ -56,6 +62,9 @@ struct BasicTensorView {
   BasicTensorView(Ptr data_, DType dtype_, std::initializer_list<std::int64_t> shape_,
                   std::initializer_list<std::int64_t> strides_)
       : BasicTensorView(data_, dtype_, shape_) {
+    if (strides_.size() != shape_.size())
+      throw Error("tensor view: " + std::to_string(strides_.size()) + " strides for " +
+                  std::to_string(shape_.size()) + " dimensions");
     int i = 0;
     for (std::int64_t s : strides_) strides[i++] = s;
   }

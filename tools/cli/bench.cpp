@@ -92,6 +92,25 @@ void bench(const BenchFlags& f) {
     c["block_kept_fraction"] = static_cast<double>(kept_blocks) / static_cast<double>(mask.numel());
     j["cases"].push_back(c);
   }
+  // Extra memory against sequence length, from the plans the kernels execute (their only
+  // allocations): flashattn grows linearly, standard attention with the square.
+  for (std::int64_t seqlen : {1024, 2048, 4096, 8192, 16384, 32768, 65536}) {
+    ShapeFlags shape = f.shape;
+    shape.seqlen = seqlen;
+    shape.seqlen_q.reset();
+    shape.seqlen_k.reset();
+    shape.dtype = "f32";
+    shape.causal = false;
+    const AttentionProblem p = shape.problem();
+    const CpuHardware hw = CpuHardware::detect(f.shape.threads);
+    const double square = static_cast<double>(p.seqlen_q) * static_cast<double>(p.seqlen_k) * sizeof(float);
+    j["memory_scaling"].push_back(
+        {{"seqlen", seqlen},
+         {"flashattn_fwd_bytes", plan_forward(p, hw).workspace_bytes()},
+         {"flashattn_bwd_bytes", plan_backward(p, hw, false).workspace_bytes()},
+         {"standard_fwd_score_bytes", square},
+         {"standard_bwd_score_bytes", 2.0 * square}});
+  }
   if (f.json) {
     std::cout << j.dump(2) << "\n";
     return;

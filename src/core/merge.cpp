@@ -1,0 +1,68 @@
+// merge_attention_states: partial (out, lse) pairs combined with OnlineSoftmaxState::merge.
+#include <cmath>
+#include <vector>
+
+#include "element.hpp"
+#include "flashattn/attention.hpp"
+#include "flashattn/error.hpp"
+#include "flashattn/online_softmax.hpp"
+#include "validate.hpp"
+
+namespace flashattn {
+
+void merge_attention_states(const TensorView& outs, const TensorView& lses,
+                            const MutableTensorView& out, const MutableTensorView& lse) {
+  constexpr const char* kOutsLayout = "(splits, batch, seqlen_q, heads_q, head_dim_v)";
+  detail::check_view("outs", outs, 5, kOutsLayout);
+  detail::check_dtype("outs", outs, DType::f32, "partial outputs are float32");
+  const std::int64_t splits = outs.shape[0], batch = outs.shape[1], sq = outs.shape[2];
+  const std::int64_t heads = outs.shape[3], dv = outs.shape[4];
+  detail::check_view("lses", lses, 4, "(splits, batch, heads_q, seqlen_q)");
+  detail::check_dtype("lses", lses, DType::f32, "log-sum-exps are float32");
+  detail::check_shape("lses", lses, {splits, batch, heads, sq}, "(splits, batch, heads_q, seqlen_q)");
+  detail::check_view("out", out, 4, "(batch, seqlen_q, heads_q, head_dim_v)");
+  if (!is_floating(out.dtype))
+    throw Error("out: dtype " + to_string(out.dtype) + " is not a floating dtype (f32, bf16, f16)");
+  detail::check_shape("out", out, {batch, sq, heads, dv}, "(batch, seqlen_q, heads_q, head_dim_v)");
+  detail::check_view("lse", lse, 3, "(batch, heads_q, seqlen_q)");
+  detail::check_dtype("lse", lse, DType::f32, "lse is always float32");
+  detail::check_shape("lse", lse, {batch, heads, sq}, "(batch, heads_q, seqlen_q)");
+  detail::check_output_layout("out", out);
+  detail::check_output_layout("lse", lse);
+  for (const auto& [name, input] : {std::pair{"outs", outs}, {"lses", lses}}) {
+    detail::check_no_overlap("out", out, name, input);
+    detail::check_no_overlap("lse", lse, name, input);
+  }
+  detail::check_no_overlap("lse", lse, "out", out);
+
+  const auto* o = static_cast<const float*>(outs.data);
+  const auto* l = static_cast<const float*>(lses.data);
+#pragma omp parallel for collapse(3) schedule(static)
+  for (std::int64_t b = 0; b < batch; ++b)
+    for (std::int64_t i = 0; i < sq; ++i)
+      for (std::int64_t h = 0; h < heads; ++h) {
+        std::vector<double> acc(static_cast<std::size_t>(dv), 0.0);
+        OnlineSoftmaxState state;
+        for (std::int64_t s = 0; s < splits; ++s) {
+          const float split_lse = l[s * lses.strides[0] + b * lses.strides[1] + h * lses.strides[2] +
+                                    i * lses.strides[3]];
+          // A normalized partial output is its state with ℓ = 1 at m = lse (log2 units).
+          const bool empty = split_lse == -std::numeric_limits<float>::infinity();
+          const OnlineSoftmaxState partial{empty ? split_lse : split_lse * OnlineSoftmaxState::kLog2e,
+                                           empty ? 0.0f : 1.0f};
+          const OnlineSoftmaxState::MergeFactors f = state.merge(partial);
+          const float* row = o + s * outs.strides[0] + b * outs.strides[1] + i * outs.strides[2] +
+                             h * outs.strides[3];
+          for (std::int64_t c = 0; c < dv; ++c)
+            acc[static_cast<std::size_t>(c)] = acc[static_cast<std::size_t>(c)] * f.self +
+                                               static_cast<double>(row[c * outs.strides[4]]) * f.other;
+        }
+        const double inv = state.inverse_sum();
+        for (std::int64_t c = 0; c < dv; ++c)
+          detail::store_element(out, detail::offset4(out, b, i, h, c),
+                                static_cast<float>(acc[static_cast<std::size_t>(c)] * inv));
+        static_cast<float*>(lse.data)[b * lse.strides[0] + h * lse.strides[1] + i * lse.strides[2]] = state.lse();
+      }
+}
+
+}  // namespace flashattn

@@ -1,0 +1,78 @@
+// merge_attention_states: partial results over disjoint key ranges merge into attention
+// over all the keys.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+
+#include "test_util.hpp"
+
+namespace flashattn::test {
+namespace {
+
+TEST(Merge, SplitKeysMergeIntoFullAttention) {
+  const std::int64_t b = 2, sq = 17, sk = 300, h = 4, hkv = 2, d = 32, dv = 24;
+  const Tensor q = random_tensor(DType::f32, {b, sq, h, d}, 1);
+  const Tensor k = random_tensor(DType::f32, {b, sk, hkv, d}, 2);
+  const Tensor v = random_tensor(DType::f32, {b, sk, hkv, dv}, 3);
+  const ForwardResult full = forward(q.view(), k.view(), v.view());
+
+  const std::int64_t bounds[] = {0, 0, 97, 200, 300};  // the first split has no keys
+  const std::int64_t splits = 4;
+  Tensor outs(DType::f32, {splits, b, sq, h, dv}), lses(DType::f32, {splits, b, h, sq});
+  for (std::int64_t s = 0; s < splits; ++s) {
+    const std::int64_t k0 = bounds[s], len = bounds[s + 1] - k0;
+    auto keys = [&](const Tensor& t) {
+      TensorView view = t.view();
+      view.data = t.data_as<float>() + k0 * view.strides[1];
+      view.shape[1] = len;
+      return view;
+    };
+    MutableTensorView o = outs.view(), l = lses.view();
+    o.data = outs.data_as<float>() + s * o.strides[0];
+    o.rank = 4;
+    o.shape = {b, sq, h, dv, 0};
+    o.strides = {o.strides[1], o.strides[2], o.strides[3], 1, 0};
+    l.data = lses.data_as<float>() + s * l.strides[0];
+    l.rank = 3;
+    l.shape = {b, h, sq, 0, 0};
+    l.strides = {l.strides[1], l.strides[2], 1, 0, 0};
+    forward(q.view(), keys(k), keys(v), o, l);
+  }
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    Tensor out(dtype, {b, sq, h, dv}), lse(DType::f32, {b, h, sq});
+    merge_attention_states(outs.view(), lses.view(), out.view(), lse.view());
+    double err = 0.0, lse_err = 0.0;
+    for (std::int64_t i = 0; i < out.numel(); ++i)
+      err = std::fmax(err, std::fabs(out.get(i) - round_to(dtype, full.out.get(i))));
+    for (std::int64_t i = 0; i < lse.numel(); ++i) lse_err = std::fmax(lse_err, std::fabs(lse.get(i) - full.lse.get(i)));
+    EXPECT_LE(err, dtype == DType::f32 ? 2e-6 : 8e-3) << to_string(dtype);
+    EXPECT_LE(lse_err, 1e-5);
+  }
+}
+
+TEST(Merge, AllSplitsEmptyGiveZeroAndMinusInfinity) {
+  Tensor outs(DType::f32, {3, 1, 2, 1, 4}), lses(DType::f32, {3, 1, 1, 2});
+  for (std::int64_t i = 0; i < lses.numel(); ++i) lses.set(i, -std::numeric_limits<float>::infinity());
+  Tensor out(DType::f32, {1, 2, 1, 4}), lse(DType::f32, {1, 1, 2});
+  merge_attention_states(outs.view(), lses.view(), out.view(), lse.view());
+  for (std::int64_t i = 0; i < out.numel(); ++i) EXPECT_EQ(out.get(i), 0.0f);
+  for (std::int64_t i = 0; i < lse.numel(); ++i) EXPECT_EQ(lse.get(i), -std::numeric_limits<float>::infinity());
+}
+
+TEST(Merge, BadInputNamesTheArgument) {
+  Tensor outs(DType::f32, {2, 1, 3, 2, 4}), lses(DType::f32, {2, 1, 3, 2});
+  Tensor out(DType::f32, {1, 3, 2, 4}), lse(DType::f32, {1, 2, 3});
+  try {
+    merge_attention_states(outs.view(), lses.view(), out.view(), lse.view());
+    ADD_FAILURE() << "expected flashattn::Error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("lses: shape (2, 1, 3, 2) but expected (2, 1, 2, 3)"), std::string::npos)
+        << e.what();
+  }
+  Tensor bf(DType::bf16, {2, 1, 3, 2, 4});
+  EXPECT_THROW(merge_attention_states(bf.view(), lses.view(), out.view(), lse.view()), Error);
+}
+
+}  // namespace
+}  // namespace flashattn::test
