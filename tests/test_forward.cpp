@@ -212,3 +212,52 @@ TEST(Forward, ExplicitSoftmaxScale) {
 
 }  // namespace
 }  // namespace flashattn::test
+
+namespace flashattn::test {
+namespace {
+
+TEST(Forward, SplitKvMatchesTheReferenceForEverySplitCount) {
+  // Decoding shapes: few query rows, many keys; every split count merges exactly.
+  const std::pair<std::int64_t, std::int64_t> pairs[] = {{1, 128}, {1, 339}, {3, 1024}, {64, 800}, {1, 20000}, {16, 20000}};
+  std::uint64_t seed = 900;
+  for (const auto& [sq, sk] : pairs) {
+    const Tensor q = random_tensor(DType::f32, {1, sq, 4, 64}, seed);
+    const Tensor k = random_tensor(DType::f32, {1, sk, 1, 64}, seed + 1);
+    const Tensor v = random_tensor(DType::f32, {1, sk, 1, 64}, seed + 2);
+    seed += 3;
+    for (bool causal : {false, true}) {
+      AttentionOptions o;
+      o.causal = causal;
+      if (sk == 339) o.window_size = {100, causal ? 0 : 50};
+      const reference::Result want = reference::attention(q.view(), k.view(), v.view(), o);
+      for (int splits : {1, 2, 3, 7, 16}) {
+        o.num_splits = splits;
+        SCOPED_TRACE("Sq=" + std::to_string(sq) + " Sk=" + std::to_string(sk) + " causal=" +
+                     std::to_string(causal) + " splits=" + std::to_string(splits));
+        const ForwardResult got = forward(q.view(), k.view(), v.view(), o);
+        EXPECT_LE(max_abs_error(got.out, want.out), 1e-5);
+        for (std::int64_t i = 0; i < got.lse.numel(); ++i)
+          ASSERT_NEAR(got.lse.get(i), want.lse[static_cast<std::size_t>(i)], 1e-5 + 1e-6 * std::fabs(want.lse[static_cast<std::size_t>(i)]));
+      }
+    }
+  }
+  AttentionOptions bad;
+  bad.num_splits = -1;
+  const Tensor q = random_tensor(DType::f32, {1, 2, 1, 8}, 1);
+  EXPECT_THROW(forward(q.view(), q.view(), q.view(), bad), Error);
+}
+
+TEST(Forward, PlanSplitsKeysOnlyWhenThreadsWouldIdle) {
+  const CpuHardware hw = CpuHardware::detect(4);
+  const AttentionProblem decode = AttentionProblem::from_sizes(1, 1, 32768, 8, 2, 128, 128, DType::bf16, {});
+  EXPECT_GE(plan_forward(decode, hw).splits, 1);
+  EXPECT_EQ(plan_forward(decode, hw).work_items % 8, 0);
+  EXPECT_GT(plan_forward(decode, hw).work_items, 4);  // every thread has work
+  const AttentionProblem prefill = AttentionProblem::from_sizes(1, 4096, 4096, 16, 16, 128, 128, DType::bf16, {});
+  EXPECT_EQ(plan_forward(prefill, hw).splits, 1);
+  EXPECT_EQ(plan_forward(decode, hw, 1).splits, 1);
+  EXPECT_EQ(plan_forward(decode, hw, 5).splits, 5);
+}
+
+}  // namespace
+}  // namespace flashattn::test

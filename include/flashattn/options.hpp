@@ -42,6 +42,11 @@ struct AttentionOptions {
   std::int64_t block_mask_block_size = 0;
   // Worker threads; 0 means the OpenMP default (all cores).
   int num_threads = 0;
+  // Forward only, split-KV ("flash-decoding"): the keys of every (batch, head, Q tile) are
+  // split into this many parts that run in parallel and are merged exactly through their
+  // log-sum-exps (merge_attention_states). 0 chooses from the problem and the thread
+  // count (splits only when there are fewer Q tiles than threads, as in decoding); 1 never.
+  int num_splits = 0;
   // Backward only: bit-identical dq, dk, dv on every run and for every thread count: the
   // dQ shares of the K/V tiles are added in K/V-block order (a ticket per Q tile) instead
   // of as they finish. Costs waiting, not arithmetic.

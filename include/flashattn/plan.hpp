@@ -30,16 +30,20 @@ struct CpuForwardPlan {
   std::int64_t block_k = 0;          // keys per K/V tile (Bc), a multiple of micro_cols
   std::int64_t head_dim_v_padded = 0;  // Dv rounded up to micro_cols
   std::int64_t q_blocks = 0;         // per (batch, head)
-  std::int64_t work_items = 0;       // batch · heads_q · q_blocks
+  std::int64_t work_items = 0;       // batch · heads_q · q_blocks · splits
+  std::int64_t splits = 1;           // split-KV: key ranges per Q tile, merged by lse
   int threads = 1;
   std::size_t workspace_bytes_per_thread = 0;
+  std::size_t shared_bytes = 0;      // split-KV partial outputs and lses
   CpuHardware hardware;
 
-  std::size_t workspace_bytes() const { return workspace_bytes_per_thread * threads; }
+  std::size_t workspace_bytes() const { return workspace_bytes_per_thread * threads + shared_bytes; }
   std::string describe() const;
 };
 
-CpuForwardPlan plan_forward(const AttentionProblem& problem, const CpuHardware& hardware);
+// num_splits as AttentionOptions::num_splits (0 = automatic).
+CpuForwardPlan plan_forward(const AttentionProblem& problem, const CpuHardware& hardware,
+                            int num_splits = 0);
 
 // Backward: each work item owns one K/V tile of one (batch, kv head) and produces its dK
 // and dV; its dQ shares go into a shared float32 accumulator — in any order by default,

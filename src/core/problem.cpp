@@ -50,6 +50,8 @@ AttentionProblem AttentionProblem::from_sizes(std::int64_t batch, std::int64_t s
           "softcap: must be >= 0 (0 disables it), got " + std::to_string(options.softcap));
   require(options.dropout_p >= 0.0f && options.dropout_p < 1.0f,
           "dropout_p: must be in [0, 1), got " + std::to_string(options.dropout_p));
+  require(options.num_splits >= 0,
+          "num_splits: must be >= 0 (0 = automatic), got " + str(options.num_splits));
   require(options.num_threads >= 0,
           "num_threads: must be >= 0 (0 = all cores), got " + str(options.num_threads));
 

@@ -67,13 +67,13 @@ void BackwardDelta(const BackwardParams& prm, std::int64_t bh) {
 }
 
 // Packs Kᵀ and Vᵀ (one (dim, block_k) panel per tile) and K (rows padded to D_pad) of one
-// (batch, kv head) up to `keys`, whole tiles at a time, reusing what is already packed.
+// (batch, kv head) for keys [from, keys), whole tiles at a time, reusing what is packed.
 void EnsurePacked(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t b,
-                  std::int64_t kv_head, std::int64_t keys) {
+                  std::int64_t kv_head, std::int64_t from, std::int64_t keys) {
   const AttentionProblem& p = prm.problem;
   const std::int64_t bc = prm.plan.block_k, d = p.head_dim, dv = p.head_dim_v;
   const std::int64_t d_pad = prm.plan.head_dim_padded;
-  const std::int64_t begin = ws.packed.first_to_pack(b, kv_head);
+  const std::int64_t begin = ws.packed.first_to_pack(b, kv_head, from / bc * bc);
   const std::int64_t end = std::min(p.seqlen_k, RoundUp(keys, bc));
   if (begin >= end) return;
   float* row = ws.row_scratch.get();
@@ -204,7 +204,7 @@ void BackwardKvItem(const BackwardParams& prm, BackwardWorkspace& ws, std::int64
   const std::int64_t group = p.heads_q / p.heads_kv;
   const std::int64_t j0 = kb * bc, n = std::min(bc, p.seqlen_k - j0);
   const std::int64_t n_pad = RoundUp(n, kMicroTileLcm);
-  EnsurePacked(prm, ws, b, kv_head, j0 + n);
+  EnsurePacked(prm, ws, b, kv_head, j0, j0 + n);
 
   std::fill(ws.dk_acc.get(), ws.dk_acc.get() + n_pad * d_pad, 0.0f);
   std::fill(ws.dv_acc.get(), ws.dv_acc.get() + n_pad * dv_pad, 0.0f);

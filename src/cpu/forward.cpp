@@ -1,6 +1,8 @@
 // CPU forward driver: validate, plan, then run the work items on OpenMP threads.
 #include <omp.h>
 
+#include <vector>
+
 #include "flashattn/attention.hpp"
 #include "flashattn/problem.hpp"
 #include "src/core/validate.hpp"
@@ -48,17 +50,25 @@ void detail::forward_impl(const TensorView& q, const TensorView& k, const Tensor
   detail::check_forward_outputs(problem, q, k, v, out, lse);
   if (problem.batch == 0 || problem.seqlen_q == 0) return;
 
-  const cpu::ForwardParams params{problem,
-                                  plan_forward(problem, CpuHardware::detect(options.num_threads)),
-                                  q, k, v, out, lse, options.alibi_slopes, options.block_mask};
+  const CpuForwardPlan plan =
+      plan_forward(problem, CpuHardware::detect(options.num_threads), options.num_splits);
+  const AttentionProblem& p = problem;
+  const std::int64_t split_rows = plan.splits > 1 ? plan.splits * p.batch * p.heads_q * p.seqlen_q : 0;
+  std::vector<float> split_out(static_cast<std::size_t>(split_rows * p.head_dim_v));
+  std::vector<float> split_lse(static_cast<std::size_t>(split_rows));
+  const cpu::ForwardParams params{problem, plan, q, k, v, out, lse, options.alibi_slopes,
+                                  options.block_mask, split_out.data(), split_lse.data()};
   const cpu::ForwardWorkItemFn kernel = cpu::forward_work_item_kernel();
-  const std::int64_t items = params.plan.work_items;
-#pragma omp parallel num_threads(params.plan.threads)
+#pragma omp parallel num_threads(plan.threads)
   {
-    cpu::ForwardWorkspace workspace(params.plan, problem);
+    cpu::ForwardWorkspace workspace(plan, problem);
 #pragma omp for schedule(dynamic, 1)
-    for (std::int64_t item = 0; item < items; ++item) kernel(params, workspace, item);
+    for (std::int64_t item = 0; item < plan.work_items; ++item) kernel(params, workspace, item);
   }
+  if (plan.splits > 1)
+    merge_attention_states(
+        TensorView(split_out.data(), DType::f32, {plan.splits, p.batch, p.seqlen_q, p.heads_q, p.head_dim_v}),
+        TensorView(split_lse.data(), DType::f32, {plan.splits, p.batch, p.heads_q, p.seqlen_q}), out, lse);
 }
 
 void forward(const TensorView& q, const TensorView& k, const TensorView& v,

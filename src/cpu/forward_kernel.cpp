@@ -31,14 +31,14 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // The producer role (SPEC §4) on a CPU: convert and lay out K (transposed, one
 // (head_dim, block_k) panel per tile) and V (rows padded to head_dim_v_padded) of one
-// (batch, kv head) up to `keys`, whole tiles at a time, reusing what is already packed.
+// (batch, kv head) for keys [from, to), whole tiles at a time, reusing what is packed.
 void EnsurePacked(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t b,
-                  std::int64_t kv_head, std::int64_t keys) {
+                  std::int64_t kv_head, std::int64_t from, std::int64_t to) {
   const AttentionProblem& p = prm.problem;
   const std::int64_t bc = prm.plan.block_k, d = p.head_dim, dv = p.head_dim_v;
   const std::int64_t dv_pad = prm.plan.head_dim_v_padded;
-  const std::int64_t begin = ws.packed.first_to_pack(b, kv_head);
-  const std::int64_t end = std::min(p.seqlen_k, (keys + bc - 1) / bc * bc);
+  const std::int64_t begin = ws.packed.first_to_pack(b, kv_head, from / bc * bc);
+  const std::int64_t end = std::min(p.seqlen_k, (to + bc - 1) / bc * bc);
   float* row = ws.q_tile.get();  // scratch: Q is loaded after packing
   for (std::int64_t j = begin; j < end; ++j) {
     float* kt = ws.k_packed.get() + (j / bc) * d * bc + (j % bc);
@@ -99,8 +99,10 @@ void ForwardWorkItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_
   const std::int64_t d = p.head_dim, dv_pad = plan.head_dim_v_padded;
   const std::int64_t bq = plan.block_q, bc = plan.block_k;
 
-  // Items run head-major; within a head, causal blocks run longest first.
-  const std::int64_t t = item % plan.q_blocks, bh = item / plan.q_blocks;
+  // Items run head-major; within a head, causal blocks run longest first; the splits of
+  // one Q tile are consecutive items.
+  const std::int64_t split = item % plan.splits;
+  const std::int64_t t = item / plan.splits % plan.q_blocks, bh = item / plan.splits / plan.q_blocks;
   const std::int64_t h = bh % p.heads_q, b = bh / p.heads_q;
   const std::int64_t q_block = p.causal ? plan.q_blocks - 1 - t : t;
   const std::int64_t kv_head = h / (p.heads_q / p.heads_kv);
@@ -108,12 +110,16 @@ void ForwardWorkItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_
   const std::int64_t rows = std::min(bq, p.seqlen_q - i0);
   const std::int64_t rows_pad = (rows + kMicroRows - 1) / kMicroRows * kMicroRows;
   // Key ranges are non-decreasing in the row: the block spans [first row's begin, last
-  // row's end); tiles outside it (causal, window) are never touched.
-  const std::int64_t key_begin = p.key_range(i0).begin;
-  const std::int64_t key_end = p.key_range(i0 + rows - 1).end;
+  // row's end); tiles outside it (causal, window) are never touched. Split-KV gives each
+  // split a contiguous share of those tiles.
+  const std::int64_t first_tile = p.key_range(i0).begin / bc;
+  const std::int64_t tiles = std::max<std::int64_t>(0, (p.key_range(i0 + rows - 1).end + bc - 1) / bc - first_tile);
+  const std::int64_t key_begin = std::max(p.key_range(i0).begin, (first_tile + tiles * split / plan.splits) * bc);
+  const std::int64_t key_end = std::min(p.key_range(i0 + rows - 1).end,
+                                        (first_tile + tiles * (split + 1) / plan.splits) * bc);
   const RowMods mods(p, prm.alibi_slopes, prm.block_mask, b, h);
 
-  EnsurePacked(prm, ws, b, kv_head, key_end);
+  EnsurePacked(prm, ws, b, kv_head, key_begin, key_end);
 
   float* q_tile = ws.q_tile.get();  // (rows_pad, d)
   const float q_scale = p.softmax_scale * OnlineSoftmaxState::kLog2e;
@@ -139,7 +145,18 @@ void ForwardWorkItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_
                    dv_pad, n_pad);
   }
 
-  // Epilogue: normalize once (deferred normalization) and store lse.
+  // Epilogue: normalize once (deferred normalization) and store lse — a split's partial
+  // result goes to the float32 buffers that merge_attention_states combines.
+  if (plan.splits > 1) {
+    const std::int64_t dv = p.head_dim_v;
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const std::int64_t i = i0 + r;
+      StoreRow(o_acc + r * dv_pad, dv, state[r].inverse_sum(),
+               prm.split_out + (((split * p.batch + b) * p.seqlen_q + i) * p.heads_q + h) * dv, DType::f32);
+      prm.split_lse[((split * p.batch + b) * p.heads_q + h) * p.seqlen_q + i] = state[r].lse();
+    }
+    return;
+  }
   for (std::int64_t r = 0; r < rows; ++r) {
     const std::int64_t i = i0 + r;
     StoreRow(o_acc + r * dv_pad, p.head_dim_v, state[r].inverse_sum(),

@@ -1,6 +1,7 @@
-// Which (batch, kv head) a thread's packed K/V buffers hold, and how many of its keys are
+// Which (batch, kv head) a thread's packed K/V buffers hold, and which keys of it are
 // packed: the forward and backward kernels pack a head once per thread and extend the
-// packed prefix as later work items need more keys.
+// packed range as later work items need more keys (tile-major buffers, so a key's place
+// does not depend on what else is packed).
 #pragma once
 
 #include <algorithm>
@@ -11,19 +12,21 @@ namespace flashattn::cpu {
 struct PackedHead {
   std::int64_t batch = -1;
   std::int64_t kv_head = -1;
-  std::int64_t keys = 0;  // keys [0, keys) are packed
+  std::int64_t begin = 0;  // keys [begin, end) are packed
+  std::int64_t end = 0;
 
-  // Keys [first, end) still to pack so that the first `end` keys of (b, kv_head) are;
-  // switching heads starts over. Call done(end) once they are packed.
-  std::int64_t first_to_pack(std::int64_t b, std::int64_t head) {
-    if (batch != b || kv_head != head) {
+  // First key to pack so that keys [from, to) of (b, head) are packed, given that packing
+  // continues up to `to`: a different head, or a range that does not touch the packed one,
+  // starts over at `from`. Call done(to) once they are packed.
+  std::int64_t first_to_pack(std::int64_t b, std::int64_t head, std::int64_t from) {
+    if (batch != b || kv_head != head || from < begin || from > end) {
       batch = b;
       kv_head = head;
-      keys = 0;
+      begin = end = from;
     }
-    return keys;
+    return end;
   }
-  void done(std::int64_t end) { keys = std::max(keys, end); }
+  void done(std::int64_t to) { end = std::max(end, to); }
 };
 
 }  // namespace flashattn::cpu

@@ -35,7 +35,7 @@ CpuHardware CpuHardware::detect(int num_threads) {
   return hw;
 }
 
-CpuForwardPlan plan_forward(const AttentionProblem& p, const CpuHardware& hw) {
+CpuForwardPlan plan_forward(const AttentionProblem& p, const CpuHardware& hw, int num_splits) {
   CpuForwardPlan plan;
   plan.hardware = hw;
   const std::int64_t mr = hw.micro_rows, mc = hw.micro_cols;
@@ -61,9 +61,20 @@ CpuForwardPlan plan_forward(const AttentionProblem& p, const CpuHardware& hw) {
     bq = std::max(mr, bq / 2 / mr * mr);
   plan.block_q = bq;
   plan.q_blocks = (p.seqlen_q + bq - 1) / bq;
-  plan.work_items = heads * plan.q_blocks;
+  // Split-KV (flash-decoding): with fewer Q tiles than 2 per thread, split the keys so
+  // that every thread has work; never more splits than K/V tiles.
+  const std::int64_t q_tiles = heads * plan.q_blocks;
+  const std::int64_t k_tiles = (p.seqlen_k + plan.block_k - 1) / plan.block_k;
+  std::int64_t splits = num_splits;
+  if (splits == 0)
+    splits = q_tiles >= 2 * hw.threads ? 1 : (2 * hw.threads + q_tiles - 1) / std::max<std::int64_t>(q_tiles, 1);
+  plan.splits = std::clamp<std::int64_t>(splits, 1, std::max<std::int64_t>(k_tiles, 1));
+  plan.work_items = q_tiles * plan.splits;
   plan.threads = static_cast<int>(std::clamp<std::int64_t>(plan.work_items, 1, hw.threads));
   plan.workspace_bytes_per_thread = cpu::forward_workspace_bytes(plan, p);
+  if (plan.splits > 1)
+    plan.shared_bytes = static_cast<std::size_t>(plan.splits * p.batch * p.heads_q * p.seqlen_q *
+                                                 (p.head_dim_v + 1)) * sizeof(float);
   return plan;
 }
 
@@ -114,7 +125,8 @@ std::string CpuForwardPlan::describe() const {
   std::ostringstream s;
   s << "simd=" << hardware.simd_target << " micro_tile=" << hardware.micro_rows << "x"
     << hardware.micro_cols << " block_q=" << block_q << " block_k=" << block_k
-    << " q_blocks=" << q_blocks << " work_items=" << work_items << " threads=" << threads
+    << " q_blocks=" << q_blocks << " splits=" << splits << " work_items=" << work_items
+    << " threads=" << threads
     << " workspace_bytes=" << workspace_bytes();
   return s.str();
 }

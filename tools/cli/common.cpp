@@ -29,6 +29,8 @@ void ShapeFlags::add_to(CLI::App& app, bool with_mode) {
   app.add_flag("--causal,!--no-causal", causal, "bottom-right aligned causal mask")
       ->capture_default_str();
   app.add_option("--softmax-scale", softmax_scale, "scale of Q·Kᵀ (default 1/sqrt(dim))");
+  app.add_option("--num-splits", num_splits, "split-KV parts per Q tile (0 = automatic, 1 = none)")
+      ->capture_default_str();
 }
 
 void VariantFlags::add_to(CLI::App& app) {
@@ -72,6 +74,7 @@ AttentionOptions ShapeFlags::options() const {
   o.causal = causal;
   o.softmax_scale = softmax_scale;
   o.num_threads = threads;
+  o.num_splits = num_splits;
   return o;
 }
 
@@ -188,7 +191,8 @@ Measurement measure_forward(Impl impl, const AttentionProblem& p, const Attentio
       repeats, 1, label);
   let_worker_threads_sleep();
   if (impl == Impl::flashattn)
-    m.peak_bytes = plan_forward(p, CpuHardware::detect(options.num_threads)).workspace_bytes();
+    m.peak_bytes = plan_forward(p, CpuHardware::detect(options.num_threads), options.num_splits)
+                       .workspace_bytes();
   m.gflops = p.conventional_forward_flops() / m.seconds * 1e-9;
   return m;
 }

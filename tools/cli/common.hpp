@@ -26,6 +26,7 @@ struct ShapeFlags {
   bool causal = true;
   std::optional<float> softmax_scale;
   int threads = 0;
+  int num_splits = 0;
 
   // Sizes and --threads; with_mode adds --dtype, --causal and --softmax-scale too.
   void add_to(CLI::App& app, bool with_mode = true);
