@@ -62,6 +62,21 @@ TEST(SimdMath, Exp2OfMaskedScoresIsExactlyZero) {
   });
 }
 
+TEST(SimdMath, Exp2KeepsNaN) {
+  std::vector<float> x(16, std::nanf("")), y(16, 0.0f);
+  x[3] = -1.0f;
+  test::for_each_simd_target([&](const std::string&) {
+    HWY_DYNAMIC_DISPATCH(Exp2Array)(x.data(), y.data(), x.size());
+    for (std::size_t i = 0; i < y.size(); ++i) {
+      if (i == 3) {
+        EXPECT_FLOAT_EQ(y[i], 0.5f);
+      } else {
+        EXPECT_TRUE(std::isnan(y[i])) << "lane " << i << " = " << y[i];
+      }
+    }
+  });
+}
+
 }  // namespace
 }  // namespace flashattn::cpu
 #endif

@@ -12,6 +12,8 @@
 // −∞ guards: a row that has seen no visible key keeps m = −∞ and ℓ = 0. Rescaling from
 // −∞ would compute 2^(−∞ − (−∞)) = NaN, so the factor is defined as 0 there (õ is 0
 // anyway); finalize gives out = 0 and lse = −∞ for such rows, never NaN.
+// NaN scores (NaN or ±∞ in the inputs) are not hidden: a NaN maximum or sum propagates
+// to that row's output and lse, and only to that row.
 #pragma once
 
 #include <cmath>
@@ -29,7 +31,7 @@ struct OnlineSoftmaxState {
   // Moves the reference maximum up to cover `tile_max` and returns the factor
   // 2^(m_old − m_new) by which the caller must multiply its õ (already applied to sum).
   float rescale_to(float tile_max) {
-    if (!(tile_max > max)) return 1.0f;
+    if (tile_max <= max) return 1.0f;  // false for a NaN maximum, which must propagate
     const float factor = max == -std::numeric_limits<float>::infinity()
                              ? 0.0f
                              : std::exp2(max - tile_max);
@@ -57,12 +59,12 @@ struct OnlineSoftmaxState {
     return {self_factor, other_factor};
   }
 
-  // 1/ℓ, the factor that normalizes õ; 0 for a row without visible keys.
-  float inverse_sum() const { return sum > 0.0f ? 1.0f / sum : 0.0f; }
+  // 1/ℓ, the factor that normalizes õ; 0 for a row without visible keys (NaN stays NaN).
+  float inverse_sum() const { return sum == 0.0f ? 0.0f : 1.0f / sum; }
 
   // Natural-log log-sum-exp of the (scaled) scores; −∞ for a row without visible keys.
   float lse() const {
-    if (sum <= 0.0f) return -std::numeric_limits<float>::infinity();
+    if (sum == 0.0f) return -std::numeric_limits<float>::infinity();
     return (max + std::log2(sum)) * kLn2;
   }
 };

@@ -17,7 +17,7 @@ namespace hn = hwy::HWY_NAMESPACE;
 // straight into the exponent bits, 2^f = e^(f·ln2) comes from its degree-6 Taylor
 // polynomial by Horner's rule. Truncation error (ln2/2)^7/7! ≈ 1.2e-7 relative, i.e.
 // about one float ulp. Inputs below −127 give exactly 0 (covers −∞, the masked score);
-// the argument order of Max keeps a NaN input NaN on x86.
+// NaN stays NaN.
 template <class D, class V = hn::Vec<D>>
 HWY_INLINE V Exp2(D d, V x) {
   constexpr float kLn2 = 0.693147180559945309f;
@@ -29,7 +29,8 @@ HWY_INLINE V Exp2(D d, V x) {
   constexpr float kC2 = 2.4022650695910071e-1f;
   constexpr float kC1 = kLn2;
   const hn::RebindToSigned<D> di;
-  x = hn::Min(hn::Max(hn::Set(d, -127.0f), x), hn::Set(d, 127.0f));
+  const V input = x;
+  x = hn::Min(hn::Max(x, hn::Set(d, -127.0f)), hn::Set(d, 127.0f));
   const V n = hn::Round(x);
   const V f = hn::Sub(x, n);
   V p = hn::MulAdd(hn::Set(d, kC6), f, hn::Set(d, kC5));
@@ -40,7 +41,8 @@ HWY_INLINE V Exp2(D d, V x) {
   p = hn::MulAdd(p, f, hn::Set(d, 1.0f));
   // Biased exponent n + 127 in bits 23..30; n = −127 gives +0.0f.
   const auto bits = hn::ShiftLeft<23>(hn::Add(hn::ConvertTo(di, n), hn::Set(di, 127)));
-  return hn::Mul(p, hn::BitCast(d, bits));
+  // The clamp may have turned a NaN into a number: a NaN score must poison its row.
+  return hn::IfThenElse(hn::IsNaN(input), input, hn::Mul(p, hn::BitCast(d, bits)));
 }
 
 }  // namespace flashattn::cpu::HWY_NAMESPACE

@@ -1,0 +1,86 @@
+// Hostile values: NaN and ±Inf in the inputs poison exactly the rows that read them; huge
+// scores neither overflow nor lose exactness; denormals and zero or negative scales work.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+
+#include "test_util.hpp"
+
+namespace flashattn::test {
+namespace {
+
+bool row_has_nan(const Tensor& out, std::int64_t row, std::int64_t width) {
+  for (std::int64_t c = 0; c < width; ++c)
+    if (std::isnan(out.get(row * width + c))) return true;
+  return false;
+}
+
+TEST(Hostile, NaNInAQueryPoisonsOnlyItsRow) {
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    Tensor q = random_tensor(dtype, {1, 40, 1, 16}, 1);
+    const Tensor k = random_tensor(dtype, {1, 300, 1, 16}, 2);
+    q.set(7 * 16 + 3, std::nanf(""));
+    const ForwardResult r = forward(q.view(), k.view(), k.view());
+    for (std::int64_t i = 0; i < 40; ++i)
+      EXPECT_EQ(row_has_nan(r.out, i, 16), i == 7) << to_string(dtype) << " row " << i;
+    EXPECT_TRUE(std::isnan(r.lse.get(7)));
+  }
+}
+
+TEST(Hostile, NaNInAKeyPoisonsTheRowsThatSeeIt) {
+  // Causal with Sq = Sk: key 25 is seen by rows 25.. only.
+  const Tensor q = random_tensor(DType::f32, {1, 60, 1, 16}, 3);
+  Tensor k = random_tensor(DType::f32, {1, 60, 1, 16}, 4);
+  Tensor v = random_tensor(DType::f32, {1, 60, 1, 16}, 5);
+  k.set(25 * 16, std::nanf(""));
+  AttentionOptions o;
+  o.causal = true;
+  const ForwardResult r = forward(q.view(), k.view(), v.view(), o);
+  for (std::int64_t i = 0; i < 60; ++i) EXPECT_EQ(row_has_nan(r.out, i, 16), i >= 25) << "row " << i;
+  // Rows before the poisoned key are exact.
+  const reference::Result want = reference::attention(q.view(), k.view(), v.view(), o);
+  for (std::int64_t e = 0; e < 25 * 16; ++e) EXPECT_NEAR(r.out.get(e), want.out[static_cast<std::size_t>(e)], 1e-5);
+}
+
+TEST(Hostile, InfinityInAValueReachesOnlyItsReaders) {
+  const Tensor q = random_tensor(DType::f32, {1, 30, 1, 8}, 6);
+  const Tensor k = random_tensor(DType::f32, {1, 30, 1, 8}, 7);
+  Tensor v = random_tensor(DType::f32, {1, 30, 1, 8}, 8);
+  v.set(10 * 8 + 2, std::numeric_limits<float>::infinity());
+  AttentionOptions o;
+  o.causal = true;
+  const ForwardResult r = forward(q.view(), k.view(), v.view(), o);
+  for (std::int64_t i = 0; i < 30; ++i)
+    EXPECT_EQ(std::isinf(r.out.get(i * 8 + 2)), i >= 10) << "row " << i;
+  EXPECT_TRUE(std::isfinite(r.out.get(0)));
+}
+
+TEST(Hostile, HugeScoresStayExactInLowPrecision) {
+  // Scores of magnitude ~1e4 in bf16: the running maximum keeps exp from overflowing.
+  Tensor q = random_tensor(DType::bf16, {1, 33, 2, 32}, 9);
+  const Tensor k = random_tensor(DType::bf16, {1, 257, 2, 32}, 10);
+  const Tensor v = random_tensor(DType::bf16, {1, 257, 2, 32}, 11);
+  for (std::int64_t i = 0; i < q.numel(); ++i) q.set(i, q.get(i) * 400.0f);
+  const ForwardResult got = forward(q.view(), k.view(), v.view());
+  const reference::Result want = reference::attention(q.view(), k.view(), v.view());
+  const AttentionProblem p = AttentionProblem::from_inputs(q.view(), k.view(), v.view(), {});
+  const double tol = 2.0 * max_abs_error(naive_same_precision(p, {}, q, k, v), want.out) + 1e-5;
+  EXPECT_LE(max_abs_error(got.out, want.out), tol);
+  for (std::int64_t i = 0; i < got.lse.numel(); ++i) EXPECT_TRUE(std::isfinite(got.lse.get(i)));
+}
+
+TEST(Hostile, DenormalInputs) {
+  Tensor q = random_tensor(DType::f32, {1, 20, 1, 16}, 12);
+  Tensor v = random_tensor(DType::f32, {1, 20, 1, 16}, 13);
+  for (std::int64_t i = 0; i < q.numel(); ++i) {
+    q.set(i, q.get(i) * 1e-39f);  // subnormal floats
+    v.set(i, v.get(i) * 1e-39f);
+  }
+  const ForwardResult got = forward(q.view(), q.view(), v.view());
+  const reference::Result want = reference::attention(q.view(), q.view(), v.view());
+  EXPECT_LE(max_abs_error(got.out, want.out), 1e-44);
+}
+
+}  // namespace
+}  // namespace flashattn::test
