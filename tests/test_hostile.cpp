@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #include "test_util.hpp"
@@ -80,6 +81,41 @@ TEST(Hostile, DenormalInputs) {
   const ForwardResult got = forward(q.view(), q.view(), v.view());
   const reference::Result want = reference::attention(q.view(), q.view(), v.view());
   EXPECT_LE(max_abs_error(got.out, want.out), 1e-44);
+}
+
+}  // namespace
+}  // namespace flashattn::test
+
+#include <sys/mman.h>
+
+namespace flashattn::test {
+namespace {
+
+TEST(Hostile, ElementOffsetsBeyondTwoToTheThirtyOne) {
+  // k and v rows 2^29 elements apart in a sparse 8 GiB mapping: offsets reach 2^31 and
+  // beyond, while only the touched pages cost memory.
+  constexpr std::int64_t kRowStride = std::int64_t{1} << 29, kRows = 5, kDim = 16;
+  const std::size_t bytes = static_cast<std::size_t>(kRows * kRowStride) * sizeof(float);
+  void* map = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  ASSERT_NE(map, MAP_FAILED) << "mmap of " << bytes << " bytes";
+  auto* base = static_cast<float*>(map);
+  const Tensor dense = random_tensor(DType::f32, {1, kRows, 1, kDim}, 21);
+  for (std::int64_t j = 0; j < kRows; ++j)
+    for (std::int64_t c = 0; c < kDim; ++c) base[j * kRowStride + c] = dense.get(j * kDim + c);
+  const TensorView sparse(base, DType::f32, {1, kRows, 1, kDim}, {kRows * kRowStride, kRowStride, kDim, 1});
+  const Tensor q = random_tensor(DType::f32, {1, 3, 1, kDim}, 22);
+  for (bool det : {false, true}) {
+    AttentionOptions o;
+    o.deterministic = det;
+    const ForwardResult far = forward(q.view(), sparse, sparse, o);
+    const ForwardResult near = forward(q.view(), dense.view(), dense.view(), o);
+    EXPECT_EQ(std::memcmp(far.out.data(), near.out.data(), static_cast<std::size_t>(near.out.numel()) * 4), 0);
+    const Tensor dout = random_tensor(DType::f32, {1, 3, 1, kDim}, 23);
+    const BackwardResult g_far = backward(dout.view(), q.view(), sparse, sparse, far.out.view(), far.lse.view(), o);
+    const BackwardResult g_near = backward(dout.view(), q.view(), dense.view(), dense.view(), near.out.view(), near.lse.view(), o);
+    EXPECT_EQ(std::memcmp(g_far.dk.data(), g_near.dk.data(), static_cast<std::size_t>(g_near.dk.numel()) * 4), 0);
+  }
+  munmap(map, bytes);
 }
 
 }  // namespace

@@ -1,4 +1,9 @@
 // The public attention entry points.
+//
+// Thread safety: every function may be called from many threads at once. The library keeps
+// no mutable global state (beyond Highway's one-time choice of SIMD target); each call
+// allocates its own workspace and runs its own OpenMP team. Inputs are only read, so
+// concurrent calls may share them; outputs must not be shared between concurrent calls.
 #pragma once
 
 #include <string>
