@@ -84,6 +84,32 @@ BackwardResult backward_varlen(const TensorView& dout, const TensorView& q, cons
                                const TensorView& v, const TensorView& out, const TensorView& lse,
                                const VarlenSeqlens& seqlens, const AttentionOptions& options = {});
 
+// The KV cache of an inference engine (upstream's flash_attn_with_kvcache). The cache is
+// contiguous (batch_cache, seqlen_cache, heads_kv, dim) or paged (num_pages, page_size,
+// heads_kv, dim) with an int32 block_table (batch, max_pages_per_seq) naming each
+// sequence's pages in order. Sequence b holds cache_seqlens[b] tokens; new tokens k, v
+// (batch, seqlen_new, heads_kv, dim) are written into the cache in place at positions
+// cache_seqlens[b]..., then q attends to all cache_seqlens[b] + seqlen_new of them (causal is
+// bottom-right aligned: new queries see the cache and the new tokens up to themselves).
+// Rotary embeddings (rotary_cos, rotary_sin of shape (positions, rotary_dim / 2)) rotate the
+// first rotary_dim features of the new keys at their positions and of q at positions
+// cache_seqlens[b] + i when causal or windowed, else all at cache_seqlens[b] (as upstream);
+// interleaved pairs (2i, 2i+1) or GPT-NeoX halves (i, i + rotary_dim/2).
+struct KvCache {
+  MutableTensorView k_cache, v_cache;
+  TensorView block_table;      // int32 (batch, max_pages): paged when set
+  TensorView cache_seqlens;    // int32 (batch); unset: every sequence fills the cache
+  TensorView cache_batch_idx;  // int32 (batch): cache row of each sequence (contiguous only)
+  TensorView k, v;             // new tokens to append, or unset
+  TensorView rotary_cos, rotary_sin;
+  bool rotary_interleaved = true;
+};
+
+void forward_with_kvcache(const TensorView& q, const KvCache& cache, const MutableTensorView& out,
+                          const MutableTensorView& lse, const AttentionOptions& options = {});
+ForwardResult forward_with_kvcache(const TensorView& q, const KvCache& cache,
+                                   const AttentionOptions& options = {});
+
 // The exact combination of partial attention results over disjoint key sets (split-KV
 // decoding, cascade or distributed attention), through their log-sum-exps — the merge of
 // OnlineSoftmaxState: lse = log Σ_s exp(lse_s), out = Σ_s exp(lse_s − lse)·out_s.

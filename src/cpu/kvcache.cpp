@@ -1,0 +1,239 @@
+// forward_with_kvcache: validate, append the new tokens (rotated) into their cache slots,
+// rotate q, then attend per sequence through the ordinary driver — a view of the cache
+// when it is contiguous, the sequence's pages gathered in order when it is paged.
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "flashattn/attention.hpp"
+#include "flashattn/error.hpp"
+#include "src/core/element.hpp"
+#include "src/core/validate.hpp"
+#include "src/cpu/drivers.hpp"
+
+namespace flashattn {
+namespace {
+
+std::string str(std::int64_t v) { return std::to_string(v); }
+bool is_set(const TensorView& t) { return t.data != nullptr || t.rank != 0; }
+
+std::vector<std::int64_t> read_i32(const char* name, const TensorView& t, std::int64_t batch) {
+  detail::check_view(name, t, 1, "(batch)");
+  detail::check_dtype(name, t, DType::i32, "int32");
+  detail::check_shape(name, t, {batch}, "(batch)");
+  std::vector<std::int64_t> r(static_cast<std::size_t>(batch));
+  for (std::int64_t b = 0; b < batch; ++b)
+    r[static_cast<std::size_t>(b)] = static_cast<const std::int32_t*>(t.data)[b * t.strides[0]];
+  return r;
+}
+
+// Where logical token `pos` of sequence b lives: (cache row, slot) of a 4-d cache view.
+struct Layout {
+  bool paged = false;
+  std::int64_t page_size = 0, capacity = 0;
+  std::vector<std::int64_t> batch_idx;  // contiguous
+  TensorView block_table;               // paged
+  std::pair<std::int64_t, std::int64_t> locate(std::int64_t b, std::int64_t pos) const {
+    if (!paged) return {batch_idx[static_cast<std::size_t>(b)], pos};
+    const auto* t = static_cast<const std::int32_t*>(block_table.data);
+    return {t[b * block_table.strides[0] + (pos / page_size) * block_table.strides[1]], pos % page_size};
+  }
+};
+
+// out[0, d) = x rotated at `pos` over its first rotary_dim features (the rest copied).
+void rotate(const KvCache& c, std::int64_t pos, const float* x, float* out, std::int64_t d) {
+  std::copy(x, x + d, out);
+  if (!is_set(c.rotary_cos)) return;
+  const std::int64_t half = c.rotary_cos.shape[1];
+  for (std::int64_t i = 0; i < half; ++i) {
+    const float cos = detail::load_element(c.rotary_cos, pos * c.rotary_cos.strides[0] + i * c.rotary_cos.strides[1]);
+    const float sin = detail::load_element(c.rotary_sin, pos * c.rotary_sin.strides[0] + i * c.rotary_sin.strides[1]);
+    const std::int64_t a = c.rotary_interleaved ? 2 * i : i, b = c.rotary_interleaved ? 2 * i + 1 : i + half;
+    out[a] = x[a] * cos - x[b] * sin;
+    out[b] = x[a] * sin + x[b] * cos;
+  }
+}
+
+}  // namespace
+
+void forward_with_kvcache(const TensorView& q, const KvCache& c, const MutableTensorView& out,
+                          const MutableTensorView& lse, const AttentionOptions& options) {
+  detail::check_view("q", q, 4, "(batch, seqlen_q, heads_q, head_dim)");
+  detail::check_view("k_cache", c.k_cache, 4, "(batch_cache or pages, seqlen_cache or page_size, heads_kv, head_dim)");
+  detail::check_view("v_cache", c.v_cache, 4, "(batch_cache or pages, seqlen_cache or page_size, heads_kv, head_dim_v)");
+  detail::check_dtype("k_cache", c.k_cache, q.dtype, "the cache has q's dtype");
+  detail::check_dtype("v_cache", c.v_cache, q.dtype, "the cache has q's dtype");
+  for (int d : {0, 1, 2})
+    if (c.v_cache.shape[d] != c.k_cache.shape[d])
+      throw Error("v_cache: shape " + detail::shape_string(c.v_cache) + " does not match k_cache " +
+                  detail::shape_string(c.k_cache) + " in dim " + std::to_string(d));
+  const std::int64_t batch = q.shape[0], hkv = c.k_cache.shape[2], d = c.k_cache.shape[3], dv = c.v_cache.shape[3];
+  const std::int64_t s_new = is_set(c.k) ? c.k.shape[1] : 0;
+  Layout layout;
+  layout.paged = is_set(c.block_table);
+  if (layout.paged) {
+    detail::check_view("block_table", c.block_table, 2, "(batch, max_pages_per_seq)");
+    detail::check_dtype("block_table", c.block_table, DType::i32, "int32 page numbers");
+    if (c.block_table.shape[0] != batch)
+      throw Error("block_table: " + str(c.block_table.shape[0]) + " rows but q has batch " + str(batch));
+    if (is_set(c.cache_batch_idx)) throw Error("cache_batch_idx: not supported with a paged cache (block_table)");
+    layout.page_size = c.k_cache.shape[1];
+    if (layout.page_size < 1) throw Error("k_cache: page size " + str(layout.page_size) + " must be >= 1");
+    layout.capacity = c.block_table.shape[1] * layout.page_size;
+    layout.block_table = c.block_table;
+  } else {
+    layout.capacity = c.k_cache.shape[1];
+    layout.batch_idx = is_set(c.cache_batch_idx) ? read_i32("cache_batch_idx", c.cache_batch_idx, batch)
+                                                  : std::vector<std::int64_t>(static_cast<std::size_t>(batch));
+    if (!is_set(c.cache_batch_idx))
+      for (std::int64_t b = 0; b < batch; ++b) layout.batch_idx[static_cast<std::size_t>(b)] = b;
+    for (std::int64_t b = 0; b < batch; ++b) {
+      const std::int64_t row = layout.batch_idx[static_cast<std::size_t>(b)];
+      if (row < 0 || row >= c.k_cache.shape[0])
+        throw Error("cache_batch_idx: [" + str(b) + "] = " + str(row) + " outside the cache's " +
+                    str(c.k_cache.shape[0]) + " rows");
+    }
+  }
+  const std::vector<std::int64_t> seqlens =
+      is_set(c.cache_seqlens) ? read_i32("cache_seqlens", c.cache_seqlens, batch)
+                              : std::vector<std::int64_t>(static_cast<std::size_t>(batch), layout.capacity - s_new);
+  for (std::int64_t b = 0; b < batch; ++b) {
+    const std::int64_t n = seqlens[static_cast<std::size_t>(b)];
+    if (n < 0 || n + s_new > layout.capacity)
+      throw Error("cache_seqlens: [" + str(b) + "] = " + str(n) + " plus " + str(s_new) +
+                  " new tokens does not fit the cache capacity " + str(layout.capacity));
+  }
+  if (layout.paged) {
+    const auto* t = static_cast<const std::int32_t*>(c.block_table.data);
+    for (std::int64_t b = 0; b < batch; ++b) {
+      const std::int64_t pages = (seqlens[static_cast<std::size_t>(b)] + s_new + layout.page_size - 1) / layout.page_size;
+      for (std::int64_t pg = 0; pg < pages; ++pg) {
+        const std::int64_t page = t[b * c.block_table.strides[0] + pg * c.block_table.strides[1]];
+        if (page < 0 || page >= c.k_cache.shape[0])
+          throw Error("block_table: [" + str(b) + ", " + str(pg) + "] = " + str(page) + " outside the cache's " +
+                      str(c.k_cache.shape[0]) + " pages");
+      }
+    }
+  }
+  if (is_set(c.k) != is_set(c.v)) throw Error("k, v: the new keys and values come together");
+  if (is_set(c.k)) {
+    detail::check_view("k", c.k, 4, "(batch, seqlen_new, heads_kv, head_dim)");
+    detail::check_view("v", c.v, 4, "(batch, seqlen_new, heads_kv, head_dim_v)");
+    detail::check_dtype("k", c.k, q.dtype, "new keys have q's dtype");
+    detail::check_dtype("v", c.v, q.dtype, "new values have q's dtype");
+    detail::check_shape("k", c.k, {batch, s_new, hkv, d}, "(batch, seqlen_new, heads_kv, head_dim)");
+    detail::check_shape("v", c.v, {batch, s_new, hkv, dv}, "(batch, seqlen_new, heads_kv, head_dim_v)");
+    for (const auto& [name, input] : {std::pair{"k", c.k}, {"v", c.v}, {"q", q}}) {
+      detail::check_no_overlap("k_cache", c.k_cache, name, input);
+      detail::check_no_overlap("v_cache", c.v_cache, name, input);
+    }
+  }
+  const bool positions_per_query = options.causal || options.window_size.left >= 0 || options.window_size.right >= 0;
+  std::int64_t rotary_dim = 0;
+  if (is_set(c.rotary_cos) || is_set(c.rotary_sin)) {
+    detail::check_view("rotary_cos", c.rotary_cos, 2, "(positions, rotary_dim / 2)");
+    detail::check_view("rotary_sin", c.rotary_sin, 2, "(positions, rotary_dim / 2)");
+    if (!is_floating(c.rotary_cos.dtype) || !is_floating(c.rotary_sin.dtype))
+      throw Error("rotary_cos: dtype " + to_string(c.rotary_cos.dtype) + " is not a floating dtype");
+    detail::check_shape("rotary_sin", c.rotary_sin, {c.rotary_cos.shape[0], c.rotary_cos.shape[1]},
+                        "(the shape of rotary_cos)");
+    rotary_dim = 2 * c.rotary_cos.shape[1];
+    if (rotary_dim > d) throw Error("rotary_cos: rotary_dim " + str(rotary_dim) + " exceeds head_dim " + str(d));
+    std::int64_t last = 0;
+    for (std::int64_t b = 0; b < batch; ++b)
+      last = std::max(last, seqlens[static_cast<std::size_t>(b)] + std::max(s_new, positions_per_query ? q.shape[1] : 1) - 1);
+    if (last >= c.rotary_cos.shape[0])
+      throw Error("rotary_cos: " + str(c.rotary_cos.shape[0]) + " positions but position " + str(last) + " is needed");
+  }
+
+  // Append the new tokens (keys rotated) into their slots, and nowhere else.
+  std::vector<float> row(static_cast<std::size_t>(std::max(d, dv))), rotated(row.size());
+  for (std::int64_t b = 0; b < batch; ++b)
+    for (std::int64_t t = 0; t < s_new; ++t) {
+      const auto [cache_row, slot] = layout.locate(b, seqlens[static_cast<std::size_t>(b)] + t);
+      for (std::int64_t h = 0; h < hkv; ++h) {
+        for (std::int64_t e = 0; e < d; ++e) row[e] = detail::load_element(c.k, detail::offset4(c.k, b, t, h, e));
+        rotate(c, seqlens[static_cast<std::size_t>(b)] + t, row.data(), rotated.data(), d);
+        for (std::int64_t e = 0; e < d; ++e)
+          detail::store_element(c.k_cache, detail::offset4(c.k_cache, cache_row, slot, h, e), rotated[e]);
+        for (std::int64_t e = 0; e < dv; ++e)
+          detail::store_element(c.v_cache, detail::offset4(c.v_cache, cache_row, slot, h, e),
+                                detail::load_element(c.v, detail::offset4(c.v, b, t, h, e)));
+      }
+    }
+
+  // q rotated at its positions (a copy; q itself is never written).
+  Tensor q_rot;
+  TensorView q_used = q;
+  if (rotary_dim > 0) {
+    q_rot = Tensor(q.dtype, {q.shape[0], q.shape[1], q.shape[2], q.shape[3]});
+    for (std::int64_t b = 0; b < batch; ++b)
+      for (std::int64_t i = 0; i < q.shape[1]; ++i)
+        for (std::int64_t h = 0; h < q.shape[2]; ++h) {
+          for (std::int64_t e = 0; e < d; ++e) row[e] = detail::load_element(q, detail::offset4(q, b, i, h, e));
+          rotate(c, seqlens[static_cast<std::size_t>(b)] + (positions_per_query ? i : 0), row.data(), rotated.data(), d);
+          for (std::int64_t e = 0; e < d; ++e) q_rot.set(((b * q.shape[1] + i) * q.shape[2] + h) * d + e, rotated[e]);
+        }
+    q_used = q_rot.view();
+  }
+
+  // Attend, one sequence at a time.
+  const std::size_t elem = dtype_size(q.dtype);
+  for (std::int64_t b = 0; b < batch; ++b) {
+    const std::int64_t keys = seqlens[static_cast<std::size_t>(b)] + s_new;
+    auto rows_of = [&](const TensorView& t, std::int64_t first, std::int64_t n, std::int64_t batch_row) {
+      TensorView v = t;
+      v.data = static_cast<const unsigned char*>(t.data) + static_cast<std::int64_t>(elem) * (batch_row * t.strides[0] + first * t.strides[1]);
+      v.shape = {1, n, t.shape[2], t.shape[3], 0};
+      v.strides = {std::max<std::int64_t>(n, 1) * t.strides[1], t.strides[1], t.strides[2], t.strides[3], 0};
+      return v;
+    };
+    Tensor k_seq, v_seq;
+    TensorView kb, vb;
+    if (!layout.paged) {
+      kb = rows_of(c.k_cache, 0, keys, layout.batch_idx[static_cast<std::size_t>(b)]);
+      vb = rows_of(c.v_cache, 0, keys, layout.batch_idx[static_cast<std::size_t>(b)]);
+    } else {  // gather the pages in order
+      k_seq = Tensor(q.dtype, {1, keys, hkv, d});
+      v_seq = Tensor(q.dtype, {1, keys, hkv, dv});
+      for (std::int64_t pos = 0; pos < keys; ++pos) {
+        const auto [page, slot] = layout.locate(b, pos);
+        for (std::int64_t h = 0; h < hkv; ++h) {
+          std::memcpy(static_cast<unsigned char*>(k_seq.data()) + ((pos * hkv + h) * d) * elem,
+                      static_cast<const unsigned char*>(c.k_cache.data) + detail::offset4(c.k_cache, page, slot, h, 0) * elem, d * elem);
+          std::memcpy(static_cast<unsigned char*>(v_seq.data()) + ((pos * hkv + h) * dv) * elem,
+                      static_cast<const unsigned char*>(c.v_cache.data) + detail::offset4(c.v_cache, page, slot, h, 0) * elem, dv * elem);
+        }
+      }
+      kb = k_seq.view();
+      vb = v_seq.view();
+    }
+    AttentionOptions ob = options;
+    if (ob.alibi_slopes.rank == 2) {
+      ob.alibi_slopes.data = static_cast<const float*>(ob.alibi_slopes.data) + b * ob.alibi_slopes.strides[0];
+      ob.alibi_slopes.rank = 1;
+      ob.alibi_slopes.shape = {ob.alibi_slopes.shape[1], 0, 0, 0, 0};
+      ob.alibi_slopes.strides = {ob.alibi_slopes.strides[1], 0, 0, 0, 0};
+    }
+    MutableTensorView ob_out = out, ob_lse = lse;
+    ob_out.data = static_cast<unsigned char*>(out.data) + b * out.strides[0] * static_cast<std::int64_t>(dtype_size(out.dtype));
+    ob_out.shape[0] = 1;
+    ob_lse.data = static_cast<float*>(lse.data) + b * lse.strides[0];
+    ob_lse.shape[0] = 1;
+    TensorView qb = q_used;
+    qb.data = static_cast<const unsigned char*>(q_used.data) + b * q_used.strides[0] * static_cast<std::int64_t>(elem);
+    qb.shape[0] = 1;
+    detail::forward_impl(qb, kb, vb, ob_out, ob_lse, ob, b);
+  }
+}
+
+ForwardResult forward_with_kvcache(const TensorView& q, const KvCache& cache, const AttentionOptions& options) {
+  detail::check_view("q", q, 4, "(batch, seqlen_q, heads_q, head_dim)");
+  detail::check_view("v_cache", cache.v_cache, 4, "(pages or batch, slots, heads_kv, head_dim_v)");
+  ForwardResult r{Tensor(q.dtype, {q.shape[0], q.shape[1], q.shape[2], cache.v_cache.shape[3]}),
+                  Tensor(DType::f32, {q.shape[0], q.shape[2], q.shape[1]})};
+  forward_with_kvcache(q, cache, r.out.view(), r.lse.view(), options);
+  return r;
+}
+
+}  // namespace flashattn
