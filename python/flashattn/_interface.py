@@ -310,10 +310,47 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
                             return_softmax_lse=False):
-    """Not implemented yet: raises NotImplementedError (never a silent fallback)."""
-    raise NotImplementedError(
-        "flash_attn_with_kvcache: the paged / appending KV cache with rotary embeddings and split-KV "
-        "decoding is not implemented yet in flashattn; call flash_attn_func on the cached keys and values")
+    """Attention over a KV cache, as upstream: k_cache/v_cache (B_cache, S_cache, Hkv, D) or paged
+    (num_pages, page_size, Hkv, D) with block_table (B, max_pages); new k, v (B, S_new, Hkv, D)
+    are written into the cache in place at cache_seqlens before attending; rotary_cos/sin
+    (positions, rotary_dim / 2) rotate q and the new keys. Inference only (no gradients)."""
+    if cache_leftpad is not None:
+        raise NotImplementedError("cache_leftpad: left-padded caches are not implemented yet")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        step = cache.stride(-1) if _is_tensor(cache) else cache.strides[-1] // cache.itemsize
+        if step != 1:  # written in place: a contiguous copy would lose the appended tokens
+            raise ValueError(f"{name}: last dimension must be contiguous (stride 1), got stride {step}")
+    raws, dt = _inputs(q=q, k_cache=k_cache, v_cache=v_cache)
+    batch, sq, hq, _ = raws["q"].shape
+    new = {}
+    if k is not None or v is not None:
+        if k is None or v is None:
+            raise ValueError("k, v: the new keys and values come together")
+        new, _ = _inputs(q=q, k=k, v=v)
+    if cache_seqlens is not None and not hasattr(cache_seqlens, "shape"):
+        cache_seqlens = np.full((batch,), int(cache_seqlens), dtype=np.int32)
+
+    def ints(x, name):
+        return None if x is None else _raw(x, name, int32=True)[0]
+
+    def floats(x, name):
+        if x is None:
+            return None
+        raw, xdt = _raw(x, name)
+        if xdt != "f32":  # the tables are small: convert instead of refusing
+            raw = np.asarray(x.float().numpy() if _is_tensor(x) else np.asarray(x, dtype=np.float32))
+        return raw
+
+    opts = _options(0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, False, None)
+    opts.num_splits = int(num_splits)
+    out, out_raw = _empty((batch, sq, hq, raws["v_cache"].shape[-1]), dt, q)
+    lse, lse_raw = _empty((batch, hq, sq), "f32", q)
+    _C.forward_with_kvcache(raws["q"], raws["k_cache"], raws["v_cache"], new.get("k"), new.get("v"),
+                            floats(rotary_cos, "rotary_cos"), floats(rotary_sin, "rotary_sin"),
+                            ints(cache_seqlens, "cache_seqlens"), ints(cache_batch_idx, "cache_batch_idx"),
+                            ints(block_table, "block_table"), bool(rotary_interleaved), out_raw, lse_raw, dt,
+                            opts)
+    return (out, lse) if return_softmax_lse else out
 
 
 def flash_attn_backward(dout, q, k, v, out, softmax_lse, dropout_p=0.0, softmax_scale=None, causal=False,

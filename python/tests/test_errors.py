@@ -1,5 +1,5 @@
 """Bad input: shapes and values raise ValueError, dtypes raise TypeError, each message
-naming the argument; flash_attn_with_kvcache raises NotImplementedError."""
+naming the argument; what is not implemented raises NotImplementedError naming it."""
 
 import numpy as np
 import pytest
@@ -263,14 +263,20 @@ def test_varlen_backward_errors():
 # --------------------------------------------------------------------------- not implemented
 
 
-def test_kvcache_not_implemented():
+def test_kvcache_errors():
     q = np.zeros((1, 1, 4, 8), np.float32)
     k_cache = np.zeros((1, 16, 2, 8), np.float32)
     v_cache = np.zeros((1, 16, 2, 8), np.float32)
-    with pytest.raises(NotImplementedError, match=r"(?i)kv.?cache"):
-        flashattn.flash_attn_with_kvcache(q, k_cache, v_cache)
-    with pytest.raises(NotImplementedError, match=r"(?i)kv.?cache"):
-        flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=np.array([3], np.int32))
+    with pytest.raises(NotImplementedError, match="cache_leftpad"):
+        flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_leftpad=np.zeros(1, np.int32))
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, k=np.zeros((1, 2, 2, 8), np.float32),
+                                          v=np.zeros((1, 2, 2, 8), np.float32), cache_seqlens=15)
+    with pytest.raises(ValueError, match="block_table"):
+        flashattn.flash_attn_with_kvcache(q, np.zeros((4, 4, 2, 8), np.float32), np.zeros((4, 4, 2, 8), np.float32),
+                                          cache_seqlens=3, block_table=np.array([[9]], np.int32))
+    with pytest.raises(ValueError, match="k_cache"):
+        flashattn.flash_attn_with_kvcache(q, np.zeros((1, 16, 2, 16), np.float32)[..., ::2], v_cache)
 
 
 def test_errors_do_not_modify_inputs():

@@ -66,6 +66,7 @@ struct Options {
   std::uint64_t seed = 0;
   bool deterministic = false;
   int num_threads = 0;
+  int num_splits = 0;
 
   flashattn::AttentionOptions get() const {
     flashattn::AttentionOptions o;
@@ -78,6 +79,7 @@ struct Options {
     o.seed = seed;
     o.deterministic = deterministic;
     o.num_threads = num_threads;
+    o.num_splits = num_splits;
     return o;
   }
 };
@@ -112,7 +114,8 @@ NB_MODULE(_C, m) {
       .def_rw("dropout_p", &Options::dropout_p)
       .def_rw("seed", &Options::seed)
       .def_rw("deterministic", &Options::deterministic)
-      .def_rw("num_threads", &Options::num_threads);
+      .def_rw("num_threads", &Options::num_threads)
+      .def_rw("num_splits", &Options::num_splits);
 
   m.def(
       "forward",
@@ -176,6 +179,30 @@ NB_MODULE(_C, m) {
         std::copy_n(p.data_as<float>(), p.numel(), static_cast<float*>(dst.data));
       },
       "dropped-and-scaled attention probabilities (B, Hq, Sq, Sk), float32 (testing only)");
+
+  m.def(
+      "forward_with_kvcache",
+      [](Array q, Array k_cache, Array v_cache, std::optional<Array> k, std::optional<Array> v,
+         std::optional<Array> cos, std::optional<Array> sin, std::optional<Array> cache_seqlens,
+         std::optional<Array> cache_batch_idx, std::optional<Array> block_table, bool interleaved, Array o,
+         Array lse, const std::string& dtype, const Options& opt) {
+        const flashattn::AttentionOptions options = opt.get();
+        flashattn::KvCache c;
+        c.k_cache = out(k_cache, dtype, "k_cache");
+        c.v_cache = out(v_cache, dtype, "v_cache");
+        c.k = optional_in(k, dtype, "k");
+        c.v = optional_in(v, dtype, "v");
+        c.rotary_cos = optional_in(cos, "f32", "rotary_cos");
+        c.rotary_sin = optional_in(sin, "f32", "rotary_sin");
+        c.cache_seqlens = optional_in(cache_seqlens, "i32", "cache_seqlens");
+        c.cache_batch_idx = optional_in(cache_batch_idx, "i32", "cache_batch_idx");
+        c.block_table = optional_in(block_table, "i32", "block_table");
+        c.rotary_interleaved = interleaved;
+        nb::gil_scoped_release release;
+        flashattn::forward_with_kvcache(in(q, dtype, "q"), c, out(o, dtype, "out"), out(lse, "f32", "softmax_lse"),
+                                        options);
+      },
+      "attention over a KV cache, appending k, v in place");
 
   m.def("simd_target", &flashattn::cpu_simd_target, "the SIMD target the CPU kernels dispatch to");
 }
