@@ -20,4 +20,10 @@ void backward_impl(const TensorView& dout, const TensorView& q, const TensorView
                    const MutableTensorView& dv, const AttentionOptions& options,
                    std::int64_t batch_offset);
 
+// The options of sequence b of a batch run one sequence at a time: ALiBi slopes of shape
+// (batch, heads_q) become that sequence's row. check_sequence_options validates those
+// slopes against the whole batch first.
+void check_sequence_options(const AttentionOptions& options, std::int64_t batch, std::int64_t heads_q);
+AttentionOptions sequence_options(const AttentionOptions& options, std::int64_t b);
+
 }  // namespace flashattn::detail

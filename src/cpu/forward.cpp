@@ -77,6 +77,27 @@ void forward(const TensorView& q, const TensorView& k, const TensorView& v,
   detail::forward_impl(q, k, v, out, lse, options, 0);
 }
 
+void detail::check_sequence_options(const AttentionOptions& options, std::int64_t batch,
+                                    std::int64_t heads_q) {
+  const TensorView& a = options.alibi_slopes;
+  if (a.rank != 2) return;  // rank 1 (or anything else) is checked per sequence
+  check_view("alibi_slopes", a, 2, "(batch, heads_q)");
+  check_dtype("alibi_slopes", a, DType::f32, "slopes are float32");
+  check_shape("alibi_slopes", a, {batch, heads_q}, "(batch, heads_q)");
+}
+
+AttentionOptions detail::sequence_options(const AttentionOptions& options, std::int64_t b) {
+  AttentionOptions o = options;
+  const TensorView& a = options.alibi_slopes;
+  if (a.rank == 2 && a.data != nullptr) {
+    o.alibi_slopes.data = static_cast<const float*>(a.data) + b * a.strides[0];
+    o.alibi_slopes.rank = 1;
+    o.alibi_slopes.shape = {a.shape[1], 0, 0, 0, 0};
+    o.alibi_slopes.strides = {a.strides[1], 0, 0, 0, 0};
+  }
+  return o;
+}
+
 ForwardResult forward(const TensorView& q, const TensorView& k, const TensorView& v,
                       const AttentionOptions& options) {
   const AttentionProblem p = AttentionProblem::from_inputs(q, k, v, options);

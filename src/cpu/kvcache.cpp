@@ -146,6 +146,8 @@ void forward_with_kvcache(const TensorView& q, const KvCache& c, const MutableTe
       throw Error("rotary_cos: " + str(c.rotary_cos.shape[0]) + " positions but position " + str(last) + " is needed");
   }
 
+  detail::check_sequence_options(options, batch, q.shape[2]);
+
   // Append the new tokens (keys rotated) into their slots, and nowhere else.
   std::vector<float> row(static_cast<std::size_t>(std::max(d, dv))), rotated(row.size());
   for (std::int64_t b = 0; b < batch; ++b)
@@ -208,13 +210,7 @@ void forward_with_kvcache(const TensorView& q, const KvCache& c, const MutableTe
       kb = k_seq.view();
       vb = v_seq.view();
     }
-    AttentionOptions ob = options;
-    if (ob.alibi_slopes.rank == 2) {
-      ob.alibi_slopes.data = static_cast<const float*>(ob.alibi_slopes.data) + b * ob.alibi_slopes.strides[0];
-      ob.alibi_slopes.rank = 1;
-      ob.alibi_slopes.shape = {ob.alibi_slopes.shape[1], 0, 0, 0, 0};
-      ob.alibi_slopes.strides = {ob.alibi_slopes.strides[1], 0, 0, 0, 0};
-    }
+    const AttentionOptions ob = detail::sequence_options(options, b);
     MutableTensorView ob_out = out, ob_lse = lse;
     ob_out.data = static_cast<unsigned char*>(out.data) + b * out.strides[0] * static_cast<std::int64_t>(dtype_size(out.dtype));
     ob_out.shape[0] = 1;

@@ -93,19 +93,6 @@ View lse_sequence(const View& t, std::int64_t begin, std::int64_t len) {
   return r;
 }
 
-// Per-sequence options: ALiBi slopes of shape (batch, heads_q) become sequence b's row.
-AttentionOptions sequence_options(const AttentionOptions& options, std::int64_t b) {
-  AttentionOptions o = options;
-  const TensorView& a = options.alibi_slopes;
-  if (a.rank == 2 && a.data != nullptr) {
-    o.alibi_slopes.data = static_cast<const float*>(a.data) + b * a.strides[0];
-    o.alibi_slopes.rank = 1;
-    o.alibi_slopes.shape = {a.shape[1], 0, 0, 0};
-    o.alibi_slopes.strides = {a.strides[1], 0, 0, 0};
-  }
-  return o;
-}
-
 void check_out_shapes(const TensorView& q, const TensorView& v, const TensorView& out,
                       const TensorView& lse) {
   detail::check_view("out", out, 3, "(total_q, heads_q, head_dim_v)");
@@ -121,13 +108,11 @@ void forward_varlen(const TensorView& q, const TensorView& k, const TensorView& 
                     const MutableTensorView& lse, const AttentionOptions& options) {
   const Offsets o = check_varlen(q, k, v, seqlens, options);
   check_out_shapes(q, v, out, lse);
-  if (options.alibi_slopes.rank == 2 && options.alibi_slopes.shape[0] != o.batch())
-    throw Error("alibi_slopes: " + str(options.alibi_slopes.shape[0]) + " rows but the batch has " +
-                str(o.batch()) + " sequences");
+  detail::check_sequence_options(options, o.batch(), q.shape[1]);
   for (std::int64_t b = 0; b < o.batch(); ++b) {
     const std::int64_t q0 = o.q[b], sq = o.q[b + 1] - q0, k0 = o.k[b], sk = o.k[b + 1] - k0;
     detail::forward_impl(sequence(q, q0, sq), sequence(k, k0, sk), sequence(v, k0, sk),
-                         sequence(out, q0, sq), lse_sequence(lse, q0, sq), sequence_options(options, b), b);
+                         sequence(out, q0, sq), lse_sequence(lse, q0, sq), detail::sequence_options(options, b), b);
   }
 }
 
@@ -147,6 +132,7 @@ void backward_varlen(const TensorView& dout, const TensorView& q, const TensorVi
                      const AttentionOptions& options) {
   const Offsets o = check_varlen(q, k, v, seqlens, options);
   check_out_shapes(q, v, out, lse);
+  detail::check_sequence_options(options, o.batch(), q.shape[1]);
   detail::check_view("dout", dout, 3, "(total_q, heads_q, head_dim_v)");
   const std::tuple<const char*, TensorView, TensorView> grads[] = {{"dq", dq, q}, {"dk", dk, k}, {"dv", dv, v}};
   for (const auto& [name, grad, like] : grads) {
@@ -158,7 +144,7 @@ void backward_varlen(const TensorView& dout, const TensorView& q, const TensorVi
     detail::backward_impl(sequence(dout, q0, sq), sequence(q, q0, sq), sequence(k, k0, sk),
                           sequence(v, k0, sk), sequence(out, q0, sq), lse_sequence(lse, q0, sq),
                           sequence(dq, q0, sq), sequence(dk, k0, sk), sequence(dv, k0, sk),
-                          sequence_options(options, b), b);
+                          detail::sequence_options(options, b), b);
   }
 }
 
