@@ -101,7 +101,8 @@ void check_variant(const Shape& s, const std::string& name, DType dtype, std::ui
   EXPECT_LE(max_abs_error(got.dv, g.dv), tv) << "dv";
 }
 
-const Shape kShapes[] = {{1, 113, 203, 2, 1, 40, 40}, {2, 97, 97, 4, 2, 32, 24}, {1, 203, 113, 2, 2, 64, 64}};
+const Shape kShapes[] = {{1, 113, 203, 2, 1, 40, 40}, {2, 97, 97, 4, 2, 32, 24}, {1, 203, 113, 2, 2, 64, 64},
+                         {2, 3, 150, 4, 2, 40, 40}};  // the last runs the decode kernel
 
 TEST(Variants, SlidingWindow) {
   std::uint64_t seed = 10;

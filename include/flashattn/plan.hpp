@@ -25,12 +25,19 @@ struct CpuHardware {
   static CpuHardware detect(int num_threads);
 };
 
+// The forward kernels, selectable by name: "tiled" (the FlashAttention tiling, for many
+// query rows) and "decode" (a few query rows per kv head — every q head of a GQA group and
+// every query token together — read against K and V in place).
+enum class ForwardKernel { tiled, decode };
+const char* to_string(ForwardKernel kernel);
+
 struct CpuForwardPlan {
-  std::int64_t block_q = 0;          // Q rows per work item (Br)
+  ForwardKernel kernel = ForwardKernel::tiled;
+  std::int64_t block_q = 0;          // Q rows per work item (Br); decode: group · seqlen_q
   std::int64_t block_k = 0;          // keys per K/V tile (Bc), a multiple of micro_cols
   std::int64_t head_dim_v_padded = 0;  // Dv rounded up to micro_cols
   std::int64_t q_blocks = 0;         // per (batch, head)
-  std::int64_t work_items = 0;       // batch · heads_q · q_blocks · splits
+  std::int64_t work_items = 0;       // batch · heads_q · q_blocks · splits (decode: heads_kv, not heads_q · q_blocks)
   std::int64_t splits = 1;           // split-KV: key ranges per Q tile, merged by lse
   int threads = 1;
   std::size_t workspace_bytes_per_thread = 0;

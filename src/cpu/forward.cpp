@@ -21,8 +21,10 @@ std::size_t forward_workspace_bytes(const CpuForwardPlan& plan, const AttentionP
   const auto bc = static_cast<std::size_t>(plan.block_k);
   const auto d = static_cast<std::size_t>(p.head_dim);
   const auto dv_pad = static_cast<std::size_t>(plan.head_dim_v_padded);
-  const std::size_t keys_pad = round_up(static_cast<std::size_t>(p.seqlen_k), bc);
-  const std::size_t floats = bq * d + bq * bc + bq * dv_pad + keys_pad * d + keys_pad * dv_pad;
+  const std::size_t keys_pad =
+      plan.kernel == ForwardKernel::tiled ? round_up(static_cast<std::size_t>(p.seqlen_k), bc) : 0;
+  const std::size_t d_pad = round_up(d, 16);
+  const std::size_t floats = bq * d_pad + bq * bc + bq * dv_pad + keys_pad * d + keys_pad * dv_pad + d_pad + dv_pad;
   return floats * sizeof(float) + bq * sizeof(OnlineSoftmaxState);
 }
 
@@ -32,8 +34,12 @@ ForwardWorkspace::ForwardWorkspace(const CpuForwardPlan& plan, const AttentionPr
   const auto bc = static_cast<std::size_t>(plan.block_k);
   const auto d = static_cast<std::size_t>(p.head_dim);
   const auto dv_pad = static_cast<std::size_t>(plan.head_dim_v_padded);
-  const std::size_t keys_pad = round_up(static_cast<std::size_t>(p.seqlen_k), bc);
-  q_tile = hwy::AllocateAligned<float>(bq * d);
+  const std::size_t keys_pad =
+      plan.kernel == ForwardKernel::tiled ? round_up(static_cast<std::size_t>(p.seqlen_k), bc) : 0;
+  const std::size_t d_pad = round_up(d, 16);  // a whole number of vectors on every target
+  q_tile = hwy::AllocateAligned<float>(bq * d_pad);
+  row_k = hwy::AllocateAligned<float>(d_pad);
+  row_v = hwy::AllocateAligned<float>(dv_pad);
   s_tile = hwy::AllocateAligned<float>(bq * bc);
   o_acc = hwy::AllocateAligned<float>(bq * dv_pad);
   k_packed = hwy::AllocateAligned<float>(keys_pad * d + 1);
@@ -58,7 +64,7 @@ void detail::forward_impl(const TensorView& q, const TensorView& k, const Tensor
   std::vector<float> split_lse(static_cast<std::size_t>(split_rows));
   const cpu::ForwardParams params{problem, plan, q, k, v, out, lse, options.alibi_slopes,
                                   options.block_mask, split_out.data(), split_lse.data()};
-  const cpu::ForwardWorkItemFn kernel = cpu::forward_work_item_kernel();
+  const cpu::ForwardWorkItemFn kernel = cpu::forward_work_item_kernel(plan.kernel);
 #pragma omp parallel num_threads(plan.threads)
   {
     cpu::ForwardWorkspace workspace(plan, problem);

@@ -58,39 +58,61 @@ void EnsurePacked(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t b
   ws.packed.done(end);
 }
 
-// Variants, mask and online-softmax update of one S tile, in place: S(rows × cols) of
-// keys j0.. → P (dropout applied after the row sums, which must not see it).
+// Variants, mask and online-softmax update of one score row of query i, in place:
+// S(cols) of keys j0.. → P (dropout applied after the row sum, which must not see it).
+// õ (orow, ldo floats) is rescaled when the reference maximum moves.
+void SoftmaxRow(const RowMods& mods, float* HWY_RESTRICT srow, std::int64_t i, std::int64_t j0,
+                std::int64_t n, std::int64_t cols, OnlineSoftmaxState& state, float* HWY_RESTRICT orow,
+                std::int64_t ldo) {
+  const DF df;
+  mods.apply(srow, nullptr, i, j0, n, cols);
+  VF vmax = hn::Set(df, kNegInf);
+  for (std::int64_t j = 0; j < cols; j += kLanes) vmax = hn::Max(vmax, hn::Load(df, srow + j));
+  const float factor = state.rescale_to(hn::GetLane(hn::MaxOfLanes(df, vmax)));
+  if (factor != 1.0f) {
+    const VF vf = hn::Set(df, factor);
+    for (std::int64_t c = 0; c < ldo; c += kLanes) hn::Store(hn::Mul(hn::Load(df, orow + c), vf), df, orow + c);
+  }
+  if (state.max == kNegInf) {  // nothing visible yet: P = 0, never 2^(−∞ + ∞)
+    std::fill(srow, srow + cols, 0.0f);
+    return;
+  }
+  const VF vm = hn::Set(df, state.max);
+  VF vsum = hn::Zero(df);
+  for (std::int64_t j = 0; j < cols; j += kLanes) {
+    const VF pj = Exp2(df, hn::Sub(hn::Load(df, srow + j), vm));
+    hn::Store(pj, df, srow + j);
+    vsum = hn::Add(vsum, pj);
+  }
+  state.add(hn::GetLane(hn::SumOfLanes(df, vsum)));
+  if (mods.dropout_threshold != 0) mods.apply_dropout(srow, i, j0, cols);
+}
+
+// The tile's rows are consecutive queries of one head; padded rows copy the last query.
 void SoftmaxTile(const RowMods& mods, float* HWY_RESTRICT s, std::int64_t lds, std::int64_t i0,
                  std::int64_t rows, std::int64_t j0, std::int64_t n, std::int64_t cols,
                  OnlineSoftmaxState* HWY_RESTRICT state, float* HWY_RESTRICT o_acc, std::int64_t ldo) {
-  const DF df;
   const AttentionProblem& p = *mods.problem;
-  for (std::int64_t r = 0; r < rows; ++r) {
-    const std::int64_t i = std::min(i0 + r, p.seqlen_q - 1);  // padded rows copy the last
-    float* srow = s + r * lds;
-    mods.apply(srow, nullptr, i, j0, n, cols);
-    VF vmax = hn::Set(df, kNegInf);
-    for (std::int64_t j = 0; j < cols; j += kLanes) vmax = hn::Max(vmax, hn::Load(df, srow + j));
-    const float factor = state[r].rescale_to(hn::GetLane(hn::MaxOfLanes(df, vmax)));
-    float* orow = o_acc + r * ldo;
-    if (factor != 1.0f) {
-      const VF vf = hn::Set(df, factor);
-      for (std::int64_t c = 0; c < ldo; c += kLanes) hn::Store(hn::Mul(hn::Load(df, orow + c), vf), df, orow + c);
-    }
-    if (state[r].max == kNegInf) {  // nothing visible yet: P = 0, never 2^(−∞ + ∞)
-      std::fill(srow, srow + cols, 0.0f);
-      continue;
-    }
-    const VF vm = hn::Set(df, state[r].max);
-    VF vsum = hn::Zero(df);
-    for (std::int64_t j = 0; j < cols; j += kLanes) {
-      const VF pj = Exp2(df, hn::Sub(hn::Load(df, srow + j), vm));
-      hn::Store(pj, df, srow + j);
-      vsum = hn::Add(vsum, pj);
-    }
-    state[r].add(hn::GetLane(hn::SumOfLanes(df, vsum)));
-    if (mods.dropout_threshold != 0) mods.apply_dropout(srow, i, j0, cols);
+  for (std::int64_t r = 0; r < rows; ++r)
+    SoftmaxRow(mods, s + r * lds, std::min(i0 + r, p.seqlen_q - 1), j0, n, cols, state[r], o_acc + r * ldo, ldo);
+}
+
+// The output row of query i of (b, h), or its split's partial, from õ and the state.
+void StoreOutputRow(const ForwardParams& prm, std::int64_t split, std::int64_t b, std::int64_t h,
+                    std::int64_t i, const float* orow, const OnlineSoftmaxState& state) {
+  const AttentionProblem& p = prm.problem;
+  if (prm.plan.splits > 1) {
+    StoreRow(orow, p.head_dim_v, state.inverse_sum(),
+             prm.split_out + (((split * p.batch + b) * p.seqlen_q + i) * p.heads_q + h) * p.head_dim_v, DType::f32);
+    prm.split_lse[((split * p.batch + b) * p.heads_q + h) * p.seqlen_q + i] = state.lse();
+    return;
   }
+  StoreRow(orow, p.head_dim_v, state.inverse_sum(),
+           static_cast<unsigned char*>(prm.out.data) +
+               detail::offset4(prm.out, b, i, h, 0) * static_cast<std::int64_t>(dtype_size(prm.out.dtype)),
+           prm.out.dtype);
+  static_cast<float*>(prm.lse.data)[b * prm.lse.strides[0] + h * prm.lse.strides[1] + i * prm.lse.strides[2]] =
+      state.lse();
 }
 
 void ForwardWorkItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item) {
@@ -147,26 +169,76 @@ void ForwardWorkItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_
 
   // Epilogue: normalize once (deferred normalization) and store lse — a split's partial
   // result goes to the float32 buffers that merge_attention_states combines.
-  if (plan.splits > 1) {
-    const std::int64_t dv = p.head_dim_v;
-    for (std::int64_t r = 0; r < rows; ++r) {
-      const std::int64_t i = i0 + r;
-      StoreRow(o_acc + r * dv_pad, dv, state[r].inverse_sum(),
-               prm.split_out + (((split * p.batch + b) * p.seqlen_q + i) * p.heads_q + h) * dv, DType::f32);
-      prm.split_lse[((split * p.batch + b) * p.heads_q + h) * p.seqlen_q + i] = state[r].lse();
-    }
-    return;
-  }
+  for (std::int64_t r = 0; r < rows; ++r) StoreOutputRow(prm, split, b, h, i0 + r, o_acc + r * dv_pad, state[r]);
+}
+
+// The decode kernel (a few query rows, many keys): item = (batch, kv head, split). Its rows
+// are every (q head of the kv head's group, query) pair, so each K and V row is read and
+// converted exactly once per item, straight from the caller's memory: no packing, no
+// micro-tile padding. S = Q·Kᵀ is a dot product per (row, key); õ += P·V an FMA per row.
+void ForwardDecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item) {
+  const AttentionProblem& p = prm.problem;
+  const CpuForwardPlan& plan = prm.plan;
+  const std::int64_t d = p.head_dim, dv = p.head_dim_v, bc = plan.block_k, dv_pad = plan.head_dim_v_padded;
+  const std::int64_t d_pad = (d + kLanes - 1) / kLanes * kLanes;
+  const std::int64_t group = p.heads_q / p.heads_kv, rows = group * p.seqlen_q;
+  const std::int64_t split = item % plan.splits, bkv = item / plan.splits;
+  const std::int64_t kv_head = bkv % p.heads_kv, b = bkv / p.heads_kv;
+  const std::int64_t first_tile = p.key_range(0).begin / bc;
+  const std::int64_t tiles = std::max<std::int64_t>(0, (p.key_range(p.seqlen_q - 1).end + bc - 1) / bc - first_tile);
+  const std::int64_t key_begin = std::max(p.key_range(0).begin, (first_tile + tiles * split / plan.splits) * bc);
+  const std::int64_t key_end =
+      std::min(p.key_range(p.seqlen_q - 1).end, (first_tile + tiles * (split + 1) / plan.splits) * bc);
+  const DF df;
+
+  // Row r is query r % Sq of q head kv_head·group + r / Sq.
+  float* q_rows = ws.q_tile.get();  // (rows, d_pad)
+  const float q_scale = p.softmax_scale * OnlineSoftmaxState::kLog2e;
   for (std::int64_t r = 0; r < rows; ++r) {
-    const std::int64_t i = i0 + r;
-    StoreRow(o_acc + r * dv_pad, p.head_dim_v, state[r].inverse_sum(),
-             static_cast<unsigned char*>(prm.out.data) +
-                 detail::offset4(prm.out, b, i, h, 0) *
-                     static_cast<std::int64_t>(dtype_size(prm.out.dtype)),
-             prm.out.dtype);
-    static_cast<float*>(prm.lse.data)[b * prm.lse.strides[0] + h * prm.lse.strides[1] +
-                                      i * prm.lse.strides[2]] = state[r].lse();
+    LoadRow(RowPointer(prm.q, b, r % p.seqlen_q, kv_head * group + r / p.seqlen_q), p.dtype, d, q_scale,
+            q_rows + r * d_pad);
+    std::fill(q_rows + r * d_pad + d, q_rows + (r + 1) * d_pad, 0.0f);
   }
+  float* o_acc = ws.o_acc.get();  // (rows, dv_pad)
+  std::fill(o_acc, o_acc + rows * dv_pad, 0.0f);
+  OnlineSoftmaxState* state = ws.states.data();
+  std::fill(state, state + rows, OnlineSoftmaxState{});
+  float* krow = ws.row_k.get();  // (d_pad)
+  float* vrow = ws.row_v.get();  // (dv_pad)
+  std::fill(krow + d, krow + d_pad, 0.0f);
+  std::fill(vrow + dv, vrow + dv_pad, 0.0f);
+  float* s_tile = ws.s_tile.get();  // (rows, bc)
+
+  for (std::int64_t j0 = key_begin; j0 < key_end; j0 += bc) {
+    const std::int64_t n = std::min(bc, key_end - j0), cols = (n + kLanes - 1) / kLanes * kLanes;
+    for (std::int64_t c = 0; c < n; ++c) {  // S column c = Q·k_(j0+c)
+      LoadRow(RowPointer(prm.k, b, j0 + c, kv_head), p.dtype, d, 1.0f, krow);
+      for (std::int64_t r = 0; r < rows; ++r) {
+        VF acc = hn::Zero(df);
+        for (std::int64_t e = 0; e < d_pad; e += kLanes)
+          acc = hn::MulAdd(hn::Load(df, q_rows + r * d_pad + e), hn::Load(df, krow + e), acc);
+        s_tile[r * bc + c] = hn::GetLane(hn::SumOfLanes(df, acc));
+      }
+    }
+    for (std::int64_t r = 0; r < rows; ++r) {
+      std::fill(s_tile + r * bc + n, s_tile + r * bc + cols, 0.0f);
+      const RowMods mods(p, prm.alibi_slopes, prm.block_mask, b, kv_head * group + r / p.seqlen_q);
+      SoftmaxRow(mods, s_tile + r * bc, r % p.seqlen_q, j0, n, cols, state[r], o_acc + r * dv_pad, dv_pad);
+    }
+    for (std::int64_t c = 0; c < n; ++c) {  // õ += P column c · v_(j0+c)
+      LoadRow(RowPointer(prm.v, b, j0 + c, kv_head), p.dtype, dv, 1.0f, vrow);
+      for (std::int64_t r = 0; r < rows; ++r) {
+        const float pc = s_tile[r * bc + c];
+        if (pc == 0.0f) continue;
+        const VF vp = hn::Set(df, pc);
+        float* orow = o_acc + r * dv_pad;
+        for (std::int64_t e = 0; e < dv_pad; e += kLanes)
+          hn::Store(hn::MulAdd(vp, hn::Load(df, vrow + e), hn::Load(df, orow + e)), df, orow + e);
+      }
+    }
+  }
+  for (std::int64_t r = 0; r < rows; ++r)
+    StoreOutputRow(prm, split, b, kv_head * group + r / p.seqlen_q, r % p.seqlen_q, o_acc + r * dv_pad, state[r]);
 }
 
 KernelGeometry GetKernelGeometry() {
@@ -182,12 +254,14 @@ namespace flashattn::cpu {
 
 HWY_EXPORT(GetKernelGeometry);
 HWY_EXPORT(ForwardWorkItem);
+HWY_EXPORT(ForwardDecodeItem);
 
 KernelGeometry kernel_geometry() { return HWY_DYNAMIC_DISPATCH(GetKernelGeometry)(); }
 
-ForwardWorkItemFn forward_work_item_kernel() {
+ForwardWorkItemFn forward_work_item_kernel(ForwardKernel kernel) {
   kernel_geometry();  // the first dispatched call picks the target; then the table is direct
-  return &HWY_DYNAMIC_DISPATCH(ForwardWorkItem);
+  return kernel == ForwardKernel::decode ? &HWY_DYNAMIC_DISPATCH(ForwardDecodeItem)
+                                         : &HWY_DYNAMIC_DISPATCH(ForwardWorkItem);
 }
 
 }  // namespace flashattn::cpu

@@ -33,13 +33,15 @@ struct ForwardParams {
 struct ForwardWorkspace {
   explicit ForwardWorkspace(const CpuForwardPlan& plan, const AttentionProblem& problem);
 
-  hwy::AlignedFreeUniquePtr<float[]> q_tile;    // (block_q, head_dim), pre-scaled; also
+  hwy::AlignedFreeUniquePtr<float[]> q_tile;    // (block_q, head_dim rounded to a vector), pre-scaled; also
                                                 // the row scratch of K packing
   hwy::AlignedFreeUniquePtr<float[]> s_tile;    // (block_q, block_k): S, then P in place
   hwy::AlignedFreeUniquePtr<float[]> o_acc;     // (block_q, head_dim_v_padded): õ
   std::vector<OnlineSoftmaxState> states;       // (block_q): m and ℓ of each row
-  hwy::AlignedFreeUniquePtr<float[]> k_packed;  // k tiles, each (head_dim, block_k): Kᵀ
-  hwy::AlignedFreeUniquePtr<float[]> v_packed;  // (k_tiles · block_k, head_dim_v_padded)
+  hwy::AlignedFreeUniquePtr<float[]> k_packed;  // k tiles, each (head_dim, block_k): Kᵀ (tiled)
+  hwy::AlignedFreeUniquePtr<float[]> v_packed;  // (k_tiles · block_k, head_dim_v_padded) (tiled)
+  hwy::AlignedFreeUniquePtr<float[]> row_k;     // one converted K row (decode)
+  hwy::AlignedFreeUniquePtr<float[]> row_v;     // one converted V row (decode)
   PackedHead packed;  // which head k/v buffers hold, and how much of it
 };
 
@@ -57,6 +59,6 @@ KernelGeometry kernel_geometry();
 
 // The kernel for one work item (batch, q head, q block), resolved once per call.
 using ForwardWorkItemFn = void (*)(const ForwardParams&, ForwardWorkspace&, std::int64_t item);
-ForwardWorkItemFn forward_work_item_kernel();
+ForwardWorkItemFn forward_work_item_kernel(ForwardKernel kernel);
 
 }  // namespace flashattn::cpu

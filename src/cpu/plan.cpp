@@ -35,6 +35,26 @@ CpuHardware CpuHardware::detect(int num_threads) {
   return hw;
 }
 
+const char* to_string(ForwardKernel kernel) {
+  return kernel == ForwardKernel::decode ? "decode" : "tiled";
+}
+
+namespace {
+
+// Up to this many (q head, query) rows per kv head the decode kernel runs: each key then
+// costs a handful of dot products, and reading K and V once in place beats packing them
+// into micro-tiles that would be mostly padding.
+constexpr std::int64_t kDecodeRows = 16;
+
+std::int64_t choose_splits(int requested, std::int64_t items, std::int64_t k_tiles, int threads) {
+  std::int64_t splits = requested;
+  if (splits == 0)  // split the keys only when items would leave threads idle
+    splits = items >= 2 * threads ? 1 : (2 * threads + items - 1) / std::max<std::int64_t>(items, 1);
+  return std::clamp<std::int64_t>(splits, 1, std::max<std::int64_t>(k_tiles, 1));
+}
+
+}  // namespace
+
 CpuForwardPlan plan_forward(const AttentionProblem& p, const CpuHardware& hw, int num_splits) {
   CpuForwardPlan plan;
   plan.hardware = hw;
@@ -63,13 +83,20 @@ CpuForwardPlan plan_forward(const AttentionProblem& p, const CpuHardware& hw, in
   plan.q_blocks = (p.seqlen_q + bq - 1) / bq;
   // Split-KV (flash-decoding): with fewer Q tiles than 2 per thread, split the keys so
   // that every thread has work; never more splits than K/V tiles.
-  const std::int64_t q_tiles = heads * plan.q_blocks;
   const std::int64_t k_tiles = (p.seqlen_k + plan.block_k - 1) / plan.block_k;
-  std::int64_t splits = num_splits;
-  if (splits == 0)
-    splits = q_tiles >= 2 * hw.threads ? 1 : (2 * hw.threads + q_tiles - 1) / std::max<std::int64_t>(q_tiles, 1);
-  plan.splits = std::clamp<std::int64_t>(splits, 1, std::max<std::int64_t>(k_tiles, 1));
-  plan.work_items = q_tiles * plan.splits;
+  const std::int64_t group = p.heads_q / p.heads_kv;
+  if (group * p.seqlen_q <= kDecodeRows) {
+    plan.kernel = ForwardKernel::decode;
+    plan.block_q = std::max<std::int64_t>(1, group * p.seqlen_q);
+    plan.q_blocks = 1;
+    const std::int64_t kv_items = p.batch * p.heads_kv;
+    plan.splits = choose_splits(num_splits, kv_items, k_tiles, hw.threads);
+    plan.work_items = kv_items * plan.splits;
+  } else {
+    const std::int64_t q_tiles = heads * plan.q_blocks;
+    plan.splits = choose_splits(num_splits, q_tiles, k_tiles, hw.threads);
+    plan.work_items = q_tiles * plan.splits;
+  }
   plan.threads = static_cast<int>(std::clamp<std::int64_t>(plan.work_items, 1, hw.threads));
   plan.workspace_bytes_per_thread = cpu::forward_workspace_bytes(plan, p);
   if (plan.splits > 1)
@@ -123,8 +150,8 @@ std::string CpuBackwardPlan::describe() const {
 
 std::string CpuForwardPlan::describe() const {
   std::ostringstream s;
-  s << "simd=" << hardware.simd_target << " micro_tile=" << hardware.micro_rows << "x"
-    << hardware.micro_cols << " block_q=" << block_q << " block_k=" << block_k
+  s << "kernel=" << to_string(kernel) << " simd=" << hardware.simd_target << " micro_tile="
+    << hardware.micro_rows << "x" << hardware.micro_cols << " block_q=" << block_q << " block_k=" << block_k
     << " q_blocks=" << q_blocks << " splits=" << splits << " work_items=" << work_items
     << " threads=" << threads
     << " workspace_bytes=" << workspace_bytes();
