@@ -147,3 +147,15 @@ assert j["batch"] == 2 and j["total_q"] == 9 and j["total_k"] == 13, j
 assert j["max_error"] < 1e-5 and j["bwd_seconds"] > 0, j
 PY
 echo "cli smoke (run varlen): ok"
+
+# One decoding step over contiguous and paged KV caches.
+for pages in 0 7; do
+  "$cli" run --decode --cache-seqlen 300 --heads 4 --heads-kv 2 --dim 32 --page-size $pages --repeats 1 --json \
+    > "$work/decode.json"
+  python3 - "$work/decode.json" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1]))["cases"][0]
+assert c["op"] == "decode" and c["cached"] == 300 and c["max_error"] < 2e-2 and c["gbps"] > 0, c
+PY
+done
+echo "cli smoke (decode): ok"

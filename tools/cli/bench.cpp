@@ -20,7 +20,7 @@ struct BenchFlags {
   bool json = false;
   int repeats = 5;
   int sgemm_n = 2048;
-  std::vector<std::string> ops{"fwd", "bwd"};
+  std::vector<std::string> ops{"fwd", "bwd", "decode"};
 };
 
 void bench(const BenchFlags& f) {
@@ -92,6 +92,18 @@ void bench(const BenchFlags& f) {
     c["block_kept_fraction"] = static_cast<double>(kept_blocks) / static_cast<double>(mask.numel());
     j["cases"].push_back(c);
   }
+  // Decoding: one token over a 32k-token bf16 cache, contiguous and paged, beside the
+  // machine's copy bandwidth (the bound a memory-bound decode step approaches).
+  if (std::find(f.ops.begin(), f.ops.end(), "decode") != f.ops.end()) {
+    j["copy_gbps"] = copy_gbps(f.repeats);
+    for (std::int64_t page_size : {0, 16, 256}) {
+      DecodeCase c;
+      c.threads = f.shape.threads;
+      c.page_size = page_size;
+      std::cerr << "decode case: page size " << page_size << "\n";
+      j["cases"].push_back(decode_json(c, measure_decode(c, f.repeats)));
+    }
+  }
   // Extra memory against sequence length, from the plans the kernels execute (their only
   // allocations): flashattn grows linearly, standard attention with the square.
   for (std::int64_t seqlen : {1024, 2048, 4096, 8192, 16384, 32768, 65536}) {
@@ -121,7 +133,13 @@ void bench(const BenchFlags& f) {
               j["openblas_corename"].get<std::string>().c_str(), sgemm);
   std::printf("%-10s %-4s %-6s %-6s %10s %9s %8s %12s\n", "impl", "op", "determ", "dtype", "mask",
               "GFLOP/s", "/sgemm", "seconds");
-  for (const auto& c : j["cases"])
+  for (const auto& c : j["cases"]) {
+    if (c["op"] == "decode") {
+      std::printf("%-10s %-4s page size %-5lld %6.2f GB/s (%3.0f%% of copy) %12.4f\n", "flashattn", "dec",
+                  static_cast<long long>(c["page_size"].get<std::int64_t>()), c["gbps"].get<double>(),
+                  100.0 * c["gbps"].get<double>() / j["copy_gbps"].get<double>(), c["seconds"].get<double>());
+      continue;
+    }
     std::printf("%-10s %-4s %-6s %-6s %10s %9.1f %7.0f%% %12.4f\n", c["impl"].get<std::string>().c_str(),
                 c["op"].get<std::string>().c_str(),
                 c.contains("deterministic") ? (c["deterministic"].get<bool>() ? "yes" : "no") : "-",
@@ -132,6 +150,7 @@ void bench(const BenchFlags& f) {
                                           : "full",
                 c["gflops"].get<double>(),
                 100.0 * c["gflops"].get<double>() / sgemm, c["seconds"].get<double>());
+  }
 }
 
 }  // namespace
@@ -146,8 +165,8 @@ void register_bench(CLI::App& app) {
       ->capture_default_str()->check(CLI::Range(5, 1000));
   cmd->add_option("--sgemm-size", flags->sgemm_n, "n of the n^3 sgemm baseline")
       ->capture_default_str()->check(CLI::PositiveNumber);
-  cmd->add_option("--ops", flags->ops, "which passes to time: fwd, bwd")
-      ->capture_default_str()->check(CLI::IsMember({"fwd", "bwd"}))->delimiter(',');
+  cmd->add_option("--ops", flags->ops, "which passes to time: fwd, bwd, decode")
+      ->capture_default_str()->check(CLI::IsMember({"fwd", "bwd", "decode"}))->delimiter(',');
   cmd->callback([flags] { bench(*flags); });
 }
 

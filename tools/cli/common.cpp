@@ -252,3 +252,92 @@ nlohmann::json machine_json(int threads) {
 }
 
 }  // namespace flashattn::cli
+
+#include <cstring>
+
+namespace flashattn::cli {
+
+DecodeMeasurement measure_decode(const DecodeCase& c, int repeats) {
+  const std::int64_t cap = c.cached + 1;
+  const bool paged = c.page_size > 0;
+  const std::int64_t per_seq = paged ? (cap + c.page_size - 1) / c.page_size : 0;
+  const std::vector<std::int64_t> cache_shape =
+      paged ? std::vector<std::int64_t>{c.batch * per_seq, c.page_size, c.heads_kv, c.dim}
+            : std::vector<std::int64_t>{c.batch, cap, c.heads_kv, c.dim};
+  // Random q, new token and cache contents: a (batch, cap) problem supplies the tensors.
+  const AttentionProblem logical = AttentionProblem::from_sizes(c.batch, 1, cap, c.heads, c.heads_kv, c.dim,
+                                                                c.dim, c.dtype, {});
+  const Inputs in = random_inputs(logical, 11);
+  Tensor k_cache(c.dtype, cache_shape), v_cache(c.dtype, cache_shape), table(DType::i32, {c.batch, std::max<std::int64_t>(per_seq, 1)});
+  const std::int64_t row = c.heads_kv * c.dim;
+  for (std::int64_t b = 0; b < c.batch; ++b)
+    for (std::int64_t pos = 0; pos < cap; ++pos) {
+      const std::int64_t dst = paged ? ((b * per_seq + pos / c.page_size) * c.page_size + pos % c.page_size) * row
+                                     : (b * cap + pos) * row;
+      std::memcpy(static_cast<unsigned char*>(k_cache.data()) + dst * dtype_size(c.dtype),
+                  static_cast<const unsigned char*>(in.k.data()) + (b * cap + pos) * row * dtype_size(c.dtype),
+                  row * dtype_size(c.dtype));
+      std::memcpy(static_cast<unsigned char*>(v_cache.data()) + dst * dtype_size(c.dtype),
+                  static_cast<const unsigned char*>(in.v.data()) + (b * cap + pos) * row * dtype_size(c.dtype),
+                  row * dtype_size(c.dtype));
+    }
+  for (std::int64_t b = 0; b < c.batch; ++b)
+    for (std::int64_t pg = 0; pg < per_seq; ++pg) table.set(b * per_seq + pg, static_cast<float>(b * per_seq + pg));
+  Tensor seqlens(DType::i32, {c.batch});
+  for (std::int64_t b = 0; b < c.batch; ++b) seqlens.set(b, static_cast<float>(c.cached));
+  // The appended token is the logical cache's last one, so the reference is `logical`.
+  Tensor k_new(c.dtype, {c.batch, 1, c.heads_kv, c.dim}), v_new(c.dtype, {c.batch, 1, c.heads_kv, c.dim});
+  for (std::int64_t b = 0; b < c.batch; ++b)
+    for (std::int64_t e = 0; e < row; ++e) {
+      k_new.set(b * row + e, in.k.get((b * cap + c.cached) * row + e));
+      v_new.set(b * row + e, in.v.get((b * cap + c.cached) * row + e));
+    }
+  KvCache cache;
+  cache.k_cache = k_cache.view();
+  cache.v_cache = v_cache.view();
+  if (paged) cache.block_table = table.view();
+  cache.cache_seqlens = seqlens.view();
+  cache.k = k_new.view();
+  cache.v = v_new.view();
+  AttentionOptions options;
+  options.num_threads = c.threads;
+  ForwardResult r;
+  DecodeMeasurement m;
+  m.seconds = median_seconds([&] { r = forward_with_kvcache(in.q.view(), cache, options); }, repeats, 1,
+                             paged ? "decode (paged)" : "decode");
+  let_worker_threads_sleep();
+  m.cache_bytes = static_cast<std::size_t>(2 * c.batch * cap * row) * dtype_size(c.dtype);
+  m.gbps = static_cast<double>(m.cache_bytes) / m.seconds * 1e-9;
+  std::vector<double> ref(static_cast<std::size_t>(c.dim));
+  for (std::int64_t b = 0; b < c.batch; ++b)
+    for (std::int64_t h = 0; h < c.heads; h += std::max<std::int64_t>(1, c.heads / 4)) {
+      double lse = 0.0;
+      reference::attention_row(logical, options, in.q.view(), in.k.view(), in.v.view(), b, h, 0, ref.data(), &lse);
+      for (std::int64_t e = 0; e < c.dim; ++e)
+        m.max_error = std::max(m.max_error, std::fabs(r.out.get((b * c.heads + h) * c.dim + e) - ref[static_cast<std::size_t>(e)]));
+    }
+  return m;
+}
+
+nlohmann::json decode_json(const DecodeCase& c, const DecodeMeasurement& m) {
+  return {{"impl", "flashattn"}, {"op", "decode"},        {"dtype", to_string(c.dtype)},
+          {"batch", c.batch},    {"heads", c.heads},      {"heads_kv", c.heads_kv},
+          {"dim", c.dim},        {"cached", c.cached},    {"page_size", c.page_size},
+          {"seconds", m.seconds}, {"gbps", m.gbps},       {"cache_bytes", m.cache_bytes},
+          {"max_error", m.max_error}};
+}
+
+double copy_gbps(int repeats) {
+  constexpr std::size_t kBytes = std::size_t{256} << 20;  // far beyond the caches
+  std::vector<unsigned char> src(kBytes, 1), dst(kBytes, 0);
+  double best = 1e30;
+  for (int r = 0; r < repeats + 1; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    std::memcpy(dst.data(), src.data(), kBytes);
+    const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (r > 0) best = std::min(best, sec);
+  }
+  return 2.0 * static_cast<double>(kBytes) / best * 1e-9;
+}
+
+}  // namespace flashattn::cli

@@ -110,3 +110,26 @@ nlohmann::json case_json(const Measurement& m, const AttentionProblem& p);
 nlohmann::json machine_json(int threads);
 
 }  // namespace flashattn::cli
+
+namespace flashattn::cli {
+
+// One decoding step over a KV cache of `cached` tokens: q is one token per sequence, one new
+// token is appended (contiguous cache when page_size is 0, else paged).
+struct DecodeCase {
+  std::int64_t batch = 1, heads = 32, heads_kv = 8, dim = 128, cached = 32768, page_size = 0;
+  DType dtype = DType::bf16;
+  int threads = 0;
+};
+struct DecodeMeasurement {
+  double seconds = 0.0;
+  double gbps = 0.0;       // K and V bytes read (the whole cache once) per second
+  double max_error = 0.0;  // against float64 on the logical cache, sampled heads
+  std::size_t cache_bytes = 0;
+};
+DecodeMeasurement measure_decode(const DecodeCase& c, int repeats);
+nlohmann::json decode_json(const DecodeCase& c, const DecodeMeasurement& m);
+
+// Memory bandwidth of a large copy (bytes read + written per second), best of `repeats`.
+double copy_gbps(int repeats);
+
+}  // namespace flashattn::cli

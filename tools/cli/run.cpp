@@ -23,7 +23,36 @@ struct RunFlags {
   int samples = 64;
   bool backward = false;
   std::string cu_seqlens_q, cu_seqlens_k;  // a packed variable-length batch: both or neither
+  bool decode = false;
+  std::int64_t cached = 32768;
+  std::int64_t page_size = 0;
 };
+
+// One decoding step over a KV cache: time, bandwidth, accuracy.
+void run_decode(const RunFlags& f, CLI::App& app) {
+  DecodeCase c;
+  c.batch = f.shape.batch;
+  c.heads = app.count("--heads") ? f.shape.heads : 32;  // decode defaults: 32 q heads, 8 kv heads
+  c.heads_kv = f.shape.heads_kv.value_or(app.count("--heads") ? f.shape.heads : 8);
+  c.dim = f.shape.dim;
+  c.dtype = parse_dtype(f.shape.dtype);
+  c.threads = f.shape.threads;
+  c.cached = f.cached;
+  c.page_size = f.page_size;
+  const DecodeMeasurement m = measure_decode(c, f.repeats);
+  if (f.json) {
+    nlohmann::json j = machine_json(f.shape.threads);
+    j["cases"].push_back(decode_json(c, m));
+    std::cout << j.dump(2) << "\n";
+    return;
+  }
+  std::printf("flashattn run --decode: batch %lld, %lld q heads, %lld kv heads, dim %lld, %s cache of %lld tokens%s\n",
+              static_cast<long long>(c.batch), static_cast<long long>(c.heads), static_cast<long long>(c.heads_kv),
+              static_cast<long long>(c.dim), to_string(c.dtype).c_str(), static_cast<long long>(c.cached),
+              c.page_size > 0 ? (", pages of " + std::to_string(c.page_size)).c_str() : " (contiguous)");
+  std::printf("one token: %.3f ms, %.2f GB/s of K and V (%.1f MiB), max |err| vs float64 %.2e\n", m.seconds * 1e3,
+              m.gbps, static_cast<double>(m.cache_bytes) / (1 << 20), m.max_error);
+}
 
 std::string human_bytes(double bytes) {
   const char* units[] = {"B", "KiB", "MiB", "GiB"};
@@ -133,7 +162,8 @@ void run_varlen(const RunFlags& f, const AttentionOptions& options) {
     std::printf("backward %10.2f ms %10.1f GFLOP/s\n", bwd_s * 1e3, 2.5 * flops / bwd_s * 1e-9);
 }
 
-void run(RunFlags& f) {
+void run(RunFlags& f, CLI::App& app) {
+  if (f.decode) return run_decode(f, app);
   AttentionOptions options = f.shape.options();
   f.variants.apply(options);
   if (!f.cu_seqlens_q.empty()) return run_varlen(f, options);
@@ -221,7 +251,12 @@ void register_run(CLI::App& app) {
   ck->needs(cq);
   cmd->add_flag("--backward", flags->backward,
                 "also time backward (default and deterministic) against standard attention's");
-  cmd->callback([flags] { run(*flags); });
+  cmd->add_flag("--decode", flags->decode,
+                "one decoding step over a KV cache (defaults: 32 q heads, 8 kv heads, 32768 cached tokens)");
+  cmd->add_option("--cache-seqlen", flags->cached, "tokens already in the cache (--decode)")->capture_default_str();
+  cmd->add_option("--page-size", flags->page_size, "paged cache with pages of this many tokens (0 = contiguous)")
+      ->capture_default_str();
+  cmd->callback([flags, cmd] { run(*flags, *cmd); });
 }
 
 }  // namespace flashattn::cli
