@@ -173,3 +173,40 @@ TEST(KvCache, BadInputNamesTheArgument) {
 
 }  // namespace
 }  // namespace flashattn::test
+
+namespace flashattn::test {
+namespace {
+
+TEST(KvCache, PagedPrefillThroughTheTiledKernelEqualsContiguous) {
+  // 20 queries × 2 q heads per kv head is beyond the decode kernel: the tiled kernel packs
+  // K and V straight from the pages.
+  const std::int64_t sq = 20, ps = 5, cap = 45, hkv = 2, d = 16;
+  const Tensor q = random_tensor(DType::bf16, {1, sq, 4, d}, 1);
+  const Tensor k = random_tensor(DType::bf16, {1, cap, hkv, d}, 2), v = random_tensor(DType::bf16, {1, cap, hkv, d}, 3);
+  Tensor seqlens(DType::i32, {1});
+  seqlens.set(0, 41.0f);
+  const std::int64_t pages = cap / ps;
+  Tensor k_pages(DType::bf16, {pages, ps, hkv, d}), v_pages(DType::bf16, {pages, ps, hkv, d}), table(DType::i32, {1, pages});
+  for (std::int64_t pg = 0; pg < pages; ++pg) {
+    const std::int64_t page = (pg * 4) % pages;  // 4 is coprime with 9 pages: a permutation
+    table.set(pg, static_cast<float>(page));
+    for (std::int64_t e = 0; e < ps * hkv * d; ++e) {
+      k_pages.set(page * ps * hkv * d + e, k.get(pg * ps * hkv * d + e));
+      v_pages.set(page * ps * hkv * d + e, v.get(pg * ps * hkv * d + e));
+    }
+  }
+  Tensor k_cont = k, v_cont = v;
+  AttentionOptions o;
+  o.causal = true;
+  KvCache contiguous{k_cont.view(), v_cont.view(), {}, seqlens.view()};
+  KvCache paged{k_pages.view(), v_pages.view(), table.view(), seqlens.view()};
+  const AttentionProblem p = AttentionProblem::from_sizes(1, sq, 41, 4, hkv, d, d, DType::bf16, o);
+  EXPECT_EQ(plan_forward(p, CpuHardware::detect(0)).kernel, ForwardKernel::tiled);
+  const ForwardResult a = forward_with_kvcache(q.view(), contiguous, o);
+  const ForwardResult b = forward_with_kvcache(q.view(), paged, o);
+  EXPECT_EQ(std::memcmp(a.out.data(), b.out.data(), static_cast<std::size_t>(a.out.numel()) * 2), 0);
+  EXPECT_EQ(std::memcmp(a.lse.data(), b.lse.data(), static_cast<std::size_t>(a.lse.numel()) * 4), 0);
+}
+
+}  // namespace
+}  // namespace flashattn::test

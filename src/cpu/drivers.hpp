@@ -14,6 +14,13 @@ void forward_impl(const TensorView& q, const TensorView& k, const TensorView& v,
                   const MutableTensorView& out, const MutableTensorView& lse,
                   const AttentionOptions& options, std::int64_t batch_offset);
 
+// One sequence (q batch 1) over a paged cache: key j lives in page block_table[j / page_size]
+// (page_size = k_pages.shape[1]) at slot j % page_size of the k and v pools.
+void forward_paged(const TensorView& q, const TensorView& k_pages, const TensorView& v_pages,
+                   const std::int32_t* block_table, std::int64_t table_stride, std::int64_t seqlen_k,
+                   const MutableTensorView& out, const MutableTensorView& lse,
+                   const AttentionOptions& options, std::int64_t batch_offset);
+
 void backward_impl(const TensorView& dout, const TensorView& q, const TensorView& k,
                    const TensorView& v, const TensorView& out, const TensorView& lse,
                    const MutableTensorView& dq, const MutableTensorView& dk,

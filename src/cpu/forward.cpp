@@ -24,7 +24,7 @@ std::size_t forward_workspace_bytes(const CpuForwardPlan& plan, const AttentionP
   const std::size_t keys_pad =
       plan.kernel == ForwardKernel::tiled ? round_up(static_cast<std::size_t>(p.seqlen_k), bc) : 0;
   const std::size_t d_pad = round_up(d, 16);
-  const std::size_t floats = bq * d_pad + bq * bc + bq * dv_pad + keys_pad * d + keys_pad * dv_pad + d_pad + dv_pad;
+  const std::size_t floats = bq * d_pad + bq * bc + bq * dv_pad + keys_pad * d + keys_pad * dv_pad + d_pad + bc * dv_pad;
   return floats * sizeof(float) + bq * sizeof(OnlineSoftmaxState);
 }
 
@@ -39,7 +39,7 @@ ForwardWorkspace::ForwardWorkspace(const CpuForwardPlan& plan, const AttentionPr
   const std::size_t d_pad = round_up(d, 16);  // a whole number of vectors on every target
   q_tile = hwy::AllocateAligned<float>(bq * d_pad);
   row_k = hwy::AllocateAligned<float>(d_pad);
-  row_v = hwy::AllocateAligned<float>(dv_pad);
+  row_v = hwy::AllocateAligned<float>(bc * dv_pad);
   s_tile = hwy::AllocateAligned<float>(bq * bc);
   o_acc = hwy::AllocateAligned<float>(bq * dv_pad);
   k_packed = hwy::AllocateAligned<float>(keys_pad * d + 1);
@@ -48,26 +48,24 @@ ForwardWorkspace::ForwardWorkspace(const CpuForwardPlan& plan, const AttentionPr
 
 }  // namespace cpu
 
-void detail::forward_impl(const TensorView& q, const TensorView& k, const TensorView& v,
-                          const MutableTensorView& out, const MutableTensorView& lse,
-                          const AttentionOptions& options, std::int64_t batch_offset) {
-  AttentionProblem problem = AttentionProblem::from_inputs(q, k, v, options);
-  problem.batch_offset = batch_offset;
-  detail::check_forward_outputs(problem, q, k, v, out, lse);
-  if (problem.batch == 0 || problem.seqlen_q == 0) return;
+namespace {
 
-  const CpuForwardPlan plan =
-      plan_forward(problem, CpuHardware::detect(options.num_threads), options.num_splits);
-  const AttentionProblem& p = problem;
+// Plans and runs a validated problem; `paged` (when its table is set) maps key j of batch
+// element 0 to a page of the k and v pools.
+void run_forward(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
+                 const MutableTensorView& out, const MutableTensorView& lse, const AttentionOptions& options,
+                 const cpu::PagedKv& paged) {
+  if (p.batch == 0 || p.seqlen_q == 0) return;
+  const CpuForwardPlan plan = plan_forward(p, CpuHardware::detect(options.num_threads), options.num_splits);
   const std::int64_t split_rows = plan.splits > 1 ? plan.splits * p.batch * p.heads_q * p.seqlen_q : 0;
   std::vector<float> split_out(static_cast<std::size_t>(split_rows * p.head_dim_v));
   std::vector<float> split_lse(static_cast<std::size_t>(split_rows));
-  const cpu::ForwardParams params{problem, plan, q, k, v, out, lse, options.alibi_slopes,
-                                  options.block_mask, split_out.data(), split_lse.data()};
+  const cpu::ForwardParams params{p, plan, q, k, v, out, lse, options.alibi_slopes, options.block_mask,
+                                  split_out.data(), split_lse.data(), paged};
   const cpu::ForwardWorkItemFn kernel = cpu::forward_work_item_kernel(plan.kernel);
 #pragma omp parallel num_threads(plan.threads)
   {
-    cpu::ForwardWorkspace workspace(plan, problem);
+    cpu::ForwardWorkspace workspace(plan, p);
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t item = 0; item < plan.work_items; ++item) kernel(params, workspace, item);
   }
@@ -75,6 +73,30 @@ void detail::forward_impl(const TensorView& q, const TensorView& k, const Tensor
     merge_attention_states(
         TensorView(split_out.data(), DType::f32, {plan.splits, p.batch, p.seqlen_q, p.heads_q, p.head_dim_v}),
         TensorView(split_lse.data(), DType::f32, {plan.splits, p.batch, p.heads_q, p.seqlen_q}), out, lse);
+}
+
+}  // namespace
+
+void detail::forward_impl(const TensorView& q, const TensorView& k, const TensorView& v,
+                          const MutableTensorView& out, const MutableTensorView& lse,
+                          const AttentionOptions& options, std::int64_t batch_offset) {
+  AttentionProblem problem = AttentionProblem::from_inputs(q, k, v, options);
+  problem.batch_offset = batch_offset;
+  detail::check_forward_outputs(problem, q, k, v, out, lse);
+  run_forward(problem, q, k, v, out, lse, options, {});
+}
+
+void detail::forward_paged(const TensorView& q, const TensorView& k_pages, const TensorView& v_pages,
+                           const std::int32_t* block_table, std::int64_t table_stride, std::int64_t seqlen_k,
+                           const MutableTensorView& out, const MutableTensorView& lse,
+                          const AttentionOptions& options, std::int64_t batch_offset) {
+  // The caller validated the pools and the table; the problem is one sequence of seqlen_k keys.
+  AttentionProblem problem =
+      AttentionProblem::from_sizes(q.shape[0], q.shape[1], seqlen_k, q.shape[2], k_pages.shape[2], q.shape[3],
+                                   v_pages.shape[3], q.dtype, options);
+  problem.batch_offset = batch_offset;
+  detail::check_forward_outputs(problem, q, k_pages, v_pages, out, lse);
+  run_forward(problem, q, k_pages, v_pages, out, lse, options, {block_table, table_stride, k_pages.shape[1]});
 }
 
 void forward(const TensorView& q, const TensorView& k, const TensorView& v,

@@ -15,6 +15,14 @@
 
 namespace flashattn::cpu {
 
+// A paged K/V source: key j of the (single) sequence is row j % page_size of page
+// block_table[(j / page_size) · table_stride] of the k and v views (the page pools).
+struct PagedKv {
+  const std::int32_t* block_table = nullptr;  // null: k and v are ordinary views
+  std::int64_t table_stride = 0;
+  std::int64_t page_size = 0;
+};
+
 // Everything a work item needs; filled once per call by the driver.
 struct ForwardParams {
   AttentionProblem problem;
@@ -26,6 +34,7 @@ struct ForwardParams {
   // normalized outputs and (splits, batch, heads_q, seqlen_q) lses, float32, contiguous.
   float* split_out = nullptr;
   float* split_lse = nullptr;
+  PagedKv paged;
 };
 
 // Per-thread scratch memory, sized by the plan. The packed K/V of one (batch, kv head)
@@ -41,7 +50,7 @@ struct ForwardWorkspace {
   hwy::AlignedFreeUniquePtr<float[]> k_packed;  // k tiles, each (head_dim, block_k): Kᵀ (tiled)
   hwy::AlignedFreeUniquePtr<float[]> v_packed;  // (k_tiles · block_k, head_dim_v_padded) (tiled)
   hwy::AlignedFreeUniquePtr<float[]> row_k;     // one converted K row (decode)
-  hwy::AlignedFreeUniquePtr<float[]> row_v;     // one converted V row (decode)
+  hwy::AlignedFreeUniquePtr<float[]> row_v;     // (block_k, Dv_pad): converted V rows (decode)
   PackedHead packed;  // which head k/v buffers hold, and how much of it
 };
 

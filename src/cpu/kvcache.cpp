@@ -1,6 +1,6 @@
 // forward_with_kvcache: validate, append the new tokens (rotated) into their cache slots,
 // rotate q, then attend per sequence through the ordinary driver — a view of the cache
-// when it is contiguous, the sequence's pages gathered in order when it is paged.
+// when it is contiguous, the page pools read through the block table when it is paged.
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -190,26 +190,6 @@ void forward_with_kvcache(const TensorView& q, const KvCache& c, const MutableTe
       v.strides = {std::max<std::int64_t>(n, 1) * t.strides[1], t.strides[1], t.strides[2], t.strides[3], 0};
       return v;
     };
-    Tensor k_seq, v_seq;
-    TensorView kb, vb;
-    if (!layout.paged) {
-      kb = rows_of(c.k_cache, 0, keys, layout.batch_idx[static_cast<std::size_t>(b)]);
-      vb = rows_of(c.v_cache, 0, keys, layout.batch_idx[static_cast<std::size_t>(b)]);
-    } else {  // gather the pages in order
-      k_seq = Tensor(q.dtype, {1, keys, hkv, d});
-      v_seq = Tensor(q.dtype, {1, keys, hkv, dv});
-      for (std::int64_t pos = 0; pos < keys; ++pos) {
-        const auto [page, slot] = layout.locate(b, pos);
-        for (std::int64_t h = 0; h < hkv; ++h) {
-          std::memcpy(static_cast<unsigned char*>(k_seq.data()) + ((pos * hkv + h) * d) * elem,
-                      static_cast<const unsigned char*>(c.k_cache.data) + detail::offset4(c.k_cache, page, slot, h, 0) * elem, d * elem);
-          std::memcpy(static_cast<unsigned char*>(v_seq.data()) + ((pos * hkv + h) * dv) * elem,
-                      static_cast<const unsigned char*>(c.v_cache.data) + detail::offset4(c.v_cache, page, slot, h, 0) * elem, dv * elem);
-        }
-      }
-      kb = k_seq.view();
-      vb = v_seq.view();
-    }
     const AttentionOptions ob = detail::sequence_options(options, b);
     MutableTensorView ob_out = out, ob_lse = lse;
     ob_out.data = static_cast<unsigned char*>(out.data) + b * out.strides[0] * static_cast<std::int64_t>(dtype_size(out.dtype));
@@ -219,7 +199,15 @@ void forward_with_kvcache(const TensorView& q, const KvCache& c, const MutableTe
     TensorView qb = q_used;
     qb.data = static_cast<const unsigned char*>(q_used.data) + b * q_used.strides[0] * static_cast<std::int64_t>(elem);
     qb.shape[0] = 1;
-    detail::forward_impl(qb, kb, vb, ob_out, ob_lse, ob, b);
+    if (layout.paged) {  // the kernels read the pages in place through the block table
+      detail::forward_paged(qb, c.k_cache, c.v_cache,
+                            static_cast<const std::int32_t*>(c.block_table.data) + b * c.block_table.strides[0],
+                            c.block_table.strides[1], keys, ob_out, ob_lse, ob, b);
+    } else {
+      const std::int64_t row = layout.batch_idx[static_cast<std::size_t>(b)];
+      detail::forward_impl(qb, rows_of(c.k_cache, 0, keys, row), rows_of(c.v_cache, 0, keys, row), ob_out, ob_lse,
+                           ob, b);
+    }
   }
 }
 

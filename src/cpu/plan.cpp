@@ -87,7 +87,7 @@ CpuForwardPlan plan_forward(const AttentionProblem& p, const CpuHardware& hw, in
   const std::int64_t group = p.heads_q / p.heads_kv;
   if (group * p.seqlen_q <= kDecodeRows) {
     plan.kernel = ForwardKernel::decode;
-    plan.block_q = std::max<std::int64_t>(1, group * p.seqlen_q);
+    plan.block_q = (std::max<std::int64_t>(1, group * p.seqlen_q) + 3) / 4 * 4;  // rows in fours
     plan.q_blocks = 1;
     const std::int64_t kv_items = p.batch * p.heads_kv;
     plan.splits = choose_splits(num_splits, kv_items, k_tiles, hw.threads);
