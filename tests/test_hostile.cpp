@@ -120,3 +120,21 @@ TEST(Hostile, ElementOffsetsBeyondTwoToTheThirtyOne) {
 
 }  // namespace
 }  // namespace flashattn::test
+
+namespace flashattn::test {
+namespace {
+
+TEST(Hostile, OutOfMemoryIsAnErrorNotACrash) {
+  // 2^34 keys broadcast from one row (stride 0): valid input whose packed K and V would
+  // need terabytes. The call must fail with an Error and write nothing.
+  const Tensor row = random_tensor(DType::f32, {1, 1, 1, 128}, 1);
+  const TensorView k(row.data(), DType::f32, {1, std::int64_t{1} << 34, 1, 128}, {0, 0, 128, 1});
+  const Tensor q = random_tensor(DType::f32, {1, 64, 1, 128}, 2);
+  Tensor out(DType::f32, {1, 64, 1, 128}), lse(DType::f32, {1, 1, 64});
+  for (std::int64_t i = 0; i < lse.numel(); ++i) lse.set(i, 5.0f);
+  EXPECT_THROW(forward(q.view(), k, k, out.view(), lse.view()), std::exception);
+  for (std::int64_t i = 0; i < lse.numel(); ++i) ASSERT_EQ(lse.get(i), 5.0f);
+}
+
+}  // namespace
+}  // namespace flashattn::test

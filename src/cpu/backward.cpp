@@ -4,11 +4,13 @@
 #include <algorithm>
 #include <atomic>
 #include <memory>
+#include <vector>
 
 #include "flashattn/attention.hpp"
 #include "flashattn/error.hpp"
 #include "src/core/validate.hpp"
 #include "src/cpu/backward_kernel.hpp"
+#include "src/cpu/allocate.hpp"
 #include "src/cpu/drivers.hpp"
 
 namespace flashattn {
@@ -41,19 +43,19 @@ BackwardWorkspace::BackwardWorkspace(const CpuBackwardPlan& plan, const Attentio
     : row_lse2(static_cast<std::size_t>(plan.block_q)),
       row_delta(static_cast<std::size_t>(plan.block_q)) {
   const BackwardSizes s(plan, p);
-  q_tile = hwy::AllocateAligned<float>(s.bq * s.d_pad);
-  do_tile = hwy::AllocateAligned<float>(s.bq * s.dv_pad);
-  p_tile = hwy::AllocateAligned<float>(s.bq * s.bc);
-  ds_tile = hwy::AllocateAligned<float>(s.bq * s.bc);
-  g_tile = hwy::AllocateAligned<float>(s.bq * s.bc);
-  w_tile = hwy::AllocateAligned<float>(s.bq * s.bc);
-  dq_tile = hwy::AllocateAligned<float>(s.bq * s.d_pad);
-  dk_acc = hwy::AllocateAligned<float>(s.bc * s.d_pad);
-  dv_acc = hwy::AllocateAligned<float>(s.bc * s.dv_pad);
-  kt_packed = hwy::AllocateAligned<float>(s.keys_pad * s.d + 1);
-  vt_packed = hwy::AllocateAligned<float>(s.keys_pad * s.dv + 1);
-  k_packed = hwy::AllocateAligned<float>(s.keys_pad * s.d_pad + 1);
-  row_scratch = hwy::AllocateAligned<float>(std::max(s.d_pad, s.dv_pad));
+  q_tile = allocate_floats(s.bq * s.d_pad);
+  do_tile = allocate_floats(s.bq * s.dv_pad);
+  p_tile = allocate_floats(s.bq * s.bc);
+  ds_tile = allocate_floats(s.bq * s.bc);
+  g_tile = allocate_floats(s.bq * s.bc);
+  w_tile = allocate_floats(s.bq * s.bc);
+  dq_tile = allocate_floats(s.bq * s.d_pad);
+  dk_acc = allocate_floats(s.bc * s.d_pad);
+  dv_acc = allocate_floats(s.bc * s.dv_pad);
+  kt_packed = allocate_floats(s.keys_pad * s.d + 1);
+  vt_packed = allocate_floats(s.keys_pad * s.dv + 1);
+  k_packed = allocate_floats(s.keys_pad * s.d_pad + 1);
+  row_scratch = allocate_floats(std::max(s.d_pad, s.dv_pad));
 }
 
 }  // namespace cpu
@@ -111,8 +113,8 @@ void detail::backward_impl(const TensorView& dout, const TensorView& q, const Te
 
   const std::size_t d_pad = static_cast<std::size_t>(plan.head_dim_padded);
   const std::size_t rows = static_cast<std::size_t>(heads * p.seqlen_q);
-  auto delta = hwy::AllocateAligned<float>(rows + 1);
-  auto dq_accum = hwy::AllocateAligned<float>(rows * d_pad + 1);
+  auto delta = cpu::allocate_floats(rows + 1);
+  auto dq_accum = cpu::allocate_floats(rows * d_pad + 1);
   std::fill(dq_accum.get(), dq_accum.get() + rows * d_pad, 0.0f);
   std::unique_ptr<std::mutex[]> dq_locks;
   std::unique_ptr<std::atomic<std::int64_t>[]> dq_tickets;
@@ -129,11 +131,16 @@ void detail::backward_impl(const TensorView& dout, const TensorView& q, const Te
   // Items are handed out strictly in order (an atomic counter, not an OpenMP schedule):
   // the deterministic mode's tickets rely on K/V block kb − 1 starting before kb.
   std::atomic<std::int64_t> next_item{0};
+  // Workspaces are allocated before the threads start: out of memory is an exception for
+  // the caller, not a termination inside an OpenMP region.
+  std::vector<cpu::BackwardWorkspace> workspaces;
+  workspaces.reserve(static_cast<std::size_t>(plan.threads));
+  for (int t = 0; t < plan.threads; ++t) workspaces.emplace_back(plan, p);
 #pragma omp parallel num_threads(plan.threads)
   {
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t bh = 0; bh < heads; ++bh) kernels.delta(params, bh);
-    cpu::BackwardWorkspace workspace(plan, p);
+    cpu::BackwardWorkspace& workspace = workspaces[static_cast<std::size_t>(omp_get_thread_num())];
     for (std::int64_t item = next_item++; item < plan.kv_work_items; item = next_item++)
       kernels.kv_item(params, workspace, item);
 #pragma omp barrier

@@ -6,6 +6,7 @@
 #include "flashattn/attention.hpp"
 #include "flashattn/problem.hpp"
 #include "src/core/validate.hpp"
+#include "src/cpu/allocate.hpp"
 #include "src/cpu/drivers.hpp"
 #include "src/cpu/forward_kernel.hpp"
 
@@ -37,13 +38,13 @@ ForwardWorkspace::ForwardWorkspace(const CpuForwardPlan& plan, const AttentionPr
   const std::size_t keys_pad =
       plan.kernel == ForwardKernel::tiled ? round_up(static_cast<std::size_t>(p.seqlen_k), bc) : 0;
   const std::size_t d_pad = round_up(d, 16);  // a whole number of vectors on every target
-  q_tile = hwy::AllocateAligned<float>(bq * d_pad);
-  row_k = hwy::AllocateAligned<float>(d_pad);
-  row_v = hwy::AllocateAligned<float>(bc * dv_pad);
-  s_tile = hwy::AllocateAligned<float>(bq * bc);
-  o_acc = hwy::AllocateAligned<float>(bq * dv_pad);
-  k_packed = hwy::AllocateAligned<float>(keys_pad * d + 1);
-  v_packed = hwy::AllocateAligned<float>(keys_pad * dv_pad + 1);
+  q_tile = allocate_floats(bq * d_pad);
+  row_k = allocate_floats(d_pad);
+  row_v = allocate_floats(bc * dv_pad);
+  s_tile = allocate_floats(bq * bc);
+  o_acc = allocate_floats(bq * dv_pad);
+  k_packed = allocate_floats(keys_pad * d + 1);
+  v_packed = allocate_floats(keys_pad * dv_pad + 1);
 }
 
 }  // namespace cpu
@@ -63,9 +64,14 @@ void run_forward(const AttentionProblem& p, const TensorView& q, const TensorVie
   const cpu::ForwardParams params{p, plan, q, k, v, out, lse, options.alibi_slopes, options.block_mask,
                                   split_out.data(), split_lse.data(), paged};
   const cpu::ForwardWorkItemFn kernel = cpu::forward_work_item_kernel(plan.kernel);
+  // Workspaces are allocated here, before the threads start, so that running out of memory
+  // is an exception for the caller rather than a termination inside an OpenMP region.
+  std::vector<cpu::ForwardWorkspace> workspaces;
+  workspaces.reserve(static_cast<std::size_t>(plan.threads));
+  for (int t = 0; t < plan.threads; ++t) workspaces.emplace_back(plan, p);
 #pragma omp parallel num_threads(plan.threads)
   {
-    cpu::ForwardWorkspace workspace(plan, p);
+    cpu::ForwardWorkspace& workspace = workspaces[static_cast<std::size_t>(omp_get_thread_num())];
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t item = 0; item < plan.work_items; ++item) kernel(params, workspace, item);
   }
