@@ -17,7 +17,6 @@ struct CpuHardware {
   std::size_t l2_bytes = 1024 * 1024;
   int threads = 1;                // worker threads the plan may use
   std::string simd_target;        // Highway target the kernels dispatch to, e.g. "AVX3"
-  int float_lanes = 4;            // fp32 lanes per vector of that target
   int micro_rows = 4;             // rows of the register-blocked micro-kernel
   int micro_cols = 8;             // columns (floats) of the register-blocked micro-kernel
 

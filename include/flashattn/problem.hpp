@@ -55,9 +55,6 @@ struct AttentionProblem {
     std::int64_t size() const { return end > begin ? end - begin : 0; }
   };
   KeyRange key_range(std::int64_t row) const;
-  // Forward FLOPs: 2·Sq·Sk·D for Q·Kᵀ plus 2·Sq·Sk·Dv for P·V, per (batch, head),
-  // counting only scores inside the causal/window range.
-  double forward_flops() const;
   // Upstream's convention for the headline GFLOP/s: 4·B·Hq·Sq·Sk·D, halved for causal.
   double conventional_forward_flops() const;
 

@@ -137,13 +137,6 @@ AttentionProblem::KeyRange AttentionProblem::key_range(std::int64_t row) const {
   return r;
 }
 
-double AttentionProblem::forward_flops() const {
-  double scores = 0.0;
-  for (std::int64_t i = 0; i < seqlen_q; ++i) scores += static_cast<double>(key_range(i).size());
-  return 2.0 * scores * static_cast<double>(head_dim + head_dim_v) *
-         static_cast<double>(batch * heads_q);
-}
-
 double AttentionProblem::conventional_forward_flops() const {
   const double full = 4.0 * static_cast<double>(batch) * static_cast<double>(heads_q) *
                       static_cast<double>(seqlen_q) * static_cast<double>(seqlen_k) *

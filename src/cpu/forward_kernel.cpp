@@ -291,8 +291,7 @@ void ForwardDecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int6
 }
 
 KernelGeometry GetKernelGeometry() {
-  return {hwy::TargetName(HWY_TARGET), static_cast<int>(kLanes), static_cast<int>(kMicroRows),
-          static_cast<int>(kMicroCols)};
+  return {hwy::TargetName(HWY_TARGET), static_cast<int>(kMicroRows), static_cast<int>(kMicroCols)};
 }
 
 }  // namespace flashattn::cpu::HWY_NAMESPACE

@@ -60,7 +60,6 @@ std::size_t forward_workspace_bytes(const CpuForwardPlan& plan, const AttentionP
 // Micro-kernel geometry of the SIMD target chosen at run time.
 struct KernelGeometry {
   const char* target;
-  int float_lanes;
   int micro_rows;
   int micro_cols;
 };

@@ -2,7 +2,6 @@
 // rotate q, then attend per sequence through the ordinary driver — a view of the cache
 // when it is contiguous, the page pools read through the block table when it is paged.
 #include <algorithm>
-#include <cstring>
 #include <vector>
 
 #include "flashattn/attention.hpp"

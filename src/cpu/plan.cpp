@@ -29,7 +29,6 @@ CpuHardware CpuHardware::detect(int num_threads) {
   hw.threads = num_threads > 0 ? num_threads : omp_get_max_threads();
   const cpu::KernelGeometry g = cpu::kernel_geometry();
   hw.simd_target = g.target;
-  hw.float_lanes = g.float_lanes;
   hw.micro_rows = g.micro_rows;
   hw.micro_cols = g.micro_cols;
   return hw;
