@@ -191,7 +191,7 @@ Measurement measure_forward(Impl impl, const AttentionProblem& p, const Attentio
       repeats, 1, label);
   let_worker_threads_sleep();
   if (impl == Impl::flashattn)
-    m.peak_bytes = plan_forward(p, CpuHardware::detect(options.num_threads), options.num_splits)
+    m.peak_bytes = plan_forward(p, CpuHardware::detect(options.num_threads), options.num_splits, options.block_q)
                        .workspace_bytes();
   m.gflops = p.conventional_forward_flops() / m.seconds * 1e-9;
   return m;
