@@ -171,7 +171,7 @@ void chapter_tiling(const TourFlags& f, const std::vector<SizePoint>& sizes) {
   std::printf("\n  K/V traffic against the Q tile Br (N = %lld, d = %lld): a Q tile of Br rows occupies M ≈ Br·d\n"
               "  elements of fast memory and streams all of K and V once, so K/V traffic = (N/Br)·N·2d ∝ 1/M.\n",
               static_cast<long long>(n), static_cast<long long>(f.dim));
-  std::printf("  %6s %10s %16s %16s %12s %9s\n", "Br", "M = Br·d", "K+V model", "K+V counted", "·Br/N²", "ms");
+  std::printf("  %6s %10s %16s %16s %12s %9s\n", "Br", "M = Br·d", "K+V model", "K+V counted", "·Br/(H·N²)", "ms");
   std::vector<TilePoint> points;
   for (std::int64_t br = hw.micro_rows; br <= std::min<std::int64_t>(256, n); br *= 2) {
     AttentionOptions o = options_of(f);
@@ -186,10 +186,10 @@ void chapter_tiling(const TourFlags& f, const std::vector<SizePoint>& sizes) {
     std::printf("  %6lld %10lld %16lld %16lld %12.1f %9.2f\n", static_cast<long long>(t.block_q),
                 static_cast<long long>(t.block_q * f.dim), static_cast<long long>(t.model_kv),
                 static_cast<long long>(t.counted_kv),
-                static_cast<double>(t.counted_kv) * static_cast<double>(t.block_q) / static_cast<double>(n * n),
+                static_cast<double>(t.counted_kv) * static_cast<double>(t.block_q) / static_cast<double>(f.heads * n * n),
                 t.seconds * 1e3);
   }
-  std::printf("  ·Br/N² stays at 2d = %lld: traffic ∝ 1/Br (above 2d where Br does not divide N, the last tile is short).\n",
+  std::printf("  ·Br/(H·N²) stays at 2d = %lld: traffic ∝ 1/Br (a little above where Br does not divide N).\n",
               static_cast<long long>(2 * f.dim));
   std::vector<svg::Series> kv{{"K+V model", {}, {}}, {"K+V counted", {}, {}}};
   for (const TilePoint& t : points) {
