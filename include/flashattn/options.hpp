@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <optional>
 
+#include "flashattn/counters.hpp"
 #include "flashattn/tensor.hpp"
 
 namespace flashattn {
@@ -51,6 +52,13 @@ struct AttentionOptions {
   // dQ shares of the K/V tiles are added in K/V-block order (a ticket per Q tile) instead
   // of as they finish. Costs waiting, not arithmetic.
   bool deterministic = false;
+  // Forward only: Q rows per tile (Br), rounded up to the micro-kernel's rows; 0 lets the
+  // planner choose from the L2 size. For experiments such as the cost model's sweep of
+  // traffic against tile size (flashattn tour); the result does not depend on it.
+  std::int64_t block_q = 0;
+  // Instrumentation: when set, the call adds what its kernels read, wrote and computed
+  // to *counters (see counters.hpp). Off (null) by default.
+  KernelCounters* counters = nullptr;
 };
 
 }  // namespace flashattn

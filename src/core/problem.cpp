@@ -52,6 +52,8 @@ AttentionProblem AttentionProblem::from_sizes(std::int64_t batch, std::int64_t s
           "dropout_p: must be in [0, 1), got " + std::to_string(options.dropout_p));
   require(options.num_splits >= 0,
           "num_splits: must be >= 0 (0 = automatic), got " + str(options.num_splits));
+  require(options.block_q >= 0,
+          "block_q: must be >= 0 (0 = the planner's choice), got " + str(options.block_q));
   require(options.num_threads >= 0,
           "num_threads: must be >= 0 (0 = all cores), got " + str(options.num_threads));
 

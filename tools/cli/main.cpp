@@ -12,6 +12,8 @@ int main(int argc, char** argv) {
   flashattn::cli::register_run(app);
   flashattn::cli::register_attend(app);
   flashattn::cli::register_bench(app);
+  flashattn::cli::register_explain(app);
+  flashattn::cli::register_tour(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
