@@ -12,6 +12,9 @@ int main(int argc, char** argv) {
   flashattn::cli::register_run(app);
   flashattn::cli::register_attend(app);
   flashattn::cli::register_bench(app);
+#ifdef FLASHATTN_CLI_RING
+  flashattn::cli::register_ring(app);
+#endif
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
