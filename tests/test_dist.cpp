@@ -388,6 +388,17 @@ TEST(Ring, UnsupportedOptionsAreErrorsOnEveryRank) {
     if (world_rank() == 0) scaled.softmax_scale = 0.5f;
     expect_error(scaled, ring_options(c), "softmax_scale");
   }
+  // Backward: a gradient that aliases an input, on every rank.
+  Tensor dq(c.dtype, q.shape()), dk(c.dtype, k.shape()), dv(c.dtype, v.shape());
+  const Tensor dout = shard_of(g.dout, ranges, 1);
+  try {
+    dist::ring_backward(dout.view(), q.view(), k.view(), v.view(), out.view(), lse.view(),
+                        MutableTensorView(const_cast<void*>(q.data()), c.dtype, {c.batch, q.shape()[1], c.heads_q, c.head_dim}),
+                        dk.view(), dv.view(), g.options, ring_options(c));
+    ADD_FAILURE() << "no error for dq aliasing q";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("dq: output memory overlaps input q"), std::string::npos) << e.what();
+  }
   // Wrong output shape on one rank.
   Tensor short_out(c.dtype, {c.batch, q.shape()[1] + (world_rank() == 0 ? 1 : 0), c.heads_q, c.head_dim_v});
   try {

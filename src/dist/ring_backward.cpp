@@ -11,6 +11,7 @@
 #include "flashattn/dist.hpp"
 #include "ring_comm.hpp"
 #include "ring_setup.hpp"
+#include "src/core/validate.hpp"
 #include "views.hpp"
 
 namespace flashattn::dist {
@@ -18,32 +19,33 @@ namespace {
 
 using detail::Payload;
 
-void expect(const char* name, const TensorView& view, DType dtype, std::initializer_list<std::int64_t> shape,
-            const AttentionProblem& p) {
-  bool same = view.dtype == dtype && view.rank == static_cast<int>(shape.size());
-  int d = 0;
-  std::string expected;
-  for (std::int64_t s : shape) {
-    same = same && view.shape[d++] == s;
-    expected += (expected.empty() ? "(" : ", ") + std::to_string(s);
+// The checks of flashattn::backward, before the ring turns: the ring writes dq, dk, dv itself.
+void check_tensors(const AttentionProblem& p, const TensorView& dout, const TensorView& q, const TensorView& k,
+                   const TensorView& v, const TensorView& out, const TensorView& lse, const MutableTensorView& dq,
+                   const MutableTensorView& dk, const MutableTensorView& dv) {
+  using namespace flashattn::detail;
+  constexpr const char* kOutLayout = "(batch, local seqlen, heads_q, head_dim_v)";
+  for (const auto& [name, view] : {std::pair{"dout", dout}, {"out", out}}) {
+    check_view(name, view, 4, kOutLayout);
+    check_dtype(name, view, p.dtype, "as q");
+    check_shape(name, view, {p.batch, p.seqlen_q, p.heads_q, p.head_dim_v}, kOutLayout);
   }
-  if (!same)
-    throw Error(std::string("ring_backward: ") + name + ": dtype " + to_string(view.dtype) + " shape " +
-                (view.rank == 4 ? "(" + std::to_string(view.shape[0]) + ", " + std::to_string(view.shape[1]) + ", " +
-                                      std::to_string(view.shape[2]) + ", " + std::to_string(view.shape[3]) + ")"
-                                : "of rank " + std::to_string(view.rank)) +
-                " but expected " + to_string(dtype) + " " + expected + ") for " + p.describe());
-}
-
-void check_tensors(const AttentionProblem& p, const TensorView& dout, const TensorView& out, const TensorView& lse,
-                   const TensorView& dq, const TensorView& dk, const TensorView& dv) {
-  const std::int64_t b = p.batch, s = p.seqlen_q;
-  expect("dout", dout, p.dtype, {b, s, p.heads_q, p.head_dim_v}, p);
-  expect("out", out, p.dtype, {b, s, p.heads_q, p.head_dim_v}, p);
-  expect("lse", lse, DType::f32, {b, p.heads_q, s}, p);
-  expect("dq", dq, p.dtype, {b, s, p.heads_q, p.head_dim}, p);
-  expect("dk", dk, p.dtype, {b, s, p.heads_kv, p.head_dim}, p);
-  expect("dv", dv, p.dtype, {b, s, p.heads_kv, p.head_dim_v}, p);
+  check_view("lse", lse, 3, "(batch, heads_q, local seqlen)");
+  check_dtype("lse", lse, DType::f32, "lse is always float32");
+  check_shape("lse", lse, {p.batch, p.heads_q, p.seqlen_q}, "(batch, heads_q, local seqlen)");
+  const std::pair<const char*, const MutableTensorView*> grads[] = {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}};
+  const std::pair<const char*, const TensorView*> inputs[] = {{"dout", &dout}, {"q", &q}, {"k", &k},
+                                                              {"v", &v},       {"out", &out}, {"lse", &lse}};
+  for (int g = 0; g < 3; ++g) {
+    const auto& [name, grad] = grads[g];
+    const TensorView& like = *inputs[g + 1].second;
+    check_view(name, *grad, 4, "(like its input)");
+    check_dtype(name, *grad, like.dtype, "gradients have their input's dtype");
+    check_shape(name, *grad, {like.shape[0], like.shape[1], like.shape[2], like.shape[3]}, "(like its input)");
+    check_output_layout(name, *grad);
+    for (const auto& [input_name, input] : inputs) check_no_overlap(name, *grad, input_name, *input);
+    for (int o = 0; o < g; ++o) check_no_overlap(name, *grad, grads[o].first, *grads[o].second);
+  }
 }
 
 MutableTensorView pack(const TensorView& src, Tensor& dst, int threads) {
@@ -62,7 +64,7 @@ RingStats ring_backward(const TensorView& dout, const TensorView& q, const Tenso
   const auto start = std::chrono::steady_clock::now();
   detail::RingComm comm(ring, "ring_backward");
   const AttentionProblem p = detail::check_arguments(comm, ring, q, k, v, options, [&](const AttentionProblem& local) {
-    check_tensors(local, dout, out, lse, dq, dk, dv);
+    check_tensors(local, dout, q, k, v, out, lse, dq, dk, dv);
   });
   const int ranks = comm.size(), me = comm.rank();
   const detail::RingGeometry geometry(ring, ranks, p.causal);

@@ -10,28 +10,13 @@
 #include "flashattn/dist.hpp"
 #include "ring_comm.hpp"
 #include "ring_setup.hpp"
+#include "src/core/validate.hpp"
 #include "views.hpp"
 
 namespace flashattn::dist {
 namespace {
 
 using detail::Payload;
-
-// out (B, Sl, Hq, Dv) in q's dtype and lse (B, Hq, Sl) float32, as flashattn::forward.
-void check_outputs(const AttentionProblem& p, const MutableTensorView& out, const MutableTensorView& lse) {
-  const auto expect = [&p](const char* name, const TensorView& view, DType dtype, std::initializer_list<std::int64_t> shape) {
-    bool same = view.dtype == dtype && view.rank == static_cast<int>(shape.size());
-    int d = 0;
-    for (std::int64_t s : shape) same = same && view.shape[d++] == s;
-    if (!same)
-      throw Error(std::string("ring_forward: ") + name + ": dtype " + to_string(view.dtype) + " rank " +
-                  std::to_string(view.rank) + " does not match the expected " + to_string(dtype) + " " +
-                  (d == 4 ? "(batch, local seqlen, heads_q, head_dim_v)" : "(batch, heads_q, local seqlen)") +
-                  " of " + p.describe());
-  };
-  expect("out", out, p.dtype, {p.batch, p.seqlen_q, p.heads_q, p.head_dim_v});
-  expect("lse", lse, DType::f32, {p.batch, p.heads_q, p.seqlen_q});
-}
 
 // A contiguous (B, S, H, D) copy of `src` at the start of `dst`'s storage.
 MutableTensorView pack(const TensorView& src, Tensor& dst, int threads) {
@@ -48,7 +33,8 @@ RingStats ring_forward(const TensorView& q, const TensorView& k, const TensorVie
   const auto start = std::chrono::steady_clock::now();
   detail::RingComm comm(ring, "ring_forward");
   const AttentionProblem p = detail::check_arguments(
-      comm, ring, q, k, v, options, [&](const AttentionProblem& local) { check_outputs(local, out, lse); });
+      comm, ring, q, k, v, options,
+      [&](const AttentionProblem& local) { flashattn::detail::check_forward_outputs(local, q, k, v, out, lse); });
   const int ranks = comm.size(), me = comm.rank();
   const detail::RingGeometry geometry(ring, ranks, p.causal);
   const std::int64_t sl = p.seqlen_q, smax = geometry.max_length();

@@ -29,10 +29,11 @@ BasicTensorView<Ptr> lse_tokens(const BasicTensorView<Ptr>& view, std::int64_t b
   return slice(view, 2, begin, count);
 }
 
-// Element-wise, on `threads` OpenMP threads (AttentionOptions::num_threads: 0 = all cores):
-// dst = src, converting the dtype; both of one shape, rank 3 or 4.
+// Element-wise over views of one shape, rank 3 or 4, with a contiguous last dimension, on
+// `threads` OpenMP threads (AttentionOptions::num_threads: 0 = all cores):
+// dst = src, converting the dtype.
 void copy(const MutableTensorView& dst, const TensorView& src, int threads);
-// dst += src, dst float32; both of one shape, rank 3 or 4.
+// dst += src, dst float32.
 void accumulate(const MutableTensorView& dst, const TensorView& src, int threads);
 // Every element of dst set to `value`.
 void fill(const MutableTensorView& dst, float value, int threads);
