@@ -18,10 +18,15 @@ constexpr std::size_t kMaxPieceBytes = std::size_t{1} << 30;
 // Tags of one payload kind: base + piece. 4 kinds × 4096 pieces stay below 32767, the smallest
 // MPI_TAG_UB the standard allows; 4096 pieces of 1 GiB (4 TiB) bound one shard.
 constexpr int kPiecesPerPayload = 4096;
-// Polling period of the waits and of the helper thread: far below one step (milliseconds and
-// more) yet long enough that a waiting rank leaves its core to the ranks still computing
-// when a node runs more ranks than cores.
+// Polling period of the waits: far below one step (milliseconds and more) yet long enough
+// that a waiting rank leaves its core to the ranks still computing when a node runs more
+// ranks than cores.
 constexpr auto kPollInterval = std::chrono::microseconds(20);
+// The helper thread starts at kPollInterval and doubles its period while nothing completes, up
+// to 1 ms: a transfer that waits for a slower peer then costs the computing cores at most
+// 1000 wake-ups a second instead of 50000, and each MPI call still moves a whole
+// shared-memory message or a socket buffer's worth.
+constexpr auto kMaxHelperPollInterval = std::chrono::microseconds(1000);
 
 double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
@@ -171,6 +176,7 @@ void RingComm::overlap(std::initializer_list<Transfers*> pending, const std::fun
   std::atomic<bool> stop{false};
   int helper_result = MPI_SUCCESS;
   std::thread helper([&] {
+    auto period = kPollInterval;
     while (!stop.load(std::memory_order_acquire)) {
       bool all_done = true;
       for (std::vector<MPI_Request>* r : requests) {
@@ -180,7 +186,8 @@ void RingComm::overlap(std::initializer_list<Transfers*> pending, const std::fun
         all_done = all_done && done;
       }
       if (all_done) return;
-      std::this_thread::sleep_for(kPollInterval);
+      std::this_thread::sleep_for(period);
+      period = std::min(2 * period, kMaxHelperPollInterval);
     }
   });
   struct Join {
