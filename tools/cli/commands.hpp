@@ -10,5 +10,6 @@ void register_attend(CLI::App& app);  // file mode on .npy inputs
 void register_bench(CLI::App& app);   // the benchmark suite, JSON for machines
 void register_explain(CLI::App& app); // the cost account of a problem (docs/cost_model.md)
 void register_tour(CLI::App& app);    // the four generations measured beside the model
+void register_ring(CLI::App& app);    // ring attention over MPI (built when MPI is found)
 
 }  // namespace flashattn::cli

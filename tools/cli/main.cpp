@@ -14,6 +14,9 @@ int main(int argc, char** argv) {
   flashattn::cli::register_bench(app);
   flashattn::cli::register_explain(app);
   flashattn::cli::register_tour(app);
+#ifdef FLASHATTN_CLI_RING
+  flashattn::cli::register_ring(app);
+#endif
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
