@@ -248,6 +248,9 @@ void run_case(FuzzedDataProvider& fdp) {
   o.num_threads = fdp.ConsumeIntegralInRange<int>(0, 3);
   o.num_splits = fdp.ConsumeIntegralInRange<int>(0, 3);
   o.deterministic = fdp.ConsumeBool();
+  if (fdp.ConsumeBool()) o.block_q = fdp.ConsumeIntegralInRange<std::int64_t>(1, 64);
+  KernelCounters counters;
+  if (fdp.ConsumeBool()) o.counters = &counters;
 
   Layout lq = fuzz_layout(fdp), lk = fuzz_layout(fdp), lv = fuzz_layout(fdp), lo = fuzz_layout(fdp);
   const bool broadcast_kv = fdp.ConsumeBool() && fdp.ConsumeBool();
@@ -263,7 +266,8 @@ void run_case(FuzzedDataProvider& fdp) {
            << " scale=" << (o.softmax_scale ? std::to_string(*o.softmax_scale) : "default")
            << " dropout=" << o.dropout_p << " alibi=" << alibi.shape().size() << " block_mask="
            << o.block_mask_block_size << " threads=" << o.num_threads << " splits=" << o.num_splits
-           << " deterministic=" << o.deterministic << " broadcast_kv=" << broadcast_kv
+           << " deterministic=" << o.deterministic << " block_q=" << o.block_q
+           << " counters=" << (o.counters != nullptr) << " broadcast_kv=" << broadcast_kv
            << " v_aliases_k=" << v_aliases_k << " seed=" << seed;
   current_case = describe.str();
 
