@@ -8,5 +8,6 @@ namespace flashattn::cli {
 void register_run(CLI::App& app);     // the main job: flashattn vs standard attention
 void register_attend(CLI::App& app);  // file mode on .npy inputs
 void register_bench(CLI::App& app);   // the benchmark suite, JSON for machines
+void register_numerics(CLI::App& app);  // the numerics experiments (SPEC §2, §4, §5)
 
 }  // namespace flashattn::cli

@@ -12,6 +12,7 @@ int main(int argc, char** argv) {
   flashattn::cli::register_run(app);
   flashattn::cli::register_attend(app);
   flashattn::cli::register_bench(app);
+  flashattn::cli::register_numerics(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
