@@ -145,9 +145,11 @@ nlohmann::json rescale_counts(const AttentionProblem& p, std::mt19937_64& rng, i
   const Qkv random = random_qkv(p, rng);
   j["random"] = rescale_case(random, p, threads);
   // Adversarial rows: every query's scores grow steadily with the key index, by
-  // kGrowthPerKey log2 units — 2 per 128-key tile, below the threshold of 8 — so the
-  // classic rule rescales in every tile and the conditional one in about every fifth.
-  constexpr double kGrowthPerKey = 1.0 / 64.0;
+  // kGrowthPerKey log2 units — 1.92 per 128-key tile, below the threshold of 8 — so the
+  // classic rule rescales in every tile and the conditional one in about every fifth. (Not
+  // a power of two: rescale factors that are powers of two would be exact and hide any
+  // rounding difference between the rules.)
+  constexpr double kGrowthPerKey = 0.015;
   Qkv ramp = random_qkv(p, rng);
   for (std::int64_t e = 0; e < ramp.q.numel(); ++e) ramp.q.set(e, e % p.head_dim == 0 ? 1.0f : 0.0f);
   const double per_key = kGrowthPerKey / (p.softmax_scale * OnlineSoftmaxState::kLog2e);
