@@ -142,7 +142,7 @@ inline NaiveGradients naive_backward_same_precision(const AttentionProblem& p,
       const std::int64_t kvh = h / group;
       for (std::int64_t i = 0; i < sq; ++i) {
         float m = -INFINITY, sum = 0.0f;
-        float* pr = &prob[static_cast<std::size_t>(i * sk)];
+        float* pr = prob.data() + i * sk;  // no element to index when sk = 0
         for (std::int64_t j = 0; j < sk; ++j) {
           const std::size_t e = static_cast<std::size_t>(i * sk + j);
           pr[j] = -INFINITY;

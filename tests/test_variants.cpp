@@ -135,7 +135,7 @@ TEST(Variants, BlockSparse) {
   std::uint64_t seed = 50;
   for (const Shape& s : kShapes)
     for (const char* v : {"blocks", "blocks16", "causal+blocks16", "blocks+alibi+softcap"})
-      check_variant(s, v, DType::f32, seed++, seed % 2 == 0);
+      check_variant(s, v, DType::f32, seed, seed % 2 == 0), ++seed;
 }
 
 TEST(Variants, LowPrecisionAndEveryTarget) {

@@ -2,6 +2,8 @@
 #pragma once
 
 #include "flashattn/attention.hpp"
+#include "flashattn/cost_model.hpp"
+#include "flashattn/counters.hpp"
 #include "flashattn/dropout.hpp"
 #include "flashattn/error.hpp"
 #include "flashattn/exp2.hpp"

@@ -6,6 +6,7 @@
 #include <optional>
 #include <string>
 
+#include "flashattn/counters.hpp"
 #include "flashattn/tensor.hpp"
 
 namespace flashattn {
@@ -77,6 +78,13 @@ struct AttentionOptions {
   // number of times each row's state was rescaled (its reference maximum moved after the
   // first visible key). Unset (null data) costs nothing.
   MutableTensorView rescale_counts;
+  // Forward only: Q rows per tile (Br), rounded up to the micro-kernel's rows; 0 lets the
+  // planner choose from the L2 size. For experiments such as the cost model's sweep of
+  // traffic against tile size (flashattn tour); the result does not depend on it.
+  std::int64_t block_q = 0;
+  // Instrumentation: when set, the call adds what its kernels read, wrote and computed
+  // to *counters (see counters.hpp). Off (null) by default.
+  KernelCounters* counters = nullptr;
 };
 
 }  // namespace flashattn

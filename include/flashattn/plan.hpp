@@ -17,6 +17,7 @@ struct CpuHardware {
   std::size_t l2_bytes = 1024 * 1024;
   int threads = 1;                // worker threads the plan may use
   std::string simd_target;        // Highway target the kernels dispatch to, e.g. "AVX3"
+  int float_lanes = 4;            // fp32 lanes per vector of that target (the cost model's CPU entry)
   int micro_rows = 4;             // rows of the register-blocked micro-kernel
   int micro_cols = 8;             // columns (floats) of the register-blocked micro-kernel
 
@@ -47,9 +48,9 @@ struct CpuForwardPlan {
   std::string describe() const;
 };
 
-// num_splits as AttentionOptions::num_splits (0 = automatic).
+// num_splits and block_q as AttentionOptions::num_splits and ::block_q (0 = automatic).
 CpuForwardPlan plan_forward(const AttentionProblem& problem, const CpuHardware& hardware,
-                            int num_splits = 0);
+                            int num_splits = 0, std::int64_t block_q = 0);
 
 // Backward: each work item owns one K/V tile of one (batch, kv head) and produces its dK
 // and dV; its dQ shares go into a shared float32 accumulator — in any order by default,

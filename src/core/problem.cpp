@@ -60,6 +60,8 @@ AttentionProblem AttentionProblem::from_sizes(std::int64_t batch, std::int64_t s
             "rescale_threshold: must be in [0, " + std::to_string(kMaxRescaleThreshold) +
                 "] (log2 units; 0 = rescale whenever the maximum grows), got " + std::to_string(t));
   }
+  require(options.block_q >= 0,
+          "block_q: must be >= 0 (0 = the planner's choice), got " + str(options.block_q));
   require(options.num_threads >= 0,
           "num_threads: must be >= 0 (0 = all cores), got " + str(options.num_threads));
 

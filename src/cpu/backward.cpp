@@ -138,14 +138,20 @@ void detail::backward_impl(const TensorView& dout, const TensorView& q, const Te
   for (int t = 0; t < plan.threads; ++t) workspaces.emplace_back(plan, p);
 #pragma omp parallel num_threads(plan.threads)
   {
-#pragma omp for schedule(dynamic, 1)
-    for (std::int64_t bh = 0; bh < heads; ++bh) kernels.delta(params, bh);
     cpu::BackwardWorkspace& workspace = workspaces[static_cast<std::size_t>(omp_get_thread_num())];
+#pragma omp for schedule(dynamic, 1)
+    for (std::int64_t bh = 0; bh < heads; ++bh) kernels.delta(params, workspace, bh);
     for (std::int64_t item = next_item++; item < plan.kv_work_items; item = next_item++)
       kernels.kv_item(params, workspace, item);
 #pragma omp barrier
 #pragma omp for schedule(dynamic, 1)
-    for (std::int64_t bh = 0; bh < heads; ++bh) kernels.store_dq(params, bh);
+    for (std::int64_t bh = 0; bh < heads; ++bh) kernels.store_dq(params, workspace, bh);
+  }
+  if (options.counters != nullptr) {
+    KernelCounters sum;
+    for (const cpu::BackwardWorkspace& ws : workspaces) sum += ws.counters;
+    sum.tiles_skipped = heads * plan.q_blocks * plan.k_blocks - sum.tiles_computed;
+    *options.counters += sum;
   }
 }
 

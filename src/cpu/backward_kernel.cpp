@@ -47,7 +47,7 @@ void* OutRowPointer(const MutableTensorView& t, std::int64_t b, std::int64_t s, 
          detail::offset4(t, b, s, h, 0) * static_cast<std::int64_t>(dtype_size(t.dtype));
 }
 
-void BackwardDelta(const BackwardParams& prm, std::int64_t bh) {
+void BackwardDelta(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t bh) {
   const AttentionProblem& p = prm.problem;
   const std::int64_t b = bh / p.heads_q, h = bh % p.heads_q;
   const DF df;
@@ -64,6 +64,8 @@ void BackwardDelta(const BackwardParams& prm, std::int64_t bh) {
       acc = hn::MulAdd(hn::Load(df, o_row.get() + c), hn::Load(df, go_row + c), acc);
     prm.delta[bh * p.seqlen_q + i] = hn::GetLane(hn::SumOfLanes(df, acc));
   }
+  ws.counters.o_read += p.seqlen_q * dv;
+  ws.counters.dout_read += p.seqlen_q * dv;
 }
 
 // Packs Kᵀ and Vᵀ (one (dim, block_k) panel per tile) and K (rows padded to D_pad) of one
@@ -97,6 +99,7 @@ void EnsurePacked(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t
     for (std::int64_t c = 0; c < dv; ++c) std::fill(vt + c * bc + used, vt + (c + 1) * bc, 0.0f);
     std::fill(ws.k_packed.get() + end * d_pad, ws.k_packed.get() + (tile + 1) * bc * d_pad, 0.0f);
   }
+  ws.counters.kv_packed += (end - begin) * (d + dv);
   ws.packed.done(end);
 }
 
@@ -205,6 +208,8 @@ void BackwardKvItem(const BackwardParams& prm, BackwardWorkspace& ws, std::int64
   const std::int64_t j0 = kb * bc, n = std::min(bc, p.seqlen_k - j0);
   const std::int64_t n_pad = RoundUp(n, kMicroTileLcm);
   EnsurePacked(prm, ws, b, kv_head, j0, j0 + n);
+  ws.counters.k_read += n * p.head_dim;
+  ws.counters.v_read += n * p.head_dim_v;
 
   std::fill(ws.dk_acc.get(), ws.dk_acc.get() + n_pad * d_pad, 0.0f);
   std::fill(ws.dv_acc.get(), ws.dv_acc.get() + n_pad * dv_pad, 0.0f);
@@ -214,6 +219,13 @@ void BackwardKvItem(const BackwardParams& prm, BackwardWorkspace& ws, std::int64
       const std::int64_t i0 = qb * bq, rows = std::min(bq, p.seqlen_q - i0);
       if (!mods.tile_has_work(i0, rows, j0, n)) continue;  // causal, window, block mask
       const std::int64_t rows_pad = RoundUp(rows, kMicroRows);
+      ws.counters.tiles_computed += 1;
+      ws.counters.scores += rows * n;
+      ws.counters.q_read += rows * p.head_dim;
+      ws.counters.dout_read += rows * p.head_dim_v;
+      ws.counters.stats_read += 2 * rows;  // lse and D
+      ws.counters.dq_accum_read += rows * p.head_dim;
+      ws.counters.dq_accum_written += rows * p.head_dim;
       LoadQTile(prm, ws, b, h, i0, rows, rows_pad);
       ComputePAndDS(prm, ws, mods, i0, rows, rows_pad, j0, n, n_pad);
       // dV += Pᵀ·dO and dK += dSᵀ·Q' (Pᵀ, dSᵀ read through transposed views).
@@ -254,14 +266,18 @@ void BackwardKvItem(const BackwardParams& prm, BackwardWorkspace& ws, std::int64
     StoreRow(ws.dv_acc.get() + r * dv_pad, p.head_dim_v, 1.0f,
              OutRowPointer(prm.dv, b, j0 + r, kv_head), prm.dv.dtype);
   }
+  ws.counters.dk_written += n * p.head_dim;
+  ws.counters.dv_written += n * p.head_dim_v;
 }
 
-void BackwardStoreDq(const BackwardParams& prm, std::int64_t bh) {
+void BackwardStoreDq(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t bh) {
   const AttentionProblem& p = prm.problem;
   const std::int64_t b = bh / p.heads_q, h = bh % p.heads_q, d_pad = prm.plan.head_dim_padded;
   for (std::int64_t i = 0; i < p.seqlen_q; ++i)
     StoreRow(prm.dq_accum + (bh * p.seqlen_q + i) * d_pad, p.head_dim, p.softmax_scale,
              OutRowPointer(prm.dq, b, i, h), prm.dq.dtype);
+  ws.counters.dq_accum_read += p.seqlen_q * p.head_dim;
+  ws.counters.dq_written += p.seqlen_q * p.head_dim;
 }
 
 }  // namespace flashattn::cpu::HWY_NAMESPACE

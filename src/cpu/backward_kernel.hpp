@@ -9,6 +9,7 @@
 
 #include <hwy/aligned_allocator.h>
 
+#include "flashattn/counters.hpp"
 #include "flashattn/plan.hpp"
 #include "flashattn/problem.hpp"
 #include "flashattn/tensor.hpp"
@@ -56,16 +57,17 @@ struct BackwardWorkspace {
   std::vector<float> row_lse2;   // (block_q): lse·log2e, the exp2 offset of each row
   std::vector<float> row_delta;  // (block_q): D of each row
   PackedHead packed;  // which head k/v buffers hold, and how much of it
+  KernelCounters counters;  // this thread's share of the call's counts (counters.hpp)
 };
 
 std::size_t backward_workspace_bytes(const CpuBackwardPlan& plan, const AttentionProblem& problem);
 
 // One (batch, head) row range of D = rowsum(dO ∘ O).
-using BackwardDeltaFn = void (*)(const BackwardParams&, std::int64_t batch_head);
+using BackwardDeltaFn = void (*)(const BackwardParams&, BackwardWorkspace&, std::int64_t batch_head);
 // dK, dV and the dQ shares of one K/V tile of one (batch, kv head).
 using BackwardKvItemFn = void (*)(const BackwardParams&, BackwardWorkspace&, std::int64_t item);
 // Epilogue: dq = dq_accum · scale in dq's dtype, for one (batch, head).
-using BackwardStoreDqFn = void (*)(const BackwardParams&, std::int64_t batch_head);
+using BackwardStoreDqFn = void (*)(const BackwardParams&, BackwardWorkspace&, std::int64_t batch_head);
 
 struct BackwardKernels {
   BackwardDeltaFn delta;

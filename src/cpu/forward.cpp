@@ -1,6 +1,7 @@
 // CPU forward driver: validate, plan, then run the work items on OpenMP threads.
 #include <omp.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "flashattn/attention.hpp"
@@ -61,6 +62,19 @@ void zero_rescale_counts(const AttentionOptions& options) {
         static_cast<std::int32_t*>(c.data)[b * c.strides[0] + h * c.strides[1] + i * c.strides[2]] = 0;
 }
 
+// Adds the threads' counts to the caller's counters; skipped tiles are the rest of the
+// grid of (Q tile, K/V tile) pairs — (kv head, K/V chunk) pairs for the decode kernel.
+void add_counters(const AttentionProblem& p, const CpuForwardPlan& plan,
+                  const std::vector<cpu::ForwardWorkspace>& workspaces, KernelCounters& counters) {
+  KernelCounters sum;
+  for (const cpu::ForwardWorkspace& ws : workspaces) sum += ws.counters;
+  const std::int64_t k_tiles = (p.seqlen_k + plan.block_k - 1) / plan.block_k;
+  const std::int64_t row_tiles =
+      plan.kernel == ForwardKernel::decode ? p.batch * p.heads_kv : p.batch * p.heads_q * plan.q_blocks;
+  sum.tiles_skipped = std::max<std::int64_t>(0, row_tiles * k_tiles - sum.tiles_computed);
+  counters += sum;
+}
+
 // Plans and runs a validated problem; `paged` (when its table is set) maps key j of batch
 // element 0 to a page of the k and v pools.
 void run_forward(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
@@ -68,7 +82,7 @@ void run_forward(const AttentionProblem& p, const TensorView& q, const TensorVie
                  const cpu::PagedKv& paged) {
   zero_rescale_counts(options);
   if (p.batch == 0 || p.seqlen_q == 0) return;
-  const CpuForwardPlan plan = plan_forward(p, CpuHardware::detect(options.num_threads), options.num_splits);
+  const CpuForwardPlan plan = plan_forward(p, CpuHardware::detect(options.num_threads), options.num_splits, options.block_q);
   const std::int64_t split_rows = plan.splits > 1 ? plan.splits * p.batch * p.heads_q * p.seqlen_q : 0;
   std::vector<float> split_out(static_cast<std::size_t>(split_rows * p.head_dim_v));
   std::vector<float> split_lse(static_cast<std::size_t>(split_rows));
@@ -86,6 +100,7 @@ void run_forward(const AttentionProblem& p, const TensorView& q, const TensorVie
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t item = 0; item < plan.work_items; ++item) kernel(params, workspace, item);
   }
+  if (options.counters != nullptr) add_counters(p, plan, workspaces, *options.counters);
   if (plan.splits > 1)
     merge_attention_states(
         TensorView(split_out.data(), DType::f32, {plan.splits, p.batch, p.seqlen_q, p.heads_q, p.head_dim_v}),

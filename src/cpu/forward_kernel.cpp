@@ -67,6 +67,7 @@ void EnsurePacked(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t b
     for (std::int64_t c = 0; c < d; ++c) std::fill(kt + c * bc + used, kt + (c + 1) * bc, 0.0f);
     std::fill(ws.v_packed.get() + end * dv_pad, ws.v_packed.get() + (tile + 1) * bc * dv_pad, 0.0f);
   }
+  if (end > begin) ws.counters.kv_packed += (end - begin) * (d + dv);
   ws.packed.done(end);
 }
 
@@ -193,6 +194,7 @@ void ForwardWorkItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_
   for (std::int64_t r = 0; r < rows; ++r)
     LoadRow(RowPointer(prm.q, b, i0 + r, h), p.dtype, d, q_scale, q_tile + r * d);
   std::fill(q_tile + rows * d, q_tile + rows_pad * d, 0.0f);
+  ws.counters.q_read += rows * d;
 
   float* o_acc = ws.o_acc.get();  // (rows_pad, dv_pad)
   std::fill(o_acc, o_acc + rows_pad * dv_pad, 0.0f);
@@ -205,6 +207,10 @@ void ForwardWorkItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_
     const std::int64_t n = std::min(bc, key_end - j0);
     const std::int64_t n_pad = (n + kMicroCols - 1) / kMicroCols * kMicroCols;
     if (!mods.tile_has_work(i0, rows, j0, n)) continue;  // block-sparse: skip it entirely
+    ws.counters.tiles_computed += 1;
+    ws.counters.scores += rows * n;
+    ws.counters.k_read += n * d;
+    ws.counters.v_read += n * p.head_dim_v;
 
     float* s_tile = ws.s_tile.get();  // (rows_pad, bc)
     TileGemm<false>({q_tile, d}, ws.k_packed.get() + (j0 / bc) * d * bc, bc, s_tile, bc, rows_pad,
@@ -218,6 +224,8 @@ void ForwardWorkItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_
   // result goes to the float32 buffers that merge_attention_states combines.
   for (std::int64_t r = 0; r < rows; ++r)
     StoreOutputRow(prm, split, b, h, i0 + r, o_acc + r * dv_pad, state[r], rescales != nullptr ? rescales + r : nullptr);
+  ws.counters.o_written += rows * p.head_dim_v;
+  ws.counters.lse_written += rows;
 }
 
 // The decode kernel (a few query rows, many keys): item = (batch, kv head, split). Its rows
@@ -264,8 +272,13 @@ void ForwardDecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int6
   // has four independent FMA chains in flight instead of one latency-bound chain.
   const std::int64_t rows4 = (rows + 3) / 4 * 4;
   std::fill(q_rows + rows * d_pad, q_rows + rows4 * d_pad, 0.0f);
+  ws.counters.q_read += rows * d;
   for (std::int64_t j0 = key_begin; j0 < key_end; j0 += bc) {
     const std::int64_t n = std::min(bc, key_end - j0), cols = (n + kLanes - 1) / kLanes * kLanes;
+    ws.counters.tiles_computed += 1;
+    ws.counters.scores += rows * n;
+    ws.counters.k_read += n * d;
+    ws.counters.v_read += n * dv;
     for (std::int64_t c = 0; c < n; ++c) {  // S column c = Q·k_(j0+c); V row c converted
       // Rows of one kv head are heads_kv·D elements apart: a stride the hardware
       // prefetcher follows too late (the loads stall ~80% of the time without this).
@@ -331,10 +344,13 @@ void ForwardDecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int6
   for (std::int64_t r = 0; r < rows; ++r)
     StoreOutputRow(prm, split, b, kv_head * group + r / p.seqlen_q, r % p.seqlen_q, o_acc + r * dv_pad, state[r],
                    rescales != nullptr ? rescales + r : nullptr);
+  ws.counters.o_written += rows * dv;
+  ws.counters.lse_written += rows;
 }
 
 KernelGeometry GetKernelGeometry() {
-  return {hwy::TargetName(HWY_TARGET), static_cast<int>(kMicroRows), static_cast<int>(kMicroCols)};
+  return {hwy::TargetName(HWY_TARGET), static_cast<int>(kLanes), static_cast<int>(kMicroRows),
+          static_cast<int>(kMicroCols)};
 }
 
 }  // namespace flashattn::cpu::HWY_NAMESPACE

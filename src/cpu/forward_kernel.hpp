@@ -7,6 +7,7 @@
 
 #include <hwy/aligned_allocator.h>
 
+#include "flashattn/counters.hpp"
 #include "flashattn/online_softmax.hpp"
 #include "flashattn/plan.hpp"
 #include "flashattn/problem.hpp"
@@ -54,6 +55,7 @@ struct ForwardWorkspace {
   hwy::AlignedFreeUniquePtr<float[]> row_k;     // one converted K row (decode)
   hwy::AlignedFreeUniquePtr<float[]> row_v;     // (block_k, Dv_pad): converted V rows (decode)
   PackedHead packed;  // which head k/v buffers hold, and how much of it
+  KernelCounters counters;  // this thread's share of the call's counts (counters.hpp)
 };
 
 // Bytes ForwardWorkspace allocates for this plan (the plan reports it).
@@ -62,6 +64,7 @@ std::size_t forward_workspace_bytes(const CpuForwardPlan& plan, const AttentionP
 // Micro-kernel geometry of the SIMD target chosen at run time.
 struct KernelGeometry {
   const char* target;
+  int float_lanes;
   int micro_rows;
   int micro_cols;
 };

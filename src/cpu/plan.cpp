@@ -29,6 +29,7 @@ CpuHardware CpuHardware::detect(int num_threads) {
   hw.threads = num_threads > 0 ? num_threads : omp_get_max_threads();
   const cpu::KernelGeometry g = cpu::kernel_geometry();
   hw.simd_target = g.target;
+  hw.float_lanes = g.float_lanes;
   hw.micro_rows = g.micro_rows;
   hw.micro_cols = g.micro_cols;
   return hw;
@@ -54,7 +55,8 @@ std::int64_t choose_splits(int requested, std::int64_t items, std::int64_t k_til
 
 }  // namespace
 
-CpuForwardPlan plan_forward(const AttentionProblem& p, const CpuHardware& hw, int num_splits) {
+CpuForwardPlan plan_forward(const AttentionProblem& p, const CpuHardware& hw, int num_splits,
+                            std::int64_t block_q) {
   CpuForwardPlan plan;
   plan.hardware = hw;
   const std::int64_t mr = hw.micro_rows, mc = hw.micro_cols;
@@ -78,6 +80,7 @@ CpuForwardPlan plan_forward(const AttentionProblem& p, const CpuHardware& hw, in
   const std::int64_t heads = p.batch * p.heads_q;
   while (bq > 2 * mr && heads * ((p.seqlen_q + bq - 1) / bq) < 4 * hw.threads)
     bq = std::max(mr, bq / 2 / mr * mr);
+  if (block_q > 0) bq = round_up(std::min(block_q, std::max<std::int64_t>(p.seqlen_q, 1)), mr);
   plan.block_q = bq;
   plan.q_blocks = (p.seqlen_q + bq - 1) / bq;
   // Split-KV (flash-decoding): with fewer Q tiles than 2 per thread, split the keys so

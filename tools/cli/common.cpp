@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <fstream>
 #include <iostream>
 #include <random>
@@ -156,6 +157,25 @@ std::string cpu_model() {
 
 int resolved_threads(int requested) { return requested > 0 ? requested : omp_get_max_threads(); }
 
+std::string human_bytes(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB"};
+  int u = 0;
+  while (bytes >= 1024.0 && u < 3) bytes /= 1024.0, ++u;
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f %s", bytes, units[u]);
+  return buf;
+}
+
+double cpu_clock_ghz() {
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  for (std::string line; std::getline(cpuinfo, line);)
+    if (line.rfind("cpu MHz", 0) == 0) return std::stod(line.substr(line.find(':') + 1)) * 1e-3;
+  std::ifstream max_freq("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq");  // kHz
+  double khz = 0.0;
+  if (max_freq >> khz && khz > 0.0) return khz * 1e-6;
+  throw Error("cpu clock: neither /proc/cpuinfo nor cpufreq states it");
+}
+
 }  // namespace flashattn::cli
 
 #include "src/baseline/standard_attention.hpp"
@@ -191,7 +211,7 @@ Measurement measure_forward(Impl impl, const AttentionProblem& p, const Attentio
       repeats, 1, label);
   let_worker_threads_sleep();
   if (impl == Impl::flashattn)
-    m.peak_bytes = plan_forward(p, CpuHardware::detect(options.num_threads), options.num_splits)
+    m.peak_bytes = plan_forward(p, CpuHardware::detect(options.num_threads), options.num_splits, options.block_q)
                        .workspace_bytes();
   m.gflops = p.conventional_forward_flops() / m.seconds * 1e-9;
   return m;

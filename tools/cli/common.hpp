@@ -70,6 +70,10 @@ double sampled_max_error(const AttentionProblem& problem, const AttentionOptions
 
 std::string cpu_model();
 int resolved_threads(int requested);
+// "1.5 MiB": bytes with a binary unit.
+std::string human_bytes(double bytes);
+// Nominal clock of this CPU in GHz (/proc/cpuinfo, else cpufreq); throws Error when unknown.
+double cpu_clock_ghz();
 
 }  // namespace flashattn::cli
 

@@ -13,6 +13,11 @@ int main(int argc, char** argv) {
   flashattn::cli::register_attend(app);
   flashattn::cli::register_bench(app);
   flashattn::cli::register_numerics(app);
+  flashattn::cli::register_explain(app);
+  flashattn::cli::register_tour(app);
+#ifdef FLASHATTN_CLI_RING
+  flashattn::cli::register_ring(app);
+#endif
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -54,15 +54,6 @@ void run_decode(const RunFlags& f, CLI::App& app) {
               m.gbps, static_cast<double>(m.cache_bytes) / (1 << 20), m.max_error);
 }
 
-std::string human_bytes(double bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB"};
-  int u = 0;
-  while (bytes >= 1024.0 && u < 3) bytes /= 1024.0, ++u;
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.1f %s", bytes, units[u]);
-  return buf;
-}
-
 // A packed variable-length batch of random inputs with the offsets of two .npy files:
 // flashattn only (the textbook baseline has no packed form), its time, GFLOP/s and the
 // max error against float64 on sampled rows of every sequence.

@@ -1,0 +1,130 @@
+#include "ring_setup.hpp"
+
+#include <algorithm>
+#include <bit>
+#include <string>
+
+#include "flashattn/error.hpp"
+
+namespace flashattn::dist::detail {
+
+RingGeometry::RingGeometry(const RingOptions& ring, int ranks, bool causal_) : causal(causal_) {
+  for (int r = 0; r < ranks; ++r) shards.push_back(shard_ranges(ring.seqlen, ranks, r, ring.layout));
+}
+
+std::int64_t RingGeometry::length(int rank) const {
+  std::int64_t n = 0;
+  for (const TokenRange& r : shards[static_cast<std::size_t>(rank)]) n += r.size();
+  return n;
+}
+
+std::int64_t RingGeometry::max_length() const {
+  std::int64_t n = 0;
+  for (int r = 0; r < static_cast<int>(shards.size()); ++r) n = std::max(n, length(r));
+  return n;
+}
+
+std::vector<QueryRange> RingGeometry::query_ranges(int rank) const {
+  const std::vector<TokenRange>& shard = shards[static_cast<std::size_t>(rank)];
+  if (!causal) return {{0, {0, length(rank)}}};  // global positions do not matter unmasked
+  std::vector<QueryRange> ranges;
+  std::int64_t local = 0;
+  for (const TokenRange& r : shard) {
+    if (r.size() > 0) ranges.push_back({local, r});
+    local += r.size();
+  }
+  return ranges;
+}
+
+KeyPrefix RingGeometry::visible_keys(const QueryRange& query, int key_rank) const {
+  const std::vector<TokenRange>& shard = shards[static_cast<std::size_t>(key_rank)];
+  KeyPrefix prefix;
+  if (!causal) {
+    prefix.keys = length(key_rank);
+    return prefix;
+  }
+  for (const TokenRange& r : shard) {
+    if (r.size() == 0) continue;
+    if (r.end <= query.global.begin) {  // wholly before: every key visible
+      prefix.keys += r.size();
+    } else if (r.begin == query.global.begin) {  // the same chunk: the diagonal block
+      prefix.keys += r.size();
+      prefix.causal = true;
+      break;
+    } else {  // wholly after: masked, and so is every later range
+      break;
+    }
+  }
+  return prefix;
+}
+
+namespace {
+
+void reject_unsupported(const char* operation, const AttentionOptions& options) {
+  const std::string op = operation;
+  const std::string why = " is not supported by the ring (it depends on positions within one call)";
+  if (options.window_size.left != -1 || options.window_size.right != -1)
+    throw Error(op + ": window_size (" + std::to_string(options.window_size.left) + ", " +
+                std::to_string(options.window_size.right) + ")" + why);
+  if (options.alibi_slopes.data != nullptr) throw Error(op + ": alibi_slopes" + why);
+  if (options.dropout_p != 0.0f) throw Error(op + ": dropout_p " + std::to_string(options.dropout_p) + why);
+  if (options.block_mask.data != nullptr) throw Error(op + ": block_mask" + why);
+}
+
+}  // namespace
+
+AttentionProblem check_arguments(RingComm& comm, const RingOptions& ring, const TensorView& q,
+                                 const TensorView& k, const TensorView& v,
+                                 const AttentionOptions& options,
+                                 const std::function<void(const AttentionProblem&)>& local_checks) {
+  const std::string op = comm.operation();
+  AttentionProblem problem;
+  std::string failure;
+  try {
+    reject_unsupported(comm.operation(), options);
+    problem = AttentionProblem::from_inputs(q, k, v, options);
+    const std::int64_t expected = shard_length(ring.seqlen, comm.size(), comm.rank(), ring.layout);
+    const char* layout = ring.layout == ShardLayout::zigzag ? "zigzag" : "contiguous";
+    for (const auto& [name, seqlen] : {std::pair{"q", problem.seqlen_q}, {"k", problem.seqlen_k}})
+      if (seqlen != expected)
+        throw Error(op + ": " + name + " holds " + std::to_string(seqlen) + " tokens but rank " +
+                    std::to_string(comm.rank()) + " of " + std::to_string(comm.size()) + " holds " +
+                    std::to_string(expected) + " of the global seqlen " + std::to_string(ring.seqlen) +
+                    " (" + layout + " shards, dist::shard_length)");
+    local_checks(problem);
+  } catch (const Error& e) {
+    failure = e.what();
+  }
+  comm.agree(failure.empty(), failure);
+
+  // The same sizes and options everywhere: the message sizes and the merged result depend on them.
+  const std::pair<const char*, std::int64_t> fields[] = {
+      {"global seqlen", ring.seqlen},
+      {"layout", static_cast<std::int64_t>(ring.layout)},
+      {"batch", problem.batch},
+      {"heads_q", problem.heads_q},
+      {"heads_kv", problem.heads_kv},
+      {"head_dim", problem.head_dim},
+      {"head_dim_v", problem.head_dim_v},
+      {"dtype", static_cast<std::int64_t>(problem.dtype)},
+      {"causal", problem.causal},
+      {"softmax_scale", std::bit_cast<std::int32_t>(problem.softmax_scale)},
+      {"softcap", std::bit_cast<std::int32_t>(problem.softcap)},
+  };
+  constexpr std::size_t kFields = std::size(fields);
+  std::vector<std::int64_t> extremes(2 * kFields);  // max of v and of −v: max and −min
+  for (std::size_t i = 0; i < kFields; ++i) {
+    extremes[i] = fields[i].second;
+    extremes[kFields + i] = -fields[i].second;
+  }
+  comm.allreduce_max(extremes);
+  std::string differing;
+  for (std::size_t i = 0; i < kFields; ++i)
+    if (extremes[i] != -extremes[kFields + i]) differing += (differing.empty() ? "" : ", ") + std::string(fields[i].first);
+  if (!differing.empty())
+    throw Error(op + ": the ranks pass different " + differing + " (rank " + std::to_string(comm.rank()) +
+                " has " + problem.describe() + ", global seqlen " + std::to_string(ring.seqlen) + ")");
+  return problem;
+}
+
+}  // namespace flashattn::dist::detail

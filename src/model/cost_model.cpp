@@ -1,0 +1,451 @@
+// The cost model: traffic, work, Θ-forms, per-tile unit cycles and predicted time.
+// The tiled traffic mirrors the loops of src/cpu/forward_kernel.cpp and
+// src/cpu/backward_kernel.cpp statement for statement (key ranges, tile skipping,
+// split-KV shares), which is what lets tests demand equality with KernelCounters.
+#include "flashattn/cost_model.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+
+#include "flashattn/error.hpp"
+
+namespace flashattn::cost {
+namespace {
+
+constexpr int kF32Bytes = 4;  // lse, D = rowsum(dO ∘ O), the dQ accumulator, split partials
+
+std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
+
+int element_bytes(DType dtype) { return static_cast<int>(dtype_size(dtype)); }
+
+void check_tiling(const Tiling& t) {
+  if (t.block_q < 1 || t.block_k < 1 || t.splits < 1) {
+    std::ostringstream s;
+    s << "tiling: block_q, block_k and splits must be >= 1, got " << t.block_q << ", " << t.block_k << ", "
+      << t.splits;
+    throw Error(s.str());
+  }
+}
+
+// The kernels' test for a (Q tile, K/V tile) pair with work: key ranges are non-decreasing
+// in the row, so the first and the last row bound the tile's visible keys.
+bool tile_has_work(const AttentionProblem& p, std::int64_t i0, std::int64_t rows, std::int64_t j0,
+                   std::int64_t n) {
+  return !(p.key_range(i0 + rows - 1).end <= j0 || p.key_range(i0).begin >= j0 + n);
+}
+
+// Tiles and keys of one work item's key share [key_begin, key_end), walked as the
+// kernels walk it: from `first` in steps of block_k.
+struct KeyShare {
+  std::int64_t begin = 0, end = 0;
+};
+KeyShare split_share(const AttentionProblem& p, std::int64_t first_row, std::int64_t last_row, std::int64_t bc,
+                     std::int64_t split, std::int64_t splits) {
+  const std::int64_t first_tile = p.key_range(first_row).begin / bc;
+  const std::int64_t tiles = std::max<std::int64_t>(0, ceil_div(p.key_range(last_row).end, bc) - first_tile);
+  return {std::max(p.key_range(first_row).begin, (first_tile + tiles * split / splits) * bc),
+          std::min(p.key_range(last_row).end, (first_tile + tiles * (split + 1) / splits) * bc)};
+}
+
+}  // namespace
+
+Tiling tiling_of(const CpuForwardPlan& plan) {
+  return {plan.block_q, plan.block_k, plan.splits, plan.kernel == ForwardKernel::decode};
+}
+
+Tiling tiling_of(const CpuBackwardPlan& plan) { return {plan.block_q, plan.block_k, 1, false}; }
+
+std::int64_t Traffic::elements() const {
+  std::int64_t total = 0;
+  for (const Term& t : terms) total += t.elements;
+  return total;
+}
+
+std::int64_t Traffic::bytes() const {
+  std::int64_t total = 0;
+  for (const Term& t : terms) total += t.bytes();
+  return total;
+}
+
+std::int64_t Traffic::elements_of(std::string_view tensor, bool write) const {
+  std::int64_t total = 0;
+  for (const Term& t : terms)
+    if (t.tensor == tensor && t.write == write) total += t.elements;
+  return total;
+}
+
+void Traffic::add(std::string tensor, bool write, std::int64_t elements, int bytes) {
+  for (Term& t : terms)
+    if (t.tensor == tensor && t.write == write) {
+      t.elements += elements;
+      return;
+    }
+  terms.push_back({std::move(tensor), write, elements, bytes});
+}
+
+TiledAccount standard_forward(const AttentionProblem& p) {
+  const std::int64_t heads = p.batch * p.heads_q, eb = element_bytes(p.dtype);
+  const std::int64_t sq = p.seqlen_q, sk = p.seqlen_k, nn = heads * sq * sk;
+  TiledAccount a;
+  Traffic& t = a.traffic;
+  t.add("Q", false, heads * sq * p.head_dim, static_cast<int>(eb));
+  t.add("K", false, heads * sk * p.head_dim, static_cast<int>(eb));
+  t.add("S", true, nn, static_cast<int>(eb));   // S = Q·Kᵀ·scale written
+  t.add("S", false, nn, static_cast<int>(eb));  // read back by the softmax
+  t.add("P", true, nn, static_cast<int>(eb));   // P = softmax(S) written
+  t.add("P", false, nn, static_cast<int>(eb));  // read back by O = P·V
+  t.add("V", false, heads * sk * p.head_dim_v, static_cast<int>(eb));
+  t.add("O", true, heads * sq * p.head_dim_v, static_cast<int>(eb));
+  a.tiles_computed = heads;  // one "tile": the whole matrix of a head
+  a.scores = nn;
+  return a;
+}
+
+TiledAccount standard_backward(const AttentionProblem& p) {
+  const std::int64_t heads = p.batch * p.heads_q;
+  const int eb = element_bytes(p.dtype);
+  const std::int64_t sq = p.seqlen_q, sk = p.seqlen_k, nn = heads * sq * sk;
+  const std::int64_t d = p.head_dim, dv = p.head_dim_v;
+  TiledAccount a;
+  Traffic& t = a.traffic;
+  t.add("P", false, 2 * nn, eb);             // dV = Pᵀ·dO, then dS = P ∘ (dP − rowsum(P ∘ dP))
+  t.add("dO", false, 2 * heads * sq * dv, eb);  // for dV and for dP = dO·Vᵀ
+  t.add("V", false, heads * sk * dv, eb);
+  t.add("dP", true, nn, eb);
+  t.add("dP", false, nn, eb);
+  t.add("dS", true, nn, eb);
+  t.add("dS", false, 2 * nn, eb);  // dQ = dS·K and dK = dSᵀ·Q
+  t.add("K", false, heads * sk * d, eb);
+  t.add("Q", false, heads * sq * d, eb);
+  t.add("dQ", true, heads * sq * d, eb);
+  t.add("dK", true, heads * sk * d, eb);
+  t.add("dV", true, heads * sk * dv, eb);
+  a.tiles_computed = heads;
+  a.scores = nn;
+  return a;
+}
+
+TiledAccount flash_forward(const AttentionProblem& p, const Tiling& tiling) {
+  check_tiling(tiling);
+  TiledAccount a;
+  if (p.batch == 0 || p.seqlen_q == 0) return a;
+  const std::int64_t bq = tiling.block_q, bc = tiling.block_k, splits = tiling.splits;
+  const std::int64_t d = p.head_dim, dv = p.head_dim_v;
+  const int eb = element_bytes(p.dtype);
+  // Split partials are float32 and merged afterwards (merge_attention_states).
+  const int out_bytes = splits > 1 ? kF32Bytes : eb;
+  const char* out_name = splits > 1 ? "O partial" : "O";
+  const char* lse_name = splits > 1 ? "lse partial" : "lse";
+  const std::int64_t k_tiles = ceil_div(p.seqlen_k, bc);
+  // Every (batch, head) — (batch, kv head) for decode — runs the same loops: count one, scale.
+  std::int64_t q_elems = 0, k_keys = 0, out_rows = 0, computed = 0, scores = 0, grid = 0, copies = 0;
+  if (tiling.decode) {
+    const std::int64_t rows = p.heads_q / p.heads_kv * p.seqlen_q;
+    copies = p.batch * p.heads_kv;
+    grid = k_tiles;
+    for (std::int64_t split = 0; split < splits; ++split) {
+      const KeyShare share = split_share(p, 0, p.seqlen_q - 1, bc, split, splits);
+      q_elems += rows * d;
+      out_rows += rows;
+      for (std::int64_t j0 = share.begin; j0 < share.end; j0 += bc) {
+        const std::int64_t n = std::min(bc, share.end - j0);
+        ++computed;
+        scores += rows * n;
+        k_keys += n;
+      }
+    }
+  } else {
+    const std::int64_t q_blocks = ceil_div(p.seqlen_q, bq);
+    copies = p.batch * p.heads_q;
+    grid = q_blocks * k_tiles;
+    for (std::int64_t qb = 0; qb < q_blocks; ++qb) {
+      const std::int64_t i0 = qb * bq, rows = std::min(bq, p.seqlen_q - i0);
+      for (std::int64_t split = 0; split < splits; ++split) {
+        const KeyShare share = split_share(p, i0, i0 + rows - 1, bc, split, splits);
+        q_elems += rows * d;
+        out_rows += rows;
+        for (std::int64_t j0 = share.begin / bc * bc; j0 < share.end; j0 += bc) {
+          const std::int64_t n = std::min(bc, share.end - j0);
+          if (!tile_has_work(p, i0, rows, j0, n)) continue;
+          ++computed;
+          scores += rows * n;
+          k_keys += n;
+        }
+      }
+    }
+  }
+  Traffic& t = a.traffic;
+  t.add("Q", false, copies * q_elems, eb);
+  t.add("K", false, copies * k_keys * d, eb);
+  t.add("V", false, copies * k_keys * dv, eb);
+  t.add(out_name, true, copies * out_rows * dv, out_bytes);
+  t.add(lse_name, true, copies * out_rows, kF32Bytes);
+  if (splits > 1) {  // the merge reads every partial and writes the output once
+    t.add("O partial", false, copies * out_rows * dv, kF32Bytes);
+    t.add("lse partial", false, copies * out_rows, kF32Bytes);
+    t.add("O", true, p.batch * p.heads_q * p.seqlen_q * dv, eb);
+    t.add("lse", true, p.batch * p.heads_q * p.seqlen_q, kF32Bytes);
+  }
+  a.tiles_computed = copies * computed;
+  a.tiles_skipped = std::max<std::int64_t>(0, copies * grid - a.tiles_computed);
+  a.scores = copies * scores;
+  a.restreamed_bytes = copies * k_keys * (d + dv) * eb;
+  a.restream_tiles = tiling.decode ? 1 : ceil_div(p.seqlen_q, bq);
+  return a;
+}
+
+TiledAccount flash_backward(const AttentionProblem& p, const Tiling& tiling) {
+  check_tiling(tiling);
+  TiledAccount a;
+  if (p.batch == 0) return a;
+  const std::int64_t bq = tiling.block_q, bc = tiling.block_k;
+  const std::int64_t d = p.head_dim, dv = p.head_dim_v, sq = p.seqlen_q, sk = p.seqlen_k;
+  const int eb = element_bytes(p.dtype);
+  const std::int64_t q_blocks = ceil_div(sq, bq), k_blocks = ceil_div(sk, bc);
+  const std::int64_t heads = p.batch * p.heads_q, kv_heads = p.batch * p.heads_kv;
+  // One q head against every K/V tile of its kv head (all q heads run the same loops).
+  std::int64_t q_rows = 0, computed = 0, scores = 0;
+  for (std::int64_t kb = 0; kb < k_blocks; ++kb) {
+    const std::int64_t j0 = kb * bc, n = std::min(bc, sk - j0);
+    for (std::int64_t qb = 0; qb < q_blocks; ++qb) {
+      const std::int64_t i0 = qb * bq, rows = std::min(bq, sq - i0);
+      if (!tile_has_work(p, i0, rows, j0, n)) continue;
+      ++computed;
+      scores += rows * n;
+      q_rows += rows;
+    }
+  }
+  Traffic& t = a.traffic;
+  // D = rowsum(dO ∘ O) first, one pass over O and dO.
+  t.add("O", false, heads * sq * dv, eb);
+  t.add("dO", false, heads * sq * dv, eb);
+  t.add("D", true, heads * sq, kF32Bytes);
+  // Per K/V tile: K and V read once, dK and dV written once.
+  t.add("K", false, kv_heads * sk * d, eb);
+  t.add("V", false, kv_heads * sk * dv, eb);
+  t.add("dK", true, kv_heads * sk * d, eb);
+  t.add("dV", true, kv_heads * sk * dv, eb);
+  // Per visible (K/V tile, Q tile) pair: the Q side streamed again.
+  t.add("Q", false, heads * q_rows * d, eb);
+  t.add("dO", false, heads * q_rows * dv, eb);
+  t.add("lse", false, heads * q_rows, kF32Bytes);
+  t.add("D", false, heads * q_rows, kF32Bytes);
+  t.add("dQ accum", false, heads * q_rows * d, kF32Bytes);
+  t.add("dQ accum", true, heads * q_rows * d, kF32Bytes);
+  // Epilogue: dq = scale · accumulator.
+  t.add("dQ accum", false, heads * sq * d, kF32Bytes);
+  t.add("dQ", true, heads * sq * d, eb);
+  a.tiles_computed = heads * computed;
+  a.tiles_skipped = heads * q_blocks * k_blocks - a.tiles_computed;
+  a.scores = heads * scores;
+  a.restreamed_bytes = heads * q_rows * ((d + dv) * eb + (2 + 2 * d) * kF32Bytes);
+  a.restream_tiles = k_blocks;
+  return a;
+}
+
+ThetaForms theta_forms(const AttentionProblem& p, double m) {
+  if (!(m > 0.0)) throw Error("sram_elements: must be > 0, got " + std::to_string(m));
+  const double heads = static_cast<double>(p.batch * p.heads_q);
+  const double sq = static_cast<double>(p.seqlen_q), sk = static_cast<double>(p.seqlen_k);
+  const double d = static_cast<double>(p.head_dim);
+  ThetaForms f;
+  f.standard = heads * (sq * d + sq * sk);
+  f.flash = heads * sq * sk * d * d / m;
+  f.ratio = f.standard > 0.0 ? f.flash / f.standard : 0.0;
+  return f;
+}
+
+const char* const kLowerBound =
+    "No exact attention algorithm can, for every fast-memory size M in [d, N·d], move "
+    "o(N²·d²/M) elements between slow and fast memory (Dao et al. 2022, FlashAttention, "
+    "Proposition 3): tiling is asymptotically optimal in that range.";
+
+Work work(const AttentionProblem& p) {
+  Work w;
+  std::int64_t per_head = 0;
+  for (std::int64_t i = 0; i < p.seqlen_q; ++i) per_head += p.key_range(i).size();
+  const double heads = static_cast<double>(p.batch * p.heads_q);
+  const double d = static_cast<double>(p.head_dim), dv = static_cast<double>(p.head_dim_v);
+  w.visible_pairs = per_head * p.batch * p.heads_q;
+  const double pairs = static_cast<double>(w.visible_pairs);
+  const double full = heads * static_cast<double>(p.seqlen_q) * static_cast<double>(p.seqlen_k);
+  w.forward = 2.0 * pairs * (d + dv);
+  w.backward_recompute = 2.0 * pairs * d;
+  w.backward = 2.0 * pairs * (2.0 * d + 2.0 * dv) + w.backward_recompute;
+  w.standard_forward = 2.0 * full * (d + dv);
+  w.standard_backward = 2.0 * full * (2.0 * d + 2.0 * dv);
+  w.exp_forward = pairs;
+  w.exp_backward = pairs;
+  w.exp_standard_forward = full;
+  return w;
+}
+
+// ---- per-tile roofline --------------------------------------------------------------
+
+namespace {
+
+// FP32-pipe operations per score besides the exponential. Forward: the row maximum, the
+// FMA s·scale − m, the row-sum add, and the conversion of P to 16 bits (one op per score,
+// rounding the paired conversion up). Backward: the FMA s·scale − L, dP − D, the product
+// with P, and the conversions of P and dS (one op for the pair, as paired conversions).
+constexpr double kForwardSoftmaxOps = 4.0;
+constexpr double kBackwardElementwiseOps = 4.0;
+// A software exp2 on the FP32 pipes (SPEC §5, FlashAttention-4): round to get n, subtract
+// for the fraction f, three FMAs of a cubic by Horner's rule, one integer add of n into
+// the exponent bits.
+constexpr double kPolyExp2Ops = 6.0;
+constexpr double kF32 = 4.0;  // bytes of a float32 (the dQ tile; CPU tiles)
+
+double tile_element_bytes(const Architecture& arch, DType dtype) {
+  return arch.cpu ? kF32 : static_cast<double>(dtype_size(dtype));
+}
+
+void check_tile(std::int64_t br, std::int64_t bc, std::int64_t d, std::int64_t dv, const TileOptions& o) {
+  if (br < 1 || bc < 1 || d < 1 || dv < 1) {
+    std::ostringstream s;
+    s << "tile: Br, Bc, D and Dv must be >= 1, got " << br << ", " << bc << ", " << d << ", " << dv;
+    throw Error(s.str());
+  }
+  if (!(o.poly_exp_fraction >= 0.0 && o.poly_exp_fraction <= 1.0))
+    throw Error("poly_exp_fraction: must be in [0, 1], got " + std::to_string(o.poly_exp_fraction));
+  if (!(o.rescale_fraction >= 0.0 && o.rescale_fraction <= 1.0))
+    throw Error("rescale_fraction: must be in [0, 1], got " + std::to_string(o.rescale_fraction));
+}
+
+// The exp unit's and the FP32 pipes' shares of `exps` exponentials. A CPU has no exp
+// unit: every exponential is its polynomial, counted in exp_per_clock.
+void add_exponentials(const Architecture& arch, double exps, const TileOptions& o, UnitCycles& c) {
+  if (arch.cpu) {
+    c.exp = exps / arch.exp_per_clock;
+    return;
+  }
+  c.exp = exps * (1.0 - o.poly_exp_fraction) / arch.exp_per_clock;
+  c.fma += exps * o.poly_exp_fraction * kPolyExp2Ops / arch.fp32_lanes;
+}
+
+double mma_rate(const Architecture& arch, DType dtype) {
+  const double rate = arch.mma_per_clock(dtype);
+  if (!(rate > 0.0)) throw Error("dtype: " + to_string(dtype) + " has no matrix-unit rate on " + arch.name);
+  return rate;
+}
+
+}  // namespace
+
+double Architecture::mma_per_clock(DType dtype) const { return dtype == DType::f32 ? mma_tf32 : mma_16bit; }
+
+double Architecture::peak_flops(DType dtype) const { return units * clock_ghz * 1e9 * mma_per_clock(dtype); }
+
+double UnitCycles::time() const {
+  if (shared_pipes) return std::max(mma + exp + fma, smem);
+  return std::max({mma, exp, fma, smem});
+}
+
+std::string UnitCycles::bottleneck() const {
+  const double t = time();
+  const auto is_max = [t](double v) { return std::fabs(v - t) <= 1e-9 * t; };
+  if (shared_pipes) {
+    const bool pipes = is_max(mma + exp + fma), l1 = is_max(smem);
+    return pipes && l1 ? "fma pipes=smem" : pipes ? "fma pipes" : "smem";
+  }
+  std::string name;
+  const std::pair<const char*, double> units[] = {{"mma", mma}, {"exp", exp}, {"fma", fma}, {"smem", smem}};
+  for (const auto& [unit, cycles] : units)
+    if (is_max(cycles)) {
+      if (!name.empty()) name += '=';
+      name += unit;
+    }
+  return name;
+}
+
+UnitCycles forward_tile_cycles(const Architecture& arch, std::int64_t br_i, std::int64_t bc_i, std::int64_t d_i,
+                               std::int64_t dv_i, const TileOptions& o) {
+  check_tile(br_i, bc_i, d_i, dv_i, o);
+  const double br = static_cast<double>(br_i), bc = static_cast<double>(bc_i);
+  const double d = static_cast<double>(d_i), dv = static_cast<double>(dv_i);
+  const double eb = tile_element_bytes(arch, o.dtype);
+  UnitCycles c;
+  c.shared_pipes = arch.cpu;
+  c.mma = 2.0 * br * bc * (d + dv) / mma_rate(arch, o.dtype);
+  // Softmax arithmetic on every score, and õ (Br × Dv) rescaled on the tiles that move m.
+  c.fma = (br * bc * kForwardSoftmaxOps + o.rescale_fraction * br * dv) / arch.fp32_lanes;
+  add_exponentials(arch, br * bc, o, c);
+  // The matrix units read Q, K and V from shared memory; S and P never go there.
+  c.smem = eb * (br * d + bc * d + bc * dv) / arch.smem_bytes_per_clock;
+  return c;
+}
+
+UnitCycles backward_tile_cycles(const Architecture& arch, std::int64_t br_i, std::int64_t bc_i, std::int64_t d_i,
+                                std::int64_t dv_i, const TileOptions& o) {
+  check_tile(br_i, bc_i, d_i, dv_i, o);
+  const double br = static_cast<double>(br_i), bc = static_cast<double>(bc_i);
+  const double d = static_cast<double>(d_i), dv = static_cast<double>(dv_i);
+  const double eb = tile_element_bytes(arch, o.dtype);
+  UnitCycles c;
+  c.shared_pipes = arch.cpu;
+  c.mma = 2.0 * br * bc * (3.0 * d + 2.0 * dv) / mma_rate(arch, o.dtype);
+  c.fma = br * bc * kBackwardElementwiseOps / arch.fp32_lanes;
+  add_exponentials(arch, br * bc, o, c);
+  // Operand reads: Q for S and dK, K for S and dQ, dO for dP and dV, V for dP; dS written
+  // once and read for dK and dQ (P stays in registers / tensor memory); the float32 dQ
+  // tile written and read again by its reduction into slow memory.
+  double elements = 2.0 * br * d + 2.0 * bc * d + 2.0 * br * dv + bc * dv + 3.0 * br * bc;
+  double dq_bytes = 2.0 * kF32 * br * d;
+  // 2-CTA MMA: two SMs compute a tile of 2·Bc keys together and each reads half of every
+  // N-side operand — Q (for S and dK), dO (for dP and dV) and K (for dQ); and with twice
+  // the keys per tile, each dQ row receives half as many partial sums to reduce.
+  if (o.two_cta) {
+    elements -= (2.0 * br * d + 2.0 * br * dv + bc * d) / 2.0;
+    dq_bytes /= 2.0;
+  }
+  c.smem = (eb * elements + dq_bytes) / arch.smem_bytes_per_clock;
+  return c;
+}
+
+// ---- prediction ---------------------------------------------------------------------
+
+namespace {
+
+Prediction predict(const AttentionProblem& p, const Architecture& arch, const TiledAccount& account,
+                   const UnitCycles& tile, double useful_flops, const char* pass) {
+  Prediction r;
+  const double clock_hz = arch.clock_ghz * 1e9;
+  r.compute_seconds = static_cast<double>(account.tiles_computed) * tile.time() / (arch.units * clock_hz);
+  // Work items run head-major, so the tiles of one head that run at the same time on
+  // different SMs read each restreamed tile once from slow memory and share it in cache.
+  const double sharing = static_cast<double>(std::clamp<std::int64_t>(account.restream_tiles, 1, arch.units));
+  r.memory_bytes = static_cast<double>(account.traffic.bytes()) -
+                   static_cast<double>(account.restreamed_bytes) * (1.0 - 1.0 / sharing);
+  r.memory_seconds = r.memory_bytes / arch.hbm_bytes_per_second;
+  r.seconds = std::max(r.compute_seconds, r.memory_seconds);
+  r.bound = r.compute_seconds >= r.memory_seconds ? tile.bottleneck() : "memory";
+  if (r.seconds > 0.0) {
+    r.tflops = useful_flops / r.seconds * 1e-12;
+    r.utilisation = useful_flops / r.seconds / arch.peak_flops(p.dtype);
+  }
+  r.assumptions = {
+      std::string("every ") + pass + " tile costs a full tile's cycles (masked entries of boundary tiles included)",
+      "the units of an SM/core overlap perfectly: a tile takes its slowest unit's cycles",
+      "all " + std::to_string(arch.units) + " SMs/cores stay busy (no tail wave, no load imbalance)",
+      "slow-memory transfers overlap compute; time = max(compute, traffic / bandwidth)",
+      "tiles of one head running at once share restreamed tiles through the cache: slow memory "
+      "serves them once per min(tiles per head, SMs/cores)",
+      "peak clock and peak rates of the hardware table; no launch or synchronisation cost"};
+  return r;
+}
+
+}  // namespace
+
+Prediction predict_forward(const AttentionProblem& p, const Architecture& arch, const Tiling& tiling,
+                           const TileOptions& options) {
+  const UnitCycles tile = forward_tile_cycles(arch, tiling.block_q, tiling.block_k, p.head_dim, p.head_dim_v, options);
+  return predict(p, arch, flash_forward(p, tiling), tile, work(p).forward, "forward");
+}
+
+Prediction predict_backward(const AttentionProblem& p, const Architecture& arch, const Tiling& tiling,
+                            const TileOptions& options) {
+  const UnitCycles tile = backward_tile_cycles(arch, tiling.block_q, tiling.block_k, p.head_dim, p.head_dim_v, options);
+  return predict(p, arch, flash_backward(p, tiling), tile, work(p).backward, "backward");
+}
+
+}  // namespace flashattn::cost

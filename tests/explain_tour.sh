@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# `flashattn explain --json` (GPU table and this CPU with counters) and `flashattn tour`
+# at small sizes: the documented JSON keys, counters equal to the model, the figures.
+set -euo pipefail
+cli=$1
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+"$cli" explain --seqlen 300 --heads 2 --dim 64 --arch b200 --json > "$work/gpu.json"
+"$cli" explain --seqlen-q 200 --seqlen-k 330 --heads 4 --heads-kv 2 --dim 40 --dim-v 24 --dtype f32 \
+  --window-size 50 10 --no-causal --arch cpu --threads 2 --measure --repeats 1 --json > "$work/cpu.json"
+"$cli" explain --seqlen 256 --heads 1 --dim 32 --arch a100 > "$work/text.txt"
+grep -q "Cycles per 128x128x32 tile" "$work/text.txt"
+python3 - "$work/gpu.json" "$work/cpu.json" <<'PY'
+import json, sys
+for path in sys.argv[1:]:
+    j = json.load(open(path))
+    for key in ["forward", "backward", "backward_recompute", "standard_forward", "standard_backward"]:
+        assert j["flops"][key] > 0, (path, key)
+    t = j["traffic"]
+    for key in ["standard_bytes", "flash_bytes", "theta_standard", "theta_flash"]:
+        assert t[key] > 0, (path, key)
+    assert t["standard_bytes"] == t["forward"]["standard_bytes"] + t["backward"]["standard_bytes"]
+    assert t["flash_bytes"] == t["forward"]["flash_bytes"] + t["backward"]["flash_bytes"]
+    for p in ["forward", "backward"]:
+        c = j["tile_cycles"][p]
+        assert all(c[k] > 0 for k in ["mma", "exp", "smem"]) and c["bottleneck"], c
+    # The tiled backward is the standard one's products over the visible pairs plus the recomputation.
+    assert j["flops"]["backward"] > j["flops"]["backward_recompute"] > 0
+gpu = json.load(open(sys.argv[1]))
+assert gpu["arch"]["name"] == "b200" and gpu["tile_cycles"]["tile"] == [128, 128, 64]
+assert gpu["tile_cycles"]["forward"]["bottleneck"] in ("mma", "exp", "mma=exp"), gpu["tile_cycles"]
+cpu = json.load(open(sys.argv[2]))
+assert cpu["arch"]["name"] == "cpu" and cpu["arch"]["units"] == 2
+m = cpu["measured"]
+for p in ["forward", "backward"]:
+    for key, value in m["model"][p].items():
+        if key == "kv_packed":  # depends on which thread ran which item: measured only
+            continue
+        assert m[p][key] == value, (p, key, m[p][key], value)
+    assert m[p]["tiles_computed"] > 0 and m[p]["tiles_skipped"] > 0  # the window skips tiles
+PY
+
+"$cli" tour --max-seqlen 256 --dim 32 --heads 1 --repeats 1 --threads 2 --out "$work/figures" > "$work/tour.txt"
+for chapter in "== 1. " "== 2. " "== 3. " "== 4. " "== 5. "; do grep -q "$chapter" "$work/tour.txt"; done
+grep -q "not here yet\|Not here yet" "$work/tour.txt"
+python3 - "$work/figures" <<'PY'
+import os, sys, xml.etree.ElementTree as ET
+names = sorted(os.listdir(sys.argv[1]))
+assert names == ["gflops_vs_threads.svg", "memory_vs_n.svg", "traffic_vs_n.svg", "traffic_vs_tile.svg",
+                 "unit_cycles_backward.svg", "unit_cycles_forward.svg"], names
+for n in names:
+    root = ET.parse(os.path.join(sys.argv[1], n)).getroot()
+    assert root.tag.endswith("svg") and len(root) > 5, n
+PY

@@ -1,0 +1,698 @@
+// Fuzz target: bytes → an attention problem through the public API, checked against the
+// float64 reference.
+//
+// The bytes choose the entry point (forward, forward + backward, varlen), dtype, shapes
+// (0 and 1 included), the memory layout of every tensor (dimension order, padding,
+// k/v broadcast over the batch or aliasing each other), every option, and at most one
+// deliberate fault. Invariants:
+//   * a faulted call throws flashattn::Error and writes nothing (every output byte keeps
+//     its canary);
+//   * a valid call does not throw, matches the reference within upstream's tolerance
+//     rule (2× a naive same-precision implementation for outputs, 3× for gradients), and
+//     writes only the elements of its output views (canaries in every gap and guard);
+//   * inputs are never modified.
+// A violated invariant aborts, which libFuzzer reports as a crash. Built with
+// -fsanitize=fuzzer under clang (scripts/test runs it time-boxed); without libFuzzer the
+// same file builds a driver that replays corpus files, a CTest over tests/fuzz/corpus.
+#include FLASHATTN_FUZZED_DATA_PROVIDER  // clang's <fuzzer/FuzzedDataProvider.h>, by full path
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "flashattn/flashattn.hpp"
+#include "tests/test_util.hpp"
+
+namespace flashattn::fuzz {
+namespace {
+
+constexpr unsigned char kCanary = 0xA5;
+constexpr std::size_t kGuardBytes = 64;
+
+std::string current_case;  // what the bytes decoded to, printed with a violation
+
+[[noreturn]] void fail(const std::string& what) {
+  std::fprintf(stderr, "fuzz invariant violated: %s\n  case: %s\n", what.c_str(), current_case.c_str());
+  std::abort();
+}
+void check(bool ok, const std::string& what) {
+  if (!ok) fail(what);
+}
+
+// A rank-4 tensor placed in a canary-filled buffer: the first three dimensions in any
+// order, each padded, the last one contiguous and padded; guard bytes on both sides.
+struct Placed {
+  DType dtype = DType::f32;
+  std::array<std::int64_t, 4> shape{}, strides{};
+  std::vector<unsigned char> bytes;
+  std::size_t origin = kGuardBytes;  // byte offset of element (0, 0, 0, 0)
+
+  std::size_t element_offset(std::int64_t flat) const {  // flat row-major logical index
+    std::int64_t off = 0;
+    for (int d = 3; d >= 0; --d) {
+      off += (flat % shape[d]) * strides[d];
+      flat /= shape[d];
+    }
+    return origin + static_cast<std::size_t>(off) * dtype_size(dtype);
+  }
+  float get(std::int64_t flat) const {
+    const unsigned char* p = &bytes[element_offset(flat)];
+    if (dtype == DType::f32) {
+      float x;
+      std::memcpy(&x, p, 4);
+      return x;
+    }
+    std::uint16_t bits;
+    std::memcpy(&bits, p, 2);
+    return dtype == DType::bf16 ? bf16_to_float(bits) : f16_to_float(bits);
+  }
+  std::int64_t numel() const { return shape[0] * shape[1] * shape[2] * shape[3]; }
+  TensorView view() const {
+    TensorView v(bytes.data() + origin, dtype, {shape[0], shape[1], shape[2], shape[3]});
+    for (int d = 0; d < 4; ++d) v.strides[d] = strides[d];
+    return v;
+  }
+  MutableTensorView mutable_view() {
+    MutableTensorView v(bytes.data() + origin, dtype, {shape[0], shape[1], shape[2], shape[3]});
+    for (int d = 0; d < 4; ++d) v.strides[d] = strides[d];
+    return v;
+  }
+  // Every byte outside the view's elements still holds the canary.
+  void check_gaps(const char* name) const {
+    std::vector<bool> covered(bytes.size(), false);
+    const std::size_t size = dtype_size(dtype);
+    for (std::int64_t i = 0; i < numel(); ++i)
+      std::fill_n(covered.begin() + static_cast<std::ptrdiff_t>(element_offset(i)), size, true);
+    for (std::size_t b = 0; b < bytes.size(); ++b)
+      if (!covered[b]) check(bytes[b] == kCanary, std::string(name) + ": byte written outside the view");
+  }
+  bool untouched() const {
+    return std::all_of(bytes.begin(), bytes.end(), [](unsigned char b) { return b == kCanary; });
+  }
+};
+
+struct Layout {
+  std::array<int, 3> order{0, 1, 2};  // memory order of the first three dims, outermost first
+  std::array<std::int64_t, 4> pad{};  // extra elements per dimension
+  bool broadcast_batch = false;       // batch stride 0 (inputs only)
+};
+
+Layout fuzz_layout(FuzzedDataProvider& fdp) {
+  Layout l;
+  static constexpr std::array<std::array<int, 3>, 6> kOrders{
+      {{0, 1, 2}, {0, 2, 1}, {1, 0, 2}, {1, 2, 0}, {2, 0, 1}, {2, 1, 0}}};
+  l.order = kOrders[fdp.ConsumeIntegralInRange<std::size_t>(0, 5)];
+  for (auto& p : l.pad) p = fdp.ConsumeBool() ? fdp.ConsumeIntegralInRange<std::int64_t>(1, 3) : 0;
+  return l;
+}
+
+// Allocates a canary-filled buffer holding `shape` in `layout`; if `values` is given, the
+// view's elements get them (row-major logical order), rounded to dtype.
+Placed place(DType dtype, std::array<std::int64_t, 4> shape, const Layout& layout,
+             const Tensor* values = nullptr) {
+  Placed t;
+  t.dtype = dtype;
+  t.shape = shape;
+  std::int64_t stride = 1;
+  t.strides[3] = 1;
+  stride = shape[3] + layout.pad[3];
+  for (int i = 2; i >= 0; --i) {
+    const int d = layout.order[static_cast<std::size_t>(i)];
+    const bool broadcast = layout.broadcast_batch && d == 0;
+    t.strides[d] = broadcast ? 0 : stride;
+    if (!broadcast) stride *= shape[d] + layout.pad[d];
+  }
+  const std::size_t span = static_cast<std::size_t>(std::max<std::int64_t>(stride, 1)) * dtype_size(dtype);
+  t.bytes.assign(span + 2 * kGuardBytes, kCanary);
+  if (values != nullptr) {
+    const std::size_t size = dtype_size(dtype);
+    for (std::int64_t i = 0; i < t.numel(); ++i) {
+      const float x = round_to(dtype, values->get(i));
+      unsigned char* p = &t.bytes[t.element_offset(i)];
+      if (dtype == DType::f32) {
+        std::memcpy(p, &x, size);
+      } else {
+        const std::uint16_t bits = dtype == DType::bf16 ? float_to_bf16(x) : float_to_f16(x);
+        std::memcpy(p, &bits, size);
+      }
+    }
+  }
+  return t;
+}
+
+// N(0, 1) values in dtype, never zero; with `same_batches`, every batch equals batch 0 (a
+// broadcast view reads batch 0 for all of them).
+Tensor logical(DType dtype, std::array<std::int64_t, 4> shape, std::uint64_t seed, bool same_batches) {
+  Tensor t = test::random_tensor(dtype, {shape[0], shape[1], shape[2], shape[3]}, seed);
+  if (same_batches) {
+    const std::int64_t per_batch = shape[1] * shape[2] * shape[3];
+    for (std::int64_t i = per_batch; i < t.numel(); ++i) t.set(i, t.get(i % per_batch));
+  }
+  return t;
+}
+
+double max_abs(const std::vector<double>& x) {
+  double m = 0.0;
+  for (double v : x) m = std::fmax(m, std::fabs(v));
+  return m;
+}
+
+double max_error(const Placed& got, const std::vector<double>& want) {
+  double e = 0.0;
+  for (std::int64_t i = 0; i < got.numel(); ++i) {
+    const double d = std::fabs(static_cast<double>(got.get(i)) - want[static_cast<std::size_t>(i)]);
+    e = std::isnan(d) ? INFINITY : std::fmax(e, d);
+  }
+  return e;
+}
+
+// The faults a call can carry; kNone is a valid call.
+enum Fault : int {
+  kNone,
+  kKDtype,           // k's dtype differs from q's
+  kKHeadDim,         // k's head_dim differs from q's
+  kHeadsNotMultiple, // heads_q not a multiple of heads_kv
+  kStridedLastDim,   // q's last dimension not contiguous
+  kOutShape,         // out has the wrong seqlen
+  kLseDtype,         // lse is bf16
+  kDropout,          // dropout_p outside [0, 1)
+  kSoftcap,          // softcap negative or NaN
+  kWindow,           // window side < −1
+  kCausalWindow,     // causal with window right > 0
+  kThreads,          // num_threads negative
+  kAlibiShape,       // alibi_slopes of the wrong length
+  kBlockMask,        // block mask of the wrong shape
+  kScale,            // softmax_scale not finite
+  kOutAliasesQ,      // out's memory is q's
+  kHeadDimTooLarge,  // head_dim beyond the supported maximum
+  kGradShape,        // dk has the wrong shape (backward)
+  kFaultCount
+};
+
+struct Inputs {
+  DType dtype = DType::f32;
+  std::int64_t batch = 1, seqlen_q = 1, seqlen_k = 1, heads_q = 1, heads_kv = 1, head_dim = 1, head_dim_v = 1;
+};
+
+void run_case(FuzzedDataProvider& fdp) {
+  Inputs in;
+  static constexpr std::array<DType, 3> kDtypes{DType::f32, DType::bf16, DType::f16};
+  in.dtype = kDtypes[fdp.ConsumeIntegralInRange<std::size_t>(0, 2)];
+  in.batch = fdp.ConsumeIntegralInRange<std::int64_t>(0, 2);
+  in.seqlen_q = fdp.ConsumeIntegralInRange<std::int64_t>(0, 40);
+  in.seqlen_k = fdp.ConsumeIntegralInRange<std::int64_t>(0, 48);
+  in.heads_kv = fdp.ConsumeIntegralInRange<std::int64_t>(1, 2);
+  in.heads_q = in.heads_kv * fdp.ConsumeIntegralInRange<std::int64_t>(1, 3);
+  in.head_dim = fdp.ConsumeIntegralInRange<std::int64_t>(1, 72);
+  in.head_dim_v = fdp.ConsumeBool() ? in.head_dim : fdp.ConsumeIntegralInRange<std::int64_t>(1, 72);
+  const bool with_backward = fdp.ConsumeBool();
+  int fault = fdp.ConsumeBool() ? fdp.ConsumeIntegralInRange<int>(1, kFaultCount - 1) : kNone;
+  // An empty q has no elements whose stride or memory could be wrong.
+  const bool q_empty = in.batch * in.seqlen_q == 0;
+  if (q_empty && (fault == kStridedLastDim || fault == kOutAliasesQ)) fault = kNone;
+
+  AttentionOptions o;
+  o.causal = fdp.ConsumeBool();
+  if (fdp.ConsumeBool()) {
+    o.window_size.left = fdp.ConsumeIntegralInRange<std::int64_t>(-1, in.seqlen_k);
+    o.window_size.right = o.causal ? fdp.ConsumeIntegralInRange<std::int64_t>(-1, 0)
+                                   : fdp.ConsumeIntegralInRange<std::int64_t>(-1, in.seqlen_k);
+  }
+  if (fdp.ConsumeBool()) o.softcap = fdp.ConsumeFloatingPointInRange<float>(0.5f, 30.0f);
+  if (fdp.ConsumeBool()) o.softmax_scale = fdp.ConsumeFloatingPointInRange<float>(-0.6f, 0.6f);
+  if (fdp.ConsumeBool()) {
+    o.dropout_p = fdp.ConsumeFloatingPointInRange<float>(0.0f, 0.9f);
+    o.seed = fdp.ConsumeIntegral<std::uint64_t>();
+    o.offset = fdp.ConsumeIntegral<std::uint64_t>();
+  }
+  Tensor alibi;
+  if (fdp.ConsumeBool()) {
+    alibi = fdp.ConsumeBool() ? Tensor(DType::f32, {in.heads_q}) : Tensor(DType::f32, {in.batch, in.heads_q});
+    for (std::int64_t i = 0; i < alibi.numel(); ++i) alibi.set(i, fdp.ConsumeFloatingPointInRange<float>(0.0f, 1.0f));
+    o.alibi_slopes = alibi.view();
+  }
+  Tensor block_mask;
+  if (fdp.ConsumeBool()) {
+    const std::int64_t bs = fdp.ConsumeIntegralInRange<std::int64_t>(1, 16);
+    block_mask = Tensor(DType::u8, {(in.seqlen_q + bs - 1) / bs, (in.seqlen_k + bs - 1) / bs});
+    for (std::int64_t i = 0; i < block_mask.numel(); ++i) block_mask.set(i, fdp.ConsumeBool() ? 1.0f : 0.0f);
+    o.block_mask = block_mask.view();
+    o.block_mask_block_size = bs;
+  }
+  o.num_threads = fdp.ConsumeIntegralInRange<int>(0, 3);
+  o.num_splits = fdp.ConsumeIntegralInRange<int>(0, 3);
+  o.deterministic = fdp.ConsumeBool();
+  if (fdp.ConsumeBool()) o.block_q = fdp.ConsumeIntegralInRange<std::int64_t>(1, 64);
+  KernelCounters counters;
+  if (fdp.ConsumeBool()) o.counters = &counters;
+
+  Layout lq = fuzz_layout(fdp), lk = fuzz_layout(fdp), lv = fuzz_layout(fdp), lo = fuzz_layout(fdp);
+  const bool broadcast_kv = fdp.ConsumeBool() && fdp.ConsumeBool();
+  lk.broadcast_batch = lv.broadcast_batch = broadcast_kv;
+  const bool v_aliases_k = in.head_dim == in.head_dim_v && fdp.ConsumeBool() && fdp.ConsumeBool();
+  const std::uint64_t seed = fdp.ConsumeIntegral<std::uint32_t>();
+
+  std::ostringstream describe;
+  describe << "dtype=" << to_string(in.dtype) << " B=" << in.batch << " Sq=" << in.seqlen_q << " Sk=" << in.seqlen_k
+           << " Hq=" << in.heads_q << " Hkv=" << in.heads_kv << " D=" << in.head_dim << " Dv=" << in.head_dim_v
+           << " backward=" << with_backward << " fault=" << fault << " causal=" << o.causal << " window=("
+           << o.window_size.left << "," << o.window_size.right << ") softcap=" << o.softcap
+           << " scale=" << (o.softmax_scale ? std::to_string(*o.softmax_scale) : "default")
+           << " dropout=" << o.dropout_p << " alibi=" << alibi.shape().size() << " block_mask="
+           << o.block_mask_block_size << " threads=" << o.num_threads << " splits=" << o.num_splits
+           << " deterministic=" << o.deterministic << " block_q=" << o.block_q
+           << " counters=" << (o.counters != nullptr) << " broadcast_kv=" << broadcast_kv
+           << " v_aliases_k=" << v_aliases_k << " seed=" << seed;
+  current_case = describe.str();
+
+  // Faults that change shapes or dtypes act on what is built next.
+  DType k_dtype = in.dtype;
+  std::int64_t k_head_dim = in.head_dim, heads_kv = in.heads_kv;
+  switch (fault) {
+    case kKDtype: k_dtype = in.dtype == DType::f32 ? DType::bf16 : DType::f32; break;
+    case kKHeadDim: k_head_dim = in.head_dim + 1; break;
+    case kHeadsNotMultiple: heads_kv = in.heads_q + 1; break;
+    case kHeadDimTooLarge: in.head_dim = k_head_dim = AttentionProblem::kMaxHeadDim + 1; break;
+    case kDropout: o.dropout_p = fdp.ConsumeBool() ? 1.0f : -0.25f; break;
+    case kSoftcap: o.softcap = fdp.ConsumeBool() ? -1.0f : NAN; break;
+    case kWindow: o.window_size.left = -2; break;
+    case kCausalWindow: o.causal = true, o.window_size.right = 1; break;
+    case kThreads: o.num_threads = -1; break;
+    case kAlibiShape:
+      alibi = Tensor(DType::f32, {in.heads_q + 1});
+      for (std::int64_t i = 0; i < alibi.numel(); ++i) alibi.set(i, 0.5f);
+      o.alibi_slopes = alibi.view();
+      break;
+    case kBlockMask:
+      block_mask = Tensor(DType::u8, {in.seqlen_q + 2, 1});
+      o.block_mask = block_mask.view();
+      o.block_mask_block_size = 1;
+      break;
+    case kScale: o.softmax_scale = fdp.ConsumeBool() ? INFINITY : NAN; break;
+    default: break;
+  }
+
+  const std::array<std::int64_t, 4> q_shape{in.batch, in.seqlen_q, in.heads_q, in.head_dim};
+  const std::array<std::int64_t, 4> k_shape{in.batch, in.seqlen_k, heads_kv, k_head_dim};
+  const std::array<std::int64_t, 4> v_shape{in.batch, in.seqlen_k, heads_kv, in.head_dim_v};
+  const std::array<std::int64_t, 4> o_shape{in.batch, in.seqlen_q, in.heads_q, in.head_dim_v};
+  const Tensor q = logical(in.dtype, q_shape, seed, false);
+  const Tensor k = logical(k_dtype, k_shape, seed + 1, broadcast_kv);
+  const Tensor v = v_aliases_k ? k : logical(in.dtype, v_shape, seed + 2, broadcast_kv);
+  Placed pq = place(in.dtype, q_shape, lq, &q);
+  const Placed pk = place(k_dtype, k_shape, lk, &k);
+  const Placed pv = v_aliases_k ? pk : place(in.dtype, v_shape, lv, &v);
+  TensorView vq = pq.view();
+  if (fault == kStridedLastDim) vq.strides[3] = 2;
+  const TensorView vk = pk.view(), vv = pv.view();
+  const std::vector<unsigned char> q_before = pq.bytes, k_before = pk.bytes, v_before = pv.bytes;
+
+  const std::array<std::int64_t, 4> out_shape =
+      fault == kOutShape ? std::array<std::int64_t, 4>{in.batch, in.seqlen_q + 1, in.heads_q, in.head_dim_v} : o_shape;
+  Placed pout = place(in.dtype, out_shape, lo);
+  Placed plse = place(fault == kLseDtype ? DType::bf16 : DType::f32, {1, in.batch, in.heads_q, in.seqlen_q}, Layout{});
+  MutableTensorView out = pout.mutable_view();
+  if (fault == kOutAliasesQ) {  // out's shape inside q's memory where it fits, else a 1-element view of it
+    out = pq.mutable_view();
+    if (in.head_dim_v <= in.head_dim)
+      out.shape[3] = in.head_dim_v;
+    else
+      out.shape = {1, 1, 1, 1};
+  }
+  MutableTensorView lse(plse.bytes.data() + plse.origin, plse.dtype, {in.batch, in.heads_q, in.seqlen_q});
+
+  const bool forward_fault = fault != kNone && fault != kGradShape;
+  try {
+    forward(vq, vk, vv, out, lse, o);
+    check(!forward_fault, "forward accepted fault " + std::to_string(fault));
+  } catch (const Error& e) {
+    check(forward_fault, std::string("forward rejected a valid call: ") + e.what());
+    check(pout.untouched() && plse.untouched(), "a rejected forward wrote its outputs");
+    check(pq.bytes == q_before, "a rejected forward modified q");
+    return;
+  }
+  check(pq.bytes == q_before && pk.bytes == k_before && pv.bytes == v_before, "forward modified an input");
+  pout.check_gaps("out");
+  plse.check_gaps("lse");
+
+  const AttentionProblem p = AttentionProblem::from_inputs(q.view(), k.view(), v.view(), o);
+  const reference::Result want = reference::attention(q.view(), k.view(), v.view(), o);
+  const double naive_out = test::max_abs_error(test::naive_same_precision(p, o, q, k, v), want.out);
+  const double tol_out = 1e-5 * (1.0 + max_abs(want.out)) + 2.0 * naive_out;
+  check(max_error(pout, want.out) <= tol_out, "out differs from the reference");
+  for (std::int64_t i = 0; i < plse.numel(); ++i) {
+    const double e = want.lse[static_cast<std::size_t>(i)], g = plse.get(i);
+    if (std::isinf(e))
+      check(g == e, "lse of a row without visible keys is not -inf");
+    else
+      check(std::fabs(g - e) <= 1e-5 + 1e-5 * std::fabs(e), "lse differs from the reference");
+  }
+  if (!with_backward && fault != kGradShape) return;
+
+  const Tensor dout = logical(in.dtype, o_shape, seed + 3, false);
+  const Placed pdout = place(in.dtype, o_shape, fuzz_layout(fdp), &dout);
+  std::array<std::int64_t, 4> dk_shape = k_shape;
+  if (fault == kGradShape) dk_shape[1] += 1;
+  Placed pdq = place(in.dtype, q_shape, fuzz_layout(fdp)), pdk = place(in.dtype, dk_shape, fuzz_layout(fdp)),
+         pdv = place(in.dtype, v_shape, fuzz_layout(fdp));
+  const std::vector<unsigned char> out_before = pout.bytes, lse_before = plse.bytes, dout_before = pdout.bytes;
+  try {
+    backward(pdout.view(), vq, vk, vv, pout.view(), TensorView(lse), pdq.mutable_view(), pdk.mutable_view(),
+             pdv.mutable_view(), o);
+    check(fault == kNone, "backward accepted fault " + std::to_string(fault));
+  } catch (const Error& e) {
+    check(fault == kGradShape, std::string("backward rejected a valid call: ") + e.what());
+    check(pdq.untouched() && pdk.untouched() && pdv.untouched(), "a rejected backward wrote its outputs");
+    return;
+  }
+  check(pq.bytes == q_before && pk.bytes == k_before && pv.bytes == v_before && pout.bytes == out_before &&
+            plse.bytes == lse_before && pdout.bytes == dout_before,
+        "backward modified an input");
+  pdq.check_gaps("dq");
+  pdk.check_gaps("dk");
+  pdv.check_gaps("dv");
+  const reference::Gradients g = reference::attention_backward(dout.view(), q.view(), k.view(), v.view(), o);
+  const test::NaiveGradients n = test::naive_backward_same_precision(p, o, dout, q, k, v);
+  check(max_error(pdq, g.dq) <= 1e-4 * (1.0 + max_abs(g.dq)) + 3.0 * test::max_abs_error(n.dq, g.dq),
+        "dq differs from the reference");
+  check(max_error(pdk, g.dk) <= 1e-4 * (1.0 + max_abs(g.dk)) + 3.0 * test::max_abs_error(n.dk, g.dk),
+        "dk differs from the reference");
+  check(max_error(pdv, g.dv) <= 1e-4 * (1.0 + max_abs(g.dv)) + 3.0 * test::max_abs_error(n.dv, g.dv),
+        "dv differs from the reference");
+}
+
+
+// ---- varlen: ragged sequences packed along the token dimension --------------------------
+
+// Tokens [begin, begin + len) of a (1, total, heads, dim) logical tensor as (1, len, heads, dim).
+Tensor slice_tokens(const Tensor& t, std::int64_t begin, std::int64_t len) {
+  const std::int64_t row = t.shape()[2] * t.shape()[3];
+  Tensor r(t.dtype(), {1, len, t.shape()[2], t.shape()[3]});
+  for (std::int64_t i = 0; i < r.numel(); ++i) r.set(i, t.get(begin * row + i));
+  return r;
+}
+
+// The view without its leading dimension of size 1: a (1, total, heads, dim) placement as
+// the (total, heads, dim) view of the varlen API.
+template <class View>
+View drop_leading(View v) {
+  for (int d = 0; d + 1 < v.rank; ++d) v.shape[d] = v.shape[d + 1], v.strides[d] = v.strides[d + 1];
+  --v.rank;
+  v.shape[v.rank] = v.strides[v.rank] = 0;
+  return v;
+}
+
+void run_varlen(FuzzedDataProvider& fdp) {
+  static constexpr std::array<DType, 3> kDtypes{DType::f32, DType::bf16, DType::f16};
+  const DType dtype = kDtypes[fdp.ConsumeIntegralInRange<std::size_t>(0, 2)];
+  const std::int64_t batch = fdp.ConsumeIntegralInRange<std::int64_t>(0, 3);
+  std::vector<std::int32_t> cu_q{0}, cu_k{0};
+  std::int64_t max_q = 0, max_k = 0;
+  for (std::int64_t b = 0; b < batch; ++b) {
+    const auto lq = fdp.ConsumeIntegralInRange<std::int32_t>(0, 24), lk = fdp.ConsumeIntegralInRange<std::int32_t>(0, 24);
+    cu_q.push_back(cu_q.back() + lq), cu_k.push_back(cu_k.back() + lk);
+    max_q = std::max<std::int64_t>(max_q, lq), max_k = std::max<std::int64_t>(max_k, lk);
+  }
+  const std::int64_t hkv = fdp.ConsumeIntegralInRange<std::int64_t>(1, 2);
+  const std::int64_t hq = hkv * fdp.ConsumeIntegralInRange<std::int64_t>(1, 2);
+  const std::int64_t d = fdp.ConsumeIntegralInRange<std::int64_t>(1, 48);
+  const std::int64_t dv = fdp.ConsumeBool() ? d : fdp.ConsumeIntegralInRange<std::int64_t>(1, 48);
+  const bool with_backward = fdp.ConsumeBool();
+  AttentionOptions o;
+  o.causal = fdp.ConsumeBool();
+  if (fdp.ConsumeBool()) o.window_size = {fdp.ConsumeIntegralInRange<std::int64_t>(-1, 24), o.causal ? 0 : -1};
+  if (fdp.ConsumeBool()) o.softcap = fdp.ConsumeFloatingPointInRange<float>(0.5f, 30.0f);
+  if (!with_backward && fdp.ConsumeBool()) {  // the backward check below compares sequences without dropout
+    o.dropout_p = fdp.ConsumeFloatingPointInRange<float>(0.0f, 0.9f);
+    o.seed = fdp.ConsumeIntegral<std::uint64_t>();
+  }
+  Tensor alibi;
+  if (fdp.ConsumeBool()) {
+    alibi = fdp.ConsumeBool() ? Tensor(DType::f32, {hq}) : Tensor(DType::f32, {batch, hq});
+    for (std::int64_t i = 0; i < alibi.numel(); ++i) alibi.set(i, fdp.ConsumeFloatingPointInRange<float>(0.0f, 1.0f));
+    o.alibi_slopes = alibi.view();
+  }
+  o.num_threads = fdp.ConsumeIntegralInRange<int>(0, 3);
+  o.deterministic = fdp.ConsumeBool();
+  // Faults: 1 offsets not starting at 0, 2 decreasing, 3 a length above max_seqlen_q,
+  // 4 last offset not the token count, 5 a block mask, 6 cu_seqlens of different batches.
+  const int fault = fdp.ConsumeBool() ? fdp.ConsumeIntegralInRange<int>(1, 6) : 0;
+  const std::uint64_t seed = fdp.ConsumeIntegral<std::uint32_t>();
+  std::ostringstream describe;
+  describe << "varlen dtype=" << to_string(dtype) << " batch=" << batch << " total_q=" << cu_q.back()
+           << " total_k=" << cu_k.back() << " Hq=" << hq << " Hkv=" << hkv << " D=" << d << " Dv=" << dv
+           << " backward=" << with_backward << " fault=" << fault << " causal=" << o.causal
+           << " window_left=" << o.window_size.left << " softcap=" << o.softcap << " dropout=" << o.dropout_p
+           << " alibi=" << alibi.shape().size() << " threads=" << o.num_threads << " seed=" << seed;
+  current_case = describe.str();
+
+  const std::int64_t total_q = cu_q.back(), total_k = cu_k.back();
+  std::vector<std::int32_t> bad_q = cu_q;
+  std::int64_t max_q_arg = max_q;
+  Tensor mask;
+  bool expect_error = fault != 0;
+  switch (fault) {
+    case 1: bad_q.front() = 1; break;
+    case 2: if (batch >= 1) bad_q[1] = -1; else expect_error = false; break;
+    case 3: if (max_q > 0) max_q_arg = max_q - 1; else expect_error = false; break;
+    case 4: bad_q.back() += 1; break;
+    case 5:
+      mask = Tensor(DType::u8, {1, 1});
+      o.block_mask = mask.view();
+      o.block_mask_block_size = 64;
+      break;
+    case 6: bad_q.push_back(bad_q.back()); break;
+    default: break;
+  }
+  Tensor cu_q_t(DType::i32, {static_cast<std::int64_t>(bad_q.size())}), cu_k_t(DType::i32, {static_cast<std::int64_t>(cu_k.size())});
+  std::memcpy(cu_q_t.data(), bad_q.data(), bad_q.size() * 4);
+  std::memcpy(cu_k_t.data(), cu_k.data(), cu_k.size() * 4);
+  const VarlenSeqlens seqlens{cu_q_t.view(), cu_k_t.view(), max_q_arg, max_k};
+
+  const std::array<std::int64_t, 4> q_shape{1, total_q, hq, d}, k_shape{1, total_k, hkv, d},
+      v_shape{1, total_k, hkv, dv}, o_shape{1, total_q, hq, dv};
+  const Tensor q = logical(dtype, q_shape, seed, false), k = logical(dtype, k_shape, seed + 1, false),
+               v = logical(dtype, v_shape, seed + 2, false);
+  Layout lq = fuzz_layout(fdp), lk = fuzz_layout(fdp), lv = fuzz_layout(fdp), lo = fuzz_layout(fdp);
+  const Placed pq = place(dtype, q_shape, lq, &q), pk = place(dtype, k_shape, lk, &k), pv = place(dtype, v_shape, lv, &v);
+  Placed pout = place(dtype, o_shape, lo), plse = place(DType::f32, {1, 1, hq, total_q}, Layout{});
+  const std::vector<unsigned char> q_before = pq.bytes, k_before = pk.bytes, v_before = pv.bytes;
+  const MutableTensorView lse = drop_leading(drop_leading(plse.mutable_view()));
+  try {
+    forward_varlen(drop_leading(pq.view()), drop_leading(pk.view()), drop_leading(pv.view()), seqlens,
+                   drop_leading(pout.mutable_view()), lse, o);
+    check(!expect_error, "forward_varlen accepted fault " + std::to_string(fault));
+  } catch (const Error& e) {
+    check(expect_error, std::string("forward_varlen rejected a valid call: ") + e.what());
+    check(pout.untouched() && plse.untouched(), "a rejected forward_varlen wrote its outputs");
+    return;
+  }
+  check(pq.bytes == q_before && pk.bytes == k_before && pv.bytes == v_before, "forward_varlen modified an input");
+  pout.check_gaps("out");
+  plse.check_gaps("lse");
+
+  const Tensor dout = logical(dtype, o_shape, seed + 3, false);
+  const Placed pdout = place(dtype, o_shape, fuzz_layout(fdp), &dout);
+  Placed pdq = place(dtype, q_shape, fuzz_layout(fdp)), pdk = place(dtype, k_shape, fuzz_layout(fdp)),
+         pdv = place(dtype, v_shape, fuzz_layout(fdp));
+  if (with_backward)
+    backward_varlen(drop_leading(pdout.view()), drop_leading(pq.view()), drop_leading(pk.view()),
+                    drop_leading(pv.view()), drop_leading(pout.view()), TensorView(lse), seqlens,
+                    drop_leading(pdq.mutable_view()), drop_leading(pdk.mutable_view()),
+                    drop_leading(pdv.mutable_view()), o);
+
+  // Each sequence against the reference of a batch-1 problem keyed by its index, as the
+  // varlen contract states (dropout and (batch, heads) ALiBi slopes by sequence).
+  for (std::int64_t b = 0; b < batch; ++b) {
+    const std::int64_t q0 = cu_q[b], sq = cu_q[b + 1] - q0, k0 = cu_k[b], sk = cu_k[b + 1] - k0;
+    const Tensor qb = slice_tokens(q, q0, sq), kb = slice_tokens(k, k0, sk), vb = slice_tokens(v, k0, sk);
+    AttentionOptions ob = o;
+    Tensor slopes(DType::f32, {hq});
+    if (o.alibi_slopes.data != nullptr) {
+      for (std::int64_t h = 0; h < hq; ++h) slopes.set(h, alibi.get((alibi.shape().size() == 2 ? b * hq : 0) + h));
+      ob.alibi_slopes = slopes.view();
+    }
+    AttentionProblem p = AttentionProblem::from_inputs(qb.view(), kb.view(), vb.view(), ob);
+    p.batch_offset = b;
+    std::vector<double> want(static_cast<std::size_t>(sq * hq * dv));
+    for (std::int64_t h = 0; h < hq; ++h)
+      for (std::int64_t i = 0; i < sq; ++i) {
+        double lse_want = 0.0;
+        reference::attention_row(p, ob, qb.view(), kb.view(), vb.view(), 0, h, i,
+                                 &want[static_cast<std::size_t>((i * hq + h) * dv)], &lse_want);
+        const double got = plse.get(h * total_q + q0 + i);
+        if (std::isinf(lse_want))
+          check(got == lse_want, "varlen lse of a row without visible keys is not -inf");
+        else
+          check(std::fabs(got - lse_want) <= 1e-5 + 1e-5 * std::fabs(lse_want), "varlen lse differs from the reference");
+      }
+    const double tol = 1e-5 * (1.0 + max_abs(want)) +
+                       2.0 * test::max_abs_error(test::naive_same_precision(p, ob, qb, kb, vb), want);
+    for (std::int64_t i = 0; i < sq * hq * dv; ++i)
+      check(std::fabs(pout.get(q0 * hq * dv + i) - want[static_cast<std::size_t>(i)]) <= tol,
+            "varlen out of sequence " + std::to_string(b) + " differs from the reference");
+    if (!with_backward) continue;
+    const Tensor doutb = slice_tokens(dout, q0, sq);
+    const reference::Gradients g = reference::attention_backward(doutb.view(), qb.view(), kb.view(), vb.view(), ob);
+    const test::NaiveGradients n = test::naive_backward_same_precision(p, ob, doutb, qb, kb, vb);
+    const auto within = [](const Placed& got, std::int64_t first, const std::vector<double>& want, const std::vector<double>& naive) {
+      const double tol = 1e-4 * (1.0 + max_abs(want)) + 3.0 * test::max_abs_error(naive, want);
+      for (std::size_t i = 0; i < want.size(); ++i)
+        if (!(std::fabs(got.get(first + static_cast<std::int64_t>(i)) - want[i]) <= tol)) return false;
+      return true;
+    };
+    check(within(pdq, q0 * hq * d, g.dq, n.dq), "varlen dq differs from the reference");
+    check(within(pdk, k0 * hkv * d, g.dk, n.dk), "varlen dk differs from the reference");
+    check(within(pdv, k0 * hkv * dv, g.dv, n.dv), "varlen dv differs from the reference");
+  }
+  if (with_backward) {
+    pdq.check_gaps("dq");
+    pdk.check_gaps("dk");
+    pdv.check_gaps("dv");
+  }
+}
+
+// ---- KV cache: append new tokens in place, then attend over the whole cache -------------
+
+void run_kvcache(FuzzedDataProvider& fdp) {
+  static constexpr std::array<DType, 3> kDtypes{DType::f32, DType::bf16, DType::f16};
+  const DType dtype = kDtypes[fdp.ConsumeIntegralInRange<std::size_t>(0, 2)];
+  const std::int64_t batch = fdp.ConsumeIntegralInRange<std::int64_t>(1, 3);
+  const std::int64_t hkv = fdp.ConsumeIntegralInRange<std::int64_t>(1, 2);
+  const std::int64_t hq = hkv * fdp.ConsumeIntegralInRange<std::int64_t>(1, 4);
+  const std::int64_t d = fdp.ConsumeIntegralInRange<std::int64_t>(1, 48);
+  const std::int64_t dv = fdp.ConsumeBool() ? d : fdp.ConsumeIntegralInRange<std::int64_t>(1, 48);
+  const std::int64_t seqlen_q = fdp.ConsumeIntegralInRange<std::int64_t>(1, 5);
+  const std::int64_t s_new = fdp.ConsumeBool() ? fdp.ConsumeIntegralInRange<std::int64_t>(1, 4) : 0;
+  const bool paged = fdp.ConsumeBool();
+  const std::int64_t page_size = paged ? fdp.ConsumeIntegralInRange<std::int64_t>(1, 16) : 0;
+  const std::int64_t pages_per_seq =  // enough pages for the new tokens, and up to 3 more
+      paged ? std::max<std::int64_t>(1, (s_new + page_size - 1) / page_size) + fdp.ConsumeIntegralInRange<std::int64_t>(0, 3) : 0;
+  const std::int64_t capacity = paged ? pages_per_seq * page_size : fdp.ConsumeIntegralInRange<std::int64_t>(s_new, 40);
+  AttentionOptions o;
+  o.causal = fdp.ConsumeBool();
+  if (fdp.ConsumeBool()) o.window_size = {fdp.ConsumeIntegralInRange<std::int64_t>(-1, 40), o.causal ? 0 : -1};
+  if (fdp.ConsumeBool()) o.softcap = fdp.ConsumeFloatingPointInRange<float>(0.5f, 30.0f);
+  o.num_threads = fdp.ConsumeIntegralInRange<int>(0, 3);
+  o.num_splits = fdp.ConsumeIntegralInRange<int>(0, 3);
+  // Faults: 1 a block_table entry outside the pool (paged) / a cache row outside (contiguous),
+  // 2 cache_seqlens + seqlen_new beyond the capacity, 3 new keys without new values.
+  const int fault = fdp.ConsumeBool() ? fdp.ConsumeIntegralInRange<int>(1, 3) : 0;
+  std::vector<std::int32_t> seqlens(static_cast<std::size_t>(batch));
+  for (auto& n : seqlens) n = fdp.ConsumeIntegralInRange<std::int32_t>(0, static_cast<std::int32_t>(capacity - s_new));
+  const std::uint64_t seed = fdp.ConsumeIntegral<std::uint32_t>();
+  std::ostringstream describe;
+  describe << "kvcache dtype=" << to_string(dtype) << " batch=" << batch << " Sq=" << seqlen_q << " new=" << s_new
+           << " Hq=" << hq << " Hkv=" << hkv << " D=" << d << " Dv=" << dv << " paged=" << paged
+           << " page_size=" << page_size << " capacity=" << capacity << " fault=" << fault
+           << " causal=" << o.causal << " window_left=" << o.window_size.left << " softcap=" << o.softcap
+           << " threads=" << o.num_threads << " splits=" << o.num_splits << " seed=" << seed;
+  current_case = describe.str();
+
+  // The pool: a spare page (or row) nobody names, so stray writes have somewhere to land.
+  const std::int64_t pool_rows = paged ? batch * pages_per_seq + 1 : batch + 1;
+  const std::array<std::int64_t, 4> kc_shape{pool_rows, paged ? page_size : capacity, hkv, d},
+      vc_shape{pool_rows, paged ? page_size : capacity, hkv, dv};
+  const Tensor kc = logical(dtype, kc_shape, seed, false), vc = logical(dtype, vc_shape, seed + 1, false);
+  Placed pkc = place(dtype, kc_shape, fuzz_layout(fdp), &kc), pvc = place(dtype, vc_shape, fuzz_layout(fdp), &vc);
+  // Sequence b's pages (paged) or cache row (contiguous): a permutation skipping the spare.
+  std::vector<std::int32_t> rows(static_cast<std::size_t>(pool_rows - 1));
+  for (std::size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<std::int32_t>(i);
+  for (std::size_t i = rows.size(); i > 1; --i) std::swap(rows[i - 1], rows[fdp.ConsumeIntegralInRange<std::size_t>(0, i - 1)]);
+  Tensor table(DType::i32, {batch, pages_per_seq}), batch_idx(DType::i32, {batch}), lens(DType::i32, {batch});
+  if (paged)
+    std::memcpy(table.data(), rows.data(), rows.size() * 4);
+  else
+    std::memcpy(batch_idx.data(), rows.data(), static_cast<std::size_t>(batch) * 4);
+  std::memcpy(lens.data(), seqlens.data(), seqlens.size() * 4);
+  if (fault == 1) (paged ? table : batch_idx).data_as<std::int32_t>()[0] = static_cast<std::int32_t>(pool_rows);
+  if (fault == 2) lens.data_as<std::int32_t>()[batch - 1] = static_cast<std::int32_t>(capacity - s_new + 1);
+
+  const Tensor q = logical(dtype, {batch, seqlen_q, hq, d}, seed + 2, false);
+  const Tensor knew = logical(dtype, {batch, s_new, hkv, d}, seed + 3, false);
+  const Tensor vnew = logical(dtype, {batch, s_new, hkv, dv}, seed + 4, false);
+  KvCache cache;
+  cache.k_cache = pkc.mutable_view();
+  cache.v_cache = pvc.mutable_view();
+  if (paged) cache.block_table = table.view(); else cache.cache_batch_idx = batch_idx.view();
+  cache.cache_seqlens = lens.view();
+  if (s_new > 0 || fault == 3) cache.k = knew.view();
+  if (s_new > 0 && fault != 3) cache.v = vnew.view();
+  const std::vector<unsigned char> kc_before = pkc.bytes, vc_before = pvc.bytes;
+  Placed pout = place(dtype, {batch, seqlen_q, hq, dv}, fuzz_layout(fdp)), plse = place(DType::f32, {1, batch, hq, seqlen_q}, Layout{});
+  try {
+    forward_with_kvcache(q.view(), cache, pout.mutable_view(), drop_leading(plse.mutable_view()), o);
+    check(fault == 0, "forward_with_kvcache accepted fault " + std::to_string(fault));
+  } catch (const Error& e) {
+    check(fault != 0, std::string("forward_with_kvcache rejected a valid call: ") + e.what());
+    check(pkc.bytes == kc_before && pvc.bytes == vc_before, "a rejected forward_with_kvcache changed the cache");
+    check(pout.untouched() && plse.untouched(), "a rejected forward_with_kvcache wrote its outputs");
+    return;
+  }
+  pout.check_gaps("out");
+  plse.check_gaps("lse");
+  // Slot (b, position) of the pool, as (pool row, row within it).
+  const auto slot = [&](std::int64_t b, std::int64_t pos) {
+    return paged ? std::pair<std::int64_t, std::int64_t>{rows[static_cast<std::size_t>(b * pages_per_seq + pos / page_size)], pos % page_size}
+                 : std::pair<std::int64_t, std::int64_t>{rows[static_cast<std::size_t>(b)], pos};
+  };
+  // The cache after the call: the old pool with exactly the new tokens written in.
+  Tensor kc_after = kc, vc_after = vc;
+  for (std::int64_t b = 0; b < batch; ++b)
+    for (std::int64_t t = 0; t < s_new; ++t) {
+      const auto [row, r] = slot(b, seqlens[static_cast<std::size_t>(b)] + t);
+      for (std::int64_t h = 0; h < hkv; ++h) {
+        for (std::int64_t c = 0; c < d; ++c)
+          kc_after.set(((row * kc_shape[1] + r) * hkv + h) * d + c, knew.get(((b * s_new + t) * hkv + h) * d + c));
+        for (std::int64_t c = 0; c < dv; ++c)
+          vc_after.set(((row * vc_shape[1] + r) * hkv + h) * dv + c, vnew.get(((b * s_new + t) * hkv + h) * dv + c));
+      }
+    }
+  for (std::int64_t i = 0; i < kc_after.numel(); ++i) check(pkc.get(i) == kc_after.get(i) || std::isnan(pkc.get(i)), "k_cache: wrong value after the append");
+  for (std::int64_t i = 0; i < vc_after.numel(); ++i) check(pvc.get(i) == vc_after.get(i) || std::isnan(pvc.get(i)), "v_cache: wrong value after the append");
+  pkc.check_gaps("k_cache");
+  pvc.check_gaps("v_cache");
+  // Each sequence against the reference over its gathered keys.
+  for (std::int64_t b = 0; b < batch; ++b) {
+    const std::int64_t sk = seqlens[static_cast<std::size_t>(b)] + s_new;
+    Tensor kb(dtype, {1, sk, hkv, d}), vb(dtype, {1, sk, hkv, dv}), qb(dtype, {1, seqlen_q, hq, d});
+    for (std::int64_t j = 0; j < sk; ++j) {
+      const auto [row, r] = slot(b, j);
+      for (std::int64_t e = 0; e < hkv * d; ++e) kb.set(j * hkv * d + e, kc_after.get((row * kc_shape[1] + r) * hkv * d + e));
+      for (std::int64_t e = 0; e < hkv * dv; ++e) vb.set(j * hkv * dv + e, vc_after.get((row * vc_shape[1] + r) * hkv * dv + e));
+    }
+    for (std::int64_t e = 0; e < qb.numel(); ++e) qb.set(e, q.get(b * qb.numel() + e));
+    const reference::Result want = reference::attention(qb.view(), kb.view(), vb.view(), o);
+    const AttentionProblem p = AttentionProblem::from_inputs(qb.view(), kb.view(), vb.view(), o);
+    const double tol = 1e-5 * (1.0 + max_abs(want.out)) +
+                       2.0 * test::max_abs_error(test::naive_same_precision(p, o, qb, kb, vb), want.out);
+    for (std::int64_t e = 0; e < qb.numel() / d * dv; ++e)
+      check(std::fabs(pout.get(b * seqlen_q * hq * dv + e) - want.out[static_cast<std::size_t>(e)]) <= tol,
+            "kvcache out of sequence " + std::to_string(b) + " differs from the reference");
+    for (std::int64_t h = 0; h < hq; ++h)
+      for (std::int64_t i = 0; i < seqlen_q; ++i) {
+        const double e = want.lse[static_cast<std::size_t>(h * seqlen_q + i)], g = plse.get((b * hq + h) * seqlen_q + i);
+        check(std::isinf(e) ? g == e : std::fabs(g - e) <= 1e-5 + 1e-5 * std::fabs(e), "kvcache lse differs from the reference");
+      }
+  }
+}
+
+}  // namespace
+}  // namespace flashattn::fuzz
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  FuzzedDataProvider fdp(data, size);
+  switch (fdp.ConsumeIntegralInRange<int>(0, 3)) {
+    case 0:
+    case 1: flashattn::fuzz::run_case(fdp); break;
+    case 2: flashattn::fuzz::run_varlen(fdp); break;
+    default: flashattn::fuzz::run_kvcache(fdp); break;
+  }
+  return 0;
+}

@@ -1,0 +1,380 @@
+// The cost model against counts worked out by hand, its scaling laws, the CPU kernels'
+// measured counters, and the hardware table's derived per-tile cycles.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "flashattn/cost_model.hpp"
+#include "test_util.hpp"
+
+namespace flashattn::test {
+namespace {
+
+using cost::Tiling;
+
+AttentionProblem square(std::int64_t n, std::int64_t d, bool causal = false, DType dtype = DType::bf16) {
+  AttentionOptions o;
+  o.causal = causal;
+  return AttentionProblem::from_sizes(1, n, n, 1, 1, d, d, dtype, o);
+}
+
+// ---- traffic, hand-computed ----------------------------------------------------------
+
+TEST(CostModel, StandardForwardTrafficByHand) {
+  // N = 4096, d = 64: 4·N² (S and P written and read) + N·(2d + 2d) (Q, K, V, O).
+  const cost::TiledAccount a = cost::standard_forward(square(4096, 64));
+  EXPECT_EQ(a.traffic.elements(), 4 * 4096LL * 4096 + 4096LL * 256);
+  EXPECT_EQ(a.traffic.bytes(), 2 * a.traffic.elements());  // bf16
+  EXPECT_EQ(a.traffic.elements_of("S", true), 4096LL * 4096);
+  EXPECT_EQ(a.traffic.elements_of("P", false), 4096LL * 4096);
+}
+
+TEST(CostModel, StandardBackwardTrafficByHand) {
+  // 7·N² (P twice, dP written and read, dS written and read twice) + N·d·8 with D = Dv.
+  const cost::TiledAccount a = cost::standard_backward(square(1000, 32));
+  EXPECT_EQ(a.traffic.elements(), 7 * 1000LL * 1000 + 8 * 1000LL * 32);
+}
+
+TEST(CostModel, FlashForwardTrafficByHand) {
+  // N = 4096, d = 64, Br = M/d = 512 for M = 32768, Bc = 128: 8 Q tiles each stream all
+  // of K and V: 8·4096·(64 + 64) elements; Q and O once (4096·64 each), lse once.
+  const AttentionProblem p = square(4096, 64);
+  const cost::TiledAccount a = cost::flash_forward(p, Tiling{512, 128});
+  EXPECT_EQ(a.traffic.elements_of("K", false) + a.traffic.elements_of("V", false), 8LL * 4096 * 128);
+  EXPECT_EQ(a.traffic.elements(), 8LL * 4096 * 128 + 2 * 4096LL * 64 + 4096);
+  EXPECT_EQ(a.traffic.bytes(), 2 * (8LL * 4096 * 128 + 2 * 4096LL * 64) + 4 * 4096);
+  EXPECT_EQ(a.tiles_computed, 8 * 32);
+  EXPECT_EQ(a.tiles_skipped, 0);
+  // The streamed K/V is exactly 2·N²·d²/M, twice the Θ-form (once for K, once for V).
+  EXPECT_DOUBLE_EQ(static_cast<double>(a.traffic.elements_of("K", false)),
+                   cost::theta_forms(p, 32768).flash);
+}
+
+TEST(CostModel, RaggedCausalTilesByHand) {
+  // Sq = Sk = 5, Br = Bc = 2, causal: row i sees keys [0, i]. Q tile 0 (rows 0-1) reads
+  // keys 0-1; tile 1 (rows 2-3) keys 0-3; tile 2 (row 4) keys 0-4: 2 + 4 + 5 = 11 keys in
+  // 1 + 2 + 3 = 6 tiles of a 3×3 grid; scores 2·2 + 2·4 + 1·5 = 17; visible pairs 15.
+  const AttentionProblem p = square(5, 1, true, DType::f32);
+  const cost::TiledAccount a = cost::flash_forward(p, Tiling{2, 2});
+  EXPECT_EQ(a.traffic.elements_of("K", false), 11);
+  EXPECT_EQ(a.tiles_computed, 6);
+  EXPECT_EQ(a.tiles_skipped, 3);
+  EXPECT_EQ(a.scores, 17);
+  EXPECT_EQ(cost::work(p).visible_pairs, 15);
+  // Backward, K/V tiles outer: tile 0 (keys 0-1) meets Q tiles 0, 1, 2; tile 1 (keys 2-3)
+  // Q tiles 1, 2; tile 2 (key 4) Q tile 2: Q rows streamed 2+2+1 + 2+1 + 1 = 9.
+  const cost::TiledAccount b = cost::flash_backward(p, Tiling{2, 2});
+  EXPECT_EQ(b.tiles_computed, 6);
+  EXPECT_EQ(b.traffic.elements_of("Q", false), 9);
+  EXPECT_EQ(b.traffic.elements_of("K", false), 5);
+}
+
+TEST(CostModel, ThetaFormsByHand) {
+  // N = 4096, d = 64, M = 32768: standard N·d + N², tiled N²·d²/M; their ratio
+  // N·d²/(M·(N + d)) tends to d²/M = 1/8, within a factor 1 + d/N of it.
+  const cost::ThetaForms f = cost::theta_forms(square(4096, 64), 32768);
+  EXPECT_DOUBLE_EQ(f.standard, 4096.0 * 64 + 4096.0 * 4096);
+  EXPECT_DOUBLE_EQ(f.flash, 4096.0 * 4096 * 64 * 64 / 32768);
+  EXPECT_DOUBLE_EQ(f.ratio, 4096.0 * 64 * 64 / (32768.0 * (4096 + 64)));
+  EXPECT_NEAR(f.ratio, 64.0 * 64 / 32768, 64.0 * 64 / 32768 * 64 / 4096);
+  EXPECT_THROW(cost::theta_forms(square(8, 8), 0.0), Error);
+}
+
+TEST(CostModel, WorkByHand) {
+  // Non-causal N = 4096, d = 64: forward 4·N²·d = 2³², backward 10·N²·d (2.5× forward) of
+  // which 2·N²·d recompute S; standard backward from the stored P: 8·N²·d.
+  const cost::Work w = cost::work(square(4096, 64));
+  const double n2d = 4096.0 * 4096 * 64;
+  EXPECT_DOUBLE_EQ(w.forward, 4294967296.0);
+  EXPECT_DOUBLE_EQ(w.backward, 10 * n2d);
+  EXPECT_DOUBLE_EQ(w.backward_recompute, 2 * n2d);
+  EXPECT_DOUBLE_EQ(w.standard_forward, w.forward);
+  EXPECT_DOUBLE_EQ(w.standard_backward, 8 * n2d);
+  EXPECT_DOUBLE_EQ(w.exp_forward, 4096.0 * 4096);
+  // Causal: N(N+1)/2 visible pairs; standard attention still computes all N².
+  const cost::Work c = cost::work(square(100, 8, true));
+  EXPECT_EQ(c.visible_pairs, 5050);
+  EXPECT_DOUBLE_EQ(c.forward, 2.0 * 5050 * 16);
+  EXPECT_DOUBLE_EQ(c.standard_forward, 2.0 * 10000 * 16);
+}
+
+// ---- scaling laws --------------------------------------------------------------------
+
+TEST(CostModel, TiledTrafficFallsAsOneOverM) {
+  const AttentionProblem p = square(2048, 64);
+  std::int64_t previous = 0;
+  for (const std::int64_t br : {16, 32, 64, 128, 256}) {
+    const std::int64_t kv = cost::flash_forward(p, Tiling{br, 64}).traffic.elements_of("K", false);
+    if (previous != 0) EXPECT_EQ(2 * kv, previous) << "Br = " << br;  // M = Br·d doubled: half the K reads
+    previous = kv;
+  }
+  // The backward streams the Q side once per K/V tile: ∝ 1/Bc.
+  const std::int64_t q64 = cost::flash_backward(p, Tiling{64, 64}).traffic.elements_of("Q", false);
+  const std::int64_t q128 = cost::flash_backward(p, Tiling{64, 128}).traffic.elements_of("Q", false);
+  EXPECT_EQ(q64, 2 * q128);
+}
+
+TEST(CostModel, TrafficGrowsAsNSquared) {
+  for (const bool causal : {false, true}) {
+    SCOPED_TRACE(causal ? "causal" : "full");
+    const auto kv = [&](std::int64_t n) {
+      return cost::flash_forward(square(n, 64, causal), Tiling{64, 64}).traffic.elements_of("V", false);
+    };
+    const auto s = [&](std::int64_t n) { return cost::standard_forward(square(n, 64, causal)).traffic.elements_of("S", true); };
+    EXPECT_EQ(s(2048), 4 * s(1024));
+    if (causal) {  // Q tile t of q = N/64 reads t + 1 tiles: 64·64·q(q + 1)/2, → 4× per doubling
+      EXPECT_EQ(kv(1024), 64 * 64 * 16 * 17 / 2);
+      EXPECT_EQ(kv(2048), 64 * 64 * 32 * 33 / 2);
+    } else {
+      EXPECT_EQ(kv(2048), 4 * kv(1024));
+    }
+  }
+  // Causal tiles read about half of what full attention reads.
+  const double ratio = static_cast<double>(cost::flash_forward(square(4096, 64, true), Tiling{64, 64}).traffic.elements()) /
+                       static_cast<double>(cost::flash_forward(square(4096, 64), Tiling{64, 64}).traffic.elements());
+  EXPECT_GT(ratio, 0.5);
+  EXPECT_LT(ratio, 0.52);
+}
+
+TEST(CostModel, TiledMovesLessThanStandard) {
+  const AttentionProblem p = square(4096, 128);
+  EXPECT_LT(cost::flash_forward(p, Tiling{128, 128}).traffic.bytes(), cost::standard_forward(p).traffic.bytes());
+  EXPECT_LT(cost::flash_backward(p, Tiling{64, 128}).traffic.bytes(), cost::standard_backward(p).traffic.bytes());
+  EXPECT_THROW(cost::flash_forward(p, Tiling{0, 128}), Error);
+}
+
+// ---- measured counters equal the model -----------------------------------------------
+
+struct CounterCase {
+  const char* name;
+  std::int64_t batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, head_dim_v;
+  DType dtype;
+  bool causal;
+  std::int64_t window_left, window_right;
+  int num_splits;
+  std::int64_t block_q;
+};
+
+constexpr CounterCase kCounterCases[] = {
+    {"ragged gqa", 2, 301, 203, 4, 2, 40, 24, DType::f32, false, -1, -1, 0, 0},
+    {"causal bf16", 1, 517, 517, 2, 1, 64, 64, DType::bf16, true, -1, -1, 0, 0},
+    {"window", 1, 260, 390, 2, 2, 32, 32, DType::f16, false, 50, 20, 0, 0},
+    {"block_q 8", 1, 200, 300, 1, 1, 16, 16, DType::f32, true, -1, -1, 0, 8},
+    {"split-kv", 1, 20, 700, 2, 1, 32, 32, DType::f32, false, -1, -1, 3, 0},
+    {"decode", 2, 1, 450, 8, 2, 64, 64, DType::bf16, false, -1, -1, 0, 0},
+};
+
+AttentionOptions counter_options(const CounterCase& c, int threads) {
+  AttentionOptions o;
+  o.causal = c.causal;
+  o.window_size = {c.window_left, c.window_right};
+  o.num_splits = c.num_splits;
+  o.block_q = c.block_q;
+  o.num_threads = threads;
+  return o;
+}
+
+TEST(CostModel, ForwardCountersEqualModel) {
+  for (const CounterCase& c : kCounterCases)
+    for (const int threads : {1, 3}) {
+      SCOPED_TRACE(std::string(c.name) + " threads=" + std::to_string(threads));
+      const Tensor q = random_tensor(c.dtype, {c.batch, c.seqlen_q, c.heads_q, c.head_dim}, 1);
+      const Tensor k = random_tensor(c.dtype, {c.batch, c.seqlen_k, c.heads_kv, c.head_dim}, 2);
+      const Tensor v = random_tensor(c.dtype, {c.batch, c.seqlen_k, c.heads_kv, c.head_dim_v}, 3);
+      KernelCounters counters;
+      AttentionOptions o = counter_options(c, threads);
+      o.counters = &counters;
+      forward(q.view(), k.view(), v.view(), o);
+      const AttentionProblem p = AttentionProblem::from_inputs(q.view(), k.view(), v.view(), o);
+      const CpuForwardPlan plan = plan_forward(p, CpuHardware::detect(threads), c.num_splits, c.block_q);
+      const cost::TiledAccount a = cost::flash_forward(p, cost::tiling_of(plan));
+      const bool split = plan.splits > 1;
+      EXPECT_EQ(counters.q_read, a.traffic.elements_of("Q", false));
+      EXPECT_EQ(counters.k_read, a.traffic.elements_of("K", false));
+      EXPECT_EQ(counters.v_read, a.traffic.elements_of("V", false));
+      EXPECT_EQ(counters.o_written, a.traffic.elements_of(split ? "O partial" : "O", true));
+      EXPECT_EQ(counters.lse_written, a.traffic.elements_of(split ? "lse partial" : "lse", true));
+      EXPECT_EQ(counters.tiles_computed, a.tiles_computed);
+      EXPECT_EQ(counters.tiles_skipped, a.tiles_skipped);
+      EXPECT_EQ(counters.scores, a.scores);
+      EXPECT_GT(counters.tiles_computed, 0);
+      // Packing (measured only: it depends on which thread ran which item): without masks
+      // every kv head is packed whole at least once, and at most once per work item.
+      const std::int64_t head_kv = c.seqlen_k * (c.head_dim + c.head_dim_v);
+      if (plan.kernel == ForwardKernel::tiled && !c.causal && c.window_left < 0) {
+        EXPECT_GE(counters.kv_packed, c.batch * c.heads_kv * head_kv);
+        EXPECT_LE(counters.kv_packed, plan.work_items * head_kv);
+      }
+    }
+}
+
+TEST(CostModel, BackwardCountersEqualModel) {
+  for (const CounterCase& c : kCounterCases)
+    for (const int threads : {1, 3}) {
+      SCOPED_TRACE(std::string(c.name) + " threads=" + std::to_string(threads));
+      const Tensor q = random_tensor(c.dtype, {c.batch, c.seqlen_q, c.heads_q, c.head_dim}, 4);
+      const Tensor k = random_tensor(c.dtype, {c.batch, c.seqlen_k, c.heads_kv, c.head_dim}, 5);
+      const Tensor v = random_tensor(c.dtype, {c.batch, c.seqlen_k, c.heads_kv, c.head_dim_v}, 6);
+      const Tensor dout = random_tensor(c.dtype, {c.batch, c.seqlen_q, c.heads_q, c.head_dim_v}, 7);
+      AttentionOptions o = counter_options(c, threads);
+      const ForwardResult f = forward(q.view(), k.view(), v.view(), o);
+      KernelCounters counters;
+      o.counters = &counters;
+      backward(dout.view(), q.view(), k.view(), v.view(), f.out.view(), f.lse.view(), o);
+      const AttentionProblem p = AttentionProblem::from_inputs(q.view(), k.view(), v.view(), o);
+      const CpuBackwardPlan plan = plan_backward(p, CpuHardware::detect(threads), false);
+      const cost::Traffic& t = cost::flash_backward(p, cost::tiling_of(plan)).traffic;
+      const cost::TiledAccount a = cost::flash_backward(p, cost::tiling_of(plan));
+      EXPECT_EQ(counters.q_read, t.elements_of("Q", false));
+      EXPECT_EQ(counters.k_read, t.elements_of("K", false));
+      EXPECT_EQ(counters.v_read, t.elements_of("V", false));
+      EXPECT_EQ(counters.o_read, t.elements_of("O", false));
+      EXPECT_EQ(counters.dout_read, t.elements_of("dO", false));
+      EXPECT_EQ(counters.stats_read, t.elements_of("lse", false) + t.elements_of("D", false));
+      EXPECT_EQ(counters.dq_accum_read, t.elements_of("dQ accum", false));
+      EXPECT_EQ(counters.dq_accum_written, t.elements_of("dQ accum", true));
+      EXPECT_EQ(counters.dq_written, t.elements_of("dQ", true));
+      EXPECT_EQ(counters.dk_written, t.elements_of("dK", true));
+      EXPECT_EQ(counters.dv_written, t.elements_of("dV", true));
+      EXPECT_EQ(counters.tiles_computed, a.tiles_computed);
+      EXPECT_EQ(counters.tiles_skipped, a.tiles_skipped);
+      EXPECT_EQ(counters.scores, a.scores);
+    }
+}
+
+TEST(CostModel, CountersAddUpAndAreOffByDefault) {
+  const Tensor q = random_tensor(DType::f32, {1, 70, 2, 16}, 8);
+  const Tensor k = random_tensor(DType::f32, {1, 90, 2, 16}, 9);
+  KernelCounters once, twice;
+  AttentionOptions o;
+  o.counters = &once;
+  forward(q.view(), k.view(), k.view(), o);
+  o.counters = &twice;
+  forward(q.view(), k.view(), k.view(), o);
+  forward(q.view(), k.view(), k.view(), o);
+  EXPECT_EQ(twice.k_read, 2 * once.k_read);
+  EXPECT_EQ(twice.tiles_computed, 2 * once.tiles_computed);
+  EXPECT_EQ(AttentionOptions{}.counters, nullptr);
+}
+
+TEST(CostModel, BlockQOverrideKeepsTheResult) {
+  // The tile sweep's knob changes the schedule, not the mathematics: every row is still
+  // computed over the same K/V tiles in the same order, so the output is bit-identical.
+  const Tensor q = random_tensor(DType::bf16, {1, 203, 3, 40}, 10);
+  const Tensor k = random_tensor(DType::bf16, {1, 157, 3, 40}, 11);
+  const Tensor v = random_tensor(DType::bf16, {1, 157, 3, 24}, 12);
+  AttentionOptions o;
+  o.causal = true;
+  const ForwardResult planned = forward(q.view(), k.view(), v.view(), o);
+  for (const std::int64_t bq : {1, 8, 36, 500}) {
+    o.block_q = bq;
+    const ForwardResult swept = forward(q.view(), k.view(), v.view(), o);
+    for (std::int64_t i = 0; i < planned.out.numel(); ++i) ASSERT_EQ(swept.out.get(i), planned.out.get(i)) << "Br " << bq;
+  }
+  o.block_q = -1;
+  EXPECT_THROW(forward(q.view(), k.view(), v.view(), o), Error);
+}
+
+// ---- hardware table: per-tile cycles by hand -----------------------------------------
+
+TEST(CostModel, B200TileCyclesByHand) {
+  // FlashAttention-4's feeds and speeds: 8192 FLOP/clk/SM, 16 exp/clk/SM, 128 B/clk/SM.
+  const cost::Architecture& b200 = cost::gpu_architecture("b200");
+  const cost::TileOptions bf16{DType::bf16};
+  // Forward 128×128×128: MMA 2·128·128·256 / 8192 = 1024; exp 128·128 / 16 = 1024;
+  // smem 2 bytes·(3·128·128) / 128 = 768; FP32 pipes (4·128·128 + 128·128) / 128 = 640.
+  const cost::UnitCycles f = cost::forward_tile_cycles(b200, 128, 128, 128, 128, bf16);
+  EXPECT_DOUBLE_EQ(f.mma, 1024);
+  EXPECT_DOUBLE_EQ(f.exp, 1024);
+  EXPECT_DOUBLE_EQ(f.smem, 768);
+  EXPECT_DOUBLE_EQ(f.fma, 640);
+  EXPECT_EQ(f.bottleneck(), "mma=exp");
+  // A quarter of the exponentials as cubic polynomials: exp 768, FP32 pipes
+  // 640 + 0.25·16384·6 / 128 = 832; conditional rescaling at 10%: 512 + 12.8 + 192.
+  cost::TileOptions poly = bf16;
+  poly.poly_exp_fraction = 0.25;
+  EXPECT_DOUBLE_EQ(cost::forward_tile_cycles(b200, 128, 128, 128, 128, poly).exp, 768);
+  EXPECT_DOUBLE_EQ(cost::forward_tile_cycles(b200, 128, 128, 128, 128, poly).fma, 832);
+  EXPECT_EQ(cost::forward_tile_cycles(b200, 128, 128, 128, 128, poly).bottleneck(), "mma");
+  poly.rescale_fraction = 0.1;
+  EXPECT_DOUBLE_EQ(cost::forward_tile_cycles(b200, 128, 128, 128, 128, poly).fma, 512 + 12.8 + 192);
+  // Backward: MMA 2·128·128·640 / 8192 = 2560; smem (2 bytes·10·128·128 + 2·4·128·128) / 128
+  // = 3584; with 2-CTA (2 bytes·7.5·128·128 + 4·128·128) / 128 = 2432, below the MMA.
+  const cost::UnitCycles b = cost::backward_tile_cycles(b200, 128, 128, 128, 128, bf16);
+  EXPECT_DOUBLE_EQ(b.mma, 2560);
+  EXPECT_DOUBLE_EQ(b.smem, 3584);
+  EXPECT_EQ(b.bottleneck(), "smem");
+  cost::TileOptions two_cta = bf16;
+  two_cta.two_cta = true;
+  const cost::UnitCycles b2 = cost::backward_tile_cycles(b200, 128, 128, 128, 128, two_cta);
+  EXPECT_DOUBLE_EQ(b2.smem, 2432);
+  EXPECT_EQ(b2.bottleneck(), "mma");
+}
+
+TEST(CostModel, OtherArchitecturesByHand) {
+  // H100: 4096 FLOP/clk/SM: forward MMA 2048 cycles, exp 1024 — exp needs half the MMA's
+  // time, FlashAttention-3's "50% of the cycles" at d = 128.
+  const cost::UnitCycles h = cost::forward_tile_cycles(cost::gpu_architecture("h100"), 128, 128, 128, 128, {});
+  EXPECT_DOUBLE_EQ(h.mma, 2048);
+  EXPECT_DOUBLE_EQ(h.exp, 1024);
+  EXPECT_EQ(h.bottleneck(), "mma");
+  // B300 doubles the exp unit: 512 cycles, the MMA alone bounds the forward.
+  const cost::UnitCycles u = cost::forward_tile_cycles(cost::gpu_architecture("b300"), 128, 128, 128, 128, {});
+  EXPECT_DOUBLE_EQ(u.exp, 512);
+  EXPECT_EQ(u.bottleneck(), "mma");
+  // A100, d = 64: MMA 2·128·128·128 / 2048 = 2048; FP32 pipes (4·128·128 + 128·64) / 64 = 1152.
+  const cost::UnitCycles a = cost::forward_tile_cycles(cost::gpu_architecture("a100-80gb"), 128, 128, 64, 64, {});
+  EXPECT_DOUBLE_EQ(a.mma, 2048);
+  EXPECT_DOUBLE_EQ(a.fma, 1152);
+  // Whole-chip rates derived back: H100 989.4 TFLOPS, A100 312 TFLOPS, B200 2.25 PFLOPS dense.
+  EXPECT_NEAR(cost::gpu_architecture("h100").peak_flops(DType::bf16), 989.4e12, 0.1e12);
+  EXPECT_NEAR(cost::gpu_architecture("a100-40gb").peak_flops(DType::f16), 311.9e12, 0.1e12);
+  EXPECT_NEAR(cost::gpu_architecture("b200").peak_flops(DType::bf16), 2.25e15, 1e9);
+  EXPECT_EQ(cost::gpu_architecture("a100-40gb").mma_fp8, 0.0);  // Ampere has no FP8
+  EXPECT_THROW(cost::gpu_architecture("v100"), Error);
+}
+
+TEST(CostModel, CpuArchitectureDerivedByHand) {
+  CpuHardware hw;
+  hw.threads = 2;
+  hw.float_lanes = 8;  // AVX2
+  hw.l2_bytes = 512 * 1024;
+  hw.simd_target = "AVX2";
+  const cost::Architecture cpu = cost::cpu_architecture(hw, {3.0, 96.0, 20.0});
+  EXPECT_DOUBLE_EQ(cpu.mma_tf32, 16.0);  // 96 GFLOP/s / (2 cores · 3 GHz)
+  EXPECT_DOUBLE_EQ(cpu.fp32_lanes, 16.0);  // 8 lanes · 2 FMA pipes
+  EXPECT_DOUBLE_EQ(cpu.exp_per_clock, 16.0 / 15.0);  // 15 vector ops per Exp2
+  EXPECT_DOUBLE_EQ(cpu.smem_bytes_per_clock, 64.0);  // 2 loads of 32 bytes
+  EXPECT_DOUBLE_EQ(cpu.hbm_bytes_per_second, 20e9);
+  // Forward tile 64×128×64 on the shared FMA pipes: MMA 2·64·128·128 / 16 = 131072,
+  // exp 8192 / (16/15) = 7680, softmax (4·8192 + 64·64) / 16 = 2304; L1 4 bytes·(64·64 +
+  // 2·128·64) / 64 = 1280. The pipes' sum bounds the tile.
+  const cost::UnitCycles c = cost::forward_tile_cycles(cpu, 64, 128, 64, 64, {DType::f32});
+  EXPECT_DOUBLE_EQ(c.mma, 131072);
+  EXPECT_DOUBLE_EQ(c.exp, 7680);
+  EXPECT_DOUBLE_EQ(c.fma, 2304);
+  EXPECT_DOUBLE_EQ(c.smem, 1280);
+  EXPECT_DOUBLE_EQ(c.time(), 131072 + 7680 + 2304);
+  EXPECT_EQ(c.bottleneck(), "fma pipes");
+  EXPECT_THROW(cost::cpu_architecture(hw, {0.0, 96.0, 20.0}), Error);
+}
+
+TEST(CostModel, PredictionIsConsistent) {
+  // H100, non-causal N = 8192, d = 128, 16 heads: compute-bound; time = tiles · 2048 cycles
+  // / (132 SMs · 1.83 GHz); utilisation = the MMA's share of the bottleneck = 1.
+  AttentionOptions o;
+  const AttentionProblem p = AttentionProblem::from_sizes(1, 8192, 8192, 16, 16, 128, 128, DType::bf16, o);
+  const cost::Architecture& h100 = cost::gpu_architecture("h100");
+  const cost::Prediction r = cost::predict_forward(p, h100, Tiling{128, 128}, {});
+  const double tiles = 16.0 * 64 * 64;
+  EXPECT_DOUBLE_EQ(r.compute_seconds, tiles * 2048 / (132 * 1.83e9));
+  EXPECT_GT(r.compute_seconds, r.memory_seconds);
+  EXPECT_EQ(r.bound, "mma");
+  EXPECT_NEAR(r.utilisation, 1.0, 1e-12);
+  EXPECT_FALSE(r.assumptions.empty());
+  // The backward is 2.5× the work and bound by shared memory on B200.
+  EXPECT_EQ(cost::predict_backward(p, cost::gpu_architecture("b200"), Tiling{128, 128}, {}).bound, "smem");
+}
+
+}  // namespace
+}  // namespace flashattn::test

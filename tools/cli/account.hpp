@@ -1,0 +1,45 @@
+// The cost model as the CLI shows it (`flashattn explain`, `flashattn tour`): the
+// architecture chosen by name (this CPU measured on the spot), the SPEC §5 variants of
+// the per-tile table, counted CPU runs, and JSON for each piece.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <string>
+#include <vector>
+
+#include "flashattn/flashattn.hpp"
+
+namespace flashattn::cli {
+
+// "cpu" (measured: sgemm, copy bandwidth, clock), "a100" (= a100-80gb) or a name of
+// cost::gpu_architectures(); throws Error naming the choices otherwise.
+cost::Architecture architecture_by_name(const std::string& name, int threads);
+
+// The per-tile table's rows: the plain schedule and what SPEC §5 changes in it.
+struct TileVariant {
+  std::string name;
+  cost::TileOptions options;
+};
+// plain; poly exp on 25% of the exponentials (FlashAttention-4 uses 10-25%); plus
+// conditional rescaling at 10% of tiles ("avoids about 90% of rescales"); 2-CTA backward.
+std::vector<TileVariant> tile_variants(DType dtype);
+
+// One CPU forward and backward on random inputs with counters on, timed (median of
+// `repeats`), with the plans the kernels executed.
+struct CountedRun {
+  CpuForwardPlan forward_plan;
+  CpuBackwardPlan backward_plan;
+  KernelCounters forward, backward;  // of a single call each
+  double forward_seconds = 0.0, backward_seconds = 0.0;
+};
+CountedRun counted_run(const AttentionProblem& problem, const AttentionOptions& options, int repeats,
+                       bool with_backward);
+
+nlohmann::json cycles_json(const cost::UnitCycles& c);
+nlohmann::json architecture_json(const cost::Architecture& a);
+nlohmann::json traffic_json(const cost::Traffic& t);
+nlohmann::json counters_json(const KernelCounters& c);
+nlohmann::json prediction_json(const cost::Prediction& p);
+
+}  // namespace flashattn::cli

@@ -1,0 +1,329 @@
+// `flashattn explain`: what a problem costs and why (SPEC §7.1) — work, traffic of
+// standard and tiled attention (exact and Θ-forms), per-tile unit cycles on an
+// architecture, predicted time; with --measure, the CPU kernel's counters beside the
+// model's exact counts for the tiles it ran.
+#include <algorithm>
+#include <cstdio>
+#include <iostream>
+#include <memory>
+#include <optional>
+
+#include "tools/cli/account.hpp"
+#include "tools/cli/commands.hpp"
+#include "tools/cli/common.hpp"
+
+namespace flashattn::cli {
+namespace {
+
+// The tile the table is about: 128 × 128 is the forward tile of FlashAttention-2/3
+// and (per CTA) FlashAttention-4 at head dims up to 128.
+constexpr std::int64_t kTableTile = 128;
+
+struct ExplainFlags {
+  ShapeFlags shape;
+  std::vector<std::int64_t> window_size;
+  std::string arch = "h100";
+  std::optional<double> sram_elements;
+  std::vector<std::int64_t> tile;  // BR BC
+  bool measure = false;
+  bool json = false;
+  int repeats = 3;
+};
+
+struct Account {
+  AttentionProblem problem;
+  cost::Architecture arch;
+  cost::Tiling forward_tiling, backward_tiling;
+  double sram_elements = 0.0;
+  cost::Work work;
+  cost::TiledAccount standard_fwd, standard_bwd, flash_fwd, flash_bwd;
+  cost::ThetaForms theta;
+  cost::UnitCycles table_fwd, table_bwd;
+  cost::Prediction predicted_fwd, predicted_bwd;
+};
+
+Account make_account(const ExplainFlags& f, const AttentionProblem& p, const AttentionOptions& options) {
+  Account a{p, architecture_by_name(f.arch, f.shape.threads)};
+  if (a.arch.cpu) {
+    const CpuHardware hw = CpuHardware::detect(f.shape.threads);
+    a.forward_tiling = cost::tiling_of(plan_forward(p, hw, options.num_splits, options.block_q));
+    a.backward_tiling = cost::tiling_of(plan_backward(p, hw, false));
+  } else {
+    const std::int64_t br = f.tile.empty() ? kTableTile : f.tile[0], bc = f.tile.empty() ? kTableTile : f.tile[1];
+    a.forward_tiling = a.backward_tiling = cost::Tiling{br, bc};
+  }
+  a.sram_elements = f.sram_elements.value_or(a.arch.smem_bytes /
+                                              (a.arch.cpu ? 4.0 : static_cast<double>(dtype_size(p.dtype))));
+  a.work = cost::work(p);
+  a.standard_fwd = cost::standard_forward(p);
+  a.standard_bwd = cost::standard_backward(p);
+  a.flash_fwd = cost::flash_forward(p, a.forward_tiling);
+  a.flash_bwd = cost::flash_backward(p, a.backward_tiling);
+  a.theta = cost::theta_forms(p, a.sram_elements);
+  const cost::TileOptions plain{p.dtype};
+  a.table_fwd = cost::forward_tile_cycles(a.arch, kTableTile, kTableTile, p.head_dim, p.head_dim_v, plain);
+  a.table_bwd = cost::backward_tile_cycles(a.arch, kTableTile, kTableTile, p.head_dim, p.head_dim_v, plain);
+  a.predicted_fwd = cost::predict_forward(p, a.arch, a.forward_tiling, plain);
+  a.predicted_bwd = cost::predict_backward(p, a.arch, a.backward_tiling, plain);
+  return a;
+}
+
+nlohmann::json tiling_json(const cost::Tiling& t) {
+  return {{"block_q", t.block_q}, {"block_k", t.block_k}, {"splits", t.splits}, {"decode", t.decode}};
+}
+
+nlohmann::json tiles_json(const cost::TiledAccount& a) {
+  return {{"computed", a.tiles_computed}, {"skipped", a.tiles_skipped}, {"scores", a.scores}};
+}
+
+// The model's counts of the CPU kernels' terms, field for field as KernelCounters.
+struct ModelCounters {
+  KernelCounters forward, backward;
+};
+
+ModelCounters model_counters(const cost::TiledAccount& fwd, const cost::TiledAccount& bwd, bool split) {
+  ModelCounters m;
+  const cost::Traffic& f = fwd.traffic;
+  m.forward.q_read = f.elements_of("Q", false);
+  m.forward.k_read = f.elements_of("K", false);
+  m.forward.v_read = f.elements_of("V", false);
+  m.forward.o_written = f.elements_of(split ? "O partial" : "O", true);
+  m.forward.lse_written = f.elements_of(split ? "lse partial" : "lse", true);
+  m.forward.tiles_computed = fwd.tiles_computed;
+  m.forward.tiles_skipped = fwd.tiles_skipped;
+  m.forward.scores = fwd.scores;
+  const cost::Traffic& t = bwd.traffic;
+  KernelCounters& b = m.backward;
+  b.q_read = t.elements_of("Q", false);
+  b.k_read = t.elements_of("K", false);
+  b.v_read = t.elements_of("V", false);
+  b.o_read = t.elements_of("O", false);
+  b.dout_read = t.elements_of("dO", false);
+  b.stats_read = t.elements_of("lse", false) + t.elements_of("D", false);
+  b.dq_accum_read = t.elements_of("dQ accum", false);
+  b.dq_accum_written = t.elements_of("dQ accum", true);
+  b.dq_written = t.elements_of("dQ", true);
+  b.dk_written = t.elements_of("dK", true);
+  b.dv_written = t.elements_of("dV", true);
+  b.tiles_computed = bwd.tiles_computed;
+  b.tiles_skipped = bwd.tiles_skipped;
+  b.scores = bwd.scores;
+  return m;
+}
+
+struct Measured {
+  CountedRun run;
+  cost::TiledAccount model_fwd, model_bwd;
+  cost::Prediction cpu_fwd, cpu_bwd;  // predicted on this CPU for the executed plans
+  bool has_cpu_prediction = false;
+};
+
+Measured measure(const ExplainFlags& f, const AttentionProblem& p, const AttentionOptions& options, const Account& a) {
+  Measured m;
+  m.run = counted_run(p, options, f.repeats, true);
+  m.model_fwd = cost::flash_forward(p, cost::tiling_of(m.run.forward_plan));
+  m.model_bwd = cost::flash_backward(p, cost::tiling_of(m.run.backward_plan));
+  if (a.arch.cpu) {
+    m.cpu_fwd = cost::predict_forward(p, a.arch, cost::tiling_of(m.run.forward_plan), {p.dtype});
+    m.cpu_bwd = cost::predict_backward(p, a.arch, cost::tiling_of(m.run.backward_plan), {p.dtype});
+    m.has_cpu_prediction = true;
+  }
+  return m;
+}
+
+nlohmann::json to_json(const Account& a, const std::optional<Measured>& m) {
+  const cost::Work& w = a.work;
+  nlohmann::json j;
+  j["problem"] = {{"describe", a.problem.describe()}, {"batch", a.problem.batch}, {"seqlen_q", a.problem.seqlen_q},
+                  {"seqlen_k", a.problem.seqlen_k}, {"heads_q", a.problem.heads_q}, {"heads_kv", a.problem.heads_kv},
+                  {"head_dim", a.problem.head_dim}, {"head_dim_v", a.problem.head_dim_v},
+                  {"dtype", to_string(a.problem.dtype)}, {"causal", a.problem.causal}};
+  j["arch"] = architecture_json(a.arch);
+  j["tiling"] = {{"forward", tiling_json(a.forward_tiling)}, {"backward", tiling_json(a.backward_tiling)}};
+  j["sram_elements"] = a.sram_elements;
+  j["flops"] = {{"forward", w.forward}, {"backward", w.backward}, {"backward_recompute", w.backward_recompute},
+                {"standard_forward", w.standard_forward}, {"standard_backward", w.standard_backward},
+                {"exp_forward", w.exp_forward}, {"exp_backward", w.exp_backward},
+                {"exp_standard_forward", w.exp_standard_forward}, {"visible_pairs", w.visible_pairs}};
+  j["traffic"] = {
+      {"standard_bytes", a.standard_fwd.traffic.bytes() + a.standard_bwd.traffic.bytes()},
+      {"flash_bytes", a.flash_fwd.traffic.bytes() + a.flash_bwd.traffic.bytes()},
+      {"standard_elements", a.standard_fwd.traffic.elements() + a.standard_bwd.traffic.elements()},
+      {"flash_elements", a.flash_fwd.traffic.elements() + a.flash_bwd.traffic.elements()},
+      {"forward", {{"standard", traffic_json(a.standard_fwd.traffic)}, {"flash", traffic_json(a.flash_fwd.traffic)},
+                   {"standard_bytes", a.standard_fwd.traffic.bytes()}, {"flash_bytes", a.flash_fwd.traffic.bytes()}}},
+      {"backward", {{"standard", traffic_json(a.standard_bwd.traffic)}, {"flash", traffic_json(a.flash_bwd.traffic)},
+                    {"standard_bytes", a.standard_bwd.traffic.bytes()}, {"flash_bytes", a.flash_bwd.traffic.bytes()}}},
+      {"theta_standard", a.theta.standard},
+      {"theta_flash", a.theta.flash},
+      {"theta_ratio", a.theta.ratio},
+      {"lower_bound", cost::kLowerBound}};
+  j["tiles"] = {{"forward", tiles_json(a.flash_fwd)}, {"backward", tiles_json(a.flash_bwd)}};
+  nlohmann::json variants = nlohmann::json::array();
+  for (const TileVariant& v : tile_variants(a.problem.dtype))
+    variants.push_back(
+        {{"name", v.name},
+         {"forward", cycles_json(cost::forward_tile_cycles(a.arch, kTableTile, kTableTile, a.problem.head_dim,
+                                                           a.problem.head_dim_v, v.options))},
+         {"backward", cycles_json(cost::backward_tile_cycles(a.arch, kTableTile, kTableTile, a.problem.head_dim,
+                                                             a.problem.head_dim_v, v.options))}});
+  j["tile_cycles"] = {{"tile", {kTableTile, kTableTile, a.problem.head_dim}},
+                      {"forward", cycles_json(a.table_fwd)},
+                      {"backward", cycles_json(a.table_bwd)},
+                      {"variants", variants}};
+  j["prediction"] = {{"forward", prediction_json(a.predicted_fwd)},
+                     {"backward", prediction_json(a.predicted_bwd)},
+                     {"assumptions", a.predicted_fwd.assumptions}};
+  if (m) {
+    const ModelCounters model = model_counters(m->model_fwd, m->model_bwd, m->run.forward_plan.splits > 1);
+    j["measured"] = {{"forward_plan", m->run.forward_plan.describe()},
+                     {"backward_plan", m->run.backward_plan.describe()},
+                     {"forward", counters_json(m->run.forward)},
+                     {"backward", counters_json(m->run.backward)},
+                     {"model", {{"forward", counters_json(model.forward)}, {"backward", counters_json(model.backward)}}},
+                     {"forward_seconds", m->run.forward_seconds},
+                     {"backward_seconds", m->run.backward_seconds}};
+    if (m->has_cpu_prediction)
+      j["measured"]["predicted"] = {{"forward", prediction_json(m->cpu_fwd)}, {"backward", prediction_json(m->cpu_bwd)}};
+  }
+  return j;
+}
+
+void print_cycles_row(const char* pass, const std::string& variant, const cost::UnitCycles& c) {
+  std::printf("  %-9s %-30s %10.0f %10.0f %10.0f %10.0f   %s\n", pass, variant.c_str(), c.mma, c.exp, c.fma, c.smem,
+              c.bottleneck().c_str());
+}
+
+void print_text(const Account& a, const std::optional<Measured>& m) {
+  const AttentionProblem& p = a.problem;
+  const cost::Work& w = a.work;
+  std::printf("flashattn explain: %s\n", p.describe().c_str());
+  std::printf("architecture: %s — %d %s at %.3f GHz\n  source: %s\n", a.arch.description.c_str(), a.arch.units,
+              a.arch.cpu ? "cores" : "SMs", a.arch.clock_ghz, a.arch.source.c_str());
+  std::printf("tiles: forward Br=%lld Bc=%lld%s, backward Br=%lld Bc=%lld; fast memory M = %.0f elements\n\n",
+              static_cast<long long>(a.forward_tiling.block_q), static_cast<long long>(a.forward_tiling.block_k),
+              a.forward_tiling.splits > 1 ? (" splits=" + std::to_string(a.forward_tiling.splits)).c_str() : "",
+              static_cast<long long>(a.backward_tiling.block_q), static_cast<long long>(a.backward_tiling.block_k),
+              a.sram_elements);
+
+  std::printf("Work                         matrix FLOPs        exponentials\n");
+  std::printf("  forward, tiled             %14.4g      %14.4g\n", w.forward, w.exp_forward);
+  std::printf("  backward, tiled            %14.4g      %14.4g   (recomputing S: %.4g FLOPs)\n", w.backward,
+              w.exp_backward, w.backward_recompute);
+  std::printf("  forward, standard          %14.4g      %14.4g\n", w.standard_forward, w.exp_standard_forward);
+  std::printf("  backward, standard         %14.4g      %14s   (from the stored P)\n\n", w.standard_backward, "0");
+
+  std::printf("Traffic, slow <-> fast memory      standard           tiled   tiled/standard\n");
+  const auto row = [](const char* name, const cost::TiledAccount& s, const cost::TiledAccount& t) {
+    std::printf("  %-26s %15s %15s   %8.4f\n", name, human_bytes(static_cast<double>(s.traffic.bytes())).c_str(),
+                human_bytes(static_cast<double>(t.traffic.bytes())).c_str(),
+                static_cast<double>(t.traffic.bytes()) / static_cast<double>(std::max<std::int64_t>(1, s.traffic.bytes())));
+  };
+  row("forward", a.standard_fwd, a.flash_fwd);
+  row("backward", a.standard_bwd, a.flash_bwd);
+  std::printf("  exact elements: standard %lld + %lld, tiled %lld + %lld\n",
+              static_cast<long long>(a.standard_fwd.traffic.elements()), static_cast<long long>(a.standard_bwd.traffic.elements()),
+              static_cast<long long>(a.flash_fwd.traffic.elements()), static_cast<long long>(a.flash_bwd.traffic.elements()));
+  std::printf("  tiled forward by tensor:");
+  for (const cost::Traffic::Term& t : a.flash_fwd.traffic.terms)
+    std::printf(" %s %s %lld;", t.tensor.c_str(), t.write ? "written" : "read", static_cast<long long>(t.elements));
+  std::printf("\n  Θ-forms for M = %.0f: standard Θ(N·d + N²) = %.4g, tiled Θ(N²·d²/M) = %.4g, ratio %.4f "
+              "(d²/M = %.4f)\n",
+              a.sram_elements, a.theta.standard, a.theta.flash, a.theta.ratio,
+              static_cast<double>(p.head_dim * p.head_dim) / a.sram_elements);
+  std::printf("  %s\n\n", cost::kLowerBound);
+
+  std::printf("Cycles per %lldx%lldx%lld tile on one %s (%s)         mma        exp        fma       smem   bottleneck\n",
+              static_cast<long long>(kTableTile), static_cast<long long>(kTableTile), static_cast<long long>(p.head_dim),
+              a.arch.cpu ? "core" : "SM", to_string(p.dtype).c_str());
+  for (const TileVariant& v : tile_variants(p.dtype)) {
+    if (a.arch.cpu && v.name != "plain") continue;  // a CPU has no exp unit to offload, no CTAs
+    if (!v.options.two_cta)
+      print_cycles_row("forward", v.name,
+                       cost::forward_tile_cycles(a.arch, kTableTile, kTableTile, p.head_dim, p.head_dim_v, v.options));
+    if (v.options.rescale_fraction == 1.0)
+      print_cycles_row("backward", v.name,
+                       cost::backward_tile_cycles(a.arch, kTableTile, kTableTile, p.head_dim, p.head_dim_v, v.options));
+  }
+  if (a.arch.cpu) std::printf("  (a CPU core runs mma, exp and fma on the same FMA pipes: their cycles add up)\n");
+
+  std::printf("\nPredicted on %s\n", a.arch.name.c_str());
+  for (const auto& [name, r] : {std::pair{"forward", &a.predicted_fwd}, std::pair{"backward", &a.predicted_bwd}})
+    std::printf("  %-9s %10.4g ms  %10.4g GFLOP/s  %5.1f%% of peak  bound by %s (compute %.4g ms, memory %.4g ms)\n",
+                name, r->seconds * 1e3, r->tflops * 1e3, 100.0 * r->utilisation, r->bound.c_str(),
+                r->compute_seconds * 1e3, r->memory_seconds * 1e3);
+  std::printf("  assumptions:\n");
+  for (const std::string& s : a.predicted_fwd.assumptions) std::printf("   - %s\n", s.c_str());
+  if (!m) return;
+
+  std::printf("\nMeasured on this CPU (counters on) — %s\n", m->run.forward_plan.describe().c_str());
+  const ModelCounters model = model_counters(m->model_fwd, m->model_bwd, m->run.forward_plan.splits > 1);
+  const auto line = [](const char* name, std::int64_t want, std::int64_t got) {
+    std::printf("  %-34s %16lld %16lld%s\n", name, static_cast<long long>(want), static_cast<long long>(got),
+                want == got ? "" : "   (differs)");
+  };
+  const KernelCounters& f = m->run.forward;
+  const KernelCounters& mf = model.forward;
+  std::printf("  %-34s %16s %16s\n", "forward counter", "model", "measured");
+  line("Q elements read", mf.q_read, f.q_read);
+  line("K elements streamed", mf.k_read, f.k_read);
+  line("V elements streamed", mf.v_read, f.v_read);
+  line("O elements written", mf.o_written, f.o_written);
+  line("tiles computed", mf.tiles_computed, f.tiles_computed);
+  line("tiles skipped", mf.tiles_skipped, f.tiles_skipped);
+  line("scores", mf.scores, f.scores);
+  std::printf("  K/V elements packed from the caller's memory: %lld (each streamed %.1f times on average)\n",
+              static_cast<long long>(f.kv_packed),
+              static_cast<double>(f.k_read + f.v_read) / static_cast<double>(std::max<std::int64_t>(1, f.kv_packed)));
+  const KernelCounters& b = m->run.backward;
+  const KernelCounters& mb = model.backward;
+  std::printf("  %-34s %16s %16s   (%s)\n", "backward counter", "model", "measured", m->run.backward_plan.describe().c_str());
+  line("Q elements streamed", mb.q_read, b.q_read);
+  line("dO elements read", mb.dout_read, b.dout_read);
+  line("K, V elements read", mb.k_read + mb.v_read, b.k_read + b.v_read);
+  line("dQ accumulator elements read", mb.dq_accum_read, b.dq_accum_read);
+  line("dQ accumulator elements written", mb.dq_accum_written, b.dq_accum_written);
+  line("tiles computed", mb.tiles_computed, b.tiles_computed);
+  line("tiles skipped", mb.tiles_skipped, b.tiles_skipped);
+  std::printf("  time: forward %.3f ms, backward %.3f ms", m->run.forward_seconds * 1e3, m->run.backward_seconds * 1e3);
+  if (m->has_cpu_prediction)
+    std::printf(" (model on this CPU: %.3f ms, %.3f ms)", m->cpu_fwd.seconds * 1e3, m->cpu_bwd.seconds * 1e3);
+  std::printf("\n");
+}
+
+}  // namespace
+
+void register_explain(CLI::App& app) {
+  auto flags = std::make_shared<ExplainFlags>();
+  CLI::App* cmd = app.add_subcommand("explain", "what a problem costs and why: traffic, FLOPs, per-unit cycles");
+  flags->shape.add_to(*cmd);
+  cmd->add_option("--window-size", flags->window_size, "sliding window LEFT RIGHT (-1 = unbounded)")->expected(2);
+  cmd->add_option("--arch", flags->arch, "a100, a100-40gb, a100-80gb, h100, h200, b200, b300 or cpu (measured here)")
+      ->capture_default_str();
+  cmd->add_option("--sram-elements", flags->sram_elements,
+                  "fast-memory size M of the Θ-form (default: shared memory per SM, or L2 per core)");
+  cmd->add_option("--tile", flags->tile, "tile BR BC of the model (GPU; with --measure, BR also sets the CPU's Q tile)")
+      ->expected(2);
+  cmd->add_flag("--measure", flags->measure, "run the CPU kernels with counters and show them beside the model");
+  cmd->add_option("--repeats", flags->repeats, "timed runs of --measure (median)")->capture_default_str();
+  cmd->add_flag("--json", flags->json, "machine-readable output");
+  cmd->callback([flags] {
+    const ExplainFlags& f = *flags;
+    if (!f.tile.empty() && (f.tile[0] < 1 || f.tile[1] < 1))
+      throw Error("--tile: BR and BC must be >= 1, got " + std::to_string(f.tile[0]) + " " + std::to_string(f.tile[1]));
+    AttentionOptions options = f.shape.options();
+    if (!f.window_size.empty()) options.window_size = {f.window_size[0], f.window_size[1]};
+    if (!f.tile.empty()) options.block_q = f.tile[0];
+    const AttentionProblem p = f.shape.problem(options);
+    const Account a = make_account(f, p, options);
+    std::optional<Measured> m;
+    if (f.measure) m = measure(f, p, options, a);
+    if (f.json) {
+      std::cout << to_json(a, m).dump(2) << "\n";
+    } else {
+      print_text(a, m);
+    }
+  });
+}
+
+}  // namespace flashattn::cli

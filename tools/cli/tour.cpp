@@ -1,0 +1,415 @@
+// `flashattn tour`: the four generations of SPEC §2-§5 on this machine, each chapter
+// printing what it measured beside what the cost model predicts; --out DIR also writes
+// the figures as SVG. Defaults fit a 2-core machine (well under a minute).
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <limits>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "tools/cli/account.hpp"
+#include "tools/cli/commands.hpp"
+#include "tools/cli/common.hpp"
+#include "tools/cli/svg.hpp"
+
+namespace flashattn::cli {
+namespace {
+
+struct TourFlags {
+  std::int64_t max_seqlen = 2048;  // chapters 1-3 sweep N = 256, 512, ... up to this
+  std::int64_t dim = 64;
+  std::int64_t heads = 2;
+  int threads = 0;
+  int repeats = 2;
+  std::string out;  // directory for the SVG figures; empty: none
+};
+
+constexpr std::int64_t kFirstSeqlen = 256;
+// SPEC §5: rescale only when the maximum grows by more than 8 in log2 units (a factor 256).
+constexpr float kRescaleThreshold = 8.0f;
+
+AttentionProblem square(const TourFlags& f, std::int64_t n, std::int64_t heads, DType dtype = DType::f32) {
+  AttentionOptions o;
+  o.num_threads = f.threads;
+  return AttentionProblem::from_sizes(1, n, n, heads, heads, f.dim, f.dim, dtype, o);
+}
+
+AttentionOptions options_of(const TourFlags& f) {
+  AttentionOptions o;
+  o.num_threads = f.threads;
+  return o;
+}
+
+std::vector<std::int64_t> seqlens(const TourFlags& f) {
+  std::vector<std::int64_t> n;
+  for (std::int64_t s = kFirstSeqlen; s <= f.max_seqlen; s *= 2) n.push_back(s);
+  if (n.empty()) n.push_back(f.max_seqlen);
+  return n;
+}
+
+// The elements a counted forward moved, in the model's terms (Q, K, V, O, lse).
+std::int64_t forward_elements(const KernelCounters& c) { return c.q_read + c.k_read + c.v_read + c.o_written + c.lse_written; }
+
+void figure(const TourFlags& f, const std::string& name, const std::string& svg_text) {
+  if (f.out.empty()) return;
+  const std::string path = (std::filesystem::path(f.out) / name).string();
+  svg::write(path, svg_text);
+  std::printf("  figure: %s\n", path.c_str());
+}
+
+void chapter(int number, const char* title) { std::printf("\n== %d. %s ==\n", number, title); }
+
+// ---- 1 + 2: standard attention against tiling ------------------------------------------
+
+struct SizePoint {
+  std::int64_t n;
+  double standard_model_bytes, flash_model_bytes, flash_measured_bytes;
+  double standard_peak_bytes, flash_workspace_bytes;
+  double standard_seconds, flash_seconds;
+};
+
+std::vector<SizePoint> chapter_standard(const TourFlags& f) {
+  chapter(1, "Standard attention: S and P go to memory");
+  std::printf("Per head, S = QKᵀ and P = softmax(S) are N×N: written and read back twice (4·N² elements),\n"
+              "and the memory they need grows as N². Measured: OpenBLAS textbook attention, %lld heads, d = %lld, f32.\n\n",
+              static_cast<long long>(f.heads), static_cast<long long>(f.dim));
+  std::printf("  %6s  %14s %14s %12s   %14s %14s %12s %9s %9s\n", "N", "std traffic", "S of a head", "std memory",
+              "tiled traffic", "tiled counted", "tiled memory", "std ms", "tiled ms");
+  std::vector<SizePoint> points;
+  // One untimed call first: OpenBLAS starts its threads on the first product.
+  const AttentionProblem warm = square(f, kFirstSeqlen, 1);
+  measure_forward(Impl::standard, warm, options_of(f), random_inputs(warm, 5), 1);
+  for (const std::int64_t n : seqlens(f)) {
+    const AttentionProblem p = square(f, n, f.heads);
+    const AttentionOptions o = options_of(f);
+    const Inputs in = random_inputs(p, 7);
+    const Measurement standard = measure_forward(Impl::standard, p, o, in, f.repeats);
+    const CountedRun run = counted_run(p, o, f.repeats, false);
+    const cost::TiledAccount model = cost::flash_forward(p, cost::tiling_of(run.forward_plan));
+    SizePoint s{n,
+                static_cast<double>(cost::standard_forward(p).traffic.bytes()),
+                static_cast<double>(model.traffic.bytes()),
+                static_cast<double>(forward_elements(run.forward)) * 4.0,  // f32 elements
+                static_cast<double>(standard.peak_bytes),
+                static_cast<double>(run.forward_plan.workspace_bytes()),
+                standard.seconds,
+                run.forward_seconds};
+    points.push_back(s);
+    std::printf("  %6lld  %14s %14s %12s   %14s %14s %12s %9.2f %9.2f\n", static_cast<long long>(n),
+                human_bytes(s.standard_model_bytes).c_str(), human_bytes(4.0 * n * n).c_str(),
+                human_bytes(s.standard_peak_bytes).c_str(), human_bytes(s.flash_model_bytes).c_str(),
+                human_bytes(s.flash_measured_bytes).c_str(), human_bytes(s.flash_workspace_bytes).c_str(),
+                s.standard_seconds * 1e3, s.flash_seconds * 1e3);
+  }
+  std::printf("\n  'std traffic' and 'tiled traffic' are the model's exact counts; 'tiled counted' is what the\n"
+              "  kernel's counters saw (equal to the model by construction of the test suite); 'std memory' is the\n"
+              "  baseline's measured peak extra allocation, about one head's S.\n");
+  std::vector<svg::Series> traffic{{"standard (model)", {}, {}}, {"tiled (model)", {}, {}}, {"tiled (counted)", {}, {}}};
+  std::vector<svg::Series> memory{{"standard (measured)", {}, {}}, {"tiled workspace", {}, {}}};
+  for (const SizePoint& s : points) {
+    const double x = static_cast<double>(s.n);
+    for (svg::Series* sr : {&traffic[0], &traffic[1], &traffic[2], &memory[0], &memory[1]}) sr->x.push_back(x);
+    traffic[0].y.push_back(s.standard_model_bytes);
+    traffic[1].y.push_back(s.flash_model_bytes);
+    traffic[2].y.push_back(s.flash_measured_bytes);
+    memory[0].y.push_back(s.standard_peak_bytes);
+    memory[1].y.push_back(s.flash_workspace_bytes);
+  }
+  figure(f, "traffic_vs_n.svg",
+         svg::line_chart({"Forward traffic between memory and the core", "sequence length N", "bytes", true, true}, traffic));
+  figure(f, "memory_vs_n.svg",
+         svg::line_chart({"Extra memory of a forward pass", "sequence length N", "bytes", true, true}, memory));
+  return points;
+}
+
+void worked_example() {
+  // One row of 8 scores (log2 units) in two tiles of 4, v_j = j: the online softmax state
+  // after each tile, and the result against the softmax of the whole row.
+  const float s[8] = {0.5f, 2.0f, -1.0f, 1.0f, 3.0f, 0.0f, 2.5f, -0.5f};
+  OnlineSoftmaxState state;
+  float o_tilde = 0.0f;
+  std::printf("  worked example: scores (log2 units) 0.5 2 -1 1 | 3 0 2.5 -0.5, values v_j = j\n");
+  for (int tile = 0; tile < 2; ++tile) {
+    float tile_max = -std::numeric_limits<float>::infinity();
+    for (int j = 4 * tile; j < 4 * tile + 4; ++j) tile_max = std::max(tile_max, s[j]);
+    const float factor = state.rescale_to(tile_max);
+    o_tilde *= factor;
+    float sum = 0.0f;
+    for (int j = 4 * tile; j < 4 * tile + 4; ++j) {
+      const float pj = std::exp2(s[j] - state.max);
+      sum += pj;
+      o_tilde += pj * static_cast<float>(j);
+    }
+    state.add(sum);
+    std::printf("    after tile %d: m = %.2f, rescale factor %.4f, l = %.5f, õ = %.5f\n", tile + 1, state.max, factor,
+                state.sum, o_tilde);
+  }
+  double z = 0.0, direct = 0.0;
+  for (int j = 0; j < 8; ++j) z += std::exp2(static_cast<double>(s[j]));
+  for (int j = 0; j < 8; ++j) direct += std::exp2(static_cast<double>(s[j])) / z * j;
+  std::printf("    o = õ/l = %.6f; softmax of the whole row gives %.6f: exact, only the order changed\n",
+              o_tilde * state.inverse_sum(), direct);
+}
+
+struct TilePoint {
+  std::int64_t block_q;
+  std::int64_t model_kv, counted_kv;
+  double seconds;
+};
+
+void chapter_tiling(const TourFlags& f, const std::vector<SizePoint>& sizes) {
+  chapter(2, "Tiling and the online softmax: S and P stay in fast memory");
+  worked_example();
+  const std::int64_t n = sizes.back().n;
+  const AttentionProblem p = square(f, n, f.heads);
+  const CpuHardware hw = CpuHardware::detect(f.threads);
+  std::printf("\n  K/V traffic against the Q tile Br (N = %lld, d = %lld): a Q tile of Br rows occupies M ≈ Br·d\n"
+              "  elements of fast memory and streams all of K and V once, so K/V traffic = (N/Br)·N·2d ∝ 1/M.\n",
+              static_cast<long long>(n), static_cast<long long>(f.dim));
+  std::printf("  %6s %10s %16s %16s %12s %9s\n", "Br", "M = Br·d", "K+V model", "K+V counted", "·Br/(H·N²)", "ms");
+  std::vector<TilePoint> points;
+  for (std::int64_t br = hw.micro_rows; br <= std::min<std::int64_t>(256, n); br *= 2) {
+    AttentionOptions o = options_of(f);
+    o.block_q = br;
+    o.num_splits = 1;
+    const CountedRun run = counted_run(p, o, 1, false);
+    const cost::TiledAccount model = cost::flash_forward(p, cost::tiling_of(run.forward_plan));
+    const TilePoint t{run.forward_plan.block_q,
+                      model.traffic.elements_of("K", false) + model.traffic.elements_of("V", false),
+                      run.forward.k_read + run.forward.v_read, run.forward_seconds};
+    points.push_back(t);
+    std::printf("  %6lld %10lld %16lld %16lld %12.1f %9.2f\n", static_cast<long long>(t.block_q),
+                static_cast<long long>(t.block_q * f.dim), static_cast<long long>(t.model_kv),
+                static_cast<long long>(t.counted_kv),
+                static_cast<double>(t.counted_kv) * static_cast<double>(t.block_q) / static_cast<double>(f.heads * n * n),
+                t.seconds * 1e3);
+  }
+  std::printf("  ·Br/(H·N²) stays at 2d = %lld: traffic ∝ 1/Br (a little above where Br does not divide N).\n",
+              static_cast<long long>(2 * f.dim));
+  std::vector<svg::Series> kv{{"K+V model", {}, {}}, {"K+V counted", {}, {}}};
+  for (const TilePoint& t : points) {
+    kv[0].x.push_back(static_cast<double>(t.block_q * f.dim));
+    kv[1].x.push_back(static_cast<double>(t.block_q * f.dim));
+    kv[0].y.push_back(static_cast<double>(t.model_kv));
+    kv[1].y.push_back(static_cast<double>(t.counted_kv));
+  }
+  figure(f, "traffic_vs_tile.svg",
+         svg::line_chart({"K/V elements streamed against fast memory M", "M = Br·d (elements)", "elements", true, true}, kv));
+
+  std::printf("\n  Memory flat in N: the tiled workspace is per thread and per tile, the standard one N²:\n");
+  for (const SizePoint& s : sizes)
+    std::printf("    N = %6lld: tiled %10s, standard %10s\n", static_cast<long long>(s.n),
+                human_bytes(s.flash_workspace_bytes).c_str(), human_bytes(s.standard_peak_bytes).c_str());
+
+  const std::int64_t nb = std::min<std::int64_t>(1024, n);
+  const AttentionProblem pb = square(f, nb, f.heads);
+  const AttentionOptions o = options_of(f);
+  const cost::Work w = cost::work(pb);
+  const cost::Tiling bt = cost::tiling_of(plan_backward(pb, hw, false));
+  const double flash_bytes = static_cast<double>(cost::flash_backward(pb, bt).traffic.bytes());
+  const double std_bytes = static_cast<double>(cost::standard_backward(pb).traffic.bytes());
+  const Inputs in = random_inputs(pb, 9);
+  const Measurement fb = measure_backward(Impl::flashattn, pb, o, in, f.repeats);
+  const Measurement sb = measure_backward(Impl::standard, pb, o, in, f.repeats);
+  std::printf("\n  Backward by recomputation (N = %lld): the tiled backward recomputes S and P from Q, K and lse.\n",
+              static_cast<long long>(nb));
+  std::printf("    FLOPs: tiled %.3g vs standard %.3g (+%.0f%%, the recomputation of S)\n", w.backward,
+              w.standard_backward, 100.0 * (w.backward / w.standard_backward - 1.0));
+  std::printf("    bytes: tiled %s vs standard %s (%.1f× fewer)\n", human_bytes(flash_bytes).c_str(),
+              human_bytes(std_bytes).c_str(), std_bytes / flash_bytes);
+  std::printf("    measured: tiled %.2f ms, standard %.2f ms; extra memory %s vs %s\n", fb.seconds * 1e3,
+              sb.seconds * 1e3, human_bytes(static_cast<double>(fb.peak_bytes)).c_str(),
+              human_bytes(static_cast<double>(sb.peak_bytes)).c_str());
+}
+
+// ---- 3: work partitioning -----------------------------------------------------------
+
+void chapter_partitioning(const TourFlags& f) {
+  chapter(3, "Work partitioning: parallel over the sequence, not only over heads");
+  const std::int64_t n = f.max_seqlen;
+  const AttentionProblem p = square(f, n, 1);
+  const int max_threads = resolved_threads(f.threads);
+  std::printf("  batch 1, 1 head, N = %lld, d = %lld, f32: 'sequence' splits the Q rows into tiles (the plan's\n"
+              "  choice); 'heads only' gives each (batch, head) to one thread (one Q tile of N rows). No split-KV.\n",
+              static_cast<long long>(n), static_cast<long long>(f.dim));
+  std::printf("  %8s %16s %16s\n", "threads", "sequence GF/s", "heads only GF/s");
+  const Inputs in = random_inputs(p, 11);
+  std::vector<svg::Series> series{{"parallel over sequence", {}, {}}, {"parallel over heads only", {}, {}}};
+  for (int t = 1; t <= max_threads; t = t < max_threads && 2 * t > max_threads ? max_threads : 2 * t) {
+    AttentionOptions o = options_of(f);
+    o.num_threads = t;
+    o.num_splits = 1;
+    const double sequence = measure_forward(Impl::flashattn, p, o, in, f.repeats).gflops;
+    o.block_q = n;
+    const double heads_only = measure_forward(Impl::flashattn, p, o, in, f.repeats).gflops;
+    std::printf("  %8d %16.2f %16.2f\n", t, sequence, heads_only);
+    for (svg::Series& s : series) s.x.push_back(t);
+    series[0].y.push_back(sequence);
+    series[1].y.push_back(heads_only);
+  }
+  std::printf("  model: with one head, 'heads only' has 1 work item and uses 1 thread whatever the count;\n"
+              "  'sequence' has ceil(N/Br) items and scales until the cores run out.\n");
+  figure(f, "gflops_vs_threads.svg",
+         svg::line_chart({"Forward GFLOP/s at batch 1, one head", "threads", "GFLOP/s", false, false}, series));
+}
+
+// ---- 4: asynchrony and low precision ------------------------------------------------
+
+void chapter_asynchrony(const TourFlags& f) {
+  chapter(4, "Asynchrony and low precision");
+  const std::int64_t n = std::min<std::int64_t>(1024, f.max_seqlen);
+  const AttentionProblem p = square(f, n, f.heads);
+  const CountedRun run = counted_run(p, options_of(f), 1, false);
+  const KernelCounters& c = run.forward;
+  std::printf("  Producer / consumer: on a CPU the producer role is packing. Each thread converts a head's K and V\n"
+              "  once into tile-major float32 panels, then every Q tile streams them: counted %lld elements packed,\n"
+              "  %lld streamed — each packed element is used %.1f times (N = %lld).\n",
+              static_cast<long long>(c.kv_packed), static_cast<long long>(c.k_read + c.v_read),
+              static_cast<double>(c.k_read + c.v_read) / static_cast<double>(std::max<std::int64_t>(1, c.kv_packed)),
+              static_cast<long long>(n));
+  std::printf("  Not here yet: a switch to turn packing or software prefetch off for an on/off measurement (the\n"
+              "  tiled kernel always packs; only the decode kernel prefetches), and the FP8 experiment — flashattn\n"
+              "  has no FP8 dtype yet (block quantization and the Hadamard rotation are being built, issue 6).\n");
+  const Inputs in32 = random_inputs(p, 13);
+  const AttentionProblem p16 = square(f, n, f.heads, DType::bf16);
+  const Inputs in16 = random_inputs(p16, 13);
+  const AttentionOptions o = options_of(f);
+  const double e32 = sampled_max_error(p, o, in32, forward(in32.q.view(), in32.k.view(), in32.v.view(), o).out, 32);
+  const double e16 = sampled_max_error(p16, o, in16, forward(in16.q.view(), in16.k.view(), in16.v.view(), o).out, 32);
+  std::printf("  Low precision today: max |error| against float64 over 32 sampled rows: f32 %.2e, bf16 %.2e.\n", e32, e16);
+}
+
+// ---- 5: the exponential unit ---------------------------------------------------------
+
+// How often the running maximum of a row moves when it is updated per K/V tile of 128
+// keys, always (every increase) or only past the threshold of SPEC §5, on random scores.
+struct RescaleCounts {
+  std::int64_t steps = 0, always = 0, conditional = 0;
+};
+
+RescaleCounts simulate_rescales(std::int64_t n, std::int64_t d, std::int64_t bc) {
+  std::mt19937_64 rng(17);
+  std::normal_distribution<float> normal;
+  std::vector<float> q(static_cast<std::size_t>(n * d)), k(q.size());
+  for (float& x : q) x = normal(rng);
+  for (float& x : k) x = normal(rng);
+  const float scale = OnlineSoftmaxState::kLog2e / std::sqrt(static_cast<float>(d));
+  RescaleCounts r;
+  std::vector<float> row(static_cast<std::size_t>(n));
+  for (std::int64_t i = 0; i < n; ++i) {
+    for (std::int64_t j = 0; j < n; ++j) {
+      float dot = 0.0f;
+      for (std::int64_t e = 0; e < d; ++e) dot += q[static_cast<std::size_t>(i * d + e)] * k[static_cast<std::size_t>(j * d + e)];
+      row[static_cast<std::size_t>(j)] = dot * scale;
+    }
+    float m = -std::numeric_limits<float>::infinity(), reference = m;
+    for (std::int64_t j0 = 0; j0 < n; j0 += bc) {
+      const float tile_max = *std::max_element(row.begin() + j0, row.begin() + std::min(n, j0 + bc));
+      if (j0 > 0) ++r.steps;  // the first tile only sets the maximum
+      if (tile_max > m) {
+        r.always += j0 > 0;
+        m = tile_max;
+      }
+      if (tile_max > reference + kRescaleThreshold) {
+        r.conditional += j0 > 0;
+        reference = tile_max;
+      }
+    }
+  }
+  return r;
+}
+
+void chapter_exp_unit(const TourFlags& f, const cost::Architecture& cpu) {
+  chapter(5, "The exponential unit: per-unit cycles of one 128×128×128 tile");
+  std::printf("  %-10s %-9s %-30s %10s %10s %10s %10s  %s\n", "arch", "pass", "variant", "mma", "exp", "fma", "smem",
+              "bottleneck");
+  // One row set per SM design: A100 40 GB and H200 have the SMs of A100 80 GB and H100.
+  std::vector<cost::Architecture> archs;
+  for (const char* name : {"a100-80gb", "h100", "b200", "b300"}) archs.push_back(cost::gpu_architecture(name));
+  std::vector<std::string> names;
+  std::vector<svg::Series> fwd{{"mma", {}, {}}, {"exp", {}, {}}, {"fma", {}, {}}, {"smem", {}, {}}};
+  std::vector<svg::Series> bwd = fwd;
+  const auto add = [](std::vector<svg::Series>& s, const cost::UnitCycles& c) {
+    s[0].y.push_back(c.mma), s[1].y.push_back(c.exp), s[2].y.push_back(c.fma), s[3].y.push_back(c.smem);
+  };
+  archs.push_back(cpu);
+  for (const cost::Architecture& a : archs) {
+    const DType dtype = a.cpu ? DType::f32 : DType::bf16;
+    for (const TileVariant& v : tile_variants(dtype)) {
+      if (a.cpu && v.name != "plain") continue;  // a CPU has no exp unit to offload, no CTAs
+      const auto print = [&](const char* pass, const cost::UnitCycles& c) {
+        std::printf("  %-10s %-9s %-30s %10.0f %10.0f %10.0f %10.0f  %s\n", a.name.c_str(), pass, v.name.c_str(),
+                    c.mma, c.exp, c.fma, c.smem, c.bottleneck().c_str());
+      };
+      if (!v.options.two_cta) print("forward", cost::forward_tile_cycles(a, 128, 128, 128, 128, v.options));
+      if (v.options.rescale_fraction == 1.0) print("backward", cost::backward_tile_cycles(a, 128, 128, 128, 128, v.options));
+    }
+    if (a.cpu) continue;  // its cycles are ~100× a GPU SM's: kept out of the figure's scale
+    names.push_back(a.name);
+    add(fwd, cost::forward_tile_cycles(a, 128, 128, 128, 128, {DType::bf16}));
+    add(bwd, cost::backward_tile_cycles(a, 128, 128, 128, 128, {DType::bf16}));
+  }
+  std::printf("  Read down the forward rows: from H100 to B200 the MMA halves while exp and smem stay, so exp ties\n"
+              "  the MMA; offloading a quarter of the exponentials to a cubic polynomial makes the MMA the bound\n"
+              "  again, and B300's doubled exp unit does it in hardware. The backward is bound by shared memory\n"
+              "  until 2-CTA MMA halves the operand reads. On this CPU every unit is the same FMA pipes.\n");
+  figure(f, "unit_cycles_forward.svg",
+         svg::bar_chart({"Forward 128x128x128 bf16 tile: cycles per unit", "", "cycles per SM"}, names, fwd));
+  figure(f, "unit_cycles_backward.svg",
+         svg::bar_chart({"Backward 128x128x128 bf16 tile: cycles per unit", "", "cycles per SM"}, names, bwd));
+
+  const std::int64_t n = std::min<std::int64_t>(1024, f.max_seqlen);
+  const CountedRun run = counted_run(square(f, n, f.heads), options_of(f), 1, false);
+  std::printf("\n  Exponentials on this CPU (N = %lld, %lld heads): %lld, every one a polynomial on the FMA pipes\n"
+              "  (the model's %g exponentials per clock per core come from the polynomial's 15 vector operations).\n",
+              static_cast<long long>(n), static_cast<long long>(f.heads), static_cast<long long>(run.forward.scores),
+              cpu.exp_per_clock);
+  const RescaleCounts r = simulate_rescales(n, f.dim, run.forward_plan.block_k);
+  std::printf("  Conditional rescaling, simulated on random scores of one head (tiles of %lld keys): of %lld tile\n"
+              "  steps, %lld move the maximum and rescale õ; with the threshold of %.0f (log2 units) only %lld do.\n"
+              "  The kernel's own conditional rescaling and exp2 variants are being built (issue 6); this is the\n"
+              "  rule applied to the same scores.\n",
+              static_cast<long long>(run.forward_plan.block_k), static_cast<long long>(r.steps),
+              static_cast<long long>(r.always), kRescaleThreshold, static_cast<long long>(r.conditional));
+}
+
+void tour(const TourFlags& f) {
+  if (f.max_seqlen < 16 || f.dim < 1 || f.heads < 1 || f.repeats < 1)
+    throw Error("tour: --max-seqlen must be >= 16 and --dim, --heads, --repeats >= 1, got " +
+                std::to_string(f.max_seqlen) + ", " + std::to_string(f.dim) + ", " + std::to_string(f.heads) + ", " +
+                std::to_string(f.repeats));
+  if (!f.out.empty()) std::filesystem::create_directories(f.out);
+  const cost::Architecture cpu = architecture_by_name("cpu", f.threads);
+  std::printf("flashattn tour on %s: %s\n", cpu_model().c_str(), cpu.description.c_str());
+  std::printf("measured: sgemm %.1f GFLOP/s, copy %.1f GB/s, clock %.2f GHz (timings on a shared machine are noisy;\n"
+              "compare the columns of one table, taken in the same process)\n",
+              cpu.mma_tf32 * cpu.units * cpu.clock_ghz, cpu.hbm_bytes_per_second * 1e-9, cpu.clock_ghz);
+  const std::vector<SizePoint> sizes = chapter_standard(f);
+  chapter_tiling(f, sizes);
+  chapter_partitioning(f);
+  chapter_asynchrony(f);
+  chapter_exp_unit(f, cpu);
+  std::printf("\nMore: `flashattn explain --help` prints the whole account of one problem; docs/cost_model.md\n"
+              "states the model and its sources.\n");
+}
+
+}  // namespace
+
+void register_tour(CLI::App& app) {
+  auto flags = std::make_shared<TourFlags>();
+  CLI::App* cmd = app.add_subcommand("tour", "a guided, measured walk through the four FlashAttention generations");
+  cmd->add_option("--max-seqlen", flags->max_seqlen, "largest N of the sweeps (from 256, doubling)")->capture_default_str();
+  cmd->add_option("--dim", flags->dim, "head dimension")->capture_default_str();
+  cmd->add_option("--heads", flags->heads, "heads of the sweeps")->capture_default_str();
+  cmd->add_option("--threads", flags->threads, "worker threads (0 = all cores)")->capture_default_str();
+  cmd->add_option("--repeats", flags->repeats, "timed runs per measurement (median)")->capture_default_str();
+  cmd->add_option("--out", flags->out, "directory for the figures (SVG)");
+  cmd->callback([flags] { tour(*flags); });
+}
+
+}  // namespace flashattn::cli
