@@ -10,18 +10,6 @@
 namespace flashattn::test {
 namespace {
 
-// Calls forward and expects an Error whose message contains every one of `fragments`.
-void expect_error(const std::function<void()>& call, const std::vector<std::string>& fragments) {
-  try {
-    call();
-    ADD_FAILURE() << "expected flashattn::Error";
-  } catch (const Error& e) {
-    for (const auto& f : fragments)
-      EXPECT_NE(std::string(e.what()).find(f), std::string::npos)
-          << "message '" << e.what() << "' lacks '" << f << "'";
-  }
-}
-
 struct Inputs {
   Tensor q = random_tensor(DType::f32, {2, 5, 4, 8}, 1);
   Tensor k = random_tensor(DType::f32, {2, 6, 2, 8}, 2);

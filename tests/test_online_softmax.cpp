@@ -87,5 +87,19 @@ TEST(OnlineSoftmaxState, EmptyRowsNeverProduceNaN) {
   EXPECT_FLOAT_EQ(seen.lse(), 3.0f * std::log(2.0f));
 }
 
+TEST(OnlineSoftmaxState, ConditionalRescalingKeepsTheReferenceWithinTheThreshold) {
+  OnlineSoftmaxState st;
+  EXPECT_EQ(st.rescale_to(1.0f, 8.0f), 0.0f);  // the first visible tile sets the reference
+  EXPECT_EQ(st.max, 1.0f);
+  st.add(2.0f);
+  EXPECT_EQ(st.rescale_to(9.0f, 8.0f), 1.0f);  // grew by exactly the threshold: kept
+  EXPECT_EQ(st.max, 1.0f);
+  EXPECT_EQ(st.sum, 2.0f);
+  EXPECT_EQ(st.rescale_to(9.5f, 8.0f), std::exp2(1.0f - 9.5f));  // beyond it: moved to the tile's max
+  EXPECT_EQ(st.max, 9.5f);
+  EXPECT_FLOAT_EQ(st.sum, 2.0f * std::exp2(-8.5f));
+  EXPECT_EQ(st.rescale_to(9.6f, 0.0f), std::exp2(9.5f - 9.6f));  // the classic rule: any growth
+}
+
 }  // namespace
 }  // namespace flashattn

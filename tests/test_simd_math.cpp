@@ -1,4 +1,4 @@
-// The polynomial exp2 of the CPU kernels, on every compiled SIMD target.
+// The polynomial exp2s of the CPU kernels (exact and poly3), on every compiled SIMD target.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "tests/test_simd_math.cpp"
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
@@ -22,6 +22,12 @@ void Exp2Array(const float* x, float* y, std::size_t n) {
     hn::StoreU(Exp2(df, hn::LoadU(df, x + i)), df, y + i);
 }
 
+void Exp2Poly3Array(const float* x, float* y, std::size_t n) {
+  const hn::ScalableTag<float> df;
+  for (std::size_t i = 0; i < n; i += hn::Lanes(df))
+    hn::StoreU(Exp2Poly3(df, hn::LoadU(df, x + i)), df, y + i);
+}
+
 }  // namespace flashattn::cpu::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
 
@@ -32,7 +38,14 @@ HWY_AFTER_NAMESPACE();
 
 namespace flashattn::cpu {
 HWY_EXPORT(Exp2Array);
+HWY_EXPORT(Exp2Poly3Array);
 namespace {
+
+// Inputs padded to a whole number of vectors on every target.
+std::vector<float> padded(std::vector<float> x, float fill) {
+  while (x.size() % 16) x.push_back(fill);
+  return x;
+}
 
 TEST(SimdMath, Exp2IsWithinTwoUlpOnTheKernelsDomain) {
   // The kernel evaluates 2^(s − m) with s − m ≤ 0; below −126 results are subnormal or 0.
@@ -74,6 +87,45 @@ TEST(SimdMath, Exp2KeepsNaN) {
         EXPECT_TRUE(std::isnan(y[i])) << "lane " << i << " = " << y[i];
       }
     }
+  });
+}
+
+TEST(SimdMath, Exp2Poly3IsWithinItsMinimaxBoundOverTheWholeRange) {
+  // Every normal result: x from −126 to 127, a dense sweep plus each integer (where
+  // floor switches binade) and the points just below it.
+  std::vector<float> x;
+  for (float v = -126.0f; v < 127.0f; v += 0.000913f) x.push_back(v);
+  for (int n = -126; n <= 127; ++n) {
+    x.push_back(static_cast<float>(n));
+    x.push_back(std::nextafter(static_cast<float>(n), -200.0f));
+  }
+  x = padded(x, 0.0f);
+  std::vector<float> y(x.size());
+  test::for_each_simd_target([&](const std::string&) {
+    HWY_DYNAMIC_DISPATCH(Exp2Poly3Array)(x.data(), y.data(), x.size());
+    double worst = 0.0;
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      if (x[i] < -126.0f) continue;  // the point below −126 is subnormal: flushed (next test)
+      const double want = std::exp2(static_cast<double>(x[i]));
+      worst = std::fmax(worst, std::fabs(y[i] - want) / want);
+    }
+    // The fit's 7.48e-5 plus a few float roundings of the Horner steps.
+    EXPECT_LE(worst, 7.6e-5);
+    EXPECT_GE(worst, 7.0e-5);  // it is a cubic, not the exact exp2 under another name
+  });
+}
+
+TEST(SimdMath, Exp2Poly3UnderflowsToZeroAndKeepsNaN) {
+  const float nan = std::nanf("");
+  const std::vector<float> x = padded({-std::numeric_limits<float>::infinity(), -1000.0f, -127.0f, -126.5f, nan, -2.0f},
+                                      -1000.0f);
+  std::vector<float> y(x.size(), 1.0f);
+  test::for_each_simd_target([&](const std::string&) {
+    HWY_DYNAMIC_DISPATCH(Exp2Poly3Array)(x.data(), y.data(), x.size());
+    for (std::size_t i = 0; i < 4; ++i) EXPECT_EQ(y[i], 0.0f) << "x = " << x[i];
+    EXPECT_TRUE(std::isnan(y[4]));
+    EXPECT_NEAR(y[5], 0.25f, 0.25f * 7.6e-5f);
+    for (std::size_t i = 6; i < y.size(); ++i) EXPECT_EQ(y[i], 0.0f);
   });
 }
 

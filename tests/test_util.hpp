@@ -83,6 +83,18 @@ inline std::vector<double> naive_same_precision(const AttentionProblem& p,
   return out;
 }
 
+// Calls `call` and expects an Error whose message contains every one of `fragments`.
+inline void expect_error(const std::function<void()>& call, const std::vector<std::string>& fragments) {
+  try {
+    call();
+    ADD_FAILURE() << "expected flashattn::Error";
+  } catch (const Error& e) {
+    for (const auto& f : fragments)
+      EXPECT_NE(std::string(e.what()).find(f), std::string::npos)
+          << "message '" << e.what() << "' lacks '" << f << "'";
+  }
+}
+
 inline double max_abs_error(const Tensor& actual, const std::vector<double>& expected) {
   double e = 0.0;
   for (std::int64_t i = 0; i < actual.numel(); ++i)

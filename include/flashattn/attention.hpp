@@ -8,6 +8,7 @@
 
 #include <string>
 
+#include "flashattn/fp8.hpp"
 #include "flashattn/options.hpp"
 #include "flashattn/tensor.hpp"
 
@@ -118,6 +119,17 @@ ForwardResult forward_with_kvcache(const TensorView& q, const KvCache& cache,
 //   out (batch, seqlen_q, heads_q, head_dim_v) any floating dtype, lse (batch, heads_q, seqlen_q) float32
 void merge_attention_states(const TensorView& outs, const TensorView& lses,
                             const MutableTensorView& out, const MutableTensorView& lse);
+
+// FP8 attention (SPEC §4): q, k, v as FP8 codes with descale factors, per tensor or per
+// block of rows (see Fp8View and quantize_fp8), in the layout of forward(); out in any
+// floating dtype, lse float32. Scores accumulate in float32 and P is rounded to e4m3 before
+// P·V, as on an FP8 tensor core. On the CPU the FP8 values are decoded to float32 once per
+// call (FP8 numerics, not FP8 speed). Bad codes, descales (<= 0, non-finite) or shapes throw
+// Error; so does a rescale_threshold above 8 (unrescaled P ≤ 2^threshold must fit e4m3).
+void forward_fp8(const Fp8View& q, const Fp8View& k, const Fp8View& v, const MutableTensorView& out,
+                 const MutableTensorView& lse, const AttentionOptions& options = {});
+ForwardResult forward_fp8(const Fp8View& q, const Fp8View& k, const Fp8View& v, DType out_dtype,
+                          const AttentionOptions& options = {});
 
 // Name of the SIMD target the CPU kernels dispatch to on this machine, e.g. "AVX3".
 std::string cpu_simd_target();

@@ -28,10 +28,12 @@ struct OnlineSoftmaxState {
   float max = -std::numeric_limits<float>::infinity();
   float sum = 0.0f;
 
-  // Moves the reference maximum up to cover `tile_max` and returns the factor
+  // Moves the reference maximum up to `tile_max` when that exceeds it by more than
+  // `threshold` (log2 units; 0 = whenever it grows, the classic rule) and returns the factor
   // 2^(m_old − m_new) by which the caller must multiply its õ (already applied to sum).
-  float rescale_to(float tile_max) {
-    if (tile_max <= max) return 1.0f;  // false for a NaN maximum, which must propagate
+  // Conditional rescaling (SPEC §5): with threshold τ the tile's 2^(s − m) stay ≤ 2^τ.
+  float rescale_to(float tile_max, float threshold = 0.0f) {
+    if (tile_max <= max + threshold) return 1.0f;  // false for a NaN maximum, which must propagate
     const float factor = max == -std::numeric_limits<float>::infinity()
                              ? 0.0f
                              : std::exp2(max - tile_max);

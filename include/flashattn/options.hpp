@@ -4,11 +4,23 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 
 #include "flashattn/counters.hpp"
 #include "flashattn/tensor.hpp"
 
 namespace flashattn {
+
+// The exponential of the forward's softmax (SPEC §5). `exact`: a degree-6 polynomial,
+// within 2 float ulps. `poly3`: Cody–Waite reduction and a cubic, relative error 7.5e-5
+// (below half a bf16 ulp). `mixed`: the first exp2_poly3_fraction of each tile row's
+// exponentials through poly3, the rest exact (FlashAttention-4's split between the
+// exponential unit and the FMA units). `automatic`: currently exact for every dtype (why:
+// docs/numerics.md).
+enum class Exp2Impl : std::uint8_t { automatic, exact, poly3, mixed };
+const char* to_string(Exp2Impl impl);
+// Parses "auto", "exact", "poly3", "mixed"; throws Error otherwise.
+Exp2Impl parse_exp2_impl(const std::string& name);
 
 struct AttentionOptions {
   // Scale applied to Q·Kᵀ before the softmax; 1/sqrt(head_dim) when unset.
@@ -52,6 +64,20 @@ struct AttentionOptions {
   // dQ shares of the K/V tiles are added in K/V-block order (a ticket per Q tile) instead
   // of as they finish. Costs waiting, not arithmetic.
   bool deterministic = false;
+
+  // Forward numerics (SPEC §5); the backward always recomputes P with the exact exp2.
+  Exp2Impl exp2 = Exp2Impl::automatic;
+  float exp2_poly3_fraction = 0.5f;  // mixed only: share of each row's exponentials, [0, 1]
+  // Conditional rescaling, in log2 units: the online-softmax state (m, ℓ, õ) is rescaled
+  // only when a tile's maximum exceeds the reference m by more than this; otherwise m is
+  // kept and that tile's probabilities are computed against it (they stay below
+  // 2^threshold, so nothing overflows). The final õ/ℓ is exact for any threshold. 0 is the
+  // classic rule (rescale whenever the maximum grows); unset means 8 (a factor 256).
+  std::optional<float> rescale_threshold;
+  // Statistics, forward() only: when set, int32 (batch, heads_q, seqlen_q) receives the
+  // number of times each row's state was rescaled (its reference maximum moved after the
+  // first visible key). Unset (null data) costs nothing.
+  MutableTensorView rescale_counts;
   // Forward only: Q rows per tile (Br), rounded up to the micro-kernel's rows; 0 lets the
   // planner choose from the L2 size. For experiments such as the cost model's sweep of
   // traffic against tile size (flashattn tour); the result does not depend on it.

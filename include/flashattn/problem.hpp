@@ -34,6 +34,17 @@ struct AttentionProblem {
   // sequence as its own problem, and sequence b keys its dropout mask and ALiBi slopes
   // with batch index b.
   std::int64_t batch_offset = 0;
+  // Forward numerics (SPEC §5), resolved: exp2 is never automatic here.
+  Exp2Impl exp2 = Exp2Impl::exact;
+  float exp2_poly3_fraction = 0.0f;  // mixed only
+  float rescale_threshold = 0.0f;    // log2 units
+  // Set by forward_fp8 only: P is rounded to FP8 e4m3 before P·V, as an FP8 tensor core
+  // multiplies it (ℓ sums the unrounded P).
+  bool fp8_probabilities = false;
+  // Default of AttentionOptions::rescale_threshold; the largest accepted keeps every
+  // unrescaled probability 2^(s − m) ≤ 2^64 and ℓ ≤ seqlen_k·2^64 far from float's 2^128.
+  static constexpr float kDefaultRescaleThreshold = 8.0f;
+  static constexpr float kMaxRescaleThreshold = 64.0f;
 
   static constexpr std::int64_t kMaxHeadDim = 512;
 

@@ -52,6 +52,14 @@ AttentionProblem AttentionProblem::from_sizes(std::int64_t batch, std::int64_t s
           "dropout_p: must be in [0, 1), got " + std::to_string(options.dropout_p));
   require(options.num_splits >= 0,
           "num_splits: must be >= 0 (0 = automatic), got " + str(options.num_splits));
+  require(options.exp2_poly3_fraction >= 0.0f && options.exp2_poly3_fraction <= 1.0f,
+          "exp2_poly3_fraction: must be in [0, 1], got " + std::to_string(options.exp2_poly3_fraction));
+  if (options.rescale_threshold) {
+    const float t = *options.rescale_threshold;
+    require(t >= 0.0f && t <= kMaxRescaleThreshold,
+            "rescale_threshold: must be in [0, " + std::to_string(kMaxRescaleThreshold) +
+                "] (log2 units; 0 = rescale whenever the maximum grows), got " + std::to_string(t));
+  }
   require(options.block_q >= 0,
           "block_q: must be >= 0 (0 = the planner's choice), got " + str(options.block_q));
   require(options.num_threads >= 0,
@@ -81,6 +89,12 @@ AttentionProblem AttentionProblem::from_sizes(std::int64_t batch, std::int64_t s
   p.block_mask_block_size = options.block_mask.data != nullptr || options.block_mask.rank != 0
                                 ? options.block_mask_block_size
                                 : 0;
+  // automatic is exact for every dtype (docs/numerics.md): poly3 keeps bf16/f16 outputs
+  // within their tolerance, but its 7.5e-5 relative error moves the float32 lse by as much,
+  // beyond the 1e-5 the tests allow, and on this CPU it is no measurable speed-up.
+  p.exp2 = options.exp2 != Exp2Impl::automatic ? options.exp2 : Exp2Impl::exact;
+  p.exp2_poly3_fraction = p.exp2 == Exp2Impl::mixed ? options.exp2_poly3_fraction : 0.0f;
+  p.rescale_threshold = options.rescale_threshold.value_or(kDefaultRescaleThreshold);
   p.softmax_scale = options.softmax_scale
                         ? *options.softmax_scale
                         : static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
@@ -139,6 +153,22 @@ AttentionProblem::KeyRange AttentionProblem::key_range(std::int64_t row) const {
   return r;
 }
 
+const char* to_string(Exp2Impl impl) {
+  switch (impl) {
+    case Exp2Impl::automatic: return "auto";
+    case Exp2Impl::exact: return "exact";
+    case Exp2Impl::poly3: return "poly3";
+    case Exp2Impl::mixed: return "mixed";
+  }
+  return "unknown";
+}
+
+Exp2Impl parse_exp2_impl(const std::string& name) {
+  for (Exp2Impl impl : {Exp2Impl::automatic, Exp2Impl::exact, Exp2Impl::poly3, Exp2Impl::mixed})
+    if (name == to_string(impl)) return impl;
+  throw Error("exp2: unknown implementation '" + name + "' (expected auto, exact, poly3 or mixed)");
+}
+
 double AttentionProblem::conventional_forward_flops() const {
   const double full = 4.0 * static_cast<double>(batch) * static_cast<double>(heads_q) *
                       static_cast<double>(seqlen_q) * static_cast<double>(seqlen_k) *
@@ -158,6 +188,9 @@ std::string AttentionProblem::describe() const {
   if (alibi) s << " alibi";
   if (dropout_p > 0.0f) s << " dropout_p=" << dropout_p << " seed=" << seed;
   if (block_mask_block_size > 0) s << " block_mask_block_size=" << block_mask_block_size;
+  s << " exp2=" << to_string(exp2);
+  if (exp2 == Exp2Impl::mixed) s << " exp2_poly3_fraction=" << exp2_poly3_fraction;
+  s << " rescale_threshold=" << rescale_threshold;
   return s.str();
 }
 

@@ -124,12 +124,23 @@ void check_no_overlap(const char* out_name, const TensorView& out, const char* i
                 " (inputs are never modified; pass a separate buffer)");
 }
 
+namespace {
+constexpr const char* kOutLayout = "(batch, seqlen_q, heads_q, head_dim_v)";
+}  // namespace
+
 void check_forward_outputs(const AttentionProblem& p, const TensorView& q, const TensorView& k,
                            const TensorView& v, const TensorView& out, const TensorView& lse) {
-  constexpr const char* kOutLayout = "(batch, seqlen_q, heads_q, head_dim_v)";
-  constexpr const char* kLseLayout = "(batch, heads_q, seqlen_q)";
   check_view("out", out, 4, kOutLayout);
   check_dtype("out", out, q.dtype, "out must have q's dtype");
+  check_forward_output_views(p, q, k, v, out, lse);
+}
+
+void check_forward_output_views(const AttentionProblem& p, const TensorView& q, const TensorView& k,
+                                const TensorView& v, const TensorView& out, const TensorView& lse) {
+  constexpr const char* kLseLayout = "(batch, heads_q, seqlen_q)";
+  check_view("out", out, 4, kOutLayout);
+  if (!is_floating(out.dtype))
+    throw Error("out: dtype " + to_string(out.dtype) + " is not a floating dtype (f32, bf16, f16)");
   check_shape("out", out, {p.batch, p.seqlen_q, p.heads_q, p.head_dim_v}, kOutLayout);
   check_view("lse", lse, 3, kLseLayout);
   check_dtype("lse", lse, DType::f32, "lse is always float32");
@@ -141,6 +152,24 @@ void check_forward_outputs(const AttentionProblem& p, const TensorView& q, const
     check_no_overlap("lse", lse, name, input);
   }
   check_no_overlap("lse", lse, "out", out);
+}
+
+void check_rescale_counts(const AttentionProblem& p, const AttentionOptions& options, const TensorView& q,
+                          const TensorView& k, const TensorView& v, const TensorView& out, const TensorView& lse) {
+  const TensorView counts = options.rescale_counts;
+  if (counts.data == nullptr && counts.rank == 0) return;
+  constexpr const char* kLayout = "(batch, heads_q, seqlen_q)";
+  check_view("rescale_counts", counts, 3, kLayout);
+  check_dtype("rescale_counts", counts, DType::i32, "counts are int32");
+  check_shape("rescale_counts", counts, {p.batch, p.heads_q, p.seqlen_q}, kLayout);
+  check_output_layout("rescale_counts", counts);
+  for (const auto& [name, other] : {std::pair{"q", q}, {"k", k}, {"v", v}, {"out", out}, {"lse", lse}})
+    check_no_overlap("rescale_counts", counts, name, other);
+}
+
+void reject_rescale_counts(const char* entry_point, const AttentionOptions& options) {
+  if (options.rescale_counts.data != nullptr || options.rescale_counts.rank != 0)
+    throw Error(std::string("rescale_counts: reported by forward() and forward_fp8() only, not by ") + entry_point);
 }
 
 }  // namespace flashattn::detail

@@ -32,6 +32,18 @@ void check_forward_outputs(const AttentionProblem& problem, const TensorView& q,
                            const TensorView& k, const TensorView& v, const TensorView& out,
                            const TensorView& lse);
 
+// The same without the dtype rule: out may be any floating dtype (the FP8 forward).
+void check_forward_output_views(const AttentionProblem& problem, const TensorView& q,
+                                const TensorView& k, const TensorView& v, const TensorView& out,
+                                const TensorView& lse);
+
+// options.rescale_counts, when set: int32 (batch, heads_q, seqlen_q), overlapping nothing.
+void check_rescale_counts(const AttentionProblem& problem, const AttentionOptions& options,
+                          const TensorView& q, const TensorView& k, const TensorView& v,
+                          const TensorView& out, const TensorView& lse);
+// Entry points that run one sequence at a time do not report rescale counts.
+void reject_rescale_counts(const char* entry_point, const AttentionOptions& options);
+
 std::string shape_string(const TensorView& view);
 
 }  // namespace flashattn::detail

@@ -5,7 +5,9 @@
 
 #include <cstdint>
 
+#include "flashattn/fp8.hpp"
 #include "flashattn/options.hpp"
+#include "flashattn/problem.hpp"
 #include "flashattn/tensor.hpp"
 
 namespace flashattn::detail {
@@ -13,6 +15,14 @@ namespace flashattn::detail {
 void forward_impl(const TensorView& q, const TensorView& k, const TensorView& v,
                   const MutableTensorView& out, const MutableTensorView& lse,
                   const AttentionOptions& options, std::int64_t batch_offset);
+
+// Runs a problem the caller validated and adjusted (the FP8 forward sets fp8_probabilities).
+void run_forward_problem(const AttentionProblem& problem, const TensorView& q, const TensorView& k,
+                         const TensorView& v, const MutableTensorView& out, const MutableTensorView& lse,
+                         const AttentionOptions& options);
+
+// The float32 values of FP8 tensor `name` (q, k, v) after validating its view.
+Tensor dequantize_fp8(const char* name, const Fp8View& x);
 
 // One sequence (q batch 1) over a paged cache: key j lives in page block_table[j / page_size]
 // (page_size = k_pages.shape[1]) at slot j % page_size of the k and v pools.

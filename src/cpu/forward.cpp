@@ -27,11 +27,11 @@ std::size_t forward_workspace_bytes(const CpuForwardPlan& plan, const AttentionP
       plan.kernel == ForwardKernel::tiled ? round_up(static_cast<std::size_t>(p.seqlen_k), bc) : 0;
   const std::size_t d_pad = round_up(d, 16);
   const std::size_t floats = bq * d_pad + bq * bc + bq * dv_pad + keys_pad * d + keys_pad * dv_pad + d_pad + bc * dv_pad;
-  return floats * sizeof(float) + bq * sizeof(OnlineSoftmaxState);
+  return floats * sizeof(float) + bq * (sizeof(OnlineSoftmaxState) + sizeof(std::int32_t));
 }
 
 ForwardWorkspace::ForwardWorkspace(const CpuForwardPlan& plan, const AttentionProblem& p)
-    : states(static_cast<std::size_t>(plan.block_q)) {
+    : states(static_cast<std::size_t>(plan.block_q)), rescales(static_cast<std::size_t>(plan.block_q)) {
   const auto bq = static_cast<std::size_t>(plan.block_q);
   const auto bc = static_cast<std::size_t>(plan.block_k);
   const auto d = static_cast<std::size_t>(p.head_dim);
@@ -52,6 +52,16 @@ ForwardWorkspace::ForwardWorkspace(const CpuForwardPlan& plan, const AttentionPr
 
 namespace {
 
+// Zeroes options.rescale_counts (when set): the kernels add each row's count to it.
+void zero_rescale_counts(const AttentionOptions& options) {
+  const MutableTensorView& c = options.rescale_counts;
+  if (c.data == nullptr) return;
+  for (std::int64_t b = 0; b < c.shape[0]; ++b)
+    for (std::int64_t h = 0; h < c.shape[1]; ++h)
+      for (std::int64_t i = 0; i < c.shape[2]; ++i)
+        static_cast<std::int32_t*>(c.data)[b * c.strides[0] + h * c.strides[1] + i * c.strides[2]] = 0;
+}
+
 // Adds the threads' counts to the caller's counters; skipped tiles are the rest of the
 // grid of (Q tile, K/V tile) pairs — (kv head, K/V chunk) pairs for the decode kernel.
 void add_counters(const AttentionProblem& p, const CpuForwardPlan& plan,
@@ -70,13 +80,14 @@ void add_counters(const AttentionProblem& p, const CpuForwardPlan& plan,
 void run_forward(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
                  const MutableTensorView& out, const MutableTensorView& lse, const AttentionOptions& options,
                  const cpu::PagedKv& paged) {
+  zero_rescale_counts(options);
   if (p.batch == 0 || p.seqlen_q == 0) return;
   const CpuForwardPlan plan = plan_forward(p, CpuHardware::detect(options.num_threads), options.num_splits, options.block_q);
   const std::int64_t split_rows = plan.splits > 1 ? plan.splits * p.batch * p.heads_q * p.seqlen_q : 0;
   std::vector<float> split_out(static_cast<std::size_t>(split_rows * p.head_dim_v));
   std::vector<float> split_lse(static_cast<std::size_t>(split_rows));
   const cpu::ForwardParams params{p, plan, q, k, v, out, lse, options.alibi_slopes, options.block_mask,
-                                  split_out.data(), split_lse.data(), paged};
+                                  split_out.data(), split_lse.data(), paged, options.rescale_counts};
   const cpu::ForwardWorkItemFn kernel = cpu::forward_work_item_kernel(plan.kernel);
   // Workspaces are allocated here, before the threads start, so that running out of memory
   // is an exception for the caller rather than a termination inside an OpenMP region.
@@ -104,6 +115,13 @@ void detail::forward_impl(const TensorView& q, const TensorView& k, const Tensor
   AttentionProblem problem = AttentionProblem::from_inputs(q, k, v, options);
   problem.batch_offset = batch_offset;
   detail::check_forward_outputs(problem, q, k, v, out, lse);
+  detail::check_rescale_counts(problem, options, q, k, v, out, lse);
+  run_forward(problem, q, k, v, out, lse, options, {});
+}
+
+void detail::run_forward_problem(const AttentionProblem& problem, const TensorView& q, const TensorView& k,
+                                 const TensorView& v, const MutableTensorView& out, const MutableTensorView& lse,
+                                 const AttentionOptions& options) {
   run_forward(problem, q, k, v, out, lse, options, {});
 }
 

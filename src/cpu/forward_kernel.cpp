@@ -15,12 +15,15 @@
 #include <hwy/highway.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cmath>
 #include <cstring>
 #include <limits>
 
 #include "flashattn/online_softmax.hpp"
 #include "src/core/element.hpp"
 #include "src/cpu/forward_kernel.hpp"
+#include "src/cpu/fp8-inl.h"
 #include "src/cpu/score_mods-inl.h"
 #include "src/cpu/simd_math-inl.h"
 #include "src/cpu/tile_ops-inl.h"
@@ -68,17 +71,42 @@ void EnsurePacked(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t b
   ws.packed.done(end);
 }
 
+// P = 2^(S − m) of columns [from, to) with one of the exp2 implementations; returns Σ P.
+template <class Exp2Fn>
+HWY_INLINE VF ExpRange(Exp2Fn exp2, float* HWY_RESTRICT srow, std::int64_t from, std::int64_t to, VF vm, VF vsum) {
+  const DF df;
+  for (std::int64_t j = from; j < to; j += kLanes) {
+    const VF pj = exp2(df, hn::Sub(hn::Load(df, srow + j), vm));
+    hn::Store(pj, df, srow + j);
+    vsum = hn::Add(vsum, pj);
+  }
+  return vsum;
+}
+
+// Columns [0, result) of a row of `cols` go through the cubic exp2, the rest through the
+// exact one; mixed rounds its share to whole vectors.
+HWY_INLINE std::int64_t Poly3Columns(const AttentionProblem& p, std::int64_t cols) {
+  if (p.exp2 == Exp2Impl::poly3) return cols;
+  if (p.exp2 != Exp2Impl::mixed) return 0;
+  const float vectors = p.exp2_poly3_fraction * static_cast<float>(cols / kLanes);
+  return static_cast<std::int64_t>(std::lround(vectors)) * kLanes;
+}
+
 // Variants, mask and online-softmax update of one score row of query i, in place:
 // S(cols) of keys j0.. → P (dropout applied after the row sum, which must not see it).
-// õ (orow, ldo floats) is rescaled when the reference maximum moves.
+// õ (orow, ldo floats) is rescaled when the reference maximum moves by more than the
+// problem's rescale threshold; `rescales` (null when not counted) counts those moves.
 void SoftmaxRow(const RowMods& mods, float* HWY_RESTRICT srow, std::int64_t i, std::int64_t j0,
                 std::int64_t n, std::int64_t cols, OnlineSoftmaxState& state, float* HWY_RESTRICT orow,
-                std::int64_t ldo) {
+                std::int64_t ldo, std::int32_t* rescales) {
   const DF df;
+  const AttentionProblem& p = *mods.problem;
   mods.apply(srow, nullptr, i, j0, n, cols);
   VF vmax = hn::Set(df, kNegInf);
   for (std::int64_t j = 0; j < cols; j += kLanes) vmax = hn::Max(vmax, hn::Load(df, srow + j));
-  const float factor = state.rescale_to(hn::GetLane(hn::MaxOfLanes(df, vmax)));
+  const float old_max = state.max;
+  const float factor = state.rescale_to(hn::GetLane(hn::MaxOfLanes(df, vmax)), p.rescale_threshold);
+  if (rescales != nullptr && state.max != old_max && old_max != kNegInf) ++*rescales;
   if (factor != 1.0f) {
     const VF vf = hn::Set(df, factor);
     for (std::int64_t c = 0; c < ldo; c += kLanes) hn::Store(hn::Mul(hn::Load(df, orow + c), vf), df, orow + c);
@@ -87,30 +115,38 @@ void SoftmaxRow(const RowMods& mods, float* HWY_RESTRICT srow, std::int64_t i, s
     std::fill(srow, srow + cols, 0.0f);
     return;
   }
+  const std::int64_t poly_cols = Poly3Columns(p, cols);
   const VF vm = hn::Set(df, state.max);
-  VF vsum = hn::Zero(df);
-  for (std::int64_t j = 0; j < cols; j += kLanes) {
-    const VF pj = Exp2(df, hn::Sub(hn::Load(df, srow + j), vm));
-    hn::Store(pj, df, srow + j);
-    vsum = hn::Add(vsum, pj);
-  }
+  VF vsum = ExpRange([](DF d, VF x) { return Exp2Poly3(d, x); }, srow, 0, poly_cols, vm, hn::Zero(df));
+  vsum = ExpRange([](DF d, VF x) { return Exp2(d, x); }, srow, poly_cols, cols, vm, vsum);
   state.add(hn::GetLane(hn::SumOfLanes(df, vsum)));
+  if (p.fp8_probabilities)
+    for (std::int64_t j = 0; j < cols; j += kLanes)
+      hn::Store(RoundToFp8(df, hn::Load(df, srow + j), Fp8Format::e4m3), df, srow + j);
   if (mods.dropout_threshold != 0) mods.apply_dropout(srow, i, j0, cols);
 }
 
 // The tile's rows are consecutive queries of one head; padded rows copy the last query.
 void SoftmaxTile(const RowMods& mods, float* HWY_RESTRICT s, std::int64_t lds, std::int64_t i0,
                  std::int64_t rows, std::int64_t j0, std::int64_t n, std::int64_t cols,
-                 OnlineSoftmaxState* HWY_RESTRICT state, float* HWY_RESTRICT o_acc, std::int64_t ldo) {
+                 OnlineSoftmaxState* HWY_RESTRICT state, float* HWY_RESTRICT o_acc, std::int64_t ldo,
+                 std::int32_t* rescales) {
   const AttentionProblem& p = *mods.problem;
   for (std::int64_t r = 0; r < rows; ++r)
-    SoftmaxRow(mods, s + r * lds, std::min(i0 + r, p.seqlen_q - 1), j0, n, cols, state[r], o_acc + r * ldo, ldo);
+    SoftmaxRow(mods, s + r * lds, std::min(i0 + r, p.seqlen_q - 1), j0, n, cols, state[r], o_acc + r * ldo, ldo,
+               rescales != nullptr ? rescales + r : nullptr);
 }
 
-// The output row of query i of (b, h), or its split's partial, from õ and the state.
+// The output row of query i of (b, h), or its split's partial, from õ and the state; its
+// rescale count is added to the row's total (splits of one row may run concurrently).
 void StoreOutputRow(const ForwardParams& prm, std::int64_t split, std::int64_t b, std::int64_t h,
-                    std::int64_t i, const float* orow, const OnlineSoftmaxState& state) {
+                    std::int64_t i, const float* orow, const OnlineSoftmaxState& state, const std::int32_t* rescales) {
   const AttentionProblem& p = prm.problem;
+  if (rescales != nullptr) {
+    const MutableTensorView& c = prm.rescale_counts;
+    std::atomic_ref<std::int32_t>(static_cast<std::int32_t*>(c.data)[b * c.strides[0] + h * c.strides[1] + i * c.strides[2]])
+        .fetch_add(*rescales, std::memory_order_relaxed);
+  }
   if (prm.plan.splits > 1) {
     StoreRow(orow, p.head_dim_v, state.inverse_sum(),
              prm.split_out + (((split * p.batch + b) * p.seqlen_q + i) * p.heads_q + h) * p.head_dim_v, DType::f32);
@@ -164,6 +200,8 @@ void ForwardWorkItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_
   std::fill(o_acc, o_acc + rows_pad * dv_pad, 0.0f);
   OnlineSoftmaxState* state = ws.states.data();
   std::fill(state, state + rows_pad, OnlineSoftmaxState{});
+  std::int32_t* rescales = prm.rescale_counts.data != nullptr ? ws.rescales.data() : nullptr;
+  if (rescales != nullptr) std::fill(rescales, rescales + rows_pad, 0);
 
   for (std::int64_t j0 = key_begin / bc * bc; j0 < key_end; j0 += bc) {
     const std::int64_t n = std::min(bc, key_end - j0);
@@ -177,14 +215,15 @@ void ForwardWorkItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_
     float* s_tile = ws.s_tile.get();  // (rows_pad, bc)
     TileGemm<false>({q_tile, d}, ws.k_packed.get() + (j0 / bc) * d * bc, bc, s_tile, bc, rows_pad,
                     n_pad, d);
-    SoftmaxTile(mods, s_tile, bc, i0, rows_pad, j0, n, n_pad, state, o_acc, dv_pad);
+    SoftmaxTile(mods, s_tile, bc, i0, rows_pad, j0, n, n_pad, state, o_acc, dv_pad, rescales);
     TileGemm<true>({s_tile, bc}, ws.v_packed.get() + j0 * dv_pad, dv_pad, o_acc, dv_pad, rows_pad,
                    dv_pad, n_pad);
   }
 
   // Epilogue: normalize once (deferred normalization) and store lse — a split's partial
   // result goes to the float32 buffers that merge_attention_states combines.
-  for (std::int64_t r = 0; r < rows; ++r) StoreOutputRow(prm, split, b, h, i0 + r, o_acc + r * dv_pad, state[r]);
+  for (std::int64_t r = 0; r < rows; ++r)
+    StoreOutputRow(prm, split, b, h, i0 + r, o_acc + r * dv_pad, state[r], rescales != nullptr ? rescales + r : nullptr);
   ws.counters.o_written += rows * p.head_dim_v;
   ws.counters.lse_written += rows;
 }
@@ -222,6 +261,8 @@ void ForwardDecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int6
   std::fill(o_acc, o_acc + (rows + 3) / 4 * 4 * dv_pad, 0.0f);
   OnlineSoftmaxState* state = ws.states.data();
   std::fill(state, state + rows, OnlineSoftmaxState{});
+  std::int32_t* rescales = prm.rescale_counts.data != nullptr ? ws.rescales.data() : nullptr;
+  if (rescales != nullptr) std::fill(rescales, rescales + rows, 0);
   float* krow = ws.row_k.get();     // (d_pad)
   float* v_block = ws.row_v.get();  // (block_k, dv_pad): the chunk's V rows, converted
   std::fill(krow + d, krow + d_pad, 0.0f);
@@ -273,7 +314,8 @@ void ForwardDecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int6
       }
       std::fill(s_tile + r * bc + n, s_tile + r * bc + cols, 0.0f);
       const RowMods mods(p, prm.alibi_slopes, prm.block_mask, b, kv_head * group + r / p.seqlen_q);
-      SoftmaxRow(mods, s_tile + r * bc, r % p.seqlen_q, j0, n, cols, state[r], o_acc + r * dv_pad, dv_pad);
+      SoftmaxRow(mods, s_tile + r * bc, r % p.seqlen_q, j0, n, cols, state[r], o_acc + r * dv_pad, dv_pad,
+                 rescales != nullptr ? rescales + r : nullptr);
     }
     // õ += P·V_block, two rows and two vectors of õ at a time: four chains, õ in registers.
     for (std::int64_t r = 0; r < rows4; r += 2) {
@@ -300,7 +342,8 @@ void ForwardDecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int6
     }
   }
   for (std::int64_t r = 0; r < rows; ++r)
-    StoreOutputRow(prm, split, b, kv_head * group + r / p.seqlen_q, r % p.seqlen_q, o_acc + r * dv_pad, state[r]);
+    StoreOutputRow(prm, split, b, kv_head * group + r / p.seqlen_q, r % p.seqlen_q, o_acc + r * dv_pad, state[r],
+                   rescales != nullptr ? rescales + r : nullptr);
   ws.counters.o_written += rows * dv;
   ws.counters.lse_written += rows;
 }

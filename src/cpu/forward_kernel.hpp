@@ -36,6 +36,7 @@ struct ForwardParams {
   float* split_out = nullptr;
   float* split_lse = nullptr;
   PagedKv paged;
+  MutableTensorView rescale_counts;  // int32 (batch, heads_q, seqlen_q), zeroed; null when not asked
 };
 
 // Per-thread scratch memory, sized by the plan. The packed K/V of one (batch, kv head)
@@ -48,6 +49,7 @@ struct ForwardWorkspace {
   hwy::AlignedFreeUniquePtr<float[]> s_tile;    // (block_q, block_k): S, then P in place
   hwy::AlignedFreeUniquePtr<float[]> o_acc;     // (block_q, head_dim_v_padded): õ
   std::vector<OnlineSoftmaxState> states;       // (block_q): m and ℓ of each row
+  std::vector<std::int32_t> rescales;           // (block_q): rescales of each row, when counted
   hwy::AlignedFreeUniquePtr<float[]> k_packed;  // k tiles, each (head_dim, block_k): Kᵀ (tiled)
   hwy::AlignedFreeUniquePtr<float[]> v_packed;  // (k_tiles · block_k, head_dim_v_padded) (tiled)
   hwy::AlignedFreeUniquePtr<float[]> row_k;     // one converted K row (decode)

@@ -57,6 +57,7 @@ void rotate(const KvCache& c, std::int64_t pos, const float* x, float* out, std:
 
 void forward_with_kvcache(const TensorView& q, const KvCache& c, const MutableTensorView& out,
                           const MutableTensorView& lse, const AttentionOptions& options) {
+  detail::reject_rescale_counts("forward_with_kvcache", options);
   detail::check_view("q", q, 4, "(batch, seqlen_q, heads_q, head_dim)");
   detail::check_view("k_cache", c.k_cache, 4, "(batch_cache or pages, seqlen_cache or page_size, heads_kv, head_dim)");
   detail::check_view("v_cache", c.v_cache, 4, "(batch_cache or pages, seqlen_cache or page_size, heads_kv, head_dim_v)");

@@ -45,6 +45,32 @@ HWY_INLINE V Exp2(D d, V x) {
   return hn::IfThenElse(hn::IsNaN(input), input, hn::Mul(p, hn::BitCast(d, bits)));
 }
 
+// 2^x by Cody–Waite range reduction with a cubic (SPEC §5, FlashAttention-4's software
+// exp2): x = n + f with n = floor(x), 0 ≤ f < 1; 2^n goes into the exponent bits, 2^f
+// comes from a degree-3 polynomial by Horner's rule. Coefficients: the minimax fit of
+// 2^f for relative error on [0, 1) (Remez exchange, 5 alternation points), max relative
+// error 7.5e-5 — far above Exp2's 1.2e-7, but 50× below half a bf16 ulp (2^-8 ≈ 3.9e-3
+// relative at most), so P rounded to bf16 changes in under 1% of cases, by one ulp. Three FMAs instead of six. Inputs below −127 give 0;
+// NaN stays NaN.
+template <class D, class V = hn::Vec<D>>
+HWY_INLINE V Exp2Poly3(D d, V x) {
+  constexpr float kC3 = 0.07802452147006989f;
+  constexpr float kC2 = 0.22606715559959412f;
+  constexpr float kC1 = 0.6958335638046265f;
+  constexpr float kC0 = 0.9999251961708069f;
+  const hn::RebindToSigned<D> di;
+  const V input = x;
+  x = hn::Min(hn::Max(x, hn::Set(d, -127.0f)), hn::Set(d, 127.0f));
+  const V n = hn::Floor(x);
+  const V f = hn::Sub(x, n);
+  V p = hn::MulAdd(hn::Set(d, kC3), f, hn::Set(d, kC2));
+  p = hn::MulAdd(p, f, hn::Set(d, kC1));
+  p = hn::MulAdd(p, f, hn::Set(d, kC0));
+  // Biased exponent n + 127 in bits 23..30; n = −127 (x < −126) gives +0.0f.
+  const auto bits = hn::ShiftLeft<23>(hn::Add(hn::ConvertTo(di, n), hn::Set(di, 127)));
+  return hn::IfThenElse(hn::IsNaN(input), input, hn::Mul(p, hn::BitCast(d, bits)));
+}
+
 }  // namespace flashattn::cpu::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
 

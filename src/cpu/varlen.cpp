@@ -109,6 +109,7 @@ void forward_varlen(const TensorView& q, const TensorView& k, const TensorView& 
   const Offsets o = check_varlen(q, k, v, seqlens, options);
   check_out_shapes(q, v, out, lse);
   detail::check_sequence_options(options, o.batch(), q.shape[1]);
+  detail::reject_rescale_counts("forward_varlen", options);
   for (std::int64_t b = 0; b < o.batch(); ++b) {
     const std::int64_t q0 = o.q[b], sq = o.q[b + 1] - q0, k0 = o.k[b], sk = o.k[b + 1] - k0;
     detail::forward_impl(sequence(q, q0, sq), sequence(k, k0, sk), sequence(v, k0, sk),

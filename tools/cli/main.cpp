@@ -12,6 +12,7 @@ int main(int argc, char** argv) {
   flashattn::cli::register_run(app);
   flashattn::cli::register_attend(app);
   flashattn::cli::register_bench(app);
+  flashattn::cli::register_numerics(app);
   flashattn::cli::register_explain(app);
   flashattn::cli::register_tour(app);
 #ifdef FLASHATTN_CLI_RING

@@ -1,0 +1,392 @@
+// `flashattn numerics`: the experiments behind SPEC §2, §4 and §5, each printing what it
+// measured on this machine — the online softmax step by step, the accuracy of the two
+// exp2s before and after bf16 rounding, rescale counts with and without a threshold, FP8
+// attention error with outliers (per tensor, per block, Hadamard), and the speed of the
+// forward with each exp2 and rescaling rule.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <iostream>
+#include <iterator>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "tools/cli/commands.hpp"
+#include "tools/cli/common.hpp"
+
+namespace flashattn::cli {
+namespace {
+
+struct NumericsFlags {
+  ShapeFlags shape;
+  std::uint64_t seed = 2024;
+  int repeats = 5;
+  std::string fp8_format = "e4m3";
+  bool json = false;
+};
+
+constexpr double kLn2 = 0.6931471805599453;
+
+// --- 1. the online softmax on [1, 3, 2, 5], blocks [1, 3] and [2, 5] ------------------------
+nlohmann::json online_softmax_steps() {
+  const std::vector<std::vector<float>> blocks = {{1.0f, 3.0f}, {2.0f, 5.0f}};
+  constexpr float kLog2e = OnlineSoftmaxState::kLog2e;
+  OnlineSoftmaxState state;  // log2 units inside, reported in natural units
+  nlohmann::json steps = nlohmann::json::array();
+  for (const auto& block : blocks) {
+    float block_max = -INFINITY;
+    for (float x : block) block_max = std::fmax(block_max, x * kLog2e);
+    state.rescale_to(block_max);
+    float sum = 0.0f;
+    for (float x : block) sum += std::exp2(x * kLog2e - state.max);
+    state.add(sum);
+    steps.push_back({{"m", state.max * kLn2}, {"l", state.sum}});
+  }
+  std::vector<double> online, one_pass;
+  double max = -INFINITY, total = 0.0, diff = 0.0;
+  for (const auto& block : blocks)
+    for (float x : block) max = std::fmax(max, x);
+  for (const auto& block : blocks)
+    for (float x : block) total += std::exp(x - max);
+  for (const auto& block : blocks)
+    for (float x : block) {
+      online.push_back(std::exp2(x * kLog2e - state.max) * state.inverse_sum());
+      one_pass.push_back(std::exp(x - max) / total);
+      diff = std::fmax(diff, std::fabs(online.back() - one_pass.back()));
+    }
+  return {{"scores", {1, 3, 2, 5}}, {"blocks", blocks},        {"steps", steps},
+          {"l_final", state.sum},   {"probabilities", online}, {"one_pass", one_pass},
+          {"max_abs_diff", diff}};
+}
+
+// --- 2. exp2 accuracy on the attention range x ≤ 0 ------------------------------------------
+nlohmann::json exp2_accuracy() {
+  // A dense uniform sweep of [−126, 0] (below, results are subnormal; the kernels see
+  // x ≤ 0 after subtracting the maximum) plus a finer one of [−1, 0], where every binade's
+  // fraction f = x − floor(x) is covered densely.
+  constexpr int kCoarse = 1 << 22, kFine = 1 << 20;
+  std::vector<float> x;
+  x.reserve(kCoarse + kFine + 1);
+  for (int i = 0; i <= kCoarse; ++i) x.push_back(-126.0f * static_cast<float>(i) / kCoarse);
+  for (int i = 1; i <= kFine; ++i) x.push_back(-static_cast<float>(i) / kFine);
+  std::vector<float> exact(x.size()), poly3(x.size());
+  exp2_array(Exp2Impl::exact, x.data(), exact.data(), x.size());
+  exp2_array(Exp2Impl::poly3, x.data(), poly3.data(), x.size());
+  double e_exact = 0, e_poly = 0, e_exact_bf16 = 0, e_poly_bf16 = 0;
+  std::int64_t bf16_differs = 0;
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    const double want = std::exp2(static_cast<double>(x[i]));
+    auto rel = [&](float y) { return std::fabs(static_cast<double>(y) - want) / want; };
+    e_exact = std::fmax(e_exact, rel(exact[i]));
+    e_poly = std::fmax(e_poly, rel(poly3[i]));
+    const float eb = round_to(DType::bf16, exact[i]), pb = round_to(DType::bf16, poly3[i]);
+    e_exact_bf16 = std::fmax(e_exact_bf16, rel(eb));
+    e_poly_bf16 = std::fmax(e_poly_bf16, rel(pb));
+    bf16_differs += eb != pb;
+  }
+  return {{"points", x.size()},
+          {"range", {-126.0, 0.0}},
+          {"exact_max_rel_err_f32", e_exact},
+          {"poly3_max_rel_err_f32", e_poly},
+          {"exact_max_rel_err_bf16", e_exact_bf16},
+          {"poly3_max_rel_err_bf16", e_poly_bf16},
+          {"bf16_half_ulp", std::ldexp(1.0, -8)},  // 7 stored mantissa bits: ulp 2^-7 at 1
+          {"bf16_results_differing_fraction", static_cast<double>(bf16_differs) / static_cast<double>(x.size())}};
+}
+
+// --- 3. rescale counts ------------------------------------------------------------------------
+struct Qkv {
+  Tensor q, k, v;
+};
+
+Tensor normal_tensor(std::vector<std::int64_t> shape, std::mt19937_64& rng) {
+  Tensor t(DType::f32, std::move(shape));
+  std::normal_distribution<float> normal;
+  for (std::int64_t e = 0; e < t.numel(); ++e) t.set(e, normal(rng));
+  return t;
+}
+
+Qkv random_qkv(const AttentionProblem& p, std::mt19937_64& rng) {
+  Tensor q = normal_tensor({p.batch, p.seqlen_q, p.heads_q, p.head_dim}, rng);
+  Tensor k = normal_tensor({p.batch, p.seqlen_k, p.heads_kv, p.head_dim}, rng);
+  Tensor v = normal_tensor({p.batch, p.seqlen_k, p.heads_kv, p.head_dim_v}, rng);
+  return {std::move(q), std::move(k), std::move(v)};
+}
+
+nlohmann::json rescale_case(const Qkv& in, const AttentionProblem& p, int threads) {
+  nlohmann::json j;
+  std::vector<Tensor> outs;
+  for (float threshold : {0.0f, AttentionProblem::kDefaultRescaleThreshold}) {
+    std::vector<std::int32_t> counts(static_cast<std::size_t>(p.batch * p.heads_q * p.seqlen_q));
+    AttentionOptions o;
+    o.num_threads = threads;
+    o.rescale_threshold = threshold;
+    o.rescale_counts = MutableTensorView(counts.data(), DType::i32, {p.batch, p.heads_q, p.seqlen_q});
+    outs.push_back(forward(in.q.view(), in.k.view(), in.v.view(), o).out);
+    std::int64_t total = 0;
+    for (std::int32_t c : counts) total += c;
+    j[threshold == 0.0f ? "classic" : "conditional"] = total;
+    j[threshold == 0.0f ? "classic_per_row" : "conditional_per_row"] =
+        static_cast<double>(total) / static_cast<double>(counts.size());
+  }
+  double diff = 0.0;
+  for (std::int64_t e = 0; e < outs[0].numel(); ++e) diff = std::fmax(diff, std::fabs(outs[0].get(e) - outs[1].get(e)));
+  j["max_abs_diff"] = diff;
+  j["rows"] = p.batch * p.heads_q * p.seqlen_q;
+  const std::int64_t bc = plan_forward(p, CpuHardware::detect(threads)).block_k;
+  j["key_tiles"] = (p.seqlen_k + bc - 1) / bc;
+  return j;
+}
+
+nlohmann::json rescale_counts(const AttentionProblem& p, std::mt19937_64& rng, int threads) {
+  nlohmann::json j;
+  const Qkv random = random_qkv(p, rng);
+  j["random"] = rescale_case(random, p, threads);
+  // Adversarial rows: every query's scores grow steadily with the key index, by
+  // kGrowthPerKey log2 units — 1.92 per 128-key tile, below the threshold of 8 — so the
+  // classic rule rescales in every tile and the conditional one in about every fifth. (Not
+  // a power of two: rescale factors that are powers of two would be exact and hide any
+  // rounding difference between the rules.)
+  constexpr double kGrowthPerKey = 0.015;
+  Qkv ramp = random_qkv(p, rng);
+  for (std::int64_t e = 0; e < ramp.q.numel(); ++e) ramp.q.set(e, e % p.head_dim == 0 ? 1.0f : 0.0f);
+  const double per_key = kGrowthPerKey / (p.softmax_scale * OnlineSoftmaxState::kLog2e);
+  for (std::int64_t e = 0; e < ramp.k.numel(); ++e) {
+    const std::int64_t key = e / (p.heads_kv * p.head_dim) % p.seqlen_k;
+    ramp.k.set(e, e % p.head_dim == 0 ? static_cast<float>(per_key * static_cast<double>(key)) : 0.0f);
+  }
+  j["adversarial"] = rescale_case(ramp, p, threads);
+  j["adversarial"]["score_growth_log2"] = kGrowthPerKey * static_cast<double>(p.seqlen_k - 1);
+  j["threshold"] = AttentionProblem::kDefaultRescaleThreshold;
+  return j;
+}
+
+// --- 4. FP8 attention error with outliers ---------------------------------------------------
+double rmse(const Tensor& out, const std::vector<double>& want) {
+  double s = 0.0;
+  for (std::int64_t e = 0; e < out.numel(); ++e) {
+    const double d = out.get(e) - want[static_cast<std::size_t>(e)];
+    s += d * d;
+  }
+  return std::sqrt(s / static_cast<double>(out.numel()));
+}
+
+nlohmann::json fp8_error(const AttentionProblem& p, std::uint64_t seed, Fp8Format format, int threads) {
+  constexpr double kOutlierFraction = 0.001, kOutlierStd = 10.0;
+  std::mt19937_64 rng(seed);
+  Qkv in = random_qkv(p, rng);
+  std::uniform_real_distribution<double> uniform(0.0, 1.0);
+  std::normal_distribution<float> outlier(0.0f, static_cast<float>(kOutlierStd));
+  for (Tensor* t : {&in.q, &in.k, &in.v})
+    for (std::int64_t e = 0; e < t->numel(); ++e)
+      if (uniform(rng) < kOutlierFraction) t->set(e, t->get(e) + outlier(rng));
+  AttentionOptions o;
+  o.num_threads = threads;
+  o.softmax_scale = p.softmax_scale;  // 1/sqrt(D) also after a padded rotation
+  std::cerr << "  fp8: float64 reference of " << p.describe() << "\n";
+  const reference::Result want = reference::attention(in.q.view(), in.k.view(), in.v.view(), o);
+
+  nlohmann::json j = {{"format", to_string(format)},
+                      {"seed", seed},
+                      {"outlier_fraction", kOutlierFraction},
+                      {"outlier_std", kOutlierStd},
+                      {"output_dtype", "bf16"}};
+  {  // bf16 attention: inputs rounded to bf16, the bf16 forward
+    Tensor qb(DType::bf16, in.q.shape()), kb(DType::bf16, in.k.shape()), vb(DType::bf16, in.v.shape());
+    for (auto [src, dst] : {std::pair{&in.q, &qb}, {&in.k, &kb}, {&in.v, &vb}})
+      for (std::int64_t e = 0; e < src->numel(); ++e) dst->set(e, src->get(e));
+    j["rmse_bf16"] = rmse(forward(qb.view(), kb.view(), vb.view(), o).out, want.out);
+  }
+  const CpuForwardPlan plan = plan_forward(p, CpuHardware::detect(threads));
+  j["block_q"] = plan.block_q;
+  j["block_k"] = plan.block_k;
+  const std::uint64_t rotation_seed = seed + 1;
+  j["rotation_seed"] = rotation_seed;
+  const Tensor q_rot = hadamard_rotate(in.q.view(), rotation_seed), k_rot = hadamard_rotate(in.k.view(), rotation_seed);
+  auto fp8_rmse = [&](const Tensor& q, const Tensor& k, bool per_block) {
+    const Fp8Tensor q8 = quantize_fp8(q.view(), format, per_block ? plan.block_q : 0);
+    const Fp8Tensor k8 = quantize_fp8(k.view(), format, per_block ? plan.block_k : 0);
+    const Fp8Tensor v8 = quantize_fp8(in.v.view(), format, per_block ? plan.block_k : 0);
+    return rmse(forward_fp8(q8.view(), k8.view(), v8.view(), DType::bf16, o).out, want.out);
+  };
+  j["rmse_per_tensor"] = fp8_rmse(in.q, in.k, false);
+  j["rmse_per_block"] = fp8_rmse(in.q, in.k, true);
+  j["rmse_hadamard"] = fp8_rmse(q_rot, k_rot, false);
+  j["rmse_per_block_hadamard"] = fp8_rmse(q_rot, k_rot, true);
+  return j;
+}
+
+// --- 5. speed of each exp2 and rescaling rule, one run -------------------------------------
+// Exponentials per second of each exp2 alone, one thread, on an array that stays in L1 (the
+// kernel's S tile row does too): what the choice can save at most.
+nlohmann::json exp2_throughput(int repeats) {
+  constexpr std::size_t kArray = 4096, kPasses = 4096;  // 16M exponentials per timing
+  std::vector<float> x(kArray), y(kArray);
+  for (std::size_t i = 0; i < kArray; ++i) x[i] = -20.0f * static_cast<float>(i) / kArray;
+  std::vector<double> times[2];
+  for (int r = 0; r <= repeats; ++r)
+    for (int impl = 0; impl < 2; ++impl) {
+      const auto t0 = std::chrono::steady_clock::now();
+      for (std::size_t pass = 0; pass < kPasses; ++pass)
+        exp2_array(impl == 0 ? Exp2Impl::exact : Exp2Impl::poly3, x.data(), y.data(), kArray);
+      if (r > 0) times[impl].push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+  nlohmann::json j;
+  for (int impl = 0; impl < 2; ++impl) {
+    std::sort(times[impl].begin(), times[impl].end());
+    j[impl == 0 ? "exact_gexp_per_s" : "poly3_gexp_per_s"] =
+        static_cast<double>(kArray * kPasses) / times[impl][times[impl].size() / 2] * 1e-9;
+  }
+  return j;
+}
+
+nlohmann::json speed(const AttentionProblem& p, std::mt19937_64& rng, int threads, int repeats) {
+  struct Variant {
+    Exp2Impl exp2;
+    float threshold;
+  };
+  const Variant variants[] = {{Exp2Impl::exact, 0.0f}, {Exp2Impl::exact, 8.0f}, {Exp2Impl::poly3, 0.0f},
+                              {Exp2Impl::poly3, 8.0f}, {Exp2Impl::mixed, 8.0f}};
+  const Qkv f32 = random_qkv(p, rng);
+  Tensor q(p.dtype, f32.q.shape()), k(p.dtype, f32.k.shape()), v(p.dtype, f32.v.shape());
+  for (auto [src, dst] : {std::pair{&f32.q, &q}, {&f32.k, &k}, {&f32.v, &v}})
+    for (std::int64_t e = 0; e < src->numel(); ++e) dst->set(e, src->get(e));
+  Tensor out(p.dtype, {p.batch, p.seqlen_q, p.heads_q, p.head_dim_v}), lse(DType::f32, {p.batch, p.heads_q, p.seqlen_q});
+  std::vector<std::vector<double>> times(std::size(variants));
+  // Round robin (one call of each variant per round) so that drift in the machine's speed,
+  // from other work on it, lands on every variant alike; median per variant.
+  for (int r = 0; r <= repeats; ++r)
+    for (std::size_t i = 0; i < std::size(variants); ++i) {
+      AttentionOptions o;
+      o.num_threads = threads;
+      o.exp2 = variants[i].exp2;
+      o.rescale_threshold = variants[i].threshold;
+      const auto t0 = std::chrono::steady_clock::now();
+      forward(q.view(), k.view(), v.view(), out.view(), lse.view(), o);
+      if (r > 0) times[i].push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+  nlohmann::json j = {{"dtype", to_string(p.dtype)}, {"causal", p.causal}, {"repeats", repeats},
+                      {"cases", nlohmann::json::array()}, {"exp2_throughput", exp2_throughput(repeats)}};
+  double baseline = 0.0;
+  for (std::size_t i = 0; i < std::size(variants); ++i) {
+    std::sort(times[i].begin(), times[i].end());
+    const double seconds = times[i][times[i].size() / 2];
+    const double gflops = p.conventional_forward_flops() / seconds * 1e-9;
+    if (i == 0) baseline = gflops;
+    nlohmann::json c = {{"exp2", to_string(variants[i].exp2)},
+                        {"rescale_threshold", variants[i].threshold},
+                        {"seconds", seconds},
+                        {"gflops", gflops},
+                        {"ratio_to_exact_classic", gflops / baseline}};
+    if (variants[i].exp2 == Exp2Impl::mixed) c["exp2_poly3_fraction"] = AttentionOptions{}.exp2_poly3_fraction;
+    j["cases"].push_back(c);
+  }
+  return j;
+}
+
+void print_report(const nlohmann::json& j) {
+  const auto& os = j["online_softmax"];
+  std::printf("1. online softmax of [1, 3, 2, 5] in blocks [1, 3], [2, 5] (natural units)\n");
+  for (std::size_t s = 0; s < os["steps"].size(); ++s)
+    std::printf("   after block %zu: m = %.6f, l = %.6f\n", s + 1, os["steps"][s]["m"].get<double>(),
+                os["steps"][s]["l"].get<double>());
+  std::printf("   probabilities  ");
+  for (double x : os["probabilities"]) std::printf(" %.6f", x);
+  std::printf("\n   one-pass       ");
+  for (double x : os["one_pass"]) std::printf(" %.6f", x);
+  std::printf("\n   max |online - one-pass| = %.2e\n", os["max_abs_diff"].get<double>());
+
+  const auto& e = j["exp2"];
+  std::printf("\n2. exp2 over %lld points of [-126, 0], max relative error vs float64\n",
+              static_cast<long long>(e["points"].get<std::int64_t>()));
+  std::printf("   float32:        exact %.2e   poly3 %.2e\n", e["exact_max_rel_err_f32"].get<double>(),
+              e["poly3_max_rel_err_f32"].get<double>());
+  std::printf("   rounded to bf16: exact %.2e   poly3 %.2e   (half a bf16 ulp: %.2e; results differing: %.3f%%)\n",
+              e["exact_max_rel_err_bf16"].get<double>(), e["poly3_max_rel_err_bf16"].get<double>(),
+              e["bf16_half_ulp"].get<double>(), 100.0 * e["bf16_results_differing_fraction"].get<double>());
+
+  const auto& r = j["rescale"];
+  std::printf("\n3. rescales of the online-softmax state, classic (threshold 0) vs conditional (threshold %g)\n",
+              r["threshold"].get<double>());
+  for (const char* name : {"random", "adversarial"})
+    std::printf("   %-11s rows %lld, %lld key tiles: classic %lld (%.2f/row), conditional %lld (%.2f/row), max |diff| %.2e\n",
+                name, static_cast<long long>(r[name]["rows"].get<std::int64_t>()),
+                static_cast<long long>(r[name]["key_tiles"].get<std::int64_t>()),
+                static_cast<long long>(r[name]["classic"].get<std::int64_t>()), r[name]["classic_per_row"].get<double>(),
+                static_cast<long long>(r[name]["conditional"].get<std::int64_t>()),
+                r[name]["conditional_per_row"].get<double>(), r[name]["max_abs_diff"].get<double>());
+
+  const auto& f = j["fp8"];
+  std::printf("\n4. attention output RMSE vs float64, N(0,1) inputs + N(0, %g^2) on %.1f%% of entries (seed %llu), %s\n",
+              f["outlier_std"].get<double>(), 100.0 * f["outlier_fraction"].get<double>(),
+              static_cast<unsigned long long>(f["seed"].get<std::uint64_t>()), f["format"].get<std::string>().c_str());
+  std::printf("   bf16 attention                 %.3e\n", f["rmse_bf16"].get<double>());
+  std::printf("   FP8 per tensor                 %.3e\n", f["rmse_per_tensor"].get<double>());
+  std::printf("   FP8 per block (%lld/%lld rows)     %.3e\n", static_cast<long long>(f["block_q"].get<std::int64_t>()),
+              static_cast<long long>(f["block_k"].get<std::int64_t>()), f["rmse_per_block"].get<double>());
+  std::printf("   FP8 per tensor + Hadamard      %.3e\n", f["rmse_hadamard"].get<double>());
+  std::printf("   FP8 per block + Hadamard       %.3e\n", f["rmse_per_block_hadamard"].get<double>());
+
+  const auto& s = j["speed"];
+  std::printf("\n5. forward speed, %s, median of %d round-robin runs\n", s["dtype"].get<std::string>().c_str(),
+              s["repeats"].get<int>());
+  for (const auto& c : s["cases"])
+    std::printf("   exp2 %-5s threshold %g: %7.1f GFLOP/s  (%.3fx exact/classic)\n", c["exp2"].get<std::string>().c_str(),
+                c["rescale_threshold"].get<double>(), c["gflops"].get<double>(),
+                c["ratio_to_exact_classic"].get<double>());
+  std::printf("   exp2 alone, one thread: exact %.2f, poly3 %.2f billion per second\n",
+              s["exp2_throughput"]["exact_gexp_per_s"].get<double>(), s["exp2_throughput"]["poly3_gexp_per_s"].get<double>());
+}
+
+void numerics(const NumericsFlags& f) {
+  nlohmann::json j = machine_json(f.shape.threads);
+  std::mt19937_64 rng(f.seed);
+  j["seed"] = f.seed;
+  j["online_softmax"] = online_softmax_steps();
+  std::cerr << "exp2 sweep\n";
+  j["exp2"] = exp2_accuracy();
+  ShapeFlags f32_shape = f.shape;
+  f32_shape.dtype = "f32";
+  f32_shape.causal = false;
+  AttentionOptions scale_only;
+  scale_only.softmax_scale = f.shape.softmax_scale;
+  const AttentionProblem p = f32_shape.problem(scale_only);
+  std::cerr << "rescale counts\n";
+  j["rescale"] = rescale_counts(p, rng, f.shape.threads);
+  j["fp8"] = fp8_error(p, f.seed, parse_fp8_format(f.fp8_format), f.shape.threads);
+  ShapeFlags speed_shape = f32_shape;
+  speed_shape.dtype = f.shape.dtype;
+  std::cerr << "speed\n";
+  j["speed"] = speed(speed_shape.problem(scale_only), rng, f.shape.threads, f.repeats);
+  if (f.json) {
+    std::cout << j.dump(2) << "\n";
+    return;
+  }
+  std::printf("cpu: %s, %d threads, simd %s\n\n", j["cpu"].get<std::string>().c_str(), j["threads"].get<int>(),
+              j["simd_target"].get<std::string>().c_str());
+  print_report(j);
+}
+
+}  // namespace
+
+void register_numerics(CLI::App& app) {
+  auto flags = std::make_shared<NumericsFlags>();
+  flags->shape.seqlen = 2048;
+  flags->shape.heads = 8;
+  CLI::App* cmd = app.add_subcommand(
+      "numerics", "the numerics experiments: online softmax, exp2 accuracy, rescale counts, FP8 error, speed");
+  flags->shape.add_to(*cmd, /*with_mode=*/false);
+  cmd->add_option("--dtype", flags->shape.dtype, "dtype of the speed experiment: f32, bf16 or f16")
+      ->capture_default_str();
+  cmd->add_option("--seed", flags->seed, "seed of every random input")->capture_default_str();
+  cmd->add_option("--repeats", flags->repeats, "timed rounds of the speed experiment (median)")
+      ->capture_default_str()->check(CLI::Range(1, 1000));
+  cmd->add_option("--fp8-format", flags->fp8_format, "FP8 format of the error experiment: e4m3 or e5m2")
+      ->capture_default_str()->check(CLI::IsMember({"e4m3", "e5m2"}));
+  cmd->add_flag("--json", flags->json, "machine-readable output");
+  cmd->callback([flags] { numerics(*flags); });
+}
+
+}  // namespace flashattn::cli
