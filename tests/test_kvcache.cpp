@@ -72,13 +72,16 @@ Tensor make_paged(const Inputs& s, std::int64_t ps, Tensor& k_pages, Tensor& v_p
   return table;
 }
 
-// The reference: logical keys [old tokens, rotated new tokens], q rotated at its positions.
-std::vector<double> reference_out(const Inputs& s, bool interleaved, const AttentionOptions& o) {
+// The reference: logical keys [old tokens from slot leftpad[b] on, rotated new tokens], q
+// rotated at its positions (slot numbers).
+std::vector<double> reference_out(const Inputs& s, bool interleaved, const AttentionOptions& o,
+                                  const std::int64_t* leftpad = nullptr) {
   std::vector<double> out;
   for (std::int64_t b = 0; b < kBatch; ++b) {
-    const std::int64_t n = kSeqlens[b] + kNew;
-    Tensor k(DType::f32, {1, n, kHkv, kDim}), v(DType::f32, {1, n, kHkv, kDim}), q(DType::f32, {1, kSq, kHq, kDim});
-    for (std::int64_t pos = 0; pos < n; ++pos)
+    const std::int64_t first = leftpad != nullptr ? leftpad[b] : 0, n = kSeqlens[b] + kNew;
+    Tensor k(DType::f32, {1, n - first, kHkv, kDim}), v(DType::f32, {1, n - first, kHkv, kDim});
+    Tensor q(DType::f32, {1, kSq, kHq, kDim});
+    for (std::int64_t pos = first; pos < n; ++pos)
       for (std::int64_t h = 0; h < kHkv; ++h) {
         std::vector<float> kr(kDim), vr(kDim);
         for (std::int64_t e = 0; e < kDim; ++e) {
@@ -88,7 +91,8 @@ std::vector<double> reference_out(const Inputs& s, bool interleaved, const Atten
           vr[e] = fresh ? s.new_v.get(((b * kNew + t) * kHkv + h) * kDim + e) : s.old_v.get(((b * kCapacity + pos) * kHkv + h) * kDim + e);
         }
         if (pos >= kSeqlens[b]) rotate(kr, pos, s.cos, s.sin, interleaved);
-        for (std::int64_t e = 0; e < kDim; ++e) k.set((pos * kHkv + h) * kDim + e, kr[e]), v.set((pos * kHkv + h) * kDim + e, vr[e]);
+        for (std::int64_t e = 0; e < kDim; ++e)
+          k.set(((pos - first) * kHkv + h) * kDim + e, kr[e]), v.set(((pos - first) * kHkv + h) * kDim + e, vr[e]);
       }
     for (std::int64_t i = 0; i < kSq; ++i)
       for (std::int64_t h = 0; h < kHq; ++h) {
@@ -144,6 +148,36 @@ TEST(KvCache, ContiguousAndPagedMatchTheReference) {
   }
 }
 
+TEST(KvCache, LeftPaddedSlotsAreNeverAttended) {
+  // Padding slots hold a huge sentinel: attending to one would dominate the output.
+  constexpr std::int64_t kLeftpad[kBatch] = {2, 0, 17};
+  const Inputs s;
+  Tensor leftpad(DType::i32, {kBatch});
+  for (std::int64_t b = 0; b < kBatch; ++b) leftpad.set(b, static_cast<float>(kLeftpad[b]));
+  for (bool causal : {true, false}) {
+    AttentionOptions o;
+    o.causal = causal;
+    if (!causal) o.window_size = {9, 0};  // windows count logical positions from the end
+    SCOPED_TRACE(causal ? "causal" : "window (9, 0)");
+    const std::vector<double> want = reference_out(s, true, o, kLeftpad);
+    Tensor k_cache = s.old_k, v_cache = s.old_v;
+    for (std::int64_t b = 0; b < kBatch; ++b)
+      for (std::int64_t pos = 0; pos < kCapacity; ++pos)
+        if (pos < kLeftpad[b] || pos >= kSeqlens[b])
+          for (std::int64_t e = 0; e < kHkv * kDim; ++e)
+            k_cache.set((b * kCapacity + pos) * kHkv * kDim + e, kSentinel),
+                v_cache.set((b * kCapacity + pos) * kHkv * kDim + e, kSentinel);
+    KvCache c{k_cache.view(), v_cache.view(), {}, s.seqlens.view(), {}, s.new_k.view(), s.new_v.view(),
+              s.cos.view(), s.sin.view(), true};
+    c.cache_leftpad = leftpad.view();
+    const ForwardResult got = forward_with_kvcache(s.q.view(), c, o);
+    EXPECT_LE(max_abs_error(got.out, want), 1e-5);
+    for (std::int64_t b = 0; b < kBatch; ++b)  // the padding stays as it was
+      for (std::int64_t pos = 0; pos < kLeftpad[b]; ++pos)
+        ASSERT_EQ(k_cache.get((b * kCapacity + pos) * kHkv * kDim), kSentinel) << "b " << b << " pos " << pos;
+  }
+}
+
 TEST(KvCache, BadInputNamesTheArgument) {
   const Inputs s;
   Tensor k_cache = s.old_k, v_cache = s.old_v;
@@ -167,6 +201,17 @@ TEST(KvCache, BadInputNamesTheArgument) {
   expect({k_cache.view(), v_cache.view(), {}, s.seqlens.view(), {}, s.new_k.view(), s.new_v.view(), wide_cos.view(),
           wide_sin.view()},
          "rotary_cos: rotary_dim 40 exceeds head_dim 32");
+  Tensor leftpad(DType::i32, {kBatch});
+  leftpad.set(2, 41.0f);
+  KvCache padded{k_cache.view(), v_cache.view(), {}, s.seqlens.view()};
+  padded.cache_leftpad = leftpad.view();
+  expect(padded, "cache_leftpad: [2] = 41 outside [0, cache_seqlens[2] = 40]");
+  leftpad.set(2, -1.0f);
+  expect(padded, "cache_leftpad: [2] = -1 outside");
+  leftpad.set(2, 0.0f);
+  KvCache paged_padded{pages.view(), pages.view(), table.view(), s.seqlens.view()};
+  paged_padded.cache_leftpad = leftpad.view();
+  expect(paged_padded, "cache_leftpad: not supported with a paged cache");
   Tensor empty_pages(DType::f32, {12, 0, kHkv, kDim});
   expect({empty_pages.view(), empty_pages.view(), table.view(), s.seqlens.view()}, "page size 0");
 }
@@ -206,6 +251,268 @@ TEST(KvCache, PagedPrefillThroughTheTiledKernelEqualsContiguous) {
   const ForwardResult b = forward_with_kvcache(q.view(), paged, o);
   EXPECT_EQ(std::memcmp(a.out.data(), b.out.data(), static_cast<std::size_t>(a.out.numel()) * 2), 0);
   EXPECT_EQ(std::memcmp(a.lse.data(), b.lse.data(), static_cast<std::size_t>(a.lse.numel()) * 4), 0);
+}
+
+}  // namespace
+}  // namespace flashattn::test
+
+namespace flashattn::test {
+namespace {
+
+TEST(KvCache, DecodingPairsThroughAPagedCacheMatchTheReference) {
+  // (Sq, Sk) pairs of the issue: the cache holds Sk − Sq tokens and the Sq queries arrive
+  // as new tokens; small heads keep the 131072-key float64 reference quick.
+  const std::pair<std::int64_t, std::int64_t> pairs[] = {{1, 128},    {1, 339},    {3, 1024},   {64, 800},
+                                                         {1, 20000}, {16, 20000}, {1, 131072}};
+  constexpr std::int64_t hq = 2, hkv = 1, d = 16, ps = 256;
+  std::uint64_t seed = 300;
+  for (const auto& [sq, sk] : pairs) {
+    SCOPED_TRACE("Sq=" + std::to_string(sq) + " Sk=" + std::to_string(sk));
+    const Tensor q = random_tensor(DType::f32, {1, sq, hq, d}, seed);
+    const Tensor k = random_tensor(DType::f32, {1, sk, hkv, d}, seed + 1);
+    const Tensor v = random_tensor(DType::f32, {1, sk, hkv, d}, seed + 2);
+    seed += 3;
+    const std::int64_t pages = (sk + ps - 1) / ps, cached = sk - sq, row = hkv * d;
+    Tensor k_pages(DType::f32, {pages, ps, hkv, d}), v_pages(DType::f32, {pages, ps, hkv, d});
+    Tensor table(DType::i32, {1, pages}), seqlens(DType::i32, {1});
+    Tensor k_new(DType::f32, {1, sq, hkv, d}), v_new(DType::f32, {1, sq, hkv, d});
+    for (std::int64_t pg = 0; pg < pages; ++pg) table.set(pg, static_cast<float>(pages - 1 - pg));
+    seqlens.set(0, static_cast<float>(cached));
+    for (std::int64_t pos = 0; pos < sk; ++pos)
+      for (std::int64_t e = 0; e < row; ++e) {
+        const std::int64_t slot = ((pages - 1 - pos / ps) * ps + pos % ps) * row + e;
+        if (pos < cached) {
+          k_pages.set(slot, k.get(pos * row + e));
+          v_pages.set(slot, v.get(pos * row + e));
+        } else {
+          k_new.set((pos - cached) * row + e, k.get(pos * row + e));
+          v_new.set((pos - cached) * row + e, v.get(pos * row + e));
+        }
+      }
+    AttentionOptions o;
+    o.causal = true;
+    const reference::Result want = reference::attention(q.view(), k.view(), v.view(), o);
+    KvCache c{k_pages.view(), v_pages.view(), table.view(), seqlens.view(), {}, k_new.view(), v_new.view()};
+    const ForwardResult got = forward_with_kvcache(q.view(), c, o);
+    EXPECT_LE(max_abs_error(got.out, want.out), 1e-5);
+    for (std::int64_t i = 0; i < got.lse.numel(); ++i)
+      ASSERT_NEAR(got.lse.get(i), want.lse[static_cast<std::size_t>(i)], 1e-5 + 1e-6 * std::fabs(want.lse[static_cast<std::size_t>(i)]));
+  }
+}
+
+}  // namespace
+}  // namespace flashattn::test
+
+namespace flashattn::test {
+namespace {
+
+// An FP8 e4m3 cache filled by appends of growing magnitude (so pages re-encode), checked
+// after every append: (1) every stored value against the logical one within the documented
+// bound 2^-4·|x| + 2^-9·descale; (2) the output against the float64 reference on the
+// dequantized cache (float32 rounding only, by upstream's rule); (3) against the
+// reference on the logical cache within what the quantization explains: with δ the
+// largest score change scale·Σ_e |q_e·δk_e| over keys, softmax weights move by at most
+// e^(2δ) − 1 in sum (each ratio p'/p lies in [e^-2δ, e^2δ]), so
+// |δo| ≤ (e^(2δ) − 1)·max|v̂| + max|δv|.
+struct Fp8Cache {
+  static constexpr std::int64_t kBatch = 2, kHq = 4, kHkv = 2, kDim = 24, kCap = 64;
+  std::int64_t page_size;  // 0: contiguous
+  std::int64_t pages;
+  Tensor k_codes, v_codes, k_scale, v_scale, table;
+  std::vector<std::vector<float>> k_logical, v_logical;  // per sequence: (tokens, kHkv, kDim)
+  static constexpr std::uint8_t kGuard = 0x55;
+
+  explicit Fp8Cache(std::int64_t ps) : page_size(ps), k_logical(kBatch), v_logical(kBatch) {
+    const std::int64_t per_seq = ps > 0 ? (kCap + ps - 1) / ps : 0;
+    pages = ps > 0 ? kBatch * per_seq : kBatch;
+    const std::int64_t slots = ps > 0 ? ps : kCap;
+    k_codes = Tensor(DType::u8, {pages, slots, kHkv, kDim});
+    v_codes = Tensor(DType::u8, {pages, slots, kHkv, kDim});
+    std::memset(k_codes.data(), kGuard, static_cast<std::size_t>(k_codes.numel()));
+    std::memset(v_codes.data(), kGuard, static_cast<std::size_t>(v_codes.numel()));
+    k_scale = Tensor(DType::f32, {pages, kHkv});
+    v_scale = Tensor(DType::f32, {pages, kHkv});
+    table = Tensor(DType::i32, {kBatch, std::max<std::int64_t>(per_seq, 1)});
+    for (std::int64_t b = 0; b < kBatch; ++b)
+      for (std::int64_t pg = 0; pg < per_seq; ++pg) table.set(b * per_seq + pg, static_cast<float>((pg * kBatch + b + 1) % pages));
+  }
+  std::int64_t per_seq() const { return table.shape()[1]; }
+  // (page, slot) of token pos of sequence b.
+  std::pair<std::int64_t, std::int64_t> locate(std::int64_t b, std::int64_t pos) const {
+    if (page_size == 0) return {b, pos};
+    return {static_cast<std::int64_t>(table.get(b * per_seq() + pos / page_size)), pos % page_size};
+  }
+  float value(const Tensor& codes, const Tensor& scale, std::int64_t b, std::int64_t pos, std::int64_t h, std::int64_t e) const {
+    const auto [page, slot] = locate(b, pos);
+    const std::int64_t slots = codes.shape()[1];
+    const std::uint8_t code = codes.data_as<std::uint8_t>()[((page * slots + slot) * kHkv + h) * kDim + e];
+    return fp8_to_float(code, Fp8Format::e4m3) * scale.get(page * kHkv + h);
+  }
+  KvCache view(const Tensor& seqlens) {
+    KvCache c;
+    c.k_cache = k_codes.view();
+    c.v_cache = v_codes.view();
+    if (page_size > 0) c.block_table = table.view();
+    c.cache_seqlens = seqlens.view();
+    c.k_scale = k_scale.view();
+    c.v_scale = v_scale.view();
+    return c;
+  }
+};
+
+void check_fp8_cache_run(std::int64_t page_size) {
+  using C = Fp8Cache;
+  Fp8Cache cache(page_size);
+  Tensor cos{DType::f32, {C::kCap, 4}}, sin{DType::f32, {C::kCap, 4}};  // rotary_dim 8 of 24
+  for (std::int64_t p = 0; p < C::kCap; ++p)
+    for (std::int64_t i = 0; i < 4; ++i) {
+      cos.set(p * 4 + i, static_cast<float>(std::cos(0.3 * static_cast<double>(p * (i + 1)))));
+      sin.set(p * 4 + i, static_cast<float>(std::sin(0.3 * static_cast<double>(p * (i + 1)))));
+    }
+  const std::int64_t chunks[] = {5, 1, 20, 13, 1};  // 20 new queries run the tiled kernel
+  const float magnitudes[] = {0.5f, 4.0f, 1.0f, 30.0f, 0.01f};
+  std::int64_t seqlen = 0;
+  std::uint64_t seed = 40;
+  for (std::size_t step = 0; step < std::size(chunks); ++step) {
+    const std::int64_t n = chunks[step];
+    SCOPED_TRACE("append " + std::to_string(step) + " of " + std::to_string(n) + " tokens at " + std::to_string(seqlen));
+    Tensor k_new = random_tensor(DType::f32, {C::kBatch, n, C::kHkv, C::kDim}, seed++);
+    Tensor v_new = random_tensor(DType::f32, {C::kBatch, n, C::kHkv, C::kDim}, seed++);
+    for (std::int64_t i = 0; i < k_new.numel(); ++i)
+      k_new.set(i, k_new.get(i) * magnitudes[step]), v_new.set(i, v_new.get(i) * magnitudes[step]);
+    const Tensor q = random_tensor(DType::f32, {C::kBatch, n, C::kHq, C::kDim}, seed++);
+    Tensor seqlens(DType::i32, {C::kBatch});
+    for (std::int64_t b = 0; b < C::kBatch; ++b) seqlens.set(b, static_cast<float>(seqlen));
+    KvCache c = cache.view(seqlens);
+    c.k = k_new.view();
+    c.v = v_new.view();
+    c.rotary_cos = cos.view();
+    c.rotary_sin = sin.view();
+    AttentionOptions o;
+    o.causal = true;
+    const ForwardResult got = forward_with_kvcache(q.view(), c, o);
+
+    // The logical tokens (keys rotated) and q rotated at its positions.
+    Tensor q_rot(DType::f32, {C::kBatch, n, C::kHq, C::kDim});
+    for (std::int64_t b = 0; b < C::kBatch; ++b) {
+      for (std::int64_t t = 0; t < n; ++t)
+        for (std::int64_t h = 0; h < C::kHkv; ++h) {
+          std::vector<float> kr(C::kDim);
+          for (std::int64_t e = 0; e < C::kDim; ++e) kr[e] = k_new.get(((b * n + t) * C::kHkv + h) * C::kDim + e);
+          rotate(kr, seqlen + t, cos, sin, true);
+          for (std::int64_t e = 0; e < C::kDim; ++e) {
+            cache.k_logical[b].push_back(kr[e]);
+            cache.v_logical[b].push_back(v_new.get(((b * n + t) * C::kHkv + h) * C::kDim + e));
+          }
+        }
+      for (std::int64_t i = 0; i < n; ++i)
+        for (std::int64_t h = 0; h < C::kHq; ++h) {
+          std::vector<float> qr(C::kDim);
+          for (std::int64_t e = 0; e < C::kDim; ++e) qr[e] = q.get(((b * n + i) * C::kHq + h) * C::kDim + e);
+          rotate(qr, seqlen + i, cos, sin, true);
+          for (std::int64_t e = 0; e < C::kDim; ++e) q_rot.set(((b * n + i) * C::kHq + h) * C::kDim + e, qr[e]);
+        }
+    }
+    seqlen += n;
+
+    for (std::int64_t b = 0; b < C::kBatch; ++b) {
+      Tensor k_hat(DType::f32, {1, seqlen, C::kHkv, C::kDim}), v_hat(DType::f32, {1, seqlen, C::kHkv, C::kDim});
+      Tensor k_log(DType::f32, {1, seqlen, C::kHkv, C::kDim}), v_log(DType::f32, {1, seqlen, C::kHkv, C::kDim});
+      double dv_max = 0.0, v_hat_max = 0.0;
+      for (std::int64_t pos = 0; pos < seqlen; ++pos)
+        for (std::int64_t h = 0; h < C::kHkv; ++h) {
+          const std::int64_t page = cache.locate(b, pos).first;
+          for (std::int64_t e = 0; e < C::kDim; ++e) {
+            const std::int64_t i = (pos * C::kHkv + h) * C::kDim + e;
+            const float kx = cache.k_logical[b][static_cast<std::size_t>(i)], vx = cache.v_logical[b][static_cast<std::size_t>(i)];
+            const float kq = cache.value(cache.k_codes, cache.k_scale, b, pos, h, e);
+            const float vq = cache.value(cache.v_codes, cache.v_scale, b, pos, h, e);
+            ASSERT_LE(std::fabs(kq - kx), 0x1p-4f * std::fabs(kx) + 0x1p-9f * cache.k_scale.get(page * C::kHkv + h))
+                << "k b " << b << " pos " << pos << " h " << h << " e " << e;
+            ASSERT_LE(std::fabs(vq - vx), 0x1p-4f * std::fabs(vx) + 0x1p-9f * cache.v_scale.get(page * C::kHkv + h))
+                << "v b " << b << " pos " << pos << " h " << h << " e " << e;
+            k_hat.set(i, kq), v_hat.set(i, vq), k_log.set(i, kx), v_log.set(i, vx);
+            dv_max = std::max(dv_max, static_cast<double>(std::fabs(vq - vx)));
+            v_hat_max = std::max(v_hat_max, static_cast<double>(std::fabs(vq)));
+          }
+        }
+      Tensor qb(DType::f32, {1, n, C::kHq, C::kDim});
+      std::memcpy(qb.data(), q_rot.data_as<float>() + b * n * C::kHq * C::kDim, static_cast<std::size_t>(qb.numel()) * 4);
+      const reference::Result on_hat = reference::attention(qb.view(), k_hat.view(), v_hat.view(), o);
+      const reference::Result on_logical = reference::attention(qb.view(), k_log.view(), v_log.view(), o);
+      double delta = 0.0;  // largest score change, scaled
+      for (std::int64_t i = 0; i < n * C::kHq; ++i)
+        for (std::int64_t pos = 0; pos < seqlen; ++pos) {
+          double s = 0.0;
+          const std::int64_t h = (i % C::kHq) / (C::kHq / C::kHkv);
+          for (std::int64_t e = 0; e < C::kDim; ++e) {
+            const std::int64_t kv = (pos * C::kHkv + h) * C::kDim + e;
+            s += std::fabs(static_cast<double>(qb.get(i * C::kDim + e)) * (k_hat.get(kv) - k_log.get(kv)));
+          }
+          delta = std::max(delta, s / std::sqrt(static_cast<double>(C::kDim)));
+        }
+      const double explained = std::expm1(2.0 * delta) * v_hat_max + dv_max;
+      double err_hat = 0.0, err_logical = 0.0;
+      for (std::int64_t i = 0; i < qb.numel(); ++i) {
+        const double x = got.out.get(b * qb.numel() + i);
+        err_hat = std::max(err_hat, std::fabs(x - on_hat.out[static_cast<std::size_t>(i)]));
+        err_logical = std::max(err_logical, std::fabs(x - on_logical.out[static_cast<std::size_t>(i)]));
+      }
+      // Scores reach ~100 once keys of magnitude 30 arrive: float32 is judged by upstream's
+      // rule, at most twice a naive float32 implementation's error (1e-5 at least).
+      const AttentionProblem p = AttentionProblem::from_sizes(1, n, seqlen, C::kHq, C::kHkv, C::kDim, C::kDim, DType::f32, o);
+      const double naive = max_abs_error(naive_same_precision(p, o, qb, k_hat, v_hat), on_hat.out);
+      EXPECT_LE(err_hat, std::max(1e-5, 2.0 * naive)) << "sequence " << b;
+      EXPECT_LE(err_logical, explained + 1e-5) << "sequence " << b;
+    }
+  }
+  // Nothing written beyond the appended slots.
+  const std::int64_t slots = cache.k_codes.shape()[1];
+  std::vector<char> used(static_cast<std::size_t>(cache.pages * slots), 0);
+  for (std::int64_t b = 0; b < C::kBatch; ++b)
+    for (std::int64_t pos = 0; pos < seqlen; ++pos) {
+      const auto [page, slot] = cache.locate(b, pos);
+      used[static_cast<std::size_t>(page * slots + slot)] = 1;
+    }
+  for (std::int64_t i = 0; i < cache.pages * slots; ++i)
+    if (used[static_cast<std::size_t>(i)] == 0)
+      for (std::int64_t e = 0; e < C::kHkv * C::kDim; ++e)
+        ASSERT_EQ(cache.k_codes.data_as<std::uint8_t>()[i * C::kHkv * C::kDim + e], Fp8Cache::kGuard) << "slot " << i;
+}
+
+TEST(KvCache, Fp8CacheQuantizesOnAppendWithinTheStatedBound) {
+  for_each_simd_target([](const std::string&) {
+    for (std::int64_t ps : {0, 1, 3, 16}) {
+      SCOPED_TRACE(ps == 0 ? std::string("contiguous") : "page size " + std::to_string(ps));
+      check_fp8_cache_run(ps);
+    }
+  });
+}
+
+TEST(KvCache, Fp8CacheBadInputNamesTheArgument) {
+  Fp8Cache cache(16);
+  Tensor seqlens(DType::i32, {Fp8Cache::kBatch});
+  seqlens.set(0, 3.0f);  // sequence 0 holds tokens in its first page, whose descale is 0
+  const Tensor q = random_tensor(DType::f32, {Fp8Cache::kBatch, 1, Fp8Cache::kHq, Fp8Cache::kDim}, 1);
+  Tensor k_new = random_tensor(DType::f32, {Fp8Cache::kBatch, 1, Fp8Cache::kHkv, Fp8Cache::kDim}, 2);
+  const std::vector<std::uint8_t> before(cache.k_codes.data_as<std::uint8_t>(),
+                                         cache.k_codes.data_as<std::uint8_t>() + cache.k_codes.numel());
+  KvCache c = cache.view(seqlens);
+  c.k = k_new.view();
+  c.v = k_new.view();
+  expect_error([&] { forward_with_kvcache(q.view(), c); }, {"k_scale: [1, 0] = 0", "not a finite positive descale"});
+  for (std::int64_t i = 0; i < cache.k_scale.numel(); ++i) cache.k_scale.set(i, 1.0f), cache.v_scale.set(i, 1.0f);
+  k_new.set(5, NAN);
+  expect_error([&] { forward_with_kvcache(q.view(), c); }, {"k: [0, 0, 0, 5] is not finite"});
+  EXPECT_EQ(std::memcmp(before.data(), cache.k_codes.data(), before.size()), 0) << "a rejected call wrote the cache";
+  KvCache no_scales = c;
+  no_scales.v_scale = {};
+  expect_error([&] { forward_with_kvcache(q.view(), no_scales); }, {"v_scale"});
+  Tensor bf16_cache(DType::bf16, {4, 16, Fp8Cache::kHkv, Fp8Cache::kDim});
+  KvCache scaled{bf16_cache.view(), bf16_cache.view()};
+  scaled.k_scale = cache.k_scale.view();
+  const Tensor qb = random_tensor(DType::bf16, {1, 1, Fp8Cache::kHq, Fp8Cache::kDim}, 3);
+  expect_error([&] { forward_with_kvcache(qb.view(), scaled); }, {"k_scale, v_scale: descales belong to an FP8 cache"});
 }
 
 }  // namespace

@@ -96,6 +96,12 @@ BackwardResult backward_varlen(const TensorView& dout, const TensorView& q, cons
 // first rotary_dim features of the new keys at their positions and of q at positions
 // cache_seqlens[b] + i when causal or windowed, else all at cache_seqlens[b] (as upstream);
 // interleaved pairs (2i, 2i+1) or GPT-NeoX halves (i, i + rotary_dim/2).
+// Left padding (cache_leftpad, contiguous caches only, as upstream): sequence b's tokens
+// occupy slots [cache_leftpad[b], cache_seqlens[b]) of its cache row; the slots before are
+// padding, never attended. Positions stay slot numbers (rotary angles are taken at the
+// slot, as upstream), while causal, window and ALiBi see the logical sequence of
+// cache_seqlens[b] − cache_leftpad[b] + seqlen_new keys (both ends align, so bottom-right
+// causal is unchanged).
 struct KvCache {
   MutableTensorView k_cache, v_cache;
   TensorView block_table;      // int32 (batch, max_pages): paged when set
@@ -104,6 +110,17 @@ struct KvCache {
   TensorView k, v;             // new tokens to append, or unset
   TensorView rotary_cos, rotary_sin;
   bool rotary_interleaved = true;
+  TensorView cache_leftpad;  // int32 (batch): first slot of each sequence (contiguous only)
+  // FP8 e4m3 cache: k_cache and v_cache of dtype u8 hold e4m3 codes, and these float32
+  // descales (pages or batch_cache, heads_kv) turn them into values: value = code · descale,
+  // one descale per (page, kv head) — per (cache row, kv head) for a contiguous cache.
+  // Appending quantizes the new tokens (round to nearest even, saturating) and updates the
+  // descales: a page's descale starts from its first append and only grows, by powers of
+  // two, re-encoding the page's earlier tokens when it does; every stored x reads back as
+  // x̂ with |x̂ − x| ≤ 2^-4·|x| + 2^-9·descale, descale < 2·(largest |x| of the page)/448.
+  // Pages that already hold tokens must have finite positive descales; new k, v must be
+  // finite (e4m3 has no infinity). Code 0x7F/0xFF (NaN) is not a cache value.
+  MutableTensorView k_scale, v_scale;
 };
 
 void forward_with_kvcache(const TensorView& q, const KvCache& cache, const MutableTensorView& out,

@@ -313,9 +313,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     """Attention over a KV cache, as upstream: k_cache/v_cache (B_cache, S_cache, Hkv, D) or paged
     (num_pages, page_size, Hkv, D) with block_table (B, max_pages); new k, v (B, S_new, Hkv, D)
     are written into the cache in place at cache_seqlens before attending; rotary_cos/sin
-    (positions, rotary_dim / 2) rotate q and the new keys. Inference only (no gradients)."""
-    if cache_leftpad is not None:
-        raise NotImplementedError("cache_leftpad: left-padded caches are not implemented yet")
+    (positions, rotary_dim / 2) rotate q and the new keys; cache_leftpad (B) int32 marks the
+    first slot of each sequence of a contiguous cache (earlier slots are padding, never
+    attended). Inference only (no gradients)."""
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         step = cache.stride(-1) if _is_tensor(cache) else cache.strides[-1] // cache.itemsize
         if step != 1:  # written in place: a contiguous copy would lose the appended tokens
@@ -348,7 +348,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     _C.forward_with_kvcache(raws["q"], raws["k_cache"], raws["v_cache"], new.get("k"), new.get("v"),
                             floats(rotary_cos, "rotary_cos"), floats(rotary_sin, "rotary_sin"),
                             ints(cache_seqlens, "cache_seqlens"), ints(cache_batch_idx, "cache_batch_idx"),
-                            ints(block_table, "block_table"), bool(rotary_interleaved), out_raw, lse_raw, dt,
+                            ints(cache_leftpad, "cache_leftpad"), ints(block_table, "block_table"), bool(rotary_interleaved), out_raw, lse_raw, dt,
                             opts)
     return (out, lse) if return_softmax_lse else out
 

@@ -267,8 +267,8 @@ def test_kvcache_errors():
     q = np.zeros((1, 1, 4, 8), np.float32)
     k_cache = np.zeros((1, 16, 2, 8), np.float32)
     v_cache = np.zeros((1, 16, 2, 8), np.float32)
-    with pytest.raises(NotImplementedError, match="cache_leftpad"):
-        flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_leftpad=np.zeros(1, np.int32))
+    with pytest.raises(ValueError, match="cache_leftpad"):
+        flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=4, cache_leftpad=np.full(1, 5, np.int32))
     with pytest.raises(ValueError, match="cache_seqlens"):
         flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, k=np.zeros((1, 2, 2, 8), np.float32),
                                           v=np.zeros((1, 2, 2, 8), np.float32), cache_seqlens=15)

@@ -80,3 +80,20 @@ def test_kvcache_matches_reference(page_size, interleaved):
             slot = (b, pos) if table is None else (table[b, pos // page_size], pos % page_size)
             np.testing.assert_allclose(k_cache[slot], keys[pos], atol=1e-5)
             np.testing.assert_array_equal(v_cache[slot], v_new[b, t])
+
+
+def test_kvcache_leftpad_skips_the_padding():
+    rng = np.random.default_rng(8)
+    batch, hq, hkv, d, cap = 2, 4, 2, 16, 24
+    seqlens, leftpad = np.array([9, 20], np.int32), np.array([3, 0], np.int32)
+    q = rng.standard_normal((batch, 1, hq, d), dtype=np.float32)
+    k_cache = rng.standard_normal((batch, cap, hkv, d), dtype=np.float32)
+    v_cache = rng.standard_normal((batch, cap, hkv, d), dtype=np.float32)
+    k_cache[0, :3] = v_cache[0, :3] = 1e4  # padding: attending to it would dominate
+    out = flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, cache_leftpad=leftpad,
+                                            causal=True)
+    for b in range(batch):
+        keys = k_cache[b, leftpad[b]:seqlens[b]].astype(np.float64)
+        vals = v_cache[b, leftpad[b]:seqlens[b]].astype(np.float64)
+        want = attention(q[b].astype(np.float64), keys, vals, causal=True)
+        np.testing.assert_allclose(out[b], want, atol=1e-5, err_msg=f"sequence {b}")

@@ -24,12 +24,23 @@ void run_forward_problem(const AttentionProblem& problem, const TensorView& q, c
 // The float32 values of FP8 tensor `name` (q, k, v) after validating its view.
 Tensor dequantize_fp8(const char* name, const Fp8View& x);
 
-// One sequence (q batch 1) over a paged cache: key j lives in page block_table[j / page_size]
-// (page_size = k_pages.shape[1]) at slot j % page_size of the k and v pools.
-void forward_paged(const TensorView& q, const TensorView& k_pages, const TensorView& v_pages,
-                   const std::int32_t* block_table, std::int64_t table_stride, std::int64_t seqlen_k,
-                   const MutableTensorView& out, const MutableTensorView& lse,
-                   const AttentionOptions& options, std::int64_t batch_offset);
+// Where one sequence's keys live in a KV cache. Paged (block_table set): key j in page
+// block_table[(j / page_size) · table_stride] (page_size = the pools' dim 1) at slot
+// j % page_size. Otherwise the pools are that sequence's rows (batch 1). FP8 e4m3 pools
+// (dtype u8) scale row j by descale[page · descale_page_stride + kv_head · descale_head_stride]
+// (page 0 without a table).
+struct CacheSource {
+  const std::int32_t* block_table = nullptr;
+  std::int64_t table_stride = 0;
+  const float* k_descale = nullptr;
+  const float* v_descale = nullptr;
+  std::int64_t descale_page_stride = 0, descale_head_stride = 0;
+};
+
+// One sequence (q batch 1) of seqlen_k keys over a cache the caller validated.
+void forward_cache(const TensorView& q, const TensorView& k_pool, const TensorView& v_pool,
+                   const CacheSource& source, std::int64_t seqlen_k, const MutableTensorView& out,
+                   const MutableTensorView& lse, const AttentionOptions& options, std::int64_t batch_offset);
 
 void backward_impl(const TensorView& dout, const TensorView& q, const TensorView& k,
                    const TensorView& v, const TensorView& out, const TensorView& lse,

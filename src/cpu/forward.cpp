@@ -125,17 +125,18 @@ void detail::run_forward_problem(const AttentionProblem& problem, const TensorVi
   run_forward(problem, q, k, v, out, lse, options, {});
 }
 
-void detail::forward_paged(const TensorView& q, const TensorView& k_pages, const TensorView& v_pages,
-                           const std::int32_t* block_table, std::int64_t table_stride, std::int64_t seqlen_k,
-                           const MutableTensorView& out, const MutableTensorView& lse,
-                          const AttentionOptions& options, std::int64_t batch_offset) {
-  // The caller validated the pools and the table; the problem is one sequence of seqlen_k keys.
-  AttentionProblem problem =
-      AttentionProblem::from_sizes(q.shape[0], q.shape[1], seqlen_k, q.shape[2], k_pages.shape[2], q.shape[3],
-                                   v_pages.shape[3], q.dtype, options);
+void detail::forward_cache(const TensorView& q, const TensorView& k_pool, const TensorView& v_pool,
+                           const CacheSource& source, std::int64_t seqlen_k, const MutableTensorView& out,
+                           const MutableTensorView& lse, const AttentionOptions& options,
+                           std::int64_t batch_offset) {
+  AttentionProblem problem = AttentionProblem::from_sizes(q.shape[0], q.shape[1], seqlen_k, q.shape[2], k_pool.shape[2],
+                                                          q.shape[3], v_pool.shape[3], q.dtype, options);
   problem.batch_offset = batch_offset;
-  detail::check_forward_outputs(problem, q, k_pages, v_pages, out, lse);
-  run_forward(problem, q, k_pages, v_pages, out, lse, options, {block_table, table_stride, k_pages.shape[1]});
+  detail::check_forward_outputs(problem, q, k_pool, v_pool, out, lse);
+  const std::int64_t page_size = source.block_table != nullptr ? k_pool.shape[1] : 0;
+  run_forward(problem, q, k_pool, v_pool, out, lse, options,
+              {source.block_table, source.table_stride, page_size, source.k_descale, source.v_descale,
+               source.descale_page_stride, source.descale_head_stride});
 }
 
 void forward(const TensorView& q, const TensorView& k, const TensorView& v,

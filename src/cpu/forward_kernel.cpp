@@ -41,6 +41,22 @@ const void* KvRow(const ForwardParams& prm, const TensorView& t, std::int64_t b,
   return RowPointer(t, page, j % prm.paged.page_size, kv_head);
 }
 
+// The factor that turns row (b, j, kv_head) of an FP8 pool into values; 1 otherwise.
+float KvDescale(const ForwardParams& prm, const float* descale, std::int64_t b, std::int64_t j,
+                std::int64_t kv_head) {
+  if (descale == nullptr) return 1.0f;
+  const std::int64_t page = prm.paged.block_table == nullptr
+                                ? b
+                                : prm.paged.block_table[(j / prm.paged.page_size) * prm.paged.table_stride];
+  return descale[page * prm.paged.descale_page_stride + kv_head * prm.paged.descale_head_stride];
+}
+
+// Row (b, j, kv_head) of k or v as float32 values (converted, FP8 codes dequantized).
+void LoadKvRow(const ForwardParams& prm, const TensorView& t, const float* descale, std::int64_t b,
+               std::int64_t j, std::int64_t kv_head, std::int64_t n, float* HWY_RESTRICT dst) {
+  LoadRow(KvRow(prm, t, b, j, kv_head), t.dtype, n, KvDescale(prm, descale, b, j, kv_head), dst);
+}
+
 // The producer role (SPEC §4) on a CPU: convert and lay out K (transposed, one
 // (head_dim, block_k) panel per tile) and V (rows padded to head_dim_v_padded) of one
 // (batch, kv head) for keys [from, to), whole tiles at a time, reusing what is packed.
@@ -54,10 +70,10 @@ void EnsurePacked(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t b
   float* row = ws.q_tile.get();  // scratch: Q is loaded after packing
   for (std::int64_t j = begin; j < end; ++j) {
     float* kt = ws.k_packed.get() + (j / bc) * d * bc + (j % bc);
-    LoadRow(KvRow(prm, prm.k, b, j, kv_head), p.dtype, d, 1.0f, row);
+    LoadKvRow(prm, prm.k, prm.paged.k_descale, b, j, kv_head, d, row);
     for (std::int64_t c = 0; c < d; ++c) kt[c * bc] = row[c];
     float* vrow = ws.v_packed.get() + j * dv_pad;
-    LoadRow(KvRow(prm, prm.v, b, j, kv_head), p.dtype, dv, 1.0f, vrow);
+    LoadKvRow(prm, prm.v, prm.paged.v_descale, b, j, kv_head, dv, vrow);
     std::fill(vrow + dv, vrow + dv_pad, 0.0f);
   }
   if (end == p.seqlen_k && begin < end && end % bc != 0) {
@@ -238,7 +254,7 @@ void ForwardDecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int6
   const std::int64_t d = p.head_dim, dv = p.head_dim_v, bc = plan.block_k, dv_pad = plan.head_dim_v_padded;
   const std::int64_t d_pad = (d + kLanes - 1) / kLanes * kLanes;
   const std::int64_t group = p.heads_q / p.heads_kv, rows = group * p.seqlen_q;
-  const auto elem = static_cast<std::int64_t>(dtype_size(p.dtype));
+  const auto elem = static_cast<std::int64_t>(dtype_size(prm.k.dtype));
   constexpr std::int64_t kPrefetchRows = 16;  // ~16 rows ahead covers DRAM latency here
   const std::int64_t split = item % plan.splits, bkv = item / plan.splits;
   const std::int64_t kv_head = bkv % p.heads_kv, b = bkv / p.heads_kv;
@@ -288,8 +304,8 @@ void ForwardDecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int6
         for (std::int64_t off = 0; off < d * elem; off += 64) hwy::Prefetch(kn + off);
         for (std::int64_t off = 0; off < dv * elem; off += 64) hwy::Prefetch(vn + off);
       }
-      LoadRow(KvRow(prm, prm.k, b, j0 + c, kv_head), p.dtype, d, 1.0f, krow);
-      LoadRow(KvRow(prm, prm.v, b, j0 + c, kv_head), p.dtype, dv, 1.0f, v_block + c * dv_pad);
+      LoadKvRow(prm, prm.k, prm.paged.k_descale, b, j0 + c, kv_head, d, krow);
+      LoadKvRow(prm, prm.v, prm.paged.v_descale, b, j0 + c, kv_head, dv, v_block + c * dv_pad);
       std::fill(v_block + c * dv_pad + dv, v_block + (c + 1) * dv_pad, 0.0f);
       for (std::int64_t r = 0; r < rows4; r += 4) {
         const float* q0 = q_rows + r * d_pad;

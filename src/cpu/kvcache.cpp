@@ -1,7 +1,10 @@
 // forward_with_kvcache: validate, append the new tokens (rotated) into their cache slots,
 // rotate q, then attend per sequence through the ordinary driver — a view of the cache
 // when it is contiguous, the page pools read through the block table when it is paged.
+// An FP8 cache quantizes on append (fp8_append below) and the kernels dequantize per row.
 #include <algorithm>
+#include <cfloat>
+#include <cmath>
 #include <vector>
 
 #include "flashattn/attention.hpp"
@@ -53,6 +56,56 @@ void rotate(const KvCache& c, std::int64_t pos, const float* x, float* out, std:
   }
 }
 
+// One kv head's descale in an FP8 scale view (pages or cache rows, heads_kv).
+float& descale_at(const MutableTensorView& scale, std::int64_t page, std::int64_t h) {
+  return static_cast<float*>(scale.data)[page * scale.strides[0] + h * scale.strides[1]];
+}
+
+// Appends `count` rows (width floats each, already rotated) of kv head h of sequence b at
+// positions seqlen.. into an FP8 e4m3 pool, page by page (a contiguous cache row is one
+// page). A page's descale is a power-of-two multiple of where it started: a page without
+// tokens starts from FLT_MIN; when the new rows' largest magnitude exceeds 448·descale the
+// descale doubles until it fits and the page's earlier codes are re-encoded for it. The
+// division by a power of two is exact for normal codes; only codes that fall into the
+// subnormal range round again, to a grid twice as coarse or more each time. Hence every
+// stored x comes back as x̂ with |x̂ − x| ≤ 2^-4·|x| + 2^-9·descale (half an e4m3 ulp, plus
+// the subnormal roundings summed as a geometric series), and descale < 2·amax(page)/448.
+void fp8_append(const MutableTensorView& pool, const MutableTensorView& scale, const Layout& layout,
+                std::int64_t b, std::int64_t h, std::int64_t first, std::int64_t seqlen, const float* rows,
+                std::int64_t count, std::int64_t width) {
+  constexpr float kMax = fp8_info(Fp8Format::e4m3).max;
+  std::vector<float> decoded(static_cast<std::size_t>(width));
+  auto codes = [&](std::int64_t page, std::int64_t slot) {
+    return static_cast<std::uint8_t*>(pool.data) + detail::offset4(pool, page, slot, h, 0);
+  };
+  for (std::int64_t t = 0; t < count;) {
+    const auto [page, slot] = layout.locate(b, seqlen + t);
+    const std::int64_t page_start = seqlen + t - slot;  // logical position of slot 0
+    const std::int64_t span = layout.paged ? std::min(count - t, layout.page_size - slot) : count - t;
+    const std::int64_t old_begin = std::max(page_start, first) - page_start;
+    const std::int64_t old_end = std::min(seqlen - page_start, slot);
+    float amax = 0.0f;
+    for (std::int64_t e = 0; e < span * width; ++e) amax = std::max(amax, std::fabs(rows[t * width + e]));
+    float& stored = descale_at(scale, page, h);
+    float descale = old_end > old_begin ? stored : FLT_MIN;
+    float grown = descale;
+    while (amax > kMax * grown) grown *= 2.0f;
+    if (grown != descale) {
+      for (std::int64_t i = old_begin; i < old_end; ++i) {
+        convert_from_fp8(codes(page, i), decoded.data(), static_cast<std::size_t>(width), Fp8Format::e4m3,
+                         descale / grown);
+        convert_to_fp8(decoded.data(), codes(page, i), static_cast<std::size_t>(width), Fp8Format::e4m3);
+      }
+      descale = grown;
+    }
+    for (std::int64_t i = 0; i < span; ++i)
+      convert_to_fp8(rows + (t + i) * width, codes(page, slot + i), static_cast<std::size_t>(width), Fp8Format::e4m3,
+                     1.0f / descale);
+    stored = descale;
+    t += span;
+  }
+}
+
 }  // namespace
 
 void forward_with_kvcache(const TensorView& q, const KvCache& c, const MutableTensorView& out,
@@ -61,8 +114,16 @@ void forward_with_kvcache(const TensorView& q, const KvCache& c, const MutableTe
   detail::check_view("q", q, 4, "(batch, seqlen_q, heads_q, head_dim)");
   detail::check_view("k_cache", c.k_cache, 4, "(batch_cache or pages, seqlen_cache or page_size, heads_kv, head_dim)");
   detail::check_view("v_cache", c.v_cache, 4, "(batch_cache or pages, seqlen_cache or page_size, heads_kv, head_dim_v)");
-  detail::check_dtype("k_cache", c.k_cache, q.dtype, "the cache has q's dtype");
-  detail::check_dtype("v_cache", c.v_cache, q.dtype, "the cache has q's dtype");
+  const bool fp8 = c.k_cache.dtype == DType::u8;  // e4m3 codes with descales
+  if (!is_floating(q.dtype)) throw Error("q: dtype " + to_string(q.dtype) + " is not a floating dtype (f32, bf16, f16)");
+  if (fp8) {
+    detail::check_dtype("v_cache", c.v_cache, DType::u8, "an FP8 cache holds e4m3 codes in both pools");
+  } else {
+    detail::check_dtype("k_cache", c.k_cache, q.dtype, "the cache has q's dtype, or u8 for FP8 e4m3 codes");
+    detail::check_dtype("v_cache", c.v_cache, q.dtype, "the cache has q's dtype");
+    if (is_set(c.k_scale) || is_set(c.v_scale))
+      throw Error("k_scale, v_scale: descales belong to an FP8 cache (u8 codes), not a " + to_string(q.dtype) + " cache");
+  }
   for (int d : {0, 1, 2})
     if (c.v_cache.shape[d] != c.k_cache.shape[d])
       throw Error("v_cache: shape " + detail::shape_string(c.v_cache) + " does not match k_cache " +
@@ -103,6 +164,19 @@ void forward_with_kvcache(const TensorView& q, const KvCache& c, const MutableTe
       throw Error("cache_seqlens: [" + str(b) + "] = " + str(n) + " plus " + str(s_new) +
                   " new tokens does not fit the cache capacity " + str(layout.capacity));
   }
+  // Upstream rejects left padding with a paged cache too: a sequence's pages are its own,
+  // so there is nothing to pad.
+  if (is_set(c.cache_leftpad) && layout.paged)
+    throw Error("cache_leftpad: not supported with a paged cache (block_table)");
+  const std::vector<std::int64_t> leftpad = is_set(c.cache_leftpad)
+                                                ? read_i32("cache_leftpad", c.cache_leftpad, batch)
+                                                : std::vector<std::int64_t>(static_cast<std::size_t>(batch), 0);
+  for (std::int64_t b = 0; b < batch; ++b) {
+    const std::int64_t pad = leftpad[static_cast<std::size_t>(b)], n = seqlens[static_cast<std::size_t>(b)];
+    if (pad < 0 || pad > n)
+      throw Error("cache_leftpad: [" + str(b) + "] = " + str(pad) + " outside [0, cache_seqlens[" + str(b) +
+                  "] = " + str(n) + "]");
+  }
   if (layout.paged) {
     const auto* t = static_cast<const std::int32_t*>(c.block_table.data);
     for (std::int64_t b = 0; b < batch; ++b) {
@@ -113,6 +187,33 @@ void forward_with_kvcache(const TensorView& q, const KvCache& c, const MutableTe
           throw Error("block_table: [" + str(b) + ", " + str(pg) + "] = " + str(page) + " outside the cache's " +
                       str(c.k_cache.shape[0]) + " pages");
       }
+    }
+  }
+  if (fp8) {
+    for (const auto& [name, scale] : {std::pair{"k_scale", c.k_scale}, {"v_scale", c.v_scale}}) {
+      detail::check_view(name, scale, 2, "(pages or batch_cache, heads_kv)");
+      detail::check_dtype(name, scale, DType::f32, "float32 descales");
+      detail::check_shape(name, scale, {c.k_cache.shape[0], hkv}, "(pages or batch_cache, heads_kv)");
+      for (const auto& [other, view] : {std::pair{"k_cache", TensorView(c.k_cache)}, {"v_cache", c.v_cache}, {"q", q},
+                                        {"k", c.k}, {"v", c.v}})
+        detail::check_no_overlap(name, scale, other, view);
+    }
+    detail::check_no_overlap("k_scale", c.k_scale, "v_scale", c.v_scale);
+    if (c.v_scale.strides[0] != c.k_scale.strides[0] || c.v_scale.strides[1] != c.k_scale.strides[1])
+      throw Error("v_scale: strides differ from k_scale's; give both the same layout");
+    // Pages (cache rows) that already hold tokens are read with their descales.
+    for (std::int64_t b = 0; b < batch; ++b) {
+      const std::int64_t first = leftpad[static_cast<std::size_t>(b)], n = seqlens[static_cast<std::size_t>(b)];
+      const std::int64_t step = layout.paged ? layout.page_size : std::max<std::int64_t>(n, 1);
+      for (std::int64_t pos = first / step * step; pos < n; pos += step)
+        for (std::int64_t h = 0; h < hkv; ++h)
+          for (const auto& [name, scale] : {std::pair{"k_scale", c.k_scale}, {"v_scale", c.v_scale}}) {
+            const std::int64_t page = layout.locate(b, pos).first;
+            const float value = descale_at(scale, page, h);
+            if (!(std::isfinite(value) && value > 0.0f))
+              throw Error(std::string(name) + ": [" + str(page) + ", " + str(h) + "] = " + std::to_string(value) +
+                          " is not a finite positive descale (sequence " + str(b) + " has tokens there)");
+          }
     }
   }
   if (is_set(c.k) != is_set(c.v)) throw Error("k, v: the new keys and values come together");
@@ -127,6 +228,15 @@ void forward_with_kvcache(const TensorView& q, const KvCache& c, const MutableTe
       detail::check_no_overlap("k_cache", c.k_cache, name, input);
       detail::check_no_overlap("v_cache", c.v_cache, name, input);
     }
+    if (fp8)  // e4m3 has no infinity, and a NaN code would read back as a number
+      for (const auto& [name, input] : {std::pair{"k", c.k}, {"v", c.v}})
+        for (std::int64_t b = 0; b < batch; ++b)
+          for (std::int64_t t = 0; t < s_new; ++t)
+            for (std::int64_t h = 0; h < hkv; ++h)
+              for (std::int64_t e = 0; e < input.shape[3]; ++e)
+                if (!std::isfinite(detail::load_element(input, detail::offset4(input, b, t, h, e))))
+                  throw Error(std::string(name) + ": [" + str(b) + ", " + str(t) + ", " + str(h) + ", " + str(e) +
+                              "] is not finite; an FP8 cache stores finite values only");
   }
   const bool positions_per_query = options.causal || options.window_size.left >= 0 || options.window_size.right >= 0;
   std::int64_t rotary_dim = 0;
@@ -148,25 +258,37 @@ void forward_with_kvcache(const TensorView& q, const KvCache& c, const MutableTe
 
   detail::check_sequence_options(options, batch, q.shape[2]);
 
-  // Append the new tokens (keys rotated) into their slots, and nowhere else.
-  std::vector<float> row(static_cast<std::size_t>(std::max(d, dv))), rotated(row.size());
+  // Append the new tokens (keys rotated) into their slots, and nowhere else (an FP8 page
+  // whose descale must grow also re-encodes its earlier tokens, see fp8_append).
+  std::vector<float> row(static_cast<std::size_t>(std::max(d, dv)));
+  std::vector<float> k_rows(static_cast<std::size_t>(s_new * d)), v_rows(static_cast<std::size_t>(s_new * dv));
   for (std::int64_t b = 0; b < batch; ++b)
-    for (std::int64_t t = 0; t < s_new; ++t) {
-      const auto [cache_row, slot] = layout.locate(b, seqlens[static_cast<std::size_t>(b)] + t);
-      for (std::int64_t h = 0; h < hkv; ++h) {
+    for (std::int64_t h = 0; h < hkv; ++h) {
+      const std::int64_t seqlen = seqlens[static_cast<std::size_t>(b)];
+      for (std::int64_t t = 0; t < s_new; ++t) {
         for (std::int64_t e = 0; e < d; ++e) row[e] = detail::load_element(c.k, detail::offset4(c.k, b, t, h, e));
-        rotate(c, seqlens[static_cast<std::size_t>(b)] + t, row.data(), rotated.data(), d);
+        rotate(c, seqlen + t, row.data(), k_rows.data() + t * d, d);
+        for (std::int64_t e = 0; e < dv; ++e) v_rows[t * dv + e] = detail::load_element(c.v, detail::offset4(c.v, b, t, h, e));
+      }
+      if (fp8) {
+        const std::int64_t first = leftpad[static_cast<std::size_t>(b)];
+        fp8_append(c.k_cache, c.k_scale, layout, b, h, first, seqlen, k_rows.data(), s_new, d);
+        fp8_append(c.v_cache, c.v_scale, layout, b, h, first, seqlen, v_rows.data(), s_new, dv);
+        continue;
+      }
+      for (std::int64_t t = 0; t < s_new; ++t) {
+        const auto [cache_row, slot] = layout.locate(b, seqlen + t);
         for (std::int64_t e = 0; e < d; ++e)
-          detail::store_element(c.k_cache, detail::offset4(c.k_cache, cache_row, slot, h, e), rotated[e]);
+          detail::store_element(c.k_cache, detail::offset4(c.k_cache, cache_row, slot, h, e), k_rows[t * d + e]);
         for (std::int64_t e = 0; e < dv; ++e)
-          detail::store_element(c.v_cache, detail::offset4(c.v_cache, cache_row, slot, h, e),
-                                detail::load_element(c.v, detail::offset4(c.v, b, t, h, e)));
+          detail::store_element(c.v_cache, detail::offset4(c.v_cache, cache_row, slot, h, e), v_rows[t * dv + e]);
       }
     }
 
   // q rotated at its positions (a copy; q itself is never written).
   Tensor q_rot;
   TensorView q_used = q;
+  std::vector<float> rotated(row.size());
   if (rotary_dim > 0) {
     q_rot = Tensor(q.dtype, {q.shape[0], q.shape[1], q.shape[2], q.shape[3]});
     for (std::int64_t b = 0; b < batch; ++b)
@@ -182,10 +304,12 @@ void forward_with_kvcache(const TensorView& q, const KvCache& c, const MutableTe
   // Attend, one sequence at a time.
   const std::size_t elem = dtype_size(q.dtype);
   for (std::int64_t b = 0; b < batch; ++b) {
-    const std::int64_t keys = seqlens[static_cast<std::size_t>(b)] + s_new;
-    auto rows_of = [&](const TensorView& t, std::int64_t first, std::int64_t n, std::int64_t batch_row) {
+    const std::int64_t first = leftpad[static_cast<std::size_t>(b)];
+    const std::int64_t keys = seqlens[static_cast<std::size_t>(b)] + s_new - first;
+    auto rows_of = [&](const TensorView& t, std::int64_t from, std::int64_t n, std::int64_t batch_row) {
       TensorView v = t;
-      v.data = static_cast<const unsigned char*>(t.data) + static_cast<std::int64_t>(elem) * (batch_row * t.strides[0] + first * t.strides[1]);
+      v.data = static_cast<const unsigned char*>(t.data) +
+               static_cast<std::int64_t>(dtype_size(t.dtype)) * (batch_row * t.strides[0] + from * t.strides[1]);
       v.shape = {1, n, t.shape[2], t.shape[3], 0};
       v.strides = {std::max<std::int64_t>(n, 1) * t.strides[1], t.strides[1], t.strides[2], t.strides[3], 0};
       return v;
@@ -199,15 +323,24 @@ void forward_with_kvcache(const TensorView& q, const KvCache& c, const MutableTe
     TensorView qb = q_used;
     qb.data = static_cast<const unsigned char*>(q_used.data) + b * q_used.strides[0] * static_cast<std::int64_t>(elem);
     qb.shape[0] = 1;
+    detail::CacheSource source;
+    TensorView k_pool = c.k_cache, v_pool = c.v_cache;
+    std::int64_t scale_row = 0;
     if (layout.paged) {  // the kernels read the pages in place through the block table
-      detail::forward_paged(qb, c.k_cache, c.v_cache,
-                            static_cast<const std::int32_t*>(c.block_table.data) + b * c.block_table.strides[0],
-                            c.block_table.strides[1], keys, ob_out, ob_lse, ob, b);
-    } else {
-      const std::int64_t row = layout.batch_idx[static_cast<std::size_t>(b)];
-      detail::forward_impl(qb, rows_of(c.k_cache, 0, keys, row), rows_of(c.v_cache, 0, keys, row), ob_out, ob_lse,
-                           ob, b);
+      source.block_table = static_cast<const std::int32_t*>(c.block_table.data) + b * c.block_table.strides[0];
+      source.table_stride = c.block_table.strides[1];
+    } else {  // a view of the sequence's rows
+      scale_row = layout.batch_idx[static_cast<std::size_t>(b)];
+      k_pool = rows_of(c.k_cache, first, keys, scale_row);
+      v_pool = rows_of(c.v_cache, first, keys, scale_row);
     }
+    if (fp8) {
+      source.k_descale = &descale_at(c.k_scale, layout.paged ? 0 : scale_row, 0);
+      source.v_descale = &descale_at(c.v_scale, layout.paged ? 0 : scale_row, 0);
+      source.descale_page_stride = layout.paged ? c.k_scale.strides[0] : 0;
+      source.descale_head_stride = c.k_scale.strides[1];
+    }
+    detail::forward_cache(qb, k_pool, v_pool, source, keys, ob_out, ob_lse, ob, b);
   }
 }
 

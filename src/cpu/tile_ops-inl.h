@@ -12,6 +12,7 @@
 
 #include <cstdint>
 
+#include "flashattn/fp8.hpp"
 #include "flashattn/tensor.hpp"
 #include "src/core/element.hpp"
 
@@ -108,8 +109,24 @@ HWY_INLINE void LoadRow(const void* src, DType dtype, std::int64_t n, float scal
       for (; i < n; ++i) dst[i] = f16_to_float(static_cast<const std::uint16_t*>(src)[i]) * scale;
       break;
     }
-    case DType::i32:
-    case DType::u8: break;  // never attention operands: rejected by validation
+    case DType::u8: {  // FP8 e4m3 codes of a KV cache (value = code · scale)
+      // Sign to bit 31, exponent and mantissa to float bits 20..26: the float 2^-120 times
+      // the e4m3 value (bias 127 against 7), subnormal codes included; one multiply
+      // restores it. Code 0x7F (NaN) reads as 480: appends never store it.
+      constexpr float kE4m3Rebias = 0x1p120f;
+      const hn::Rebind<std::uint8_t, DF> d8;
+      const hn::RebindToUnsigned<DF> du;
+      const auto* s = static_cast<const std::uint8_t*>(src);
+      for (; i + kLanes <= n; i += kLanes) {
+        const auto code = hn::PromoteTo(du, hn::LoadU(d8, s + i));
+        const auto bits = hn::Or(hn::ShiftLeft<24>(hn::And(code, hn::Set(du, 0x80u))),
+                                 hn::ShiftLeft<20>(hn::And(code, hn::Set(du, 0x7Fu))));
+        hn::StoreU(hn::Mul(hn::Mul(hn::BitCast(df, bits), hn::Set(df, kE4m3Rebias)), vscale), df, dst + i);
+      }
+      for (; i < n; ++i) dst[i] = fp8_to_float(s[i], Fp8Format::e4m3) * scale;
+      break;
+    }
+    case DType::i32: break;  // never an attention operand: rejected by validation
   }
 }
 

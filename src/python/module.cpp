@@ -184,8 +184,8 @@ NB_MODULE(_C, m) {
       "forward_with_kvcache",
       [](Array q, Array k_cache, Array v_cache, std::optional<Array> k, std::optional<Array> v,
          std::optional<Array> cos, std::optional<Array> sin, std::optional<Array> cache_seqlens,
-         std::optional<Array> cache_batch_idx, std::optional<Array> block_table, bool interleaved, Array o,
-         Array lse, const std::string& dtype, const Options& opt) {
+         std::optional<Array> cache_batch_idx, std::optional<Array> cache_leftpad, std::optional<Array> block_table,
+         bool interleaved, Array o, Array lse, const std::string& dtype, const Options& opt) {
         const flashattn::AttentionOptions options = opt.get();
         flashattn::KvCache c;
         c.k_cache = out(k_cache, dtype, "k_cache");
@@ -196,6 +196,7 @@ NB_MODULE(_C, m) {
         c.rotary_sin = optional_in(sin, "f32", "rotary_sin");
         c.cache_seqlens = optional_in(cache_seqlens, "i32", "cache_seqlens");
         c.cache_batch_idx = optional_in(cache_batch_idx, "i32", "cache_batch_idx");
+        c.cache_leftpad = optional_in(cache_leftpad, "i32", "cache_leftpad");
         c.block_table = optional_in(block_table, "i32", "block_table");
         c.rotary_interleaved = interleaved;
         nb::gil_scoped_release release;

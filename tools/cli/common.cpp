@@ -4,6 +4,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -11,6 +12,7 @@
 #include <iostream>
 #include <random>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 namespace flashattn::cli {
@@ -281,26 +283,59 @@ DecodeMeasurement measure_decode(const DecodeCase& c, int repeats) {
   const std::int64_t cap = c.cached + 1;
   const bool paged = c.page_size > 0;
   const std::int64_t per_seq = paged ? (cap + c.page_size - 1) / c.page_size : 0;
-  const std::vector<std::int64_t> cache_shape =
-      paged ? std::vector<std::int64_t>{c.batch * per_seq, c.page_size, c.heads_kv, c.dim}
-            : std::vector<std::int64_t>{c.batch, cap, c.heads_kv, c.dim};
+  const std::int64_t pages = paged ? c.batch * per_seq : c.batch;  // a contiguous row is one "page"
+  const std::int64_t slots = paged ? c.page_size : cap;
+  const std::vector<std::int64_t> cache_shape{pages, slots, c.heads_kv, c.dim};
   // Random q, new token and cache contents: a (batch, cap) problem supplies the tensors.
   const AttentionProblem logical = AttentionProblem::from_sizes(c.batch, 1, cap, c.heads, c.heads_kv, c.dim,
                                                                 c.dim, c.dtype, {});
   const Inputs in = random_inputs(logical, 11);
-  Tensor k_cache(c.dtype, cache_shape), v_cache(c.dtype, cache_shape), table(DType::i32, {c.batch, std::max<std::int64_t>(per_seq, 1)});
+  const DType cache_dtype = c.fp8_cache ? DType::u8 : c.dtype;
+  Tensor k_cache(cache_dtype, cache_shape), v_cache(cache_dtype, cache_shape), table(DType::i32, {c.batch, std::max<std::int64_t>(per_seq, 1)});
+  Tensor k_scale(DType::f32, {pages, c.heads_kv}), v_scale(DType::f32, {pages, c.heads_kv});
   const std::int64_t row = c.heads_kv * c.dim;
-  for (std::int64_t b = 0; b < c.batch; ++b)
-    for (std::int64_t pos = 0; pos < cap; ++pos) {
-      const std::int64_t dst = paged ? ((b * per_seq + pos / c.page_size) * c.page_size + pos % c.page_size) * row
-                                     : (b * cap + pos) * row;
-      std::memcpy(static_cast<unsigned char*>(k_cache.data()) + dst * dtype_size(c.dtype),
-                  static_cast<const unsigned char*>(in.k.data()) + (b * cap + pos) * row * dtype_size(c.dtype),
-                  row * dtype_size(c.dtype));
-      std::memcpy(static_cast<unsigned char*>(v_cache.data()) + dst * dtype_size(c.dtype),
-                  static_cast<const unsigned char*>(in.v.data()) + (b * cap + pos) * row * dtype_size(c.dtype),
-                  row * dtype_size(c.dtype));
+  auto slot_of = [&](std::int64_t b, std::int64_t pos) {  // (page, slot) of a logical token
+    return paged ? std::pair{b * per_seq + pos / c.page_size, pos % c.page_size} : std::pair{b, pos};
+  };
+  if (c.fp8_cache) {
+    // The cached tokens quantized as appends leave them: per (page, kv head), the smallest
+    // power-of-two multiple of FLT_MIN with amax ≤ 448·descale.
+    std::vector<float> x(static_cast<std::size_t>(c.dim));
+    for (const auto& [src, codes, scale] : {std::tuple{&in.k, &k_cache, &k_scale}, {&in.v, &v_cache, &v_scale}}) {
+      std::vector<float> amax(static_cast<std::size_t>(pages * c.heads_kv), 0.0f);
+      for (std::int64_t b = 0; b < c.batch; ++b)
+        for (std::int64_t pos = 0; pos < c.cached; ++pos)
+          for (std::int64_t e = 0; e < row; ++e) {
+            float& a = amax[static_cast<std::size_t>(slot_of(b, pos).first * c.heads_kv + e / c.dim)];
+            a = std::max(a, std::fabs(src->get((b * cap + pos) * row + e)));
+          }
+      for (std::int64_t i = 0; i < pages * c.heads_kv; ++i) {
+        float descale = FLT_MIN;
+        while (amax[static_cast<std::size_t>(i)] > fp8_info(Fp8Format::e4m3).max * descale) descale *= 2.0f;
+        scale->set(i, descale);
+      }
+      for (std::int64_t b = 0; b < c.batch; ++b)
+        for (std::int64_t pos = 0; pos < c.cached; ++pos)
+          for (std::int64_t h = 0; h < c.heads_kv; ++h) {
+            const auto [page, slot] = slot_of(b, pos);
+            for (std::int64_t e = 0; e < c.dim; ++e) x[static_cast<std::size_t>(e)] = src->get(((b * cap + pos) * c.heads_kv + h) * c.dim + e);
+            convert_to_fp8(x.data(), codes->data_as<std::uint8_t>() + ((page * slots + slot) * c.heads_kv + h) * c.dim,
+                           static_cast<std::size_t>(c.dim), Fp8Format::e4m3, 1.0f / scale->get(page * c.heads_kv + h));
+          }
     }
+  } else {
+    for (std::int64_t b = 0; b < c.batch; ++b)
+      for (std::int64_t pos = 0; pos < cap; ++pos) {
+        const auto [page, slot] = slot_of(b, pos);
+        const std::int64_t dst = (page * slots + slot) * row;
+        std::memcpy(static_cast<unsigned char*>(k_cache.data()) + dst * dtype_size(c.dtype),
+                    static_cast<const unsigned char*>(in.k.data()) + (b * cap + pos) * row * dtype_size(c.dtype),
+                    row * dtype_size(c.dtype));
+        std::memcpy(static_cast<unsigned char*>(v_cache.data()) + dst * dtype_size(c.dtype),
+                    static_cast<const unsigned char*>(in.v.data()) + (b * cap + pos) * row * dtype_size(c.dtype),
+                    row * dtype_size(c.dtype));
+      }
+  }
   for (std::int64_t b = 0; b < c.batch; ++b)
     for (std::int64_t pg = 0; pg < per_seq; ++pg) table.set(b * per_seq + pg, static_cast<float>(b * per_seq + pg));
   Tensor seqlens(DType::i32, {c.batch});
@@ -316,6 +351,10 @@ DecodeMeasurement measure_decode(const DecodeCase& c, int repeats) {
   cache.k_cache = k_cache.view();
   cache.v_cache = v_cache.view();
   if (paged) cache.block_table = table.view();
+  if (c.fp8_cache) {
+    cache.k_scale = k_scale.view();
+    cache.v_scale = v_scale.view();
+  }
   cache.cache_seqlens = seqlens.view();
   cache.k = k_new.view();
   cache.v = v_new.view();
@@ -326,7 +365,7 @@ DecodeMeasurement measure_decode(const DecodeCase& c, int repeats) {
   m.seconds = median_seconds([&] { r = forward_with_kvcache(in.q.view(), cache, options); }, repeats, 1,
                              paged ? "decode (paged)" : "decode");
   let_worker_threads_sleep();
-  m.cache_bytes = static_cast<std::size_t>(2 * c.batch * cap * row) * dtype_size(c.dtype);
+  m.cache_bytes = static_cast<std::size_t>(2 * c.batch * cap * row) * dtype_size(cache_dtype);
   m.gbps = static_cast<double>(m.cache_bytes) / m.seconds * 1e-9;
   std::vector<double> ref(static_cast<std::size_t>(c.dim));
   for (std::int64_t b = 0; b < c.batch; ++b)
@@ -343,6 +382,7 @@ nlohmann::json decode_json(const DecodeCase& c, const DecodeMeasurement& m) {
   return {{"impl", "flashattn"}, {"op", "decode"},        {"dtype", to_string(c.dtype)},
           {"batch", c.batch},    {"heads", c.heads},      {"heads_kv", c.heads_kv},
           {"dim", c.dim},        {"cached", c.cached},    {"page_size", c.page_size},
+          {"cache_dtype", c.fp8_cache ? "e4m3" : to_string(c.dtype)},
           {"seconds", m.seconds}, {"gbps", m.gbps},       {"cache_bytes", m.cache_bytes},
           {"max_error", m.max_error}};
 }

@@ -118,10 +118,12 @@ nlohmann::json machine_json(int threads);
 namespace flashattn::cli {
 
 // One decoding step over a KV cache of `cached` tokens: q is one token per sequence, one new
-// token is appended (contiguous cache when page_size is 0, else paged).
+// token is appended (contiguous cache when page_size is 0, else paged). The cache has q's
+// dtype, or FP8 e4m3 codes with one descale per (page or cache row, kv head).
 struct DecodeCase {
   std::int64_t batch = 1, heads = 32, heads_kv = 8, dim = 128, cached = 32768, page_size = 0;
   DType dtype = DType::bf16;
+  bool fp8_cache = false;
   int threads = 0;
 };
 struct DecodeMeasurement {

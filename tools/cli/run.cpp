@@ -26,6 +26,7 @@ struct RunFlags {
   bool decode = false;
   std::int64_t cached = 32768;
   std::int64_t page_size = 0;
+  std::string cache_dtype;  // --decode: empty = q's dtype, or e4m3
 };
 
 // One decoding step over a KV cache: time, bandwidth, accuracy.
@@ -39,6 +40,7 @@ void run_decode(const RunFlags& f, CLI::App& app) {
   c.threads = f.shape.threads;
   c.cached = f.cached;
   c.page_size = f.page_size;
+  c.fp8_cache = f.cache_dtype == "e4m3";
   const DecodeMeasurement m = measure_decode(c, f.repeats);
   if (f.json) {
     nlohmann::json j = machine_json(f.shape.threads);
@@ -48,7 +50,7 @@ void run_decode(const RunFlags& f, CLI::App& app) {
   }
   std::printf("flashattn run --decode: batch %lld, %lld q heads, %lld kv heads, dim %lld, %s cache of %lld tokens%s\n",
               static_cast<long long>(c.batch), static_cast<long long>(c.heads), static_cast<long long>(c.heads_kv),
-              static_cast<long long>(c.dim), to_string(c.dtype).c_str(), static_cast<long long>(c.cached),
+              static_cast<long long>(c.dim), c.fp8_cache ? "e4m3" : to_string(c.dtype).c_str(), static_cast<long long>(c.cached),
               c.page_size > 0 ? (", pages of " + std::to_string(c.page_size)).c_str() : " (contiguous)");
   std::printf("one token: %.3f ms, %.2f GB/s of K and V (%.1f MiB), max |err| vs float64 %.2e\n", m.seconds * 1e3,
               m.gbps, static_cast<double>(m.cache_bytes) / (1 << 20), m.max_error);
@@ -247,6 +249,9 @@ void register_run(CLI::App& app) {
   cmd->add_option("--cache-seqlen", flags->cached, "tokens already in the cache (--decode)")->capture_default_str();
   cmd->add_option("--page-size", flags->page_size, "paged cache with pages of this many tokens (0 = contiguous)")
       ->capture_default_str();
+  cmd->add_option("--cache-dtype", flags->cache_dtype,
+                  "cache storage (--decode): e4m3 (FP8, one descale per page and kv head); default: the --dtype")
+      ->check(CLI::IsMember({"e4m3"}));
   cmd->callback([flags, cmd] { run(*flags, *cmd); });
 }
 
