@@ -10,6 +10,7 @@
 
 #include <hwy/highway.h>
 
+#include <cmath>
 #include <cstdint>
 
 #include "flashattn/fp8.hpp"
@@ -110,20 +111,24 @@ HWY_INLINE void LoadRow(const void* src, DType dtype, std::int64_t n, float scal
       break;
     }
     case DType::u8: {  // FP8 e4m3 codes of a KV cache (value = code · scale)
-      // Sign to bit 31, exponent and mantissa to float bits 20..26: the float 2^-120 times
-      // the e4m3 value (bias 127 against 7), subnormal codes included; one multiply
-      // restores it. Code 0x7F (NaN) reads as 480: appends never store it.
+      // Codes sign-extended to 32 bits and shifted up by 20: bit 31 is the sign, bits 20..26
+      // exponent and mantissa, bits 27..30 copies of the sign that the mask clears. That is
+      // the float 2^-120 times the e4m3 value (bias 127 against 7), subnormal codes
+      // included; one multiply by 2^120·scale restores it (two when that product would
+      // overflow). Code 0x7F (NaN) reads as 480: appends never store it.
       constexpr float kE4m3Rebias = 0x1p120f;
-      const hn::Rebind<std::uint8_t, DF> d8;
-      const hn::RebindToUnsigned<DF> du;
-      const auto* s = static_cast<const std::uint8_t*>(src);
+      const hn::Rebind<std::int8_t, DF> d8;
+      const hn::RebindToSigned<DF> di;
+      const float combined = kE4m3Rebias * scale;
+      const bool one_multiply = std::isfinite(combined);
+      const VF vfirst = hn::Set(df, one_multiply ? combined : kE4m3Rebias);
+      const auto* s = static_cast<const std::int8_t*>(src);
       for (; i + kLanes <= n; i += kLanes) {
-        const auto code = hn::PromoteTo(du, hn::LoadU(d8, s + i));
-        const auto bits = hn::Or(hn::ShiftLeft<24>(hn::And(code, hn::Set(du, 0x80u))),
-                                 hn::ShiftLeft<20>(hn::And(code, hn::Set(du, 0x7Fu))));
-        hn::StoreU(hn::Mul(hn::Mul(hn::BitCast(df, bits), hn::Set(df, kE4m3Rebias)), vscale), df, dst + i);
+        const auto code = hn::PromoteTo(di, hn::LoadU(d8, s + i));
+        const VF x = hn::Mul(hn::BitCast(df, hn::And(hn::ShiftLeft<20>(code), hn::Set(di, static_cast<std::int32_t>(0x87F00000u)))), vfirst);
+        hn::StoreU(one_multiply ? x : hn::Mul(x, vscale), df, dst + i);
       }
-      for (; i < n; ++i) dst[i] = fp8_to_float(s[i], Fp8Format::e4m3) * scale;
+      for (; i < n; ++i) dst[i] = fp8_to_float(static_cast<std::uint8_t>(s[i]), Fp8Format::e4m3) * scale;
       break;
     }
     case DType::i32: break;  // never an attention operand: rejected by validation
