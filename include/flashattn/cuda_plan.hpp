@@ -3,6 +3,7 @@
 // needed to plan). The kernels, the build's ptxas gate and the cost model read it.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -10,9 +11,9 @@
 
 namespace flashattn {
 
-// The largest head dimension the CUDA kernels take (zero-padded up to a bucket).
-inline constexpr std::int64_t kCudaMaxHeadDim = 256;
-inline constexpr std::int64_t kCudaMaxBackwardHeadDim = 128;
+// Whether this build has the CUDA kernels (FLASHATTN_CUDA); without them a call on cuda
+// tensors throws flashattn::Error.
+bool cuda_compiled();
 
 struct CudaForwardPlan {
   int bucket = 0;          // index of the tile configuration (head-dim bucket)
@@ -24,6 +25,7 @@ struct CudaForwardPlan {
   int threads = 0;
   int smem_bytes = 0;      // dynamic shared memory per block
   std::int64_t m_blocks = 0;  // grid: (m_blocks, heads_q, batch)
+  std::int64_t heads_q = 0;
   std::int64_t batch = 0;
   std::int64_t blocks() const;
   std::string describe() const;
@@ -39,13 +41,15 @@ struct CudaBackwardPlan {
   int smem_bytes = 0;
   std::int64_t n_blocks = 0;  // grid: (n_blocks, heads_kv, batch)
   std::int64_t m_blocks = 0;  // Q tiles per (batch, q head)
+  std::int64_t heads_kv = 0;
   std::int64_t batch = 0;
   bool deterministic = false;
   std::size_t workspace_bytes = 0;  // lse·log2e, delta, float32 dQ, turn counters
   std::string describe() const;
 };
 
-// Throws flashattn::Error when the problem has no CUDA kernel (head dim too large).
+// Throws flashattn::Error when the problem has no CUDA kernel: head_dim above 256 (forward)
+// or 128 (backward).
 CudaForwardPlan plan_cuda_forward(const AttentionProblem& problem);
 CudaBackwardPlan plan_cuda_backward(const AttentionProblem& problem, bool deterministic);
 

@@ -90,6 +90,7 @@ FLASHATTN_HD constexpr int c_first_of_a_register(int reg) { return 2 * (reg % 2)
 // so that the 8 row addresses of one ldmatrix phase (one chunk column of 8 consecutive rows)
 // and the 8 chunks a row of cp.async stores fall in 8 distinct 16-byte bank groups of the
 // 128-byte bank line: chunk c of row r is stored at chunk c ^ (r % 8) within its group of 8.
+// Rows are whole lines: row_chunks is a multiple of 8 (D and the dS tile's keys >= 64).
 inline constexpr int kSwizzleChunks = 8;  // 8 chunks · 16 bytes = the 32 banks · 4 bytes
 template <class Int>
 FLASHATTN_HD Int swizzled_chunk(Int row, Int chunk) {
@@ -126,7 +127,7 @@ struct ForwardTile {
 // fit the 163 KiB of shared memory an sm_80 block may opt into: 48, 96 and 160 KiB.
 inline constexpr ForwardTile kForwardTiles[] = {
     {64, 128, 64, 4, 2},
-    {128, 128, 32, 4, 2},
+    {128, 64, 64, 4, 2},
     {256, 64, 16, 4, 2},
 };
 
@@ -149,7 +150,7 @@ struct BackwardTile {
 };
 inline constexpr BackwardTile kBackwardTiles[] = {
     {64, 32, 64, 4},
-    {128, 32, 64, 4},
+    {128, 16, 64, 4},
 };
 
 // ---- which tiles a Q tile visits (causal bottom-right aligned, ragged seqlen_k) ------------
