@@ -4,6 +4,7 @@
 #include "flashattn/attention.hpp"
 #include "flashattn/cost_model.hpp"
 #include "flashattn/counters.hpp"
+#include "flashattn/cuda_plan.hpp"
 #include "flashattn/dropout.hpp"
 #include "flashattn/error.hpp"
 #include "flashattn/exp2.hpp"

@@ -31,6 +31,11 @@ std::uint16_t float_to_f16(float value);
 // Rounds a float to the nearest value representable in `dtype` (identity for f32).
 float round_to(DType dtype, float value);
 
+// Where a view's data lives: host memory, or the memory of the current CUDA device. The
+// attention entry points run on the device of their tensors; all must agree.
+enum class Device : std::uint8_t { cpu, cuda };
+std::string to_string(Device device);
+
 // Attention tensors have rank 4; split-KV partial outputs (splits, batch, seqlen, heads,
 // dim) have rank 5.
 inline constexpr int kMaxRank = 5;
@@ -44,6 +49,7 @@ struct BasicTensorView {
   int rank = 0;
   std::array<std::int64_t, kMaxRank> shape{};
   std::array<std::int64_t, kMaxRank> strides{};
+  Device device = Device::cpu;
 
   BasicTensorView() = default;
   // Row-major contiguous view.
@@ -73,7 +79,14 @@ struct BasicTensorView {
     requires(!std::is_same_v<Other, Ptr> && std::is_convertible_v<Other, Ptr>)
   BasicTensorView(const BasicTensorView<Other>& other)  // NOLINT(google-explicit-constructor)
       : data(other.data), dtype(other.dtype), rank(other.rank), shape(other.shape),
-        strides(other.strides) {}
+        strides(other.strides), device(other.device) {}
+
+  // The same view, its data on `where`.
+  BasicTensorView on(Device where) const {
+    BasicTensorView view = *this;
+    view.device = where;
+    return view;
+  }
 
   std::int64_t numel() const {
     std::int64_t n = 1;

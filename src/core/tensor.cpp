@@ -19,6 +19,8 @@ std::string to_string(DType dtype) {
   return "unknown";
 }
 
+std::string to_string(Device device) { return device == Device::cuda ? "cuda" : "cpu"; }
+
 DType parse_dtype(const std::string& name) {
   if (name == "f32" || name == "float32" || name == "fp32") return DType::f32;
   if (name == "bf16" || name == "bfloat16") return DType::bf16;

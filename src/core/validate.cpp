@@ -40,6 +40,8 @@ std::string shape_string(const TensorView& view) {
 
 void check_view(const char* name, const TensorView& view, int rank, const char* layout) {
   const std::string n = name;
+  if (view.device != Device::cpu)
+    throw Error(n + ": on " + to_string(view.device) + ", but this entry point runs on the cpu only");
   if (view.rank != rank)
     throw Error(n + ": expected rank " + std::to_string(rank) + " " + layout + ", got rank " +
                 std::to_string(view.rank));

@@ -12,6 +12,7 @@
 #include "src/cpu/backward_kernel.hpp"
 #include "src/cpu/allocate.hpp"
 #include "src/cpu/drivers.hpp"
+#include "src/cuda/backend.hpp"
 
 namespace flashattn {
 namespace cpu {
@@ -159,6 +160,10 @@ void backward(const TensorView& dout, const TensorView& q, const TensorView& k,
               const TensorView& v, const TensorView& out, const TensorView& lse,
               const MutableTensorView& dq, const MutableTensorView& dk, const MutableTensorView& dv,
               const AttentionOptions& options) {
+  const TensorView dq_view = dq, dk_view = dk, dv_view = dv;
+  if (cuda::common_device({{"dout", &dout}, {"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"lse", &lse},
+                           {"dq", &dq_view}, {"dk", &dk_view}, {"dv", &dv_view}}) == Device::cuda)
+    return cuda::backward(dout, q, k, v, out, lse, dq, dk, dv, options);
   detail::backward_impl(dout, q, k, v, out, lse, dq, dk, dv, options, 0);
 }
 

@@ -10,6 +10,7 @@
 #include "src/cpu/allocate.hpp"
 #include "src/cpu/drivers.hpp"
 #include "src/cpu/forward_kernel.hpp"
+#include "src/cuda/backend.hpp"
 
 namespace flashattn {
 namespace cpu {
@@ -142,6 +143,9 @@ void detail::forward_cache(const TensorView& q, const TensorView& k_pool, const 
 void forward(const TensorView& q, const TensorView& k, const TensorView& v,
              const MutableTensorView& out, const MutableTensorView& lse,
              const AttentionOptions& options) {
+  const TensorView out_view = out, lse_view = lse;
+  if (cuda::common_device({{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out_view}, {"lse", &lse_view}}) == Device::cuda)
+    return cuda::forward(q, k, v, out, lse, options);
   detail::forward_impl(q, k, v, out, lse, options, 0);
 }
 

@@ -1,0 +1,119 @@
+// The public API on cuda tensors, without a GPU: every unsupported or inconsistent call is
+// a flashattn::Error naming the argument and the values, raised before any device work.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "flashattn/cuda_plan.hpp"
+#include "flashattn/flashattn.hpp"
+
+namespace flashattn {
+namespace {
+
+// Views of a device buffer that is never touched: every call below fails validation first.
+alignas(16) unsigned char g_never_read[16];
+
+TensorView device_view(DType dtype, std::initializer_list<std::int64_t> shape) {
+  return TensorView(g_never_read, dtype, shape).on(Device::cuda);
+}
+MutableTensorView device_output(DType dtype, std::initializer_list<std::int64_t> shape) {
+  return MutableTensorView(g_never_read, dtype, shape).on(Device::cuda);
+}
+
+std::string forward_error(const TensorView& q, const TensorView& k, const TensorView& v, const MutableTensorView& out,
+                          const MutableTensorView& lse, const AttentionOptions& options = {}) {
+  try {
+    forward(q, k, v, out, lse, options);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+TEST(CudaApi, ViewsDefaultToCpuAndKeepTheirDevice) {
+  float x[4];
+  const MutableTensorView m(x, DType::f32, {4});
+  EXPECT_EQ(m.device, Device::cpu);
+  const TensorView v = m.on(Device::cuda);
+  EXPECT_EQ(v.device, Device::cuda);
+  EXPECT_EQ(TensorView(m.on(Device::cuda)).device, Device::cuda);
+  EXPECT_EQ(to_string(Device::cuda), "cuda");
+}
+
+TEST(CudaApi, MixedDevicesNameTheTensor) {
+  const TensorView q = device_view(DType::bf16, {1, 4, 1, 64});
+  Tensor k(DType::bf16, {1, 4, 1, 64});
+  const std::string msg = forward_error(q, k.view(), k.view(), device_output(DType::bf16, {1, 4, 1, 64}),
+                                        device_output(DType::f32, {1, 1, 4}));
+  EXPECT_NE(msg.find("k: on cpu but q is on cuda"), std::string::npos) << msg;
+}
+
+TEST(CudaApi, UnsupportedInputsAreErrorsWithTheirValues) {
+  const auto q = device_view(DType::bf16, {1, 4, 2, 64});
+  const auto kv = device_view(DType::bf16, {1, 4, 1, 64});
+  const auto out = device_output(DType::bf16, {1, 4, 2, 64});
+  const auto lse = device_output(DType::f32, {1, 2, 4});
+  // Overlap checks would fire first for views of one buffer: give each its own storage.
+  alignas(16) static unsigned char buffers[5][1 << 16];
+  auto own = [](auto view, int i) {
+    view.data = buffers[i];
+    return view;
+  };
+  const std::string f32 = forward_error(own(device_view(DType::f32, {1, 4, 2, 64}), 0), own(device_view(DType::f32, {1, 4, 1, 64}), 1),
+                                        own(device_view(DType::f32, {1, 4, 1, 64}), 2),
+                                        own(device_output(DType::f32, {1, 4, 2, 64}), 3), own(lse, 4));
+  EXPECT_NE(f32.find("dtype f32 is not supported on cuda"), std::string::npos) << f32;
+
+  const std::string big = forward_error(own(device_view(DType::bf16, {1, 4, 1, 264}), 0), own(device_view(DType::bf16, {1, 4, 1, 264}), 1),
+                                        own(device_view(DType::bf16, {1, 4, 1, 264}), 2),
+                                        own(device_output(DType::bf16, {1, 4, 1, 264}), 3),
+                                        own(device_output(DType::f32, {1, 1, 4}), 4));
+  EXPECT_NE(big.find("head_dim: 264"), std::string::npos) << big;
+
+  const std::string odd = forward_error(own(device_view(DType::bf16, {1, 4, 1, 60}), 0), own(device_view(DType::bf16, {1, 4, 1, 60}), 1),
+                                        own(device_view(DType::bf16, {1, 4, 1, 60}), 2),
+                                        own(device_output(DType::bf16, {1, 4, 1, 60}), 3),
+                                        own(device_output(DType::f32, {1, 1, 4}), 4));
+  EXPECT_NE(odd.find("stride 60"), std::string::npos) << odd;
+
+  AttentionOptions softcap;
+  softcap.softcap = 30.0f;
+  const std::string cap = forward_error(own(q, 0), own(kv, 1), own(kv, 2), own(out, 3), own(lse, 4), softcap);
+  EXPECT_NE(cap.find("softcap"), std::string::npos) << cap;
+
+  AttentionOptions window;
+  window.window_size = {16, 0};
+  const std::string win = forward_error(own(q, 0), own(kv, 1), own(kv, 2), own(out, 3), own(lse, 4), window);
+  EXPECT_NE(win.find("window_size: (16, 0)"), std::string::npos) << win;
+}
+
+TEST(CudaApi, CpuOnlyEntryPointsRejectCudaViews) {
+  const auto q = device_view(DType::bf16, {4, 1, 64});
+  const auto cu = device_view(DType::i32, {2});
+  try {
+    forward_varlen(q, q, q, {cu, cu, 4, 4});
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("runs on the cpu only"), std::string::npos) << e.what();
+  }
+}
+
+TEST(CudaApi, PlansComeFromTheTileTable) {
+  AttentionOptions options;
+  const AttentionProblem p = AttentionProblem::from_sizes(2, 1000, 1000, 16, 4, 96, 96, DType::bf16, options);
+  const CudaForwardPlan f = plan_cuda_forward(p);
+  EXPECT_EQ(f.head_dim_padded, 128);
+  EXPECT_EQ(f.m_blocks, (1000 + f.block_m - 1) / f.block_m);
+  EXPECT_EQ(f.threads, 32 * f.warps);
+  EXPECT_EQ(f.blocks(), f.m_blocks * 16 * 2);
+  const CudaBackwardPlan b = plan_cuda_backward(p, true);
+  EXPECT_EQ(b.n_blocks, (1000 + b.block_n - 1) / b.block_n);
+  EXPECT_TRUE(b.deterministic);
+  EXPECT_NE(b.describe().find("K/V-tile order"), std::string::npos);
+  const AttentionProblem wide = AttentionProblem::from_sizes(1, 8, 8, 1, 1, 192, 192, DType::bf16, options);
+  EXPECT_EQ(plan_cuda_forward(wide).head_dim_padded, 256);
+  EXPECT_THROW(plan_cuda_backward(wide, false), Error);
+}
+
+}  // namespace
+}  // namespace flashattn
