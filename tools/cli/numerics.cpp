@@ -93,7 +93,7 @@ nlohmann::json exp2_accuracy() {
           {"poly3_max_rel_err_f32", e_poly},
           {"exact_max_rel_err_bf16", e_exact_bf16},
           {"poly3_max_rel_err_bf16", e_poly_bf16},
-          {"bf16_half_ulp", std::ldexp(1.0, -8)},  // 7 stored mantissa bits: ulp 2^-7 at 1
+          {"bf16_half_ulp", unit_roundoff(DType::bf16)},
           {"bf16_results_differing_fraction", static_cast<double>(bf16_differs) / static_cast<double>(x.size())}};
 }
 
