@@ -43,7 +43,40 @@ PY
 
 "$cli" tour --max-seqlen 256 --dim 32 --heads 1 --repeats 1 --threads 2 --out "$work/figures" > "$work/tour.txt"
 for chapter in "== 1. " "== 2. " "== 3. " "== 4. " "== 5. "; do grep -q "$chapter" "$work/tour.txt"; done
-grep -q "not here yet\|Not here yet" "$work/tour.txt"
+grep -q "Not here yet: a switch to turn packing or software prefetch off" "$work/tour.txt"
+python3 - "$work/tour.txt" <<'PY'
+import re, sys
+text = open(sys.argv[1]).read()
+chapter4 = text[text.index("== 4. "):text.index("== 5. ")]
+chapter5 = text[text.index("== 5. "):]
+# Chapter 4: the FP8 experiment's five RMSEs, each FP8 variant well above bf16's error.
+rmse = {name: float(value) for name, value in
+        re.findall(r"^   (bf16 attention|FP8 per \w+(?: \+ Hadamard)?)(?: \(\d+/\d+ rows\))? +([0-9.]+e[-+][0-9]+)$",
+                   chapter4, re.M)}
+assert len(rmse) == 5, rmse
+assert all(v > 3 * rmse["bf16 attention"] for k, v in rmse.items() if k.startswith("FP8")), rmse
+# Chapter 5: the CPU's rows of the cycle table, exact and poly3 exp2; poly3 moves the
+# exponentials from the exp column to the FMA column.
+cpu = {m[0]: [float(x) for x in m[1:]] for m in
+       re.findall(r"^  cpu +forward +(plain|poly3 exp2 \(exp2=poly3\)) +(\S+) +(\S+) +(\S+) +(\S+)", chapter5, re.M)}
+assert len(cpu) == 2, cpu
+plain, poly = cpu["plain"], cpu["poly3 exp2 (exp2=poly3)"]
+assert poly[1] == 0 and plain[1] > 0 and poly[2] > plain[2] and poly[0] == plain[0], cpu
+# The model's per-clock rates of the two exp2s in the ratio of their instruction counts.
+model = [float(x) for x in re.findall(r"^    (?:exact|poly3) +model +([0-9.]+) per clock", chapter5, re.M)]
+assert len(model) == 2 and abs(model[1] / model[0] - 20 / 17) < 0.02, model
+assert re.search(r"poly3 / exact: model 1\.18 .*measured [0-9.]+", chapter5), chapter5
+# Rescales counted by the kernel: on rows that climb 1.92 log2 units per tile the classic
+# rule rescales at every tile after the first, the conditional one at most as often.
+counts = {m[0]: [int(m[1]), int(m[2]), int(m[3]), int(m[4])] for m in
+          re.findall(r"^   (random|adversarial) +rows (\d+), (\d+) key tiles: classic (\d+) .*conditional (\d+) ",
+                     chapter5, re.M)}
+assert set(counts) == {"random", "adversarial"}, counts
+for name, (rows, tiles, classic, conditional) in counts.items():
+    assert 0 <= conditional <= classic, (name, counts)
+rows, tiles, classic, conditional = counts["adversarial"]
+assert classic == rows * (tiles - 1), counts
+PY
 python3 - "$work/figures" <<'PY'
 import os, sys, xml.etree.ElementTree as ET
 names = sorted(os.listdir(sys.argv[1]))

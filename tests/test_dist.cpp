@@ -104,15 +104,6 @@ double max_abs(const Tensor& t) {
   return m;
 }
 
-// Unit roundoff of a dtype: half the distance from 1 to the next value.
-double unit_roundoff(DType dtype) {
-  switch (dtype) {
-    case DType::bf16: return std::ldexp(1.0, -8);
-    case DType::f16: return std::ldexp(1.0, -11);
-    default: return std::ldexp(1.0, -24);
-  }
-}
-
 struct Global {
   Tensor q, k, v, dout;
   AttentionOptions options;

@@ -45,6 +45,19 @@ TEST(Conversions, BFloat16RoundsToNearestEven) {
   }
 }
 
+TEST(Conversions, UnitRoundoffIsHalfTheStepAtOne) {
+  EXPECT_EQ(unit_roundoff(DType::f32), 0x1p-24);
+  EXPECT_EQ(unit_roundoff(DType::bf16), 0x1p-8);
+  EXPECT_EQ(unit_roundoff(DType::f16), 0x1p-11);
+  EXPECT_EQ(std::nextafter(1.0f, 2.0f) - 1.0f, static_cast<float>(2.0 * unit_roundoff(DType::f32)));
+  for (DType dtype : {DType::bf16, DType::f16}) {
+    const float u = static_cast<float>(unit_roundoff(dtype));
+    EXPECT_EQ(round_to(dtype, 1.0f + u), 1.0f) << to_string(dtype);  // the midpoint ties to even
+    EXPECT_EQ(round_to(dtype, 1.0f + 1.5f * u), 1.0f + 2.0f * u) << to_string(dtype);
+  }
+  EXPECT_THROW(unit_roundoff(DType::i32), Error);
+}
+
 TEST(Tensor, GetSetConvertThroughDtype) {
   Tensor t(DType::bf16, {2, 3});
   t.set(4, 3.14159f);

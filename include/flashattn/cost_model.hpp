@@ -129,6 +129,9 @@ struct Architecture {
   double mma_fp8 = 0.0;     // FP8 (E4M3/E5M2)
   double fp32_lanes = 0.0;  // FP32 (non-matrix) operations per clock per unit
   double exp_per_clock = 0.0;          // exp2 results per clock per unit (MUFU.EX2 on GPUs)
+  // FP32-pipe operations of one polynomial exp2, the share TileOptions::poly_exp_fraction
+  // moves off the exp unit (a CPU: its Exp2Poly3 instead of the exact Exp2).
+  double poly_exp_ops = 0.0;
   double smem_bytes_per_clock = 0.0;   // shared memory (GPU) / L1 loads (CPU) per unit
   double smem_bytes = 0.0;             // fast memory per unit (shared memory, or CPU L2)
   double hbm_bytes_per_second = 0.0;   // slow memory bandwidth of the whole device

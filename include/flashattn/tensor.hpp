@@ -22,6 +22,10 @@ std::string to_string(DType dtype);
 // throws Error otherwise.
 DType parse_dtype(const std::string& name);
 std::size_t dtype_size(DType dtype);
+// Unit roundoff of a floating dtype, half the distance from 1 to the next value: 2^-24
+// (f32, 23 stored mantissa bits), 2^-8 (bf16, 7), 2^-11 (f16, 10). Throws Error for the
+// integer dtypes.
+double unit_roundoff(DType dtype);
 
 // Scalar conversions with round-to-nearest-even (NaN stays NaN).
 float bf16_to_float(std::uint16_t bits);

@@ -39,6 +39,15 @@ std::size_t dtype_size(DType dtype) {
   return 1;
 }
 
+double unit_roundoff(DType dtype) {
+  switch (dtype) {
+    case DType::f32: return std::ldexp(1.0, -24);
+    case DType::bf16: return std::ldexp(1.0, -8);
+    case DType::f16: return std::ldexp(1.0, -11);
+    default: throw Error("unit_roundoff: dtype must be f32, bf16 or f16, got " + to_string(dtype));
+  }
+}
+
 float bf16_to_float(std::uint16_t bits) {
   return std::bit_cast<float>(static_cast<std::uint32_t>(bits) << 16);
 }

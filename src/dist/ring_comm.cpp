@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdio>
 #include <thread>
+#include <vector>
 
 #include "flashattn/error.hpp"
 
@@ -82,18 +83,36 @@ void RingComm::check(int mpi_result, const std::string& what) const {
               std::to_string(size_) + ": MPI error in " + what + ": " + std::string(text, length));
 }
 
+namespace {
+
+// One message of a payload as the ring posts it: bytes [offset, offset + count), its tag.
+struct Piece {
+  std::size_t offset;
+  int count;
+  int tag;
+};
+
+std::vector<Piece> pieces(const char* operation, std::size_t bytes, Payload payload) {
+  std::vector<Piece> out;
+  const int base = static_cast<int>(payload) * kPiecesPerPayload;
+  for (std::size_t offset = 0; offset < bytes; offset += kMaxPieceBytes) {
+    if (out.size() >= static_cast<std::size_t>(kPiecesPerPayload))
+      throw Error(std::string(operation) + ": a " + payload_name(payload) + " message of " + std::to_string(bytes) +
+                  " bytes exceeds 4096 pieces of 1 GiB");
+    out.push_back({offset, static_cast<int>(std::min(kMaxPieceBytes, bytes - offset)),
+                   base + static_cast<int>(out.size())});
+  }
+  return out;
+}
+
+}  // namespace
+
 void RingComm::send(Transfers& transfers, const void* data, std::size_t bytes, Payload payload) {
   const int next = (rank_ + 1) % size_;
   const auto* p = static_cast<const unsigned char*>(data);
-  const int base = static_cast<int>(payload) * kPiecesPerPayload;
-  for (std::size_t offset = 0, piece = 0; offset < bytes; offset += kMaxPieceBytes, ++piece) {
-    if (piece >= kPiecesPerPayload)
-      throw Error(std::string(operation_) + ": a " + payload_name(payload) + " message of " +
-                  std::to_string(bytes) + " bytes exceeds 4096 pieces of 1 GiB");
-    const int count = static_cast<int>(std::min(kMaxPieceBytes, bytes - offset));
+  for (const Piece& piece : pieces(operation_, bytes, payload)) {
     MPI_Request request;
-    check(MPI_Isend(p + offset, count, MPI_BYTE, next, base + static_cast<int>(piece), comm_, &request),
-          "MPI_Isend");
+    check(MPI_Isend(p + piece.offset, piece.count, MPI_BYTE, next, piece.tag, comm_, &request), "MPI_Isend");
     transfers.requests.push_back(request);
   }
   bytes_sent_ += static_cast<std::int64_t>(bytes);
@@ -102,15 +121,9 @@ void RingComm::send(Transfers& transfers, const void* data, std::size_t bytes, P
 void RingComm::receive(Transfers& transfers, void* data, std::size_t bytes, Payload payload) {
   const int prev = (rank_ + size_ - 1) % size_;
   auto* p = static_cast<unsigned char*>(data);
-  const int base = static_cast<int>(payload) * kPiecesPerPayload;
-  for (std::size_t offset = 0, piece = 0; offset < bytes; offset += kMaxPieceBytes, ++piece) {
-    if (piece >= kPiecesPerPayload)
-      throw Error(std::string(operation_) + ": a " + payload_name(payload) + " message of " +
-                  std::to_string(bytes) + " bytes exceeds 4096 pieces of 1 GiB");
-    const int count = static_cast<int>(std::min(kMaxPieceBytes, bytes - offset));
+  for (const Piece& piece : pieces(operation_, bytes, payload)) {
     MPI_Request request;
-    check(MPI_Irecv(p + offset, count, MPI_BYTE, prev, base + static_cast<int>(piece), comm_, &request),
-          "MPI_Irecv");
+    check(MPI_Irecv(p + piece.offset, piece.count, MPI_BYTE, prev, piece.tag, comm_, &request), "MPI_Irecv");
     transfers.requests.push_back(request);
   }
 }

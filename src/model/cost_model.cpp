@@ -291,17 +291,16 @@ namespace {
 // with P, and the conversions of P and dS (one op for the pair, as paired conversions).
 constexpr double kForwardSoftmaxOps = 4.0;
 constexpr double kBackwardElementwiseOps = 4.0;
-// A software exp2 on the FP32 pipes (SPEC §5, FlashAttention-4): round to get n, subtract
-// for the fraction f, three FMAs of a cubic by Horner's rule, one integer add of n into
-// the exponent bits.
-constexpr double kPolyExp2Ops = 6.0;
 constexpr double kF32 = 4.0;  // bytes of a float32 (the dQ tile; CPU tiles)
 
-double tile_element_bytes(const Architecture& arch, DType dtype) {
-  return arch.cpu ? kF32 : static_cast<double>(dtype_size(dtype));
-}
+// A tile's sizes as doubles, checked, and the bytes of its elements in fast memory (a
+// CPU's tiles are float32 whatever the dtype: the kernels widen bf16/f16).
+struct TileShape {
+  double br, bc, d, dv, element_bytes;
+};
 
-void check_tile(std::int64_t br, std::int64_t bc, std::int64_t d, std::int64_t dv, const TileOptions& o) {
+TileShape tile_shape(const Architecture& arch, std::int64_t br, std::int64_t bc, std::int64_t d, std::int64_t dv,
+                     const TileOptions& o) {
   if (br < 1 || bc < 1 || d < 1 || dv < 1) {
     std::ostringstream s;
     s << "tile: Br, Bc, D and Dv must be >= 1, got " << br << ", " << bc << ", " << d << ", " << dv;
@@ -311,17 +310,16 @@ void check_tile(std::int64_t br, std::int64_t bc, std::int64_t d, std::int64_t d
     throw Error("poly_exp_fraction: must be in [0, 1], got " + std::to_string(o.poly_exp_fraction));
   if (!(o.rescale_fraction >= 0.0 && o.rescale_fraction <= 1.0))
     throw Error("rescale_fraction: must be in [0, 1], got " + std::to_string(o.rescale_fraction));
+  return {static_cast<double>(br), static_cast<double>(bc), static_cast<double>(d), static_cast<double>(dv),
+          arch.cpu ? kF32 : static_cast<double>(dtype_size(o.dtype))};
 }
 
-// The exp unit's and the FP32 pipes' shares of `exps` exponentials. A CPU has no exp
-// unit: every exponential is its polynomial, counted in exp_per_clock.
+// The exp unit's and the FP32 pipes' shares of `exps` exponentials. On a CPU the "exp
+// unit" is the exact Exp2 on the FMA pipes and the polynomial share is Exp2Poly3; the
+// shared_pipes rule adds their cycles.
 void add_exponentials(const Architecture& arch, double exps, const TileOptions& o, UnitCycles& c) {
-  if (arch.cpu) {
-    c.exp = exps / arch.exp_per_clock;
-    return;
-  }
   c.exp = exps * (1.0 - o.poly_exp_fraction) / arch.exp_per_clock;
-  c.fma += exps * o.poly_exp_fraction * kPolyExp2Ops / arch.fp32_lanes;
+  c.fma += exps * o.poly_exp_fraction * arch.poly_exp_ops / arch.fp32_lanes;
 }
 
 double mma_rate(const Architecture& arch, DType dtype) {
@@ -358,12 +356,9 @@ std::string UnitCycles::bottleneck() const {
   return name;
 }
 
-UnitCycles forward_tile_cycles(const Architecture& arch, std::int64_t br_i, std::int64_t bc_i, std::int64_t d_i,
-                               std::int64_t dv_i, const TileOptions& o) {
-  check_tile(br_i, bc_i, d_i, dv_i, o);
-  const double br = static_cast<double>(br_i), bc = static_cast<double>(bc_i);
-  const double d = static_cast<double>(d_i), dv = static_cast<double>(dv_i);
-  const double eb = tile_element_bytes(arch, o.dtype);
+UnitCycles forward_tile_cycles(const Architecture& arch, std::int64_t block_q, std::int64_t block_k,
+                               std::int64_t head_dim, std::int64_t head_dim_v, const TileOptions& o) {
+  const auto [br, bc, d, dv, eb] = tile_shape(arch, block_q, block_k, head_dim, head_dim_v, o);
   UnitCycles c;
   c.shared_pipes = arch.cpu;
   c.mma = 2.0 * br * bc * (d + dv) / mma_rate(arch, o.dtype);
@@ -375,12 +370,9 @@ UnitCycles forward_tile_cycles(const Architecture& arch, std::int64_t br_i, std:
   return c;
 }
 
-UnitCycles backward_tile_cycles(const Architecture& arch, std::int64_t br_i, std::int64_t bc_i, std::int64_t d_i,
-                                std::int64_t dv_i, const TileOptions& o) {
-  check_tile(br_i, bc_i, d_i, dv_i, o);
-  const double br = static_cast<double>(br_i), bc = static_cast<double>(bc_i);
-  const double d = static_cast<double>(d_i), dv = static_cast<double>(dv_i);
-  const double eb = tile_element_bytes(arch, o.dtype);
+UnitCycles backward_tile_cycles(const Architecture& arch, std::int64_t block_q, std::int64_t block_k,
+                                std::int64_t head_dim, std::int64_t head_dim_v, const TileOptions& o) {
+  const auto [br, bc, d, dv, eb] = tile_shape(arch, block_q, block_k, head_dim, head_dim_v, o);
   UnitCycles c;
   c.shared_pipes = arch.cpu;
   c.mma = 2.0 * br * bc * (3.0 * d + 2.0 * dv) / mma_rate(arch, o.dtype);

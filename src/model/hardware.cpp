@@ -24,54 +24,55 @@ constexpr double kMufuPerClock = 16.0;
 constexpr double kSmemBytesPerClock = 128.0;
 constexpr double kKiB = 1024.0, kGB = 1e9;
 
+// A software exp2 on the FP32 pipes (SPEC §5, FlashAttention-4): round to get n, subtract
+// for the fraction f, three FMAs of a cubic by Horner's rule, one integer add of n into
+// the exponent bits.
+constexpr double kGpuPolyExp2Ops = 6.0;
+
+// The per-SM figures of one GPU design; a product adds its name, memory and bandwidth.
+struct SmDesign {
+  int sms;
+  double clock_ghz;
+  double mma_16bit, mma_tf32, mma_fp8;  // dense FLOP/clk/SM
+  double fp32_lanes;
+  double exp_per_clock;
+  double smem_kib;
+};
+
+Architecture gpu(const char* name, const char* description, const SmDesign& sm, double memory_gb,
+                 double hbm_gbps, const char* source) {
+  Architecture a;
+  a.name = name;
+  a.description = description;
+  a.units = sm.sms;
+  a.clock_ghz = sm.clock_ghz;
+  a.mma_16bit = sm.mma_16bit;
+  a.mma_tf32 = sm.mma_tf32;
+  a.mma_fp8 = sm.mma_fp8;
+  a.fp32_lanes = sm.fp32_lanes;
+  a.exp_per_clock = sm.exp_per_clock;
+  a.poly_exp_ops = kGpuPolyExp2Ops;
+  a.smem_bytes_per_clock = kSmemBytesPerClock;
+  a.smem_bytes = sm.smem_kib * kKiB;
+  a.hbm_bytes_per_second = hbm_gbps * kGB;
+  a.memory_bytes = memory_gb * kGB;
+  a.source = source;
+  return a;
+}
+
 // A100 (NVIDIA A100 Tensor Core GPU Architecture whitepaper, 2020; A100 datasheet):
 // 108 SMs, boost 1410 MHz; dense FP16/BF16 312 TFLOPS, TF32 156 TFLOPS, no FP8.
 //   312e12 / (108 · 1.41e9) = 2049 → 2048 FLOP/clk/SM (1024 FMA); TF32: 1024.
 // 64 FP32 cores per SM: 64 FP32 ops/clk; shared memory up to 164 KB per SM.
 // HBM2: 40 GB at 1555 GB/s; HBM2e: 80 GB (SXM) at 2039 GB/s.
-Architecture a100(const char* name, double memory_gb, double hbm_gbps) {
-  Architecture a;
-  a.name = name;
-  a.description = "NVIDIA A100 SXM " + std::to_string(static_cast<int>(memory_gb)) + " GB (Ampere, FlashAttention-1/2)";
-  a.units = 108;
-  a.clock_ghz = 1.41;
-  a.mma_16bit = 2048;
-  a.mma_tf32 = 1024;
-  a.mma_fp8 = 0;
-  a.fp32_lanes = 64;
-  a.exp_per_clock = kMufuPerClock;
-  a.smem_bytes_per_clock = kSmemBytesPerClock;
-  a.smem_bytes = 164 * kKiB;
-  a.hbm_bytes_per_second = hbm_gbps * kGB;
-  a.memory_bytes = memory_gb * kGB;
-  a.source = "A100 whitepaper (2020) and datasheet; CUDA Programming Guide throughput table";
-  return a;
-}
+constexpr SmDesign kAmpere{108, 1.41, 2048, 1024, 0, 64, kMufuPerClock, 164};
 
 // H100 SXM5 (NVIDIA H100 Tensor Core GPU Architecture whitepaper, 2022; H100 datasheet):
 // 132 SMs, boost 1830 MHz; dense FP16/BF16 989.4 TFLOPS, TF32 494.7, FP8 1978.9.
 //   989.4e12 / (132 · 1.83e9) = 4096 FLOP/clk/SM; TF32 2048; FP8 8192.
 // 128 FP32 cores per SM; shared memory up to 228 KB per SM; HBM3 80 GB at 3.35 TB/s.
 // H200 (H200 datasheet, 2024): the same GH100 SMs and clocks with HBM3e, 141 GB at 4.8 TB/s.
-Architecture hopper(const char* name, const char* description, double memory_gb, double hbm_gbps,
-                    const char* source) {
-  Architecture a;
-  a.name = name;
-  a.description = description;
-  a.units = 132;
-  a.clock_ghz = 1.83;
-  a.mma_16bit = 4096;
-  a.mma_tf32 = 2048;
-  a.mma_fp8 = 8192;
-  a.fp32_lanes = 128;
-  a.exp_per_clock = kMufuPerClock;
-  a.smem_bytes_per_clock = kSmemBytesPerClock;
-  a.smem_bytes = 228 * kKiB;
-  a.hbm_bytes_per_second = hbm_gbps * kGB;
-  a.memory_bytes = memory_gb * kGB;
-  a.source = source;
-  return a;
-}
+constexpr SmDesign kHopper{132, 1.83, 4096, 2048, 8192, 128, kMufuPerClock, 228};
 
 // B200 (NVIDIA HGX B200 / DGX B200 datasheets; FlashAttention-4 paper §2): 148 SMs; dense
 // FP16/BF16 2.25 PFLOPS, TF32 1.1 PFLOPS (2.2 with sparsity), FP8 4.5 PFLOPS; per SM
@@ -79,45 +80,28 @@ Architecture hopper(const char* name, const char* description, double memory_gb,
 // FP8 16384. Clock derived: 2.25e15 / (148 · 8192) = 1.856 GHz.
 // 128 FP32 cores per SM; 228 KB shared memory per SM (plus 256 KB tensor memory);
 // HBM3e 180 GB at 8 TB/s.
+constexpr double kBlackwellClockGhz = 2.25e15 / (148.0 * 8192.0) / 1e9;
+constexpr SmDesign kBlackwell{148, kBlackwellClockGhz, 8192, 4096, 16384, 128, kMufuPerClock, 228};
 // B300 (NVIDIA technical blogs "Inside NVIDIA Blackwell Ultra" and "Making Softmax More
 // Efficient with NVIDIA Blackwell Ultra", 2025): 160 SMs in the full chip (products may
 // enable fewer), the same per-SM tensor-core rates for FP16/BF16/FP8 as B200 (its gains
 // are NVFP4), and the SFU's MUFU.EX2 throughput doubled: 32 per clock per SM. HBM3e
 // 288 GB at 8 TB/s. Its clock is not stated: B200's derived clock is assumed.
-constexpr double kBlackwellClockGhz = 2.25e15 / (148.0 * 8192.0) / 1e9;
-
-Architecture blackwell(const char* name, const char* description, int sms, double exp_per_clock,
-                       double memory_gb, const char* source) {
-  Architecture a;
-  a.name = name;
-  a.description = description;
-  a.units = sms;
-  a.clock_ghz = kBlackwellClockGhz;
-  a.mma_16bit = 8192;
-  a.mma_tf32 = 4096;
-  a.mma_fp8 = 16384;
-  a.fp32_lanes = 128;
-  a.exp_per_clock = exp_per_clock;
-  a.smem_bytes_per_clock = kSmemBytesPerClock;
-  a.smem_bytes = 228 * kKiB;
-  a.hbm_bytes_per_second = 8000 * kGB;
-  a.memory_bytes = memory_gb * kGB;
-  a.source = source;
-  return a;
-}
+constexpr SmDesign kBlackwellUltra{160, kBlackwellClockGhz, 8192, 4096, 16384, 128, 2 * kMufuPerClock, 228};
 
 std::vector<Architecture> make_table() {
   return {
-      a100("a100-40gb", 40, 1555),
-      a100("a100-80gb", 80, 2039),
-      hopper("h100", "NVIDIA H100 SXM5 80 GB (Hopper, FlashAttention-3)", 80, 3350,
-             "H100 whitepaper (2022) and datasheet; FlashAttention-3 paper §3.1"),
-      hopper("h200", "NVIDIA H200 SXM 141 GB (Hopper, HBM3e)", 141, 4800,
-             "H200 datasheet (2024); SMs as H100"),
-      blackwell("b200", "NVIDIA B200 180 GB (Blackwell, FlashAttention-4)", 148, kMufuPerClock, 180,
-                "HGX/DGX B200 datasheets; FlashAttention-4 paper §2"),
-      blackwell("b300", "NVIDIA B300 288 GB (Blackwell Ultra, doubled exp throughput)", 160, 2 * kMufuPerClock,
-                288, "NVIDIA Blackwell Ultra technical blogs (2025); clock assumed as B200"),
+      gpu("a100-40gb", "NVIDIA A100 SXM 40 GB (Ampere, FlashAttention-1/2)", kAmpere, 40, 1555,
+          "A100 whitepaper (2020) and datasheet; CUDA Programming Guide throughput table"),
+      gpu("a100-80gb", "NVIDIA A100 SXM 80 GB (Ampere, FlashAttention-1/2)", kAmpere, 80, 2039,
+          "A100 whitepaper (2020) and datasheet; CUDA Programming Guide throughput table"),
+      gpu("h100", "NVIDIA H100 SXM5 80 GB (Hopper, FlashAttention-3)", kHopper, 80, 3350,
+          "H100 whitepaper (2022) and datasheet; FlashAttention-3 paper §3.1"),
+      gpu("h200", "NVIDIA H200 SXM 141 GB (Hopper, HBM3e)", kHopper, 141, 4800, "H200 datasheet (2024); SMs as H100"),
+      gpu("b200", "NVIDIA B200 180 GB (Blackwell, FlashAttention-4)", kBlackwell, 180, 8000,
+          "HGX/DGX B200 datasheets; FlashAttention-4 paper §2"),
+      gpu("b300", "NVIDIA B300 288 GB (Blackwell Ultra, doubled exp throughput)", kBlackwellUltra, 288, 8000,
+          "NVIDIA Blackwell Ultra technical blogs (2025); clock assumed as B200"),
   };
 }
 
@@ -127,10 +111,16 @@ std::vector<Architecture> make_table() {
 constexpr double kFmaPipes = 2.0;
 // Vector loads per clock from L1: two on the same cores (same guides).
 constexpr double kL1LoadsPerClock = 2.0;
-// Vector operations of the kernels' Exp2 (src/cpu/simd_math-inl.h): clamp (min, max),
-// round, subtract, six Horner FMAs, convert, integer add, shift, NaN test, multiply,
-// select — 15, all on the FP32 pipes.
-constexpr double kExp2VectorOps = 15.0;
+// Vector instructions per vector of exponentials, read off the AVX2 code of
+// src/cpu/simd_math-inl.h (objdump of Exp2Array in src/cpu/exp2.cpp, Highway 1.0.3).
+// Both exp2s share 14: clamp (max, min), the reduction (round or floor, subtract), and
+// 2^n — convert to int32 (cvttps2dq plus Highway's 4-instruction overflow fix-up), add
+// the bias, shift into the exponent, multiply — and the NaN test and select. Exp2 adds
+// its 6 Horner FMAs, Exp2Poly3 its 3. Counted as issued on the FMA pipes: the integer and
+// compare instructions could use other vector ports, so this is the upper end.
+constexpr double kExp2SharedOps = 14.0;
+constexpr double kExp2VectorOps = kExp2SharedOps + 6.0;       // 20: the exact exp2
+constexpr double kExp2Poly3VectorOps = kExp2SharedOps + 3.0;  // 17: poly3
 
 }  // namespace
 
@@ -167,6 +157,8 @@ Architecture cpu_architecture(const CpuHardware& hw, const CpuMeasurements& m) {
   a.mma_fp8 = 0;
   a.fp32_lanes = lanes * kFmaPipes;
   a.exp_per_clock = lanes * kFmaPipes / kExp2VectorOps;
+  // A vector instruction is one lane operation per exponential of its vector.
+  a.poly_exp_ops = kExp2Poly3VectorOps;
   a.smem_bytes_per_clock = kL1LoadsPerClock * lanes * 4.0;
   a.smem_bytes = static_cast<double>(hw.l2_bytes);
   a.hbm_bytes_per_second = m.copy_gbps * kGB;

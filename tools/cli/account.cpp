@@ -22,13 +22,28 @@ cost::Architecture architecture_by_name(const std::string& name, int threads) {
   return cost::gpu_architecture(name == "a100" ? "a100-80gb" : name);
 }
 
-std::vector<TileVariant> tile_variants(DType dtype) {
+std::vector<TileVariant> tile_variants(const cost::Architecture& arch, DType dtype) {
   TileVariant plain{"plain", {dtype}};
+  if (arch.cpu) return {plain, {"poly3 exp2 (exp2=poly3)", {dtype, 1.0}}};
   TileVariant poly{"poly exp 25%", {dtype, 0.25}};
   TileVariant rescale{"poly 25% + cond. rescale 10%", {dtype, 0.25, 0.1}};
   TileVariant two_cta{"2-CTA backward", {dtype}};
   two_cta.options.two_cta = true;
   return {plain, poly, rescale, two_cta};
+}
+
+std::vector<TileRow> tile_rows(const cost::Architecture& arch, DType dtype, std::int64_t head_dim,
+                               std::int64_t head_dim_v) {
+  std::vector<TileRow> rows;
+  for (const TileVariant& v : tile_variants(arch, dtype)) {
+    if (!v.options.two_cta)
+      rows.push_back({"forward", v.name,
+                      cost::forward_tile_cycles(arch, kTableTile, kTableTile, head_dim, head_dim_v, v.options)});
+    if (v.options.rescale_fraction == 1.0)
+      rows.push_back({"backward", v.name,
+                      cost::backward_tile_cycles(arch, kTableTile, kTableTile, head_dim, head_dim_v, v.options)});
+  }
+  return rows;
 }
 
 CountedRun counted_run(const AttentionProblem& p, const AttentionOptions& options, int repeats, bool with_backward) {
@@ -62,6 +77,7 @@ nlohmann::json architecture_json(const cost::Architecture& a) {
           {"mma_per_clock", {{"16bit", a.mma_16bit}, {"tf32", a.mma_tf32}, {"fp8", a.mma_fp8}}},
           {"fp32_lanes", a.fp32_lanes},
           {"exp_per_clock", a.exp_per_clock},
+          {"poly_exp_ops", a.poly_exp_ops},
           {"smem_bytes_per_clock", a.smem_bytes_per_clock},
           {"smem_bytes", a.smem_bytes},
           {"hbm_gbps", a.hbm_bytes_per_second * 1e-9},

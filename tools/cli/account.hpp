@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -21,9 +22,24 @@ struct TileVariant {
   std::string name;
   cost::TileOptions options;
 };
-// plain; poly exp on 25% of the exponentials (FlashAttention-4 uses 10-25%); plus
+// GPUs: plain; poly exp on 25% of the exponentials (FlashAttention-4 uses 10-25%); plus
 // conditional rescaling at 10% of tiles ("avoids about 90% of rescales"); 2-CTA backward.
-std::vector<TileVariant> tile_variants(DType dtype);
+// A CPU: plain (the exact Exp2) and every exponential by Exp2Poly3 (AttentionOptions::exp2
+// = poly3); it has no exp unit beside its FMA pipes and no CTAs.
+std::vector<TileVariant> tile_variants(const cost::Architecture& arch, DType dtype);
+
+// The per-tile table: each variant's forward and backward cycles for a kTableTile ×
+// kTableTile tile, a technique's rows only for the pass it changes (2-CTA MMA: backward;
+// conditional rescaling: forward). 128 × 128 is the forward tile of FlashAttention-2/3 and
+// (per CTA) FlashAttention-4 at head dims up to 128.
+constexpr std::int64_t kTableTile = 128;
+struct TileRow {
+  const char* pass;  // "forward", "backward"
+  std::string variant;
+  cost::UnitCycles cycles;
+};
+std::vector<TileRow> tile_rows(const cost::Architecture& arch, DType dtype, std::int64_t head_dim,
+                               std::int64_t head_dim_v);
 
 // One CPU forward and backward on random inputs with counters on, timed (median of
 // `repeats`), with the plans the kernels executed.

@@ -15,10 +15,6 @@
 namespace flashattn::cli {
 namespace {
 
-// The tile the table is about: 128 × 128 is the forward tile of FlashAttention-2/3
-// and (per CTA) FlashAttention-4 at head dims up to 128.
-constexpr std::int64_t kTableTile = 128;
-
 struct ExplainFlags {
   ShapeFlags shape;
   std::vector<std::int64_t> window_size;
@@ -160,7 +156,7 @@ nlohmann::json to_json(const Account& a, const std::optional<Measured>& m) {
       {"lower_bound", cost::kLowerBound}};
   j["tiles"] = {{"forward", tiles_json(a.flash_fwd)}, {"backward", tiles_json(a.flash_bwd)}};
   nlohmann::json variants = nlohmann::json::array();
-  for (const TileVariant& v : tile_variants(a.problem.dtype))
+  for (const TileVariant& v : tile_variants(a.arch, a.problem.dtype))
     variants.push_back(
         {{"name", v.name},
          {"forward", cycles_json(cost::forward_tile_cycles(a.arch, kTableTile, kTableTile, a.problem.head_dim,
@@ -236,15 +232,8 @@ void print_text(const Account& a, const std::optional<Measured>& m) {
   std::printf("Cycles per %lldx%lldx%lld tile on one %s (%s)         mma        exp        fma       smem   bottleneck\n",
               static_cast<long long>(kTableTile), static_cast<long long>(kTableTile), static_cast<long long>(p.head_dim),
               a.arch.cpu ? "core" : "SM", to_string(p.dtype).c_str());
-  for (const TileVariant& v : tile_variants(p.dtype)) {
-    if (a.arch.cpu && v.name != "plain") continue;  // a CPU has no exp unit to offload, no CTAs
-    if (!v.options.two_cta)
-      print_cycles_row("forward", v.name,
-                       cost::forward_tile_cycles(a.arch, kTableTile, kTableTile, p.head_dim, p.head_dim_v, v.options));
-    if (v.options.rescale_fraction == 1.0)
-      print_cycles_row("backward", v.name,
-                       cost::backward_tile_cycles(a.arch, kTableTile, kTableTile, p.head_dim, p.head_dim_v, v.options));
-  }
+  for (const TileRow& r : tile_rows(a.arch, p.dtype, p.head_dim, p.head_dim_v))
+    print_cycles_row(r.pass, r.variant, r.cycles);
   if (a.arch.cpu) std::printf("  (a CPU core runs mma, exp and fma on the same FMA pipes: their cycles add up)\n");
 
   std::printf("\nPredicted on %s\n", a.arch.name.c_str());

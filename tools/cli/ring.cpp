@@ -114,9 +114,6 @@ double max_abs(const Tensor& t) {
   for (std::int64_t i = 0; i < t.numel(); ++i) m = std::fmax(m, std::fabs(t.get(i)));
   return m;
 }
-double unit_roundoff(DType dtype) {
-  return dtype == DType::bf16 ? std::ldexp(1.0, -8) : dtype == DType::f16 ? std::ldexp(1.0, -11) : std::ldexp(1.0, -24);
-}
 
 // The ring's transfers alone, without computation, blocking: P − 1 exchanges of the K/V
 // shards and, with gradients, P exchanges of the float32 dK/dV accumulators. What the

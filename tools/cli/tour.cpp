@@ -1,8 +1,6 @@
 // `flashattn tour`: the four generations of SPEC §2-§5 on this machine, each chapter
 // printing what it measured beside what the cost model predicts; --out DIR also writes
 // the figures as SVG. Defaults fit a 2-core machine (well under a minute).
-#include <omp.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -15,6 +13,7 @@
 #include "tools/cli/account.hpp"
 #include "tools/cli/commands.hpp"
 #include "tools/cli/common.hpp"
+#include "tools/cli/experiments.hpp"
 #include "tools/cli/svg.hpp"
 
 namespace flashattn::cli {
@@ -30,13 +29,11 @@ struct TourFlags {
 };
 
 constexpr std::int64_t kFirstSeqlen = 256;
-// SPEC §5: rescale only when the maximum grows by more than 8 in log2 units (a factor 256).
-constexpr float kRescaleThreshold = 8.0f;
 
-AttentionProblem square(const TourFlags& f, std::int64_t n, std::int64_t heads, DType dtype = DType::f32) {
+AttentionProblem square(const TourFlags& f, std::int64_t n, std::int64_t heads) {
   AttentionOptions o;
   o.num_threads = f.threads;
-  return AttentionProblem::from_sizes(1, n, n, heads, heads, f.dim, f.dim, dtype, o);
+  return AttentionProblem::from_sizes(1, n, n, heads, heads, f.dim, f.dim, DType::f32, o);
 }
 
 AttentionOptions options_of(const TourFlags& f) {
@@ -260,6 +257,11 @@ void chapter_partitioning(const TourFlags& f) {
 
 // ---- 4: asynchrony and low precision ------------------------------------------------
 
+// The FP8 experiment runs at min(N, this) queries and keys: its float64 reference grows as
+// N², and a few hundred rows already show the variants' ordering.
+constexpr std::int64_t kFp8Seqlen = 512;
+constexpr std::uint64_t kNumericsSeed = 2024;  // as `flashattn numerics`
+
 void chapter_asynchrony(const TourFlags& f) {
   chapter(4, "Asynchrony and low precision");
   const std::int64_t n = std::min<std::int64_t>(1024, f.max_seqlen);
@@ -273,56 +275,30 @@ void chapter_asynchrony(const TourFlags& f) {
               static_cast<double>(c.k_read + c.v_read) / static_cast<double>(std::max<std::int64_t>(1, c.kv_packed)),
               static_cast<long long>(n));
   std::printf("  Not here yet: a switch to turn packing or software prefetch off for an on/off measurement (the\n"
-              "  tiled kernel always packs; only the decode kernel prefetches), and the FP8 experiment — flashattn\n"
-              "  has no FP8 dtype yet (block quantization and the Hadamard rotation are being built, issue 6).\n");
-  const Inputs in32 = random_inputs(p, 13);
-  const AttentionProblem p16 = square(f, n, f.heads, DType::bf16);
-  const Inputs in16 = random_inputs(p16, 13);
-  const AttentionOptions o = options_of(f);
-  const double e32 = sampled_max_error(p, o, in32, forward(in32.q.view(), in32.k.view(), in32.v.view(), o).out, 32);
-  const double e16 = sampled_max_error(p16, o, in16, forward(in16.q.view(), in16.k.view(), in16.v.view(), o).out, 32);
-  std::printf("  Low precision today: max |error| against float64 over 32 sampled rows: f32 %.2e, bf16 %.2e.\n", e32, e16);
+              "  tiled kernel always packs; only the decode kernel prefetches).\n");
+
+  const AttentionProblem small = square(f, std::min(kFp8Seqlen, f.max_seqlen), f.heads);
+  std::printf("\n  Low precision (FlashAttention-3): FP8 e4m3 operands with one scale per tensor or per tile, and the\n"
+              "  Hadamard rotation that spreads outliers over the channels. N(0,1) inputs plus outliers, N = %lld,\n"
+              "  %lld heads, d = %lld; RMSE of the attention output against float64 (seed %llu, as\n"
+              "  `flashattn numerics`, which runs it at larger sizes and with --fp8-format e5m2):\n",
+              static_cast<long long>(small.seqlen_q), static_cast<long long>(f.heads), static_cast<long long>(f.dim),
+              static_cast<unsigned long long>(kNumericsSeed));
+  const nlohmann::json fp8 = fp8_error(small, kNumericsSeed, Fp8Format::e4m3, f.threads);
+  print_fp8_error(fp8);
+  const double per_tensor = fp8["rmse_per_tensor"].get<double>();
+  const auto change = [per_tensor](double rmse) { return 100.0 * (rmse / per_tensor - 1.0); };
+  std::printf("  Against per-tensor FP8: per-block scales %+.0f%%, the rotation %+.0f%%, both %+.0f%%; bf16 is %.0f×\n"
+              "  more accurate than the best FP8 variant. FP8 is emulated here (decoded to float32, P rounded to\n"
+              "  e4m3): its numerics, not its speed — a CPU has no FP8 multiplier.\n",
+              change(fp8["rmse_per_block"].get<double>()), change(fp8["rmse_hadamard"].get<double>()),
+              change(fp8["rmse_per_block_hadamard"].get<double>()),
+              std::min({per_tensor, fp8["rmse_per_block"].get<double>(), fp8["rmse_hadamard"].get<double>(),
+                        fp8["rmse_per_block_hadamard"].get<double>()}) /
+                  fp8["rmse_bf16"].get<double>());
 }
 
 // ---- 5: the exponential unit ---------------------------------------------------------
-
-// How often the running maximum of a row moves when it is updated per K/V tile of 128
-// keys, always (every increase) or only past the threshold of SPEC §5, on random scores.
-struct RescaleCounts {
-  std::int64_t steps = 0, always = 0, conditional = 0;
-};
-
-RescaleCounts simulate_rescales(std::int64_t n, std::int64_t d, std::int64_t bc) {
-  std::mt19937_64 rng(17);
-  std::normal_distribution<float> normal;
-  std::vector<float> q(static_cast<std::size_t>(n * d)), k(q.size());
-  for (float& x : q) x = normal(rng);
-  for (float& x : k) x = normal(rng);
-  const float scale = OnlineSoftmaxState::kLog2e / std::sqrt(static_cast<float>(d));
-  RescaleCounts r;
-  std::vector<float> row(static_cast<std::size_t>(n));
-  for (std::int64_t i = 0; i < n; ++i) {
-    for (std::int64_t j = 0; j < n; ++j) {
-      float dot = 0.0f;
-      for (std::int64_t e = 0; e < d; ++e) dot += q[static_cast<std::size_t>(i * d + e)] * k[static_cast<std::size_t>(j * d + e)];
-      row[static_cast<std::size_t>(j)] = dot * scale;
-    }
-    float m = -std::numeric_limits<float>::infinity(), reference = m;
-    for (std::int64_t j0 = 0; j0 < n; j0 += bc) {
-      const float tile_max = *std::max_element(row.begin() + j0, row.begin() + std::min(n, j0 + bc));
-      if (j0 > 0) ++r.steps;  // the first tile only sets the maximum
-      if (tile_max > m) {
-        r.always += j0 > 0;
-        m = tile_max;
-      }
-      if (tile_max > reference + kRescaleThreshold) {
-        r.conditional += j0 > 0;
-        reference = tile_max;
-      }
-    }
-  }
-  return r;
-}
 
 void chapter_exp_unit(const TourFlags& f, const cost::Architecture& cpu) {
   chapter(5, "The exponential unit: per-unit cycles of one 128×128×128 tile");
@@ -340,15 +316,9 @@ void chapter_exp_unit(const TourFlags& f, const cost::Architecture& cpu) {
   archs.push_back(cpu);
   for (const cost::Architecture& a : archs) {
     const DType dtype = a.cpu ? DType::f32 : DType::bf16;
-    for (const TileVariant& v : tile_variants(dtype)) {
-      if (a.cpu && v.name != "plain") continue;  // a CPU has no exp unit to offload, no CTAs
-      const auto print = [&](const char* pass, const cost::UnitCycles& c) {
-        std::printf("  %-10s %-9s %-30s %10.0f %10.0f %10.0f %10.0f  %s\n", a.name.c_str(), pass, v.name.c_str(),
-                    c.mma, c.exp, c.fma, c.smem, c.bottleneck().c_str());
-      };
-      if (!v.options.two_cta) print("forward", cost::forward_tile_cycles(a, 128, 128, 128, 128, v.options));
-      if (v.options.rescale_fraction == 1.0) print("backward", cost::backward_tile_cycles(a, 128, 128, 128, 128, v.options));
-    }
+    for (const TileRow& r : tile_rows(a, dtype, 128, 128))
+      std::printf("  %-10s %-9s %-30s %10.0f %10.0f %10.0f %10.0f  %s\n", a.name.c_str(), r.pass, r.variant.c_str(),
+                  r.cycles.mma, r.cycles.exp, r.cycles.fma, r.cycles.smem, r.cycles.bottleneck().c_str());
     if (a.cpu) continue;  // its cycles are ~100× a GPU SM's: kept out of the figure's scale
     names.push_back(a.name);
     add(fwd, cost::forward_tile_cycles(a, 128, 128, 128, 128, {DType::bf16}));
@@ -363,19 +333,36 @@ void chapter_exp_unit(const TourFlags& f, const cost::Architecture& cpu) {
   figure(f, "unit_cycles_backward.svg",
          svg::bar_chart({"Backward 128x128x128 bf16 tile: cycles per unit", "", "cycles per SM"}, names, bwd));
 
-  const std::int64_t n = std::min<std::int64_t>(1024, f.max_seqlen);
-  const CountedRun run = counted_run(square(f, n, f.heads), options_of(f), 1, false);
-  std::printf("\n  Exponentials on this CPU (N = %lld, %lld heads): %lld, every one a polynomial on the FMA pipes\n"
-              "  (the model's %g exponentials per clock per core come from the polynomial's 15 vector operations).\n",
-              static_cast<long long>(n), static_cast<long long>(f.heads), static_cast<long long>(run.forward.scores),
-              cpu.exp_per_clock);
-  const RescaleCounts r = simulate_rescales(n, f.dim, run.forward_plan.block_k);
-  std::printf("  Conditional rescaling, simulated on random scores of one head (tiles of %lld keys): of %lld tile\n"
-              "  steps, %lld move the maximum and rescale õ; with the threshold of %.0f (log2 units) only %lld do.\n"
-              "  The kernel's own conditional rescaling and exp2 variants are being built (issue 6); this is the\n"
-              "  rule applied to the same scores.\n",
-              static_cast<long long>(run.forward_plan.block_k), static_cast<long long>(r.steps),
-              static_cast<long long>(r.always), kRescaleThreshold, static_cast<long long>(r.conditional));
+  const double poly3_per_clock = cpu.fp32_lanes / cpu.poly_exp_ops;
+  const nlohmann::json speed = exp2_throughput(std::max(3, f.repeats));
+  const double exact = speed["exact_gexp_per_s"].get<double>(), poly3 = speed["poly3_gexp_per_s"].get<double>();
+  std::printf("\n  Polynomial exp2 on this CPU, one thread, L1-resident array (median, interleaved):\n"
+              "    %-7s model %5.2f per clock = %5.2f G/s at %.2f GHz   measured %5.2f G/s\n"
+              "    %-7s model %5.2f per clock = %5.2f G/s               measured %5.2f G/s\n"
+              "    poly3 / exact: model %.2f (20 against 17 vector instructions), measured %.2f. The model issues\n"
+              "    every instruction on the 2 FMA pipes; integer and compare instructions can also take other\n"
+              "    vector ports, so an idle core may beat it (and a shared one lag it). The exponentials are a\n"
+              "    few %% of a forward's instructions: the choice barely moves a forward here (docs/numerics.md §5).\n",
+              "exact", cpu.exp_per_clock, cpu.exp_per_clock * cpu.clock_ghz, cpu.clock_ghz, exact, "poly3",
+              poly3_per_clock, poly3_per_clock * cpu.clock_ghz, poly3, poly3_per_clock / cpu.exp_per_clock,
+              poly3 / exact);
+
+  // Forward passes only, so the sweep's largest N: more key tiles per row for the rules to differ.
+  const AttentionProblem p = square(f, f.max_seqlen, f.heads);
+  std::mt19937_64 rng(kNumericsSeed);
+  const nlohmann::json r = rescale_counts(p, rng, f.threads);
+  std::printf("\n  Conditional rescaling, counted by the kernel (AttentionOptions::rescale_counts): rescales of õ\n"
+              "  after each row's first key tile, classic rule (τ = 0) against τ = %g log2 units (N = %lld):\n",
+              r["threshold"].get<double>(), static_cast<long long>(p.seqlen_q));
+  print_rescale_counts(r);
+  std::printf("  On random rows the first tile's maximum is almost always within 2^τ of the row's, so τ = %g\n"
+              "  skips nearly every rescale; the adversarial rows climb %.1f log2 units (about %.2f per tile), so the\n"
+              "  classic rule rescales at every tile and τ = %g only when the climb since its last rescale passes\n"
+              "  %g. The outputs agree to float32 rounding (max |diff|): the final õ/ℓ cancels the reference.\n",
+              r["threshold"].get<double>(), r["adversarial"]["score_growth_log2"].get<double>(),
+              r["adversarial"]["score_growth_log2"].get<double>() /
+                  static_cast<double>(r["adversarial"]["key_tiles"].get<std::int64_t>()),
+              r["threshold"].get<double>(), r["threshold"].get<double>());
 }
 
 void tour(const TourFlags& f) {
