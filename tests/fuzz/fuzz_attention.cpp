@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "flashattn/flashattn.hpp"
+#include "flashattn/fp8.hpp"
 #include "tests/test_util.hpp"
 
 namespace flashattn::fuzz {
@@ -63,6 +64,7 @@ struct Placed {
   }
   float get(std::int64_t flat) const {
     const unsigned char* p = &bytes[element_offset(flat)];
+    if (dtype == DType::u8) return p[0];  // an FP8 code
     if (dtype == DType::f32) {
       float x;
       std::memcpy(&x, p, 4);
@@ -578,6 +580,8 @@ void run_kvcache(FuzzedDataProvider& fdp) {
   const std::int64_t seqlen_q = fdp.ConsumeIntegralInRange<std::int64_t>(1, 5);
   const std::int64_t s_new = fdp.ConsumeBool() ? fdp.ConsumeIntegralInRange<std::int64_t>(1, 4) : 0;
   const bool paged = fdp.ConsumeBool();
+  const bool leftpad = !paged && fdp.ConsumeBool();           // contiguous caches only, as upstream
+  const bool fp8 = dtype == DType::f32 && fdp.ConsumeBool();  // e4m3 codes with per-(row, head) descales
   const std::int64_t page_size = paged ? fdp.ConsumeIntegralInRange<std::int64_t>(1, 16) : 0;
   const std::int64_t pages_per_seq =  // enough pages for the new tokens, and up to 3 more
       paged ? std::max<std::int64_t>(1, (s_new + page_size - 1) / page_size) + fdp.ConsumeIntegralInRange<std::int64_t>(0, 3) : 0;
@@ -589,15 +593,21 @@ void run_kvcache(FuzzedDataProvider& fdp) {
   o.num_threads = fdp.ConsumeIntegralInRange<int>(0, 3);
   o.num_splits = fdp.ConsumeIntegralInRange<int>(0, 3);
   // Faults: 1 a block_table entry outside the pool (paged) / a cache row outside (contiguous),
-  // 2 cache_seqlens + seqlen_new beyond the capacity, 3 new keys without new values.
-  int fault = fdp.ConsumeBool() ? fdp.ConsumeIntegralInRange<int>(1, 3) : 0;
+  // 2 cache_seqlens + seqlen_new beyond the capacity, 3 new keys without new values,
+  // 4 a left padding beyond the cached tokens, 5 a zero descale of an FP8 cache.
+  int fault = fdp.ConsumeBool() ? fdp.ConsumeIntegralInRange<int>(1, 5) : 0;
   std::vector<std::int32_t> seqlens(static_cast<std::size_t>(batch));
   for (auto& n : seqlens) n = fdp.ConsumeIntegralInRange<std::int32_t>(0, static_cast<std::int32_t>(capacity - s_new));
+  std::vector<std::int32_t> pads(static_cast<std::size_t>(batch), 0);
+  if (leftpad)
+    for (std::size_t b = 0; b < pads.size(); ++b) pads[b] = fdp.ConsumeIntegralInRange<std::int32_t>(0, seqlens[b]);
+  if ((fault == 4 && !leftpad) || (fault == 5 && !fp8)) fault = 0;
+  if (fault == 5 && seqlens[0] == pads[0]) fault = 0;  // only a page that holds tokens needs its descale
   const std::uint64_t seed = fdp.ConsumeIntegral<std::uint32_t>();
   std::ostringstream describe;
   describe << "kvcache dtype=" << to_string(dtype) << " batch=" << batch << " Sq=" << seqlen_q << " new=" << s_new
            << " Hq=" << hq << " Hkv=" << hkv << " D=" << d << " Dv=" << dv << " paged=" << paged
-           << " page_size=" << page_size << " capacity=" << capacity << " fault=" << fault
+           << " leftpad=" << leftpad << " fp8=" << fp8 << " page_size=" << page_size << " capacity=" << capacity << " fault=" << fault
            << " causal=" << o.causal << " window_left=" << o.window_size.left << " softcap=" << o.softcap
            << " threads=" << o.num_threads << " splits=" << o.num_splits << " seed=" << seed;
   current_case = describe.str();
@@ -606,8 +616,31 @@ void run_kvcache(FuzzedDataProvider& fdp) {
   const std::int64_t pool_rows = paged ? batch * pages_per_seq + 1 : batch + 1;
   const std::array<std::int64_t, 4> kc_shape{pool_rows, paged ? page_size : capacity, hkv, d},
       vc_shape{pool_rows, paged ? page_size : capacity, hkv, dv};
-  const Tensor kc = logical(dtype, kc_shape, seed, false), vc = logical(dtype, vc_shape, seed + 1, false);
-  Placed pkc = place(dtype, kc_shape, fuzz_layout(fdp), &kc), pvc = place(dtype, vc_shape, fuzz_layout(fdp), &vc);
+  Tensor kc = logical(dtype, kc_shape, seed, false), vc = logical(dtype, vc_shape, seed + 1, false);
+  Placed pkc, pvc;
+  Tensor k_scale(DType::f32, {pool_rows, hkv}), v_scale(DType::f32, {pool_rows, hkv});
+  if (fp8) {
+    // Random descales 2^-3 … 2^3; the logical cache becomes exactly what its codes decode to.
+    for (Tensor* scale : {&k_scale, &v_scale})
+      for (std::int64_t i = 0; i < scale->numel(); ++i)
+        scale->set(i, std::ldexp(1.0f, fdp.ConsumeIntegralInRange<int>(-3, 3)));
+    const auto encode = [&](Tensor& logical_pool, const Tensor& scale, std::array<std::int64_t, 4> shape) {
+      Placed pc = place(DType::u8, shape, fuzz_layout(fdp));
+      const std::int64_t dim = shape[3];
+      for (std::int64_t i = 0; i < logical_pool.numel(); ++i) {
+        const float descale = scale.get(i / (shape[1] * hkv * dim) * hkv + (i / dim) % hkv);
+        const std::uint8_t code = float_to_fp8(logical_pool.get(i) / descale, Fp8Format::e4m3);
+        pc.bytes[pc.element_offset(i)] = code;
+        logical_pool.set(i, fp8_to_float(code, Fp8Format::e4m3) * descale);
+      }
+      return pc;
+    };
+    pkc = encode(kc, k_scale, kc_shape);
+    pvc = encode(vc, v_scale, vc_shape);
+  } else {
+    pkc = place(dtype, kc_shape, fuzz_layout(fdp), &kc);
+    pvc = place(dtype, vc_shape, fuzz_layout(fdp), &vc);
+  }
   // Sequence b's pages (paged) or cache row (contiguous): a permutation skipping the spare.
   std::vector<std::int32_t> rows(static_cast<std::size_t>(pool_rows - 1));
   for (std::size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<std::int32_t>(i);
@@ -623,6 +656,10 @@ void run_kvcache(FuzzedDataProvider& fdp) {
   if (fault == 1 && paged && seqlens[0] + s_new == 0) fault = 0;
   if (fault == 1) (paged ? table : batch_idx).data_as<std::int32_t>()[0] = static_cast<std::int32_t>(pool_rows);
   if (fault == 2) lens.data_as<std::int32_t>()[batch - 1] = static_cast<std::int32_t>(capacity - s_new + 1);
+  Tensor pad_t(DType::i32, {batch});
+  std::memcpy(pad_t.data(), pads.data(), pads.size() * 4);
+  if (fault == 4) pad_t.data_as<std::int32_t>()[0] = seqlens[0] + 1;
+  if (fault == 5) k_scale.set(rows[0] * hkv, 0.0f);
 
   const Tensor q = logical(dtype, {batch, seqlen_q, hq, d}, seed + 2, false);
   const Tensor knew = logical(dtype, {batch, s_new, hkv, d}, seed + 3, false);
@@ -632,6 +669,13 @@ void run_kvcache(FuzzedDataProvider& fdp) {
   cache.v_cache = pvc.mutable_view();
   if (paged) cache.block_table = table.view(); else cache.cache_batch_idx = batch_idx.view();
   cache.cache_seqlens = lens.view();
+  if (leftpad) cache.cache_leftpad = pad_t.view();
+  if (fp8) {
+    cache.k_scale = k_scale.view();
+    cache.v_scale = v_scale.view();
+  }
+  const std::vector<unsigned char> k_scale_before(static_cast<const unsigned char*>(k_scale.data()),
+                                                  static_cast<const unsigned char*>(k_scale.data()) + k_scale.numel() * 4);
   if (s_new > 0 || fault == 3) cache.k = knew.view();
   if (s_new > 0 && fault != 3) cache.v = vnew.view();
   const std::vector<unsigned char> kc_before = pkc.bytes, vc_before = pvc.bytes;
@@ -642,6 +686,8 @@ void run_kvcache(FuzzedDataProvider& fdp) {
   } catch (const Error& e) {
     check(fault != 0, std::string("forward_with_kvcache rejected a valid call: ") + e.what());
     check(pkc.bytes == kc_before && pvc.bytes == vc_before, "a rejected forward_with_kvcache changed the cache");
+    check(std::memcmp(k_scale.data(), k_scale_before.data(), k_scale_before.size()) == 0,
+          "a rejected forward_with_kvcache changed the descales");
     check(pout.untouched() && plse.untouched(), "a rejected forward_with_kvcache wrote its outputs");
     return;
   }
@@ -664,18 +710,59 @@ void run_kvcache(FuzzedDataProvider& fdp) {
           vc_after.set(((row * vc_shape[1] + r) * hkv + h) * dv + c, vnew.get(((b * s_new + t) * hkv + h) * dv + c));
       }
     }
-  for (std::int64_t i = 0; i < kc_after.numel(); ++i) check(pkc.get(i) == kc_after.get(i) || std::isnan(pkc.get(i)), "k_cache: wrong value after the append");
-  for (std::int64_t i = 0; i < vc_after.numel(); ++i) check(pvc.get(i) == vc_after.get(i) || std::isnan(pvc.get(i)), "v_cache: wrong value after the append");
+  // What the pool holds now: values, or FP8 codes times their (possibly grown) descales.
+  const auto stored = [&](const Placed& pc, const Tensor& scale, std::int64_t dim) {
+    Tensor t(DType::f32, {pc.numel()});
+    for (std::int64_t i = 0; i < pc.numel(); ++i)
+      t.set(i, fp8 ? fp8_to_float(static_cast<std::uint8_t>(pc.get(i)), Fp8Format::e4m3) *
+                         scale.get(i / (pc.shape[1] * hkv * dim) * hkv + (i / dim) % hkv)
+                   : pc.get(i));
+    return t;
+  };
+  const Tensor k_stored = stored(pkc, k_scale, d), v_stored = stored(pvc, v_scale, dv);
+  // Which slots hold a sequence's tokens after the call (1), are its left padding (2), or
+  // were never part of a sequence (0).
+  std::vector<std::uint8_t> role(static_cast<std::size_t>(pool_rows * kc_shape[1]), 0);
+  for (std::int64_t b = 0; b < batch; ++b)
+    for (std::int64_t pos = 0; pos < seqlens[static_cast<std::size_t>(b)] + s_new; ++pos) {
+      const auto [row, r] = slot(b, pos);
+      role[static_cast<std::size_t>(row * kc_shape[1] + r)] = pos < pads[static_cast<std::size_t>(b)] ? 2 : 1;
+    }
+  // Values in the pool: exactly the old ones with the new tokens written in; for FP8, a token
+  // reads back within the documented 2^-4·|x| + 2^-9·descale of what was appended or was
+  // there before (a page is re-encoded when its descale grows), padding is unconstrained, and
+  // the codes of slots outside every sequence keep their bytes.
+  const auto within = [&](const Tensor& got, const Tensor& want, const Placed& pc, const std::vector<unsigned char>& before,
+                          const Tensor& scale, std::int64_t dim) {
+    for (std::int64_t i = 0; i < want.numel(); ++i) {
+      const std::uint8_t slot_role = role[static_cast<std::size_t>(i / (hkv * dim))];
+      const float x = want.get(i), g = got.get(i);
+      bool ok = std::fabs(g - x) == 0.0f || (std::isnan(g) && std::isnan(x));
+      if (fp8 && slot_role == 1)
+        ok = std::fabs(g - x) <= std::ldexp(std::fabs(x), -4) +
+                                     std::ldexp(scale.get(i / (kc_shape[1] * hkv * dim) * hkv + (i / dim) % hkv), -9);
+      if (fp8 && slot_role == 2) ok = true;
+      if (fp8 && slot_role == 0) ok = pc.bytes[pc.element_offset(i)] == before[pc.element_offset(i)];
+      if (!ok)
+        return "element " + std::to_string(i) + " holds " + std::to_string(g) + ", expected " + std::to_string(x);
+    }
+    return std::string();
+  };
+  const std::string k_wrong = within(k_stored, kc_after, pkc, kc_before, k_scale, d),
+                    v_wrong = within(v_stored, vc_after, pvc, vc_before, v_scale, dv);
+  check(k_wrong.empty(), "k_cache: wrong value after the append: " + k_wrong);
+  check(v_wrong.empty(), "v_cache: wrong value after the append: " + v_wrong);
   pkc.check_gaps("k_cache");
   pvc.check_gaps("v_cache");
   // Each sequence against the reference over its gathered keys.
   for (std::int64_t b = 0; b < batch; ++b) {
-    const std::int64_t sk = seqlens[static_cast<std::size_t>(b)] + s_new;
+    const std::int64_t first = pads[static_cast<std::size_t>(b)];  // slots before it are padding
+    const std::int64_t sk = seqlens[static_cast<std::size_t>(b)] + s_new - first;
     Tensor kb(dtype, {1, sk, hkv, d}), vb(dtype, {1, sk, hkv, dv}), qb(dtype, {1, seqlen_q, hq, d});
     for (std::int64_t j = 0; j < sk; ++j) {
-      const auto [row, r] = slot(b, j);
-      for (std::int64_t e = 0; e < hkv * d; ++e) kb.set(j * hkv * d + e, kc_after.get((row * kc_shape[1] + r) * hkv * d + e));
-      for (std::int64_t e = 0; e < hkv * dv; ++e) vb.set(j * hkv * dv + e, vc_after.get((row * vc_shape[1] + r) * hkv * dv + e));
+      const auto [row, r] = slot(b, first + j);
+      for (std::int64_t e = 0; e < hkv * d; ++e) kb.set(j * hkv * d + e, k_stored.get((row * kc_shape[1] + r) * hkv * d + e));
+      for (std::int64_t e = 0; e < hkv * dv; ++e) vb.set(j * hkv * dv + e, v_stored.get((row * vc_shape[1] + r) * hkv * dv + e));
     }
     for (std::int64_t e = 0; e < qb.numel(); ++e) qb.set(e, q.get(b * qb.numel() + e));
     const reference::Result want = reference::attention(qb.view(), kb.view(), vb.view(), o);
