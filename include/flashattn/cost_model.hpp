@@ -23,8 +23,9 @@ struct Tiling {
   std::int64_t block_q = 128;  // Br
   std::int64_t block_k = 128;  // Bc
   std::int64_t splits = 1;     // forward split-KV: key ranges per Q tile
-  // Forward: the CPU decode kernel's schedule — one item per (batch, kv head) holding all
-  // group · seqlen_q rows, K/V read in place in chunks of block_k keys.
+  // Forward: the CPU decode kernel's schedule — per (batch, kv head) a tile of all its
+  // group · seqlen_q rows, K/V read in place in chunks of block_k keys (the kernel runs
+  // every kv head of a key chunk in one work item; the traffic and tiles are the same).
   bool decode = false;
 };
 Tiling tiling_of(const CpuForwardPlan& plan);

@@ -33,11 +33,11 @@ const char* to_string(ForwardKernel kernel);
 
 struct CpuForwardPlan {
   ForwardKernel kernel = ForwardKernel::tiled;
-  std::int64_t block_q = 0;          // Q rows per work item (Br); decode: group · seqlen_q
+  std::int64_t block_q = 0;          // Q rows per work item (Br); decode: group · seqlen_q in fours, per kv head
   std::int64_t block_k = 0;          // keys per K/V tile (Bc), a multiple of micro_cols
   std::int64_t head_dim_v_padded = 0;  // Dv rounded up to micro_cols
   std::int64_t q_blocks = 0;         // per (batch, head)
-  std::int64_t work_items = 0;       // batch · heads_q · q_blocks · splits (decode: heads_kv, not heads_q · q_blocks)
+  std::int64_t work_items = 0;       // batch · heads_q · q_blocks · splits (decode: batch · splits)
   std::int64_t splits = 1;           // split-KV: key ranges per Q tile, merged by lse
   int threads = 1;
   std::size_t workspace_bytes_per_thread = 0;

@@ -17,23 +17,29 @@ namespace cpu {
 
 namespace {
 std::size_t round_up(std::size_t n, std::size_t m) { return (n + m - 1) / m * m; }
+
+// Tiles held at once: one, or (decode) one per kv head — Q rows and a block of V rows each.
+std::size_t tiles_held(const CpuForwardPlan& plan, const AttentionProblem& p) {
+  return static_cast<std::size_t>(plan.kernel == ForwardKernel::decode ? p.heads_kv : 1);
+}
 }  // namespace
 
 std::size_t forward_workspace_bytes(const CpuForwardPlan& plan, const AttentionProblem& p) {
-  const auto bq = static_cast<std::size_t>(plan.block_q);
+  const std::size_t bq = static_cast<std::size_t>(plan.block_q) * tiles_held(plan, p);
   const auto bc = static_cast<std::size_t>(plan.block_k);
   const auto d = static_cast<std::size_t>(p.head_dim);
   const auto dv_pad = static_cast<std::size_t>(plan.head_dim_v_padded);
   const std::size_t keys_pad =
       plan.kernel == ForwardKernel::tiled ? round_up(static_cast<std::size_t>(p.seqlen_k), bc) : 0;
   const std::size_t d_pad = round_up(d, 16);
-  const std::size_t floats = bq * d_pad + bq * bc + bq * dv_pad + keys_pad * d + keys_pad * dv_pad + d_pad + bc * dv_pad;
+  const std::size_t floats = bq * d_pad + bq * bc + bq * dv_pad + keys_pad * d + keys_pad * dv_pad + d_pad + tiles_held(plan, p) * bc * dv_pad;
   return floats * sizeof(float) + bq * (sizeof(OnlineSoftmaxState) + sizeof(std::int32_t));
 }
 
 ForwardWorkspace::ForwardWorkspace(const CpuForwardPlan& plan, const AttentionProblem& p)
-    : states(static_cast<std::size_t>(plan.block_q)), rescales(static_cast<std::size_t>(plan.block_q)) {
-  const auto bq = static_cast<std::size_t>(plan.block_q);
+    : states(static_cast<std::size_t>(plan.block_q) * tiles_held(plan, p)),
+      rescales(static_cast<std::size_t>(plan.block_q) * tiles_held(plan, p)) {
+  const std::size_t bq = static_cast<std::size_t>(plan.block_q) * tiles_held(plan, p);
   const auto bc = static_cast<std::size_t>(plan.block_k);
   const auto d = static_cast<std::size_t>(p.head_dim);
   const auto dv_pad = static_cast<std::size_t>(plan.head_dim_v_padded);
@@ -42,7 +48,7 @@ ForwardWorkspace::ForwardWorkspace(const CpuForwardPlan& plan, const AttentionPr
   const std::size_t d_pad = round_up(d, 16);  // a whole number of vectors on every target
   q_tile = allocate_floats(bq * d_pad);
   row_k = allocate_floats(d_pad);
-  row_v = allocate_floats(bc * dv_pad);
+  row_v = allocate_floats(tiles_held(plan, p) * bc * dv_pad);
   s_tile = allocate_floats(bq * bc);
   o_acc = allocate_floats(bq * dv_pad);
   k_packed = allocate_floats(keys_pad * d + 1);

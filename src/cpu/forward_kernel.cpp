@@ -244,20 +244,22 @@ void ForwardWorkItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_
   ws.counters.lse_written += rows;
 }
 
-// The decode kernel (a few query rows, many keys): item = (batch, kv head, split). Its rows
-// are every (q head of the kv head's group, query) pair, so each K and V row is read and
-// converted exactly once per item, straight from the caller's memory: no packing, no
-// micro-tile padding. S = Q·Kᵀ is a dot product per (row, key); õ += P·V an FMA per row.
+// The decode kernel (a few query rows, many keys): item = (batch, split), a contiguous key
+// chunk read for every kv head. Its rows are every (q head, query) pair, grouped per kv head
+// in fours, so each K and V row is read and converted exactly once, straight from the
+// caller's memory, and each key's kv heads — adjacent in memory — are read together: no
+// packing, no micro-tile padding. S = Q·Kᵀ is a dot product per (row, key); õ += P·V an FMA
+// per row.
 void ForwardDecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item) {
   const AttentionProblem& p = prm.problem;
   const CpuForwardPlan& plan = prm.plan;
   const std::int64_t d = p.head_dim, dv = p.head_dim_v, bc = plan.block_k, dv_pad = plan.head_dim_v_padded;
   const std::int64_t d_pad = (d + kLanes - 1) / kLanes * kLanes;
-  const std::int64_t group = p.heads_q / p.heads_kv, rows = group * p.seqlen_q;
+  const std::int64_t hkv = p.heads_kv, group = p.heads_q / hkv, rows = group * p.seqlen_q;
+  const std::int64_t rows4 = plan.block_q, all_rows = hkv * rows4;  // a kv head's rows, in fours
   const auto elem = static_cast<std::int64_t>(dtype_size(prm.k.dtype));
-  constexpr std::int64_t kPrefetchRows = 16;  // ~16 rows ahead covers DRAM latency here
-  const std::int64_t split = item % plan.splits, bkv = item / plan.splits;
-  const std::int64_t kv_head = bkv % p.heads_kv, b = bkv / p.heads_kv;
+  constexpr std::int64_t kPrefetchKeys = 4;  // whole token rows (every kv head) ahead: covers DRAM latency here
+  const std::int64_t split = item % plan.splits, b = item / plan.splits;
   const std::int64_t first_tile = p.key_range(0).begin / bc;
   const std::int64_t tiles = std::max<std::int64_t>(0, (p.key_range(p.seqlen_q - 1).end + bc - 1) / bc - first_tile);
   const std::int64_t key_begin = std::max(p.key_range(0).begin, (first_tile + tiles * split / plan.splits) * bc);
@@ -265,85 +267,87 @@ void ForwardDecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int6
       std::min(p.key_range(p.seqlen_q - 1).end, (first_tile + tiles * (split + 1) / plan.splits) * bc);
   const DF df;
 
-  // Row r is query r % Sq of q head kv_head·group + r / Sq.
-  float* q_rows = ws.q_tile.get();  // (rows, d_pad)
+  // Row g·rows4 + r (r < rows) is query r % Sq of q head g·group + r / Sq; rows r ≥ rows of
+  // each kv head g are zero padding.
+  float* q_rows = ws.q_tile.get();  // (heads_kv · rows4, d_pad)
   const float q_scale = p.softmax_scale * OnlineSoftmaxState::kLog2e;
-  for (std::int64_t r = 0; r < rows; ++r) {
-    LoadRow(RowPointer(prm.q, b, r % p.seqlen_q, kv_head * group + r / p.seqlen_q), p.dtype, d, q_scale,
-            q_rows + r * d_pad);
-    std::fill(q_rows + r * d_pad + d, q_rows + (r + 1) * d_pad, 0.0f);
-  }
-  float* o_acc = ws.o_acc.get();  // (rows, dv_pad)
-  std::fill(o_acc, o_acc + (rows + 3) / 4 * 4 * dv_pad, 0.0f);
+  std::fill(q_rows, q_rows + all_rows * d_pad, 0.0f);
+  for (std::int64_t g = 0; g < hkv; ++g)
+    for (std::int64_t r = 0; r < rows; ++r)
+      LoadRow(RowPointer(prm.q, b, r % p.seqlen_q, g * group + r / p.seqlen_q), p.dtype, d, q_scale,
+              q_rows + (g * rows4 + r) * d_pad);
+  float* o_acc = ws.o_acc.get();  // (heads_kv · rows4, dv_pad)
+  std::fill(o_acc, o_acc + all_rows * dv_pad, 0.0f);
   OnlineSoftmaxState* state = ws.states.data();
-  std::fill(state, state + rows, OnlineSoftmaxState{});
+  std::fill(state, state + all_rows, OnlineSoftmaxState{});
   std::int32_t* rescales = prm.rescale_counts.data != nullptr ? ws.rescales.data() : nullptr;
-  if (rescales != nullptr) std::fill(rescales, rescales + rows, 0);
+  if (rescales != nullptr) std::fill(rescales, rescales + all_rows, 0);
   float* krow = ws.row_k.get();     // (d_pad)
-  float* v_block = ws.row_v.get();  // (block_k, dv_pad): the chunk's V rows, converted
+  float* v_block = ws.row_v.get();  // (heads_kv, block_k, dv_pad): the block's V rows, converted
   std::fill(krow + d, krow + d_pad, 0.0f);
-  float* s_tile = ws.s_tile.get();  // (rows, bc)
+  float* s_tile = ws.s_tile.get();  // (heads_kv · rows4, bc)
+  ws.counters.q_read += hkv * rows * d;
 
-  // Rows are handled four at a time (zero rows pad the last group) so that every step
-  // has four independent FMA chains in flight instead of one latency-bound chain.
-  const std::int64_t rows4 = (rows + 3) / 4 * 4;
-  std::fill(q_rows + rows * d_pad, q_rows + rows4 * d_pad, 0.0f);
-  ws.counters.q_read += rows * d;
   for (std::int64_t j0 = key_begin; j0 < key_end; j0 += bc) {
     const std::int64_t n = std::min(bc, key_end - j0), cols = (n + kLanes - 1) / kLanes * kLanes;
-    ws.counters.tiles_computed += 1;
-    ws.counters.scores += rows * n;
-    ws.counters.k_read += n * d;
-    ws.counters.v_read += n * dv;
+    ws.counters.tiles_computed += hkv;  // one (kv head, key block) tile each, as the cost model counts
+    ws.counters.scores += hkv * rows * n;
+    ws.counters.k_read += hkv * n * d;
+    ws.counters.v_read += hkv * n * dv;
     for (std::int64_t c = 0; c < n; ++c) {  // S column c = Q·k_(j0+c); V row c converted
-      // Rows of one kv head are heads_kv·D elements apart: a stride the hardware
-      // prefetcher follows too late (the loads stall ~80% of the time without this).
-      if (j0 + c + kPrefetchRows < key_end) {
-        const auto* kn = static_cast<const char*>(KvRow(prm, prm.k, b, j0 + c + kPrefetchRows, kv_head));
-        const auto* vn = static_cast<const char*>(KvRow(prm, prm.v, b, j0 + c + kPrefetchRows, kv_head));
-        for (std::int64_t off = 0; off < d * elem; off += 64) hwy::Prefetch(kn + off);
-        for (std::int64_t off = 0; off < dv * elem; off += 64) hwy::Prefetch(vn + off);
+      if (j0 + c + kPrefetchKeys < key_end) {
+        const auto* kn = static_cast<const char*>(KvRow(prm, prm.k, b, j0 + c + kPrefetchKeys, 0));
+        const auto* vn = static_cast<const char*>(KvRow(prm, prm.v, b, j0 + c + kPrefetchKeys, 0));
+        for (std::int64_t off = 0; off < hkv * d * elem; off += 64) hwy::Prefetch(kn + off);
+        for (std::int64_t off = 0; off < hkv * dv * elem; off += 64) hwy::Prefetch(vn + off);
       }
-      LoadKvRow(prm, prm.k, prm.paged.k_descale, b, j0 + c, kv_head, d, krow);
-      LoadKvRow(prm, prm.v, prm.paged.v_descale, b, j0 + c, kv_head, dv, v_block + c * dv_pad);
-      std::fill(v_block + c * dv_pad + dv, v_block + (c + 1) * dv_pad, 0.0f);
-      for (std::int64_t r = 0; r < rows4; r += 4) {
-        const float* q0 = q_rows + r * d_pad;
-        VF a0 = hn::Zero(df), a1 = a0, a2 = a0, a3 = a0;
-        for (std::int64_t e = 0; e < d_pad; e += kLanes) {
-          const VF kv = hn::Load(df, krow + e);
-          a0 = hn::MulAdd(hn::Load(df, q0 + e), kv, a0);
-          a1 = hn::MulAdd(hn::Load(df, q0 + d_pad + e), kv, a1);
-          a2 = hn::MulAdd(hn::Load(df, q0 + 2 * d_pad + e), kv, a2);
-          a3 = hn::MulAdd(hn::Load(df, q0 + 3 * d_pad + e), kv, a3);
+      for (std::int64_t g = 0; g < hkv; ++g) {
+        LoadKvRow(prm, prm.k, prm.paged.k_descale, b, j0 + c, g, d, krow);
+        float* vrow = v_block + (g * bc + c) * dv_pad;
+        LoadKvRow(prm, prm.v, prm.paged.v_descale, b, j0 + c, g, dv, vrow);
+        std::fill(vrow + dv, vrow + dv_pad, 0.0f);
+        // Four rows at a time: four independent FMA chains in flight, not one latency-bound.
+        for (std::int64_t r = g * rows4; r < (g + 1) * rows4; r += 4) {
+          const float* q0 = q_rows + r * d_pad;
+          VF a0 = hn::Zero(df), a1 = a0, a2 = a0, a3 = a0;
+          for (std::int64_t e = 0; e < d_pad; e += kLanes) {
+            const VF kv = hn::Load(df, krow + e);
+            a0 = hn::MulAdd(hn::Load(df, q0 + e), kv, a0);
+            a1 = hn::MulAdd(hn::Load(df, q0 + d_pad + e), kv, a1);
+            a2 = hn::MulAdd(hn::Load(df, q0 + 2 * d_pad + e), kv, a2);
+            a3 = hn::MulAdd(hn::Load(df, q0 + 3 * d_pad + e), kv, a3);
+          }
+          s_tile[r * bc + c] = hn::GetLane(hn::SumOfLanes(df, a0));
+          s_tile[(r + 1) * bc + c] = hn::GetLane(hn::SumOfLanes(df, a1));
+          s_tile[(r + 2) * bc + c] = hn::GetLane(hn::SumOfLanes(df, a2));
+          s_tile[(r + 3) * bc + c] = hn::GetLane(hn::SumOfLanes(df, a3));
         }
-        s_tile[r * bc + c] = hn::GetLane(hn::SumOfLanes(df, a0));
-        s_tile[(r + 1) * bc + c] = hn::GetLane(hn::SumOfLanes(df, a1));
-        s_tile[(r + 2) * bc + c] = hn::GetLane(hn::SumOfLanes(df, a2));
-        s_tile[(r + 3) * bc + c] = hn::GetLane(hn::SumOfLanes(df, a3));
       }
     }
-    for (std::int64_t r = 0; r < rows4; ++r) {
-      if (r >= rows) {  // padding rows: no probability mass
-        std::fill(s_tile + r * bc, s_tile + r * bc + cols, 0.0f);
-        continue;
+    for (std::int64_t g = 0; g < hkv; ++g)
+      for (std::int64_t r = 0; r < rows4; ++r) {
+        float* srow = s_tile + (g * rows4 + r) * bc;
+        if (r >= rows) {  // padding rows: no probability mass
+          std::fill(srow, srow + cols, 0.0f);
+          continue;
+        }
+        std::fill(srow + n, srow + cols, 0.0f);
+        const RowMods mods(p, prm.alibi_slopes, prm.block_mask, b, g * group + r / p.seqlen_q);
+        SoftmaxRow(mods, srow, r % p.seqlen_q, j0, n, cols, state[g * rows4 + r], o_acc + (g * rows4 + r) * dv_pad,
+                   dv_pad, rescales != nullptr ? rescales + g * rows4 + r : nullptr);
       }
-      std::fill(s_tile + r * bc + n, s_tile + r * bc + cols, 0.0f);
-      const RowMods mods(p, prm.alibi_slopes, prm.block_mask, b, kv_head * group + r / p.seqlen_q);
-      SoftmaxRow(mods, s_tile + r * bc, r % p.seqlen_q, j0, n, cols, state[r], o_acc + r * dv_pad, dv_pad,
-                 rescales != nullptr ? rescales + r : nullptr);
-    }
     // õ += P·V_block, two rows and two vectors of õ at a time: four chains, õ in registers.
-    for (std::int64_t r = 0; r < rows4; r += 2) {
+    for (std::int64_t r = 0; r < all_rows; r += 2) {
       const float* p0 = s_tile + r * bc;
       const float* p1 = p0 + bc;
+      const float* vg = v_block + r / rows4 * bc * dv_pad;
       for (std::int64_t e = 0; e < dv_pad; e += 2 * kLanes) {
         float* o0 = o_acc + r * dv_pad + e;
         float* o1 = o0 + dv_pad;
         VF a0 = hn::Load(df, o0), a1 = hn::Load(df, o0 + kLanes);
         VF b0 = hn::Load(df, o1), b1 = hn::Load(df, o1 + kLanes);
         for (std::int64_t c = 0; c < n; ++c) {
-          const VF v0 = hn::Load(df, v_block + c * dv_pad + e), v1 = hn::Load(df, v_block + c * dv_pad + e + kLanes);
+          const VF v0 = hn::Load(df, vg + c * dv_pad + e), v1 = hn::Load(df, vg + c * dv_pad + e + kLanes);
           const VF w0 = hn::Set(df, p0[c]), w1 = hn::Set(df, p1[c]);
           a0 = hn::MulAdd(w0, v0, a0);
           a1 = hn::MulAdd(w0, v1, a1);
@@ -357,11 +361,12 @@ void ForwardDecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int6
       }
     }
   }
-  for (std::int64_t r = 0; r < rows; ++r)
-    StoreOutputRow(prm, split, b, kv_head * group + r / p.seqlen_q, r % p.seqlen_q, o_acc + r * dv_pad, state[r],
-                   rescales != nullptr ? rescales + r : nullptr);
-  ws.counters.o_written += rows * dv;
-  ws.counters.lse_written += rows;
+  for (std::int64_t g = 0; g < hkv; ++g)
+    for (std::int64_t r = 0; r < rows; ++r)
+      StoreOutputRow(prm, split, b, g * group + r / p.seqlen_q, r % p.seqlen_q, o_acc + (g * rows4 + r) * dv_pad,
+                     state[g * rows4 + r], rescales != nullptr ? rescales + g * rows4 + r : nullptr);
+  ws.counters.o_written += hkv * rows * dv;
+  ws.counters.lse_written += hkv * rows;
 }
 
 KernelGeometry GetKernelGeometry() {

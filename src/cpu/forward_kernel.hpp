@@ -59,7 +59,7 @@ struct ForwardWorkspace {
   hwy::AlignedFreeUniquePtr<float[]> k_packed;  // k tiles, each (head_dim, block_k): Kᵀ (tiled)
   hwy::AlignedFreeUniquePtr<float[]> v_packed;  // (k_tiles · block_k, head_dim_v_padded) (tiled)
   hwy::AlignedFreeUniquePtr<float[]> row_k;     // one converted K row (decode)
-  hwy::AlignedFreeUniquePtr<float[]> row_v;     // (block_k, Dv_pad): converted V rows (decode)
+  hwy::AlignedFreeUniquePtr<float[]> row_v;     // (heads_kv, block_k, Dv_pad): converted V rows (decode)
   PackedHead packed;  // which head k/v buffers hold, and how much of it
   KernelCounters counters;  // this thread's share of the call's counts (counters.hpp)
 };

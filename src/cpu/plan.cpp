@@ -88,12 +88,21 @@ CpuForwardPlan plan_forward(const AttentionProblem& p, const CpuHardware& hw, in
   const std::int64_t k_tiles = (p.seqlen_k + plan.block_k - 1) / plan.block_k;
   const std::int64_t group = p.heads_q / p.heads_kv;
   if (group * p.seqlen_q <= kDecodeRows) {
+    // One work item = (batch, contiguous key chunk) over every kv head: a thread streams
+    // whole token rows (the kv heads of a key are adjacent), which the hardware prefetcher
+    // follows, instead of a strided 1/heads_kv of each row. Its rows are every q head's,
+    // block_q (in fours) per kv head. A key block's converted V rows of every kv head
+    // should fill at most a quarter of L2, leaving room for the rows' state and streamed K.
     plan.kernel = ForwardKernel::decode;
-    plan.block_q = (std::max<std::int64_t>(1, group * p.seqlen_q) + 3) / 4 * 4;  // rows in fours
+    const std::int64_t rows4 = (std::max<std::int64_t>(1, group * p.seqlen_q) + 3) / 4 * 4;  // rows in fours
+    plan.block_q = rows4;  // the rows of one (kv head, key block) tile, as the cost model counts
     plan.q_blocks = 1;
-    const std::int64_t kv_items = p.batch * p.heads_kv;
-    plan.splits = choose_splits(num_splits, kv_items, k_tiles, hw.threads);
-    plan.work_items = kv_items * plan.splits;
+    const std::int64_t v_row_bytes = p.heads_kv * plan.head_dim_v_padded * static_cast<std::int64_t>(sizeof(float));
+    const std::int64_t fit = static_cast<std::int64_t>(hw.l2_bytes / 4) / std::max<std::int64_t>(v_row_bytes, 1);
+    plan.block_k = std::min(plan.block_k, std::max(mc, fit / mc * mc));
+    const std::int64_t decode_tiles = (p.seqlen_k + plan.block_k - 1) / plan.block_k;
+    plan.splits = choose_splits(num_splits, p.batch, decode_tiles, hw.threads);
+    plan.work_items = p.batch * plan.splits;
   } else {
     const std::int64_t q_tiles = heads * plan.q_blocks;
     plan.splits = choose_splits(num_splits, q_tiles, k_tiles, hw.threads);
