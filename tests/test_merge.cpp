@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #include "test_util.hpp"
 
@@ -49,6 +50,43 @@ TEST(Merge, SplitKeysMergeIntoFullAttention) {
     EXPECT_LE(err, dtype == DType::f32 ? 2e-6 : 8e-3) << to_string(dtype);
     EXPECT_LE(lse_err, 1e-5);
   }
+}
+
+TEST(Merge, ThreadCountsGiveBitIdenticalRows) {
+  // Random partials (one split empty in some rows): each row is merged by one thread in
+  // split order, so 1, 2, 3 and 7 threads must agree bit for bit, and every row must
+  // equal the float64 merge Σ_s exp(lse_s − lse)·out_s computed here.
+  const std::int64_t splits = 5, b = 2, sq = 7, h = 3, dv = 19;
+  const Tensor outs = random_tensor(DType::f32, {splits, b, sq, h, dv}, 11);
+  Tensor lses = random_tensor(DType::f32, {splits, b, h, sq}, 12);
+  for (std::int64_t i = 0; i < lses.numel(); i += 4) lses.set(i, -std::numeric_limits<float>::infinity());
+  std::vector<Tensor> results;
+  for (int threads : {1, 2, 3, 7}) {
+    Tensor out(DType::f32, {b, sq, h, dv}), lse(DType::f32, {b, h, sq});
+    merge_attention_states(outs.view(), lses.view(), out.view(), lse.view(), threads);
+    results.push_back(std::move(out));
+    results.push_back(std::move(lse));
+  }
+  for (std::size_t r = 2; r < results.size(); ++r)
+    for (std::int64_t i = 0; i < results[r].numel(); ++i)
+      ASSERT_EQ(results[r].get(i), results[r % 2].get(i)) << "result " << r << " element " << i;
+  for (std::int64_t bi = 0; bi < b; ++bi)
+    for (std::int64_t i = 0; i < sq; ++i)
+      for (std::int64_t hi = 0; hi < h; ++hi) {
+        double m = -std::numeric_limits<double>::infinity();
+        for (std::int64_t s = 0; s < splits; ++s) m = std::fmax(m, lses.get(((s * b + bi) * h + hi) * sq + i));
+        double total = 0.0;
+        for (std::int64_t s = 0; s < splits; ++s) total += std::exp(lses.get(((s * b + bi) * h + hi) * sq + i) - m);
+        const double lse = m + std::log(total);
+        EXPECT_NEAR(results[1].get((bi * h + hi) * sq + i), lse, 1e-5);
+        for (std::int64_t c = 0; c < dv; ++c) {
+          double want = 0.0;
+          for (std::int64_t s = 0; s < splits; ++s)
+            want += std::exp(lses.get(((s * b + bi) * h + hi) * sq + i) - lse) *
+                    outs.get((((s * b + bi) * sq + i) * h + hi) * dv + c);
+          EXPECT_NEAR(results[0].get(((bi * sq + i) * h + hi) * dv + c), want, 1e-5 * (1.0 + std::fabs(want)));
+        }
+      }
 }
 
 TEST(Merge, AllSplitsEmptyGiveZeroAndMinusInfinity) {

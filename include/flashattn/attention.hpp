@@ -134,8 +134,10 @@ ForwardResult forward_with_kvcache(const TensorView& q, const KvCache& cache,
 //   outs (splits, batch, seqlen_q, heads_q, head_dim_v) float32, each normalized
 //   lses (splits, batch, heads_q, seqlen_q) float32; −∞ marks a split with no visible key
 //   out (batch, seqlen_q, heads_q, head_dim_v) any floating dtype, lse (batch, heads_q, seqlen_q) float32
+// Rows are merged in parallel on num_threads threads (0 = the OpenMP default); each row's
+// result does not depend on the thread count.
 void merge_attention_states(const TensorView& outs, const TensorView& lses,
-                            const MutableTensorView& out, const MutableTensorView& lse);
+                            const MutableTensorView& out, const MutableTensorView& lse, int num_threads = 0);
 
 // FP8 attention (SPEC §4): q, k, v as FP8 codes with descale factors, per tensor or per
 // block of rows (see Fp8View and quantize_fp8), in the layout of forward(); out in any

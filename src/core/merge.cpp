@@ -1,4 +1,7 @@
 // merge_attention_states: partial (out, lse) pairs combined with OnlineSoftmaxState::merge.
+#include <omp.h>
+
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -11,7 +14,7 @@
 namespace flashattn {
 
 void merge_attention_states(const TensorView& outs, const TensorView& lses,
-                            const MutableTensorView& out, const MutableTensorView& lse) {
+                            const MutableTensorView& out, const MutableTensorView& lse, int num_threads) {
   constexpr const char* kOutsLayout = "(splits, batch, seqlen_q, heads_q, head_dim_v)";
   detail::check_view("outs", outs, 5, kOutsLayout);
   detail::check_dtype("outs", outs, DType::f32, "partial outputs are float32");
@@ -37,32 +40,37 @@ void merge_attention_states(const TensorView& outs, const TensorView& lses,
 
   const auto* o = static_cast<const float*>(outs.data);
   const auto* l = static_cast<const float*>(lses.data);
-#pragma omp parallel for collapse(3) schedule(static)
-  for (std::int64_t b = 0; b < batch; ++b)
-    for (std::int64_t i = 0; i < sq; ++i)
-      for (std::int64_t h = 0; h < heads; ++h) {
-        std::vector<double> acc(static_cast<std::size_t>(dv), 0.0);
-        OnlineSoftmaxState state;
-        for (std::int64_t s = 0; s < splits; ++s) {
-          const float split_lse = l[s * lses.strides[0] + b * lses.strides[1] + h * lses.strides[2] +
-                                    i * lses.strides[3]];
-          // A normalized partial output is its state with ℓ = 1 at m = lse (log2 units).
-          const bool empty = split_lse == -std::numeric_limits<float>::infinity();
-          const OnlineSoftmaxState partial{empty ? split_lse : split_lse * OnlineSoftmaxState::kLog2e,
-                                           empty ? 0.0f : 1.0f};
-          const OnlineSoftmaxState::MergeFactors f = state.merge(partial);
-          const float* row = o + s * outs.strides[0] + b * outs.strides[1] + i * outs.strides[2] +
-                             h * outs.strides[3];
+  const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<double> acc(static_cast<std::size_t>(dv));  // a row's sum, reused for the thread's rows
+#pragma omp for collapse(3) schedule(static)
+    for (std::int64_t b = 0; b < batch; ++b)
+      for (std::int64_t i = 0; i < sq; ++i)
+        for (std::int64_t h = 0; h < heads; ++h) {
+          std::fill(acc.begin(), acc.end(), 0.0);
+          OnlineSoftmaxState state;
+          for (std::int64_t s = 0; s < splits; ++s) {
+            const float split_lse = l[s * lses.strides[0] + b * lses.strides[1] + h * lses.strides[2] +
+                                      i * lses.strides[3]];
+            // A normalized partial output is its state with ℓ = 1 at m = lse (log2 units).
+            const bool empty = split_lse == -std::numeric_limits<float>::infinity();
+            const OnlineSoftmaxState partial{empty ? split_lse : split_lse * OnlineSoftmaxState::kLog2e,
+                                             empty ? 0.0f : 1.0f};
+            const OnlineSoftmaxState::MergeFactors f = state.merge(partial);
+            const float* row = o + s * outs.strides[0] + b * outs.strides[1] + i * outs.strides[2] +
+                               h * outs.strides[3];
+            for (std::int64_t c = 0; c < dv; ++c)
+              acc[static_cast<std::size_t>(c)] = acc[static_cast<std::size_t>(c)] * f.self +
+                                                 static_cast<double>(row[c * outs.strides[4]]) * f.other;
+          }
+          const double inv = state.inverse_sum();
           for (std::int64_t c = 0; c < dv; ++c)
-            acc[static_cast<std::size_t>(c)] = acc[static_cast<std::size_t>(c)] * f.self +
-                                               static_cast<double>(row[c * outs.strides[4]]) * f.other;
+            detail::store_element(out, detail::offset4(out, b, i, h, c),
+                                  static_cast<float>(acc[static_cast<std::size_t>(c)] * inv));
+          static_cast<float*>(lse.data)[b * lse.strides[0] + h * lse.strides[1] + i * lse.strides[2]] = state.lse();
         }
-        const double inv = state.inverse_sum();
-        for (std::int64_t c = 0; c < dv; ++c)
-          detail::store_element(out, detail::offset4(out, b, i, h, c),
-                                static_cast<float>(acc[static_cast<std::size_t>(c)] * inv));
-        static_cast<float*>(lse.data)[b * lse.strides[0] + h * lse.strides[1] + i * lse.strides[2]] = state.lse();
-      }
+  }
 }
 
 }  // namespace flashattn
