@@ -19,6 +19,18 @@ int bucket_for(const Tile (&tiles)[N], std::int64_t head_dim, const char* pass) 
 
 std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
 
+// The fields both plans copy from their tile-table entry.
+template <class Plan, class Tile>
+void copy_tile(Plan& plan, int bucket, const Tile& t) {
+  plan.bucket = bucket;
+  plan.head_dim_padded = t.head_dim;
+  plan.block_m = t.block_m;
+  plan.block_n = t.block_n;
+  plan.warps = t.warps;
+  plan.threads = t.threads();
+  plan.smem_bytes = t.smem_bytes();
+}
+
 }  // namespace
 
 std::int64_t CudaForwardPlan::blocks() const { return m_blocks * heads_q * batch; }
@@ -44,14 +56,8 @@ CudaForwardPlan plan_cuda_forward(const AttentionProblem& p) {
   const int bucket = bucket_for(cuda::kForwardTiles, p.head_dim, "forward");
   const cuda::ForwardTile& t = cuda::kForwardTiles[bucket];
   CudaForwardPlan plan;
-  plan.bucket = bucket;
-  plan.head_dim_padded = t.head_dim;
-  plan.block_m = t.block_m;
-  plan.block_n = t.block_n;
-  plan.warps = t.warps;
+  copy_tile(plan, bucket, t);
   plan.stages = t.stages;
-  plan.threads = t.threads();
-  plan.smem_bytes = t.smem_bytes();
   plan.m_blocks = ceil_div(p.seqlen_q, t.block_m);
   plan.heads_q = p.heads_q;
   plan.batch = p.batch;
@@ -62,13 +68,7 @@ CudaBackwardPlan plan_cuda_backward(const AttentionProblem& p, bool deterministi
   const int bucket = bucket_for(cuda::kBackwardTiles, p.head_dim, "backward");
   const cuda::BackwardTile& t = cuda::kBackwardTiles[bucket];
   CudaBackwardPlan plan;
-  plan.bucket = bucket;
-  plan.head_dim_padded = t.head_dim;
-  plan.block_m = t.block_m;
-  plan.block_n = t.block_n;
-  plan.warps = t.warps;
-  plan.threads = t.threads();
-  plan.smem_bytes = t.smem_bytes();
+  copy_tile(plan, bucket, t);
   plan.n_blocks = ceil_div(p.seqlen_k, t.block_n);
   plan.m_blocks = ceil_div(p.seqlen_q, t.block_m);
   plan.heads_kv = p.heads_kv;
