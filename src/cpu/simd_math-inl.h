@@ -13,6 +13,20 @@ HWY_BEFORE_NAMESPACE();
 namespace flashattn::cpu::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
+// Adding 1.5·2^23 to a float of magnitude below 2^22 leaves round-to-nearest-even(x) in
+// the low mantissa bits of the sum: y = 1.5·2^23 + n exactly, and y − 1.5·2^23 = n. The
+// bits of y give 2^n without a float-to-int conversion (whose overflow fix-up costs four
+// more instructions on AVX2): the bias 127 added to them and shifted into the exponent
+// field, where the bits of 1.5·2^23 itself (none below bit 9) shift out.
+constexpr float kRoundingBias = 12582912.0f;  // 1.5 · 2^23
+
+// 2^n for n = y − kRoundingBias integral in [−127, 127], from y's bits; n = −127 gives +0.0f.
+template <class D, class V = hn::Vec<D>>
+HWY_INLINE V Pow2FromRounded(D d, V y) {
+  const hn::RebindToSigned<D> di;
+  return hn::BitCast(d, hn::ShiftLeft<23>(hn::Add(hn::BitCast(di, y), hn::Set(di, 127))));
+}
+
 // 2^x on the FMA units (SPEC §5): x = n + f with n = round(x), |f| ≤ 1/2; 2^n goes
 // straight into the exponent bits, 2^f = e^(f·ln2) comes from its degree-6 Taylor
 // polynomial by Horner's rule. Truncation error (ln2/2)^7/7! ≈ 1.2e-7 relative, i.e.
@@ -28,21 +42,18 @@ HWY_INLINE V Exp2(D d, V x) {
   constexpr float kC3 = 5.5504108664821580e-2f;
   constexpr float kC2 = 2.4022650695910071e-1f;
   constexpr float kC1 = kLn2;
-  const hn::RebindToSigned<D> di;
   const V input = x;
   x = hn::Min(hn::Max(x, hn::Set(d, -127.0f)), hn::Set(d, 127.0f));
-  const V n = hn::Round(x);
-  const V f = hn::Sub(x, n);
+  const V y = hn::Add(x, hn::Set(d, kRoundingBias));  // n = round(x) in its low bits
+  const V f = hn::Sub(x, hn::Sub(y, hn::Set(d, kRoundingBias)));
   V p = hn::MulAdd(hn::Set(d, kC6), f, hn::Set(d, kC5));
   p = hn::MulAdd(p, f, hn::Set(d, kC4));
   p = hn::MulAdd(p, f, hn::Set(d, kC3));
   p = hn::MulAdd(p, f, hn::Set(d, kC2));
   p = hn::MulAdd(p, f, hn::Set(d, kC1));
   p = hn::MulAdd(p, f, hn::Set(d, 1.0f));
-  // Biased exponent n + 127 in bits 23..30; n = −127 gives +0.0f.
-  const auto bits = hn::ShiftLeft<23>(hn::Add(hn::ConvertTo(di, n), hn::Set(di, 127)));
   // The clamp may have turned a NaN into a number: a NaN score must poison its row.
-  return hn::IfThenElse(hn::IsNaN(input), input, hn::Mul(p, hn::BitCast(d, bits)));
+  return hn::IfThenElse(hn::IsNaN(input), input, hn::Mul(p, Pow2FromRounded(d, y)));
 }
 
 // 2^x by Cody–Waite range reduction with a cubic (SPEC §5, FlashAttention-4's software
@@ -58,7 +69,6 @@ HWY_INLINE V Exp2Poly3(D d, V x) {
   constexpr float kC2 = 0.22606715559959412f;
   constexpr float kC1 = 0.6958335638046265f;
   constexpr float kC0 = 0.9999251961708069f;
-  const hn::RebindToSigned<D> di;
   const V input = x;
   x = hn::Min(hn::Max(x, hn::Set(d, -127.0f)), hn::Set(d, 127.0f));
   const V n = hn::Floor(x);
@@ -66,9 +76,9 @@ HWY_INLINE V Exp2Poly3(D d, V x) {
   V p = hn::MulAdd(hn::Set(d, kC3), f, hn::Set(d, kC2));
   p = hn::MulAdd(p, f, hn::Set(d, kC1));
   p = hn::MulAdd(p, f, hn::Set(d, kC0));
-  // Biased exponent n + 127 in bits 23..30; n = −127 (x < −126) gives +0.0f.
-  const auto bits = hn::ShiftLeft<23>(hn::Add(hn::ConvertTo(di, n), hn::Set(di, 127)));
-  return hn::IfThenElse(hn::IsNaN(input), input, hn::Mul(p, hn::BitCast(d, bits)));
+  // 2^n; n = −127 (x < −126) gives +0.0f.
+  const V pow2 = Pow2FromRounded(d, hn::Add(n, hn::Set(d, kRoundingBias)));
+  return hn::IfThenElse(hn::IsNaN(input), input, hn::Mul(p, pow2));
 }
 
 }  // namespace flashattn::cpu::HWY_NAMESPACE

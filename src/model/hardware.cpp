@@ -113,14 +113,14 @@ constexpr double kFmaPipes = 2.0;
 constexpr double kL1LoadsPerClock = 2.0;
 // Vector instructions per vector of exponentials, read off the AVX2 code of
 // src/cpu/simd_math-inl.h (objdump of Exp2Array in src/cpu/exp2.cpp, Highway 1.0.3).
-// Both exp2s share 14: clamp (max, min), the reduction (round or floor, subtract), and
-// 2^n — convert to int32 (cvttps2dq plus Highway's 4-instruction overflow fix-up), add
-// the bias, shift into the exponent, multiply — and the NaN test and select. Exp2 adds
-// its 6 Horner FMAs, Exp2Poly3 its 3. Counted as issued on the FMA pipes: the integer and
-// compare instructions could use other vector ports, so this is the upper end.
-constexpr double kExp2SharedOps = 14.0;
-constexpr double kExp2VectorOps = kExp2SharedOps + 6.0;       // 20: the exact exp2
-constexpr double kExp2Poly3VectorOps = kExp2SharedOps + 3.0;  // 17: poly3
+// Both exp2s share 10: clamp (max, min), the reduction (Exp2: add and subtract 1.5·2^23,
+// subtract; Exp2Poly3: floor, subtract, add 1.5·2^23), and 2^n from the rounded sum's bits
+// — add the bias, shift into the exponent, multiply — and the NaN test and select. Exp2
+// adds its 6 Horner FMAs, Exp2Poly3 its 3. Counted as issued on the FMA pipes: the integer
+// and compare instructions could use other vector ports, so this is the upper end.
+constexpr double kExp2SharedOps = 10.0;
+constexpr double kExp2VectorOps = kExp2SharedOps + 6.0;       // 16: the exact exp2
+constexpr double kExp2Poly3VectorOps = kExp2SharedOps + 3.0;  // 13: poly3
 
 }  // namespace
 
