@@ -39,9 +39,9 @@ void sweep(const BenchFlags& f) {
     if (std::find(f.ops.begin(), f.ops.end(), op) != f.ops.end()) s.ops.push_back(op);
   if (f.sweep && s.ops.empty()) throw Error("--ops: --sweep times fwd and/or bwd, got only decode");
   const nlohmann::json result = f.quick ? run_quick(s) : run_sweep(s);
-  if (!f.plot.empty()) svg::write(f.plot, sweep_plot(result));
   if (f.json) std::cout << result.dump(2) << "\n";
   else print_sweep(result);
+  if (!f.plot.empty()) svg::write(f.plot, sweep_plot(result));  // after the results: a bad path loses no data
 }
 
 void bench(const BenchFlags& f) {

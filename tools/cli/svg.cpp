@@ -15,7 +15,7 @@ namespace {
 constexpr double kWidth = 720, kMinHeight = 440;
 constexpr double kLeft = 80, kRight = 190, kTop = 40, kBottom = 60;  // right margin holds the legend
 constexpr double kPlotW = kWidth - kLeft - kRight;
-constexpr double kLegendRow = 20;
+constexpr double kLegendTop = kTop + 10, kLegendRow = 20;  // first legend row, row pitch
 constexpr int kTicks = 5;
 constexpr const char* kColors[] = {"#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#17becf"};
 constexpr int kColorCount = sizeof(kColors) / sizeof(kColors[0]);
@@ -32,7 +32,7 @@ std::string dash(std::size_t k) {
 struct Frame {
   double height, plot_h;
   explicit Frame(std::size_t legend_rows)
-      : height(std::max(kMinHeight, kTop + 10 + kLegendRow * static_cast<double>(legend_rows) + kBottom)),
+      : height(std::max(kMinHeight, kLegendTop + kLegendRow * static_cast<double>(legend_rows) + kBottom)),
         plot_h(height - kTop - kBottom) {}
 };
 
@@ -98,7 +98,7 @@ void y_ticks(std::ostringstream& s, const Scale& y, const Frame& f) {
 // Swatches: a line with the series' dash pattern for line charts, a square for bars.
 void legend(std::ostringstream& s, const std::vector<Series>& series, bool lines) {
   for (std::size_t i = 0; i < series.size(); ++i) {
-    const double y = kTop + 10 + kLegendRow * static_cast<double>(i);
+    const double y = kLegendTop + kLegendRow * static_cast<double>(i);
     if (lines)
       s << "<line x1=\"" << kWidth - kRight + 6 << "\" x2=\"" << kWidth - kRight + 26 << "\" y1=\"" << y - 3
         << "\" y2=\"" << y - 3 << "\" stroke-width=\"2\" stroke=\"" << color(i) << "\"" << dash(i) << "/>\n";
