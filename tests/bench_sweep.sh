@@ -62,7 +62,11 @@ f32 = {(c["causal"], c["op"]): c["gflops"] for c in j["cases"]
 t = by_name["fp32 forward, non-causal (S=64, D=32)"]
 assert abs(t["ratio"] - f32[(False, "fwd")] / j["sgemm_gflops"]) < 1e-9 * t["ratio"], t
 assert by_name["fp32 forward, 1 -> 2 threads"]["target"] == 1.85
-ET.parse(sys.argv[2])
+svg = ET.parse(sys.argv[2]).getroot()
+ns = "{http://www.w3.org/2000/svg}"
+# 12 cases on 11 lines (the 4·S case extends the base f32 forward line), and sgemm's
+assert len(svg.findall(f"{ns}polyline")) == 12
+assert "fwd f32 full D=32 t=1" in [t.text for t in svg.findall(f"{ns}text")]
 PY
 echo "bench quick: ok"
 

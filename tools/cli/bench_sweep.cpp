@@ -165,7 +165,7 @@ std::string sweep_plot(const nlohmann::json& r) {
     const int t = c["threads"];
     std::string name = c["op"].get<std::string>() + " " + c["dtype"].get<std::string>() +
                        (c["causal"].get<bool>() ? " causal" : " full") + " D=" + std::to_string(c["dim"].get<std::int64_t>());
-    if (t != threads) name += ", " + std::to_string(t) + (t == 1 ? " thread" : " threads");
+    if (t != threads) name += " t=" + std::to_string(t);  // short: the legend is 160 px wide
     auto [it, fresh] = by_config.try_emplace(name, svg::Series{name, {}, {}});
     if (fresh) order.push_back(name);
     const double s = static_cast<double>(c["seqlen_q"].get<std::int64_t>());
