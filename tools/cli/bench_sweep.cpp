@@ -196,9 +196,9 @@ void print_sweep(const nlohmann::json& r) {
                 static_cast<long long>(c["seqlen_q"].get<std::int64_t>()), c["threads"].get<int>(),
                 c["gflops"].get<double>(), 100.0 * c["gflops"].get<double>() / sgemm, c["seconds"].get<double>());
   if (!r.contains("targets")) return;
-  std::printf("\n%-48s %8s %8s  %s\n", "issue 7 target", "measured", "target", "");
+  std::printf("\n%-64s %8s %8s\n", "issue 7 target", "measured", "target");
   for (const auto& t : r["targets"])
-    std::printf("%-48s %8.2f %8.2f  %s\n", t["name"].get<std::string>().c_str(), t["ratio"].get<double>(),
+    std::printf("%-64s %8.2f %8.2f  %s\n", t["name"].get<std::string>().c_str(), t["ratio"].get<double>(),
                 t["target"].get<double>(), t["pass"].get<bool>() ? "pass" : "FAIL");
 }
 
