@@ -9,8 +9,10 @@
 #include <random>
 
 #include "src/baseline/standard_attention.hpp"
+#include "tools/cli/bench_sweep.hpp"
 #include "tools/cli/commands.hpp"
 #include "tools/cli/common.hpp"
+#include "tools/cli/svg.hpp"
 
 namespace flashattn::cli {
 namespace {
@@ -21,7 +23,26 @@ struct BenchFlags {
   int repeats = 5;
   int sgemm_n = 2048;
   std::vector<std::string> ops{"fwd", "bwd", "decode"};
+  bool sweep = false, quick = false;
+  SweepFlags grid;  // --seqlens, --dims, --dtypes, --causal of --sweep
+  std::string plot;
 };
+
+// --sweep or --quick: the grid or the issue's subset, as JSON or a table, and the plot.
+void sweep(const BenchFlags& f) {
+  SweepFlags s = f.grid;
+  s.shape = f.shape;
+  s.repeats = f.repeats;
+  s.sgemm_n = f.sgemm_n;
+  s.ops.clear();
+  for (const char* op : {"fwd", "bwd"})
+    if (std::find(f.ops.begin(), f.ops.end(), op) != f.ops.end()) s.ops.push_back(op);
+  if (f.sweep && s.ops.empty()) throw Error("--ops: --sweep times fwd and/or bwd, got only decode");
+  const nlohmann::json result = f.quick ? run_quick(s) : run_sweep(s);
+  if (f.json) std::cout << result.dump(2) << "\n";
+  else print_sweep(result);
+  if (!f.plot.empty()) svg::write(f.plot, sweep_plot(result));  // after the results: a bad path loses no data
+}
 
 void bench(const BenchFlags& f) {
   const int threads = resolved_threads(f.shape.threads);
@@ -168,9 +189,29 @@ void register_bench(CLI::App& app) {
       ->capture_default_str()->check(CLI::Range(5, 1000));
   cmd->add_option("--sgemm-size", flags->sgemm_n, "n of the n^3 sgemm baseline")
       ->capture_default_str()->check(CLI::PositiveNumber);
-  cmd->add_option("--ops", flags->ops, "which passes to time: fwd, bwd, decode")
+  cmd->add_option("--ops", flags->ops, "which passes to time: fwd, bwd, decode (--sweep: fwd, bwd)")
       ->capture_default_str()->check(CLI::IsMember({"fwd", "bwd", "decode"}))->delimiter(',');
-  cmd->callback([flags] { bench(*flags); });
+  CLI::Option* sweep_flag = cmd->add_flag(
+      "--sweep", flags->sweep,
+      "flashattn over the grid of --seqlens x --dims x --dtypes x --causal, fwd and bwd, vs sgemm");
+  cmd->add_flag("--quick", flags->quick,
+                "issue 7's subset (2 threads, S=4096, D=128 unless set; D=64/256, 1 thread, 4*S) and its targets")
+      ->excludes(sweep_flag);
+  SweepFlags& g = flags->grid;
+  cmd->add_option("--seqlens", g.seqlens, "--sweep: sequence lengths")
+      ->capture_default_str()->delimiter(',')->check(CLI::PositiveNumber)->needs(sweep_flag);
+  cmd->add_option("--dims", g.dims, "--sweep: head dimensions")
+      ->capture_default_str()->delimiter(',')->check(CLI::PositiveNumber)->needs(sweep_flag);
+  cmd->add_option("--dtypes", g.dtypes, "--sweep: f32, bf16")
+      ->capture_default_str()->delimiter(',')->check(CLI::IsMember({"f32", "bf16"}))->needs(sweep_flag);
+  cmd->add_option("--causal", g.causal, "--sweep: no, yes")
+      ->capture_default_str()->delimiter(',')->check(CLI::IsMember({"no", "yes"}))->needs(sweep_flag);
+  cmd->add_option("--plot", flags->plot, "--sweep or --quick: write GFLOP/s against S as SVG to this file");
+  cmd->callback([flags] {
+    if (flags->sweep || flags->quick) return sweep(*flags);
+    if (!flags->plot.empty()) throw Error("--plot: needs --sweep or --quick");
+    bench(*flags);
+  });
 }
 
 }  // namespace flashattn::cli

@@ -11,13 +11,30 @@
 namespace flashattn::cli::svg {
 namespace {
 
-// Canvas and plot area, in pixels.
-constexpr double kWidth = 720, kHeight = 440;
+// Canvas and plot area, in pixels; the canvas grows taller when the legend needs it.
+constexpr double kWidth = 720, kMinHeight = 440;
 constexpr double kLeft = 80, kRight = 190, kTop = 40, kBottom = 60;  // right margin holds the legend
-constexpr double kPlotW = kWidth - kLeft - kRight, kPlotH = kHeight - kTop - kBottom;
+constexpr double kPlotW = kWidth - kLeft - kRight;
+constexpr double kLegendTop = kTop + 10, kLegendRow = 20;  // first legend row, row pitch
 constexpr int kTicks = 5;
 constexpr const char* kColors[] = {"#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#17becf"};
 constexpr int kColorCount = sizeof(kColors) / sizeof(kColors[0]);
+// Once the colors repeat, lines differ by dash pattern (a sweep plots two dozen series).
+constexpr const char* kDashes[] = {"", "7,4", "2,3", "10,3,2,3"};
+constexpr int kDashCount = sizeof(kDashes) / sizeof(kDashes[0]);
+
+const char* color(std::size_t k) { return kColors[k % kColorCount]; }
+std::string dash(std::size_t k) {
+  const char* d = kDashes[(k / kColorCount) % kDashCount];
+  return *d ? std::string(" stroke-dasharray=\"") + d + "\"" : std::string();
+}
+
+struct Frame {
+  double height, plot_h;
+  explicit Frame(std::size_t legend_rows)
+      : height(std::max(kMinHeight, kLegendTop + kLegendRow * static_cast<double>(legend_rows) + kBottom)),
+        plot_h(height - kTop - kBottom) {}
+};
 
 std::string escape(const std::string& s) {
   std::string out;
@@ -56,34 +73,39 @@ struct Scale {
   }
 };
 
-void header(std::ostringstream& s, const Axes& a) {
-  s << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << kWidth << "\" height=\"" << kHeight
+void header(std::ostringstream& s, const Axes& a, const Frame& f) {
+  s << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << kWidth << "\" height=\"" << f.height
     << "\" font-family=\"sans-serif\" font-size=\"12\">\n"
     << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
     << "<text x=\"" << kWidth / 2 << "\" y=\"22\" text-anchor=\"middle\" font-size=\"15\">" << escape(a.title) << "</text>\n"
-    << "<text x=\"" << kLeft + kPlotW / 2 << "\" y=\"" << kHeight - 15 << "\" text-anchor=\"middle\">" << escape(a.x_label)
+    << "<text x=\"" << kLeft + kPlotW / 2 << "\" y=\"" << f.height - 15 << "\" text-anchor=\"middle\">" << escape(a.x_label)
     << "</text>\n"
-    << "<text transform=\"translate(18," << kTop + kPlotH / 2 << ") rotate(-90)\" text-anchor=\"middle\">"
+    << "<text transform=\"translate(18," << kTop + f.plot_h / 2 << ") rotate(-90)\" text-anchor=\"middle\">"
     << escape(a.y_label) << "</text>\n"
-    << "<rect x=\"" << kLeft << "\" y=\"" << kTop << "\" width=\"" << kPlotW << "\" height=\"" << kPlotH
+    << "<rect x=\"" << kLeft << "\" y=\"" << kTop << "\" width=\"" << kPlotW << "\" height=\"" << f.plot_h
     << "\" fill=\"none\" stroke=\"#444\"/>\n";
 }
 
-void y_ticks(std::ostringstream& s, const Scale& y) {
+void y_ticks(std::ostringstream& s, const Scale& y, const Frame& f) {
   for (int i = 0; i <= kTicks; ++i) {
-    const double t = static_cast<double>(i) / kTicks, py = kTop + kPlotH * (1 - t);
+    const double t = static_cast<double>(i) / kTicks, py = kTop + f.plot_h * (1 - t);
     s << "<line x1=\"" << kLeft << "\" x2=\"" << kLeft + kPlotW << "\" y1=\"" << py << "\" y2=\"" << py
       << "\" stroke=\"#ddd\"/>\n<text x=\"" << kLeft - 6 << "\" y=\"" << py + 4 << "\" text-anchor=\"end\">"
       << number(y.value(t)) << "</text>\n";
   }
 }
 
-void legend(std::ostringstream& s, const std::vector<Series>& series) {
+// Swatches: a line with the series' dash pattern for line charts, a square for bars.
+void legend(std::ostringstream& s, const std::vector<Series>& series, bool lines) {
   for (std::size_t i = 0; i < series.size(); ++i) {
-    const double y = kTop + 10 + 20.0 * static_cast<double>(i);
-    s << "<rect x=\"" << kWidth - kRight + 12 << "\" y=\"" << y - 9 << "\" width=\"12\" height=\"12\" fill=\""
-      << kColors[i % kColorCount] << "\"/>\n<text x=\"" << kWidth - kRight + 30 << "\" y=\"" << y + 1 << "\">"
-      << escape(series[i].name) << "</text>\n";
+    const double y = kLegendTop + kLegendRow * static_cast<double>(i);
+    if (lines)
+      s << "<line x1=\"" << kWidth - kRight + 6 << "\" x2=\"" << kWidth - kRight + 26 << "\" y1=\"" << y - 3
+        << "\" y2=\"" << y - 3 << "\" stroke-width=\"2\" stroke=\"" << color(i) << "\"" << dash(i) << "/>\n";
+    else
+      s << "<rect x=\"" << kWidth - kRight + 12 << "\" y=\"" << y - 9 << "\" width=\"12\" height=\"12\" fill=\""
+        << color(i) << "\"/>\n";
+    s << "<text x=\"" << kWidth - kRight + 30 << "\" y=\"" << y + 1 << "\">" << escape(series[i].name) << "</text>\n";
   }
 }
 
@@ -98,25 +120,26 @@ std::string line_chart(const Axes& a, const std::vector<Series>& series) {
     }
   if (!a.log_y) y_lo = std::min(y_lo, 0.0);
   const Scale x(x_lo, x_hi, a.log_x), y(y_lo, a.log_y ? y_hi : y_hi * 1.05, a.log_y);
+  const Frame f(series.size());
   std::ostringstream s;
-  header(s, a);
-  y_ticks(s, y);
+  header(s, a, f);
+  y_ticks(s, y, f);
   for (int i = 0; i <= kTicks; ++i) {
     const double t = static_cast<double>(i) / kTicks;
-    s << "<text x=\"" << kLeft + kPlotW * t << "\" y=\"" << kTop + kPlotH + 18 << "\" text-anchor=\"middle\">"
+    s << "<text x=\"" << kLeft + kPlotW * t << "\" y=\"" << kTop + f.plot_h + 18 << "\" text-anchor=\"middle\">"
       << number(x.value(t)) << "</text>\n";
   }
   for (std::size_t k = 0; k < series.size(); ++k) {
     const Series& sr = series[k];
-    s << "<polyline fill=\"none\" stroke-width=\"2\" stroke=\"" << kColors[k % kColorCount] << "\" points=\"";
+    s << "<polyline fill=\"none\" stroke-width=\"2\" stroke=\"" << color(k) << "\"" << dash(k) << " points=\"";
     for (std::size_t i = 0; i < sr.x.size(); ++i)
-      s << kLeft + kPlotW * x(sr.x[i]) << "," << kTop + kPlotH * (1 - y(sr.y[i])) << " ";
+      s << kLeft + kPlotW * x(sr.x[i]) << "," << kTop + f.plot_h * (1 - y(sr.y[i])) << " ";
     s << "\"/>\n";
     for (std::size_t i = 0; i < sr.x.size(); ++i)
-      s << "<circle r=\"3\" fill=\"" << kColors[k % kColorCount] << "\" cx=\"" << kLeft + kPlotW * x(sr.x[i])
-        << "\" cy=\"" << kTop + kPlotH * (1 - y(sr.y[i])) << "\"/>\n";
+      s << "<circle r=\"3\" fill=\"" << color(k) << "\" cx=\"" << kLeft + kPlotW * x(sr.x[i])
+        << "\" cy=\"" << kTop + f.plot_h * (1 - y(sr.y[i])) << "\"/>\n";
   }
-  legend(s, series);
+  legend(s, series, true);
   s << "</svg>\n";
   return s.str();
 }
@@ -126,22 +149,23 @@ std::string bar_chart(const Axes& a, const std::vector<std::string>& categories,
   for (const Series& sr : series)
     for (const double v : sr.y) y_hi = std::max(y_hi, v);
   const Scale y(0.0, y_hi * 1.05, false);
+  const Frame f(series.size());
   std::ostringstream s;
-  header(s, a);
-  y_ticks(s, y);
+  header(s, a, f);
+  y_ticks(s, y, f);
   const double group = kPlotW / static_cast<double>(std::max<std::size_t>(categories.size(), 1));
   const double bar = group * 0.8 / static_cast<double>(std::max<std::size_t>(series.size(), 1));
   for (std::size_t c = 0; c < categories.size(); ++c) {
     const double gx = kLeft + group * static_cast<double>(c);
-    s << "<text x=\"" << gx + group / 2 << "\" y=\"" << kTop + kPlotH + 18 << "\" text-anchor=\"middle\">"
+    s << "<text x=\"" << gx + group / 2 << "\" y=\"" << kTop + f.plot_h + 18 << "\" text-anchor=\"middle\">"
       << escape(categories[c]) << "</text>\n";
     for (std::size_t k = 0; k < series.size(); ++k) {
-      const double v = c < series[k].y.size() ? series[k].y[c] : 0.0, h = kPlotH * y(v);
-      s << "<rect x=\"" << gx + group * 0.1 + bar * static_cast<double>(k) << "\" y=\"" << kTop + kPlotH - h
-        << "\" width=\"" << bar << "\" height=\"" << h << "\" fill=\"" << kColors[k % kColorCount] << "\"/>\n";
+      const double v = c < series[k].y.size() ? series[k].y[c] : 0.0, h = f.plot_h * y(v);
+      s << "<rect x=\"" << gx + group * 0.1 + bar * static_cast<double>(k) << "\" y=\"" << kTop + f.plot_h - h
+        << "\" width=\"" << bar << "\" height=\"" << h << "\" fill=\"" << color(k) << "\"/>\n";
     }
   }
-  legend(s, series);
+  legend(s, series, false);
   s << "</svg>\n";
   return s.str();
 }
@@ -149,7 +173,7 @@ std::string bar_chart(const Axes& a, const std::vector<std::string>& categories,
 void write(const std::string& path, const std::string& svg) {
   std::ofstream out(path);
   out << svg;
-  if (!out) throw Error("--out: cannot write " + path);
+  if (!out) throw Error("svg: cannot write " + path);
 }
 
 }  // namespace flashattn::cli::svg

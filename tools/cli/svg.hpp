@@ -1,5 +1,5 @@
-// Minimal SVG charts for `flashattn tour --out`: line charts (optionally log-log) and
-// grouped bar charts, written as plain text with no dependency.
+// Minimal SVG charts for `flashattn tour --out` and `flashattn bench --plot`: line charts
+// (optionally log-log) and grouped bar charts, written as plain text with no dependency.
 #pragma once
 
 #include <string>

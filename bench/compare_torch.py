@@ -1,0 +1,141 @@
+#!/usr/bin/env python3
+"""flashattn beside PyTorch's CPU torch.nn.functional.scaled_dot_product_attention.
+
+Times both on the same shapes, dtypes and thread count (issue 7's base case by default:
+B=1, Hq=16, S=4096, D=128, 2 threads, f32/bf16, causal or not, forward and backward) and
+prints, per case, each one's GFLOP/s (4·B·H·S²·D, halved when causal, 2.5× for backward —
+the convention of `flashattn bench`), their ratio and the largest difference between their
+outputs or gradients relative to torch's largest value (a check that both computed the same
+thing). PyTorch is optional: without it the
+script says so and exits 0.
+
+    python3 bench/compare_torch.py [--threads 2] [--seqlens 4096] [--dims 128] ...
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+# Below five timed runs a median says little (issue 7: median of at least 5).
+MIN_REPEATS = 5
+# Largest accepted max|flashattn - torch| / max|torch| over an output or gradient: float32
+# rounding of sums over S terms, and 8 bf16 ulps (2^-8 relative each) of the largest value —
+# both round their results to bf16 after accumulating in different orders.
+TOLERANCE = {"f32": 1e-4, "bf16": 8 * 2.0**-8}
+
+
+def csv(kind):
+    return lambda text: [kind(x) for x in text.split(",")]
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=2, help="threads of both libraries")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--seqlens", type=csv(int), default=[4096])
+    p.add_argument("--dims", type=csv(int), default=[128])
+    p.add_argument("--dtypes", type=csv(str), default=["f32", "bf16"])
+    p.add_argument("--causal", type=csv(str), default=["no", "yes"])
+    p.add_argument("--ops", type=csv(str), default=["fwd", "bwd"])
+    p.add_argument("--repeats", type=int, default=MIN_REPEATS, help=f"timed runs, median (>= {MIN_REPEATS})")
+    a = p.parse_args(argv)
+    if a.repeats < MIN_REPEATS:
+        p.error(f"--repeats: {a.repeats} is below {MIN_REPEATS}")
+    for name, values, allowed in [("--dtypes", a.dtypes, {"f32", "bf16"}), ("--causal", a.causal, {"no", "yes"}),
+                                  ("--ops", a.ops, {"fwd", "bwd"})]:
+        if not set(values) <= allowed:
+            p.error(f"{name}: {values} not all in {sorted(allowed)}")
+    return a
+
+
+def median_seconds(fn, repeats):
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def relative_diff(ours, theirs):
+    """max|ours - theirs| / max|theirs|, in float32."""
+    theirs = theirs.float()
+    return ((ours.float() - theirs).abs().max() / theirs.abs().max()).item()
+
+
+def compare(torch, flashattn, a, op, dtype, causal, s, d):
+    tdtype = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    gen = torch.Generator().manual_seed(7)
+    shape = (a.batch, s, a.heads, d)  # flashattn's layout; SDPA's is (batch, heads, seqlen, dim)
+    q, k, v, dout = (torch.randn(shape, generator=gen).to(tdtype) for _ in range(4))
+    tq, tk, tv, tdout = (x.transpose(1, 2).contiguous() for x in (q, k, v, dout))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    flops = 4.0 * a.batch * a.heads * s * s * d * (0.5 if causal else 1.0)
+
+    if op == "fwd":
+        with torch.no_grad():
+            out = flashattn.flash_attn_func(q, k, v, causal=causal)
+            ours = median_seconds(lambda: flashattn.flash_attn_func(q, k, v, causal=causal), a.repeats)
+            theirs = median_seconds(lambda: sdpa(tq, tk, tv, is_causal=causal), a.repeats)
+            diff = relative_diff(out, sdpa(tq, tk, tv, is_causal=causal).transpose(1, 2))
+        return flops / ours * 1e-9, flops / theirs * 1e-9, diff
+
+    # Backward: both through autograd, timing only the gradient of an already computed output.
+    flops *= 2.5
+    grads = {}
+
+    def timed_grad(name, fn, inputs, dout):
+        leaves = [x.detach().requires_grad_(True) for x in inputs]
+        out = fn(*leaves)
+
+        def step():
+            grads[name] = torch.autograd.grad(out, leaves, dout, retain_graph=True)
+
+        return median_seconds(step, a.repeats)
+
+    ours = timed_grad("ours", lambda q, k, v: flashattn.flash_attn_func(q, k, v, causal=causal), (q, k, v), dout)
+    theirs = timed_grad("torch", lambda q, k, v: sdpa(q, k, v, is_causal=causal), (tq, tk, tv), tdout)
+    diff = max(relative_diff(g, t.transpose(1, 2)) for g, t in zip(grads["ours"], grads["torch"]))
+    return flops / ours * 1e-9, flops / theirs * 1e-9, diff
+
+
+def main(argv):
+    a = parse_args(argv)
+    # Both libraries size their OpenMP teams from this; torch is told again explicitly.
+    os.environ["OMP_NUM_THREADS"] = str(a.threads)
+    try:
+        import torch
+    except ImportError:
+        print("compare_torch: PyTorch is not importable here, nothing to compare (it is optional)")
+        return 0
+    try:
+        import flashattn
+    except ImportError:
+        print("compare_torch: the flashattn Python package is not importable (pip install . first)", file=sys.stderr)
+        return 2
+    torch.set_num_threads(a.threads)
+    print(f"torch {torch.__version__}, flashattn simd {flashattn.simd_target()}, {a.threads} threads, "
+          f"B={a.batch}, H={a.heads}, median of {a.repeats}")
+    print(f"{'op':4} {'dtype':5} {'mask':6} {'D':>4} {'S':>6} {'flashattn':>10} {'torch':>10} {'ratio':>7} {'rel. diff':>10}")
+    failed = False
+    for dtype in a.dtypes:
+        for d in a.dims:
+            for s in a.seqlens:
+                for causal in a.causal:
+                    for op in a.ops:
+                        ours, theirs, diff = compare(torch, flashattn, a, op, dtype, causal == "yes", s, d)
+                        print(f"{op:4} {dtype:5} {'causal' if causal == 'yes' else 'full':6} {d:4} {s:6} "
+                              f"{ours:10.1f} {theirs:10.1f} {ours / theirs:6.2f}x {diff:10.2e}", flush=True)
+                        failed |= not diff <= TOLERANCE[dtype]
+    if failed:
+        print("compare_torch: flashattn and torch disagree beyond the tolerance", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
