@@ -41,8 +41,9 @@ struct DecodeKey {
 };
 
 // Keys whose V rows (every kv head: 2 KiB at 8 heads × Dv 128 bf16) the decode kernel
-// prefetches ahead of the key it scores; 8 measured best of 0, 2, 4, 8 (with or without K)
-// on the Zen 3 of docs/performance.md.
+// prefetches ahead of the key it scores, so that P·V, which reads them only after the
+// block's softmax, finds them in cache. On the Zen 3 of docs/performance.md distances of
+// 0 to 16 keys, with or without K, measured alike within the noise; 8 is kept.
 constexpr std::int64_t kDecodePrefetchKeys = 8;
 constexpr std::int64_t kCacheLineBytes = 64;  // x86: one prefetch per line
 
