@@ -305,22 +305,78 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                   alibi_slopes, deterministic, return_attn_probs, seed=seed)
 
 
+def _dtype_name(x):
+    return str(x.dtype)
+
+
+def _is_fp8_codes(x) -> bool:
+    """Whether a KV cache holds FP8 e4m3 codes: uint8, or float8_e4m3fn (the same codes)."""
+    if _is_tensor(x):
+        return x.dtype == torch.uint8 or x.dtype == getattr(torch, "float8_e4m3fn", None)
+    return isinstance(x, np.ndarray) and x.dtype in (np.dtype(np.uint8), np.dtype(ml_dtypes.float8_e4m3fn))
+
+
+def _fp8_codes(x, name):
+    """A zero-copy uint8 view of an FP8 cache (written in place, so never copied)."""
+    if not _is_fp8_codes(x):
+        raise TypeError(f"{name}: dtype {_dtype_name(x)} but the cache is FP8: expected uint8 e4m3 codes "
+                        "(or float8_e4m3fn)")
+    if _is_tensor(x):
+        if x.device.type != "cpu":
+            raise ValueError(f"{name}: only CPU tensors are supported, got device {x.device}")
+        return x.detach().view(torch.uint8).numpy()
+    return x.view(np.uint8)
+
+
+def _f32_in_place(x, name):
+    """A zero-copy float32 view of an array the call updates in place (FP8 descales)."""
+    if x is None:
+        raise ValueError(f"{name}: an FP8 cache (uint8 e4m3 codes) needs its float32 descales "
+                         "(num_pages or batch_cache, heads_kv)")
+    if _is_tensor(x):
+        if x.device.type != "cpu":
+            raise ValueError(f"{name}: only CPU tensors are supported, got device {x.device}")
+        if x.dtype != torch.float32:
+            raise TypeError(f"{name}: dtype {x.dtype} but expected torch.float32 (updated in place)")
+        return x.detach().numpy()
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{name}: expected a numpy.ndarray or a torch.Tensor, got {type(x).__name__}")
+    if x.dtype != np.float32:
+        raise TypeError(f"{name}: dtype {x.dtype} but expected float32 (updated in place)")
+    return x
+
+
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                            return_softmax_lse=False):
+                            return_softmax_lse=False, *, k_scale=None, v_scale=None):
     """Attention over a KV cache, as upstream: k_cache/v_cache (B_cache, S_cache, Hkv, D) or paged
     (num_pages, page_size, Hkv, D) with block_table (B, max_pages); new k, v (B, S_new, Hkv, D)
     are written into the cache in place at cache_seqlens before attending; rotary_cos/sin
     (positions, rotary_dim / 2) rotate q and the new keys; cache_leftpad (B) int32 marks the
     first slot of each sequence of a contiguous cache (earlier slots are padding, never
-    attended). Inference only (no gradients)."""
+    attended). Inference only (no gradients).
+
+    FP8 e4m3 cache: k_cache/v_cache of dtype uint8 (or float8_e4m3fn, read as its codes) hold
+    e4m3 codes and k_scale/v_scale float32 (num_pages or B_cache, Hkv) their descales, one per
+    (page, kv head): value = code * descale. Appends quantize the new tokens and grow a page's
+    descale in place when they need it (see KvCache in include/flashattn/attention.hpp)."""
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         step = cache.stride(-1) if _is_tensor(cache) else cache.strides[-1] // cache.itemsize
         if step != 1:  # written in place: a contiguous copy would lose the appended tokens
             raise ValueError(f"{name}: last dimension must be contiguous (stride 1), got stride {step}")
-    raws, dt = _inputs(q=q, k_cache=k_cache, v_cache=v_cache)
+    fp8 = _is_fp8_codes(k_cache)
+    if fp8:
+        raws, dt = _inputs(q=q)
+        raws["k_cache"], raws["v_cache"] = _fp8_codes(k_cache, "k_cache"), _fp8_codes(v_cache, "v_cache")
+        scales = {name: _f32_in_place(x, name) for name, x in (("k_scale", k_scale), ("v_scale", v_scale))}
+    else:
+        if k_scale is not None or v_scale is not None:
+            raise TypeError("k_scale, v_scale: descales belong to an FP8 cache (uint8 e4m3 codes), "
+                            f"not a {_dtype_name(k_cache)} cache")
+        raws, dt = _inputs(q=q, k_cache=k_cache, v_cache=v_cache)
+        scales = {"k_scale": None, "v_scale": None}
     batch, sq, hq, _ = raws["q"].shape
     new = {}
     if k is not None or v is not None:
@@ -349,7 +405,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             floats(rotary_cos, "rotary_cos"), floats(rotary_sin, "rotary_sin"),
                             ints(cache_seqlens, "cache_seqlens"), ints(cache_batch_idx, "cache_batch_idx"),
                             ints(cache_leftpad, "cache_leftpad"), ints(block_table, "block_table"), bool(rotary_interleaved), out_raw, lse_raw, dt,
-                            opts)
+                            "u8" if fp8 else dt, scales["k_scale"], scales["v_scale"], opts)
     return (out, lse) if return_softmax_lse else out
 
 

@@ -32,8 +32,9 @@ std::size_t forward_workspace_bytes(const CpuForwardPlan& plan, const AttentionP
   const std::size_t keys_pad =
       plan.kernel == ForwardKernel::tiled ? round_up(static_cast<std::size_t>(p.seqlen_k), bc) : 0;
   const std::size_t d_pad = round_up(d, 16);
-  const std::size_t floats = bq * d_pad + bq * bc + bq * dv_pad + keys_pad * d + keys_pad * dv_pad + d_pad + tiles_held(plan, p) * bc * dv_pad;
-  return floats * sizeof(float) + bq * (sizeof(OnlineSoftmaxState) + sizeof(std::int32_t));
+  const std::size_t floats = bq * d_pad + bq * bc + bq * dv_pad + keys_pad * d + keys_pad * dv_pad;
+  const std::size_t keys = plan.kernel == ForwardKernel::decode ? bc + kDecodePrefetchKeys : 0;
+  return floats * sizeof(float) + bq * (sizeof(OnlineSoftmaxState) + sizeof(std::int32_t)) + keys * sizeof(DecodeKey);
 }
 
 ForwardWorkspace::ForwardWorkspace(const CpuForwardPlan& plan, const AttentionProblem& p)
@@ -47,8 +48,7 @@ ForwardWorkspace::ForwardWorkspace(const CpuForwardPlan& plan, const AttentionPr
       plan.kernel == ForwardKernel::tiled ? round_up(static_cast<std::size_t>(p.seqlen_k), bc) : 0;
   const std::size_t d_pad = round_up(d, 16);  // a whole number of vectors on every target
   q_tile = allocate_floats(bq * d_pad);
-  row_k = allocate_floats(d_pad);
-  row_v = allocate_floats(tiles_held(plan, p) * bc * dv_pad);
+  if (plan.kernel == ForwardKernel::decode) decode_keys.resize(bc + kDecodePrefetchKeys);
   s_tile = allocate_floats(bq * bc);
   o_acc = allocate_floats(bq * dv_pad);
   k_packed = allocate_floats(keys_pad * d + 1);

@@ -244,21 +244,120 @@ void ForwardWorkItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_
   ws.counters.lse_written += rows;
 }
 
+// Storage formats the decode kernel reads K and V rows in, one instantiation each: the
+// format is resolved once per call, not per row.
+enum class KvFormat { f32, bf16, f16, e4m3 };
+
+// kLanes values of a K/V row from element e on, as float32 (FP8 codes as their e4m3 values;
+// the descale is applied to the score or the probability instead).
+template <KvFormat F>
+HWY_INLINE VF LoadKv(const unsigned char* HWY_RESTRICT row, std::int64_t e) {
+  const DF df;
+  if constexpr (F == KvFormat::f32) {
+    return hn::LoadU(df, reinterpret_cast<const float*>(row) + e);
+  } else if constexpr (F == KvFormat::bf16) {
+    const hn::Rebind<hwy::bfloat16_t, DF> dbf;
+    return hn::PromoteTo(df, hn::LoadU(dbf, reinterpret_cast<const hwy::bfloat16_t*>(row) + e));
+  } else if constexpr (F == KvFormat::f16) {
+    const hn::Rebind<hwy::float16_t, DF> dh;
+    return hn::PromoteTo(df, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(row) + e));
+  } else {
+    // As LoadRow's u8 case: sign-extended codes shifted up by 20 and masked are the float
+    // 2^-120 times the e4m3 value (subnormal codes included); one multiply restores it.
+    constexpr float kE4m3Rebias = 0x1p120f;
+    const hn::Rebind<std::int8_t, DF> d8;
+    const hn::RebindToSigned<DF> di;
+    const auto code = hn::PromoteTo(di, hn::LoadU(d8, reinterpret_cast<const std::int8_t*>(row) + e));
+    const auto bits = hn::And(hn::ShiftLeft<20>(code), hn::Set(di, static_cast<std::int32_t>(0x87F00000u)));
+    return hn::Mul(hn::BitCast(df, bits), hn::Set(df, kE4m3Rebias));
+  }
+}
+
+// The last `n` < kLanes values of a row from element e on, zero-filled to a vector.
+template <KvFormat F>
+HWY_INLINE VF LoadKvTail(const unsigned char* HWY_RESTRICT row, std::int64_t e, std::int64_t n, DType dtype) {
+  HWY_ALIGN float part[kLanes] = {};
+  const std::int64_t elem = F == KvFormat::f32 ? 4 : F == KvFormat::e4m3 ? 1 : 2;
+  LoadRow(row + e * elem, dtype, n, 1.0f, part);
+  return hn::Load(DF(), part);
+}
+
+// [Σ a0, Σ a1, Σ a2, Σ a3] into dst[0, 4), times `scale`. With four or more lanes one
+// transpose-reduction serves all four sums: within every 128-bit block, interleaving
+// (a0, a1) and (a2, a3) and adding the halves leaves each block holding the four partial
+// sums side by side; the blocks are then folded into one. The scalar target (one lane,
+// without interleaves) takes each lane as it is.
+#if HWY_TARGET == HWY_SCALAR
+HWY_INLINE void SumOfLanes4(VF a0, VF a1, VF a2, VF a3, float scale, float* HWY_RESTRICT dst) {
+  dst[0] = hn::GetLane(a0) * scale;
+  dst[1] = hn::GetLane(a1) * scale;
+  dst[2] = hn::GetLane(a2) * scale;
+  dst[3] = hn::GetLane(a3) * scale;
+}
+#else
+// The lanes of v summed block-wise into one 128-bit block: dst[i] = Σ_blocks v[4·block + i].
+template <class D>
+HWY_INLINE void StoreBlockSum(D d, hn::Vec<D> v, float* HWY_RESTRICT dst) {
+  if constexpr (hn::MaxLanes(D()) <= 4) {
+    hn::StoreU(v, d, dst);
+  } else {
+    const hn::Half<D> dh;
+    StoreBlockSum(dh, hn::Add(hn::LowerHalf(dh, v), hn::UpperHalf(dh, v)), dst);
+  }
+}
+
+HWY_INLINE void SumOfLanes4(VF a0, VF a1, VF a2, VF a3, float scale, float* HWY_RESTRICT dst) {
+  static_assert(kLanes % 4 == 0, "whole 128-bit blocks of four floats");
+  const DF df;
+  // Per block: t01 = [a0₀+a0₂, a1₀+a1₂, a0₁+a0₃, a1₁+a1₃], t23 likewise; as 64-bit lanes
+  // their low and high pairs interleave to [Σa0, Σa1, Σa2, Σa3] halves.
+  const VF t01 = hn::Add(hn::InterleaveLower(df, a0, a1), hn::InterleaveUpper(df, a0, a1));
+  const VF t23 = hn::Add(hn::InterleaveLower(df, a2, a3), hn::InterleaveUpper(df, a2, a3));
+  const hn::RepartitionToWide<hn::RebindToUnsigned<DF>> du64;
+  const auto w01 = hn::BitCast(du64, t01), w23 = hn::BitCast(du64, t23);
+  const VF sums = hn::Add(hn::BitCast(df, hn::InterleaveLower(du64, w01, w23)),
+                          hn::BitCast(df, hn::InterleaveUpper(du64, w01, w23)));
+  StoreBlockSum(df, hn::Mul(sums, hn::Set(df, scale)), dst);
+}
+#endif
+
+// keys[c] for keys j0 + c, c < count: one block-table lookup per page, not per row.
+void ResolveKeys(const ForwardParams& prm, std::int64_t b, std::int64_t j0, std::int64_t count, DecodeKey* keys) {
+  const PagedKv& pg = prm.paged;
+  const std::int64_t page_size = pg.block_table != nullptr ? pg.page_size : j0 + count;  // contiguous: one page
+  std::int64_t page_index = pg.block_table != nullptr ? j0 / page_size : 0;
+  std::int64_t slot = pg.block_table != nullptr ? j0 % page_size : j0;
+  for (std::int64_t c = 0; c < count;) {
+    const std::int64_t page = pg.block_table != nullptr ? pg.block_table[page_index * pg.table_stride] : b;
+    const float* kd = pg.k_descale != nullptr ? pg.k_descale + page * pg.descale_page_stride : nullptr;
+    const float* vd = pg.v_descale != nullptr ? pg.v_descale + page * pg.descale_page_stride : nullptr;
+    for (; c < count && slot < page_size; ++c, ++slot)
+      keys[c] = {static_cast<const unsigned char*>(RowPointer(prm.k, page, slot, 0)),
+                 static_cast<const unsigned char*>(RowPointer(prm.v, page, slot, 0)), kd, vd};
+    slot = 0;
+    ++page_index;
+  }
+}
+
 // The decode kernel (a few query rows, many keys): item = (batch, split), a contiguous key
 // chunk read for every kv head. Its rows are every (q head, query) pair, grouped per kv head
-// in fours, so each K and V row is read and converted exactly once, straight from the
-// caller's memory, and each key's kv heads — adjacent in memory — are read together: no
-// packing, no micro-tile padding. S = Q·Kᵀ is a dot product per (row, key); õ += P·V an FMA
-// per row.
-void ForwardDecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item) {
+// in fours, so each K and V row is read exactly once, in place and converted in registers,
+// and each key's kv heads — adjacent in memory — are read together: no packing, no
+// micro-tile padding. Per block of keys: S = Q·Kᵀ four rows per key at once (one
+// transpose-reduction for the four dot products), the online softmax, then õ += P·V with
+// four rows and two vectors of õ in registers.
+template <KvFormat F>
+void DecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item) {
   const AttentionProblem& p = prm.problem;
   const CpuForwardPlan& plan = prm.plan;
   const std::int64_t d = p.head_dim, dv = p.head_dim_v, bc = plan.block_k, dv_pad = plan.head_dim_v_padded;
-  const std::int64_t d_pad = (d + kLanes - 1) / kLanes * kLanes;
+  const std::int64_t d_pad = (d + kLanes - 1) / kLanes * kLanes, d_full = d / kLanes * kLanes;
   const std::int64_t hkv = p.heads_kv, group = p.heads_q / hkv, rows = group * p.seqlen_q;
   const std::int64_t rows4 = plan.block_q, all_rows = hkv * rows4;  // a kv head's rows, in fours
   const auto elem = static_cast<std::int64_t>(dtype_size(prm.k.dtype));
-  constexpr std::int64_t kPrefetchKeys = 4;  // whole token rows (every kv head) ahead: covers DRAM latency here
+  const std::int64_t k_head = prm.k.strides[2] * elem, v_head = prm.v.strides[2] * elem;  // bytes
+  const std::int64_t v_span = (hkv - 1) * v_head + dv * elem;  // bytes of a key's V rows
+  const std::int64_t descale_head = prm.paged.descale_head_stride;
   const std::int64_t split = item % plan.splits, b = item / plan.splits;
   const std::int64_t first_tile = p.key_range(0).begin / bc;
   const std::int64_t tiles = std::max<std::int64_t>(0, (p.key_range(p.seqlen_q - 1).end + bc - 1) / bc - first_tile);
@@ -282,45 +381,42 @@ void ForwardDecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int6
   std::fill(state, state + all_rows, OnlineSoftmaxState{});
   std::int32_t* rescales = prm.rescale_counts.data != nullptr ? ws.rescales.data() : nullptr;
   if (rescales != nullptr) std::fill(rescales, rescales + all_rows, 0);
-  float* krow = ws.row_k.get();     // (d_pad)
-  float* v_block = ws.row_v.get();  // (heads_kv, block_k, dv_pad): the block's V rows, converted
-  std::fill(krow + d, krow + d_pad, 0.0f);
   float* s_tile = ws.s_tile.get();  // (heads_kv · rows4, bc)
+  HWY_ALIGN float sums[4];
+  DecodeKey* keys = ws.decode_keys.data();  // (bc + kDecodePrefetchKeys)
   ws.counters.q_read += hkv * rows * d;
 
   for (std::int64_t j0 = key_begin; j0 < key_end; j0 += bc) {
     const std::int64_t n = std::min(bc, key_end - j0), cols = (n + kLanes - 1) / kLanes * kLanes;
+    const std::int64_t ahead = std::min(n + kDecodePrefetchKeys, key_end - j0);  // keys resolved
+    ResolveKeys(prm, b, j0, ahead, keys);
     ws.counters.tiles_computed += hkv;  // one (kv head, key block) tile each, as the cost model counts
     ws.counters.scores += hkv * rows * n;
     ws.counters.k_read += hkv * n * d;
     ws.counters.v_read += hkv * n * dv;
-    for (std::int64_t c = 0; c < n; ++c) {  // S column c = Q·k_(j0+c); V row c converted
-      if (j0 + c + kPrefetchKeys < key_end) {
-        const auto* kn = static_cast<const char*>(KvRow(prm, prm.k, b, j0 + c + kPrefetchKeys, 0));
-        const auto* vn = static_cast<const char*>(KvRow(prm, prm.v, b, j0 + c + kPrefetchKeys, 0));
-        for (std::int64_t off = 0; off < hkv * d * elem; off += 64) hwy::Prefetch(kn + off);
-        for (std::int64_t off = 0; off < hkv * dv * elem; off += 64) hwy::Prefetch(vn + off);
-      }
+    for (std::int64_t c = 0; c < n; ++c) {  // S column c = Q·k_(j0+c)
+      // V rows are read again only in P·V, after the block's softmax: fetch them now. K rows
+      // are read at once, in order, which the hardware prefetcher follows.
+      if (c + kDecodePrefetchKeys < ahead)
+        for (std::int64_t off = 0; off < v_span; off += kCacheLineBytes)
+          hwy::Prefetch(keys[c + kDecodePrefetchKeys].v + off);
       for (std::int64_t g = 0; g < hkv; ++g) {
-        LoadKvRow(prm, prm.k, prm.paged.k_descale, b, j0 + c, g, d, krow);
-        float* vrow = v_block + (g * bc + c) * dv_pad;
-        LoadKvRow(prm, prm.v, prm.paged.v_descale, b, j0 + c, g, dv, vrow);
-        std::fill(vrow + dv, vrow + dv_pad, 0.0f);
+        const unsigned char* krow = keys[c].k + g * k_head;
+        const float descale = keys[c].k_descale != nullptr ? keys[c].k_descale[g * descale_head] : 1.0f;
         // Four rows at a time: four independent FMA chains in flight, not one latency-bound.
         for (std::int64_t r = g * rows4; r < (g + 1) * rows4; r += 4) {
           const float* q0 = q_rows + r * d_pad;
           VF a0 = hn::Zero(df), a1 = a0, a2 = a0, a3 = a0;
-          for (std::int64_t e = 0; e < d_pad; e += kLanes) {
-            const VF kv = hn::Load(df, krow + e);
+          auto step = [&](VF kv, std::int64_t e) {
             a0 = hn::MulAdd(hn::Load(df, q0 + e), kv, a0);
             a1 = hn::MulAdd(hn::Load(df, q0 + d_pad + e), kv, a1);
             a2 = hn::MulAdd(hn::Load(df, q0 + 2 * d_pad + e), kv, a2);
             a3 = hn::MulAdd(hn::Load(df, q0 + 3 * d_pad + e), kv, a3);
-          }
-          s_tile[r * bc + c] = hn::GetLane(hn::SumOfLanes(df, a0));
-          s_tile[(r + 1) * bc + c] = hn::GetLane(hn::SumOfLanes(df, a1));
-          s_tile[(r + 2) * bc + c] = hn::GetLane(hn::SumOfLanes(df, a2));
-          s_tile[(r + 3) * bc + c] = hn::GetLane(hn::SumOfLanes(df, a3));
+          };
+          for (std::int64_t e = 0; e < d_full; e += kLanes) step(LoadKv<F>(krow, e), e);
+          if (d_full < d) step(LoadKvTail<F>(krow, d_full, d - d_full, prm.k.dtype), d_full);
+          SumOfLanes4(a0, a1, a2, a3, descale, sums);
+          for (std::int64_t i = 0; i < 4; ++i) s_tile[(r + i) * bc + c] = sums[i];
         }
       }
     }
@@ -335,31 +431,54 @@ void ForwardDecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int6
         const RowMods mods(p, prm.alibi_slopes, prm.block_mask, b, g * group + r / p.seqlen_q);
         SoftmaxRow(mods, srow, r % p.seqlen_q, j0, n, cols, state[g * rows4 + r], o_acc + (g * rows4 + r) * dv_pad,
                    dv_pad, rescales != nullptr ? rescales + g * rows4 + r : nullptr);
+        if constexpr (F == KvFormat::e4m3)  // P·(codes·descale) = (P·descale)·codes
+          for (std::int64_t c = 0; c < n; ++c) srow[c] *= keys[c].v_descale[g * descale_head];
       }
-    // õ += P·V_block, two rows and two vectors of õ at a time: four chains, õ in registers.
-    for (std::int64_t r = 0; r < all_rows; r += 2) {
-      const float* p0 = s_tile + r * bc;
-      const float* p1 = p0 + bc;
-      const float* vg = v_block + r / rows4 * bc * dv_pad;
-      for (std::int64_t e = 0; e < dv_pad; e += 2 * kLanes) {
-        float* o0 = o_acc + r * dv_pad + e;
-        float* o1 = o0 + dv_pad;
-        VF a0 = hn::Load(df, o0), a1 = hn::Load(df, o0 + kLanes);
-        VF b0 = hn::Load(df, o1), b1 = hn::Load(df, o1 + kLanes);
-        for (std::int64_t c = 0; c < n; ++c) {
-          const VF v0 = hn::Load(df, vg + c * dv_pad + e), v1 = hn::Load(df, vg + c * dv_pad + e + kLanes);
-          const VF w0 = hn::Set(df, p0[c]), w1 = hn::Set(df, p1[c]);
-          a0 = hn::MulAdd(w0, v0, a0);
-          a1 = hn::MulAdd(w0, v1, a1);
-          b0 = hn::MulAdd(w1, v0, b0);
-          b1 = hn::MulAdd(w1, v1, b1);
+    // õ += P·V, four rows and two vectors of õ at a time: eight chains, õ in registers.
+    for (std::int64_t g = 0; g < hkv; ++g)
+      for (std::int64_t r = g * rows4; r < (g + 1) * rows4; r += 4) {
+        const float* p0 = s_tile + r * bc;
+        for (std::int64_t e = 0; e < dv_pad; e += 2 * kLanes) {
+          float* o0 = o_acc + r * dv_pad + e;
+          VF a0 = hn::Load(df, o0), a1 = hn::Load(df, o0 + kLanes);
+          VF b0 = hn::Load(df, o0 + dv_pad), b1 = hn::Load(df, o0 + dv_pad + kLanes);
+          VF c0 = hn::Load(df, o0 + 2 * dv_pad), c1 = hn::Load(df, o0 + 2 * dv_pad + kLanes);
+          VF d0 = hn::Load(df, o0 + 3 * dv_pad), d1 = hn::Load(df, o0 + 3 * dv_pad + kLanes);
+          auto step = [&](VF v0, VF v1, std::int64_t c) {
+            const VF w0 = hn::Set(df, p0[c]), w1 = hn::Set(df, p0[bc + c]);
+            const VF w2 = hn::Set(df, p0[2 * bc + c]), w3 = hn::Set(df, p0[3 * bc + c]);
+            a0 = hn::MulAdd(w0, v0, a0);
+            a1 = hn::MulAdd(w0, v1, a1);
+            b0 = hn::MulAdd(w1, v0, b0);
+            b1 = hn::MulAdd(w1, v1, b1);
+            c0 = hn::MulAdd(w2, v0, c0);
+            c1 = hn::MulAdd(w2, v1, c1);
+            d0 = hn::MulAdd(w3, v0, d0);
+            d1 = hn::MulAdd(w3, v1, d1);
+          };
+          if (e + 2 * kLanes <= dv) {
+            for (std::int64_t c = 0; c < n; ++c) {
+              const unsigned char* vrow = keys[c].v + g * v_head;
+              step(LoadKv<F>(vrow, e), LoadKv<F>(vrow, e + kLanes), c);
+            }
+          } else {  // the ragged end of the row: lanes past Dv read as zeros
+            const std::int64_t n0 = std::min(kLanes, dv - e), n1 = std::max<std::int64_t>(0, dv - e - kLanes);
+            for (std::int64_t c = 0; c < n; ++c) {
+              const unsigned char* vrow = keys[c].v + g * v_head;
+              const VF v0 = n0 == kLanes ? LoadKv<F>(vrow, e) : LoadKvTail<F>(vrow, e, n0, prm.v.dtype);
+              step(v0, n1 > 0 ? LoadKvTail<F>(vrow, e + kLanes, n1, prm.v.dtype) : hn::Zero(df), c);
+            }
+          }
+          hn::Store(a0, df, o0);
+          hn::Store(a1, df, o0 + kLanes);
+          hn::Store(b0, df, o0 + dv_pad);
+          hn::Store(b1, df, o0 + dv_pad + kLanes);
+          hn::Store(c0, df, o0 + 2 * dv_pad);
+          hn::Store(c1, df, o0 + 2 * dv_pad + kLanes);
+          hn::Store(d0, df, o0 + 3 * dv_pad);
+          hn::Store(d1, df, o0 + 3 * dv_pad + kLanes);
         }
-        hn::Store(a0, df, o0);
-        hn::Store(a1, df, o0 + kLanes);
-        hn::Store(b0, df, o1);
-        hn::Store(b1, df, o1 + kLanes);
       }
-    }
   }
   for (std::int64_t g = 0; g < hkv; ++g)
     for (std::int64_t r = 0; r < rows; ++r)
@@ -367,6 +486,16 @@ void ForwardDecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int6
                      state[g * rows4 + r], rescales != nullptr ? rescales + g * rows4 + r : nullptr);
   ws.counters.o_written += hkv * rows * dv;
   ws.counters.lse_written += hkv * rows;
+}
+
+void ForwardDecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item) {
+  switch (prm.k.dtype) {
+    case DType::f32: return DecodeItem<KvFormat::f32>(prm, ws, item);
+    case DType::bf16: return DecodeItem<KvFormat::bf16>(prm, ws, item);
+    case DType::f16: return DecodeItem<KvFormat::f16>(prm, ws, item);
+    case DType::u8: return DecodeItem<KvFormat::e4m3>(prm, ws, item);
+    case DType::i32: return;  // never an attention operand: rejected by validation
+  }
 }
 
 KernelGeometry GetKernelGeometry() {

@@ -30,6 +30,23 @@ struct PagedKv {
   std::int64_t descale_page_stride = 0, descale_head_stride = 0;
 };
 
+// The decode kernel's view of one key: its K and V rows of kv head 0 (the other heads
+// follow at the views' head strides) and, for FP8 pools, its page's descales of kv head 0
+// (null otherwise). Resolved once per key for every kv head.
+struct DecodeKey {
+  const unsigned char* k;
+  const unsigned char* v;
+  const float* k_descale;
+  const float* v_descale;
+};
+
+// Keys whose V rows (every kv head: 2 KiB at 8 heads × Dv 128 bf16) the decode kernel
+// prefetches ahead of the key it scores, so that P·V, which reads them only after the
+// block's softmax, finds them in cache. On the Zen 3 of docs/performance.md distances of
+// 0 to 16 keys, with or without K, measured alike within the noise; 8 is kept.
+constexpr std::int64_t kDecodePrefetchKeys = 8;
+constexpr std::int64_t kCacheLineBytes = 64;  // x86: one prefetch per line
+
 // Everything a work item needs; filled once per call by the driver.
 struct ForwardParams {
   AttentionProblem problem;
@@ -58,8 +75,7 @@ struct ForwardWorkspace {
   std::vector<std::int32_t> rescales;           // (block_q): rescales of each row, when counted
   hwy::AlignedFreeUniquePtr<float[]> k_packed;  // k tiles, each (head_dim, block_k): Kᵀ (tiled)
   hwy::AlignedFreeUniquePtr<float[]> v_packed;  // (k_tiles · block_k, head_dim_v_padded) (tiled)
-  hwy::AlignedFreeUniquePtr<float[]> row_k;     // one converted K row (decode)
-  hwy::AlignedFreeUniquePtr<float[]> row_v;     // (heads_kv, block_k, Dv_pad): converted V rows (decode)
+  std::vector<DecodeKey> decode_keys;           // (block_k + kDecodePrefetchKeys): a key block's rows (decode)
   PackedHead packed;  // which head k/v buffers hold, and how much of it
   KernelCounters counters;  // this thread's share of the call's counts (counters.hpp)
 };

@@ -91,14 +91,17 @@ CpuForwardPlan plan_forward(const AttentionProblem& p, const CpuHardware& hw, in
     // One work item = (batch, contiguous key chunk) over every kv head: a thread streams
     // whole token rows (the kv heads of a key are adjacent), which the hardware prefetcher
     // follows, instead of a strided 1/heads_kv of each row. Its rows are every q head's,
-    // block_q (in fours) per kv head. A key block's converted V rows of every kv head
-    // should fill at most a quarter of L2, leaving room for the rows' state and streamed K.
+    // block_q (in fours) per kv head. The kernel reads a key block's V rows (in the storage
+    // dtype) once per pair of õ vectors: one kv head's should fill at most half of L1d,
+    // and every kv head's at most a quarter of L2, where they wait from their prefetch
+    // during S = Q·Kᵀ until P·V. Larger blocks amortize the per-block softmax bookkeeping.
     plan.kernel = ForwardKernel::decode;
     const std::int64_t rows4 = (std::max<std::int64_t>(1, group * p.seqlen_q) + 3) / 4 * 4;  // rows in fours
     plan.block_q = rows4;  // the rows of one (kv head, key block) tile, as the cost model counts
     plan.q_blocks = 1;
-    const std::int64_t v_row_bytes = p.heads_kv * plan.head_dim_v_padded * static_cast<std::int64_t>(sizeof(float));
-    const std::int64_t fit = static_cast<std::int64_t>(hw.l2_bytes / 4) / std::max<std::int64_t>(v_row_bytes, 1);
+    const std::int64_t v_row_bytes = std::max<std::int64_t>(1, p.head_dim_v * static_cast<std::int64_t>(dtype_size(p.dtype)));
+    const std::int64_t fit = std::min(static_cast<std::int64_t>(hw.l1d_bytes / 2) / v_row_bytes,
+                                      static_cast<std::int64_t>(hw.l2_bytes / 4) / (p.heads_kv * v_row_bytes));
     plan.block_k = std::min(plan.block_k, std::max(mc, fit / mc * mc));
     const std::int64_t decode_tiles = (p.seqlen_k + plan.block_k - 1) / plan.block_k;
     plan.splits = choose_splits(num_splits, p.batch, decode_tiles, hw.threads);

@@ -19,7 +19,9 @@ using Array = nb::ndarray<nb::device::cpu>;
 namespace {
 
 flashattn::DType dtype_of(const Array& a, const std::string& name, const char* arg) {
-  const flashattn::DType d = name == "i32" ? flashattn::DType::i32 : flashattn::parse_dtype(name);
+  const flashattn::DType d = name == "i32"  ? flashattn::DType::i32
+                             : name == "u8" ? flashattn::DType::u8  // FP8 e4m3 codes of a KV cache
+                                            : flashattn::parse_dtype(name);
   const std::size_t bits = a.dtype().bits;
   if (bits != 8 * flashattn::dtype_size(d))
     throw nb::type_error((std::string(arg) + ": buffer of " + std::to_string(bits) +
@@ -185,11 +187,14 @@ NB_MODULE(_C, m) {
       [](Array q, Array k_cache, Array v_cache, std::optional<Array> k, std::optional<Array> v,
          std::optional<Array> cos, std::optional<Array> sin, std::optional<Array> cache_seqlens,
          std::optional<Array> cache_batch_idx, std::optional<Array> cache_leftpad, std::optional<Array> block_table,
-         bool interleaved, Array o, Array lse, const std::string& dtype, const Options& opt) {
+         bool interleaved, Array o, Array lse, const std::string& dtype, const std::string& cache_dtype,
+         std::optional<Array> k_scale, std::optional<Array> v_scale, const Options& opt) {
         const flashattn::AttentionOptions options = opt.get();
         flashattn::KvCache c;
-        c.k_cache = out(k_cache, dtype, "k_cache");
-        c.v_cache = out(v_cache, dtype, "v_cache");
+        c.k_cache = out(k_cache, cache_dtype, "k_cache");
+        c.v_cache = out(v_cache, cache_dtype, "v_cache");
+        if (k_scale) c.k_scale = out(*k_scale, "f32", "k_scale");
+        if (v_scale) c.v_scale = out(*v_scale, "f32", "v_scale");
         c.k = optional_in(k, dtype, "k");
         c.v = optional_in(v, dtype, "v");
         c.rotary_cos = optional_in(cos, "f32", "rotary_cos");
@@ -203,7 +208,8 @@ NB_MODULE(_C, m) {
         flashattn::forward_with_kvcache(in(q, dtype, "q"), c, out(o, dtype, "out"), out(lse, "f32", "softmax_lse"),
                                         options);
       },
-      "attention over a KV cache, appending k, v in place");
+      "attention over a KV cache (of dtype's or u8 FP8 e4m3 codes with k_scale, v_scale descales), appending k, v "
+      "in place");
 
   m.def("simd_target", &flashattn::cpu_simd_target, "the SIMD target the CPU kernels dispatch to");
 }
