@@ -101,17 +101,32 @@ void run_forward(const AttentionProblem& p, const TensorView& q, const TensorVie
   std::vector<cpu::ForwardWorkspace> workspaces;
   workspaces.reserve(static_cast<std::size_t>(plan.threads));
   for (int t = 0; t < plan.threads; ++t) workspaces.emplace_back(plan, p);
+  // The items of one (batch, kv head) are consecutive and share its packed K/V. A thread
+  // that takes single items packs every kv head it touches (with 2 threads, each head twice);
+  // so the groups that divide evenly among the threads go out whole, each packed once, and
+  // only the remaining groups go out item by item, which keeps the threads balanced.
+  const std::int64_t groups = plan.kernel == ForwardKernel::tiled ? p.batch * p.heads_kv : 0;
+  const std::int64_t whole_groups = groups / plan.threads * plan.threads;
+  const std::int64_t group_items = groups > 0 ? plan.work_items / groups : 1;
+  const std::int64_t units = whole_groups + (plan.work_items - whole_groups * group_items);
 #pragma omp parallel num_threads(plan.threads)
   {
     cpu::ForwardWorkspace& workspace = workspaces[static_cast<std::size_t>(omp_get_thread_num())];
 #pragma omp for schedule(dynamic, 1)
-    for (std::int64_t item = 0; item < plan.work_items; ++item) kernel(params, workspace, item);
+    for (std::int64_t unit = 0; unit < units; ++unit) {
+      if (unit < whole_groups) {
+        for (std::int64_t item = unit * group_items; item < (unit + 1) * group_items; ++item)
+          kernel(params, workspace, item);
+      } else {
+        kernel(params, workspace, whole_groups * group_items + (unit - whole_groups));
+      }
+    }
   }
   if (options.counters != nullptr) add_counters(p, plan, workspaces, *options.counters);
   if (plan.splits > 1)
     merge_attention_states(
         TensorView(split_out.data(), DType::f32, {plan.splits, p.batch, p.seqlen_q, p.heads_q, p.head_dim_v}),
-        TensorView(split_lse.data(), DType::f32, {plan.splits, p.batch, p.heads_q, p.seqlen_q}), out, lse);
+        TensorView(split_lse.data(), DType::f32, {plan.splits, p.batch, p.heads_q, p.seqlen_q}), out, lse, plan.threads);
 }
 
 }  // namespace

@@ -110,7 +110,8 @@ RingStats ring_forward(const TensorView& q, const TensorView& k, const TensorVie
       partial(key_rank, k_buffers[now], v_buffers[now], set, 1);
       if (step + 1 < ranks) {  // the last merge writes the caller's out and lse below
         const auto [merged_out, merged_lse] = split(1 - set, 0);
-        merge_attention_states(outs[set].view(), lses[set].view(), drop_split(merged_out), drop_split(merged_lse));
+        merge_attention_states(outs[set].view(), lses[set].view(), drop_split(merged_out), drop_split(merged_lse),
+                               threads);
         set = 1 - set;
       }
     });
@@ -119,7 +120,7 @@ RingStats ring_forward(const TensorView& q, const TensorView& k, const TensorVie
   const std::int64_t splits = ranks > 1 ? 2 : 1;
   const auto compute_start = std::chrono::steady_clock::now();
   merge_attention_states(detail::slice(outs[set].view(), 0, 0, splits), detail::slice(lses[set].view(), 0, 0, splits),
-                         out, lse);
+                         out, lse, threads);
   const auto end = std::chrono::steady_clock::now();
 
   RingStats stats;
