@@ -57,9 +57,14 @@ void LoadKvRow(const ForwardParams& prm, const TensorView& t, const float* desca
   LoadRow(KvRow(prm, t, b, j, kv_head), t.dtype, n, KvDescale(prm, descale, b, j, kv_head), dst);
 }
 
-// The producer role (SPEC §4) on a CPU: convert and lay out K (transposed, one
-// (head_dim, block_k) panel per tile) and V (rows padded to head_dim_v_padded) of one
-// (batch, kv head) for keys [from, to), whole tiles at a time, reusing what is packed.
+// The producer role (SPEC §4) on a CPU: convert and lay out K and V of one (batch, kv
+// head) for keys [from, to), whole tiles at a time, reusing what is packed. Both are cut
+// into the micro-kernel's B panels of kMicroCols columns, each stored contiguously: a K tile
+// as panels of kMicroCols keys, each (head_dim, kMicroCols) — Kᵀ — and a V tile as panels of
+// kMicroCols columns of V, each (block_k, kMicroCols). A micro-kernel then reads its B panel
+// as one sequential stream. (Row-major tiles put consecutive rows of a panel block_k or
+// head_dim_v floats apart, 512 B at 128: all in the same few L1 sets, which hold too few of
+// them for the panel to stay in L1 while the row strips reuse it.)
 void EnsurePacked(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t b,
                   std::int64_t kv_head, std::int64_t from, std::int64_t to) {
   const AttentionProblem& p = prm.problem;
@@ -67,22 +72,24 @@ void EnsurePacked(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t b
   const std::int64_t dv_pad = prm.plan.head_dim_v_padded;
   const std::int64_t begin = ws.packed.first_to_pack(b, kv_head, from / bc * bc);
   const std::int64_t end = std::min(p.seqlen_k, (to + bc - 1) / bc * bc);
-  float* row = ws.q_tile.get();  // scratch: Q is loaded after packing
+  float* krow = ws.q_tile.get();  // scratch: Q is loaded after packing
+  float* vrow = ws.o_acc.get();   // scratch (dv_pad floats): õ is zeroed after packing
+  // Key j's K and V rows into their panels (zeros when `zero`: the last tile's padding keys).
+  auto place = [&](std::int64_t j, bool zero) {
+    float* kt = ws.k_packed.get() + (j / bc) * d * bc + (j % bc) / kMicroCols * d * kMicroCols + j % kMicroCols;
+    float* vt = ws.v_packed.get() + (j / bc) * bc * dv_pad + (j % bc) * kMicroCols;
+    for (std::int64_t c = 0; c < d; ++c) kt[c * kMicroCols] = zero ? 0.0f : krow[c];
+    for (std::int64_t c = 0; c < dv_pad; c += kMicroCols)
+      for (std::int64_t e = 0; e < kMicroCols; ++e) vt[c * bc + e] = zero || c + e >= dv ? 0.0f : vrow[c + e];
+  };
   for (std::int64_t j = begin; j < end; ++j) {
-    float* kt = ws.k_packed.get() + (j / bc) * d * bc + (j % bc);
-    LoadKvRow(prm, prm.k, prm.paged.k_descale, b, j, kv_head, d, row);
-    for (std::int64_t c = 0; c < d; ++c) kt[c * bc] = row[c];
-    float* vrow = ws.v_packed.get() + j * dv_pad;
+    LoadKvRow(prm, prm.k, prm.paged.k_descale, b, j, kv_head, d, krow);
     LoadKvRow(prm, prm.v, prm.paged.v_descale, b, j, kv_head, dv, vrow);
-    std::fill(vrow + dv, vrow + dv_pad, 0.0f);
+    place(j, false);
   }
-  if (end == p.seqlen_k && begin < end && end % bc != 0) {
-    // Zero the padding of the last tile: masked scores must meet finite K and V.
-    const std::int64_t tile = end / bc, used = end % bc;
-    float* kt = ws.k_packed.get() + tile * d * bc;
-    for (std::int64_t c = 0; c < d; ++c) std::fill(kt + c * bc + used, kt + (c + 1) * bc, 0.0f);
-    std::fill(ws.v_packed.get() + end * dv_pad, ws.v_packed.get() + (tile + 1) * bc * dv_pad, 0.0f);
-  }
+  // Zero the padding of the last tile: masked scores must meet finite K and V.
+  if (end == p.seqlen_k && begin < end)
+    for (std::int64_t j = end; j % bc != 0; ++j) place(j, true);
   if (end > begin) ws.counters.kv_packed += (end - begin) * (d + dv);
   ws.packed.done(end);
 }
@@ -229,11 +236,11 @@ void ForwardWorkItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_
     ws.counters.v_read += n * p.head_dim_v;
 
     float* s_tile = ws.s_tile.get();  // (rows_pad, bc)
-    TileGemm<false>({q_tile, d}, ws.k_packed.get() + (j0 / bc) * d * bc, bc, s_tile, bc, rows_pad,
-                    n_pad, d);
+    TileGemm<false>({q_tile, d}, ws.k_packed.get() + (j0 / bc) * d * bc, kMicroCols, s_tile, bc, rows_pad,
+                    n_pad, d, d * kMicroCols);
     SoftmaxTile(mods, s_tile, bc, i0, rows_pad, j0, n, n_pad, state, o_acc, dv_pad, rescales);
-    TileGemm<true>({s_tile, bc}, ws.v_packed.get() + j0 * dv_pad, dv_pad, o_acc, dv_pad, rows_pad,
-                   dv_pad, n_pad);
+    TileGemm<true>({s_tile, bc}, ws.v_packed.get() + j0 * dv_pad, kMicroCols, o_acc, dv_pad, rows_pad,
+                   dv_pad, n_pad, bc * kMicroCols);
   }
 
   // Epilogue: normalize once (deferred normalization) and store lse — a split's partial

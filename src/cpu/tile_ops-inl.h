@@ -74,12 +74,16 @@ HWY_INLINE void MicroTile(MatA a, const float* HWY_RESTRICT b, std::int64_t ldb,
 
 // C(rows × cols) (+)= A(rows × depth) · B(depth × cols); rows and cols are multiples of
 // the micro-tile. Column panels outermost so one B panel stays in L1 across row strips.
+// B's panel of columns [j, j + kMicroCols) starts at b + (j / kMicroCols)·panel_stride and
+// its rows are ldb floats apart: a row-major B has panel_stride kMicroCols; a B packed as
+// contiguous panels has ldb kMicroCols and panel_stride depth·kMicroCols (or more).
 template <bool kAccumulate>
 HWY_INLINE void TileGemm(MatA a, const float* HWY_RESTRICT b, std::int64_t ldb, float* HWY_RESTRICT c,
-              std::int64_t ldc, std::int64_t rows, std::int64_t cols, std::int64_t depth) {
+                         std::int64_t ldc, std::int64_t rows, std::int64_t cols, std::int64_t depth,
+                         std::int64_t panel_stride = kMicroCols) {
   for (std::int64_t j = 0; j < cols; j += kMicroCols)
     for (std::int64_t i = 0; i < rows; i += kMicroRows)
-      MicroTile<kAccumulate>(a.rows_from(i), b + j, ldb, c + i * ldc + j, ldc, depth);
+      MicroTile<kAccumulate>(a.rows_from(i), b + j / kMicroCols * panel_stride, ldb, c + i * ldc + j, ldc, depth);
 }
 
 // dst[0, n) = scale · src[0, n), converting from the storage dtype once.
