@@ -46,15 +46,24 @@ ShapeFlags shape_of(const ShapeFlags& base, const Point& pt) {
 }
 
 // Times one op of flashattn at `pt` on `in` (inputs of pt's sizes and dtype) as a JSON case.
-nlohmann::json timed_case(const ShapeFlags& base, const Point& pt, Op op, const Inputs& in, int repeats) {
+// sgemm is measured again just before it, at the run's thread count, into the case's
+// `sgemm_gflops`: on a shared or boosting machine the speed drifts over a run (a quick run's
+// first sgemm came out 13% above one taken minutes later), and the case's `vs_sgemm`, the
+// GFLOP/s divided by that sgemm, compares like with like — ratios between cases too.
+nlohmann::json timed_case(const ShapeFlags& base, const Point& pt, Op op, const Inputs& in, int repeats,
+                          int sgemm_n, int run_threads) {
   const ShapeFlags shape = shape_of(base, pt);
   const AttentionProblem p = shape.problem();
   std::cerr << "case " << (op == Op::fwd ? "fwd " : "bwd ") << p.describe() << ", " << pt.threads
             << (pt.threads == 1 ? " thread\n" : " threads\n");
+  const double sgemm = baseline::sgemm_gflops(sgemm_n, run_threads, repeats);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // let BLAS workers park
   const Measurement m = op == Op::fwd ? measure_forward(Impl::flashattn, p, shape.options(), in, repeats)
                                       : measure_backward(Impl::flashattn, p, shape.options(), in, repeats);
   nlohmann::json c = case_json(m, p);
   c["threads"] = pt.threads;
+  c["sgemm_gflops"] = sgemm;
+  c["vs_sgemm"] = m.gflops / sgemm;
   return c;
 }
 
@@ -66,7 +75,8 @@ bool has(const std::vector<std::string>& v, const std::string& x) {
   return std::find(v.begin(), v.end(), x) != v.end();
 }
 
-// machine facts, sgemm at `threads`, and the notes every sweep result carries.
+// machine facts, a first sgemm at `threads` (each case measures its own too), and the notes
+// every sweep result carries.
 nlohmann::json header(const SweepFlags& f, int threads, const char* mode) {
   std::cerr << "sgemm " << f.sgemm_n << "^3 on " << threads << " threads (OpenBLAS "
             << baseline::openblas_corename() << ")\n";
@@ -101,7 +111,7 @@ nlohmann::json run_sweep(const SweepFlags& f) {
         for (const std::string& causal : f.causal)
           for (const std::string& op : f.ops)
             j["cases"].push_back(timed_case(f.shape, {dtype, causal == "yes", dim, seqlen, threads},
-                                            op == "fwd" ? Op::fwd : Op::bwd, in, f.repeats));
+                                            op == "fwd" ? Op::fwd : Op::bwd, in, f.repeats, f.sgemm_n, threads));
       }
   return j;
 }
@@ -113,45 +123,48 @@ nlohmann::json run_quick(SweepFlags f) {
   j["batch"] = f.shape.batch;
   j["heads"] = f.shape.heads;
   const std::int64_t s = f.shape.seqlen, d = f.shape.dim;
-  std::map<std::tuple<std::string, bool, Op>, double> at_base;  // (dtype, causal, op) → GFLOP/s
+  std::map<std::tuple<std::string, bool, Op>, double> at_base;  // (dtype, causal, op) → vs_sgemm
   for (const char* dtype : {"f32", "bf16"}) {
     const Inputs in = inputs_for(f.shape, {dtype, false, d, s, threads});
     for (const bool causal : {false, true})
       for (const Op op : {Op::fwd, Op::bwd}) {
-        nlohmann::json c = timed_case(f.shape, {dtype, causal, d, s, threads}, op, in, f.repeats);
-        at_base[{dtype, causal, op}] = c["gflops"];
+        nlohmann::json c = timed_case(f.shape, {dtype, causal, d, s, threads}, op, in, f.repeats, f.sgemm_n, threads);
+        at_base[{dtype, causal, op}] = c["vs_sgemm"];
         j["cases"].push_back(c);
       }
   }
   auto f32_forward = [&](std::int64_t dim, std::int64_t seqlen, int t) {
     const Point pt{"f32", false, dim, seqlen, t};
-    nlohmann::json c = timed_case(f.shape, pt, Op::fwd, inputs_for(f.shape, pt), f.repeats);
+    nlohmann::json c = timed_case(f.shape, pt, Op::fwd, inputs_for(f.shape, pt), f.repeats, f.sgemm_n, threads);
     j["cases"].push_back(c);
-    return c["gflops"].get<double>();
+    return c["vs_sgemm"].get<double>();
   };
   const double d64 = f32_forward(64, s, threads), d256 = f32_forward(256, s, threads);
   const double one_thread = f32_forward(d, s, 1), long_seq = f32_forward(d, kLongSeqlenFactor * s, threads);
 
-  const double sgemm = j["sgemm_gflops"];
+  // Every value is a case's GFLOP/s over the sgemm measured just before it, so the ratios
+  // between cases (bf16/f32, the speed-up, long/short S) are corrected for drift as well.
   const double f32_fwd = at_base[{"f32", false, Op::fwd}], f32_bwd = at_base[{"f32", false, Op::bwd}];
   const std::string at = " (S=" + std::to_string(s) + ", D=" + std::to_string(d) + ")";
   j["targets"] = {
-      target("fp32 forward, non-causal" + at, "flashattn GFLOP/s / sgemm_gflops", f32_fwd / sgemm, 0.85),
-      target("fp32 forward, causal (FLOPs halved)" + at, "flashattn GFLOP/s / sgemm_gflops",
-             at_base[{"f32", true, Op::fwd}] / sgemm, 0.75),
-      target("bf16 forward, non-causal" + at, "bf16 GFLOP/s / fp32 GFLOP/s", at_base[{"bf16", false, Op::fwd}] / f32_fwd,
+      target("fp32 forward, non-causal" + at, "flashattn GFLOP/s / sgemm_gflops of the case", f32_fwd, 0.85),
+      target("fp32 forward, causal (FLOPs halved)" + at, "flashattn GFLOP/s / sgemm_gflops of the case",
+             at_base[{"f32", true, Op::fwd}], 0.75),
+      target("bf16 forward, non-causal" + at, "bf16 / fp32, each GFLOP/s over its case's sgemm_gflops", at_base[{"bf16", false, Op::fwd}] / f32_fwd,
              1.6),
-      target("fp32 backward, non-causal (2.5x forward FLOPs)" + at, "flashattn GFLOP/s / sgemm_gflops",
-             f32_bwd / sgemm, 0.60),
-      target("bf16 backward, non-causal" + at, "bf16 GFLOP/s / fp32 GFLOP/s", at_base[{"bf16", false, Op::bwd}] / f32_bwd,
+      target("fp32 backward, non-causal (2.5x forward FLOPs)" + at, "flashattn GFLOP/s / sgemm_gflops of the case",
+             f32_bwd, 0.60),
+      target("bf16 backward, non-causal" + at, "bf16 / fp32, each GFLOP/s over its case's sgemm_gflops", at_base[{"bf16", false, Op::bwd}] / f32_bwd,
              1.4),
-      target("fp32 forward D=64", "flashattn GFLOP/s / sgemm_gflops", d64 / sgemm, 0.70),
-      target("fp32 forward D=256", "flashattn GFLOP/s / sgemm_gflops", d256 / sgemm, 0.70),
+      target("fp32 forward D=64", "flashattn GFLOP/s / sgemm_gflops of the case", d64, 0.70),
+      target("fp32 forward D=256", "flashattn GFLOP/s / sgemm_gflops of the case", d256, 0.70),
       // 1.85x on 2 threads is 92.5% parallel efficiency; other thread counts keep that efficiency.
-      target("fp32 forward, 1 -> " + std::to_string(threads) + " threads", "speedup",
+      target("fp32 forward, 1 -> " + std::to_string(threads) + " threads",
+             "speedup, each GFLOP/s over its case's sgemm_gflops (both at the run's threads)",
              f32_fwd / one_thread, 0.925 * threads),
       target("fp32 forward S=" + std::to_string(kLongSeqlenFactor * s) + " vs S=" + std::to_string(s),
-             "GFLOP/s at the long S / GFLOP/s at S (within 10%)", long_seq / f32_fwd, 0.90),
+             "GFLOP/s at the long S / GFLOP/s at S, each over its case's sgemm_gflops (within 10%)",
+             long_seq / f32_fwd, 0.90),
   };
   return j;
 }
@@ -194,7 +207,7 @@ void print_sweep(const nlohmann::json& r) {
                 c["dtype"].get<std::string>().c_str(), c["causal"].get<bool>() ? "causal" : "full",
                 static_cast<long long>(c["dim"].get<std::int64_t>()),
                 static_cast<long long>(c["seqlen_q"].get<std::int64_t>()), c["threads"].get<int>(),
-                c["gflops"].get<double>(), 100.0 * c["gflops"].get<double>() / sgemm, c["seconds"].get<double>());
+                c["gflops"].get<double>(), 100.0 * c["vs_sgemm"].get<double>(), c["seconds"].get<double>());
   if (!r.contains("targets")) return;
   std::printf("\n%-64s %8s %8s\n", "issue 7 target", "measured", "target");
   for (const auto& t : r["targets"])
