@@ -59,6 +59,9 @@ struct AttentionOptions {
   // split into this many parts that run in parallel and are merged exactly through their
   // log-sum-exps (merge_attention_states). 0 chooses from the problem and the thread
   // count (splits only when there are fewer Q tiles than threads, as in decoding); 1 never.
+  // When the decode kernel runs (few query rows per kv head: plan.kernel == decode), a split
+  // is a chunk of one batch element's keys read for every kv head, so this counts key chunks
+  // per batch element.
   int num_splits = 0;
   // Backward only: bit-identical dq, dk, dv on every run and for every thread count: the
   // dQ shares of the K/V tiles are added in K/V-block order (a ticket per Q tile) instead
