@@ -73,8 +73,11 @@ struct ForwardWorkspace {
   hwy::AlignedFreeUniquePtr<float[]> o_acc;     // (block_q, head_dim_v_padded): õ
   std::vector<OnlineSoftmaxState> states;       // (block_q): m and ℓ of each row
   std::vector<std::int32_t> rescales;           // (block_q): rescales of each row, when counted
-  hwy::AlignedFreeUniquePtr<float[]> k_packed;  // k tiles, each (head_dim, block_k): Kᵀ (tiled)
-  hwy::AlignedFreeUniquePtr<float[]> v_packed;  // (k_tiles · block_k, head_dim_v_padded) (tiled)
+  // (tiled) k tiles of Kᵀ, each as contiguous panels of kMicroCols keys, (head_dim, kMicroCols)
+  // each; v: k tiles of V, each as contiguous panels of kMicroCols columns, (block_k,
+  // kMicroCols) each (EnsurePacked in forward_kernel.cpp)
+  hwy::AlignedFreeUniquePtr<float[]> k_packed;  // k_tiles · head_dim · block_k floats
+  hwy::AlignedFreeUniquePtr<float[]> v_packed;  // k_tiles · block_k · head_dim_v_padded floats
   std::vector<DecodeKey> decode_keys;           // (block_k + kDecodePrefetchKeys): a key block's rows (decode)
   PackedHead packed;  // which head k/v buffers hold, and how much of it
   KernelCounters counters;  // this thread's share of the call's counts (counters.hpp)
