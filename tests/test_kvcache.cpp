@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <random>
 
 #include "test_util.hpp"
 
@@ -354,6 +355,73 @@ TEST(KvCache, DecodeKernelMatchesTheReferenceOnEveryLayout) {
           }
         }
       }
+  });
+}
+
+// The decode kernel's FP8 path widens e4m3 codes in registers and applies each (page, kv
+// head) descale to scores and probabilities: a cache of random codes — every code but the
+// two NaNs, subnormal ones included — with a different descale per page and kv head,
+// against the float64 reference on the dequantized values (float32 rounding only, by
+// upstream's rule), on every compiled SIMD target, for the layouts and shapes above.
+TEST(KvCache, DecodeKernelReadsEveryFp8CodeOnEveryLayout) {
+  struct Shape {
+    std::int64_t hq, hkv, d, dv;
+  };
+  const Shape shapes[] = {{6, 2, 40, 24}, {16, 2, 128, 128}, {2, 2, 3, 5}};
+  constexpr std::int64_t keys = 339;
+  for_each_simd_target([&](const std::string&) {
+    for (const Shape& s : shapes) {
+      SCOPED_TRACE("Hq " + std::to_string(s.hq) + " Hkv " + std::to_string(s.hkv) + " D " + std::to_string(s.d) +
+                   " Dv " + std::to_string(s.dv));
+      const Tensor q = random_tensor(DType::f32, {1, 1, s.hq, s.d}, 80);
+      AttentionOptions o;
+      const AttentionProblem p = AttentionProblem::from_sizes(1, 1, keys, s.hq, s.hkv, s.d, s.dv, DType::f32, o);
+      for (std::int64_t ps : {0, 3, 16}) {
+        SCOPED_TRACE(ps == 0 ? std::string("contiguous") : "page size " + std::to_string(ps));
+        const std::int64_t pages = ps > 0 ? (keys + ps - 1) / ps : 1, slots = ps > 0 ? ps : keys;
+        Tensor k_cache(DType::u8, {pages, slots, s.hkv, s.d}), v_cache(DType::u8, {pages, slots, s.hkv, s.dv});
+        Tensor k_scale(DType::f32, {pages, s.hkv}), v_scale(DType::f32, {pages, s.hkv});
+        Tensor table(DType::i32, {1, pages}), seqlens(DType::i32, {1});
+        Tensor k(DType::f32, {1, keys, s.hkv, s.d}), v(DType::f32, {1, keys, s.hkv, s.dv});  // dequantized
+        for (std::int64_t i = 0; i < pages * s.hkv; ++i) {
+          k_scale.set(i, 0x1p-7f * static_cast<float>(1 + i % 5));
+          v_scale.set(i, 0x1p-5f / static_cast<float>(1 + i % 3));
+        }
+        std::mt19937_64 rng(81 + static_cast<std::uint64_t>(ps));
+        auto fill = [&](Tensor& codes, const Tensor& scale, Tensor& values, std::int64_t dim, std::int64_t pos,
+                        std::int64_t page, std::int64_t slot) {
+          for (std::int64_t h = 0; h < s.hkv; ++h)
+            for (std::int64_t e = 0; e < dim; ++e) {
+              std::uint8_t code;
+              do code = static_cast<std::uint8_t>(rng()); while ((code & 0x7F) == 0x7F);  // no NaN
+              codes.data_as<std::uint8_t>()[((page * slots + slot) * s.hkv + h) * dim + e] = code;
+              values.set((pos * s.hkv + h) * dim + e, fp8_to_float(code, Fp8Format::e4m3) * scale.get(page * s.hkv + h));
+            }
+        };
+        for (std::int64_t pg = 0; pg < pages; ++pg) table.set(pg, static_cast<float>(pages - 1 - pg));  // reversed
+        seqlens.set(0, static_cast<float>(keys));
+        for (std::int64_t pos = 0; pos < keys; ++pos) {
+          const std::int64_t page = ps > 0 ? pages - 1 - pos / ps : 0, slot = ps > 0 ? pos % ps : pos;
+          fill(k_cache, k_scale, k, s.d, pos, page, slot);
+          fill(v_cache, v_scale, v, s.dv, pos, page, slot);
+        }
+        const reference::Result want = reference::attention(q.view(), k.view(), v.view(), o);
+        const double tolerance = std::max(1e-5, 2.0 * max_abs_error(naive_same_precision(p, o, q, k, v), want.out));
+        for (int splits : {1, 4}) {
+          SCOPED_TRACE("splits " + std::to_string(splits));
+          o.num_splits = splits;
+          KvCache c{k_cache.view(), v_cache.view(), ps > 0 ? table.view() : TensorView{}, seqlens.view()};
+          c.k_scale = k_scale.view();
+          c.v_scale = v_scale.view();
+          ASSERT_EQ(plan_forward(p, CpuHardware::detect(0)).kernel, ForwardKernel::decode);
+          const ForwardResult got = forward_with_kvcache(q.view(), c, o);
+          EXPECT_LE(max_abs_error(got.out, want.out), tolerance);
+          for (std::int64_t i = 0; i < got.lse.numel(); ++i)
+            ASSERT_NEAR(got.lse.get(i), want.lse[static_cast<std::size_t>(i)], 1e-4 * std::max(1.0, std::fabs(want.lse[static_cast<std::size_t>(i)])))
+                << "lse " << i;
+        }
+      }
+    }
   });
 }
 

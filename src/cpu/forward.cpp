@@ -31,10 +31,12 @@ std::size_t forward_workspace_bytes(const CpuForwardPlan& plan, const AttentionP
   const auto dv_pad = static_cast<std::size_t>(plan.head_dim_v_padded);
   const std::size_t keys_pad =
       plan.kernel == ForwardKernel::tiled ? round_up(static_cast<std::size_t>(p.seqlen_k), bc) : 0;
-  const std::size_t d_pad = round_up(d, 16);
-  const std::size_t floats = bq * d_pad + bq * bc + bq * dv_pad + keys_pad * d + keys_pad * dv_pad;
+  const std::size_t d_pad = round_up(d, 32);
+  const std::size_t q_rows = plan.kernel == ForwardKernel::decode ? bq + 1 : bq;
+  const std::size_t o_floats = bq * dv_pad + (plan.kernel == ForwardKernel::decode ? bc : 0);
+  const std::size_t floats = q_rows * d_pad + bq * bc + o_floats + keys_pad * d + keys_pad * dv_pad;
   const std::size_t keys = plan.kernel == ForwardKernel::decode ? bc + kDecodePrefetchKeys : 0;
-  return floats * sizeof(float) + bq * (sizeof(OnlineSoftmaxState) + sizeof(std::int32_t)) + keys * sizeof(DecodeKey);
+  return floats * sizeof(float) + bq * (sizeof(OnlineSoftmaxState) + sizeof(std::int32_t)) + keys * DecodeKeys::kBytesPerKey;
 }
 
 ForwardWorkspace::ForwardWorkspace(const CpuForwardPlan& plan, const AttentionProblem& p)
@@ -46,11 +48,11 @@ ForwardWorkspace::ForwardWorkspace(const CpuForwardPlan& plan, const AttentionPr
   const auto dv_pad = static_cast<std::size_t>(plan.head_dim_v_padded);
   const std::size_t keys_pad =
       plan.kernel == ForwardKernel::tiled ? round_up(static_cast<std::size_t>(p.seqlen_k), bc) : 0;
-  const std::size_t d_pad = round_up(d, 16);  // a whole number of vectors on every target
-  q_tile = allocate_floats(bq * d_pad);
+  const std::size_t d_pad = round_up(d, 32);  // a whole number of pairs of vectors on every target
+  q_tile = allocate_floats((plan.kernel == ForwardKernel::decode ? bq + 1 : bq) * d_pad);
   if (plan.kernel == ForwardKernel::decode) decode_keys.resize(bc + kDecodePrefetchKeys);
   s_tile = allocate_floats(bq * bc);
-  o_acc = allocate_floats(bq * dv_pad);
+  o_acc = allocate_floats(bq * dv_pad + (plan.kernel == ForwardKernel::decode ? bc : 0));
   k_packed = allocate_floats(keys_pad * d + 1);
   v_packed = allocate_floats(keys_pad * dv_pad + 1);
 }

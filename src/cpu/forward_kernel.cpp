@@ -255,6 +255,28 @@ void ForwardWorkItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_
 // format is resolved once per call, not per row.
 enum class KvFormat { f32, bf16, f16, e4m3 };
 
+// The decode kernel reads K and V rows a pair of vectors (2·kLanes values) at a time.
+// bf16 splits a pair into its even and its odd elements — one load and two integer
+// operations, against two widening loads and two shifts for the values in order — so the
+// Q rows it multiplies and the õ rows it adds to hold every whole pair in that order too;
+// the other formats, and the scalar target's one-lane pairs, keep the order.
+template <KvFormat F>
+constexpr bool kEvenOdd = F == KvFormat::bf16 && HWY_TARGET != HWY_SCALAR;
+constexpr std::int64_t kPair = 2 * kLanes;
+static_assert(kMicroCols % kPair == 0, "a padded õ row is a whole number of pairs");
+
+// Position within its pair (in row order) of lane i of the pair's vector `half` (0 or 1).
+template <KvFormat F>
+constexpr std::int64_t PairIndex(std::int64_t half, std::int64_t i) {
+  return kEvenOdd<F> ? 2 * i + half : half * kLanes + i;
+}
+
+// What LoadKvPair's values are short of the stored ones by: e4m3 codes are read as f16
+// values 2^-8 times theirs, so scores and probabilities are multiplied by 2^8 with their
+// descales. 1 for the other formats (and the scalar target's e4m3, read by LoadKv).
+template <KvFormat F>
+constexpr float kKvUnit = F == KvFormat::e4m3 && HWY_TARGET != HWY_SCALAR ? 256.0f : 1.0f;
+
 // kLanes values of a K/V row from element e on, as float32 (FP8 codes as their e4m3 values;
 // the descale is applied to the score or the probability instead).
 template <KvFormat F>
@@ -280,13 +302,49 @@ HWY_INLINE VF LoadKv(const unsigned char* HWY_RESTRICT row, std::int64_t e) {
   }
 }
 
-// The last `n` < kLanes values of a row from element e on, zero-filled to a vector.
+// The pair of vectors of a K/V row from element e on (e a multiple of kPair), in the order
+// PairIndex gives, times 1/kKvUnit.
 template <KvFormat F>
-HWY_INLINE VF LoadKvTail(const unsigned char* HWY_RESTRICT row, std::int64_t e, std::int64_t n, DType dtype) {
-  HWY_ALIGN float part[kLanes] = {};
-  const std::int64_t elem = F == KvFormat::f32 ? 4 : F == KvFormat::e4m3 ? 1 : 2;
-  LoadRow(row + e * elem, dtype, n, 1.0f, part);
-  return hn::Load(DF(), part);
+HWY_INLINE void LoadKvPair(const unsigned char* HWY_RESTRICT row, std::int64_t e, VF& lo, VF& hi) {
+#if HWY_TARGET != HWY_SCALAR
+  const DF df;
+  if constexpr (kEvenOdd<F>) {
+    // 32-bit lane i holds element 2i in its low half and 2i + 1 in its high half.
+    const hn::RebindToUnsigned<DF> du;
+    const auto bits = hn::LoadU(du, reinterpret_cast<const std::uint32_t*>(row + 2 * e));
+    lo = hn::BitCast(df, hn::ShiftLeft<16>(bits));
+    hi = hn::BitCast(df, hn::And(bits, hn::Set(du, 0xFFFF0000u)));
+    return;
+  } else if constexpr (F == KvFormat::e4m3) {
+    // In 16-bit lanes a sign-extended code shifted up by 7 has the sign in bits 15 and 14
+    // and exponent and mantissa in bits 13..7; without bit 14 it is the f16 whose value is
+    // the code's times 2^-8 (exponent bias 15 against 7), subnormal codes included — and
+    // f16 subnormals widen exactly, also with denormals-are-zero set. Code 0x7F (NaN)
+    // reads as 480·2^-8, as in LoadRow: appends never store it.
+    const hn::Repartition<std::int16_t, DF> d16;
+    const hn::Rebind<std::int8_t, decltype(d16)> d8;
+    const hn::Rebind<hwy::float16_t, DF> dh;
+    const hn::Twice<decltype(dh)> dh2;
+    const auto x = hn::PromoteTo(d16, hn::LoadU(d8, reinterpret_cast<const std::int8_t*>(row) + e));
+    const auto h = hn::BitCast(dh2, hn::And(hn::ShiftLeft<7>(x), hn::Set(d16, static_cast<std::int16_t>(0xBFFF))));
+    lo = hn::PromoteTo(df, hn::LowerHalf(dh, h));
+    hi = hn::PromoteTo(df, hn::UpperHalf(dh, h));
+    return;
+  }
+#endif
+  lo = LoadKv<F>(row, e);
+  hi = LoadKv<F>(row, e + kLanes);
+}
+
+// The last `n` < kPair values of a row from element e on, zero-filled to a pair in row
+// order (the ragged end of a row, whatever the format), times 1/kKvUnit.
+template <KvFormat F>
+HWY_INLINE void LoadKvTailPair(const unsigned char* HWY_RESTRICT row, std::int64_t e, std::int64_t n, DType dtype,
+                               VF& lo, VF& hi) {
+  HWY_ALIGN float part[kPair] = {};
+  LoadRow(row + e * static_cast<std::int64_t>(dtype_size(dtype)), dtype, n, 1.0f / kKvUnit<F>, part);
+  lo = hn::Load(DF(), part);
+  hi = hn::Load(DF(), part + kLanes);
 }
 
 // [Σ a0, Σ a1, Σ a2, Σ a3] into dst[0, 4), times `scale`. With four or more lanes one
@@ -328,8 +386,8 @@ HWY_INLINE void SumOfLanes4(VF a0, VF a1, VF a2, VF a3, float scale, float* HWY_
 }
 #endif
 
-// keys[c] for keys j0 + c, c < count: one block-table lookup per page, not per row.
-void ResolveKeys(const ForwardParams& prm, std::int64_t b, std::int64_t j0, std::int64_t count, DecodeKey* keys) {
+// Rows [c] of `keys` for keys j0 + c, c < count: one block-table lookup per page, not per row.
+void ResolveKeys(const ForwardParams& prm, std::int64_t b, std::int64_t j0, std::int64_t count, DecodeKeys& keys) {
   const PagedKv& pg = prm.paged;
   const std::int64_t page_size = pg.block_table != nullptr ? pg.page_size : j0 + count;  // contiguous: one page
   std::int64_t page_index = pg.block_table != nullptr ? j0 / page_size : 0;
@@ -338,12 +396,100 @@ void ResolveKeys(const ForwardParams& prm, std::int64_t b, std::int64_t j0, std:
     const std::int64_t page = pg.block_table != nullptr ? pg.block_table[page_index * pg.table_stride] : b;
     const float* kd = pg.k_descale != nullptr ? pg.k_descale + page * pg.descale_page_stride : nullptr;
     const float* vd = pg.v_descale != nullptr ? pg.v_descale + page * pg.descale_page_stride : nullptr;
-    for (; c < count && slot < page_size; ++c, ++slot)
-      keys[c] = {static_cast<const unsigned char*>(RowPointer(prm.k, page, slot, 0)),
-                 static_cast<const unsigned char*>(RowPointer(prm.v, page, slot, 0)), kd, vd};
+    for (; c < count && slot < page_size; ++c, ++slot) {
+      keys.k[c] = static_cast<const unsigned char*>(RowPointer(prm.k, page, slot, 0));
+      keys.v[c] = static_cast<const unsigned char*>(RowPointer(prm.v, page, slot, 0));
+      keys.k_descale[c] = kd;
+      keys.v_descale[c] = vd;
+    }
     slot = 0;
     ++page_index;
   }
+}
+
+// Four rows' scores of one key: s[r·lds] = scale · (row r of the panel)·krow, r < 4. The
+// panel holds, per pair of K vectors, the four rows' values of the first vector, then of
+// the second, in LoadKvPair's order (row order in the ragged last pair).
+template <KvFormat F>
+HWY_INLINE void ScoreKey4(const float* HWY_RESTRICT panel, const unsigned char* HWY_RESTRICT krow, std::int64_t d,
+                          DType dtype, float scale, float* HWY_RESTRICT s, std::int64_t lds) {
+  const DF df;
+  // Eight independent FMA chains: the four rows times the pair's two vectors.
+  VF a0 = hn::Zero(df), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+  auto step = [&](VF lo, VF hi, const float* HWY_RESTRICT q) {
+    a0 = hn::MulAdd(hn::Load(df, q), lo, a0);
+    a1 = hn::MulAdd(hn::Load(df, q + kLanes), lo, a1);
+    a2 = hn::MulAdd(hn::Load(df, q + 2 * kLanes), lo, a2);
+    a3 = hn::MulAdd(hn::Load(df, q + 3 * kLanes), lo, a3);
+    b0 = hn::MulAdd(hn::Load(df, q + 4 * kLanes), hi, b0);
+    b1 = hn::MulAdd(hn::Load(df, q + 5 * kLanes), hi, b1);
+    b2 = hn::MulAdd(hn::Load(df, q + 6 * kLanes), hi, b2);
+    b3 = hn::MulAdd(hn::Load(df, q + 7 * kLanes), hi, b3);
+  };
+  VF lo, hi;
+  std::int64_t e = 0;
+  for (; e + kPair <= d; e += kPair, panel += 4 * kPair) {
+    LoadKvPair<F>(krow, e, lo, hi);
+    step(lo, hi, panel);
+  }
+  if (e < d) {
+    LoadKvTailPair<F>(krow, e, d - e, dtype, lo, hi);
+    step(lo, hi, panel);
+  }
+  HWY_ALIGN float sums[4];
+  SumOfLanes4(hn::Add(a0, b0), hn::Add(a1, b1), hn::Add(a2, b2), hn::Add(a3, b3), scale, sums);
+  for (std::int64_t r = 0; r < 4; ++r) s[r * lds] = sums[r];
+}
+
+// õ rows [0, 4) (row stride ldo), pair e, += P rows [0, 4) (row stride ldp) · the kv head's
+// V rows of keys [0, n) (at `offset` bytes from keys.v): eight FMA chains, õ in registers.
+template <KvFormat F>
+HWY_INLINE void AccumulatePair4(const float* HWY_RESTRICT p0, std::int64_t ldp, const DecodeKeys& keys,
+                                std::int64_t offset, std::int64_t n, std::int64_t e, std::int64_t dv, DType dtype,
+                                float* HWY_RESTRICT o0, std::int64_t ldo) {
+  const DF df;
+  VF a0 = hn::Load(df, o0), a1 = hn::Load(df, o0 + ldo), a2 = hn::Load(df, o0 + 2 * ldo), a3 = hn::Load(df, o0 + 3 * ldo);
+  VF b0 = hn::Load(df, o0 + kLanes), b1 = hn::Load(df, o0 + ldo + kLanes);
+  VF b2 = hn::Load(df, o0 + 2 * ldo + kLanes), b3 = hn::Load(df, o0 + 3 * ldo + kLanes);
+  auto step = [&](VF lo, VF hi, std::int64_t c) {
+    const VF w0 = hn::Set(df, p0[c]), w1 = hn::Set(df, p0[ldp + c]);
+    const VF w2 = hn::Set(df, p0[2 * ldp + c]), w3 = hn::Set(df, p0[3 * ldp + c]);
+    a0 = hn::MulAdd(w0, lo, a0);
+    b0 = hn::MulAdd(w0, hi, b0);
+    a1 = hn::MulAdd(w1, lo, a1);
+    b1 = hn::MulAdd(w1, hi, b1);
+    a2 = hn::MulAdd(w2, lo, a2);
+    b2 = hn::MulAdd(w2, hi, b2);
+    a3 = hn::MulAdd(w3, lo, a3);
+    b3 = hn::MulAdd(w3, hi, b3);
+  };
+  VF lo, hi;
+  if (e + kPair <= dv) {
+    std::int64_t c = 0;
+    for (; c + 2 <= n; c += 2) {  // two keys per pass: half the loop overhead
+      LoadKvPair<F>(keys.v[c] + offset, e, lo, hi);
+      step(lo, hi, c);
+      LoadKvPair<F>(keys.v[c + 1] + offset, e, lo, hi);
+      step(lo, hi, c + 1);
+    }
+    if (c < n) {
+      LoadKvPair<F>(keys.v[c] + offset, e, lo, hi);
+      step(lo, hi, c);
+    }
+  } else {  // the ragged end of the row: values past Dv read as zeros
+    for (std::int64_t c = 0; c < n; ++c) {
+      LoadKvTailPair<F>(keys.v[c] + offset, e, dv - e, dtype, lo, hi);
+      step(lo, hi, c);
+    }
+  }
+  hn::Store(a0, df, o0);
+  hn::Store(a1, df, o0 + ldo);
+  hn::Store(a2, df, o0 + 2 * ldo);
+  hn::Store(a3, df, o0 + 3 * ldo);
+  hn::Store(b0, df, o0 + kLanes);
+  hn::Store(b1, df, o0 + ldo + kLanes);
+  hn::Store(b2, df, o0 + 2 * ldo + kLanes);
+  hn::Store(b3, df, o0 + 3 * ldo + kLanes);
 }
 
 // The decode kernel (a few query rows, many keys): item = (batch, split), a contiguous key
@@ -352,13 +498,13 @@ void ResolveKeys(const ForwardParams& prm, std::int64_t b, std::int64_t j0, std:
 // and each key's kv heads — adjacent in memory — are read together: no packing, no
 // micro-tile padding. Per block of keys: S = Q·Kᵀ four rows per key at once (one
 // transpose-reduction for the four dot products), the online softmax, then õ += P·V with
-// four rows and two vectors of õ in registers.
+// four rows and a pair of õ vectors in registers.
 template <KvFormat F>
 void DecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item) {
   const AttentionProblem& p = prm.problem;
   const CpuForwardPlan& plan = prm.plan;
   const std::int64_t d = p.head_dim, dv = p.head_dim_v, bc = plan.block_k, dv_pad = plan.head_dim_v_padded;
-  const std::int64_t d_pad = (d + kLanes - 1) / kLanes * kLanes, d_full = d / kLanes * kLanes;
+  const std::int64_t d_span = (d + kPair - 1) / kPair * kPair;  // a Q row: whole pairs
   const std::int64_t hkv = p.heads_kv, group = p.heads_q / hkv, rows = group * p.seqlen_q;
   const std::int64_t rows4 = plan.block_q, all_rows = hkv * rows4;  // a kv head's rows, in fours
   const auto elem = static_cast<std::int64_t>(dtype_size(prm.k.dtype));
@@ -371,26 +517,33 @@ void DecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t ite
   const std::int64_t key_begin = std::max(p.key_range(0).begin, (first_tile + tiles * split / plan.splits) * bc);
   const std::int64_t key_end =
       std::min(p.key_range(p.seqlen_q - 1).end, (first_tile + tiles * (split + 1) / plan.splits) * bc);
-  const DF df;
 
   // Row g·rows4 + r (r < rows) is query r % Sq of q head g·group + r / Sq; rows r ≥ rows of
-  // each kv head g are zero padding.
-  float* q_rows = ws.q_tile.get();  // (heads_kv · rows4, d_pad)
+  // each kv head g are zero padding. Each four rows form a ScoreKey4 panel (4 · d_span).
+  float* q_panels = ws.q_tile.get();             // (heads_kv · rows4, d_span)
+  float* q_row = q_panels + all_rows * d_span;  // one row in row order, loaded
   const float q_scale = p.softmax_scale * OnlineSoftmaxState::kLog2e;
-  std::fill(q_rows, q_rows + all_rows * d_pad, 0.0f);
+  std::fill(q_panels, q_panels + all_rows * d_span, 0.0f);
   for (std::int64_t g = 0; g < hkv; ++g)
-    for (std::int64_t r = 0; r < rows; ++r)
-      LoadRow(RowPointer(prm.q, b, r % p.seqlen_q, g * group + r / p.seqlen_q), p.dtype, d, q_scale,
-              q_rows + (g * rows4 + r) * d_pad);
-  float* o_acc = ws.o_acc.get();  // (heads_kv · rows4, dv_pad)
+    for (std::int64_t r = 0; r < rows; ++r) {
+      LoadRow(RowPointer(prm.q, b, r % p.seqlen_q, g * group + r / p.seqlen_q), p.dtype, d, q_scale, q_row);
+      float* panel = q_panels + (g * rows4 + r / 4 * 4) * d_span + r % 4 * kLanes;
+      for (std::int64_t e = 0; e < d; e += kPair)
+        for (std::int64_t half = 0; half < 2; ++half)
+          for (std::int64_t i = 0; i < kLanes; ++i) {
+            const std::int64_t x = e + (e + kPair <= d ? PairIndex<F>(half, i) : half * kLanes + i);
+            panel[4 * e + half * 4 * kLanes + i] = x < d ? q_row[x] : 0.0f;
+          }
+    }
+  float* o_acc = ws.o_acc.get();  // (heads_kv · rows4, dv_pad), whole pairs in LoadKvPair's order
   std::fill(o_acc, o_acc + all_rows * dv_pad, 0.0f);
   OnlineSoftmaxState* state = ws.states.data();
   std::fill(state, state + all_rows, OnlineSoftmaxState{});
   std::int32_t* rescales = prm.rescale_counts.data != nullptr ? ws.rescales.data() : nullptr;
   if (rescales != nullptr) std::fill(rescales, rescales + all_rows, 0);
   float* s_tile = ws.s_tile.get();  // (heads_kv · rows4, bc)
-  HWY_ALIGN float sums[4];
-  DecodeKey* keys = ws.decode_keys.data();  // (bc + kDecodePrefetchKeys)
+  DecodeKeys& keys = ws.decode_keys;  // (bc + kDecodePrefetchKeys)
+  float* v_factor = ws.o_acc.get() + all_rows * dv_pad;  // (bc): a kv head's V descales per key (FP8)
   ws.counters.q_read += hkv * rows * d;
 
   for (std::int64_t j0 = key_begin; j0 < key_end; j0 += bc) {
@@ -406,28 +559,21 @@ void DecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t ite
       // are read at once, in order, which the hardware prefetcher follows.
       if (c + kDecodePrefetchKeys < ahead)
         for (std::int64_t off = 0; off < v_span; off += kCacheLineBytes)
-          hwy::Prefetch(keys[c + kDecodePrefetchKeys].v + off);
-      for (std::int64_t g = 0; g < hkv; ++g) {
-        const unsigned char* krow = keys[c].k + g * k_head;
-        const float descale = keys[c].k_descale != nullptr ? keys[c].k_descale[g * descale_head] : 1.0f;
-        // Four rows at a time: four independent FMA chains in flight, not one latency-bound.
-        for (std::int64_t r = g * rows4; r < (g + 1) * rows4; r += 4) {
-          const float* q0 = q_rows + r * d_pad;
-          VF a0 = hn::Zero(df), a1 = a0, a2 = a0, a3 = a0;
-          auto step = [&](VF kv, std::int64_t e) {
-            a0 = hn::MulAdd(hn::Load(df, q0 + e), kv, a0);
-            a1 = hn::MulAdd(hn::Load(df, q0 + d_pad + e), kv, a1);
-            a2 = hn::MulAdd(hn::Load(df, q0 + 2 * d_pad + e), kv, a2);
-            a3 = hn::MulAdd(hn::Load(df, q0 + 3 * d_pad + e), kv, a3);
-          };
-          for (std::int64_t e = 0; e < d_full; e += kLanes) step(LoadKv<F>(krow, e), e);
-          if (d_full < d) step(LoadKvTail<F>(krow, d_full, d - d_full, prm.k.dtype), d_full);
-          SumOfLanes4(a0, a1, a2, a3, descale, sums);
-          for (std::int64_t i = 0; i < 4; ++i) s_tile[(r + i) * bc + c] = sums[i];
-        }
+          hwy::Prefetch(keys.v[c + kDecodePrefetchKeys] + off);
+      const unsigned char* krow = keys.k[c];
+      const float* descale = keys.k_descale[c];
+      const float* panel = q_panels;
+      float* s = s_tile + c;
+      for (std::int64_t g = 0; g < hkv; ++g, krow += k_head) {
+        const float scale = (F == KvFormat::e4m3 ? descale[g * descale_head] : 1.0f) * kKvUnit<F>;
+        for (std::int64_t r = 0; r < rows4; r += 4, panel += 4 * d_span, s += 4 * bc)
+          ScoreKey4<F>(panel, krow, d, prm.k.dtype, scale, s, bc);
       }
     }
-    for (std::int64_t g = 0; g < hkv; ++g)
+    for (std::int64_t g = 0; g < hkv; ++g) {
+      if constexpr (F == KvFormat::e4m3)  // P·(codes·descale) = (P·descale)·codes: each key's factor
+        for (std::int64_t c = 0; c < cols; ++c)
+          v_factor[c] = c < n ? keys.v_descale[c][g * descale_head] * kKvUnit<F> : 0.0f;
       for (std::int64_t r = 0; r < rows4; ++r) {
         float* srow = s_tile + (g * rows4 + r) * bc;
         if (r >= rows) {  // padding rows: no probability mass
@@ -438,59 +584,29 @@ void DecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t ite
         const RowMods mods(p, prm.alibi_slopes, prm.block_mask, b, g * group + r / p.seqlen_q);
         SoftmaxRow(mods, srow, r % p.seqlen_q, j0, n, cols, state[g * rows4 + r], o_acc + (g * rows4 + r) * dv_pad,
                    dv_pad, rescales != nullptr ? rescales + g * rows4 + r : nullptr);
-        if constexpr (F == KvFormat::e4m3)  // P·(codes·descale) = (P·descale)·codes
-          for (std::int64_t c = 0; c < n; ++c) srow[c] *= keys[c].v_descale[g * descale_head];
+        if constexpr (F == KvFormat::e4m3)
+          for (std::int64_t c = 0; c < cols; c += kLanes)
+            hn::Store(hn::Mul(hn::Load(DF(), srow + c), hn::Load(DF(), v_factor + c)), DF(), srow + c);
       }
-    // õ += P·V, four rows and two vectors of õ at a time: eight chains, õ in registers.
+    }
     for (std::int64_t g = 0; g < hkv; ++g)
-      for (std::int64_t r = g * rows4; r < (g + 1) * rows4; r += 4) {
-        const float* p0 = s_tile + r * bc;
-        for (std::int64_t e = 0; e < dv_pad; e += 2 * kLanes) {
-          float* o0 = o_acc + r * dv_pad + e;
-          VF a0 = hn::Load(df, o0), a1 = hn::Load(df, o0 + kLanes);
-          VF b0 = hn::Load(df, o0 + dv_pad), b1 = hn::Load(df, o0 + dv_pad + kLanes);
-          VF c0 = hn::Load(df, o0 + 2 * dv_pad), c1 = hn::Load(df, o0 + 2 * dv_pad + kLanes);
-          VF d0 = hn::Load(df, o0 + 3 * dv_pad), d1 = hn::Load(df, o0 + 3 * dv_pad + kLanes);
-          auto step = [&](VF v0, VF v1, std::int64_t c) {
-            const VF w0 = hn::Set(df, p0[c]), w1 = hn::Set(df, p0[bc + c]);
-            const VF w2 = hn::Set(df, p0[2 * bc + c]), w3 = hn::Set(df, p0[3 * bc + c]);
-            a0 = hn::MulAdd(w0, v0, a0);
-            a1 = hn::MulAdd(w0, v1, a1);
-            b0 = hn::MulAdd(w1, v0, b0);
-            b1 = hn::MulAdd(w1, v1, b1);
-            c0 = hn::MulAdd(w2, v0, c0);
-            c1 = hn::MulAdd(w2, v1, c1);
-            d0 = hn::MulAdd(w3, v0, d0);
-            d1 = hn::MulAdd(w3, v1, d1);
-          };
-          if (e + 2 * kLanes <= dv) {
-            for (std::int64_t c = 0; c < n; ++c) {
-              const unsigned char* vrow = keys[c].v + g * v_head;
-              step(LoadKv<F>(vrow, e), LoadKv<F>(vrow, e + kLanes), c);
-            }
-          } else {  // the ragged end of the row: lanes past Dv read as zeros
-            const std::int64_t n0 = std::min(kLanes, dv - e), n1 = std::max<std::int64_t>(0, dv - e - kLanes);
-            for (std::int64_t c = 0; c < n; ++c) {
-              const unsigned char* vrow = keys[c].v + g * v_head;
-              const VF v0 = n0 == kLanes ? LoadKv<F>(vrow, e) : LoadKvTail<F>(vrow, e, n0, prm.v.dtype);
-              step(v0, n1 > 0 ? LoadKvTail<F>(vrow, e + kLanes, n1, prm.v.dtype) : hn::Zero(df), c);
-            }
-          }
-          hn::Store(a0, df, o0);
-          hn::Store(a1, df, o0 + kLanes);
-          hn::Store(b0, df, o0 + dv_pad);
-          hn::Store(b1, df, o0 + dv_pad + kLanes);
-          hn::Store(c0, df, o0 + 2 * dv_pad);
-          hn::Store(c1, df, o0 + 2 * dv_pad + kLanes);
-          hn::Store(d0, df, o0 + 3 * dv_pad);
-          hn::Store(d1, df, o0 + 3 * dv_pad + kLanes);
-        }
-      }
+      for (std::int64_t r = g * rows4; r < (g + 1) * rows4; r += 4)
+        for (std::int64_t e = 0; e < dv_pad; e += kPair)
+          AccumulatePair4<F>(s_tile + r * bc, bc, keys, g * v_head, n, e, dv, prm.v.dtype, o_acc + r * dv_pad + e, dv_pad);
   }
   for (std::int64_t g = 0; g < hkv; ++g)
-    for (std::int64_t r = 0; r < rows; ++r)
-      StoreOutputRow(prm, split, b, g * group + r / p.seqlen_q, r % p.seqlen_q, o_acc + (g * rows4 + r) * dv_pad,
-                     state[g * rows4 + r], rescales != nullptr ? rescales + g * rows4 + r : nullptr);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      float* orow = o_acc + (g * rows4 + r) * dv_pad;
+      if constexpr (kEvenOdd<F>)  // whole pairs back into row order
+        for (std::int64_t e = 0; e + kPair <= dv; e += kPair) {
+          HWY_ALIGN float pair[kPair];
+          for (std::int64_t half = 0; half < 2; ++half)
+            for (std::int64_t i = 0; i < kLanes; ++i) pair[PairIndex<F>(half, i)] = orow[e + half * kLanes + i];
+          std::copy(pair, pair + kPair, orow + e);
+        }
+      StoreOutputRow(prm, split, b, g * group + r / p.seqlen_q, r % p.seqlen_q, orow, state[g * rows4 + r],
+                     rescales != nullptr ? rescales + g * rows4 + r : nullptr);
+    }
   ws.counters.o_written += hkv * rows * dv;
   ws.counters.lse_written += hkv * rows;
 }

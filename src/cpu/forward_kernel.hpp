@@ -30,14 +30,20 @@ struct PagedKv {
   std::int64_t descale_page_stride = 0, descale_head_stride = 0;
 };
 
-// The decode kernel's view of one key: its K and V rows of kv head 0 (the other heads
-// follow at the views' head strides) and, for FP8 pools, its page's descales of kv head 0
-// (null otherwise). Resolved once per key for every kv head.
-struct DecodeKey {
-  const unsigned char* k;
-  const unsigned char* v;
-  const float* k_descale;
-  const float* v_descale;
+// The decode kernel's view of a block of keys: key c's K and V rows of kv head 0 (the
+// other heads follow at the views' head strides) and, for FP8 pools, its page's descales
+// of kv head 0 (null otherwise). Resolved once per key for every kv head; one array per
+// field, so that a loop over keys reads each with an 8-byte stride.
+struct DecodeKeys {
+  std::vector<const unsigned char*> k, v;
+  std::vector<const float*> k_descale, v_descale;
+  void resize(std::size_t n) {
+    k.resize(n);
+    v.resize(n);
+    k_descale.resize(n);
+    v_descale.resize(n);
+  }
+  static constexpr std::size_t kBytesPerKey = 2 * sizeof(const unsigned char*) + 2 * sizeof(const float*);
 };
 
 // Keys whose V rows (every kv head: 2 KiB at 8 heads × Dv 128 bf16) the decode kernel
@@ -67,10 +73,12 @@ struct ForwardParams {
 struct ForwardWorkspace {
   explicit ForwardWorkspace(const CpuForwardPlan& plan, const AttentionProblem& problem);
 
-  hwy::AlignedFreeUniquePtr<float[]> q_tile;    // (block_q, head_dim rounded to a vector), pre-scaled; also
-                                                // the row scratch of K packing
+  hwy::AlignedFreeUniquePtr<float[]> q_tile;    // (block_q, head_dim rounded to two vectors), pre-scaled,
+                                                // (decode) plus one row in row order; also the row
+                                                // scratch of K packing
   hwy::AlignedFreeUniquePtr<float[]> s_tile;    // (block_q, block_k): S, then P in place
-  hwy::AlignedFreeUniquePtr<float[]> o_acc;     // (block_q, head_dim_v_padded): õ
+  hwy::AlignedFreeUniquePtr<float[]> o_acc;     // (block_q, head_dim_v_padded): õ; (decode) plus block_k
+                                                // floats: a key block's FP8 V descales
   std::vector<OnlineSoftmaxState> states;       // (block_q): m and ℓ of each row
   std::vector<std::int32_t> rescales;           // (block_q): rescales of each row, when counted
   // (tiled) k tiles of Kᵀ, each as contiguous panels of kMicroCols keys, (head_dim, kMicroCols)
@@ -78,7 +86,7 @@ struct ForwardWorkspace {
   // kMicroCols) each (EnsurePacked in forward_kernel.cpp)
   hwy::AlignedFreeUniquePtr<float[]> k_packed;  // k_tiles · head_dim · block_k floats
   hwy::AlignedFreeUniquePtr<float[]> v_packed;  // k_tiles · block_k · head_dim_v_padded floats
-  std::vector<DecodeKey> decode_keys;           // (block_k + kDecodePrefetchKeys): a key block's rows (decode)
+  DecodeKeys decode_keys;                       // (block_k + kDecodePrefetchKeys): a key block's rows (decode)
   PackedHead packed;  // which head k/v buffers hold, and how much of it
   KernelCounters counters;  // this thread's share of the call's counts (counters.hpp)
 };
