@@ -7,6 +7,9 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#endif
 
 #include "test_util.hpp"
 
@@ -424,6 +427,55 @@ TEST(KvCache, DecodeKernelReadsEveryFp8CodeOnEveryLayout) {
     }
   });
 }
+
+#if defined(__x86_64__) || defined(__i386__)
+// Reading FP8 codes must not depend on the CPU's denormals-are-zero mode (set by e.g.
+// torch.set_flush_denormal(True)): subnormal e4m3 codes are |values| below 2^-6, which a
+// float32 2^-120 times the value — the obvious bit trick — would hold as a subnormal that
+// DAZ reads as 0. A cache of random codes (subnormal ones included, descale 1) through the
+// decode kernel (one query) and the tiled kernel (20 queries), one thread so that the
+// mode set here is the kernel's, on every compiled SIMD target: with DAZ and
+// flush-to-zero on, the outputs still match the float64 reference on the dequantized
+// values within twice the naive float32 error.
+TEST(KvCache, Fp8CodesReadTheSameWithDenormalsAreZero) {
+  constexpr std::int64_t kHq = 8, kHkv = 2, kDim = 40, kKeys = 300;
+  constexpr unsigned kDazFtz = 0x8040;  // MXCSR: flush-to-zero (bit 15), denormals-are-zero (bit 6)
+  Tensor codes_k(DType::u8, {1, kKeys, kHkv, kDim}), codes_v(DType::u8, {1, kKeys, kHkv, kDim});
+  Tensor k(DType::f32, {1, kKeys, kHkv, kDim}), v(DType::f32, {1, kKeys, kHkv, kDim});
+  Tensor k_scale(DType::f32, {1, kHkv}), v_scale(DType::f32, {1, kHkv}), seqlens(DType::i32, {1});
+  for (std::int64_t h = 0; h < kHkv; ++h) k_scale.set(h, 1.0f), v_scale.set(h, 1.0f);
+  seqlens.set(0, static_cast<float>(kKeys));
+  std::mt19937_64 rng(90);
+  for (auto [codes, values] : {std::pair{&codes_k, &k}, std::pair{&codes_v, &v}})
+    for (std::int64_t i = 0; i < codes->numel(); ++i) {
+      std::uint8_t code;
+      do code = static_cast<std::uint8_t>(rng()); while ((code & 0x7F) == 0x7F);  // no NaN
+      if (i % 3 == 0) code &= 0x87;  // every third a subnormal code (or ±0)
+      codes->data_as<std::uint8_t>()[i] = code;
+      values->set(i, fp8_to_float(code, Fp8Format::e4m3));
+    }
+  for_each_simd_target([&](const std::string&) {
+    for (std::int64_t sq : {1, 20}) {
+      SCOPED_TRACE("queries " + std::to_string(sq));
+      const Tensor q = random_tensor(DType::f32, {1, sq, kHq, kDim}, 91);
+      AttentionOptions o;
+      o.num_threads = 1;
+      o.causal = true;
+      const AttentionProblem p = AttentionProblem::from_sizes(1, sq, kKeys, kHq, kHkv, kDim, kDim, DType::f32, o);
+      const reference::Result want = reference::attention(q.view(), k.view(), v.view(), o);
+      const double tolerance = std::max(1e-5, 2.0 * max_abs_error(naive_same_precision(p, o, q, k, v), want.out));
+      KvCache c{codes_k.view(), codes_v.view(), TensorView{}, seqlens.view()};
+      c.k_scale = k_scale.view();
+      c.v_scale = v_scale.view();
+      const unsigned saved = _mm_getcsr();
+      _mm_setcsr(saved | kDazFtz);
+      const ForwardResult got = forward_with_kvcache(q.view(), c, o);
+      _mm_setcsr(saved);
+      EXPECT_LE(max_abs_error(got.out, want.out), tolerance);
+    }
+  });
+}
+#endif
 
 }  // namespace
 }  // namespace flashattn::test

@@ -119,10 +119,9 @@ struct KvCache {
   // two, re-encoding the page's earlier tokens when it does; every stored x reads back as
   // x̂ with |x̂ − x| ≤ 2^-4·|x| + 2^-9·descale, descale < 2·(largest |x| of the page)/448.
   // Pages that already hold tokens must have finite positive descales; new k, v must be
-  // finite (e4m3 has no infinity). Code 0x7F/0xFF (NaN) is not a cache value. Reading a
-  // subnormal code (|value| < 2^-6·descale) passes through a float32 subnormal: with the
-  // CPU's denormals-are-zero mode on (MXCSR DAZ, e.g. torch.set_flush_denormal(True)) such
-  // codes read as 0 and the bound above loosens to 2^-6·descale for them.
+  // finite (e4m3 has no infinity). Code 0x7F/0xFF (NaN) is not a cache value. Codes are
+  // read exactly whatever the CPU's denormals-are-zero mode (MXCSR DAZ, e.g.
+  // torch.set_flush_denormal(True)): subnormal codes (|value| < 2^-6·descale) included.
   MutableTensorView k_scale, v_scale;
 };
 

@@ -271,11 +271,11 @@ constexpr std::int64_t PairIndex(std::int64_t half, std::int64_t i) {
   return kEvenOdd<F> ? 2 * i + half : half * kLanes + i;
 }
 
-// What LoadKvPair's values are short of the stored ones by: e4m3 codes are read as f16
-// values 2^-8 times theirs, so scores and probabilities are multiplied by 2^8 with their
-// descales. 1 for the other formats (and the scalar target's e4m3, read by LoadKv).
+// What LoadKv's and LoadKvPair's values are short of the stored ones by: e4m3 codes are
+// read as halves 2^-8 times their values, so scores and probabilities are multiplied by
+// 2^8 — exactly, before their descales. 1 for the other formats.
 template <KvFormat F>
-constexpr float kKvUnit = F == KvFormat::e4m3 && HWY_TARGET != HWY_SCALAR ? 256.0f : 1.0f;
+constexpr float kKvUnit = F == KvFormat::e4m3 ? kE4m3HalfUnit : 1.0f;
 
 // kLanes values of a K/V row from element e on, as float32 (FP8 codes as their e4m3 values;
 // the descale is applied to the score or the probability instead).
@@ -290,15 +290,11 @@ HWY_INLINE VF LoadKv(const unsigned char* HWY_RESTRICT row, std::int64_t e) {
   } else if constexpr (F == KvFormat::f16) {
     const hn::Rebind<hwy::float16_t, DF> dh;
     return hn::PromoteTo(df, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(row) + e));
-  } else {
-    // As LoadRow's u8 case: sign-extended codes shifted up by 20 and masked are the float
-    // 2^-120 times the e4m3 value (subnormal codes included); one multiply restores it.
-    constexpr float kE4m3Rebias = 0x1p120f;
+  } else {  // e4m3: 2^-8 times the values (E4m3HalfBits)
     const hn::Rebind<std::int8_t, DF> d8;
-    const hn::RebindToSigned<DF> di;
-    const auto code = hn::PromoteTo(di, hn::LoadU(d8, reinterpret_cast<const std::int8_t*>(row) + e));
-    const auto bits = hn::And(hn::ShiftLeft<20>(code), hn::Set(di, static_cast<std::int32_t>(0x87F00000u)));
-    return hn::Mul(hn::BitCast(df, bits), hn::Set(df, kE4m3Rebias));
+    const hn::Rebind<std::int16_t, DF> d16;
+    const auto bits = E4m3HalfBits(d16, hn::PromoteTo(d16, hn::LoadU(d8, reinterpret_cast<const std::int8_t*>(row) + e)));
+    return hn::PromoteTo(df, hn::BitCast(hn::Rebind<hwy::float16_t, DF>(), bits));
   }
 }
 
@@ -315,18 +311,12 @@ HWY_INLINE void LoadKvPair(const unsigned char* HWY_RESTRICT row, std::int64_t e
     lo = hn::BitCast(df, hn::ShiftLeft<16>(bits));
     hi = hn::BitCast(df, hn::And(bits, hn::Set(du, 0xFFFF0000u)));
     return;
-  } else if constexpr (F == KvFormat::e4m3) {
-    // In 16-bit lanes a sign-extended code shifted up by 7 has the sign in bits 15 and 14
-    // and exponent and mantissa in bits 13..7; without bit 14 it is the f16 whose value is
-    // the code's times 2^-8 (exponent bias 15 against 7), subnormal codes included — and
-    // f16 subnormals widen exactly, also with denormals-are-zero set. Code 0x7F (NaN)
-    // reads as 480·2^-8, as in LoadRow: appends never store it.
+  } else if constexpr (F == KvFormat::e4m3) {  // a pair's codes widened at once
     const hn::Repartition<std::int16_t, DF> d16;
     const hn::Rebind<std::int8_t, decltype(d16)> d8;
     const hn::Rebind<hwy::float16_t, DF> dh;
     const hn::Twice<decltype(dh)> dh2;
-    const auto x = hn::PromoteTo(d16, hn::LoadU(d8, reinterpret_cast<const std::int8_t*>(row) + e));
-    const auto h = hn::BitCast(dh2, hn::And(hn::ShiftLeft<7>(x), hn::Set(d16, static_cast<std::int16_t>(0xBFFF))));
+    const auto h = hn::BitCast(dh2, E4m3HalfBits(d16, hn::PromoteTo(d16, hn::LoadU(d8, reinterpret_cast<const std::int8_t*>(row) + e))));
     lo = hn::PromoteTo(df, hn::LowerHalf(dh, h));
     hi = hn::PromoteTo(df, hn::UpperHalf(dh, h));
     return;
@@ -347,17 +337,18 @@ HWY_INLINE void LoadKvTailPair(const unsigned char* HWY_RESTRICT row, std::int64
   hi = hn::Load(DF(), part + kLanes);
 }
 
-// [Σ a0, Σ a1, Σ a2, Σ a3] into dst[0, 4), times `scale`. With four or more lanes one
+// [Σ a0, Σ a1, Σ a2, Σ a3] into dst[0, 4), times `unit` (exactly: a power of two), then
+// times `scale`. With four or more lanes one
 // transpose-reduction serves all four sums: within every 128-bit block, interleaving
 // (a0, a1) and (a2, a3) and adding the halves leaves each block holding the four partial
 // sums side by side; the blocks are then folded into one. The scalar target (one lane,
 // without interleaves) takes each lane as it is.
 #if HWY_TARGET == HWY_SCALAR
-HWY_INLINE void SumOfLanes4(VF a0, VF a1, VF a2, VF a3, float scale, float* HWY_RESTRICT dst) {
-  dst[0] = hn::GetLane(a0) * scale;
-  dst[1] = hn::GetLane(a1) * scale;
-  dst[2] = hn::GetLane(a2) * scale;
-  dst[3] = hn::GetLane(a3) * scale;
+HWY_INLINE void SumOfLanes4(VF a0, VF a1, VF a2, VF a3, float unit, float scale, float* HWY_RESTRICT dst) {
+  dst[0] = hn::GetLane(a0) * unit * scale;
+  dst[1] = hn::GetLane(a1) * unit * scale;
+  dst[2] = hn::GetLane(a2) * unit * scale;
+  dst[3] = hn::GetLane(a3) * unit * scale;
 }
 #else
 // The lanes of v summed block-wise into one 128-bit block: dst[i] = Σ_blocks v[4·block + i].
@@ -371,7 +362,7 @@ HWY_INLINE void StoreBlockSum(D d, hn::Vec<D> v, float* HWY_RESTRICT dst) {
   }
 }
 
-HWY_INLINE void SumOfLanes4(VF a0, VF a1, VF a2, VF a3, float scale, float* HWY_RESTRICT dst) {
+HWY_INLINE void SumOfLanes4(VF a0, VF a1, VF a2, VF a3, float unit, float scale, float* HWY_RESTRICT dst) {
   static_assert(kLanes % 4 == 0, "whole 128-bit blocks of four floats");
   const DF df;
   // Per block: t01 = [a0₀+a0₂, a1₀+a1₂, a0₁+a0₃, a1₁+a1₃], t23 likewise; as 64-bit lanes
@@ -382,7 +373,7 @@ HWY_INLINE void SumOfLanes4(VF a0, VF a1, VF a2, VF a3, float scale, float* HWY_
   const auto w01 = hn::BitCast(du64, t01), w23 = hn::BitCast(du64, t23);
   const VF sums = hn::Add(hn::BitCast(df, hn::InterleaveLower(du64, w01, w23)),
                           hn::BitCast(df, hn::InterleaveUpper(du64, w01, w23)));
-  StoreBlockSum(df, hn::Mul(sums, hn::Set(df, scale)), dst);
+  StoreBlockSum(df, hn::Mul(hn::Mul(sums, hn::Set(df, unit)), hn::Set(df, scale)), dst);
 }
 #endif
 
@@ -407,7 +398,8 @@ void ResolveKeys(const ForwardParams& prm, std::int64_t b, std::int64_t j0, std:
   }
 }
 
-// Four rows' scores of one key: s[r·lds] = scale · (row r of the panel)·krow, r < 4. The
+// Four rows' scores of one key: s[r·lds] = scale · (row r of the panel)·krow, r < 4 (krow's
+// values as stored: LoadKvPair's times kKvUnit). The
 // panel holds, per pair of K vectors, the four rows' values of the first vector, then of
 // the second, in LoadKvPair's order (row order in the ragged last pair).
 template <KvFormat F>
@@ -437,7 +429,7 @@ HWY_INLINE void ScoreKey4(const float* HWY_RESTRICT panel, const unsigned char* 
     step(lo, hi, panel);
   }
   HWY_ALIGN float sums[4];
-  SumOfLanes4(hn::Add(a0, b0), hn::Add(a1, b1), hn::Add(a2, b2), hn::Add(a3, b3), scale, sums);
+  SumOfLanes4(hn::Add(a0, b0), hn::Add(a1, b1), hn::Add(a2, b2), hn::Add(a3, b3), kKvUnit<F>, scale, sums);
   for (std::int64_t r = 0; r < 4; ++r) s[r * lds] = sums[r];
 }
 
@@ -565,15 +557,15 @@ void DecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t ite
       const float* panel = q_panels;
       float* s = s_tile + c;
       for (std::int64_t g = 0; g < hkv; ++g, krow += k_head) {
-        const float scale = (F == KvFormat::e4m3 ? descale[g * descale_head] : 1.0f) * kKvUnit<F>;
+        const float scale = F == KvFormat::e4m3 ? descale[g * descale_head] : 1.0f;
         for (std::int64_t r = 0; r < rows4; r += 4, panel += 4 * d_span, s += 4 * bc)
           ScoreKey4<F>(panel, krow, d, prm.k.dtype, scale, s, bc);
       }
     }
     for (std::int64_t g = 0; g < hkv; ++g) {
-      if constexpr (F == KvFormat::e4m3)  // P·(codes·descale) = (P·descale)·codes: each key's factor
+      if constexpr (F == KvFormat::e4m3)  // P·(values·descale) = (P·kKvUnit·descale)·(values read)
         for (std::int64_t c = 0; c < cols; ++c)
-          v_factor[c] = c < n ? keys.v_descale[c][g * descale_head] * kKvUnit<F> : 0.0f;
+          v_factor[c] = c < n ? keys.v_descale[c][g * descale_head] : 0.0f;
       for (std::int64_t r = 0; r < rows4; ++r) {
         float* srow = s_tile + (g * rows4 + r) * bc;
         if (r >= rows) {  // padding rows: no probability mass
@@ -586,7 +578,8 @@ void DecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t ite
                    dv_pad, rescales != nullptr ? rescales + g * rows4 + r : nullptr);
         if constexpr (F == KvFormat::e4m3)
           for (std::int64_t c = 0; c < cols; c += kLanes)
-            hn::Store(hn::Mul(hn::Load(DF(), srow + c), hn::Load(DF(), v_factor + c)), DF(), srow + c);
+            hn::Store(hn::Mul(hn::Mul(hn::Load(DF(), srow + c), hn::Set(DF(), kKvUnit<F>)), hn::Load(DF(), v_factor + c)),
+                      DF(), srow + c);
       }
     }
     for (std::int64_t g = 0; g < hkv; ++g)

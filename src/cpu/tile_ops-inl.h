@@ -86,6 +86,18 @@ HWY_INLINE void TileGemm(MatA a, const float* HWY_RESTRICT b, std::int64_t ldb, 
       MicroTile<kAccumulate>(a.rows_from(i), b + j / kMicroCols * panel_stride, ldb, c + i * ldc + j, ldc, depth);
 }
 
+// FP8 e4m3 codes, sign-extended to 16-bit lanes, as the bits of the halves (f16) whose
+// values are 2^-8 times theirs: a code shifted up by 7 holds the sign in bits 15 and 14
+// and exponent and mantissa in bits 13..7; without bit 14 it is that half (exponent bias
+// 15 against 7), subnormal codes included. Halves widen to float exactly — subnormal ones
+// to normal floats, so reading codes does not depend on the denormals-are-zero mode. Code
+// 0x7F (NaN) reads as 480·2^-8: appends never store it.
+constexpr float kE4m3HalfUnit = 256.0f;
+template <class D16>
+HWY_INLINE hn::Vec<D16> E4m3HalfBits(D16 d16, hn::Vec<D16> codes) {
+  return hn::And(hn::ShiftLeft<7>(codes), hn::Set(d16, static_cast<std::int16_t>(0xBFFF)));
+}
+
 // dst[0, n) = scale · src[0, n), converting from the storage dtype once.
 HWY_INLINE void LoadRow(const void* src, DType dtype, std::int64_t n, float scale, float* HWY_RESTRICT dst) {
   const DF df;
@@ -115,22 +127,16 @@ HWY_INLINE void LoadRow(const void* src, DType dtype, std::int64_t n, float scal
       break;
     }
     case DType::u8: {  // FP8 e4m3 codes of a KV cache (value = code · scale)
-      // Codes sign-extended to 32 bits and shifted up by 20: bit 31 is the sign, bits 20..26
-      // exponent and mantissa, bits 27..30 copies of the sign that the mask clears. That is
-      // the float 2^-120 times the e4m3 value (bias 127 against 7), subnormal codes
-      // included; one multiply by 2^120·scale restores it (two when that product would
-      // overflow). Code 0x7F (NaN) reads as 480: appends never store it.
-      constexpr float kE4m3Rebias = 0x1p120f;
+      // As halves 2^-8 times the values (E4m3HalfBits); times 2^8 exactly, then the scale:
+      // one rounding, as fp8_to_float(code) · scale.
       const hn::Rebind<std::int8_t, DF> d8;
-      const hn::RebindToSigned<DF> di;
-      const float combined = kE4m3Rebias * scale;
-      const bool one_multiply = std::isfinite(combined);
-      const VF vfirst = hn::Set(df, one_multiply ? combined : kE4m3Rebias);
+      const hn::Rebind<std::int16_t, DF> d16;
+      const hn::Rebind<hwy::float16_t, DF> dh;
+      const VF vunit = hn::Set(df, kE4m3HalfUnit);
       const auto* s = static_cast<const std::int8_t*>(src);
       for (; i + kLanes <= n; i += kLanes) {
-        const auto code = hn::PromoteTo(di, hn::LoadU(d8, s + i));
-        const VF x = hn::Mul(hn::BitCast(df, hn::And(hn::ShiftLeft<20>(code), hn::Set(di, static_cast<std::int32_t>(0x87F00000u)))), vfirst);
-        hn::StoreU(one_multiply ? x : hn::Mul(x, vscale), df, dst + i);
+        const auto bits = E4m3HalfBits(d16, hn::PromoteTo(d16, hn::LoadU(d8, s + i)));
+        hn::StoreU(hn::Mul(hn::Mul(hn::PromoteTo(df, hn::BitCast(dh, bits)), vunit), vscale), df, dst + i);
       }
       for (; i < n; ++i) dst[i] = fp8_to_float(static_cast<std::uint8_t>(s[i]), Fp8Format::e4m3) * scale;
       break;
