@@ -227,6 +227,65 @@ TEST(KvCache, BadInputNamesTheArgument) {
 namespace flashattn::test {
 namespace {
 
+// A batch of sequences of different lengths, one query each, takes the decode kernel in one
+// parallel region (their (sequence, key chunk) items shared by the threads): every
+// sequence still matches the float64 reference on its own keys — with its own ALiBi
+// slopes row — for 1, 2 and 3 threads and automatic, 1 and 3 key splits.
+TEST(KvCache, SequencesOfABatchDecodeTogetherEachAsAlone) {
+  constexpr std::int64_t kHq = 8, kHkv = 2, kDim = 40, kPage = 16;
+  const std::int64_t lengths[] = {1, 5, 16, 33, 517, 200, 64};
+  const auto batch = static_cast<std::int64_t>(std::size(lengths));
+  const std::int64_t per_seq = (517 + kPage - 1) / kPage, pages = batch * per_seq;
+  Tensor k_pages(DType::f32, {pages, kPage, kHkv, kDim}), v_pages(DType::f32, {pages, kPage, kHkv, kDim});
+  Tensor table(DType::i32, {batch, per_seq}), seqlens(DType::i32, {batch}), slopes(DType::f32, {batch, kHq});
+  const Tensor q = random_tensor(DType::f32, {batch, 1, kHq, kDim}, 100);
+  const Tensor pool_k = random_tensor(DType::f32, {pages, kPage, kHkv, kDim}, 101);
+  const Tensor pool_v = random_tensor(DType::f32, {pages, kPage, kHkv, kDim}, 102);
+  for (std::int64_t i = 0; i < k_pages.numel(); ++i) k_pages.set(i, pool_k.get(i)), v_pages.set(i, pool_v.get(i));
+  for (std::int64_t i = 0; i < batch * per_seq; ++i) table.set(i, static_cast<float>((i * 5) % pages));  // 5 coprime with 231
+  for (std::int64_t b = 0; b < batch; ++b) {
+    seqlens.set(b, static_cast<float>(lengths[b]));
+    for (std::int64_t h = 0; h < kHq; ++h) slopes.set(b * kHq + h, 0.01f * static_cast<float>(1 + (b + h) % 4));
+  }
+  for (int threads : {1, 2, 3})
+    for (int splits : {0, 1, 3}) {
+      SCOPED_TRACE(std::to_string(threads) + " threads, num_splits " + std::to_string(splits));
+      AttentionOptions o;
+      o.num_threads = threads;
+      o.num_splits = splits;
+      o.alibi_slopes = slopes.view();
+      KvCache c{k_pages.view(), v_pages.view(), table.view(), seqlens.view()};
+      const ForwardResult got = forward_with_kvcache(q.view(), c, o);
+      for (std::int64_t b = 0; b < batch; ++b) {
+        SCOPED_TRACE("sequence " + std::to_string(b) + " of " + std::to_string(lengths[b]) + " keys");
+        const std::int64_t n = lengths[b], row = kHkv * kDim;
+        Tensor qb(DType::f32, {1, 1, kHq, kDim}), kb(DType::f32, {1, n, kHkv, kDim}), vb(DType::f32, {1, n, kHkv, kDim});
+        Tensor sb(DType::f32, {kHq});
+        for (std::int64_t e = 0; e < kHq * kDim; ++e) qb.set(e, q.get(b * kHq * kDim + e));
+        for (std::int64_t h = 0; h < kHq; ++h) sb.set(h, slopes.get(b * kHq + h));
+        for (std::int64_t j = 0; j < n; ++j) {
+          const auto page = static_cast<std::int64_t>(table.get(b * per_seq + j / kPage));
+          for (std::int64_t e = 0; e < row; ++e) {
+            kb.set(j * row + e, k_pages.get((page * kPage + j % kPage) * row + e));
+            vb.set(j * row + e, v_pages.get((page * kPage + j % kPage) * row + e));
+          }
+        }
+        AttentionOptions ob;
+        ob.alibi_slopes = sb.view();
+        const AttentionProblem p = AttentionProblem::from_sizes(1, 1, n, kHq, kHkv, kDim, kDim, DType::f32, ob);
+        ASSERT_EQ(plan_forward(p, CpuHardware::detect(threads)).kernel, ForwardKernel::decode);
+        const reference::Result want = reference::attention(qb.view(), kb.view(), vb.view(), ob);
+        const double tolerance = std::max(1e-5, 2.0 * max_abs_error(naive_same_precision(p, ob, qb, kb, vb), want.out));
+        double error = 0.0;
+        for (std::int64_t e = 0; e < kHq * kDim; ++e)
+          error = std::max(error, std::fabs(got.out.get(b * kHq * kDim + e) - want.out[static_cast<std::size_t>(e)]));
+        EXPECT_LE(error, tolerance);
+        for (std::int64_t h = 0; h < kHq; ++h)
+          ASSERT_NEAR(got.lse.get(b * kHq + h), want.lse[static_cast<std::size_t>(h)], 1e-4) << "lse of head " << h;
+      }
+    }
+}
+
 TEST(KvCache, PagedPrefillThroughTheTiledKernelEqualsContiguous) {
   // 20 queries × 2 q heads per kv head is beyond the decode kernel: the tiled kernel packs
   // K and V straight from the pages.

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "flashattn/fp8.hpp"
 #include "flashattn/options.hpp"
@@ -37,10 +38,20 @@ struct CacheSource {
   std::int64_t descale_page_stride = 0, descale_head_stride = 0;
 };
 
-// One sequence (q batch 1) of seqlen_k keys over a cache the caller validated.
-void forward_cache(const TensorView& q, const TensorView& k_pool, const TensorView& v_pool,
-                   const CacheSource& source, std::int64_t seqlen_k, const MutableTensorView& out,
-                   const MutableTensorView& lse, const AttentionOptions& options, std::int64_t batch_offset);
+// One sequence (q batch 1) of seqlen_k keys over a cache the caller validated; its options
+// are the call's, restricted to the sequence (sequence_options).
+struct CacheSequence {
+  TensorView q, k_pool, v_pool;
+  CacheSource source;
+  std::int64_t seqlen_k = 0;
+  MutableTensorView out, lse;
+  AttentionOptions options;
+  std::int64_t batch_offset = 0;
+};
+
+// Attends every sequence: when all of them take the decode kernel, in one parallel region
+// (forward.cpp, run_forward_jobs).
+void forward_cache(const std::vector<CacheSequence>& sequences);
 
 void backward_impl(const TensorView& dout, const TensorView& q, const TensorView& k,
                    const TensorView& v, const TensorView& out, const TensorView& lse,

@@ -73,62 +73,154 @@ void zero_rescale_counts(const AttentionOptions& options) {
 
 // Adds the threads' counts to the caller's counters; skipped tiles are the rest of the
 // grid of (Q tile, K/V tile) pairs — (kv head, K/V chunk) pairs for the decode kernel.
-void add_counters(const AttentionProblem& p, const CpuForwardPlan& plan,
-                  const std::vector<cpu::ForwardWorkspace>& workspaces, KernelCounters& counters) {
-  KernelCounters sum;
-  for (const cpu::ForwardWorkspace& ws : workspaces) sum += ws.counters;
+std::int64_t grid_tiles(const AttentionProblem& p, const CpuForwardPlan& plan) {
   const std::int64_t k_tiles = (p.seqlen_k + plan.block_k - 1) / plan.block_k;
   const std::int64_t row_tiles =
       plan.kernel == ForwardKernel::decode ? p.batch * p.heads_kv : p.batch * p.heads_q * plan.q_blocks;
-  sum.tiles_skipped = std::max<std::int64_t>(0, row_tiles * k_tiles - sum.tiles_computed);
+  return row_tiles * k_tiles;
+}
+
+void add_counters(std::int64_t grid, const std::vector<cpu::ForwardWorkspace>& workspaces, KernelCounters& counters) {
+  KernelCounters sum;
+  for (const cpu::ForwardWorkspace& ws : workspaces) sum += ws.counters;
+  sum.tiles_skipped = std::max<std::int64_t>(0, grid - sum.tiles_computed);
   counters += sum;
 }
 
-// Plans and runs a validated problem; `paged` (when its table is set) maps key j of batch
-// element 0 to a page of the k and v pools.
+// One validated problem and what its work items read and write; `paged` (when its table is
+// set) maps key j of batch element 0 to a page of the k and v pools.
+struct ForwardJob {
+  AttentionProblem problem;
+  TensorView q, k, v;
+  MutableTensorView out, lse;
+  AttentionOptions options;
+  cpu::PagedKv paged;
+};
+
+// A job's plan and the split-KV partial results its items write before the merge.
+struct PlannedJob {
+  CpuForwardPlan plan;
+  std::vector<float> split_out, split_lse;
+  cpu::ForwardParams params;
+};
+
+PlannedJob plan_job(const ForwardJob& job, const CpuHardware& hw, int num_splits) {
+  const AttentionProblem& p = job.problem;
+  PlannedJob planned;
+  planned.plan = plan_forward(p, hw, num_splits, job.options.block_q);
+  const CpuForwardPlan& plan = planned.plan;
+  const std::int64_t split_rows = plan.splits > 1 ? plan.splits * p.batch * p.heads_q * p.seqlen_q : 0;
+  planned.split_out.resize(static_cast<std::size_t>(split_rows * p.head_dim_v));
+  planned.split_lse.resize(static_cast<std::size_t>(split_rows));
+  return planned;
+}
+
+// Plans and runs the jobs. Jobs that all take the decode kernel (one sequence each of a KV
+// cache, one token per sequence) share one parallel region: their items — (sequence, key
+// chunk) — go to the threads together, so a batch of short sequences costs one start-up of
+// the threads, not one per sequence, and needs fewer key splits to keep them busy. Other
+// jobs run one after the other, each in its own region.
+void run_forward_jobs(const std::vector<ForwardJob>& jobs) {
+  std::vector<ForwardJob> live;  // jobs with output rows
+  for (const ForwardJob& job : jobs) {
+    zero_rescale_counts(job.options);
+    if (job.problem.batch > 0 && job.problem.seqlen_q > 0) live.push_back(job);
+  }
+  if (live.empty()) return;
+  const AttentionOptions& options = live.front().options;  // the call's: threads, splits, counters
+  const CpuHardware hw = CpuHardware::detect(options.num_threads);
+  std::vector<PlannedJob> planned;
+  for (const ForwardJob& job : live) planned.push_back(plan_job(job, hw, options.num_splits));
+  const bool shared = live.size() > 1 && std::all_of(planned.begin(), planned.end(), [](const PlannedJob& j) {
+                        return j.plan.kernel == ForwardKernel::decode;
+                      });
+  if (shared && options.num_splits == 0) {  // split keys only as far as the sequences leave threads idle
+    const auto sequences = static_cast<std::int64_t>(live.size());
+    const auto splits = static_cast<int>((2 * hw.threads + sequences - 1) / sequences);
+    for (std::size_t j = 0; j < live.size(); ++j) planned[j] = plan_job(live[j], hw, splits);
+  }
+  for (std::size_t j = 0; j < live.size(); ++j) {
+    const ForwardJob& job = live[j];
+    planned[j].params = {job.problem, planned[j].plan, job.q, job.k, job.v, job.out, job.lse,
+                         job.options.alibi_slopes, job.options.block_mask, planned[j].split_out.data(),
+                         planned[j].split_lse.data(), job.paged, job.options.rescale_counts};
+  }
+
+  // Runs jobs [first, last) in one region: the threads' workspaces fit the largest plan.
+  auto run = [&](std::size_t first, std::size_t last) {
+    std::size_t widest = first;
+    for (std::size_t j = first; j < last; ++j)
+      if (planned[j].plan.workspace_bytes_per_thread > planned[widest].plan.workspace_bytes_per_thread) widest = j;
+    // The items of one (batch, kv head) are consecutive and share its packed K/V (tiled
+    // kernel). A thread that takes single items packs every kv head it touches (with 2
+    // threads, each head twice); so the groups that divide evenly among the threads go out
+    // whole, each packed once, and only the remaining groups go out item by item, which
+    // keeps the threads balanced.
+    struct Units {
+      std::int64_t whole_groups, group_items;
+    };
+    std::vector<Units> units;
+    std::vector<std::int64_t> ends;  // prefix sums of the jobs' units
+    for (std::size_t j = first; j < last; ++j) {
+      const AttentionProblem& p = live[j].problem;
+      const CpuForwardPlan& plan = planned[j].plan;
+      const std::int64_t groups = plan.kernel == ForwardKernel::tiled ? p.batch * p.heads_kv : 0;
+      const std::int64_t whole_groups = groups / plan.threads * plan.threads;
+      const std::int64_t group_items = groups > 0 ? plan.work_items / groups : 1;
+      units.push_back({whole_groups, group_items});
+      ends.push_back((ends.empty() ? 0 : ends.back()) + whole_groups + (plan.work_items - whole_groups * group_items));
+    }
+    const int threads = static_cast<int>(std::clamp<std::int64_t>(ends.back(), 1, hw.threads));
+    // Workspaces are allocated here, before the threads start, so that running out of memory
+    // is an exception for the caller rather than a termination inside an OpenMP region.
+    std::vector<cpu::ForwardWorkspace> workspaces;
+    workspaces.reserve(static_cast<std::size_t>(threads));
+    for (int t = 0; t < threads; ++t) workspaces.emplace_back(planned[widest].plan, live[widest].problem);
+    std::vector<cpu::ForwardWorkItemFn> kernels;
+    for (std::size_t j = first; j < last; ++j) kernels.push_back(cpu::forward_work_item_kernel(planned[j].plan.kernel));
+#pragma omp parallel num_threads(threads)
+    {
+      cpu::ForwardWorkspace& workspace = workspaces[static_cast<std::size_t>(omp_get_thread_num())];
+#pragma omp for schedule(dynamic, 1)
+      for (std::int64_t unit = 0; unit < ends.back(); ++unit) {
+        const auto j = static_cast<std::size_t>(std::upper_bound(ends.begin(), ends.end(), unit) - ends.begin());
+        const std::int64_t u = unit - (j > 0 ? ends[j - 1] : 0);
+        const Units& g = units[j];
+        const cpu::ForwardParams& params = planned[first + j].params;
+        if (u < g.whole_groups) {
+          for (std::int64_t item = u * g.group_items; item < (u + 1) * g.group_items; ++item)
+            kernels[j](params, workspace, item);
+        } else {
+          kernels[j](params, workspace, g.whole_groups * g.group_items + (u - g.whole_groups));
+        }
+      }
+    }
+    if (options.counters != nullptr) {
+      std::int64_t grid = 0;
+      for (std::size_t j = first; j < last; ++j) grid += grid_tiles(live[j].problem, planned[j].plan);
+      add_counters(grid, workspaces, *options.counters);
+    }
+    for (std::size_t j = first; j < last; ++j) {
+      const AttentionProblem& p = live[j].problem;
+      const CpuForwardPlan& plan = planned[j].plan;
+      if (plan.splits > 1)
+        merge_attention_states(
+            TensorView(planned[j].split_out.data(), DType::f32, {plan.splits, p.batch, p.seqlen_q, p.heads_q, p.head_dim_v}),
+            TensorView(planned[j].split_lse.data(), DType::f32, {plan.splits, p.batch, p.heads_q, p.seqlen_q}),
+            live[j].out, live[j].lse, plan.threads);
+    }
+  };
+  if (shared) {
+    run(0, live.size());
+  } else {
+    for (std::size_t j = 0; j < live.size(); ++j) run(j, j + 1);
+  }
+}
+
 void run_forward(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
                  const MutableTensorView& out, const MutableTensorView& lse, const AttentionOptions& options,
                  const cpu::PagedKv& paged) {
-  zero_rescale_counts(options);
-  if (p.batch == 0 || p.seqlen_q == 0) return;
-  const CpuForwardPlan plan = plan_forward(p, CpuHardware::detect(options.num_threads), options.num_splits, options.block_q);
-  const std::int64_t split_rows = plan.splits > 1 ? plan.splits * p.batch * p.heads_q * p.seqlen_q : 0;
-  std::vector<float> split_out(static_cast<std::size_t>(split_rows * p.head_dim_v));
-  std::vector<float> split_lse(static_cast<std::size_t>(split_rows));
-  const cpu::ForwardParams params{p, plan, q, k, v, out, lse, options.alibi_slopes, options.block_mask,
-                                  split_out.data(), split_lse.data(), paged, options.rescale_counts};
-  const cpu::ForwardWorkItemFn kernel = cpu::forward_work_item_kernel(plan.kernel);
-  // Workspaces are allocated here, before the threads start, so that running out of memory
-  // is an exception for the caller rather than a termination inside an OpenMP region.
-  std::vector<cpu::ForwardWorkspace> workspaces;
-  workspaces.reserve(static_cast<std::size_t>(plan.threads));
-  for (int t = 0; t < plan.threads; ++t) workspaces.emplace_back(plan, p);
-  // The items of one (batch, kv head) are consecutive and share its packed K/V. A thread
-  // that takes single items packs every kv head it touches (with 2 threads, each head twice);
-  // so the groups that divide evenly among the threads go out whole, each packed once, and
-  // only the remaining groups go out item by item, which keeps the threads balanced.
-  const std::int64_t groups = plan.kernel == ForwardKernel::tiled ? p.batch * p.heads_kv : 0;
-  const std::int64_t whole_groups = groups / plan.threads * plan.threads;
-  const std::int64_t group_items = groups > 0 ? plan.work_items / groups : 1;
-  const std::int64_t units = whole_groups + (plan.work_items - whole_groups * group_items);
-#pragma omp parallel num_threads(plan.threads)
-  {
-    cpu::ForwardWorkspace& workspace = workspaces[static_cast<std::size_t>(omp_get_thread_num())];
-#pragma omp for schedule(dynamic, 1)
-    for (std::int64_t unit = 0; unit < units; ++unit) {
-      if (unit < whole_groups) {
-        for (std::int64_t item = unit * group_items; item < (unit + 1) * group_items; ++item)
-          kernel(params, workspace, item);
-      } else {
-        kernel(params, workspace, whole_groups * group_items + (unit - whole_groups));
-      }
-    }
-  }
-  if (options.counters != nullptr) add_counters(p, plan, workspaces, *options.counters);
-  if (plan.splits > 1)
-    merge_attention_states(
-        TensorView(split_out.data(), DType::f32, {plan.splits, p.batch, p.seqlen_q, p.heads_q, p.head_dim_v}),
-        TensorView(split_lse.data(), DType::f32, {plan.splits, p.batch, p.heads_q, p.seqlen_q}), out, lse, plan.threads);
+  run_forward_jobs({{p, q, k, v, out, lse, options, paged}});
 }
 
 }  // namespace
@@ -149,18 +241,21 @@ void detail::run_forward_problem(const AttentionProblem& problem, const TensorVi
   run_forward(problem, q, k, v, out, lse, options, {});
 }
 
-void detail::forward_cache(const TensorView& q, const TensorView& k_pool, const TensorView& v_pool,
-                           const CacheSource& source, std::int64_t seqlen_k, const MutableTensorView& out,
-                           const MutableTensorView& lse, const AttentionOptions& options,
-                           std::int64_t batch_offset) {
-  AttentionProblem problem = AttentionProblem::from_sizes(q.shape[0], q.shape[1], seqlen_k, q.shape[2], k_pool.shape[2],
-                                                          q.shape[3], v_pool.shape[3], q.dtype, options);
-  problem.batch_offset = batch_offset;
-  detail::check_forward_outputs(problem, q, k_pool, v_pool, out, lse);
-  const std::int64_t page_size = source.block_table != nullptr ? k_pool.shape[1] : 0;
-  run_forward(problem, q, k_pool, v_pool, out, lse, options,
-              {source.block_table, source.table_stride, page_size, source.k_descale, source.v_descale,
-               source.descale_page_stride, source.descale_head_stride});
+void detail::forward_cache(const std::vector<CacheSequence>& sequences) {
+  std::vector<ForwardJob> jobs;
+  for (const CacheSequence& c : sequences) {
+    AttentionProblem problem =
+        AttentionProblem::from_sizes(c.q.shape[0], c.q.shape[1], c.seqlen_k, c.q.shape[2], c.k_pool.shape[2],
+                                     c.q.shape[3], c.v_pool.shape[3], c.q.dtype, c.options);
+    problem.batch_offset = c.batch_offset;
+    detail::check_forward_outputs(problem, c.q, c.k_pool, c.v_pool, c.out, c.lse);
+    const CacheSource& source = c.source;
+    const std::int64_t page_size = source.block_table != nullptr ? c.k_pool.shape[1] : 0;
+    jobs.push_back({problem, c.q, c.k_pool, c.v_pool, c.out, c.lse, c.options,
+                    {source.block_table, source.table_stride, page_size, source.k_descale, source.v_descale,
+                     source.descale_page_stride, source.descale_head_stride}});
+  }
+  run_forward_jobs(jobs);
 }
 
 void forward(const TensorView& q, const TensorView& k, const TensorView& v,

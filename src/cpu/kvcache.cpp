@@ -301,8 +301,9 @@ void forward_with_kvcache(const TensorView& q, const KvCache& c, const MutableTe
     q_used = q_rot.view();
   }
 
-  // Attend, one sequence at a time.
+  // Attend: every sequence as its own problem (its own number of keys), run together.
   const std::size_t elem = dtype_size(q.dtype);
+  std::vector<detail::CacheSequence> sequences;
   for (std::int64_t b = 0; b < batch; ++b) {
     const std::int64_t first = leftpad[static_cast<std::size_t>(b)];
     const std::int64_t keys = seqlens[static_cast<std::size_t>(b)] + s_new - first;
@@ -340,8 +341,9 @@ void forward_with_kvcache(const TensorView& q, const KvCache& c, const MutableTe
       source.descale_page_stride = layout.paged ? c.k_scale.strides[0] : 0;
       source.descale_head_stride = c.k_scale.strides[1];
     }
-    detail::forward_cache(qb, k_pool, v_pool, source, keys, ob_out, ob_lse, ob, b);
+    sequences.push_back({qb, k_pool, v_pool, source, keys, ob_out, ob_lse, ob, b});
   }
+  detail::forward_cache(sequences);
 }
 
 ForwardResult forward_with_kvcache(const TensorView& q, const KvCache& cache, const AttentionOptions& options) {
