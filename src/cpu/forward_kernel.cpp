@@ -277,8 +277,8 @@ constexpr std::int64_t PairIndex(std::int64_t half, std::int64_t i) {
 template <KvFormat F>
 constexpr float kKvUnit = F == KvFormat::e4m3 ? kE4m3HalfUnit : 1.0f;
 
-// kLanes values of a K/V row from element e on, as float32 (FP8 codes as their e4m3 values;
-// the descale is applied to the score or the probability instead).
+// kLanes values of a K/V row from element e on, as float32, times 1/kKvUnit (FP8 codes
+// without their descale, which is applied to the score or the probability instead).
 template <KvFormat F>
 HWY_INLINE VF LoadKv(const unsigned char* HWY_RESTRICT row, std::int64_t e) {
   const DF df;
@@ -337,12 +337,11 @@ HWY_INLINE void LoadKvTailPair(const unsigned char* HWY_RESTRICT row, std::int64
   hi = hn::Load(DF(), part + kLanes);
 }
 
-// [Σ a0, Σ a1, Σ a2, Σ a3] into dst[0, 4), times `unit` (exactly: a power of two), then
-// times `scale`. With four or more lanes one
-// transpose-reduction serves all four sums: within every 128-bit block, interleaving
-// (a0, a1) and (a2, a3) and adding the halves leaves each block holding the four partial
-// sums side by side; the blocks are then folded into one. The scalar target (one lane,
-// without interleaves) takes each lane as it is.
+// [Σ a0, Σ a1, Σ a2, Σ a3] into dst[0, 4), times `unit` (a power of two: exactly), then
+// times `scale`. With four or more lanes one transpose-reduction serves all four sums:
+// within every 128-bit block, interleaving (a0, a1) and (a2, a3) and adding the halves
+// leaves each block holding the four partial sums side by side; the blocks are then
+// folded into one. The scalar target (one lane, without interleaves) takes each lane as it is.
 #if HWY_TARGET == HWY_SCALAR
 HWY_INLINE void SumOfLanes4(VF a0, VF a1, VF a2, VF a3, float unit, float scale, float* HWY_RESTRICT dst) {
   dst[0] = hn::GetLane(a0) * unit * scale;
@@ -398,10 +397,10 @@ void ResolveKeys(const ForwardParams& prm, std::int64_t b, std::int64_t j0, std:
   }
 }
 
-// Four rows' scores of one key: s[r·lds] = scale · (row r of the panel)·krow, r < 4 (krow's
-// values as stored: LoadKvPair's times kKvUnit). The
-// panel holds, per pair of K vectors, the four rows' values of the first vector, then of
-// the second, in LoadKvPair's order (row order in the ragged last pair).
+// Four rows' scores of one key: s[r·lds] = scale · (row r of the panel)·krow, r < 4, with
+// krow's values as stored (LoadKvPair's times kKvUnit). The panel holds, per pair of K
+// vectors, the four rows' values of the first vector, then of the second, in LoadKvPair's
+// order (row order in the ragged last pair).
 template <KvFormat F>
 HWY_INLINE void ScoreKey4(const float* HWY_RESTRICT panel, const unsigned char* HWY_RESTRICT krow, std::int64_t d,
                           DType dtype, float scale, float* HWY_RESTRICT s, std::int64_t lds) {
