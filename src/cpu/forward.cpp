@@ -34,12 +34,15 @@ std::size_t forward_workspace_bytes(const CpuForwardPlan& plan, const AttentionP
   const std::size_t d_pad = round_up(d, 16);
   const std::size_t floats = bq * d_pad + bq * bc + bq * dv_pad + keys_pad * d + keys_pad * dv_pad;
   const std::size_t keys = plan.kernel == ForwardKernel::decode ? bc + kDecodePrefetchKeys : 0;
-  return floats * sizeof(float) + bq * (sizeof(OnlineSoftmaxState) + sizeof(std::int32_t)) + keys * sizeof(DecodeKey);
+  const auto strips = static_cast<std::size_t>(plan.block_q / plan.hardware.micro_rows);
+  return floats * sizeof(float) + bq * (sizeof(OnlineSoftmaxState) + sizeof(std::int32_t)) + keys * sizeof(DecodeKey) +
+         strips * sizeof(StripKeys);
 }
 
 ForwardWorkspace::ForwardWorkspace(const CpuForwardPlan& plan, const AttentionProblem& p)
     : states(static_cast<std::size_t>(plan.block_q) * tiles_held(plan, p)),
-      rescales(static_cast<std::size_t>(plan.block_q) * tiles_held(plan, p)) {
+      rescales(static_cast<std::size_t>(plan.block_q) * tiles_held(plan, p)),
+      strip_keys(static_cast<std::size_t>(plan.block_q / plan.hardware.micro_rows)) {
   const std::size_t bq = static_cast<std::size_t>(plan.block_q) * tiles_held(plan, p);
   const auto bc = static_cast<std::size_t>(plan.block_k);
   const auto d = static_cast<std::size_t>(p.head_dim);

@@ -6,7 +6,8 @@
 //   for each K/V tile:  S = Q·Kᵀ → mask → online-softmax update (P = 2^(S − m)) → õ += P·V
 //   epilogue: o = õ / ℓ, lse = (m + log2 ℓ)·ln2
 //
-// Both products run on one register-blocked micro-kernel; S never leaves the L2 cache.
+// Both products run on one register-blocked micro-kernel, each row strip over only the keys
+// it may see (FindStripKeys); S never leaves the L2 cache.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "src/cpu/forward_kernel.cpp"
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
@@ -149,15 +150,70 @@ void SoftmaxRow(const RowMods& mods, float* HWY_RESTRICT srow, std::int64_t i, s
   if (mods.dropout_threshold != 0) mods.apply_dropout(srow, i, j0, cols);
 }
 
-// The tile's rows are consecutive queries of one head; padded rows copy the last query.
+// The keys of tile [j0, j0 + n) that each row strip of the Q tile starting at query i0
+// computes. Key ranges are non-decreasing in the row, so strip s (queries i0 + s·kMicroRows
+// on; padding rows count as the last query) sees at most [its first row's begin, its last
+// row's end); rounded out to whole panels of kMicroCols keys, that is its span. Outside it
+// every score of the strip is masked (causal, window): no S micro-tile, no exponential and
+// no P·V depth is spent there, so a diagonal tile costs about its visible triangle, not its
+// square. A strip that sees none of the tile's keys gets an empty span and is skipped: its
+// softmax state and õ stay as they are, exactly what an all-masked row would leave.
+void FindStripKeys(const AttentionProblem& p, std::int64_t i0, std::int64_t strips, std::int64_t j0, std::int64_t n,
+                   StripKeys* HWY_RESTRICT keys) {
+  for (std::int64_t s = 0; s < strips; ++s) {
+    const std::int64_t first = std::min(i0 + s * kMicroRows, p.seqlen_q - 1);
+    const std::int64_t last = std::min(i0 + (s + 1) * kMicroRows - 1, p.seqlen_q - 1);
+    const std::int64_t lo = std::max<std::int64_t>(p.key_range(first).begin - j0, 0);
+    const std::int64_t hi = std::min(p.key_range(last).end - j0, n);
+    keys[s] = lo < hi ? StripKeys{lo / kMicroCols * kMicroCols, (hi + kMicroCols - 1) / kMicroCols * kMicroCols}
+                      : StripKeys{};
+  }
+}
+
+// S(strip, panel) = Q(strip)·Kᵀ(panel) for every panel in the strip's span. Panels
+// outermost: one packed Kᵀ panel (head_dim × kMicroCols, contiguous) stays in L1 while the
+// row strips pass over it.
+void ScoreTile(const float* HWY_RESTRICT q_tile, std::int64_t d, const float* HWY_RESTRICT k_tile,
+               float* HWY_RESTRICT s_tile, std::int64_t lds, const StripKeys* HWY_RESTRICT keys, std::int64_t strips,
+               std::int64_t n_pad) {
+  for (std::int64_t j = 0; j < n_pad; j += kMicroCols) {
+    const float* panel = k_tile + j / kMicroCols * d * kMicroCols;  // (d, kMicroCols)
+    for (std::int64_t s = 0; s < strips; ++s)
+      if (keys[s].begin <= j && j < keys[s].end)
+        MicroTile<false>({q_tile + s * kMicroRows * d, d}, panel, kMicroCols, s_tile + s * kMicroRows * lds + j, lds, d);
+  }
+}
+
+// The online-softmax update of every row over its strip's span (SoftmaxRow); rows of an
+// empty span are left alone. The tile's rows are consecutive queries of one head; padded
+// rows copy the last query.
 void SoftmaxTile(const RowMods& mods, float* HWY_RESTRICT s, std::int64_t lds, std::int64_t i0,
-                 std::int64_t rows, std::int64_t j0, std::int64_t n, std::int64_t cols,
+                 std::int64_t rows, std::int64_t j0, std::int64_t n, const StripKeys* HWY_RESTRICT keys,
                  OnlineSoftmaxState* HWY_RESTRICT state, float* HWY_RESTRICT o_acc, std::int64_t ldo,
                  std::int32_t* rescales) {
   const AttentionProblem& p = *mods.problem;
-  for (std::int64_t r = 0; r < rows; ++r)
-    SoftmaxRow(mods, s + r * lds, std::min(i0 + r, p.seqlen_q - 1), j0, n, cols, state[r], o_acc + r * ldo, ldo,
-               rescales != nullptr ? rescales + r : nullptr);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const StripKeys k = keys[r / kMicroRows];
+    if (k.begin == k.end) continue;
+    SoftmaxRow(mods, s + r * lds + k.begin, std::min(i0 + r, p.seqlen_q - 1), j0 + k.begin,
+               std::min(n, k.end) - k.begin, k.end - k.begin, state[r], o_acc + r * ldo, ldo, rescales != nullptr ? rescales + r : nullptr);
+  }
+}
+
+// õ(strip) += P(strip, span)·V(span, panel) for every output panel: a strip's P is zero
+// outside its span, so its depth is the span alone. Panels outermost, as in ScoreTile.
+void AccumulateTile(const float* HWY_RESTRICT s_tile, std::int64_t lds, const float* HWY_RESTRICT v_tile,
+                    std::int64_t bc, float* HWY_RESTRICT o_acc, std::int64_t dv_pad, const StripKeys* HWY_RESTRICT keys,
+                    std::int64_t strips) {
+  for (std::int64_t c = 0; c < dv_pad; c += kMicroCols) {
+    const float* panel = v_tile + c / kMicroCols * bc * kMicroCols;  // (bc, kMicroCols)
+    for (std::int64_t s = 0; s < strips; ++s) {
+      const StripKeys k = keys[s];
+      if (k.begin == k.end) continue;
+      MicroTile<true>({s_tile + s * kMicroRows * lds + k.begin, lds}, panel + k.begin * kMicroCols, kMicroCols,
+                      o_acc + s * kMicroRows * dv_pad + c, dv_pad, k.end - k.begin);
+    }
+  }
 }
 
 // The output row of query i of (b, h), or its split's partial, from õ and the state; its
@@ -200,6 +256,7 @@ void ForwardWorkItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_
   const std::int64_t i0 = q_block * bq;
   const std::int64_t rows = std::min(bq, p.seqlen_q - i0);
   const std::int64_t rows_pad = (rows + kMicroRows - 1) / kMicroRows * kMicroRows;
+  const std::int64_t strips = rows_pad / kMicroRows;
   // Key ranges are non-decreasing in the row: the block spans [first row's begin, last
   // row's end); tiles outside it (causal, window) are never touched. Split-KV gives each
   // split a contiguous share of those tiles.
@@ -235,12 +292,12 @@ void ForwardWorkItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_
     ws.counters.k_read += n * d;
     ws.counters.v_read += n * p.head_dim_v;
 
+    StripKeys* keys = ws.strip_keys.data();  // (strips)
+    FindStripKeys(p, i0, strips, j0, n, keys);
     float* s_tile = ws.s_tile.get();  // (rows_pad, bc)
-    TileGemm<false>({q_tile, d}, ws.k_packed.get() + (j0 / bc) * d * bc, kMicroCols, s_tile, bc, rows_pad,
-                    n_pad, d, d * kMicroCols);
-    SoftmaxTile(mods, s_tile, bc, i0, rows_pad, j0, n, n_pad, state, o_acc, dv_pad, rescales);
-    TileGemm<true>({s_tile, bc}, ws.v_packed.get() + j0 * dv_pad, kMicroCols, o_acc, dv_pad, rows_pad,
-                   dv_pad, n_pad, bc * kMicroCols);
+    ScoreTile(q_tile, d, ws.k_packed.get() + (j0 / bc) * d * bc, s_tile, bc, keys, strips, n_pad);
+    SoftmaxTile(mods, s_tile, bc, i0, rows_pad, j0, n, keys, state, o_acc, dv_pad, rescales);
+    AccumulateTile(s_tile, bc, ws.v_packed.get() + j0 * dv_pad, bc, o_acc, dv_pad, keys, strips);
   }
 
   // Epilogue: normalize once (deferred normalization) and store lse — a split's partial

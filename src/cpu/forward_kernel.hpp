@@ -47,6 +47,14 @@ struct DecodeKey {
 constexpr std::int64_t kDecodePrefetchKeys = 8;
 constexpr std::int64_t kCacheLineBytes = 64;  // x86: one prefetch per line
 
+// Columns [begin, end) of a K/V tile that one row strip of a Q tile (the micro-kernel's
+// rows) computes, in whole micro-kernel panels; begin == end: none (forward_kernel.cpp,
+// FindStripKeys).
+struct StripKeys {
+  std::int64_t begin = 0;
+  std::int64_t end = 0;
+};
+
 // Everything a work item needs; filled once per call by the driver.
 struct ForwardParams {
   AttentionProblem problem;
@@ -73,6 +81,7 @@ struct ForwardWorkspace {
   hwy::AlignedFreeUniquePtr<float[]> o_acc;     // (block_q, head_dim_v_padded): õ
   std::vector<OnlineSoftmaxState> states;       // (block_q): m and ℓ of each row
   std::vector<std::int32_t> rescales;           // (block_q): rescales of each row, when counted
+  std::vector<StripKeys> strip_keys;            // (block_q / micro_rows): the current K/V tile's span per row strip
   // (tiled) k tiles of Kᵀ, each as contiguous panels of kMicroCols keys, (head_dim, kMicroCols)
   // each; v: k tiles of V, each as contiguous panels of kMicroCols columns, (block_k,
   // kMicroCols) each (EnsurePacked in forward_kernel.cpp)
