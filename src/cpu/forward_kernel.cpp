@@ -58,6 +58,11 @@ void LoadKvRow(const ForwardParams& prm, const TensorView& t, const float* desca
   LoadRow(KvRow(prm, t, b, j, kv_head), t.dtype, n, KvDescale(prm, descale, b, j, kv_head), dst);
 }
 
+// Asks for the cache lines of `bytes` bytes from `row` on (kRowPrefetchDistance).
+HWY_INLINE void PrefetchRow(const void* row, std::int64_t bytes) {
+  for (std::int64_t off = 0; off < bytes; off += kCacheLineBytes) hwy::Prefetch(static_cast<const char*>(row) + off);
+}
+
 // The producer role (SPEC §4) on a CPU: convert and lay out K and V of one (batch, kv
 // head) for keys [from, to), whole tiles at a time, reusing what is packed. Both are cut
 // into the micro-kernel's B panels of kMicroCols columns, each stored contiguously: a K tile
@@ -83,7 +88,13 @@ void EnsurePacked(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t b
     for (std::int64_t c = 0; c < dv_pad; c += kMicroCols)
       for (std::int64_t e = 0; e < kMicroCols; ++e) vt[c * bc + e] = zero || c + e >= dv ? 0.0f : vrow[c + e];
   };
+  const std::int64_t k_bytes = d * static_cast<std::int64_t>(dtype_size(prm.k.dtype));
+  const std::int64_t v_bytes = dv * static_cast<std::int64_t>(dtype_size(prm.v.dtype));
   for (std::int64_t j = begin; j < end; ++j) {
+    if (j + kRowPrefetchDistance < end) {
+      PrefetchRow(KvRow(prm, prm.k, b, j + kRowPrefetchDistance, kv_head), k_bytes);
+      PrefetchRow(KvRow(prm, prm.v, b, j + kRowPrefetchDistance, kv_head), v_bytes);
+    }
     LoadKvRow(prm, prm.k, prm.paged.k_descale, b, j, kv_head, d, krow);
     LoadKvRow(prm, prm.v, prm.paged.v_descale, b, j, kv_head, dv, vrow);
     place(j, false);
@@ -216,6 +227,12 @@ void AccumulateTile(const float* HWY_RESTRICT s_tile, std::int64_t lds, const fl
   }
 }
 
+// Row (b, i, h) of out.
+HWY_INLINE void* OutputRow(const ForwardParams& prm, std::int64_t b, std::int64_t i, std::int64_t h) {
+  return static_cast<unsigned char*>(prm.out.data) +
+         detail::offset4(prm.out, b, i, h, 0) * static_cast<std::int64_t>(dtype_size(prm.out.dtype));
+}
+
 // The output row of query i of (b, h), or its split's partial, from õ and the state; its
 // rescale count is added to the row's total (splits of one row may run concurrently).
 void StoreOutputRow(const ForwardParams& prm, std::int64_t split, std::int64_t b, std::int64_t h,
@@ -232,10 +249,7 @@ void StoreOutputRow(const ForwardParams& prm, std::int64_t split, std::int64_t b
     prm.split_lse[((split * p.batch + b) * p.heads_q + h) * p.seqlen_q + i] = state.lse();
     return;
   }
-  StoreRow(orow, p.head_dim_v, state.inverse_sum(),
-           static_cast<unsigned char*>(prm.out.data) +
-               detail::offset4(prm.out, b, i, h, 0) * static_cast<std::int64_t>(dtype_size(prm.out.dtype)),
-           prm.out.dtype);
+  StoreRow(orow, p.head_dim_v, state.inverse_sum(), OutputRow(prm, b, i, h), prm.out.dtype);
   static_cast<float*>(prm.lse.data)[b * prm.lse.strides[0] + h * prm.lse.strides[1] + i * prm.lse.strides[2]] =
       state.lse();
 }
@@ -271,8 +285,11 @@ void ForwardWorkItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_
 
   float* q_tile = ws.q_tile.get();  // (rows_pad, d)
   const float q_scale = p.softmax_scale * OnlineSoftmaxState::kLog2e;
-  for (std::int64_t r = 0; r < rows; ++r)
+  const std::int64_t q_bytes = d * static_cast<std::int64_t>(dtype_size(p.dtype));
+  for (std::int64_t r = 0; r < rows; ++r) {
+    if (r + kRowPrefetchDistance < rows) PrefetchRow(RowPointer(prm.q, b, i0 + r + kRowPrefetchDistance, h), q_bytes);
     LoadRow(RowPointer(prm.q, b, i0 + r, h), p.dtype, d, q_scale, q_tile + r * d);
+  }
   std::fill(q_tile + rows * d, q_tile + rows_pad * d, 0.0f);
   ws.counters.q_read += rows * d;
 
@@ -302,8 +319,12 @@ void ForwardWorkItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_
 
   // Epilogue: normalize once (deferred normalization) and store lse — a split's partial
   // result goes to the float32 buffers that merge_attention_states combines.
-  for (std::int64_t r = 0; r < rows; ++r)
+  const std::int64_t out_bytes = p.head_dim_v * static_cast<std::int64_t>(dtype_size(prm.out.dtype));
+  for (std::int64_t r = 0; r < rows; ++r) {
+    if (plan.splits == 1 && r + kRowPrefetchDistance < rows)
+      PrefetchRow(OutputRow(prm, b, i0 + r + kRowPrefetchDistance, h), out_bytes);
     StoreOutputRow(prm, split, b, h, i0 + r, o_acc + r * dv_pad, state[r], rescales != nullptr ? rescales + r : nullptr);
+  }
   ws.counters.o_written += rows * p.head_dim_v;
   ws.counters.lse_written += rows;
 }
