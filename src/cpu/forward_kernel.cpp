@@ -58,7 +58,8 @@ void LoadKvRow(const ForwardParams& prm, const TensorView& t, const float* desca
   LoadRow(KvRow(prm, t, b, j, kv_head), t.dtype, n, KvDescale(prm, descale, b, j, kv_head), dst);
 }
 
-// Asks for the cache lines of `bytes` bytes from `row` on (kRowPrefetchDistance).
+// Prefetches the cache lines of the `bytes` bytes from `row` on: a row that is read
+// kRowPrefetchDistance rows later.
 HWY_INLINE void PrefetchRow(const void* row, std::int64_t bytes) {
   for (std::int64_t off = 0; off < bytes; off += kCacheLineBytes) hwy::Prefetch(static_cast<const char*>(row) + off);
 }
@@ -207,7 +208,8 @@ void SoftmaxTile(const RowMods& mods, float* HWY_RESTRICT s, std::int64_t lds, s
     const StripKeys k = keys[r / kMicroRows];
     if (k.begin == k.end) continue;
     SoftmaxRow(mods, s + r * lds + k.begin, std::min(i0 + r, p.seqlen_q - 1), j0 + k.begin,
-               std::min(n, k.end) - k.begin, k.end - k.begin, state[r], o_acc + r * ldo, ldo, rescales != nullptr ? rescales + r : nullptr);
+               std::min(n, k.end) - k.begin, k.end - k.begin, state[r], o_acc + r * ldo, ldo,
+               rescales != nullptr ? rescales + r : nullptr);
   }
 }
 
