@@ -247,6 +247,52 @@ TEST(Forward, SplitKvMatchesTheReferenceForEverySplitCount) {
   EXPECT_THROW(forward(q.view(), q.view(), q.view(), bad), Error);
 }
 
+TEST(Forward, MaskedStripsAgreeWithTheReferenceForEveryTileShape) {
+  // A diagonal tile computes only the micro-tiles of each row strip's span of visible keys
+  // (FindStripKeys in forward_kernel.cpp), so the spans must hold every visible key for any
+  // Q tile against any K/V tile: Q tiles smaller than, unaligned with (126 against 128) and
+  // as large as the K/V tiles, the plan's own choice (block_q 0), causal with Sq = Sk,
+  // Sq < Sk and Sq > Sk (rows without keys), and windows whose left edge enters a tile
+  // mid-strip — on every SIMD target, whose micro-tiles differ.
+  struct Mask {
+    bool causal;
+    std::int64_t left, right;
+  };
+  const Mask masks[] = {{true, -1, -1}, {true, 37, 0}, {false, 20, 5}, {false, -1, 3}};
+  const std::pair<std::int64_t, std::int64_t> lengths[] = {{300, 300}, {257, 300}, {300, 257}};
+  for_each_simd_target([&](const std::string&) {
+    std::uint64_t seed = 950;
+    for (const auto& [sq, sk] : lengths) {
+      const Tensor q = random_tensor(DType::f32, {1, sq, 2, 40}, seed);
+      const Tensor k = random_tensor(DType::f32, {1, sk, 1, 40}, seed + 1);
+      const Tensor v = random_tensor(DType::f32, {1, sk, 1, 24}, seed + 2);
+      seed += 3;
+      for (const Mask& m : masks) {
+        AttentionOptions o;
+        o.causal = m.causal;
+        o.window_size = {m.left, m.right};
+        const reference::Result want = reference::attention(q.view(), k.view(), v.view(), o);
+        for (std::int64_t block_q : {0, 6, 16, 48, 126, 128}) {
+          o.block_q = block_q;
+          SCOPED_TRACE("Sq=" + std::to_string(sq) + " Sk=" + std::to_string(sk) + " causal=" +
+                       std::to_string(m.causal) + " window=" + std::to_string(m.left) + "," +
+                       std::to_string(m.right) + " block_q=" + std::to_string(block_q));
+          const ForwardResult got = forward(q.view(), k.view(), v.view(), o);
+          EXPECT_LE(max_abs_error(got.out, want.out), 1e-5);
+          for (std::int64_t i = 0; i < got.lse.numel(); ++i) {
+            const double e = want.lse[static_cast<std::size_t>(i)];
+            if (std::isinf(e)) {
+              ASSERT_EQ(got.lse.get(i), e) << "lse " << i;
+            } else {
+              ASSERT_NEAR(got.lse.get(i), e, 1e-5 + 1e-6 * std::fabs(e)) << "lse " << i;
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
 TEST(Forward, PlanSplitsKeysOnlyWhenThreadsWouldIdle) {
   const CpuHardware hw = CpuHardware::detect(4);
   const AttentionProblem decode = AttentionProblem::from_sizes(1, 1, 32768, 8, 2, 128, 128, DType::bf16, {});

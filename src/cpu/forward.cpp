@@ -36,12 +36,15 @@ std::size_t forward_workspace_bytes(const CpuForwardPlan& plan, const AttentionP
   const std::size_t o_floats = bq * dv_pad + (plan.kernel == ForwardKernel::decode ? bc : 0);
   const std::size_t floats = q_rows * d_pad + bq * bc + o_floats + keys_pad * d + keys_pad * dv_pad;
   const std::size_t keys = plan.kernel == ForwardKernel::decode ? bc + kDecodePrefetchKeys : 0;
-  return floats * sizeof(float) + bq * (sizeof(OnlineSoftmaxState) + sizeof(std::int32_t)) + keys * DecodeKeys::kBytesPerKey;
+  const auto strips = static_cast<std::size_t>(plan.block_q / plan.hardware.micro_rows);
+  return floats * sizeof(float) + bq * (sizeof(OnlineSoftmaxState) + sizeof(std::int32_t)) +
+         keys * DecodeKeys::kBytesPerKey + strips * sizeof(StripKeys);
 }
 
 ForwardWorkspace::ForwardWorkspace(const CpuForwardPlan& plan, const AttentionProblem& p)
     : states(static_cast<std::size_t>(plan.block_q) * tiles_held(plan, p)),
-      rescales(static_cast<std::size_t>(plan.block_q) * tiles_held(plan, p)) {
+      rescales(static_cast<std::size_t>(plan.block_q) * tiles_held(plan, p)),
+      strip_keys(static_cast<std::size_t>(plan.block_q / plan.hardware.micro_rows)) {
   const std::size_t bq = static_cast<std::size_t>(plan.block_q) * tiles_held(plan, p);
   const auto bc = static_cast<std::size_t>(plan.block_k);
   const auto d = static_cast<std::size_t>(p.head_dim);

@@ -6,7 +6,8 @@
 //   for each K/V tile:  S = Q·Kᵀ → mask → online-softmax update (P = 2^(S − m)) → õ += P·V
 //   epilogue: o = õ / ℓ, lse = (m + log2 ℓ)·ln2
 //
-// Both products run on one register-blocked micro-kernel; S never leaves the L2 cache.
+// Both products run on one register-blocked micro-kernel, each row strip over only the keys
+// it may see (FindStripKeys); S never leaves the L2 cache.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "src/cpu/forward_kernel.cpp"
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
@@ -57,6 +58,12 @@ void LoadKvRow(const ForwardParams& prm, const TensorView& t, const float* desca
   LoadRow(KvRow(prm, t, b, j, kv_head), t.dtype, n, KvDescale(prm, descale, b, j, kv_head), dst);
 }
 
+// Prefetches the cache lines of the `bytes` bytes from `row` on: a row that is read
+// kRowPrefetchDistance rows later.
+HWY_INLINE void PrefetchRow(const void* row, std::int64_t bytes) {
+  for (std::int64_t off = 0; off < bytes; off += kCacheLineBytes) hwy::Prefetch(static_cast<const char*>(row) + off);
+}
+
 // The producer role (SPEC §4) on a CPU: convert and lay out K and V of one (batch, kv
 // head) for keys [from, to), whole tiles at a time, reusing what is packed. Both are cut
 // into the micro-kernel's B panels of kMicroCols columns, each stored contiguously: a K tile
@@ -82,7 +89,13 @@ void EnsurePacked(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t b
     for (std::int64_t c = 0; c < dv_pad; c += kMicroCols)
       for (std::int64_t e = 0; e < kMicroCols; ++e) vt[c * bc + e] = zero || c + e >= dv ? 0.0f : vrow[c + e];
   };
+  const std::int64_t k_bytes = d * static_cast<std::int64_t>(dtype_size(prm.k.dtype));
+  const std::int64_t v_bytes = dv * static_cast<std::int64_t>(dtype_size(prm.v.dtype));
   for (std::int64_t j = begin; j < end; ++j) {
+    if (j + kRowPrefetchDistance < end) {
+      PrefetchRow(KvRow(prm, prm.k, b, j + kRowPrefetchDistance, kv_head), k_bytes);
+      PrefetchRow(KvRow(prm, prm.v, b, j + kRowPrefetchDistance, kv_head), v_bytes);
+    }
     LoadKvRow(prm, prm.k, prm.paged.k_descale, b, j, kv_head, d, krow);
     LoadKvRow(prm, prm.v, prm.paged.v_descale, b, j, kv_head, dv, vrow);
     place(j, false);
@@ -149,15 +162,77 @@ void SoftmaxRow(const RowMods& mods, float* HWY_RESTRICT srow, std::int64_t i, s
   if (mods.dropout_threshold != 0) mods.apply_dropout(srow, i, j0, cols);
 }
 
-// The tile's rows are consecutive queries of one head; padded rows copy the last query.
+// The keys of tile [j0, j0 + n) that each row strip of the Q tile starting at query i0
+// computes. Key ranges are non-decreasing in the row, so strip s (queries i0 + s·kMicroRows
+// on; padding rows count as the last query) sees at most [its first row's begin, its last
+// row's end); rounded out to whole panels of kMicroCols keys, that is its span. Outside it
+// every score of the strip is masked (causal, window): no S micro-tile, no exponential and
+// no P·V depth is spent there, so a diagonal tile costs about its visible triangle, not its
+// square. A strip that sees none of the tile's keys gets an empty span and is skipped: its
+// softmax state and õ stay as they are, exactly what an all-masked row would leave.
+void FindStripKeys(const AttentionProblem& p, std::int64_t i0, std::int64_t strips, std::int64_t j0, std::int64_t n,
+                   StripKeys* HWY_RESTRICT keys) {
+  for (std::int64_t s = 0; s < strips; ++s) {
+    const std::int64_t first = std::min(i0 + s * kMicroRows, p.seqlen_q - 1);
+    const std::int64_t last = std::min(i0 + (s + 1) * kMicroRows - 1, p.seqlen_q - 1);
+    const std::int64_t lo = std::max<std::int64_t>(p.key_range(first).begin - j0, 0);
+    const std::int64_t hi = std::min(p.key_range(last).end - j0, n);
+    keys[s] = lo < hi ? StripKeys{lo / kMicroCols * kMicroCols, (hi + kMicroCols - 1) / kMicroCols * kMicroCols}
+                      : StripKeys{};
+  }
+}
+
+// S(strip, panel) = Q(strip)·Kᵀ(panel) for every panel in the strip's span. Panels
+// outermost: one packed Kᵀ panel (head_dim × kMicroCols, contiguous) stays in L1 while the
+// row strips pass over it.
+void ScoreTile(const float* HWY_RESTRICT q_tile, std::int64_t d, const float* HWY_RESTRICT k_tile,
+               float* HWY_RESTRICT s_tile, std::int64_t lds, const StripKeys* HWY_RESTRICT keys, std::int64_t strips,
+               std::int64_t n_pad) {
+  for (std::int64_t j = 0; j < n_pad; j += kMicroCols) {
+    const float* panel = k_tile + j / kMicroCols * d * kMicroCols;  // (d, kMicroCols)
+    for (std::int64_t s = 0; s < strips; ++s)
+      if (keys[s].begin <= j && j < keys[s].end)
+        MicroTile<false>({q_tile + s * kMicroRows * d, d}, panel, kMicroCols, s_tile + s * kMicroRows * lds + j, lds, d);
+  }
+}
+
+// The online-softmax update of every row over its strip's span (SoftmaxRow); rows of an
+// empty span are left alone. The tile's rows are consecutive queries of one head; padded
+// rows copy the last query.
 void SoftmaxTile(const RowMods& mods, float* HWY_RESTRICT s, std::int64_t lds, std::int64_t i0,
-                 std::int64_t rows, std::int64_t j0, std::int64_t n, std::int64_t cols,
+                 std::int64_t rows, std::int64_t j0, std::int64_t n, const StripKeys* HWY_RESTRICT keys,
                  OnlineSoftmaxState* HWY_RESTRICT state, float* HWY_RESTRICT o_acc, std::int64_t ldo,
                  std::int32_t* rescales) {
   const AttentionProblem& p = *mods.problem;
-  for (std::int64_t r = 0; r < rows; ++r)
-    SoftmaxRow(mods, s + r * lds, std::min(i0 + r, p.seqlen_q - 1), j0, n, cols, state[r], o_acc + r * ldo, ldo,
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const StripKeys k = keys[r / kMicroRows];
+    if (k.begin == k.end) continue;
+    SoftmaxRow(mods, s + r * lds + k.begin, std::min(i0 + r, p.seqlen_q - 1), j0 + k.begin,
+               std::min(n, k.end) - k.begin, k.end - k.begin, state[r], o_acc + r * ldo, ldo,
                rescales != nullptr ? rescales + r : nullptr);
+  }
+}
+
+// õ(strip) += P(strip, span)·V(span, panel) for every output panel: a strip's P is zero
+// outside its span, so its depth is the span alone. Panels outermost, as in ScoreTile.
+void AccumulateTile(const float* HWY_RESTRICT s_tile, std::int64_t lds, const float* HWY_RESTRICT v_tile,
+                    std::int64_t bc, float* HWY_RESTRICT o_acc, std::int64_t dv_pad, const StripKeys* HWY_RESTRICT keys,
+                    std::int64_t strips) {
+  for (std::int64_t c = 0; c < dv_pad; c += kMicroCols) {
+    const float* panel = v_tile + c / kMicroCols * bc * kMicroCols;  // (bc, kMicroCols)
+    for (std::int64_t s = 0; s < strips; ++s) {
+      const StripKeys k = keys[s];
+      if (k.begin == k.end) continue;
+      MicroTile<true>({s_tile + s * kMicroRows * lds + k.begin, lds}, panel + k.begin * kMicroCols, kMicroCols,
+                      o_acc + s * kMicroRows * dv_pad + c, dv_pad, k.end - k.begin);
+    }
+  }
+}
+
+// Row (b, i, h) of out.
+HWY_INLINE void* OutputRow(const ForwardParams& prm, std::int64_t b, std::int64_t i, std::int64_t h) {
+  return static_cast<unsigned char*>(prm.out.data) +
+         detail::offset4(prm.out, b, i, h, 0) * static_cast<std::int64_t>(dtype_size(prm.out.dtype));
 }
 
 // The output row of query i of (b, h), or its split's partial, from õ and the state; its
@@ -176,10 +251,7 @@ void StoreOutputRow(const ForwardParams& prm, std::int64_t split, std::int64_t b
     prm.split_lse[((split * p.batch + b) * p.heads_q + h) * p.seqlen_q + i] = state.lse();
     return;
   }
-  StoreRow(orow, p.head_dim_v, state.inverse_sum(),
-           static_cast<unsigned char*>(prm.out.data) +
-               detail::offset4(prm.out, b, i, h, 0) * static_cast<std::int64_t>(dtype_size(prm.out.dtype)),
-           prm.out.dtype);
+  StoreRow(orow, p.head_dim_v, state.inverse_sum(), OutputRow(prm, b, i, h), prm.out.dtype);
   static_cast<float*>(prm.lse.data)[b * prm.lse.strides[0] + h * prm.lse.strides[1] + i * prm.lse.strides[2]] =
       state.lse();
 }
@@ -200,6 +272,7 @@ void ForwardWorkItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_
   const std::int64_t i0 = q_block * bq;
   const std::int64_t rows = std::min(bq, p.seqlen_q - i0);
   const std::int64_t rows_pad = (rows + kMicroRows - 1) / kMicroRows * kMicroRows;
+  const std::int64_t strips = rows_pad / kMicroRows;
   // Key ranges are non-decreasing in the row: the block spans [first row's begin, last
   // row's end); tiles outside it (causal, window) are never touched. Split-KV gives each
   // split a contiguous share of those tiles.
@@ -214,8 +287,11 @@ void ForwardWorkItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_
 
   float* q_tile = ws.q_tile.get();  // (rows_pad, d)
   const float q_scale = p.softmax_scale * OnlineSoftmaxState::kLog2e;
-  for (std::int64_t r = 0; r < rows; ++r)
+  const std::int64_t q_bytes = d * static_cast<std::int64_t>(dtype_size(p.dtype));
+  for (std::int64_t r = 0; r < rows; ++r) {
+    if (r + kRowPrefetchDistance < rows) PrefetchRow(RowPointer(prm.q, b, i0 + r + kRowPrefetchDistance, h), q_bytes);
     LoadRow(RowPointer(prm.q, b, i0 + r, h), p.dtype, d, q_scale, q_tile + r * d);
+  }
   std::fill(q_tile + rows * d, q_tile + rows_pad * d, 0.0f);
   ws.counters.q_read += rows * d;
 
@@ -235,18 +311,22 @@ void ForwardWorkItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_
     ws.counters.k_read += n * d;
     ws.counters.v_read += n * p.head_dim_v;
 
+    StripKeys* keys = ws.strip_keys.data();  // (strips)
+    FindStripKeys(p, i0, strips, j0, n, keys);
     float* s_tile = ws.s_tile.get();  // (rows_pad, bc)
-    TileGemm<false>({q_tile, d}, ws.k_packed.get() + (j0 / bc) * d * bc, kMicroCols, s_tile, bc, rows_pad,
-                    n_pad, d, d * kMicroCols);
-    SoftmaxTile(mods, s_tile, bc, i0, rows_pad, j0, n, n_pad, state, o_acc, dv_pad, rescales);
-    TileGemm<true>({s_tile, bc}, ws.v_packed.get() + j0 * dv_pad, kMicroCols, o_acc, dv_pad, rows_pad,
-                   dv_pad, n_pad, bc * kMicroCols);
+    ScoreTile(q_tile, d, ws.k_packed.get() + (j0 / bc) * d * bc, s_tile, bc, keys, strips, n_pad);
+    SoftmaxTile(mods, s_tile, bc, i0, rows_pad, j0, n, keys, state, o_acc, dv_pad, rescales);
+    AccumulateTile(s_tile, bc, ws.v_packed.get() + j0 * dv_pad, bc, o_acc, dv_pad, keys, strips);
   }
 
   // Epilogue: normalize once (deferred normalization) and store lse — a split's partial
   // result goes to the float32 buffers that merge_attention_states combines.
-  for (std::int64_t r = 0; r < rows; ++r)
+  const std::int64_t out_bytes = p.head_dim_v * static_cast<std::int64_t>(dtype_size(prm.out.dtype));
+  for (std::int64_t r = 0; r < rows; ++r) {
+    if (plan.splits == 1 && r + kRowPrefetchDistance < rows)
+      PrefetchRow(OutputRow(prm, b, i0 + r + kRowPrefetchDistance, h), out_bytes);
     StoreOutputRow(prm, split, b, h, i0 + r, o_acc + r * dv_pad, state[r], rescales != nullptr ? rescales + r : nullptr);
+  }
   ws.counters.o_written += rows * p.head_dim_v;
   ws.counters.lse_written += rows;
 }
@@ -332,7 +412,7 @@ template <KvFormat F>
 HWY_INLINE void LoadKvTailPair(const unsigned char* HWY_RESTRICT row, std::int64_t e, std::int64_t n, DType dtype,
                                VF& lo, VF& hi) {
   HWY_ALIGN float part[kPair] = {};
-  LoadRow(row + e * static_cast<std::int64_t>(dtype_size(dtype)), dtype, n, 1.0f / kKvUnit<F>, part);
+  LoadRow(row + e * static_cast<std::int64_t>(dtype_size(dtype)), dtype, std::min(n, kPair), 1.0f / kKvUnit<F>, part);
   lo = hn::Load(DF(), part);
   hi = hn::Load(DF(), part + kLanes);
 }

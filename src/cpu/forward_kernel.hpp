@@ -53,6 +53,23 @@ struct DecodeKeys {
 constexpr std::int64_t kDecodePrefetchKeys = 8;
 constexpr std::int64_t kCacheLineBytes = 64;  // x86: one prefetch per line
 
+// Rows of the caller's tensors that the tiled kernel fetches ahead of the one it converts:
+// K and V rows while packing, Q rows into the Q tile, output rows it stores. Consecutive
+// rows of one head lie heads·D elements apart — 8 KiB at 16 heads × D 128 in float32 — each
+// on a page of its own, where the hardware prefetchers, which stay within a page, do not
+// follow; each row then waits for DRAM and often for a page walk. A packed row costs a few
+// hundred cycles, a miss about as many, so a few rows ahead hide it (4, 8 and 16 measured
+// alike on the Zen 3 of docs/performance.md; 8 is kept).
+constexpr std::int64_t kRowPrefetchDistance = 8;
+
+// Columns [begin, end) of a K/V tile that one row strip of a Q tile (the micro-kernel's
+// rows) computes, in whole micro-kernel panels; begin == end: none (forward_kernel.cpp,
+// FindStripKeys).
+struct StripKeys {
+  std::int64_t begin = 0;
+  std::int64_t end = 0;
+};
+
 // Everything a work item needs; filled once per call by the driver.
 struct ForwardParams {
   AttentionProblem problem;
@@ -81,6 +98,7 @@ struct ForwardWorkspace {
                                                 // floats: a key block's FP8 V descales
   std::vector<OnlineSoftmaxState> states;       // (block_q): m and ℓ of each row
   std::vector<std::int32_t> rescales;           // (block_q): rescales of each row, when counted
+  std::vector<StripKeys> strip_keys;            // (block_q / micro_rows): each row strip's span of the current tile
   // (tiled) k tiles of Kᵀ, each as contiguous panels of kMicroCols keys, (head_dim, kMicroCols)
   // each; v: k tiles of V, each as contiguous panels of kMicroCols columns, (block_k,
   // kMicroCols) each (EnsurePacked in forward_kernel.cpp)
