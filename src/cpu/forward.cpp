@@ -107,22 +107,12 @@ struct PlannedJob {
   cpu::ForwardParams params;
 };
 
-PlannedJob plan_job(const ForwardJob& job, const CpuHardware& hw, int num_splits) {
-  const AttentionProblem& p = job.problem;
-  PlannedJob planned;
-  planned.plan = plan_forward(p, hw, num_splits, job.options.block_q);
-  const CpuForwardPlan& plan = planned.plan;
-  const std::int64_t split_rows = plan.splits > 1 ? plan.splits * p.batch * p.heads_q * p.seqlen_q : 0;
-  planned.split_out.resize(static_cast<std::size_t>(split_rows * p.head_dim_v));
-  planned.split_lse.resize(static_cast<std::size_t>(split_rows));
-  return planned;
-}
-
 // Plans and runs the jobs. Jobs that all take the decode kernel (one sequence each of a KV
 // cache, one token per sequence) share one parallel region: their items — (sequence, key
 // chunk) — go to the threads together, so a batch of short sequences costs one start-up of
-// the threads, not one per sequence, and needs fewer key splits to keep them busy. Other
-// jobs run one after the other, each in its own region.
+// the threads, not one per sequence, and needs fewer key splits — whose partial results go
+// to freshly allocated memory, page faults included, before their merge — to keep them
+// busy. Other jobs run one after the other, each in its own region.
 void run_forward_jobs(const std::vector<ForwardJob>& jobs) {
   std::vector<ForwardJob> live;  // jobs with output rows
   for (const ForwardJob& job : jobs) {
@@ -132,21 +122,27 @@ void run_forward_jobs(const std::vector<ForwardJob>& jobs) {
   if (live.empty()) return;
   const AttentionOptions& options = live.front().options;  // the call's: threads, splits, counters
   const CpuHardware hw = CpuHardware::detect(options.num_threads);
-  std::vector<PlannedJob> planned;
-  for (const ForwardJob& job : live) planned.push_back(plan_job(job, hw, options.num_splits));
+  std::vector<PlannedJob> planned(live.size());
+  for (std::size_t j = 0; j < live.size(); ++j)
+    planned[j].plan = plan_forward(live[j].problem, hw, options.num_splits, live[j].options.block_q);
   const bool shared = live.size() > 1 && std::all_of(planned.begin(), planned.end(), [](const PlannedJob& j) {
                         return j.plan.kernel == ForwardKernel::decode;
                       });
   if (shared && options.num_splits == 0) {  // split keys only as far as the sequences leave threads idle
     const auto sequences = static_cast<std::int64_t>(live.size());
     const auto splits = static_cast<int>((2 * hw.threads + sequences - 1) / sequences);
-    for (std::size_t j = 0; j < live.size(); ++j) planned[j] = plan_job(live[j], hw, splits);
+    for (std::size_t j = 0; j < live.size(); ++j)
+      planned[j].plan = plan_forward(live[j].problem, hw, splits, live[j].options.block_q);
   }
   for (std::size_t j = 0; j < live.size(); ++j) {
     const ForwardJob& job = live[j];
-    planned[j].params = {job.problem, planned[j].plan, job.q, job.k, job.v, job.out, job.lse,
-                         job.options.alibi_slopes, job.options.block_mask, planned[j].split_out.data(),
-                         planned[j].split_lse.data(), job.paged, job.options.rescale_counts};
+    const AttentionProblem& p = job.problem;
+    PlannedJob& pj = planned[j];
+    const std::int64_t split_rows = pj.plan.splits > 1 ? pj.plan.splits * p.batch * p.heads_q * p.seqlen_q : 0;
+    pj.split_out.resize(static_cast<std::size_t>(split_rows * p.head_dim_v));
+    pj.split_lse.resize(static_cast<std::size_t>(split_rows));
+    pj.params = {p, pj.plan, job.q, job.k, job.v, job.out, job.lse, job.options.alibi_slopes, job.options.block_mask,
+                 pj.split_out.data(), pj.split_lse.data(), job.paged, job.options.rescale_counts};
   }
 
   // Runs jobs [first, last) in one region: the threads' workspaces fit the largest plan.
