@@ -74,8 +74,8 @@ void zero_rescale_counts(const AttentionOptions& options) {
         static_cast<std::int32_t*>(c.data)[b * c.strides[0] + h * c.strides[1] + i * c.strides[2]] = 0;
 }
 
-// Adds the threads' counts to the caller's counters; skipped tiles are the rest of the
-// grid of (Q tile, K/V tile) pairs — (kv head, K/V chunk) pairs for the decode kernel.
+// The grid of (Q tile, K/V tile) pairs — (kv head, K/V chunk) pairs for the decode kernel —
+// that a problem's tiles are computed or skipped from.
 std::int64_t grid_tiles(const AttentionProblem& p, const CpuForwardPlan& plan) {
   const std::int64_t k_tiles = (p.seqlen_k + plan.block_k - 1) / plan.block_k;
   const std::int64_t row_tiles =
@@ -83,6 +83,8 @@ std::int64_t grid_tiles(const AttentionProblem& p, const CpuForwardPlan& plan) {
   return row_tiles * k_tiles;
 }
 
+// Adds the threads' counts to the caller's counters; skipped tiles are the rest of `grid`
+// (summed over the jobs that ran in the threads' region).
 void add_counters(std::int64_t grid, const std::vector<cpu::ForwardWorkspace>& workspaces, KernelCounters& counters) {
   KernelCounters sum;
   for (const cpu::ForwardWorkspace& ws : workspaces) sum += ws.counters;
