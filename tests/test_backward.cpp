@@ -18,13 +18,16 @@ struct Case {
   DType dtype;
   int threads;
   bool deterministic;
+  Exp2Impl exp2 = Exp2Impl::automatic;
+  float softcap = 0.0f;
 };
 
 std::string describe(const Case& c) {
   std::ostringstream s;
   s << "B=" << c.batch << " Sq=" << c.seqlen_q << " Sk=" << c.seqlen_k << " Hq=" << c.heads_q
     << " Hkv=" << c.heads_kv << " D=" << c.head_dim << " Dv=" << c.head_dim_v << " causal=" << c.causal
-    << " dtype=" << to_string(c.dtype) << " threads=" << c.threads << " deterministic=" << c.deterministic;
+    << " dtype=" << to_string(c.dtype) << " threads=" << c.threads << " deterministic=" << c.deterministic
+    << " exp2=" << to_string(c.exp2) << " softcap=" << c.softcap;
   return s.str();
 }
 
@@ -44,6 +47,8 @@ Problem make_problem(const Case& c, std::uint64_t seed) {
   p.options.causal = c.causal;
   p.options.num_threads = c.threads;
   p.options.deterministic = c.deterministic;
+  p.options.exp2 = c.exp2;
+  p.options.softcap = c.softcap;
   p.fwd = forward(p.q.view(), p.k.view(), p.v.view(), p.options);
   return p;
 }
@@ -53,8 +58,9 @@ BackwardResult run_backward(const Problem& p) {
                   p.fwd.lse.view(), p.options);
 }
 
-// Gradients within 1e-4 (float32) or 3× the naive same-precision backward's error plus
-// 1e-4 (bf16/f16) of the float64 reference: upstream's rule for gradients.
+// Gradients within 1e-4 (float32 with exact exponentials) or 3× the naive same-precision
+// backward's error plus 1e-4 (bf16/f16, or the poly3 exponential, which the naive backward
+// then uses too) of the float64 reference: upstream's rule for gradients.
 void check_case(const Case& c, std::uint64_t seed) {
   SCOPED_TRACE(describe(c) + " seed=" + std::to_string(seed));
   const Problem p = make_problem(c, seed);
@@ -62,7 +68,7 @@ void check_case(const Case& c, std::uint64_t seed) {
   const reference::Gradients want =
       reference::attention_backward(p.dout.view(), p.q.view(), p.k.view(), p.v.view(), p.options);
   double tol_q = 1e-4, tol_k = 1e-4, tol_v = 1e-4;
-  if (c.dtype != DType::f32) {
+  if (c.dtype != DType::f32 || c.exp2 == Exp2Impl::poly3 || c.exp2 == Exp2Impl::mixed) {
     const AttentionProblem ap = AttentionProblem::from_inputs(p.q.view(), p.k.view(), p.v.view(), p.options);
     const NaiveGradients naive = naive_backward_same_precision(ap, p.options, p.dout, p.q, p.k, p.v);
     tol_q = 3.0 * max_abs_error(naive.dq, want.dq) + 1e-4;
@@ -106,6 +112,19 @@ TEST(Backward, LowPrecision) {
     check_case({1, 113, 203, 4, 2, 64, 64, false, dtype, 2, false}, seed++);
     check_case({1, 67, 130, 2, 1, 128, 96, true, dtype, 2, true}, seed++);
   }
+}
+
+// The backward recomputes P with the forward's exponential: poly3's relative error of 7.5e-5
+// (and mixed's share of it) reaches the gradients through P and through lse, amplified where
+// dP − D is large next to the gradient; softcap adds its tanh' factor.
+TEST(Backward, Poly3AndMixedExponentials) {
+  std::uint64_t seed = 450;
+  for (Exp2Impl exp2 : {Exp2Impl::poly3, Exp2Impl::mixed})
+    for (DType dtype : {DType::f32, DType::bf16}) {
+      check_case({2, 8, 12, 2, 1, 7, 40, true, dtype, 2, true, exp2, 19.9f}, seed++);
+      check_case({1, 113, 203, 4, 2, 64, 64, false, dtype, 2, false, exp2}, seed++);
+      check_case({1, 67, 130, 2, 1, 128, 96, true, dtype, 3, true, exp2, 5.0f}, seed++);
+    }
 }
 
 TEST(Backward, EverySimdTargetAndThreadCount) {

@@ -41,6 +41,18 @@ inline void for_each_simd_target(const std::function<void(const std::string&)>& 
   hwy::SetSupportedTargetsForTest(0);
 }
 
+// e^x as a kernel run with `options` computes it: through the poly3 cubic when the options
+// let the kernel use it (poly3, and mixed, whose worst case that is), else std::exp. The
+// naive yardsticks below use it, so that a kernel's error is set beside that of a naive
+// implementation with the same exponential.
+inline float naive_exp(const AttentionOptions& options, float x) {
+  if (options.exp2 != Exp2Impl::poly3 && options.exp2 != Exp2Impl::mixed) return std::exp(x);
+  const float power = x * 1.44269504f;
+  float y = 0.0f;
+  exp2_array(Exp2Impl::poly3, &power, &y, 1);
+  return y;
+}
+
 // Naive attention in the inputs' precision, the way a framework does it on low-precision
 // tensors: S accumulated in float32 and rounded to dtype, softmax in float32 rounded to
 // dtype, O = P·V accumulated in float32 and rounded to dtype; variants as the reference
@@ -69,7 +81,7 @@ inline std::vector<double> naive_same_precision(const AttentionProblem& p,
           m = std::fmax(m, s[j]);
         }
         if (m == -INFINITY) continue;
-        for (std::int64_t j = 0; j < p.seqlen_k; ++j) sum += (s[j] = std::exp(s[j] - m));
+        for (std::int64_t j = 0; j < p.seqlen_k; ++j) sum += (s[j] = naive_exp(options, s[j] - m));
         for (std::int64_t j = 0; j < p.seqlen_k; ++j)
           s[j] = round_to(p.dtype, round_to(p.dtype, s[j] / sum) * static_cast<float>(sem.dropout_weight(b, h, i, j)));
         for (std::int64_t d = 0; d < p.head_dim_v; ++d) {
@@ -158,7 +170,7 @@ inline NaiveGradients naive_backward_same_precision(const AttentionProblem& p,
         if (m == -INFINITY) {
           std::fill(pr, pr + sk, 0.0f);
         } else {
-          for (std::int64_t j = 0; j < sk; ++j) sum += (pr[j] = std::exp(pr[j] - m));
+          for (std::int64_t j = 0; j < sk; ++j) sum += (pr[j] = naive_exp(options, pr[j] - m));
           for (std::int64_t j = 0; j < sk; ++j) pr[j] = round_to(p.dtype, pr[j] / sum);
         }
         for (std::int64_t c = 0; c < dv; ++c) {
