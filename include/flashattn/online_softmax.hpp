@@ -32,8 +32,9 @@ struct OnlineSoftmaxState {
   // `threshold` (log2 units; 0 = whenever it grows, the classic rule) and returns the factor
   // 2^(m_old − m_new) by which the caller must multiply its õ (already applied to sum).
   // Conditional rescaling (SPEC §5): with threshold τ the tile's 2^(s − m) stay ≤ 2^τ.
+  // A NaN maximum is sticky: once a visible score was NaN, sum and õ are NaN and stay so.
   float rescale_to(float tile_max, float threshold = 0.0f) {
-    if (tile_max <= max + threshold) return 1.0f;  // false for a NaN maximum, which must propagate
+    if (tile_max <= max + threshold || std::isnan(max)) return 1.0f;  // a NaN tile_max propagates
     const float factor = max == -std::numeric_limits<float>::infinity()
                              ? 0.0f
                              : std::exp2(max - tile_max);
@@ -52,6 +53,10 @@ struct OnlineSoftmaxState {
     float other;
   };
   MergeFactors merge(const OnlineSoftmaxState& other) {
+    if (std::isnan(max) || std::isnan(other.max)) {  // a NaN score on either side poisons the row
+      max = sum = std::numeric_limits<float>::quiet_NaN();
+      return {max, max};
+    }
     const float new_max = std::fmax(max, other.max);
     if (new_max == -std::numeric_limits<float>::infinity()) return {1.0f, 0.0f};
     const float self_factor = std::exp2(max - new_max);    // 0 when max is −∞

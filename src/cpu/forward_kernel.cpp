@@ -140,8 +140,13 @@ void SoftmaxRow(const RowMods& mods, float* HWY_RESTRICT srow, std::int64_t i, s
   mods.apply(srow, nullptr, i, j0, n, cols);
   VF vmax = hn::Set(df, kNegInf);
   for (std::int64_t j = 0; j < cols; j += kLanes) vmax = hn::Max(vmax, hn::Load(df, srow + j));
+  float tile_max = hn::GetLane(hn::MaxOfLanes(df, vmax));
+  // Max may drop a NaN (x86 returns its second operand when either is NaN): a row whose
+  // visible scores are all NaN could read as a row without visible keys. It must be NaN.
+  if (tile_max == kNegInf && std::any_of(srow, srow + cols, [](float s) { return std::isnan(s); }))
+    tile_max = std::numeric_limits<float>::quiet_NaN();
   const float old_max = state.max;
-  const float factor = state.rescale_to(hn::GetLane(hn::MaxOfLanes(df, vmax)), p.rescale_threshold);
+  const float factor = state.rescale_to(tile_max, p.rescale_threshold);
   if (rescales != nullptr && state.max != old_max && old_max != kNegInf) ++*rescales;
   if (factor != 1.0f) {
     const VF vf = hn::Set(df, factor);
