@@ -114,18 +114,26 @@ void bench(const BenchFlags& f) {
     j["cases"].push_back(c);
   }
   // Decoding: one token over a 32k-token cache, bf16 or FP8 e4m3, contiguous and paged,
-  // beside the machine's copy bandwidth (the bound a memory-bound decode step approaches).
+  // beside the machine's copy bandwidth (the bound a memory-bound decode step approaches);
+  // then a batch of 32 sequences of 1024 tokens (the same bytes) decoding in one call, as an
+  // inference engine's step does, paged by 16.
   if (std::find(f.ops.begin(), f.ops.end(), "decode") != f.ops.end()) {
     j["copy_gbps"] = copy_gbps(f.repeats);
-    for (bool fp8 : {false, true})
-      for (std::int64_t page_size : {0, 16, 256}) {
-        DecodeCase c;
-        c.threads = f.shape.threads;
-        c.page_size = page_size;
-        c.fp8_cache = fp8;
-        std::cerr << "decode case: " << (fp8 ? "e4m3" : "bf16") << " cache, page size " << page_size << "\n";
-        j["cases"].push_back(decode_json(c, measure_decode(c, f.repeats)));
-      }
+    auto time_decode = [&](std::int64_t batch, std::int64_t cached, bool fp8, std::int64_t page_size) {
+      DecodeCase c;
+      c.threads = f.shape.threads;
+      c.batch = batch;
+      c.cached = cached;
+      c.page_size = page_size;
+      c.fp8_cache = fp8;
+      std::cerr << "decode case: " << batch << " x " << cached << " tokens, " << (fp8 ? "e4m3" : "bf16")
+                << " cache, page size " << page_size << "\n";
+      j["cases"].push_back(decode_json(c, measure_decode(c, f.repeats)));
+    };
+    for (bool fp8 : {false, true}) {
+      for (std::int64_t page_size : {0, 16, 256}) time_decode(1, 32768, fp8, page_size);
+      time_decode(32, 1024, fp8, 16);
+    }
   }
   // Extra memory against sequence length, from the plans the kernels execute (their only
   // allocations): flashattn grows linearly, standard attention with the square.
@@ -158,8 +166,10 @@ void bench(const BenchFlags& f) {
               "GFLOP/s", "/sgemm", "seconds");
   for (const auto& c : j["cases"]) {
     if (c["op"] == "decode") {
-      std::printf("%-10s %-4s %-6s page size %-5lld %6.2f GB/s (%3.0f%% of copy) %12.4f\n", "flashattn", "dec",
-                  c["cache_dtype"].get<std::string>().c_str(),
+      std::printf("%-10s %-4s %-6s %2lld x %-5lld tokens, page size %-5lld %6.2f GB/s (%3.0f%% of copy) %12.4f\n",
+                  "flashattn", "dec", c["cache_dtype"].get<std::string>().c_str(),
+                  static_cast<long long>(c["batch"].get<std::int64_t>()),
+                  static_cast<long long>(c["cached"].get<std::int64_t>()),
                   static_cast<long long>(c["page_size"].get<std::int64_t>()), c["gbps"].get<double>(),
                   100.0 * c["gbps"].get<double>() / j["copy_gbps"].get<double>(), c["seconds"].get<double>());
       continue;
