@@ -154,8 +154,8 @@ void bench(const BenchFlags& f) {
   std::printf("cpu: %s, %d threads, simd %s, OpenBLAS %s: sgemm %.1f GFLOP/s\n",
               j["cpu"].get<std::string>().c_str(), threads, j["simd_target"].get<std::string>().c_str(),
               j["openblas_corename"].get<std::string>().c_str(), sgemm);
-  std::printf("%-10s %-4s %-6s %-6s %10s %9s %8s %12s\n", "impl", "op", "determ", "dtype", "mask",
-              "GFLOP/s", "/sgemm", "seconds");
+  std::printf("%-10s %-4s %-6s %-6s %10s %9s %8s %12s  %s\n", "impl", "op", "determ", "dtype", "mask",
+              "GFLOP/s", "/sgemm", "seconds", "kernel");
   for (const auto& c : j["cases"]) {
     if (c["op"] == "decode") {
       std::printf("%-10s %-4s %-6s page size %-5lld %6.2f GB/s (%3.0f%% of copy) %12.4f\n", "flashattn", "dec",
@@ -164,7 +164,7 @@ void bench(const BenchFlags& f) {
                   100.0 * c["gbps"].get<double>() / j["copy_gbps"].get<double>(), c["seconds"].get<double>());
       continue;
     }
-    std::printf("%-10s %-4s %-6s %-6s %10s %9.1f %7.0f%% %12.4f\n", c["impl"].get<std::string>().c_str(),
+    std::printf("%-10s %-4s %-6s %-6s %10s %9.1f %7.0f%% %12.4f  %s\n", c["impl"].get<std::string>().c_str(),
                 c["op"].get<std::string>().c_str(),
                 c.contains("deterministic") ? (c["deterministic"].get<bool>() ? "yes" : "no") : "-",
                 c["dtype"].get<std::string>().c_str(),
@@ -173,7 +173,7 @@ void bench(const BenchFlags& f) {
                 : c["causal"].get<bool>() ? "causal"
                                           : "full",
                 c["gflops"].get<double>(),
-                100.0 * c["gflops"].get<double>() / sgemm, c["seconds"].get<double>());
+                100.0 * c["gflops"].get<double>() / sgemm, c["seconds"].get<double>(), c.value("kernel", "-").c_str());
   }
 }
 

@@ -1,0 +1,44 @@
+// The bf16 micro-kernel on AVX512-BF16: C(kRows × kCols) (+)= A·B with VDPBF16PS, which
+// multiplies pairs of bf16 exactly and adds both products to a float32 lane. Highway 1.0.3
+// does not emit it (its bf16 ReorderWidenMulAccumulate is emulated), so this is its own
+// translation unit, compiled once (not per Highway target) with the instruction set enabled on each
+// function that uses it; callers reach it only where available() says the CPU has it.
+//
+// Operands are laid out as pairs along the depth (the reduction dimension), each pair one
+// 32-bit word:
+//   A: kRows rows of bf16, lda elements apart; pair p of row r is elements 2p and 2p + 1
+//      (a row-major bf16 matrix with an even row length is already in this form);
+//   B: a panel of `pairs` steps, contiguous; step p holds (kCols, 2) bf16 — column c's
+//      elements of depth 2p and 2p + 1 side by side — 128 bytes, 64-byte aligned.
+// Reusable by any product C += A·B whose depth pairs are laid out so: the forward's S = Q·Kᵀ
+// (pairs along head_dim) and õ += P·V (pairs along keys); a backward's dV += Pᵀ·dO likewise.
+#pragma once
+
+#include <cstdint>
+
+namespace flashattn::cpu::bf16dot {
+
+// Register blocking: 8 rows × 2 vectors of 16 float32 = 16 accumulators, 2 B vectors and
+// one broadcast A pair: 19 of AVX-512's 32 registers, and 16 independent dot-product chains
+// for the ≈ 6-cycle latency of VDPBF16PS on two ports (12 would do).
+constexpr std::int64_t kRows = 8;
+constexpr std::int64_t kCols = 32;
+constexpr std::int64_t kPairStep = 2 * kCols;  // bf16 elements of one step of a B panel
+
+// True when the CPU executes VDPBF16PS (AVX512-BF16; checked once).
+bool available();
+
+// C = scale · A(kRows × 2·pairs)·B(2·pairs × kCols): a product stored, scaled in float32.
+// C rows are ldc floats apart and 64-byte aligned.
+void DotStore(const std::uint16_t* a, std::int64_t lda, const std::uint16_t* b, std::int64_t pairs, float scale,
+              float* c, std::int64_t ldc);
+// C += A(kRows × 2·pairs)·B(2·pairs × kCols).
+void DotAccumulate(const std::uint16_t* a, std::int64_t lda, const std::uint16_t* b, std::int64_t pairs, float* c,
+                   std::int64_t ldc);
+
+// dst[0, n) = src[0, n) rounded to bf16, to nearest even (NaN stays NaN); n a multiple of
+// kCols. Values below float's normal range (< 2^-126) become zero: the conversion, like
+// VDPBF16PS itself, treats denormals as zero.
+void RoundToBf16(const float* src, std::uint16_t* dst, std::int64_t n);
+
+}  // namespace flashattn::cpu::bf16dot
