@@ -35,6 +35,16 @@ const char* to_string(ForwardKernel kernel);
 // Parses "auto", "tiled", "tiled_bf16", "decode"; throws Error otherwise.
 ForwardKernel parse_forward_kernel(const std::string& name);
 
+// The CPU backward kernels, selectable by name (CpuBackwardPlan::kernel, plan.hpp): "tiled"
+// — recomputation per pair of tiles on float32 products; "tiled_bf16" — the same tiling with
+// all five products (S, dP, dV, dK, dQ) on AVX512-BF16 dot products from bf16 inputs, P and
+// dS rounded to bf16 before they multiply, as upstream rounds them. `automatic`: tiled_bf16
+// where the inputs are bf16 and the CPU and SIMD target have AVX512-BF16, else tiled.
+enum class BackwardKernel : std::uint8_t { automatic, tiled, tiled_bf16 };
+const char* to_string(BackwardKernel kernel);
+// Parses "auto", "tiled", "tiled_bf16"; throws Error otherwise.
+BackwardKernel parse_backward_kernel(const std::string& name);
+
 struct AttentionOptions {
   // Scale applied to Q·Kᵀ before the softmax; 1/sqrt(head_dim) when unset.
   std::optional<float> softmax_scale;
@@ -102,6 +112,8 @@ struct AttentionOptions {
   // CPU cannot run is an Error naming it. `tiled` forces the float32 products on bf16
   // inputs, e.g. to compare the two tiled kernels.
   ForwardKernel kernel = ForwardKernel::automatic;
+  // Backward only (CPU): the kernel to run (see BackwardKernel), as `kernel` for the forward.
+  BackwardKernel backward_kernel = BackwardKernel::automatic;
   // Instrumentation: when set, the call adds what its kernels read, wrote and computed
   // to *counters (see counters.hpp). Off (null) by default.
   KernelCounters* counters = nullptr;

@@ -56,6 +56,7 @@ CpuForwardPlan plan_forward(const AttentionProblem& problem, const CpuHardware& 
 // in K/V-block order when deterministic. Tile sizes never depend on the thread count, so
 // deterministic results do not either.
 struct CpuBackwardPlan {
+  BackwardKernel kernel = BackwardKernel::tiled;  // never automatic (options.hpp: BackwardKernel)
   std::int64_t block_q = 0;            // Q rows per tile
   std::int64_t block_k = 0;            // keys per tile: a multiple of micro_rows and micro_cols
   std::int64_t head_dim_padded = 0;    // D rounded up to micro_cols
@@ -73,7 +74,9 @@ struct CpuBackwardPlan {
   std::string describe() const;
 };
 
+// kernel as AttentionOptions::backward_kernel: automatic is the planner's choice; a kernel
+// that the problem's dtype or the hardware rule out is an Error naming it.
 CpuBackwardPlan plan_backward(const AttentionProblem& problem, const CpuHardware& hardware,
-                              bool deterministic);
+                              bool deterministic, BackwardKernel kernel = BackwardKernel::automatic);
 
 }  // namespace flashattn

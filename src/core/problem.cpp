@@ -186,6 +186,21 @@ ForwardKernel parse_forward_kernel(const std::string& name) {
   throw Error("kernel: unknown forward kernel '" + name + "' (expected auto, tiled, tiled_bf16 or decode)");
 }
 
+const char* to_string(BackwardKernel kernel) {
+  switch (kernel) {
+    case BackwardKernel::automatic: return "auto";
+    case BackwardKernel::tiled: return "tiled";
+    case BackwardKernel::tiled_bf16: return "tiled_bf16";
+  }
+  return "unknown";
+}
+
+BackwardKernel parse_backward_kernel(const std::string& name) {
+  for (BackwardKernel k : {BackwardKernel::automatic, BackwardKernel::tiled, BackwardKernel::tiled_bf16})
+    if (name == to_string(k)) return k;
+  throw Error("backward_kernel: unknown backward kernel '" + name + "' (expected auto, tiled or tiled_bf16)");
+}
+
 double AttentionProblem::conventional_forward_flops() const {
   const double full = 4.0 * static_cast<double>(batch) * static_cast<double>(heads_q) *
                       static_cast<double>(seqlen_q) * static_cast<double>(seqlen_k) *

@@ -54,6 +54,18 @@ struct BackwardWorkspace {
   hwy::AlignedFreeUniquePtr<float[]> vt_packed;  // per tile (Dv, block_k): Vᵀ
   hwy::AlignedFreeUniquePtr<float[]> k_packed;   // (k tiles · block_k, D_pad): K
   hwy::AlignedFreeUniquePtr<float[]> row_scratch;  // (max(D, Dv)): one converted row
+  // (tiled_bf16) operands of the VDPBF16PS micro-kernel (bf16_dot.hpp), pairs along each
+  // product's depth; empty otherwise. Per Q tile: Q and dO as stored (rows of D_pad, Dv_pad:
+  // the A operands of S and dP) and as B panels with pairs of rows (dK's and dV's); Pᵀ and dSᵀ
+  // as transposed A operands (row-pair p's words of every key, 2·block_k apart); dS rows.
+  hwy::AlignedFreeUniquePtr<std::uint16_t[]> q_bf16, do_bf16;      // (block_q, D_pad), (block_q, Dv_pad)
+  hwy::AlignedFreeUniquePtr<std::uint16_t[]> q_pairs, do_pairs;    // per panel of micro_cols columns: (block_q / 2, micro_cols, 2)
+  hwy::AlignedFreeUniquePtr<std::uint16_t[]> pt_bf16, dst_bf16;    // (block_q / 2, block_k, 2)
+  hwy::AlignedFreeUniquePtr<std::uint16_t[]> ds_bf16;              // (block_q, block_k)
+  // Per K/V tile, as panels: K and V with pairs along the head dims (S's and dP's B: micro_cols
+  // keys, (D_even / 2, micro_cols, 2) each), K with pairs of keys (dQ's B: micro_cols columns,
+  // (block_k / 2, micro_cols, 2) each).
+  hwy::AlignedFreeUniquePtr<std::uint16_t[]> kt_pairs, vt_pairs, k_pairs;
   std::vector<float> row_lse2;   // (block_q): lse·log2e, the exp2 offset of each row
   std::vector<float> row_delta;  // (block_q): D of each row
   PackedHead packed;  // which head k/v buffers hold, and how much of it
@@ -74,6 +86,7 @@ struct BackwardKernels {
   BackwardKvItemFn kv_item;
   BackwardStoreDqFn store_dq;
 };
-BackwardKernels backward_kernels();
+// The kernels of `kernel` (never automatic) on the dispatched SIMD target.
+BackwardKernels backward_kernels(BackwardKernel kernel);
 
 }  // namespace flashattn::cpu

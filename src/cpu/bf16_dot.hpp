@@ -32,9 +32,18 @@ bool available();
 // C rows are ldc floats apart and 64-byte aligned.
 void DotStore(const std::uint16_t* a, std::int64_t lda, const std::uint16_t* b, std::int64_t pairs, float scale,
               float* c, std::int64_t ldc);
-// C += A(kRows × 2·pairs)·B(2·pairs × kCols).
+// C += A(kRows × 2·pairs)·B(2·pairs × kCols). Pair p of A's row r starts at element
+// r·lda + p·a_pair_stride: 2 for a row-major A; a transposed operand built by PairRows
+// (row r = column r of the matrix it came from) has lda 2 and a_pair_stride 2·its width.
 void DotAccumulate(const std::uint16_t* a, std::int64_t lda, const std::uint16_t* b, std::int64_t pairs, float* c,
-                   std::int64_t ldc);
+                   std::int64_t ldc, std::int64_t a_pair_stride = 2);
+
+// dst[2k], dst[2k + 1] = row0[k], row1[k] rounded to bf16 (as RoundToBf16), k < n, n a
+// multiple of 16: two rows of a float32 matrix as one row of depth pairs — a B-panel step
+// (pairs along the rows of a row-major B) or a step of a transposed A operand.
+void PairRows(const float* row0, const float* row1, std::uint16_t* dst, std::int64_t n);
+// The same from two rows already in bf16 (copied, not rounded); n a multiple of 32.
+void PairRowsBf16(const std::uint16_t* row0, const std::uint16_t* row1, std::uint16_t* dst, std::int64_t n);
 
 // dst[0, n) = src[0, n) rounded to bf16, to nearest even (NaN stays NaN); n a multiple of
 // kCols. Values below float's normal range (< 2^-126) become zero: the conversion, like

@@ -141,9 +141,21 @@ CpuForwardPlan plan_forward(const AttentionProblem& p, const CpuHardware& hw, in
 }
 
 CpuBackwardPlan plan_backward(const AttentionProblem& p, const CpuHardware& hw,
-                              bool deterministic) {
+                              bool deterministic, BackwardKernel kernel) {
   CpuBackwardPlan plan;
   plan.hardware = hw;
+  if (kernel == BackwardKernel::tiled_bf16) {
+    if (p.dtype != DType::bf16)
+      throw Error("backward_kernel tiled_bf16: needs bf16 q, k and v, got " + to_string(p.dtype) +
+                  " (use backward_kernel tiled or auto)");
+    if (!hw.bf16_dot)
+      throw Error("backward_kernel tiled_bf16: not available here: it needs a CPU with AVX512-BF16 (VDPBF16PS) and "
+                  "the AVX3 or AVX3_DL SIMD target (SIMD target: " + hw.simd_target +
+                  "); use backward_kernel tiled or auto");
+  }
+  plan.kernel = kernel == BackwardKernel::automatic
+                    ? (p.dtype == DType::bf16 && hw.bf16_dot ? BackwardKernel::tiled_bf16 : BackwardKernel::tiled)
+                    : kernel;
   plan.deterministic = deterministic;
   const std::int64_t mr = hw.micro_rows, mc = hw.micro_cols;
   plan.head_dim_padded = round_up(p.head_dim, mc);
@@ -175,8 +187,8 @@ CpuBackwardPlan plan_backward(const AttentionProblem& p, const CpuHardware& hw,
 
 std::string CpuBackwardPlan::describe() const {
   std::ostringstream s;
-  s << "simd=" << hardware.simd_target << " micro_tile=" << hardware.micro_rows << "x"
-    << hardware.micro_cols << " block_q=" << block_q << " block_k=" << block_k
+  s << "kernel=" << to_string(kernel) << " simd=" << hardware.simd_target << " micro_tile=" << hardware.micro_rows
+    << "x" << hardware.micro_cols << " block_q=" << block_q << " block_k=" << block_k
     << " work_items=" << kv_work_items
     << " deterministic=" << (deterministic ? "true" : "false") << " threads=" << threads
     << " workspace_bytes=" << workspace_bytes();

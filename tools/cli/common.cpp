@@ -247,7 +247,7 @@ Measurement measure_backward(Impl impl, const AttentionProblem& p, const Attenti
       repeats, 1, label);
   let_worker_threads_sleep();
   if (impl == Impl::flashattn)
-    m.peak_bytes = plan_backward(p, CpuHardware::detect(options.num_threads), options.deterministic)
+    m.peak_bytes = plan_backward(p, CpuHardware::detect(options.num_threads), options.deterministic, options.backward_kernel)
                        .workspace_bytes();
   m.gflops = 2.5 * p.conventional_forward_flops() / m.seconds * 1e-9;
   return m;
