@@ -29,6 +29,8 @@ void ShapeFlags::add_to(CLI::App& app, bool with_mode) {
   app.add_option("--threads", threads, "worker threads (0 = all cores)")->capture_default_str();
   app.add_option("--kernel", kernel, "CPU forward kernel: auto, tiled, tiled_bf16 (bf16 on AVX512-BF16) or decode")
       ->capture_default_str()->check(CLI::IsMember({"auto", "tiled", "tiled_bf16", "decode"}));
+  app.add_option("--backward-kernel", backward_kernel, "CPU backward kernel: auto, tiled or tiled_bf16 (bf16 on AVX512-BF16)")
+      ->capture_default_str()->check(CLI::IsMember({"auto", "tiled", "tiled_bf16"}));
   if (!with_mode) return;
   app.add_option("--dtype", dtype, "f32, bf16 or f16")->capture_default_str();
   app.add_flag("--causal,!--no-causal", causal, "bottom-right aligned causal mask")
@@ -81,6 +83,7 @@ AttentionOptions ShapeFlags::options() const {
   o.num_threads = threads;
   o.num_splits = num_splits;
   o.kernel = parse_forward_kernel(kernel);
+  o.backward_kernel = parse_backward_kernel(backward_kernel);
   return o;
 }
 
@@ -246,9 +249,12 @@ Measurement measure_backward(Impl impl, const AttentionProblem& p, const Attenti
       },
       repeats, 1, label);
   let_worker_threads_sleep();
-  if (impl == Impl::flashattn)
-    m.peak_bytes = plan_backward(p, CpuHardware::detect(options.num_threads), options.deterministic, options.backward_kernel)
-                       .workspace_bytes();
+  if (impl == Impl::flashattn) {
+    const CpuBackwardPlan plan =
+        plan_backward(p, CpuHardware::detect(options.num_threads), options.deterministic, options.backward_kernel);
+    m.peak_bytes = plan.workspace_bytes();
+    m.kernel = to_string(plan.kernel);
+  }
   m.gflops = 2.5 * p.conventional_forward_flops() / m.seconds * 1e-9;
   return m;
 }

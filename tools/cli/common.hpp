@@ -28,8 +28,10 @@ struct ShapeFlags {
   int threads = 0;
   int num_splits = 0;
   std::string kernel = "auto";  // AttentionOptions::kernel by name
+  std::string backward_kernel = "auto";  // AttentionOptions::backward_kernel by name
 
-  // Sizes, --threads and --kernel; with_mode adds --dtype, --causal and --softmax-scale too.
+  // Sizes, --threads, --kernel and --backward-kernel; with_mode adds --dtype, --causal and
+  // --softmax-scale too.
   void add_to(CLI::App& app, bool with_mode = true);
   AttentionOptions options() const;
   // Validated problem of these sizes with `options` (by default this->options()).
@@ -93,7 +95,7 @@ struct Measurement {
                              // 2.5× that for backward (upstream's convention); a window
                              // counts as its causal or full square, so it shows as speed
   std::size_t peak_bytes = 0;  // extra memory the implementation allocated
-  std::string kernel, plan;    // flashattn fwd: the plan's kernel and its description
+  std::string kernel, plan;    // flashattn: the plan's kernel and (fwd) its description
   Tensor out;                // fwd: output of the last run
 };
 
