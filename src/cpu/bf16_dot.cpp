@@ -67,6 +67,14 @@ FLASHATTN_BF16_TARGET void RoundToBf16(const float* src, std::uint16_t* dst, std
   }
 }
 
+bool outpaces_fma() {
+  static const bool amd = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd") != 0;
+  }();
+  return available() && amd;
+}
+
 #undef FLASHATTN_BF16_TARGET
 
 }  // namespace flashattn::cpu::bf16dot
@@ -75,6 +83,7 @@ FLASHATTN_BF16_TARGET void RoundToBf16(const float* src, std::uint16_t* dst, std
 
 namespace flashattn::cpu::bf16dot {
 bool available() { return false; }
+bool outpaces_fma() { return false; }
 }  // namespace flashattn::cpu::bf16dot
 
 #endif

@@ -28,6 +28,13 @@ constexpr std::int64_t kPairStep = 2 * kCols;  // bf16 elements of one step of a
 // True when the CPU executes VDPBF16PS (AVX512-BF16; checked once).
 bool available();
 
+// True when VDPBF16PS retires more FLOPs per cycle than float32 FMA does, so that the bf16
+// kernel should outrun the float32 one: AMD's AVX512-BF16 cores (Zen 5: two per cycle, 128
+// FLOP against FMA's 64). Not Intel's: on the Sapphire Rapids of docs/performance.md one
+// VDPBF16PS holds both FMA ports for a cycle (32 FLOP against FMA's 64; interleaved with
+// FMAs the two add up in time), and the bf16 kernel ran at 0.66× the float32 one there.
+bool outpaces_fma();
+
 // C = scale · A(kRows × 2·pairs)·B(2·pairs × kCols): a product stored, scaled in float32.
 // C rows are ldc floats apart and 64-byte aligned.
 void DotStore(const std::uint16_t* a, std::int64_t lda, const std::uint16_t* b, std::int64_t pairs, float scale,

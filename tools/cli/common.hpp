@@ -29,6 +29,12 @@ struct ShapeFlags {
   int num_splits = 0;
   std::string kernel = "auto";  // AttentionOptions::kernel by name
 
+  // A benchmark case's dtype: a --kernel tiled_bf16 request applies to its bf16 cases, the
+  // others (f32) keep the planner's choice, so that one run times both.
+  void set_case_dtype(const std::string& case_dtype) {
+    dtype = case_dtype;
+    if (kernel == "tiled_bf16" && dtype != "bf16") kernel = "auto";
+  }
   // Sizes, --threads and --kernel; with_mode adds --dtype, --causal and --softmax-scale too.
   void add_to(CLI::App& app, bool with_mode = true);
   AttentionOptions options() const;
