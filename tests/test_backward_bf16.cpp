@@ -75,15 +75,20 @@ void check(const Case& c, BackwardKernel kernel, std::uint64_t seed) {
   EXPECT_LE(max_abs_error(got.dv, want.dv), 3.0 * max_abs_error(naive.dv, want.dv) + 1e-4) << "dv";
 }
 
-TEST(BackwardBf16, PlannedWhereTheCpuAndTargetHaveIt) {
+TEST(BackwardBf16, PlannedWhereItRunsAndIsTheFasterKernel) {
   const AttentionProblem bf16 = AttentionProblem::from_sizes(1, 100, 100, 2, 1, 64, 64, DType::bf16, {});
   const AttentionProblem f32 = AttentionProblem::from_sizes(1, 100, 100, 2, 1, 64, 64, DType::f32, {});
   const CpuHardware hw = CpuHardware::detect(2);
   EXPECT_EQ(plan_backward(f32, hw, false).kernel, BackwardKernel::tiled);
-  EXPECT_EQ(plan_backward(bf16, hw, false).kernel, hw.bf16_dot ? BackwardKernel::tiled_bf16 : BackwardKernel::tiled);
-  EXPECT_NE(plan_backward(bf16, hw, false).describe().find(std::string("kernel=") +
-                                                          (hw.bf16_dot ? "tiled_bf16" : "tiled")),
+  const bool chosen = hw.bf16_dot && hw.bf16_dot_fast;  // planned by default only where it is the faster one
+  EXPECT_EQ(plan_backward(bf16, hw, false).kernel, chosen ? BackwardKernel::tiled_bf16 : BackwardKernel::tiled);
+  EXPECT_NE(plan_backward(bf16, hw, false).describe().find(std::string("kernel=") + (chosen ? "tiled_bf16" : "tiled")),
             std::string::npos);
+  if (hw.bf16_dot) {
+    CpuHardware fast = hw;
+    fast.bf16_dot_fast = true;
+    EXPECT_EQ(plan_backward(bf16, fast, false).kernel, BackwardKernel::tiled_bf16);
+  }
   if (cpu_has_avx512bf16())  // the dispatched target here is AVX-512 on such a CPU
     EXPECT_TRUE(hw.bf16_dot) << "this CPU has AVX512-BF16 but the kernel is not available on " << hw.simd_target;
 }

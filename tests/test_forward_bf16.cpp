@@ -64,8 +64,8 @@ Run make_run(const Case& c, const std::string& name, std::uint64_t seed) {
   return r;
 }
 
-// Runs `kernel` (automatic: tiled_bf16 where it can run, else tiled; every case has more
-// rows than the decode kernel takes) on random bf16 inputs and checks out and lse against the float64 reference:
+// Runs `kernel` (automatic: tiled_bf16 where it can run and is the faster kernel, else
+// tiled; every case has more rows than the decode kernel takes) on random bf16 inputs and checks out and lse against the float64 reference:
 // out within 2× the naive same-precision error + 1e-5, lse as the float32 tests check it.
 void check(const Case& c, const std::string& variant, ForwardKernel kernel, std::uint64_t seed) {
   std::ostringstream trace;
@@ -81,8 +81,8 @@ void check(const Case& c, const std::string& variant, ForwardKernel kernel, std:
   const Tensor v = random_tensor(DType::bf16, {c.batch, c.seqlen_k, c.heads_kv, c.head_dim_v}, seed + 2);
   const AttentionProblem p = AttentionProblem::from_inputs(q.view(), k.view(), v.view(), o);
   const CpuHardware hw = CpuHardware::detect(o.num_threads);
-  const ForwardKernel runs = kernel != ForwardKernel::automatic ? kernel
-                             : hw.bf16_dot                      ? ForwardKernel::tiled_bf16
+  const ForwardKernel runs = kernel != ForwardKernel::automatic  ? kernel
+                             : hw.bf16_dot && hw.bf16_dot_fast ? ForwardKernel::tiled_bf16
                                                                 : ForwardKernel::tiled;
   ASSERT_EQ(plan_forward(p, hw, o.num_splits, o.block_q, kernel).kernel, runs);
   const ForwardResult got = forward(q.view(), k.view(), v.view(), o);
@@ -127,16 +127,21 @@ TEST(ForwardBf16Dot, RunsWhereTheCpuAndTargetHaveIt) {
     GTEST_SKIP() << "tiled_bf16 cannot run here: AVX512-BF16 " << (cpu_has_avx512bf16() ? "present" : "absent")
                  << ", SIMD target " << hw.simd_target;
   const AttentionProblem p = AttentionProblem::from_sizes(1, 512, 512, 4, 2, 128, 128, DType::bf16, {});
-  const CpuForwardPlan plan = plan_forward(p, hw);
+  // The planner's choice where its dot products outpace FMA; else asked for by name.
+  EXPECT_EQ(plan_forward(p, hw).kernel, hw.bf16_dot_fast ? ForwardKernel::tiled_bf16 : ForwardKernel::tiled);
+  const CpuForwardPlan plan = plan_forward(p, hw, 0, 0, ForwardKernel::tiled_bf16);
   EXPECT_EQ(plan.kernel, ForwardKernel::tiled_bf16);
   EXPECT_NE(plan.describe().find("kernel=tiled_bf16"), std::string::npos) << plan.describe();
   // The float32 tiled kernel stays the choice for other dtypes and when asked for.
   EXPECT_EQ(plan_forward(p, hw, 0, 0, ForwardKernel::tiled).kernel, ForwardKernel::tiled);
+  CpuHardware fast = hw;
+  fast.bf16_dot_fast = true;
+  EXPECT_EQ(plan_forward(p, fast).kernel, ForwardKernel::tiled_bf16);
   for (DType dtype : {DType::f32, DType::f16})
-    EXPECT_EQ(plan_forward(AttentionProblem::from_sizes(1, 512, 512, 4, 2, 128, 128, dtype, {}), hw).kernel,
+    EXPECT_EQ(plan_forward(AttentionProblem::from_sizes(1, 512, 512, 4, 2, 128, 128, dtype, {}), fast).kernel,
               ForwardKernel::tiled);
   // Few rows per kv head keep the decode kernel.
-  EXPECT_EQ(plan_forward(AttentionProblem::from_sizes(1, 1, 512, 4, 2, 128, 128, DType::bf16, {}), hw).kernel,
+  EXPECT_EQ(plan_forward(AttentionProblem::from_sizes(1, 1, 512, 4, 2, 128, 128, DType::bf16, {}), fast).kernel,
             ForwardKernel::decode);
   // Its workspace: bf16 panels, half the float32 ones.
   EXPECT_LT(plan.workspace_bytes_per_thread, plan_forward(p, hw, 0, 0, ForwardKernel::tiled).workspace_bytes_per_thread);
@@ -205,7 +210,7 @@ TEST(ForwardBf16Dot, UnavailableKernelIsAClearError) {
 
 TEST(ForwardBf16Dot, VarlenRunsItAsTheBatchedCallDoes) {
   // Equal lengths: a packed batch is the ordinary batch, sequence by sequence, so the two
-  // agree bit for bit whichever kernel runs (tiled_bf16 where it can).
+  // agree bit for bit (tiled_bf16 where it can run).
   const std::int64_t b = 3, s = 90, h = 2, d = 40;
   const Tensor q = random_tensor(DType::bf16, {b, s, h, d}, 1);
   const Tensor k = random_tensor(DType::bf16, {b, s, h, d}, 2);
@@ -213,6 +218,7 @@ TEST(ForwardBf16Dot, VarlenRunsItAsTheBatchedCallDoes) {
   for (std::int64_t i = 0; i <= b; ++i) cu.set(i, static_cast<float>(i * s));
   AttentionOptions o;
   o.causal = true;
+  if (CpuHardware::detect(0).bf16_dot) o.kernel = ForwardKernel::tiled_bf16;
   const ForwardResult batched = forward(q.view(), k.view(), k.view(), o);
   TensorView qp(q.data(), DType::bf16, {b * s, h, d}), kp(k.data(), DType::bf16, {b * s, h, d});
   const ForwardResult packed = forward_varlen(qp, kp, kp, {cu.view(), cu.view(), s, s}, o);

@@ -28,8 +28,9 @@ Exp2Impl parse_exp2_impl(const std::string& name);
 // from bf16 q, k and v, P rounded to bf16 before P·V as upstream does; "decode" — a few
 // query rows per kv head (every q head of a GQA group and every query token together) read
 // against K and V in place. `automatic` lets the planner choose: decode for at most 16 rows
-// per kv head, else tiled_bf16 where the inputs are bf16 and the CPU and SIMD target have
-// AVX512-BF16, else tiled.
+// per kv head, else tiled_bf16 where the inputs are bf16, the CPU and SIMD target have
+// AVX512-BF16 and its dot products outpace float32 FMA (AMD Zen 5; not Intel Sapphire
+// Rapids, where they have half FMA's FLOP rate), else tiled.
 enum class ForwardKernel : std::uint8_t { automatic, tiled, tiled_bf16, decode };
 const char* to_string(ForwardKernel kernel);
 // Parses "auto", "tiled", "tiled_bf16", "decode"; throws Error otherwise.

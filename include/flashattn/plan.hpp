@@ -22,6 +22,7 @@ struct CpuHardware {
   int micro_cols = 8;             // columns (floats) of the register-blocked micro-kernel
   bool bf16_dot = false;          // the tiled_bf16 kernel can run: the CPU has AVX512-BF16 and
                                   // the dispatched target (AVX3, AVX3_DL) provides the kernel
+  bool bf16_dot_fast = false;     // and its dot products outpace float32 FMA: planned by default
 
   // Cache sizes from the OS, micro-kernel geometry from the dispatched SIMD target.
   static CpuHardware detect(int num_threads);

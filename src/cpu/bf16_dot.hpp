@@ -2,7 +2,10 @@
 // multiplies pairs of bf16 exactly and adds both products to a float32 lane. Highway 1.0.3
 // does not emit it (its bf16 ReorderWidenMulAccumulate is emulated), so this is its own
 // translation unit, compiled once (not per Highway target) with the instruction set enabled on each
-// function that uses it; callers reach it only where available() says the CPU has it.
+// function that uses it; callers reach it only where available() says the CPU has it. Where
+// the CPU also has AMX (and the OS grants its tile state), whole chunks of 16 depth pairs of
+// row-major A operands run on AMX tiles (TDPBF16PS, the same exact pair products into float32),
+// the rest on VDPBF16PS.
 //
 // Operands are laid out as pairs along the depth (the reduction dimension), each pair one
 // 32-bit word:
@@ -27,6 +30,16 @@ constexpr std::int64_t kPairStep = 2 * kCols;  // bf16 elements of one step of a
 
 // True when the CPU executes VDPBF16PS (AVX512-BF16; checked once).
 bool available();
+
+// True when the bf16 products retire more FLOPs per cycle than float32 FMA does, so that the
+// bf16 kernels should outrun the float32 ones: AMD's AVX512-BF16 cores (Zen 5: two
+// VDPBF16PS per cycle, 128 FLOP against FMA's 64), and CPUs with AMX, whose tiles take every
+// whole chunk of 16 depth pairs. Not Intel's VDPBF16PS alone: on the Sapphire Rapids of
+// docs/performance.md one holds both FMA ports for a cycle (32 FLOP against FMA's 64), and
+// the bf16 kernel on it ran at 0.66× the float32 one there.
+bool outpaces_fma();
+// True when the products run on AMX tiles (AMX-BF16, and Linux granted the tile state).
+bool uses_amx();
 
 // C = scale · A(kRows × 2·pairs)·B(2·pairs × kCols): a product stored, scaled in float32.
 // C rows are ldc floats apart and 64-byte aligned.

@@ -35,6 +35,7 @@ CpuHardware CpuHardware::detect(int num_threads) {
   hw.micro_rows = g.micro_rows;
   hw.micro_cols = g.micro_cols;
   hw.bf16_dot = cpu::tiled_bf16_available();
+  hw.bf16_dot_fast = hw.bf16_dot && cpu::bf16dot::outpaces_fma();
   return hw;
 }
 
@@ -46,7 +47,8 @@ namespace {
 constexpr std::int64_t kDecodeRows = 16;
 
 // The kernel that runs `p`: the requested one, or (automatic) decode for few rows per kv
-// head, tiled_bf16 where it can run, tiled otherwise. A request the inputs or the hardware
+// head, tiled_bf16 where it can run and is the faster one (CpuHardware::bf16_dot_fast),
+// tiled otherwise. A request the inputs or the hardware
 // rule out is an Error that names the kernel and why.
 ForwardKernel choose_kernel(const AttentionProblem& p, const CpuHardware& hw, ForwardKernel requested) {
   // FP8 caches (kv_dtype u8) and forward_fp8 (float32 values of FP8 codes) are not bf16.
@@ -64,7 +66,7 @@ ForwardKernel choose_kernel(const AttentionProblem& p, const CpuHardware& hw, Fo
   }
   if (requested != ForwardKernel::automatic) return requested;
   if (p.heads_q / p.heads_kv * p.seqlen_q <= kDecodeRows) return ForwardKernel::decode;
-  return bf16_inputs && hw.bf16_dot ? ForwardKernel::tiled_bf16 : ForwardKernel::tiled;
+  return bf16_inputs && hw.bf16_dot && hw.bf16_dot_fast ? ForwardKernel::tiled_bf16 : ForwardKernel::tiled;
 }
 
 std::int64_t choose_splits(int requested, std::int64_t items, std::int64_t k_tiles, int threads) {
@@ -154,7 +156,8 @@ CpuBackwardPlan plan_backward(const AttentionProblem& p, const CpuHardware& hw,
                   "); use backward_kernel tiled or auto");
   }
   plan.kernel = kernel == BackwardKernel::automatic
-                    ? (p.dtype == DType::bf16 && hw.bf16_dot ? BackwardKernel::tiled_bf16 : BackwardKernel::tiled)
+                    ? (p.dtype == DType::bf16 && hw.bf16_dot && hw.bf16_dot_fast ? BackwardKernel::tiled_bf16
+                                                                                 : BackwardKernel::tiled)
                     : kernel;
   plan.deterministic = deterministic;
   const std::int64_t mr = hw.micro_rows, mc = hw.micro_cols;

@@ -55,7 +55,7 @@ void bench(const BenchFlags& f) {
   for (const char* dtype : {"f32", "bf16"}) {
     for (bool causal : {false, true}) {
       ShapeFlags shape = f.shape;
-      shape.dtype = dtype;
+      shape.set_case_dtype(dtype);
       shape.causal = causal;
       const AttentionProblem p = shape.problem();
       std::cerr << "case " << p.describe() << "\n";
@@ -74,7 +74,7 @@ void bench(const BenchFlags& f) {
   }
   {  // Sliding window (512 left, 0 right) beside the full causal cases above: skipped tiles.
     ShapeFlags shape = f.shape;
-    shape.dtype = "f32";
+    shape.set_case_dtype("f32");
     shape.causal = true;
     AttentionOptions options = shape.options();
     options.window_size = {512, 0};
@@ -91,7 +91,7 @@ void bench(const BenchFlags& f) {
   for (double kept : {0.25, 0.5}) {
     if (std::find(f.ops.begin(), f.ops.end(), "fwd") == f.ops.end()) break;
     ShapeFlags shape = f.shape;
-    shape.dtype = "f32";
+    shape.set_case_dtype("f32");
     shape.causal = false;
     constexpr std::int64_t kBlock = 128;
     const std::int64_t sq = shape.seqlen_q.value_or(shape.seqlen), sk = shape.seqlen_k.value_or(shape.seqlen);

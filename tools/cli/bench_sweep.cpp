@@ -34,7 +34,7 @@ struct Point {
 
 ShapeFlags shape_of(const ShapeFlags& base, const Point& pt) {
   ShapeFlags s = base;
-  s.dtype = pt.dtype;
+  s.set_case_dtype(pt.dtype);
   s.causal = pt.causal;
   s.dim = pt.dim;
   s.dim_v.reset();

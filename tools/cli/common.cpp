@@ -27,7 +27,7 @@ void ShapeFlags::add_to(CLI::App& app, bool with_mode) {
   app.add_option("--dim", dim, "head dimension of q and k")->capture_default_str();
   app.add_option("--dim-v", dim_v, "head dimension of v (default: --dim)");
   app.add_option("--threads", threads, "worker threads (0 = all cores)")->capture_default_str();
-  app.add_option("--kernel", kernel, "CPU forward kernel: auto, tiled, tiled_bf16 (bf16 on AVX512-BF16) or decode")
+  app.add_option("--kernel", kernel, "CPU forward kernel: auto, tiled, tiled_bf16 (bf16 on AVX512-BF16; bench: its bf16 cases) or decode")
       ->capture_default_str()->check(CLI::IsMember({"auto", "tiled", "tiled_bf16", "decode"}));
   app.add_option("--backward-kernel", backward_kernel, "CPU backward kernel: auto, tiled or tiled_bf16 (bf16 on AVX512-BF16)")
       ->capture_default_str()->check(CLI::IsMember({"auto", "tiled", "tiled_bf16"}));

@@ -30,6 +30,13 @@ struct ShapeFlags {
   std::string kernel = "auto";  // AttentionOptions::kernel by name
   std::string backward_kernel = "auto";  // AttentionOptions::backward_kernel by name
 
+  // A benchmark case's dtype: a --kernel tiled_bf16 request applies to its bf16 cases, the
+  // others (f32) keep the planner's choice, so that one run times both.
+  void set_case_dtype(const std::string& case_dtype) {
+    dtype = case_dtype;
+    if (kernel == "tiled_bf16" && dtype != "bf16") kernel = "auto";
+    if (backward_kernel == "tiled_bf16" && dtype != "bf16") backward_kernel = "auto";
+  }
   // Sizes, --threads, --kernel and --backward-kernel; with_mode adds --dtype, --causal and
   // --softmax-scale too.
   void add_to(CLI::App& app, bool with_mode = true);
