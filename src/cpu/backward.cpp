@@ -36,7 +36,9 @@ struct BackwardSizes {
            (bf16 ? 0 : keys_pad * (d + dv + d_pad)) + std::max(d_pad, dv_pad);
   }
   std::size_t bf16_elements() const {
-    return bf16 ? 2 * bq * (d_pad + dv_pad) + 3 * bq * bc + keys_pad * (round_up(d, 2) + round_up(dv, 2) + d_pad) : 0;
+    return bf16 ? 2 * bq * (d_pad + dv_pad) + bq * std::max(d_pad, dv_pad) + 3 * bq * bc +
+                      keys_pad * (round_up(d, 2) + round_up(dv, 2) + d_pad)
+                : 0;
   }
 };
 }  // namespace
@@ -68,8 +70,9 @@ BackwardWorkspace::BackwardWorkspace(const CpuBackwardPlan& plan, const Attentio
   }
   q_bf16 = allocate_array<std::uint16_t>(s.bq * s.d_pad);
   do_bf16 = allocate_array<std::uint16_t>(s.bq * s.dv_pad);
-  q_pairs = allocate_array<std::uint16_t>(s.bq * s.d_pad);
-  do_pairs = allocate_array<std::uint16_t>(s.bq * s.dv_pad);
+  qt_bf16 = allocate_array<std::uint16_t>(s.bq * s.d_pad);
+  dot_bf16 = allocate_array<std::uint16_t>(s.bq * s.dv_pad);
+  pair_scratch = allocate_array<std::uint16_t>(s.bq * std::max(s.d_pad, s.dv_pad));
   pt_bf16 = allocate_array<std::uint16_t>(s.bq * s.bc);
   dst_bf16 = allocate_array<std::uint16_t>(s.bq * s.bc);
   ds_bf16 = allocate_array<std::uint16_t>(s.bq * s.bc);

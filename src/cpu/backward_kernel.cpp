@@ -85,8 +85,25 @@ void LoadRowStats(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t
 // The backward's five products on float32 FMAs (the forward's micro-kernel), K and V
 // widened at packing, Q pre-scaled by scale·log2e as it is loaded.
 struct Fp32Products {
+  static constexpr std::int64_t kRowMultiple = kMicroRows;  // a Q tile's rows, padded
+
+  // dK and dV of a K/V tile accumulate as rows of keys: (block_k, D_pad), (block_k, Dv_pad).
+  static void ZeroDkDv(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t n_pad) {
+    std::fill(ws.dk_acc.get(), ws.dk_acc.get() + n_pad * prm.plan.head_dim_padded, 0.0f);
+    std::fill(ws.dv_acc.get(), ws.dv_acc.get() + n_pad * prm.plan.head_dim_v_padded, 0.0f);
+  }
+
   // dK = scale·dSᵀ·Q = ln2·dSᵀ·Q' because Q' = Q·scale·log2e.
-  static float DkFactor(const AttentionProblem&) { return OnlineSoftmaxState::kLn2; }
+  static void StoreDkDv(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t b, std::int64_t kv_head,
+                        std::int64_t j0, std::int64_t n) {
+    const AttentionProblem& p = prm.problem;
+    for (std::int64_t r = 0; r < n; ++r) {
+      StoreRow(ws.dk_acc.get() + r * prm.plan.head_dim_padded, p.head_dim, OnlineSoftmaxState::kLn2,
+               OutRowPointer(prm.dk, b, j0 + r, kv_head), prm.dk.dtype);
+      StoreRow(ws.dv_acc.get() + r * prm.plan.head_dim_v_padded, p.head_dim_v, 1.0f,
+               OutRowPointer(prm.dv, b, j0 + r, kv_head), prm.dv.dtype);
+    }
+  }
 
   // Packs Kᵀ and Vᵀ (one (dim, block_k) panel per tile) and K (rows padded to D_pad) of one
   // (batch, kv head) for keys [from, keys), whole tiles at a time, reusing what is packed.
@@ -216,18 +233,43 @@ void ComputePAndDS(BackwardWorkspace& ws, const RowMods& mods, std::int64_t bc, 
 }
 
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
-// The backward's five products on AVX512-BF16 dot products (bf16_dot.hpp), for bf16 inputs:
-// Q, dO, K and V are multiplied as stored; S' = scale·log2e·Q·Kᵀ is scaled in float32 as
-// stored; P and dS are rounded to bf16 (nearest even) before they multiply — dV = Pᵀ·dO,
-// dK = scale·dSᵀ·Q, dQ = scale·dS·K — as upstream rounds them. Every operand has its pairs
-// along the product's depth: head dims for S and dP, keys for dQ, query rows for dV and dK
-// (Pᵀ, dSᵀ, and Q and dO as B panels, paired two rows at a time).
+// The backward's five products on the bf16 micro-kernel (bf16_dot.hpp: AMX tiles or
+// VDPBF16PS), for bf16 inputs: Q, dO, K and V are multiplied as stored; S' =
+// scale·log2e·Q·Kᵀ is scaled in float32 as stored; P and dS are rounded to bf16 (nearest
+// even) before they multiply — dV = Pᵀ·dO, dK = scale·dSᵀ·Q, dQ = scale·dS·K — as upstream
+// rounds them. Every operand has its pairs along the product's depth: head dims for S and
+// dP, keys for dQ, query rows for dV and dK, which are computed transposed (dVᵀ = dOᵀ·P,
+// dKᵀ = Qᵀ·dS) so that their A operands, Qᵀ and dOᵀ, are row-major as tiles need them and
+// P and dS, paired two rows at a time, are their B panels.
 struct Bf16Products {
   static_assert(kMicroRows == bf16dot::kRows && kMicroCols == bf16dot::kCols, "one micro-tile for both kernels");
   static constexpr std::int64_t kStep = bf16dot::kPairStep;
 
-  static float DkFactor(const AttentionProblem& p) { return p.softmax_scale; }
+  // A Q tile's rows, padded: whole AMX chunks of 16 row pairs, the depth of dVᵀ and dKᵀ.
+  static constexpr std::int64_t kRowMultiple = 32;
   static std::int64_t Even(std::int64_t n) { return (n + 1) / 2 * 2; }
+
+  // dKᵀ and dVᵀ of a K/V tile accumulate as rows of head-dim columns: (D_pad, block_k),
+  // (Dv_pad, block_k).
+  static void ZeroDkDv(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t) {
+    const std::int64_t bc = prm.plan.block_k;
+    std::fill(ws.dk_acc.get(), ws.dk_acc.get() + prm.plan.head_dim_padded * bc, 0.0f);
+    std::fill(ws.dv_acc.get(), ws.dv_acc.get() + prm.plan.head_dim_v_padded * bc, 0.0f);
+  }
+
+  // dK = scale·dSᵀ·Q (Q unscaled) and dV, each key's row gathered from its column.
+  static void StoreDkDv(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t b, std::int64_t kv_head,
+                        std::int64_t j0, std::int64_t n) {
+    const AttentionProblem& p = prm.problem;
+    const std::int64_t bc = prm.plan.block_k;
+    float* row = ws.row_scratch.get();
+    for (std::int64_t r = 0; r < n; ++r) {
+      for (std::int64_t c = 0; c < p.head_dim; ++c) row[c] = ws.dk_acc[c * bc + r];
+      StoreRow(row, p.head_dim, p.softmax_scale, OutRowPointer(prm.dk, b, j0 + r, kv_head), prm.dk.dtype);
+      for (std::int64_t c = 0; c < p.head_dim_v; ++c) row[c] = ws.dv_acc[c * bc + r];
+      StoreRow(row, p.head_dim_v, 1.0f, OutRowPointer(prm.dv, b, j0 + r, kv_head), prm.dv.dtype);
+    }
+  }
 
   // Per K/V tile of one (batch, kv head), keys [from, keys), whole tiles, reusing what is
   // packed: kt_pairs and vt_pairs as panels of kMicroCols keys, step p holding each key's
@@ -262,24 +304,27 @@ struct Bf16Products {
   }
 
   // Q and dO rows of [i0, i0 + rows) as stored, zero-padded to D_pad, Dv_pad and to rows_pad
-  // rows, and the same paired two rows at a time into B panels.
+  // rows (S's and dP's A operands), and Qᵀ, dOᵀ: each column's values of the tile's rows, in
+  // order (dKᵀ's and dVᵀ's A operands) — the rows paired, then the pairs transposed.
   static void LoadQ(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t b, std::int64_t h,
                     std::int64_t i0, std::int64_t rows, std::int64_t rows_pad) {
     const AttentionProblem& p = prm.problem;
     const std::int64_t d_pad = prm.plan.head_dim_padded, dv_pad = prm.plan.head_dim_v_padded;
-    for (const auto& [src, dst, pairs, width, width_pad] :
-         {std::tuple{&prm.q, ws.q_bf16.get(), ws.q_pairs.get(), p.head_dim, d_pad},
-          std::tuple{&prm.dout, ws.do_bf16.get(), ws.do_pairs.get(), p.head_dim_v, dv_pad}}) {
+    auto* paired = reinterpret_cast<std::uint32_t*>(ws.pair_scratch.get());  // (rows_pad / 2, width_pad) words
+    for (const auto& [src, dst, transposed, width, width_pad] :
+         {std::tuple{&prm.q, ws.q_bf16.get(), ws.qt_bf16.get(), p.head_dim, d_pad},
+          std::tuple{&prm.dout, ws.do_bf16.get(), ws.dot_bf16.get(), p.head_dim_v, dv_pad}}) {
       for (std::int64_t r = 0; r < rows_pad; ++r) {
         std::uint16_t* row = dst + r * width_pad;
         if (r < rows)
           std::memcpy(row, RowPointer(*src, b, i0 + r, h), static_cast<std::size_t>(width) * sizeof(std::uint16_t));
         std::fill(row + (r < rows ? width : 0), row + width_pad, std::uint16_t{0});
       }
-      for (std::int64_t c = 0; c < width_pad; c += kMicroCols)
-        for (std::int64_t r = 0; r < rows_pad; r += 2)
-          bf16dot::PairRowsBf16(dst + r * width_pad + c, dst + (r + 1) * width_pad + c,
-                                pairs + c / kMicroCols * rows_pad * kMicroCols + r / 2 * kStep, kMicroCols);
+      for (std::int64_t r = 0; r < rows_pad; r += 2)
+        bf16dot::PairRowsBf16(dst + r * width_pad, dst + (r + 1) * width_pad,
+                              reinterpret_cast<std::uint16_t*>(paired + r / 2 * width_pad), width_pad);
+      bf16dot::TransposeWords(paired, width_pad, reinterpret_cast<std::uint32_t*>(transposed), rows_pad / 2,
+                              rows_pad / 2, width_pad);
     }
   }
 
@@ -303,22 +348,24 @@ struct Bf16Products {
   static void Gradients(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t j0, std::int64_t rows_pad,
                         std::int64_t n_pad) {
     const std::int64_t bc = prm.plan.block_k, d_pad = prm.plan.head_dim_padded, dv_pad = prm.plan.head_dim_v_padded;
-    // Pᵀ and dSᵀ: word (row pair p, key j) at 2·(p·bc + j); dS rows rounded as they are.
+    // P and dS paired two rows at a time — word (row pair p, key j) at 2·(p·bc + j): the B
+    // operands of dVᵀ and dKᵀ, kCols keys per panel, steps 2·bc apart; dS rows rounded as
+    // they are for dQ.
     for (std::int64_t r = 0; r < rows_pad; r += 2) {
       bf16dot::PairRows(ws.p_tile.get() + r * bc, ws.p_tile.get() + (r + 1) * bc, ws.pt_bf16.get() + r * bc, n_pad);
       bf16dot::PairRows(ws.ds_tile.get() + r * bc, ws.ds_tile.get() + (r + 1) * bc, ws.dst_bf16.get() + r * bc, n_pad);
     }
     for (std::int64_t r = 0; r < rows_pad; ++r)
       bf16dot::RoundToBf16(ws.ds_tile.get() + r * bc, ws.ds_bf16.get() + r * bc, n_pad);
-    // dV += Pᵀ·dO, dK += dSᵀ·Q: rows are keys, the depth is the Q tile's rows.
-    for (std::int64_t c = 0; c < dv_pad; c += kMicroCols)
-      for (std::int64_t j = 0; j < n_pad; j += kMicroRows)
-        bf16dot::DotAccumulate(ws.pt_bf16.get() + 2 * j, 2, ws.do_pairs.get() + c * rows_pad, rows_pad / 2,
-                               ws.dv_acc.get() + j * dv_pad + c, dv_pad, 2 * bc);
-    for (std::int64_t c = 0; c < d_pad; c += kMicroCols)
-      for (std::int64_t j = 0; j < n_pad; j += kMicroRows)
-        bf16dot::DotAccumulate(ws.dst_bf16.get() + 2 * j, 2, ws.q_pairs.get() + c * rows_pad, rows_pad / 2,
-                               ws.dk_acc.get() + j * d_pad + c, d_pad, 2 * bc);
+    // dVᵀ += dOᵀ·P, dKᵀ += Qᵀ·dS: rows are head-dim columns, the depth is the Q tile's rows.
+    for (std::int64_t j = 0; j < n_pad; j += kMicroCols) {
+      for (std::int64_t c = 0; c < dv_pad; c += kMicroRows)
+        bf16dot::DotAccumulate(ws.dot_bf16.get() + c * rows_pad, rows_pad, ws.pt_bf16.get() + 2 * j, rows_pad / 2,
+                               ws.dv_acc.get() + c * bc + j, bc, 2, 2 * bc);
+      for (std::int64_t c = 0; c < d_pad; c += kMicroRows)
+        bf16dot::DotAccumulate(ws.qt_bf16.get() + c * rows_pad, rows_pad, ws.dst_bf16.get() + 2 * j, rows_pad / 2,
+                               ws.dk_acc.get() + c * bc + j, bc, 2, 2 * bc);
+    }
     // dQ share = dS·K: the depth is the tile's keys.
     const std::uint16_t* kp = ws.k_pairs.get() + j0 / bc * bc * d_pad;
     for (std::int64_t c = 0; c < d_pad; c += kMicroCols)
@@ -360,14 +407,13 @@ void KvItem(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t item)
   ws.counters.k_read += n * p.head_dim;
   ws.counters.v_read += n * p.head_dim_v;
 
-  std::fill(ws.dk_acc.get(), ws.dk_acc.get() + n_pad * d_pad, 0.0f);
-  std::fill(ws.dv_acc.get(), ws.dv_acc.get() + n_pad * dv_pad, 0.0f);
+  Products::ZeroDkDv(prm, ws, n_pad);
   for (std::int64_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
     const RowMods mods(p, prm.alibi_slopes, prm.block_mask, b, h);
     for (std::int64_t qb = 0; qb < plan.q_blocks; ++qb) {
       const std::int64_t i0 = qb * bq, rows = std::min(bq, p.seqlen_q - i0);
       if (!mods.tile_has_work(i0, rows, j0, n)) continue;  // causal, window, block mask
-      const std::int64_t rows_pad = RoundUp(rows, kMicroRows);
+      const std::int64_t rows_pad = RoundUp(rows, Products::kRowMultiple);
       ws.counters.tiles_computed += 1;
       ws.counters.scores += rows * n;
       ws.counters.q_read += rows * p.head_dim;
@@ -404,12 +450,7 @@ void KvItem(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t item)
         ticket.store(kb + 1, std::memory_order_release);
       }
   }
-  for (std::int64_t r = 0; r < n; ++r) {
-    StoreRow(ws.dk_acc.get() + r * d_pad, p.head_dim, Products::DkFactor(p),
-             OutRowPointer(prm.dk, b, j0 + r, kv_head), prm.dk.dtype);
-    StoreRow(ws.dv_acc.get() + r * dv_pad, p.head_dim_v, 1.0f,
-             OutRowPointer(prm.dv, b, j0 + r, kv_head), prm.dv.dtype);
-  }
+  Products::StoreDkDv(prm, ws, b, kv_head, j0, n);
   ws.counters.dk_written += n * p.head_dim;
   ws.counters.dv_written += n * p.head_dim_v;
 }

@@ -48,18 +48,20 @@ struct BackwardWorkspace {
   hwy::AlignedFreeUniquePtr<float[]> g_tile;   // (block_q, block_k): softcap's 1 − tanh²
   hwy::AlignedFreeUniquePtr<float[]> w_tile;   // (block_q, block_k): dropout weights
   hwy::AlignedFreeUniquePtr<float[]> dq_tile;  // (block_q, D_pad)
-  hwy::AlignedFreeUniquePtr<float[]> dk_acc;   // (block_k, D_pad)
-  hwy::AlignedFreeUniquePtr<float[]> dv_acc;   // (block_k, Dv_pad)
+  hwy::AlignedFreeUniquePtr<float[]> dk_acc;   // (block_k, D_pad); tiled_bf16: dKᵀ, (D_pad, block_k)
+  hwy::AlignedFreeUniquePtr<float[]> dv_acc;   // (block_k, Dv_pad); tiled_bf16: dVᵀ, (Dv_pad, block_k)
   hwy::AlignedFreeUniquePtr<float[]> kt_packed;  // per tile (D, block_k): Kᵀ
   hwy::AlignedFreeUniquePtr<float[]> vt_packed;  // per tile (Dv, block_k): Vᵀ
   hwy::AlignedFreeUniquePtr<float[]> k_packed;   // (k tiles · block_k, D_pad): K
   hwy::AlignedFreeUniquePtr<float[]> row_scratch;  // (max(D, Dv)): one converted row
-  // (tiled_bf16) operands of the VDPBF16PS micro-kernel (bf16_dot.hpp), pairs along each
+  // (tiled_bf16) operands of the bf16 micro-kernel (bf16_dot.hpp), pairs along each
   // product's depth; empty otherwise. Per Q tile: Q and dO as stored (rows of D_pad, Dv_pad:
-  // the A operands of S and dP) and as B panels with pairs of rows (dK's and dV's); Pᵀ and dSᵀ
-  // as transposed A operands (row-pair p's words of every key, 2·block_k apart); dS rows.
+  // the A operands of S and dP) and transposed (Qᵀ, dOᵀ: the A operands of dKᵀ and dVᵀ, whose
+  // depth is the tile's rows), with a scratch for pairing rows; P and dS paired two rows at a
+  // time (row-pair p's words of every key, 2·block_k apart: B of dVᵀ and dKᵀ); dS rows (dQ's A).
   hwy::AlignedFreeUniquePtr<std::uint16_t[]> q_bf16, do_bf16;      // (block_q, D_pad), (block_q, Dv_pad)
-  hwy::AlignedFreeUniquePtr<std::uint16_t[]> q_pairs, do_pairs;    // per panel of micro_cols columns: (block_q / 2, micro_cols, 2)
+  hwy::AlignedFreeUniquePtr<std::uint16_t[]> qt_bf16, dot_bf16;    // (D_pad, block_q), (Dv_pad, block_q)
+  hwy::AlignedFreeUniquePtr<std::uint16_t[]> pair_scratch;         // (block_q, max(D_pad, Dv_pad))
   hwy::AlignedFreeUniquePtr<std::uint16_t[]> pt_bf16, dst_bf16;    // (block_q / 2, block_k, 2)
   hwy::AlignedFreeUniquePtr<std::uint16_t[]> ds_bf16;              // (block_q, block_k)
   // Per K/V tile, as panels: K and V with pairs along the head dims (S's and dP's B: micro_cols

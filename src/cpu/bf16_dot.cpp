@@ -24,12 +24,13 @@ template <bool kAccumulate>
 FLASHATTN_BF16_TARGET inline __attribute__((always_inline)) void Tile(const std::uint16_t* a, std::int64_t lda,
                                                                       std::int64_t a_pair_stride,
                                                                       const std::uint16_t* b, std::int64_t pairs,
-                                                                      float scale, float* c, std::int64_t ldc) {
+                                                                      float scale, float* c, std::int64_t ldc,
+                                                                      std::int64_t b_step = kPairStep) {
   __m512 acc[kRows][2];
   for (std::int64_t r = 0; r < kRows; ++r)
     for (std::int64_t v = 0; v < 2; ++v)
       acc[r][v] = kAccumulate ? _mm512_load_ps(c + r * ldc + 16 * v) : _mm512_setzero_ps();
-  for (std::int64_t p = 0; p < pairs; ++p, b += kPairStep) {
+  for (std::int64_t p = 0; p < pairs; ++p, b += b_step) {
     const __m512bh b0 = (__m512bh)_mm512_load_si512(b);
     const __m512bh b1 = (__m512bh)_mm512_load_si512(b + kCols);
     for (std::int64_t r = 0; r < kRows; ++r) {
@@ -99,7 +100,7 @@ FLASHATTN_AMX_TARGET void ConfigureTiles() {
 // contiguous.
 template <bool kAccumulate>
 FLASHATTN_AMX_TARGET void AmxTile(const std::uint16_t* a, std::int64_t lda, const std::uint16_t* b,
-                                  std::int64_t chunks, float* c, std::int64_t ldc) {
+                                  std::int64_t chunks, float* c, std::int64_t ldc, std::int64_t b_step = kPairStep) {
   ConfigureTiles();
   const long c_stride = static_cast<long>(ldc * sizeof(float));
   if (kAccumulate) {
@@ -109,11 +110,11 @@ FLASHATTN_AMX_TARGET void AmxTile(const std::uint16_t* a, std::int64_t lda, cons
     _tile_zero(0);
     _tile_zero(1);
   }
-  constexpr long kStepBytes = kPairStep * sizeof(std::uint16_t);
-  for (std::int64_t k = 0; k < chunks; ++k, b += kAmxPairs * kPairStep) {
+  const long step_bytes = static_cast<long>(b_step * sizeof(std::uint16_t));
+  for (std::int64_t k = 0; k < chunks; ++k, b += kAmxPairs * b_step) {
     _tile_loadd(2, a + 2 * kAmxPairs * k, static_cast<long>(lda * sizeof(std::uint16_t)));
-    _tile_loadd(3, b, kStepBytes);
-    _tile_loadd(4, b + kCols, kStepBytes);
+    _tile_loadd(3, b, step_bytes);
+    _tile_loadd(4, b + kCols, step_bytes);
     _tile_dpbf16ps(0, 2, 3);
     _tile_dpbf16ps(1, 2, 4);
   }
@@ -151,13 +152,14 @@ FLASHATTN_BF16_TARGET void DotStore(const std::uint16_t* a, std::int64_t lda, co
 }
 
 FLASHATTN_BF16_TARGET void DotAccumulate(const std::uint16_t* a, std::int64_t lda, const std::uint16_t* b,
-                                         std::int64_t pairs, float* c, std::int64_t ldc, std::int64_t a_pair_stride) {
-  if (a_pair_stride != 2) return Tile<true>(a, lda, a_pair_stride, b, pairs, 1.0f, c, ldc);  // not a tile's rows
+                                         std::int64_t pairs, float* c, std::int64_t ldc, std::int64_t a_pair_stride,
+                                         std::int64_t b_step) {
+  if (a_pair_stride != 2) return Tile<true>(a, lda, a_pair_stride, b, pairs, 1.0f, c, ldc, b_step);  // not a tile's rows
   const std::int64_t chunks = AmxUsable() ? pairs / kAmxPairs : 0;
-  if (chunks > 0) AmxTile<true>(a, lda, b, chunks, c, ldc);
+  if (chunks > 0) AmxTile<true>(a, lda, b, chunks, c, ldc, b_step);
   if (pairs > chunks * kAmxPairs)  // the row-major case: the compiler folds the stride into the addressing
-    Tile<true>(a + 2 * kAmxPairs * chunks, lda, 2, b + chunks * kAmxPairs * kPairStep, pairs - chunks * kAmxPairs,
-               1.0f, c, ldc);
+    Tile<true>(a + 2 * kAmxPairs * chunks, lda, 2, b + chunks * kAmxPairs * b_step, pairs - chunks * kAmxPairs,
+               1.0f, c, ldc, b_step);
 }
 
 FLASHATTN_BF16_TARGET void PairRows(const float* row0, const float* row1, std::uint16_t* dst, std::int64_t n) {
@@ -190,6 +192,36 @@ FLASHATTN_BF16_TARGET void PairRowsBf16(const std::uint16_t* row0, const std::ui
     _mm512_storeu_si512(dst + 2 * k, _mm512_permutex2var_epi16(a, low, b));
     _mm512_storeu_si512(dst + 2 * k + 32, _mm512_permutex2var_epi16(a, high, b));
   }
+}
+
+FLASHATTN_BF16_TARGET void TransposeWords(const std::uint32_t* src, std::int64_t src_stride, std::uint32_t* dst,
+                                          std::int64_t dst_stride, std::int64_t rows, std::int64_t cols) {
+  for (std::int64_t i0 = 0; i0 < rows; i0 += 16)
+    for (std::int64_t j0 = 0; j0 < cols; j0 += 16) {
+      // One 16 × 16 block: words of row pairs interleaved, then row quads (each 128-bit lane
+      // then holds a 4 × 4 block transposed), then the 4 × 4 grid of lanes transposed.
+      __m512i r[16], t[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + (i0 + i) * src_stride + j0);
+      for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+      }
+      for (int g = 0; g < 16; g += 4) {  // u[g + k]: lane L holds rows g..g+3 of column 4L + k
+        r[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+        r[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+        r[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+        r[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+      }
+      for (int k = 0; k < 4; ++k) {  // output row 4L + k: lane L of r[k], r[4 + k], r[8 + k], r[12 + k]
+        const __m512i v0 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x44), v1 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xEE);
+        const __m512i v2 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x44);
+        const __m512i v3 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xEE);
+        _mm512_storeu_si512(dst + (j0 + k) * dst_stride + i0, _mm512_shuffle_i32x4(v0, v2, 0x88));
+        _mm512_storeu_si512(dst + (j0 + 4 + k) * dst_stride + i0, _mm512_shuffle_i32x4(v0, v2, 0xDD));
+        _mm512_storeu_si512(dst + (j0 + 8 + k) * dst_stride + i0, _mm512_shuffle_i32x4(v1, v3, 0x88));
+        _mm512_storeu_si512(dst + (j0 + 12 + k) * dst_stride + i0, _mm512_shuffle_i32x4(v1, v3, 0xDD));
+      }
+    }
 }
 
 bool outpaces_fma() {

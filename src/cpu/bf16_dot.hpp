@@ -48,8 +48,10 @@ void DotStore(const std::uint16_t* a, std::int64_t lda, const std::uint16_t* b, 
 // C += A(kRows × 2·pairs)·B(2·pairs × kCols). Pair p of A's row r starts at element
 // r·lda + p·a_pair_stride: 2 for a row-major A; a transposed operand built by PairRows
 // (row r = column r of the matrix it came from) has lda 2 and a_pair_stride 2·its width.
+// B's steps are b_step elements apart (kPairStep: a contiguous panel; 2·width: kCols
+// columns of a matrix paired by PairRows).
 void DotAccumulate(const std::uint16_t* a, std::int64_t lda, const std::uint16_t* b, std::int64_t pairs, float* c,
-                   std::int64_t ldc, std::int64_t a_pair_stride = 2);
+                   std::int64_t ldc, std::int64_t a_pair_stride = 2, std::int64_t b_step = kPairStep);
 
 // dst[2k], dst[2k + 1] = row0[k], row1[k] rounded to bf16 (as RoundToBf16), k < n, n a
 // multiple of 16: two rows of a float32 matrix as one row of depth pairs — a B-panel step
@@ -57,6 +59,12 @@ void DotAccumulate(const std::uint16_t* a, std::int64_t lda, const std::uint16_t
 void PairRows(const float* row0, const float* row1, std::uint16_t* dst, std::int64_t n);
 // The same from two rows already in bf16 (copied, not rounded); n a multiple of 32.
 void PairRowsBf16(const std::uint16_t* row0, const std::uint16_t* row1, std::uint16_t* dst, std::int64_t n);
+
+// dst(cols × rows) = src(rows × cols)ᵀ for 32-bit words (bf16 pairs): rows and cols
+// multiples of 16, strides in words. Turns a matrix paired along its rows (PairRows) into
+// the row-major A operand of its transpose.
+void TransposeWords(const std::uint32_t* src, std::int64_t src_stride, std::uint32_t* dst, std::int64_t dst_stride,
+                    std::int64_t rows, std::int64_t cols);
 
 // dst[0, n) = src[0, n) rounded to bf16, to nearest even (NaN stays NaN); n a multiple of
 // kCols. Values below float's normal range (< 2^-126) become zero: the conversion, like
