@@ -336,13 +336,10 @@ struct Bf16Products {
     const float scale = p.softmax_scale * OnlineSoftmaxState::kLog2e;
     const std::uint16_t* kt = ws.kt_pairs.get() + tile * bc * d_even;
     const std::uint16_t* vt = ws.vt_pairs.get() + tile * bc * dv_even;
-    for (std::int64_t j = 0; j < n_pad; j += kMicroCols)
-      for (std::int64_t r = 0; r < rows_pad; r += kMicroRows) {
-        bf16dot::DotStore(ws.q_bf16.get() + r * d_pad, d_pad, kt + j * d_even, d_even / 2, scale,
-                          ws.p_tile.get() + r * bc + j, bc);
-        bf16dot::DotStore(ws.do_bf16.get() + r * dv_pad, dv_pad, vt + j * dv_even, dv_even / 2, 1.0f,
-                          ws.ds_tile.get() + r * bc + j, bc);
-      }
+    bf16dot::DotBlock(ws.q_bf16.get(), d_pad, kt, kMicroCols * d_even, kStep, d_even / 2, scale, false,
+                      ws.p_tile.get(), bc, rows_pad, n_pad);
+    bf16dot::DotBlock(ws.do_bf16.get(), dv_pad, vt, kMicroCols * dv_even, kStep, dv_even / 2, 1.0f, false,
+                      ws.ds_tile.get(), bc, rows_pad, n_pad);
   }
 
   static void Gradients(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t j0, std::int64_t rows_pad,
@@ -358,20 +355,13 @@ struct Bf16Products {
     for (std::int64_t r = 0; r < rows_pad; ++r)
       bf16dot::RoundToBf16(ws.ds_tile.get() + r * bc, ws.ds_bf16.get() + r * bc, n_pad);
     // dVᵀ += dOᵀ·P, dKᵀ += Qᵀ·dS: rows are head-dim columns, the depth is the Q tile's rows.
-    for (std::int64_t j = 0; j < n_pad; j += kMicroCols) {
-      for (std::int64_t c = 0; c < dv_pad; c += kMicroRows)
-        bf16dot::DotAccumulate(ws.dot_bf16.get() + c * rows_pad, rows_pad, ws.pt_bf16.get() + 2 * j, rows_pad / 2,
-                               ws.dv_acc.get() + c * bc + j, bc, 2, 2 * bc);
-      for (std::int64_t c = 0; c < d_pad; c += kMicroRows)
-        bf16dot::DotAccumulate(ws.qt_bf16.get() + c * rows_pad, rows_pad, ws.dst_bf16.get() + 2 * j, rows_pad / 2,
-                               ws.dk_acc.get() + c * bc + j, bc, 2, 2 * bc);
-    }
+    bf16dot::DotBlock(ws.dot_bf16.get(), rows_pad, ws.pt_bf16.get(), 2 * kMicroCols, 2 * bc, rows_pad / 2, 1.0f, true,
+                      ws.dv_acc.get(), bc, dv_pad, n_pad);
+    bf16dot::DotBlock(ws.qt_bf16.get(), rows_pad, ws.dst_bf16.get(), 2 * kMicroCols, 2 * bc, rows_pad / 2, 1.0f, true,
+                      ws.dk_acc.get(), bc, d_pad, n_pad);
     // dQ share = dS·K: the depth is the tile's keys.
-    const std::uint16_t* kp = ws.k_pairs.get() + j0 / bc * bc * d_pad;
-    for (std::int64_t c = 0; c < d_pad; c += kMicroCols)
-      for (std::int64_t r = 0; r < rows_pad; r += kMicroRows)
-        bf16dot::DotStore(ws.ds_bf16.get() + r * bc, bc, kp + c * bc, n_pad / 2, 1.0f, ws.dq_tile.get() + r * d_pad + c,
-                          d_pad);
+    bf16dot::DotBlock(ws.ds_bf16.get(), bc, ws.k_pairs.get() + j0 / bc * bc * d_pad, kMicroCols * bc, kStep, n_pad / 2,
+                      1.0f, false, ws.dq_tile.get(), d_pad, rows_pad, d_pad);
   }
 };
 #endif

@@ -84,16 +84,63 @@ struct alignas(64) TileConfig {
   std::uint8_t rows[16] = {};
 };
 
-FLASHATTN_AMX_TARGET void ConfigureTiles() {
-  thread_local bool configured = false;
-  if (configured) return;
+// Two configurations: kMicro for the 8-row micro-tile (tiles 0, 1: C; 2: A; 3, 4: B) and
+// kBlock for 32 × 32 blocks (tiles 0–3: C; 4, 5: A; 6, 7: B), all 16 columns (64 bytes)
+// wide. Loaded when a thread first uses one or switches between them.
+enum class Tiles { kNone, kMicro, kBlock };
+
+FLASHATTN_AMX_TARGET void ConfigureTiles(Tiles tiles) {
+  thread_local Tiles loaded = Tiles::kNone;
+  if (loaded == tiles) return;
   TileConfig config;
-  for (int t = 0; t < 5; ++t) {
+  for (int t = 0; t < 8; ++t) {
     config.bytes_per_row[t] = 64;
-    config.rows[t] = t < 3 ? kRows : kAmxPairs;
+    if (tiles == Tiles::kMicro)
+      config.rows[t] = t < 3 ? kRows : t < 5 ? kAmxPairs : 0;
+    else
+      config.rows[t] = 16;
   }
+  if (tiles == Tiles::kMicro)
+    for (int t = 5; t < 8; ++t) config.bytes_per_row[t] = 0;
   _tile_loadconfig(&config);
-  configured = true;
+  loaded = tiles;
+}
+
+// C(32 × 32) (+)= A·B over `chunks` · kAmxPairs depth pairs.
+template <bool kAccumulate>
+FLASHATTN_AMX_TARGET void AmxBlock(const std::uint16_t* a, std::int64_t lda, const std::uint16_t* b,
+                                   std::int64_t b_step, std::int64_t chunks, float* c, std::int64_t ldc) {
+  ConfigureTiles(Tiles::kBlock);
+  const long c_stride = static_cast<long>(ldc * sizeof(float));
+  float* c16 = c + 16 * ldc;
+  if (kAccumulate) {
+    _tile_loadd(0, c, c_stride);
+    _tile_loadd(1, c + 16, c_stride);
+    _tile_loadd(2, c16, c_stride);
+    _tile_loadd(3, c16 + 16, c_stride);
+  } else {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  const long a_stride = static_cast<long>(lda * sizeof(std::uint16_t));
+  const long step_bytes = static_cast<long>(b_step * sizeof(std::uint16_t));
+  const std::uint16_t* a16 = a + 16 * lda;
+  for (std::int64_t k = 0; k < chunks; ++k, b += kAmxPairs * b_step) {
+    _tile_loadd(4, a + 2 * kAmxPairs * k, a_stride);
+    _tile_loadd(5, a16 + 2 * kAmxPairs * k, a_stride);
+    _tile_loadd(6, b, step_bytes);
+    _tile_loadd(7, b + kCols, step_bytes);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, c, c_stride);
+  _tile_stored(1, c + 16, c_stride);
+  _tile_stored(2, c16, c_stride);
+  _tile_stored(3, c16 + 16, c_stride);
 }
 
 // C (+)= A·B over `chunks` · kAmxPairs depth pairs; A's rows lda elements apart, pairs
@@ -101,7 +148,7 @@ FLASHATTN_AMX_TARGET void ConfigureTiles() {
 template <bool kAccumulate>
 FLASHATTN_AMX_TARGET void AmxTile(const std::uint16_t* a, std::int64_t lda, const std::uint16_t* b,
                                   std::int64_t chunks, float* c, std::int64_t ldc, std::int64_t b_step = kPairStep) {
-  ConfigureTiles();
+  ConfigureTiles(Tiles::kMicro);
   const long c_stride = static_cast<long>(ldc * sizeof(float));
   if (kAccumulate) {
     _tile_loadd(0, c, c_stride);
@@ -191,6 +238,32 @@ FLASHATTN_BF16_TARGET void PairRowsBf16(const std::uint16_t* row0, const std::ui
     const __m512i a = _mm512_loadu_si512(row0 + k), b = _mm512_loadu_si512(row1 + k);
     _mm512_storeu_si512(dst + 2 * k, _mm512_permutex2var_epi16(a, low, b));
     _mm512_storeu_si512(dst + 2 * k + 32, _mm512_permutex2var_epi16(a, high, b));
+  }
+}
+
+FLASHATTN_BF16_TARGET void DotBlock(const std::uint16_t* a, std::int64_t lda, const std::uint16_t* b,
+                                    std::int64_t b_panel_stride, std::int64_t b_step, std::int64_t pairs, float scale,
+                                    bool accumulate, float* c, std::int64_t ldc, std::int64_t rows, std::int64_t cols) {
+  const std::int64_t chunks = AmxUsable() && rows % 32 == 0 ? pairs / kAmxPairs : 0;
+  const std::int64_t done = chunks * kAmxPairs, rest = pairs - done;
+  for (std::int64_t j = 0; j < cols; j += kCols) {
+    const std::uint16_t* panel = b + j / kCols * b_panel_stride;
+    if (chunks > 0)
+      for (std::int64_t r = 0; r < rows; r += 32) {
+        if (accumulate)
+          AmxBlock<true>(a + r * lda, lda, panel, b_step, chunks, c + r * ldc + j, ldc);
+        else
+          AmxBlock<false>(a + r * lda, lda, panel, b_step, chunks, c + r * ldc + j, ldc);
+      }
+    for (std::int64_t r = 0; r < rows; r += kRows) {
+      float* cr = c + r * ldc + j;
+      if (chunks == 0 && !accumulate) {
+        Tile<false>(a + r * lda, lda, 2, panel, pairs, scale, cr, ldc, b_step);
+        continue;
+      }
+      if (rest > 0) Tile<true>(a + r * lda + 2 * done, lda, 2, panel + done * b_step, rest, 1.0f, cr, ldc, b_step);
+      if (!accumulate && scale != 1.0f) Scale(cr, ldc, scale);
+    }
   }
 }
 

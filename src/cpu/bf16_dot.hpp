@@ -66,6 +66,15 @@ void PairRowsBf16(const std::uint16_t* row0, const std::uint16_t* row1, std::uin
 void TransposeWords(const std::uint32_t* src, std::int64_t src_stride, std::uint32_t* dst, std::int64_t dst_stride,
                     std::int64_t rows, std::int64_t cols);
 
+// C(rows × cols) = scale·A·B, or C += A·B when `accumulate` (scale then 1): a whole product
+// of row-major A (pairs contiguous, rows lda elements apart) and B panels of kCols columns,
+// panel k at b + k·b_panel_stride with steps b_step elements apart. rows a multiple of kRows,
+// cols of kCols. With AMX it runs 32 × 32 blocks of C on four tiles (rows a multiple of 32),
+// which keeps four TDPBF16PS in flight; else as DotStore / DotAccumulate micro-tiles.
+void DotBlock(const std::uint16_t* a, std::int64_t lda, const std::uint16_t* b, std::int64_t b_panel_stride,
+              std::int64_t b_step, std::int64_t pairs, float scale, bool accumulate, float* c, std::int64_t ldc,
+              std::int64_t rows, std::int64_t cols);
+
 // dst[0, n) = src[0, n) rounded to bf16, to nearest even (NaN stays NaN); n a multiple of
 // kCols. Values below float's normal range (< 2^-126) become zero: the conversion, like
 // VDPBF16PS itself, treats denormals as zero.
