@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <sstream>
+#include <vector>
 
 #include "test_util.hpp"
 
@@ -206,6 +207,18 @@ TEST(ForwardBf16Dot, UnavailableKernelIsAClearError) {
   });
   EXPECT_EQ(parse_forward_kernel("tiled_bf16"), ForwardKernel::tiled_bf16);
   expect_error([] { parse_forward_kernel("bf16"); }, {"kernel", "'bf16'", "tiled_bf16"});
+}
+
+TEST(ForwardKernelChoice, EveryKernelByNameMatchesTheReference) {
+  // Each kernel asked for by name on a problem the planner would give another one: decode
+  // on 2 × 40 rows per kv head, the tiled kernels on as many.
+  std::vector<ForwardKernel> kernels{ForwardKernel::tiled, ForwardKernel::decode};
+  if (CpuHardware::detect(0).bf16_dot) kernels.push_back(ForwardKernel::tiled_bf16);
+  std::uint64_t seed = 1200;
+  for (ForwardKernel kernel : kernels) {
+    check({2, 40, 150, 4, 2, 37, 48}, "causal", kernel, seed++);
+    check({1, 40, 300, 4, 1, 64, 64}, "window softcap alibi splits2", kernel, seed++);
+  }
 }
 
 TEST(ForwardBf16Dot, VarlenRunsItAsTheBatchedCallDoes) {

@@ -2,12 +2,15 @@
 // dispatched once per call. One work item = one block of Q rows of one (batch, head);
 // it streams every visible K/V tile through fast memory (SPEC §2–§3):
 //
-//   load Q tile (pre-scaled by softmax_scale·log2e)
-//   for each K/V tile:  S = Q·Kᵀ → mask → online-softmax update (P = 2^(S − m)) → õ += P·V
+//   load Q tile
+//   for each K/V tile:  S = Q·Kᵀ·softmax_scale·log2e → mask → online-softmax update
+//                       (P = 2^(S − m)) → õ += P·V
 //   epilogue: o = õ / ℓ, lse = (m + log2 ℓ)·ln2
 //
 // Both products run on one register-blocked micro-kernel, each row strip over only the keys
-// it may see (FindStripKeys); S never leaves the L2 cache.
+// it may see (FindStripKeys); S never leaves the L2 cache. The kernels "tiled" and
+// "tiled_bf16" differ only in that micro-kernel and the operands it reads (Fp32Products:
+// float32 FMAs; Bf16Products: AVX512-BF16 dot products on bf16 operands, bf16_dot.hpp).
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "src/cpu/forward_kernel.cpp"
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
