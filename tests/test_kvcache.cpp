@@ -310,11 +310,18 @@ TEST(KvCache, PagedPrefillThroughTheTiledKernelEqualsContiguous) {
   KvCache contiguous{k_cont.view(), v_cont.view(), {}, seqlens.view()};
   KvCache paged{k_pages.view(), v_pages.view(), table.view(), seqlens.view()};
   const AttentionProblem p = AttentionProblem::from_sizes(1, sq, 41, 4, hkv, d, d, DType::bf16, o);
-  EXPECT_EQ(plan_forward(p, CpuHardware::detect(0)).kernel, ForwardKernel::tiled);
-  const ForwardResult a = forward_with_kvcache(q.view(), contiguous, o);
-  const ForwardResult b = forward_with_kvcache(q.view(), paged, o);
-  EXPECT_EQ(std::memcmp(a.out.data(), b.out.data(), static_cast<std::size_t>(a.out.numel()) * 2), 0);
-  EXPECT_EQ(std::memcmp(a.lse.data(), b.lse.data(), static_cast<std::size_t>(a.lse.numel()) * 4), 0);
+  const CpuHardware hw = CpuHardware::detect(0);
+  // Both tiled kernels: the float32 one, and tiled_bf16 where the CPU has AVX512-BF16.
+  for (ForwardKernel kernel : {ForwardKernel::tiled, ForwardKernel::tiled_bf16}) {
+    if (kernel == ForwardKernel::tiled_bf16 && !hw.bf16_dot) continue;
+    SCOPED_TRACE(to_string(kernel));
+    o.kernel = kernel;
+    EXPECT_EQ(plan_forward(p, hw, 0, 0, kernel).kernel, kernel);
+    const ForwardResult a = forward_with_kvcache(q.view(), contiguous, o);
+    const ForwardResult b = forward_with_kvcache(q.view(), paged, o);
+    EXPECT_EQ(std::memcmp(a.out.data(), b.out.data(), static_cast<std::size_t>(a.out.numel()) * 2), 0);
+    EXPECT_EQ(std::memcmp(a.lse.data(), b.lse.data(), static_cast<std::size_t>(a.lse.numel()) * 4), 0);
+  }
 }
 
 }  // namespace

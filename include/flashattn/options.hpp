@@ -22,6 +22,30 @@ const char* to_string(Exp2Impl impl);
 // Parses "auto", "exact", "poly3", "mixed"; throws Error otherwise.
 Exp2Impl parse_exp2_impl(const std::string& name);
 
+// The CPU forward kernels, selectable by name (CpuForwardPlan::kernel, plan.hpp):
+// "tiled" — the FlashAttention tiling on float32 products (K, V widened at packing);
+// "tiled_bf16" — the same tiling with both products on AVX512-BF16 dot products (VDPBF16PS)
+// from bf16 q, k and v, P rounded to bf16 before P·V as upstream does; "decode" — a few
+// query rows per kv head (every q head of a GQA group and every query token together) read
+// against K and V in place. `automatic` lets the planner choose: decode for at most 16 rows
+// per kv head, else tiled_bf16 where the inputs are bf16, the CPU and SIMD target have
+// AVX512-BF16 and its dot products outpace float32 FMA (AMD Zen 5; not Intel Sapphire
+// Rapids, where they have half FMA's FLOP rate), else tiled.
+enum class ForwardKernel : std::uint8_t { automatic, tiled, tiled_bf16, decode };
+const char* to_string(ForwardKernel kernel);
+// Parses "auto", "tiled", "tiled_bf16", "decode"; throws Error otherwise.
+ForwardKernel parse_forward_kernel(const std::string& name);
+
+// The CPU backward kernels, selectable by name (CpuBackwardPlan::kernel, plan.hpp): "tiled"
+// — recomputation per pair of tiles on float32 products; "tiled_bf16" — the same tiling with
+// all five products (S, dP, dV, dK, dQ) on AVX512-BF16 dot products from bf16 inputs, P and
+// dS rounded to bf16 before they multiply, as upstream rounds them. `automatic`: tiled_bf16
+// where the inputs are bf16 and the CPU and SIMD target have AVX512-BF16, else tiled.
+enum class BackwardKernel : std::uint8_t { automatic, tiled, tiled_bf16 };
+const char* to_string(BackwardKernel kernel);
+// Parses "auto", "tiled", "tiled_bf16"; throws Error otherwise.
+BackwardKernel parse_backward_kernel(const std::string& name);
+
 struct AttentionOptions {
   // Scale applied to Q·Kᵀ before the softmax; 1/sqrt(head_dim) when unset.
   std::optional<float> softmax_scale;
@@ -85,6 +109,12 @@ struct AttentionOptions {
   // planner choose from the L2 size. For experiments such as the cost model's sweep of
   // traffic against tile size (flashattn tour); the result does not depend on it.
   std::int64_t block_q = 0;
+  // Forward only (CPU): the kernel to run (see ForwardKernel); a kernel the inputs or this
+  // CPU cannot run is an Error naming it. `tiled` forces the float32 products on bf16
+  // inputs, e.g. to compare the two tiled kernels.
+  ForwardKernel kernel = ForwardKernel::automatic;
+  // Backward only (CPU): the kernel to run (see BackwardKernel), as `kernel` for the forward.
+  BackwardKernel backward_kernel = BackwardKernel::automatic;
   // Instrumentation: when set, the call adds what its kernels read, wrote and computed
   // to *counters (see counters.hpp). Off (null) by default.
   KernelCounters* counters = nullptr;

@@ -20,19 +20,16 @@ struct CpuHardware {
   int float_lanes = 4;            // fp32 lanes per vector of that target (the cost model's CPU entry)
   int micro_rows = 4;             // rows of the register-blocked micro-kernel
   int micro_cols = 8;             // columns (floats) of the register-blocked micro-kernel
+  bool bf16_dot = false;          // the tiled_bf16 kernel can run: the CPU has AVX512-BF16 and
+                                  // the dispatched target (AVX3, AVX3_DL) provides the kernel
+  bool bf16_dot_fast = false;     // and its dot products outpace float32 FMA: planned by default
 
   // Cache sizes from the OS, micro-kernel geometry from the dispatched SIMD target.
   static CpuHardware detect(int num_threads);
 };
 
-// The forward kernels, selectable by name: "tiled" (the FlashAttention tiling, for many
-// query rows) and "decode" (a few query rows per kv head — every q head of a GQA group and
-// every query token together — read against K and V in place).
-enum class ForwardKernel { tiled, decode };
-const char* to_string(ForwardKernel kernel);
-
 struct CpuForwardPlan {
-  ForwardKernel kernel = ForwardKernel::tiled;
+  ForwardKernel kernel = ForwardKernel::tiled;  // never automatic (options.hpp: ForwardKernel)
   std::int64_t block_q = 0;          // Q rows per work item (Br); decode: group · seqlen_q in fours, per kv head
   std::int64_t block_k = 0;          // keys per K/V tile (Bc), a multiple of micro_cols
   std::int64_t head_dim_v_padded = 0;  // Dv rounded up to micro_cols
@@ -48,15 +45,19 @@ struct CpuForwardPlan {
   std::string describe() const;
 };
 
-// num_splits and block_q as AttentionOptions::num_splits and ::block_q (0 = automatic).
+// num_splits, block_q and kernel as AttentionOptions::num_splits, ::block_q and ::kernel
+// (0 and automatic: the planner's choice). A kernel that the problem's dtypes or the
+// hardware rule out is an Error naming it.
 CpuForwardPlan plan_forward(const AttentionProblem& problem, const CpuHardware& hardware,
-                            int num_splits = 0, std::int64_t block_q = 0);
+                            int num_splits = 0, std::int64_t block_q = 0,
+                            ForwardKernel kernel = ForwardKernel::automatic);
 
 // Backward: each work item owns one K/V tile of one (batch, kv head) and produces its dK
 // and dV; its dQ shares go into a shared float32 accumulator — in any order by default,
 // in K/V-block order when deterministic. Tile sizes never depend on the thread count, so
 // deterministic results do not either.
 struct CpuBackwardPlan {
+  BackwardKernel kernel = BackwardKernel::tiled;  // never automatic (options.hpp: BackwardKernel)
   std::int64_t block_q = 0;            // Q rows per tile
   std::int64_t block_k = 0;            // keys per tile: a multiple of micro_rows and micro_cols
   std::int64_t head_dim_padded = 0;    // D rounded up to micro_cols
@@ -74,7 +75,9 @@ struct CpuBackwardPlan {
   std::string describe() const;
 };
 
+// kernel as AttentionOptions::backward_kernel: automatic is the planner's choice; a kernel
+// that the problem's dtype or the hardware rule out is an Error naming it.
 CpuBackwardPlan plan_backward(const AttentionProblem& problem, const CpuHardware& hardware,
-                              bool deterministic);
+                              bool deterministic, BackwardKernel kernel = BackwardKernel::automatic);
 
 }  // namespace flashattn

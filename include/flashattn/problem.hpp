@@ -19,6 +19,7 @@ struct AttentionProblem {
   std::int64_t head_dim = 0;    // D, of q and k
   std::int64_t head_dim_v = 0;  // Dv, of v and out
   DType dtype = DType::f32;
+  DType kv_dtype = DType::f32;  // of k and v as stored: dtype, or u8 for an FP8 e4m3 KV cache
   bool causal = false;
   float softmax_scale = 0.0f;  // resolved: never unset here
   // Variants (see AttentionOptions), resolved: causal folds into window_right = 0.

@@ -74,6 +74,7 @@ AttentionProblem AttentionProblem::from_sizes(std::int64_t batch, std::int64_t s
   p.head_dim = head_dim;
   p.head_dim_v = head_dim_v;
   p.dtype = dtype;
+  p.kv_dtype = dtype;
   p.causal = options.causal;
   p.window_left = options.window_size.left;
   p.window_right = options.causal ? 0
@@ -167,6 +168,37 @@ Exp2Impl parse_exp2_impl(const std::string& name) {
   for (Exp2Impl impl : {Exp2Impl::automatic, Exp2Impl::exact, Exp2Impl::poly3, Exp2Impl::mixed})
     if (name == to_string(impl)) return impl;
   throw Error("exp2: unknown implementation '" + name + "' (expected auto, exact, poly3 or mixed)");
+}
+
+const char* to_string(ForwardKernel kernel) {
+  switch (kernel) {
+    case ForwardKernel::automatic: return "auto";
+    case ForwardKernel::tiled: return "tiled";
+    case ForwardKernel::tiled_bf16: return "tiled_bf16";
+    case ForwardKernel::decode: return "decode";
+  }
+  return "unknown";
+}
+
+ForwardKernel parse_forward_kernel(const std::string& name) {
+  for (ForwardKernel k : {ForwardKernel::automatic, ForwardKernel::tiled, ForwardKernel::tiled_bf16, ForwardKernel::decode})
+    if (name == to_string(k)) return k;
+  throw Error("kernel: unknown forward kernel '" + name + "' (expected auto, tiled, tiled_bf16 or decode)");
+}
+
+const char* to_string(BackwardKernel kernel) {
+  switch (kernel) {
+    case BackwardKernel::automatic: return "auto";
+    case BackwardKernel::tiled: return "tiled";
+    case BackwardKernel::tiled_bf16: return "tiled_bf16";
+  }
+  return "unknown";
+}
+
+BackwardKernel parse_backward_kernel(const std::string& name) {
+  for (BackwardKernel k : {BackwardKernel::automatic, BackwardKernel::tiled, BackwardKernel::tiled_bf16})
+    if (name == to_string(k)) return k;
+  throw Error("backward_kernel: unknown backward kernel '" + name + "' (expected auto, tiled or tiled_bf16)");
 }
 
 double AttentionProblem::conventional_forward_flops() const {

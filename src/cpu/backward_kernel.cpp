@@ -15,13 +15,17 @@
 #include <hwy/highway.h>
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <thread>
+#include <tuple>
 
 #include "flashattn/online_softmax.hpp"
+#include "flashattn/error.hpp"
 #include "src/core/element.hpp"
 #include "src/cpu/backward_kernel.hpp"
+#include "src/cpu/bf16_dot.hpp"
 #include "src/cpu/forward_kernel.hpp"
 #include "src/cpu/score_mods-inl.h"
 #include "src/cpu/simd_math-inl.h"
@@ -68,83 +72,129 @@ void BackwardDelta(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_
   ws.counters.dout_read += p.seqlen_q * dv;
 }
 
-// Packs Kᵀ and Vᵀ (one (dim, block_k) panel per tile) and K (rows padded to D_pad) of one
-// (batch, kv head) for keys [from, keys), whole tiles at a time, reusing what is packed.
-void EnsurePacked(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t b,
-                  std::int64_t kv_head, std::int64_t from, std::int64_t keys) {
+// Loads lse·log2e and D of rows [i0, i0 + rows) of (b, h); rows up to rows_pad get zeros.
+void LoadRowStats(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t b, std::int64_t h,
+                  std::int64_t i0, std::int64_t rows, std::int64_t rows_pad) {
   const AttentionProblem& p = prm.problem;
-  const std::int64_t bc = prm.plan.block_k, d = p.head_dim, dv = p.head_dim_v;
-  const std::int64_t d_pad = prm.plan.head_dim_padded;
-  const std::int64_t begin = ws.packed.first_to_pack(b, kv_head, from / bc * bc);
-  const std::int64_t end = std::min(p.seqlen_k, RoundUp(keys, bc));
-  if (begin >= end) return;
-  float* row = ws.row_scratch.get();
-  for (std::int64_t j = begin; j < end; ++j) {
-    const std::int64_t tile = j / bc, col = j % bc;
-    float* krow = ws.k_packed.get() + j * d_pad;
-    LoadRow(RowPointer(prm.k, b, j, kv_head), p.dtype, d, 1.0f, krow);
-    std::fill(krow + d, krow + d_pad, 0.0f);
-    float* kt = ws.kt_packed.get() + tile * d * bc + col;
-    for (std::int64_t c = 0; c < d; ++c) kt[c * bc] = krow[c];
-    LoadRow(RowPointer(prm.v, b, j, kv_head), p.dtype, dv, 1.0f, row);
-    float* vt = ws.vt_packed.get() + tile * dv * bc + col;
-    for (std::int64_t c = 0; c < dv; ++c) vt[c * bc] = row[c];
-  }
-  if (end == p.seqlen_k && end % bc != 0) {
-    // Zero the padding of the last tile so masked products meet finite values.
-    const std::int64_t tile = end / bc, used = end % bc;
-    float* kt = ws.kt_packed.get() + tile * d * bc;
-    for (std::int64_t c = 0; c < d; ++c) std::fill(kt + c * bc + used, kt + (c + 1) * bc, 0.0f);
-    float* vt = ws.vt_packed.get() + tile * dv * bc;
-    for (std::int64_t c = 0; c < dv; ++c) std::fill(vt + c * bc + used, vt + (c + 1) * bc, 0.0f);
-    std::fill(ws.k_packed.get() + end * d_pad, ws.k_packed.get() + (tile + 1) * bc * d_pad, 0.0f);
-  }
-  ws.counters.kv_packed += (end - begin) * (d + dv);
-  ws.packed.done(end);
-}
-
-// Loads the Q tile (scaled by scale·log2e), the dO tile, lse·log2e and D of rows
-// [i0, i0 + rows) of (b, h); rows up to rows_pad are zero.
-void LoadQTile(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t b, std::int64_t h,
-               std::int64_t i0, std::int64_t rows, std::int64_t rows_pad) {
-  const AttentionProblem& p = prm.problem;
-  const std::int64_t d = p.head_dim, dv = p.head_dim_v;
-  const std::int64_t d_pad = prm.plan.head_dim_padded, dv_pad = prm.plan.head_dim_v_padded;
-  const float q_scale = p.softmax_scale * OnlineSoftmaxState::kLog2e;
   for (std::int64_t r = 0; r < rows_pad; ++r) {
-    float* qrow = ws.q_tile.get() + r * d_pad;
-    float* dorow = ws.do_tile.get() + r * dv_pad;
-    if (r < rows) {
-      const std::int64_t i = i0 + r;
-      LoadRow(RowPointer(prm.q, b, i, h), p.dtype, d, q_scale, qrow);
-      LoadRow(RowPointer(prm.dout, b, i, h), p.dtype, dv, 1.0f, dorow);
-      ws.row_lse2[r] = *LsePointer(prm, b, h, i) * OnlineSoftmaxState::kLog2e;
-      ws.row_delta[r] = prm.delta[(b * p.heads_q + h) * p.seqlen_q + i];
-    } else {
-      std::fill(qrow, qrow + d, 0.0f);
-      std::fill(dorow, dorow + dv, 0.0f);
-      ws.row_lse2[r] = 0.0f;
-      ws.row_delta[r] = 0.0f;
-    }
-    std::fill(qrow + d, qrow + d_pad, 0.0f);
-    std::fill(dorow + dv, dorow + dv_pad, 0.0f);
+    ws.row_lse2[r] = r < rows ? *LsePointer(prm, b, h, i0 + r) * OnlineSoftmaxState::kLog2e : 0.0f;
+    ws.row_delta[r] = r < rows ? prm.delta[(b * p.heads_q + h) * p.seqlen_q + i0 + r] : 0.0f;
   }
 }
 
-// For the loaded Q tile against K/V tile `j0` (n keys, n_pad columns): P·w into p_tile
-// (w the dropout weights, 1 without dropout) and dS into ds_tile, with the variants of
-// `mods` applied exactly as in the forward. Hidden scores become −∞, so P = 0 there.
-void ComputePAndDS(const BackwardParams& prm, BackwardWorkspace& ws, const RowMods& mods,
-                   std::int64_t i0, std::int64_t rows, std::int64_t rows_pad, std::int64_t j0,
-                   std::int64_t n, std::int64_t n_pad) {
-  const AttentionProblem& p = prm.problem;
-  const std::int64_t bc = prm.plan.block_k, d = p.head_dim, dv = p.head_dim_v;
-  const std::int64_t d_pad = prm.plan.head_dim_padded, dv_pad = prm.plan.head_dim_v_padded;
-  const std::int64_t tile = j0 / bc;
-  TileGemm<false>({ws.q_tile.get(), d_pad}, ws.kt_packed.get() + tile * d * bc, bc, ws.p_tile.get(),
-                  bc, rows_pad, n_pad, d);
-  TileGemm<false>({ws.do_tile.get(), dv_pad}, ws.vt_packed.get() + tile * dv * bc, bc,
-                  ws.ds_tile.get(), bc, rows_pad, n_pad, dv);
+// The backward's five products on float32 FMAs (the forward's micro-kernel), K and V
+// widened at packing, Q pre-scaled by scale·log2e as it is loaded.
+struct Fp32Products {
+  static constexpr std::int64_t kRowMultiple = kMicroRows;  // a Q tile's rows, padded
+
+  // dK and dV of a K/V tile accumulate as rows of keys: (block_k, D_pad), (block_k, Dv_pad).
+  static void ZeroDkDv(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t n_pad) {
+    std::fill(ws.dk_acc.get(), ws.dk_acc.get() + n_pad * prm.plan.head_dim_padded, 0.0f);
+    std::fill(ws.dv_acc.get(), ws.dv_acc.get() + n_pad * prm.plan.head_dim_v_padded, 0.0f);
+  }
+
+  // dK = scale·dSᵀ·Q = ln2·dSᵀ·Q' because Q' = Q·scale·log2e.
+  static void StoreDkDv(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t b, std::int64_t kv_head,
+                        std::int64_t j0, std::int64_t n) {
+    const AttentionProblem& p = prm.problem;
+    for (std::int64_t r = 0; r < n; ++r) {
+      StoreRow(ws.dk_acc.get() + r * prm.plan.head_dim_padded, p.head_dim, OnlineSoftmaxState::kLn2,
+               OutRowPointer(prm.dk, b, j0 + r, kv_head), prm.dk.dtype);
+      StoreRow(ws.dv_acc.get() + r * prm.plan.head_dim_v_padded, p.head_dim_v, 1.0f,
+               OutRowPointer(prm.dv, b, j0 + r, kv_head), prm.dv.dtype);
+    }
+  }
+
+  // Packs Kᵀ and Vᵀ (one (dim, block_k) panel per tile) and K (rows padded to D_pad) of one
+  // (batch, kv head) for keys [from, keys), whole tiles at a time, reusing what is packed.
+  static void Pack(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t b, std::int64_t kv_head,
+                   std::int64_t from, std::int64_t keys) {
+    const AttentionProblem& p = prm.problem;
+    const std::int64_t bc = prm.plan.block_k, d = p.head_dim, dv = p.head_dim_v;
+    const std::int64_t d_pad = prm.plan.head_dim_padded;
+    const std::int64_t begin = ws.packed.first_to_pack(b, kv_head, from / bc * bc);
+    const std::int64_t end = std::min(p.seqlen_k, RoundUp(keys, bc));
+    if (begin >= end) return;
+    float* row = ws.row_scratch.get();
+    for (std::int64_t j = begin; j < end; ++j) {
+      const std::int64_t tile = j / bc, col = j % bc;
+      float* krow = ws.k_packed.get() + j * d_pad;
+      LoadRow(RowPointer(prm.k, b, j, kv_head), p.dtype, d, 1.0f, krow);
+      std::fill(krow + d, krow + d_pad, 0.0f);
+      float* kt = ws.kt_packed.get() + tile * d * bc + col;
+      for (std::int64_t c = 0; c < d; ++c) kt[c * bc] = krow[c];
+      LoadRow(RowPointer(prm.v, b, j, kv_head), p.dtype, dv, 1.0f, row);
+      float* vt = ws.vt_packed.get() + tile * dv * bc + col;
+      for (std::int64_t c = 0; c < dv; ++c) vt[c * bc] = row[c];
+    }
+    if (end == p.seqlen_k && end % bc != 0) {
+      // Zero the padding of the last tile so masked products meet finite values.
+      const std::int64_t tile = end / bc, used = end % bc;
+      float* kt = ws.kt_packed.get() + tile * d * bc;
+      for (std::int64_t c = 0; c < d; ++c) std::fill(kt + c * bc + used, kt + (c + 1) * bc, 0.0f);
+      float* vt = ws.vt_packed.get() + tile * dv * bc;
+      for (std::int64_t c = 0; c < dv; ++c) std::fill(vt + c * bc + used, vt + (c + 1) * bc, 0.0f);
+      std::fill(ws.k_packed.get() + end * d_pad, ws.k_packed.get() + (tile + 1) * bc * d_pad, 0.0f);
+    }
+    ws.counters.kv_packed += (end - begin) * (d + dv);
+    ws.packed.done(end);
+  }
+
+  // The Q tile (scaled by scale·log2e) and the dO tile of rows [i0, i0 + rows) of (b, h);
+  // rows up to rows_pad are zero.
+  static void LoadQ(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t b, std::int64_t h,
+                    std::int64_t i0, std::int64_t rows, std::int64_t rows_pad) {
+    const AttentionProblem& p = prm.problem;
+    const std::int64_t d = p.head_dim, dv = p.head_dim_v;
+    const std::int64_t d_pad = prm.plan.head_dim_padded, dv_pad = prm.plan.head_dim_v_padded;
+    const float q_scale = p.softmax_scale * OnlineSoftmaxState::kLog2e;
+    for (std::int64_t r = 0; r < rows_pad; ++r) {
+      float* qrow = ws.q_tile.get() + r * d_pad;
+      float* dorow = ws.do_tile.get() + r * dv_pad;
+      if (r < rows) {
+        LoadRow(RowPointer(prm.q, b, i0 + r, h), p.dtype, d, q_scale, qrow);
+        LoadRow(RowPointer(prm.dout, b, i0 + r, h), p.dtype, dv, 1.0f, dorow);
+      } else {
+        std::fill(qrow, qrow + d, 0.0f);
+        std::fill(dorow, dorow + dv, 0.0f);
+      }
+      std::fill(qrow + d, qrow + d_pad, 0.0f);
+      std::fill(dorow + dv, dorow + dv_pad, 0.0f);
+    }
+  }
+
+  // S' = Q'·Kᵀ into p_tile and dP = dO·Vᵀ into ds_tile, for K/V tile `tile`.
+  static void ScoresAndDp(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t tile,
+                          std::int64_t rows_pad, std::int64_t n_pad) {
+    const std::int64_t bc = prm.plan.block_k, d = prm.problem.head_dim, dv = prm.problem.head_dim_v;
+    TileGemm<false>({ws.q_tile.get(), prm.plan.head_dim_padded}, ws.kt_packed.get() + tile * d * bc, bc,
+                    ws.p_tile.get(), bc, rows_pad, n_pad, d);
+    TileGemm<false>({ws.do_tile.get(), prm.plan.head_dim_v_padded}, ws.vt_packed.get() + tile * dv * bc, bc,
+                    ws.ds_tile.get(), bc, rows_pad, n_pad, dv);
+  }
+
+  // dV += Pᵀ·dO and dK += dSᵀ·Q' (Pᵀ, dSᵀ read through transposed views), and this tile's
+  // dQ share dS·K into dq_tile.
+  static void Gradients(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t j0, std::int64_t rows_pad,
+                        std::int64_t n_pad) {
+    const std::int64_t bc = prm.plan.block_k;
+    const std::int64_t d_pad = prm.plan.head_dim_padded, dv_pad = prm.plan.head_dim_v_padded;
+    TileGemm<true>({ws.p_tile.get(), 1, bc}, ws.do_tile.get(), dv_pad, ws.dv_acc.get(), dv_pad, n_pad, dv_pad,
+                   rows_pad);
+    TileGemm<true>({ws.ds_tile.get(), 1, bc}, ws.q_tile.get(), d_pad, ws.dk_acc.get(), d_pad, n_pad, d_pad,
+                   rows_pad);
+    TileGemm<false>({ws.ds_tile.get(), bc}, ws.k_packed.get() + j0 * d_pad, d_pad, ws.dq_tile.get(), d_pad,
+                    rows_pad, d_pad, n_pad);
+  }
+};
+
+// For the Q tile against K/V tile `j0` (n keys, n_pad columns), from S' in p_tile and dP in
+// ds_tile: P·w into p_tile (w the dropout weights, 1 without dropout) and dS into ds_tile,
+// with the variants of `mods` applied exactly as in the forward. Hidden scores become −∞,
+// so P = 0 there.
+void ComputePAndDS(BackwardWorkspace& ws, const RowMods& mods, std::int64_t bc, std::int64_t i0, std::int64_t rows,
+                   std::int64_t rows_pad, std::int64_t j0, std::int64_t n, std::int64_t n_pad) {
+  const AttentionProblem& p = *mods.problem;
   const bool softcap = p.softcap > 0.0f, dropout = mods.dropout_threshold != 0;
   const DF df;
   for (std::int64_t r = 0; r < rows_pad; ++r) {
@@ -182,6 +232,140 @@ void ComputePAndDS(const BackwardParams& prm, BackwardWorkspace& ws, const RowMo
   }
 }
 
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+// The backward's five products on the bf16 micro-kernel (bf16_dot.hpp: AMX tiles or
+// VDPBF16PS), for bf16 inputs: Q, dO, K and V are multiplied as stored; S' =
+// scale·log2e·Q·Kᵀ is scaled in float32 as stored; P and dS are rounded to bf16 (nearest
+// even) before they multiply — dV = Pᵀ·dO, dK = scale·dSᵀ·Q, dQ = scale·dS·K — as upstream
+// rounds them. Every operand has its pairs along the product's depth: head dims for S and
+// dP, keys for dQ, query rows for dV and dK, which are computed transposed (dVᵀ = dOᵀ·P,
+// dKᵀ = Qᵀ·dS) so that their A operands, Qᵀ and dOᵀ, are row-major as tiles need them and
+// P and dS, paired two rows at a time, are their B panels.
+struct Bf16Products {
+  static_assert(kMicroRows == bf16dot::kRows && kMicroCols == bf16dot::kCols, "one micro-tile for both kernels");
+  static constexpr std::int64_t kStep = bf16dot::kPairStep;
+
+  // A Q tile's rows, padded: whole AMX chunks of 16 row pairs, the depth of dVᵀ and dKᵀ.
+  static constexpr std::int64_t kRowMultiple = 32;
+  static std::int64_t Even(std::int64_t n) { return (n + 1) / 2 * 2; }
+
+  // dKᵀ and dVᵀ of a K/V tile accumulate as rows of head-dim columns: (D_pad, block_k),
+  // (Dv_pad, block_k).
+  static void ZeroDkDv(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t) {
+    const std::int64_t bc = prm.plan.block_k;
+    std::fill(ws.dk_acc.get(), ws.dk_acc.get() + prm.plan.head_dim_padded * bc, 0.0f);
+    std::fill(ws.dv_acc.get(), ws.dv_acc.get() + prm.plan.head_dim_v_padded * bc, 0.0f);
+  }
+
+  // dK = scale·dSᵀ·Q (Q unscaled) and dV, each key's row gathered from its column.
+  static void StoreDkDv(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t b, std::int64_t kv_head,
+                        std::int64_t j0, std::int64_t n) {
+    const AttentionProblem& p = prm.problem;
+    const std::int64_t bc = prm.plan.block_k;
+    float* row = ws.row_scratch.get();
+    for (std::int64_t r = 0; r < n; ++r) {
+      for (std::int64_t c = 0; c < p.head_dim; ++c) row[c] = ws.dk_acc[c * bc + r];
+      StoreRow(row, p.head_dim, p.softmax_scale, OutRowPointer(prm.dk, b, j0 + r, kv_head), prm.dk.dtype);
+      for (std::int64_t c = 0; c < p.head_dim_v; ++c) row[c] = ws.dv_acc[c * bc + r];
+      StoreRow(row, p.head_dim_v, 1.0f, OutRowPointer(prm.dv, b, j0 + r, kv_head), prm.dv.dtype);
+    }
+  }
+
+  // Per K/V tile of one (batch, kv head), keys [from, keys), whole tiles, reusing what is
+  // packed: kt_pairs and vt_pairs as panels of kMicroCols keys, step p holding each key's
+  // elements 2p and 2p + 1 (S's and dP's B); k_pairs as panels of kMicroCols columns of K,
+  // step p holding each column's values of keys 2p and 2p + 1 (dQ's B). The last tile's
+  // padding keys are zeros, odd head dims end with a zero.
+  static void Pack(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t b, std::int64_t kv_head,
+                   std::int64_t from, std::int64_t keys) {
+    const AttentionProblem& p = prm.problem;
+    const std::int64_t bc = prm.plan.block_k, d = p.head_dim, dv = p.head_dim_v, d_pad = prm.plan.head_dim_padded;
+    const std::int64_t d_even = Even(d), dv_even = Even(dv);
+    const std::int64_t begin = ws.packed.first_to_pack(b, kv_head, from / bc * bc);
+    const std::int64_t end = std::min(p.seqlen_k, RoundUp(keys, bc));
+    if (begin >= end) return;
+    const std::int64_t last = end == p.seqlen_k ? RoundUp(end, bc) : end;  // with the padding keys
+    for (std::int64_t j = begin; j < last; ++j) {
+      const bool real = j < end;
+      const auto* k = real ? static_cast<const std::uint16_t*>(RowPointer(prm.k, b, j, kv_head)) : nullptr;
+      const auto* v = real ? static_cast<const std::uint16_t*>(RowPointer(prm.v, b, j, kv_head)) : nullptr;
+      const std::int64_t tile = j / bc, col = j % bc;
+      std::uint16_t* kt = ws.kt_pairs.get() + tile * bc * d_even + col / kMicroCols * d_even * kMicroCols +
+                          col % kMicroCols * 2;
+      for (std::int64_t e = 0; e < d_even; ++e) kt[e / 2 * kStep + e % 2] = real && e < d ? k[e] : 0;
+      std::uint16_t* vt = ws.vt_pairs.get() + tile * bc * dv_even + col / kMicroCols * dv_even * kMicroCols +
+                          col % kMicroCols * 2;
+      for (std::int64_t e = 0; e < dv_even; ++e) vt[e / 2 * kStep + e % 2] = real && e < dv ? v[e] : 0;
+      std::uint16_t* kp = ws.k_pairs.get() + tile * bc * d_pad + col / 2 * kStep + col % 2;
+      for (std::int64_t c = 0; c < d_pad; ++c) kp[c / kMicroCols * bc * kMicroCols + c % kMicroCols * 2] = real && c < d ? k[c] : 0;
+    }
+    ws.counters.kv_packed += (end - begin) * (d + dv);
+    ws.packed.done(end);
+  }
+
+  // Q and dO rows of [i0, i0 + rows) as stored, zero-padded to D_pad, Dv_pad and to rows_pad
+  // rows (S's and dP's A operands), and Qᵀ, dOᵀ: each column's values of the tile's rows, in
+  // order (dKᵀ's and dVᵀ's A operands) — the rows paired, then the pairs transposed.
+  static void LoadQ(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t b, std::int64_t h,
+                    std::int64_t i0, std::int64_t rows, std::int64_t rows_pad) {
+    const AttentionProblem& p = prm.problem;
+    const std::int64_t d_pad = prm.plan.head_dim_padded, dv_pad = prm.plan.head_dim_v_padded;
+    auto* paired = reinterpret_cast<std::uint32_t*>(ws.pair_scratch.get());  // (rows_pad / 2, width_pad) words
+    for (const auto& [src, dst, transposed, width, width_pad] :
+         {std::tuple{&prm.q, ws.q_bf16.get(), ws.qt_bf16.get(), p.head_dim, d_pad},
+          std::tuple{&prm.dout, ws.do_bf16.get(), ws.dot_bf16.get(), p.head_dim_v, dv_pad}}) {
+      for (std::int64_t r = 0; r < rows_pad; ++r) {
+        std::uint16_t* row = dst + r * width_pad;
+        if (r < rows)
+          std::memcpy(row, RowPointer(*src, b, i0 + r, h), static_cast<std::size_t>(width) * sizeof(std::uint16_t));
+        std::fill(row + (r < rows ? width : 0), row + width_pad, std::uint16_t{0});
+      }
+      for (std::int64_t r = 0; r < rows_pad; r += 2)
+        bf16dot::PairRowsBf16(dst + r * width_pad, dst + (r + 1) * width_pad,
+                              reinterpret_cast<std::uint16_t*>(paired + r / 2 * width_pad), width_pad);
+      bf16dot::TransposeWords(paired, width_pad, reinterpret_cast<std::uint32_t*>(transposed), rows_pad / 2,
+                              rows_pad / 2, width_pad);
+    }
+  }
+
+  static void ScoresAndDp(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t tile,
+                          std::int64_t rows_pad, std::int64_t n_pad) {
+    const AttentionProblem& p = prm.problem;
+    const std::int64_t bc = prm.plan.block_k, d_pad = prm.plan.head_dim_padded, dv_pad = prm.plan.head_dim_v_padded;
+    const std::int64_t d_even = Even(p.head_dim), dv_even = Even(p.head_dim_v);
+    const float scale = p.softmax_scale * OnlineSoftmaxState::kLog2e;
+    const std::uint16_t* kt = ws.kt_pairs.get() + tile * bc * d_even;
+    const std::uint16_t* vt = ws.vt_pairs.get() + tile * bc * dv_even;
+    bf16dot::DotBlock(ws.q_bf16.get(), d_pad, kt, kMicroCols * d_even, kStep, d_even / 2, scale, false,
+                      ws.p_tile.get(), bc, rows_pad, n_pad);
+    bf16dot::DotBlock(ws.do_bf16.get(), dv_pad, vt, kMicroCols * dv_even, kStep, dv_even / 2, 1.0f, false,
+                      ws.ds_tile.get(), bc, rows_pad, n_pad);
+  }
+
+  static void Gradients(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t j0, std::int64_t rows_pad,
+                        std::int64_t n_pad) {
+    const std::int64_t bc = prm.plan.block_k, d_pad = prm.plan.head_dim_padded, dv_pad = prm.plan.head_dim_v_padded;
+    // P and dS paired two rows at a time — word (row pair p, key j) at 2·(p·bc + j): the B
+    // operands of dVᵀ and dKᵀ, kCols keys per panel, steps 2·bc apart; dS rows rounded as
+    // they are for dQ.
+    for (std::int64_t r = 0; r < rows_pad; r += 2) {
+      bf16dot::PairRows(ws.p_tile.get() + r * bc, ws.p_tile.get() + (r + 1) * bc, ws.pt_bf16.get() + r * bc, n_pad);
+      bf16dot::PairRows(ws.ds_tile.get() + r * bc, ws.ds_tile.get() + (r + 1) * bc, ws.dst_bf16.get() + r * bc, n_pad);
+    }
+    for (std::int64_t r = 0; r < rows_pad; ++r)
+      bf16dot::RoundToBf16(ws.ds_tile.get() + r * bc, ws.ds_bf16.get() + r * bc, n_pad);
+    // dVᵀ += dOᵀ·P, dKᵀ += Qᵀ·dS: rows are head-dim columns, the depth is the Q tile's rows.
+    bf16dot::DotBlock(ws.dot_bf16.get(), rows_pad, ws.pt_bf16.get(), 2 * kMicroCols, 2 * bc, rows_pad / 2, 1.0f, true,
+                      ws.dv_acc.get(), bc, dv_pad, n_pad);
+    bf16dot::DotBlock(ws.qt_bf16.get(), rows_pad, ws.dst_bf16.get(), 2 * kMicroCols, 2 * bc, rows_pad / 2, 1.0f, true,
+                      ws.dk_acc.get(), bc, d_pad, n_pad);
+    // dQ share = dS·K: the depth is the tile's keys.
+    bf16dot::DotBlock(ws.ds_bf16.get(), bc, ws.k_pairs.get() + j0 / bc * bc * d_pad, kMicroCols * bc, kStep, n_pad / 2,
+                      1.0f, false, ws.dq_tile.get(), d_pad, rows_pad, d_pad);
+  }
+};
+#endif
+
 void AddTile(const float* HWY_RESTRICT src, float* HWY_RESTRICT dst, std::int64_t n) {
   const DF df;
   for (std::int64_t e = 0; e < n; e += kLanes)
@@ -197,7 +381,9 @@ void WaitForTicket(const std::atomic<std::int64_t>& ticket, std::int64_t kb) {
 // Item = (b, kv head, k block). Owns dK and dV of its K/V tile, so they need no
 // synchronization; streams the Q tiles of every q head sharing the kv head and adds its
 // dQ shares — under a striped lock in any order, or in K/V-block order (deterministic).
-void BackwardKvItem(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t item) {
+// Products (Fp32Products, Bf16Products) computes the five matrix products.
+template <class Products>
+void KvItem(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t item) {
   const AttentionProblem& p = prm.problem;
   const CpuBackwardPlan& plan = prm.plan;
   const std::int64_t bq = plan.block_q, bc = plan.block_k;
@@ -207,18 +393,17 @@ void BackwardKvItem(const BackwardParams& prm, BackwardWorkspace& ws, std::int64
   const std::int64_t group = p.heads_q / p.heads_kv;
   const std::int64_t j0 = kb * bc, n = std::min(bc, p.seqlen_k - j0);
   const std::int64_t n_pad = RoundUp(n, kMicroTileLcm);
-  EnsurePacked(prm, ws, b, kv_head, j0, j0 + n);
+  Products::Pack(prm, ws, b, kv_head, j0, j0 + n);
   ws.counters.k_read += n * p.head_dim;
   ws.counters.v_read += n * p.head_dim_v;
 
-  std::fill(ws.dk_acc.get(), ws.dk_acc.get() + n_pad * d_pad, 0.0f);
-  std::fill(ws.dv_acc.get(), ws.dv_acc.get() + n_pad * dv_pad, 0.0f);
+  Products::ZeroDkDv(prm, ws, n_pad);
   for (std::int64_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
     const RowMods mods(p, prm.alibi_slopes, prm.block_mask, b, h);
     for (std::int64_t qb = 0; qb < plan.q_blocks; ++qb) {
       const std::int64_t i0 = qb * bq, rows = std::min(bq, p.seqlen_q - i0);
       if (!mods.tile_has_work(i0, rows, j0, n)) continue;  // causal, window, block mask
-      const std::int64_t rows_pad = RoundUp(rows, kMicroRows);
+      const std::int64_t rows_pad = RoundUp(rows, Products::kRowMultiple);
       ws.counters.tiles_computed += 1;
       ws.counters.scores += rows * n;
       ws.counters.q_read += rows * p.head_dim;
@@ -226,17 +411,13 @@ void BackwardKvItem(const BackwardParams& prm, BackwardWorkspace& ws, std::int64
       ws.counters.stats_read += 2 * rows;  // lse and D
       ws.counters.dq_accum_read += rows * p.head_dim;
       ws.counters.dq_accum_written += rows * p.head_dim;
-      LoadQTile(prm, ws, b, h, i0, rows, rows_pad);
-      ComputePAndDS(prm, ws, mods, i0, rows, rows_pad, j0, n, n_pad);
-      // dV += Pᵀ·dO and dK += dSᵀ·Q' (Pᵀ, dSᵀ read through transposed views).
-      TileGemm<true>({ws.p_tile.get(), 1, bc}, ws.do_tile.get(), dv_pad, ws.dv_acc.get(), dv_pad,
-                     n_pad, dv_pad, rows_pad);
-      TileGemm<true>({ws.ds_tile.get(), 1, bc}, ws.q_tile.get(), d_pad, ws.dk_acc.get(), d_pad,
-                     n_pad, d_pad, rows_pad);
-      // dQ share of this K/V tile, added to the shared float32 accumulator.
-      float* dq_tile = ws.dq_tile.get();
-      TileGemm<false>({ws.ds_tile.get(), bc}, ws.k_packed.get() + j0 * d_pad, d_pad, dq_tile,
-                      d_pad, rows_pad, d_pad, n_pad);
+      LoadRowStats(prm, ws, b, h, i0, rows, rows_pad);
+      Products::LoadQ(prm, ws, b, h, i0, rows, rows_pad);
+      Products::ScoresAndDp(prm, ws, kb, rows_pad, n_pad);
+      ComputePAndDS(ws, mods, bc, i0, rows, rows_pad, j0, n, n_pad);
+      // dV, dK and this K/V tile's dQ share, added to the shared float32 accumulator.
+      Products::Gradients(prm, ws, j0, rows_pad, n_pad);
+      const float* dq_tile = ws.dq_tile.get();
       const std::int64_t tile_id = (b * p.heads_q + h) * plan.q_blocks + qb;
       float* dst = prm.dq_accum + ((b * p.heads_q + h) * p.seqlen_q + i0) * d_pad;
       if (prm.dq_tickets != nullptr) {
@@ -259,15 +440,23 @@ void BackwardKvItem(const BackwardParams& prm, BackwardWorkspace& ws, std::int64
         ticket.store(kb + 1, std::memory_order_release);
       }
   }
-  // dK = scale·dSᵀ·Q = ln2·dSᵀ·Q' because Q' = Q·scale·log2e.
-  for (std::int64_t r = 0; r < n; ++r) {
-    StoreRow(ws.dk_acc.get() + r * d_pad, p.head_dim, OnlineSoftmaxState::kLn2,
-             OutRowPointer(prm.dk, b, j0 + r, kv_head), prm.dk.dtype);
-    StoreRow(ws.dv_acc.get() + r * dv_pad, p.head_dim_v, 1.0f,
-             OutRowPointer(prm.dv, b, j0 + r, kv_head), prm.dv.dtype);
-  }
+  Products::StoreDkDv(prm, ws, b, kv_head, j0, n);
   ws.counters.dk_written += n * p.head_dim;
   ws.counters.dv_written += n * p.head_dim_v;
+}
+
+void BackwardKvItem(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t item) {
+  KvItem<Fp32Products>(prm, ws, item);
+}
+
+// The tiled_bf16 item where this target has one (AVX-512, whose micro-tile the bf16
+// micro-kernel shares), else null.
+BackwardKvItemFn TiledBf16KvItem() {
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+  return &KvItem<Bf16Products>;
+#else
+  return nullptr;
+#endif
 }
 
 void BackwardStoreDq(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t bh) {
@@ -290,10 +479,19 @@ HWY_EXPORT(BackwardDelta);
 HWY_EXPORT(BackwardKvItem);
 HWY_EXPORT(BackwardStoreDq);
 
-BackwardKernels backward_kernels() {
+HWY_EXPORT(TiledBf16KvItem);
+
+BackwardKernels backward_kernels(BackwardKernel kernel) {
   kernel_geometry();  // the first dispatched call picks the target
-  return {&HWY_DYNAMIC_DISPATCH(BackwardDelta), &HWY_DYNAMIC_DISPATCH(BackwardKvItem),
-          &HWY_DYNAMIC_DISPATCH(BackwardStoreDq)};
+  BackwardKvItemFn kv_item = &HWY_DYNAMIC_DISPATCH(BackwardKvItem);
+  if (kernel == BackwardKernel::tiled_bf16) {
+    // The plan checked this; the check here keeps a hand-made plan from an illegal instruction.
+    kv_item = bf16dot::available() ? HWY_DYNAMIC_DISPATCH(TiledBf16KvItem)() : nullptr;
+    if (kv_item == nullptr)
+      throw Error("backward_kernel tiled_bf16: this CPU (AVX512-BF16) or SIMD target (" +
+                  std::string(kernel_geometry().target) + ") cannot run it");
+  }
+  return {&HWY_DYNAMIC_DISPATCH(BackwardDelta), kv_item, &HWY_DYNAMIC_DISPATCH(BackwardStoreDq)};
 }
 
 }  // namespace flashattn::cpu

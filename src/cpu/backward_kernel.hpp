@@ -48,12 +48,26 @@ struct BackwardWorkspace {
   hwy::AlignedFreeUniquePtr<float[]> g_tile;   // (block_q, block_k): softcap's 1 − tanh²
   hwy::AlignedFreeUniquePtr<float[]> w_tile;   // (block_q, block_k): dropout weights
   hwy::AlignedFreeUniquePtr<float[]> dq_tile;  // (block_q, D_pad)
-  hwy::AlignedFreeUniquePtr<float[]> dk_acc;   // (block_k, D_pad)
-  hwy::AlignedFreeUniquePtr<float[]> dv_acc;   // (block_k, Dv_pad)
+  hwy::AlignedFreeUniquePtr<float[]> dk_acc;   // (block_k, D_pad); tiled_bf16: dKᵀ, (D_pad, block_k)
+  hwy::AlignedFreeUniquePtr<float[]> dv_acc;   // (block_k, Dv_pad); tiled_bf16: dVᵀ, (Dv_pad, block_k)
   hwy::AlignedFreeUniquePtr<float[]> kt_packed;  // per tile (D, block_k): Kᵀ
   hwy::AlignedFreeUniquePtr<float[]> vt_packed;  // per tile (Dv, block_k): Vᵀ
   hwy::AlignedFreeUniquePtr<float[]> k_packed;   // (k tiles · block_k, D_pad): K
   hwy::AlignedFreeUniquePtr<float[]> row_scratch;  // (max(D, Dv)): one converted row
+  // (tiled_bf16) operands of the bf16 micro-kernel (bf16_dot.hpp), pairs along each
+  // product's depth; empty otherwise. Per Q tile: Q and dO as stored (rows of D_pad, Dv_pad:
+  // the A operands of S and dP) and transposed (Qᵀ, dOᵀ: the A operands of dKᵀ and dVᵀ, whose
+  // depth is the tile's rows), with a scratch for pairing rows; P and dS paired two rows at a
+  // time (row-pair p's words of every key, 2·block_k apart: B of dVᵀ and dKᵀ); dS rows (dQ's A).
+  hwy::AlignedFreeUniquePtr<std::uint16_t[]> q_bf16, do_bf16;      // (block_q, D_pad), (block_q, Dv_pad)
+  hwy::AlignedFreeUniquePtr<std::uint16_t[]> qt_bf16, dot_bf16;    // (D_pad, block_q), (Dv_pad, block_q)
+  hwy::AlignedFreeUniquePtr<std::uint16_t[]> pair_scratch;         // (block_q, max(D_pad, Dv_pad))
+  hwy::AlignedFreeUniquePtr<std::uint16_t[]> pt_bf16, dst_bf16;    // (block_q / 2, block_k, 2)
+  hwy::AlignedFreeUniquePtr<std::uint16_t[]> ds_bf16;              // (block_q, block_k)
+  // Per K/V tile, as panels: K and V with pairs along the head dims (S's and dP's B: micro_cols
+  // keys, (D_even / 2, micro_cols, 2) each), K with pairs of keys (dQ's B: micro_cols columns,
+  // (block_k / 2, micro_cols, 2) each).
+  hwy::AlignedFreeUniquePtr<std::uint16_t[]> kt_pairs, vt_pairs, k_pairs;
   std::vector<float> row_lse2;   // (block_q): lse·log2e, the exp2 offset of each row
   std::vector<float> row_delta;  // (block_q): D of each row
   PackedHead packed;  // which head k/v buffers hold, and how much of it
@@ -74,6 +88,7 @@ struct BackwardKernels {
   BackwardKvItemFn kv_item;
   BackwardStoreDqFn store_dq;
 };
-BackwardKernels backward_kernels();
+// The kernels of `kernel` (never automatic) on the dispatched SIMD target.
+BackwardKernels backward_kernels(BackwardKernel kernel);
 
 }  // namespace flashattn::cpu

@@ -24,20 +24,46 @@ std::size_t tiles_held(const CpuForwardPlan& plan, const AttentionProblem& p) {
 }
 }  // namespace
 
-std::size_t forward_workspace_bytes(const CpuForwardPlan& plan, const AttentionProblem& p) {
+// Elements of each workspace buffer for a plan: forward_workspace_bytes and the workspace's
+// constructor read the same sizes.
+struct WorkspaceSizes {
+  std::size_t q_floats, s_floats, o_floats, k_floats, v_floats;  // float32
+  std::size_t q_bf16, p_bf16, k_pairs, v_pairs;                  // bf16 (tiled_bf16)
+};
+
+WorkspaceSizes workspace_sizes(const CpuForwardPlan& plan, const AttentionProblem& p) {
   const std::size_t bq = static_cast<std::size_t>(plan.block_q) * tiles_held(plan, p);
   const auto bc = static_cast<std::size_t>(plan.block_k);
   const auto d = static_cast<std::size_t>(p.head_dim);
   const auto dv_pad = static_cast<std::size_t>(plan.head_dim_v_padded);
-  const std::size_t keys_pad =
-      plan.kernel == ForwardKernel::tiled ? round_up(static_cast<std::size_t>(p.seqlen_k), bc) : 0;
-  const std::size_t d_pad = round_up(d, 32);
-  const std::size_t q_rows = plan.kernel == ForwardKernel::decode ? bq + 1 : bq;
-  const std::size_t o_floats = bq * dv_pad + (plan.kernel == ForwardKernel::decode ? bc : 0);
-  const std::size_t floats = q_rows * d_pad + bq * bc + o_floats + keys_pad * d + keys_pad * dv_pad;
+  const bool decode = plan.kernel == ForwardKernel::decode, bf16 = plan.kernel == ForwardKernel::tiled_bf16;
+  const std::size_t keys_pad = decode ? 0 : round_up(static_cast<std::size_t>(p.seqlen_k), bc);
+  const std::size_t d_pad = round_up(d, 32);  // a whole number of pairs of vectors on every target
+  const std::size_t d_even = round_up(d, 2);  // whole bf16 pairs
+  WorkspaceSizes s{};
+  s.q_floats = bf16 ? 0 : (decode ? bq + 1 : bq) * d_pad;
+  s.s_floats = bq * bc;
+  s.o_floats = bq * dv_pad + (decode ? bc : 0);
+  s.k_floats = bf16 ? 0 : keys_pad * d;
+  s.v_floats = bf16 ? 0 : keys_pad * dv_pad;
+  if (bf16) {
+    s.q_bf16 = bq * d_even;
+    s.p_bf16 = bq * bc;
+    s.k_pairs = keys_pad * d_even;
+    s.v_pairs = keys_pad * dv_pad;
+  }
+  return s;
+}
+
+std::size_t forward_workspace_bytes(const CpuForwardPlan& plan, const AttentionProblem& p) {
+  const std::size_t bq = static_cast<std::size_t>(plan.block_q) * tiles_held(plan, p);
+  const auto bc = static_cast<std::size_t>(plan.block_k);
+  const WorkspaceSizes w = workspace_sizes(plan, p);
+  const std::size_t floats = w.q_floats + w.s_floats + w.o_floats + w.k_floats + w.v_floats;
+  const std::size_t halves = w.q_bf16 + w.p_bf16 + w.k_pairs + w.v_pairs;
   const std::size_t keys = plan.kernel == ForwardKernel::decode ? bc + kDecodePrefetchKeys : 0;
   const auto strips = static_cast<std::size_t>(plan.block_q / plan.hardware.micro_rows);
-  return floats * sizeof(float) + bq * (sizeof(OnlineSoftmaxState) + sizeof(std::int32_t)) +
+  return floats * sizeof(float) + halves * sizeof(std::uint16_t) + bq * (sizeof(OnlineSoftmaxState) + sizeof(std::int32_t)) +
          keys * DecodeKeys::kBytesPerKey + strips * sizeof(StripKeys);
 }
 
@@ -45,19 +71,19 @@ ForwardWorkspace::ForwardWorkspace(const CpuForwardPlan& plan, const AttentionPr
     : states(static_cast<std::size_t>(plan.block_q) * tiles_held(plan, p)),
       rescales(static_cast<std::size_t>(plan.block_q) * tiles_held(plan, p)),
       strip_keys(static_cast<std::size_t>(plan.block_q / plan.hardware.micro_rows)) {
-  const std::size_t bq = static_cast<std::size_t>(plan.block_q) * tiles_held(plan, p);
-  const auto bc = static_cast<std::size_t>(plan.block_k);
-  const auto d = static_cast<std::size_t>(p.head_dim);
-  const auto dv_pad = static_cast<std::size_t>(plan.head_dim_v_padded);
-  const std::size_t keys_pad =
-      plan.kernel == ForwardKernel::tiled ? round_up(static_cast<std::size_t>(p.seqlen_k), bc) : 0;
-  const std::size_t d_pad = round_up(d, 32);  // a whole number of pairs of vectors on every target
-  q_tile = allocate_floats((plan.kernel == ForwardKernel::decode ? bq + 1 : bq) * d_pad);
-  if (plan.kernel == ForwardKernel::decode) decode_keys.resize(bc + kDecodePrefetchKeys);
-  s_tile = allocate_floats(bq * bc);
-  o_acc = allocate_floats(bq * dv_pad + (plan.kernel == ForwardKernel::decode ? bc : 0));
-  k_packed = allocate_floats(keys_pad * d + 1);
-  v_packed = allocate_floats(keys_pad * dv_pad + 1);
+  const WorkspaceSizes w = workspace_sizes(plan, p);
+  q_tile = allocate_floats(w.q_floats);
+  if (plan.kernel == ForwardKernel::decode) decode_keys.resize(static_cast<std::size_t>(plan.block_k + kDecodePrefetchKeys));
+  s_tile = allocate_floats(w.s_floats);
+  o_acc = allocate_floats(w.o_floats);
+  k_packed = allocate_floats(w.k_floats + 1);
+  v_packed = allocate_floats(w.v_floats + 1);
+  if (plan.kernel == ForwardKernel::tiled_bf16) {
+    q_bf16 = allocate_array<std::uint16_t>(w.q_bf16);
+    p_bf16 = allocate_array<std::uint16_t>(w.p_bf16);
+    k_pairs = allocate_array<std::uint16_t>(w.k_pairs);
+    v_pairs = allocate_array<std::uint16_t>(w.v_pairs);
+  }
 }
 
 }  // namespace cpu
@@ -126,7 +152,7 @@ void run_forward_jobs(const std::vector<ForwardJob>& jobs) {
   const CpuHardware hw = CpuHardware::detect(options.num_threads);
   std::vector<PlannedJob> planned(live.size());
   for (std::size_t j = 0; j < live.size(); ++j)
-    planned[j].plan = plan_forward(live[j].problem, hw, options.num_splits, live[j].options.block_q);
+    planned[j].plan = plan_forward(live[j].problem, hw, options.num_splits, live[j].options.block_q, live[j].options.kernel);
   const bool shared = live.size() > 1 && std::all_of(planned.begin(), planned.end(), [](const PlannedJob& j) {
                         return j.plan.kernel == ForwardKernel::decode;
                       });
@@ -134,7 +160,7 @@ void run_forward_jobs(const std::vector<ForwardJob>& jobs) {
     const auto sequences = static_cast<std::int64_t>(live.size());
     const auto splits = static_cast<int>((2 * hw.threads + sequences - 1) / sequences);
     for (std::size_t j = 0; j < live.size(); ++j)
-      planned[j].plan = plan_forward(live[j].problem, hw, splits, live[j].options.block_q);
+      planned[j].plan = plan_forward(live[j].problem, hw, splits, live[j].options.block_q, live[j].options.kernel);
   }
   for (std::size_t j = 0; j < live.size(); ++j) {
     const ForwardJob& job = live[j];
@@ -249,6 +275,7 @@ void detail::forward_cache(const std::vector<CacheSequence>& sequences) {
         AttentionProblem::from_sizes(c.q.shape[0], c.q.shape[1], c.seqlen_k, c.q.shape[2], c.k_pool.shape[2],
                                      c.q.shape[3], c.v_pool.shape[3], c.q.dtype, c.options);
     problem.batch_offset = c.batch_offset;
+    problem.kv_dtype = c.k_pool.dtype;  // u8 for an FP8 cache
     detail::check_forward_outputs(problem, c.q, c.k_pool, c.v_pool, c.out, c.lse);
     const CacheSource& source = c.source;
     const std::int64_t page_size = source.block_table != nullptr ? c.k_pool.shape[1] : 0;

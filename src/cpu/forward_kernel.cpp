@@ -2,12 +2,15 @@
 // dispatched once per call. One work item = one block of Q rows of one (batch, head);
 // it streams every visible K/V tile through fast memory (SPEC §2–§3):
 //
-//   load Q tile (pre-scaled by softmax_scale·log2e)
-//   for each K/V tile:  S = Q·Kᵀ → mask → online-softmax update (P = 2^(S − m)) → õ += P·V
+//   load Q tile
+//   for each K/V tile:  S = Q·Kᵀ·softmax_scale·log2e → mask → online-softmax update
+//                       (P = 2^(S − m)) → õ += P·V
 //   epilogue: o = õ / ℓ, lse = (m + log2 ℓ)·ln2
 //
 // Both products run on one register-blocked micro-kernel, each row strip over only the keys
-// it may see (FindStripKeys); S never leaves the L2 cache.
+// it may see (FindStripKeys); S never leaves the L2 cache. The kernels "tiled" and
+// "tiled_bf16" differ only in that micro-kernel and the operands it reads (Fp32Products:
+// float32 FMAs; Bf16Products: AVX512-BF16 dot products on bf16 operands, bf16_dot.hpp).
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "src/cpu/forward_kernel.cpp"
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
@@ -22,7 +25,9 @@
 #include <limits>
 
 #include "flashattn/online_softmax.hpp"
+#include "flashattn/error.hpp"
 #include "src/core/element.hpp"
+#include "src/cpu/bf16_dot.hpp"
 #include "src/cpu/forward_kernel.hpp"
 #include "src/cpu/fp8-inl.h"
 #include "src/cpu/score_mods-inl.h"
@@ -52,58 +57,40 @@ float KvDescale(const ForwardParams& prm, const float* descale, std::int64_t b, 
   return descale[page * prm.paged.descale_page_stride + kv_head * prm.paged.descale_head_stride];
 }
 
-// Row (b, j, kv_head) of k or v as float32 values (converted, FP8 codes dequantized).
-void LoadKvRow(const ForwardParams& prm, const TensorView& t, const float* descale, std::int64_t b,
-               std::int64_t j, std::int64_t kv_head, std::int64_t n, float* HWY_RESTRICT dst) {
-  LoadRow(KvRow(prm, t, b, j, kv_head), t.dtype, n, KvDescale(prm, descale, b, j, kv_head), dst);
-}
-
 // Prefetches the cache lines of the `bytes` bytes from `row` on: a row that is read
 // kRowPrefetchDistance rows later.
 HWY_INLINE void PrefetchRow(const void* row, std::int64_t bytes) {
   for (std::int64_t off = 0; off < bytes; off += kCacheLineBytes) hwy::Prefetch(static_cast<const char*>(row) + off);
 }
 
-// The producer role (SPEC §4) on a CPU: convert and lay out K and V of one (batch, kv
-// head) for keys [from, to), whole tiles at a time, reusing what is packed. Both are cut
-// into the micro-kernel's B panels of kMicroCols columns, each stored contiguously: a K tile
-// as panels of kMicroCols keys, each (head_dim, kMicroCols) — Kᵀ — and a V tile as panels of
-// kMicroCols columns of V, each (block_k, kMicroCols). A micro-kernel then reads its B panel
-// as one sequential stream. (Row-major tiles put consecutive rows of a panel block_k or
-// head_dim_v floats apart, 512 B at 128: all in the same few L1 sets, which hold too few of
-// them for the panel to stay in L1 while the row strips reuse it.)
-void EnsurePacked(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t b,
-                  std::int64_t kv_head, std::int64_t from, std::int64_t to) {
+// The producer role (SPEC §4) on a CPU: lay out K and V of one (batch, kv head) for keys
+// [from, to), whole tiles at a time, reusing what is packed. Both are cut into the
+// micro-kernel's B panels of kMicroCols columns, each stored contiguously, so that a
+// micro-kernel reads its B panel as one sequential stream. (Row-major tiles put consecutive
+// rows of a panel block_k or head_dim_v floats apart, 512 B at 128: all in the same few L1
+// sets, which hold too few of them for the panel to stay in L1 while the row strips reuse
+// it.) `place(j, k_row, v_row)` puts key j's rows, as stored, into its panels; null rows
+// are the keys that pad the last tile, which must be zeros: masked scores must meet finite
+// K and V.
+template <class PlaceFn>
+void PackKeys(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t b, std::int64_t kv_head,
+              std::int64_t from, std::int64_t to, PlaceFn place) {
   const AttentionProblem& p = prm.problem;
-  const std::int64_t bc = prm.plan.block_k, d = p.head_dim, dv = p.head_dim_v;
-  const std::int64_t dv_pad = prm.plan.head_dim_v_padded;
+  const std::int64_t bc = prm.plan.block_k;
   const std::int64_t begin = ws.packed.first_to_pack(b, kv_head, from / bc * bc);
   const std::int64_t end = std::min(p.seqlen_k, (to + bc - 1) / bc * bc);
-  float* krow = ws.q_tile.get();  // scratch: Q is loaded after packing
-  float* vrow = ws.o_acc.get();   // scratch (dv_pad floats): õ is zeroed after packing
-  // Key j's K and V rows into their panels (zeros when `zero`: the last tile's padding keys).
-  auto place = [&](std::int64_t j, bool zero) {
-    float* kt = ws.k_packed.get() + (j / bc) * d * bc + (j % bc) / kMicroCols * d * kMicroCols + j % kMicroCols;
-    float* vt = ws.v_packed.get() + (j / bc) * bc * dv_pad + (j % bc) * kMicroCols;
-    for (std::int64_t c = 0; c < d; ++c) kt[c * kMicroCols] = zero ? 0.0f : krow[c];
-    for (std::int64_t c = 0; c < dv_pad; c += kMicroCols)
-      for (std::int64_t e = 0; e < kMicroCols; ++e) vt[c * bc + e] = zero || c + e >= dv ? 0.0f : vrow[c + e];
-  };
-  const std::int64_t k_bytes = d * static_cast<std::int64_t>(dtype_size(prm.k.dtype));
-  const std::int64_t v_bytes = dv * static_cast<std::int64_t>(dtype_size(prm.v.dtype));
+  const std::int64_t k_bytes = p.head_dim * static_cast<std::int64_t>(dtype_size(prm.k.dtype));
+  const std::int64_t v_bytes = p.head_dim_v * static_cast<std::int64_t>(dtype_size(prm.v.dtype));
   for (std::int64_t j = begin; j < end; ++j) {
     if (j + kRowPrefetchDistance < end) {
       PrefetchRow(KvRow(prm, prm.k, b, j + kRowPrefetchDistance, kv_head), k_bytes);
       PrefetchRow(KvRow(prm, prm.v, b, j + kRowPrefetchDistance, kv_head), v_bytes);
     }
-    LoadKvRow(prm, prm.k, prm.paged.k_descale, b, j, kv_head, d, krow);
-    LoadKvRow(prm, prm.v, prm.paged.v_descale, b, j, kv_head, dv, vrow);
-    place(j, false);
+    place(j, KvRow(prm, prm.k, b, j, kv_head), KvRow(prm, prm.v, b, j, kv_head));
   }
-  // Zero the padding of the last tile: masked scores must meet finite K and V.
   if (end == p.seqlen_k && begin < end)
-    for (std::int64_t j = end; j % bc != 0; ++j) place(j, true);
-  if (end > begin) ws.counters.kv_packed += (end - begin) * (d + dv);
+    for (std::int64_t j = end; j % bc != 0; ++j) place(j, nullptr, nullptr);
+  if (end > begin) ws.counters.kv_packed += (end - begin) * (p.head_dim + p.head_dim_v);
   ws.packed.done(end);
 }
 
@@ -187,18 +174,14 @@ void FindStripKeys(const AttentionProblem& p, std::int64_t i0, std::int64_t stri
   }
 }
 
-// S(strip, panel) = Q(strip)·Kᵀ(panel) for every panel in the strip's span. Panels
-// outermost: one packed Kᵀ panel (head_dim × kMicroCols, contiguous) stays in L1 while the
-// row strips pass over it.
-void ScoreTile(const float* HWY_RESTRICT q_tile, std::int64_t d, const float* HWY_RESTRICT k_tile,
-               float* HWY_RESTRICT s_tile, std::int64_t lds, const StripKeys* HWY_RESTRICT keys, std::int64_t strips,
-               std::int64_t n_pad) {
-  for (std::int64_t j = 0; j < n_pad; j += kMicroCols) {
-    const float* panel = k_tile + j / kMicroCols * d * kMicroCols;  // (d, kMicroCols)
+// micro(s, j): S(strip s, panel j) = Q(strip)·Kᵀ(panel), for every panel j in the strip's
+// span. Panels outermost: one packed K panel (contiguous) stays in L1 while the row strips
+// pass over it.
+template <class MicroFn>
+HWY_INLINE void ScoreTile(const StripKeys* HWY_RESTRICT keys, std::int64_t strips, std::int64_t n_pad, MicroFn micro) {
+  for (std::int64_t j = 0; j < n_pad; j += kMicroCols)
     for (std::int64_t s = 0; s < strips; ++s)
-      if (keys[s].begin <= j && j < keys[s].end)
-        MicroTile<false>({q_tile + s * kMicroRows * d, d}, panel, kMicroCols, s_tile + s * kMicroRows * lds + j, lds, d);
-  }
+      if (keys[s].begin <= j && j < keys[s].end) micro(s, j);
 }
 
 // The online-softmax update of every row over its strip's span (SoftmaxRow); rows of an
@@ -218,20 +201,15 @@ void SoftmaxTile(const RowMods& mods, float* HWY_RESTRICT s, std::int64_t lds, s
   }
 }
 
-// õ(strip) += P(strip, span)·V(span, panel) for every output panel: a strip's P is zero
-// outside its span, so its depth is the span alone. Panels outermost, as in ScoreTile.
-void AccumulateTile(const float* HWY_RESTRICT s_tile, std::int64_t lds, const float* HWY_RESTRICT v_tile,
-                    std::int64_t bc, float* HWY_RESTRICT o_acc, std::int64_t dv_pad, const StripKeys* HWY_RESTRICT keys,
-                    std::int64_t strips) {
-  for (std::int64_t c = 0; c < dv_pad; c += kMicroCols) {
-    const float* panel = v_tile + c / kMicroCols * bc * kMicroCols;  // (bc, kMicroCols)
-    for (std::int64_t s = 0; s < strips; ++s) {
-      const StripKeys k = keys[s];
-      if (k.begin == k.end) continue;
-      MicroTile<true>({s_tile + s * kMicroRows * lds + k.begin, lds}, panel + k.begin * kMicroCols, kMicroCols,
-                      o_acc + s * kMicroRows * dv_pad + c, dv_pad, k.end - k.begin);
-    }
-  }
+// micro(s, c, span): õ(strip s, panel c) += P(strip, span)·V(span, panel), for every output
+// panel c: a strip's P is zero outside its span, so its depth is the span alone. Panels
+// outermost, as in ScoreTile.
+template <class MicroFn>
+HWY_INLINE void AccumulateTile(const StripKeys* HWY_RESTRICT keys, std::int64_t strips, std::int64_t dv_pad,
+                               MicroFn micro) {
+  for (std::int64_t c = 0; c < dv_pad; c += kMicroCols)
+    for (std::int64_t s = 0; s < strips; ++s)
+      if (keys[s].begin != keys[s].end) micro(s, c, keys[s]);
 }
 
 // Row (b, i, h) of out.
@@ -261,7 +239,162 @@ void StoreOutputRow(const ForwardParams& prm, std::int64_t split, std::int64_t b
       state.lse();
 }
 
-void ForwardWorkItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item) {
+// The tiled kernel's two products on float32 FMAs (MicroTile): K and V converted to float32
+// at packing (FP8 codes dequantized), Q pre-scaled by softmax_scale·log2e as it is loaded.
+struct Fp32Products {
+  // K tiles as panels of kMicroCols keys, each (head_dim, kMicroCols) — Kᵀ; V tiles as panels
+  // of kMicroCols columns, each (block_k, kMicroCols).
+  static void Pack(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t b, std::int64_t kv_head,
+                   std::int64_t from, std::int64_t to) {
+    const std::int64_t bc = prm.plan.block_k, d = prm.problem.head_dim, dv = prm.problem.head_dim_v;
+    const std::int64_t dv_pad = prm.plan.head_dim_v_padded;
+    float* krow = ws.q_tile.get();  // scratch: Q is loaded after packing
+    float* vrow = ws.o_acc.get();   // scratch (dv_pad floats): õ is zeroed after packing
+    PackKeys(prm, ws, b, kv_head, from, to, [&](std::int64_t j, const void* k_row, const void* v_row) {
+      const bool zero = k_row == nullptr;
+      if (!zero) {
+        LoadRow(k_row, prm.k.dtype, d, KvDescale(prm, prm.paged.k_descale, b, j, kv_head), krow);
+        LoadRow(v_row, prm.v.dtype, dv, KvDescale(prm, prm.paged.v_descale, b, j, kv_head), vrow);
+      }
+      float* kt = ws.k_packed.get() + (j / bc) * d * bc + (j % bc) / kMicroCols * d * kMicroCols + j % kMicroCols;
+      float* vt = ws.v_packed.get() + (j / bc) * bc * dv_pad + (j % bc) * kMicroCols;
+      for (std::int64_t c = 0; c < d; ++c) kt[c * kMicroCols] = zero ? 0.0f : krow[c];
+      for (std::int64_t c = 0; c < dv_pad; c += kMicroCols)
+        for (std::int64_t e = 0; e < kMicroCols; ++e) vt[c * bc + e] = zero || c + e >= dv ? 0.0f : vrow[c + e];
+    });
+  }
+
+  // Rows [0, rows) of the Q tile from queries i0.., times softmax_scale·log2e; rows up to
+  // rows_pad zero.
+  static void LoadQ(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t b, std::int64_t h, std::int64_t i0,
+                    std::int64_t rows, std::int64_t rows_pad) {
+    const AttentionProblem& p = prm.problem;
+    const std::int64_t d = p.head_dim;
+    float* q_tile = ws.q_tile.get();  // (rows_pad, d)
+    const float q_scale = p.softmax_scale * OnlineSoftmaxState::kLog2e;
+    const std::int64_t q_bytes = d * static_cast<std::int64_t>(dtype_size(p.dtype));
+    for (std::int64_t r = 0; r < rows; ++r) {
+      if (r + kRowPrefetchDistance < rows) PrefetchRow(RowPointer(prm.q, b, i0 + r + kRowPrefetchDistance, h), q_bytes);
+      LoadRow(RowPointer(prm.q, b, i0 + r, h), p.dtype, d, q_scale, q_tile + r * d);
+    }
+    std::fill(q_tile + rows * d, q_tile + rows_pad * d, 0.0f);
+  }
+
+  // The S tile of keys j0.. (n_pad of them) over each strip's span.
+  static void Scores(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t j0, const StripKeys* keys,
+                     std::int64_t strips, std::int64_t n_pad) {
+    const std::int64_t d = prm.problem.head_dim, bc = prm.plan.block_k;
+    const float* q_tile = ws.q_tile.get();
+    const float* k_tile = ws.k_packed.get() + (j0 / bc) * d * bc;
+    float* s_tile = ws.s_tile.get();  // (rows_pad, bc)
+    ScoreTile(keys, strips, n_pad, [&](std::int64_t s, std::int64_t j) {
+      MicroTile<false>({q_tile + s * kMicroRows * d, d}, k_tile + j / kMicroCols * d * kMicroCols, kMicroCols,
+                       s_tile + s * kMicroRows * bc + j, bc, d);
+    });
+  }
+
+  // õ += P·V(keys j0..), P in place in the S tile.
+  static void Accumulate(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t j0, const StripKeys* keys,
+                         std::int64_t strips) {
+    const std::int64_t bc = prm.plan.block_k, dv_pad = prm.plan.head_dim_v_padded;
+    const float* s_tile = ws.s_tile.get();
+    const float* v_tile = ws.v_packed.get() + j0 * dv_pad;
+    float* o_acc = ws.o_acc.get();
+    AccumulateTile(keys, strips, dv_pad, [&](std::int64_t s, std::int64_t c, StripKeys k) {
+      MicroTile<true>({s_tile + s * kMicroRows * bc + k.begin, bc}, v_tile + c / kMicroCols * bc * kMicroCols + k.begin * kMicroCols,
+                      kMicroCols, o_acc + s * kMicroRows * dv_pad + c, dv_pad, k.end - k.begin);
+    });
+  }
+};
+
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+// The tiled kernel's two products on AVX512-BF16 dot products (bf16_dot.hpp), for bf16 q, k
+// and v: every operand is bf16 with pairs along the product's depth, read as stored. S =
+// Q·Kᵀ takes Q unscaled — exact inputs — and applies softmax_scale·log2e to S in float32 as
+// the micro-tile is stored, so nothing is rounded that upstream does not round; P is rounded
+// to bf16 (nearest even) before P·V, as upstream rounds it, while ℓ sums the float32 P.
+// The bf16 micro-tile is this target's micro-tile, so strips, spans and panels are the
+// float32 kernel's.
+struct Bf16Products {
+  static_assert(kMicroRows == bf16dot::kRows && kMicroCols == bf16dot::kCols, "one micro-tile for both kernels");
+
+  static std::int64_t EvenHeadDim(const ForwardParams& prm) { return (prm.problem.head_dim + 1) / 2 * 2; }
+
+  // K tiles as panels of kMicroCols keys, each (head_dim_pairs, kMicroCols, 2): step p holds
+  // every key's elements 2p and 2p + 1 side by side (an odd head_dim ends with a zero); V
+  // tiles as panels of kMicroCols columns, each (block_k / 2, kMicroCols, 2): step p holds
+  // every column's values of keys 2p and 2p + 1.
+  static void Pack(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t b, std::int64_t kv_head,
+                   std::int64_t from, std::int64_t to) {
+    const std::int64_t bc = prm.plan.block_k, d = prm.problem.head_dim, dv = prm.problem.head_dim_v;
+    const std::int64_t dv_pad = prm.plan.head_dim_v_padded, d_even = EvenHeadDim(prm);
+    constexpr std::int64_t kStep = bf16dot::kPairStep;
+    PackKeys(prm, ws, b, kv_head, from, to, [&](std::int64_t j, const void* k_row, const void* v_row) {
+      const auto* k = static_cast<const std::uint16_t*>(k_row);
+      const auto* v = static_cast<const std::uint16_t*>(v_row);
+      std::uint16_t* kt =
+          ws.k_pairs.get() + (j / bc) * d_even * bc + (j % bc) / kMicroCols * d_even * kMicroCols + j % kMicroCols * 2;
+      for (std::int64_t e = 0; e < d; ++e) kt[e / 2 * kStep + e % 2] = k != nullptr ? k[e] : 0;
+      if (d < d_even) kt[d / 2 * kStep + 1] = 0;
+      std::uint16_t* vt = ws.v_pairs.get() + (j / bc) * bc * dv_pad + (j % bc) / 2 * kStep + j % 2;
+      for (std::int64_t c = 0; c < dv_pad; ++c)
+        vt[c / kMicroCols * bc * kMicroCols + c % kMicroCols * 2] = v != nullptr && c < dv ? v[c] : 0;
+    });
+  }
+
+  // Rows [0, rows) of the bf16 Q tile from queries i0.., as stored (head_dim padded to even
+  // with a zero); rows up to rows_pad zero.
+  static void LoadQ(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t b, std::int64_t h, std::int64_t i0,
+                    std::int64_t rows, std::int64_t rows_pad) {
+    const std::int64_t d = prm.problem.head_dim, d_even = EvenHeadDim(prm);
+    std::uint16_t* q = ws.q_bf16.get();  // (rows_pad, d_even)
+    const std::int64_t q_bytes = d * static_cast<std::int64_t>(sizeof(std::uint16_t));
+    for (std::int64_t r = 0; r < rows; ++r) {
+      if (r + kRowPrefetchDistance < rows) PrefetchRow(RowPointer(prm.q, b, i0 + r + kRowPrefetchDistance, h), q_bytes);
+      std::memcpy(q + r * d_even, RowPointer(prm.q, b, i0 + r, h), static_cast<std::size_t>(q_bytes));
+      if (d < d_even) q[r * d_even + d] = 0;
+    }
+    std::fill(q + rows * d_even, q + rows_pad * d_even, std::uint16_t{0});
+  }
+
+  static void Scores(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t j0, const StripKeys* keys,
+                     std::int64_t strips, std::int64_t n_pad) {
+    const std::int64_t d_even = EvenHeadDim(prm), bc = prm.plan.block_k;
+    const float scale = prm.problem.softmax_scale * OnlineSoftmaxState::kLog2e;
+    const std::uint16_t* q = ws.q_bf16.get();
+    const std::uint16_t* k_tile = ws.k_pairs.get() + (j0 / bc) * d_even * bc;
+    float* s_tile = ws.s_tile.get();  // (rows_pad, bc)
+    ScoreTile(keys, strips, n_pad, [&](std::int64_t s, std::int64_t j) {
+      bf16dot::DotStore(q + s * kMicroRows * d_even, d_even, k_tile + j / kMicroCols * d_even * kMicroCols, d_even / 2,
+                        scale, s_tile + s * kMicroRows * bc + j, bc);
+    });
+  }
+
+  // P of each strip's span rounded into the bf16 P tile, then õ += P·V(keys j0..).
+  static void Accumulate(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t j0, const StripKeys* keys,
+                         std::int64_t strips) {
+    const std::int64_t bc = prm.plan.block_k, dv_pad = prm.plan.head_dim_v_padded;
+    const float* s_tile = ws.s_tile.get();
+    std::uint16_t* p_tile = ws.p_bf16.get();  // (rows_pad, bc)
+    for (std::int64_t s = 0; s < strips; ++s)
+      for (std::int64_t r = s * kMicroRows; r < (s + 1) * kMicroRows && keys[s].begin != keys[s].end; ++r)
+        bf16dot::RoundToBf16(s_tile + r * bc + keys[s].begin, p_tile + r * bc + keys[s].begin,
+                             keys[s].end - keys[s].begin);
+    const std::uint16_t* v_tile = ws.v_pairs.get() + j0 * dv_pad;
+    float* o_acc = ws.o_acc.get();
+    AccumulateTile(keys, strips, dv_pad, [&](std::int64_t s, std::int64_t c, StripKeys k) {
+      bf16dot::DotAccumulate(p_tile + s * kMicroRows * bc + k.begin, bc,
+                             v_tile + c / kMicroCols * bc * kMicroCols + k.begin * kMicroCols, (k.end - k.begin) / 2,
+                             o_acc + s * kMicroRows * dv_pad + c, dv_pad);
+    });
+  }
+};
+#endif
+
+// One work item of the tiled kernels: a Q tile of one (batch, head) against its visible K/V
+// tiles; Products (Fp32Products, Bf16Products) computes the two matrix products.
+template <class Products>
+void TiledItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item) {
   const AttentionProblem& p = prm.problem;
   const CpuForwardPlan& plan = prm.plan;
   const std::int64_t d = p.head_dim, dv_pad = plan.head_dim_v_padded;
@@ -288,16 +421,8 @@ void ForwardWorkItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_
                                         (first_tile + tiles * (split + 1) / plan.splits) * bc);
   const RowMods mods(p, prm.alibi_slopes, prm.block_mask, b, h);
 
-  EnsurePacked(prm, ws, b, kv_head, key_begin, key_end);
-
-  float* q_tile = ws.q_tile.get();  // (rows_pad, d)
-  const float q_scale = p.softmax_scale * OnlineSoftmaxState::kLog2e;
-  const std::int64_t q_bytes = d * static_cast<std::int64_t>(dtype_size(p.dtype));
-  for (std::int64_t r = 0; r < rows; ++r) {
-    if (r + kRowPrefetchDistance < rows) PrefetchRow(RowPointer(prm.q, b, i0 + r + kRowPrefetchDistance, h), q_bytes);
-    LoadRow(RowPointer(prm.q, b, i0 + r, h), p.dtype, d, q_scale, q_tile + r * d);
-  }
-  std::fill(q_tile + rows * d, q_tile + rows_pad * d, 0.0f);
+  Products::Pack(prm, ws, b, kv_head, key_begin, key_end);
+  Products::LoadQ(prm, ws, b, h, i0, rows, rows_pad);
   ws.counters.q_read += rows * d;
 
   float* o_acc = ws.o_acc.get();  // (rows_pad, dv_pad)
@@ -318,10 +443,9 @@ void ForwardWorkItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_
 
     StripKeys* keys = ws.strip_keys.data();  // (strips)
     FindStripKeys(p, i0, strips, j0, n, keys);
-    float* s_tile = ws.s_tile.get();  // (rows_pad, bc)
-    ScoreTile(q_tile, d, ws.k_packed.get() + (j0 / bc) * d * bc, s_tile, bc, keys, strips, n_pad);
-    SoftmaxTile(mods, s_tile, bc, i0, rows_pad, j0, n, keys, state, o_acc, dv_pad, rescales);
-    AccumulateTile(s_tile, bc, ws.v_packed.get() + j0 * dv_pad, bc, o_acc, dv_pad, keys, strips);
+    Products::Scores(prm, ws, j0, keys, strips, n_pad);
+    SoftmaxTile(mods, ws.s_tile.get(), bc, i0, rows_pad, j0, n, keys, state, o_acc, dv_pad, rescales);
+    Products::Accumulate(prm, ws, j0, keys, strips);
   }
 
   // Epilogue: normalize once (deferred normalization) and store lse — a split's partial
@@ -334,6 +458,20 @@ void ForwardWorkItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_
   }
   ws.counters.o_written += rows * p.head_dim_v;
   ws.counters.lse_written += rows;
+}
+
+void ForwardWorkItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item) {
+  TiledItem<Fp32Products>(prm, ws, item);
+}
+
+// The tiled_bf16 work item where this target has one (AVX-512, whose micro-tile the bf16
+// micro-kernel shares), else null.
+ForwardWorkItemFn TiledBf16WorkItem() {
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+  return &TiledItem<Bf16Products>;
+#else
+  return nullptr;
+#endif
 }
 
 // Storage formats the decode kernel reads K and V rows in, one instantiation each: the
@@ -712,13 +850,28 @@ namespace flashattn::cpu {
 HWY_EXPORT(GetKernelGeometry);
 HWY_EXPORT(ForwardWorkItem);
 HWY_EXPORT(ForwardDecodeItem);
+HWY_EXPORT(TiledBf16WorkItem);
 
 KernelGeometry kernel_geometry() { return HWY_DYNAMIC_DISPATCH(GetKernelGeometry)(); }
 
+bool tiled_bf16_available() {
+  return bf16dot::available() && HWY_DYNAMIC_DISPATCH(TiledBf16WorkItem)() != nullptr;
+}
+
 ForwardWorkItemFn forward_work_item_kernel(ForwardKernel kernel) {
   kernel_geometry();  // the first dispatched call picks the target; then the table is direct
-  return kernel == ForwardKernel::decode ? &HWY_DYNAMIC_DISPATCH(ForwardDecodeItem)
-                                         : &HWY_DYNAMIC_DISPATCH(ForwardWorkItem);
+  switch (kernel) {
+    case ForwardKernel::tiled: return &HWY_DYNAMIC_DISPATCH(ForwardWorkItem);
+    case ForwardKernel::decode: return &HWY_DYNAMIC_DISPATCH(ForwardDecodeItem);
+    case ForwardKernel::tiled_bf16:
+      // The plan checked this; the check here keeps a hand-made plan from an illegal instruction.
+      if (!tiled_bf16_available())
+        throw Error("kernel tiled_bf16: this CPU (AVX512-BF16) or SIMD target (" + std::string(kernel_geometry().target) +
+                    ") cannot run it");
+      return HWY_DYNAMIC_DISPATCH(TiledBf16WorkItem)();
+    case ForwardKernel::automatic: break;
+  }
+  throw Error("forward kernel: a plan names its kernel, never automatic");
 }
 
 }  // namespace flashattn::cpu

@@ -101,9 +101,15 @@ struct ForwardWorkspace {
   std::vector<StripKeys> strip_keys;            // (block_q / micro_rows): each row strip's span of the current tile
   // (tiled) k tiles of Kᵀ, each as contiguous panels of kMicroCols keys, (head_dim, kMicroCols)
   // each; v: k tiles of V, each as contiguous panels of kMicroCols columns, (block_k,
-  // kMicroCols) each (EnsurePacked in forward_kernel.cpp)
+  // kMicroCols) each (Fp32Products::Pack in forward_kernel.cpp)
   hwy::AlignedFreeUniquePtr<float[]> k_packed;  // k_tiles · head_dim · block_k floats
   hwy::AlignedFreeUniquePtr<float[]> v_packed;  // k_tiles · block_k · head_dim_v_padded floats
+  // (tiled_bf16) bf16 operands of the VDPBF16PS micro-kernel (bf16_dot.hpp), all with pairs
+  // along the products' depth: Q rows unscaled, head_dim rounded up to even (q_bf16, block_q
+  // rows); P rounded, (block_q, block_k); k tiles of K, each as panels of kMicroCols keys,
+  // (head_dim_pairs, kMicroCols, 2) each; k tiles of V, each as panels of kMicroCols columns,
+  // (block_k / 2, kMicroCols, 2) each. k_packed and v_packed are unused then.
+  hwy::AlignedFreeUniquePtr<std::uint16_t[]> q_bf16, p_bf16, k_pairs, v_pairs;
   DecodeKeys decode_keys;                       // (block_k + kDecodePrefetchKeys): a key block's rows (decode)
   PackedHead packed;  // which head k/v buffers hold, and how much of it
   KernelCounters counters;  // this thread's share of the call's counts (counters.hpp)
@@ -121,8 +127,12 @@ struct KernelGeometry {
 };
 KernelGeometry kernel_geometry();
 
-// The kernel for one work item (batch, q head, q block), resolved once per call.
+// The kernel for one work item (batch, q head, q block), resolved once per call; Error for
+// tiled_bf16 where tiled_bf16_available() is false.
 using ForwardWorkItemFn = void (*)(const ForwardParams&, ForwardWorkspace&, std::int64_t item);
 ForwardWorkItemFn forward_work_item_kernel(ForwardKernel kernel);
+
+// The CPU has AVX512-BF16 and the SIMD target chosen at run time has the tiled_bf16 kernel.
+bool tiled_bf16_available();
 
 }  // namespace flashattn::cpu

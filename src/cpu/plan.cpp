@@ -7,7 +7,9 @@
 #include <numeric>
 #include <sstream>
 
+#include "flashattn/error.hpp"
 #include "src/cpu/backward_kernel.hpp"
+#include "src/cpu/bf16_dot.hpp"
 #include "src/cpu/forward_kernel.hpp"
 
 namespace flashattn {
@@ -32,11 +34,9 @@ CpuHardware CpuHardware::detect(int num_threads) {
   hw.float_lanes = g.float_lanes;
   hw.micro_rows = g.micro_rows;
   hw.micro_cols = g.micro_cols;
+  hw.bf16_dot = cpu::tiled_bf16_available();
+  hw.bf16_dot_fast = hw.bf16_dot && cpu::bf16dot::outpaces_fma();
   return hw;
-}
-
-const char* to_string(ForwardKernel kernel) {
-  return kernel == ForwardKernel::decode ? "decode" : "tiled";
 }
 
 namespace {
@@ -45,6 +45,29 @@ namespace {
 // costs a handful of dot products, and reading K and V once in place beats packing them
 // into micro-tiles that would be mostly padding.
 constexpr std::int64_t kDecodeRows = 16;
+
+// The kernel that runs `p`: the requested one, or (automatic) decode for few rows per kv
+// head, tiled_bf16 where it can run and is the faster one (CpuHardware::bf16_dot_fast),
+// tiled otherwise. A request the inputs or the hardware
+// rule out is an Error that names the kernel and why.
+ForwardKernel choose_kernel(const AttentionProblem& p, const CpuHardware& hw, ForwardKernel requested) {
+  // FP8 caches (kv_dtype u8) and forward_fp8 (float32 values of FP8 codes) are not bf16.
+  const bool bf16_inputs = p.dtype == DType::bf16 && p.kv_dtype == DType::bf16;
+  if (requested == ForwardKernel::tiled_bf16) {
+    if (!bf16_inputs)
+      throw Error("kernel tiled_bf16: needs bf16 q, k and v, got q " + std::string(to_string(p.dtype)) + ", k/v " +
+                  to_string(p.kv_dtype) + " (use kernel tiled or auto)");
+    if (!hw.bf16_dot)
+      throw Error("kernel tiled_bf16: not available here: it needs a CPU with AVX512-BF16 (VDPBF16PS) and the AVX3 "
+                  "or AVX3_DL SIMD target (this CPU has AVX512-BF16: " +
+                  std::string(cpu::bf16dot::available() ? "yes" : "no") + ", SIMD target: " + hw.simd_target +
+                  "); use kernel tiled or auto");
+    return requested;
+  }
+  if (requested != ForwardKernel::automatic) return requested;
+  if (p.heads_q / p.heads_kv * p.seqlen_q <= kDecodeRows) return ForwardKernel::decode;
+  return bf16_inputs && hw.bf16_dot && hw.bf16_dot_fast ? ForwardKernel::tiled_bf16 : ForwardKernel::tiled;
+}
 
 std::int64_t choose_splits(int requested, std::int64_t items, std::int64_t k_tiles, int threads) {
   std::int64_t splits = requested;
@@ -56,9 +79,10 @@ std::int64_t choose_splits(int requested, std::int64_t items, std::int64_t k_til
 }  // namespace
 
 CpuForwardPlan plan_forward(const AttentionProblem& p, const CpuHardware& hw, int num_splits,
-                            std::int64_t block_q) {
+                            std::int64_t block_q, ForwardKernel kernel) {
   CpuForwardPlan plan;
   plan.hardware = hw;
+  plan.kernel = choose_kernel(p, hw, kernel);
   const std::int64_t mr = hw.micro_rows, mc = hw.micro_cols;
   plan.head_dim_v_padded = round_up(p.head_dim_v, mc);
 
@@ -87,7 +111,7 @@ CpuForwardPlan plan_forward(const AttentionProblem& p, const CpuHardware& hw, in
   // that every thread has work; never more splits than K/V tiles.
   const std::int64_t k_tiles = (p.seqlen_k + plan.block_k - 1) / plan.block_k;
   const std::int64_t group = p.heads_q / p.heads_kv;
-  if (group * p.seqlen_q <= kDecodeRows) {
+  if (plan.kernel == ForwardKernel::decode) {
     // One work item = (batch, contiguous key chunk) over every kv head: a thread streams
     // whole token rows (the kv heads of a key are adjacent), which the hardware prefetcher
     // follows, instead of a strided 1/heads_kv of each row. Its rows are every q head's,
@@ -95,7 +119,6 @@ CpuForwardPlan plan_forward(const AttentionProblem& p, const CpuHardware& hw, in
     // dtype) once per pair of õ vectors: one kv head's should fill at most half of L1d,
     // and every kv head's at most a quarter of L2, where they wait from their prefetch
     // during S = Q·Kᵀ until P·V. Larger blocks amortize the per-block softmax bookkeeping.
-    plan.kernel = ForwardKernel::decode;
     const std::int64_t rows4 = (std::max<std::int64_t>(1, group * p.seqlen_q) + 3) / 4 * 4;  // rows in fours
     plan.block_q = rows4;  // the rows of one (kv head, key block) tile, as the cost model counts
     plan.q_blocks = 1;
@@ -120,9 +143,22 @@ CpuForwardPlan plan_forward(const AttentionProblem& p, const CpuHardware& hw, in
 }
 
 CpuBackwardPlan plan_backward(const AttentionProblem& p, const CpuHardware& hw,
-                              bool deterministic) {
+                              bool deterministic, BackwardKernel kernel) {
   CpuBackwardPlan plan;
   plan.hardware = hw;
+  if (kernel == BackwardKernel::tiled_bf16) {
+    if (p.dtype != DType::bf16)
+      throw Error("backward_kernel tiled_bf16: needs bf16 q, k and v, got " + to_string(p.dtype) +
+                  " (use backward_kernel tiled or auto)");
+    if (!hw.bf16_dot)
+      throw Error("backward_kernel tiled_bf16: not available here: it needs a CPU with AVX512-BF16 (VDPBF16PS) and "
+                  "the AVX3 or AVX3_DL SIMD target (SIMD target: " + hw.simd_target +
+                  "); use backward_kernel tiled or auto");
+  }
+  plan.kernel = kernel == BackwardKernel::automatic
+                    ? (p.dtype == DType::bf16 && hw.bf16_dot && hw.bf16_dot_fast ? BackwardKernel::tiled_bf16
+                                                                                 : BackwardKernel::tiled)
+                    : kernel;
   plan.deterministic = deterministic;
   const std::int64_t mr = hw.micro_rows, mc = hw.micro_cols;
   plan.head_dim_padded = round_up(p.head_dim, mc);
@@ -154,8 +190,8 @@ CpuBackwardPlan plan_backward(const AttentionProblem& p, const CpuHardware& hw,
 
 std::string CpuBackwardPlan::describe() const {
   std::ostringstream s;
-  s << "simd=" << hardware.simd_target << " micro_tile=" << hardware.micro_rows << "x"
-    << hardware.micro_cols << " block_q=" << block_q << " block_k=" << block_k
+  s << "kernel=" << to_string(kernel) << " simd=" << hardware.simd_target << " micro_tile=" << hardware.micro_rows
+    << "x" << hardware.micro_cols << " block_q=" << block_q << " block_k=" << block_k
     << " work_items=" << kv_work_items
     << " deterministic=" << (deterministic ? "true" : "false") << " threads=" << threads
     << " workspace_bytes=" << workspace_bytes();

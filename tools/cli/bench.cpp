@@ -55,7 +55,7 @@ void bench(const BenchFlags& f) {
   for (const char* dtype : {"f32", "bf16"}) {
     for (bool causal : {false, true}) {
       ShapeFlags shape = f.shape;
-      shape.dtype = dtype;
+      shape.set_case_dtype(dtype);
       shape.causal = causal;
       const AttentionProblem p = shape.problem();
       std::cerr << "case " << p.describe() << "\n";
@@ -74,7 +74,7 @@ void bench(const BenchFlags& f) {
   }
   {  // Sliding window (512 left, 0 right) beside the full causal cases above: skipped tiles.
     ShapeFlags shape = f.shape;
-    shape.dtype = "f32";
+    shape.set_case_dtype("f32");
     shape.causal = true;
     AttentionOptions options = shape.options();
     options.window_size = {512, 0};
@@ -91,7 +91,7 @@ void bench(const BenchFlags& f) {
   for (double kept : {0.25, 0.5}) {
     if (std::find(f.ops.begin(), f.ops.end(), "fwd") == f.ops.end()) break;
     ShapeFlags shape = f.shape;
-    shape.dtype = "f32";
+    shape.set_case_dtype("f32");
     shape.causal = false;
     constexpr std::int64_t kBlock = 128;
     const std::int64_t sq = shape.seqlen_q.value_or(shape.seqlen), sk = shape.seqlen_k.value_or(shape.seqlen);
@@ -162,8 +162,8 @@ void bench(const BenchFlags& f) {
   std::printf("cpu: %s, %d threads, simd %s, OpenBLAS %s: sgemm %.1f GFLOP/s\n",
               j["cpu"].get<std::string>().c_str(), threads, j["simd_target"].get<std::string>().c_str(),
               j["openblas_corename"].get<std::string>().c_str(), sgemm);
-  std::printf("%-10s %-4s %-6s %-6s %10s %9s %8s %12s\n", "impl", "op", "determ", "dtype", "mask",
-              "GFLOP/s", "/sgemm", "seconds");
+  std::printf("%-10s %-4s %-6s %-6s %10s %9s %8s %12s  %s\n", "impl", "op", "determ", "dtype", "mask",
+              "GFLOP/s", "/sgemm", "seconds", "kernel");
   for (const auto& c : j["cases"]) {
     if (c["op"] == "decode") {
       std::printf("%-10s %-4s %-6s %2lld x %-5lld tokens, page size %-5lld %6.2f GB/s (%3.0f%% of copy) %12.4f\n",
@@ -174,7 +174,7 @@ void bench(const BenchFlags& f) {
                   100.0 * c["gbps"].get<double>() / j["copy_gbps"].get<double>(), c["seconds"].get<double>());
       continue;
     }
-    std::printf("%-10s %-4s %-6s %-6s %10s %9.1f %7.0f%% %12.4f\n", c["impl"].get<std::string>().c_str(),
+    std::printf("%-10s %-4s %-6s %-6s %10s %9.1f %7.0f%% %12.4f  %s\n", c["impl"].get<std::string>().c_str(),
                 c["op"].get<std::string>().c_str(),
                 c.contains("deterministic") ? (c["deterministic"].get<bool>() ? "yes" : "no") : "-",
                 c["dtype"].get<std::string>().c_str(),
@@ -183,7 +183,7 @@ void bench(const BenchFlags& f) {
                 : c["causal"].get<bool>() ? "causal"
                                           : "full",
                 c["gflops"].get<double>(),
-                100.0 * c["gflops"].get<double>() / sgemm, c["seconds"].get<double>());
+                100.0 * c["gflops"].get<double>() / sgemm, c["seconds"].get<double>(), c.value("kernel", "-").c_str());
   }
 }
 

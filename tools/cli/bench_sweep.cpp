@@ -34,7 +34,7 @@ struct Point {
 
 ShapeFlags shape_of(const ShapeFlags& base, const Point& pt) {
   ShapeFlags s = base;
-  s.dtype = pt.dtype;
+  s.set_case_dtype(pt.dtype);
   s.causal = pt.causal;
   s.dim = pt.dim;
   s.dim_v.reset();
@@ -200,14 +200,15 @@ void print_sweep(const nlohmann::json& r) {
   std::printf("cpu: %s, %d threads, simd %s, OpenBLAS %s: sgemm %.1f GFLOP/s\n", r["cpu"].get<std::string>().c_str(),
               r["threads"].get<int>(), r["simd_target"].get<std::string>().c_str(),
               r["openblas_corename"].get<std::string>().c_str(), sgemm);
-  std::printf("%-4s %-5s %-6s %5s %7s %7s %9s %8s %10s\n", "op", "dtype", "mask", "D", "S", "threads", "GFLOP/s",
-              "/sgemm", "seconds");
+  std::printf("%-4s %-5s %-6s %5s %7s %7s %9s %8s %10s  %s\n", "op", "dtype", "mask", "D", "S", "threads", "GFLOP/s",
+              "/sgemm", "seconds", "kernel");
   for (const auto& c : r["cases"])
-    std::printf("%-4s %-5s %-6s %5lld %7lld %7d %9.1f %7.0f%% %10.4f\n", c["op"].get<std::string>().c_str(),
+    std::printf("%-4s %-5s %-6s %5lld %7lld %7d %9.1f %7.0f%% %10.4f  %s\n", c["op"].get<std::string>().c_str(),
                 c["dtype"].get<std::string>().c_str(), c["causal"].get<bool>() ? "causal" : "full",
                 static_cast<long long>(c["dim"].get<std::int64_t>()),
                 static_cast<long long>(c["seqlen_q"].get<std::int64_t>()), c["threads"].get<int>(),
-                c["gflops"].get<double>(), 100.0 * c["vs_sgemm"].get<double>(), c["seconds"].get<double>());
+                c["gflops"].get<double>(), 100.0 * c["vs_sgemm"].get<double>(), c["seconds"].get<double>(),
+                c.value("kernel", "-").c_str());
   if (!r.contains("targets")) return;
   std::printf("\n%-64s %8s %8s\n", "issue 7 target", "measured", "target");
   for (const auto& t : r["targets"])

@@ -27,6 +27,10 @@ void ShapeFlags::add_to(CLI::App& app, bool with_mode) {
   app.add_option("--dim", dim, "head dimension of q and k")->capture_default_str();
   app.add_option("--dim-v", dim_v, "head dimension of v (default: --dim)");
   app.add_option("--threads", threads, "worker threads (0 = all cores)")->capture_default_str();
+  app.add_option("--kernel", kernel, "CPU forward kernel: auto, tiled, tiled_bf16 (bf16 on AVX512-BF16; bench: its bf16 cases) or decode")
+      ->capture_default_str()->check(CLI::IsMember({"auto", "tiled", "tiled_bf16", "decode"}));
+  app.add_option("--backward-kernel", backward_kernel, "CPU backward kernel: auto, tiled or tiled_bf16 (bf16 on AVX512-BF16)")
+      ->capture_default_str()->check(CLI::IsMember({"auto", "tiled", "tiled_bf16"}));
   if (!with_mode) return;
   app.add_option("--dtype", dtype, "f32, bf16 or f16")->capture_default_str();
   app.add_flag("--causal,!--no-causal", causal, "bottom-right aligned causal mask")
@@ -78,6 +82,8 @@ AttentionOptions ShapeFlags::options() const {
   o.softmax_scale = softmax_scale;
   o.num_threads = threads;
   o.num_splits = num_splits;
+  o.kernel = parse_forward_kernel(kernel);
+  o.backward_kernel = parse_backward_kernel(backward_kernel);
   return o;
 }
 
@@ -212,9 +218,13 @@ Measurement measure_forward(Impl impl, const AttentionProblem& p, const Attentio
       },
       repeats, 1, label);
   let_worker_threads_sleep();
-  if (impl == Impl::flashattn)
-    m.peak_bytes = plan_forward(p, CpuHardware::detect(options.num_threads), options.num_splits, options.block_q)
-                       .workspace_bytes();
+  if (impl == Impl::flashattn) {
+    const CpuForwardPlan plan =
+        plan_forward(p, CpuHardware::detect(options.num_threads), options.num_splits, options.block_q, options.kernel);
+    m.peak_bytes = plan.workspace_bytes();
+    m.kernel = to_string(plan.kernel);
+    m.plan = plan.describe();
+  }
   m.gflops = p.conventional_forward_flops() / m.seconds * 1e-9;
   return m;
 }
@@ -239,9 +249,12 @@ Measurement measure_backward(Impl impl, const AttentionProblem& p, const Attenti
       },
       repeats, 1, label);
   let_worker_threads_sleep();
-  if (impl == Impl::flashattn)
-    m.peak_bytes = plan_backward(p, CpuHardware::detect(options.num_threads), options.deterministic)
-                       .workspace_bytes();
+  if (impl == Impl::flashattn) {
+    const CpuBackwardPlan plan =
+        plan_backward(p, CpuHardware::detect(options.num_threads), options.deterministic, options.backward_kernel);
+    m.peak_bytes = plan.workspace_bytes();
+    m.kernel = to_string(plan.kernel);
+  }
   m.gflops = 2.5 * p.conventional_forward_flops() / m.seconds * 1e-9;
   return m;
 }
@@ -259,6 +272,7 @@ nlohmann::json case_json(const Measurement& m, const AttentionProblem& p) {
           {"causal", p.causal},          {"seconds", m.seconds},
           {"gflops", m.gflops},          {"peak_bytes", m.peak_bytes}};
   if (m.op == Op::bwd) j["deterministic"] = m.deterministic;
+  if (!m.kernel.empty()) j["kernel"] = m.kernel;
   if (p.window_left >= 0 || (p.window_right >= 0 && !p.causal)) {
     j["window_left"] = p.window_left;
     j["window_right"] = p.window_right;

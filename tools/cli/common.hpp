@@ -27,8 +27,18 @@ struct ShapeFlags {
   std::optional<float> softmax_scale;
   int threads = 0;
   int num_splits = 0;
+  std::string kernel = "auto";  // AttentionOptions::kernel by name
+  std::string backward_kernel = "auto";  // AttentionOptions::backward_kernel by name
 
-  // Sizes and --threads; with_mode adds --dtype, --causal and --softmax-scale too.
+  // A benchmark case's dtype: a --kernel tiled_bf16 request applies to its bf16 cases, the
+  // others (f32) keep the planner's choice, so that one run times both.
+  void set_case_dtype(const std::string& case_dtype) {
+    dtype = case_dtype;
+    if (kernel == "tiled_bf16" && dtype != "bf16") kernel = "auto";
+    if (backward_kernel == "tiled_bf16" && dtype != "bf16") backward_kernel = "auto";
+  }
+  // Sizes, --threads, --kernel and --backward-kernel; with_mode adds --dtype, --causal and
+  // --softmax-scale too.
   void add_to(CLI::App& app, bool with_mode = true);
   AttentionOptions options() const;
   // Validated problem of these sizes with `options` (by default this->options()).
@@ -92,6 +102,7 @@ struct Measurement {
                              // 2.5× that for backward (upstream's convention); a window
                              // counts as its causal or full square, so it shows as speed
   std::size_t peak_bytes = 0;  // extra memory the implementation allocated
+  std::string kernel, plan;    // flashattn: the plan's kernel and (fwd) its description
   Tensor out;                // fwd: output of the last run
 };
 

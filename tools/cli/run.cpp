@@ -194,6 +194,7 @@ void run(RunFlags& f, CLI::App& app) {
   std::printf("cpu: %s, %d threads, simd %s, OpenBLAS %s\n\n", cpu_model().c_str(),
               resolved_threads(f.shape.threads), cpu_simd_target().c_str(),
               baseline::openblas_corename().c_str());
+  std::printf("flashattn forward plan: %s\n\n", results[0].plan.c_str());
   std::printf("%-10s %-18s %12s %10s %14s %22s\n", "impl", "op", "time (ms)", "GFLOP/s",
               "extra memory", "max |err| vs float64");
   for (std::size_t i = 0; i < results.size(); ++i) {

@@ -1,0 +1,242 @@
+// The tiled_bf16 forward kernel (VDPBF16PS products, P rounded to bf16) against the float64
+// reference with upstream's rule, on every SIMD target where it can run; that it is the
+// kernel that runs where it can, that the float32 tiled kernel stays reachable and correct
+// on bf16 inputs, and that asking for it where it cannot run is a clear Error.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <sstream>
+#include <vector>
+
+#include "test_util.hpp"
+
+namespace flashattn::test {
+namespace {
+
+// What the CPU says about itself, independently of the library's detection: a machine that
+// has AVX512-BF16 must run the kernel, never skip it.
+bool cpu_has_avx512bf16() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512bf16") != 0;
+#else
+  return false;
+#endif
+}
+
+bool avx512_target(const std::string& target) { return target == "AVX3" || target == "AVX3_DL"; }
+
+struct Case {
+  std::int64_t batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, head_dim_v;
+};
+
+// Holds the ALiBi slopes the options point to.
+struct Run {
+  AttentionOptions options;
+  Tensor alibi;
+};
+
+// Variants by name, as in test_variants.cpp: causal, window, softcap, alibi, dropout,
+// splitsN, threadsN, bqN.
+Run make_run(const Case& c, const std::string& name, std::uint64_t seed) {
+  Run r;
+  AttentionOptions& o = r.options;
+  auto has = [&](const char* key) { return name.find(key) != std::string::npos; };
+  auto number = [&](const char* key, int fallback) {
+    const std::size_t at = name.find(key);
+    return at == std::string::npos ? fallback : std::stoi(name.substr(at + std::strlen(key)));
+  };
+  o.causal = has("causal");
+  if (has("window")) o.window_size = {45, o.causal ? 0 : 20};
+  if (has("softcap")) o.softcap = 2.5f;
+  if (has("alibi")) {
+    r.alibi = Tensor(DType::f32, {c.heads_q});
+    for (std::int64_t h = 0; h < c.heads_q; ++h) r.alibi.set(h, std::exp2(-1.0f - 0.5f * static_cast<float>(h)));
+    o.alibi_slopes = r.alibi.view();
+  }
+  if (has("dropout")) {
+    o.dropout_p = 0.2f;
+    o.seed = seed;
+  }
+  o.num_splits = number("splits", 0);
+  o.num_threads = number("threads", 2);
+  o.block_q = number("bq", 0);
+  return r;
+}
+
+// Runs `kernel` (automatic: tiled_bf16 where it can run and is the faster kernel, else
+// tiled; every case has more rows than the decode kernel takes) on random bf16 inputs and checks out and lse against the float64 reference:
+// out within 2× the naive same-precision error + 1e-5, lse as the float32 tests check it.
+void check(const Case& c, const std::string& variant, ForwardKernel kernel, std::uint64_t seed) {
+  std::ostringstream trace;
+  trace << variant << " kernel=" << to_string(kernel) << " B=" << c.batch << " Sq=" << c.seqlen_q
+        << " Sk=" << c.seqlen_k << " Hq=" << c.heads_q << " Hkv=" << c.heads_kv << " D=" << c.head_dim
+        << " Dv=" << c.head_dim_v << " seed=" << seed;
+  SCOPED_TRACE(trace.str());
+  Run run = make_run(c, variant, seed);
+  AttentionOptions& o = run.options;
+  o.kernel = kernel;
+  const Tensor q = random_tensor(DType::bf16, {c.batch, c.seqlen_q, c.heads_q, c.head_dim}, seed);
+  const Tensor k = random_tensor(DType::bf16, {c.batch, c.seqlen_k, c.heads_kv, c.head_dim}, seed + 1);
+  const Tensor v = random_tensor(DType::bf16, {c.batch, c.seqlen_k, c.heads_kv, c.head_dim_v}, seed + 2);
+  const AttentionProblem p = AttentionProblem::from_inputs(q.view(), k.view(), v.view(), o);
+  const CpuHardware hw = CpuHardware::detect(o.num_threads);
+  const ForwardKernel runs = kernel != ForwardKernel::automatic  ? kernel
+                             : hw.bf16_dot && hw.bf16_dot_fast ? ForwardKernel::tiled_bf16
+                                                                : ForwardKernel::tiled;
+  ASSERT_EQ(plan_forward(p, hw, o.num_splits, o.block_q, kernel).kernel, runs);
+  const ForwardResult got = forward(q.view(), k.view(), v.view(), o);
+  const reference::Result want = reference::attention(q.view(), k.view(), v.view(), o);
+  const double tolerance = 2.0 * max_abs_error(naive_same_precision(p, o, q, k, v), want.out) + 1e-5;
+  EXPECT_LE(max_abs_error(got.out, want.out), tolerance);
+  for (std::int64_t i = 0; i < got.lse.numel(); ++i) {
+    const double e = want.lse[static_cast<std::size_t>(i)];
+    if (std::isinf(e)) {
+      ASSERT_EQ(got.lse.get(i), e) << "lse " << i;
+    } else {
+      ASSERT_NEAR(got.lse.get(i), e, 1e-5 + 1e-6 * std::fabs(e)) << "lse " << i;
+    }
+  }
+}
+
+// Odd and even head dims, Dv ≠ D, ragged Sq and Sk against every tile size, GQA and MQA,
+// masks and score variants, split-KV, thread counts and Q tile sizes.
+void check_all(ForwardKernel kernel) {
+  std::uint64_t seed = 900;
+  for (std::int64_t d : {1, 7, 37, 59, 64, 128, 256})
+    check({1, 67, 131, 2, 1, d, d}, d % 2 == 0 ? "causal" : "", kernel, seed++);
+  check({2, 45, 77, 4, 2, 64, 32}, "", kernel, seed++);
+  check({1, 80, 80, 2, 1, 40, 128}, "causal", kernel, seed++);
+  check({1, 33, 65, 1, 1, 3, 257}, "threads1", kernel, seed++);
+  for (const auto& [sq, sk] : {std::pair<std::int64_t, std::int64_t>{113, 203}, {239, 17}, {127, 513}, {1023, 1024}})
+    check({1, sq, sk, 2, 1, 64, 64}, "causal", kernel, seed++);
+  check({2, 70, 90, 8, 2, 64, 64}, "causal threads3", kernel, seed++);  // GQA
+  check({2, 70, 90, 6, 1, 48, 48}, "", kernel, seed++);               // MQA
+  check({1, 150, 260, 4, 2, 96, 96}, "causal window", kernel, seed++);
+  check({1, 150, 260, 4, 2, 96, 96}, "window softcap alibi", kernel, seed++);
+  check({1, 97, 301, 2, 2, 80, 80}, "causal softcap alibi dropout", kernel, seed++);
+  for (int splits : {2, 3, 5}) check({1, 40, 700, 4, 2, 64, 64}, "splits" + std::to_string(splits), kernel, seed++);
+  check({1, 40, 700, 4, 2, 64, 64}, "causal splits3 threads3", kernel, seed++);
+  for (int bq : {6, 16, 48, 128}) check({1, 203, 157, 3, 3, 40, 24}, "causal bq" + std::to_string(bq), kernel, seed++);
+}
+
+TEST(ForwardBf16Dot, RunsWhereTheCpuAndTargetHaveIt) {
+  const CpuHardware hw = CpuHardware::detect(0);
+  EXPECT_EQ(hw.bf16_dot, cpu_has_avx512bf16() && avx512_target(hw.simd_target)) << "simd " << hw.simd_target;
+  if (!hw.bf16_dot)
+    GTEST_SKIP() << "tiled_bf16 cannot run here: AVX512-BF16 " << (cpu_has_avx512bf16() ? "present" : "absent")
+                 << ", SIMD target " << hw.simd_target;
+  const AttentionProblem p = AttentionProblem::from_sizes(1, 512, 512, 4, 2, 128, 128, DType::bf16, {});
+  // The planner's choice where its dot products outpace FMA; else asked for by name.
+  EXPECT_EQ(plan_forward(p, hw).kernel, hw.bf16_dot_fast ? ForwardKernel::tiled_bf16 : ForwardKernel::tiled);
+  const CpuForwardPlan plan = plan_forward(p, hw, 0, 0, ForwardKernel::tiled_bf16);
+  EXPECT_EQ(plan.kernel, ForwardKernel::tiled_bf16);
+  EXPECT_NE(plan.describe().find("kernel=tiled_bf16"), std::string::npos) << plan.describe();
+  // The float32 tiled kernel stays the choice for other dtypes and when asked for.
+  EXPECT_EQ(plan_forward(p, hw, 0, 0, ForwardKernel::tiled).kernel, ForwardKernel::tiled);
+  CpuHardware fast = hw;
+  fast.bf16_dot_fast = true;
+  EXPECT_EQ(plan_forward(p, fast).kernel, ForwardKernel::tiled_bf16);
+  for (DType dtype : {DType::f32, DType::f16})
+    EXPECT_EQ(plan_forward(AttentionProblem::from_sizes(1, 512, 512, 4, 2, 128, 128, dtype, {}), fast).kernel,
+              ForwardKernel::tiled);
+  // Few rows per kv head keep the decode kernel.
+  EXPECT_EQ(plan_forward(AttentionProblem::from_sizes(1, 1, 512, 4, 2, 128, 128, DType::bf16, {}), fast).kernel,
+            ForwardKernel::decode);
+  // Its workspace: bf16 panels, half the float32 ones.
+  EXPECT_LT(plan.workspace_bytes_per_thread, plan_forward(p, hw, 0, 0, ForwardKernel::tiled).workspace_bytes_per_thread);
+}
+
+TEST(ForwardBf16Dot, MatchesTheReferenceOnEveryTargetThatHasIt) {
+  int ran = 0;
+  bool avx512_supported = false;
+  for_each_simd_target([&](const std::string& target) {
+    avx512_supported = avx512_supported || avx512_target(target);
+    if (!CpuHardware::detect(0).bf16_dot) return;
+    ++ran;
+    check_all(ForwardKernel::tiled_bf16);
+  });
+  EXPECT_EQ(ran > 0, cpu_has_avx512bf16() && avx512_supported);
+  if (ran == 0)
+    GTEST_SKIP() << "no SIMD target here runs tiled_bf16 (AVX512-BF16 " << (cpu_has_avx512bf16() ? "present" : "absent")
+                 << ", an AVX-512 target " << (avx512_supported ? "supported" : "not supported") << ")";
+}
+
+TEST(ForwardBf16Dot, Float32TiledKernelStaysReachableAndCorrectOnBf16) {
+  for_each_simd_target([](const std::string&) {
+    std::uint64_t seed = 1000;
+    check({1, 113, 203, 4, 2, 59, 64}, "causal", ForwardKernel::tiled, seed++);
+    check({1, 150, 260, 4, 2, 96, 96}, "window softcap alibi splits2", ForwardKernel::tiled, seed++);
+  });
+}
+
+TEST(ForwardBf16Dot, AutomaticChoiceMatchesTheReferenceOnEveryTarget) {
+  for_each_simd_target([](const std::string&) {
+    check({1, 300, 300, 2, 1, 128, 128}, "causal", ForwardKernel::automatic, 1100);
+    check({1, 100, 333, 4, 2, 37, 37}, "splits2", ForwardKernel::automatic, 1101);
+  });
+}
+
+TEST(ForwardBf16Dot, UnavailableKernelIsAClearError) {
+  const AttentionProblem p = AttentionProblem::from_sizes(1, 64, 64, 2, 2, 32, 32, DType::bf16, {});
+  // Simulated: hardware without it.
+  CpuHardware without = CpuHardware::detect(0);
+  without.bf16_dot = false;
+  expect_error([&] { plan_forward(p, without, 0, 0, ForwardKernel::tiled_bf16); },
+               {"kernel tiled_bf16", "AVX512-BF16", "SIMD target"});
+  // Inputs that are not all bf16: float32, and an FP8 cache's codes.
+  expect_error([&] { plan_forward(AttentionProblem::from_sizes(1, 64, 64, 2, 2, 32, 32, DType::f32, {}),
+                                  CpuHardware::detect(0), 0, 0, ForwardKernel::tiled_bf16); },
+               {"kernel tiled_bf16", "bf16 q, k and v", "f32"});
+  AttentionProblem fp8_cache = p;
+  fp8_cache.kv_dtype = DType::u8;
+  expect_error([&] { plan_forward(fp8_cache, CpuHardware::detect(0), 0, 0, ForwardKernel::tiled_bf16); },
+               {"kernel tiled_bf16", "u8"});
+  EXPECT_EQ(plan_forward(fp8_cache, CpuHardware::detect(0)).kernel, ForwardKernel::tiled);
+  // For real, through forward(), on every target: an Error where it cannot run, a result where it can.
+  const Tensor q = random_tensor(DType::bf16, {1, 64, 2, 32}, 1);
+  AttentionOptions o;
+  o.kernel = ForwardKernel::tiled_bf16;
+  for_each_simd_target([&](const std::string& target) {
+    if (CpuHardware::detect(0).bf16_dot) {
+      EXPECT_NO_THROW(forward(q.view(), q.view(), q.view(), o));
+    } else {
+      expect_error([&] { forward(q.view(), q.view(), q.view(), o); }, {"kernel tiled_bf16", target});
+    }
+  });
+  EXPECT_EQ(parse_forward_kernel("tiled_bf16"), ForwardKernel::tiled_bf16);
+  expect_error([] { parse_forward_kernel("bf16"); }, {"kernel", "'bf16'", "tiled_bf16"});
+}
+
+TEST(ForwardKernelChoice, EveryKernelByNameMatchesTheReference) {
+  // Each kernel asked for by name on a problem the planner would give another one: decode
+  // on 2 × 40 rows per kv head, the tiled kernels on as many.
+  std::vector<ForwardKernel> kernels{ForwardKernel::tiled, ForwardKernel::decode};
+  if (CpuHardware::detect(0).bf16_dot) kernels.push_back(ForwardKernel::tiled_bf16);
+  std::uint64_t seed = 1200;
+  for (ForwardKernel kernel : kernels) {
+    check({2, 40, 150, 4, 2, 37, 48}, "causal", kernel, seed++);
+    check({1, 40, 300, 4, 1, 64, 64}, "window softcap alibi splits2", kernel, seed++);
+  }
+}
+
+TEST(ForwardBf16Dot, VarlenRunsItAsTheBatchedCallDoes) {
+  // Equal lengths: a packed batch is the ordinary batch, sequence by sequence, so the two
+  // agree bit for bit (tiled_bf16 where it can run).
+  const std::int64_t b = 3, s = 90, h = 2, d = 40;
+  const Tensor q = random_tensor(DType::bf16, {b, s, h, d}, 1);
+  const Tensor k = random_tensor(DType::bf16, {b, s, h, d}, 2);
+  Tensor cu(DType::i32, {b + 1});
+  for (std::int64_t i = 0; i <= b; ++i) cu.set(i, static_cast<float>(i * s));
+  AttentionOptions o;
+  o.causal = true;
+  if (CpuHardware::detect(0).bf16_dot) o.kernel = ForwardKernel::tiled_bf16;
+  const ForwardResult batched = forward(q.view(), k.view(), k.view(), o);
+  TensorView qp(q.data(), DType::bf16, {b * s, h, d}), kp(k.data(), DType::bf16, {b * s, h, d});
+  const ForwardResult packed = forward_varlen(qp, kp, kp, {cu.view(), cu.view(), s, s}, o);
+  ASSERT_EQ(std::memcmp(batched.out.data(), packed.out.data(), static_cast<std::size_t>(batched.out.numel()) * 2), 0);
+}
+
+}  // namespace
+}  // namespace flashattn::test
