@@ -24,13 +24,14 @@ Exp2Impl parse_exp2_impl(const std::string& name);
 
 // The CPU forward kernels, selectable by name (CpuForwardPlan::kernel, plan.hpp):
 // "tiled" — the FlashAttention tiling on float32 products (K, V widened at packing);
-// "tiled_bf16" — the same tiling with both products on AVX512-BF16 dot products (VDPBF16PS)
-// from bf16 q, k and v, P rounded to bf16 before P·V as upstream does; "decode" — a few
-// query rows per kv head (every q head of a GQA group and every query token together) read
-// against K and V in place. `automatic` lets the planner choose: decode for at most 16 rows
-// per kv head, else tiled_bf16 where the inputs are bf16, the CPU and SIMD target have
-// AVX512-BF16 and its dot products outpace float32 FMA (AMD Zen 5; not Intel Sapphire
-// Rapids, where they have half FMA's FLOP rate), else tiled.
+// "tiled_bf16" — the same tiling with both products on bf16 dot products from bf16 q, k and
+// v — AMX tiles (TDPBF16PS) where the CPU has them, else AVX512-BF16's VDPBF16PS — P
+// rounded to bf16 before P·V as upstream does; "decode" — a few query rows per kv head
+// (every q head of a GQA group and every query token together) read against K and V in
+// place. `automatic` lets the planner choose: decode for at most 16 rows per kv head, else
+// tiled_bf16 where the inputs are bf16, the CPU and SIMD target have AVX512-BF16 and its
+// products outpace float32 FMA (AMX; AMD Zen 5's VDPBF16PS; not VDPBF16PS alone on Intel,
+// where it has half FMA's FLOP rate), else tiled.
 enum class ForwardKernel : std::uint8_t { automatic, tiled, tiled_bf16, decode };
 const char* to_string(ForwardKernel kernel);
 // Parses "auto", "tiled", "tiled_bf16", "decode"; throws Error otherwise.
@@ -38,9 +39,10 @@ ForwardKernel parse_forward_kernel(const std::string& name);
 
 // The CPU backward kernels, selectable by name (CpuBackwardPlan::kernel, plan.hpp): "tiled"
 // — recomputation per pair of tiles on float32 products; "tiled_bf16" — the same tiling with
-// all five products (S, dP, dV, dK, dQ) on AVX512-BF16 dot products from bf16 inputs, P and
-// dS rounded to bf16 before they multiply, as upstream rounds them. `automatic`: tiled_bf16
-// where the inputs are bf16 and the CPU and SIMD target have AVX512-BF16, else tiled.
+// all five products (S, dP, dV, dK, dQ) on bf16 dot products (AMX or VDPBF16PS, as the
+// forward's) from bf16 inputs, P and dS rounded to bf16 before they multiply, as upstream
+// rounds them. `automatic`: tiled_bf16 where the forward's automatic choice would take it
+// (bf16 inputs, AVX512-BF16, products that outpace float32 FMA), else tiled.
 enum class BackwardKernel : std::uint8_t { automatic, tiled, tiled_bf16 };
 const char* to_string(BackwardKernel kernel);
 // Parses "auto", "tiled", "tiled_bf16"; throws Error otherwise.

@@ -22,7 +22,8 @@ struct CpuHardware {
   int micro_cols = 8;             // columns (floats) of the register-blocked micro-kernel
   bool bf16_dot = false;          // the tiled_bf16 kernel can run: the CPU has AVX512-BF16 and
                                   // the dispatched target (AVX3, AVX3_DL) provides the kernel
-  bool bf16_dot_fast = false;     // and its dot products outpace float32 FMA: planned by default
+  bool bf16_dot_fast = false;     // and its products outpace float32 FMA (AMX, or AMD's
+                                  // VDPBF16PS): the bf16 kernels are planned by default
 
   // Cache sizes from the OS, micro-kernel geometry from the dispatched SIMD target.
   static CpuHardware detect(int num_threads);
