@@ -12,6 +12,7 @@
 #include <unistd.h>
 #endif
 
+#include <atomic>
 #include <cstring>
 
 namespace flashattn::cpu::bf16dot {
@@ -73,6 +74,10 @@ bool AmxUsable() {
   }();
   return usable;
 }
+
+std::atomic<bool> amx_enabled{true};  // set_amx_enabled: tests reach the VDPBF16PS path too
+
+bool UseAmx() { return AmxUsable() && amx_enabled.load(std::memory_order_relaxed); }
 
 // The tile configuration of this file, loaded once per thread (it is part of the thread's
 // saved state; nothing else in the library uses tiles).
@@ -189,7 +194,7 @@ bool available() {
 // With AMX: whole chunks of kAmxPairs on tiles, the rest on VDPBF16PS.
 FLASHATTN_BF16_TARGET void DotStore(const std::uint16_t* a, std::int64_t lda, const std::uint16_t* b,
                                     std::int64_t pairs, float scale, float* c, std::int64_t ldc) {
-  const std::int64_t chunks = AmxUsable() ? pairs / kAmxPairs : 0;
+  const std::int64_t chunks = UseAmx() ? pairs / kAmxPairs : 0;
   if (chunks == 0) return Tile<false>(a, lda, 2, b, pairs, scale, c, ldc);
   AmxTile<false>(a, lda, b, chunks, c, ldc);
   if (pairs > chunks * kAmxPairs)
@@ -202,7 +207,7 @@ FLASHATTN_BF16_TARGET void DotAccumulate(const std::uint16_t* a, std::int64_t ld
                                          std::int64_t pairs, float* c, std::int64_t ldc, std::int64_t a_pair_stride,
                                          std::int64_t b_step) {
   if (a_pair_stride != 2) return Tile<true>(a, lda, a_pair_stride, b, pairs, 1.0f, c, ldc, b_step);  // not a tile's rows
-  const std::int64_t chunks = AmxUsable() ? pairs / kAmxPairs : 0;
+  const std::int64_t chunks = UseAmx() ? pairs / kAmxPairs : 0;
   if (chunks > 0) AmxTile<true>(a, lda, b, chunks, c, ldc, b_step);
   if (pairs > chunks * kAmxPairs)  // the row-major case: the compiler folds the stride into the addressing
     Tile<true>(a + 2 * kAmxPairs * chunks, lda, 2, b + chunks * kAmxPairs * b_step, pairs - chunks * kAmxPairs,
@@ -244,7 +249,7 @@ FLASHATTN_BF16_TARGET void PairRowsBf16(const std::uint16_t* row0, const std::ui
 FLASHATTN_BF16_TARGET void DotBlock(const std::uint16_t* a, std::int64_t lda, const std::uint16_t* b,
                                     std::int64_t b_panel_stride, std::int64_t b_step, std::int64_t pairs, float scale,
                                     bool accumulate, float* c, std::int64_t ldc, std::int64_t rows, std::int64_t cols) {
-  const std::int64_t chunks = AmxUsable() && rows % 32 == 0 ? pairs / kAmxPairs : 0;
+  const std::int64_t chunks = UseAmx() && rows % 32 == 0 ? pairs / kAmxPairs : 0;
   const std::int64_t done = chunks * kAmxPairs, rest = pairs - done;
   for (std::int64_t j = 0; j < cols; j += kCols) {
     const std::uint16_t* panel = b + j / kCols * b_panel_stride;
@@ -305,7 +310,9 @@ bool outpaces_fma() {
   return available() && (amd || AmxUsable());
 }
 
-bool uses_amx() { return available() && AmxUsable(); }
+bool uses_amx() { return available() && UseAmx(); }
+
+void set_amx_enabled(bool enabled) { amx_enabled.store(enabled, std::memory_order_relaxed); }
 
 #undef FLASHATTN_BF16_TARGET
 
@@ -317,6 +324,7 @@ namespace flashattn::cpu::bf16dot {
 bool available() { return false; }
 bool outpaces_fma() { return false; }
 bool uses_amx() { return false; }
+void set_amx_enabled(bool) {}
 }  // namespace flashattn::cpu::bf16dot
 
 #endif

@@ -38,8 +38,12 @@ bool available();
 // docs/performance.md one holds both FMA ports for a cycle (32 FLOP against FMA's 64), and
 // the bf16 kernel on it ran at 0.66× the float32 one there.
 bool outpaces_fma();
-// True when the products run on AMX tiles (AMX-BF16, and Linux granted the tile state).
+// True when the products run on AMX tiles (AMX-BF16, Linux granted the tile state, and
+// not switched off).
 bool uses_amx();
+// Switches AMX off (false) or back on for every thread: for tests of the VDPBF16PS path on
+// a CPU with AMX. Not while a product runs.
+void set_amx_enabled(bool enabled);
 
 // C = scale · A(kRows × 2·pairs)·B(2·pairs × kCols): a product stored, scaled in float32.
 // C rows are ldc floats apart and 64-byte aligned.

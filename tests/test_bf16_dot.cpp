@@ -1,0 +1,191 @@
+// The bf16 micro-kernel (src/cpu/bf16_dot.hpp) against float64 products of the same bf16
+// values, on AMX tiles and on VDPBF16PS (AMX switched off) where the CPU has them: every
+// entry point, depths that are and are not whole AMX chunks, strided operands; and the
+// exact layout helpers (pairing rows, transposing words, rounding).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include <hwy/aligned_allocator.h>
+
+#include "src/core/element.hpp"
+#include "src/cpu/bf16_dot.hpp"
+#include "test_util.hpp"
+
+namespace flashattn::test {
+namespace {
+
+namespace dot = cpu::bf16dot;
+
+template <class T>
+hwy::AlignedFreeUniquePtr<T[]> Random(std::size_t n, std::uint64_t seed) {
+  auto p = hwy::AllocateAligned<T>(n);
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> u(-2.0f, 2.0f);
+  for (std::size_t i = 0; i < n; ++i) {
+    if constexpr (std::is_same_v<T, float>)
+      p[i] = u(rng);
+    else
+      p[i] = float_to_bf16(u(rng));
+  }
+  return p;
+}
+
+// Runs body once with AMX (where the CPU has it) and once without.
+void ForEachEngine(const std::function<void(bool amx)>& body) {
+  if (!dot::available()) GTEST_SKIP() << "no AVX512-BF16 on this CPU: the bf16 micro-kernel cannot run here";
+  const bool has_amx = dot::uses_amx();
+  for (bool amx : {false, true}) {
+    if (amx && !has_amx) continue;
+    dot::set_amx_enabled(amx);
+    SCOPED_TRACE(amx ? "AMX" : "VDPBF16PS");
+    body(amx);
+  }
+  dot::set_amx_enabled(true);
+}
+
+// C(rows × cols) of A (row r, pair p at a[r·lda + p·pair_stride]) times B (column c, pair p
+// at b[(c / kCols)·panel_stride + p·b_step + (c % kCols)·2]) in float64, and the sum of the
+// terms' magnitudes (the scale of float32 accumulation error).
+struct Product {
+  std::vector<double> value, magnitude;
+};
+Product Reference(const std::uint16_t* a, std::int64_t lda, std::int64_t pair_stride, const std::uint16_t* b,
+                  std::int64_t panel_stride, std::int64_t b_step, std::int64_t pairs, std::int64_t rows,
+                  std::int64_t cols) {
+  Product r{std::vector<double>(static_cast<std::size_t>(rows * cols)), std::vector<double>(static_cast<std::size_t>(rows * cols))};
+  for (std::int64_t i = 0; i < rows; ++i)
+    for (std::int64_t c = 0; c < cols; ++c)
+      for (std::int64_t p = 0; p < pairs; ++p)
+        for (std::int64_t t = 0; t < 2; ++t) {
+          const double x = bf16_to_float(a[i * lda + p * pair_stride + t]);
+          const double y = bf16_to_float(b[c / dot::kCols * panel_stride + p * b_step + c % dot::kCols * 2 + t]);
+          r.value[static_cast<std::size_t>(i * cols + c)] += x * y;
+          r.magnitude[static_cast<std::size_t>(i * cols + c)] += std::fabs(x * y);
+        }
+  return r;
+}
+
+void ExpectNear(const float* c, std::int64_t ldc, const Product& want, double scale, const float* before,
+                std::int64_t rows, std::int64_t cols) {
+  for (std::int64_t i = 0; i < rows; ++i)
+    for (std::int64_t j = 0; j < cols; ++j) {
+      const std::size_t e = static_cast<std::size_t>(i * cols + j);
+      const double expect = scale * want.value[e] + (before != nullptr ? before[i * ldc + j] : 0.0);
+      ASSERT_NEAR(c[i * ldc + j], expect, 1e-6 * (std::fabs(scale) * want.magnitude[e] + 1.0)) << i << ", " << j;
+    }
+}
+
+TEST(Bf16Dot, MicroTilesOnEveryEngine) {
+  ForEachEngine([](bool) {
+    for (std::int64_t pairs : {1, 15, 16, 17, 40, 64}) {
+      SCOPED_TRACE("pairs " + std::to_string(pairs));
+      const std::int64_t lda = 2 * pairs + 6, ldc = 48;
+      auto a = Random<std::uint16_t>(static_cast<std::size_t>(dot::kRows * lda), 1 + pairs);
+      auto b = Random<std::uint16_t>(static_cast<std::size_t>(pairs * dot::kPairStep), 2 + pairs);
+      auto c = Random<float>(static_cast<std::size_t>(dot::kRows * ldc), 3 + pairs);
+      const Product want = Reference(a.get(), lda, 2, b.get(), 0, dot::kPairStep, pairs, dot::kRows, dot::kCols);
+      dot::DotStore(a.get(), lda, b.get(), pairs, 0.75f, c.get(), ldc);
+      ExpectNear(c.get(), ldc, want, 0.75, nullptr, dot::kRows, dot::kCols);
+      std::vector<float> before(c.get(), c.get() + dot::kRows * ldc);
+      dot::DotAccumulate(a.get(), lda, b.get(), pairs, c.get(), ldc);
+      ExpectNear(c.get(), ldc, want, 1.0, before.data(), dot::kRows, dot::kCols);
+      // A transposed operand (pairs 2·kRows elements apart) and B steps 2·kPairStep apart.
+      auto at = Random<std::uint16_t>(static_cast<std::size_t>(pairs * 2 * dot::kRows), 4 + pairs);
+      auto bs = Random<std::uint16_t>(static_cast<std::size_t>(pairs * 2 * dot::kPairStep), 5 + pairs);
+      const Product strided = Reference(at.get(), 2, 2 * dot::kRows, bs.get(), 0, 2 * dot::kPairStep, pairs,
+                                        dot::kRows, dot::kCols);
+      before.assign(c.get(), c.get() + dot::kRows * ldc);
+      dot::DotAccumulate(at.get(), 2, bs.get(), pairs, c.get(), ldc, 2 * dot::kRows, 2 * dot::kPairStep);
+      ExpectNear(c.get(), ldc, strided, 1.0, before.data(), dot::kRows, dot::kCols);
+    }
+  });
+}
+
+TEST(Bf16Dot, BlocksOnEveryEngine) {
+  ForEachEngine([](bool) {
+    for (const auto& [rows, cols, pairs] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{8, 32, 20},
+                                            {32, 64, 16}, {64, 32, 37}, {96, 96, 64}, {40, 64, 48}}) {
+      SCOPED_TRACE("rows " + std::to_string(rows) + " cols " + std::to_string(cols) + " pairs " + std::to_string(pairs));
+      const std::int64_t lda = 2 * pairs + 2, ldc = cols + 16;
+      const std::int64_t b_step = 2 * cols, panel_stride = 2 * dot::kCols;  // a matrix paired by rows
+      auto a = Random<std::uint16_t>(static_cast<std::size_t>(rows * lda), 10 + rows);
+      auto b = Random<std::uint16_t>(static_cast<std::size_t>(pairs * b_step), 11 + cols);
+      auto c = Random<float>(static_cast<std::size_t>(rows * ldc), 12 + pairs);
+      const Product want = Reference(a.get(), lda, 2, b.get(), panel_stride, b_step, pairs, rows, cols);
+      dot::DotBlock(a.get(), lda, b.get(), panel_stride, b_step, pairs, -1.5f, false, c.get(), ldc, rows, cols);
+      ExpectNear(c.get(), ldc, want, -1.5, nullptr, rows, cols);
+      std::vector<float> before(c.get(), c.get() + rows * ldc);
+      dot::DotBlock(a.get(), lda, b.get(), panel_stride, b_step, pairs, 1.0f, true, c.get(), ldc, rows, cols);
+      ExpectNear(c.get(), ldc, want, 1.0, before.data(), rows, cols);
+    }
+  });
+}
+
+TEST(Bf16Dot, LayoutHelpersAreExact) {
+  if (!dot::available()) GTEST_SKIP() << "no AVX512-BF16 on this CPU: the bf16 micro-kernel cannot run here";
+  constexpr std::int64_t n = 64;
+  auto f0 = Random<float>(n, 20), f1 = Random<float>(n, 21);
+  f0[5] = std::nanf("");
+  f1[9] = 1e-40f;  // below float's normal range: zero, as VDPBF16PS reads it
+  auto paired = hwy::AllocateAligned<std::uint16_t>(2 * n);
+  dot::PairRows(f0.get(), f1.get(), paired.get(), n);
+  for (std::int64_t k = 0; k < n; ++k) {
+    if (k == 5) {
+      EXPECT_TRUE(std::isnan(bf16_to_float(paired[2 * k])));
+    } else {
+      EXPECT_EQ(paired[2 * k], float_to_bf16(f0[k])) << k;
+    }
+    EXPECT_EQ(paired[2 * k + 1], k == 9 ? 0 : float_to_bf16(f1[k])) << k;
+  }
+  auto rounded = hwy::AllocateAligned<std::uint16_t>(n);
+  dot::RoundToBf16(f1.get(), rounded.get(), n);
+  for (std::int64_t k = 0; k < n; ++k) EXPECT_EQ(rounded[k], k == 9 ? 0 : float_to_bf16(f1[k])) << k;
+  auto h0 = Random<std::uint16_t>(n, 22), h1 = Random<std::uint16_t>(n, 23);
+  dot::PairRowsBf16(h0.get(), h1.get(), paired.get(), n);
+  for (std::int64_t k = 0; k < n; ++k) {
+    EXPECT_EQ(paired[2 * k], h0[k]) << k;
+    EXPECT_EQ(paired[2 * k + 1], h1[k]) << k;
+  }
+  constexpr std::int64_t rows = 32, cols = 48, src_stride = 56, dst_stride = 40;
+  std::vector<std::uint32_t> src(rows * src_stride), dst(cols * dst_stride, 0xFFFFFFFFu);
+  for (std::size_t i = 0; i < src.size(); ++i) src[i] = static_cast<std::uint32_t>(i * 2654435761u);
+  dot::TransposeWords(src.data(), src_stride, dst.data(), dst_stride, rows, cols);
+  for (std::int64_t i = 0; i < rows; ++i)
+    for (std::int64_t j = 0; j < cols; ++j) ASSERT_EQ(dst[j * dst_stride + i], src[i * src_stride + j]) << i << ", " << j;
+  for (std::int64_t j = 0; j < cols; ++j)  // nothing written past each row's `rows` words
+    for (std::int64_t i = rows; i < dst_stride; ++i) ASSERT_EQ(dst[j * dst_stride + i], 0xFFFFFFFFu);
+}
+
+// The kernels end to end on the VDPBF16PS path where AMX would otherwise take the products.
+TEST(Bf16Dot, KernelsWithoutAmxMatchTheReference) {
+  if (!dot::uses_amx()) GTEST_SKIP() << "no AMX on this CPU: the bf16 kernels already run on VDPBF16PS (or not at all)";
+  dot::set_amx_enabled(false);
+  struct {
+    Tensor q, k, v;
+  } in{random_tensor(DType::bf16, {1, 77, 2, 64}, 30), random_tensor(DType::bf16, {1, 150, 2, 64}, 31),
+       random_tensor(DType::bf16, {1, 150, 2, 64}, 32)};
+  AttentionOptions o;
+  o.causal = true;
+  o.kernel = ForwardKernel::tiled_bf16;
+  o.backward_kernel = BackwardKernel::tiled_bf16;
+  const ForwardResult got = forward(in.q.view(), in.k.view(), in.v.view(), o);
+  const Tensor dout = random_tensor(DType::bf16, {1, 77, 2, 64}, 33);
+  const BackwardResult g = backward(dout.view(), in.q.view(), in.k.view(), in.v.view(), got.out.view(), got.lse.view(), o);
+  dot::set_amx_enabled(true);
+  const reference::Result want = reference::attention(in.q.view(), in.k.view(), in.v.view(), o);
+  const AttentionProblem p = AttentionProblem::from_inputs(in.q.view(), in.k.view(), in.v.view(), o);
+  EXPECT_LE(max_abs_error(got.out, want.out),
+            2.0 * max_abs_error(naive_same_precision(p, o, in.q, in.k, in.v), want.out) + 1e-5);
+  const reference::Gradients wg = reference::attention_backward(dout.view(), in.q.view(), in.k.view(), in.v.view(), o);
+  const NaiveGradients n = naive_backward_same_precision(p, o, dout, in.q, in.k, in.v);
+  EXPECT_LE(max_abs_error(g.dq, wg.dq), 3.0 * max_abs_error(n.dq, wg.dq) + 1e-4);
+  EXPECT_LE(max_abs_error(g.dk, wg.dk), 3.0 * max_abs_error(n.dk, wg.dk) + 1e-4);
+  EXPECT_LE(max_abs_error(g.dv, wg.dv), 3.0 * max_abs_error(n.dv, wg.dv) + 1e-4);
+}
+
+}  // namespace
+}  // namespace flashattn::test
