@@ -12,17 +12,6 @@
 namespace flashattn::test {
 namespace {
 
-// What the CPU says about itself, independently of the library's detection: a machine that
-// has AVX512-BF16 must run the kernel, never skip it.
-bool cpu_has_avx512bf16() {
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512bf16") != 0;
-#else
-  return false;
-#endif
-}
-
 struct Case {
   std::int64_t batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, head_dim_v;
   bool causal = false;

@@ -107,6 +107,30 @@ inline void expect_error(const std::function<void()>& call, const std::vector<st
   }
 }
 
+// lse against the float64 reference's: −∞ exactly for rows without visible keys, else
+// within 1e-5 + 1e-6·|lse|.
+inline void expect_lse_near(const Tensor& lse, const std::vector<double>& want) {
+  for (std::int64_t i = 0; i < lse.numel(); ++i) {
+    const double e = want[static_cast<std::size_t>(i)];
+    if (std::isinf(e)) {
+      ASSERT_EQ(lse.get(i), e) << "lse " << i;
+    } else {
+      ASSERT_NEAR(lse.get(i), e, 1e-5 + 1e-6 * std::fabs(e)) << "lse " << i;
+    }
+  }
+}
+
+// What the CPU says about itself, independently of the library's detection: a machine that
+// has AVX512-BF16 must run the bf16 kernels, never skip them.
+inline bool cpu_has_avx512bf16() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512bf16") != 0;
+#else
+  return false;
+#endif
+}
+
 inline double max_abs_error(const Tensor& actual, const std::vector<double>& expected) {
   double e = 0.0;
   for (std::int64_t i = 0; i < actual.numel(); ++i)
