@@ -13,6 +13,8 @@
 //      (a row-major bf16 matrix with an even row length is already in this form);
 //   B: a panel of `pairs` steps, contiguous; step p holds (kCols, 2) bf16 — column c's
 //      elements of depth 2p and 2p + 1 side by side — 128 bytes, 64-byte aligned.
+// VDPBF16PS reads denormal bf16 inputs (below 2^-126) as zero and flushes denormal sums,
+// whatever MXCSR says: operands that small contribute below float32's normal range.
 // Reusable by any product C += A·B whose depth pairs are laid out so: the forward's S = Q·Kᵀ
 // (pairs along head_dim) and õ += P·V (pairs along keys); a backward's dV += Pᵀ·dO likewise.
 #pragma once
