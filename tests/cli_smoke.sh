@@ -94,7 +94,21 @@ j = json.load(open(sys.argv[1]))
 bwd = [c for c in j["cases"] if c["op"] == "bwd"]
 assert [(c["impl"], c["deterministic"]) for c in bwd] == [("flashattn", False), ("flashattn", True), ("standard", False)], bwd
 PY
-echo "cli smoke (gradients): ok"
+# Kernels chosen by name: the float32 tiled kernels on bf16 inputs, reported per pass.
+"$cli" run --seqlen 150 --heads 2 --dim 32 --dtype bf16 --backward --repeats 1 --json \
+  --kernel tiled --backward-kernel tiled > "$work/kernels.json"
+python3 - "$work/kernels.json" <<'PY'
+import json, sys
+j = json.load(open(sys.argv[1]))
+ours = [(c["op"], c["kernel"]) for c in j["cases"] if c["impl"] == "flashattn"]
+assert ours == [("fwd", "tiled"), ("bwd", "tiled"), ("bwd", "tiled")], ours
+PY
+if "$cli" run --seqlen 16 --heads 2 --dim 8 --backward-kernel fast --repeats 1 2> "$work/err.txt"; then
+  echo "--backward-kernel fast was accepted" >&2
+  exit 1
+fi
+grep -q "backward-kernel" "$work/err.txt"
+echo "cli smoke (gradients, kernels): ok"
 
 # Variants and a packed variable-length batch in file mode: two sequences (3 and 6 queries,
 # 5 and 8 keys) with a window, softcap and ALiBi, checked against a Python reference.
