@@ -387,7 +387,7 @@ void KvItem(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t item)
   const AttentionProblem& p = prm.problem;
   const CpuBackwardPlan& plan = prm.plan;
   const std::int64_t bq = plan.block_q, bc = plan.block_k;
-  const std::int64_t d_pad = plan.head_dim_padded, dv_pad = plan.head_dim_v_padded;
+  const std::int64_t d_pad = plan.head_dim_padded;
   const std::int64_t kb = item % plan.k_blocks, bkv = item / plan.k_blocks;
   const std::int64_t kv_head = bkv % p.heads_kv, b = bkv / p.heads_kv;
   const std::int64_t group = p.heads_q / p.heads_kv;

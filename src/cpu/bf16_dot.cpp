@@ -23,7 +23,6 @@ namespace {
 // C(kRows × kCols) = scale·A·B, or C += A·B when kAccumulate.
 template <bool kAccumulate>
 FLASHATTN_BF16_TARGET inline __attribute__((always_inline)) void Tile(const std::uint16_t* a, std::int64_t lda,
-                                                                      std::int64_t a_pair_stride,
                                                                       const std::uint16_t* b, std::int64_t pairs,
                                                                       float scale, float* c, std::int64_t ldc,
                                                                       std::int64_t b_step = kPairStep) {
@@ -36,7 +35,7 @@ FLASHATTN_BF16_TARGET inline __attribute__((always_inline)) void Tile(const std:
     const __m512bh b1 = (__m512bh)_mm512_load_si512(b + kCols);
     for (std::int64_t r = 0; r < kRows; ++r) {
       std::uint32_t pair;  // row r's elements 2p and 2p + 1
-      std::memcpy(&pair, a + r * lda + p * a_pair_stride, sizeof pair);
+      std::memcpy(&pair, a + r * lda + 2 * p, sizeof pair);
       const __m512bh ar = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
       acc[r][0] = _mm512_dpbf16_ps(acc[r][0], ar, b0);
       acc[r][1] = _mm512_dpbf16_ps(acc[r][1], ar, b1);
@@ -152,7 +151,7 @@ FLASHATTN_AMX_TARGET void AmxBlock(const std::uint16_t* a, std::int64_t lda, con
 // contiguous.
 template <bool kAccumulate>
 FLASHATTN_AMX_TARGET void AmxTile(const std::uint16_t* a, std::int64_t lda, const std::uint16_t* b,
-                                  std::int64_t chunks, float* c, std::int64_t ldc, std::int64_t b_step = kPairStep) {
+                                  std::int64_t chunks, float* c, std::int64_t ldc) {
   ConfigureTiles(Tiles::kMicro);
   const long c_stride = static_cast<long>(ldc * sizeof(float));
   if (kAccumulate) {
@@ -162,11 +161,11 @@ FLASHATTN_AMX_TARGET void AmxTile(const std::uint16_t* a, std::int64_t lda, cons
     _tile_zero(0);
     _tile_zero(1);
   }
-  const long step_bytes = static_cast<long>(b_step * sizeof(std::uint16_t));
-  for (std::int64_t k = 0; k < chunks; ++k, b += kAmxPairs * b_step) {
+  constexpr long kStepBytes = kPairStep * sizeof(std::uint16_t);
+  for (std::int64_t k = 0; k < chunks; ++k, b += kAmxPairs * kPairStep) {
     _tile_loadd(2, a + 2 * kAmxPairs * k, static_cast<long>(lda * sizeof(std::uint16_t)));
-    _tile_loadd(3, b, step_bytes);
-    _tile_loadd(4, b + kCols, step_bytes);
+    _tile_loadd(3, b, kStepBytes);
+    _tile_loadd(4, b + kCols, kStepBytes);
     _tile_dpbf16ps(0, 2, 3);
     _tile_dpbf16ps(1, 2, 4);
   }
@@ -195,23 +194,21 @@ bool available() {
 FLASHATTN_BF16_TARGET void DotStore(const std::uint16_t* a, std::int64_t lda, const std::uint16_t* b,
                                     std::int64_t pairs, float scale, float* c, std::int64_t ldc) {
   const std::int64_t chunks = UseAmx() ? pairs / kAmxPairs : 0;
-  if (chunks == 0) return Tile<false>(a, lda, 2, b, pairs, scale, c, ldc);
+  if (chunks == 0) return Tile<false>(a, lda, b, pairs, scale, c, ldc);
   AmxTile<false>(a, lda, b, chunks, c, ldc);
   if (pairs > chunks * kAmxPairs)
-    Tile<true>(a + 2 * kAmxPairs * chunks, lda, 2, b + chunks * kAmxPairs * kPairStep, pairs - chunks * kAmxPairs,
+    Tile<true>(a + 2 * kAmxPairs * chunks, lda, b + chunks * kAmxPairs * kPairStep, pairs - chunks * kAmxPairs,
                1.0f, c, ldc);
   if (scale != 1.0f) Scale(c, ldc, scale);
 }
 
 FLASHATTN_BF16_TARGET void DotAccumulate(const std::uint16_t* a, std::int64_t lda, const std::uint16_t* b,
-                                         std::int64_t pairs, float* c, std::int64_t ldc, std::int64_t a_pair_stride,
-                                         std::int64_t b_step) {
-  if (a_pair_stride != 2) return Tile<true>(a, lda, a_pair_stride, b, pairs, 1.0f, c, ldc, b_step);  // not a tile's rows
+                                         std::int64_t pairs, float* c, std::int64_t ldc) {
   const std::int64_t chunks = UseAmx() ? pairs / kAmxPairs : 0;
-  if (chunks > 0) AmxTile<true>(a, lda, b, chunks, c, ldc, b_step);
-  if (pairs > chunks * kAmxPairs)  // the row-major case: the compiler folds the stride into the addressing
-    Tile<true>(a + 2 * kAmxPairs * chunks, lda, 2, b + chunks * kAmxPairs * b_step, pairs - chunks * kAmxPairs,
-               1.0f, c, ldc, b_step);
+  if (chunks > 0) AmxTile<true>(a, lda, b, chunks, c, ldc);
+  if (pairs > chunks * kAmxPairs)
+    Tile<true>(a + 2 * kAmxPairs * chunks, lda, b + chunks * kAmxPairs * kPairStep, pairs - chunks * kAmxPairs, 1.0f,
+               c, ldc);
 }
 
 FLASHATTN_BF16_TARGET void PairRows(const float* row0, const float* row1, std::uint16_t* dst, std::int64_t n) {
@@ -263,10 +260,10 @@ FLASHATTN_BF16_TARGET void DotBlock(const std::uint16_t* a, std::int64_t lda, co
     for (std::int64_t r = 0; r < rows; r += kRows) {
       float* cr = c + r * ldc + j;
       if (chunks == 0 && !accumulate) {
-        Tile<false>(a + r * lda, lda, 2, panel, pairs, scale, cr, ldc, b_step);
+        Tile<false>(a + r * lda, lda, panel, pairs, scale, cr, ldc, b_step);
         continue;
       }
-      if (rest > 0) Tile<true>(a + r * lda + 2 * done, lda, 2, panel + done * b_step, rest, 1.0f, cr, ldc, b_step);
+      if (rest > 0) Tile<true>(a + r * lda + 2 * done, lda, panel + done * b_step, rest, 1.0f, cr, ldc, b_step);
       if (!accumulate && scale != 1.0f) Scale(cr, ldc, scale);
     }
   }

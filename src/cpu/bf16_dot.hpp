@@ -51,17 +51,13 @@ void set_amx_enabled(bool enabled);
 // C rows are ldc floats apart and 64-byte aligned.
 void DotStore(const std::uint16_t* a, std::int64_t lda, const std::uint16_t* b, std::int64_t pairs, float scale,
               float* c, std::int64_t ldc);
-// C += A(kRows × 2·pairs)·B(2·pairs × kCols). Pair p of A's row r starts at element
-// r·lda + p·a_pair_stride: 2 for a row-major A; a transposed operand built by PairRows
-// (row r = column r of the matrix it came from) has lda 2 and a_pair_stride 2·its width.
-// B's steps are b_step elements apart (kPairStep: a contiguous panel; 2·width: kCols
-// columns of a matrix paired by PairRows).
+// C += A(kRows × 2·pairs)·B(2·pairs × kCols).
 void DotAccumulate(const std::uint16_t* a, std::int64_t lda, const std::uint16_t* b, std::int64_t pairs, float* c,
-                   std::int64_t ldc, std::int64_t a_pair_stride = 2, std::int64_t b_step = kPairStep);
+                   std::int64_t ldc);
 
 // dst[2k], dst[2k + 1] = row0[k], row1[k] rounded to bf16 (as RoundToBf16), k < n, n a
-// multiple of 16: two rows of a float32 matrix as one row of depth pairs — a B-panel step
-// (pairs along the rows of a row-major B) or a step of a transposed A operand.
+// multiple of 16: two rows of a float32 matrix as one row of depth pairs — B-panel steps
+// (pairs along the rows of a row-major B, kCols columns per panel, steps 2·n apart).
 void PairRows(const float* row0, const float* row1, std::uint16_t* dst, std::int64_t n);
 // The same from two rows already in bf16 (copied, not rounded); n a multiple of 32.
 void PairRowsBf16(const std::uint16_t* row0, const std::uint16_t* row1, std::uint16_t* dst, std::int64_t n);
