@@ -560,19 +560,22 @@ HWY_INLINE void LoadKvTailPair(const unsigned char* HWY_RESTRICT row, std::int64
   hi = hn::Load(DF(), part + kLanes);
 }
 
-// [Σ a0, Σ a1, Σ a2, Σ a3] into dst[0, 4), times `unit` (a power of two: exactly), then
-// times `scale`. With four or more lanes one transpose-reduction serves all four sums:
-// within every 128-bit block, interleaving (a0, a1) and (a2, a3) and adding the halves
-// leaves each block holding the four partial sums side by side; the blocks are then
-// folded into one. The scalar target (one lane, without interleaves) takes each lane as it is.
-#if HWY_TARGET == HWY_SCALAR
-HWY_INLINE void SumOfLanes4(VF a0, VF a1, VF a2, VF a3, float unit, float scale, float* HWY_RESTRICT dst) {
-  dst[0] = hn::GetLane(a0) * unit * scale;
-  dst[1] = hn::GetLane(a1) * unit * scale;
-  dst[2] = hn::GetLane(a2) * unit * scale;
-  dst[3] = hn::GetLane(a3) * unit * scale;
+// Four sums at once, over every lane of a0, a1, a2, a3: lane 4·block + k of the result
+// holds block `block`'s part of Σ a_k. Within every 128-bit block, interleaving (a0, a1)
+// and (a2, a3) and adding the halves leaves the four partial sums side by side.
+#if HWY_TARGET != HWY_SCALAR
+HWY_INLINE VF BlockSums4(VF a0, VF a1, VF a2, VF a3) {
+  static_assert(kLanes % 4 == 0, "whole 128-bit blocks of four floats");
+  const DF df;
+  // Per block: t01 = [a0₀+a0₂, a1₀+a1₂, a0₁+a0₃, a1₁+a1₃], t23 likewise; as 64-bit lanes
+  // their low and high pairs interleave to [Σa0, Σa1, Σa2, Σa3] halves.
+  const VF t01 = hn::Add(hn::InterleaveLower(df, a0, a1), hn::InterleaveUpper(df, a0, a1));
+  const VF t23 = hn::Add(hn::InterleaveLower(df, a2, a3), hn::InterleaveUpper(df, a2, a3));
+  const hn::RepartitionToWide<hn::RebindToUnsigned<DF>> du64;
+  const auto w01 = hn::BitCast(du64, t01), w23 = hn::BitCast(du64, t23);
+  return hn::Add(hn::BitCast(df, hn::InterleaveLower(du64, w01, w23)), hn::BitCast(df, hn::InterleaveUpper(du64, w01, w23)));
 }
-#else
+
 // The lanes of v summed block-wise into one 128-bit block: dst[i] = Σ_blocks v[4·block + i].
 template <class D>
 HWY_INLINE void StoreBlockSum(D d, hn::Vec<D> v, float* HWY_RESTRICT dst) {
@@ -582,20 +585,6 @@ HWY_INLINE void StoreBlockSum(D d, hn::Vec<D> v, float* HWY_RESTRICT dst) {
     const hn::Half<D> dh;
     StoreBlockSum(dh, hn::Add(hn::LowerHalf(dh, v), hn::UpperHalf(dh, v)), dst);
   }
-}
-
-HWY_INLINE void SumOfLanes4(VF a0, VF a1, VF a2, VF a3, float unit, float scale, float* HWY_RESTRICT dst) {
-  static_assert(kLanes % 4 == 0, "whole 128-bit blocks of four floats");
-  const DF df;
-  // Per block: t01 = [a0₀+a0₂, a1₀+a1₂, a0₁+a0₃, a1₁+a1₃], t23 likewise; as 64-bit lanes
-  // their low and high pairs interleave to [Σa0, Σa1, Σa2, Σa3] halves.
-  const VF t01 = hn::Add(hn::InterleaveLower(df, a0, a1), hn::InterleaveUpper(df, a0, a1));
-  const VF t23 = hn::Add(hn::InterleaveLower(df, a2, a3), hn::InterleaveUpper(df, a2, a3));
-  const hn::RepartitionToWide<hn::RebindToUnsigned<DF>> du64;
-  const auto w01 = hn::BitCast(du64, t01), w23 = hn::BitCast(du64, t23);
-  const VF sums = hn::Add(hn::BitCast(df, hn::InterleaveLower(du64, w01, w23)),
-                          hn::BitCast(df, hn::InterleaveUpper(du64, w01, w23)));
-  StoreBlockSum(df, hn::Mul(hn::Mul(sums, hn::Set(df, unit)), hn::Set(df, scale)), dst);
 }
 #endif
 
@@ -620,39 +609,53 @@ void ResolveKeys(const ForwardParams& prm, std::int64_t b, std::int64_t j0, std:
   }
 }
 
-// Four rows' scores of one key: s[r·lds] = scale · (row r of the panel)·krow, r < 4, with
-// krow's values as stored (LoadKvPair's times kKvUnit). The panel holds, per pair of K
-// vectors, the four rows' values of the first vector, then of the second, in LoadKvPair's
-// order (row order in the ragged last pair).
+// The scores of four rows and `count` ≤ 4 keys: s[r·lds + k] = (row r of the panel)·krows[k]
+// for r < 4, k < count, with K's values as LoadKvPair reads them (kKvUnit and the FP8
+// descale are applied later, per column). The panel holds, per pair of K vectors, the four
+// rows' values of the first vector, then of the second, in LoadKvPair's order (row order in
+// the ragged last pair). Sixteen FMA chains, one per (key, row), and one reduction for
+// their sixteen sums: the reduction, not the products, is what one key at a time paid for.
 template <KvFormat F>
-HWY_INLINE void ScoreKey4(const float* HWY_RESTRICT panel, const unsigned char* HWY_RESTRICT krow, std::int64_t d,
-                          DType dtype, float scale, float* HWY_RESTRICT s, std::int64_t lds) {
+HWY_INLINE void ScoreKeys4(const float* HWY_RESTRICT panel, const unsigned char* const* krows, std::int64_t count,
+                           std::int64_t d, DType dtype, float* HWY_RESTRICT s, std::int64_t lds) {
   const DF df;
-  // Eight independent FMA chains: the four rows times the pair's two vectors.
-  VF a0 = hn::Zero(df), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-  auto step = [&](VF lo, VF hi, const float* HWY_RESTRICT q) {
-    a0 = hn::MulAdd(hn::Load(df, q), lo, a0);
-    a1 = hn::MulAdd(hn::Load(df, q + kLanes), lo, a1);
-    a2 = hn::MulAdd(hn::Load(df, q + 2 * kLanes), lo, a2);
-    a3 = hn::MulAdd(hn::Load(df, q + 3 * kLanes), lo, a3);
-    b0 = hn::MulAdd(hn::Load(df, q + 4 * kLanes), hi, b0);
-    b1 = hn::MulAdd(hn::Load(df, q + 5 * kLanes), hi, b1);
-    b2 = hn::MulAdd(hn::Load(df, q + 6 * kLanes), hi, b2);
-    b3 = hn::MulAdd(hn::Load(df, q + 7 * kLanes), hi, b3);
+  const unsigned char* row[4];
+  for (std::int64_t k = 0; k < 4; ++k) row[k] = krows[std::min(k, count - 1)];  // a short group repeats its last key
+  VF acc[4][4];  // [key][row]
+  for (auto& key : acc)
+    for (VF& a : key) a = hn::Zero(df);
+  auto step = [&](std::int64_t k, VF lo, VF hi, const float* HWY_RESTRICT q) {
+    for (std::int64_t r = 0; r < 4; ++r) {
+      acc[k][r] = hn::MulAdd(hn::Load(df, q + r * kLanes), lo, acc[k][r]);
+      acc[k][r] = hn::MulAdd(hn::Load(df, q + (4 + r) * kLanes), hi, acc[k][r]);
+    }
   };
   VF lo, hi;
   std::int64_t e = 0;
-  for (; e + kPair <= d; e += kPair, panel += 4 * kPair) {
-    LoadKvPair<F>(krow, e, lo, hi);
-    step(lo, hi, panel);
+  for (; e + kPair <= d; e += kPair, panel += 4 * kPair)
+    for (std::int64_t k = 0; k < 4; ++k) {
+      LoadKvPair<F>(row[k], e, lo, hi);
+      step(k, lo, hi, panel);
+    }
+  if (e < d)
+    for (std::int64_t k = 0; k < 4; ++k) {
+      LoadKvTailPair<F>(row[k], e, d - e, dtype, lo, hi);
+      step(k, lo, hi, panel);
+    }
+  HWY_ALIGN float sums[4][4];  // [row][key]
+  for (std::int64_t r = 0; r < 4; ++r) {
+#if HWY_TARGET == HWY_SCALAR
+    for (std::int64_t k = 0; k < 4; ++k) sums[r][k] = hn::GetLane(acc[k][r]);
+#else
+    const VF u = BlockSums4(acc[0][r], acc[1][r], acc[2][r], acc[3][r]);
+    if (count == 4) {
+      StoreBlockSum(df, u, s + r * lds);
+      continue;
+    }
+    StoreBlockSum(df, u, sums[r]);
+#endif
+    for (std::int64_t k = 0; k < count; ++k) s[r * lds + k] = sums[r][k];
   }
-  if (e < d) {
-    LoadKvTailPair<F>(krow, e, d - e, dtype, lo, hi);
-    step(lo, hi, panel);
-  }
-  HWY_ALIGN float sums[4];
-  SumOfLanes4(hn::Add(a0, b0), hn::Add(a1, b1), hn::Add(a2, b2), hn::Add(a3, b3), kKvUnit<F>, scale, sums);
-  for (std::int64_t r = 0; r < 4; ++r) s[r * lds] = sums[r];
 }
 
 // õ rows [0, 4) (row stride ldo), pair e, += P rows [0, 4) (row stride ldp) · the kv head's
@@ -710,8 +713,8 @@ HWY_INLINE void AccumulatePair4(const float* HWY_RESTRICT p0, std::int64_t ldp, 
 // chunk read for every kv head. Its rows are every (q head, query) pair, grouped per kv head
 // in fours, so each K and V row is read exactly once, in place and converted in registers,
 // and each key's kv heads — adjacent in memory — are read together: no packing, no
-// micro-tile padding. Per block of keys: S = Q·Kᵀ four rows per key at once (one
-// transpose-reduction for the four dot products), the online softmax, then õ += P·V with
+// micro-tile padding. Per block of keys: S = Q·Kᵀ four rows by four keys at once (one
+// reduction for the sixteen dot products), the online softmax, then õ += P·V with
 // four rows and a pair of õ vectors in registers.
 template <KvFormat F>
 void DecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item) {
@@ -723,7 +726,7 @@ void DecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t ite
   const std::int64_t rows4 = plan.block_q, all_rows = hkv * rows4;  // a kv head's rows, in fours
   const auto elem = static_cast<std::int64_t>(dtype_size(prm.k.dtype));
   const std::int64_t k_head = prm.k.strides[2] * elem, v_head = prm.v.strides[2] * elem;  // bytes
-  const std::int64_t v_span = (hkv - 1) * v_head + dv * elem;  // bytes of a key's V rows
+  const std::int64_t k_row = d * elem, v_row = dv * elem;  // bytes of a K and a V row
   const std::int64_t descale_head = prm.paged.descale_head_stride;
   const std::int64_t split = item % plan.splits, b = item / plan.splits;
   const std::int64_t first_tile = p.key_range(0).begin / bc;
@@ -733,7 +736,7 @@ void DecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t ite
       std::min(p.key_range(p.seqlen_q - 1).end, (first_tile + tiles * (split + 1) / plan.splits) * bc);
 
   // Row g·rows4 + r (r < rows) is query r % Sq of q head g·group + r / Sq; rows r ≥ rows of
-  // each kv head g are zero padding. Each four rows form a ScoreKey4 panel (4 · d_span).
+  // each kv head g are zero padding. Each four rows form a ScoreKeys4 panel (4 · d_span).
   float* q_panels = ws.q_tile.get();             // (heads_kv · rows4, d_span)
   float* q_row = q_panels + all_rows * d_span;  // one row in row order, loaded
   const float q_scale = p.softmax_scale * OnlineSoftmaxState::kLog2e;
@@ -757,7 +760,7 @@ void DecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t ite
   if (rescales != nullptr) std::fill(rescales, rescales + all_rows, 0);
   float* s_tile = ws.s_tile.get();  // (heads_kv · rows4, bc)
   DecodeKeys& keys = ws.decode_keys;  // (bc + kDecodePrefetchKeys)
-  float* v_factor = ws.o_acc.get() + all_rows * dv_pad;  // (bc): a kv head's V descales per key (FP8)
+  float* factor = ws.o_acc.get() + all_rows * dv_pad;  // (bc): a kv head's K, then V, descales per key (FP8)
   ws.counters.q_read += hkv * rows * d;
 
   for (std::int64_t j0 = key_begin; j0 < key_end; j0 += bc) {
@@ -768,26 +771,37 @@ void DecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t ite
     ws.counters.scores += hkv * rows * n;
     ws.counters.k_read += hkv * n * d;
     ws.counters.v_read += hkv * n * dv;
-    for (std::int64_t c = 0; c < n; ++c) {  // S column c = Q·k_(j0+c)
-      // V rows are read again only in P·V, after the block's softmax: fetch them now. K rows
-      // are read at once, in order, which the hardware prefetcher follows.
-      if (c + kDecodePrefetchKeys < ahead)
-        for (std::int64_t off = 0; off < v_span; off += kCacheLineBytes)
-          hwy::Prefetch(keys.v[c + kDecodePrefetchKeys] + off);
-      const unsigned char* krow = keys.k[c];
-      const float* descale = keys.k_descale[c];
+    for (std::int64_t c = 0; c < n; c += 4) {  // S columns [c, c + 4) = Q·k_(j0+c+i)
+      const std::int64_t count = std::min<std::int64_t>(4, n - c);
+      // Fetch the K and V rows of the keys kDecodePrefetchKeys ahead, a kv head's rows beside
+      // its scores, so that the fetches spread out: four keys read at once interleave four
+      // streams, which the hardware prefetcher does not follow.
+      const std::int64_t fetch_end = std::min(c + count + kDecodePrefetchKeys, ahead);
+      const unsigned char* krows[4];
+      for (std::int64_t i = 0; i < count; ++i) krows[i] = keys.k[c + i];
       const float* panel = q_panels;
       float* s = s_tile + c;
-      for (std::int64_t g = 0; g < hkv; ++g, krow += k_head) {
-        const float scale = F == KvFormat::e4m3 ? descale[g * descale_head] : 1.0f;
+      for (std::int64_t g = 0; g < hkv; ++g) {
+        for (std::int64_t i = c + kDecodePrefetchKeys; i < fetch_end; ++i) {
+          for (std::int64_t off = 0; off < k_row; off += kCacheLineBytes) hwy::Prefetch(keys.k[i] + g * k_head + off);
+          for (std::int64_t off = 0; off < v_row; off += kCacheLineBytes) hwy::Prefetch(keys.v[i] + g * v_head + off);
+        }
         for (std::int64_t r = 0; r < rows4; r += 4, panel += 4 * d_span, s += 4 * bc)
-          ScoreKey4<F>(panel, krow, d, prm.k.dtype, scale, s, bc);
+          ScoreKeys4<F>(panel, krows, count, d, prm.k.dtype, s, bc);
+        for (std::int64_t i = 0; i < count; ++i) krows[i] += k_head;
       }
     }
     for (std::int64_t g = 0; g < hkv; ++g) {
-      if constexpr (F == KvFormat::e4m3)  // P·(values·descale) = (P·kKvUnit·descale)·(values read)
-        for (std::int64_t c = 0; c < cols; ++c)
-          v_factor[c] = c < n ? keys.v_descale[c][g * descale_head] : 0.0f;
+      if constexpr (F == KvFormat::e4m3) {  // Q·(values·descale) = (Q·values read)·(kKvUnit·descale)
+        for (std::int64_t c = 0; c < cols; ++c) factor[c] = c < n ? kKvUnit<F> * keys.k_descale[c][g * descale_head] : 0.0f;
+        for (std::int64_t r = 0; r < rows; ++r) {
+          float* srow = s_tile + (g * rows4 + r) * bc;
+          for (std::int64_t c = 0; c < n; c += kLanes)
+            hn::Store(hn::Mul(hn::Load(DF(), srow + c), hn::Load(DF(), factor + c)), DF(), srow + c);
+        }
+        // P·(values·descale) = (P·kKvUnit·descale)·(values read)
+        for (std::int64_t c = 0; c < cols; ++c) factor[c] = c < n ? kKvUnit<F> * keys.v_descale[c][g * descale_head] : 0.0f;
+      }
       for (std::int64_t r = 0; r < rows4; ++r) {
         float* srow = s_tile + (g * rows4 + r) * bc;
         if (r >= rows) {  // padding rows: no probability mass
@@ -800,8 +814,7 @@ void DecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t ite
                    dv_pad, rescales != nullptr ? rescales + g * rows4 + r : nullptr);
         if constexpr (F == KvFormat::e4m3)
           for (std::int64_t c = 0; c < cols; c += kLanes)
-            hn::Store(hn::Mul(hn::Mul(hn::Load(DF(), srow + c), hn::Set(DF(), kKvUnit<F>)), hn::Load(DF(), v_factor + c)),
-                      DF(), srow + c);
+            hn::Store(hn::Mul(hn::Load(DF(), srow + c), hn::Load(DF(), factor + c)), DF(), srow + c);
       }
     }
     for (std::int64_t g = 0; g < hkv; ++g)
