@@ -32,6 +32,96 @@ void rotate(std::vector<float>& x, std::int64_t pos, const Tensor& cos, const Te
   }
 }
 
+// x rounded to the nearest half-precision value, ties to even (±∞ beyond half's range).
+float half(float x) {
+  if (!std::isfinite(x) || x == 0.0f) return x;
+  int exponent = 0;
+  std::frexp(x, &exponent);  // |x| in [2^(exponent - 1), 2^exponent)
+  const float quantum = std::ldexp(1.0f, std::max(exponent - 1, -14) - 10);  // half's ulp there (subnormals: 2^-24)
+  const float rounded = std::nearbyint(x / quantum) * quantum;  // ties to even in the default rounding mode
+  return std::fabs(rounded) > 65504.0f ? std::copysign(INFINITY, x) : rounded;
+}
+
+// The power of two that brings the largest finite |x| into [1, 2).
+double unit_scale(const std::vector<double>& x) {
+  double largest = 0.0;
+  for (double e : x)
+    if (std::isfinite(e)) largest = std::max(largest, std::fabs(e));
+  int exponent = 0;
+  if (largest > 0.0) std::frexp(largest, &exponent);
+  return std::ldexp(1.0, 1 - exponent);
+}
+
+// The yardstick of decode_fp16's precision (upstream's rule: a naive implementation in the
+// same precision) for an FP8 cache: codes kc, vc (their e4m3 values, exact in half) with
+// descales kd, vd per (batch, key, kv head). Scores: q rounded to half after a power of two
+// brings its row into [1, 2), times the codes, summed in half over runs of 8 products (an
+// FMA: one rounding each), the runs in double, then times the K descale. P·V: each
+// probability times its V descale, scaled by a power of two into [1, 2) per row and rounded
+// to half, times the codes, summed in half over runs of 16 keys. Softmax in double; causal
+// (bottom-right) or full, GQA, no other option. Returns out and lse like reference::attention.
+reference::Result half_precision_attention(const Tensor& q, const Tensor& kc, const Tensor& kd, const Tensor& vc,
+                                           const Tensor& vd, const AttentionOptions& o) {
+  const std::int64_t batch = q.shape()[0], sq = q.shape()[1], hq = q.shape()[2], d = q.shape()[3];
+  const std::int64_t sk = kc.shape()[1], hkv = kc.shape()[2], dv = vc.shape()[3];
+  // q times softmax_scale·log2(e) in float, as a kernel scales it before rounding.
+  const float scale = AttentionProblem::from_sizes(batch, sq, sk, hq, hkv, d, dv, DType::f32, o).softmax_scale *
+                      OnlineSoftmaxState::kLog2e;
+  reference::Result r;
+  r.out.assign(static_cast<std::size_t>(batch * sq * hq * dv), 0.0);
+  r.lse.assign(static_cast<std::size_t>(batch * hq * sq), 0.0);
+  for (std::int64_t b = 0; b < batch; ++b)
+    for (std::int64_t h = 0; h < hq; ++h)
+      for (std::int64_t i = 0; i < sq; ++i) {
+        const std::int64_t g = h / (hq / hkv), end = o.causal ? std::min(sk, sk - sq + i + 1) : sk;
+        std::vector<double> qi(static_cast<std::size_t>(d));
+        for (std::int64_t e = 0; e < d; ++e) qi[e] = q.get(((b * sq + i) * hq + h) * d + e) * scale;  // in float
+        const double q_unit = unit_scale(qi);
+        std::vector<float> qh(static_cast<std::size_t>(d));
+        for (std::int64_t e = 0; e < d; ++e) qh[e] = half(static_cast<float>(qi[e] * q_unit));
+        std::vector<double> s(static_cast<std::size_t>(end));
+        double m = -INFINITY;
+        for (std::int64_t j = 0; j < end; ++j) {
+          double total = 0.0;
+          for (std::int64_t e0 = 0; e0 < d; e0 += 8) {
+            float run = 0.0f;
+            for (std::int64_t e = e0; e < std::min(e0 + 8, d); ++e)
+              run = half(qh[e] * kc.get(((b * sk + j) * hkv + g) * d + e) + run);
+            total += run;
+          }
+          s[j] = total / q_unit * kd.get((b * sk + j) * hkv + g);
+          m = std::max(m, s[j]);
+        }
+        double sum = 0.0;
+        std::vector<double> weight(static_cast<std::size_t>(end));  // p · V descale
+        for (std::int64_t j = 0; j < end; ++j) {
+          const double p = std::exp2(s[j] - m);
+          sum += p;
+          weight[j] = p * vd.get((b * sk + j) * hkv + g);
+        }
+        const double w_unit = unit_scale(weight);
+        for (double& w : weight) w = half(static_cast<float>(w * w_unit));
+        for (std::int64_t e = 0; e < dv; ++e) {
+          double total = 0.0;
+          for (std::int64_t j0 = 0; j0 < end; j0 += 16) {
+            float run = 0.0f;
+            for (std::int64_t j = j0; j < std::min(j0 + 16, end); ++j)
+              run = half(static_cast<float>(weight[j]) * vc.get(((b * sk + j) * hkv + g) * dv + e) + run);
+            total += run;
+          }
+          r.out[static_cast<std::size_t>(((b * sq + i) * hq + h) * dv + e)] = total / (w_unit * sum);
+        }
+        r.lse[static_cast<std::size_t>((b * hq + h) * sq + i)] = (m + std::log2(sum)) * std::log(2.0);
+      }
+  return r;
+}
+
+double max_abs_difference(const std::vector<double>& a, const std::vector<double>& b) {
+  double worst = 0.0;
+  for (std::size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::fabs(a[i] - b[i]));
+  return worst;
+}
+
 struct Inputs {
   Tensor q = random_tensor(DType::f32, {kBatch, kSq, kHq, kDim}, 1);
   Tensor old_k = random_tensor(DType::f32, {kBatch, kCapacity, kHkv, kDim}, 2);  // logical cache contents
@@ -427,22 +517,29 @@ TEST(KvCache, DecodeKernelMatchesTheReferenceOnEveryLayout) {
   });
 }
 
-// The decode kernel's FP8 path widens e4m3 codes in registers and applies each (page, kv
+// The decode kernels' FP8 paths widen e4m3 codes in registers and apply each (page, kv
 // head) descale to scores and probabilities: a cache of random codes — every code but the
-// two NaNs, subnormal ones included — with a different descale per page and kv head,
-// against the float64 reference on the dequantized values (float32 rounding only, by
-// upstream's rule), on every compiled SIMD target, for the layouts and shapes above.
+// two NaNs, subnormal ones included — with descales per page and kv head that differ by up
+// to 2^12, against the float64 reference on the dequantized values, on every compiled SIMD
+// target, for the layouts and shapes above and one of D 256 with q rows scaled by 2^±20.
+// decode is held to upstream's rule in float32 (twice a naive float32 implementation's
+// error); decode_fp16, where the CPU has AVX512-FP16, to twice the error of the half
+// precision yardstick (half_precision_attention), at least 2^-10·max|v|.
 TEST(KvCache, DecodeKernelReadsEveryFp8CodeOnEveryLayout) {
   struct Shape {
     std::int64_t hq, hkv, d, dv;
   };
-  const Shape shapes[] = {{6, 2, 40, 24}, {16, 2, 128, 128}, {2, 2, 3, 5}};
+  const Shape shapes[] = {{6, 2, 40, 24}, {16, 2, 128, 128}, {2, 2, 3, 5}, {4, 1, 256, 64}};
   constexpr std::int64_t keys = 339;
+  std::vector<ForwardKernel> kernels{ForwardKernel::decode};
+  if (CpuHardware::detect(0).decode_fp16) kernels.push_back(ForwardKernel::decode_fp16);
   for_each_simd_target([&](const std::string&) {
     for (const Shape& s : shapes) {
       SCOPED_TRACE("Hq " + std::to_string(s.hq) + " Hkv " + std::to_string(s.hkv) + " D " + std::to_string(s.d) +
                    " Dv " + std::to_string(s.dv));
-      const Tensor q = random_tensor(DType::f32, {1, 1, s.hq, s.d}, 80);
+      Tensor q = random_tensor(DType::f32, {1, 1, s.hq, s.d}, 80);
+      if (s.d == 256)  // rows far from 1 in both directions: decode_fp16 scales them into range
+        for (std::int64_t i = 0; i < q.numel(); ++i) q.set(i, q.get(i) * (i / s.d % 2 == 0 ? 0x1p20f : 0x1p-20f));
       AttentionOptions o;
       const AttentionProblem p = AttentionProblem::from_sizes(1, 1, keys, s.hq, s.hkv, s.d, s.dv, DType::f32, o);
       for (std::int64_t ps : {0, 3, 16}) {
@@ -452,43 +549,61 @@ TEST(KvCache, DecodeKernelReadsEveryFp8CodeOnEveryLayout) {
         Tensor k_scale(DType::f32, {pages, s.hkv}), v_scale(DType::f32, {pages, s.hkv});
         Tensor table(DType::i32, {1, pages}), seqlens(DType::i32, {1});
         Tensor k(DType::f32, {1, keys, s.hkv, s.d}), v(DType::f32, {1, keys, s.hkv, s.dv});  // dequantized
+        Tensor kc(DType::f32, {1, keys, s.hkv, s.d}), vc(DType::f32, {1, keys, s.hkv, s.dv});  // codes' values
+        Tensor kd(DType::f32, {1, keys, s.hkv}), vd(DType::f32, {1, keys, s.hkv});  // descales per key
         for (std::int64_t i = 0; i < pages * s.hkv; ++i) {
           k_scale.set(i, 0x1p-7f * static_cast<float>(1 + i % 5));
-          v_scale.set(i, 0x1p-5f / static_cast<float>(1 + i % 3));
+          v_scale.set(i, (i % 2 == 0 ? 0x1p-5f : 0x1p7f) / static_cast<float>(1 + i % 3));
         }
         std::mt19937_64 rng(81 + static_cast<std::uint64_t>(ps));
-        auto fill = [&](Tensor& codes, const Tensor& scale, Tensor& values, std::int64_t dim, std::int64_t pos,
-                        std::int64_t page, std::int64_t slot) {
-          for (std::int64_t h = 0; h < s.hkv; ++h)
+        auto fill = [&](Tensor& codes, const Tensor& scale, Tensor& values, Tensor& code_values, Tensor& descales,
+                        std::int64_t dim, std::int64_t pos, std::int64_t page, std::int64_t slot) {
+          for (std::int64_t h = 0; h < s.hkv; ++h) {
+            descales.set(pos * s.hkv + h, scale.get(page * s.hkv + h));
             for (std::int64_t e = 0; e < dim; ++e) {
               std::uint8_t code;
               do code = static_cast<std::uint8_t>(rng()); while ((code & 0x7F) == 0x7F);  // no NaN
               codes.data_as<std::uint8_t>()[((page * slots + slot) * s.hkv + h) * dim + e] = code;
+              code_values.set((pos * s.hkv + h) * dim + e, fp8_to_float(code, Fp8Format::e4m3));
               values.set((pos * s.hkv + h) * dim + e, fp8_to_float(code, Fp8Format::e4m3) * scale.get(page * s.hkv + h));
             }
+          }
         };
         for (std::int64_t pg = 0; pg < pages; ++pg) table.set(pg, static_cast<float>(pages - 1 - pg));  // reversed
         seqlens.set(0, static_cast<float>(keys));
         for (std::int64_t pos = 0; pos < keys; ++pos) {
           const std::int64_t page = ps > 0 ? pages - 1 - pos / ps : 0, slot = ps > 0 ? pos % ps : pos;
-          fill(k_cache, k_scale, k, s.d, pos, page, slot);
-          fill(v_cache, v_scale, v, s.dv, pos, page, slot);
+          fill(k_cache, k_scale, k, kc, kd, s.d, pos, page, slot);
+          fill(v_cache, v_scale, v, vc, vd, s.dv, pos, page, slot);
         }
         const reference::Result want = reference::attention(q.view(), k.view(), v.view(), o);
-        const double tolerance = std::max(1e-5, 2.0 * max_abs_error(naive_same_precision(p, o, q, k, v), want.out));
-        for (int splits : {1, 4}) {
-          SCOPED_TRACE("splits " + std::to_string(splits));
-          o.num_splits = splits;
-          KvCache c{k_cache.view(), v_cache.view(), ps > 0 ? table.view() : TensorView{}, seqlens.view()};
-          c.k_scale = k_scale.view();
-          c.v_scale = v_scale.view();
-          ASSERT_EQ(plan_forward(p, CpuHardware::detect(0)).kernel, ForwardKernel::decode);
-          const ForwardResult got = forward_with_kvcache(q.view(), c, o);
-          EXPECT_LE(max_abs_error(got.out, want.out), tolerance);
-          for (std::int64_t i = 0; i < got.lse.numel(); ++i)
-            ASSERT_NEAR(got.lse.get(i), want.lse[static_cast<std::size_t>(i)], 1e-4 * std::max(1.0, std::fabs(want.lse[static_cast<std::size_t>(i)])))
-                << "lse " << i;
-        }
+        const double naive_float = max_abs_error(naive_same_precision(p, o, q, k, v), want.out);
+        const reference::Result yardstick = half_precision_attention(q, kc, kd, vc, vd, o);
+        double v_max = 0.0;
+        for (std::int64_t i = 0; i < v.numel(); ++i) v_max = std::max(v_max, static_cast<double>(std::fabs(v.get(i))));
+        for (ForwardKernel kernel : kernels)
+          for (int splits : {1, 4}) {
+            SCOPED_TRACE(std::string(to_string(kernel)) + ", splits " + std::to_string(splits));
+            o.kernel = kernel;
+            o.num_splits = splits;
+            KvCache c{k_cache.view(), v_cache.view(), ps > 0 ? table.view() : TensorView{}, seqlens.view()};
+            c.k_scale = k_scale.view();
+            c.v_scale = v_scale.view();
+            const ForwardResult got = forward_with_kvcache(q.view(), c, o);
+            const bool half = kernel == ForwardKernel::decode_fp16;
+            // decode_fp16: twice the yardstick's error, or twice one half-precision rounding
+            // of the largest value where that is more — the error any half-precision P·V
+            // carries, which the yardstick's few outputs of a tiny head dim can undershoot.
+            const double tolerance = std::max(
+                1e-5, 2.0 * (half ? std::max(max_abs_difference(yardstick.out, want.out), 0x1p-11 * v_max) : naive_float));
+            EXPECT_LE(max_abs_error(got.out, want.out), tolerance);
+            const double lse_tolerance = half ? 1e-4 + 2.0 * max_abs_difference(yardstick.lse, want.lse) : 1e-4;
+            for (std::int64_t i = 0; i < got.lse.numel(); ++i)
+              ASSERT_NEAR(got.lse.get(i), want.lse[static_cast<std::size_t>(i)],
+                          lse_tolerance * std::max(1.0, std::fabs(want.lse[static_cast<std::size_t>(i)])))
+                  << "lse " << i;
+          }
+        o.kernel = ForwardKernel::automatic;
       }
     }
   });
@@ -499,10 +614,11 @@ TEST(KvCache, DecodeKernelReadsEveryFp8CodeOnEveryLayout) {
 // torch.set_flush_denormal(True)): subnormal e4m3 codes are |values| below 2^-6, which a
 // float32 2^-120 times the value — the obvious bit trick — would hold as a subnormal that
 // DAZ reads as 0. A cache of random codes (subnormal ones included, descale 1) through the
-// decode kernel (one query) and the tiled kernel (20 queries), one thread so that the
-// mode set here is the kernel's, on every compiled SIMD target: with DAZ and
+// decode kernels (one query: decode, and decode_fp16 where the CPU has AVX512-FP16, whose
+// halves hold subnormal codes as subnormals) and the tiled kernel (20 queries), one thread
+// so that the mode set here is the kernel's, on every compiled SIMD target: with DAZ and
 // flush-to-zero on, the outputs still match the float64 reference on the dequantized
-// values within twice the naive float32 error.
+// values within twice the naive float32 error (decode_fp16: its yardstick's, as above).
 TEST(KvCache, Fp8CodesReadTheSameWithDenormalsAreZero) {
   constexpr std::int64_t kHq = 8, kHkv = 2, kDim = 40, kKeys = 300;
   constexpr unsigned kDazFtz = 0x8040;  // MXCSR: flush-to-zero (bit 15), denormals-are-zero (bit 6)
@@ -511,35 +627,56 @@ TEST(KvCache, Fp8CodesReadTheSameWithDenormalsAreZero) {
   Tensor k_scale(DType::f32, {1, kHkv}), v_scale(DType::f32, {1, kHkv}), seqlens(DType::i32, {1});
   for (std::int64_t h = 0; h < kHkv; ++h) k_scale.set(h, 1.0f), v_scale.set(h, 1.0f);
   seqlens.set(0, static_cast<float>(kKeys));
-  std::mt19937_64 rng(90);
-  for (auto [codes, values] : {std::pair{&codes_k, &k}, std::pair{&codes_v, &v}})
-    for (std::int64_t i = 0; i < codes->numel(); ++i) {
-      std::uint8_t code;
-      do code = static_cast<std::uint8_t>(rng()); while ((code & 0x7F) == 0x7F);  // no NaN
-      if (i % 3 == 0) code &= 0x87;  // every third a subnormal code (or ±0)
-      codes->data_as<std::uint8_t>()[i] = code;
-      values->set(i, fp8_to_float(code, Fp8Format::e4m3));
-    }
-  for_each_simd_target([&](const std::string&) {
-    for (std::int64_t sq : {1, 20}) {
-      SCOPED_TRACE("queries " + std::to_string(sq));
-      const Tensor q = random_tensor(DType::f32, {1, sq, kHq, kDim}, 91);
-      AttentionOptions o;
-      o.num_threads = 1;
-      o.causal = true;
-      const AttentionProblem p = AttentionProblem::from_sizes(1, sq, kKeys, kHq, kHkv, kDim, kDim, DType::f32, o);
-      const reference::Result want = reference::attention(q.view(), k.view(), v.view(), o);
-      const double tolerance = std::max(1e-5, 2.0 * max_abs_error(naive_same_precision(p, o, q, k, v), want.out));
-      KvCache c{codes_k.view(), codes_v.view(), TensorView{}, seqlens.view()};
-      c.k_scale = k_scale.view();
-      c.v_scale = v_scale.view();
-      const unsigned saved = _mm_getcsr();
-      _mm_setcsr(saved | kDazFtz);
-      const ForwardResult got = forward_with_kvcache(q.view(), c, o);
-      _mm_setcsr(saved);
-      EXPECT_LE(max_abs_error(got.out, want.out), tolerance);
-    }
-  });
+  // Every third code subnormal (or ±0); then V all subnormal, so that an output made of
+  // them alone shows a flushed one.
+  for (bool subnormal_v : {false, true}) {
+    SCOPED_TRACE(subnormal_v ? "V codes all subnormal" : "every third code subnormal");
+    std::mt19937_64 rng(90);
+    for (auto [codes, values] : {std::pair{&codes_k, &k}, std::pair{&codes_v, &v}})
+      for (std::int64_t i = 0; i < codes->numel(); ++i) {
+        std::uint8_t code;
+        do code = static_cast<std::uint8_t>(rng()); while ((code & 0x7F) == 0x7F);  // no NaN
+        if (i % 3 == 0 || (subnormal_v && codes == &codes_v)) code &= 0x87;
+        codes->data_as<std::uint8_t>()[i] = code;
+        values->set(i, fp8_to_float(code, Fp8Format::e4m3));
+      }
+    for_each_simd_target([&](const std::string&) {
+      for (std::int64_t sq : {1, 20}) {
+        SCOPED_TRACE("queries " + std::to_string(sq));
+        const Tensor q = random_tensor(DType::f32, {1, sq, kHq, kDim}, 91);
+        AttentionOptions o;
+        o.num_threads = 1;
+        o.causal = true;
+        const AttentionProblem p = AttentionProblem::from_sizes(1, sq, kKeys, kHq, kHkv, kDim, kDim, DType::f32, o);
+        const reference::Result want = reference::attention(q.view(), k.view(), v.view(), o);
+        const double tolerance = std::max(1e-5, 2.0 * max_abs_error(naive_same_precision(p, o, q, k, v), want.out));
+        KvCache c{codes_k.view(), codes_v.view(), TensorView{}, seqlens.view()};
+        c.k_scale = k_scale.view();
+        c.v_scale = v_scale.view();
+        std::vector<ForwardKernel> kernels{sq == 1 ? ForwardKernel::decode : ForwardKernel::automatic};
+        if (sq == 1 && CpuHardware::detect(1).decode_fp16) kernels.push_back(ForwardKernel::decode_fp16);
+        for (ForwardKernel kernel : kernels) {
+          SCOPED_TRACE(to_string(kernel));
+          o.kernel = kernel;
+          double bound = tolerance;
+          if (kernel == ForwardKernel::decode_fp16) {  // as in DecodeKernelReadsEveryFp8CodeOnEveryLayout
+            Tensor ones(DType::f32, {1, kKeys, kHkv});
+            for (std::int64_t i = 0; i < ones.numel(); ++i) ones.set(i, 1.0f);
+            double v_max = 0.0;
+            for (std::int64_t i = 0; i < v.numel(); ++i)
+              v_max = std::max(v_max, static_cast<double>(std::fabs(v.get(i))));
+            const reference::Result yardstick = half_precision_attention(q, k, ones, v, ones, o);
+            bound = 2.0 * std::max(max_abs_difference(yardstick.out, want.out), 0x1p-11 * v_max);
+          }
+          const unsigned saved = _mm_getcsr();
+          _mm_setcsr(saved | kDazFtz);
+          const ForwardResult got = forward_with_kvcache(q.view(), c, o);
+          _mm_setcsr(saved);
+          EXPECT_LE(max_abs_error(got.out, want.out), bound);
+        }
+      }
+    });
+  }
 }
 #endif
 
@@ -633,6 +770,9 @@ void check_fp8_cache_run(std::int64_t page_size) {
     c.rotary_sin = sin.view();
     AttentionOptions o;
     o.causal = true;
+    // The float32 decode kernel for few rows (decode_fp16's precision has its own test above),
+    // the planner's choice (tiled) for many.
+    if (n * (C::kHq / C::kHkv) <= 16) o.kernel = ForwardKernel::decode;
     const ForwardResult got = forward_with_kvcache(q.view(), c, o);
 
     // The logical tokens (keys rotated) and q rotated at its positions.
@@ -756,6 +896,50 @@ TEST(KvCache, Fp8CacheBadInputNamesTheArgument) {
   scaled.k_scale = cache.k_scale.view();
   const Tensor qb = random_tensor(DType::bf16, {1, 1, Fp8Cache::kHq, Fp8Cache::kDim}, 3);
   expect_error([&] { forward_with_kvcache(qb.view(), scaled); }, {"k_scale, v_scale: descales belong to an FP8 cache"});
+}
+
+}  // namespace
+}  // namespace flashattn::test
+
+namespace flashattn::test {
+namespace {
+
+// decode_fp16 is planned by default for an FP8 cache (kv_dtype u8) with few rows per kv head
+// where the CPU has AVX512-FP16; asked for where it cannot run, it is an Error
+// that names the kernel and the reason, raised before an append writes the cache.
+TEST(KvCache, DecodeFp16IsPlannedForFp8CachesOnly) {
+  CpuHardware with = CpuHardware::detect(1), without = with;
+  with.decode_fp16 = true;
+  without.decode_fp16 = false;
+  AttentionProblem p = AttentionProblem::from_sizes(1, 1, 500, 32, 8, 128, 128, DType::bf16, {});
+  p.kv_dtype = DType::u8;
+  EXPECT_EQ(plan_forward(p, with).kernel, ForwardKernel::decode_fp16);
+  EXPECT_EQ(plan_forward(p, without).kernel, ForwardKernel::decode);
+  expect_error([&] { plan_forward(p, without, 0, 0, ForwardKernel::decode_fp16); },
+               {"kernel decode_fp16", "AVX512-FP16 (this one: no)"});
+  AttentionProblem bf16_cache = p;
+  bf16_cache.kv_dtype = DType::bf16;
+  EXPECT_EQ(plan_forward(bf16_cache, with).kernel, ForwardKernel::decode);
+  expect_error([&] { plan_forward(bf16_cache, with, 0, 0, ForwardKernel::decode_fp16); },
+               {"kernel decode_fp16", "FP8 (e4m3) KV cache (k/v: bf16)"});
+  AttentionProblem many_rows = AttentionProblem::from_sizes(1, 8, 500, 32, 8, 128, 128, DType::f32, {});
+  many_rows.kv_dtype = DType::u8;
+  expect_error([&] { plan_forward(many_rows, with, 0, 0, ForwardKernel::decode_fp16); },
+               {"at most 16 query rows per kv head", "seqlen_q: 32"});
+  EXPECT_EQ(parse_forward_kernel("decode_fp16"), ForwardKernel::decode_fp16);
+  EXPECT_STREQ(to_string(ForwardKernel::decode_fp16), "decode_fp16");
+
+  // A request the call rules out (here a bf16 cache) leaves an appending call's cache as it was.
+  Tensor k_cache(DType::bf16, {1, 8, 2, 16}), v_cache(DType::bf16, {1, 8, 2, 16}), seqlens(DType::i32, {1});
+  seqlens.set(0, 3.0f);
+  const Tensor q = random_tensor(DType::bf16, {1, 1, 4, 16}, 5), k_new = random_tensor(DType::bf16, {1, 1, 2, 16}, 6);
+  KvCache c{k_cache.view(), v_cache.view(), TensorView{}, seqlens.view()};
+  c.k = k_new.view();
+  c.v = k_new.view();
+  AttentionOptions o;
+  o.kernel = ForwardKernel::decode_fp16;
+  expect_error([&] { forward_with_kvcache(q.view(), c, o); }, {"kernel decode_fp16", "k/v: bf16"});
+  for (std::int64_t i = 0; i < k_cache.numel(); ++i) ASSERT_EQ(k_cache.get(i), 0.0f) << "slot " << i;
 }
 
 }  // namespace

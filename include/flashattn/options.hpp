@@ -28,14 +28,22 @@ Exp2Impl parse_exp2_impl(const std::string& name);
 // v — AMX tiles (TDPBF16PS) where the CPU has them, else AVX512-BF16's VDPBF16PS — P
 // rounded to bf16 before P·V as upstream does; "decode" — a few query rows per kv head
 // (every q head of a GQA group and every query token together) read against K and V in
-// place. `automatic` lets the planner choose: decode for at most 16 rows per kv head, else
+// place; "decode_fp16" — decode from an FP8 (e4m3) KV cache on AVX512-FP16: half-precision
+// products and short half-precision partial sums, moved to float32 every few terms (errors
+// a few percent of the codes' own quantization error; src/cpu/fp16_decode.hpp). `automatic`
+// lets the planner choose: for at most 16 rows per kv head decode_fp16 where the cache is FP8
+// and the CPU has AVX512-FP16, else decode; for more rows
 // tiled_bf16 where the inputs are bf16, the CPU and SIMD target have AVX512-BF16 and its
 // products outpace float32 FMA (AMX; AMD Zen 5's VDPBF16PS; not VDPBF16PS alone on Intel,
 // where it has half FMA's FLOP rate), else tiled.
-enum class ForwardKernel : std::uint8_t { automatic, tiled, tiled_bf16, decode };
+enum class ForwardKernel : std::uint8_t { automatic, tiled, tiled_bf16, decode, decode_fp16 };
 const char* to_string(ForwardKernel kernel);
-// Parses "auto", "tiled", "tiled_bf16", "decode"; throws Error otherwise.
+// Parses "auto", "tiled", "tiled_bf16", "decode", "decode_fp16"; throws Error otherwise.
 ForwardKernel parse_forward_kernel(const std::string& name);
+// decode or decode_fp16: the kernels whose work item is (batch, key split) over every kv head.
+constexpr bool is_decode(ForwardKernel kernel) {
+  return kernel == ForwardKernel::decode || kernel == ForwardKernel::decode_fp16;
+}
 
 // The CPU backward kernels, selectable by name (CpuBackwardPlan::kernel, plan.hpp): "tiled"
 // — recomputation per pair of tiles on float32 products; "tiled_bf16" — the same tiling with

@@ -48,7 +48,8 @@ def flash_attn_with_kvcache(q: Array, k_cache: Array, v_cache: Array, k: Optiona
                             causal: bool = False, window_size: Window = (-1, -1), softcap: float = 0.0,
                             rotary_interleaved: bool = True, alibi_slopes: Optional[Array] = None,
                             num_splits: int = 0, return_softmax_lse: bool = False, *,
-                            k_scale: Optional[Array] = None, v_scale: Optional[Array] = None) -> Any: ...
+                            k_scale: Optional[Array] = None, v_scale: Optional[Array] = None,
+                            kernel: str = "auto") -> Any: ...
 def flash_attn_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, softmax_lse: Array,
                         dropout_p: float = 0.0, softmax_scale: Optional[float] = None, causal: bool = False,
                         window_size: Window = (-1, -1), softcap: float = 0.0, alibi_slopes: Optional[Array] = None,

@@ -350,7 +350,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                            return_softmax_lse=False, *, k_scale=None, v_scale=None):
+                            return_softmax_lse=False, *, k_scale=None, v_scale=None, kernel="auto"):
     """Attention over a KV cache, as upstream: k_cache/v_cache (B_cache, S_cache, Hkv, D) or paged
     (num_pages, page_size, Hkv, D) with block_table (B, max_pages); new k, v (B, S_new, Hkv, D)
     are written into the cache in place at cache_seqlens before attending; rotary_cos/sin
@@ -361,7 +361,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     FP8 e4m3 cache: k_cache/v_cache of dtype uint8 (or float8_e4m3fn, read as its codes) hold
     e4m3 codes and k_scale/v_scale float32 (num_pages or B_cache, Hkv) their descales, one per
     (page, kv head): value = code * descale. Appends quantize the new tokens and grow a page's
-    descale in place when they need it (see KvCache in include/flashattn/attention.hpp)."""
+    descale in place when they need it (see KvCache in include/flashattn/attention.hpp).
+
+    kernel: the CPU forward kernel by name — "auto" (the planner's choice), "decode",
+    "decode_fp16" (an FP8 cache on AVX512-FP16: half-precision products), "tiled" or
+    "tiled_bf16" (see ForwardKernel in include/flashattn/options.hpp)."""
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         step = cache.stride(-1) if _is_tensor(cache) else cache.strides[-1] // cache.itemsize
         if step != 1:  # written in place: a contiguous copy would lose the appended tokens
@@ -399,6 +403,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     opts = _options(0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, False, None)
     opts.num_splits = int(num_splits)
+    opts.kernel = str(kernel)
     out, out_raw = _empty((batch, sq, hq, raws["v_cache"].shape[-1]), dt, q)
     lse, lse_raw = _empty((batch, hq, sq), "f32", q)
     _C.forward_with_kvcache(raws["q"], raws["k_cache"], raws["v_cache"], new.get("k"), new.get("v"),

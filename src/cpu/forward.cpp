@@ -20,7 +20,7 @@ std::size_t round_up(std::size_t n, std::size_t m) { return (n + m - 1) / m * m;
 
 // Tiles held at once: one, or (decode) one per kv head — Q rows and a block of V rows each.
 std::size_t tiles_held(const CpuForwardPlan& plan, const AttentionProblem& p) {
-  return static_cast<std::size_t>(plan.kernel == ForwardKernel::decode ? p.heads_kv : 1);
+  return static_cast<std::size_t>(is_decode(plan.kernel) ? p.heads_kv : 1);
 }
 }  // namespace
 
@@ -36,12 +36,14 @@ WorkspaceSizes workspace_sizes(const CpuForwardPlan& plan, const AttentionProble
   const auto bc = static_cast<std::size_t>(plan.block_k);
   const auto d = static_cast<std::size_t>(p.head_dim);
   const auto dv_pad = static_cast<std::size_t>(plan.head_dim_v_padded);
-  const bool decode = plan.kernel == ForwardKernel::decode, bf16 = plan.kernel == ForwardKernel::tiled_bf16;
+  const bool decode = is_decode(plan.kernel), bf16 = plan.kernel == ForwardKernel::tiled_bf16;
   const std::size_t keys_pad = decode ? 0 : round_up(static_cast<std::size_t>(p.seqlen_k), bc);
   const std::size_t d_pad = round_up(d, 32);  // a whole number of pairs of vectors on every target
   const std::size_t d_even = round_up(d, 2);  // whole bf16 pairs
   WorkspaceSizes s{};
-  s.q_floats = bf16 ? 0 : (decode ? bq + 1 : bq) * d_pad;
+  // decode: a row loaded besides the panels; decode_fp16: four, the rows' units and the kv
+  // heads' (DecodeItem's layout).
+  s.q_floats = bf16 ? 0 : decode ? (bq + 4) * d_pad + 2 * bq : bq * d_pad;
   s.s_floats = bq * bc;
   s.o_floats = bq * dv_pad + (decode ? bc : 0);
   s.k_floats = bf16 ? 0 : keys_pad * d;
@@ -61,7 +63,7 @@ std::size_t forward_workspace_bytes(const CpuForwardPlan& plan, const AttentionP
   const WorkspaceSizes w = workspace_sizes(plan, p);
   const std::size_t floats = w.q_floats + w.s_floats + w.o_floats + w.k_floats + w.v_floats;
   const std::size_t halves = w.q_bf16 + w.p_bf16 + w.k_pairs + w.v_pairs;
-  const std::size_t keys = plan.kernel == ForwardKernel::decode ? bc + kDecodePrefetchKeys : 0;
+  const std::size_t keys = is_decode(plan.kernel) ? bc + kDecodePrefetchKeys : 0;
   const auto strips = static_cast<std::size_t>(plan.block_q / plan.hardware.micro_rows);
   return floats * sizeof(float) + halves * sizeof(std::uint16_t) + bq * (sizeof(OnlineSoftmaxState) + sizeof(std::int32_t)) +
          keys * DecodeKeys::kBytesPerKey + strips * sizeof(StripKeys);
@@ -73,7 +75,7 @@ ForwardWorkspace::ForwardWorkspace(const CpuForwardPlan& plan, const AttentionPr
       strip_keys(static_cast<std::size_t>(plan.block_q / plan.hardware.micro_rows)) {
   const WorkspaceSizes w = workspace_sizes(plan, p);
   q_tile = allocate_floats(w.q_floats);
-  if (plan.kernel == ForwardKernel::decode) decode_keys.resize(static_cast<std::size_t>(plan.block_k + kDecodePrefetchKeys));
+  if (is_decode(plan.kernel)) decode_keys.resize(static_cast<std::size_t>(plan.block_k + kDecodePrefetchKeys));
   s_tile = allocate_floats(w.s_floats);
   o_acc = allocate_floats(w.o_floats);
   k_packed = allocate_floats(w.k_floats + 1);
@@ -105,7 +107,7 @@ void zero_rescale_counts(const AttentionOptions& options) {
 std::int64_t grid_tiles(const AttentionProblem& p, const CpuForwardPlan& plan) {
   const std::int64_t k_tiles = (p.seqlen_k + plan.block_k - 1) / plan.block_k;
   const std::int64_t row_tiles =
-      plan.kernel == ForwardKernel::decode ? p.batch * p.heads_kv : p.batch * p.heads_q * plan.q_blocks;
+      is_decode(plan.kernel) ? p.batch * p.heads_kv : p.batch * p.heads_q * plan.q_blocks;
   return row_tiles * k_tiles;
 }
 
@@ -154,7 +156,7 @@ void run_forward_jobs(const std::vector<ForwardJob>& jobs) {
   for (std::size_t j = 0; j < live.size(); ++j)
     planned[j].plan = plan_forward(live[j].problem, hw, options.num_splits, live[j].options.block_q, live[j].options.kernel);
   const bool shared = live.size() > 1 && std::all_of(planned.begin(), planned.end(), [](const PlannedJob& j) {
-                        return j.plan.kernel == ForwardKernel::decode;
+                        return is_decode(j.plan.kernel);
                       });
   if (shared && options.num_splits == 0) {  // split keys only as far as the sequences leave threads idle
     const auto sequences = static_cast<std::int64_t>(live.size());

@@ -28,6 +28,7 @@
 #include "flashattn/error.hpp"
 #include "src/core/element.hpp"
 #include "src/cpu/bf16_dot.hpp"
+#include "src/cpu/fp16_decode.hpp"
 #include "src/cpu/forward_kernel.hpp"
 #include "src/cpu/fp8-inl.h"
 #include "src/cpu/score_mods-inl.h"
@@ -737,11 +738,26 @@ void DecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t ite
 
   // Row g·rows4 + r (r < rows) is query r % Sq of q head g·group + r / Sq; rows r ≥ rows of
   // each kv head g are zero padding. Each four rows form a ScoreKeys4 panel (4 · d_span).
+  // decode_fp16 (FP8 caches on AVX512-FP16): the products in half precision (fp16dot), each
+  // panel's rows packed to halves, scaled by powers of two that q_unit undoes on the scores.
+  const bool fp16 = F == KvFormat::e4m3 && plan.kernel == ForwardKernel::decode_fp16;
+  const std::int64_t panel_halves = 4 * ((d + fp16dot::kHalves - 1) / fp16dot::kHalves) * fp16dot::kHalves;
+  const std::int64_t d_pad = (d + 31) / 32 * 32;  // as the workspace sized q_tile: at least d_span
   float* q_panels = ws.q_tile.get();             // (heads_kv · rows4, d_span)
-  float* q_row = q_panels + all_rows * d_span;  // one row in row order, loaded
+  float* q_row = q_panels + all_rows * d_pad;    // one row in row order, loaded (decode_fp16: four)
+  auto* q_halves = reinterpret_cast<std::uint16_t*>(q_panels);  // decode_fp16: (panels, panel_halves)
+  float* q_unit = q_row + 4 * d_pad;             // decode_fp16: (heads_kv · rows4)
   const float q_scale = p.softmax_scale * OnlineSoftmaxState::kLog2e;
-  std::fill(q_panels, q_panels + all_rows * d_span, 0.0f);
-  for (std::int64_t g = 0; g < hkv; ++g)
+  if (fp16)
+    for (std::int64_t i = 0; i < all_rows / 4; ++i) {
+      const std::int64_t g = 4 * i / rows4, r0 = 4 * i % rows4, live = std::clamp<std::int64_t>(rows - r0, 0, 4);
+      for (std::int64_t r = r0; r < r0 + live; ++r)
+        LoadRow(RowPointer(prm.q, b, r % p.seqlen_q, g * group + r / p.seqlen_q), p.dtype, d, q_scale, q_row + (r - r0) * d);
+      fp16dot::PackQ4(q_row, d, live, d, q_halves + i * panel_halves, q_unit + 4 * i);
+    }
+  else
+    std::fill(q_panels, q_panels + all_rows * d_span, 0.0f);
+  for (std::int64_t g = 0; g < (fp16 ? 0 : hkv); ++g)
     for (std::int64_t r = 0; r < rows; ++r) {
       LoadRow(RowPointer(prm.q, b, r % p.seqlen_q, g * group + r / p.seqlen_q), p.dtype, d, q_scale, q_row);
       float* panel = q_panels + (g * rows4 + r / 4 * 4) * d_span + r % 4 * kLanes;
@@ -761,6 +777,7 @@ void DecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t ite
   float* s_tile = ws.s_tile.get();  // (heads_kv · rows4, bc)
   DecodeKeys& keys = ws.decode_keys;  // (bc + kDecodePrefetchKeys)
   float* factor = ws.o_acc.get() + all_rows * dv_pad;  // (bc): a kv head's K, then V, descales per key (FP8)
+  float* v_unit = q_unit + all_rows;  // decode_fp16: (heads_kv) what a key block's P·V sums are multiplied by
   ws.counters.q_read += hkv * rows * d;
 
   for (std::int64_t j0 = key_begin; j0 < key_end; j0 += bc) {
@@ -779,6 +796,12 @@ void DecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t ite
       const std::int64_t fetch_end = std::min(c + count + kDecodePrefetchKeys, ahead);
       const unsigned char* krows[4];
       for (std::int64_t i = 0; i < count; ++i) krows[i] = keys.k[c + i];
+      if (fp16) {
+        const fp16dot::Fetch fetch{keys.k.data() + c + kDecodePrefetchKeys, keys.v.data() + c + kDecodePrefetchKeys,
+                                   std::max<std::int64_t>(0, fetch_end - c - kDecodePrefetchKeys), k_row, v_row, v_head};
+        fp16dot::ScoreKeys4(q_halves, all_rows / 4, rows4 / 4, krows, k_head, count, d, s_tile + c, bc, fetch);
+        continue;
+      }
       const float* panel = q_panels;
       float* s = s_tile + c;
       for (std::int64_t g = 0; g < hkv; ++g) {
@@ -796,11 +819,26 @@ void DecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t ite
         for (std::int64_t c = 0; c < cols; ++c) factor[c] = c < n ? kKvUnit<F> * keys.k_descale[c][g * descale_head] : 0.0f;
         for (std::int64_t r = 0; r < rows; ++r) {
           float* srow = s_tile + (g * rows4 + r) * bc;
+          const VF unit = hn::Set(DF(), fp16 ? q_unit[g * rows4 + r] : 1.0f);  // decode_fp16: the q row's scaling undone
           for (std::int64_t c = 0; c < n; c += kLanes)
-            hn::Store(hn::Mul(hn::Load(DF(), srow + c), hn::Load(DF(), factor + c)), DF(), srow + c);
+            hn::Store(hn::Mul(hn::Mul(hn::Load(DF(), srow + c), hn::Load(DF(), factor + c)), unit), DF(), srow + c);
         }
-        // P·(values·descale) = (P·kKvUnit·descale)·(values read)
-        for (std::int64_t c = 0; c < cols; ++c) factor[c] = c < n ? kKvUnit<F> * keys.v_descale[c][g * descale_head] : 0.0f;
+        // P·(values·descale) = (P·kKvUnit·descale)·(values read). decode_fp16: P·descale·2^u
+        // with 2^u bringing the largest descale below 2^8 (so P at most 256 in half
+        // precision), and kKvUnit·2^-u applied to the float32 sums (v_unit).
+        for (std::int64_t c = 0; c < cols; ++c) factor[c] = c < n ? keys.v_descale[c][g * descale_head] : 0.0f;
+        float v_scale = kKvUnit<F>;
+        if (fp16) {
+          VF largest = hn::Zero(DF());
+          for (std::int64_t c = 0; c < cols; c += kLanes) largest = hn::Max(largest, hn::Load(DF(), factor + c));
+          int exponent = 0;
+          const float most = hn::GetLane(hn::MaxOfLanes(DF(), largest));
+          if (most > 0.0f && std::isfinite(most)) std::frexp(most, &exponent);  // most < 2^exponent
+          v_scale = std::ldexp(1.0f, std::clamp(8 - exponent, -100, 100));
+          v_unit[g] = kKvUnit<F> / v_scale;
+        }
+        for (std::int64_t c = 0; c < cols; c += kLanes)
+          hn::Store(hn::Mul(hn::Load(DF(), factor + c), hn::Set(DF(), v_scale)), DF(), factor + c);
       }
       for (std::int64_t r = 0; r < rows4; ++r) {
         float* srow = s_tile + (g * rows4 + r) * bc;
@@ -812,14 +850,20 @@ void DecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t ite
         const RowMods mods(p, prm.alibi_slopes, prm.block_mask, b, g * group + r / p.seqlen_q);
         SoftmaxRow(mods, srow, r % p.seqlen_q, j0, n, cols, state[g * rows4 + r], o_acc + (g * rows4 + r) * dv_pad,
                    dv_pad, rescales != nullptr ? rescales + g * rows4 + r : nullptr);
-        if constexpr (F == KvFormat::e4m3)
+        if constexpr (F == KvFormat::e4m3) {
           for (std::int64_t c = 0; c < cols; c += kLanes)
             hn::Store(hn::Mul(hn::Load(DF(), srow + c), hn::Load(DF(), factor + c)), DF(), srow + c);
+          if (fp16) fp16dot::PairHalves(srow, reinterpret_cast<std::uint32_t*>(srow), cols);  // in place
+        }
       }
     }
     for (std::int64_t g = 0; g < hkv; ++g)
       for (std::int64_t r = g * rows4; r < (g + 1) * rows4; r += 4)
-        for (std::int64_t e = 0; e < dv_pad; e += kPair)
+        if (fp16)
+          fp16dot::AccumulateRows4(reinterpret_cast<const std::uint32_t*>(s_tile + r * bc), bc, keys.v.data(), g * v_head,
+                                   n, dv, v_unit[g], o_acc + r * dv_pad, dv_pad);
+        else
+          for (std::int64_t e = 0; e < dv_pad; e += kPair)
           AccumulatePair4<F>(s_tile + r * bc, bc, keys, g * v_head, n, e, dv, prm.v.dtype, o_acc + r * dv_pad + e, dv_pad);
   }
   for (std::int64_t g = 0; g < hkv; ++g)
@@ -876,6 +920,10 @@ ForwardWorkItemFn forward_work_item_kernel(ForwardKernel kernel) {
   switch (kernel) {
     case ForwardKernel::tiled: return &HWY_DYNAMIC_DISPATCH(ForwardWorkItem);
     case ForwardKernel::decode: return &HWY_DYNAMIC_DISPATCH(ForwardDecodeItem);
+    case ForwardKernel::decode_fp16:
+      if (!fp16dot::available())  // as for tiled_bf16: never an illegal instruction
+        throw Error("kernel decode_fp16: this CPU (AVX512-FP16) cannot run it");
+      return &HWY_DYNAMIC_DISPATCH(ForwardDecodeItem);
     case ForwardKernel::tiled_bf16:
       // The plan checked this; the check here keeps a hand-made plan from an illegal instruction.
       if (!tiled_bf16_available())

@@ -9,6 +9,7 @@
 
 #include "flashattn/attention.hpp"
 #include "flashattn/error.hpp"
+#include "flashattn/plan.hpp"
 #include "src/core/element.hpp"
 #include "src/core/validate.hpp"
 #include "src/cpu/drivers.hpp"
@@ -257,6 +258,16 @@ void forward_with_kvcache(const TensorView& q, const KvCache& c, const MutableTe
   }
 
   detail::check_sequence_options(options, batch, q.shape[2]);
+  if (options.kernel != ForwardKernel::automatic) {  // a kernel this call rules out: rejected before the append
+    const CpuHardware hw = CpuHardware::detect(options.num_threads);
+    for (std::int64_t b = 0; b < batch; ++b) {
+      AttentionProblem p = AttentionProblem::from_sizes(
+          1, q.shape[1], seqlens[static_cast<std::size_t>(b)] + s_new - leftpad[static_cast<std::size_t>(b)],
+          q.shape[2], hkv, d, dv, q.dtype, detail::sequence_options(options, b));
+      p.kv_dtype = c.k_cache.dtype;
+      plan_forward(p, hw, options.num_splits, options.block_q, options.kernel);
+    }
+  }
 
   // Append the new tokens (keys rotated) into their slots, and nowhere else (an FP8 page
   // whose descale must grow also re-encodes its earlier tokens, see fp8_append).

@@ -2,6 +2,9 @@
 
 #include <omp.h>
 #include <unistd.h>
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
 
 #include <algorithm>
 #include <numeric>
@@ -10,6 +13,7 @@
 #include "flashattn/error.hpp"
 #include "src/cpu/backward_kernel.hpp"
 #include "src/cpu/bf16_dot.hpp"
+#include "src/cpu/fp16_decode.hpp"
 #include "src/cpu/forward_kernel.hpp"
 
 namespace flashattn {
@@ -24,6 +28,25 @@ std::size_t cache_size(int name, std::size_t fallback) {
 
 }  // namespace
 
+namespace cpu::fp16dot {
+// Here, in a file compiled for the baseline ISA, not beside the kernels (fp16_decode.cpp is
+// compiled for AVX512-FP16).
+bool available() {
+#if defined(FLASHATTN_FP16_DECODE) && defined(__x86_64__)
+  static const bool has = [] {
+    __builtin_cpu_init();  // AVX512-BW: the OS saves the 512-bit state; then CPUID.(7, 0):EDX[23]
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    constexpr unsigned kAvx512Fp16 = 1u << 23;
+    return __builtin_cpu_supports("avx512bw") != 0 && __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) != 0 &&
+           (edx & kAvx512Fp16) != 0;
+  }();
+  return has;
+#else
+  return false;
+#endif
+}
+}  // namespace cpu::fp16dot
+
 CpuHardware CpuHardware::detect(int num_threads) {
   CpuHardware hw;
   hw.l1d_bytes = cache_size(_SC_LEVEL1_DCACHE_SIZE, hw.l1d_bytes);
@@ -36,6 +59,7 @@ CpuHardware CpuHardware::detect(int num_threads) {
   hw.micro_cols = g.micro_cols;
   hw.bf16_dot = cpu::tiled_bf16_available();
   hw.bf16_dot_fast = hw.bf16_dot && cpu::bf16dot::outpaces_fma();
+  hw.decode_fp16 = cpu::fp16dot::available();
   return hw;
 }
 
@@ -64,8 +88,16 @@ ForwardKernel choose_kernel(const AttentionProblem& p, const CpuHardware& hw, Fo
                   "); use kernel tiled or auto");
     return requested;
   }
+  const std::int64_t rows = p.heads_q / p.heads_kv * p.seqlen_q;  // per kv head
+  static_assert(AttentionProblem::kMaxHeadDim <= cpu::fp16dot::kMaxHeadDim, "decode_fp16 takes every head dim");
+  const bool fp16_decode = p.kv_dtype == DType::u8 && rows <= kDecodeRows && hw.decode_fp16;
+  if (requested == ForwardKernel::decode_fp16 && !fp16_decode)
+    throw Error("kernel decode_fp16: needs an FP8 (e4m3) KV cache (k/v: " + std::string(to_string(p.kv_dtype)) +
+                "), at most " + std::to_string(kDecodeRows) + " query rows per kv head (heads_q / heads_kv · seqlen_q: " +
+                std::to_string(rows) + ") and a CPU with AVX512-FP16 (this one: " + (hw.decode_fp16 ? "yes" : "no") +
+                "); use kernel decode or auto");
   if (requested != ForwardKernel::automatic) return requested;
-  if (p.heads_q / p.heads_kv * p.seqlen_q <= kDecodeRows) return ForwardKernel::decode;
+  if (rows <= kDecodeRows) return fp16_decode ? ForwardKernel::decode_fp16 : ForwardKernel::decode;
   return bf16_inputs && hw.bf16_dot && hw.bf16_dot_fast ? ForwardKernel::tiled_bf16 : ForwardKernel::tiled;
 }
 
@@ -111,7 +143,7 @@ CpuForwardPlan plan_forward(const AttentionProblem& p, const CpuHardware& hw, in
   // that every thread has work; never more splits than K/V tiles.
   const std::int64_t k_tiles = (p.seqlen_k + plan.block_k - 1) / plan.block_k;
   const std::int64_t group = p.heads_q / p.heads_kv;
-  if (plan.kernel == ForwardKernel::decode) {
+  if (is_decode(plan.kernel)) {
     // One work item = (batch, contiguous key chunk) over every kv head: a thread streams
     // whole token rows (the kv heads of a key are adjacent), which the hardware prefetcher
     // follows, instead of a strided 1/heads_kv of each row. Its rows are every q head's,

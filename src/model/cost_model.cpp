@@ -51,7 +51,7 @@ KeyShare split_share(const AttentionProblem& p, std::int64_t first_row, std::int
 }  // namespace
 
 Tiling tiling_of(const CpuForwardPlan& plan) {
-  return {plan.block_q, plan.block_k, plan.splits, plan.kernel == ForwardKernel::decode};
+  return {plan.block_q, plan.block_k, plan.splits, is_decode(plan.kernel)};
 }
 
 Tiling tiling_of(const CpuBackwardPlan& plan) { return {plan.block_q, plan.block_k, 1, false}; }

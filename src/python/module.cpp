@@ -69,6 +69,7 @@ struct Options {
   bool deterministic = false;
   int num_threads = 0;
   int num_splits = 0;
+  std::string kernel = "auto";  // AttentionOptions::kernel by name
 
   flashattn::AttentionOptions get() const {
     flashattn::AttentionOptions o;
@@ -82,6 +83,7 @@ struct Options {
     o.deterministic = deterministic;
     o.num_threads = num_threads;
     o.num_splits = num_splits;
+    o.kernel = flashattn::parse_forward_kernel(kernel);
     return o;
   }
 };
@@ -117,7 +119,8 @@ NB_MODULE(_C, m) {
       .def_rw("seed", &Options::seed)
       .def_rw("deterministic", &Options::deterministic)
       .def_rw("num_threads", &Options::num_threads)
-      .def_rw("num_splits", &Options::num_splits);
+      .def_rw("num_splits", &Options::num_splits)
+      .def_rw("kernel", &Options::kernel);
 
   m.def(
       "forward",

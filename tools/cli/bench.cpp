@@ -126,6 +126,10 @@ void bench(const BenchFlags& f) {
       c.cached = cached;
       c.page_size = page_size;
       c.fp8_cache = fp8;
+      // --kernel decode applies to every decode case, decode_fp16 to the FP8 ones; others (the
+      // forward's kernels) leave the planner's choice here.
+      const ForwardKernel k = parse_forward_kernel(f.shape.kernel);
+      if (k == ForwardKernel::decode || (k == ForwardKernel::decode_fp16 && fp8)) c.kernel = k;
       std::cerr << "decode case: " << batch << " x " << cached << " tokens, " << (fp8 ? "e4m3" : "bf16")
                 << " cache, page size " << page_size << "\n";
       j["cases"].push_back(decode_json(c, measure_decode(c, f.repeats)));
@@ -166,12 +170,13 @@ void bench(const BenchFlags& f) {
               "GFLOP/s", "/sgemm", "seconds", "kernel");
   for (const auto& c : j["cases"]) {
     if (c["op"] == "decode") {
-      std::printf("%-10s %-4s %-6s %2lld x %-5lld tokens, page size %-5lld %6.2f GB/s (%3.0f%% of copy) %12.4f\n",
+      std::printf("%-10s %-4s %-6s %2lld x %-5lld tokens, page size %-5lld %6.2f GB/s (%3.0f%% of copy) %12.4f  %s\n",
                   "flashattn", "dec", c["cache_dtype"].get<std::string>().c_str(),
                   static_cast<long long>(c["batch"].get<std::int64_t>()),
                   static_cast<long long>(c["cached"].get<std::int64_t>()),
                   static_cast<long long>(c["page_size"].get<std::int64_t>()), c["gbps"].get<double>(),
-                  100.0 * c["gbps"].get<double>() / j["copy_gbps"].get<double>(), c["seconds"].get<double>());
+                  100.0 * c["gbps"].get<double>() / j["copy_gbps"].get<double>(), c["seconds"].get<double>(),
+                  c.value("kernel", "-").c_str());
       continue;
     }
     std::printf("%-10s %-4s %-6s %-6s %10s %9.1f %7.0f%% %12.4f  %s\n", c["impl"].get<std::string>().c_str(),

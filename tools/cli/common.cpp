@@ -27,8 +27,10 @@ void ShapeFlags::add_to(CLI::App& app, bool with_mode) {
   app.add_option("--dim", dim, "head dimension of q and k")->capture_default_str();
   app.add_option("--dim-v", dim_v, "head dimension of v (default: --dim)");
   app.add_option("--threads", threads, "worker threads (0 = all cores)")->capture_default_str();
-  app.add_option("--kernel", kernel, "CPU forward kernel: auto, tiled, tiled_bf16 (bf16 on AVX512-BF16; bench: its bf16 cases) or decode")
-      ->capture_default_str()->check(CLI::IsMember({"auto", "tiled", "tiled_bf16", "decode"}));
+  app.add_option("--kernel", kernel,
+                 "CPU forward kernel: auto, tiled, tiled_bf16 (bf16 on AVX512-BF16; bench: its bf16 cases), decode or "
+                 "decode_fp16 (FP8 cache on AVX512-FP16; bench: its e4m3 decode cases)")
+      ->capture_default_str()->check(CLI::IsMember({"auto", "tiled", "tiled_bf16", "decode", "decode_fp16"}));
   app.add_option("--backward-kernel", backward_kernel, "CPU backward kernel: auto, tiled or tiled_bf16 (bf16 on AVX512-BF16)")
       ->capture_default_str()->check(CLI::IsMember({"auto", "tiled", "tiled_bf16"}));
   if (!with_mode) return;
@@ -374,8 +376,12 @@ DecodeMeasurement measure_decode(const DecodeCase& c, int repeats) {
   cache.v = v_new.view();
   AttentionOptions options;
   options.num_threads = c.threads;
+  options.kernel = c.kernel;
   ForwardResult r;
   DecodeMeasurement m;
+  AttentionProblem planned = logical;  // as forward_with_kvcache plans it: the cache's dtype
+  planned.kv_dtype = cache_dtype;
+  m.kernel = to_string(plan_forward(planned, CpuHardware::detect(c.threads), options.num_splits, 0, options.kernel).kernel);
   m.seconds = median_seconds([&] { r = forward_with_kvcache(in.q.view(), cache, options); }, repeats, 1,
                              paged ? "decode (paged)" : "decode");
   let_worker_threads_sleep();
@@ -398,7 +404,7 @@ nlohmann::json decode_json(const DecodeCase& c, const DecodeMeasurement& m) {
           {"dim", c.dim},        {"cached", c.cached},    {"page_size", c.page_size},
           {"cache_dtype", c.fp8_cache ? "e4m3" : to_string(c.dtype)},
           {"seconds", m.seconds}, {"gbps", m.gbps},       {"cache_bytes", m.cache_bytes},
-          {"max_error", m.max_error}};
+          {"max_error", m.max_error}, {"kernel", m.kernel}};
 }
 
 double copy_gbps(int repeats) {
