@@ -748,26 +748,29 @@ void DecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t ite
   auto* q_halves = reinterpret_cast<std::uint16_t*>(q_panels);  // decode_fp16: (panels, panel_halves)
   float* q_unit = q_row + 4 * d_pad;             // decode_fp16: (heads_kv · rows4)
   const float q_scale = p.softmax_scale * OnlineSoftmaxState::kLog2e;
-  if (fp16)
+  auto load_q = [&](std::int64_t g, std::int64_t r, float* dst) {  // row r of kv head g, scaled
+    LoadRow(RowPointer(prm.q, b, r % p.seqlen_q, g * group + r / p.seqlen_q), p.dtype, d, q_scale, dst);
+  };
+  if (fp16) {
     for (std::int64_t i = 0; i < all_rows / 4; ++i) {
       const std::int64_t g = 4 * i / rows4, r0 = 4 * i % rows4, live = std::clamp<std::int64_t>(rows - r0, 0, 4);
-      for (std::int64_t r = r0; r < r0 + live; ++r)
-        LoadRow(RowPointer(prm.q, b, r % p.seqlen_q, g * group + r / p.seqlen_q), p.dtype, d, q_scale, q_row + (r - r0) * d);
+      for (std::int64_t r = r0; r < r0 + live; ++r) load_q(g, r, q_row + (r - r0) * d);
       fp16dot::PackQ4(q_row, d, live, d, q_halves + i * panel_halves, q_unit + 4 * i);
     }
-  else
+  } else {
     std::fill(q_panels, q_panels + all_rows * d_span, 0.0f);
-  for (std::int64_t g = 0; g < (fp16 ? 0 : hkv); ++g)
-    for (std::int64_t r = 0; r < rows; ++r) {
-      LoadRow(RowPointer(prm.q, b, r % p.seqlen_q, g * group + r / p.seqlen_q), p.dtype, d, q_scale, q_row);
-      float* panel = q_panels + (g * rows4 + r / 4 * 4) * d_span + r % 4 * kLanes;
-      for (std::int64_t e = 0; e < d; e += kPair)
-        for (std::int64_t half = 0; half < 2; ++half)
-          for (std::int64_t i = 0; i < kLanes; ++i) {
-            const std::int64_t x = e + (e + kPair <= d ? PairIndex<F>(half, i) : half * kLanes + i);
-            panel[4 * e + half * 4 * kLanes + i] = x < d ? q_row[x] : 0.0f;
-          }
-    }
+    for (std::int64_t g = 0; g < hkv; ++g)
+      for (std::int64_t r = 0; r < rows; ++r) {
+        load_q(g, r, q_row);
+        float* panel = q_panels + (g * rows4 + r / 4 * 4) * d_span + r % 4 * kLanes;
+        for (std::int64_t e = 0; e < d; e += kPair)
+          for (std::int64_t half = 0; half < 2; ++half)
+            for (std::int64_t i = 0; i < kLanes; ++i) {
+              const std::int64_t x = e + (e + kPair <= d ? PairIndex<F>(half, i) : half * kLanes + i);
+              panel[4 * e + half * 4 * kLanes + i] = x < d ? q_row[x] : 0.0f;
+            }
+      }
+  }
   float* o_acc = ws.o_acc.get();  // (heads_kv · rows4, dv_pad), whole pairs in LoadKvPair's order
   std::fill(o_acc, o_acc + all_rows * dv_pad, 0.0f);
   OnlineSoftmaxState* state = ws.states.data();
@@ -864,7 +867,8 @@ void DecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t ite
                                    n, dv, v_unit[g], o_acc + r * dv_pad, dv_pad);
         else
           for (std::int64_t e = 0; e < dv_pad; e += kPair)
-          AccumulatePair4<F>(s_tile + r * bc, bc, keys, g * v_head, n, e, dv, prm.v.dtype, o_acc + r * dv_pad + e, dv_pad);
+            AccumulatePair4<F>(s_tile + r * bc, bc, keys, g * v_head, n, e, dv, prm.v.dtype, o_acc + r * dv_pad + e,
+                               dv_pad);
   }
   for (std::int64_t g = 0; g < hkv; ++g)
     for (std::int64_t r = 0; r < rows; ++r) {
