@@ -8,17 +8,20 @@ Window = Sequence[int]
 def flash_attn_func(q: Array, k: Array, v: Array, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
                     causal: bool = False, window_size: Window = (-1, -1), softcap: float = 0.0,
                     alibi_slopes: Optional[Array] = None, deterministic: bool = False,
-                    return_attn_probs: bool = False, *, seed: Optional[int] = None
+                    return_attn_probs: bool = False, *, seed: Optional[int] = None,
+                    kernel: str = "auto", backward_kernel: str = "auto"
                     ) -> Union[Array, Tuple[Array, Array, Array]]: ...
 def flash_attn_qkvpacked_func(qkv: Array, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
                               causal: bool = False, window_size: Window = (-1, -1), softcap: float = 0.0,
                               alibi_slopes: Optional[Array] = None, deterministic: bool = False,
-                              return_attn_probs: bool = False, *, seed: Optional[int] = None
+                              return_attn_probs: bool = False, *, seed: Optional[int] = None,
+                    kernel: str = "auto", backward_kernel: str = "auto"
                               ) -> Union[Array, Tuple[Array, Array, Array]]: ...
 def flash_attn_kvpacked_func(q: Array, kv: Array, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
                              causal: bool = False, window_size: Window = (-1, -1), softcap: float = 0.0,
                              alibi_slopes: Optional[Array] = None, deterministic: bool = False,
-                             return_attn_probs: bool = False, *, seed: Optional[int] = None
+                             return_attn_probs: bool = False, *, seed: Optional[int] = None,
+                    kernel: str = "auto", backward_kernel: str = "auto"
                              ) -> Union[Array, Tuple[Array, Array, Array]]: ...
 def flash_attn_varlen_func(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqlens_k: Array,
                            max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
@@ -26,19 +29,22 @@ def flash_attn_varlen_func(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu
                            window_size: Window = (-1, -1), softcap: float = 0.0,
                            alibi_slopes: Optional[Array] = None, deterministic: bool = False,
                            return_attn_probs: bool = False, block_table: Optional[Array] = None, *,
-                           seed: Optional[int] = None) -> Union[Array, Tuple[Array, Array, Array]]: ...
+                           seed: Optional[int] = None, kernel: str = "auto", backward_kernel: str = "auto"
+                           ) -> Union[Array, Tuple[Array, Array, Array]]: ...
 def flash_attn_varlen_qkvpacked_func(qkv: Array, cu_seqlens: Array, max_seqlen: int, dropout_p: float = 0.0,
                                      softmax_scale: Optional[float] = None, causal: bool = False,
                                      window_size: Window = (-1, -1), softcap: float = 0.0,
                                      alibi_slopes: Optional[Array] = None, deterministic: bool = False,
-                                     return_attn_probs: bool = False, *, seed: Optional[int] = None
+                                     return_attn_probs: bool = False, *, seed: Optional[int] = None,
+                    kernel: str = "auto", backward_kernel: str = "auto"
                                      ) -> Union[Array, Tuple[Array, Array, Array]]: ...
 def flash_attn_varlen_kvpacked_func(q: Array, kv: Array, cu_seqlens_q: Array, cu_seqlens_k: Array,
                                     max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
                                     softmax_scale: Optional[float] = None, causal: bool = False,
                                     window_size: Window = (-1, -1), softcap: float = 0.0,
                                     alibi_slopes: Optional[Array] = None, deterministic: bool = False,
-                                    return_attn_probs: bool = False, *, seed: Optional[int] = None
+                                    return_attn_probs: bool = False, *, seed: Optional[int] = None,
+                    kernel: str = "auto", backward_kernel: str = "auto"
                                     ) -> Union[Array, Tuple[Array, Array, Array]]: ...
 def flash_attn_with_kvcache(q: Array, k_cache: Array, v_cache: Array, k: Optional[Array] = None,
                             v: Optional[Array] = None, rotary_cos: Optional[Array] = None,
@@ -53,12 +59,13 @@ def flash_attn_with_kvcache(q: Array, k_cache: Array, v_cache: Array, k: Optiona
 def flash_attn_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, softmax_lse: Array,
                         dropout_p: float = 0.0, softmax_scale: Optional[float] = None, causal: bool = False,
                         window_size: Window = (-1, -1), softcap: float = 0.0, alibi_slopes: Optional[Array] = None,
-                        deterministic: bool = False, *, seed: Optional[int] = None
-                        ) -> Tuple[Array, Array, Array]: ...
+                        deterministic: bool = False, *, seed: Optional[int] = None,
+                        backward_kernel: str = "auto") -> Tuple[Array, Array, Array]: ...
 def flash_attn_varlen_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, softmax_lse: Array,
                                cu_seqlens_q: Array, cu_seqlens_k: Array, max_seqlen_q: int, max_seqlen_k: int,
                                dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
                                causal: bool = False, window_size: Window = (-1, -1), softcap: float = 0.0,
                                alibi_slopes: Optional[Array] = None, deterministic: bool = False, *,
-                               seed: Optional[int] = None) -> Tuple[Array, Array, Array]: ...
+                               seed: Optional[int] = None, backward_kernel: str = "auto"
+                               ) -> Tuple[Array, Array, Array]: ...
 def simd_target() -> str: ...

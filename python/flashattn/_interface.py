@@ -88,8 +88,10 @@ def _inputs(**named):
     return raws, dtypes[first]
 
 
-def _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, seed):
+def _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, seed,
+             kernel="auto", backward_kernel="auto"):
     o = _C.Options()
+    o.kernel, o.backward_kernel = str(kernel), str(backward_kernel)
     o.softmax_scale = None if softmax_scale is None else float(softmax_scale)
     o.causal = bool(causal)
     if len(window_size) != 2:
@@ -242,67 +244,78 @@ def _check_packed(name, x, rank, axis, count, layout, q=None):
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                     softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                    seed=None):
+                    seed=None, kernel="auto", backward_kernel="auto"):
     """Exact attention. q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) -> out (B, Sq, Hq, Dv).
 
     With return_attn_probs: (out, softmax_lse (B, Hq, Sq) float32, S_dmask (B, Hq, Sq, Sk) float32,
-    the probabilities after dropout — materialized, for testing only)."""
+    the probabilities after dropout — materialized, for testing only). kernel / backward_kernel:
+    the CPU kernels by name ("auto", "tiled", "tiled_bf16", "decode", ...; see ForwardKernel
+    and BackwardKernel in include/flashattn/options.hpp); a request the inputs or the CPU rule
+    out raises ValueError."""
     seed = _seed_for(dropout_p, seed)
-    opts = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, seed)
+    opts = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, seed,
+                    kernel, backward_kernel)
     return _run(q, k, v, None, opts, return_attn_probs)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                               softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                              seed=None):
+                              seed=None, kernel="auto", backward_kernel="auto"):
     """flash_attn_func on qkv (B, S, 3, H, D), sliced without copies."""
     _check_packed("qkv", qkv, 5, 2, 3, "(batch, seqlen, 3, heads, head_dim)")
     return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal,
-                           window_size, softcap, alibi_slopes, deterministic, return_attn_probs, seed=seed)
+                           window_size, softcap, alibi_slopes, deterministic, return_attn_probs, seed=seed,
+                           kernel=kernel, backward_kernel=backward_kernel)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                             seed=None):
+                             seed=None, kernel="auto", backward_kernel="auto"):
     """flash_attn_func on q and kv (B, Sk, 2, Hkv, D), sliced without copies."""
     _check_packed("kv", kv, 5, 2, 2, "(batch, seqlen_k, 2, heads_kv, head_dim)", q)
     return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
-                           alibi_slopes, deterministic, return_attn_probs, seed=seed)
+                           alibi_slopes, deterministic, return_attn_probs, seed=seed, kernel=kernel,
+                           backward_kernel=backward_kernel)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                            alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None, *,
-                           seed=None):
+                           seed=None, kernel="auto", backward_kernel="auto"):
     """Packed variable-length batch: q (total_q, Hq, D), k/v (total_k, Hkv, D), int32 cu_seqlens (B + 1).
 
-    Each sequence attends only within itself; softmax_lse is (Hq, total_q)."""
+    Each sequence attends only within itself; softmax_lse is (Hq, total_q). kernel /
+    backward_kernel as flash_attn_func's."""
     if block_table is not None:
         raise NotImplementedError("block_table: the paged KV cache is not implemented yet")
     seed = _seed_for(dropout_p, seed)
-    opts = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, seed)
+    opts = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, seed,
+                    kernel, backward_kernel)
     return _run(q, k, v, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), opts, return_attn_probs)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
                                      causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                                     deterministic=False, return_attn_probs=False, *, seed=None):
+                                     deterministic=False, return_attn_probs=False, *, seed=None, kernel="auto",
+                                     backward_kernel="auto"):
     """flash_attn_varlen_func on qkv (total, 3, H, D)."""
     _check_packed("qkv", qkv, 4, 1, 3, "(total, 3, heads, head_dim)")
     return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen,
                                   max_seqlen, dropout_p, softmax_scale, causal, window_size, softcap,
-                                  alibi_slopes, deterministic, return_attn_probs, seed=seed)
+                                  alibi_slopes, deterministic, return_attn_probs, seed=seed, kernel=kernel,
+                                  backward_kernel=backward_kernel)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                     dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                                     softcap=0.0, alibi_slopes=None, deterministic=False,
-                                    return_attn_probs=False, *, seed=None):
+                                    return_attn_probs=False, *, seed=None, kernel="auto", backward_kernel="auto"):
     """flash_attn_varlen_func on q and kv (total_k, 2, Hkv, D)."""
     _check_packed("kv", kv, 4, 1, 2, "(total_k, 2, heads_kv, head_dim)", q)
     return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
-                                  alibi_slopes, deterministic, return_attn_probs, seed=seed)
+                                  alibi_slopes, deterministic, return_attn_probs, seed=seed, kernel=kernel,
+                                  backward_kernel=backward_kernel)
 
 
 def _dtype_name(x):
@@ -401,9 +414,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             raw = np.asarray(x.float().numpy() if _is_tensor(x) else np.asarray(x, dtype=np.float32))
         return raw
 
-    opts = _options(0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, False, None)
+    opts = _options(0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, False, None, kernel)
     opts.num_splits = int(num_splits)
-    opts.kernel = str(kernel)
     out, out_raw = _empty((batch, sq, hq, raws["v_cache"].shape[-1]), dt, q)
     lse, lse_raw = _empty((batch, hq, sq), "f32", q)
     _C.forward_with_kvcache(raws["q"], raws["k_cache"], raws["v_cache"], new.get("k"), new.get("v"),
@@ -416,24 +428,27 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
 def flash_attn_backward(dout, q, k, v, out, softmax_lse, dropout_p=0.0, softmax_scale=None, causal=False,
                         window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, *,
-                        seed=None):
+                        seed=None, backward_kernel="auto"):
     """Gradients (dq, dk, dv) of sum(dout * out) for NumPy users; P is recomputed from softmax_lse.
 
-    With dropout, pass the seed the forward used."""
+    With dropout, pass the seed the forward used. backward_kernel: the CPU kernel by name
+    ("auto", "tiled", "tiled_bf16")."""
     if dropout_p > 0.0 and seed is None:
         raise ValueError("seed: backward with dropout needs the seed the forward used")
-    opts = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, seed)
+    opts = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, seed,
+                    backward_kernel=backward_kernel)
     return _backward(dout, q, k, v, out, softmax_lse, opts)
 
 
 def flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                max_seqlen_k, dropout_p=0.0, softmax_scale=None, causal=False,
                                window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, *,
-                               seed=None):
+                               seed=None, backward_kernel="auto"):
     """Gradients (dq, dk, dv) of a packed variable-length batch."""
     if dropout_p > 0.0 and seed is None:
         raise ValueError("seed: backward with dropout needs the seed the forward used")
-    opts = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, seed)
+    opts = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, seed,
+                    backward_kernel=backward_kernel)
     return _varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                             max_seqlen_k, opts)
 

@@ -286,3 +286,34 @@ def test_errors_do_not_modify_inputs():
         flashattn.flash_attn_func(q, k, v[:, :, :1])
     for a, b in zip((q, k, v), copies):
         np.testing.assert_array_equal(a, b)
+
+
+def test_kernels_by_name():
+    """kernel= / backward_kernel= reach the planner: a kernel the inputs allow gives the planner's
+    result; one they rule out, or an unknown name, raises ValueError naming it."""
+    q, k, v = make_qkv(3, 1, 40, 40, 2, 2, 16)
+    out, lse, _ = flashattn.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    named = flashattn.flash_attn_func(q, k, v, causal=True, kernel="tiled", backward_kernel="tiled")
+    np.testing.assert_array_equal(named, out)
+    with pytest.raises(ValueError, match="kernel tiled_bf16: needs bf16 q, k and v"):
+        flashattn.flash_attn_func(q, k, v, kernel="tiled_bf16")
+    with pytest.raises(ValueError, match="unknown forward kernel 'fast'"):
+        flashattn.flash_attn_kvpacked_func(q, np.stack([k, v], axis=2), kernel="fast")
+    dout = np.ones_like(out)
+    grads = flashattn.flash_attn_backward(dout, q, k, v, out, lse, causal=True)
+    named_grads = flashattn.flash_attn_backward(dout, q, k, v, out, lse, causal=True, backward_kernel="tiled")
+    for g, h in zip(grads, named_grads):
+        np.testing.assert_array_equal(g, h)
+    with pytest.raises(ValueError, match="backward_kernel tiled_bf16: needs bf16"):
+        flashattn.flash_attn_backward(dout, q, k, v, out, lse, causal=True, backward_kernel="tiled_bf16")
+    with pytest.raises(ValueError, match="unknown backward kernel 'fast'"):
+        flashattn.flash_attn_backward(dout, q, k, v, out, lse, backward_kernel="fast")
+
+
+def test_backward_kernel_reaches_autograd():
+    """With PyTorch, the forward's backward_kernel is the one its autograd backward plans."""
+    torch = pytest.importorskip("torch")
+    q, k, v = (torch.from_numpy(x).requires_grad_() for x in make_qkv(4, 1, 24, 24, 2, 2, 16))
+    out = flashattn.flash_attn_func(q, k, v, backward_kernel="tiled_bf16")  # the forward runs
+    with pytest.raises(ValueError, match="backward_kernel tiled_bf16"):
+        out.sum().backward()

@@ -69,7 +69,8 @@ struct Options {
   bool deterministic = false;
   int num_threads = 0;
   int num_splits = 0;
-  std::string kernel = "auto";  // AttentionOptions::kernel by name
+  std::string kernel = "auto";           // AttentionOptions::kernel by name
+  std::string backward_kernel = "auto";  // AttentionOptions::backward_kernel by name
 
   flashattn::AttentionOptions get() const {
     flashattn::AttentionOptions o;
@@ -84,6 +85,7 @@ struct Options {
     o.num_threads = num_threads;
     o.num_splits = num_splits;
     o.kernel = flashattn::parse_forward_kernel(kernel);
+    o.backward_kernel = flashattn::parse_backward_kernel(backward_kernel);
     return o;
   }
 };
@@ -120,7 +122,8 @@ NB_MODULE(_C, m) {
       .def_rw("deterministic", &Options::deterministic)
       .def_rw("num_threads", &Options::num_threads)
       .def_rw("num_splits", &Options::num_splits)
-      .def_rw("kernel", &Options::kernel);
+      .def_rw("kernel", &Options::kernel)
+      .def_rw("backward_kernel", &Options::backward_kernel);
 
   m.def(
       "forward",
