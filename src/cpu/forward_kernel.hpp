@@ -50,8 +50,9 @@ struct DecodeKeys {
 // kernel prefetches ahead of the keys it scores: K because it reads four keys' rows at once,
 // four streams the hardware prefetcher does not follow; V because P·V reads it only after
 // the block's softmax. On the Zen 3 of docs/performance.md distances of 0 to 16 keys, V
-// alone, measured alike within the noise; on the Sapphire Rapids Xeon of 2026-12, K and V
-// 16 ahead took bf16 decode from 6.6 to 5.3 ms (8 ahead: 5.8).
+// alone, measured alike within the noise; on the Sapphire Rapids Xeon of 2026-12, prefetching
+// K with V took bf16 decode from 6.6 to 5.0–5.3 ms, and distances of 8, 16 and 32 keys
+// measured alike within the noise.
 constexpr std::int64_t kDecodePrefetchKeys = 16;
 constexpr std::int64_t kCacheLineBytes = 64;  // x86: one prefetch per line
 
