@@ -126,6 +126,15 @@ void check_no_overlap(const char* out_name, const TensorView& out, const char* i
                 " (inputs are never modified; pass a separate buffer)");
 }
 
+void check_outputs_apart(std::initializer_list<NamedView> outputs, std::initializer_list<NamedView> inputs) {
+  for (auto out = outputs.begin(); out != outputs.end(); ++out) {
+    check_output_layout(out->name, out->view);
+    for (const NamedView& in : inputs) check_no_overlap(out->name, out->view, in.name, in.view);
+    for (auto other = outputs.begin(); other != out; ++other)
+      check_no_overlap(out->name, out->view, other->name, other->view);
+  }
+}
+
 namespace {
 constexpr const char* kOutLayout = "(batch, seqlen_q, heads_q, head_dim_v)";
 }  // namespace

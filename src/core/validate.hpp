@@ -26,6 +26,13 @@ void check_output_layout(const char* name, const TensorView& out);
 void check_no_overlap(const char* out_name, const TensorView& out, const char* in_name,
                       const TensorView& in);
 
+// Each output free of self-overlap and disjoint from every other output and every input.
+struct NamedView {
+  const char* name;
+  TensorView view;
+};
+void check_outputs_apart(std::initializer_list<NamedView> outputs, std::initializer_list<NamedView> inputs);
+
 // out (batch, seqlen_q, heads_q, head_dim_v) in q's dtype and lse (batch, heads_q,
 // seqlen_q) float32, distinct from each other and from every input.
 void check_forward_outputs(const AttentionProblem& problem, const TensorView& q,

@@ -119,15 +119,25 @@ void check_backward_args(const AttentionProblem& p, const TensorView& dout, cons
 
 }  // namespace
 
+AttentionProblem detail::validate_backward(const TensorView& dout, const TensorView& q, const TensorView& k,
+                                           const TensorView& v, const TensorView& out, const TensorView& lse,
+                                           const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                                           const AttentionOptions& options, std::int64_t batch_offset) {
+  detail::reject_rescale_counts("backward", options);
+  AttentionProblem problem = AttentionProblem::from_inputs(q, k, v, options);
+  problem.batch_offset = batch_offset;
+  check_backward_args(problem, dout, q, k, v, out, lse, dq, dk, dv);
+  if (problem.batch > 0)
+    plan_backward(problem, CpuHardware::detect(options.num_threads), options.deterministic, options.backward_kernel);
+  return problem;
+}
+
 void detail::backward_impl(const TensorView& dout, const TensorView& q, const TensorView& k,
                            const TensorView& v, const TensorView& out, const TensorView& lse,
                            const MutableTensorView& dq, const MutableTensorView& dk,
                            const MutableTensorView& dv, const AttentionOptions& options,
                            std::int64_t batch_offset) {
-  AttentionProblem problem = AttentionProblem::from_inputs(q, k, v, options);
-  problem.batch_offset = batch_offset;
-  check_backward_args(problem, dout, q, k, v, out, lse, dq, dk, dv);
-  const AttentionProblem& p = problem;
+  const AttentionProblem p = validate_backward(dout, q, k, v, out, lse, dq, dk, dv, options, batch_offset);
   if (p.batch == 0) return;
   const std::int64_t heads = p.batch * p.heads_q;
   const CpuBackwardPlan plan =

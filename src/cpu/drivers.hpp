@@ -13,6 +13,13 @@
 
 namespace flashattn::detail {
 
+// Every check of one forward call — inputs, options, every output view, the kernel the
+// planner would run — without writing anything: entry points that run several problems
+// (varlen, the KV cache) check them all before the first one writes (docs/reliability.md).
+AttentionProblem validate_forward(const TensorView& q, const TensorView& k, const TensorView& v,
+                                  const TensorView& out, const TensorView& lse,
+                                  const AttentionOptions& options, std::int64_t batch_offset);
+
 void forward_impl(const TensorView& q, const TensorView& k, const TensorView& v,
                   const MutableTensorView& out, const MutableTensorView& lse,
                   const AttentionOptions& options, std::int64_t batch_offset);
@@ -49,9 +56,19 @@ struct CacheSequence {
   std::int64_t batch_offset = 0;
 };
 
+// The checks forward_cache makes of one sequence, and the kernel it would plan; nothing is
+// written. forward_with_kvcache runs them for every sequence before its append.
+void validate_cache_sequence(const CacheSequence& sequence);
+
 // Attends every sequence: when all of them take the decode kernel, in one parallel region
 // (forward.cpp, run_forward_jobs).
 void forward_cache(const std::vector<CacheSequence>& sequences);
+
+// The checks of backward_impl, without writing anything (see validate_forward).
+AttentionProblem validate_backward(const TensorView& dout, const TensorView& q, const TensorView& k,
+                                   const TensorView& v, const TensorView& out, const TensorView& lse,
+                                   const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                                   const AttentionOptions& options, std::int64_t batch_offset);
 
 void backward_impl(const TensorView& dout, const TensorView& q, const TensorView& k,
                    const TensorView& v, const TensorView& out, const TensorView& lse,

@@ -145,11 +145,9 @@ struct PlannedJob {
 // busy. Other jobs run one after the other, each in its own region.
 void run_forward_jobs(const std::vector<ForwardJob>& jobs) {
   std::vector<ForwardJob> live;  // jobs with output rows
-  for (const ForwardJob& job : jobs) {
-    zero_rescale_counts(job.options);
+  for (const ForwardJob& job : jobs)
     if (job.problem.batch > 0 && job.problem.seqlen_q > 0) live.push_back(job);
-  }
-  if (live.empty()) return;
+  if (live.empty()) return;  // no rows: no rescale counts either
   const AttentionOptions& options = live.front().options;  // the call's: threads, splits, counters
   const CpuHardware hw = CpuHardware::detect(options.num_threads);
   std::vector<PlannedJob> planned(live.size());
@@ -207,6 +205,8 @@ void run_forward_jobs(const std::vector<ForwardJob>& jobs) {
     for (int t = 0; t < threads; ++t) workspaces.emplace_back(planned[widest].plan, live[widest].problem);
     std::vector<cpu::ForwardWorkItemFn> kernels;
     for (std::size_t j = first; j < last; ++j) kernels.push_back(cpu::forward_work_item_kernel(planned[j].plan.kernel));
+    // The first write to the caller's memory: planning and allocation, which may throw, are done.
+    for (std::size_t j = first; j < last; ++j) zero_rescale_counts(live[j].options);
 #pragma omp parallel num_threads(threads)
     {
       cpu::ForwardWorkspace& workspace = workspaces[static_cast<std::size_t>(omp_get_thread_num())];
@@ -254,14 +254,21 @@ void run_forward(const AttentionProblem& p, const TensorView& q, const TensorVie
 
 }  // namespace
 
-void detail::forward_impl(const TensorView& q, const TensorView& k, const TensorView& v,
-                          const MutableTensorView& out, const MutableTensorView& lse,
-                          const AttentionOptions& options, std::int64_t batch_offset) {
+AttentionProblem detail::validate_forward(const TensorView& q, const TensorView& k, const TensorView& v,
+                                          const TensorView& out, const TensorView& lse,
+                                          const AttentionOptions& options, std::int64_t batch_offset) {
   AttentionProblem problem = AttentionProblem::from_inputs(q, k, v, options);
   problem.batch_offset = batch_offset;
   detail::check_forward_outputs(problem, q, k, v, out, lse);
   detail::check_rescale_counts(problem, options, q, k, v, out, lse);
-  run_forward(problem, q, k, v, out, lse, options, {});
+  plan_forward(problem, CpuHardware::detect(options.num_threads), options.num_splits, options.block_q, options.kernel);
+  return problem;
+}
+
+void detail::forward_impl(const TensorView& q, const TensorView& k, const TensorView& v,
+                          const MutableTensorView& out, const MutableTensorView& lse,
+                          const AttentionOptions& options, std::int64_t batch_offset) {
+  run_forward(validate_forward(q, k, v, out, lse, options, batch_offset), q, k, v, out, lse, options, {});
 }
 
 void detail::run_forward_problem(const AttentionProblem& problem, const TensorView& q, const TensorView& k,
@@ -270,15 +277,28 @@ void detail::run_forward_problem(const AttentionProblem& problem, const TensorVi
   run_forward(problem, q, k, v, out, lse, options, {});
 }
 
+namespace {
+AttentionProblem cache_problem(const detail::CacheSequence& c) {
+  AttentionProblem problem =
+      AttentionProblem::from_sizes(c.q.shape[0], c.q.shape[1], c.seqlen_k, c.q.shape[2], c.k_pool.shape[2],
+                                   c.q.shape[3], c.v_pool.shape[3], c.q.dtype, c.options);
+  problem.batch_offset = c.batch_offset;
+  problem.kv_dtype = c.k_pool.dtype;  // u8 for an FP8 cache
+  detail::check_forward_outputs(problem, c.q, c.k_pool, c.v_pool, c.out, c.lse);
+  return problem;
+}
+}  // namespace
+
+void detail::validate_cache_sequence(const CacheSequence& c) {
+  const AttentionProblem problem = cache_problem(c);
+  plan_forward(problem, CpuHardware::detect(c.options.num_threads), c.options.num_splits, c.options.block_q,
+               c.options.kernel);
+}
+
 void detail::forward_cache(const std::vector<CacheSequence>& sequences) {
   std::vector<ForwardJob> jobs;
   for (const CacheSequence& c : sequences) {
-    AttentionProblem problem =
-        AttentionProblem::from_sizes(c.q.shape[0], c.q.shape[1], c.seqlen_k, c.q.shape[2], c.k_pool.shape[2],
-                                     c.q.shape[3], c.v_pool.shape[3], c.q.dtype, c.options);
-    problem.batch_offset = c.batch_offset;
-    problem.kv_dtype = c.k_pool.dtype;  // u8 for an FP8 cache
-    detail::check_forward_outputs(problem, c.q, c.k_pool, c.v_pool, c.out, c.lse);
+    const AttentionProblem problem = cache_problem(c);
     const CacheSource& source = c.source;
     const std::int64_t page_size = source.block_table != nullptr ? c.k_pool.shape[1] : 0;
     jobs.push_back({problem, c.q, c.k_pool, c.v_pool, c.out, c.lse, c.options,

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
+#include <map>
 #include <vector>
 
 #include "flashattn/attention.hpp"
@@ -104,6 +105,41 @@ void fp8_append(const MutableTensorView& pool, const MutableTensorView& scale, c
                      1.0f / descale);
     stored = descale;
     t += span;
+  }
+}
+
+// The append writes each new token to one slot: no two sequences may write one cache row
+// (contiguous) or page, and a page that receives tokens may not also be read through another
+// entry of the block table — the write would change what that entry holds.
+void check_append_targets(const Layout& layout, const std::vector<std::int64_t>& seqlens, std::int64_t s_new,
+                          std::int64_t batch) {
+  auto entry = [](std::int64_t b, std::int64_t i) { return "[" + str(b) + ", " + str(i) + "]"; };
+  std::map<std::int64_t, std::pair<std::int64_t, std::int64_t>> written;  // cache row or page -> (b, table column)
+  for (std::int64_t b = 0; b < batch; ++b) {
+    const std::int64_t n = seqlens[static_cast<std::size_t>(b)];
+    const std::int64_t first = layout.paged ? n / layout.page_size : 0;
+    const std::int64_t last = layout.paged ? (n + s_new - 1) / layout.page_size : 0;
+    for (std::int64_t pg = first; pg <= last; ++pg) {
+      const std::int64_t target = layout.locate(b, layout.paged ? pg * layout.page_size : 0).first;
+      const auto [it, fresh] = written.emplace(target, std::pair{b, pg});
+      if (!fresh)
+        throw Error(layout.paged ? "block_table: page " + str(target) + " receives new tokens through both " +
+                                       entry(it->second.first, it->second.second) + " and " + entry(b, pg) +
+                                       "; an appended page must belong to one sequence"
+                                 : "cache_batch_idx: sequences " + str(it->second.first) + " and " + str(b) +
+                                       " both append to cache row " + str(target));
+    }
+  }
+  if (!layout.paged) return;
+  for (std::int64_t b = 0; b < batch; ++b) {
+    const std::int64_t pages = (seqlens[static_cast<std::size_t>(b)] + s_new + layout.page_size - 1) / layout.page_size;
+    for (std::int64_t pg = 0; pg < pages; ++pg) {
+      const std::int64_t page = layout.locate(b, pg * layout.page_size).first;
+      const auto it = written.find(page);
+      if (it != written.end() && it->second != std::pair{b, pg})
+        throw Error("block_table: page " + str(page) + " receives new tokens through " +
+                    entry(it->second.first, it->second.second) + " but is also read through " + entry(b, pg));
+    }
   }
 }
 
@@ -257,17 +293,80 @@ void forward_with_kvcache(const TensorView& q, const KvCache& c, const MutableTe
       throw Error("rotary_cos: " + str(c.rotary_cos.shape[0]) + " positions but position " + str(last) + " is needed");
   }
 
-  detail::check_sequence_options(options, batch, q.shape[2]);
-  if (options.kernel != ForwardKernel::automatic) {  // a kernel this call rules out: rejected before the append
-    const CpuHardware hw = CpuHardware::detect(options.num_threads);
-    for (std::int64_t b = 0; b < batch; ++b) {
-      AttentionProblem p = AttentionProblem::from_sizes(
-          1, q.shape[1], seqlens[static_cast<std::size_t>(b)] + s_new - leftpad[static_cast<std::size_t>(b)],
-          q.shape[2], hkv, d, dv, q.dtype, detail::sequence_options(options, b));
-      p.kv_dtype = c.k_cache.dtype;
-      plan_forward(p, hw, options.num_splits, options.block_q, options.kernel);
-    }
+  // The outputs, whole: the per-sequence checks below see only the views cut from them.
+  constexpr const char* kOutLayout = "(batch, seqlen_q, heads_q, head_dim_v)";
+  detail::check_view("out", out, 4, kOutLayout);
+  detail::check_dtype("out", out, q.dtype, "out must have q's dtype");
+  detail::check_shape("out", out, {batch, q.shape[1], q.shape[2], dv}, kOutLayout);
+  detail::check_view("lse", lse, 3, "(batch, heads_q, seqlen_q)");
+  detail::check_dtype("lse", lse, DType::f32, "lse is always float32");
+  detail::check_shape("lse", lse, {batch, q.shape[2], q.shape[1]}, "(batch, heads_q, seqlen_q)");
+  const std::initializer_list<detail::NamedView> tables = {
+      {"block_table", c.block_table},   {"cache_seqlens", c.cache_seqlens}, {"cache_batch_idx", c.cache_batch_idx},
+      {"cache_leftpad", c.cache_leftpad}, {"rotary_cos", c.rotary_cos},     {"rotary_sin", c.rotary_sin}};
+  detail::check_outputs_apart({{"out", out}, {"lse", lse}},
+                              {{"q", q}, {"k_cache", c.k_cache}, {"v_cache", c.v_cache}, {"k", c.k}, {"v", c.v},
+                               {"k_scale", c.k_scale}, {"v_scale", c.v_scale}});
+  for (const detail::NamedView& table : tables) {
+    detail::check_no_overlap("out", out, table.name, table.view);
+    detail::check_no_overlap("lse", lse, table.name, table.view);
   }
+  if (s_new > 0) {  // the append writes the pools (and an FP8 cache's descales)
+    detail::check_outputs_apart({{"k_cache", c.k_cache}, {"v_cache", c.v_cache}}, tables);
+    if (fp8)
+      for (const auto& [name, scale] : {std::pair{"k_scale", c.k_scale}, {"v_scale", c.v_scale}})
+        for (const detail::NamedView& table : tables) detail::check_no_overlap(name, scale, table.name, table.view);
+    check_append_targets(layout, seqlens, s_new, batch);
+  }
+  detail::check_sequence_options(options, batch, q.shape[2]);
+  // Each sequence as its own problem (its own number of keys), attended together after the
+  // append. Every one is checked — options, output views, the kernel — before the append
+  // writes the cache, so a rejected call leaves the cache as it was.
+  auto sequences_of = [&](const TensorView& q_used) {
+    const std::size_t elem = dtype_size(q.dtype);
+    std::vector<detail::CacheSequence> sequences;
+    for (std::int64_t b = 0; b < batch; ++b) {
+      const std::int64_t first = leftpad[static_cast<std::size_t>(b)];
+      const std::int64_t keys = seqlens[static_cast<std::size_t>(b)] + s_new - first;
+      auto rows_of = [&](const TensorView& t, std::int64_t from, std::int64_t n, std::int64_t batch_row) {
+        TensorView v = t;
+        v.data = static_cast<const unsigned char*>(t.data) +
+                 static_cast<std::int64_t>(dtype_size(t.dtype)) * (batch_row * t.strides[0] + from * t.strides[1]);
+        v.shape = {1, n, t.shape[2], t.shape[3], 0};
+        v.strides = {std::max<std::int64_t>(n, 1) * t.strides[1], t.strides[1], t.strides[2], t.strides[3], 0};
+        return v;
+      };
+      const AttentionOptions ob = detail::sequence_options(options, b);
+      MutableTensorView ob_out = out, ob_lse = lse;
+      ob_out.data = static_cast<unsigned char*>(out.data) + b * out.strides[0] * static_cast<std::int64_t>(dtype_size(out.dtype));
+      ob_out.shape[0] = 1;
+      ob_lse.data = static_cast<float*>(lse.data) + b * lse.strides[0];
+      ob_lse.shape[0] = 1;
+      TensorView qb = q_used;
+      qb.data = static_cast<const unsigned char*>(q_used.data) + b * q_used.strides[0] * static_cast<std::int64_t>(elem);
+      qb.shape[0] = 1;
+      detail::CacheSource source;
+      TensorView k_pool = c.k_cache, v_pool = c.v_cache;
+      std::int64_t scale_row = 0;
+      if (layout.paged) {  // the kernels read the pages in place through the block table
+        source.block_table = static_cast<const std::int32_t*>(c.block_table.data) + b * c.block_table.strides[0];
+        source.table_stride = c.block_table.strides[1];
+      } else {  // a view of the sequence's rows
+        scale_row = layout.batch_idx[static_cast<std::size_t>(b)];
+        k_pool = rows_of(c.k_cache, first, keys, scale_row);
+        v_pool = rows_of(c.v_cache, first, keys, scale_row);
+      }
+      if (fp8) {
+        source.k_descale = &descale_at(c.k_scale, layout.paged ? 0 : scale_row, 0);
+        source.v_descale = &descale_at(c.v_scale, layout.paged ? 0 : scale_row, 0);
+        source.descale_page_stride = layout.paged ? c.k_scale.strides[0] : 0;
+        source.descale_head_stride = c.k_scale.strides[1];
+      }
+      sequences.push_back({qb, k_pool, v_pool, source, keys, ob_out, ob_lse, ob, b});
+    }
+    return sequences;
+  };
+  for (const detail::CacheSequence& sequence : sequences_of(q)) detail::validate_cache_sequence(sequence);
 
   // Append the new tokens (keys rotated) into their slots, and nowhere else (an FP8 page
   // whose descale must grow also re-encodes its earlier tokens, see fp8_append).
@@ -312,49 +411,7 @@ void forward_with_kvcache(const TensorView& q, const KvCache& c, const MutableTe
     q_used = q_rot.view();
   }
 
-  // Attend: every sequence as its own problem (its own number of keys), run together.
-  const std::size_t elem = dtype_size(q.dtype);
-  std::vector<detail::CacheSequence> sequences;
-  for (std::int64_t b = 0; b < batch; ++b) {
-    const std::int64_t first = leftpad[static_cast<std::size_t>(b)];
-    const std::int64_t keys = seqlens[static_cast<std::size_t>(b)] + s_new - first;
-    auto rows_of = [&](const TensorView& t, std::int64_t from, std::int64_t n, std::int64_t batch_row) {
-      TensorView v = t;
-      v.data = static_cast<const unsigned char*>(t.data) +
-               static_cast<std::int64_t>(dtype_size(t.dtype)) * (batch_row * t.strides[0] + from * t.strides[1]);
-      v.shape = {1, n, t.shape[2], t.shape[3], 0};
-      v.strides = {std::max<std::int64_t>(n, 1) * t.strides[1], t.strides[1], t.strides[2], t.strides[3], 0};
-      return v;
-    };
-    const AttentionOptions ob = detail::sequence_options(options, b);
-    MutableTensorView ob_out = out, ob_lse = lse;
-    ob_out.data = static_cast<unsigned char*>(out.data) + b * out.strides[0] * static_cast<std::int64_t>(dtype_size(out.dtype));
-    ob_out.shape[0] = 1;
-    ob_lse.data = static_cast<float*>(lse.data) + b * lse.strides[0];
-    ob_lse.shape[0] = 1;
-    TensorView qb = q_used;
-    qb.data = static_cast<const unsigned char*>(q_used.data) + b * q_used.strides[0] * static_cast<std::int64_t>(elem);
-    qb.shape[0] = 1;
-    detail::CacheSource source;
-    TensorView k_pool = c.k_cache, v_pool = c.v_cache;
-    std::int64_t scale_row = 0;
-    if (layout.paged) {  // the kernels read the pages in place through the block table
-      source.block_table = static_cast<const std::int32_t*>(c.block_table.data) + b * c.block_table.strides[0];
-      source.table_stride = c.block_table.strides[1];
-    } else {  // a view of the sequence's rows
-      scale_row = layout.batch_idx[static_cast<std::size_t>(b)];
-      k_pool = rows_of(c.k_cache, first, keys, scale_row);
-      v_pool = rows_of(c.v_cache, first, keys, scale_row);
-    }
-    if (fp8) {
-      source.k_descale = &descale_at(c.k_scale, layout.paged ? 0 : scale_row, 0);
-      source.v_descale = &descale_at(c.v_scale, layout.paged ? 0 : scale_row, 0);
-      source.descale_page_stride = layout.paged ? c.k_scale.strides[0] : 0;
-      source.descale_head_stride = c.k_scale.strides[1];
-    }
-    sequences.push_back({qb, k_pool, v_pool, source, keys, ob_out, ob_lse, ob, b});
-  }
-  detail::forward_cache(sequences);
+  detail::forward_cache(sequences_of(q_used));
 }
 
 ForwardResult forward_with_kvcache(const TensorView& q, const KvCache& cache, const AttentionOptions& options) {

@@ -93,11 +93,15 @@ View lse_sequence(const View& t, std::int64_t begin, std::int64_t len) {
   return r;
 }
 
+// out (total_q, heads_q, head_dim_v) in q's dtype and lse (heads_q, total_q) float32, whole:
+// the per-sequence checks see only the views cut from them.
 void check_out_shapes(const TensorView& q, const TensorView& v, const TensorView& out,
                       const TensorView& lse) {
   detail::check_view("out", out, 3, "(total_q, heads_q, head_dim_v)");
+  detail::check_dtype("out", out, q.dtype, "out must have q's dtype");
   detail::check_shape("out", out, {q.shape[0], q.shape[1], v.shape[2]}, "(total_q, heads_q, head_dim_v)");
   detail::check_view("lse", lse, 2, "(heads_q, total_q)");
+  detail::check_dtype("lse", lse, DType::f32, "lse is always float32");
   detail::check_shape("lse", lse, {q.shape[1], q.shape[0]}, "(heads_q, total_q)");
 }
 
@@ -108,13 +112,23 @@ void forward_varlen(const TensorView& q, const TensorView& k, const TensorView& 
                     const MutableTensorView& lse, const AttentionOptions& options) {
   const Offsets o = check_varlen(q, k, v, seqlens, options);
   check_out_shapes(q, v, out, lse);
+  detail::check_outputs_apart({{"out", out}, {"lse", lse}},
+                              {{"q", q}, {"k", k}, {"v", v}, {"cu_seqlens_q", seqlens.cu_seqlens_q},
+                               {"cu_seqlens_k", seqlens.cu_seqlens_k}});
   detail::check_sequence_options(options, o.batch(), q.shape[1]);
   detail::reject_rescale_counts("forward_varlen", options);
-  for (std::int64_t b = 0; b < o.batch(); ++b) {
-    const std::int64_t q0 = o.q[b], sq = o.q[b + 1] - q0, k0 = o.k[b], sk = o.k[b + 1] - k0;
-    detail::forward_impl(sequence(q, q0, sq), sequence(k, k0, sk), sequence(v, k0, sk),
-                         sequence(out, q0, sq), lse_sequence(lse, q0, sq), detail::sequence_options(options, b), b);
-  }
+  // Every sequence is checked before the first one writes its rows.
+  for (int pass = 0; pass < 2; ++pass)
+    for (std::int64_t b = 0; b < o.batch(); ++b) {
+      const std::int64_t q0 = o.q[b], sq = o.q[b + 1] - q0, k0 = o.k[b], sk = o.k[b + 1] - k0;
+      const TensorView qb = sequence(q, q0, sq), kb = sequence(k, k0, sk), vb = sequence(v, k0, sk);
+      const MutableTensorView out_b = sequence(out, q0, sq), lse_b = lse_sequence(lse, q0, sq);
+      const AttentionOptions ob = detail::sequence_options(options, b);
+      if (pass == 0)
+        detail::validate_forward(qb, kb, vb, out_b, lse_b, ob, b);
+      else
+        detail::forward_impl(qb, kb, vb, out_b, lse_b, ob, b);
+    }
 }
 
 ForwardResult forward_varlen(const TensorView& q, const TensorView& k, const TensorView& v,
@@ -135,18 +149,30 @@ void backward_varlen(const TensorView& dout, const TensorView& q, const TensorVi
   check_out_shapes(q, v, out, lse);
   detail::check_sequence_options(options, o.batch(), q.shape[1]);
   detail::check_view("dout", dout, 3, "(total_q, heads_q, head_dim_v)");
+  detail::check_dtype("dout", dout, q.dtype, "dout must have q's dtype");
+  detail::check_shape("dout", dout, {out.shape[0], out.shape[1], out.shape[2]}, "(total_q, heads_q, head_dim_v)");
   const std::tuple<const char*, TensorView, TensorView> grads[] = {{"dq", dq, q}, {"dk", dk, k}, {"dv", dv, v}};
   for (const auto& [name, grad, like] : grads) {
     detail::check_view(name, grad, 3, "(like its input)");
+    detail::check_dtype(name, grad, like.dtype, "gradients have their input's dtype");
     detail::check_shape(name, grad, {like.shape[0], like.shape[1], like.shape[2]}, "(the shape of its input)");
   }
-  for (std::int64_t b = 0; b < o.batch(); ++b) {
-    const std::int64_t q0 = o.q[b], sq = o.q[b + 1] - q0, k0 = o.k[b], sk = o.k[b + 1] - k0;
-    detail::backward_impl(sequence(dout, q0, sq), sequence(q, q0, sq), sequence(k, k0, sk),
-                          sequence(v, k0, sk), sequence(out, q0, sq), lse_sequence(lse, q0, sq),
-                          sequence(dq, q0, sq), sequence(dk, k0, sk), sequence(dv, k0, sk),
-                          detail::sequence_options(options, b), b);
-  }
+  detail::check_outputs_apart({{"dq", dq}, {"dk", dk}, {"dv", dv}},
+                              {{"dout", dout}, {"q", q}, {"k", k}, {"v", v}, {"out", out}, {"lse", lse},
+                               {"cu_seqlens_q", seqlens.cu_seqlens_q}, {"cu_seqlens_k", seqlens.cu_seqlens_k}});
+  // Every sequence is checked before the first one writes its gradients.
+  for (int pass = 0; pass < 2; ++pass)
+    for (std::int64_t b = 0; b < o.batch(); ++b) {
+      const std::int64_t q0 = o.q[b], sq = o.q[b + 1] - q0, k0 = o.k[b], sk = o.k[b + 1] - k0;
+      const TensorView dout_b = sequence(dout, q0, sq), qb = sequence(q, q0, sq), kb = sequence(k, k0, sk),
+                       vb = sequence(v, k0, sk), out_b = sequence(out, q0, sq), lse_b = lse_sequence(lse, q0, sq);
+      const MutableTensorView dq_b = sequence(dq, q0, sq), dk_b = sequence(dk, k0, sk), dv_b = sequence(dv, k0, sk);
+      const AttentionOptions ob = detail::sequence_options(options, b);
+      if (pass == 0)
+        detail::validate_backward(dout_b, qb, kb, vb, out_b, lse_b, dq_b, dk_b, dv_b, ob, b);
+      else
+        detail::backward_impl(dout_b, qb, kb, vb, out_b, lse_b, dq_b, dk_b, dv_b, ob, b);
+    }
 }
 
 BackwardResult backward_varlen(const TensorView& dout, const TensorView& q, const TensorView& k,
