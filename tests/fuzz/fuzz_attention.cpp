@@ -194,6 +194,11 @@ enum Fault : int {
   kOutAliasesQ,      // out's memory is q's
   kHeadDimTooLarge,  // head_dim beyond the supported maximum
   kGradShape,        // dk has the wrong shape (backward)
+  kOutDtype,         // out's dtype differs from q's
+  kOutOverlapsItself,// out's batch (or sequence) stride 0: two elements at one address
+  kLseShape,         // lse has one batch too many
+  kGradDtype,        // dq's dtype differs from q's (backward)
+  kDoutShape,        // dout has one row too many (backward)
   kFaultCount
 };
 
@@ -220,6 +225,8 @@ void run_case(FuzzedDataProvider& fdp) {
   const bool q_empty = in.batch * in.seqlen_q == 0;
   if (q_empty && (fault == kStridedLastDim || fault == kOutAliasesQ)) fault = kNone;
   if (in.head_dim == 1 && fault == kStridedLastDim) fault = kNone;
+  if (fault == kOutOverlapsItself && (q_empty || (in.batch < 2 && in.seqlen_q < 2))) fault = kNone;
+  const bool backward_fault = fault == kGradShape || fault == kGradDtype || fault == kDoutShape;
 
   AttentionOptions o;
   o.causal = fdp.ConsumeBool();
@@ -326,9 +333,12 @@ void run_case(FuzzedDataProvider& fdp) {
 
   const std::array<std::int64_t, 4> out_shape =
       fault == kOutShape ? std::array<std::int64_t, 4>{in.batch, in.seqlen_q + 1, in.heads_q, in.head_dim_v} : o_shape;
-  Placed pout = place(in.dtype, out_shape, lo);
-  Placed plse = place(fault == kLseDtype ? DType::bf16 : DType::f32, {1, in.batch, in.heads_q, in.seqlen_q}, Layout{});
+  const DType out_dtype = fault == kOutDtype ? (in.dtype == DType::f32 ? DType::f16 : DType::f32) : in.dtype;
+  Placed pout = place(out_dtype, out_shape, lo);
+  const std::int64_t lse_batch = fault == kLseShape ? in.batch + 1 : in.batch;
+  Placed plse = place(fault == kLseDtype ? DType::bf16 : DType::f32, {1, lse_batch, in.heads_q, in.seqlen_q}, Layout{});
   MutableTensorView out = pout.mutable_view();
+  if (fault == kOutOverlapsItself) out.strides[in.batch >= 2 ? 0 : 1] = 0;
   if (fault == kOutAliasesQ) {  // out's shape inside q's memory where it fits, else a 1-element view of it
     out = pq.mutable_view();
     if (in.head_dim_v <= in.head_dim)
@@ -336,9 +346,9 @@ void run_case(FuzzedDataProvider& fdp) {
     else
       out.shape = {1, 1, 1, 1};
   }
-  MutableTensorView lse(plse.bytes.data() + plse.origin, plse.dtype, {in.batch, in.heads_q, in.seqlen_q});
+  MutableTensorView lse(plse.bytes.data() + plse.origin, plse.dtype, {lse_batch, in.heads_q, in.seqlen_q});
 
-  const bool forward_fault = fault != kNone && fault != kGradShape;
+  const bool forward_fault = fault != kNone && !backward_fault;
   try {
     forward(vq, vk, vv, out, lse, o);
     check(!forward_fault, "forward accepted fault " + std::to_string(fault));
@@ -371,13 +381,16 @@ void run_case(FuzzedDataProvider& fdp) {
     else
       check(std::fabs(g - e) <= 1e-5 + exp2_error + 1e-5 * std::fabs(e), "lse differs from the reference");
   }
-  if (!with_backward && fault != kGradShape) return;
+  if (!with_backward && !backward_fault) return;
 
-  const Tensor dout = logical(in.dtype, o_shape, seed + 3, false);
-  const Placed pdout = place(in.dtype, o_shape, fuzz_layout(fdp), &dout);
+  std::array<std::int64_t, 4> dout_shape = o_shape;
+  if (fault == kDoutShape) dout_shape[1] += 1;
+  const Tensor dout = logical(in.dtype, dout_shape, seed + 3, false);
+  const Placed pdout = place(in.dtype, dout_shape, fuzz_layout(fdp), &dout);
   std::array<std::int64_t, 4> dk_shape = k_shape;
   if (fault == kGradShape) dk_shape[1] += 1;
-  Placed pdq = place(in.dtype, q_shape, fuzz_layout(fdp)), pdk = place(in.dtype, dk_shape, fuzz_layout(fdp)),
+  const DType dq_dtype = fault == kGradDtype ? (in.dtype == DType::f32 ? DType::bf16 : DType::f32) : in.dtype;
+  Placed pdq = place(dq_dtype, q_shape, fuzz_layout(fdp)), pdk = place(in.dtype, dk_shape, fuzz_layout(fdp)),
          pdv = place(in.dtype, v_shape, fuzz_layout(fdp));
   const std::vector<unsigned char> out_before = pout.bytes, lse_before = plse.bytes, dout_before = pdout.bytes;
   try {
@@ -385,7 +398,7 @@ void run_case(FuzzedDataProvider& fdp) {
              pdv.mutable_view(), o);
     check(fault == kNone, "backward accepted fault " + std::to_string(fault));
   } catch (const Error& e) {
-    check(fault == kGradShape, std::string("backward rejected a valid call: ") + e.what());
+    check(backward_fault, std::string("backward rejected a valid call: ") + e.what());
     check(pdq.untouched() && pdk.untouched() && pdv.untouched(), "a rejected backward wrote its outputs");
     return;
   }
@@ -459,8 +472,12 @@ void run_varlen(FuzzedDataProvider& fdp) {
   o.num_threads = fdp.ConsumeIntegralInRange<int>(0, 3);
   o.deterministic = fdp.ConsumeBool();
   // Faults: 1 offsets not starting at 0, 2 decreasing, 3 a length above max_seqlen_q,
-  // 4 last offset not the token count, 5 a block mask, 6 cu_seqlens of different batches.
-  const int fault = fdp.ConsumeBool() ? fdp.ConsumeIntegralInRange<int>(1, 6) : 0;
+  // 4 last offset not the token count, 5 a block mask, 6 cu_seqlens of different batches,
+  // 7 out of the wrong dtype, 8 out one token short, 9 lse one token long; backward only:
+  // 10 dout one token short, 11 dk of the wrong dtype.
+  int fault = fdp.ConsumeBool() ? fdp.ConsumeIntegralInRange<int>(1, 11) : 0;
+  if (fault >= 8 && cu_q.back() == 0) fault = 0;  // a token short of none is not a shape
+  if (fault >= 10 && !with_backward) fault = 0;
   const std::uint64_t seed = fdp.ConsumeIntegral<std::uint32_t>();
   std::ostringstream describe;
   describe << "varlen dtype=" << to_string(dtype) << " batch=" << batch << " total_q=" << cu_q.back()
@@ -474,7 +491,7 @@ void run_varlen(FuzzedDataProvider& fdp) {
   std::vector<std::int32_t> bad_q = cu_q;
   std::int64_t max_q_arg = max_q;
   Tensor mask;
-  bool expect_error = fault != 0;
+  bool expect_error = fault != 0 && fault < 10;
   switch (fault) {
     case 1: bad_q.front() = 1; break;
     case 2: if (batch >= 1) bad_q[1] = -1; else expect_error = false; break;
@@ -499,7 +516,9 @@ void run_varlen(FuzzedDataProvider& fdp) {
                v = logical(dtype, v_shape, seed + 2, false);
   Layout lq = fuzz_layout(fdp), lk = fuzz_layout(fdp), lv = fuzz_layout(fdp), lo = fuzz_layout(fdp);
   const Placed pq = place(dtype, q_shape, lq, &q), pk = place(dtype, k_shape, lk, &k), pv = place(dtype, v_shape, lv, &v);
-  Placed pout = place(dtype, o_shape, lo), plse = place(DType::f32, {1, 1, hq, total_q}, Layout{});
+  const DType out_dtype = fault == 7 ? (dtype == DType::f32 ? DType::bf16 : DType::f32) : dtype;
+  Placed pout = place(out_dtype, {1, fault == 8 ? total_q - 1 : total_q, hq, dv}, lo),
+         plse = place(DType::f32, {1, 1, hq, fault == 9 ? total_q + 1 : total_q}, Layout{});
   const std::vector<unsigned char> q_before = pq.bytes, k_before = pk.bytes, v_before = pv.bytes;
   const MutableTensorView lse = drop_leading(drop_leading(plse.mutable_view()));
   try {
@@ -517,13 +536,23 @@ void run_varlen(FuzzedDataProvider& fdp) {
 
   const Tensor dout = logical(dtype, o_shape, seed + 3, false);
   const Placed pdout = place(dtype, o_shape, fuzz_layout(fdp), &dout);
-  Placed pdq = place(dtype, q_shape, fuzz_layout(fdp)), pdk = place(dtype, k_shape, fuzz_layout(fdp)),
+  Placed pdq = place(dtype, q_shape, fuzz_layout(fdp)),
+         pdk = place(fault == 11 ? (dtype == DType::f32 ? DType::f16 : DType::f32) : dtype, k_shape, fuzz_layout(fdp)),
          pdv = place(dtype, v_shape, fuzz_layout(fdp));
-  if (with_backward)
-    backward_varlen(drop_leading(pdout.view()), drop_leading(pq.view()), drop_leading(pk.view()),
-                    drop_leading(pv.view()), drop_leading(pout.view()), TensorView(lse), seqlens,
-                    drop_leading(pdq.mutable_view()), drop_leading(pdk.mutable_view()),
-                    drop_leading(pdv.mutable_view()), o);
+  TensorView dout_view = drop_leading(pdout.view());
+  if (fault == 10) dout_view.shape[0] -= 1;
+  if (with_backward) {
+    try {
+      backward_varlen(dout_view, drop_leading(pq.view()), drop_leading(pk.view()), drop_leading(pv.view()),
+                      drop_leading(pout.view()), TensorView(lse), seqlens, drop_leading(pdq.mutable_view()),
+                      drop_leading(pdk.mutable_view()), drop_leading(pdv.mutable_view()), o);
+      check(fault < 10, "backward_varlen accepted fault " + std::to_string(fault));
+    } catch (const Error& e) {
+      check(fault >= 10, std::string("backward_varlen rejected a valid call: ") + e.what());
+      check(pdq.untouched() && pdk.untouched() && pdv.untouched(), "a rejected backward_varlen wrote its outputs");
+      return;
+    }
+  }
 
   // Each sequence against the reference of a batch-1 problem keyed by its index, as the
   // varlen contract states (dropout and (batch, heads) ALiBi slopes by sequence).
