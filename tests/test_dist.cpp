@@ -366,6 +366,10 @@ TEST(Ring, UnsupportedOptionsAreErrorsOnEveryRank) {
   AttentionOptions alibi = g.options;
   alibi.alibi_slopes = TensorView(slopes, DType::f32, {2});
   expect_error(alibi, ring_options(c), "alibi_slopes");
+  Tensor counts(DType::i32, {c.batch, c.heads_q, q.shape()[1]});
+  AttentionOptions counted = g.options;
+  counted.rescale_counts = counts.view();
+  expect_error(counted, ring_options(c), "rescale_counts");
   RingOptions bad_timeout = ring_options(c);
   bad_timeout.timeout_seconds = 0.0;
   expect_error(g.options, bad_timeout, "timeout_seconds");
