@@ -1,7 +1,8 @@
 // Fuzz target: bytes → an attention problem through the public API, checked against the
 // float64 reference.
 //
-// The bytes choose the entry point (forward, forward + backward, varlen), dtype, shapes
+// The bytes choose the entry point (forward, forward + backward, varlen, the KV cache,
+// merge_attention_states, forward_fp8), dtype, shapes
 // (0 and 1 included), the memory layout of every tensor (dimension order, padding,
 // k/v broadcast over the batch or aliasing each other), every option, and at most one
 // deliberate fault. Invariants:
@@ -914,15 +915,155 @@ void run_kvcache(FuzzedDataProvider& fdp) {
   }
 }
 
+// merge_attention_states: random partial states (some splits empty, lse −∞), any output
+// dtype and layout, against the merge computed in float64. Faults: 1 out of the wrong shape,
+// 2 out of a non-floating dtype, 3 lse of the wrong dtype, 4 out inside outs' memory, 5 lses
+// of another split count, 6 out overlapping itself.
+void run_merge(FuzzedDataProvider& fdp) {
+  static constexpr std::array<DType, 3> kDtypes{DType::f32, DType::bf16, DType::f16};
+  const DType dtype = kDtypes[fdp.ConsumeIntegralInRange<std::size_t>(0, 2)];
+  const std::int64_t splits = fdp.ConsumeIntegralInRange<std::int64_t>(1, 4);
+  const std::int64_t batch = fdp.ConsumeIntegralInRange<std::int64_t>(0, 2);
+  const std::int64_t sq = fdp.ConsumeIntegralInRange<std::int64_t>(0, 5);
+  const std::int64_t heads = fdp.ConsumeIntegralInRange<std::int64_t>(1, 3);
+  const std::int64_t dv = fdp.ConsumeIntegralInRange<std::int64_t>(1, 40);
+  const int threads = fdp.ConsumeIntegralInRange<int>(0, 3);
+  int fault = fdp.ConsumeBool() ? fdp.ConsumeIntegralInRange<int>(1, 6) : 0;
+  const bool empty = batch * sq == 0;
+  if ((fault == 4 || fault == 6) && (empty || (fault == 6 && batch < 2 && sq < 2))) fault = 0;
+  const std::uint64_t seed = fdp.ConsumeIntegral<std::uint32_t>();
+  std::ostringstream describe;
+  describe << "merge dtype=" << to_string(dtype) << " splits=" << splits << " batch=" << batch << " Sq=" << sq
+           << " H=" << heads << " Dv=" << dv << " threads=" << threads << " fault=" << fault << " seed=" << seed;
+  current_case = describe.str();
+
+  Tensor outs = test::random_tensor(DType::f32, {splits, batch, sq, heads, dv}, seed);
+  Tensor lses(DType::f32, {fault == 5 ? splits + 1 : splits, batch, heads, sq});
+  for (std::int64_t i = 0; i < lses.numel(); ++i)  // about one split in four holds no visible key
+    lses.set(i, fdp.ConsumeIntegralInRange<int>(0, 3) == 0 ? -INFINITY : fdp.ConsumeFloatingPointInRange<float>(-20.0f, 20.0f));
+  const DType out_dtype = fault == 2 ? DType::i32 : dtype;
+  Placed pout = place(out_dtype, {batch, fault == 1 ? sq + 1 : sq, heads, dv}, fuzz_layout(fdp));
+  Placed plse = place(fault == 3 ? DType::bf16 : DType::f32, {1, batch, heads, sq}, Layout{});
+  MutableTensorView out = pout.mutable_view();
+  if (fault == 4) out = MutableTensorView(outs.data(), dtype, {1, 1, 1, 1});
+  if (fault == 6) out.strides[batch >= 2 ? 0 : 1] = 0;
+  const std::vector<unsigned char> outs_before(static_cast<const unsigned char*>(outs.data()),
+                                               static_cast<const unsigned char*>(outs.data()) + outs.numel() * 4);
+  try {
+    merge_attention_states(outs.view(), lses.view(), out, drop_leading(plse.mutable_view()), threads);
+    check(fault == 0, "merge_attention_states accepted fault " + std::to_string(fault));
+  } catch (const Error& e) {
+    check(fault != 0, std::string("merge_attention_states rejected a valid call: ") + e.what());
+    check(pout.untouched() && plse.untouched(), "a rejected merge_attention_states wrote its outputs");
+    check(std::memcmp(outs.data(), outs_before.data(), outs_before.size()) == 0, "a rejected merge changed outs");
+    return;
+  }
+  pout.check_gaps("out");
+  plse.check_gaps("lse");
+  const double unit = dtype == DType::f32 ? 0x1p-23 : dtype == DType::bf16 ? 0x1p-8 : 0x1p-11;
+  double outs_max = 0.0;
+  for (std::int64_t i = 0; i < outs.numel(); ++i) outs_max = std::max(outs_max, std::fabs(static_cast<double>(outs.get(i))));
+  for (std::int64_t b = 0; b < batch; ++b)
+    for (std::int64_t h = 0; h < heads; ++h)
+      for (std::int64_t i = 0; i < sq; ++i) {
+        double m = -INFINITY;
+        for (std::int64_t s = 0; s < splits; ++s) m = std::max(m, static_cast<double>(lses.get(((s * batch + b) * heads + h) * sq + i)));
+        double sum = 0.0;
+        std::vector<double> acc(static_cast<std::size_t>(dv), 0.0);
+        for (std::int64_t s = 0; s < splits && m != -INFINITY; ++s) {
+          const double w = std::exp(static_cast<double>(lses.get(((s * batch + b) * heads + h) * sq + i)) - m);
+          sum += w;
+          for (std::int64_t c = 0; c < dv; ++c)
+            acc[static_cast<std::size_t>(c)] += w * outs.get((((s * batch + b) * sq + i) * heads + h) * dv + c);
+        }
+        const double want_lse = m == -INFINITY ? m : m + std::log(sum);
+        const double got_lse = plse.get((b * heads + h) * sq + i);
+        check(std::isinf(want_lse) ? got_lse == want_lse : std::fabs(got_lse - want_lse) <= 1e-5 * (1.0 + std::fabs(want_lse)),
+              "merged lse differs from the float64 merge");
+        for (std::int64_t c = 0; c < dv; ++c) {
+          const double want = m == -INFINITY ? 0.0 : acc[static_cast<std::size_t>(c)] / sum;
+          const double got = pout.get(((b * sq + i) * heads + h) * dv + c);
+          // Rounding to the dtype, plus the float32 weights' share (exponents up to 40 apart).
+          check(std::fabs(got - want) <= unit * std::fabs(want) + 1e-5 * outs_max,
+                "merged out differs from the float64 merge");
+        }
+      }
+}
+
+// forward_fp8 on codes quantized per tensor or per block, against the float64 reference of
+// the values the codes stand for. P is rounded to e4m3 before P·V (as an FP8 tensor core
+// takes it): each weight within 2^-4 relative, so out within 2^-4·max|v| (plus float32's
+// share). Faults: 1 out of the wrong shape, 2 lse of the wrong dtype, 3 out inside q's codes,
+// 4 a zero descale, 5 a rescale threshold above 8.
+void run_fp8(FuzzedDataProvider& fdp) {
+  static constexpr std::array<DType, 3> kDtypes{DType::f32, DType::bf16, DType::f16};
+  const DType out_dtype = kDtypes[fdp.ConsumeIntegralInRange<std::size_t>(0, 2)];
+  const std::int64_t batch = fdp.ConsumeIntegralInRange<std::int64_t>(1, 2);
+  const std::int64_t sq = fdp.ConsumeIntegralInRange<std::int64_t>(1, 20), sk = fdp.ConsumeIntegralInRange<std::int64_t>(1, 24);
+  const std::int64_t hkv = fdp.ConsumeIntegralInRange<std::int64_t>(1, 2), hq = hkv * fdp.ConsumeIntegralInRange<std::int64_t>(1, 2);
+  const std::int64_t d = fdp.ConsumeIntegralInRange<std::int64_t>(1, 40);
+  const std::int64_t block = fdp.ConsumeBool() ? fdp.ConsumeIntegralInRange<std::int64_t>(1, 16) : 0;
+  AttentionOptions o;
+  o.causal = fdp.ConsumeBool();
+  if (fdp.ConsumeBool()) o.softcap = fdp.ConsumeFloatingPointInRange<float>(0.5f, 30.0f);
+  o.num_threads = fdp.ConsumeIntegralInRange<int>(0, 3);
+  const int fault = fdp.ConsumeBool() ? fdp.ConsumeIntegralInRange<int>(1, 5) : 0;
+  if (fault == 5) o.rescale_threshold = 9.0f;
+  const std::uint64_t seed = fdp.ConsumeIntegral<std::uint32_t>();
+  std::ostringstream describe;
+  describe << "fp8 out=" << to_string(out_dtype) << " batch=" << batch << " Sq=" << sq << " Sk=" << sk << " Hq=" << hq
+           << " Hkv=" << hkv << " D=" << d << " block=" << block << " causal=" << o.causal << " softcap=" << o.softcap
+           << " threads=" << o.num_threads << " fault=" << fault << " seed=" << seed;
+  current_case = describe.str();
+
+  const Tensor q = test::random_tensor(DType::f32, {batch, sq, hq, d}, seed);
+  const Tensor k = test::random_tensor(DType::f32, {batch, sk, hkv, d}, seed + 1);
+  const Tensor v = test::random_tensor(DType::f32, {batch, sk, hkv, d}, seed + 2);
+  Fp8Tensor q8 = quantize_fp8(q.view(), Fp8Format::e4m3, block), k8 = quantize_fp8(k.view(), Fp8Format::e4m3, block),
+            v8 = quantize_fp8(v.view(), Fp8Format::e4m3, block);
+  if (fault == 4) k8.descale.set(0, 0.0f);
+  Placed pout = place(out_dtype, {batch, fault == 1 ? sq + 1 : sq, hq, d}, fuzz_layout(fdp));
+  Placed plse = place(fault == 2 ? DType::bf16 : DType::f32, {1, batch, hq, sq}, Layout{});
+  MutableTensorView out = pout.mutable_view();
+  if (fault == 3) out = MutableTensorView(q8.codes.data(), DType::u8, {1, 1, 1, 1});
+  const Tensor q_codes_before = q8.codes;
+  try {
+    forward_fp8(q8.view(), k8.view(), v8.view(), out, drop_leading(plse.mutable_view()), o);
+    check(fault == 0, "forward_fp8 accepted fault " + std::to_string(fault));
+  } catch (const Error& e) {
+    check(fault != 0, std::string("forward_fp8 rejected a valid call: ") + e.what());
+    check(pout.untouched() && plse.untouched(), "a rejected forward_fp8 wrote its outputs");
+    check(std::memcmp(q8.codes.data(), q_codes_before.data(), static_cast<std::size_t>(q8.codes.numel())) == 0,
+          "a rejected forward_fp8 changed q's codes");
+    return;
+  }
+  pout.check_gaps("out");
+  plse.check_gaps("lse");
+  const Tensor qf = dequantize_fp8(q8.view()), kf = dequantize_fp8(k8.view()), vf = dequantize_fp8(v8.view());
+  const reference::Result want = reference::attention(qf.view(), kf.view(), vf.view(), o);
+  double v_max = 0.0;
+  for (std::int64_t i = 0; i < vf.numel(); ++i) v_max = std::max(v_max, std::fabs(static_cast<double>(vf.get(i))));
+  const double unit = out_dtype == DType::f32 ? 0x1p-23 : out_dtype == DType::bf16 ? 0x1p-8 : 0x1p-11;
+  const double tol = 0x1p-4 * v_max + unit * max_abs(want.out) + 1e-5;
+  check(max_error(pout, want.out) <= tol, "forward_fp8 out differs from the reference: error " +
+                                              std::to_string(max_error(pout, want.out)) + ", tolerance " + std::to_string(tol));
+  for (std::int64_t i = 0; i < plse.numel(); ++i) {
+    const double e = want.lse[static_cast<std::size_t>(i)], g = plse.get(i);
+    check(std::isinf(e) ? g == e : std::fabs(g - e) <= 1e-5 * (1.0 + std::fabs(e)), "forward_fp8 lse differs from the reference");
+  }
+}
+
 }  // namespace
 }  // namespace flashattn::fuzz
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   FuzzedDataProvider fdp(data, size);
-  switch (fdp.ConsumeIntegralInRange<int>(0, 3)) {
+  switch (fdp.ConsumeIntegralInRange<int>(0, 5)) {
     case 0:
     case 1: flashattn::fuzz::run_case(fdp); break;
     case 2: flashattn::fuzz::run_varlen(fdp); break;
+    case 3: flashattn::fuzz::run_merge(fdp); break;
+    case 4: flashattn::fuzz::run_fp8(fdp); break;
     default: flashattn::fuzz::run_kvcache(fdp); break;
   }
   return 0;
