@@ -27,6 +27,9 @@ from ._interface import (  # noqa: E402
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
     flash_attn_with_kvcache,
+    get_num_threads,
+    last_num_threads,
+    set_num_threads,
     simd_target,
 )
 
@@ -40,5 +43,8 @@ __all__ = [
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
+    "get_num_threads",
+    "last_num_threads",
+    "set_num_threads",
     "simd_target",
 ]

@@ -8,6 +8,7 @@
 #include <nanobind/stl/string.h>
 
 #include <algorithm>
+#include <atomic>
 #include <optional>
 #include <string>
 
@@ -66,6 +67,7 @@ struct Options {
   std::optional<Array> alibi_slopes;
   float dropout_p = 0.0f;
   std::uint64_t seed = 0;
+  std::uint64_t offset = 0;
   bool deterministic = false;
   int num_threads = 0;
   int num_splits = 0;
@@ -81,13 +83,23 @@ struct Options {
     o.alibi_slopes = optional_in(alibi_slopes, "f32", "alibi_slopes");
     o.dropout_p = dropout_p;
     o.seed = seed;
+    o.offset = offset;
     o.deterministic = deterministic;
     o.num_threads = num_threads;
     o.num_splits = num_splits;
     o.kernel = flashattn::parse_forward_kernel(kernel);
     o.backward_kernel = flashattn::parse_backward_kernel(backward_kernel);
+    record_threads(o.num_threads);
     return o;
   }
+
+  // The thread budget of the latest call: what the planner gets for these options
+  // (CpuHardware::detect, as the call itself asks it), kept for Python to report.
+  static std::atomic<int>& last_threads() {
+    static std::atomic<int> threads{0};
+    return threads;
+  }
+  static void record_threads(int requested) { last_threads() = flashattn::CpuHardware::detect(requested).threads; }
 };
 
 }  // namespace
@@ -119,6 +131,7 @@ NB_MODULE(_C, m) {
       .def_rw("alibi_slopes", &Options::alibi_slopes)
       .def_rw("dropout_p", &Options::dropout_p)
       .def_rw("seed", &Options::seed)
+      .def_rw("offset", &Options::offset)
       .def_rw("deterministic", &Options::deterministic)
       .def_rw("num_threads", &Options::num_threads)
       .def_rw("num_splits", &Options::num_splits)
@@ -218,4 +231,10 @@ NB_MODULE(_C, m) {
       "in place");
 
   m.def("simd_target", &flashattn::cpu_simd_target, "the SIMD target the CPU kernels dispatch to");
+  m.def(
+      "thread_budget", [](int requested) { return flashattn::CpuHardware::detect(requested).threads; },
+      "worker threads a call may use with options.num_threads = requested (0: the OpenMP default)");
+  m.def(
+      "last_thread_budget", [] { return Options::last_threads().load(); },
+      "the thread budget of the latest call (0 before the first)");
 }
