@@ -5,10 +5,15 @@ layouts ((batch, seqlen, heads, head_dim)) and return conventions, on NumPy arra
 (float32, float16, ml_dtypes.bfloat16) and PyTorch CPU tensors. Inputs are passed to the
 C++ library without copies; the GIL is released while it computes.
 
-Dropout: the mask is a pure function of (seed, offset, batch, head, row, column). Pass
-``seed=`` for reproducible results (NumPy users must pass the same seed to
-``flash_attn_backward``); without it a fresh seed is drawn, and the PyTorch autograd path
-keeps it for the backward pass.
+Dropout: the mask is a pure function of (seed, offset, batch, head, row, column). Without
+``seed=``, tensors draw (seed, offset) from torch's default CPU generator (torch.manual_seed
+reproduces a run, torch.utils.checkpoint recomputes the same mask) and NumPy arrays draw
+the seed from numpy.random's global state; NumPy users pass the forward's seed to
+``flash_attn_backward``. Tensor calls are the torch.library ops ``torch.ops.flashattn.*``,
+which torch.compile and torch.export see whole.
+
+Threads: ``num_threads=`` on every function, else ``set_num_threads()``'s value, else
+``torch.get_num_threads()`` for tensors and the OpenMP default for NumPy arrays.
 """
 
 import pkgutil as _pkgutil

@@ -123,7 +123,7 @@ def _torch_rng_state(dropout_p, seed):
     if not dropout_p > 0.0:
         return None
     if seed is None:
-        return torch.empty(2, dtype=torch.int64).random_()
+        return torch.randint(-(1 << 63), (1 << 63) - 1, (2,), dtype=torch.int64)
     seed = int(seed) & ((1 << 64) - 1)
     return torch.tensor([seed - (1 << 64) if seed >= 1 << 63 else seed, 0], dtype=torch.int64)
 

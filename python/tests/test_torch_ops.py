@@ -184,3 +184,21 @@ def test_export():
     assert "flashattn.fwd.default" in targets, targets
     with torch.no_grad():
         torch.testing.assert_close(exported.module()(x), model(x), rtol=0, atol=0)
+
+
+def test_compile_dropout_draws_from_torch_generator():
+    """Under torch.compile the (seed, offset) draw is part of the graph (no break), so
+    torch.manual_seed reproduces a compiled run; aot_eager keeps eager's generator draws
+    (inductor generates its own random numbers, reproducible but not eager's)."""
+    q, k, v = (torch.randn(1, 16, 2, 16, generator=torch.Generator().manual_seed(seed_for("cdrop", i)))
+               for i in range(3))
+
+    def f(q, k, v):
+        return flashattn.flash_attn_func(q, k, v, dropout_p=0.2)
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    torch.manual_seed(3)
+    a, b = compiled(q, k, v), compiled(q, k, v)
+    torch.manual_seed(3)
+    e = f(q, k, v)
+    assert torch.equal(a, e) and not torch.equal(a, b)
