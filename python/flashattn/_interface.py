@@ -179,7 +179,28 @@ def _forward(q, k, v, opts, return_attn_probs):
     out, out_raw = _empty((b, sq, hq, raws["v"].shape[-1]), dt, q)
     lse, lse_raw = _empty((b, hq, sq), "f32", q)
     _C.forward(raws["q"], raws["k"], raws["v"], out_raw, lse_raw, dt, opts)
-    return out, lse, (_probs(q, k, v, opts) if return_attn_probs else None)
+    return out, lse, (_s_dmask(q, lambda o: _probs(q, k, v, o), opts) if return_attn_probs else None)
+
+
+def _s_dmask(q, probs_of, opts):
+    """upstream's S_dmask, a testing aid: empty (shape (0,)) without dropout; with it the
+    softmax probabilities P in q's dtype, negated where dropout drops them (so kept entries
+    are >= 0 and dropped ones < 0). probs_of(opts) gives the float32 probabilities after
+    dropout from the float64 reference: the O(S^2) work is done only here."""
+    dt = _dtype_of(q, "q")
+    if not opts.dropout_p > 0.0:
+        return _empty((0,), dt, q)[0]
+    dropped = np.asarray(probs_of(opts))
+    p = opts.dropout_p
+    opts.dropout_p = 0.0
+    try:
+        probs = np.asarray(probs_of(opts))
+    finally:
+        opts.dropout_p = p
+    signed = np.where((dropped == 0) & (probs > 0), -probs, probs).astype(_NUMPY_OF[dt])
+    out, raw = _empty(signed.shape, dt, q)
+    raw[...] = signed if dt == "f32" else signed.view(np.uint16)
+    return out
 
 
 def _probs(q, k, v, opts):
@@ -212,7 +233,8 @@ def _varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, opts, return_attn_probs):
     lse, lse_raw = _empty((hq, total_q), "f32", q)
     cq, ck = _raw(cu_q, "cu_seqlens_q", int32=True)[0], _raw(cu_k, "cu_seqlens_k", int32=True)[0]
     _C.forward_varlen(raws["q"], raws["k"], raws["v"], cq, ck, int(max_q), int(max_k), out_raw, lse_raw, dt, opts)
-    return out, lse, (_varlen_probs(q, k, v, cu_q, cu_k, max_q, max_k, opts) if return_attn_probs else None)
+    return out, lse, (_s_dmask(q, lambda o: _varlen_probs(q, k, v, cu_q, cu_k, max_q, max_k, o), opts)
+                      if return_attn_probs else None)
 
 
 def _varlen_probs(q, k, v, cu_q, cu_k, max_q, max_k, opts):
@@ -291,9 +313,12 @@ def _torch_attention(q, k, v, varlen, dropout_p, softmax_scale, causal, window_s
                     kernel, backward_kernel)
     if rng_state is not None:
         opts.seed, opts.offset = (int(x) & ((1 << 64) - 1) for x in rng_state.tolist())
-    probs = (_probs(q.detach(), k.detach(), v.detach(), opts) if varlen is None
-             else _varlen_probs(q.detach(), k.detach(), v.detach(), *varlen, opts))
-    return out, lse, probs
+    q, k, v = q.detach(), k.detach(), v.detach()
+    if varlen is None:
+        s_dmask = _s_dmask(q, lambda o: _probs(q, k, v, o), opts)
+    else:
+        s_dmask = _s_dmask(q, lambda o: _varlen_probs(q, k, v, *varlen, o), opts)
+    return out, lse, s_dmask
 
 
 # ---- upstream's functions ----------------------------------------------------------------------
@@ -324,8 +349,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                     seed=None, kernel="auto", backward_kernel="auto", num_threads=None):
     """Exact attention. q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) -> out (B, Sq, Hq, Dv).
 
-    With return_attn_probs: (out, softmax_lse (B, Hq, Sq) float32, S_dmask (B, Hq, Sq, Sk) float32,
-    the probabilities after dropout — materialized, for testing only). kernel / backward_kernel:
+    With return_attn_probs: (out, softmax_lse (B, Hq, Sq) float32, S_dmask), as upstream: S_dmask
+    is empty without dropout; with dropout_p > 0 it is (B, Hq, Sq, Sk) in q's dtype, the softmax
+    probabilities with dropped entries negated — materialized, for testing only. kernel / backward_kernel:
     the CPU kernels by name ("auto", "tiled", "tiled_bf16", "decode", ...; see ForwardKernel
     and BackwardKernel in include/flashattn/options.hpp); a request the inputs or the CPU rule
     out raises ValueError. seed: the dropout seed (default: drawn from torch's generator for
