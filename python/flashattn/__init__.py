@@ -22,6 +22,7 @@ import pkgutil as _pkgutil
 # this directory (installed wheel).
 __path__ = _pkgutil.extend_path(__path__, __name__)
 
+from ._C import __version__  # noqa: E402  (CMakeLists.txt's project() version)
 from ._interface import (  # noqa: E402
     flash_attn_backward,
     flash_attn_func,
@@ -38,7 +39,32 @@ from ._interface import (  # noqa: E402
     simd_target,
 )
 
+
+
+def install_as_flash_attn() -> bool:
+    """Opt-in: lets unchanged code that imports ``flash_attn`` (``from flash_attn import
+    flash_attn_func``, ``flash_attn.flash_attn_interface``) run on flashattn, by registering
+    flashattn under those names in sys.modules — only where no real ``flash_attn`` can be
+    imported, so an installed FlashAttention is never shadowed. Returns whether the names
+    now refer to flashattn. Needs PyTorch (upstream's module is a PyTorch one)."""
+    import importlib.util
+    import sys
+
+    from . import flash_attn_interface
+
+    current = sys.modules.get("flash_attn")
+    if current is not None:
+        return current is sys.modules[__name__]
+    if importlib.util.find_spec("flash_attn") is not None:
+        return False
+    sys.modules["flash_attn"] = sys.modules[__name__]
+    sys.modules["flash_attn.flash_attn_interface"] = flash_attn_interface
+    return True
+
+
 __all__ = [
+    "__version__",
+    "install_as_flash_attn",
     "flash_attn_backward",
     "flash_attn_func",
     "flash_attn_kvpacked_func",

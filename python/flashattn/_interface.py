@@ -309,16 +309,20 @@ def _torch_attention(q, k, v, varlen, dropout_p, softmax_scale, causal, window_s
         out, lse = torch.ops.flashattn.varlen_fwd(q, k, v, cu_q, cu_k, int(max_q), int(max_k), *scalars)
     if not return_attn_probs:
         return out
-    opts = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, None,
-                    kernel, backward_kernel)
+    return out, lse, _torch_s_dmask(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, softcap,
+                                    alibi_slopes, rng_state)
+
+
+def _torch_s_dmask(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                   rng_state):
+    """S_dmask (see _s_dmask) of a torch call that drew rng_state."""
+    opts = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, False, None)
     if rng_state is not None:
         opts.seed, opts.offset = (int(x) & ((1 << 64) - 1) for x in rng_state.tolist())
     q, k, v = q.detach(), k.detach(), v.detach()
     if varlen is None:
-        s_dmask = _s_dmask(q, lambda o: _probs(q, k, v, o), opts)
-    else:
-        s_dmask = _s_dmask(q, lambda o: _varlen_probs(q, k, v, *varlen, o), opts)
-    return out, lse, s_dmask
+        return _s_dmask(q, lambda o: _probs(q, k, v, o), opts)
+    return _s_dmask(q, lambda o: _varlen_probs(q, k, v, *varlen, o), opts)
 
 
 # ---- upstream's functions ----------------------------------------------------------------------

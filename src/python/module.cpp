@@ -106,6 +106,7 @@ struct Options {
 
 NB_MODULE(_C, m) {
   m.doc() = "flashattn native core: exact tiled attention with an online softmax on the CPU";
+  m.attr("__version__") = FLASHATTN_VERSION;
   // Options objects kept alive by torch autograd contexts at interpreter exit are not leaks.
   nb::set_leak_warnings(false);
 
