@@ -302,11 +302,14 @@ def _torch_attention(q, k, v, varlen, dropout_p, softmax_scale, causal, window_s
     scalars = (float(dropout_p), None if softmax_scale is None else float(softmax_scale), bool(causal),
                int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes, bool(deterministic),
                rng_state, str(kernel), str(backward_kernel), int(num_threads or 0))
+    ops = _torch_ops
     if varlen is None:
-        out, lse = torch.ops.flashattn.fwd(q, k, v, *scalars)
+        fwd = ops._fwd if ops.direct(q, k, v, alibi_slopes) else torch.ops.flashattn.fwd
+        out, lse = fwd(q, k, v, *scalars)
     else:
         cu_q, cu_k, max_q, max_k = varlen
-        out, lse = torch.ops.flashattn.varlen_fwd(q, k, v, cu_q, cu_k, int(max_q), int(max_k), *scalars)
+        fwd = ops._varlen_fwd if ops.direct(q, k, v, cu_q, cu_k, alibi_slopes) else torch.ops.flashattn.varlen_fwd
+        out, lse = fwd(q, k, v, cu_q, cu_k, int(max_q), int(max_k), *scalars)
     if not return_attn_probs:
         return out
     return out, lse, _torch_s_dmask(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, softcap,
@@ -552,12 +555,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             alibi_slopes = torch.as_tensor(alibi_slopes)
         if num_threads is not None and num_threads != 0:
             num_threads = _resolve_threads(num_threads, True)
-        out, lse = torch.ops.flashattn.fwd_kvcache(
-            q, k_cache, v_cache, k, v, tensor(rotary_cos), tensor(rotary_sin), tensor(cache_seqlens),
-            tensor(cache_batch_idx), tensor(cache_leftpad), tensor(block_table),
-            None if softmax_scale is None else float(softmax_scale), bool(causal), int(window_size[0]),
-            int(window_size[1]), float(softcap), bool(rotary_interleaved), alibi_slopes, int(num_splits),
-            tensor(k_scale), tensor(v_scale), str(kernel), int(num_threads or 0))
+        args = (q, k_cache, v_cache, k, v, tensor(rotary_cos), tensor(rotary_sin), tensor(cache_seqlens),
+                tensor(cache_batch_idx), tensor(cache_leftpad), tensor(block_table),
+                None if softmax_scale is None else float(softmax_scale), bool(causal), int(window_size[0]),
+                int(window_size[1]), float(softcap), bool(rotary_interleaved), alibi_slopes, int(num_splits),
+                tensor(k_scale), tensor(v_scale), str(kernel), int(num_threads or 0))
+        direct = _torch_ops.direct(*(a for a in args if isinstance(a, torch.Tensor)))
+        out, lse = (_torch_ops.fwd_kvcache_direct if direct else torch.ops.flashattn.fwd_kvcache)(*args)
         return (out, lse) if return_softmax_lse else out
     if cache_seqlens is not None and not hasattr(cache_seqlens, "shape"):
         cache_seqlens = np.full((batch,), int(cache_seqlens), dtype=np.int32)

@@ -71,7 +71,8 @@ def _check_return_softmax(return_softmax, dropout_p):
 
 
 def _flash_attn_forward(q, k, v, dropout_p: float, softmax_scale: Optional[float], causal: bool,
-                        window_size_left: int, window_size_right: int, softcap: float, alibi_slopes, return_softmax: bool):
+                        window_size_left: int, window_size_right: int, softcap: float, alibi_slopes,
+                        return_softmax: bool):
     """(out, softmax_lse, S_dmask, rng_state); S_dmask is empty unless return_softmax."""
     _check_return_softmax(return_softmax, dropout_p)
     op_rng, rng_state = _rng_for_forward(dropout_p)

@@ -202,3 +202,41 @@ def test_compile_dropout_draws_from_torch_generator():
     torch.manual_seed(3)
     e = f(q, k, v)
     assert torch.equal(a, e) and not torch.equal(a, b)
+
+
+def test_eager_inference_skips_the_dispatcher_only_where_nothing_watches():
+    """Plain eager inference calls the implementation directly (same result as the op);
+    an autograd graph, a dispatch mode (profilers, FlopCounterMode) or a traced graph gets
+    the op itself."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(seed_for("direct"))
+    q, k, v = rand(gen, (2, 9, 4, 16), torch.float32), rand(gen, (2, 11, 2, 16), torch.float32), \
+        rand(gen, (2, 11, 2, 16), torch.float32)
+    plain = flashattn.flash_attn_func(q, k, v, causal=True)
+    with Seen() as seen:
+        watched = flashattn.flash_attn_func(q, k, v, causal=True)
+    assert "flashattn.fwd.default" in seen.ops, seen.ops
+    assert torch.equal(plain, watched)
+    qg = q.clone().requires_grad_(True)
+    out = flashattn.flash_attn_func(qg, k, v, causal=True)
+    assert out.grad_fn is not None and torch.equal(out.detach(), plain)
+
+    cache_k, cache_v = rand(gen, (2, 12, 2, 16), torch.float32), rand(gen, (2, 12, 2, 16), torch.float32)
+    qc, kn = rand(gen, (2, 1, 4, 16), torch.float32), rand(gen, (2, 1, 2, 16), torch.float32)
+    versions = cache_k._version, cache_v._version
+    with torch.no_grad():
+        flashattn.flash_attn_with_kvcache(qc, cache_k, cache_v, k=kn, v=kn, cache_seqlens=3)
+    assert cache_k._version > versions[0] and cache_v._version > versions[1], "cache writes not versioned"
+    with Seen() as seen:
+        flashattn.flash_attn_with_kvcache(qc, cache_k, cache_v, k=kn, v=kn, cache_seqlens=4)
+    assert "flashattn.fwd_kvcache.default" in seen.ops, seen.ops
