@@ -102,7 +102,7 @@ def _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slope
             raise TypeError(f"alibi_slopes: dtype {dt} but expected float32")
         o.alibi_slopes = raw
     o.dropout_p = float(dropout_p)
-    o.seed = int(seed) if seed is not None else 0
+    o.seed = int(seed) & ((1 << 64) - 1) if seed is not None else 0  # any integer, modulo 2^64
     o.deterministic = bool(deterministic)
     return o
 

@@ -120,6 +120,9 @@ def test_numpy_seed_reproduces_dropout():
     t = flashattn.flash_attn_func(*(torch.from_numpy(x) for x in (q, k, v)), dropout_p=0.3, seed=2**63 + 5)
     n = flashattn.flash_attn_func(q, k, v, dropout_p=0.3, seed=2**63 + 5)
     assert np.array_equal(t.numpy(), n)
+    # Seeds are taken modulo 2^64.
+    assert np.array_equal(flashattn.flash_attn_func(q, k, v, dropout_p=0.3, seed=-1),
+                          flashattn.flash_attn_func(q, k, v, dropout_p=0.3, seed=2**64 - 1))
 
 
 # --------------------------------------------------------------------------- threads
