@@ -612,4 +612,7 @@ def simd_target() -> str:
 
 
 if torch is not None:
+    if not hasattr(torch.library, "register_autograd"):
+        raise ImportError(f"flashattn needs PyTorch >= 2.4 (torch.library custom ops), found {torch.__version__}; "
+                          "upgrade it, or run without PyTorch importable for NumPy arrays only")
     from . import _torch_ops  # noqa: E402,F401  (registers the flashattn:: ops)

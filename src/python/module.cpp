@@ -4,11 +4,13 @@
 // and bfloat16 travel as uint16 views, since NumPy has no bfloat16 of its own).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/map.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 
 #include <algorithm>
 #include <atomic>
+#include <map>
 #include <optional>
 #include <string>
 
@@ -235,6 +237,21 @@ NB_MODULE(_C, m) {
   m.def(
       "thread_budget", [](int requested) { return flashattn::CpuHardware::detect(requested).threads; },
       "worker threads a call may use with options.num_threads = requested (0: the OpenMP default)");
+  m.def(
+      "cpu_hardware",
+      [] {
+        const flashattn::CpuHardware hw = flashattn::CpuHardware::detect(0);
+        return std::map<std::string, std::string>{
+            {"simd_target", hw.simd_target},
+            {"threads", std::to_string(hw.threads)},
+            {"l1d_bytes", std::to_string(hw.l1d_bytes)},
+            {"l2_bytes", std::to_string(hw.l2_bytes)},
+            {"tiled_bf16", hw.bf16_dot ? "1" : "0"},
+            {"tiled_bf16_default", hw.bf16_dot_fast ? "1" : "0"},
+            {"decode_fp16", hw.decode_fp16 ? "1" : "0"},
+        };
+      },
+      "what the planner knows of this CPU (CpuHardware::detect), as strings");
   m.def(
       "last_thread_budget", [] { return Options::last_threads().load(); },
       "the thread budget of the latest call (0 before the first)");
