@@ -240,3 +240,22 @@ def test_eager_inference_skips_the_dispatcher_only_where_nothing_watches():
     with Seen() as seen:
         flashattn.flash_attn_with_kvcache(qc, cache_k, cache_v, k=kn, v=kn, cache_seqlens=4)
     assert "flashattn.fwd_kvcache.default" in seen.ops, seen.ops
+
+
+def test_compile_kvcache_step_writes_the_cache():
+    """A decode step compiled whole: the functionalized op's cache writes land in the
+    caller's cache tensors, as eager's do."""
+    gen = torch.Generator().manual_seed(seed_for("compile_kvcache"))
+
+    def step(q, k_cache, v_cache, k, v, seqlens):
+        return flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=seqlens, causal=True)
+
+    q, k, v = rand(gen, (2, 1, 4, 16), torch.float32), rand(gen, (2, 1, 2, 16), torch.float32), \
+        rand(gen, (2, 1, 2, 16), torch.float32)
+    k_cache, v_cache = rand(gen, (2, 12, 2, 16), torch.float32), rand(gen, (2, 12, 2, 16), torch.float32)
+    seqlens = torch.tensor([3, 8], dtype=torch.int32)
+    k2, v2 = k_cache.clone(), v_cache.clone()
+    eager = step(q, k_cache, v_cache, k, v, seqlens)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k2, v2, k, v, seqlens)
+    assert torch.equal(compiled, eager)
+    assert torch.equal(k2, k_cache) and torch.equal(v2, v_cache), "compiled step did not append to the cache"
