@@ -6,6 +6,7 @@ from flashattn import flash_attn_backward, flash_attn_func
 rng = np.random.default_rng(0)
 q, k, v = (rng.standard_normal((2, 256, 8, 64), dtype=np.float32) for _ in range(3))
 
+# return_attn_probs adds softmax_lse (cheap); S_dmask is empty unless dropout_p > 0.
 out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
 dq, dk, dv = flash_attn_backward(np.ones_like(out), q, k, v, out, lse, causal=True)
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import secrets
-
 import ml_dtypes
 import numpy as np
 
@@ -104,15 +102,70 @@ def _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slope
             raise TypeError(f"alibi_slopes: dtype {dt} but expected float32")
         o.alibi_slopes = raw
     o.dropout_p = float(dropout_p)
-    o.seed = int(seed) if seed is not None else 0
+    o.seed = int(seed) & ((1 << 64) - 1) if seed is not None else 0  # any integer, modulo 2^64
     o.deterministic = bool(deterministic)
     return o
 
 
-def _seed_for(dropout_p, seed):
+def _numpy_seed(dropout_p, seed):
+    """NumPy calls: the explicit seed, else one drawn from numpy.random's global state (so
+    numpy.random.seed reproduces a run)."""
     if dropout_p > 0.0 and seed is None:
-        return secrets.randbits(63)
+        return int(np.random.randint(np.iinfo(np.int64).max, dtype=np.int64))
     return seed
+
+
+def _torch_rng_state(dropout_p, seed):
+    """Torch calls: the dropout (seed, offset) as an int64 tensor of shape (2,), drawn from
+    torch's default CPU generator without an explicit seed (torch.manual_seed reproduces
+    a run; torch.utils.checkpoint, which restores that generator, redraws the same mask);
+    None without dropout, so that calls without it leave the generator alone."""
+    if not dropout_p > 0.0:
+        return None
+    if seed is None:
+        return torch.randint(-(1 << 63), (1 << 63) - 1, (2,), dtype=torch.int64)
+    seed = int(seed) & ((1 << 64) - 1)
+    return torch.tensor([seed - (1 << 64) if seed >= 1 << 63 else seed, 0], dtype=torch.int64)
+
+
+# ---- threads -------------------------------------------------------------------------------
+
+_num_threads = 0  # flashattn.set_num_threads(); 0: unset
+
+
+def set_num_threads(num_threads: int) -> None:
+    """Worker threads of every later call that does not pass num_threads= (over torch's
+    thread count for tensors and the OpenMP default for NumPy arrays)."""
+    global _num_threads
+    if isinstance(num_threads, bool) or not isinstance(num_threads, (int, np.integer)) or num_threads < 1:
+        raise ValueError(f"num_threads: expected a positive integer, got {num_threads!r}")
+    _num_threads = int(num_threads)
+
+
+def get_num_threads() -> int:
+    """The threads a NumPy call uses now: set_num_threads()'s value, else the OpenMP default
+    (OMP_NUM_THREADS, else all cores). Tensor calls use torch.get_num_threads() unless
+    set_num_threads() was called."""
+    return _num_threads or _C.thread_budget(0)
+
+
+def last_num_threads() -> int:
+    """The thread budget of the latest call into the native core (0 before the first): the
+    worker threads its planner was given; a call with fewer work items starts fewer."""
+    return _C.last_thread_budget()
+
+
+def _resolve_threads(num_threads, torch_inputs):
+    """The options' num_threads: the argument, else set_num_threads()'s value, else (tensors)
+    torch.get_num_threads() — stated, not left to which OpenMP runtime the process loaded
+    first — else 0, the OpenMP default."""
+    if num_threads is not None and num_threads != 0:
+        if isinstance(num_threads, bool) or not isinstance(num_threads, (int, np.integer)) or num_threads < 1:
+            raise ValueError(f"num_threads: expected a positive integer, got {num_threads!r}")
+        return int(num_threads)
+    if _num_threads:
+        return _num_threads
+    return torch.get_num_threads() if torch_inputs else 0
 
 
 # ---- the computations, on raw views ------------------------------------------------------
@@ -126,11 +179,36 @@ def _forward(q, k, v, opts, return_attn_probs):
     out, out_raw = _empty((b, sq, hq, raws["v"].shape[-1]), dt, q)
     lse, lse_raw = _empty((b, hq, sq), "f32", q)
     _C.forward(raws["q"], raws["k"], raws["v"], out_raw, lse_raw, dt, opts)
-    if not return_attn_probs:
-        return out, lse, None
+    return out, lse, (_s_dmask(q, lambda o: _probs(q, k, v, o), opts) if return_attn_probs else None)
+
+
+def _s_dmask(q, probs_of, opts):
+    """upstream's S_dmask, a testing aid: empty (shape (0,)) without dropout; with it the
+    softmax probabilities P in q's dtype, negated where dropout drops them (so kept entries
+    are >= 0 and dropped ones < 0). probs_of(opts) gives the float32 probabilities after
+    dropout from the float64 reference: the O(S^2) work is done only here."""
+    dt = _dtype_of(q, "q")
+    if not opts.dropout_p > 0.0:
+        return _empty((0,), dt, q)[0]
+    dropped = np.asarray(probs_of(opts))
+    p = opts.dropout_p
+    opts.dropout_p = 0.0
+    try:
+        probs = np.asarray(probs_of(opts))
+    finally:
+        opts.dropout_p = p
+    signed = np.where((dropped == 0) & (probs > 0), -probs, probs).astype(_NUMPY_OF[dt])
+    out, raw = _empty(signed.shape, dt, q)
+    raw[...] = signed if dt == "f32" else signed.view(np.uint16)
+    return out
+
+
+def _probs(q, k, v, opts):
+    raws, dt = _inputs(q=q, k=k, v=v)
+    b, sq, hq, _ = raws["q"].shape
     probs, probs_raw = _empty((b, hq, sq, raws["k"].shape[1]), "f32", q)
     _C.attention_probs(raws["q"], raws["k"], raws["v"], probs_raw, dt, opts)
-    return out, lse, probs
+    return probs
 
 
 def _backward(dout, q, k, v, out, lse, opts):
@@ -155,8 +233,14 @@ def _varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, opts, return_attn_probs):
     lse, lse_raw = _empty((hq, total_q), "f32", q)
     cq, ck = _raw(cu_q, "cu_seqlens_q", int32=True)[0], _raw(cu_k, "cu_seqlens_k", int32=True)[0]
     _C.forward_varlen(raws["q"], raws["k"], raws["v"], cq, ck, int(max_q), int(max_k), out_raw, lse_raw, dt, opts)
-    if not return_attn_probs:
-        return out, lse, None
+    return out, lse, (_s_dmask(q, lambda o: _varlen_probs(q, k, v, cu_q, cu_k, max_q, max_k, o), opts)
+                      if return_attn_probs else None)
+
+
+def _varlen_probs(q, k, v, cu_q, cu_k, max_q, max_k, opts):
+    raws, dt = _inputs(q=q, k=k, v=v)
+    hq = raws["q"].shape[1]
+    cq, ck = _raw(cu_q, "cu_seqlens_q", int32=True)[0], _raw(cu_k, "cu_seqlens_k", int32=True)[0]
     # As upstream: (batch, heads_q, max_seqlen_q, max_seqlen_k), zero beyond each sequence.
     batch = cq.shape[0] - 1
     probs, probs_raw = _empty((batch, hq, int(max_q), int(max_k)), "f32", q)
@@ -169,7 +253,7 @@ def _varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, opts, return_attn_probs):
         _C.attention_probs(raws["q"][None, q0:q1], raws["k"][None, k0:k1], raws["v"][None, k0:k1],
                            probs_raw[b:b + 1, :, :q1 - q0, :k1 - k0], dt, opts)
     opts.alibi_slopes = alibi
-    return out, lse, probs
+    return probs
 
 
 def _varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, opts):
@@ -184,52 +268,77 @@ def _varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, opts):
     return dq, dk, dv
 
 
-# ---- PyTorch autograd ------------------------------------------------------------------------
-
-if torch is not None:
-
-    class _Attention(torch.autograd.Function):
-        """out = attention(q, k, v); backward recomputes P from the saved lse."""
-
-        @staticmethod
-        def forward(ctx, q, k, v, varlen, opts, return_attn_probs):
-            if varlen is None:
-                out, lse, probs = _forward(q, k, v, opts, return_attn_probs)
-            else:
-                out, lse, probs = _varlen_forward(q, k, v, *varlen, opts, return_attn_probs)
-            ctx.save_for_backward(q, k, v, out, lse)
-            ctx.varlen, ctx.opts = varlen, opts
-            ctx.mark_non_differentiable(lse)
-            if probs is not None:
-                ctx.mark_non_differentiable(probs)
-            return out, lse, probs
-
-        @staticmethod
-        def backward(ctx, dout, _dlse, _dprobs):
-            q, k, v, out, lse = ctx.saved_tensors
-            dout = dout.to(q.dtype)
-            if ctx.varlen is None:
-                dq, dk, dv = _backward(dout, q, k, v, out, lse, ctx.opts)
-            else:
-                dq, dk, dv = _varlen_backward(dout, q, k, v, out, lse, *ctx.varlen, ctx.opts)
-            return dq, dk, dv, None, None, None
+# ---- dispatch: NumPy directly, torch through the custom ops (_torch_ops) ---------------------------
 
 
-def _run(q, k, v, varlen, opts, return_attn_probs):
+def _attention(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+               return_attn_probs, seed, kernel, backward_kernel, num_threads):
     if len({_is_tensor(x) for x in (q, k, v)}) > 1:
         raise TypeError("inputs mix numpy arrays and torch tensors: q, k, v")
-    needs_grad = _is_tensor(q) and torch.is_grad_enabled() and any(
-        t.requires_grad for t in (q, k, v))
-    if needs_grad:
-        out, lse, probs = _Attention.apply(q, k, v, varlen, opts, return_attn_probs)
-    elif varlen is None:
+    if len(window_size) != 2:
+        raise ValueError(f"window_size: expected (left, right), got {window_size!r}")
+    if _is_tensor(q):
+        return _torch_attention(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, softcap,
+                                alibi_slopes, deterministic, return_attn_probs, seed, kernel, backward_kernel,
+                                num_threads)
+    seed = _numpy_seed(dropout_p, seed)
+    opts = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, seed,
+                    kernel, backward_kernel)
+    opts.num_threads = _resolve_threads(num_threads, False)
+    if varlen is None:
         out, lse, probs = _forward(q, k, v, opts, return_attn_probs)
     else:
         out, lse, probs = _varlen_forward(q, k, v, *varlen, opts, return_attn_probs)
     return (out, lse, probs) if return_attn_probs else out
 
 
+def _torch_attention(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                     deterministic, return_attn_probs, seed, kernel, backward_kernel, num_threads):
+    rng_state = _torch_rng_state(dropout_p, seed)
+    if alibi_slopes is not None and not _is_tensor(alibi_slopes):
+        alibi_slopes = torch.as_tensor(alibi_slopes)
+    if num_threads is not None and num_threads != 0:
+        num_threads = _resolve_threads(num_threads, True)
+    scalars = (float(dropout_p), None if softmax_scale is None else float(softmax_scale), bool(causal),
+               int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes, bool(deterministic),
+               rng_state, str(kernel), str(backward_kernel), int(num_threads or 0))
+    ops = _torch_ops
+    if varlen is None:
+        fwd = ops._fwd if ops.direct(q, k, v, alibi_slopes) else torch.ops.flashattn.fwd
+        out, lse = fwd(q, k, v, *scalars)
+    else:
+        cu_q, cu_k, max_q, max_k = varlen
+        fwd = ops._varlen_fwd if ops.direct(q, k, v, cu_q, cu_k, alibi_slopes) else torch.ops.flashattn.varlen_fwd
+        out, lse = fwd(q, k, v, cu_q, cu_k, int(max_q), int(max_k), *scalars)
+    if not return_attn_probs:
+        return out
+    return out, lse, _torch_s_dmask(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, softcap,
+                                    alibi_slopes, rng_state)
+
+
+def _torch_s_dmask(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                   rng_state):
+    """S_dmask (see _s_dmask) of a torch call that drew rng_state."""
+    opts = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, False, None)
+    if rng_state is not None:
+        opts.seed, opts.offset = (int(x) & ((1 << 64) - 1) for x in rng_state.tolist())
+    q, k, v = q.detach(), k.detach(), v.detach()
+    if varlen is None:
+        return _s_dmask(q, lambda o: _probs(q, k, v, o), opts)
+    return _s_dmask(q, lambda o: _varlen_probs(q, k, v, *varlen, o), opts)
+
+
 # ---- upstream's functions ----------------------------------------------------------------------
+
+
+def _dtype_of(x, name):
+    """The dtype name of an input; tensors by their torch dtype (fake tensors included)."""
+    if _is_tensor(x):
+        dt = _torch_dtypes().get(x.dtype)
+        if dt is None:
+            raise TypeError(f"{name}: dtype {x.dtype} is not supported (float32, float16, bfloat16)")
+        return dt
+    return _raw(x, name)[1]
 
 
 def _check_packed(name, x, rank, axis, count, layout, q=None):
@@ -237,85 +346,86 @@ def _check_packed(name, x, rank, axis, count, layout, q=None):
     shape = tuple(x.shape)
     if len(shape) != rank or shape[axis] != count:
         raise ValueError(f"{name}: expected shape {layout}, got {shape}")
-    dt = _raw(x, name)[1]
-    if q is not None and _raw(q, "q")[1] != dt:
-        raise TypeError(f"{name}: dtype {dt} does not match q's dtype {_raw(q, 'q')[1]}")
+    dt = _dtype_of(x, name)
+    if q is not None and _dtype_of(q, "q") != dt:
+        raise TypeError(f"{name}: dtype {dt} does not match q's dtype {_dtype_of(q, 'q')}")
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                     softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                    seed=None, kernel="auto", backward_kernel="auto"):
+                    seed=None, kernel="auto", backward_kernel="auto", num_threads=None):
     """Exact attention. q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) -> out (B, Sq, Hq, Dv).
 
-    With return_attn_probs: (out, softmax_lse (B, Hq, Sq) float32, S_dmask (B, Hq, Sq, Sk) float32,
-    the probabilities after dropout — materialized, for testing only). kernel / backward_kernel:
+    With return_attn_probs: (out, softmax_lse (B, Hq, Sq) float32, S_dmask), as upstream: S_dmask
+    is empty without dropout; with dropout_p > 0 it is (B, Hq, Sq, Sk) in q's dtype, the softmax
+    probabilities with dropped entries negated — materialized, for testing only. kernel / backward_kernel:
     the CPU kernels by name ("auto", "tiled", "tiled_bf16", "decode", ...; see ForwardKernel
     and BackwardKernel in include/flashattn/options.hpp); a request the inputs or the CPU rule
-    out raises ValueError."""
-    seed = _seed_for(dropout_p, seed)
-    opts = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, seed,
-                    kernel, backward_kernel)
-    return _run(q, k, v, None, opts, return_attn_probs)
+    out raises ValueError. seed: the dropout seed (default: drawn from torch's generator for
+    tensors, numpy.random's for arrays). num_threads: worker threads (default:
+    flashattn.set_num_threads()'s, else torch.get_num_threads() for tensors, else OpenMP's)."""
+    return _attention(q, k, v, None, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                      deterministic, return_attn_probs, seed, kernel, backward_kernel, num_threads)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                               softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                              seed=None, kernel="auto", backward_kernel="auto"):
+                              seed=None, kernel="auto", backward_kernel="auto", num_threads=None):
     """flash_attn_func on qkv (B, S, 3, H, D), sliced without copies."""
     _check_packed("qkv", qkv, 5, 2, 3, "(batch, seqlen, 3, heads, head_dim)")
     return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal,
                            window_size, softcap, alibi_slopes, deterministic, return_attn_probs, seed=seed,
-                           kernel=kernel, backward_kernel=backward_kernel)
+                           kernel=kernel, backward_kernel=backward_kernel, num_threads=num_threads)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                             seed=None, kernel="auto", backward_kernel="auto"):
+                             seed=None, kernel="auto", backward_kernel="auto", num_threads=None):
     """flash_attn_func on q and kv (B, Sk, 2, Hkv, D), sliced without copies."""
     _check_packed("kv", kv, 5, 2, 2, "(batch, seqlen_k, 2, heads_kv, head_dim)", q)
     return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
                            alibi_slopes, deterministic, return_attn_probs, seed=seed, kernel=kernel,
-                           backward_kernel=backward_kernel)
+                           backward_kernel=backward_kernel, num_threads=num_threads)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                            alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None, *,
-                           seed=None, kernel="auto", backward_kernel="auto"):
+                           seed=None, kernel="auto", backward_kernel="auto", num_threads=None):
     """Packed variable-length batch: q (total_q, Hq, D), k/v (total_k, Hkv, D), int32 cu_seqlens (B + 1).
 
     Each sequence attends only within itself; softmax_lse is (Hq, total_q). kernel /
-    backward_kernel as flash_attn_func's."""
+    backward_kernel, seed and num_threads as flash_attn_func's."""
     if block_table is not None:
         raise NotImplementedError("block_table: the paged KV cache is not implemented yet")
-    seed = _seed_for(dropout_p, seed)
-    opts = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, seed,
-                    kernel, backward_kernel)
-    return _run(q, k, v, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), opts, return_attn_probs)
+    return _attention(q, k, v, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), dropout_p, softmax_scale,
+                      causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, seed, kernel,
+                      backward_kernel, num_threads)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
                                      causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                                      deterministic=False, return_attn_probs=False, *, seed=None, kernel="auto",
-                                     backward_kernel="auto"):
+                                     backward_kernel="auto", num_threads=None):
     """flash_attn_varlen_func on qkv (total, 3, H, D)."""
     _check_packed("qkv", qkv, 4, 1, 3, "(total, 3, heads, head_dim)")
     return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen,
                                   max_seqlen, dropout_p, softmax_scale, causal, window_size, softcap,
                                   alibi_slopes, deterministic, return_attn_probs, seed=seed, kernel=kernel,
-                                  backward_kernel=backward_kernel)
+                                  backward_kernel=backward_kernel, num_threads=num_threads)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                     dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                                     softcap=0.0, alibi_slopes=None, deterministic=False,
-                                    return_attn_probs=False, *, seed=None, kernel="auto", backward_kernel="auto"):
+                                    return_attn_probs=False, *, seed=None, kernel="auto", backward_kernel="auto",
+                                    num_threads=None):
     """flash_attn_varlen_func on q and kv (total_k, 2, Hkv, D)."""
     _check_packed("kv", kv, 4, 1, 2, "(total_k, 2, heads_kv, head_dim)", q)
     return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
                                   alibi_slopes, deterministic, return_attn_probs, seed=seed, kernel=kernel,
-                                  backward_kernel=backward_kernel)
+                                  backward_kernel=backward_kernel, num_threads=num_threads)
 
 
 def _dtype_name(x):
@@ -359,30 +469,9 @@ def _f32_in_place(x, name):
     return x
 
 
-def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
-                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
-                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                            rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                            return_softmax_lse=False, *, k_scale=None, v_scale=None, kernel="auto"):
-    """Attention over a KV cache, as upstream: k_cache/v_cache (B_cache, S_cache, Hkv, D) or paged
-    (num_pages, page_size, Hkv, D) with block_table (B, max_pages); new k, v (B, S_new, Hkv, D)
-    are written into the cache in place at cache_seqlens before attending; rotary_cos/sin
-    (positions, rotary_dim / 2) rotate q and the new keys; cache_leftpad (B) int32 marks the
-    first slot of each sequence of a contiguous cache (earlier slots are padding, never
-    attended). Inference only (no gradients).
-
-    FP8 e4m3 cache: k_cache/v_cache of dtype uint8 (or float8_e4m3fn, read as its codes) hold
-    e4m3 codes and k_scale/v_scale float32 (num_pages or B_cache, Hkv) their descales, one per
-    (page, kv head): value = code * descale. Appends quantize the new tokens and grow a page's
-    descale in place when they need it (see KvCache in include/flashattn/attention.hpp).
-
-    kernel: the CPU forward kernel by name — "auto" (the planner's choice), "decode",
-    "decode_fp16" (an FP8 cache on AVX512-FP16: half-precision products), "tiled" or
-    "tiled_bf16" (see ForwardKernel in include/flashattn/options.hpp)."""
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        step = cache.stride(-1) if _is_tensor(cache) else cache.strides[-1] // cache.itemsize
-        if step != 1:  # written in place: a contiguous copy would lose the appended tokens
-            raise ValueError(f"{name}: last dimension must be contiguous (stride 1), got stride {step}")
+def _kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                     cache_leftpad, block_table, rotary_interleaved, k_scale, v_scale, opts):
+    """The KV-cache call on raw views: (out, softmax_lse); the caches are written in place."""
     fp8 = _is_fp8_codes(k_cache)
     if fp8:
         raws, dt = _inputs(q=q)
@@ -400,8 +489,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if k is None or v is None:
             raise ValueError("k, v: the new keys and values come together")
         new, _ = _inputs(q=q, k=k, v=v)
-    if cache_seqlens is not None and not hasattr(cache_seqlens, "shape"):
-        cache_seqlens = np.full((batch,), int(cache_seqlens), dtype=np.int32)
 
     def ints(x, name):
         return None if x is None else _raw(x, name, int32=True)[0]
@@ -414,41 +501,107 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             raw = np.asarray(x.float().numpy() if _is_tensor(x) else np.asarray(x, dtype=np.float32))
         return raw
 
-    opts = _options(0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, False, None, kernel)
-    opts.num_splits = int(num_splits)
     out, out_raw = _empty((batch, sq, hq, raws["v_cache"].shape[-1]), dt, q)
     lse, lse_raw = _empty((batch, hq, sq), "f32", q)
     _C.forward_with_kvcache(raws["q"], raws["k_cache"], raws["v_cache"], new.get("k"), new.get("v"),
                             floats(rotary_cos, "rotary_cos"), floats(rotary_sin, "rotary_sin"),
                             ints(cache_seqlens, "cache_seqlens"), ints(cache_batch_idx, "cache_batch_idx"),
-                            ints(cache_leftpad, "cache_leftpad"), ints(block_table, "block_table"), bool(rotary_interleaved), out_raw, lse_raw, dt,
-                            "u8" if fp8 else dt, scales["k_scale"], scales["v_scale"], opts)
+                            ints(cache_leftpad, "cache_leftpad"), ints(block_table, "block_table"),
+                            bool(rotary_interleaved), out_raw, lse_raw, dt, "u8" if fp8 else dt, scales["k_scale"],
+                            scales["v_scale"], opts)
+    return out, lse
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                            return_softmax_lse=False, *, k_scale=None, v_scale=None, kernel="auto",
+                            num_threads=None):
+    """Attention over a KV cache, as upstream: k_cache/v_cache (B_cache, S_cache, Hkv, D) or paged
+    (num_pages, page_size, Hkv, D) with block_table (B, max_pages); new k, v (B, S_new, Hkv, D)
+    are written into the cache in place at cache_seqlens before attending; rotary_cos/sin
+    (positions, rotary_dim / 2) rotate q and the new keys; cache_leftpad (B) int32 marks the
+    first slot of each sequence of a contiguous cache (earlier slots are padding, never
+    attended). Inference only (no gradients).
+
+    FP8 e4m3 cache: k_cache/v_cache of dtype uint8 (or float8_e4m3fn, read as its codes) hold
+    e4m3 codes and k_scale/v_scale float32 (num_pages or B_cache, Hkv) their descales, one per
+    (page, kv head): value = code * descale. Appends quantize the new tokens and grow a page's
+    descale in place when they need it (see KvCache in include/flashattn/attention.hpp).
+
+    kernel: the CPU forward kernel by name — "auto" (the planner's choice), "decode",
+    "decode_fp16" (an FP8 cache on AVX512-FP16: half-precision products), "tiled" or
+    "tiled_bf16" (see ForwardKernel in include/flashattn/options.hpp). num_threads as
+    flash_attn_func's."""
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        step = cache.stride(-1) if _is_tensor(cache) else cache.strides[-1] // cache.itemsize
+        if step != 1:  # written in place: a contiguous copy would lose the appended tokens
+            raise ValueError(f"{name}: last dimension must be contiguous (stride 1), got stride {step}")
+    if len(window_size) != 2:
+        raise ValueError(f"window_size: expected (left, right), got {window_size!r}")
+    batch = q.shape[0]
+    if _is_tensor(q):
+        for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+            if x is not None and not _is_tensor(x):
+                raise TypeError(f"inputs mix numpy arrays and torch tensors: q, {name}")
+        if cache_seqlens is not None and not hasattr(cache_seqlens, "shape"):
+            cache_seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32)
+
+        def tensor(x):  # small NumPy tables beside tensors are taken without a copy
+            return torch.from_numpy(np.ascontiguousarray(x)) if isinstance(x, np.ndarray) else x
+
+        if alibi_slopes is not None and not _is_tensor(alibi_slopes):
+            alibi_slopes = torch.as_tensor(alibi_slopes)
+        if num_threads is not None and num_threads != 0:
+            num_threads = _resolve_threads(num_threads, True)
+        args = (q, k_cache, v_cache, k, v, tensor(rotary_cos), tensor(rotary_sin), tensor(cache_seqlens),
+                tensor(cache_batch_idx), tensor(cache_leftpad), tensor(block_table),
+                None if softmax_scale is None else float(softmax_scale), bool(causal), int(window_size[0]),
+                int(window_size[1]), float(softcap), bool(rotary_interleaved), alibi_slopes, int(num_splits),
+                tensor(k_scale), tensor(v_scale), str(kernel), int(num_threads or 0))
+        direct = _torch_ops.direct(*(a for a in args if isinstance(a, torch.Tensor)))
+        out, lse = (_torch_ops.fwd_kvcache_direct if direct else torch.ops.flashattn.fwd_kvcache)(*args)
+        return (out, lse) if return_softmax_lse else out
+    if cache_seqlens is not None and not hasattr(cache_seqlens, "shape"):
+        cache_seqlens = np.full((batch,), int(cache_seqlens), dtype=np.int32)
+    opts = _options(0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, False, None, kernel)
+    opts.num_splits = int(num_splits)
+    opts.num_threads = _resolve_threads(num_threads, False)
+    out, lse = _kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                                cache_leftpad, block_table, rotary_interleaved, k_scale, v_scale, opts)
     return (out, lse) if return_softmax_lse else out
 
 
-def flash_attn_backward(dout, q, k, v, out, softmax_lse, dropout_p=0.0, softmax_scale=None, causal=False,
-                        window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, *,
-                        seed=None, backward_kernel="auto"):
-    """Gradients (dq, dk, dv) of sum(dout * out) for NumPy users; P is recomputed from softmax_lse.
-
-    With dropout, pass the seed the forward used. backward_kernel: the CPU kernel by name
-    ("auto", "tiled", "tiled_bf16")."""
+def _backward_options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, seed,
+                      backward_kernel, num_threads, torch_inputs):
     if dropout_p > 0.0 and seed is None:
         raise ValueError("seed: backward with dropout needs the seed the forward used")
     opts = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, seed,
                     backward_kernel=backward_kernel)
+    opts.num_threads = _resolve_threads(num_threads, torch_inputs)
+    return opts
+
+
+def flash_attn_backward(dout, q, k, v, out, softmax_lse, dropout_p=0.0, softmax_scale=None, causal=False,
+                        window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, *,
+                        seed=None, backward_kernel="auto", num_threads=None):
+    """Gradients (dq, dk, dv) of sum(dout * out) for NumPy users; P is recomputed from softmax_lse.
+
+    With dropout, pass the seed the forward used. backward_kernel: the CPU kernel by name
+    ("auto", "tiled", "tiled_bf16")."""
+    opts = _backward_options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                             seed, backward_kernel, num_threads, _is_tensor(q))
     return _backward(dout, q, k, v, out, softmax_lse, opts)
 
 
 def flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                max_seqlen_k, dropout_p=0.0, softmax_scale=None, causal=False,
                                window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, *,
-                               seed=None, backward_kernel="auto"):
+                               seed=None, backward_kernel="auto", num_threads=None):
     """Gradients (dq, dk, dv) of a packed variable-length batch."""
-    if dropout_p > 0.0 and seed is None:
-        raise ValueError("seed: backward with dropout needs the seed the forward used")
-    opts = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, seed,
-                    backward_kernel=backward_kernel)
+    opts = _backward_options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                             seed, backward_kernel, num_threads, _is_tensor(q))
     return _varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                             max_seqlen_k, opts)
 
@@ -456,3 +609,10 @@ def flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu
 def simd_target() -> str:
     """The SIMD instruction set the CPU kernels dispatch to on this machine, e.g. 'AVX2'."""
     return _C.simd_target()
+
+
+if torch is not None:
+    if not hasattr(torch.library, "register_autograd"):
+        raise ImportError(f"flashattn needs PyTorch >= 2.4 (torch.library custom ops), found {torch.__version__}; "
+                          "upgrade it, or run without PyTorch importable for NumPy arrays only")
+    from . import _torch_ops  # noqa: E402,F401  (registers the flashattn:: ops)

@@ -73,10 +73,8 @@ def run_forward_and_check(q, k, v, kw, ctx, *, check_probs=True):
         ref.check_close("out (return_attn_probs)", out2, ref_out, naive, dtype, context=ctx)
         check_lse(lse, ref_lse, ctx)
         s_dmask = np.asarray(s_dmask)
-        assert s_dmask.dtype == F32 and s_dmask.shape == (batch, heads_q, seqlen_q, seqlen_k), \
-            f"S_dmask {s_dmask.dtype} {s_dmask.shape} {ctx}"
-        np.testing.assert_allclose(s_dmask, ref_p, atol=2e-5, rtol=1e-4,
-                                   err_msg=f"S_dmask without dropout must be P {ctx}")
+        assert s_dmask.dtype == dtype and s_dmask.shape == (0,), \
+            f"S_dmask without dropout must be empty (as upstream): {s_dmask.dtype} {s_dmask.shape} {ctx}"
     snap.check(ctx)
     return out, lse, s_dmask, ref_p
 
@@ -195,7 +193,7 @@ def test_rows_without_visible_key(case, dtype):
           "empty_k": dict()}[case]
     q, k, v = make_qkv(seed, 2, sq, sk, 2, 1, 16, 24, dtype)
     ctx = describe(seed, case=case, dtype=dtype)
-    out, lse, s_dmask = flashattn.flash_attn_func(q, k, v, return_attn_probs=True, **kw)
+    out, lse, s_dmask = flashattn.flash_attn_func(q, k, v, return_attn_probs=True, dropout_p=0.3, seed=seed, **kw)
     _, ref_lse, _ = ref.attention_ref(q, k, v, **kw)
     empty = np.isneginf(ref_lse)  # (B, H, Sq)
     assert empty.any()
@@ -203,6 +201,7 @@ def test_rows_without_visible_key(case, dtype):
     assert out.shape == (2, sq, 2, 24) and not np.isnan(out32).any(), ctx
     assert np.all(out32.transpose(0, 2, 1, 3)[empty] == 0), f"out must be 0 where no key is seen {ctx}"
     check_lse(lse, ref_lse, ctx)
+    s_dmask = np.asarray(s_dmask).astype(np.float32)
     assert not np.isnan(s_dmask).any() and np.all(s_dmask[empty] == 0), ctx
     run_forward_and_check(q, k, v, kw, ctx)
 
@@ -214,7 +213,9 @@ def test_empty_shapes(shape):
     q, k, v = make_qkv(0, batch, sq, sk, heads, heads, dim)
     out, lse, s_dmask = flashattn.flash_attn_func(q, k, v, return_attn_probs=True)
     assert out.shape == (batch, sq, heads, dim) and out.dtype == F32
-    assert lse.shape == (batch, heads, sq) and s_dmask.shape == (batch, heads, sq, sk)
+    assert lse.shape == (batch, heads, sq) and s_dmask.shape == (0,)
+    _, _, s_dmask = flashattn.flash_attn_func(q, k, v, return_attn_probs=True, dropout_p=0.5, seed=1)
+    assert s_dmask.shape == (batch, heads, sq, sk) and s_dmask.dtype == F32
     assert np.all(out == 0) and np.all(np.isneginf(lse))
     dout = np.ones_like(out)
     dq, dk, dv = flashattn.flash_attn_backward(dout, q, k, v, out, lse)
@@ -294,19 +295,20 @@ def test_flash_attn_backward_deterministic(variant, dtype):
 # --------------------------------------------------------------------------- dropout
 
 
-def _probs_times_v(s_dmask, v):
-    """out = S_dmask @ v per (batch, q head), q head h using kv head h // group."""
-    heads_q = s_dmask.shape[1]
+def _probs_times_v(weights, v):
+    """out = weights @ v per (batch, q head), q head h using kv head h // group."""
+    heads_q = weights.shape[1]
     vh = np.repeat(v.astype(np.float64).transpose(0, 2, 1, 3), heads_q // v.shape[2], axis=1)
-    return (s_dmask.astype(np.float64) @ vh).transpose(0, 2, 1, 3)
+    return (weights.astype(np.float64) @ vh).transpose(0, 2, 1, 3)
 
 
 @dtype_param()
 @pytest.mark.parametrize("variant", [dict(), dict(causal=True), dict(window_size=(20, 5), alibi=True)],
                          ids=["plain", "causal", "window-alibi"])
 def test_dropout_attn_probs(variant, dtype):
-    """return_attn_probs with dropout: S_dmask is P/(1-p) where kept and 0 where dropped
-    or masked; out == S_dmask @ v (GQA mapping); lse is the undropped one."""
+    """return_attn_probs with dropout, as upstream: S_dmask in q's dtype holds P where kept,
+    -P where dropped and 0 where masked; out == (kept S_dmask / (1-p)) @ v (GQA mapping); lse
+    is the undropped one."""
     p = 0.17
     seed = seed_for("dropout_probs", str(variant), str(dtype))
     batch, heads_q, heads_kv = 2, 4, 2
@@ -315,25 +317,27 @@ def test_dropout_attn_probs(variant, dtype):
     ctx = describe(seed, variant=variant, dtype=dtype, dropout_p=p)
     out, lse, s_dmask = flashattn.flash_attn_func(q, k, v, dropout_p=p, return_attn_probs=True,
                                                   seed=1234, **kw)
-    assert s_dmask.dtype == F32 and s_dmask.shape == (batch, heads_q, 83, 121), ctx
+    assert s_dmask.dtype == dtype and s_dmask.shape == (batch, heads_q, 83, 121), ctx
     _, ref_lse, ref_p = ref.attention_ref(q, k, v, **ref_kwargs(kw))
     check_lse(lse, ref_lse, ctx)
     visible = ref.visible_mask(83, 121, kw.get("causal", False), kw.get("window_size", (-1, -1)))
-    assert np.all(s_dmask[..., ~visible] == 0), f"S_dmask non-zero outside the mask {ctx}"
-    kept = s_dmask > 0
-    np.testing.assert_allclose(s_dmask[kept], ref_p[kept] / (1 - p), rtol=1e-4, atol=1e-6,
-                               err_msg=f"kept S_dmask entries must be P/(1-p) {ctx}")
-    dropped = visible[None, None] & ~kept
+    s32 = s_dmask.astype(np.float32)
+    assert np.all(s32[..., ~visible] == 0), f"S_dmask non-zero outside the mask {ctx}"
+    kept, dropped = s32 > 0, s32 < 0
+    assert np.all((kept | dropped)[..., visible]), f"visible entries neither kept nor dropped {ctx}"
+    rtol = {F32: 1e-5, BF16: 2.0 ** -8}.get(dtype, 2.0 ** -10)  # q's dtype rounds P
+    np.testing.assert_allclose(np.abs(s32), ref_p, rtol=rtol, atol=1e-7,
+                               err_msg=f"|S_dmask| must be P (dropped entries negated) {ctx}")
     assert dropped.any() and kept.any(), ctx
     weights = ref.dropout_weights_from_s_dmask(s_dmask, p)
     ref_out, _, _ = ref.attention_ref(q, k, v, dropout_weights=weights, **ref_kwargs(kw))
     naive = None if dtype == F32 else ref.attention_naive(q, k, v, dropout_weights=weights,
                                                          **ref_kwargs(kw))
     ref.check_close("out", out, ref_out, naive, dtype, context=ctx)
-    # Literally S_dmask @ v.
+    # Literally the kept entries of S_dmask, scaled, times v.
     tol = 1e-5 if dtype == F32 else 2 * ref.max_abs(naive, ref_out) + 1e-5
-    err = ref.max_abs(out, _probs_times_v(s_dmask, v))
-    assert err <= tol, f"|out - S_dmask @ v| = {err:.3e} > {tol:.3e} {ctx}"
+    err = ref.max_abs(out, _probs_times_v(np.where(kept, ref_p, 0.0) / (1 - np.float64(np.float32(p))), v))
+    assert err <= tol, f"|out - (kept P / (1 - p)) @ v| = {err:.3e} > {tol:.3e} {ctx}"
 
 
 @pytest.mark.parametrize("dropout_p", [0.1, 0.5, 0.9])

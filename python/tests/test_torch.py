@@ -71,7 +71,9 @@ def test_torch_forward_matches_numpy(causal, tdtype):
     out2, lse, s_dmask = res
     assert all(isinstance(t, torch.Tensor) for t in res)
     assert lse.dtype == torch.float32 and lse.shape == (2, 4, 37)
-    assert s_dmask.dtype == torch.float32 and s_dmask.shape == (2, 4, 37, 53)
+    assert s_dmask.dtype == tdtype and s_dmask.shape == (0,)
+    _, _, s_dmask = flashattn.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True, dropout_p=0.2)
+    assert s_dmask.dtype == tdtype and s_dmask.shape == (2, 4, 37, 53)
     assert_same(out2, expected, f"(seed={seed})")
     r_out, r_lse, _ = ref.attention_ref(to_numpy(q), to_numpy(k), to_numpy(v), causal=causal)
     tol = 1e-5 if tdtype == torch.float32 else 2e-2

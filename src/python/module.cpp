@@ -4,10 +4,13 @@
 // and bfloat16 travel as uint16 views, since NumPy has no bfloat16 of its own).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/map.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 
 #include <algorithm>
+#include <atomic>
+#include <map>
 #include <optional>
 #include <string>
 
@@ -66,6 +69,7 @@ struct Options {
   std::optional<Array> alibi_slopes;
   float dropout_p = 0.0f;
   std::uint64_t seed = 0;
+  std::uint64_t offset = 0;
   bool deterministic = false;
   int num_threads = 0;
   int num_splits = 0;
@@ -81,19 +85,30 @@ struct Options {
     o.alibi_slopes = optional_in(alibi_slopes, "f32", "alibi_slopes");
     o.dropout_p = dropout_p;
     o.seed = seed;
+    o.offset = offset;
     o.deterministic = deterministic;
     o.num_threads = num_threads;
     o.num_splits = num_splits;
     o.kernel = flashattn::parse_forward_kernel(kernel);
     o.backward_kernel = flashattn::parse_backward_kernel(backward_kernel);
+    record_threads(o.num_threads);
     return o;
   }
+
+  // The thread budget of the latest call: what the planner gets for these options
+  // (CpuHardware::detect, as the call itself asks it), kept for Python to report.
+  static std::atomic<int>& last_threads() {
+    static std::atomic<int> threads{0};
+    return threads;
+  }
+  static void record_threads(int requested) { last_threads() = flashattn::CpuHardware::detect(requested).threads; }
 };
 
 }  // namespace
 
 NB_MODULE(_C, m) {
   m.doc() = "flashattn native core: exact tiled attention with an online softmax on the CPU";
+  m.attr("__version__") = FLASHATTN_VERSION;
   // Options objects kept alive by torch autograd contexts at interpreter exit are not leaks.
   nb::set_leak_warnings(false);
 
@@ -119,6 +134,7 @@ NB_MODULE(_C, m) {
       .def_rw("alibi_slopes", &Options::alibi_slopes)
       .def_rw("dropout_p", &Options::dropout_p)
       .def_rw("seed", &Options::seed)
+      .def_rw("offset", &Options::offset)
       .def_rw("deterministic", &Options::deterministic)
       .def_rw("num_threads", &Options::num_threads)
       .def_rw("num_splits", &Options::num_splits)
@@ -218,4 +234,25 @@ NB_MODULE(_C, m) {
       "in place");
 
   m.def("simd_target", &flashattn::cpu_simd_target, "the SIMD target the CPU kernels dispatch to");
+  m.def(
+      "thread_budget", [](int requested) { return flashattn::CpuHardware::detect(requested).threads; },
+      "worker threads a call may use with options.num_threads = requested (0: the OpenMP default)");
+  m.def(
+      "cpu_hardware",
+      [] {
+        const flashattn::CpuHardware hw = flashattn::CpuHardware::detect(0);
+        return std::map<std::string, std::string>{
+            {"simd_target", hw.simd_target},
+            {"threads", std::to_string(hw.threads)},
+            {"l1d_bytes", std::to_string(hw.l1d_bytes)},
+            {"l2_bytes", std::to_string(hw.l2_bytes)},
+            {"tiled_bf16", hw.bf16_dot ? "1" : "0"},
+            {"tiled_bf16_default", hw.bf16_dot_fast ? "1" : "0"},
+            {"decode_fp16", hw.decode_fp16 ? "1" : "0"},
+        };
+      },
+      "what the planner knows of this CPU (CpuHardware::detect), as strings");
+  m.def(
+      "last_thread_budget", [] { return Options::last_threads().load(); },
+      "the thread budget of the latest call (0 before the first)");
 }

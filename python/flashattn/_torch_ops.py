@@ -1,0 +1,245 @@
+"""The torch.library custom ops (namespace "flashattn") behind the torch path.
+
+Each op has a CPU implementation over the native core, a fake kernel (output shapes and
+dtypes only: meta tensors, FakeTensor tracing in torch.compile and torch.export) and, for
+the two forward ops, an autograd formula that calls the matching backward op, so that a
+compiled graph holds the ops themselves instead of breaking around Python code.
+
+Arguments are primitives the schema can hold: the attention options travel one by one,
+and the dropout seed and offset as an int64 tensor `rng_state` of shape (2,) (None
+without dropout), so that a traced graph draws them at run time from torch's generator.
+
+Plain eager inference (see direct()) calls the implementations _fwd, _varlen_fwd and
+_fwd_kvcache without the dispatcher: its Python custom-op path costs 40 to 80 µs a call,
+as much as a whole decode step on a short cache; the results are the same.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _interface as _impl
+
+_MASK64 = (1 << 64) - 1
+
+
+def _opts(dropout_p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, deterministic,
+          rng_state, kernel, backward_kernel, num_threads, torch_inputs=True):
+    o = _impl._options(dropout_p, softmax_scale, causal, (window_left, window_right), softcap, alibi_slopes,
+                       deterministic, None, kernel, backward_kernel)
+    if rng_state is not None:
+        seed, offset = (int(x) & _MASK64 for x in rng_state.tolist())
+        o.seed, o.offset = seed, offset
+    o.num_threads = _impl._resolve_threads(num_threads, torch_inputs)
+    return o
+
+
+# ---- forward and backward ---------------------------------------------------------------------
+
+
+def _fwd(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, softmax_scale: Optional[float], causal: bool,
+         window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[Tensor], deterministic: bool,
+         rng_state: Optional[Tensor], kernel: str, backward_kernel: str, num_threads: int) -> tuple[Tensor, Tensor]:
+    """out (B, Sq, Hq, Dv) and softmax_lse (B, Hq, Sq) float32."""
+    o = _opts(dropout_p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, deterministic,
+              rng_state, kernel, backward_kernel, num_threads)
+    out, lse, _ = _impl._forward(q, k, v, o, False)
+    return out, lse
+
+
+fwd = torch.library.custom_op("flashattn::fwd", _fwd, mutates_args=())
+
+
+@fwd.register_fake
+def _(q, k, v, dropout_p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, deterministic,
+      rng_state, kernel, backward_kernel, num_threads):
+    _check_rank("q", q, 4, "(batch, seqlen_q, heads_q, head_dim)")
+    b, sq, hq, _ = q.shape
+    return q.new_empty((b, sq, hq, v.shape[-1])), q.new_empty((b, hq, sq), dtype=torch.float32)
+
+
+def _bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse: Tensor, dropout_p: float,
+         softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int, softcap: float,
+         alibi_slopes: Optional[Tensor], deterministic: bool, rng_state: Optional[Tensor], backward_kernel: str,
+         num_threads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv of sum(dout * out); P is recomputed from softmax_lse."""
+    o = _opts(dropout_p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, deterministic,
+              rng_state, "auto", backward_kernel, num_threads)
+    return _impl._backward(dout, q, k, v, out, softmax_lse, o)
+
+
+bwd = torch.library.custom_op("flashattn::bwd", _bwd, mutates_args=())
+
+
+@bwd.register_fake
+def _(dout, q, k, v, out, softmax_lse, *args):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+# ---- variable-length batches ------------------------------------------------------------------
+
+
+def _varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                max_seqlen_k: int, dropout_p: float, softmax_scale: Optional[float], causal: bool, window_left: int,
+                window_right: int, softcap: float, alibi_slopes: Optional[Tensor], deterministic: bool,
+                rng_state: Optional[Tensor], kernel: str, backward_kernel: str,
+                num_threads: int) -> tuple[Tensor, Tensor]:
+    """out (total_q, Hq, Dv) and softmax_lse (Hq, total_q) float32."""
+    o = _opts(dropout_p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, deterministic,
+              rng_state, kernel, backward_kernel, num_threads)
+    out, lse, _ = _impl._varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, o, False)
+    return out, lse
+
+
+varlen_fwd = torch.library.custom_op("flashattn::varlen_fwd", _varlen_fwd, mutates_args=())
+
+
+@varlen_fwd.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *args):
+    _check_rank("q", q, 3, "(total_q, heads_q, head_dim)")
+    total_q, hq, _ = q.shape
+    return q.new_empty((total_q, hq, v.shape[-1])), q.new_empty((hq, total_q), dtype=torch.float32)
+
+
+def _varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse: Tensor,
+                cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
+                softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int, softcap: float,
+                alibi_slopes: Optional[Tensor], deterministic: bool, rng_state: Optional[Tensor],
+                backward_kernel: str, num_threads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv of a packed variable-length batch."""
+    o = _opts(dropout_p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, deterministic,
+              rng_state, "auto", backward_kernel, num_threads)
+    return _impl._varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, o)
+
+
+varlen_bwd = torch.library.custom_op("flashattn::varlen_bwd", _varlen_bwd, mutates_args=())
+
+
+@varlen_bwd.register_fake
+def _(dout, q, k, v, *args):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def direct(*tensors):
+    """Whether a call may skip the dispatcher: eager (no torch.compile or export tracing, no
+    torch-function or dispatch mode, no functorch transform, which must all see the op),
+    no autograd graph to record, and plain CPU tensors (no subclass: fake, functional)."""
+    if (torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled()
+            or torch._C._len_torch_dispatch_stack() or torch._C._are_functorch_transforms_active()):
+        return False
+    grad = torch.is_grad_enabled()
+    return all(t is None or (type(t) is torch.Tensor and t.device.type == "cpu" and not (grad and t.requires_grad))
+               for t in tensors)
+
+
+def fwd_kvcache_direct(q, k_cache, v_cache, *args):
+    """_fwd_kvcache outside the dispatcher; bumps the version counters of what it writes,
+    as the op does, so that autograd still notices a cache saved for a backward."""
+    result = _fwd_kvcache(q, k_cache, v_cache, *args)
+    k_scale, v_scale = args[16], args[17]
+    torch.autograd.graph.increment_version([t for t in (k_cache, v_cache, k_scale, v_scale) if t is not None])
+    return result
+
+
+def _check_rank(name, x, rank, layout):
+    if x.dim() != rank:
+        raise ValueError(f"{name}: expected rank {rank} {layout}, got rank {x.dim()}")
+
+
+# ---- autograd ---------------------------------------------------------------------------------
+
+# The options after q, k, v (fwd) or after q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+# max_seqlen_k (varlen_fwd), in the order of the schema.
+_FWD_OPTIONS = ("dropout_p", "softmax_scale", "causal", "window_left", "window_right", "softcap", "alibi_slopes",
+                "deterministic", "rng_state", "kernel", "backward_kernel", "num_threads")
+
+
+def _setup(ctx, inputs, output, varlen):
+    q, k, v = inputs[:3]
+    rest = inputs[7:] if varlen else inputs[3:]
+    named = dict(zip(_FWD_OPTIONS, rest))
+    out, lse = output
+    ctx.varlen = tuple(inputs[5:7]) if varlen else None
+    ctx.options = {n: named[n] for n in _FWD_OPTIONS if n not in ("kernel", "alibi_slopes", "rng_state")}
+    extra = [inputs[3], inputs[4]] if varlen else []
+    ctx.has_alibi, ctx.has_rng = named["alibi_slopes"] is not None, named["rng_state"] is not None
+    saved = [q, k, v, out, lse, *extra]
+    if ctx.has_alibi:
+        saved.append(named["alibi_slopes"])
+    if ctx.has_rng:
+        saved.append(named["rng_state"])
+    ctx.save_for_backward(*saved)
+    ctx.mark_non_differentiable(lse)
+
+
+def _grads(ctx, dout, varlen):
+    saved = list(ctx.saved_tensors)
+    q, k, v, out, lse = saved[:5]
+    rest = saved[5:]
+    cu = rest[:2] if varlen else []
+    rest = rest[2:] if varlen else rest
+    alibi = rest.pop(0) if ctx.has_alibi else None
+    rng = rest.pop(0) if ctx.has_rng else None
+    o = ctx.options
+    common = (o["dropout_p"], o["softmax_scale"], o["causal"], o["window_left"], o["window_right"], o["softcap"],
+              alibi, o["deterministic"], rng, o["backward_kernel"], o["num_threads"])
+    dout = dout.to(q.dtype)
+    if varlen:
+        return torch.ops.flashattn.varlen_bwd(dout, q, k, v, out, lse, *cu, *ctx.varlen, *common)
+    return torch.ops.flashattn.bwd(dout, q, k, v, out, lse, *common)
+
+
+def _fwd_setup(ctx, inputs, output):
+    _setup(ctx, inputs, output, varlen=False)
+
+
+def _fwd_backward(ctx, dout, _dlse):
+    dq, dk, dv = _grads(ctx, dout, varlen=False)
+    return (dq, dk, dv) + (None,) * len(_FWD_OPTIONS)
+
+
+def _varlen_setup(ctx, inputs, output):
+    _setup(ctx, inputs, output, varlen=True)
+
+
+def _varlen_backward(ctx, dout, _dlse):
+    dq, dk, dv = _grads(ctx, dout, varlen=True)
+    return (dq, dk, dv) + (None,) * (4 + len(_FWD_OPTIONS))
+
+
+torch.library.register_autograd("flashattn::fwd", _fwd_backward, setup_context=_fwd_setup)
+torch.library.register_autograd("flashattn::varlen_fwd", _varlen_backward, setup_context=_varlen_setup)
+
+
+# ---- the KV cache ---------------------------------------------------------------------------
+
+
+def _fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
+                 rotary_cos: Optional[Tensor], rotary_sin: Optional[Tensor], cache_seqlens: Optional[Tensor],
+                 cache_batch_idx: Optional[Tensor], cache_leftpad: Optional[Tensor], block_table: Optional[Tensor],
+                 softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int, softcap: float,
+                 rotary_interleaved: bool, alibi_slopes: Optional[Tensor], num_splits: int, k_scale: Optional[Tensor],
+                 v_scale: Optional[Tensor], kernel: str, num_threads: int) -> tuple[Tensor, Tensor]:
+    """out (B, Sq, Hq, Dv) and softmax_lse (B, Hq, Sq); new k, v are written into the cache
+    (and an FP8 cache's descales grown) in place."""
+    o = _opts(0.0, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, False, None, kernel,
+              "auto", num_threads)
+    o.num_splits = int(num_splits)
+    return _impl._kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                  cache_batch_idx, cache_leftpad, block_table, rotary_interleaved, k_scale, v_scale,
+                                  o)
+
+
+fwd_kvcache = torch.library.custom_op("flashattn::fwd_kvcache", _fwd_kvcache,
+                                      mutates_args=("k_cache", "v_cache", "k_scale", "v_scale"))
+
+
+@fwd_kvcache.register_fake
+def _(q, k_cache, v_cache, *args):
+    _check_rank("q", q, 4, "(batch, seqlen_q, heads_q, head_dim)")
+    b, sq, hq, _ = q.shape
+    return q.new_empty((b, sq, hq, v_cache.shape[-1])), q.new_empty((b, hq, sq), dtype=torch.float32)

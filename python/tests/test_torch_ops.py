@@ -1,0 +1,261 @@
+"""The torch.library custom ops (flashattn::fwd, bwd, varlen_fwd, varlen_bwd, fwd_kvcache):
+torch.library.opcheck on random inputs, meta tensors, torch.compile(fullgraph=True) and
+torch.export of a small model. Skipped without torch."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import flashattn  # noqa: E402
+from conftest import seed_for  # noqa: E402
+
+OPS = torch.ops.flashattn
+
+
+def rand(gen, shape, dtype, requires_grad=False):
+    return torch.randn(shape, generator=gen).to(dtype).requires_grad_(requires_grad)
+
+
+def options(causal=False, dropout_p=0.0, rng=None, alibi=None, window=(-1, -1), softcap=0.0):
+    """The forward ops' options in schema order (fwd and varlen_fwd)."""
+    return (dropout_p, None, causal, window[0], window[1], softcap, alibi, True, rng, "auto", "auto", 0)
+
+
+def backward_options(causal=False, dropout_p=0.0, rng=None):
+    return (dropout_p, None, causal, -1, -1, 0.0, None, True, rng, "auto", 0)
+
+
+CASES = [
+    dict(dtype=torch.float32, hq=4, hkv=4, causal=False),
+    dict(dtype=torch.float32, hq=4, hkv=2, causal=True),
+    dict(dtype=torch.bfloat16, hq=6, hkv=2, causal=True),
+    dict(dtype=torch.float32, hq=2, hkv=1, causal=False, dropout=0.25),
+]
+CASE_IDS = ["f32", "f32-gqa-causal", "bf16-gqa-causal", "f32-mqa-dropout"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_opcheck_fwd_bwd(case):
+    seed = seed_for("opcheck", str(case))
+    gen = torch.Generator().manual_seed(seed)
+    dt = case["dtype"]
+    q = rand(gen, (2, 13, case["hq"], 16), dt, True)
+    k = rand(gen, (2, 21, case["hkv"], 16), dt, True)
+    v = rand(gen, (2, 21, case["hkv"], 24), dt, True)
+    p = case.get("dropout", 0.0)
+    rng = torch.tensor([seed, 7], dtype=torch.int64) if p else None
+    alibi = None if p else torch.rand(case["hq"], generator=gen) * 0.3
+    fwd_args = (q, k, v) + options(case["causal"], p, rng, alibi)
+    torch.library.opcheck(OPS.fwd, fwd_args)
+    out, lse = OPS.fwd(*fwd_args)
+    dout = rand(gen, tuple(out.shape), dt)
+    bwd_args = (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse) + backward_options(case["causal"], p, rng)
+    torch.library.opcheck(OPS.bwd, bwd_args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_opcheck_varlen(dtype):
+    seed = seed_for("opcheck_varlen", str(dtype))
+    gen = torch.Generator().manual_seed(seed)
+    lq, lk = [5, 0, 11], [7, 3, 9]
+    cu_q = torch.tensor(np.concatenate([[0], np.cumsum(lq)]), dtype=torch.int32)
+    cu_k = torch.tensor(np.concatenate([[0], np.cumsum(lk)]), dtype=torch.int32)
+    q = rand(gen, (sum(lq), 4, 16), dtype, True)
+    k = rand(gen, (sum(lk), 2, 16), dtype, True)
+    v = rand(gen, (sum(lk), 2, 16), dtype, True)
+    fwd_args = (q, k, v, cu_q, cu_k, max(lq), max(lk)) + options(causal=True)
+    torch.library.opcheck(OPS.varlen_fwd, fwd_args)
+    out, lse = OPS.varlen_fwd(*fwd_args)
+    dout = rand(gen, tuple(out.shape), dtype)
+    bwd_args = ((dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, cu_q, cu_k, max(lq), max(lk))
+                + backward_options(causal=True))
+    torch.library.opcheck(OPS.varlen_bwd, bwd_args)
+
+
+def _kvcache_args(gen, dtype, cache_seqlens):
+    q = rand(gen, (2, 1, 4, 16), dtype)
+    k_cache, v_cache = rand(gen, (2, 12, 2, 16), dtype), rand(gen, (2, 12, 2, 16), dtype)
+    k_new, v_new = rand(gen, (2, 1, 2, 16), dtype), rand(gen, (2, 1, 2, 16), dtype)
+    return (q, k_cache, v_cache, k_new, v_new, None, None, cache_seqlens, None, None, None, None, True, -1, -1, 0.0,
+            True, None, 0, None, None, "auto", 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_opcheck_kvcache(dtype):
+    """The cache is declared mutated (opcheck checks that the schema says so), and the
+    appended token lands in it."""
+    gen = torch.Generator().manual_seed(seed_for("opcheck_kvcache", str(dtype)))
+    seqlens = torch.tensor([3, 8], dtype=torch.int32)
+    args = _kvcache_args(gen, dtype, seqlens)
+    torch.library.opcheck(OPS.fwd_kvcache, args)
+    schema = OPS.fwd_kvcache.default._schema
+    mutated = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    assert mutated == {"k_cache", "v_cache", "k_scale", "v_scale"}, mutated
+    q, k_cache, v_cache, k_new, v_new = args[:5]
+    OPS.fwd_kvcache(*args)
+    for b in range(2):
+        assert torch.equal(k_cache[b, int(seqlens[b])], k_new[b, 0]), f"k_new not appended (batch {b})"
+        assert torch.equal(v_cache[b, int(seqlens[b])], v_new[b, 0]), f"v_new not appended (batch {b})"
+
+
+def test_meta_shapes():
+    """Meta tensors go through the fake kernels: shapes and dtypes without data."""
+    q = torch.empty(3, 17, 8, 32, device="meta", dtype=torch.bfloat16)
+    k = torch.empty(3, 29, 2, 32, device="meta", dtype=torch.bfloat16)
+    v = torch.empty(3, 29, 2, 48, device="meta", dtype=torch.bfloat16)
+    out = flashattn.flash_attn_func(q, k, v, causal=True)
+    assert out.device.type == "meta" and out.shape == (3, 17, 8, 48) and out.dtype == torch.bfloat16
+    out, lse = OPS.fwd(q, k, v, *options())
+    assert lse.shape == (3, 8, 17) and lse.dtype == torch.float32
+    dq, dk, dv = OPS.bwd(out, q, k, v, out, lse, *backward_options())
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    qv, kv = torch.empty(40, 8, 32, device="meta"), torch.empty(50, 2, 32, device="meta")
+    cu = torch.empty(4, dtype=torch.int32, device="meta")
+    out = flashattn.flash_attn_varlen_func(qv, kv, kv, cu, cu, 20, 20)
+    assert out.device.type == "meta" and out.shape == (40, 8, 32)
+    qc, cache = torch.empty(3, 1, 8, 32, device="meta"), torch.empty(3, 64, 2, 32, device="meta")
+    out, lse = flashattn.flash_attn_with_kvcache(qc, cache, cache, cache_seqlens=5, return_softmax_lse=True)
+    assert out.shape == (3, 1, 8, 32) and lse.shape == (3, 8, 1)
+
+
+class _Block(torch.nn.Module):
+    """Projections around flash_attn_func, as a model would use it."""
+
+    def __init__(self, dim=32, heads=4, kv_heads=2):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.q = torch.nn.Linear(dim, dim)
+        self.kv = torch.nn.Linear(dim, 2 * kv_heads * self.head_dim)
+        self.o = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.heads, self.head_dim)
+        kv = self.kv(x).view(b, s, 2, self.kv_heads, self.head_dim)
+        out = flashattn.flash_attn_kvpacked_func(q, kv, causal=True, deterministic=True)
+        return self.o(out.reshape(b, s, -1))
+
+
+def _model_and_input(seed):
+    torch.manual_seed(seed)
+    model = _Block()
+    x = torch.randn(2, 19, 32, requires_grad=True)
+    return model, x
+
+
+def test_compile_fullgraph_matches_eager():
+    """One graph (no break: fullgraph=True raises on any), the eager output and gradients
+    (the backward op runs in the compiled backward)."""
+    seed = seed_for("compile")
+    model, x = _model_and_input(seed)
+    eager = model(x)
+    eager.sum().backward()
+    eager_grads = [x.grad.clone()] + [p.grad.clone() for p in model.parameters()]
+    x.grad = None
+    model.zero_grad()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    got = compiled(x)
+    torch.testing.assert_close(got, eager, rtol=0, atol=0, msg=lambda m: f"compiled != eager (seed={seed})\n{m}")
+    got.sum().backward()
+    for i, (a, b) in enumerate(zip([x.grad] + [p.grad for p in model.parameters()], eager_grads)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m, i=i: f"gradient {i} (seed={seed})\n{m}")
+
+
+def test_compile_inductor_no_graph_break():
+    """The default backend (inductor) with a graph break counter: one graph, no breaks."""
+    seed = seed_for("inductor")
+    model, x = _model_and_input(seed)
+    x = x.detach()
+    with torch.no_grad():
+        eager = model(x)
+        explanation = torch._dynamo.explain(model)(x)
+        assert explanation.graph_break_count == 0 and explanation.graph_count == 1, explanation.break_reasons
+        got = torch.compile(model, fullgraph=True)(x)
+    torch.testing.assert_close(got, eager, atol=1e-5, rtol=1e-5, msg=lambda m: f"(seed={seed})\n{m}")
+
+
+def test_export():
+    seed = seed_for("export")
+    model, x = _model_and_input(seed)
+    x = x.detach()
+    exported = torch.export.export(model, (x,))
+    targets = {str(n.target) for n in exported.graph.nodes if n.op == "call_function"}
+    assert "flashattn.fwd.default" in targets, targets
+    with torch.no_grad():
+        torch.testing.assert_close(exported.module()(x), model(x), rtol=0, atol=0)
+
+
+def test_compile_dropout_draws_from_torch_generator():
+    """Under torch.compile the (seed, offset) draw is part of the graph (no break), so
+    torch.manual_seed reproduces a compiled run; aot_eager keeps eager's generator draws
+    (inductor generates its own random numbers, reproducible but not eager's)."""
+    q, k, v = (torch.randn(1, 16, 2, 16, generator=torch.Generator().manual_seed(seed_for("cdrop", i)))
+               for i in range(3))
+
+    def f(q, k, v):
+        return flashattn.flash_attn_func(q, k, v, dropout_p=0.2)
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    torch.manual_seed(3)
+    a, b = compiled(q, k, v), compiled(q, k, v)
+    torch.manual_seed(3)
+    e = f(q, k, v)
+    assert torch.equal(a, e) and not torch.equal(a, b)
+
+
+def test_eager_inference_skips_the_dispatcher_only_where_nothing_watches():
+    """Plain eager inference calls the implementation directly (same result as the op);
+    an autograd graph, a dispatch mode (profilers, FlopCounterMode) or a traced graph gets
+    the op itself."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(seed_for("direct"))
+    q, k, v = rand(gen, (2, 9, 4, 16), torch.float32), rand(gen, (2, 11, 2, 16), torch.float32), \
+        rand(gen, (2, 11, 2, 16), torch.float32)
+    plain = flashattn.flash_attn_func(q, k, v, causal=True)
+    with Seen() as seen:
+        watched = flashattn.flash_attn_func(q, k, v, causal=True)
+    assert "flashattn.fwd.default" in seen.ops, seen.ops
+    assert torch.equal(plain, watched)
+    qg = q.clone().requires_grad_(True)
+    out = flashattn.flash_attn_func(qg, k, v, causal=True)
+    assert out.grad_fn is not None and torch.equal(out.detach(), plain)
+
+    cache_k, cache_v = rand(gen, (2, 12, 2, 16), torch.float32), rand(gen, (2, 12, 2, 16), torch.float32)
+    qc, kn = rand(gen, (2, 1, 4, 16), torch.float32), rand(gen, (2, 1, 2, 16), torch.float32)
+    versions = cache_k._version, cache_v._version
+    with torch.no_grad():
+        flashattn.flash_attn_with_kvcache(qc, cache_k, cache_v, k=kn, v=kn, cache_seqlens=3)
+    assert cache_k._version > versions[0] and cache_v._version > versions[1], "cache writes not versioned"
+    with Seen() as seen:
+        flashattn.flash_attn_with_kvcache(qc, cache_k, cache_v, k=kn, v=kn, cache_seqlens=4)
+    assert "flashattn.fwd_kvcache.default" in seen.ops, seen.ops
+
+
+def test_compile_kvcache_step_writes_the_cache():
+    """A decode step compiled whole: the functionalized op's cache writes land in the
+    caller's cache tensors, as eager's do."""
+    gen = torch.Generator().manual_seed(seed_for("compile_kvcache"))
+
+    def step(q, k_cache, v_cache, k, v, seqlens):
+        return flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=seqlens, causal=True)
+
+    q, k, v = rand(gen, (2, 1, 4, 16), torch.float32), rand(gen, (2, 1, 2, 16), torch.float32), \
+        rand(gen, (2, 1, 2, 16), torch.float32)
+    k_cache, v_cache = rand(gen, (2, 12, 2, 16), torch.float32), rand(gen, (2, 12, 2, 16), torch.float32)
+    seqlens = torch.tensor([3, 8], dtype=torch.int32)
+    k2, v2 = k_cache.clone(), v_cache.clone()
+    eager = step(q, k_cache, v_cache, k, v, seqlens)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k2, v2, k, v, seqlens)
+    assert torch.equal(compiled, eager)
+    assert torch.equal(k2, k_cache) and torch.equal(v2, v_cache), "compiled step did not append to the cache"
