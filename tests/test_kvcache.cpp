@@ -680,6 +680,74 @@ TEST(KvCache, Fp8CodesReadTheSameWithDenormalsAreZero) {
 }
 #endif
 
+// The online softmax's rescale branch in the decode kernels' FP8 paths, on every compiled
+// SIMD target: one query of 4 q heads over 2 kv heads against 1000 keys of an FP8 cache
+// whose scores rise along the keys (key j's first K column j·0.1/(scale·log2e), so 0.1 log2
+// units a key, rounded to e4m3 — still non-decreasing), at thresholds 0 and 8. The cache
+// entry point does not report rescale_counts; KernelCounters::rescales, counted by every
+// forward kernel, must show the branch ran, and the output must match the float64
+// reference on the dequantized cache (decode: twice the naive float32 error; decode_fp16:
+// twice its half-precision yardstick's, as above).
+void expect_fp8_decode_rescales(ForwardKernel kernel) {
+  constexpr std::int64_t kKeys = 1000, kHq = 4, kHkv = 2, kDim = 32;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(kDim));
+  Tensor codes_k(DType::u8, {1, kKeys, kHkv, kDim}), codes_v(DType::u8, {1, kKeys, kHkv, kDim});
+  Tensor k(DType::f32, {1, kKeys, kHkv, kDim}), v(DType::f32, {1, kKeys, kHkv, kDim});
+  Tensor k_scale(DType::f32, {1, kHkv}), v_scale(DType::f32, {1, kHkv}), seqlens(DType::i32, {1});
+  Tensor ones(DType::f32, {1, kKeys, kHkv});  // descales per key, for the yardstick
+  for (std::int64_t i = 0; i < ones.numel(); ++i) ones.set(i, 1.0f);
+  for (std::int64_t h = 0; h < kHkv; ++h) k_scale.set(h, 1.0f), v_scale.set(h, 1.0f);
+  seqlens.set(0, static_cast<float>(kKeys));
+  const Tensor random_k = random_tensor(DType::f32, {1, kKeys, kHkv, kDim}, 92);
+  const Tensor random_v = random_tensor(DType::f32, {1, kKeys, kHkv, kDim}, 93);
+  for (std::int64_t i = 0; i < k.numel(); ++i) {
+    const std::int64_t key = i / (kHkv * kDim);
+    const float x = i % kDim == 0 ? static_cast<float>(key) * 0.1f / (scale * OnlineSoftmaxState::kLog2e)
+                                  : random_k.get(i);
+    codes_k.data_as<std::uint8_t>()[i] = float_to_fp8(x, Fp8Format::e4m3);
+    codes_v.data_as<std::uint8_t>()[i] = float_to_fp8(random_v.get(i), Fp8Format::e4m3);
+    k.set(i, fp8_to_float(codes_k.data_as<std::uint8_t>()[i], Fp8Format::e4m3));
+    v.set(i, fp8_to_float(codes_v.data_as<std::uint8_t>()[i], Fp8Format::e4m3));
+  }
+  Tensor q(DType::f32, {1, 1, kHq, kDim});
+  for (std::int64_t i = 0; i < q.numel(); ++i) q.set(i, i % kDim == 0 ? 1.0f : 0.0f);
+  double v_max = 0.0;
+  for (std::int64_t i = 0; i < v.numel(); ++i) v_max = std::max(v_max, static_cast<double>(std::fabs(v.get(i))));
+  for_each_simd_target([&](const std::string&) {
+    for (float threshold : {0.0f, 8.0f}) {
+      SCOPED_TRACE(std::string(to_string(kernel)) + " threshold " + std::to_string(threshold));
+      AttentionOptions o;
+      o.kernel = kernel;
+      o.num_splits = 1;
+      o.num_threads = 2;
+      o.rescale_threshold = threshold;
+      const AttentionProblem p = AttentionProblem::from_sizes(1, 1, kKeys, kHq, kHkv, kDim, kDim, DType::f32, o);
+      const reference::Result want = reference::attention(q.view(), k.view(), v.view(), o);
+      const double bound =
+          kernel == ForwardKernel::decode_fp16
+              ? 2.0 * std::max(max_abs_difference(half_precision_attention(q, k, ones, v, ones, o).out, want.out),
+                               0x1p-11 * v_max)
+              : std::max(1e-5, 2.0 * max_abs_error(naive_same_precision(p, o, q, k, v), want.out));
+      KvCache c{codes_k.view(), codes_v.view(), TensorView{}, seqlens.view()};
+      c.k_scale = k_scale.view();
+      c.v_scale = v_scale.view();
+      KernelCounters counters;
+      o.counters = &counters;
+      const ForwardResult got = forward_with_kvcache(q.view(), c, o);
+      EXPECT_GT(counters.rescales, 0) << "the rescale branch never ran";
+      EXPECT_LE(max_abs_error(got.out, want.out), bound);
+    }
+  });
+}
+
+TEST(KvCache, Fp8DecodeKernelRescalesOnRisingScores) { expect_fp8_decode_rescales(ForwardKernel::decode); }
+
+TEST(KvCache, Fp8DecodeFp16KernelRescalesOnRisingScores) {
+  if (!CpuHardware::detect(0).decode_fp16)
+    GTEST_SKIP() << "no AVX512-FP16 on this CPU: decode_fp16 cannot run here";
+  expect_fp8_decode_rescales(ForwardKernel::decode_fp16);
+}
+
 }  // namespace
 }  // namespace flashattn::test
 
