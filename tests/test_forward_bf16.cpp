@@ -191,21 +191,26 @@ TEST(ForwardBf16Dot, UnavailableKernelIsAClearError) {
   expect_error([] { parse_forward_kernel("bf16"); }, {"kernel", "'bf16'", "tiled_bf16"});
 }
 
-TEST(ForwardKernelChoice, EveryKernelByNameMatchesTheReference) {
-  // Each kernel asked for by name on a problem the planner would give another one: decode
-  // on 2 × 40 rows per kv head, the tiled kernels on as many.
-  std::vector<ForwardKernel> kernels{ForwardKernel::tiled, ForwardKernel::decode};
-  if (CpuHardware::detect(0).bf16_dot) kernels.push_back(ForwardKernel::tiled_bf16);
-  std::uint64_t seed = 1200;
-  for (ForwardKernel kernel : kernels) {
-    check({2, 40, 150, 4, 2, 37, 48}, "causal", kernel, seed++);
-    check({1, 40, 300, 4, 1, 64, 64}, "window softcap alibi splits2", kernel, seed++);
-  }
+// Each kernel asked for by name on a problem the planner would give another one: decode
+// on 2 × 40 rows per kv head, the tiled kernels on as many.
+void check_by_name(ForwardKernel kernel, std::uint64_t seed) {
+  check({2, 40, 150, 4, 2, 37, 48}, "causal", kernel, seed);
+  check({1, 40, 300, 4, 1, 64, 64}, "window softcap alibi splits2", kernel, seed + 1);
 }
 
-TEST(ForwardBf16Dot, VarlenRunsItAsTheBatchedCallDoes) {
-  // Equal lengths: a packed batch is the ordinary batch, sequence by sequence, so the two
-  // agree bit for bit (tiled_bf16 where it can run).
+TEST(ForwardKernelChoice, EveryKernelByNameMatchesTheReference) {
+  check_by_name(ForwardKernel::tiled, 1200);
+  check_by_name(ForwardKernel::decode, 1202);
+}
+
+TEST(ForwardKernelChoice, TiledBf16ByNameMatchesTheReference) {
+  if (!CpuHardware::detect(0).bf16_dot) GTEST_SKIP() << "no AVX512-BF16 on this CPU: tiled_bf16 cannot run here";
+  check_by_name(ForwardKernel::tiled_bf16, 1204);
+}
+
+// Equal lengths: a packed batch is the ordinary batch, sequence by sequence, so the two
+// agree bit for bit.
+void expect_varlen_equals_batched(ForwardKernel kernel) {
   const std::int64_t b = 3, s = 90, h = 2, d = 40;
   const Tensor q = random_tensor(DType::bf16, {b, s, h, d}, 1);
   const Tensor k = random_tensor(DType::bf16, {b, s, h, d}, 2);
@@ -213,11 +218,20 @@ TEST(ForwardBf16Dot, VarlenRunsItAsTheBatchedCallDoes) {
   for (std::int64_t i = 0; i <= b; ++i) cu.set(i, static_cast<float>(i * s));
   AttentionOptions o;
   o.causal = true;
-  if (CpuHardware::detect(0).bf16_dot) o.kernel = ForwardKernel::tiled_bf16;
+  o.kernel = kernel;
   const ForwardResult batched = forward(q.view(), k.view(), k.view(), o);
   TensorView qp(q.data(), DType::bf16, {b * s, h, d}), kp(k.data(), DType::bf16, {b * s, h, d});
   const ForwardResult packed = forward_varlen(qp, kp, kp, {cu.view(), cu.view(), s, s}, o);
   ASSERT_EQ(std::memcmp(batched.out.data(), packed.out.data(), static_cast<std::size_t>(batched.out.numel()) * 2), 0);
+}
+
+TEST(ForwardBf16Dot, VarlenRunsTheFloat32KernelAsTheBatchedCallDoes) {
+  expect_varlen_equals_batched(ForwardKernel::tiled);
+}
+
+TEST(ForwardBf16Dot, VarlenRunsItAsTheBatchedCallDoes) {
+  if (!CpuHardware::detect(0).bf16_dot) GTEST_SKIP() << "no AVX512-BF16 on this CPU: tiled_bf16 cannot run here";
+  expect_varlen_equals_batched(ForwardKernel::tiled_bf16);
 }
 
 }  // namespace
