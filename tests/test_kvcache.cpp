@@ -118,7 +118,7 @@ reference::Result half_precision_attention(const Tensor& q, const Tensor& kc, co
 
 double max_abs_difference(const std::vector<double>& a, const std::vector<double>& b) {
   double worst = 0.0;
-  for (std::size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::fabs(a[i] - b[i]));
+  for (std::size_t i = 0; i < a.size(); ++i) worst = std::max(worst, abs_difference(a[i], b[i]));
   return worst;
 }
 

@@ -30,6 +30,15 @@ inline Tensor random_tensor(DType dtype, std::vector<std::int64_t> shape, std::u
   return t;
 }
 
+// |a − b|, but +∞ where one of them is NaN and not the other (two NaNs, or two equal
+// infinities, agree: 0). A largest error taken with std::fmax or std::max drops NaN operands,
+// so an output left NaN (unwritten, or poisoned) would pass any tolerance; through this it
+// fails every finite one.
+inline double abs_difference(double a, double b) {
+  if (std::isnan(a) || std::isnan(b)) return std::isnan(a) && std::isnan(b) ? 0.0 : INFINITY;
+  return a == b ? 0.0 : std::fabs(a - b);
+}
+
 // Runs `body` once per SIMD target compiled into the library and supported by this CPU,
 // with dispatch forced to that target; the trace names the target.
 inline void for_each_simd_target(const std::function<void(const std::string&)>& body) {
@@ -157,8 +166,8 @@ struct ErrorStats {
 inline ErrorStats error_stats(const std::vector<double>& actual, const std::vector<double>& expected) {
   ErrorStats e;
   for (std::size_t i = 0; i < actual.size(); ++i) {
-    const double d = std::fabs(actual[i] - expected[i]);
-    e.max = std::fmax(e.max, d);
+    const double d = abs_difference(actual[i], expected[i]);
+    e.max = std::max(e.max, d);
     e.mean += d;
   }
   if (!actual.empty()) e.mean /= static_cast<double>(actual.size());
@@ -246,13 +255,13 @@ inline bool cpu_has_avx512bf16() {
 inline double max_abs_error(const Tensor& actual, const std::vector<double>& expected) {
   double e = 0.0;
   for (std::int64_t i = 0; i < actual.numel(); ++i)
-    e = std::fmax(e, std::fabs(static_cast<double>(actual.get(i)) - expected[static_cast<std::size_t>(i)]));
+    e = std::max(e, abs_difference(actual.get(i), expected[static_cast<std::size_t>(i)]));
   return e;
 }
 
 inline double max_abs_error(const std::vector<double>& actual, const std::vector<double>& expected) {
   double e = 0.0;
-  for (std::size_t i = 0; i < actual.size(); ++i) e = std::fmax(e, std::fabs(actual[i] - expected[i]));
+  for (std::size_t i = 0; i < actual.size(); ++i) e = std::max(e, abs_difference(actual[i], expected[i]));
   return e;
 }
 
