@@ -12,6 +12,9 @@
 #include <sstream>
 #include <string>
 
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
 #if defined(__x86_64__) && defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -61,12 +64,29 @@ bool cpu_avx512(const CpuInfo& info) {
 
 bool avx512_target(const std::string& target) { return target.rfind("AVX3", 0) == 0; }
 
+// The OS's side of AVX-512, read from the CPU itself: XSAVE enabled by the OS (CPUID.1:ECX
+// OSXSAVE) and XCR0 saving the SSE, AVX, opmask and both halves of the ZMM state (bits 1, 2,
+// 5, 6, 7) — the register state a context switch must keep.
+bool os_saves_avx512_state() {
+#if defined(__x86_64__)
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (__get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0 || (ecx & (1u << 27)) == 0) return false;
+  unsigned lo = 0, hi = 0;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return (lo & 0xE6u) == 0xE6u;
+#else
+  return false;
+#endif
+}
+
 TEST(CpuFeatures, Avx512TargetExactlyWhereTheCpuHasAvx512) {
   FLASHATTN_REQUIRE_CPUINFO(info);
   const CpuHardware hw = CpuHardware::detect(0);
   EXPECT_EQ(avx512_target(hw.simd_target), cpu_avx512(info))
       << "dispatched SIMD target " << hw.simd_target << "; /proc/cpuinfo AVX-512 F/VL/DQ/BW: " << cpu_avx512(info);
   EXPECT_EQ(hw.simd_target, cpu_simd_target());
+  if (cpu_avx512(info)) EXPECT_TRUE(os_saves_avx512_state()) << "the kernel lists AVX-512 but XCR0 lacks its state";
+  if (avx512_target(hw.simd_target)) EXPECT_TRUE(os_saves_avx512_state()) << "an AVX-512 target without the OS's ZMM state";
 }
 
 TEST(CpuFeatures, Bf16DotExactlyWhereTheCpuHasAvx512Bf16) {
