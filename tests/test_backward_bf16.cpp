@@ -73,11 +73,10 @@ TEST(BackwardBf16, PlannedWhereItRunsAndIsTheFasterKernel) {
   EXPECT_EQ(plan_backward(bf16, hw, false).kernel, chosen ? BackwardKernel::tiled_bf16 : BackwardKernel::tiled);
   EXPECT_NE(plan_backward(bf16, hw, false).describe().find(std::string("kernel=") + (chosen ? "tiled_bf16" : "tiled")),
             std::string::npos);
-  if (hw.bf16_dot) {
-    CpuHardware fast = hw;
-    fast.bf16_dot_fast = true;
-    EXPECT_EQ(plan_backward(bf16, fast, false).kernel, BackwardKernel::tiled_bf16);
-  }
+  CpuHardware fast = hw;  // simulated: a CPU whose bf16 products outpace FMA
+  fast.bf16_dot = fast.bf16_dot_fast = true;
+  EXPECT_EQ(plan_backward(bf16, fast, false).kernel, BackwardKernel::tiled_bf16);
+  EXPECT_EQ(plan_backward(f32, fast, false).kernel, BackwardKernel::tiled);
   if (cpu_has_avx512bf16())  // the dispatched target here is AVX-512 on such a CPU
     EXPECT_TRUE(hw.bf16_dot) << "this CPU has AVX512-BF16 but the kernel is not available on " << hw.simd_target;
 }

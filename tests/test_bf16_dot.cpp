@@ -34,16 +34,19 @@ hwy::AlignedFreeUniquePtr<T[]> Random(std::size_t n, std::uint64_t seed) {
   return p;
 }
 
-// Runs body once with AMX (where the CPU has it) and once without.
-void ForEachEngine(const std::function<void(bool amx)>& body) {
-  if (!dot::available()) GTEST_SKIP() << "no AVX512-BF16 on this CPU: the bf16 micro-kernel cannot run here";
-  const bool has_amx = dot::uses_amx();
-  for (bool amx : {false, true}) {
-    if (amx && !has_amx) continue;
-    dot::set_amx_enabled(amx);
-    SCOPED_TRACE(amx ? "AMX" : "VDPBF16PS");
-    body(amx);
-  }
+// Why an engine cannot run here, or "" where it can: the VDPBF16PS path needs AVX512-BF16;
+// the AMX path AMX-BF16 too, and the OS's grant of the tile state.
+std::string Missing(bool amx) {
+  if (!dot::available()) return "no AVX512-BF16 on this CPU: the bf16 micro-kernel cannot run here";
+  if (amx && !dot::uses_amx()) return "no AMX on this CPU (or no tile state granted): the AMX path cannot run here";
+  return "";
+}
+
+// Runs body on one engine: VDPBF16PS (AMX switched off where the CPU has it), or AMX.
+void OnEngine(bool amx, const std::function<void()>& body) {
+  dot::set_amx_enabled(amx);
+  SCOPED_TRACE(amx ? "AMX" : "VDPBF16PS");
+  body();
   dot::set_amx_enabled(true);
 }
 
@@ -79,42 +82,58 @@ void ExpectNear(const float* c, std::int64_t ldc, const Product& want, double sc
     }
 }
 
-TEST(Bf16Dot, MicroTilesOnEveryEngine) {
-  ForEachEngine([](bool) {
-    for (std::int64_t pairs : {1, 15, 16, 17, 40, 64}) {
-      SCOPED_TRACE("pairs " + std::to_string(pairs));
-      const std::int64_t lda = 2 * pairs + 6, ldc = 48;
-      auto a = Random<std::uint16_t>(static_cast<std::size_t>(dot::kRows * lda), 1 + pairs);
-      auto b = Random<std::uint16_t>(static_cast<std::size_t>(pairs * dot::kPairStep), 2 + pairs);
-      auto c = Random<float>(static_cast<std::size_t>(dot::kRows * ldc), 3 + pairs);
-      const Product want = Reference(a.get(), lda, b.get(), 0, dot::kPairStep, pairs, dot::kRows, dot::kCols);
-      dot::DotStore(a.get(), lda, b.get(), pairs, 0.75f, c.get(), ldc);
-      ExpectNear(c.get(), ldc, want, 0.75, nullptr, dot::kRows, dot::kCols);
-      std::vector<float> before(c.get(), c.get() + dot::kRows * ldc);
-      dot::DotAccumulate(a.get(), lda, b.get(), pairs, c.get(), ldc);
-      ExpectNear(c.get(), ldc, want, 1.0, before.data(), dot::kRows, dot::kCols);
-    }
-  });
+void MicroTiles() {
+  for (std::int64_t pairs : {1, 15, 16, 17, 40, 64}) {
+    SCOPED_TRACE("pairs " + std::to_string(pairs));
+    const std::int64_t lda = 2 * pairs + 6, ldc = 48;
+    auto a = Random<std::uint16_t>(static_cast<std::size_t>(dot::kRows * lda), 1 + pairs);
+    auto b = Random<std::uint16_t>(static_cast<std::size_t>(pairs * dot::kPairStep), 2 + pairs);
+    auto c = Random<float>(static_cast<std::size_t>(dot::kRows * ldc), 3 + pairs);
+    const Product want = Reference(a.get(), lda, b.get(), 0, dot::kPairStep, pairs, dot::kRows, dot::kCols);
+    dot::DotStore(a.get(), lda, b.get(), pairs, 0.75f, c.get(), ldc);
+    ExpectNear(c.get(), ldc, want, 0.75, nullptr, dot::kRows, dot::kCols);
+    std::vector<float> before(c.get(), c.get() + dot::kRows * ldc);
+    dot::DotAccumulate(a.get(), lda, b.get(), pairs, c.get(), ldc);
+    ExpectNear(c.get(), ldc, want, 1.0, before.data(), dot::kRows, dot::kCols);
+  }
 }
 
-TEST(Bf16Dot, BlocksOnEveryEngine) {
-  ForEachEngine([](bool) {
-    for (const auto& [rows, cols, pairs] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{8, 32, 20},
-                                            {32, 64, 16}, {64, 32, 37}, {96, 96, 64}, {40, 64, 48}}) {
-      SCOPED_TRACE("rows " + std::to_string(rows) + " cols " + std::to_string(cols) + " pairs " + std::to_string(pairs));
-      const std::int64_t lda = 2 * pairs + 2, ldc = cols + 16;
-      const std::int64_t b_step = 2 * cols, panel_stride = 2 * dot::kCols;  // a matrix paired by rows
-      auto a = Random<std::uint16_t>(static_cast<std::size_t>(rows * lda), 10 + rows);
-      auto b = Random<std::uint16_t>(static_cast<std::size_t>(pairs * b_step), 11 + cols);
-      auto c = Random<float>(static_cast<std::size_t>(rows * ldc), 12 + pairs);
-      const Product want = Reference(a.get(), lda, b.get(), panel_stride, b_step, pairs, rows, cols);
-      dot::DotBlock(a.get(), lda, b.get(), panel_stride, b_step, pairs, -1.5f, false, c.get(), ldc, rows, cols);
-      ExpectNear(c.get(), ldc, want, -1.5, nullptr, rows, cols);
-      std::vector<float> before(c.get(), c.get() + rows * ldc);
-      dot::DotBlock(a.get(), lda, b.get(), panel_stride, b_step, pairs, 1.0f, true, c.get(), ldc, rows, cols);
-      ExpectNear(c.get(), ldc, want, 1.0, before.data(), rows, cols);
-    }
-  });
+void Blocks() {
+  for (const auto& [rows, cols, pairs] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{8, 32, 20},
+                                          {32, 64, 16}, {64, 32, 37}, {96, 96, 64}, {40, 64, 48}}) {
+    SCOPED_TRACE("rows " + std::to_string(rows) + " cols " + std::to_string(cols) + " pairs " + std::to_string(pairs));
+    const std::int64_t lda = 2 * pairs + 2, ldc = cols + 16;
+    const std::int64_t b_step = 2 * cols, panel_stride = 2 * dot::kCols;  // a matrix paired by rows
+    auto a = Random<std::uint16_t>(static_cast<std::size_t>(rows * lda), 10 + rows);
+    auto b = Random<std::uint16_t>(static_cast<std::size_t>(pairs * b_step), 11 + cols);
+    auto c = Random<float>(static_cast<std::size_t>(rows * ldc), 12 + pairs);
+    const Product want = Reference(a.get(), lda, b.get(), panel_stride, b_step, pairs, rows, cols);
+    dot::DotBlock(a.get(), lda, b.get(), panel_stride, b_step, pairs, -1.5f, false, c.get(), ldc, rows, cols);
+    ExpectNear(c.get(), ldc, want, -1.5, nullptr, rows, cols);
+    std::vector<float> before(c.get(), c.get() + rows * ldc);
+    dot::DotBlock(a.get(), lda, b.get(), panel_stride, b_step, pairs, 1.0f, true, c.get(), ldc, rows, cols);
+    ExpectNear(c.get(), ldc, want, 1.0, before.data(), rows, cols);
+  }
+}
+
+TEST(Bf16Dot, MicroTilesOnVdpbf16ps) {
+  if (const std::string why = Missing(false); !why.empty()) GTEST_SKIP() << why;
+  OnEngine(false, MicroTiles);
+}
+
+TEST(Bf16Dot, MicroTilesOnAmx) {
+  if (const std::string why = Missing(true); !why.empty()) GTEST_SKIP() << why;
+  OnEngine(true, MicroTiles);
+}
+
+TEST(Bf16Dot, BlocksOnVdpbf16ps) {
+  if (const std::string why = Missing(false); !why.empty()) GTEST_SKIP() << why;
+  OnEngine(false, Blocks);
+}
+
+TEST(Bf16Dot, BlocksOnAmx) {
+  if (const std::string why = Missing(true); !why.empty()) GTEST_SKIP() << why;
+  OnEngine(true, Blocks);
 }
 
 TEST(Bf16Dot, LayoutHelpersAreExact) {
@@ -152,10 +171,9 @@ TEST(Bf16Dot, LayoutHelpersAreExact) {
     for (std::int64_t i = rows; i < dst_stride; ++i) ASSERT_EQ(dst[j * dst_stride + i], 0xFFFFFFFFu);
 }
 
-// The kernels end to end on the VDPBF16PS path where AMX would otherwise take the products.
-TEST(Bf16Dot, KernelsWithoutAmxMatchTheReference) {
-  if (!dot::uses_amx()) GTEST_SKIP() << "no AMX on this CPU: the bf16 kernels already run on VDPBF16PS (or not at all)";
-  dot::set_amx_enabled(false);
+// The tiled_bf16 kernels end to end, forward and backward, with AMX on or off.
+void KernelsMatchTheReference(bool amx) {
+  dot::set_amx_enabled(amx);
   struct {
     Tensor q, k, v;
   } in{random_tensor(DType::bf16, {1, 77, 2, 64}, 30), random_tensor(DType::bf16, {1, 150, 2, 64}, 31),
@@ -177,6 +195,17 @@ TEST(Bf16Dot, KernelsWithoutAmxMatchTheReference) {
   EXPECT_LE(max_abs_error(g.dq, wg.dq), 3.0 * max_abs_error(n.dq, wg.dq) + 1e-4);
   EXPECT_LE(max_abs_error(g.dk, wg.dk), 3.0 * max_abs_error(n.dk, wg.dk) + 1e-4);
   EXPECT_LE(max_abs_error(g.dv, wg.dv), 3.0 * max_abs_error(n.dv, wg.dv) + 1e-4);
+}
+
+// On the VDPBF16PS path where AMX would otherwise take the products.
+TEST(Bf16Dot, KernelsWithoutAmxMatchTheReference) {
+  if (!dot::uses_amx()) GTEST_SKIP() << "no AMX on this CPU: the bf16 kernels already run on VDPBF16PS (or not at all)";
+  KernelsMatchTheReference(false);
+}
+
+TEST(Bf16Dot, KernelsOnAmxMatchTheReference) {
+  if (const std::string why = Missing(true); !why.empty()) GTEST_SKIP() << why;
+  KernelsMatchTheReference(true);
 }
 
 }  // namespace

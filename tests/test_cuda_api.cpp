@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <tuple>
 
 #include "flashattn/cuda_plan.hpp"
 #include "flashattn/flashattn.hpp"
@@ -85,6 +86,40 @@ TEST(CudaApi, UnsupportedInputsAreErrorsWithTheirValues) {
   window.window_size = {16, 0};
   const std::string win = forward_error(own(q, 0), own(kv, 1), own(kv, 2), own(out, 3), own(lse, 4), window);
   EXPECT_NE(win.find("window_size: (16, 0)"), std::string::npos) << win;
+}
+
+// A backward without keys must still write dq (zero), and one without queries dk and dv
+// (zero): both reach the launch (src/cuda: run_backward_passes leaves out the empty grids),
+// which in this build without CUDA is the Error that says so — not a silent return that
+// leaves the gradients unwritten. Only an empty batch has nothing to write.
+TEST(CudaApi, BackwardWithoutKeysOrQueriesStillWritesItsGradients) {
+  if (cuda_compiled())
+    GTEST_SKIP() << "this build has CUDA: these views are host memory, never to be launched on (tests/gpu runs the "
+                    "case on a device)";
+  alignas(16) static unsigned char buffers[10][1 << 12];
+  auto view = [](int i, DType dtype, std::initializer_list<std::int64_t> shape) {
+    return TensorView(buffers[i], dtype, shape).on(Device::cuda);
+  };
+  auto output = [](int i, DType dtype, std::initializer_list<std::int64_t> shape) {
+    return MutableTensorView(buffers[i], dtype, shape).on(Device::cuda);
+  };
+  for (const auto& [sq, sk, batch] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{4, 0, 1}, {0, 4, 1}, {4, 4, 0}}) {
+    SCOPED_TRACE("Sq " + std::to_string(sq) + " Sk " + std::to_string(sk) + " batch " + std::to_string(batch));
+    std::string message = "no error";
+    try {
+      backward(view(0, DType::bf16, {batch, sq, 2, 64}), view(1, DType::bf16, {batch, sq, 2, 64}),
+               view(2, DType::bf16, {batch, sk, 1, 64}), view(3, DType::bf16, {batch, sk, 1, 64}),
+               view(4, DType::bf16, {batch, sq, 2, 64}), view(5, DType::f32, {batch, 2, sq}),
+               output(6, DType::bf16, {batch, sq, 2, 64}), output(7, DType::bf16, {batch, sk, 1, 64}),
+               output(8, DType::bf16, {batch, sk, 1, 64}));
+    } catch (const Error& e) {
+      message = e.what();
+    }
+    if (batch == 0)
+      EXPECT_EQ(message, "no error");
+    else
+      EXPECT_NE(message.find("built without CUDA"), std::string::npos) << message;
+  }
 }
 
 TEST(CudaApi, CpuOnlyEntryPointsRejectCudaViews) {

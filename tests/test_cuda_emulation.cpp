@@ -134,27 +134,38 @@ TEST(CudaEmulation, ForwardEdges) {
     check_forward({1, 200, 50, 2, 2, 64, true, dtype}, seed++);      // Sq > Sk: leading rows see nothing
     check_forward({2, 64, 64, 4, 1, 256, true, dtype}, seed++);      // MQA, whole tiles
     check_forward({1, 33, 500, 1, 1, 200, false, dtype}, seed++);    // D padded to 256
+    check_forward({2, 33, 0, 2, 1, 64, true, dtype}, seed++);        // no keys: out 0, lse −∞
   }
 }
 
+// The passes of a backward call as backward.cu launches them (run_backward_passes): each
+// grid's blocks one after the other, the per-row passes one row per (block, thread) as the
+// device's threads take them. A launch with an empty grid is an error, as CUDA's
+// cudaErrorInvalidConfiguration.
 template <BackwardTile kTile, class E>
 void emulate_backward(const BackwardParams& p, std::int64_t batch) {
   const auto to_float = [](std::uint16_t x) { return E::kIsBf16 ? bf16_to_float(x) : f16_to_float(x); };
   const auto from_float = [](float x) { return E::kIsBf16 ? float_to_bf16(x) : float_to_f16(x); };
-  const std::int64_t rows = padded_rows(p.seqlen_q, kTile.block_m);
-  for (int b = 0; b < batch; ++b)
-    for (int h = 0; h < p.heads_q; ++h)
-      for (std::int64_t r = 0; r < rows; ++r) prepare_row(p, kTile.block_m, b, h, r, to_float);
-  for (int b = 0; b < batch; ++b)
-    for (int h = 0; h < p.heads_kv; ++h)
-      for (int n = 0; n * kTile.block_n < p.seqlen_k; ++n) {  // in K/V-tile order, as blocks start
-        HostBlock block(kTile.warps, kTile.smem_bytes());
-        backward_block<kTile, E>(block, p, n, h, b);
-        ASSERT_TRUE(block.idle()) << "cp.async groups left pending";
-      }
-  for (int b = 0; b < batch; ++b)
-    for (int h = 0; h < p.heads_q; ++h)
-      for (std::int64_t r = 0; r < p.seqlen_q; ++r) convert_dq_row(p, kTile.block_m, b, h, r, from_float);
+  const std::int64_t n_blocks = (p.seqlen_k + kTile.block_n - 1) / kTile.block_n;
+  run_backward_passes(backward_grids(p, batch, kTile.block_m, n_blocks), [&](BackwardPass pass, const Grid& grid) {
+    if (grid.empty()) throw Error("emulated launch: a zero-size grid (cudaErrorInvalidConfiguration)");
+    for (std::int64_t z = 0; z < grid.z; ++z)
+      for (std::int64_t y = 0; y < grid.y; ++y)
+        for (std::int64_t x = 0; x < grid.x; ++x) {
+          const int b = static_cast<int>(z), h = static_cast<int>(y);
+          if (pass == BackwardPass::blocks) {  // in K/V-tile order, as blocks start
+            HostBlock block(kTile.warps, kTile.smem_bytes());
+            backward_block<kTile, E>(block, p, static_cast<int>(x), h, b);
+            ASSERT_TRUE(block.idle()) << "cp.async groups left pending";
+            continue;
+          }
+          for (std::int64_t row = x * kRowThreads; row < (x + 1) * kRowThreads; ++row)
+            if (pass == BackwardPass::prepare && row < padded_rows(p.seqlen_q, kTile.block_m))
+              prepare_row(p, kTile.block_m, b, h, row, to_float);
+            else if (pass == BackwardPass::convert && row < p.seqlen_q)
+              convert_dq_row(p, kTile.block_m, b, h, row, from_float);
+        }
+  });
 }
 
 template <class E>
@@ -227,6 +238,13 @@ TEST(CudaEmulation, BackwardRandomShapes) {
 TEST(CudaEmulation, BackwardEdges) {
   std::uint64_t seed = 12000;
   for (const DType dtype : {DType::bf16, DType::f16}) {
+    // No keys: dq must be written, zero (the reference's gradient of a row without keys);
+    // no queries: dq is empty and dk, dv zero — no zero-size grid is launched.
+    check_backward({1, 37, 0, 2, 1, 64, false, dtype}, false, seed += 4);
+    check_backward({2, 37, 0, 2, 2, 128, true, dtype}, true, seed += 4);
+    check_backward({1, 0, 53, 2, 1, 64, false, dtype}, false, seed += 4);
+    check_backward({2, 0, 53, 4, 2, 128, true, dtype}, true, seed += 4);
+    check_backward({1, 0, 0, 1, 1, 64, false, dtype}, false, seed += 4);
     check_backward({1, 1, 1, 1, 1, 64, false, dtype}, false, seed += 4);
     check_backward({1, 200, 50, 2, 2, 64, true, dtype}, true, seed += 4);   // rows without keys
     check_backward({1, 50, 200, 4, 1, 128, true, dtype}, false, seed += 4); // MQA, bottom-right causal

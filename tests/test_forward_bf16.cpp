@@ -55,8 +55,10 @@ Run make_run(const Case& c, const std::string& name, std::uint64_t seed) {
 }
 
 // Runs `kernel` (automatic: tiled_bf16 where it can run and is the faster kernel, else
-// tiled; every case has more rows than the decode kernel takes) on random bf16 inputs and checks out and lse against the float64 reference:
-// out within 2× the naive same-precision error + 1e-5, lse as the float32 tests check it.
+// tiled; every case has more rows than the decode kernel takes) on random bf16 inputs and
+// checks out and lse against the float64 reference: out by expect_within_yardstick (twice
+// the largest and the mean error of the yardstick that rounds where the kernels round), lse
+// as the float32 tests check it.
 void check(const Case& c, const std::string& variant, ForwardKernel kernel, std::uint64_t seed) {
   std::ostringstream trace;
   trace << variant << " kernel=" << to_string(kernel) << " B=" << c.batch << " Sq=" << c.seqlen_q
@@ -77,8 +79,7 @@ void check(const Case& c, const std::string& variant, ForwardKernel kernel, std:
   ASSERT_EQ(plan_forward(p, hw, o.num_splits, o.block_q, kernel).kernel, runs);
   const ForwardResult got = forward(q.view(), k.view(), v.view(), o);
   const reference::Result want = reference::attention(q.view(), k.view(), v.view(), o);
-  const double tolerance = 2.0 * max_abs_error(naive_same_precision(p, o, q, k, v), want.out) + 1e-5;
-  EXPECT_LE(max_abs_error(got.out, want.out), tolerance);
+  expect_within_yardstick(got.out, want.out, rounded_where_the_kernel_rounds(p, o, q, k, v), DType::bf16);
   expect_lse_near(got.lse, want.lse);
 }
 
@@ -191,21 +192,26 @@ TEST(ForwardBf16Dot, UnavailableKernelIsAClearError) {
   expect_error([] { parse_forward_kernel("bf16"); }, {"kernel", "'bf16'", "tiled_bf16"});
 }
 
-TEST(ForwardKernelChoice, EveryKernelByNameMatchesTheReference) {
-  // Each kernel asked for by name on a problem the planner would give another one: decode
-  // on 2 × 40 rows per kv head, the tiled kernels on as many.
-  std::vector<ForwardKernel> kernels{ForwardKernel::tiled, ForwardKernel::decode};
-  if (CpuHardware::detect(0).bf16_dot) kernels.push_back(ForwardKernel::tiled_bf16);
-  std::uint64_t seed = 1200;
-  for (ForwardKernel kernel : kernels) {
-    check({2, 40, 150, 4, 2, 37, 48}, "causal", kernel, seed++);
-    check({1, 40, 300, 4, 1, 64, 64}, "window softcap alibi splits2", kernel, seed++);
-  }
+// Each kernel asked for by name on a problem the planner would give another one: decode
+// on 2 × 40 rows per kv head, the tiled kernels on as many.
+void check_by_name(ForwardKernel kernel, std::uint64_t seed) {
+  check({2, 40, 150, 4, 2, 37, 48}, "causal", kernel, seed);
+  check({1, 40, 300, 4, 1, 64, 64}, "window softcap alibi splits2", kernel, seed + 1);
 }
 
-TEST(ForwardBf16Dot, VarlenRunsItAsTheBatchedCallDoes) {
-  // Equal lengths: a packed batch is the ordinary batch, sequence by sequence, so the two
-  // agree bit for bit (tiled_bf16 where it can run).
+TEST(ForwardKernelChoice, EveryKernelByNameMatchesTheReference) {
+  check_by_name(ForwardKernel::tiled, 1200);
+  check_by_name(ForwardKernel::decode, 1202);
+}
+
+TEST(ForwardKernelChoice, TiledBf16ByNameMatchesTheReference) {
+  if (!CpuHardware::detect(0).bf16_dot) GTEST_SKIP() << "no AVX512-BF16 on this CPU: tiled_bf16 cannot run here";
+  check_by_name(ForwardKernel::tiled_bf16, 1204);
+}
+
+// Equal lengths: a packed batch is the ordinary batch, sequence by sequence, so the two
+// agree bit for bit.
+void expect_varlen_equals_batched(ForwardKernel kernel) {
   const std::int64_t b = 3, s = 90, h = 2, d = 40;
   const Tensor q = random_tensor(DType::bf16, {b, s, h, d}, 1);
   const Tensor k = random_tensor(DType::bf16, {b, s, h, d}, 2);
@@ -213,11 +219,85 @@ TEST(ForwardBf16Dot, VarlenRunsItAsTheBatchedCallDoes) {
   for (std::int64_t i = 0; i <= b; ++i) cu.set(i, static_cast<float>(i * s));
   AttentionOptions o;
   o.causal = true;
-  if (CpuHardware::detect(0).bf16_dot) o.kernel = ForwardKernel::tiled_bf16;
+  o.kernel = kernel;
   const ForwardResult batched = forward(q.view(), k.view(), k.view(), o);
   TensorView qp(q.data(), DType::bf16, {b * s, h, d}), kp(k.data(), DType::bf16, {b * s, h, d});
   const ForwardResult packed = forward_varlen(qp, kp, kp, {cu.view(), cu.view(), s, s}, o);
   ASSERT_EQ(std::memcmp(batched.out.data(), packed.out.data(), static_cast<std::size_t>(batched.out.numel()) * 2), 0);
+}
+
+TEST(ForwardBf16Dot, VarlenRunsTheFloat32KernelAsTheBatchedCallDoes) {
+  expect_varlen_equals_batched(ForwardKernel::tiled);
+}
+
+TEST(ForwardBf16Dot, VarlenRunsItAsTheBatchedCallDoes) {
+  if (!CpuHardware::detect(0).bf16_dot) GTEST_SKIP() << "no AVX512-BF16 on this CPU: tiled_bf16 cannot run here";
+  expect_varlen_equals_batched(ForwardKernel::tiled_bf16);
+}
+
+}  // namespace
+}  // namespace flashattn::test
+
+namespace flashattn::test {
+namespace {
+
+// The bf16 tolerance catches bugs. Two wrong kernels, made from the library's own kernel on
+// altered inputs: a key dropped from every causal row (K and V without their last key: with
+// bottom-right alignment every row then sees its keys up to the one before its diagonal) and
+// a softmax scale 0.5% too large. expect_within_yardstick must fail both, on each kernel,
+// while the right outputs pass. The scale error passes upstream's older rule, 2× the naive
+// same-precision error (largest error 0.00099 against its 0.00116 at Sq 16, Sk 2048): the
+// naive implementation rounds S to bf16, a weight error of a rounding of |S| that hides it.
+// The dropped key, the larger error here, fails both rules.
+//
+// Verified against the kernel itself, too (temporarily mutated, then reverted, on the
+// Zen 5 of 2026-12, the 29 check_all cases of tiled_bf16 and the tiled kernel on bf16):
+//   - the diagonal key's score set to −∞ in SoftmaxRow: every causal case failed, its
+//     largest error 60× to 650× the yardstick's and its mean 15× to 390× (and 2× naive);
+//   - softmax_scale·1.005 in the kernels' Q and S scaling: 25 cases failed, the mean error
+//     2.5×–4.5× the yardstick's (largest 1.5×–7.5×); the four that passed: three with
+//     softcap, whose tanh flattens the scale, and one long causal case at 1.95×. 2× naive
+//     failed only 3 of the 29.
+// Where the yardstick itself strays (it rounds where the kernels round, no more: at most
+// 0.71 ulp of the largest output in those cases), kYardstickUlps fails the test instead.
+void expect_wrong_kernels_fail(ForwardKernel kernel) {
+  struct Shape {
+    std::int64_t sq, sk;
+  };
+  for (const Shape& s : {Shape{16, 2048}, Shape{64, 1024}}) {
+    SCOPED_TRACE("Sq " + std::to_string(s.sq) + " Sk " + std::to_string(s.sk) + " " + to_string(kernel));
+    const std::int64_t hq = 2, hkv = 1, d = 64;
+    const Tensor q = random_tensor(DType::bf16, {1, s.sq, hq, d}, 1300);
+    const Tensor k = random_tensor(DType::bf16, {1, s.sk, hkv, d}, 1301);
+    const Tensor v = random_tensor(DType::bf16, {1, s.sk, hkv, d}, 1302);
+    AttentionOptions o;
+    o.causal = true;
+    o.num_threads = 2;
+    o.kernel = kernel;
+    const AttentionProblem p = AttentionProblem::from_inputs(q.view(), k.view(), v.view(), o);
+    const reference::Result want = reference::attention(q.view(), k.view(), v.view(), o);
+    const std::vector<double> yardstick = rounded_where_the_kernel_rounds(p, o, q, k, v);
+    const ForwardResult right = forward(q.view(), k.view(), v.view(), o);
+    EXPECT_EQ(yardstick_verdict(right.out, want.out, yardstick, DType::bf16), "");
+    const TensorView k_short(k.data(), DType::bf16, {1, s.sk - 1, hkv, d});
+    const TensorView v_short(v.data(), DType::bf16, {1, s.sk - 1, hkv, d});
+    const ForwardResult dropped = forward(q.view(), k_short, v_short, o);
+    EXPECT_NE(yardstick_verdict(dropped.out, want.out, yardstick, DType::bf16), "") << "a key dropped from every row";
+    AttentionOptions wrong_scale = o;
+    wrong_scale.softmax_scale = 1.005f / std::sqrt(static_cast<float>(d));
+    const ForwardResult scaled = forward(q.view(), k.view(), v.view(), wrong_scale);
+    EXPECT_NE(yardstick_verdict(scaled.out, want.out, yardstick, DType::bf16), "") << "softmax scale 0.5% off";
+  }
+}
+
+TEST(Bf16Tolerance, DroppedKeyAndScaleErrorFailInTheFloat32Kernels) {
+  expect_wrong_kernels_fail(ForwardKernel::tiled);
+  expect_wrong_kernels_fail(ForwardKernel::decode);
+}
+
+TEST(Bf16Tolerance, DroppedKeyAndScaleErrorFailInTiledBf16) {
+  if (!CpuHardware::detect(0).bf16_dot) GTEST_SKIP() << "no AVX512-BF16 on this CPU: tiled_bf16 cannot run here";
+  expect_wrong_kernels_fail(ForwardKernel::tiled_bf16);
 }
 
 }  // namespace

@@ -118,7 +118,7 @@ reference::Result half_precision_attention(const Tensor& q, const Tensor& kc, co
 
 double max_abs_difference(const std::vector<double>& a, const std::vector<double>& b) {
   double worst = 0.0;
-  for (std::size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::fabs(a[i] - b[i]));
+  for (std::size_t i = 0; i < a.size(); ++i) worst = std::max(worst, abs_difference(a[i], b[i]));
   return worst;
 }
 
@@ -376,9 +376,9 @@ TEST(KvCache, SequencesOfABatchDecodeTogetherEachAsAlone) {
     }
 }
 
-TEST(KvCache, PagedPrefillThroughTheTiledKernelEqualsContiguous) {
-  // 20 queries × 2 q heads per kv head is beyond the decode kernel: the tiled kernel packs
-  // K and V straight from the pages.
+// 20 queries × 2 q heads per kv head is beyond the decode kernel: the tiled kernels pack K
+// and V straight from the pages.
+void expect_paged_prefill_equals_contiguous(ForwardKernel kernel) {
   const std::int64_t sq = 20, ps = 5, cap = 45, hkv = 2, d = 16;
   const Tensor q = random_tensor(DType::bf16, {1, sq, 4, d}, 1);
   const Tensor k = random_tensor(DType::bf16, {1, cap, hkv, d}, 2), v = random_tensor(DType::bf16, {1, cap, hkv, d}, 3);
@@ -400,18 +400,21 @@ TEST(KvCache, PagedPrefillThroughTheTiledKernelEqualsContiguous) {
   KvCache contiguous{k_cont.view(), v_cont.view(), {}, seqlens.view()};
   KvCache paged{k_pages.view(), v_pages.view(), table.view(), seqlens.view()};
   const AttentionProblem p = AttentionProblem::from_sizes(1, sq, 41, 4, hkv, d, d, DType::bf16, o);
-  const CpuHardware hw = CpuHardware::detect(0);
-  // Both tiled kernels: the float32 one, and tiled_bf16 where the CPU has AVX512-BF16.
-  for (ForwardKernel kernel : {ForwardKernel::tiled, ForwardKernel::tiled_bf16}) {
-    if (kernel == ForwardKernel::tiled_bf16 && !hw.bf16_dot) continue;
-    SCOPED_TRACE(to_string(kernel));
-    o.kernel = kernel;
-    EXPECT_EQ(plan_forward(p, hw, 0, 0, kernel).kernel, kernel);
-    const ForwardResult a = forward_with_kvcache(q.view(), contiguous, o);
-    const ForwardResult b = forward_with_kvcache(q.view(), paged, o);
-    EXPECT_EQ(std::memcmp(a.out.data(), b.out.data(), static_cast<std::size_t>(a.out.numel()) * 2), 0);
-    EXPECT_EQ(std::memcmp(a.lse.data(), b.lse.data(), static_cast<std::size_t>(a.lse.numel()) * 4), 0);
-  }
+  o.kernel = kernel;
+  EXPECT_EQ(plan_forward(p, CpuHardware::detect(0), 0, 0, kernel).kernel, kernel);
+  const ForwardResult a = forward_with_kvcache(q.view(), contiguous, o);
+  const ForwardResult b = forward_with_kvcache(q.view(), paged, o);
+  EXPECT_EQ(std::memcmp(a.out.data(), b.out.data(), static_cast<std::size_t>(a.out.numel()) * 2), 0);
+  EXPECT_EQ(std::memcmp(a.lse.data(), b.lse.data(), static_cast<std::size_t>(a.lse.numel()) * 4), 0);
+}
+
+TEST(KvCache, PagedPrefillThroughTheTiledKernelEqualsContiguous) {
+  expect_paged_prefill_equals_contiguous(ForwardKernel::tiled);
+}
+
+TEST(KvCache, PagedPrefillThroughTheTiledBf16KernelEqualsContiguous) {
+  if (!CpuHardware::detect(0).bf16_dot) GTEST_SKIP() << "no AVX512-BF16 on this CPU: tiled_bf16 cannot run here";
+  expect_paged_prefill_equals_contiguous(ForwardKernel::tiled_bf16);
 }
 
 }  // namespace
@@ -525,14 +528,12 @@ TEST(KvCache, DecodeKernelMatchesTheReferenceOnEveryLayout) {
 // decode is held to upstream's rule in float32 (twice a naive float32 implementation's
 // error); decode_fp16, where the CPU has AVX512-FP16, to twice the error of the half
 // precision yardstick (half_precision_attention), at least 2^-10·max|v|.
-TEST(KvCache, DecodeKernelReadsEveryFp8CodeOnEveryLayout) {
+void expect_fp8_codes_read_on_every_layout(ForwardKernel kernel) {
   struct Shape {
     std::int64_t hq, hkv, d, dv;
   };
   const Shape shapes[] = {{6, 2, 40, 24}, {16, 2, 128, 128}, {2, 2, 3, 5}, {4, 1, 256, 64}};
   constexpr std::int64_t keys = 339;
-  std::vector<ForwardKernel> kernels{ForwardKernel::decode};
-  if (CpuHardware::detect(0).decode_fp16) kernels.push_back(ForwardKernel::decode_fp16);
   for_each_simd_target([&](const std::string&) {
     for (const Shape& s : shapes) {
       SCOPED_TRACE("Hq " + std::to_string(s.hq) + " Hkv " + std::to_string(s.hkv) + " D " + std::to_string(s.d) +
@@ -581,8 +582,7 @@ TEST(KvCache, DecodeKernelReadsEveryFp8CodeOnEveryLayout) {
         const reference::Result yardstick = half_precision_attention(q, kc, kd, vc, vd, o);
         double v_max = 0.0;
         for (std::int64_t i = 0; i < v.numel(); ++i) v_max = std::max(v_max, static_cast<double>(std::fabs(v.get(i))));
-        for (ForwardKernel kernel : kernels)
-          for (int splits : {1, 4}) {
+        for (int splits : {1, 4}) {
             SCOPED_TRACE(std::string(to_string(kernel)) + ", splits " + std::to_string(splits));
             o.kernel = kernel;
             o.num_splits = splits;
@@ -603,10 +603,18 @@ TEST(KvCache, DecodeKernelReadsEveryFp8CodeOnEveryLayout) {
                           lse_tolerance * std::max(1.0, std::fabs(want.lse[static_cast<std::size_t>(i)])))
                   << "lse " << i;
           }
-        o.kernel = ForwardKernel::automatic;
       }
     }
   });
+}
+
+TEST(KvCache, DecodeKernelReadsEveryFp8CodeOnEveryLayout) {
+  expect_fp8_codes_read_on_every_layout(ForwardKernel::decode);
+}
+
+TEST(KvCache, DecodeFp16KernelReadsEveryFp8CodeOnEveryLayout) {
+  if (!CpuHardware::detect(0).decode_fp16) GTEST_SKIP() << "no AVX512-FP16 on this CPU: decode_fp16 cannot run here";
+  expect_fp8_codes_read_on_every_layout(ForwardKernel::decode_fp16);
 }
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -619,7 +627,8 @@ TEST(KvCache, DecodeKernelReadsEveryFp8CodeOnEveryLayout) {
 // so that the mode set here is the kernel's, on every compiled SIMD target: with DAZ and
 // flush-to-zero on, the outputs still match the float64 reference on the dequantized
 // values within twice the naive float32 error (decode_fp16: its yardstick's, as above).
-TEST(KvCache, Fp8CodesReadTheSameWithDenormalsAreZero) {
+// kernel: decode or decode_fp16, for the one query.
+void expect_fp8_codes_read_with_daz(ForwardKernel kernel) {
   constexpr std::int64_t kHq = 8, kHkv = 2, kDim = 40, kKeys = 300;
   constexpr unsigned kDazFtz = 0x8040;  // MXCSR: flush-to-zero (bit 15), denormals-are-zero (bit 6)
   Tensor codes_k(DType::u8, {1, kKeys, kHkv, kDim}), codes_v(DType::u8, {1, kKeys, kHkv, kDim});
@@ -640,45 +649,117 @@ TEST(KvCache, Fp8CodesReadTheSameWithDenormalsAreZero) {
         codes->data_as<std::uint8_t>()[i] = code;
         values->set(i, fp8_to_float(code, Fp8Format::e4m3));
       }
+    // 20 queries (the tiled kernel) once, beside decode.
+    const std::vector<std::int64_t> queries = kernel == ForwardKernel::decode ? std::vector<std::int64_t>{1, 20}
+                                                                              : std::vector<std::int64_t>{1};
     for_each_simd_target([&](const std::string&) {
-      for (std::int64_t sq : {1, 20}) {
+      for (std::int64_t sq : queries) {
         SCOPED_TRACE("queries " + std::to_string(sq));
         const Tensor q = random_tensor(DType::f32, {1, sq, kHq, kDim}, 91);
         AttentionOptions o;
         o.num_threads = 1;
         o.causal = true;
+        o.kernel = sq == 1 ? kernel : ForwardKernel::automatic;
+        SCOPED_TRACE(to_string(o.kernel));
         const AttentionProblem p = AttentionProblem::from_sizes(1, sq, kKeys, kHq, kHkv, kDim, kDim, DType::f32, o);
         const reference::Result want = reference::attention(q.view(), k.view(), v.view(), o);
-        const double tolerance = std::max(1e-5, 2.0 * max_abs_error(naive_same_precision(p, o, q, k, v), want.out));
+        double bound = std::max(1e-5, 2.0 * max_abs_error(naive_same_precision(p, o, q, k, v), want.out));
+        if (o.kernel == ForwardKernel::decode_fp16) {  // as in DecodeKernelReadsEveryFp8CodeOnEveryLayout
+          Tensor ones(DType::f32, {1, kKeys, kHkv});
+          for (std::int64_t i = 0; i < ones.numel(); ++i) ones.set(i, 1.0f);
+          double v_max = 0.0;
+          for (std::int64_t i = 0; i < v.numel(); ++i) v_max = std::max(v_max, static_cast<double>(std::fabs(v.get(i))));
+          const reference::Result yardstick = half_precision_attention(q, k, ones, v, ones, o);
+          bound = 2.0 * std::max(max_abs_difference(yardstick.out, want.out), 0x1p-11 * v_max);
+        }
         KvCache c{codes_k.view(), codes_v.view(), TensorView{}, seqlens.view()};
         c.k_scale = k_scale.view();
         c.v_scale = v_scale.view();
-        std::vector<ForwardKernel> kernels{sq == 1 ? ForwardKernel::decode : ForwardKernel::automatic};
-        if (sq == 1 && CpuHardware::detect(1).decode_fp16) kernels.push_back(ForwardKernel::decode_fp16);
-        for (ForwardKernel kernel : kernels) {
-          SCOPED_TRACE(to_string(kernel));
-          o.kernel = kernel;
-          double bound = tolerance;
-          if (kernel == ForwardKernel::decode_fp16) {  // as in DecodeKernelReadsEveryFp8CodeOnEveryLayout
-            Tensor ones(DType::f32, {1, kKeys, kHkv});
-            for (std::int64_t i = 0; i < ones.numel(); ++i) ones.set(i, 1.0f);
-            double v_max = 0.0;
-            for (std::int64_t i = 0; i < v.numel(); ++i)
-              v_max = std::max(v_max, static_cast<double>(std::fabs(v.get(i))));
-            const reference::Result yardstick = half_precision_attention(q, k, ones, v, ones, o);
-            bound = 2.0 * std::max(max_abs_difference(yardstick.out, want.out), 0x1p-11 * v_max);
-          }
-          const unsigned saved = _mm_getcsr();
-          _mm_setcsr(saved | kDazFtz);
-          const ForwardResult got = forward_with_kvcache(q.view(), c, o);
-          _mm_setcsr(saved);
-          EXPECT_LE(max_abs_error(got.out, want.out), bound);
-        }
+        const unsigned saved = _mm_getcsr();
+        _mm_setcsr(saved | kDazFtz);
+        const ForwardResult got = forward_with_kvcache(q.view(), c, o);
+        _mm_setcsr(saved);
+        EXPECT_LE(max_abs_error(got.out, want.out), bound);
       }
     });
   }
 }
+
+TEST(KvCache, Fp8CodesReadTheSameWithDenormalsAreZero) { expect_fp8_codes_read_with_daz(ForwardKernel::decode); }
+
+TEST(KvCache, Fp8CodesReadTheSameWithDenormalsAreZeroInDecodeFp16) {
+  if (!CpuHardware::detect(1).decode_fp16) GTEST_SKIP() << "no AVX512-FP16 on this CPU: decode_fp16 cannot run here";
+  expect_fp8_codes_read_with_daz(ForwardKernel::decode_fp16);
+}
 #endif
+
+// The online softmax's rescale branch in the decode kernels' FP8 paths, on every compiled
+// SIMD target: one query of 4 q heads over 2 kv heads against 1000 keys of an FP8 cache
+// whose scores rise along the keys (key j's first K column j·0.1/(scale·log2e), so 0.1 log2
+// units a key, rounded to e4m3 — still non-decreasing), at thresholds 0 and 8. The cache
+// entry point does not report rescale_counts; KernelCounters::rescales, counted by every
+// forward kernel, must show the branch ran, and the output must match the float64
+// reference on the dequantized cache (decode: twice the naive float32 error; decode_fp16:
+// twice its half-precision yardstick's, as above).
+void expect_fp8_decode_rescales(ForwardKernel kernel) {
+  constexpr std::int64_t kKeys = 1000, kHq = 4, kHkv = 2, kDim = 32;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(kDim));
+  Tensor codes_k(DType::u8, {1, kKeys, kHkv, kDim}), codes_v(DType::u8, {1, kKeys, kHkv, kDim});
+  Tensor k(DType::f32, {1, kKeys, kHkv, kDim}), v(DType::f32, {1, kKeys, kHkv, kDim});
+  Tensor k_scale(DType::f32, {1, kHkv}), v_scale(DType::f32, {1, kHkv}), seqlens(DType::i32, {1});
+  Tensor ones(DType::f32, {1, kKeys, kHkv});  // descales per key, for the yardstick
+  for (std::int64_t i = 0; i < ones.numel(); ++i) ones.set(i, 1.0f);
+  for (std::int64_t h = 0; h < kHkv; ++h) k_scale.set(h, 1.0f), v_scale.set(h, 1.0f);
+  seqlens.set(0, static_cast<float>(kKeys));
+  const Tensor random_k = random_tensor(DType::f32, {1, kKeys, kHkv, kDim}, 92);
+  const Tensor random_v = random_tensor(DType::f32, {1, kKeys, kHkv, kDim}, 93);
+  for (std::int64_t i = 0; i < k.numel(); ++i) {
+    const std::int64_t key = i / (kHkv * kDim);
+    const float x = i % kDim == 0 ? static_cast<float>(key) * 0.1f / (scale * OnlineSoftmaxState::kLog2e)
+                                  : random_k.get(i);
+    codes_k.data_as<std::uint8_t>()[i] = float_to_fp8(x, Fp8Format::e4m3);
+    codes_v.data_as<std::uint8_t>()[i] = float_to_fp8(random_v.get(i), Fp8Format::e4m3);
+    k.set(i, fp8_to_float(codes_k.data_as<std::uint8_t>()[i], Fp8Format::e4m3));
+    v.set(i, fp8_to_float(codes_v.data_as<std::uint8_t>()[i], Fp8Format::e4m3));
+  }
+  Tensor q(DType::f32, {1, 1, kHq, kDim});
+  for (std::int64_t i = 0; i < q.numel(); ++i) q.set(i, i % kDim == 0 ? 1.0f : 0.0f);
+  double v_max = 0.0;
+  for (std::int64_t i = 0; i < v.numel(); ++i) v_max = std::max(v_max, static_cast<double>(std::fabs(v.get(i))));
+  for_each_simd_target([&](const std::string&) {
+    for (float threshold : {0.0f, 8.0f}) {
+      SCOPED_TRACE(std::string(to_string(kernel)) + " threshold " + std::to_string(threshold));
+      AttentionOptions o;
+      o.kernel = kernel;
+      o.num_splits = 1;
+      o.num_threads = 2;
+      o.rescale_threshold = threshold;
+      const AttentionProblem p = AttentionProblem::from_sizes(1, 1, kKeys, kHq, kHkv, kDim, kDim, DType::f32, o);
+      const reference::Result want = reference::attention(q.view(), k.view(), v.view(), o);
+      const double bound =
+          kernel == ForwardKernel::decode_fp16
+              ? 2.0 * std::max(max_abs_difference(half_precision_attention(q, k, ones, v, ones, o).out, want.out),
+                               0x1p-11 * v_max)
+              : std::max(1e-5, 2.0 * max_abs_error(naive_same_precision(p, o, q, k, v), want.out));
+      KvCache c{codes_k.view(), codes_v.view(), TensorView{}, seqlens.view()};
+      c.k_scale = k_scale.view();
+      c.v_scale = v_scale.view();
+      KernelCounters counters;
+      o.counters = &counters;
+      const ForwardResult got = forward_with_kvcache(q.view(), c, o);
+      EXPECT_GT(counters.rescales, 0) << "the rescale branch never ran";
+      EXPECT_LE(max_abs_error(got.out, want.out), bound);
+    }
+  });
+}
+
+TEST(KvCache, Fp8DecodeKernelRescalesOnRisingScores) { expect_fp8_decode_rescales(ForwardKernel::decode); }
+
+TEST(KvCache, Fp8DecodeFp16KernelRescalesOnRisingScores) {
+  if (!CpuHardware::detect(0).decode_fp16)
+    GTEST_SKIP() << "no AVX512-FP16 on this CPU: decode_fp16 cannot run here";
+  expect_fp8_decode_rescales(ForwardKernel::decode_fp16);
+}
 
 }  // namespace
 }  // namespace flashattn::test

@@ -21,15 +21,23 @@ Qkv random_qkv(DType dtype, std::int64_t sq, std::int64_t sk, std::int64_t heads
 }
 
 // Adversarial rows: every query's scores grow steadily with the key index (key j scores
-// j·step in log2 units), so the running maximum moves in every tile.
-Qkv increasing_scores(std::int64_t sq, std::int64_t sk, std::int64_t d, float step) {
-  Qkv in = random_qkv(DType::f32, sq, sk, 1, d, 77);
+// j·step in log2 units, up to the rounding of k to dtype, which keeps them non-decreasing),
+// so the running maximum moves in every tile. q rows are the first unit vector, so only
+// k's first column scores; hq q heads share hkv kv heads.
+Qkv rising_scores(DType dtype, std::int64_t sq, std::int64_t sk, std::int64_t hq, std::int64_t hkv, std::int64_t d,
+                  float step) {
+  Qkv in{random_tensor(dtype, {1, sq, hq, d}, 77), random_tensor(dtype, {1, sk, hkv, d}, 78),
+         random_tensor(dtype, {1, sk, hkv, d}, 79)};
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  for (std::int64_t i = 0; i < sq; ++i)
-    for (std::int64_t c = 0; c < d; ++c) in.q.set(i * d + c, c == 0 ? 1.0f : 0.0f);
+  for (std::int64_t e = 0; e < in.q.numel(); ++e) in.q.set(e, e % d == 0 ? 1.0f : 0.0f);
   for (std::int64_t j = 0; j < sk; ++j)
-    in.k.set(j * d, static_cast<float>(j) * step / (scale * OnlineSoftmaxState::kLog2e));
+    for (std::int64_t h = 0; h < hkv; ++h)
+      in.k.set((j * hkv + h) * d, static_cast<float>(j) * step / (scale * OnlineSoftmaxState::kLog2e));
   return in;
+}
+
+Qkv increasing_scores(std::int64_t sq, std::int64_t sk, std::int64_t d, float step) {
+  return rising_scores(DType::f32, sq, sk, 1, 1, d, step);
 }
 
 struct CountedRun {
@@ -123,6 +131,118 @@ TEST(ConditionalRescaling, CountsAddUpOverSplitsAndInTheDecodeKernel) {
     EXPECT_EQ(r.counts[0], key_tiles(in, options) - splits) << splits << " splits";
     expect_matches_reference(in, options, r.result.out, 1e-5);
   }
+}
+
+// The rescale branch of the online softmax on every SIMD target and every forward kernel
+// (random rows at the default threshold rescale on few targets, so they do not reach it):
+// rows whose scores rise along the keys (0.1 log2 units a key, 100 over the row), at
+// thresholds 0 (the classic rule) and 8, must rescale — as counted per row in
+// rescale_counts and in KernelCounters::rescales, which must agree — and match the float64
+// reference (float32: 1e-5 relative to the largest |v|; bf16: upstream's twice the naive
+// same-precision error). The backward has no such branch: it recomputes P from the
+// forward's lse (RescaleBranch.BackwardOnRisingScores checks it on the same rows).
+// Returns how many SIMD targets ran the kernel.
+int expect_rescales_on_every_target(ForwardKernel kernel, DType dtype, std::int64_t sq, std::int64_t hq,
+                                    std::int64_t hkv) {
+  const Qkv in = rising_scores(dtype, sq, 1000, hq, hkv, 32, 0.1f);
+  int ran = 0;
+  for_each_simd_target([&](const std::string&) {
+    if (kernel == ForwardKernel::tiled_bf16 && !CpuHardware::detect(0).bf16_dot) return;  // this target has none
+    ++ran;
+    for (float threshold : {0.0f, 8.0f}) {
+      SCOPED_TRACE(std::string(to_string(kernel)) + " " + to_string(dtype) + " threshold " + std::to_string(threshold));
+      AttentionOptions o;
+      o.kernel = kernel;
+      o.num_threads = 2;
+      o.num_splits = 1;
+      o.rescale_threshold = threshold;
+      const AttentionProblem p = AttentionProblem::from_inputs(in.q.view(), in.k.view(), in.v.view(), o);
+      ASSERT_EQ(plan_forward(p, CpuHardware::detect(2), 1, 0, kernel).kernel, kernel);
+      Tensor out(dtype, {1, sq, hq, 32}), lse(DType::f32, {1, hq, sq});
+      std::vector<std::int32_t> counts(static_cast<std::size_t>(hq * sq), -1);
+      o.rescale_counts = MutableTensorView(counts.data(), DType::i32, {1, hq, sq});
+      KernelCounters counters;
+      o.counters = &counters;
+      forward(in.q.view(), in.k.view(), in.v.view(), out.view(), lse.view(), o);
+      for (std::size_t r = 0; r < counts.size(); ++r) ASSERT_GT(counts[r], 0) << "row " << r << " never rescaled";
+      EXPECT_EQ(counters.rescales, total(counts));
+      o.rescale_counts = {};
+      o.counters = nullptr;
+      const reference::Result want = reference::attention(in.q.view(), in.k.view(), in.v.view(), o);
+      double v_max = 0.0;
+      for (std::int64_t e = 0; e < in.v.numel(); ++e) v_max = std::fmax(v_max, std::fabs(in.v.get(e)));
+      const double tolerance =
+          dtype == DType::f32 ? 1e-5 * v_max
+                              : 2.0 * max_abs_error(naive_same_precision(p, o, in.q, in.k, in.v), want.out) + 1e-5;
+      EXPECT_LE(max_abs_error(out, want.out), tolerance);
+      expect_lse_near(lse, want.lse);
+    }
+  });
+  return ran;
+}
+
+TEST(RescaleBranch, TiledKernelOnEveryTarget) {
+  EXPECT_GT(expect_rescales_on_every_target(ForwardKernel::tiled, DType::f32, 37, 2, 1), 0);
+  EXPECT_GT(expect_rescales_on_every_target(ForwardKernel::tiled, DType::bf16, 37, 2, 1), 0);
+}
+
+TEST(RescaleBranch, DecodeKernelOnEveryTarget) {
+  // 4 q heads over 2 kv heads, one query: two rows per kv head.
+  EXPECT_GT(expect_rescales_on_every_target(ForwardKernel::decode, DType::f32, 1, 4, 2), 0);
+  EXPECT_GT(expect_rescales_on_every_target(ForwardKernel::decode, DType::bf16, 1, 4, 2), 0);
+}
+
+TEST(RescaleBranch, TiledBf16KernelOnEveryTargetThatHasIt) {
+  const int ran = expect_rescales_on_every_target(ForwardKernel::tiled_bf16, DType::bf16, 37, 2, 1);
+  EXPECT_EQ(ran > 0, cpu_has_avx512bf16()) << "AVX512-BF16 on this CPU: " << cpu_has_avx512bf16();
+  if (ran == 0) GTEST_SKIP() << "no AVX512-BF16 on this CPU: tiled_bf16 cannot run here";
+}
+
+// The backward recomputes P = 2^(S·log2e − lse·log2e) from the forward's lse: on rows whose
+// scores rise by 100 log2 units, every probability but the last few keys' underflows, and
+// the gradients must still match the float64 reference (float32: 1e-4 relative to the
+// largest gradient; bf16: upstream's three times the naive same-precision error), on every
+// SIMD target that runs `kernel`. Returns how many did.
+int expect_backward_on_rising_scores(BackwardKernel kernel, DType dtype) {
+  const Qkv in = rising_scores(dtype, 37, 1000, 2, 1, 32, 0.1f);
+  const Tensor dout = random_tensor(dtype, {1, 37, 2, 32}, 80);
+  AttentionOptions o;
+  o.num_threads = 2;
+  o.backward_kernel = kernel;
+  const reference::Gradients want = reference::attention_backward(dout.view(), in.q.view(), in.k.view(), in.v.view(), o);
+  const AttentionProblem p = AttentionProblem::from_inputs(in.q.view(), in.k.view(), in.v.view(), o);
+  const NaiveGradients naive = naive_backward_same_precision(p, o, dout, in.q, in.k, in.v);
+  int ran = 0;
+  for_each_simd_target([&](const std::string&) {
+    if (kernel == BackwardKernel::tiled_bf16 && !CpuHardware::detect(2).bf16_dot) return;  // this target has none
+    ++ran;
+    SCOPED_TRACE(std::string(to_string(kernel)) + " " + to_string(dtype));
+    const ForwardResult fwd = forward(in.q.view(), in.k.view(), in.v.view(), o);
+    const BackwardResult got =
+        backward(dout.view(), in.q.view(), in.k.view(), in.v.view(), fwd.out.view(), fwd.lse.view(), o);
+    const std::pair<const Tensor*, const std::vector<double>*> grads[] = {
+        {&got.dq, &want.dq}, {&got.dk, &want.dk}, {&got.dv, &want.dv}};
+    const std::vector<double>* naive_grads[] = {&naive.dq, &naive.dk, &naive.dv};
+    for (int g = 0; g < 3; ++g) {
+      double largest = 0.0;
+      for (double x : *grads[g].second) largest = std::fmax(largest, std::fabs(x));
+      const double tolerance = dtype == DType::f32 ? 1e-4 * std::fmax(1.0, largest)
+                                                   : 3.0 * max_abs_error(*naive_grads[g], *grads[g].second) + 1e-4;
+      EXPECT_LE(max_abs_error(*grads[g].first, *grads[g].second), tolerance) << "gradient d" << "qkv"[g];
+    }
+  });
+  return ran;
+}
+
+TEST(RescaleBranch, BackwardOnRisingScores) {
+  EXPECT_GT(expect_backward_on_rising_scores(BackwardKernel::tiled, DType::f32), 0);
+  EXPECT_GT(expect_backward_on_rising_scores(BackwardKernel::tiled, DType::bf16), 0);
+}
+
+TEST(RescaleBranch, Bf16BackwardOnRisingScores) {
+  const int ran = expect_backward_on_rising_scores(BackwardKernel::tiled_bf16, DType::bf16);
+  EXPECT_EQ(ran > 0, cpu_has_avx512bf16()) << "AVX512-BF16 on this CPU: " << cpu_has_avx512bf16();
+  if (ran == 0) GTEST_SKIP() << "no AVX512-BF16 on this CPU: tiled_bf16 cannot run here";
 }
 
 TEST(Exp2Impl, Poly3AndMixedStayWithinTheirBoundsForEveryDtype) {

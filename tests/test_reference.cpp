@@ -62,5 +62,21 @@ TEST(Reference, GroupedHeadsReadTheirSharedKvHead) {
   EXPECT_NE(r.out[0], r.out[static_cast<std::size_t>(2 * d)]);
 }
 
+// The tests' error measures see a NaN output: std::fmax(e, |NaN − x|) is e, so a largest
+// error taken that way let an all-NaN output pass every tolerance.
+TEST(Reference, ErrorMeasuresCountANaNOutputAsInfinite) {
+  const std::vector<double> want{1.0, 2.0, -INFINITY};
+  const std::vector<double> nan_first{std::nan(""), 2.0, -INFINITY}, nan_last{1.0, 2.0, std::nan("")};
+  EXPECT_EQ(max_abs_error(nan_first, want), INFINITY);
+  EXPECT_EQ(max_abs_error(nan_last, want), INFINITY);
+  EXPECT_EQ(error_stats(nan_first, want).max, INFINITY);
+  EXPECT_EQ(error_stats(nan_first, want).mean, INFINITY);
+  EXPECT_EQ(max_abs_error(want, want), 0.0);  // equal infinities agree
+  Tensor out(DType::bf16, {3});
+  out.set(0, 1.0f), out.set(1, std::nanf("")), out.set(2, -INFINITY);
+  EXPECT_EQ(max_abs_error(out, want), INFINITY);
+  EXPECT_NE(yardstick_verdict(out, want, want, DType::bf16), "");
+}
+
 }  // namespace
 }  // namespace flashattn::test

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <hwy/targets.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -27,6 +28,15 @@ inline Tensor random_tensor(DType dtype, std::vector<std::int64_t> shape, std::u
     t.set(i, x);
   }
   return t;
+}
+
+// |a − b|, but +∞ where one of them is NaN and not the other (two NaNs, or two equal
+// infinities, agree: 0). A largest error taken with std::fmax or std::max drops NaN operands,
+// so an output left NaN (unwritten, or poisoned) would pass any tolerance; through this it
+// fails every finite one.
+inline double abs_difference(double a, double b) {
+  if (std::isnan(a) || std::isnan(b)) return std::isnan(a) && std::isnan(b) ? 0.0 : INFINITY;
+  return a == b ? 0.0 : std::fabs(a - b);
 }
 
 // Runs `body` once per SIMD target compiled into the library and supported by this CPU,
@@ -95,6 +105,117 @@ inline std::vector<double> naive_same_precision(const AttentionProblem& p,
   return out;
 }
 
+// The low-precision yardstick that rounds where the kernels round, no more: inputs exact in
+// dtype, S accumulated in float32 (variants as the reference states them, rounded to float),
+// P = e^(s − m) in float32 with ℓ summed from it, P (after dropout) rounded to dtype before
+// P·V — as tiled_bf16 and upstream's kernels round it; the tiled and decode kernels keep it
+// in float32, which only makes them more exact — P·V accumulated in float32, then o = (P·V)/ℓ
+// rounded to dtype. naive_same_precision above also rounds S, the normalized P and each
+// product to dtype; its error (a score off by a rounding of |S| is a weight off by as much)
+// is large enough to hide a 0.5% error in the softmax scale, or a key dropped from every
+// causal row, which this one is not (see Bf16Tolerance in tests/test_forward_bf16.cpp).
+inline std::vector<double> rounded_where_the_kernel_rounds(const AttentionProblem& p, const AttentionOptions& options,
+                                                           const Tensor& q, const Tensor& k, const Tensor& v) {
+  const reference::Semantics sem{&p, &options};
+  std::vector<double> out(static_cast<std::size_t>(p.batch * p.seqlen_q * p.heads_q * p.head_dim_v));
+  const std::int64_t group = p.heads_q / p.heads_kv;
+  std::vector<float> s(static_cast<std::size_t>(p.seqlen_k));
+  for (std::int64_t b = 0; b < p.batch; ++b)
+    for (std::int64_t h = 0; h < p.heads_q; ++h)
+      for (std::int64_t i = 0; i < p.seqlen_q; ++i) {
+        const std::int64_t kvh = h / group;
+        float m = -INFINITY, sum = 0.0f;
+        for (std::int64_t j = 0; j < p.seqlen_k; ++j) {
+          s[j] = -INFINITY;
+          if (!sem.visible(i, j)) continue;
+          float dot = 0.0f;
+          for (std::int64_t d = 0; d < p.head_dim; ++d)
+            dot += q.get(((b * p.seqlen_q + i) * p.heads_q + h) * p.head_dim + d) *
+                   k.get(((b * p.seqlen_k + j) * p.heads_kv + kvh) * p.head_dim + d);
+          s[j] = static_cast<float>(sem.score(b, h, i, j, dot));
+          m = std::fmax(m, s[j]);
+        }
+        if (m == -INFINITY) continue;
+        for (std::int64_t j = 0; j < p.seqlen_k; ++j) sum += (s[j] = naive_exp(options, s[j] - m));
+        for (std::int64_t j = 0; j < p.seqlen_k; ++j)
+          s[j] = round_to(p.dtype, s[j] * static_cast<float>(sem.dropout_weight(b, h, i, j)));
+        for (std::int64_t d = 0; d < p.head_dim_v; ++d) {
+          float acc = 0.0f;
+          for (std::int64_t j = 0; j < p.seqlen_k; ++j)
+            acc += s[j] * v.get(((b * p.seqlen_k + j) * p.heads_kv + kvh) * p.head_dim_v + d);
+          out[static_cast<std::size_t>(((b * p.seqlen_q + i) * p.heads_q + h) * p.head_dim_v + d)] =
+              round_to(p.dtype, acc / sum);
+        }
+      }
+  return out;
+}
+
+// One unit in the last place of a value of magnitude |x| in dtype (bf16: 8 significant
+// bits, f16: 11, f32: 24), at least that of dtype's smallest normal.
+inline double ulp(DType dtype, double x) {
+  const int bits = dtype == DType::bf16 ? 8 : dtype == DType::f16 ? 11 : 24;
+  const int min_exponent = dtype == DType::f16 ? -14 : -126;
+  int exponent = 0;
+  std::frexp(std::fabs(x), &exponent);  // |x| in [2^(exponent − 1), 2^exponent)
+  return std::ldexp(1.0, std::max(exponent - 1, min_exponent) - (bits - 1));
+}
+
+struct ErrorStats {
+  double max = 0.0, mean = 0.0;
+};
+inline ErrorStats error_stats(const std::vector<double>& actual, const std::vector<double>& expected) {
+  ErrorStats e;
+  for (std::size_t i = 0; i < actual.size(); ++i) {
+    const double d = abs_difference(actual[i], expected[i]);
+    e.max = std::max(e.max, d);
+    e.mean += d;
+  }
+  if (!actual.empty()) e.mean /= static_cast<double>(actual.size());
+  return e;
+}
+inline ErrorStats error_stats(const Tensor& actual, const std::vector<double>& expected) {
+  std::vector<double> a(static_cast<std::size_t>(actual.numel()));
+  for (std::int64_t i = 0; i < actual.numel(); ++i) a[static_cast<std::size_t>(i)] = actual.get(i);
+  return error_stats(a, expected);
+}
+
+// The yardstick's own error may be at most this many ulps (in dtype) of the largest |value|
+// of the float64 result: a yardstick sloppier than that — one that would let a wrong kernel
+// pass — fails the test instead.
+constexpr double kYardstickUlps = 2.0;
+
+// Upstream FA3's rule on a sound yardstick: the kernel's largest and mean errors against the
+// float64 reference `want` at most twice the yardstick's, and the yardstick within
+// kYardstickUlps of the largest |want|. The largest error may exceed twice the yardstick's by
+// half an ulp of the largest |want|: both round their outputs to dtype, and where the exact
+// value lies near the middle of two neighbours, a pre-rounding difference far below the
+// yardstick's error moves the kernel to the farther one (seen: 2.35× on one element of
+// 10240, tiled_bf16, causal). The mean error, over every element, has no such luck; it is
+// what a small systematic error (a 0.5% error in the softmax scale) shows in.
+// "" where `got` passes, else what fails.
+inline std::string yardstick_verdict(const Tensor& got, const std::vector<double>& want,
+                                     const std::vector<double>& yardstick, DType dtype) {
+  double largest = 0.0;
+  for (double x : want) largest = std::fmax(largest, std::fabs(x));
+  const ErrorStats kernel = error_stats(got, want), yard = error_stats(yardstick, want);
+  std::string verdict;
+  if (yard.max > kYardstickUlps * ulp(dtype, largest))
+    verdict += "the yardstick itself is off by " + std::to_string(yard.max) + ", more than " +
+               std::to_string(kYardstickUlps) + " ulps of " + std::to_string(largest) + " in " + to_string(dtype) +
+               ": it cannot judge a kernel; ";
+  if (kernel.max > 2.0 * yard.max + 0.5 * ulp(dtype, largest))
+    verdict += "largest error " + std::to_string(kernel.max) + " against the yardstick's " + std::to_string(yard.max) + "; ";
+  if (kernel.mean > 2.0 * yard.mean + 1e-7)
+    verdict += "mean error " + std::to_string(kernel.mean) + " against the yardstick's " + std::to_string(yard.mean);
+  return verdict;
+}
+
+inline void expect_within_yardstick(const Tensor& got, const std::vector<double>& want,
+                                    const std::vector<double>& yardstick, DType dtype) {
+  const std::string verdict = yardstick_verdict(got, want, yardstick, dtype);
+  EXPECT_TRUE(verdict.empty()) << verdict;
+}
+
 // Calls `call` and expects an Error whose message contains every one of `fragments`.
 inline void expect_error(const std::function<void()>& call, const std::vector<std::string>& fragments) {
   try {
@@ -134,13 +255,13 @@ inline bool cpu_has_avx512bf16() {
 inline double max_abs_error(const Tensor& actual, const std::vector<double>& expected) {
   double e = 0.0;
   for (std::int64_t i = 0; i < actual.numel(); ++i)
-    e = std::fmax(e, std::fabs(static_cast<double>(actual.get(i)) - expected[static_cast<std::size_t>(i)]));
+    e = std::max(e, abs_difference(actual.get(i), expected[static_cast<std::size_t>(i)]));
   return e;
 }
 
 inline double max_abs_error(const std::vector<double>& actual, const std::vector<double>& expected) {
   double e = 0.0;
-  for (std::size_t i = 0; i < actual.size(); ++i) e = std::fmax(e, std::fabs(actual[i] - expected[i]));
+  for (std::size_t i = 0; i < actual.size(); ++i) e = std::max(e, abs_difference(actual[i], expected[i]));
   return e;
 }
 

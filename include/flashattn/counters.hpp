@@ -29,6 +29,10 @@ struct KernelCounters {
   // Forward.
   std::int64_t o_written = 0;    // output elements written (split-KV: each split's partial output)
   std::int64_t lse_written = 0;  // log-sum-exps written (likewise per split)
+  // Online-softmax rescales: moves of a row's reference maximum after its first visible key
+  // (per split), as AttentionOptions::rescale_counts counts them per row — here for every
+  // forward kernel and entry point, forward_with_kvcache and forward_varlen included.
+  std::int64_t rescales = 0;
   // Backward.
   std::int64_t o_read = 0;           // O elements read for D = rowsum(dO ∘ O)
   std::int64_t dout_read = 0;        // dO elements read (the D pass and every tile pair)
@@ -49,6 +53,7 @@ struct KernelCounters {
     scores += o.scores;
     o_written += o.o_written;
     lse_written += o.lse_written;
+    rescales += o.rescales;
     o_read += o.o_read;
     dout_read += o.dout_read;
     stats_read += o.stats_read;

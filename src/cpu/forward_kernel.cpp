@@ -119,10 +119,10 @@ HWY_INLINE std::int64_t Poly3Columns(const AttentionProblem& p, std::int64_t col
 // Variants, mask and online-softmax update of one score row of query i, in place:
 // S(cols) of keys j0.. → P (dropout applied after the row sum, which must not see it).
 // õ (orow, ldo floats) is rescaled when the reference maximum moves by more than the
-// problem's rescale threshold; `rescales` (null when not counted) counts those moves.
+// problem's rescale threshold; `rescales` counts those moves.
 void SoftmaxRow(const RowMods& mods, float* HWY_RESTRICT srow, std::int64_t i, std::int64_t j0,
                 std::int64_t n, std::int64_t cols, OnlineSoftmaxState& state, float* HWY_RESTRICT orow,
-                std::int64_t ldo, std::int32_t* rescales) {
+                std::int64_t ldo, std::int32_t& rescales) {
   const DF df;
   const AttentionProblem& p = *mods.problem;
   mods.apply(srow, nullptr, i, j0, n, cols);
@@ -135,7 +135,7 @@ void SoftmaxRow(const RowMods& mods, float* HWY_RESTRICT srow, std::int64_t i, s
     tile_max = std::numeric_limits<float>::quiet_NaN();
   const float old_max = state.max;
   const float factor = state.rescale_to(tile_max, p.rescale_threshold);
-  if (rescales != nullptr && state.max != old_max && old_max != kNegInf) ++*rescales;
+  if (state.max != old_max && old_max != kNegInf) ++rescales;
   if (factor != 1.0f) {
     const VF vf = hn::Set(df, factor);
     for (std::int64_t c = 0; c < ldo; c += kLanes) hn::Store(hn::Mul(hn::Load(df, orow + c), vf), df, orow + c);
@@ -198,7 +198,7 @@ void SoftmaxTile(const RowMods& mods, float* HWY_RESTRICT s, std::int64_t lds, s
     if (k.begin == k.end) continue;
     SoftmaxRow(mods, s + r * lds + k.begin, std::min(i0 + r, p.seqlen_q - 1), j0 + k.begin,
                std::min(n, k.end) - k.begin, k.end - k.begin, state[r], o_acc + r * ldo, ldo,
-               rescales != nullptr ? rescales + r : nullptr);
+               rescales[r]);
   }
 }
 
@@ -220,14 +220,16 @@ HWY_INLINE void* OutputRow(const ForwardParams& prm, std::int64_t b, std::int64_
 }
 
 // The output row of query i of (b, h), or its split's partial, from õ and the state; its
-// rescale count is added to the row's total (splits of one row may run concurrently).
-void StoreOutputRow(const ForwardParams& prm, std::int64_t split, std::int64_t b, std::int64_t h,
-                    std::int64_t i, const float* orow, const OnlineSoftmaxState& state, const std::int32_t* rescales) {
+// rescale count is added to the row's total when counted (splits of one row may run
+// concurrently), and to the thread's counters.
+void StoreOutputRow(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t split, std::int64_t b, std::int64_t h,
+                    std::int64_t i, const float* orow, const OnlineSoftmaxState& state, std::int32_t rescales) {
   const AttentionProblem& p = prm.problem;
-  if (rescales != nullptr) {
+  ws.counters.rescales += rescales;
+  if (prm.rescale_counts.data != nullptr) {
     const MutableTensorView& c = prm.rescale_counts;
     std::atomic_ref<std::int32_t>(static_cast<std::int32_t*>(c.data)[b * c.strides[0] + h * c.strides[1] + i * c.strides[2]])
-        .fetch_add(*rescales, std::memory_order_relaxed);
+        .fetch_add(rescales, std::memory_order_relaxed);
   }
   if (prm.plan.splits > 1) {
     StoreRow(orow, p.head_dim_v, state.inverse_sum(),
@@ -430,8 +432,8 @@ void TiledItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item
   std::fill(o_acc, o_acc + rows_pad * dv_pad, 0.0f);
   OnlineSoftmaxState* state = ws.states.data();
   std::fill(state, state + rows_pad, OnlineSoftmaxState{});
-  std::int32_t* rescales = prm.rescale_counts.data != nullptr ? ws.rescales.data() : nullptr;
-  if (rescales != nullptr) std::fill(rescales, rescales + rows_pad, 0);
+  std::int32_t* rescales = ws.rescales.data();
+  std::fill(rescales, rescales + rows_pad, 0);
 
   for (std::int64_t j0 = key_begin / bc * bc; j0 < key_end; j0 += bc) {
     const std::int64_t n = std::min(bc, key_end - j0);
@@ -455,7 +457,7 @@ void TiledItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item
   for (std::int64_t r = 0; r < rows; ++r) {
     if (plan.splits == 1 && r + kRowPrefetchDistance < rows)
       PrefetchRow(OutputRow(prm, b, i0 + r + kRowPrefetchDistance, h), out_bytes);
-    StoreOutputRow(prm, split, b, h, i0 + r, o_acc + r * dv_pad, state[r], rescales != nullptr ? rescales + r : nullptr);
+    StoreOutputRow(prm, ws, split, b, h, i0 + r, o_acc + r * dv_pad, state[r], rescales[r]);
   }
   ws.counters.o_written += rows * p.head_dim_v;
   ws.counters.lse_written += rows;
@@ -775,8 +777,8 @@ void DecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t ite
   std::fill(o_acc, o_acc + all_rows * dv_pad, 0.0f);
   OnlineSoftmaxState* state = ws.states.data();
   std::fill(state, state + all_rows, OnlineSoftmaxState{});
-  std::int32_t* rescales = prm.rescale_counts.data != nullptr ? ws.rescales.data() : nullptr;
-  if (rescales != nullptr) std::fill(rescales, rescales + all_rows, 0);
+  std::int32_t* rescales = ws.rescales.data();
+  std::fill(rescales, rescales + all_rows, 0);
   float* s_tile = ws.s_tile.get();  // (heads_kv · rows4, bc)
   DecodeKeys& keys = ws.decode_keys;  // (bc + kDecodePrefetchKeys)
   float* factor = ws.o_acc.get() + all_rows * dv_pad;  // (bc): a kv head's K, then V, descales per key (FP8)
@@ -852,7 +854,7 @@ void DecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t ite
         std::fill(srow + n, srow + cols, 0.0f);
         const RowMods mods(p, prm.alibi_slopes, prm.block_mask, b, g * group + r / p.seqlen_q);
         SoftmaxRow(mods, srow, r % p.seqlen_q, j0, n, cols, state[g * rows4 + r], o_acc + (g * rows4 + r) * dv_pad,
-                   dv_pad, rescales != nullptr ? rescales + g * rows4 + r : nullptr);
+                   dv_pad, rescales[g * rows4 + r]);
         if constexpr (F == KvFormat::e4m3) {
           for (std::int64_t c = 0; c < cols; c += kLanes)
             hn::Store(hn::Mul(hn::Load(DF(), srow + c), hn::Load(DF(), factor + c)), DF(), srow + c);
@@ -880,8 +882,8 @@ void DecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t ite
             for (std::int64_t i = 0; i < kLanes; ++i) pair[PairIndex<F>(half, i)] = orow[e + half * kLanes + i];
           std::copy(pair, pair + kPair, orow + e);
         }
-      StoreOutputRow(prm, split, b, g * group + r / p.seqlen_q, r % p.seqlen_q, orow, state[g * rows4 + r],
-                     rescales != nullptr ? rescales + g * rows4 + r : nullptr);
+      StoreOutputRow(prm, ws, split, b, g * group + r / p.seqlen_q, r % p.seqlen_q, orow, state[g * rows4 + r],
+                     rescales[g * rows4 + r]);
     }
   ws.counters.o_written += hkv * rows * dv;
   ws.counters.lse_written += hkv * rows;

@@ -100,7 +100,7 @@ struct ForwardWorkspace {
   hwy::AlignedFreeUniquePtr<float[]> o_acc;     // (block_q, head_dim_v_padded): õ; (decode) plus block_k
                                                 // floats: a key block's FP8 V descales
   std::vector<OnlineSoftmaxState> states;       // (block_q): m and ℓ of each row
-  std::vector<std::int32_t> rescales;           // (block_q): rescales of each row, when counted
+  std::vector<std::int32_t> rescales;           // (block_q): rescales of each row (counters, rescale_counts)
   std::vector<StripKeys> strip_keys;            // (block_q / micro_rows): each row strip's span of the current tile
   // (tiled) k tiles of Kᵀ, each as contiguous panels of kMicroCols keys, (head_dim, kMicroCols)
   // each; v: k tiles of V, each as contiguous panels of kMicroCols columns, (block_k,

@@ -13,8 +13,6 @@
 namespace flashattn::cuda {
 namespace {
 
-inline constexpr int kRowThreads = 128;  // threads per block of the per-row passes
-
 template <class E>
 __device__ float to_float(std::uint16_t bits) {
   if constexpr (E::kIsBf16) return __bfloat162float(__ushort_as_bfloat16(bits));
@@ -58,6 +56,8 @@ struct DeviceFree {
   void operator()(void* p) const { cudaFree(p); }
 };
 
+dim3 dims(const Grid& g) { return dim3(static_cast<unsigned>(g.x), static_cast<unsigned>(g.y), static_cast<unsigned>(g.z)); }
+
 }  // namespace
 
 void launch_backward(const BackwardParams& params, const CudaBackwardPlan& plan, bool bf16) {
@@ -66,28 +66,31 @@ void launch_backward(const BackwardParams& params, const CudaBackwardPlan& plan,
   const std::size_t accum_bytes = static_cast<std::size_t>(rows) * plan.head_dim_padded * sizeof(float);
   const std::size_t turn_bytes = static_cast<std::size_t>(plan.batch * p.heads_q * plan.m_blocks) * sizeof(int);
   void* workspace = nullptr;
-  check_cuda(cudaMalloc(&workspace, plan.workspace_bytes), "backward: workspace allocation");
+  if (plan.workspace_bytes > 0)  // none without queries
+    check_cuda(cudaMalloc(&workspace, plan.workspace_bytes), "backward: workspace allocation");
   const std::unique_ptr<void, DeviceFree> owner(workspace);
   p.row_stats = static_cast<float*>(workspace);
   p.dq_accum = p.row_stats + 2 * rows;
   p.dq_turn = reinterpret_cast<int*>(p.dq_accum + rows * plan.head_dim_padded);
-  check_cuda(cudaMemsetAsync(p.dq_accum, 0, accum_bytes + turn_bytes), "backward: workspace clear");
-
-  const dim3 row_grid(static_cast<unsigned>((padded_rows(p.seqlen_q, plan.block_m) + kRowThreads - 1) / kRowThreads),
-                      static_cast<unsigned>(p.heads_q), static_cast<unsigned>(plan.batch));
-  (bf16 ? prepare_kernel<Bf16> : prepare_kernel<F16>)<<<row_grid, kRowThreads>>>(p, plan.block_m);
-  check_cuda(cudaGetLastError(), "backward: pre-pass launch");
+  if (accum_bytes + turn_bytes > 0)
+    check_cuda(cudaMemsetAsync(p.dq_accum, 0, accum_bytes + turn_bytes), "backward: workspace clear");
 
   const BackwardKernel kernel = (bf16 ? kBackwardKernels<Bf16> : kBackwardKernels<F16>)[plan.bucket];
-  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, plan.smem_bytes),
-             "backward: shared memory size");
-  kernel<<<dim3(static_cast<unsigned>(plan.n_blocks), static_cast<unsigned>(p.heads_kv),
-                static_cast<unsigned>(plan.batch)),
-           plan.threads, plan.smem_bytes>>>(p);
-  check_cuda(cudaGetLastError(), "backward: launch");
-
-  (bf16 ? convert_kernel<Bf16> : convert_kernel<F16>)<<<row_grid, kRowThreads>>>(p, plan.block_m);
-  check_cuda(cudaGetLastError(), "backward: dQ conversion launch");
+  run_backward_passes(backward_grids(p, plan.batch, plan.block_m, plan.n_blocks), [&](BackwardPass pass, const Grid& grid) {
+    switch (pass) {
+      case BackwardPass::prepare:
+        (bf16 ? prepare_kernel<Bf16> : prepare_kernel<F16>)<<<dims(grid), kRowThreads>>>(p, plan.block_m);
+        return check_cuda(cudaGetLastError(), "backward: pre-pass launch");
+      case BackwardPass::blocks:
+        check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, plan.smem_bytes),
+                   "backward: shared memory size");
+        kernel<<<dims(grid), plan.threads, plan.smem_bytes>>>(p);
+        return check_cuda(cudaGetLastError(), "backward: launch");
+      case BackwardPass::convert:
+        (bf16 ? convert_kernel<Bf16> : convert_kernel<F16>)<<<dims(grid), kRowThreads>>>(p, plan.block_m);
+        return check_cuda(cudaGetLastError(), "backward: dQ conversion launch");
+    }
+  });
   check_cuda(cudaDeviceSynchronize(), "backward");  // the workspace is freed on return
 }
 

@@ -53,6 +53,41 @@ FLASHATTN_HD void convert_dq_row(const BackwardParams& p, int block_m, int batch
   for (int d = 0; d < p.head_dim; ++d) static_cast<std::uint16_t*>(p.dq.data)[g + d] = store(acc[d] * p.scale);
 }
 
+// Threads per block of the per-row passes (pre-pass, dQ conversion): one row each.
+inline constexpr int kRowThreads = 128;
+
+// A launch grid, (x, y, z) blocks as launched.
+struct Grid {
+  std::int64_t x, y, z;
+  bool empty() const { return x == 0 || y == 0 || z == 0; }
+};
+
+// The grids of a backward call: `rows` for the per-row passes — (blocks of kRowThreads
+// padded rows, heads_q, batch) — and `blocks` for the dK/dV/dQ kernel — (K/V tiles, heads_kv,
+// batch).
+struct BackwardGrids {
+  Grid rows, blocks;
+};
+inline BackwardGrids backward_grids(const BackwardParams& p, std::int64_t batch, int block_m, std::int64_t n_blocks) {
+  return {{(padded_rows(p.seqlen_q, block_m) + kRowThreads - 1) / kRowThreads, p.heads_q, batch},
+          {n_blocks, p.heads_kv, batch}};
+}
+
+enum class BackwardPass { prepare, blocks, convert };
+
+// Runs a backward call's passes in order through launch(pass, grid) — the device launches
+// (backward.cu) and the CPU emulation alike — leaving out those whose grid is empty, which
+// CUDA rejects (cudaErrorInvalidConfiguration) and which have nothing to do: without
+// queries (seqlen_q = 0) only the dK/dV kernel runs, whose blocks see no Q tile and write
+// dk = dv = 0; without keys (seqlen_k = 0) only the per-row passes, and the conversion writes
+// dq = 0 from the zeroed accumulator.
+template <class Launch>
+void run_backward_passes(const BackwardGrids& grids, Launch&& launch) {
+  if (!grids.rows.empty()) launch(BackwardPass::prepare, grids.rows);
+  if (!grids.blocks.empty()) launch(BackwardPass::blocks, grids.blocks);
+  if (!grids.rows.empty()) launch(BackwardPass::convert, grids.rows);
+}
+
 template <class F, int kDTiles>
 struct BackwardWarpState {
   F dk[kDTiles][4];

@@ -121,6 +121,27 @@ def correctness():
         csv.writer(f).writerows([["pass", "case", "max_abs_error", "tolerance"]] + rows)
 
 
+def edges():
+    """No keys: out 0, lse -inf, and the backward writes dq = 0; no queries: the backward
+    writes dk = dv = 0 and launches no zero-size grid (the CPU warp emulation checks the same
+    passes, tests/test_cuda_emulation.cpp)."""
+    for dtype in (torch.bfloat16, torch.float16):
+        for sq, sk in ((37, 0), (0, 53)):
+            name = f"{str(dtype)[6:]} Sq={sq} Sk={sk}"
+            q = torch.randn(2, sq, 4, 64, device="cuda", dtype=dtype)
+            k = torch.randn(2, sk, 2, 64, device="cuda", dtype=dtype)
+            v = torch.randn(2, sk, 2, 64, device="cuda", dtype=dtype)
+            dout = torch.randn(2, sq, 4, 64, device="cuda", dtype=dtype)
+            try:
+                out, lse = ours_forward(q, k, v, False)
+                dq, dk, dv = ours_backward(dout, q, k, v, out, lse, False)
+            except RuntimeError as e:
+                check(False, f"edge {name}: {e}")
+                continue
+            check(torch.all(out == 0).item() and torch.all(lse == float("-inf")).item(), f"edge {name}: out 0, lse -inf")
+            check(all(torch.all(g == 0).item() for g in (dq, dk, dv)), f"edge {name}: gradients written, zero")
+
+
 def median_ms(fn, warmup=3, repeats=10):
     for _ in range(warmup):
         fn()
@@ -170,6 +191,7 @@ def timing():
 if __name__ == "__main__":
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     correctness()
+    edges()
     if failed == 0:
         timing()
     else:
