@@ -315,5 +315,27 @@ TEST(Hostile, OutOfMemoryIsAnErrorNamingTheSize) {
   for (std::int64_t i = 0; i < lse.numel(); ++i) ASSERT_EQ(lse.get(i), 5.0f);
 }
 
+// The split-KV partial results are allocated per call too: 2^20 splits of 64 rows × 128
+// floats (32 GiB) must be an Error naming the size. They came from std::vector, whose
+// std::bad_alloc is not a flashattn::Error.
+TEST(Hostile, SplitKvPartialsOutOfMemoryIsAnError) {
+  const Tensor row = random_tensor(DType::f32, {1, 1, 1, 128}, 1);
+  const TensorView k(row.data(), DType::f32, {1, std::int64_t{1} << 34, 1, 128}, {0, 0, 128, 1});
+  const Tensor q = random_tensor(DType::f32, {1, 64, 1, 128}, 2);
+  Tensor out(DType::f32, {1, 64, 1, 128}), lse(DType::f32, {1, 1, 64});
+  for (std::int64_t i = 0; i < lse.numel(); ++i) lse.set(i, 5.0f);
+  AttentionOptions o;
+  o.num_splits = 1 << 20;
+  try {
+    forward(q.view(), k, k, out.view(), lse.view(), o);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_GE(bytes_named(e.what()), 0x1p33) << e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "not a flashattn::Error: " << e.what();
+  }
+  for (std::int64_t i = 0; i < lse.numel(); ++i) ASSERT_EQ(lse.get(i), 5.0f);
+}
+
 }  // namespace
 }  // namespace flashattn::test

@@ -133,7 +133,7 @@ struct ForwardJob {
 // A job's plan and the split-KV partial results its items write before the merge.
 struct PlannedJob {
   CpuForwardPlan plan;
-  std::vector<float> split_out, split_lse;
+  hwy::AlignedFreeUniquePtr<float[]> split_out, split_lse;  // checked allocations: an Error when memory runs out
   cpu::ForwardParams params;
 };
 
@@ -167,10 +167,10 @@ void run_forward_jobs(const std::vector<ForwardJob>& jobs) {
     const AttentionProblem& p = job.problem;
     PlannedJob& pj = planned[j];
     const std::int64_t split_rows = pj.plan.splits > 1 ? pj.plan.splits * p.batch * p.heads_q * p.seqlen_q : 0;
-    pj.split_out.resize(static_cast<std::size_t>(split_rows * p.head_dim_v));
-    pj.split_lse.resize(static_cast<std::size_t>(split_rows));
+    pj.split_out = cpu::allocate_floats(static_cast<std::size_t>(split_rows * p.head_dim_v));
+    pj.split_lse = cpu::allocate_floats(static_cast<std::size_t>(split_rows));
     pj.params = {p, pj.plan, job.q, job.k, job.v, job.out, job.lse, job.options.alibi_slopes, job.options.block_mask,
-                 pj.split_out.data(), pj.split_lse.data(), job.paged, job.options.rescale_counts};
+                 pj.split_out.get(), pj.split_lse.get(), job.paged, job.options.rescale_counts};
   }
 
   // Runs jobs [first, last) in one region: the threads' workspaces fit the largest plan.
@@ -234,8 +234,8 @@ void run_forward_jobs(const std::vector<ForwardJob>& jobs) {
       const CpuForwardPlan& plan = planned[j].plan;
       if (plan.splits > 1)
         merge_attention_states(
-            TensorView(planned[j].split_out.data(), DType::f32, {plan.splits, p.batch, p.seqlen_q, p.heads_q, p.head_dim_v}),
-            TensorView(planned[j].split_lse.data(), DType::f32, {plan.splits, p.batch, p.heads_q, p.seqlen_q}),
+            TensorView(planned[j].split_out.get(), DType::f32, {plan.splits, p.batch, p.seqlen_q, p.heads_q, p.head_dim_v}),
+            TensorView(planned[j].split_lse.get(), DType::f32, {plan.splits, p.batch, p.heads_q, p.seqlen_q}),
             live[j].out, live[j].lse, plan.threads);
     }
   };
