@@ -297,6 +297,142 @@ double bytes_named(const std::string& message) {
 // 2^34 keys broadcast from one row (stride 0): valid input whose packed K and V would need
 // terabytes (K alone: 2^34 keys × 128 × 4 bytes = 2^43). The call must fail with a
 // flashattn::Error naming the size it could not allocate — not std::bad_alloc, not any other
+// exception, not a crash — and write nothing: the Error names at least `min_bytes`.
+void expect_out_of_memory_error(const AttentionOptions& options, double min_bytes) {
+  const Tensor row = random_tensor(DType::f32, {1, 1, 1, 128}, 1);
+  const TensorView k(row.data(), DType::f32, {1, std::int64_t{1} << 34, 1, 128}, {0, 0, 128, 1});
+  const Tensor q = random_tensor(DType::f32, {1, 64, 1, 128}, 2);
+  Tensor out(DType::f32, {1, 64, 1, 128}), lse(DType::f32, {1, 1, 64});
+  for (std::int64_t i = 0; i < lse.numel(); ++i) lse.set(i, 5.0f);
+  try {
+    forward(q.view(), k, k, out.view(), lse.view(), options);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_GE(bytes_named(e.what()), min_bytes) << e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "not a flashattn::Error: " << e.what();
+  }
+  for (std::int64_t i = 0; i < lse.numel(); ++i) ASSERT_EQ(lse.get(i), 5.0f);
+}
+
+TEST(Hostile, OutOfMemoryIsAnErrorNamingTheSize) { expect_out_of_memory_error({}, 0x1p43); }
+
+// The split-KV partial results are allocated per call too: 2^20 splits of 64 rows × 128
+// floats (32 GiB). They came from std::vector, whose std::bad_alloc is not a flashattn::Error.
+TEST(Hostile, SplitKvPartialsOutOfMemoryIsAnError) {
+  AttentionOptions o;
+  o.num_splits = 1 << 20;
+  expect_out_of_memory_error(o, 0x1p33);
+}
+
+}  // namespace
+}  // namespace flashattn::test
+
+#include <sys/mman.h>
+
+namespace flashattn::test {
+namespace {
+
+// k and v rows 2^29 elements apart in a sparse 8 GiB mapping: offsets reach 2^31 and
+// beyond, while only the touched pages cost memory. The results must equal, bit for bit,
+// those of the same values stored densely — for the decode kernel (3 queries), the tiled
+// kernel (40 queries, more than the decode kernel takes), the backward, and a paged KV
+// cache whose pages lie 2^29 elements apart (decode and tiled).
+struct SparseRows {
+  static constexpr std::int64_t kRowStride = std::int64_t{1} << 29, kRows = 5, kDim = 16;
+  std::size_t bytes = static_cast<std::size_t>(kRows * kRowStride) * sizeof(float);
+  void* map = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  Tensor dense;
+  explicit SparseRows(std::uint64_t seed) : dense(random_tensor(DType::f32, {1, kRows, 1, kDim}, seed)) {
+    if (map == MAP_FAILED) return;
+    auto* base = static_cast<float*>(map);
+    for (std::int64_t j = 0; j < kRows; ++j)
+      for (std::int64_t c = 0; c < kDim; ++c) base[j * kRowStride + c] = dense.get(j * kDim + c);
+  }
+  ~SparseRows() {
+    if (map != MAP_FAILED) munmap(map, bytes);
+  }
+  // As (1, rows, 1, dim); as pages of one row each: (rows, 1, 1, dim).
+  TensorView rows() const { return TensorView(map, DType::f32, {1, kRows, 1, kDim}, {kRows * kRowStride, kRowStride, kDim, 1}); }
+  MutableTensorView pages() const {
+    return MutableTensorView(map, DType::f32, {kRows, 1, 1, kDim}, {kRowStride, kDim, kDim, 1});
+  }
+};
+
+void expect_same_bits(const Tensor& a, const Tensor& b) {
+  ASSERT_EQ(a.numel(), b.numel());
+  EXPECT_EQ(std::memcmp(a.data(), b.data(), static_cast<std::size_t>(a.numel()) * dtype_size(a.dtype())), 0);
+}
+
+TEST(Hostile, ElementOffsetsBeyondTwoToTheThirtyOne) {
+  const SparseRows sparse(21);
+  ASSERT_NE(sparse.map, MAP_FAILED) << "mmap of " << sparse.bytes << " bytes";
+  const TensorView far_kv = sparse.rows();
+  for (std::int64_t queries : {3, 40}) {
+    const Tensor q = random_tensor(DType::f32, {1, queries, 1, SparseRows::kDim}, 22);
+    const ForwardKernel kernel = queries == 3 ? ForwardKernel::decode : ForwardKernel::tiled;
+    for (bool det : {false, true}) {
+      SCOPED_TRACE(std::string(to_string(kernel)) + (det ? " deterministic" : ""));
+      AttentionOptions o;
+      o.deterministic = det;
+      o.kernel = kernel;
+      const ForwardResult far = forward(q.view(), far_kv, far_kv, o);
+      const ForwardResult near = forward(q.view(), sparse.dense.view(), sparse.dense.view(), o);
+      expect_same_bits(far.out, near.out);
+      const Tensor dout = random_tensor(DType::f32, {1, queries, 1, SparseRows::kDim}, 23);
+      const BackwardResult g_far = backward(dout.view(), q.view(), far_kv, far_kv, far.out.view(), far.lse.view(), o);
+      const BackwardResult g_near =
+          backward(dout.view(), q.view(), sparse.dense.view(), sparse.dense.view(), near.out.view(), near.lse.view(), o);
+      expect_same_bits(g_far.dq, g_near.dq);
+      expect_same_bits(g_far.dk, g_near.dk);
+      expect_same_bits(g_far.dv, g_near.dv);
+    }
+  }
+}
+
+TEST(Hostile, PagedCacheOffsetsBeyondTwoToTheThirtyOne) {
+  const SparseRows k_pool(25), v_pool(26);  // pages of one row each
+  ASSERT_NE(k_pool.map, MAP_FAILED) << "mmap of " << k_pool.bytes << " bytes";
+  ASSERT_NE(v_pool.map, MAP_FAILED) << "mmap of " << v_pool.bytes << " bytes";
+  constexpr std::int64_t kRows = SparseRows::kRows;
+  Tensor table(DType::i32, {1, kRows}), seqlens(DType::i32, {1});
+  for (std::int64_t pg = 0; pg < kRows; ++pg) table.set(pg, static_cast<float>(kRows - 1 - pg));  // reversed
+  seqlens.set(0, static_cast<float>(kRows));
+  Tensor k(DType::f32, {1, kRows, 1, SparseRows::kDim}), v = k;  // the logical sequence, dense
+  for (std::int64_t j = 0; j < kRows; ++j)
+    for (std::int64_t c = 0; c < SparseRows::kDim; ++c) {
+      k.set(j * SparseRows::kDim + c, k_pool.dense.get((kRows - 1 - j) * SparseRows::kDim + c));
+      v.set(j * SparseRows::kDim + c, v_pool.dense.get((kRows - 1 - j) * SparseRows::kDim + c));
+    }
+  for (std::int64_t queries : {1, 40}) {
+    const Tensor q = random_tensor(DType::f32, {1, queries, 1, SparseRows::kDim}, 24);
+    AttentionOptions o;
+    o.kernel = queries == 1 ? ForwardKernel::decode : ForwardKernel::tiled;
+    SCOPED_TRACE(to_string(o.kernel));
+    const KvCache paged{k_pool.pages(), v_pool.pages(), table.view(), seqlens.view()};
+    const ForwardResult far = forward_with_kvcache(q.view(), paged, o);
+    const ForwardResult near = forward(q.view(), k.view(), v.view(), o);
+    expect_same_bits(far.out, near.out);
+    expect_same_bits(far.lse, near.lse);
+  }
+}
+
+}  // namespace
+}  // namespace flashattn::test
+
+namespace flashattn::test {
+namespace {
+
+// The bytes an out-of-memory Error names ("cannot allocate N bytes"), or -1 without one.
+double bytes_named(const std::string& message) {
+  const std::size_t at = message.find("cannot allocate ");
+  if (at == std::string::npos) return -1.0;
+  return std::strtod(message.c_str() + at + std::strlen("cannot allocate "), nullptr);
+}
+
+// 2^34 keys broadcast from one row (stride 0): valid input whose packed K and V would need
+// terabytes (K alone: 2^34 keys × 128 × 4 bytes = 2^43). The call must fail with a
+// flashattn::Error naming the size it could not allocate — not std::bad_alloc, not any other
 // exception, not a crash — and write nothing.
 TEST(Hostile, OutOfMemoryIsAnErrorNamingTheSize) {
   const Tensor row = random_tensor(DType::f32, {1, 1, 1, 128}, 1);
