@@ -11,6 +11,9 @@ trap 'rm -rf "$work"' EXIT
   --window-size 50 10 --no-causal --arch cpu --threads 2 --measure --repeats 1 --json > "$work/cpu.json"
 "$cli" explain --seqlen 256 --heads 1 --dim 32 --arch a100 > "$work/text.txt"
 grep -q "Cycles per 128x128x32 tile" "$work/text.txt"
+# Non-causal by default, as upstream; the header line states it.
+grep -q "^flashattn explain: batch=1 .* causal=false " "$work/text.txt"
+"$cli" explain --seqlen 256 --heads 1 --dim 32 --arch a100 --causal | grep -q "^flashattn explain: .* causal=true "
 python3 - "$work/gpu.json" "$work/cpu.json" <<'PY'
 import json, sys
 for path in sys.argv[1:]:
@@ -28,6 +31,7 @@ for path in sys.argv[1:]:
     # The tiled backward is the standard one's products over the visible pairs plus the recomputation.
     assert j["flops"]["backward"] > j["flops"]["backward_recompute"] > 0
 gpu = json.load(open(sys.argv[1]))
+assert gpu["problem"]["causal"] is False, gpu["problem"]
 assert gpu["arch"]["name"] == "b200" and gpu["tile_cycles"]["tile"] == [128, 128, 64]
 assert gpu["tile_cycles"]["forward"]["bottleneck"] in ("mma", "exp", "mma=exp"), gpu["tile_cycles"]
 cpu = json.load(open(sys.argv[2]))
@@ -42,6 +46,7 @@ for p in ["forward", "backward"]:
 PY
 
 "$cli" tour --max-seqlen 256 --dim 32 --heads 1 --repeats 1 --threads 2 --out "$work/figures" > "$work/tour.txt"
+grep -q "^problems: batch=1 heads=1 head_dim=32 dtype=f32 causal=false seqlen=256..256" "$work/tour.txt"
 for chapter in "== 1. " "== 2. " "== 3. " "== 4. " "== 5. "; do grep -q "$chapter" "$work/tour.txt"; done
 grep -q "Not here yet: a switch to turn packing or software prefetch off" "$work/tour.txt"
 python3 - "$work/tour.txt" <<'PY'

@@ -284,6 +284,7 @@ void print_text(const Account& a, const std::optional<Measured>& m) {
 
 void register_explain(CLI::App& app) {
   auto flags = std::make_shared<ExplainFlags>();
+  flags->shape.causal = false;  // upstream's default (flash_attn_func: causal=False)
   CLI::App* cmd = app.add_subcommand("explain", "what a problem costs and why: traffic, FLOPs, per-unit cycles");
   flags->shape.add_to(*cmd);
   cmd->add_option("--window-size", flags->window_size, "sliding window LEFT RIGHT (-1 = unbounded)")->expected(2);

@@ -373,6 +373,10 @@ void tour(const TourFlags& f) {
   if (!f.out.empty()) std::filesystem::create_directories(f.out);
   const cost::Architecture cpu = architecture_by_name("cpu", f.threads);
   std::printf("flashattn tour on %s: %s\n", cpu_model().c_str(), cpu.description.c_str());
+  std::printf("problems: batch=1 heads=%lld head_dim=%lld dtype=f32 causal=false seqlen=%lld..%lld (doubling) "
+              "threads=%d repeats=%d\n",
+              static_cast<long long>(f.heads), static_cast<long long>(f.dim), static_cast<long long>(seqlens(f).front()),
+              static_cast<long long>(seqlens(f).back()), resolved_threads(f.threads), f.repeats);
   std::printf("measured: sgemm %.1f GFLOP/s, copy %.1f GB/s, clock %.2f GHz (timings on a shared machine are noisy;\n"
               "compare the columns of one table, taken in the same process)\n",
               cpu.mma_tf32 * cpu.units * cpu.clock_ghz, cpu.hbm_bytes_per_second * 1e-9, cpu.clock_ghz);
