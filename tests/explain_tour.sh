@@ -9,6 +9,7 @@ trap 'rm -rf "$work"' EXIT
 "$cli" explain --seqlen 300 --heads 2 --dim 64 --arch b200 --json > "$work/gpu.json"
 "$cli" explain --seqlen-q 200 --seqlen-k 330 --heads 4 --heads-kv 2 --dim 40 --dim-v 24 --dtype f32 \
   --window-size 50 10 --no-causal --arch cpu --threads 2 --measure --repeats 1 --json > "$work/cpu.json"
+"$cli" explain --seqlen 300 --heads 2 --dim 64 --arch b200 --standard eager --dropout-p 0.1 --json > "$work/eager.json"
 "$cli" explain --seqlen 256 --heads 1 --dim 32 --arch a100 > "$work/text.txt"
 grep -q "Cycles per 128x128x32 tile" "$work/text.txt"
 # Non-causal by default, as upstream; the header line states it.
@@ -30,8 +31,24 @@ for path in sys.argv[1:]:
         assert all(c[k] > 0 for k in ["mma", "exp", "smem"]) and c["bottleneck"], c
     # The tiled backward is the standard one's products over the visible pairs plus the recomputation.
     assert j["flops"]["backward"] > j["flops"]["backward_recompute"] > 0
+    # Both sides predicted from the same table; the tiled traffic with the L2 at most the raw count.
+    pr = j["predicted"]
+    assert pr["standard_ms"] > 0 and pr["flash_ms"] > 0, pr
+    assert abs(pr["flash_ms"] - 1e3 * (j["prediction"]["forward"]["seconds"] + j["prediction"]["backward"]["seconds"])) < 1e-9 * pr["flash_ms"]
+    assert abs(pr["standard_ms"] - 1e3 * (pr["standard"]["forward"]["seconds"] + pr["standard"]["backward"]["seconds"])) < 1e-9 * pr["standard_ms"]
+    assert 0 < t["flash_bytes"] <= t["flash_raw_bytes"], t
+    for p in ["forward", "backward"]:
+        assert t[p]["standard_bytes"] == sum(k["bytes"] for k in t[p]["standard_passes"]), (path, p)
 gpu = json.load(open(sys.argv[1]))
 assert gpu["problem"]["causal"] is False, gpu["problem"]
+# --standard eager: one kernel per step, more bytes than the minimal model, dropout's kernels listed.
+eager = json.load(open(sys.argv[1].replace("gpu.json", "eager.json")))
+assert eager["traffic"]["standard_model"] == "eager" and gpu["traffic"]["standard_model"] == "minimal"
+assert eager["traffic"]["standard_bytes"] > 1.5 * gpu["traffic"]["standard_bytes"], (eager["traffic"]["standard_bytes"], gpu["traffic"]["standard_bytes"])
+names = [k["name"] for k in eager["traffic"]["forward"]["standard_passes"]]
+assert names[1:5] == ["scale", "mask", "P = softmax(S)", "dropout"], names
+assert eager["traffic"]["flash_bytes"] == gpu["traffic"]["flash_bytes"]  # dropout regenerated: no tiled traffic
+assert eager["predicted"]["standard_ms"] > gpu["predicted"]["standard_ms"]
 assert gpu["arch"]["name"] == "b200" and gpu["tile_cycles"]["tile"] == [128, 128, 64]
 assert gpu["tile_cycles"]["forward"]["bottleneck"] in ("mma", "exp", "mma=exp"), gpu["tile_cycles"]
 cpu = json.load(open(sys.argv[2]))

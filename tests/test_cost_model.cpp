@@ -35,6 +35,92 @@ TEST(CostModel, StandardBackwardTrafficByHand) {
   EXPECT_EQ(a.traffic.elements(), 7 * 1000LL * 1000 + 8 * 1000LL * 32);
 }
 
+TEST(CostModel, EagerStandardPassesByHand) {
+  // N = 1000, d = 32, bf16, dropout: per N×N element, forward Q·Kᵀ writes S (1), scale,
+  // mask and softmax read and write (6), dropout reads P and writes P dropped (2) and its
+  // one-byte mask, P·V reads P dropped (1): 10 bf16 elements + 1 byte; backward Pᵀ·dO and
+  // dO·Vᵀ (2), dropout backward (2 + the mask byte), softmax backward (3), mask and scale
+  // backward (4), dS·K and dSᵀ·Q (2): 13 + 1 byte. Q, K, V, O (4·N·d) and dO twice, Q, K,
+  // V, dQ, dK, dV (8·N·d) in bf16.
+  AttentionOptions o;
+  o.dropout_p = 0.1f;
+  const std::int64_t n = 1000, d = 32, nn = n * n;
+  const AttentionProblem p = AttentionProblem::from_sizes(1, n, n, 1, 1, d, d, DType::bf16, o);
+  const auto fwd = cost::standard_forward_passes(p, cost::StandardModel::eager);
+  const auto bwd = cost::standard_backward_passes(p, cost::StandardModel::eager);
+  EXPECT_EQ(fwd.size(), 6u);
+  EXPECT_EQ(bwd.size(), 8u);
+  const cost::TiledAccount f = cost::standard_forward(p, cost::StandardModel::eager);
+  const cost::TiledAccount b = cost::standard_backward(p, cost::StandardModel::eager);
+  EXPECT_EQ(f.traffic.bytes(), 2 * 10 * nn + nn + 2 * 4 * n * d);
+  EXPECT_EQ(b.traffic.bytes(), 2 * 13 * nn + nn + 2 * 8 * n * d);
+  EXPECT_EQ(f.traffic.elements_of("dropout mask", true), nn);
+  EXPECT_EQ(b.traffic.elements_of("dropout mask", false), nn);
+  // Matrix FLOPs only in the four products of the backward and two of the forward, as Work counts them.
+  double flops = 0.0;
+  for (const auto* passes : {&fwd, &bwd})
+    for (const cost::Pass& k : *passes) flops += k.flops;
+  EXPECT_DOUBLE_EQ(flops, cost::work(p).standard_forward + cost::work(p).standard_backward);
+  // Without dropout the dropout kernels and the mask go; the minimal model ignores dropout
+  // (regenerated from the seed) and equals the account above.
+  const AttentionProblem plain = square(n, d);
+  EXPECT_EQ(cost::standard_forward_passes(plain, cost::StandardModel::eager).size(), 5u);
+  EXPECT_EQ(cost::standard_forward(plain, cost::StandardModel::eager).traffic.bytes(), 2 * 8 * nn + 2 * 4 * n * d);
+  EXPECT_EQ(cost::standard_forward(p, cost::StandardModel::minimal).traffic.bytes(),
+            cost::standard_forward(plain).traffic.bytes());
+  EXPECT_EQ(cost::standard_backward(p, cost::StandardModel::minimal).traffic.bytes(),
+            cost::standard_backward(plain).traffic.bytes());
+  EXPECT_EQ(cost::parse_standard_model("eager"), cost::StandardModel::eager);
+  EXPECT_THROW(cost::parse_standard_model("fused"), Error);
+}
+
+TEST(CostModel, StandardPredictionAddsPasses) {
+  // Every pass of bf16 d = 64 attention on an A100 is memory-bound (2 bytes per score
+  // against 2·64 FLOPs: 64 FLOP/B < 312e12 / 2.039e12 = 153): time = bytes / bandwidth.
+  const AttentionProblem p = square(2048, 64);
+  const cost::Architecture& a100 = cost::gpu_architecture("a100-80gb");
+  const auto passes = cost::standard_forward_passes(p, cost::StandardModel::eager);
+  const cost::Prediction r = cost::predict_standard(p, a100, passes);
+  const double bytes = static_cast<double>(cost::standard_forward(p, cost::StandardModel::eager).traffic.bytes());
+  EXPECT_DOUBLE_EQ(r.memory_bytes, bytes);
+  EXPECT_NEAR(r.seconds, bytes / 2039e9, 1e-12 * r.seconds);
+  EXPECT_EQ(r.bound, "memory");
+  EXPECT_DOUBLE_EQ(r.compute_seconds, cost::work(p).standard_forward / a100.peak_flops(DType::bf16));
+}
+
+TEST(CostModel, L2ServesRestreamedTilesWhenTheyFit) {
+  // A100, 16 heads of N = 1024, d = 64, bf16, 128×128 tiles: 8 Q tiles per head stream its
+  // K and V (256 KiB); 108 SMs hold ceil(108 / 8) = 14 heads, 3.5 MiB: they fit in 40 MiB,
+  // so K and V come from slow memory once per head.
+  const cost::Architecture& a100 = cost::gpu_architecture("a100-40gb");
+  EXPECT_DOUBLE_EQ(a100.l2_bytes, 40.0 * 1024 * 1024);
+  const AttentionProblem p = AttentionProblem::from_sizes(1, 1024, 1024, 16, 16, 64, 64, DType::bf16, {});
+  const cost::TiledAccount f = cost::flash_forward(p, Tiling{128, 128});
+  const cost::CachedTraffic c = cost::cached_traffic(f, a100, "forward");
+  const double head_kv = 1024.0 * 128 * 2;
+  EXPECT_EQ(c.heads_in_flight, 14);
+  EXPECT_DOUBLE_EQ(c.head_bytes, head_kv);
+  EXPECT_TRUE(c.fits);
+  EXPECT_DOUBLE_EQ(c.raw_bytes, static_cast<double>(f.traffic.bytes()));
+  EXPECT_DOUBLE_EQ(c.bytes, c.raw_bytes - 7 * 16 * head_kv);
+  EXPECT_DOUBLE_EQ(cost::predict_forward(p, a100, Tiling{128, 128}, {}).memory_bytes, c.bytes);
+  // Backward: the Q side of a head once (Q, dO in bf16; lse, D, the dQ accumulator read and
+  // written in float32) instead of once per K/V tile.
+  const cost::TiledAccount b = cost::flash_backward(p, Tiling{128, 128});
+  const cost::CachedTraffic cb = cost::cached_traffic(b, a100, "backward");
+  const double head_q = 1024.0 * (128 * 2 + (2 + 2 * 64) * 4);
+  EXPECT_TRUE(cb.fits);
+  EXPECT_DOUBLE_EQ(cb.bytes, cb.raw_bytes - 7 * 16 * head_q);
+  // N = 131072, d = 128: a head's K/V is 64 MiB, more than the L2 even for one head in
+  // flight: every restream from slow memory.
+  const AttentionProblem big = AttentionProblem::from_sizes(1, 131072, 131072, 1, 1, 128, 128, DType::bf16, {});
+  const cost::CachedTraffic r = cost::cached_traffic(cost::flash_forward(big, Tiling{128, 128}), a100, "forward");
+  EXPECT_EQ(r.heads_in_flight, 1);
+  EXPECT_FALSE(r.fits);
+  EXPECT_DOUBLE_EQ(r.bytes, r.raw_bytes);
+  EXPECT_NE(r.assumption.find("exceed"), std::string::npos);
+}
+
 TEST(CostModel, FlashForwardTrafficByHand) {
   // N = 4096, d = 64, Br = M/d = 512 for M = 32768, Bc = 128: 8 Q tiles each stream all
   // of K and V: 8·4096·(64 + 64) elements; Q and O once (4096·64 each), lse once.

@@ -21,6 +21,8 @@ struct ExplainFlags {
   std::string arch = "h100";
   std::optional<double> sram_elements;
   std::vector<std::int64_t> tile;  // BR BC
+  std::string standard = "minimal";  // cost::StandardModel by name
+  float dropout_p = 0.0f;
   bool measure = false;
   bool json = false;
   int repeats = 3;
@@ -32,7 +34,11 @@ struct Account {
   cost::Tiling forward_tiling, backward_tiling;
   double sram_elements = 0.0;
   cost::Work work;
+  cost::StandardModel standard_model = cost::StandardModel::minimal;
+  std::vector<cost::Pass> standard_fwd_passes, standard_bwd_passes;
   cost::TiledAccount standard_fwd, standard_bwd, flash_fwd, flash_bwd;
+  cost::CachedTraffic cached_fwd, cached_bwd;  // the tiled traffic with the L2
+  cost::Prediction predicted_std_fwd, predicted_std_bwd;
   cost::ThetaForms theta;
   cost::UnitCycles table_fwd, table_bwd;
   cost::Prediction predicted_fwd, predicted_bwd;
@@ -51,10 +57,17 @@ Account make_account(const ExplainFlags& f, const AttentionProblem& p, const Att
   a.sram_elements = f.sram_elements.value_or(a.arch.smem_bytes /
                                               (a.arch.cpu ? 4.0 : static_cast<double>(dtype_size(p.dtype))));
   a.work = cost::work(p);
-  a.standard_fwd = cost::standard_forward(p);
-  a.standard_bwd = cost::standard_backward(p);
+  a.standard_model = cost::parse_standard_model(f.standard);
+  a.standard_fwd_passes = cost::standard_forward_passes(p, a.standard_model);
+  a.standard_bwd_passes = cost::standard_backward_passes(p, a.standard_model);
+  a.standard_fwd = cost::standard_forward(p, a.standard_model);
+  a.standard_bwd = cost::standard_backward(p, a.standard_model);
   a.flash_fwd = cost::flash_forward(p, a.forward_tiling);
   a.flash_bwd = cost::flash_backward(p, a.backward_tiling);
+  a.cached_fwd = cost::cached_traffic(a.flash_fwd, a.arch, "forward");
+  a.cached_bwd = cost::cached_traffic(a.flash_bwd, a.arch, "backward");
+  a.predicted_std_fwd = cost::predict_standard(p, a.arch, a.standard_fwd_passes);
+  a.predicted_std_bwd = cost::predict_standard(p, a.arch, a.standard_bwd_passes);
   a.theta = cost::theta_forms(p, a.sram_elements);
   const cost::TileOptions plain{p.dtype};
   a.table_fwd = cost::forward_tile_cycles(a.arch, kTableTile, kTableTile, p.head_dim, p.head_dim_v, plain);
@@ -66,6 +79,33 @@ Account make_account(const ExplainFlags& f, const AttentionProblem& p, const Att
 
 nlohmann::json tiling_json(const cost::Tiling& t) {
   return {{"block_q", t.block_q}, {"block_k", t.block_k}, {"splits", t.splits}, {"decode", t.decode}};
+}
+
+// `text` padded with spaces to `width` characters (UTF-8 code points, as a terminal shows them).
+std::string padded(const std::string& text, std::size_t width) {
+  std::size_t chars = 0;
+  for (const char c : text) chars += (static_cast<unsigned char>(c) & 0xC0) != 0x80;
+  return text + std::string(width > chars ? width - chars : 0, ' ');
+}
+
+nlohmann::json passes_json(const std::vector<cost::Pass>& passes) {
+  nlohmann::json j = nlohmann::json::array();
+  for (const cost::Pass& k : passes)
+    j.push_back({{"name", k.name}, {"bytes", k.traffic.bytes()}, {"flops", k.flops}, {"traffic", traffic_json(k.traffic)}});
+  return j;
+}
+
+nlohmann::json cache_json(const cost::CachedTraffic& c) {
+  return {{"bytes", c.bytes},       {"raw_bytes", c.raw_bytes},   {"head_bytes", c.head_bytes},
+          {"heads_in_flight", c.heads_in_flight}, {"l2_bytes", c.l2_bytes}, {"fits", c.fits},
+          {"assumption", c.assumption}};
+}
+
+double flash_ms(const Account& a) { return (a.predicted_fwd.seconds + a.predicted_bwd.seconds) * 1e3; }
+double standard_ms(const Account& a) { return (a.predicted_std_fwd.seconds + a.predicted_std_bwd.seconds) * 1e3; }
+double flash_bytes(const Account& a) { return a.cached_fwd.bytes + a.cached_bwd.bytes; }
+double standard_bytes(const Account& a) {
+  return static_cast<double>(a.standard_fwd.traffic.bytes() + a.standard_bwd.traffic.bytes());
 }
 
 nlohmann::json tiles_json(const cost::TiledAccount& a) {
@@ -142,14 +182,20 @@ nlohmann::json to_json(const Account& a, const std::optional<Measured>& m) {
                 {"exp_forward", w.exp_forward}, {"exp_backward", w.exp_backward},
                 {"exp_standard_forward", w.exp_standard_forward}, {"visible_pairs", w.visible_pairs}};
   j["traffic"] = {
+      {"standard_model", cost::to_string(a.standard_model)},
       {"standard_bytes", a.standard_fwd.traffic.bytes() + a.standard_bwd.traffic.bytes()},
-      {"flash_bytes", a.flash_fwd.traffic.bytes() + a.flash_bwd.traffic.bytes()},
+      {"flash_bytes", flash_bytes(a)},
+      {"flash_raw_bytes", a.flash_fwd.traffic.bytes() + a.flash_bwd.traffic.bytes()},
       {"standard_elements", a.standard_fwd.traffic.elements() + a.standard_bwd.traffic.elements()},
       {"flash_elements", a.flash_fwd.traffic.elements() + a.flash_bwd.traffic.elements()},
       {"forward", {{"standard", traffic_json(a.standard_fwd.traffic)}, {"flash", traffic_json(a.flash_fwd.traffic)},
-                   {"standard_bytes", a.standard_fwd.traffic.bytes()}, {"flash_bytes", a.flash_fwd.traffic.bytes()}}},
+                   {"standard_passes", passes_json(a.standard_fwd_passes)},
+                   {"standard_bytes", a.standard_fwd.traffic.bytes()}, {"flash_bytes", a.cached_fwd.bytes},
+                   {"flash_raw_bytes", a.flash_fwd.traffic.bytes()}, {"cache", cache_json(a.cached_fwd)}}},
       {"backward", {{"standard", traffic_json(a.standard_bwd.traffic)}, {"flash", traffic_json(a.flash_bwd.traffic)},
-                    {"standard_bytes", a.standard_bwd.traffic.bytes()}, {"flash_bytes", a.flash_bwd.traffic.bytes()}}},
+                    {"standard_passes", passes_json(a.standard_bwd_passes)},
+                    {"standard_bytes", a.standard_bwd.traffic.bytes()}, {"flash_bytes", a.cached_bwd.bytes},
+                    {"flash_raw_bytes", a.flash_bwd.traffic.bytes()}, {"cache", cache_json(a.cached_bwd)}}},
       {"theta_standard", a.theta.standard},
       {"theta_flash", a.theta.flash},
       {"theta_ratio", a.theta.ratio},
@@ -170,6 +216,16 @@ nlohmann::json to_json(const Account& a, const std::optional<Measured>& m) {
   j["prediction"] = {{"forward", prediction_json(a.predicted_fwd)},
                      {"backward", prediction_json(a.predicted_bwd)},
                      {"assumptions", a.predicted_fwd.assumptions}};
+  j["predicted"] = {{"standard_ms", standard_ms(a)},
+                    {"flash_ms", flash_ms(a)},
+                    {"speedup", standard_ms(a) / flash_ms(a)},
+                    {"standard_model", cost::to_string(a.standard_model)},
+                    {"standard", {{"forward", prediction_json(a.predicted_std_fwd)},
+                                  {"backward", prediction_json(a.predicted_std_bwd)},
+                                  {"assumptions", a.predicted_std_fwd.assumptions}}},
+                    {"flash", {{"forward", prediction_json(a.predicted_fwd)},
+                               {"backward", prediction_json(a.predicted_bwd)},
+                               {"assumptions", a.predicted_fwd.assumptions}}}};
   if (m) {
     const ModelCounters model = model_counters(m->model_fwd, m->model_bwd, m->run.forward_plan.splits > 1);
     j["measured"] = {{"forward_plan", m->run.forward_plan.describe()},
@@ -209,14 +265,23 @@ void print_text(const Account& a, const std::optional<Measured>& m) {
   std::printf("  forward, standard          %14.4g      %14.4g\n", w.standard_forward, w.exp_standard_forward);
   std::printf("  backward, standard         %14.4g      %14s   (from the stored P)\n\n", w.standard_backward, "0");
 
-  std::printf("Traffic, slow <-> fast memory      standard           tiled   tiled/standard\n");
-  const auto row = [](const char* name, const cost::TiledAccount& s, const cost::TiledAccount& t) {
-    std::printf("  %-26s %15s %15s   %8.4f\n", name, human_bytes(static_cast<double>(s.traffic.bytes())).c_str(),
-                human_bytes(static_cast<double>(t.traffic.bytes())).c_str(),
-                static_cast<double>(t.traffic.bytes()) / static_cast<double>(std::max<std::int64_t>(1, s.traffic.bytes())));
+  std::printf("Traffic, slow <-> fast memory   standard (%s)    tiled (L2)   tiled (raw)   standard/tiled\n",
+              cost::to_string(a.standard_model).c_str());
+  const auto row = [](const char* name, double standard, double tiled, double raw) {
+    std::printf("  %-26s %15s %13s %13s   %8.2f\n", name, human_bytes(standard).c_str(), human_bytes(tiled).c_str(),
+                human_bytes(raw).c_str(), standard / std::max(1.0, tiled));
   };
-  row("forward", a.standard_fwd, a.flash_fwd);
-  row("backward", a.standard_bwd, a.flash_bwd);
+  row("forward", static_cast<double>(a.standard_fwd.traffic.bytes()), a.cached_fwd.bytes, a.cached_fwd.raw_bytes);
+  row("backward", static_cast<double>(a.standard_bwd.traffic.bytes()), a.cached_bwd.bytes, a.cached_bwd.raw_bytes);
+  row("forward + backward", standard_bytes(a), flash_bytes(a), a.cached_fwd.raw_bytes + a.cached_bwd.raw_bytes);
+  std::printf("  L2 (tiled): %s\n              %s\n", a.cached_fwd.assumption.c_str(), a.cached_bwd.assumption.c_str());
+  std::printf("  standard passes (%s), one kernel each:\n", cost::to_string(a.standard_model).c_str());
+  for (const auto& [pass, passes] : {std::pair{"forward", &a.standard_fwd_passes}, std::pair{"backward", &a.standard_bwd_passes}})
+    for (const cost::Pass& k : *passes) {
+      std::printf("    %-9s %s %12s", pass, padded(k.name, 34).c_str(), human_bytes(static_cast<double>(k.traffic.bytes())).c_str());
+      if (k.flops > 0.0) std::printf("  %10.4g FLOPs", k.flops);
+      std::printf("\n");
+    }
   std::printf("  exact elements: standard %lld + %lld, tiled %lld + %lld\n",
               static_cast<long long>(a.standard_fwd.traffic.elements()), static_cast<long long>(a.standard_bwd.traffic.elements()),
               static_cast<long long>(a.flash_fwd.traffic.elements()), static_cast<long long>(a.flash_bwd.traffic.elements()));
@@ -241,8 +306,17 @@ void print_text(const Account& a, const std::optional<Measured>& m) {
     std::printf("  %-9s %10.4g ms  %10.4g GFLOP/s  %5.1f%% of peak  bound by %s (compute %.4g ms, memory %.4g ms)\n",
                 name, r->seconds * 1e3, r->tflops * 1e3, 100.0 * r->utilisation, r->bound.c_str(),
                 r->compute_seconds * 1e3, r->memory_seconds * 1e3);
-  std::printf("  assumptions:\n");
+  for (const auto& [name, r] : {std::pair{"standard forward", &a.predicted_std_fwd},
+                                std::pair{"standard backward", &a.predicted_std_bwd}})
+    std::printf("  %-18s %10.4g ms  bound by %s (matrix products %.4g ms, memory %.4g ms, passes added)\n", name,
+                r->seconds * 1e3, r->bound.c_str(), r->compute_seconds * 1e3, r->memory_seconds * 1e3);
+  std::printf("  forward + backward: standard (%s) %.4g ms, tiled %.4g ms: %.2fx\n",
+              cost::to_string(a.standard_model).c_str(), standard_ms(a), flash_ms(a), standard_ms(a) / flash_ms(a));
+  std::printf("  assumptions (tiled):\n");
   for (const std::string& s : a.predicted_fwd.assumptions) std::printf("   - %s\n", s.c_str());
+  std::printf("   - %s\n", a.cached_bwd.assumption.c_str());
+  std::printf("  assumptions (standard):\n");
+  for (const std::string& s : a.predicted_std_fwd.assumptions) std::printf("   - %s\n", s.c_str());
   if (!m) return;
 
   std::printf("\nMeasured on this CPU (counters on) — %s\n", m->run.forward_plan.describe().c_str());
@@ -294,6 +368,13 @@ void register_explain(CLI::App& app) {
                   "fast-memory size M of the Θ-form (default: shared memory per SM, or L2 per core)");
   cmd->add_option("--tile", flags->tile, "tile BR BC of the model (GPU; with --measure, BR also sets the CPU's Q tile)")
       ->expected(2);
+  cmd->add_option("--dropout-p", flags->dropout_p,
+                  "dropout probability on the attention weights (eager: its kernels and keep mask; tiled: "
+                  "regenerated from the seed, no traffic)");
+  cmd->add_option("--standard", flags->standard,
+                  "standard attention's model: minimal (S and P written and read once each) or eager (one kernel "
+                  "per step, as PyTorch's eager code)")
+      ->capture_default_str()->check(CLI::IsMember({"minimal", "eager"}));
   cmd->add_flag("--measure", flags->measure, "run the CPU kernels with counters and show them beside the model");
   cmd->add_option("--repeats", flags->repeats, "timed runs of --measure (median)")->capture_default_str();
   cmd->add_flag("--json", flags->json, "machine-readable output");
@@ -303,6 +384,7 @@ void register_explain(CLI::App& app) {
       throw Error("--tile: BR and BC must be >= 1, got " + std::to_string(f.tile[0]) + " " + std::to_string(f.tile[1]));
     AttentionOptions options = f.shape.options();
     if (!f.window_size.empty()) options.window_size = {f.window_size[0], f.window_size[1]};
+    options.dropout_p = f.dropout_p;
     if (!f.tile.empty()) options.block_q = f.tile[0];
     const AttentionProblem p = f.shape.problem(options);
     const Account a = make_account(f, p, options);
