@@ -11,10 +11,32 @@ trap 'rm -rf "$work"' EXIT
   --window-size 50 10 --no-causal --arch cpu --threads 2 --measure --repeats 1 --json > "$work/cpu.json"
 "$cli" explain --seqlen 300 --heads 2 --dim 64 --arch b200 --standard eager --dropout-p 0.1 --json > "$work/eager.json"
 "$cli" explain --seqlen 256 --heads 1 --dim 32 --arch a100 > "$work/text.txt"
+# The first paper's GPT-2 medium table: each ratio within ±25% of the paper's figures
+# (66.6 / 75.2 GFLOPs, 40.3 / 4.4 GB, 41.7 / 7.3 ms); the preset refuses flags that change it.
+"$cli" explain --preset gpt2-medium --json > "$work/gpt2.json"
+"$cli" explain --preset gpt2-medium > "$work/gpt2.txt"
+grep -q "^  HBM reads + writes, GB (standard / flash) *40.3 *4.4 *9.16 " "$work/gpt2.txt"
+if "$cli" explain --preset gpt2-medium --batch 8 2> "$work/err.txt"; then exit 1; fi
+grep -q "sets the paper's problem; drop --batch" "$work/err.txt"
+python3 - "$work/gpt2.json" <<'PY'
+import json, sys
+j = json.load(open(sys.argv[1]))
+p = j["problem"]
+assert (p["batch"], p["seqlen_q"], p["heads_q"], p["head_dim"], p["dtype"], p["causal"]) == (64, 1024, 16, 64, "f16", False), p
+assert j["arch"]["name"] == "a100-40gb"
+f, t, pr = j["flops"], j["traffic"], j["predicted"]
+model = [(f["forward"] + f["backward"]) / (f["standard_forward"] + f["standard_backward"]),
+         t["standard_bytes"] / t["flash_bytes"], pr["standard_ms"] / pr["flash_ms"]]
+paper = [75.2 / 66.6, 40.3 / 4.4, 41.7 / 7.3]
+for m, b in zip(model, paper):
+    assert abs(m / b - 1) <= 0.25, (model, paper)
+assert [r["within_tolerance"] for r in j["preset"]["rows"]] == [True, True, True], j["preset"]
+PY
 grep -q "Cycles per 128x128x32 tile" "$work/text.txt"
 # Non-causal by default, as upstream; the header line states it.
 grep -q "^flashattn explain: batch=1 .* causal=false " "$work/text.txt"
-"$cli" explain --seqlen 256 --heads 1 --dim 32 --arch a100 --causal | grep -q "^flashattn explain: .* causal=true "
+"$cli" explain --seqlen 256 --heads 1 --dim 32 --arch a100 --causal > "$work/causal.txt"
+grep -q "^flashattn explain: .* causal=true " "$work/causal.txt"
 python3 - "$work/gpu.json" "$work/cpu.json" <<'PY'
 import json, sys
 for path in sys.argv[1:]:

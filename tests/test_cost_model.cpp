@@ -121,6 +121,34 @@ TEST(CostModel, L2ServesRestreamedTilesWhenTheyFit) {
   EXPECT_NE(r.assumption.find("exceed"), std::string::npos);
 }
 
+TEST(CostModel, Gpt2MediumReproducesThePaper) {
+  // Dao et al. 2022, Figure 2 left: GPT-2 medium attention (batch 64, N = 1024, 16 heads,
+  // d = 64, fp16, dropout, not causal) forward + backward on an A100 40 GB. The paper
+  // measured standard / FlashAttention: 66.6 / 75.2 GFLOPs, 40.3 / 4.4 GB of HBM traffic,
+  // 41.7 / 7.3 ms. The model (minimal standard, 128×128 tiles, the L2 rule) must give each
+  // ratio within ±25% of the paper's.
+  AttentionOptions o;
+  o.dropout_p = 0.1f;
+  const AttentionProblem p = AttentionProblem::from_sizes(64, 1024, 1024, 16, 16, 64, 64, DType::f16, o);
+  const cost::Architecture& a100 = cost::gpu_architecture("a100-40gb");
+  const Tiling t{128, 128};
+  const cost::Work w = cost::work(p);
+  const double flops_ratio = (w.forward + w.backward) / (w.standard_forward + w.standard_backward);
+  const double standard_bytes = static_cast<double>(cost::standard_forward(p, cost::StandardModel::minimal).traffic.bytes() +
+                                                    cost::standard_backward(p, cost::StandardModel::minimal).traffic.bytes());
+  const double flash_bytes = cost::cached_traffic(cost::flash_forward(p, t), a100, "forward").bytes +
+                             cost::cached_traffic(cost::flash_backward(p, t), a100, "backward").bytes;
+  const double standard_s =
+      cost::predict_standard(p, a100, cost::standard_forward_passes(p, cost::StandardModel::minimal)).seconds +
+      cost::predict_standard(p, a100, cost::standard_backward_passes(p, cost::StandardModel::minimal)).seconds;
+  const double flash_s = cost::predict_forward(p, a100, t, {DType::f16}).seconds +
+                         cost::predict_backward(p, a100, t, {DType::f16}).seconds;
+  const auto within = [](double model, double paper) { return std::fabs(model / paper - 1.0) <= 0.25; };
+  EXPECT_TRUE(within(flops_ratio, 75.2 / 66.6)) << flops_ratio;
+  EXPECT_TRUE(within(standard_bytes / flash_bytes, 40.3 / 4.4)) << standard_bytes / flash_bytes;
+  EXPECT_TRUE(within(standard_s / flash_s, 41.7 / 7.3)) << standard_s / flash_s;
+}
+
 TEST(CostModel, FlashForwardTrafficByHand) {
   // N = 4096, d = 64, Br = M/d = 512 for M = 32768, Bc = 128: 8 Q tiles each stream all
   // of K and V: 8·4096·(64 + 64) elements; Q and O once (4096·64 each), lse once.

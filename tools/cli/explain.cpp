@@ -3,6 +3,7 @@
 // architecture, predicted time; with --measure, the CPU kernel's counters beside the
 // model's exact counts for the tiles it ran.
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <iostream>
 #include <memory>
@@ -23,10 +24,46 @@ struct ExplainFlags {
   std::vector<std::int64_t> tile;  // BR BC
   std::string standard = "minimal";  // cost::StandardModel by name
   float dropout_p = 0.0f;
+  std::string preset;  // "" or a name of kPresets
   bool measure = false;
   bool json = false;
   int repeats = 3;
 };
+
+// A problem from a paper, with the paper's figures of standard attention and FlashAttention
+// beside which `explain --preset` prints the model's.
+struct PaperFigures {
+  double standard_gflops, flash_gflops;  // forward + backward
+  double standard_gb, flash_gb;          // HBM reads + writes
+  double standard_ms, flash_ms;          // runtime, forward + backward
+};
+struct Preset {
+  const char* name;
+  const char* source;
+  std::int64_t batch, seqlen, heads, dim;
+  const char* dtype;
+  const char* arch;
+  float dropout_p;
+  PaperFigures paper;
+};
+
+// Dao et al. 2022 (FlashAttention), Figure 2 left: GPT-2 medium attention, "seq. length 1024,
+// head dim. 64, 16 heads, batch size 64) on A100 GPU", forward + backward. The paper's
+// benchmarks (§4.3) run on "one A100 GPU with 40 GB HBM, with dropout and a padding mask";
+// GPT-2's attention dropout is 0.1, its training precision fp16. Not causal: the tiled side
+// computes more FLOPs than the standard one (75.2 against 66.6), so no tile was skipped.
+constexpr Preset kPresets[] = {
+    {"gpt2-medium", "Dao et al. 2022, FlashAttention, Figure 2 (left)", 64, 1024, 16, 64, "f16", "a100-40gb", 0.1f,
+     {66.6, 75.2, 40.3, 4.4, 41.7, 7.3}},
+};
+// The tolerance of the preset's comparison: each ratio within ±25% of the paper's.
+constexpr double kPresetTolerance = 0.25;
+
+const Preset& preset_by_name(const std::string& name) {
+  for (const Preset& p : kPresets)
+    if (name == p.name) return p;
+  throw Error("--preset: unknown preset '" + name + "' (known: gpt2-medium)");
+}
 
 struct Account {
   AttentionProblem problem;
@@ -42,6 +79,7 @@ struct Account {
   cost::ThetaForms theta;
   cost::UnitCycles table_fwd, table_bwd;
   cost::Prediction predicted_fwd, predicted_bwd;
+  const Preset* preset = nullptr;
 };
 
 Account make_account(const ExplainFlags& f, const AttentionProblem& p, const AttentionOptions& options) {
@@ -106,6 +144,25 @@ double standard_ms(const Account& a) { return (a.predicted_std_fwd.seconds + a.p
 double flash_bytes(const Account& a) { return a.cached_fwd.bytes + a.cached_bwd.bytes; }
 double standard_bytes(const Account& a) {
   return static_cast<double>(a.standard_fwd.traffic.bytes() + a.standard_bwd.traffic.bytes());
+}
+
+// The preset's three rows: the paper's figures and ratios beside the model's.
+struct PresetRow {
+  const char* name;
+  double paper_standard, paper_flash, model_standard, model_flash;
+  bool flash_over_standard;  // the ratio is flash / standard (FLOPs), else standard / flash
+  double paper_ratio() const { return flash_over_standard ? paper_flash / paper_standard : paper_standard / paper_flash; }
+  double model_ratio() const { return flash_over_standard ? model_flash / model_standard : model_standard / model_flash; }
+  bool within() const { return std::fabs(model_ratio() / paper_ratio() - 1.0) <= kPresetTolerance; }
+};
+std::vector<PresetRow> preset_rows(const Account& a) {
+  const PaperFigures& b = a.preset->paper;
+  const cost::Work& w = a.work;
+  return {{"GFLOPs (flash / standard)", b.standard_gflops, b.flash_gflops, (w.standard_forward + w.standard_backward) * 1e-9,
+           (w.forward + w.backward) * 1e-9, true},
+          {"HBM reads + writes, GB (standard / flash)", b.standard_gb, b.flash_gb, standard_bytes(a) * 1e-9,
+           flash_bytes(a) * 1e-9, false},
+          {"runtime, ms (speedup)", b.standard_ms, b.flash_ms, standard_ms(a), flash_ms(a), false}};
 }
 
 nlohmann::json tiles_json(const cost::TiledAccount& a) {
@@ -226,6 +283,14 @@ nlohmann::json to_json(const Account& a, const std::optional<Measured>& m) {
                     {"flash", {{"forward", prediction_json(a.predicted_fwd)},
                                {"backward", prediction_json(a.predicted_bwd)},
                                {"assumptions", a.predicted_fwd.assumptions}}}};
+  if (a.preset) {
+    nlohmann::json rows = nlohmann::json::array();
+    for (const PresetRow& r : preset_rows(a))
+      rows.push_back({{"name", r.name}, {"paper", {r.paper_standard, r.paper_flash}},
+                      {"model", {r.model_standard, r.model_flash}}, {"paper_ratio", r.paper_ratio()},
+                      {"model_ratio", r.model_ratio()}, {"within_tolerance", r.within()}});
+    j["preset"] = {{"name", a.preset->name}, {"source", a.preset->source}, {"tolerance", kPresetTolerance}, {"rows", rows}};
+  }
   if (m) {
     const ModelCounters model = model_counters(m->model_fwd, m->model_bwd, m->run.forward_plan.splits > 1);
     j["measured"] = {{"forward_plan", m->run.forward_plan.describe()},
@@ -246,10 +311,30 @@ void print_cycles_row(const char* pass, const std::string& variant, const cost::
               c.bottleneck().c_str());
 }
 
+void print_preset(const Account& a) {
+  std::printf("\nThe paper beside the model (--preset %s: %s)\n", a.preset->name, a.preset->source);
+  std::printf("  %-42s %10s %10s %8s   %10s %10s %8s   %s\n", "forward + backward", "standard", "flash", "ratio",
+              "standard", "flash", "ratio", "within ±25%");
+  std::printf("  %-42s %30s   %30s\n", "", "--- paper (measured) ---",
+              ("--- model (standard " + cost::to_string(a.standard_model) + ") ---").c_str());
+  for (const PresetRow& r : preset_rows(a))
+    std::printf("  %-42s %10.1f %10.1f %8.2f   %10.1f %10.1f %8.2f   %s\n", r.name, r.paper_standard, r.paper_flash,
+                r.paper_ratio(), r.model_standard, r.model_flash, r.model_ratio(), r.within() ? "yes" : "no");
+  std::printf("  The ratios compare; the absolute figures differ. The paper does not state how it counts\n"
+              "  FLOPs (the model counts 2 per multiply-add of every product); its bytes and times were\n"
+              "  measured on FlashAttention-1, while the model is a roofline at the table's peak rates of\n"
+              "  FlashAttention-2's loop order.\n");
+  if (a.standard_model == cost::StandardModel::eager)
+    std::printf("  With --standard eager the standard side counts the paper's kernels one by one; beside the\n"
+                "  tiled roofline (which moves and takes less than FlashAttention-1 measured) its ratios overshoot.\n");
+}
+
 void print_text(const Account& a, const std::optional<Measured>& m) {
   const AttentionProblem& p = a.problem;
   const cost::Work& w = a.work;
   std::printf("flashattn explain: %s\n", p.describe().c_str());
+  if (a.preset)
+    std::printf("preset %s: the problem of %s, on %s\n", a.preset->name, a.preset->source, a.preset->arch);
   std::printf("architecture: %s — %d %s at %.3f GHz\n  source: %s\n", a.arch.description.c_str(), a.arch.units,
               a.arch.cpu ? "cores" : "SMs", a.arch.clock_ghz, a.arch.source.c_str());
   std::printf("tiles: forward Br=%lld Bc=%lld%s, backward Br=%lld Bc=%lld; fast memory M = %.0f elements\n\n",
@@ -317,6 +402,7 @@ void print_text(const Account& a, const std::optional<Measured>& m) {
   std::printf("   - %s\n", a.cached_bwd.assumption.c_str());
   std::printf("  assumptions (standard):\n");
   for (const std::string& s : a.predicted_std_fwd.assumptions) std::printf("   - %s\n", s.c_str());
+  if (a.preset) print_preset(a);
   if (!m) return;
 
   std::printf("\nMeasured on this CPU (counters on) — %s\n", m->run.forward_plan.describe().c_str());
@@ -371,6 +457,10 @@ void register_explain(CLI::App& app) {
   cmd->add_option("--dropout-p", flags->dropout_p,
                   "dropout probability on the attention weights (eager: its kernels and keep mask; tiled: "
                   "regenerated from the seed, no traffic)");
+  cmd->add_option("--preset", flags->preset,
+                  "gpt2-medium: the first FlashAttention paper's GPT-2 medium attention on an A100 (batch 64, seqlen "
+                  "1024, 16 heads, dim 64, f16, dropout 0.1, not causal), its figures beside the model's")
+      ->check(CLI::IsMember({"gpt2-medium"}));
   cmd->add_option("--standard", flags->standard,
                   "standard attention's model: minimal (S and P written and read once each) or eager (one kernel "
                   "per step, as PyTorch's eager code)")
@@ -378,7 +468,25 @@ void register_explain(CLI::App& app) {
   cmd->add_flag("--measure", flags->measure, "run the CPU kernels with counters and show them beside the model");
   cmd->add_option("--repeats", flags->repeats, "timed runs of --measure (median)")->capture_default_str();
   cmd->add_flag("--json", flags->json, "machine-readable output");
-  cmd->callback([flags] {
+  cmd->callback([flags, cmd] {
+    if (!flags->preset.empty()) {
+      // The preset is the paper's problem: flags that would change it are refused, not mixed in.
+      for (const char* name : {"--batch", "--seqlen", "--seqlen-q", "--seqlen-k", "--heads", "--heads-kv", "--dim",
+                               "--dim-v", "--dtype", "--causal", "--arch", "--dropout-p", "--window-size", "--tile",
+                               "--sram-elements", "--measure"})
+        if (cmd->count(name) > 0)
+          throw Error(std::string("--preset ") + flags->preset + " sets the paper's problem; drop " + name);
+      const Preset& pr = preset_by_name(flags->preset);
+      ShapeFlags& s = flags->shape;
+      s.batch = pr.batch;
+      s.seqlen = pr.seqlen;
+      s.heads = pr.heads;
+      s.dim = pr.dim;
+      s.dtype = pr.dtype;
+      s.causal = false;
+      flags->arch = pr.arch;
+      flags->dropout_p = pr.dropout_p;
+    }
     const ExplainFlags& f = *flags;
     if (!f.tile.empty() && (f.tile[0] < 1 || f.tile[1] < 1))
       throw Error("--tile: BR and BC must be >= 1, got " + std::to_string(f.tile[0]) + " " + std::to_string(f.tile[1]));
@@ -387,7 +495,8 @@ void register_explain(CLI::App& app) {
     options.dropout_p = f.dropout_p;
     if (!f.tile.empty()) options.block_q = f.tile[0];
     const AttentionProblem p = f.shape.problem(options);
-    const Account a = make_account(f, p, options);
+    Account a = make_account(f, p, options);
+    if (!f.preset.empty()) a.preset = &preset_by_name(f.preset);
     std::optional<Measured> m;
     if (f.measure) m = measure(f, p, options, a);
     if (f.json) {
