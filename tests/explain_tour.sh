@@ -84,8 +84,8 @@ for p in ["forward", "backward"]:
     assert m[p]["tiles_computed"] > 0 and m[p]["tiles_skipped"] > 0  # the window skips tiles
 PY
 
-"$cli" tour --max-seqlen 256 --dim 32 --heads 1 --repeats 1 --threads 2 --out "$work/figures" > "$work/tour.txt"
-grep -q "^problems: batch=1 heads=1 head_dim=32 dtype=f32 causal=false seqlen=256..256" "$work/tour.txt"
+"$cli" tour --max-seqlen 512 --dim 32 --heads 1 --repeats 1 --threads 2 --out "$work/figures" > "$work/tour.txt"
+grep -q "^problems: batch=1 heads=1 head_dim=32 dtype=f32 causal=false seqlen=256..512" "$work/tour.txt"
 for chapter in "== 1. " "== 2. " "== 3. " "== 4. " "== 5. "; do grep -q "$chapter" "$work/tour.txt"; done
 grep -q "Not here yet: a switch to turn packing or software prefetch off" "$work/tour.txt"
 python3 - "$work/tour.txt" <<'PY'
@@ -129,4 +129,62 @@ assert names == ["gflops_vs_threads.svg", "memory_vs_n.svg", "traffic_vs_n.svg",
 for n in names:
     root = ET.parse(os.path.join(sys.argv[1], n)).getroot()
     assert root.tag.endswith("svg") and len(root) > 5, n
+    texts = [t.text or "" for t in root.iter() if t.tag.endswith("text")]
+    # Tick labels are the data's values, bytes in binary units: never 1.9e+07 or 588.1.
+    assert not any("e+" in t or "e-" in t for t in texts), (n, texts)
+    if n in ("traffic_vs_n.svg", "memory_vs_n.svg"):
+        assert any(t.endswith("KiB") or t.endswith("MiB") for t in texts), (n, texts)
+# The counted tiled traffic equals the model's: the legend says the lines coincide.
+for n, note in [("traffic_vs_n.svg", "= tiled (model) (same line)"), ("traffic_vs_tile.svg", "= K+V model (same line)")]:
+    root = ET.parse(os.path.join(sys.argv[1], n)).getroot()
+    assert note in [t.text for t in root.iter() if t.tag.endswith("text")], n
+PY
+# Every figure rendered to PNG (rsvg-convert, Debian's librsvg2-bin): the canvas's size, and
+# ink on it — text, axes and the data's colored lines or bars.
+if ! command -v rsvg-convert > /dev/null; then
+  echo "SKIPPED: the PNG check of the figures needs rsvg-convert (Debian package librsvg2-bin)" >&2
+  exit 77
+fi
+for svg in "$work"/figures/*.svg; do rsvg-convert "$svg" -o "${svg%.svg}.png"; done
+python3 - "$work"/figures/*.png <<'PY'
+import struct, sys, zlib
+
+def decode(path):  # 8-bit RGB(A) PNG -> (width, height, bytes per pixel, unfiltered rows)
+    data = open(path, "rb").read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", path
+    pos, idat, ihdr = 8, b"", None
+    while pos < len(data):
+        n, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        if kind == b"IHDR":
+            ihdr = struct.unpack(">IIBBBBB", data[pos + 8:pos + 8 + n])
+        elif kind == b"IDAT":
+            idat += data[pos + 8:pos + 8 + n]
+        pos += 12 + n
+    w, h, depth, ctype = ihdr[:4]
+    assert depth == 8 and ctype in (2, 6), (path, ihdr)
+    bpp = 3 if ctype == 2 else 4
+    raw, stride, prev, rows = zlib.decompress(idat), w * bpp, bytearray(w * bpp), []
+    for r in range(h):
+        f, line = raw[r * (stride + 1)], bytearray(raw[r * (stride + 1) + 1:(r + 1) * (stride + 1)])
+        for i in range(stride):
+            a = line[i - bpp] if i >= bpp else 0
+            b, c = prev[i], (prev[i - bpp] if i >= bpp else 0)
+            if f == 1: line[i] = (line[i] + a) & 255
+            elif f == 2: line[i] = (line[i] + b) & 255
+            elif f == 3: line[i] = (line[i] + (a + b) // 2) & 255
+            elif f == 4:
+                p = a + b - c
+                pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
+                line[i] = (line[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
+        rows.append(bytes(line))
+        prev = line
+    return w, h, bpp, rows
+
+for path in sys.argv[1:]:
+    w, h, bpp, rows = decode(path)
+    assert w == 720 and h >= 440, (path, w, h)
+    px = [row[i:i + 3] for row in rows for i in range(0, len(row), bpp)]
+    ink = sum(p != b"\xff\xff\xff" for p in px) / len(px)
+    colored = sum(max(p) - min(p) > 60 for p in px) / len(px)
+    assert 0.01 < ink < 0.6 and colored > 0.002, (path, ink, colored)
 PY

@@ -118,9 +118,13 @@ std::vector<SizePoint> chapter_standard(const TourFlags& f) {
     memory[1].y.push_back(s.flash_workspace_bytes);
   }
   figure(f, "traffic_vs_n.svg",
-         svg::line_chart({"Forward traffic between memory and the core", "sequence length N", "bytes", true, true}, traffic));
+         svg::line_chart({"Forward traffic between memory and the core", "sequence length N", "bytes", true, true,
+                          svg::Unit::number, svg::Unit::bytes},
+                         traffic));
   figure(f, "memory_vs_n.svg",
-         svg::line_chart({"Extra memory of a forward pass", "sequence length N", "bytes", true, true}, memory));
+         svg::line_chart({"Extra memory of a forward pass", "sequence length N", "bytes", true, true, svg::Unit::number,
+                          svg::Unit::bytes},
+                         memory));
   return points;
 }
 
@@ -196,7 +200,9 @@ void chapter_tiling(const TourFlags& f, const std::vector<SizePoint>& sizes) {
     kv[1].y.push_back(static_cast<double>(t.counted_kv));
   }
   figure(f, "traffic_vs_tile.svg",
-         svg::line_chart({"K/V elements streamed against fast memory M", "M = Br·d (elements)", "elements", true, true}, kv));
+         svg::line_chart({"K/V elements streamed against fast memory M", "M = Br·d (elements)", "elements", true, true,
+                          svg::Unit::number, svg::Unit::binary},
+                         kv));
 
   std::printf("\n  Memory flat in N: the tiled workspace is per thread and per tile, the standard one N²:\n");
   for (const SizePoint& s : sizes)
