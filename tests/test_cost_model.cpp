@@ -393,6 +393,46 @@ TEST(CostModel, BlockQOverrideKeepsTheResult) {
   EXPECT_THROW(forward(q.view(), k.view(), v.view(), o), Error);
 }
 
+TEST(CostModel, KernelSwitchesKeepTheResultAndChangeTheCounters) {
+  // The measurement switches change what the kernel re-does, not its arithmetic: the output
+  // is bit-identical. With K/V packing reuse off every Q tile packs the K/V it streams, so
+  // kv_packed equals the model's raw K + V count (the cache rule's "every restream");
+  // with it on, each head is packed at least once, the model's once-per-head count. Prefetch
+  // changes no counter.
+  const std::int64_t n = 300, heads = 2, d = 40, dv = 24;
+  const Tensor q = random_tensor(DType::f32, {1, n, heads, d}, 20);
+  const Tensor k = random_tensor(DType::f32, {1, n, heads, d}, 21);
+  const Tensor v = random_tensor(DType::f32, {1, n, heads, dv}, 22);
+  AttentionOptions o;
+  o.num_splits = 1;
+  o.block_q = 32;
+  o.num_threads = 2;
+  KernelCounters on;
+  o.counters = &on;
+  const ForwardResult reference = forward(q.view(), k.view(), v.view(), o);
+  const AttentionProblem p = AttentionProblem::from_inputs(q.view(), k.view(), v.view(), o);
+  const CpuForwardPlan plan = plan_forward(p, CpuHardware::detect(2), 1, 32);
+  ASSERT_EQ(plan.kernel, ForwardKernel::tiled);
+  const cost::TiledAccount model = cost::flash_forward(p, cost::tiling_of(plan));
+  const std::int64_t streamed = model.traffic.elements_of("K", false) + model.traffic.elements_of("V", false);
+  EXPECT_GE(on.kv_packed, heads * n * (d + dv));
+  EXPECT_LT(on.kv_packed, streamed);
+  for (const bool reuse : {true, false})
+    for (const bool prefetch : {true, false}) {
+      SCOPED_TRACE(std::string("reuse ") + (reuse ? "on" : "off") + ", prefetch " + (prefetch ? "on" : "off"));
+      KernelCounters c;
+      o.counters = &c;
+      o.switches.reuse_packed_kv = reuse;
+      o.switches.software_prefetch = prefetch;
+      const ForwardResult r = forward(q.view(), k.view(), v.view(), o);
+      for (std::int64_t i = 0; i < r.out.numel(); ++i) ASSERT_EQ(r.out.get(i), reference.out.get(i));
+      EXPECT_EQ(c.k_read + c.v_read, streamed);
+      EXPECT_EQ(c.tiles_computed, on.tiles_computed);
+      if (!reuse) EXPECT_EQ(c.kv_packed, streamed);
+      if (reuse) EXPECT_LT(c.kv_packed, streamed);
+    }
+}
+
 // ---- hardware table: per-tile cycles by hand -----------------------------------------
 
 TEST(CostModel, B200TileCyclesByHand) {

@@ -78,12 +78,13 @@ void PackKeys(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t b, st
               std::int64_t from, std::int64_t to, PlaceFn place) {
   const AttentionProblem& p = prm.problem;
   const std::int64_t bc = prm.plan.block_k;
+  if (!prm.switches.reuse_packed_kv) ws.packed = {};  // measurement: pack again what is packed
   const std::int64_t begin = ws.packed.first_to_pack(b, kv_head, from / bc * bc);
   const std::int64_t end = std::min(p.seqlen_k, (to + bc - 1) / bc * bc);
   const std::int64_t k_bytes = p.head_dim * static_cast<std::int64_t>(dtype_size(prm.k.dtype));
   const std::int64_t v_bytes = p.head_dim_v * static_cast<std::int64_t>(dtype_size(prm.v.dtype));
   for (std::int64_t j = begin; j < end; ++j) {
-    if (j + kRowPrefetchDistance < end) {
+    if (prm.switches.software_prefetch && j + kRowPrefetchDistance < end) {
       PrefetchRow(KvRow(prm, prm.k, b, j + kRowPrefetchDistance, kv_head), k_bytes);
       PrefetchRow(KvRow(prm, prm.v, b, j + kRowPrefetchDistance, kv_head), v_bytes);
     }
@@ -275,7 +276,8 @@ struct Fp32Products {
     const float q_scale = p.softmax_scale * OnlineSoftmaxState::kLog2e;
     const std::int64_t q_bytes = d * static_cast<std::int64_t>(dtype_size(p.dtype));
     for (std::int64_t r = 0; r < rows; ++r) {
-      if (r + kRowPrefetchDistance < rows) PrefetchRow(RowPointer(prm.q, b, i0 + r + kRowPrefetchDistance, h), q_bytes);
+      if (prm.switches.software_prefetch && r + kRowPrefetchDistance < rows)
+        PrefetchRow(RowPointer(prm.q, b, i0 + r + kRowPrefetchDistance, h), q_bytes);
       LoadRow(RowPointer(prm.q, b, i0 + r, h), p.dtype, d, q_scale, q_tile + r * d);
     }
     std::fill(q_tile + rows * d, q_tile + rows_pad * d, 0.0f);
@@ -351,7 +353,8 @@ struct Bf16Products {
     std::uint16_t* q = ws.q_bf16.get();  // (rows_pad, d_even)
     const std::int64_t q_bytes = d * static_cast<std::int64_t>(sizeof(std::uint16_t));
     for (std::int64_t r = 0; r < rows; ++r) {
-      if (r + kRowPrefetchDistance < rows) PrefetchRow(RowPointer(prm.q, b, i0 + r + kRowPrefetchDistance, h), q_bytes);
+      if (prm.switches.software_prefetch && r + kRowPrefetchDistance < rows)
+        PrefetchRow(RowPointer(prm.q, b, i0 + r + kRowPrefetchDistance, h), q_bytes);
       std::memcpy(q + r * d_even, RowPointer(prm.q, b, i0 + r, h), static_cast<std::size_t>(q_bytes));
       if (d < d_even) q[r * d_even + d] = 0;
     }
@@ -453,7 +456,7 @@ void TiledItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item
   // result goes to the float32 buffers that merge_attention_states combines.
   const std::int64_t out_bytes = p.head_dim_v * static_cast<std::int64_t>(dtype_size(prm.out.dtype));
   for (std::int64_t r = 0; r < rows; ++r) {
-    if (plan.splits == 1 && r + kRowPrefetchDistance < rows)
+    if (prm.switches.software_prefetch && plan.splits == 1 && r + kRowPrefetchDistance < rows)
       PrefetchRow(OutputRow(prm, b, i0 + r + kRowPrefetchDistance, h), out_bytes);
     StoreOutputRow(prm, split, b, h, i0 + r, o_acc + r * dv_pad, state[r], rescales != nullptr ? rescales + r : nullptr);
   }

@@ -268,7 +268,7 @@ void chapter_partitioning(const TourFlags& f) {
 constexpr std::int64_t kFp8Seqlen = 512;
 constexpr std::uint64_t kNumericsSeed = 2024;  // as `flashattn numerics`
 
-void chapter_asynchrony(const TourFlags& f) {
+void chapter_asynchrony(const TourFlags& f, const cost::Architecture& cpu) {
   chapter(4, "Asynchrony and low precision");
   const std::int64_t n = std::min<std::int64_t>(1024, f.max_seqlen);
   const AttentionProblem p = square(f, n, f.heads);
@@ -280,8 +280,43 @@ void chapter_asynchrony(const TourFlags& f) {
               static_cast<long long>(c.kv_packed), static_cast<long long>(c.k_read + c.v_read),
               static_cast<double>(c.k_read + c.v_read) / static_cast<double>(std::max<std::int64_t>(1, c.kv_packed)),
               static_cast<long long>(n));
-  std::printf("  Not here yet: a switch to turn packing or software prefetch off for an on/off measurement (the\n"
-              "  tiled kernel always packs; only the decode kernel prefetches).\n");
+  // The measurement switches (AttentionOptions::switches), each off in turn, timed beside
+  // the model: without reuse every Q tile's K/V comes from the caller's memory (the raw
+  // count at the copy bandwidth) instead of the packed head (once per head, the L2 rule);
+  // the model has no term for software prefetch.
+  // Q tiles of 64 rows, no split: several Q tiles per head, so that reuse shows at any thread count.
+  constexpr std::int64_t kSwitchBlockQ = 64;
+  const cost::Tiling tiling = cost::tiling_of(plan_forward(p, CpuHardware::detect(f.threads), 1, kSwitchBlockQ));
+  const cost::TiledAccount account = cost::flash_forward(p, tiling);
+  const cost::Prediction predicted = cost::predict_forward(p, cpu, tiling, {DType::f32});
+  const cost::CachedTraffic cached = cost::cached_traffic(account, cpu, "forward");
+  const double raw_seconds = std::max(predicted.compute_seconds, cached.raw_bytes / cpu.hbm_bytes_per_second);
+  std::printf("\n  Each technique switched off (measurement only; the output does not change), N = %lld, Br = %lld:\n"
+              "  %-26s %14s %14s %11s %11s\n",
+              static_cast<long long>(n), static_cast<long long>(tiling.block_q), "", "K/V packed", "K/V streamed", "measured ms", "model ms");
+  struct Switch {
+    const char* name;
+    bool reuse, prefetch;
+    double model_seconds;
+  };
+  for (const Switch& sw : {Switch{"all on", true, true, predicted.seconds},
+                           Switch{"K/V packing reuse off", false, true, raw_seconds},
+                           Switch{"software prefetch off", true, false, predicted.seconds}}) {
+    AttentionOptions o = options_of(f);
+    o.block_q = kSwitchBlockQ;
+    o.num_splits = 1;
+    o.switches.reuse_packed_kv = sw.reuse;
+    o.switches.software_prefetch = sw.prefetch;
+    const CountedRun r = counted_run(p, o, f.repeats, false);
+    std::printf("  %-26s %14lld %14lld %11.2f %11.2f\n", sw.name, static_cast<long long>(r.forward.kv_packed),
+                static_cast<long long>(r.forward.k_read + r.forward.v_read), r.forward_seconds * 1e3,
+                sw.model_seconds * 1e3);
+  }
+  std::printf("  Without reuse the packed count equals the streamed one, as the model's raw count says; the\n"
+              "  model's times are rooflines (compute %.2f ms; memory %.2f ms with the packed head, %.2f ms\n"
+              "  without). FlashAttention-1's partitioning, one work item per head, is chapter 3's 'heads only'.\n",
+              predicted.compute_seconds * 1e3, cached.bytes / cpu.hbm_bytes_per_second * 1e3,
+              cached.raw_bytes / cpu.hbm_bytes_per_second * 1e3);
 
   const AttentionProblem small = square(f, std::min(kFp8Seqlen, f.max_seqlen), f.heads);
   std::printf("\n  Low precision (FlashAttention-3): FP8 e4m3 operands with one scale per tensor or per tile, and the\n"
@@ -389,7 +424,7 @@ void tour(const TourFlags& f) {
   const std::vector<SizePoint> sizes = chapter_standard(f);
   chapter_tiling(f, sizes);
   chapter_partitioning(f);
-  chapter_asynchrony(f);
+  chapter_asynchrony(f, cpu);
   chapter_exp_unit(f, cpu);
   std::printf("\nMore: `flashattn explain --help` prints the whole account of one problem; docs/cost_model.md\n"
               "states the model and its sources.\n");
