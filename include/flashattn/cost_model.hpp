@@ -70,23 +70,20 @@ struct TiledAccount {
   std::int64_t restream_heads = 0;
 };
 
-// Standard attention (SPEC §1, FlashAttention paper Algorithm 0 and its backward): S and
-// P of every (batch, q head) written to slow memory in full and read back, masks applied
-// in place; S, P, dP, dS in the input dtype. Per head, elements:
+// Standard attention (SPEC §1) as a sequence of kernels. `minimal` (FlashAttention paper
+// Algorithm 0 and its backward): S and P of every (batch, q head) written to slow memory in
+// full and read back once each, masks applied in place, dropout regenerated from its seed
+// where P is read, as a fused implementation does; S, P, dP, dS in the input dtype. Per
+// head, elements:
 //   forward   Q, K, V read; S written, read; P written, read; O written:  4·N² + N·(2D + 2Dv)
 //   backward  P read twice, dP written and read, dS written and read twice (7·N²), dO read
 //             twice, Q, K, V read, dQ, dK, dV written
-TiledAccount standard_forward(const AttentionProblem& problem);
-TiledAccount standard_backward(const AttentionProblem& problem);
-
-// Standard attention as a sequence of kernels (SPEC §1). `minimal`: the kernels above — S
-// and P written and read once each, the mask applied in place, dropout regenerated from its
-// seed where P is read, as a fused implementation does. `eager`: PyTorch's eager code as the
-// first FlashAttention paper ran it, one kernel per step, each reading and writing its
-// N×N operand in the input dtype — forward Q·Kᵀ, scale, mask, softmax, dropout (writing
-// its one-byte keep mask), P·V; backward Pᵀ·dO, dO·Vᵀ, dropout, softmax, mask and scale
-// backward, dS·K, dSᵀ·Q. The mask kernel runs whether or not the problem masks anything
-// (the paper's benchmark applies a padding mask); dropout kernels only when dropout_p > 0.
+// `eager`: PyTorch's eager code as the first FlashAttention paper ran it, one kernel per
+// step, each reading and writing its N×N operand in the input dtype — forward Q·Kᵀ, scale,
+// mask, softmax, dropout (writing its one-byte keep mask), P·V; backward Pᵀ·dO, dO·Vᵀ,
+// dropout, softmax, mask and scale backward, dS·K, dSᵀ·Q. The mask kernel runs whether or
+// not the problem masks anything (the paper's benchmark applies a padding mask); dropout
+// kernels only when dropout_p > 0.
 enum class StandardModel { minimal, eager };
 std::string to_string(StandardModel model);
 // "minimal" or "eager"; throws flashattn::Error naming the choices otherwise.
@@ -101,9 +98,9 @@ struct Pass {
 };
 std::vector<Pass> standard_forward_passes(const AttentionProblem& problem, StandardModel model);
 std::vector<Pass> standard_backward_passes(const AttentionProblem& problem, StandardModel model);
-// The passes' traffic summed (terms merged by tensor and direction); minimal as above.
-TiledAccount standard_forward(const AttentionProblem& problem, StandardModel model);
-TiledAccount standard_backward(const AttentionProblem& problem, StandardModel model);
+// The passes' traffic summed (terms merged by tensor and direction).
+TiledAccount standard_forward(const AttentionProblem& problem, StandardModel model = StandardModel::minimal);
+TiledAccount standard_backward(const AttentionProblem& problem, StandardModel model = StandardModel::minimal);
 
 // The tiled algorithm with the given tiles, loop for loop as the CPU kernels run it:
 // forward — per Q tile (and split): Q read once, each visible K/V tile read, O and lse

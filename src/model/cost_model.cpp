@@ -192,8 +192,6 @@ TiledAccount standard_forward(const AttentionProblem& p, StandardModel model) {
 TiledAccount standard_backward(const AttentionProblem& p, StandardModel model) {
   return summed(standard_backward_passes(p, model), p);
 }
-TiledAccount standard_forward(const AttentionProblem& p) { return standard_forward(p, StandardModel::minimal); }
-TiledAccount standard_backward(const AttentionProblem& p) { return standard_backward(p, StandardModel::minimal); }
 
 TiledAccount flash_forward(const AttentionProblem& p, const Tiling& tiling) {
   check_tiling(tiling);
