@@ -431,6 +431,25 @@ TEST(CostModel, KernelSwitchesKeepTheResultAndChangeTheCounters) {
       if (!reuse) EXPECT_EQ(c.kv_packed, streamed);
       if (reuse) EXPECT_LT(c.kv_packed, streamed);
     }
+  // Normalizing at every tile (FlashAttention-1) instead of once: the same tiles and traffic,
+  // the output equal to float32 rounding; the model adds Br·Bc + (1 − rescale share)·Br·Dv
+  // FP32 operations per tile (B200, 128×128×128: 16384 / 128 = 128 cycles with every tile rescaling).
+  o.switches = {};
+  o.switches.deferred_normalization = false;
+  KernelCounters c;
+  o.counters = &c;
+  const ForwardResult r = forward(q.view(), k.view(), v.view(), o);
+  for (std::int64_t i = 0; i < r.out.numel(); ++i)
+    ASSERT_NEAR(r.out.get(i), reference.out.get(i), 2e-6 + 2e-6 * std::fabs(reference.out.get(i))) << i;
+  for (std::int64_t i = 0; i < r.lse.numel(); ++i) ASSERT_EQ(r.lse.get(i), reference.lse.get(i)) << i;
+  EXPECT_EQ(c.k_read + c.v_read, streamed);
+  EXPECT_EQ(c.scores, on.scores);
+  const cost::Architecture& b200 = cost::gpu_architecture("b200");
+  cost::TileOptions every_tile{DType::bf16};
+  every_tile.deferred_normalization = false;
+  EXPECT_DOUBLE_EQ(cost::forward_tile_cycles(b200, 128, 128, 128, 128, every_tile).fma -
+                       cost::forward_tile_cycles(b200, 128, 128, 128, 128, {DType::bf16}).fma,
+                   128.0);
 }
 
 // ---- hardware table: per-tile cycles by hand -----------------------------------------

@@ -196,6 +196,9 @@ struct TileOptions {
   double poly_exp_fraction = 0.0;  // share of exponentials computed by a polynomial on the FP32 pipes
   double rescale_fraction = 1.0;   // share of tiles that rescale õ (conditional rescaling: < 1)
   bool two_cta = false;            // backward: 2-CTA MMA (pairs of SMs share the N-side operand)
+  // Forward: false is FlashAttention-1's normalization at every tile — P divided by ℓ
+  // (Br·Bc operations) and õ rescaled on every tile (Br·Dv) — instead of once at the end.
+  bool deferred_normalization = true;
 };
 
 // Clock cycles each unit of one SM (core) needs for one tile, assuming the units overlap

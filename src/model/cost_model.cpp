@@ -444,7 +444,8 @@ UnitCycles forward_tile_cycles(const Architecture& arch, std::int64_t block_q, s
   c.shared_pipes = arch.cpu;
   c.mma = 2.0 * br * bc * (d + dv) / mma_rate(arch, o.dtype);
   // Softmax arithmetic on every score, and õ (Br × Dv) rescaled on the tiles that move m.
-  c.fma = (br * bc * kForwardSoftmaxOps + o.rescale_fraction * br * dv) / arch.fp32_lanes;
+  c.fma = o.deferred_normalization ? (br * bc * kForwardSoftmaxOps + o.rescale_fraction * br * dv) / arch.fp32_lanes
+                                    : (br * bc * (kForwardSoftmaxOps + 1.0) + br * dv) / arch.fp32_lanes;
   add_exponentials(arch, br * bc, o, c);
   // The matrix units read Q, K and V from shared memory; S and P never go there.
   c.smem = eb * (br * d + bc * d + bc * dv) / arch.smem_bytes_per_clock;
