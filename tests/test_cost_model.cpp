@@ -439,11 +439,32 @@ TEST(CostModel, KernelSwitchesKeepTheResultAndChangeTheCounters) {
   KernelCounters c;
   o.counters = &c;
   const ForwardResult r = forward(q.view(), k.view(), v.view(), o);
-  for (std::int64_t i = 0; i < r.out.numel(); ++i)
+  bool tiled_apart = false;
+  for (std::int64_t i = 0; i < r.out.numel(); ++i) {
     ASSERT_NEAR(r.out.get(i), reference.out.get(i), 2e-6 + 2e-6 * std::fabs(reference.out.get(i))) << i;
+    tiled_apart |= r.out.get(i) != reference.out.get(i);
+  }
+  EXPECT_TRUE(tiled_apart);
   for (std::int64_t i = 0; i < r.lse.numel(); ++i) ASSERT_EQ(r.lse.get(i), reference.lse.get(i)) << i;
   EXPECT_EQ(c.k_read + c.v_read, streamed);
   EXPECT_EQ(c.scores, on.scores);
+  // The decode kernel's softmax rows take the same switch.
+  const Tensor dq = random_tensor(DType::f32, {2, 1, 4, d}, 23);
+  const Tensor dk = random_tensor(DType::f32, {2, 700, 2, d}, 24);
+  const Tensor dvv = random_tensor(DType::f32, {2, 700, 2, d}, 25);
+  AttentionOptions od;
+  od.kernel = ForwardKernel::decode;
+  const ForwardResult decode_on = forward(dq.view(), dk.view(), dvv.view(), od);
+  od.switches.deferred_normalization = false;
+  const ForwardResult decode_off = forward(dq.view(), dk.view(), dvv.view(), od);
+  const AttentionProblem pd = AttentionProblem::from_inputs(dq.view(), dk.view(), dvv.view(), od);
+  ASSERT_EQ(plan_forward(pd, CpuHardware::detect(0), 0, 0, ForwardKernel::decode).kernel, ForwardKernel::decode);
+  bool rounded_apart = false;  // the switch acted: other roundings somewhere
+  for (std::int64_t i = 0; i < decode_on.out.numel(); ++i) {
+    ASSERT_NEAR(decode_off.out.get(i), decode_on.out.get(i), 2e-6 + 2e-6 * std::fabs(decode_on.out.get(i))) << i;
+    rounded_apart |= decode_off.out.get(i) != decode_on.out.get(i);
+  }
+  EXPECT_TRUE(rounded_apart);
   const cost::Architecture& b200 = cost::gpu_architecture("b200");
   cost::TileOptions every_tile{DType::bf16};
   every_tile.deferred_normalization = false;
