@@ -507,7 +507,7 @@ CachedTraffic cached_traffic(const TiledAccount& a, const Architecture& arch, co
   if (c.fits) c.bytes = c.raw_bytes - static_cast<double>(a.restreamed_bytes - a.restreamed_once_bytes);
   std::ostringstream s;
   s << pass << ": the " << a.restream_tiles << " tiles of a head restream its " << what << "; "
-    << c.heads_in_flight << " heads in flight (" << arch.units << " units / " << a.restream_tiles
+    << c.heads_in_flight << (c.heads_in_flight == 1 ? " head" : " heads") << " in flight (" << arch.units << " units / " << a.restream_tiles
     << " tiles per head) × " << mib(c.head_bytes) << " = " << mib(footprint)
     << (c.fits ? " fit in the " : " exceed the ") << mib(arch.l2_bytes) << " L2, so slow memory serves "
     << (c.fits ? "each element once per head" : "every restream (the raw count)");
