@@ -35,6 +35,120 @@ TEST(CostModel, StandardBackwardTrafficByHand) {
   EXPECT_EQ(a.traffic.elements(), 7 * 1000LL * 1000 + 8 * 1000LL * 32);
 }
 
+TEST(CostModel, EagerStandardPassesByHand) {
+  // N = 1000, d = 32, bf16, dropout: per N×N element, forward Q·Kᵀ writes S (1), scale,
+  // mask and softmax read and write (6), dropout reads P and writes P dropped (2) and its
+  // one-byte mask, P·V reads P dropped (1): 10 bf16 elements + 1 byte; backward Pᵀ·dO and
+  // dO·Vᵀ (2), dropout backward (2 + the mask byte), softmax backward (3), mask and scale
+  // backward (4), dS·K and dSᵀ·Q (2): 13 + 1 byte. Q, K, V, O (4·N·d) and dO twice, Q, K,
+  // V, dQ, dK, dV (8·N·d) in bf16.
+  AttentionOptions o;
+  o.dropout_p = 0.1f;
+  const std::int64_t n = 1000, d = 32, nn = n * n;
+  const AttentionProblem p = AttentionProblem::from_sizes(1, n, n, 1, 1, d, d, DType::bf16, o);
+  const auto fwd = cost::standard_forward_passes(p, cost::StandardModel::eager);
+  const auto bwd = cost::standard_backward_passes(p, cost::StandardModel::eager);
+  EXPECT_EQ(fwd.size(), 6u);
+  EXPECT_EQ(bwd.size(), 8u);
+  const cost::TiledAccount f = cost::standard_forward(p, cost::StandardModel::eager);
+  const cost::TiledAccount b = cost::standard_backward(p, cost::StandardModel::eager);
+  EXPECT_EQ(f.traffic.bytes(), 2 * 10 * nn + nn + 2 * 4 * n * d);
+  EXPECT_EQ(b.traffic.bytes(), 2 * 13 * nn + nn + 2 * 8 * n * d);
+  EXPECT_EQ(f.traffic.elements_of("dropout mask", true), nn);
+  EXPECT_EQ(b.traffic.elements_of("dropout mask", false), nn);
+  // Matrix FLOPs only in the four products of the backward and two of the forward, as Work counts them.
+  double flops = 0.0;
+  for (const auto* passes : {&fwd, &bwd})
+    for (const cost::Pass& k : *passes) flops += k.flops;
+  EXPECT_DOUBLE_EQ(flops, cost::work(p).standard_forward + cost::work(p).standard_backward);
+  // Without dropout the dropout kernels and the mask go; the minimal model ignores dropout
+  // (regenerated from the seed) and equals the account above.
+  const AttentionProblem plain = square(n, d);
+  EXPECT_EQ(cost::standard_forward_passes(plain, cost::StandardModel::eager).size(), 5u);
+  EXPECT_EQ(cost::standard_forward(plain, cost::StandardModel::eager).traffic.bytes(), 2 * 8 * nn + 2 * 4 * n * d);
+  EXPECT_EQ(cost::standard_forward(p, cost::StandardModel::minimal).traffic.bytes(),
+            cost::standard_forward(plain).traffic.bytes());
+  EXPECT_EQ(cost::standard_backward(p, cost::StandardModel::minimal).traffic.bytes(),
+            cost::standard_backward(plain).traffic.bytes());
+  EXPECT_EQ(cost::parse_standard_model("eager"), cost::StandardModel::eager);
+  EXPECT_THROW(cost::parse_standard_model("fused"), Error);
+}
+
+TEST(CostModel, StandardPredictionAddsPasses) {
+  // Every pass of bf16 d = 64 attention on an A100 is memory-bound (2 bytes per score
+  // against 2·64 FLOPs: 64 FLOP/B < 312e12 / 2.039e12 = 153): time = bytes / bandwidth.
+  const AttentionProblem p = square(2048, 64);
+  const cost::Architecture& a100 = cost::gpu_architecture("a100-80gb");
+  const auto passes = cost::standard_forward_passes(p, cost::StandardModel::eager);
+  const cost::Prediction r = cost::predict_standard(p, a100, passes);
+  const double bytes = static_cast<double>(cost::standard_forward(p, cost::StandardModel::eager).traffic.bytes());
+  EXPECT_DOUBLE_EQ(r.memory_bytes, bytes);
+  EXPECT_NEAR(r.seconds, bytes / 2039e9, 1e-12 * r.seconds);
+  EXPECT_EQ(r.bound, "memory");
+  EXPECT_DOUBLE_EQ(r.compute_seconds, cost::work(p).standard_forward / a100.peak_flops(DType::bf16));
+}
+
+TEST(CostModel, L2ServesRestreamedTilesWhenTheyFit) {
+  // A100, 16 heads of N = 1024, d = 64, bf16, 128×128 tiles: 8 Q tiles per head stream its
+  // K and V (256 KiB); 108 SMs hold ceil(108 / 8) = 14 heads, 3.5 MiB: they fit in 40 MiB,
+  // so K and V come from slow memory once per head.
+  const cost::Architecture& a100 = cost::gpu_architecture("a100-40gb");
+  EXPECT_DOUBLE_EQ(a100.l2_bytes, 40.0 * 1024 * 1024);
+  const AttentionProblem p = AttentionProblem::from_sizes(1, 1024, 1024, 16, 16, 64, 64, DType::bf16, {});
+  const cost::TiledAccount f = cost::flash_forward(p, Tiling{128, 128});
+  const cost::CachedTraffic c = cost::cached_traffic(f, a100, "forward");
+  const double head_kv = 1024.0 * 128 * 2;
+  EXPECT_EQ(c.heads_in_flight, 14);
+  EXPECT_DOUBLE_EQ(c.head_bytes, head_kv);
+  EXPECT_TRUE(c.fits);
+  EXPECT_DOUBLE_EQ(c.raw_bytes, static_cast<double>(f.traffic.bytes()));
+  EXPECT_DOUBLE_EQ(c.bytes, c.raw_bytes - 7 * 16 * head_kv);
+  EXPECT_DOUBLE_EQ(cost::predict_forward(p, a100, Tiling{128, 128}, {}).memory_bytes, c.bytes);
+  // Backward: the Q side of a head once (Q, dO in bf16; lse, D, the dQ accumulator read and
+  // written in float32) instead of once per K/V tile.
+  const cost::TiledAccount b = cost::flash_backward(p, Tiling{128, 128});
+  const cost::CachedTraffic cb = cost::cached_traffic(b, a100, "backward");
+  const double head_q = 1024.0 * (128 * 2 + (2 + 2 * 64) * 4);
+  EXPECT_TRUE(cb.fits);
+  EXPECT_DOUBLE_EQ(cb.bytes, cb.raw_bytes - 7 * 16 * head_q);
+  // N = 131072, d = 128: a head's K/V is 64 MiB, more than the L2 even for one head in
+  // flight: every restream from slow memory.
+  const AttentionProblem big = AttentionProblem::from_sizes(1, 131072, 131072, 1, 1, 128, 128, DType::bf16, {});
+  const cost::CachedTraffic r = cost::cached_traffic(cost::flash_forward(big, Tiling{128, 128}), a100, "forward");
+  EXPECT_EQ(r.heads_in_flight, 1);
+  EXPECT_FALSE(r.fits);
+  EXPECT_DOUBLE_EQ(r.bytes, r.raw_bytes);
+  EXPECT_NE(r.assumption.find("exceed"), std::string::npos);
+}
+
+TEST(CostModel, Gpt2MediumReproducesThePaper) {
+  // Dao et al. 2022, Figure 2 left: GPT-2 medium attention (batch 64, N = 1024, 16 heads,
+  // d = 64, fp16, dropout, not causal) forward + backward on an A100 40 GB. The paper
+  // measured standard / FlashAttention: 66.6 / 75.2 GFLOPs, 40.3 / 4.4 GB of HBM traffic,
+  // 41.7 / 7.3 ms. The model (minimal standard, 128×128 tiles, the L2 rule) must give each
+  // ratio within ±25% of the paper's.
+  AttentionOptions o;
+  o.dropout_p = 0.1f;
+  const AttentionProblem p = AttentionProblem::from_sizes(64, 1024, 1024, 16, 16, 64, 64, DType::f16, o);
+  const cost::Architecture& a100 = cost::gpu_architecture("a100-40gb");
+  const Tiling t{128, 128};
+  const cost::Work w = cost::work(p);
+  const double flops_ratio = (w.forward + w.backward) / (w.standard_forward + w.standard_backward);
+  const double standard_bytes = static_cast<double>(cost::standard_forward(p, cost::StandardModel::minimal).traffic.bytes() +
+                                                    cost::standard_backward(p, cost::StandardModel::minimal).traffic.bytes());
+  const double flash_bytes = cost::cached_traffic(cost::flash_forward(p, t), a100, "forward").bytes +
+                             cost::cached_traffic(cost::flash_backward(p, t), a100, "backward").bytes;
+  const double standard_s =
+      cost::predict_standard(p, a100, cost::standard_forward_passes(p, cost::StandardModel::minimal)).seconds +
+      cost::predict_standard(p, a100, cost::standard_backward_passes(p, cost::StandardModel::minimal)).seconds;
+  const double flash_s = cost::predict_forward(p, a100, t, {DType::f16}).seconds +
+                         cost::predict_backward(p, a100, t, {DType::f16}).seconds;
+  const auto within = [](double model, double paper) { return std::fabs(model / paper - 1.0) <= 0.25; };
+  EXPECT_TRUE(within(flops_ratio, 75.2 / 66.6)) << flops_ratio;
+  EXPECT_TRUE(within(standard_bytes / flash_bytes, 40.3 / 4.4)) << standard_bytes / flash_bytes;
+  EXPECT_TRUE(within(standard_s / flash_s, 41.7 / 7.3)) << standard_s / flash_s;
+}
+
 TEST(CostModel, FlashForwardTrafficByHand) {
   // N = 4096, d = 64, Br = M/d = 512 for M = 32768, Bc = 128: 8 Q tiles each stream all
   // of K and V: 8·4096·(64 + 64) elements; Q and O once (4096·64 each), lse once.
@@ -277,6 +391,86 @@ TEST(CostModel, BlockQOverrideKeepsTheResult) {
   }
   o.block_q = -1;
   EXPECT_THROW(forward(q.view(), k.view(), v.view(), o), Error);
+}
+
+TEST(CostModel, KernelSwitchesKeepTheResultAndChangeTheCounters) {
+  // The measurement switches change what the kernel re-does, not its arithmetic: the output
+  // is bit-identical. With K/V packing reuse off every Q tile packs the K/V it streams, so
+  // kv_packed equals the model's raw K + V count (the cache rule's "every restream");
+  // with it on, each head is packed at least once, the model's once-per-head count. Prefetch
+  // changes no counter.
+  const std::int64_t n = 300, heads = 2, d = 40, dv = 24;
+  const Tensor q = random_tensor(DType::f32, {1, n, heads, d}, 20);
+  const Tensor k = random_tensor(DType::f32, {1, n, heads, d}, 21);
+  const Tensor v = random_tensor(DType::f32, {1, n, heads, dv}, 22);
+  AttentionOptions o;
+  o.num_splits = 1;
+  o.block_q = 32;
+  o.num_threads = 2;
+  KernelCounters on;
+  o.counters = &on;
+  const ForwardResult reference = forward(q.view(), k.view(), v.view(), o);
+  const AttentionProblem p = AttentionProblem::from_inputs(q.view(), k.view(), v.view(), o);
+  const CpuForwardPlan plan = plan_forward(p, CpuHardware::detect(2), 1, 32);
+  ASSERT_EQ(plan.kernel, ForwardKernel::tiled);
+  const cost::TiledAccount model = cost::flash_forward(p, cost::tiling_of(plan));
+  const std::int64_t streamed = model.traffic.elements_of("K", false) + model.traffic.elements_of("V", false);
+  EXPECT_GE(on.kv_packed, heads * n * (d + dv));
+  EXPECT_LT(on.kv_packed, streamed);
+  for (const bool reuse : {true, false})
+    for (const bool prefetch : {true, false}) {
+      SCOPED_TRACE(std::string("reuse ") + (reuse ? "on" : "off") + ", prefetch " + (prefetch ? "on" : "off"));
+      KernelCounters c;
+      o.counters = &c;
+      o.switches.reuse_packed_kv = reuse;
+      o.switches.software_prefetch = prefetch;
+      const ForwardResult r = forward(q.view(), k.view(), v.view(), o);
+      for (std::int64_t i = 0; i < r.out.numel(); ++i) ASSERT_EQ(r.out.get(i), reference.out.get(i));
+      EXPECT_EQ(c.k_read + c.v_read, streamed);
+      EXPECT_EQ(c.tiles_computed, on.tiles_computed);
+      if (!reuse) EXPECT_EQ(c.kv_packed, streamed);
+      if (reuse) EXPECT_LT(c.kv_packed, streamed);
+    }
+  // Normalizing at every tile (FlashAttention-1) instead of once: the same tiles and traffic,
+  // the output equal to float32 rounding; the model adds Br·Bc + (1 − rescale share)·Br·Dv
+  // FP32 operations per tile (B200, 128×128×128: 16384 / 128 = 128 cycles with every tile rescaling).
+  o.switches = {};
+  o.switches.deferred_normalization = false;
+  KernelCounters c;
+  o.counters = &c;
+  const ForwardResult r = forward(q.view(), k.view(), v.view(), o);
+  bool tiled_apart = false;
+  for (std::int64_t i = 0; i < r.out.numel(); ++i) {
+    ASSERT_NEAR(r.out.get(i), reference.out.get(i), 2e-6 + 2e-6 * std::fabs(reference.out.get(i))) << i;
+    tiled_apart |= r.out.get(i) != reference.out.get(i);
+  }
+  EXPECT_TRUE(tiled_apart);
+  for (std::int64_t i = 0; i < r.lse.numel(); ++i) ASSERT_EQ(r.lse.get(i), reference.lse.get(i)) << i;
+  EXPECT_EQ(c.k_read + c.v_read, streamed);
+  EXPECT_EQ(c.scores, on.scores);
+  // The decode kernel's softmax rows take the same switch.
+  const Tensor dq = random_tensor(DType::f32, {2, 1, 4, d}, 23);
+  const Tensor dk = random_tensor(DType::f32, {2, 700, 2, d}, 24);
+  const Tensor dvv = random_tensor(DType::f32, {2, 700, 2, d}, 25);
+  AttentionOptions od;
+  od.kernel = ForwardKernel::decode;
+  const ForwardResult decode_on = forward(dq.view(), dk.view(), dvv.view(), od);
+  od.switches.deferred_normalization = false;
+  const ForwardResult decode_off = forward(dq.view(), dk.view(), dvv.view(), od);
+  const AttentionProblem pd = AttentionProblem::from_inputs(dq.view(), dk.view(), dvv.view(), od);
+  ASSERT_EQ(plan_forward(pd, CpuHardware::detect(0), 0, 0, ForwardKernel::decode).kernel, ForwardKernel::decode);
+  bool rounded_apart = false;  // the switch acted: other roundings somewhere
+  for (std::int64_t i = 0; i < decode_on.out.numel(); ++i) {
+    ASSERT_NEAR(decode_off.out.get(i), decode_on.out.get(i), 2e-6 + 2e-6 * std::fabs(decode_on.out.get(i))) << i;
+    rounded_apart |= decode_off.out.get(i) != decode_on.out.get(i);
+  }
+  EXPECT_TRUE(rounded_apart);
+  const cost::Architecture& b200 = cost::gpu_architecture("b200");
+  cost::TileOptions every_tile{DType::bf16};
+  every_tile.deferred_normalization = false;
+  EXPECT_DOUBLE_EQ(cost::forward_tile_cycles(b200, 128, 128, 128, 128, every_tile).fma -
+                       cost::forward_tile_cycles(b200, 128, 128, 128, 128, {DType::bf16}).fma,
+                   128.0);
 }
 
 // ---- hardware table: per-tile cycles by hand -----------------------------------------

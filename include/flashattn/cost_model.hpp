@@ -64,16 +64,43 @@ struct TiledAccount {
   // as 1/M, and what tiles running at once can share through a cache (Prediction).
   std::int64_t restreamed_bytes = 0;
   std::int64_t restream_tiles = 0;  // tiles per (batch, head) that restream it: Q tiles, or K/V tiles
+  // The restreamed tensors' bytes with every element counted once per (batch, head) — what
+  // slow memory serves when a cache holds a head's restreamed data — and those heads.
+  std::int64_t restreamed_once_bytes = 0;
+  std::int64_t restream_heads = 0;
 };
 
-// Standard attention (SPEC §1, FlashAttention paper Algorithm 0 and its backward): S and
-// P of every (batch, q head) written to slow memory in full and read back, masks applied
-// in place; S, P, dP, dS in the input dtype. Per head, elements:
+// Standard attention (SPEC §1) as a sequence of kernels. `minimal` (FlashAttention paper
+// Algorithm 0 and its backward): S and P of every (batch, q head) written to slow memory in
+// full and read back once each, masks applied in place, dropout regenerated from its seed
+// where P is read, as a fused implementation does; S, P, dP, dS in the input dtype. Per
+// head, elements:
 //   forward   Q, K, V read; S written, read; P written, read; O written:  4·N² + N·(2D + 2Dv)
 //   backward  P read twice, dP written and read, dS written and read twice (7·N²), dO read
 //             twice, Q, K, V read, dQ, dK, dV written
-TiledAccount standard_forward(const AttentionProblem& problem);
-TiledAccount standard_backward(const AttentionProblem& problem);
+// `eager`: PyTorch's eager code as the first FlashAttention paper ran it, one kernel per
+// step, each reading and writing its N×N operand in the input dtype — forward Q·Kᵀ, scale,
+// mask, softmax, dropout (writing its one-byte keep mask), P·V; backward Pᵀ·dO, dO·Vᵀ,
+// dropout, softmax, mask and scale backward, dS·K, dSᵀ·Q. The mask kernel runs whether or
+// not the problem masks anything (the paper's benchmark applies a padding mask); dropout
+// kernels only when dropout_p > 0.
+enum class StandardModel { minimal, eager };
+std::string to_string(StandardModel model);
+// "minimal" or "eager"; throws flashattn::Error naming the choices otherwise.
+StandardModel parse_standard_model(std::string_view name);
+
+// One kernel of standard attention: what it moves and its matrix-product FLOPs (0 for an
+// elementwise kernel).
+struct Pass {
+  std::string name;
+  Traffic traffic;
+  double flops = 0.0;
+};
+std::vector<Pass> standard_forward_passes(const AttentionProblem& problem, StandardModel model);
+std::vector<Pass> standard_backward_passes(const AttentionProblem& problem, StandardModel model);
+// The passes' traffic summed (terms merged by tensor and direction).
+TiledAccount standard_forward(const AttentionProblem& problem, StandardModel model = StandardModel::minimal);
+TiledAccount standard_backward(const AttentionProblem& problem, StandardModel model = StandardModel::minimal);
 
 // The tiled algorithm with the given tiles, loop for loop as the CPU kernels run it:
 // forward — per Q tile (and split): Q read once, each visible K/V tile read, O and lse
@@ -135,6 +162,7 @@ struct Architecture {
   double poly_exp_ops = 0.0;
   double smem_bytes_per_clock = 0.0;   // shared memory (GPU) / L1 loads (CPU) per unit
   double smem_bytes = 0.0;             // fast memory per unit (shared memory, or CPU L2)
+  double l2_bytes = 0.0;               // the cache between the units and slow memory (CPU: the cores' L2s together)
   double hbm_bytes_per_second = 0.0;   // slow memory bandwidth of the whole device
   double memory_bytes = 0.0;           // slow memory capacity (0: not stated)
   // A CPU core: exponentials (a polynomial) and the softmax run on the same FMA pipes as
@@ -168,6 +196,9 @@ struct TileOptions {
   double poly_exp_fraction = 0.0;  // share of exponentials computed by a polynomial on the FP32 pipes
   double rescale_fraction = 1.0;   // share of tiles that rescale õ (conditional rescaling: < 1)
   bool two_cta = false;            // backward: 2-CTA MMA (pairs of SMs share the N-side operand)
+  // Forward: false is FlashAttention-1's normalization at every tile — P divided by ℓ
+  // (Br·Bc operations) and õ rescaled on every tile (Br·Dv) — instead of once at the end.
+  bool deferred_normalization = true;
 };
 
 // Clock cycles each unit of one SM (core) needs for one tile, assuming the units overlap
@@ -193,13 +224,31 @@ UnitCycles forward_tile_cycles(const Architecture& arch, std::int64_t block_q, s
 UnitCycles backward_tile_cycles(const Architecture& arch, std::int64_t block_q, std::int64_t block_k,
                                 std::int64_t head_dim, std::int64_t head_dim_v, const TileOptions& options);
 
+// ---- the cache ----------------------------------------------------------------------
+
+// A tiled account's slow-memory bytes when the L2 serves restreamed tiles. Work items run
+// head-major, so the units hold the tiles of min(heads, ceil(units / tiles per head)) heads
+// at once; when those heads' restreamed data (forward: a head's K and V; backward: its Q,
+// dO, lse, D and dQ accumulator) fit in the L2, slow memory serves each element once per
+// head and the L2 the repeats. Otherwise every restream comes from slow memory (the raw count).
+struct CachedTraffic {
+  double bytes = 0.0;            // slow-memory bytes with the cache
+  double raw_bytes = 0.0;        // every restreamed tile from slow memory
+  double head_bytes = 0.0;       // restreamed data of one head
+  std::int64_t heads_in_flight = 0;
+  double l2_bytes = 0.0;
+  bool fits = false;
+  std::string assumption;  // the rule and its numbers, as a sentence
+};
+CachedTraffic cached_traffic(const TiledAccount& account, const Architecture& arch, const char* pass);
+
 // ---- prediction ---------------------------------------------------------------------
 
 struct Prediction {
   double seconds = 0.0;          // max(compute, memory)
   double compute_seconds = 0.0;  // computed tiles · bottleneck cycles / (units · clock)
   double memory_seconds = 0.0;   // slow-memory bytes / bandwidth
-  double memory_bytes = 0.0;     // tiled traffic, restreamed bytes shared by concurrent tiles
+  double memory_bytes = 0.0;     // slow-memory bytes: tiled with the L2 (cached_traffic), or the passes'
   double tflops = 0.0;           // useful FLOPs (Work) per second, in 10¹²
   double utilisation = 0.0;      // of the matrix units' peak for the dtype
   std::string bound;             // the tile bottleneck, or "memory"
@@ -209,5 +258,9 @@ Prediction predict_forward(const AttentionProblem& problem, const Architecture& 
                            const Tiling& tiling, const TileOptions& options);
 Prediction predict_backward(const AttentionProblem& problem, const Architecture& arch,
                             const Tiling& tiling, const TileOptions& options);
+// Standard attention, kernel after kernel: each pass takes max(its FLOPs at the matrix
+// units' peak, its bytes at slow-memory bandwidth); the passes add up.
+Prediction predict_standard(const AttentionProblem& problem, const Architecture& arch,
+                            const std::vector<Pass>& passes);
 
 }  // namespace flashattn::cost

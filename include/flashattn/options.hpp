@@ -128,6 +128,23 @@ struct AttentionOptions {
   // Instrumentation: when set, the call adds what its kernels read, wrote and computed
   // to *counters (see counters.hpp). Off (null) by default.
   KernelCounters* counters = nullptr;
+  // For measurement only (flashattn tour): turn one technique of the CPU forward kernels
+  // off to time what it is worth (packing and prefetch: the tiled kernels); the result does
+  // not change. (The partitioning
+  // of FlashAttention-1, one work item per (batch, head), is block_q = seqlen_q.)
+  struct KernelSwitches {
+    // Off: every Q tile packs the K/V tiles it streams again, instead of reusing the
+    // thread's packed head (counted: kv_packed = k_read + v_read for whole tiles).
+    bool reuse_packed_kv = true;
+    // Off: no software prefetch of the K/V rows being packed, the Q rows being loaded and
+    // the output rows being stored.
+    bool software_prefetch = true;
+    // Off: õ is kept divided by ℓ at every key tile, as FlashAttention-1 did (one more
+    // multiply per score and per output element each tile), instead of FlashAttention-2's
+    // single division at the end. The result agrees to float32 rounding, not bit for bit.
+    bool deferred_normalization = true;
+  };
+  KernelSwitches switches;
 };
 
 }  // namespace flashattn

@@ -170,7 +170,8 @@ void run_forward_jobs(const std::vector<ForwardJob>& jobs) {
     pj.split_out = cpu::allocate_floats(static_cast<std::size_t>(split_rows * p.head_dim_v));
     pj.split_lse = cpu::allocate_floats(static_cast<std::size_t>(split_rows));
     pj.params = {p, pj.plan, job.q, job.k, job.v, job.out, job.lse, job.options.alibi_slopes, job.options.block_mask,
-                 pj.split_out.get(), pj.split_lse.get(), job.paged, job.options.rescale_counts};
+                 pj.split_out.get(), pj.split_lse.get(), job.paged, job.options.rescale_counts,
+                 job.options.switches};
   }
 
   // Runs jobs [first, last) in one region: the threads' workspaces fit the largest plan.

@@ -78,12 +78,13 @@ void PackKeys(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t b, st
               std::int64_t from, std::int64_t to, PlaceFn place) {
   const AttentionProblem& p = prm.problem;
   const std::int64_t bc = prm.plan.block_k;
+  if (!prm.switches.reuse_packed_kv) ws.packed = {};  // measurement: pack again what is packed
   const std::int64_t begin = ws.packed.first_to_pack(b, kv_head, from / bc * bc);
   const std::int64_t end = std::min(p.seqlen_k, (to + bc - 1) / bc * bc);
   const std::int64_t k_bytes = p.head_dim * static_cast<std::int64_t>(dtype_size(prm.k.dtype));
   const std::int64_t v_bytes = p.head_dim_v * static_cast<std::int64_t>(dtype_size(prm.v.dtype));
   for (std::int64_t j = begin; j < end; ++j) {
-    if (j + kRowPrefetchDistance < end) {
+    if (prm.switches.software_prefetch && j + kRowPrefetchDistance < end) {
       PrefetchRow(KvRow(prm, prm.k, b, j + kRowPrefetchDistance, kv_head), k_bytes);
       PrefetchRow(KvRow(prm, prm.v, b, j + kRowPrefetchDistance, kv_head), v_bytes);
     }
@@ -120,9 +121,12 @@ HWY_INLINE std::int64_t Poly3Columns(const AttentionProblem& p, std::int64_t col
 // S(cols) of keys j0.. → P (dropout applied after the row sum, which must not see it).
 // õ (orow, ldo floats) is rescaled when the reference maximum moves by more than the
 // problem's rescale threshold; `rescales` counts those moves.
+// `deferred` false (a measurement switch): the output is kept normalized at every tile, as
+// FlashAttention-1 did — orow holds õ/ℓ, rescaled by ℓ_old·factor/ℓ_new, and P is divided by
+// ℓ_new — instead of dividing õ by ℓ once at the end.
 void SoftmaxRow(const RowMods& mods, float* HWY_RESTRICT srow, std::int64_t i, std::int64_t j0,
                 std::int64_t n, std::int64_t cols, OnlineSoftmaxState& state, float* HWY_RESTRICT orow,
-                std::int64_t ldo, std::int32_t& rescales) {
+                std::int64_t ldo, std::int32_t& rescales, bool deferred) {
   const DF df;
   const AttentionProblem& p = *mods.problem;
   mods.apply(srow, nullptr, i, j0, n, cols);
@@ -136,7 +140,7 @@ void SoftmaxRow(const RowMods& mods, float* HWY_RESTRICT srow, std::int64_t i, s
   const float old_max = state.max;
   const float factor = state.rescale_to(tile_max, p.rescale_threshold);
   if (state.max != old_max && old_max != kNegInf) ++rescales;
-  if (factor != 1.0f) {
+  if (deferred && factor != 1.0f) {
     const VF vf = hn::Set(df, factor);
     for (std::int64_t c = 0; c < ldo; c += kLanes) hn::Store(hn::Mul(hn::Load(df, orow + c), vf), df, orow + c);
   }
@@ -148,10 +152,16 @@ void SoftmaxRow(const RowMods& mods, float* HWY_RESTRICT srow, std::int64_t i, s
   const VF vm = hn::Set(df, state.max);
   VF vsum = ExpRange([](DF d, VF x) { return Exp2Poly3(d, x); }, srow, 0, poly_cols, vm, hn::Zero(df));
   vsum = ExpRange([](DF d, VF x) { return Exp2(d, x); }, srow, poly_cols, cols, vm, vsum);
+  const float scaled_sum = state.sum;  // ℓ_old · factor
   state.add(hn::GetLane(hn::SumOfLanes(df, vsum)));
   if (p.fp8_probabilities)
     for (std::int64_t j = 0; j < cols; j += kLanes)
       hn::Store(RoundToFp8(df, hn::Load(df, srow + j), Fp8Format::e4m3), df, srow + j);
+  if (!deferred) {
+    const VF vo = hn::Set(df, scaled_sum * state.inverse_sum()), vp = hn::Set(df, state.inverse_sum());
+    for (std::int64_t c = 0; c < ldo; c += kLanes) hn::Store(hn::Mul(hn::Load(df, orow + c), vo), df, orow + c);
+    for (std::int64_t j = 0; j < cols; j += kLanes) hn::Store(hn::Mul(hn::Load(df, srow + j), vp), df, srow + j);
+  }
   if (mods.dropout_threshold != 0) mods.apply_dropout(srow, i, j0, cols);
 }
 
@@ -191,14 +201,14 @@ HWY_INLINE void ScoreTile(const StripKeys* HWY_RESTRICT keys, std::int64_t strip
 void SoftmaxTile(const RowMods& mods, float* HWY_RESTRICT s, std::int64_t lds, std::int64_t i0,
                  std::int64_t rows, std::int64_t j0, std::int64_t n, const StripKeys* HWY_RESTRICT keys,
                  OnlineSoftmaxState* HWY_RESTRICT state, float* HWY_RESTRICT o_acc, std::int64_t ldo,
-                 std::int32_t* rescales) {
+                 std::int32_t* rescales, bool deferred) {
   const AttentionProblem& p = *mods.problem;
   for (std::int64_t r = 0; r < rows; ++r) {
     const StripKeys k = keys[r / kMicroRows];
     if (k.begin == k.end) continue;
     SoftmaxRow(mods, s + r * lds + k.begin, std::min(i0 + r, p.seqlen_q - 1), j0 + k.begin,
                std::min(n, k.end) - k.begin, k.end - k.begin, state[r], o_acc + r * ldo, ldo,
-               rescales[r]);
+               rescales[r], deferred);
   }
 }
 
@@ -231,13 +241,15 @@ void StoreOutputRow(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t
     std::atomic_ref<std::int32_t>(static_cast<std::int32_t*>(c.data)[b * c.strides[0] + h * c.strides[1] + i * c.strides[2]])
         .fetch_add(rescales, std::memory_order_relaxed);
   }
+  // Kept normalized at every tile (the deferred_normalization switch off): nothing left to divide.
+  const float inverse = prm.switches.deferred_normalization || state.sum == 0.0f ? state.inverse_sum() : 1.0f;
   if (prm.plan.splits > 1) {
-    StoreRow(orow, p.head_dim_v, state.inverse_sum(),
+    StoreRow(orow, p.head_dim_v, inverse,
              prm.split_out + (((split * p.batch + b) * p.seqlen_q + i) * p.heads_q + h) * p.head_dim_v, DType::f32);
     prm.split_lse[((split * p.batch + b) * p.heads_q + h) * p.seqlen_q + i] = state.lse();
     return;
   }
-  StoreRow(orow, p.head_dim_v, state.inverse_sum(), OutputRow(prm, b, i, h), prm.out.dtype);
+  StoreRow(orow, p.head_dim_v, inverse, OutputRow(prm, b, i, h), prm.out.dtype);
   static_cast<float*>(prm.lse.data)[b * prm.lse.strides[0] + h * prm.lse.strides[1] + i * prm.lse.strides[2]] =
       state.lse();
 }
@@ -277,7 +289,8 @@ struct Fp32Products {
     const float q_scale = p.softmax_scale * OnlineSoftmaxState::kLog2e;
     const std::int64_t q_bytes = d * static_cast<std::int64_t>(dtype_size(p.dtype));
     for (std::int64_t r = 0; r < rows; ++r) {
-      if (r + kRowPrefetchDistance < rows) PrefetchRow(RowPointer(prm.q, b, i0 + r + kRowPrefetchDistance, h), q_bytes);
+      if (prm.switches.software_prefetch && r + kRowPrefetchDistance < rows)
+        PrefetchRow(RowPointer(prm.q, b, i0 + r + kRowPrefetchDistance, h), q_bytes);
       LoadRow(RowPointer(prm.q, b, i0 + r, h), p.dtype, d, q_scale, q_tile + r * d);
     }
     std::fill(q_tile + rows * d, q_tile + rows_pad * d, 0.0f);
@@ -353,7 +366,8 @@ struct Bf16Products {
     std::uint16_t* q = ws.q_bf16.get();  // (rows_pad, d_even)
     const std::int64_t q_bytes = d * static_cast<std::int64_t>(sizeof(std::uint16_t));
     for (std::int64_t r = 0; r < rows; ++r) {
-      if (r + kRowPrefetchDistance < rows) PrefetchRow(RowPointer(prm.q, b, i0 + r + kRowPrefetchDistance, h), q_bytes);
+      if (prm.switches.software_prefetch && r + kRowPrefetchDistance < rows)
+        PrefetchRow(RowPointer(prm.q, b, i0 + r + kRowPrefetchDistance, h), q_bytes);
       std::memcpy(q + r * d_even, RowPointer(prm.q, b, i0 + r, h), static_cast<std::size_t>(q_bytes));
       if (d < d_even) q[r * d_even + d] = 0;
     }
@@ -447,7 +461,8 @@ void TiledItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item
     StripKeys* keys = ws.strip_keys.data();  // (strips)
     FindStripKeys(p, i0, strips, j0, n, keys);
     Products::Scores(prm, ws, j0, keys, strips, n_pad);
-    SoftmaxTile(mods, ws.s_tile.get(), bc, i0, rows_pad, j0, n, keys, state, o_acc, dv_pad, rescales);
+    SoftmaxTile(mods, ws.s_tile.get(), bc, i0, rows_pad, j0, n, keys, state, o_acc, dv_pad, rescales,
+                prm.switches.deferred_normalization);
     Products::Accumulate(prm, ws, j0, keys, strips);
   }
 
@@ -455,7 +470,7 @@ void TiledItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item
   // result goes to the float32 buffers that merge_attention_states combines.
   const std::int64_t out_bytes = p.head_dim_v * static_cast<std::int64_t>(dtype_size(prm.out.dtype));
   for (std::int64_t r = 0; r < rows; ++r) {
-    if (plan.splits == 1 && r + kRowPrefetchDistance < rows)
+    if (prm.switches.software_prefetch && plan.splits == 1 && r + kRowPrefetchDistance < rows)
       PrefetchRow(OutputRow(prm, b, i0 + r + kRowPrefetchDistance, h), out_bytes);
     StoreOutputRow(prm, ws, split, b, h, i0 + r, o_acc + r * dv_pad, state[r], rescales[r]);
   }
@@ -854,7 +869,7 @@ void DecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t ite
         std::fill(srow + n, srow + cols, 0.0f);
         const RowMods mods(p, prm.alibi_slopes, prm.block_mask, b, g * group + r / p.seqlen_q);
         SoftmaxRow(mods, srow, r % p.seqlen_q, j0, n, cols, state[g * rows4 + r], o_acc + (g * rows4 + r) * dv_pad,
-                   dv_pad, rescales[g * rows4 + r]);
+                   dv_pad, rescales[g * rows4 + r], prm.switches.deferred_normalization);
         if constexpr (F == KvFormat::e4m3) {
           for (std::int64_t c = 0; c < cols; c += kLanes)
             hn::Store(hn::Mul(hn::Load(DF(), srow + c), hn::Load(DF(), factor + c)), DF(), srow + c);

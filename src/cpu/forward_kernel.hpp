@@ -86,6 +86,7 @@ struct ForwardParams {
   float* split_lse = nullptr;
   PagedKv paged;
   MutableTensorView rescale_counts;  // int32 (batch, heads_q, seqlen_q), zeroed; null when not asked
+  AttentionOptions::KernelSwitches switches;
 };
 
 // Per-thread scratch memory, sized by the plan. The packed K/V of one (batch, kv head)

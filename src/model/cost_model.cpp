@@ -84,46 +84,113 @@ void Traffic::add(std::string tensor, bool write, std::int64_t elements, int byt
   terms.push_back({std::move(tensor), write, elements, bytes});
 }
 
-TiledAccount standard_forward(const AttentionProblem& p) {
-  const std::int64_t heads = p.batch * p.heads_q, eb = element_bytes(p.dtype);
-  const std::int64_t sq = p.seqlen_q, sk = p.seqlen_k, nn = heads * sq * sk;
+std::string to_string(StandardModel model) { return model == StandardModel::eager ? "eager" : "minimal"; }
+
+StandardModel parse_standard_model(std::string_view name) {
+  if (name == "minimal") return StandardModel::minimal;
+  if (name == "eager") return StandardModel::eager;
+  throw Error("standard: unknown model '" + std::string(name) + "' (known: minimal, eager)");
+}
+
+namespace {
+
+// The passes of standard attention over batch · heads_q heads. A pass's reads and writes
+// are named by tensor; N×N operands are "S", "P", "P dropped", "dP", "dS" in the input
+// dtype, the dropout keep mask one byte per score (PyTorch's bool mask).
+struct PassBuilder {
+  const AttentionProblem& p;
+  std::int64_t heads, nn;
+  int eb;
+  std::vector<Pass> passes;
+
+  explicit PassBuilder(const AttentionProblem& problem)
+      : p(problem), heads(problem.batch * problem.heads_q), nn(heads * problem.seqlen_q * problem.seqlen_k),
+        eb(element_bytes(problem.dtype)) {}
+  Pass& pass(std::string name, double flops = 0.0) {
+    passes.push_back({std::move(name), {}, flops});
+    return passes.back();
+  }
+  // An elementwise kernel on N×N operands: reads `in`, writes `out`.
+  void elementwise(std::string name, std::initializer_list<const char*> in, const char* out) {
+    Pass& k = pass(std::move(name));
+    for (const char* t : in) k.traffic.add(t, false, nn, std::string_view(t) == "dropout mask" ? 1 : eb);
+    k.traffic.add(out, true, nn, eb);
+  }
+  std::int64_t q() const { return heads * p.seqlen_q * p.head_dim; }
+  std::int64_t k() const { return heads * p.seqlen_k * p.head_dim; }
+  std::int64_t v() const { return heads * p.seqlen_k * p.head_dim_v; }
+  std::int64_t o() const { return heads * p.seqlen_q * p.head_dim_v; }
+  double mm(std::int64_t inner) const { return 2.0 * static_cast<double>(nn) * static_cast<double>(inner); }
+};
+
+TiledAccount summed(const std::vector<Pass>& passes, const AttentionProblem& p) {
   TiledAccount a;
-  Traffic& t = a.traffic;
-  t.add("Q", false, heads * sq * p.head_dim, static_cast<int>(eb));
-  t.add("K", false, heads * sk * p.head_dim, static_cast<int>(eb));
-  t.add("S", true, nn, static_cast<int>(eb));   // S = Q·Kᵀ·scale written
-  t.add("S", false, nn, static_cast<int>(eb));  // read back by the softmax
-  t.add("P", true, nn, static_cast<int>(eb));   // P = softmax(S) written
-  t.add("P", false, nn, static_cast<int>(eb));  // read back by O = P·V
-  t.add("V", false, heads * sk * p.head_dim_v, static_cast<int>(eb));
-  t.add("O", true, heads * sq * p.head_dim_v, static_cast<int>(eb));
-  a.tiles_computed = heads;  // one "tile": the whole matrix of a head
-  a.scores = nn;
+  for (const Pass& k : passes)
+    for (const Traffic::Term& t : k.traffic.terms) a.traffic.add(t.tensor, t.write, t.elements, t.element_bytes);
+  a.tiles_computed = p.batch * p.heads_q;  // one "tile": the whole matrix of a head
+  a.scores = p.batch * p.heads_q * p.seqlen_q * p.seqlen_k;
   return a;
 }
 
-TiledAccount standard_backward(const AttentionProblem& p) {
-  const std::int64_t heads = p.batch * p.heads_q;
-  const int eb = element_bytes(p.dtype);
-  const std::int64_t sq = p.seqlen_q, sk = p.seqlen_k, nn = heads * sq * sk;
-  const std::int64_t d = p.head_dim, dv = p.head_dim_v;
-  TiledAccount a;
-  Traffic& t = a.traffic;
-  t.add("P", false, 2 * nn, eb);             // dV = Pᵀ·dO, then dS = P ∘ (dP − rowsum(P ∘ dP))
-  t.add("dO", false, 2 * heads * sq * dv, eb);  // for dV and for dP = dO·Vᵀ
-  t.add("V", false, heads * sk * dv, eb);
-  t.add("dP", true, nn, eb);
-  t.add("dP", false, nn, eb);
-  t.add("dS", true, nn, eb);
-  t.add("dS", false, 2 * nn, eb);  // dQ = dS·K and dK = dSᵀ·Q
-  t.add("K", false, heads * sk * d, eb);
-  t.add("Q", false, heads * sq * d, eb);
-  t.add("dQ", true, heads * sq * d, eb);
-  t.add("dK", true, heads * sk * d, eb);
-  t.add("dV", true, heads * sk * dv, eb);
-  a.tiles_computed = heads;
-  a.scores = nn;
-  return a;
+}  // namespace
+
+std::vector<Pass> standard_forward_passes(const AttentionProblem& p, StandardModel model) {
+  PassBuilder b(p);
+  const bool eager = model == StandardModel::eager, dropout = eager && p.dropout_p > 0.0f;
+  Pass& qk = b.pass(eager ? "S = Q·Kᵀ" : "S = Q·Kᵀ·scale, masked", b.mm(p.head_dim));
+  qk.traffic.add("Q", false, b.q(), b.eb);
+  qk.traffic.add("K", false, b.k(), b.eb);
+  qk.traffic.add("S", true, b.nn, b.eb);
+  if (eager) {
+    b.elementwise("scale", {"S"}, "S");
+    b.elementwise("mask", {"S"}, "S");
+  }
+  b.elementwise("P = softmax(S)", {"S"}, "P");
+  if (dropout) {
+    b.elementwise("dropout", {"P"}, "P dropped");
+    b.passes.back().traffic.add("dropout mask", true, b.nn, 1);
+  }
+  Pass& pv = b.pass(dropout ? "O = P dropped·V" : "O = P·V", b.mm(p.head_dim_v));
+  pv.traffic.add(dropout ? "P dropped" : "P", false, b.nn, b.eb);
+  pv.traffic.add("V", false, b.v(), b.eb);
+  pv.traffic.add("O", true, b.o(), b.eb);
+  return b.passes;
+}
+
+std::vector<Pass> standard_backward_passes(const AttentionProblem& p, StandardModel model) {
+  PassBuilder b(p);
+  const bool eager = model == StandardModel::eager, dropout = eager && p.dropout_p > 0.0f;
+  const char* p_used = dropout ? "P dropped" : "P";
+  Pass& dv = b.pass(std::string("dV = ") + p_used + "ᵀ·dO", b.mm(p.head_dim_v));
+  dv.traffic.add(p_used, false, b.nn, b.eb);
+  dv.traffic.add("dO", false, b.o(), b.eb);
+  dv.traffic.add("dV", true, b.v(), b.eb);
+  Pass& dp = b.pass("dP = dO·Vᵀ", b.mm(p.head_dim_v));
+  dp.traffic.add("dO", false, b.o(), b.eb);
+  dp.traffic.add("V", false, b.v(), b.eb);
+  dp.traffic.add("dP", true, b.nn, b.eb);
+  if (dropout) b.elementwise("dropout backward", {"dP", "dropout mask"}, "dP");
+  b.elementwise("dS = P∘(dP − rowsum(P∘dP))", {"P", "dP"}, "dS");
+  if (eager) {
+    b.elementwise("mask backward", {"dS"}, "dS");
+    b.elementwise("scale backward", {"dS"}, "dS");
+  }
+  Pass& dq = b.pass("dQ = dS·K", b.mm(p.head_dim));
+  dq.traffic.add("dS", false, b.nn, b.eb);
+  dq.traffic.add("K", false, b.k(), b.eb);
+  dq.traffic.add("dQ", true, b.q(), b.eb);
+  Pass& dk = b.pass("dK = dSᵀ·Q", b.mm(p.head_dim));
+  dk.traffic.add("dS", false, b.nn, b.eb);
+  dk.traffic.add("Q", false, b.q(), b.eb);
+  dk.traffic.add("dK", true, b.k(), b.eb);
+  return b.passes;
+}
+
+TiledAccount standard_forward(const AttentionProblem& p, StandardModel model) {
+  return summed(standard_forward_passes(p, model), p);
+}
+TiledAccount standard_backward(const AttentionProblem& p, StandardModel model) {
+  return summed(standard_backward_passes(p, model), p);
 }
 
 TiledAccount flash_forward(const AttentionProblem& p, const Tiling& tiling) {
@@ -140,6 +207,9 @@ TiledAccount flash_forward(const AttentionProblem& p, const Tiling& tiling) {
   const std::int64_t k_tiles = ceil_div(p.seqlen_k, bc);
   // Every (batch, head) — (batch, kv head) for decode — runs the same loops: count one, scale.
   std::int64_t q_elems = 0, k_keys = 0, out_rows = 0, computed = 0, scores = 0, grid = 0, copies = 0;
+  // Keys of each K/V tile that some Q tile reads: the head's K/V as a cache would hold them.
+  std::vector<std::int64_t> tile_keys(static_cast<std::size_t>(tiling.decode ? 0 : k_tiles), 0);
+  std::int64_t once_keys = 0;
   if (tiling.decode) {
     const std::int64_t rows = p.heads_q / p.heads_kv * p.seqlen_q;
     copies = p.batch * p.heads_kv;
@@ -155,6 +225,7 @@ TiledAccount flash_forward(const AttentionProblem& p, const Tiling& tiling) {
         k_keys += n;
       }
     }
+    once_keys = k_keys;
   } else {
     const std::int64_t q_blocks = ceil_div(p.seqlen_q, bq);
     copies = p.batch * p.heads_q;
@@ -171,6 +242,8 @@ TiledAccount flash_forward(const AttentionProblem& p, const Tiling& tiling) {
           ++computed;
           scores += rows * n;
           k_keys += n;
+          std::int64_t& seen = tile_keys[static_cast<std::size_t>(j0 / bc)];
+          seen = std::max(seen, n);
         }
       }
     }
@@ -192,6 +265,9 @@ TiledAccount flash_forward(const AttentionProblem& p, const Tiling& tiling) {
   a.scores = copies * scores;
   a.restreamed_bytes = copies * k_keys * (d + dv) * eb;
   a.restream_tiles = tiling.decode ? 1 : ceil_div(p.seqlen_q, bq);
+  for (const std::int64_t n : tile_keys) once_keys += n;
+  a.restreamed_once_bytes = copies * once_keys * (d + dv) * eb;
+  a.restream_heads = copies;
   return a;
 }
 
@@ -205,7 +281,8 @@ TiledAccount flash_backward(const AttentionProblem& p, const Tiling& tiling) {
   const std::int64_t q_blocks = ceil_div(sq, bq), k_blocks = ceil_div(sk, bc);
   const std::int64_t heads = p.batch * p.heads_q, kv_heads = p.batch * p.heads_kv;
   // One q head against every K/V tile of its kv head (all q heads run the same loops).
-  std::int64_t q_rows = 0, computed = 0, scores = 0;
+  std::int64_t q_rows = 0, computed = 0, scores = 0, once_rows = 0;
+  std::vector<char> q_tile_seen(static_cast<std::size_t>(q_blocks), 0);
   for (std::int64_t kb = 0; kb < k_blocks; ++kb) {
     const std::int64_t j0 = kb * bc, n = std::min(bc, sk - j0);
     for (std::int64_t qb = 0; qb < q_blocks; ++qb) {
@@ -214,6 +291,8 @@ TiledAccount flash_backward(const AttentionProblem& p, const Tiling& tiling) {
       ++computed;
       scores += rows * n;
       q_rows += rows;
+      if (!q_tile_seen[static_cast<std::size_t>(qb)]) once_rows += rows;
+      q_tile_seen[static_cast<std::size_t>(qb)] = 1;
     }
   }
   Traffic& t = a.traffic;
@@ -241,6 +320,8 @@ TiledAccount flash_backward(const AttentionProblem& p, const Tiling& tiling) {
   a.scores = heads * scores;
   a.restreamed_bytes = heads * q_rows * ((d + dv) * eb + (2 + 2 * d) * kF32Bytes);
   a.restream_tiles = k_blocks;
+  a.restreamed_once_bytes = heads * once_rows * ((d + dv) * eb + (2 + 2 * d) * kF32Bytes);
+  a.restream_heads = heads;
   return a;
 }
 
@@ -363,7 +444,8 @@ UnitCycles forward_tile_cycles(const Architecture& arch, std::int64_t block_q, s
   c.shared_pipes = arch.cpu;
   c.mma = 2.0 * br * bc * (d + dv) / mma_rate(arch, o.dtype);
   // Softmax arithmetic on every score, and õ (Br × Dv) rescaled on the tiles that move m.
-  c.fma = (br * bc * kForwardSoftmaxOps + o.rescale_fraction * br * dv) / arch.fp32_lanes;
+  c.fma = o.deferred_normalization ? (br * bc * kForwardSoftmaxOps + o.rescale_fraction * br * dv) / arch.fp32_lanes
+                                    : (br * bc * (kForwardSoftmaxOps + 1.0) + br * dv) / arch.fp32_lanes;
   add_exponentials(arch, br * bc, o, c);
   // The matrix units read Q, K and V from shared memory; S and P never go there.
   c.smem = eb * (br * d + bc * d + bc * dv) / arch.smem_bytes_per_clock;
@@ -394,6 +476,45 @@ UnitCycles backward_tile_cycles(const Architecture& arch, std::int64_t block_q, 
   return c;
 }
 
+// ---- the cache ----------------------------------------------------------------------
+
+namespace {
+
+std::string mib(double bytes) {
+  std::ostringstream s;
+  s.precision(3);
+  s << bytes / (1024.0 * 1024.0) << " MiB";
+  return s.str();
+}
+
+}  // namespace
+
+CachedTraffic cached_traffic(const TiledAccount& a, const Architecture& arch, const char* pass) {
+  CachedTraffic c;
+  c.raw_bytes = static_cast<double>(a.traffic.bytes());
+  c.bytes = c.raw_bytes;
+  c.l2_bytes = arch.l2_bytes;
+  const std::string what = std::string(pass) == "forward" ? "K/V" : "Q-side (Q, dO, lse, D, dQ accumulator)";
+  if (a.restream_heads == 0 || a.restream_tiles <= 1) {
+    c.fits = true;
+    c.assumption = std::string(pass) + ": no tile is restreamed; the raw count is what slow memory serves";
+    return c;
+  }
+  c.head_bytes = static_cast<double>(a.restreamed_once_bytes) / static_cast<double>(a.restream_heads);
+  c.heads_in_flight = std::min(a.restream_heads, ceil_div(arch.units, a.restream_tiles));
+  const double footprint = c.head_bytes * static_cast<double>(c.heads_in_flight);
+  c.fits = footprint <= arch.l2_bytes;
+  if (c.fits) c.bytes = c.raw_bytes - static_cast<double>(a.restreamed_bytes - a.restreamed_once_bytes);
+  std::ostringstream s;
+  s << pass << ": the " << a.restream_tiles << " tiles of a head restream its " << what << "; "
+    << c.heads_in_flight << (c.heads_in_flight == 1 ? " head" : " heads") << " in flight (" << arch.units << " units / " << a.restream_tiles
+    << " tiles per head) × " << mib(c.head_bytes) << " = " << mib(footprint)
+    << (c.fits ? " fit in the " : " exceed the ") << mib(arch.l2_bytes) << " L2, so slow memory serves "
+    << (c.fits ? "each element once per head" : "every restream (the raw count)");
+  c.assumption = s.str();
+  return c;
+}
+
 // ---- prediction ---------------------------------------------------------------------
 
 namespace {
@@ -403,11 +524,8 @@ Prediction predict(const AttentionProblem& p, const Architecture& arch, const Ti
   Prediction r;
   const double clock_hz = arch.clock_ghz * 1e9;
   r.compute_seconds = static_cast<double>(account.tiles_computed) * tile.time() / (arch.units * clock_hz);
-  // Work items run head-major, so the tiles of one head that run at the same time on
-  // different SMs read each restreamed tile once from slow memory and share it in cache.
-  const double sharing = static_cast<double>(std::clamp<std::int64_t>(account.restream_tiles, 1, arch.units));
-  r.memory_bytes = static_cast<double>(account.traffic.bytes()) -
-                   static_cast<double>(account.restreamed_bytes) * (1.0 - 1.0 / sharing);
+  const CachedTraffic cached = cached_traffic(account, arch, pass);
+  r.memory_bytes = cached.bytes;
   r.memory_seconds = r.memory_bytes / arch.hbm_bytes_per_second;
   r.seconds = std::max(r.compute_seconds, r.memory_seconds);
   r.bound = r.compute_seconds >= r.memory_seconds ? tile.bottleneck() : "memory";
@@ -420,13 +538,39 @@ Prediction predict(const AttentionProblem& p, const Architecture& arch, const Ti
       "the units of an SM/core overlap perfectly: a tile takes its slowest unit's cycles",
       "all " + std::to_string(arch.units) + " SMs/cores stay busy (no tail wave, no load imbalance)",
       "slow-memory transfers overlap compute; time = max(compute, traffic / bandwidth)",
-      "tiles of one head running at once share restreamed tiles through the cache: slow memory "
-      "serves them once per min(tiles per head, SMs/cores)",
+      cached.assumption,
       "peak clock and peak rates of the hardware table; no launch or synchronisation cost"};
   return r;
 }
 
 }  // namespace
+
+Prediction predict_standard(const AttentionProblem& p, const Architecture& arch, const std::vector<Pass>& passes) {
+  Prediction r;
+  const double peak = arch.peak_flops(p.dtype);
+  double flops = 0.0, memory_bound = 0.0;
+  for (const Pass& k : passes) {
+    const double compute = k.flops / peak, bytes = static_cast<double>(k.traffic.bytes());
+    const double memory = bytes / arch.hbm_bytes_per_second;
+    r.compute_seconds += compute;
+    r.memory_seconds += memory;
+    r.memory_bytes += bytes;
+    r.seconds += std::max(compute, memory);
+    if (memory >= compute) memory_bound += memory;
+    flops += k.flops;
+  }
+  r.bound = memory_bound * 2.0 >= r.seconds ? "memory" : "mma";
+  if (r.seconds > 0.0) {
+    r.tflops = flops / r.seconds * 1e-12;
+    r.utilisation = flops / r.seconds / peak;
+  }
+  r.assumptions = {
+      "one kernel per pass, one after another: a pass takes max(its FLOPs at the matrix units' peak, its bytes "
+      "at slow-memory bandwidth)",
+      "no reuse between kernels through the cache (an N×N operand of all heads is larger than the L2)",
+      "elementwise kernels' arithmetic hides under their memory traffic; no launch cost"};
+  return r;
+}
 
 Prediction predict_forward(const AttentionProblem& p, const Architecture& arch, const Tiling& tiling,
                            const TileOptions& options) {

@@ -39,7 +39,7 @@ struct SmDesign {
   double smem_kib;
 };
 
-Architecture gpu(const char* name, const char* description, const SmDesign& sm, double memory_gb,
+Architecture gpu(const char* name, const char* description, const SmDesign& sm, double l2_mib, double memory_gb,
                  double hbm_gbps, const char* source) {
   Architecture a;
   a.name = name;
@@ -54,6 +54,7 @@ Architecture gpu(const char* name, const char* description, const SmDesign& sm, 
   a.poly_exp_ops = kGpuPolyExp2Ops;
   a.smem_bytes_per_clock = kSmemBytesPerClock;
   a.smem_bytes = sm.smem_kib * kKiB;
+  a.l2_bytes = l2_mib * kKiB * kKiB;
   a.hbm_bytes_per_second = hbm_gbps * kGB;
   a.memory_bytes = memory_gb * kGB;
   a.source = source;
@@ -89,18 +90,23 @@ constexpr SmDesign kBlackwell{148, kBlackwellClockGhz, 8192, 4096, 16384, 128, k
 // 288 GB at 8 TB/s. Its clock is not stated: B200's derived clock is assumed.
 constexpr SmDesign kBlackwellUltra{160, kBlackwellClockGhz, 8192, 4096, 16384, 128, 2 * kMufuPerClock, 228};
 
+// L2 caches, shared by all SMs: A100 40 MB (whitepaper), H100 and H200 50 MB (H100
+// whitepaper), B200 126 MB (two dies' partitions together, as measured by Chips and Cheese,
+// "Nvidia's B200: Keeping the CUDA Juggernaut Rolling", 2025); B300's is assumed equal.
+constexpr double kAmpereL2Mib = 40, kHopperL2Mib = 50, kBlackwellL2Mib = 126;
+
 std::vector<Architecture> make_table() {
   return {
-      gpu("a100-40gb", "NVIDIA A100 SXM 40 GB (Ampere, FlashAttention-1/2)", kAmpere, 40, 1555,
+      gpu("a100-40gb", "NVIDIA A100 SXM 40 GB (Ampere, FlashAttention-1/2)", kAmpere, kAmpereL2Mib, 40, 1555,
           "A100 whitepaper (2020) and datasheet; CUDA Programming Guide throughput table"),
-      gpu("a100-80gb", "NVIDIA A100 SXM 80 GB (Ampere, FlashAttention-1/2)", kAmpere, 80, 2039,
+      gpu("a100-80gb", "NVIDIA A100 SXM 80 GB (Ampere, FlashAttention-1/2)", kAmpere, kAmpereL2Mib, 80, 2039,
           "A100 whitepaper (2020) and datasheet; CUDA Programming Guide throughput table"),
-      gpu("h100", "NVIDIA H100 SXM5 80 GB (Hopper, FlashAttention-3)", kHopper, 80, 3350,
+      gpu("h100", "NVIDIA H100 SXM5 80 GB (Hopper, FlashAttention-3)", kHopper, kHopperL2Mib, 80, 3350,
           "H100 whitepaper (2022) and datasheet; FlashAttention-3 paper §3.1"),
-      gpu("h200", "NVIDIA H200 SXM 141 GB (Hopper, HBM3e)", kHopper, 141, 4800, "H200 datasheet (2024); SMs as H100"),
-      gpu("b200", "NVIDIA B200 180 GB (Blackwell, FlashAttention-4)", kBlackwell, 180, 8000,
+      gpu("h200", "NVIDIA H200 SXM 141 GB (Hopper, HBM3e)", kHopper, kHopperL2Mib, 141, 4800, "H200 datasheet (2024); SMs as H100"),
+      gpu("b200", "NVIDIA B200 180 GB (Blackwell, FlashAttention-4)", kBlackwell, kBlackwellL2Mib, 180, 8000,
           "HGX/DGX B200 datasheets; FlashAttention-4 paper §2"),
-      gpu("b300", "NVIDIA B300 288 GB (Blackwell Ultra, doubled exp throughput)", kBlackwellUltra, 288, 8000,
+      gpu("b300", "NVIDIA B300 288 GB (Blackwell Ultra, doubled exp throughput)", kBlackwellUltra, kBlackwellL2Mib, 288, 8000,
           "NVIDIA Blackwell Ultra technical blogs (2025); clock assumed as B200"),
   };
 }
@@ -161,6 +167,9 @@ Architecture cpu_architecture(const CpuHardware& hw, const CpuMeasurements& m) {
   a.poly_exp_ops = kExp2Poly3VectorOps;
   a.smem_bytes_per_clock = kL1LoadsPerClock * lanes * 4.0;
   a.smem_bytes = static_cast<double>(hw.l2_bytes);
+  // Each core's work item streams its head's packed K/V from its own L2: the cores' L2s
+  // together are the cache of the rule in cached_traffic.
+  a.l2_bytes = static_cast<double>(hw.l2_bytes) * hw.threads;
   a.hbm_bytes_per_second = m.copy_gbps * kGB;
   a.memory_bytes = 0;
   a.cpu = true;

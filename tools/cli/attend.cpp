@@ -1,5 +1,6 @@
 // `flashattn attend`: file mode. Reads q, k, v from NumPy .npy files, writes out and lse,
 // so anyone can check flashattn with their own tools.
+#include <cstdio>
 #include <iostream>
 #include <memory>
 #include <optional>
@@ -39,6 +40,12 @@ std::int64_t max_length(const Tensor& cu) {
   return m;
 }
 
+std::string shape_text(const std::vector<std::int64_t>& shape) {
+  std::string s = "(";
+  for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + ")";
+}
+
 void attend(AttendFlags& f) {
   Tensor q = read_npy(f.q), k = read_npy(f.k), v = read_npy(f.v);
   // --dtype bf16 rounds the inputs to bf16; by default the kernel runs in q's file dtype.
@@ -53,6 +60,10 @@ void attend(AttendFlags& f) {
   f.variants.apply(options);
   options.deterministic = f.deterministic;
   const bool varlen = !f.cu_seqlens_q.empty();
+  std::printf("flashattn attend: q %s, dtype=%s causal=%s softmax_scale=%s deterministic=%s%s\n",
+              shape_text(q.shape()).c_str(), to_string(dtype).c_str(), f.causal ? "true" : "false",
+              f.softmax_scale ? std::to_string(*f.softmax_scale).c_str() : "1/sqrt(D)",
+              f.deterministic ? "true" : "false", varlen ? " varlen" : "");
   Tensor cu_q, cu_k;
   VarlenSeqlens seqlens;
   if (varlen) {

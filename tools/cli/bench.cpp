@@ -163,6 +163,14 @@ void bench(const BenchFlags& f) {
     return;
   }
   const double sgemm = j["sgemm_gflops"];
+  {
+    const AttentionProblem p = f.shape.problem();
+    std::printf("flashattn bench: batch=%lld seqlen_q=%lld seqlen_k=%lld heads_q=%lld heads_kv=%lld head_dim=%lld "
+                "head_dim_v=%lld dtypes=f32,bf16 causal=false,true (each case's mask below) repeats=%d\n",
+                static_cast<long long>(p.batch), static_cast<long long>(p.seqlen_q), static_cast<long long>(p.seqlen_k),
+                static_cast<long long>(p.heads_q), static_cast<long long>(p.heads_kv), static_cast<long long>(p.head_dim),
+                static_cast<long long>(p.head_dim_v), f.repeats);
+  }
   std::printf("cpu: %s, %d threads, simd %s, OpenBLAS %s: sgemm %.1f GFLOP/s\n",
               j["cpu"].get<std::string>().c_str(), threads, j["simd_target"].get<std::string>().c_str(),
               j["openblas_corename"].get<std::string>().c_str(), sgemm);

@@ -3,6 +3,7 @@
 // architecture, predicted time; with --measure, the CPU kernel's counters beside the
 // model's exact counts for the tiles it ran.
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <iostream>
 #include <memory>
@@ -21,10 +22,48 @@ struct ExplainFlags {
   std::string arch = "h100";
   std::optional<double> sram_elements;
   std::vector<std::int64_t> tile;  // BR BC
+  std::string standard = "minimal";  // cost::StandardModel by name
+  float dropout_p = 0.0f;
+  std::string preset;  // "" or a name of kPresets
   bool measure = false;
   bool json = false;
   int repeats = 3;
 };
+
+// A problem from a paper, with the paper's figures of standard attention and FlashAttention
+// beside which `explain --preset` prints the model's.
+struct PaperFigures {
+  double standard_gflops, flash_gflops;  // forward + backward
+  double standard_gb, flash_gb;          // HBM reads + writes
+  double standard_ms, flash_ms;          // runtime, forward + backward
+};
+struct Preset {
+  const char* name;
+  const char* source;
+  std::int64_t batch, seqlen, heads, dim;
+  const char* dtype;
+  const char* arch;
+  float dropout_p;
+  PaperFigures paper;
+};
+
+// Dao et al. 2022 (FlashAttention), Figure 2 left: GPT-2 medium attention, "seq. length 1024,
+// head dim. 64, 16 heads, batch size 64) on A100 GPU", forward + backward. The paper's
+// benchmarks (§4.3) run on "one A100 GPU with 40 GB HBM, with dropout and a padding mask";
+// GPT-2's attention dropout is 0.1, its training precision fp16. Not causal: the tiled side
+// computes more FLOPs than the standard one (75.2 against 66.6), so no tile was skipped.
+constexpr Preset kPresets[] = {
+    {"gpt2-medium", "Dao et al. 2022, FlashAttention, Figure 2 (left)", 64, 1024, 16, 64, "f16", "a100-40gb", 0.1f,
+     {66.6, 75.2, 40.3, 4.4, 41.7, 7.3}},
+};
+// The tolerance of the preset's comparison: each ratio within ±25% of the paper's.
+constexpr double kPresetTolerance = 0.25;
+
+const Preset& preset_by_name(const std::string& name) {
+  for (const Preset& p : kPresets)
+    if (name == p.name) return p;
+  throw Error("--preset: unknown preset '" + name + "' (known: gpt2-medium)");
+}
 
 struct Account {
   AttentionProblem problem;
@@ -32,10 +71,15 @@ struct Account {
   cost::Tiling forward_tiling, backward_tiling;
   double sram_elements = 0.0;
   cost::Work work;
+  cost::StandardModel standard_model = cost::StandardModel::minimal;
+  std::vector<cost::Pass> standard_fwd_passes, standard_bwd_passes;
   cost::TiledAccount standard_fwd, standard_bwd, flash_fwd, flash_bwd;
+  cost::CachedTraffic cached_fwd, cached_bwd;  // the tiled traffic with the L2
+  cost::Prediction predicted_std_fwd, predicted_std_bwd;
   cost::ThetaForms theta;
   cost::UnitCycles table_fwd, table_bwd;
   cost::Prediction predicted_fwd, predicted_bwd;
+  const Preset* preset = nullptr;
 };
 
 Account make_account(const ExplainFlags& f, const AttentionProblem& p, const AttentionOptions& options) {
@@ -51,10 +95,17 @@ Account make_account(const ExplainFlags& f, const AttentionProblem& p, const Att
   a.sram_elements = f.sram_elements.value_or(a.arch.smem_bytes /
                                               (a.arch.cpu ? 4.0 : static_cast<double>(dtype_size(p.dtype))));
   a.work = cost::work(p);
-  a.standard_fwd = cost::standard_forward(p);
-  a.standard_bwd = cost::standard_backward(p);
+  a.standard_model = cost::parse_standard_model(f.standard);
+  a.standard_fwd_passes = cost::standard_forward_passes(p, a.standard_model);
+  a.standard_bwd_passes = cost::standard_backward_passes(p, a.standard_model);
+  a.standard_fwd = cost::standard_forward(p, a.standard_model);
+  a.standard_bwd = cost::standard_backward(p, a.standard_model);
   a.flash_fwd = cost::flash_forward(p, a.forward_tiling);
   a.flash_bwd = cost::flash_backward(p, a.backward_tiling);
+  a.cached_fwd = cost::cached_traffic(a.flash_fwd, a.arch, "forward");
+  a.cached_bwd = cost::cached_traffic(a.flash_bwd, a.arch, "backward");
+  a.predicted_std_fwd = cost::predict_standard(p, a.arch, a.standard_fwd_passes);
+  a.predicted_std_bwd = cost::predict_standard(p, a.arch, a.standard_bwd_passes);
   a.theta = cost::theta_forms(p, a.sram_elements);
   const cost::TileOptions plain{p.dtype};
   a.table_fwd = cost::forward_tile_cycles(a.arch, kTableTile, kTableTile, p.head_dim, p.head_dim_v, plain);
@@ -66,6 +117,52 @@ Account make_account(const ExplainFlags& f, const AttentionProblem& p, const Att
 
 nlohmann::json tiling_json(const cost::Tiling& t) {
   return {{"block_q", t.block_q}, {"block_k", t.block_k}, {"splits", t.splits}, {"decode", t.decode}};
+}
+
+// `text` padded with spaces to `width` characters (UTF-8 code points, as a terminal shows them).
+std::string padded(const std::string& text, std::size_t width) {
+  std::size_t chars = 0;
+  for (const char c : text) chars += (static_cast<unsigned char>(c) & 0xC0) != 0x80;
+  return text + std::string(width > chars ? width - chars : 0, ' ');
+}
+
+nlohmann::json passes_json(const std::vector<cost::Pass>& passes) {
+  nlohmann::json j = nlohmann::json::array();
+  for (const cost::Pass& k : passes)
+    j.push_back({{"name", k.name}, {"bytes", k.traffic.bytes()}, {"flops", k.flops}, {"traffic", traffic_json(k.traffic)}});
+  return j;
+}
+
+nlohmann::json cache_json(const cost::CachedTraffic& c) {
+  return {{"bytes", c.bytes},       {"raw_bytes", c.raw_bytes},   {"head_bytes", c.head_bytes},
+          {"heads_in_flight", c.heads_in_flight}, {"l2_bytes", c.l2_bytes}, {"fits", c.fits},
+          {"assumption", c.assumption}};
+}
+
+double flash_ms(const Account& a) { return (a.predicted_fwd.seconds + a.predicted_bwd.seconds) * 1e3; }
+double standard_ms(const Account& a) { return (a.predicted_std_fwd.seconds + a.predicted_std_bwd.seconds) * 1e3; }
+double flash_bytes(const Account& a) { return a.cached_fwd.bytes + a.cached_bwd.bytes; }
+double standard_bytes(const Account& a) {
+  return static_cast<double>(a.standard_fwd.traffic.bytes() + a.standard_bwd.traffic.bytes());
+}
+
+// The preset's three rows: the paper's figures and ratios beside the model's.
+struct PresetRow {
+  const char* name;
+  double paper_standard, paper_flash, model_standard, model_flash;
+  bool flash_over_standard;  // the ratio is flash / standard (FLOPs), else standard / flash
+  double paper_ratio() const { return flash_over_standard ? paper_flash / paper_standard : paper_standard / paper_flash; }
+  double model_ratio() const { return flash_over_standard ? model_flash / model_standard : model_standard / model_flash; }
+  bool within() const { return std::fabs(model_ratio() / paper_ratio() - 1.0) <= kPresetTolerance; }
+};
+std::vector<PresetRow> preset_rows(const Account& a) {
+  const PaperFigures& b = a.preset->paper;
+  const cost::Work& w = a.work;
+  return {{"GFLOPs (flash / standard)", b.standard_gflops, b.flash_gflops, (w.standard_forward + w.standard_backward) * 1e-9,
+           (w.forward + w.backward) * 1e-9, true},
+          {"HBM reads + writes, GB (standard / flash)", b.standard_gb, b.flash_gb, standard_bytes(a) * 1e-9,
+           flash_bytes(a) * 1e-9, false},
+          {"runtime, ms (speedup)", b.standard_ms, b.flash_ms, standard_ms(a), flash_ms(a), false}};
 }
 
 nlohmann::json tiles_json(const cost::TiledAccount& a) {
@@ -142,14 +239,20 @@ nlohmann::json to_json(const Account& a, const std::optional<Measured>& m) {
                 {"exp_forward", w.exp_forward}, {"exp_backward", w.exp_backward},
                 {"exp_standard_forward", w.exp_standard_forward}, {"visible_pairs", w.visible_pairs}};
   j["traffic"] = {
+      {"standard_model", cost::to_string(a.standard_model)},
       {"standard_bytes", a.standard_fwd.traffic.bytes() + a.standard_bwd.traffic.bytes()},
-      {"flash_bytes", a.flash_fwd.traffic.bytes() + a.flash_bwd.traffic.bytes()},
+      {"flash_bytes", flash_bytes(a)},
+      {"flash_raw_bytes", a.flash_fwd.traffic.bytes() + a.flash_bwd.traffic.bytes()},
       {"standard_elements", a.standard_fwd.traffic.elements() + a.standard_bwd.traffic.elements()},
       {"flash_elements", a.flash_fwd.traffic.elements() + a.flash_bwd.traffic.elements()},
       {"forward", {{"standard", traffic_json(a.standard_fwd.traffic)}, {"flash", traffic_json(a.flash_fwd.traffic)},
-                   {"standard_bytes", a.standard_fwd.traffic.bytes()}, {"flash_bytes", a.flash_fwd.traffic.bytes()}}},
+                   {"standard_passes", passes_json(a.standard_fwd_passes)},
+                   {"standard_bytes", a.standard_fwd.traffic.bytes()}, {"flash_bytes", a.cached_fwd.bytes},
+                   {"flash_raw_bytes", a.flash_fwd.traffic.bytes()}, {"cache", cache_json(a.cached_fwd)}}},
       {"backward", {{"standard", traffic_json(a.standard_bwd.traffic)}, {"flash", traffic_json(a.flash_bwd.traffic)},
-                    {"standard_bytes", a.standard_bwd.traffic.bytes()}, {"flash_bytes", a.flash_bwd.traffic.bytes()}}},
+                    {"standard_passes", passes_json(a.standard_bwd_passes)},
+                    {"standard_bytes", a.standard_bwd.traffic.bytes()}, {"flash_bytes", a.cached_bwd.bytes},
+                    {"flash_raw_bytes", a.flash_bwd.traffic.bytes()}, {"cache", cache_json(a.cached_bwd)}}},
       {"theta_standard", a.theta.standard},
       {"theta_flash", a.theta.flash},
       {"theta_ratio", a.theta.ratio},
@@ -170,6 +273,24 @@ nlohmann::json to_json(const Account& a, const std::optional<Measured>& m) {
   j["prediction"] = {{"forward", prediction_json(a.predicted_fwd)},
                      {"backward", prediction_json(a.predicted_bwd)},
                      {"assumptions", a.predicted_fwd.assumptions}};
+  j["predicted"] = {{"standard_ms", standard_ms(a)},
+                    {"flash_ms", flash_ms(a)},
+                    {"speedup", standard_ms(a) / flash_ms(a)},
+                    {"standard_model", cost::to_string(a.standard_model)},
+                    {"standard", {{"forward", prediction_json(a.predicted_std_fwd)},
+                                  {"backward", prediction_json(a.predicted_std_bwd)},
+                                  {"assumptions", a.predicted_std_fwd.assumptions}}},
+                    {"flash", {{"forward", prediction_json(a.predicted_fwd)},
+                               {"backward", prediction_json(a.predicted_bwd)},
+                               {"assumptions", a.predicted_fwd.assumptions}}}};
+  if (a.preset) {
+    nlohmann::json rows = nlohmann::json::array();
+    for (const PresetRow& r : preset_rows(a))
+      rows.push_back({{"name", r.name}, {"paper", {r.paper_standard, r.paper_flash}},
+                      {"model", {r.model_standard, r.model_flash}}, {"paper_ratio", r.paper_ratio()},
+                      {"model_ratio", r.model_ratio()}, {"within_tolerance", r.within()}});
+    j["preset"] = {{"name", a.preset->name}, {"source", a.preset->source}, {"tolerance", kPresetTolerance}, {"rows", rows}};
+  }
   if (m) {
     const ModelCounters model = model_counters(m->model_fwd, m->model_bwd, m->run.forward_plan.splits > 1);
     j["measured"] = {{"forward_plan", m->run.forward_plan.describe()},
@@ -190,10 +311,30 @@ void print_cycles_row(const char* pass, const std::string& variant, const cost::
               c.bottleneck().c_str());
 }
 
+void print_preset(const Account& a) {
+  std::printf("\nThe paper beside the model (--preset %s: %s)\n", a.preset->name, a.preset->source);
+  std::printf("  %-42s %10s %10s %8s   %10s %10s %8s   %s\n", "forward + backward", "standard", "flash", "ratio",
+              "standard", "flash", "ratio", "within ±25%");
+  std::printf("  %-42s %30s   %30s\n", "", "--- paper (measured) ---",
+              ("--- model (standard " + cost::to_string(a.standard_model) + ") ---").c_str());
+  for (const PresetRow& r : preset_rows(a))
+    std::printf("  %-42s %10.1f %10.1f %8.2f   %10.1f %10.1f %8.2f   %s\n", r.name, r.paper_standard, r.paper_flash,
+                r.paper_ratio(), r.model_standard, r.model_flash, r.model_ratio(), r.within() ? "yes" : "no");
+  std::printf("  The ratios compare; the absolute figures differ. The paper does not state how it counts\n"
+              "  FLOPs (the model counts 2 per multiply-add of every product); its bytes and times were\n"
+              "  measured on FlashAttention-1, while the model is a roofline at the table's peak rates of\n"
+              "  FlashAttention-2's loop order.\n");
+  if (a.standard_model == cost::StandardModel::eager)
+    std::printf("  With --standard eager the standard side counts the paper's kernels one by one; beside the\n"
+                "  tiled roofline (which moves and takes less than FlashAttention-1 measured) its ratios overshoot.\n");
+}
+
 void print_text(const Account& a, const std::optional<Measured>& m) {
   const AttentionProblem& p = a.problem;
   const cost::Work& w = a.work;
   std::printf("flashattn explain: %s\n", p.describe().c_str());
+  if (a.preset)
+    std::printf("preset %s: the problem of %s, on %s\n", a.preset->name, a.preset->source, a.preset->arch);
   std::printf("architecture: %s — %d %s at %.3f GHz\n  source: %s\n", a.arch.description.c_str(), a.arch.units,
               a.arch.cpu ? "cores" : "SMs", a.arch.clock_ghz, a.arch.source.c_str());
   std::printf("tiles: forward Br=%lld Bc=%lld%s, backward Br=%lld Bc=%lld; fast memory M = %.0f elements\n\n",
@@ -209,14 +350,23 @@ void print_text(const Account& a, const std::optional<Measured>& m) {
   std::printf("  forward, standard          %14.4g      %14.4g\n", w.standard_forward, w.exp_standard_forward);
   std::printf("  backward, standard         %14.4g      %14s   (from the stored P)\n\n", w.standard_backward, "0");
 
-  std::printf("Traffic, slow <-> fast memory      standard           tiled   tiled/standard\n");
-  const auto row = [](const char* name, const cost::TiledAccount& s, const cost::TiledAccount& t) {
-    std::printf("  %-26s %15s %15s   %8.4f\n", name, human_bytes(static_cast<double>(s.traffic.bytes())).c_str(),
-                human_bytes(static_cast<double>(t.traffic.bytes())).c_str(),
-                static_cast<double>(t.traffic.bytes()) / static_cast<double>(std::max<std::int64_t>(1, s.traffic.bytes())));
+  std::printf("Traffic, slow <-> fast memory   standard (%s)    tiled (L2)   tiled (raw)   standard/tiled\n",
+              cost::to_string(a.standard_model).c_str());
+  const auto row = [](const char* name, double standard, double tiled, double raw) {
+    std::printf("  %-26s %15s %13s %13s   %8.2f\n", name, human_bytes(standard).c_str(), human_bytes(tiled).c_str(),
+                human_bytes(raw).c_str(), standard / std::max(1.0, tiled));
   };
-  row("forward", a.standard_fwd, a.flash_fwd);
-  row("backward", a.standard_bwd, a.flash_bwd);
+  row("forward", static_cast<double>(a.standard_fwd.traffic.bytes()), a.cached_fwd.bytes, a.cached_fwd.raw_bytes);
+  row("backward", static_cast<double>(a.standard_bwd.traffic.bytes()), a.cached_bwd.bytes, a.cached_bwd.raw_bytes);
+  row("forward + backward", standard_bytes(a), flash_bytes(a), a.cached_fwd.raw_bytes + a.cached_bwd.raw_bytes);
+  std::printf("  L2 (tiled): %s\n              %s\n", a.cached_fwd.assumption.c_str(), a.cached_bwd.assumption.c_str());
+  std::printf("  standard passes (%s), one kernel each:\n", cost::to_string(a.standard_model).c_str());
+  for (const auto& [pass, passes] : {std::pair{"forward", &a.standard_fwd_passes}, std::pair{"backward", &a.standard_bwd_passes}})
+    for (const cost::Pass& k : *passes) {
+      std::printf("    %-9s %s %12s", pass, padded(k.name, 34).c_str(), human_bytes(static_cast<double>(k.traffic.bytes())).c_str());
+      if (k.flops > 0.0) std::printf("  %10.4g FLOPs", k.flops);
+      std::printf("\n");
+    }
   std::printf("  exact elements: standard %lld + %lld, tiled %lld + %lld\n",
               static_cast<long long>(a.standard_fwd.traffic.elements()), static_cast<long long>(a.standard_bwd.traffic.elements()),
               static_cast<long long>(a.flash_fwd.traffic.elements()), static_cast<long long>(a.flash_bwd.traffic.elements()));
@@ -241,8 +391,18 @@ void print_text(const Account& a, const std::optional<Measured>& m) {
     std::printf("  %-9s %10.4g ms  %10.4g GFLOP/s  %5.1f%% of peak  bound by %s (compute %.4g ms, memory %.4g ms)\n",
                 name, r->seconds * 1e3, r->tflops * 1e3, 100.0 * r->utilisation, r->bound.c_str(),
                 r->compute_seconds * 1e3, r->memory_seconds * 1e3);
-  std::printf("  assumptions:\n");
+  for (const auto& [name, r] : {std::pair{"standard forward", &a.predicted_std_fwd},
+                                std::pair{"standard backward", &a.predicted_std_bwd}})
+    std::printf("  %-18s %10.4g ms  bound by %s (matrix products %.4g ms, memory %.4g ms, passes added)\n", name,
+                r->seconds * 1e3, r->bound.c_str(), r->compute_seconds * 1e3, r->memory_seconds * 1e3);
+  std::printf("  forward + backward: standard (%s) %.4g ms, tiled %.4g ms: %.2fx\n",
+              cost::to_string(a.standard_model).c_str(), standard_ms(a), flash_ms(a), standard_ms(a) / flash_ms(a));
+  std::printf("  assumptions (tiled):\n");
   for (const std::string& s : a.predicted_fwd.assumptions) std::printf("   - %s\n", s.c_str());
+  std::printf("   - %s\n", a.cached_bwd.assumption.c_str());
+  std::printf("  assumptions (standard):\n");
+  for (const std::string& s : a.predicted_std_fwd.assumptions) std::printf("   - %s\n", s.c_str());
+  if (a.preset) print_preset(a);
   if (!m) return;
 
   std::printf("\nMeasured on this CPU (counters on) — %s\n", m->run.forward_plan.describe().c_str());
@@ -284,6 +444,7 @@ void print_text(const Account& a, const std::optional<Measured>& m) {
 
 void register_explain(CLI::App& app) {
   auto flags = std::make_shared<ExplainFlags>();
+  flags->shape.causal = false;  // upstream's default (flash_attn_func: causal=False)
   CLI::App* cmd = app.add_subcommand("explain", "what a problem costs and why: traffic, FLOPs, per-unit cycles");
   flags->shape.add_to(*cmd);
   cmd->add_option("--window-size", flags->window_size, "sliding window LEFT RIGHT (-1 = unbounded)")->expected(2);
@@ -293,18 +454,49 @@ void register_explain(CLI::App& app) {
                   "fast-memory size M of the Θ-form (default: shared memory per SM, or L2 per core)");
   cmd->add_option("--tile", flags->tile, "tile BR BC of the model (GPU; with --measure, BR also sets the CPU's Q tile)")
       ->expected(2);
+  cmd->add_option("--dropout-p", flags->dropout_p,
+                  "dropout probability on the attention weights (eager: its kernels and keep mask; tiled: "
+                  "regenerated from the seed, no traffic)");
+  cmd->add_option("--preset", flags->preset,
+                  "gpt2-medium: the first FlashAttention paper's GPT-2 medium attention on an A100 (batch 64, seqlen "
+                  "1024, 16 heads, dim 64, f16, dropout 0.1, not causal), its figures beside the model's")
+      ->check(CLI::IsMember({"gpt2-medium"}));
+  cmd->add_option("--standard", flags->standard,
+                  "standard attention's model: minimal (S and P written and read once each) or eager (one kernel "
+                  "per step, as PyTorch's eager code)")
+      ->capture_default_str()->check(CLI::IsMember({"minimal", "eager"}));
   cmd->add_flag("--measure", flags->measure, "run the CPU kernels with counters and show them beside the model");
   cmd->add_option("--repeats", flags->repeats, "timed runs of --measure (median)")->capture_default_str();
   cmd->add_flag("--json", flags->json, "machine-readable output");
-  cmd->callback([flags] {
+  cmd->callback([flags, cmd] {
+    if (!flags->preset.empty()) {
+      // The preset is the paper's problem: flags that would change it are refused, not mixed in.
+      for (const char* name : {"--batch", "--seqlen", "--seqlen-q", "--seqlen-k", "--heads", "--heads-kv", "--dim",
+                               "--dim-v", "--dtype", "--causal", "--arch", "--dropout-p", "--window-size", "--tile",
+                               "--sram-elements", "--measure"})
+        if (cmd->count(name) > 0)
+          throw Error(std::string("--preset ") + flags->preset + " sets the paper's problem; drop " + name);
+      const Preset& pr = preset_by_name(flags->preset);
+      ShapeFlags& s = flags->shape;
+      s.batch = pr.batch;
+      s.seqlen = pr.seqlen;
+      s.heads = pr.heads;
+      s.dim = pr.dim;
+      s.dtype = pr.dtype;
+      s.causal = false;
+      flags->arch = pr.arch;
+      flags->dropout_p = pr.dropout_p;
+    }
     const ExplainFlags& f = *flags;
     if (!f.tile.empty() && (f.tile[0] < 1 || f.tile[1] < 1))
       throw Error("--tile: BR and BC must be >= 1, got " + std::to_string(f.tile[0]) + " " + std::to_string(f.tile[1]));
     AttentionOptions options = f.shape.options();
     if (!f.window_size.empty()) options.window_size = {f.window_size[0], f.window_size[1]};
+    options.dropout_p = f.dropout_p;
     if (!f.tile.empty()) options.block_q = f.tile[0];
     const AttentionProblem p = f.shape.problem(options);
-    const Account a = make_account(f, p, options);
+    Account a = make_account(f, p, options);
+    if (!f.preset.empty()) a.preset = &preset_by_name(f.preset);
     std::optional<Measured> m;
     if (f.measure) m = measure(f, p, options, a);
     if (f.json) {

@@ -208,6 +208,8 @@ void numerics(const NumericsFlags& f) {
     std::cout << j.dump(2) << "\n";
     return;
   }
+  std::printf("flashattn numerics: %s (speed: dtype=%s) seed=%llu fp8_format=%s repeats=%d\n", p.describe().c_str(),
+              f.shape.dtype.c_str(), static_cast<unsigned long long>(f.seed), f.fp8_format.c_str(), f.repeats);
   std::printf("cpu: %s, %d threads, simd %s\n\n", j["cpu"].get<std::string>().c_str(), j["threads"].get<int>(),
               j["simd_target"].get<std::string>().c_str());
   print_report(j);

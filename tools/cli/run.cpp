@@ -49,7 +49,7 @@ void run_decode(const RunFlags& f, CLI::App& app) {
     std::cout << j.dump(2) << "\n";
     return;
   }
-  std::printf("flashattn run --decode: batch %lld, %lld q heads, %lld kv heads, dim %lld, %s cache of %lld tokens%s\n",
+  std::printf("flashattn run --decode: batch %lld, %lld q heads, %lld kv heads, dim %lld, %s cache of %lld tokens%s, causal=false\n",
               static_cast<long long>(c.batch), static_cast<long long>(c.heads), static_cast<long long>(c.heads_kv),
               static_cast<long long>(c.dim), c.fp8_cache ? "e4m3" : to_string(c.dtype).c_str(), static_cast<long long>(c.cached),
               c.page_size > 0 ? (", pages of " + std::to_string(c.page_size)).c_str() : " (contiguous)");
@@ -147,9 +147,9 @@ void run_varlen(const RunFlags& f, const AttentionOptions& options) {
     std::cout << j.dump(2) << "\n";
     return;
   }
-  std::printf("flashattn run (varlen): %lld sequences, %lld queries, %lld keys in all\n",
+  std::printf("flashattn run (varlen): %lld sequences, %lld queries, %lld keys in all; %s\n",
               static_cast<long long>(batch), static_cast<long long>(whole.seqlen_q),
-              static_cast<long long>(whole.seqlen_k));
+              static_cast<long long>(whole.seqlen_k), whole.describe().c_str());
   std::printf("forward  %10.2f ms %10.1f GFLOP/s   max |err| vs float64 %.2e\n", fwd_s * 1e3,
               flops / fwd_s * 1e-9, error);
   if (f.backward)

@@ -118,9 +118,13 @@ std::vector<SizePoint> chapter_standard(const TourFlags& f) {
     memory[1].y.push_back(s.flash_workspace_bytes);
   }
   figure(f, "traffic_vs_n.svg",
-         svg::line_chart({"Forward traffic between memory and the core", "sequence length N", "bytes", true, true}, traffic));
+         svg::line_chart({"Forward traffic between memory and the core", "sequence length N", "bytes", true, true,
+                          svg::Unit::number, svg::Unit::bytes},
+                         traffic));
   figure(f, "memory_vs_n.svg",
-         svg::line_chart({"Extra memory of a forward pass", "sequence length N", "bytes", true, true}, memory));
+         svg::line_chart({"Extra memory of a forward pass", "sequence length N", "bytes", true, true, svg::Unit::number,
+                          svg::Unit::bytes},
+                         memory));
   return points;
 }
 
@@ -196,7 +200,9 @@ void chapter_tiling(const TourFlags& f, const std::vector<SizePoint>& sizes) {
     kv[1].y.push_back(static_cast<double>(t.counted_kv));
   }
   figure(f, "traffic_vs_tile.svg",
-         svg::line_chart({"K/V elements streamed against fast memory M", "M = Br·d (elements)", "elements", true, true}, kv));
+         svg::line_chart({"K/V elements streamed against fast memory M", "M = Br·d (elements)", "elements", true, true,
+                          svg::Unit::number, svg::Unit::binary},
+                         kv));
 
   std::printf("\n  Memory flat in N: the tiled workspace is per thread and per tile, the standard one N²:\n");
   for (const SizePoint& s : sizes)
@@ -262,7 +268,7 @@ void chapter_partitioning(const TourFlags& f) {
 constexpr std::int64_t kFp8Seqlen = 512;
 constexpr std::uint64_t kNumericsSeed = 2024;  // as `flashattn numerics`
 
-void chapter_asynchrony(const TourFlags& f) {
+void chapter_asynchrony(const TourFlags& f, const cost::Architecture& cpu) {
   chapter(4, "Asynchrony and low precision");
   const std::int64_t n = std::min<std::int64_t>(1024, f.max_seqlen);
   const AttentionProblem p = square(f, n, f.heads);
@@ -274,8 +280,49 @@ void chapter_asynchrony(const TourFlags& f) {
               static_cast<long long>(c.kv_packed), static_cast<long long>(c.k_read + c.v_read),
               static_cast<double>(c.k_read + c.v_read) / static_cast<double>(std::max<std::int64_t>(1, c.kv_packed)),
               static_cast<long long>(n));
-  std::printf("  Not here yet: a switch to turn packing or software prefetch off for an on/off measurement (the\n"
-              "  tiled kernel always packs; only the decode kernel prefetches).\n");
+  // The measurement switches (AttentionOptions::switches), each off in turn, timed beside
+  // the model: without reuse every Q tile's K/V comes from the caller's memory (the raw
+  // count at the copy bandwidth) instead of the packed head (once per head, the L2 rule);
+  // the model has no term for software prefetch.
+  // Q tiles of 64 rows, no split: several Q tiles per head, so that reuse shows at any thread count.
+  constexpr std::int64_t kSwitchBlockQ = 64;
+  const cost::Tiling tiling = cost::tiling_of(plan_forward(p, CpuHardware::detect(f.threads), 1, kSwitchBlockQ));
+  const cost::TiledAccount account = cost::flash_forward(p, tiling);
+  const cost::Prediction predicted = cost::predict_forward(p, cpu, tiling, {DType::f32});
+  const cost::CachedTraffic cached = cost::cached_traffic(account, cpu, "forward");
+  const double raw_seconds = std::max(predicted.compute_seconds, cached.raw_bytes / cpu.hbm_bytes_per_second);
+  std::printf("\n  Each technique switched off (measurement only; the output stays exact), N = %lld, Br = %lld:\n"
+              "  %-26s %14s %14s %11s %11s\n",
+              static_cast<long long>(n), static_cast<long long>(tiling.block_q), "", "K/V packed", "K/V streamed", "measured ms", "model ms");
+  cost::TileOptions every_tile{DType::f32};
+  every_tile.deferred_normalization = false;
+  const double normalized_seconds = cost::predict_forward(p, cpu, tiling, every_tile).seconds;
+  struct Switch {
+    const char* name;
+    bool reuse, prefetch, deferred;
+    double model_seconds;
+  };
+  for (const Switch& sw : {Switch{"all on", true, true, true, predicted.seconds},
+                           Switch{"K/V packing reuse off", false, true, true, raw_seconds},
+                           Switch{"software prefetch off", true, false, true, predicted.seconds},
+                           Switch{"deferred normalization off", true, true, false, normalized_seconds}}) {
+    AttentionOptions o = options_of(f);
+    o.block_q = kSwitchBlockQ;
+    o.num_splits = 1;
+    o.switches.reuse_packed_kv = sw.reuse;
+    o.switches.software_prefetch = sw.prefetch;
+    o.switches.deferred_normalization = sw.deferred;
+    const CountedRun r = counted_run(p, o, f.repeats, false);
+    std::printf("  %-26s %14lld %14lld %11.2f %11.2f\n", sw.name, static_cast<long long>(r.forward.kv_packed),
+                static_cast<long long>(r.forward.k_read + r.forward.v_read), r.forward_seconds * 1e3,
+                sw.model_seconds * 1e3);
+  }
+  std::printf("  Without reuse the packed count equals the streamed one, as the model's raw count says; the\n"
+              "  model's times are rooflines (compute %.2f ms, %.2f ms normalizing at every tile as\n"
+              "  FlashAttention-1; memory %.2f ms with the packed head, %.2f ms without). FlashAttention-1's\n"
+              "  partitioning, one work item per head, is chapter 3's 'heads only'.\n",
+              predicted.compute_seconds * 1e3, normalized_seconds * 1e3, cached.bytes / cpu.hbm_bytes_per_second * 1e3,
+              cached.raw_bytes / cpu.hbm_bytes_per_second * 1e3);
 
   const AttentionProblem small = square(f, std::min(kFp8Seqlen, f.max_seqlen), f.heads);
   std::printf("\n  Low precision (FlashAttention-3): FP8 e4m3 operands with one scale per tensor or per tile, and the\n"
@@ -373,13 +420,17 @@ void tour(const TourFlags& f) {
   if (!f.out.empty()) std::filesystem::create_directories(f.out);
   const cost::Architecture cpu = architecture_by_name("cpu", f.threads);
   std::printf("flashattn tour on %s: %s\n", cpu_model().c_str(), cpu.description.c_str());
+  std::printf("problems: batch=1 heads=%lld head_dim=%lld dtype=f32 causal=false seqlen=%lld..%lld (doubling) "
+              "threads=%d repeats=%d\n",
+              static_cast<long long>(f.heads), static_cast<long long>(f.dim), static_cast<long long>(seqlens(f).front()),
+              static_cast<long long>(seqlens(f).back()), resolved_threads(f.threads), f.repeats);
   std::printf("measured: sgemm %.1f GFLOP/s, copy %.1f GB/s, clock %.2f GHz (timings on a shared machine are noisy;\n"
               "compare the columns of one table, taken in the same process)\n",
               cpu.mma_tf32 * cpu.units * cpu.clock_ghz, cpu.hbm_bytes_per_second * 1e-9, cpu.clock_ghz);
   const std::vector<SizePoint> sizes = chapter_standard(f);
   chapter_tiling(f, sizes);
   chapter_partitioning(f);
-  chapter_asynchrony(f);
+  chapter_asynchrony(f, cpu);
   chapter_exp_unit(f, cpu);
   std::printf("\nMore: `flashattn explain --help` prints the whole account of one problem; docs/cost_model.md\n"
               "states the model and its sources.\n");
