@@ -86,29 +86,37 @@ def _inputs(**named):
     return raws, dtypes[first]
 
 
-def _block_mask_raw(block_mask, block_mask_block_size):
-    """A zero-copy uint8 view of a block mask (bool or uint8, (q blocks, k blocks)), or None."""
+def _check_block_mask(block_mask, block_mask_block_size):
+    """The kind, dtype and device of a block mask (shape and block size: the native library's checks)."""
     if block_mask is None:
         if block_mask_block_size:
             raise ValueError(f"block_mask_block_size: {block_mask_block_size!r} given without a block_mask")
-        return None
-    if _is_tensor(block_mask):
+    elif _is_tensor(block_mask):
         if block_mask.device.type != "cpu":
             raise ValueError(f"block_mask: only CPU tensors are supported, got device {block_mask.device}")
         if block_mask.dtype not in (torch.bool, torch.uint8):
             raise TypeError(f"block_mask: dtype {block_mask.dtype} but expected torch.bool or torch.uint8")
+    elif isinstance(block_mask, np.ndarray):
+        if block_mask.dtype not in (np.dtype(np.bool_), np.dtype(np.uint8)):
+            raise TypeError(f"block_mask: dtype {block_mask.dtype} but expected bool or uint8")
+    else:
+        raise TypeError(f"block_mask: expected a numpy.ndarray or a torch.Tensor, got {type(block_mask).__name__}")
+
+
+def _block_mask_raw(block_mask, block_mask_block_size):
+    """A zero-copy uint8 view of a block mask (bool or uint8, (q blocks, k blocks)), or None."""
+    _check_block_mask(block_mask, block_mask_block_size)
+    if block_mask is None:
+        return None
+    if _is_tensor(block_mask):
         m = block_mask.detach()
         if m.dim() > 0 and m.stride(-1) != 1 and m.shape[-1] > 1:
             m = m.contiguous()
         return m.view(torch.uint8).numpy()
-    if isinstance(block_mask, np.ndarray):
-        if block_mask.dtype not in (np.dtype(np.bool_), np.dtype(np.uint8)):
-            raise TypeError(f"block_mask: dtype {block_mask.dtype} but expected bool or uint8")
-        m = block_mask
-        if m.ndim > 0 and m.strides[-1] != m.itemsize and m.shape[-1] > 1:
-            m = np.ascontiguousarray(m)
-        return m.view(np.uint8)
-    raise TypeError(f"block_mask: expected a numpy.ndarray or a torch.Tensor, got {type(block_mask).__name__}")
+    m = block_mask
+    if m.ndim > 0 and m.strides[-1] != m.itemsize and m.shape[-1] > 1:
+        m = np.ascontiguousarray(m)
+    return m.view(np.uint8)
 
 
 def _int_arg(name, value, minimum):
@@ -340,7 +348,7 @@ def _attention(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, s
 def _torch_attention(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                      deterministic, return_attn_probs, seed, kernel, backward_kernel, num_threads, num_splits,
                      block_mask, block_mask_block_size):
-    _block_mask_raw(block_mask, block_mask_block_size)  # its errors before the generator is drawn from
+    _check_block_mask(block_mask, block_mask_block_size)  # its errors before the generator is drawn from
     block_mask = _as_tensor(block_mask)
     rng_state = _torch_rng_state(dropout_p, seed)
     if alibi_slopes is not None and not _is_tensor(alibi_slopes):
@@ -761,7 +769,7 @@ def _fp8_attention(q, k, v, descales, dropout_p, softmax_scale, causal, window_s
     if return_attn_probs and dropout_p > 0.0:
         raise NotImplementedError("return_attn_probs: S_dmask under dropout is not available for FP8 inputs")
     if _is_tensor(q):
-        _block_mask_raw(block_mask, block_mask_block_size)
+        _check_block_mask(block_mask, block_mask_block_size)
         rng_state = _torch_rng_state(dropout_p, seed)
         args = (q, k, v, *(_as_tensor(d) for d in descales), float(dropout_p),
                 None if softmax_scale is None else float(softmax_scale), bool(causal), int(window_size[0]),

@@ -82,6 +82,13 @@ def test_block_mask_packed_and_compiled():
     scalars = (0.0, None, False, -1, -1, 0.0, None, False, None, "auto", "auto", 1, 0, tmask, bs)
     torch.library.opcheck(torch.ops.flashattn.fwd, (tq, tk, tv, *scalars))
 
+    class Masked(torch.nn.Module):
+        def forward(self, a, b, c):
+            return flashattn.flash_attn_func(a, b, c, block_mask=tmask, block_mask_block_size=bs)
+
+    exported = torch.export.export(Masked(), (tq, tk, tv))
+    check_close("exported out", exported.module()(tq, tk, tv).numpy(), ref, None, np.float32)
+
 
 def test_block_mask_errors():
     q, k, v = make_qkv(1, 1, 20, 20, 2, 2, 8)
@@ -176,6 +183,12 @@ def test_fp8_forward(causal):
                                                                           k_descale=y, v_descale=z),
                        fullgraph=True, backend="aot_eager")
     assert torch.equal(fn(*t, *td), tout)
+
+    class Fp8(torch.nn.Module):
+        def forward(self, a, b, c, x, y, z):
+            return flashattn.flash_attn_func(a, b, c, causal=causal, q_descale=x, k_descale=y, v_descale=z)
+
+    assert torch.equal(torch.export.export(Fp8(), (*t, *td)).module()(*t, *td), tout)
 
 
 def test_fp8_opcheck_and_e5m2():
