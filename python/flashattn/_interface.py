@@ -746,8 +746,9 @@ def _fp8_forward(q, k, v, descales, opts):
     codes = {}
     for name, x in (("q", q), ("k", k), ("v", v)):
         codes[name] = _fp8_input(x, name)
-        if codes[name][0].ndim != 4:
-            raise ValueError(f"{name}: expected rank 4 (batch, seqlen, heads, head_dim), got rank {codes[name][0].ndim}")
+        rank = codes[name][0].ndim
+        if rank != 4:
+            raise ValueError(f"{name}: expected rank 4 (batch, seqlen, heads, head_dim), got rank {rank}")
     b, sq, hq, _ = codes["q"][0].shape
     _, sk, hkv, dv = codes["v"][0].shape
     if hkv == 0 or hq % hkv != 0:
