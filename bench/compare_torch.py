@@ -6,10 +6,12 @@ B=1, Hq=16, S=4096, D=128, 2 threads, f32/bf16, causal or not, forward and backw
 prints, per case, each one's GFLOP/s (4·B·H·S²·D, halved when causal, 2.5× for backward —
 the convention of `flashattn bench`), their ratio and the largest difference between their
 outputs or gradients relative to torch's largest value (a check that both computed the same
-thing). PyTorch is optional: without it the
+thing). The same again under torch.compile (`--compile BACKEND`, inductor by default;
+flashattn with fullgraph=True, so a graph break is an error): both compiled GFLOP/s, their
+ratio, and flashattn's compiled over eager GFLOP/s. PyTorch is optional: without it the
 script says so and exits 0.
 
-    python3 bench/compare_torch.py [--threads 2] [--seqlens 4096] [--dims 128] ...
+    python3 bench/compare_torch.py [--threads 2] [--seqlens 4096] [--dims 128] [--compile none] ...
 """
 
 import argparse
@@ -41,6 +43,8 @@ def parse_args(argv):
     p.add_argument("--causal", type=csv(str), default=["no", "yes"])
     p.add_argument("--ops", type=csv(str), default=["fwd", "bwd"])
     p.add_argument("--repeats", type=int, default=MIN_REPEATS, help=f"timed runs, median (>= {MIN_REPEATS})")
+    p.add_argument("--compile", choices=["inductor", "aot_eager", "none"], default="inductor",
+                   help="torch.compile backend of the compiled columns (none: eager only)")
     a = p.parse_args(argv)
     if a.repeats < MIN_REPEATS:
         p.error(f"--repeats: {a.repeats} is below {MIN_REPEATS}")
@@ -68,6 +72,8 @@ def relative_diff(ours, theirs):
 
 
 def compare(torch, flashattn, a, op, dtype, causal, s, d):
+    """GFLOP/s of each variant — "flashattn" and "torch" eager, with "... compiled" under
+    --compile — and the largest relative difference of any variant's result from eager torch's."""
     tdtype = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
     gen = torch.Generator().manual_seed(7)
     shape = (a.batch, s, a.heads, d)  # flashattn's layout; SDPA's is (batch, heads, seqlen, dim)
@@ -76,31 +82,43 @@ def compare(torch, flashattn, a, op, dtype, causal, s, d):
     sdpa = torch.nn.functional.scaled_dot_product_attention
     flops = 4.0 * a.batch * a.heads * s * s * d * (0.5 if causal else 1.0)
 
+    def ours(q, k, v):
+        return flashattn.flash_attn_func(q, k, v, causal=causal)
+
+    def theirs(q, k, v):
+        return sdpa(q, k, v, is_causal=causal)
+
+    # (function, its inputs, its dout, whether its layout is SDPA's)
+    variants = {"flashattn": (ours, (q, k, v), dout, False), "torch": (theirs, (tq, tk, tv), tdout, True)}
+    if a.compile != "none":
+        torch._dynamo.reset()  # a fresh cache per case: no recompilation limit across cases
+        variants["flashattn compiled"] = (torch.compile(ours, backend=a.compile, fullgraph=True), (q, k, v), dout,
+                                          False)
+        variants["torch compiled"] = (torch.compile(theirs, backend=a.compile), (tq, tk, tv), tdout, True)
+
+    results, seconds = {}, {}
     if op == "fwd":
         with torch.no_grad():
-            out = flashattn.flash_attn_func(q, k, v, causal=causal)
-            ours = median_seconds(lambda: flashattn.flash_attn_func(q, k, v, causal=causal), a.repeats)
-            theirs = median_seconds(lambda: sdpa(tq, tk, tv, is_causal=causal), a.repeats)
-            diff = relative_diff(out, sdpa(tq, tk, tv, is_causal=causal).transpose(1, 2))
-        return flops / ours * 1e-9, flops / theirs * 1e-9, diff
+            for name, (fn, inputs, _, _) in variants.items():
+                results[name] = [fn(*inputs)]
+                seconds[name] = median_seconds(lambda: fn(*inputs), a.repeats)
+    else:
+        # Backward: through autograd, timing only the gradient of an already computed output.
+        flops *= 2.5
+        for name, (fn, inputs, grad_out, _) in variants.items():
+            leaves = [x.detach().requires_grad_(True) for x in inputs]
+            out = fn(*leaves)
 
-    # Backward: both through autograd, timing only the gradient of an already computed output.
-    flops *= 2.5
-    grads = {}
+            def step():
+                results[name] = torch.autograd.grad(out, leaves, grad_out, retain_graph=True)
 
-    def timed_grad(name, fn, inputs, dout):
-        leaves = [x.detach().requires_grad_(True) for x in inputs]
-        out = fn(*leaves)
-
-        def step():
-            grads[name] = torch.autograd.grad(out, leaves, dout, retain_graph=True)
-
-        return median_seconds(step, a.repeats)
-
-    ours = timed_grad("ours", lambda q, k, v: flashattn.flash_attn_func(q, k, v, causal=causal), (q, k, v), dout)
-    theirs = timed_grad("torch", lambda q, k, v: sdpa(q, k, v, is_causal=causal), (tq, tk, tv), tdout)
-    diff = max(relative_diff(g, t.transpose(1, 2)) for g, t in zip(grads["ours"], grads["torch"]))
-    return flops / ours * 1e-9, flops / theirs * 1e-9, diff
+            seconds[name] = median_seconds(step, a.repeats)
+    reference = results["torch"]
+    diff = 0.0
+    for name, (_, _, _, sdpa_layout) in variants.items():
+        for got, ref in zip(results[name], reference):
+            diff = max(diff, relative_diff(got if sdpa_layout else got.transpose(1, 2), ref))
+    return {name: flops / t * 1e-9 for name, t in seconds.items()}, diff
 
 
 def main(argv):
@@ -118,18 +136,26 @@ def main(argv):
         print("compare_torch: the flashattn Python package is not importable (pip install . first)", file=sys.stderr)
         return 2
     torch.set_num_threads(a.threads)
+    compiled = a.compile != "none"
     print(f"torch {torch.__version__}, flashattn simd {flashattn.simd_target()}, {a.threads} threads, "
-          f"B={a.batch}, H={a.heads}, median of {a.repeats}")
-    print(f"{'op':4} {'dtype':5} {'mask':6} {'D':>4} {'S':>6} {'flashattn':>10} {'torch':>10} {'ratio':>7} {'rel. diff':>10}")
+          f"B={a.batch}, H={a.heads}, median of {a.repeats}, GFLOP/s"
+          + (f"; compiled: torch.compile(backend={a.compile!r})" if compiled else ""))
+    print(f"{'op':4} {'dtype':5} {'mask':6} {'D':>4} {'S':>6} {'flashattn':>10} {'torch':>10} {'ratio':>7}"
+          + (f" {'fa comp.':>10} {'torch comp.':>11} {'ratio':>7} {'fa comp./eager':>14}" if compiled else "")
+          + f" {'rel. diff':>10}")
     failed = False
     for dtype in a.dtypes:
         for d in a.dims:
             for s in a.seqlens:
                 for causal in a.causal:
                     for op in a.ops:
-                        ours, theirs, diff = compare(torch, flashattn, a, op, dtype, causal == "yes", s, d)
-                        print(f"{op:4} {dtype:5} {'causal' if causal == 'yes' else 'full':6} {d:4} {s:6} "
-                              f"{ours:10.1f} {theirs:10.1f} {ours / theirs:6.2f}x {diff:10.2e}", flush=True)
+                        g, diff = compare(torch, flashattn, a, op, dtype, causal == "yes", s, d)
+                        line = (f"{op:4} {dtype:5} {'causal' if causal == 'yes' else 'full':6} {d:4} {s:6} "
+                                f"{g['flashattn']:10.1f} {g['torch']:10.1f} {g['flashattn'] / g['torch']:6.2f}x")
+                        if compiled:
+                            fc, tc = g["flashattn compiled"], g["torch compiled"]
+                            line += f" {fc:10.1f} {tc:11.1f} {fc / tc:6.2f}x {fc / g['flashattn']:13.2f}x"
+                        print(f"{line} {diff:10.2e}", flush=True)
                         failed |= not diff <= TOLERANCE[dtype]
     if failed:
         print("compare_torch: flashattn and torch disagree beyond the tolerance", file=sys.stderr)

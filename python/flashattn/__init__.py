@@ -25,6 +25,7 @@ __path__ = _pkgutil.extend_path(__path__, __name__)
 from ._C import __version__  # noqa: E402  (CMakeLists.txt's project() version)
 from ._interface import (  # noqa: E402
     flash_attn_backward,
+    flash_attn_combine,
     flash_attn_func,
     flash_attn_kvpacked_func,
     flash_attn_qkvpacked_func,
@@ -34,7 +35,10 @@ from ._interface import (  # noqa: E402
     flash_attn_varlen_qkvpacked_func,
     flash_attn_with_kvcache,
     get_num_threads,
+    hadamard_dim,
+    hadamard_rotate,
     last_num_threads,
+    plan,
     set_num_threads,
     simd_target,
 )
@@ -66,6 +70,7 @@ __all__ = [
     "__version__",
     "install_as_flash_attn",
     "flash_attn_backward",
+    "flash_attn_combine",
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
@@ -75,7 +80,10 @@ __all__ = [
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
     "get_num_threads",
+    "hadamard_dim",
+    "hadamard_rotate",
     "last_num_threads",
+    "plan",
     "set_num_threads",
     "simd_target",
 ]

@@ -1,4 +1,4 @@
-from typing import Any, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -10,19 +10,26 @@ def flash_attn_func(q: Array, k: Array, v: Array, dropout_p: float = 0.0, softma
                     alibi_slopes: Optional[Array] = None, deterministic: bool = False,
                     return_attn_probs: bool = False, *, seed: Optional[int] = None,
                     kernel: str = "auto", backward_kernel: str = "auto",
-                    num_threads: Optional[int] = None) -> Union[Array, Tuple[Array, Array, Array]]: ...
+                    num_threads: Optional[int] = None, num_splits: int = 0, block_mask: Optional[Array] = None,
+                    block_mask_block_size: int = 0, q_descale: Optional[Array] = None,
+                    k_descale: Optional[Array] = None,
+                    v_descale: Optional[Array] = None) -> Union[Array, Tuple[Array, Array, Array]]: ...
 def flash_attn_qkvpacked_func(qkv: Array, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
                               causal: bool = False, window_size: Window = (-1, -1), softcap: float = 0.0,
                               alibi_slopes: Optional[Array] = None, deterministic: bool = False,
                               return_attn_probs: bool = False, *, seed: Optional[int] = None,
                     kernel: str = "auto", backward_kernel: str = "auto",
-                              num_threads: Optional[int] = None) -> Union[Array, Tuple[Array, Array, Array]]: ...
+                              num_threads: Optional[int] = None, num_splits: int = 0,
+                              block_mask: Optional[Array] = None,
+                              block_mask_block_size: int = 0) -> Union[Array, Tuple[Array, Array, Array]]: ...
 def flash_attn_kvpacked_func(q: Array, kv: Array, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
                              causal: bool = False, window_size: Window = (-1, -1), softcap: float = 0.0,
                              alibi_slopes: Optional[Array] = None, deterministic: bool = False,
                              return_attn_probs: bool = False, *, seed: Optional[int] = None,
                     kernel: str = "auto", backward_kernel: str = "auto",
-                             num_threads: Optional[int] = None) -> Union[Array, Tuple[Array, Array, Array]]: ...
+                             num_threads: Optional[int] = None, num_splits: int = 0,
+                             block_mask: Optional[Array] = None,
+                             block_mask_block_size: int = 0) -> Union[Array, Tuple[Array, Array, Array]]: ...
 def flash_attn_varlen_func(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqlens_k: Array,
                            max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
                            softmax_scale: Optional[float] = None, causal: bool = False,
@@ -30,7 +37,8 @@ def flash_attn_varlen_func(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu
                            alibi_slopes: Optional[Array] = None, deterministic: bool = False,
                            return_attn_probs: bool = False, block_table: Optional[Array] = None, *,
                            seed: Optional[int] = None, kernel: str = "auto", backward_kernel: str = "auto",
-                           num_threads: Optional[int] = None) -> Union[Array, Tuple[Array, Array, Array]]: ...
+                           num_threads: Optional[int] = None,
+                           num_splits: int = 0) -> Union[Array, Tuple[Array, Array, Array]]: ...
 def flash_attn_varlen_qkvpacked_func(qkv: Array, cu_seqlens: Array, max_seqlen: int, dropout_p: float = 0.0,
                                      softmax_scale: Optional[float] = None, causal: bool = False,
                                      window_size: Window = (-1, -1), softcap: float = 0.0,
@@ -60,7 +68,9 @@ def flash_attn_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, s
                         dropout_p: float = 0.0, softmax_scale: Optional[float] = None, causal: bool = False,
                         window_size: Window = (-1, -1), softcap: float = 0.0, alibi_slopes: Optional[Array] = None,
                         deterministic: bool = False, *, seed: Optional[int] = None,
-                        backward_kernel: str = "auto", num_threads: Optional[int] = None) -> Tuple[Array, Array, Array]: ...
+                        backward_kernel: str = "auto", num_threads: Optional[int] = None,
+                        block_mask: Optional[Array] = None,
+                        block_mask_block_size: int = 0) -> Tuple[Array, Array, Array]: ...
 def flash_attn_varlen_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, softmax_lse: Array,
                                cu_seqlens_q: Array, cu_seqlens_k: Array, max_seqlen_q: int, max_seqlen_k: int,
                                dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
@@ -68,6 +78,15 @@ def flash_attn_varlen_backward(dout: Array, q: Array, k: Array, v: Array, out: A
                                alibi_slopes: Optional[Array] = None, deterministic: bool = False, *,
                                seed: Optional[int] = None, backward_kernel: str = "auto",
                                num_threads: Optional[int] = None) -> Tuple[Array, Array, Array]: ...
+def flash_attn_combine(out_partial: Array, lse_partial: Array, out: Optional[Array] = None,
+                       out_dtype: Any = None, *, num_threads: Optional[int] = None) -> Tuple[Array, Array]: ...
+def hadamard_dim(head_dim: int) -> int: ...
+def hadamard_rotate(x: Array, seed: int = 0) -> Array: ...
+def plan(q: Array, k: Array, v: Array, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
+         causal: bool = False, window_size: Window = (-1, -1), softcap: float = 0.0,
+         alibi_slopes: Optional[Array] = None, deterministic: bool = False, *, kernel: str = "auto",
+         backward_kernel: str = "auto", num_threads: Optional[int] = None, num_splits: int = 0,
+         block_mask: Optional[Array] = None, block_mask_block_size: int = 0) -> Dict[str, Any]: ...
 def simd_target() -> str: ...
 def set_num_threads(num_threads: int) -> None: ...
 def get_num_threads() -> int: ...

@@ -86,9 +86,51 @@ def _inputs(**named):
     return raws, dtypes[first]
 
 
+def _check_block_mask(block_mask, block_mask_block_size):
+    """The kind, dtype and device of a block mask (shape and block size: the native library's checks)."""
+    if block_mask is None:
+        if block_mask_block_size:
+            raise ValueError(f"block_mask_block_size: {block_mask_block_size!r} given without a block_mask")
+    elif _is_tensor(block_mask):
+        if block_mask.device.type != "cpu":
+            raise ValueError(f"block_mask: only CPU tensors are supported, got device {block_mask.device}")
+        if block_mask.dtype not in (torch.bool, torch.uint8):
+            raise TypeError(f"block_mask: dtype {block_mask.dtype} but expected torch.bool or torch.uint8")
+    elif isinstance(block_mask, np.ndarray):
+        if block_mask.dtype not in (np.dtype(np.bool_), np.dtype(np.uint8)):
+            raise TypeError(f"block_mask: dtype {block_mask.dtype} but expected bool or uint8")
+    else:
+        raise TypeError(f"block_mask: expected a numpy.ndarray or a torch.Tensor, got {type(block_mask).__name__}")
+
+
+def _block_mask_raw(block_mask, block_mask_block_size):
+    """A zero-copy uint8 view of a block mask (bool or uint8, (q blocks, k blocks)), or None."""
+    _check_block_mask(block_mask, block_mask_block_size)
+    if block_mask is None:
+        return None
+    if _is_tensor(block_mask):
+        m = block_mask.detach()
+        if m.dim() > 0 and m.stride(-1) != 1 and m.shape[-1] > 1:
+            m = m.contiguous()
+        return m.view(torch.uint8).numpy()
+    m = block_mask
+    if m.ndim > 0 and m.strides[-1] != m.itemsize and m.shape[-1] > 1:
+        m = np.ascontiguousarray(m)
+    return m.view(np.uint8)
+
+
+def _int_arg(name, value, minimum):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name}: expected an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
 def _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, seed,
-             kernel="auto", backward_kernel="auto"):
+             kernel="auto", backward_kernel="auto", num_splits=0, block_mask=None, block_mask_block_size=0):
     o = _C.Options()
+    o.num_splits = _int_arg("num_splits", num_splits, 0)
+    o.block_mask = _block_mask_raw(block_mask, block_mask_block_size)
+    o.block_mask_block_size = int(block_mask_block_size)
     o.kernel, o.backward_kernel = str(kernel), str(backward_kernel)
     o.softmax_scale = None if softmax_scale is None else float(softmax_scale)
     o.causal = bool(causal)
@@ -272,18 +314,29 @@ def _varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, opts):
 
 
 def _attention(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-               return_attn_probs, seed, kernel, backward_kernel, num_threads):
+               return_attn_probs, seed, kernel, backward_kernel, num_threads, num_splits=0, block_mask=None,
+               block_mask_block_size=0, descales=(None, None, None)):
     if len({_is_tensor(x) for x in (q, k, v)}) > 1:
         raise TypeError("inputs mix numpy arrays and torch tensors: q, k, v")
     if len(window_size) != 2:
         raise ValueError(f"window_size: expected (left, right), got {window_size!r}")
+    if any(_is_fp8(x) for x in (q, k, v)):
+        if varlen is not None:
+            raise NotImplementedError("q: FP8 inputs are supported by flash_attn_func only, not the varlen functions")
+        return _fp8_attention(q, k, v, descales, dropout_p, softmax_scale, causal, window_size, softcap,
+                              alibi_slopes, return_attn_probs, seed, kernel, num_threads, num_splits, block_mask,
+                              block_mask_block_size)
+    for name, d in zip(("q_descale", "k_descale", "v_descale"), descales):
+        if d is not None:
+            raise TypeError(f"{name}: descales belong to FP8 inputs (float8_e4m3fn or float8_e5m2), "
+                            f"not q of dtype {_dtype_name(q)}")
     if _is_tensor(q):
         return _torch_attention(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, softcap,
                                 alibi_slopes, deterministic, return_attn_probs, seed, kernel, backward_kernel,
-                                num_threads)
+                                num_threads, num_splits, block_mask, block_mask_block_size)
     seed = _numpy_seed(dropout_p, seed)
     opts = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, seed,
-                    kernel, backward_kernel)
+                    kernel, backward_kernel, num_splits, block_mask, block_mask_block_size)
     opts.num_threads = _resolve_threads(num_threads, False)
     if varlen is None:
         out, lse, probs = _forward(q, k, v, opts, return_attn_probs)
@@ -293,7 +346,10 @@ def _attention(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, s
 
 
 def _torch_attention(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                     deterministic, return_attn_probs, seed, kernel, backward_kernel, num_threads):
+                     deterministic, return_attn_probs, seed, kernel, backward_kernel, num_threads, num_splits,
+                     block_mask, block_mask_block_size):
+    _check_block_mask(block_mask, block_mask_block_size)  # its errors before the generator is drawn from
+    block_mask = _as_tensor(block_mask)
     rng_state = _torch_rng_state(dropout_p, seed)
     if alibi_slopes is not None and not _is_tensor(alibi_slopes):
         alibi_slopes = torch.as_tensor(alibi_slopes)
@@ -301,25 +357,33 @@ def _torch_attention(q, k, v, varlen, dropout_p, softmax_scale, causal, window_s
         num_threads = _resolve_threads(num_threads, True)
     scalars = (float(dropout_p), None if softmax_scale is None else float(softmax_scale), bool(causal),
                int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes, bool(deterministic),
-               rng_state, str(kernel), str(backward_kernel), int(num_threads or 0))
+               rng_state, str(kernel), str(backward_kernel), int(num_threads or 0),
+               _int_arg("num_splits", num_splits, 0), block_mask, int(block_mask_block_size))
     ops = _torch_ops
     if varlen is None:
-        fwd = ops._fwd if ops.direct(q, k, v, alibi_slopes) else torch.ops.flashattn.fwd
+        fwd = ops._fwd if ops.direct(q, k, v, alibi_slopes, block_mask) else torch.ops.flashattn.fwd
         out, lse = fwd(q, k, v, *scalars)
     else:
         cu_q, cu_k, max_q, max_k = varlen
-        fwd = ops._varlen_fwd if ops.direct(q, k, v, cu_q, cu_k, alibi_slopes) else torch.ops.flashattn.varlen_fwd
+        direct = ops.direct(q, k, v, cu_q, cu_k, alibi_slopes, block_mask)
+        fwd = ops._varlen_fwd if direct else torch.ops.flashattn.varlen_fwd
         out, lse = fwd(q, k, v, cu_q, cu_k, int(max_q), int(max_k), *scalars)
     if not return_attn_probs:
         return out
     return out, lse, _torch_s_dmask(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, softcap,
-                                    alibi_slopes, rng_state)
+                                    alibi_slopes, rng_state, block_mask, block_mask_block_size)
+
+
+def _as_tensor(x):
+    """Small tables (masks, slopes) beside tensors: NumPy ones taken as tensors."""
+    return torch.from_numpy(np.ascontiguousarray(x)) if isinstance(x, np.ndarray) else x
 
 
 def _torch_s_dmask(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                   rng_state):
+                   rng_state, block_mask=None, block_mask_block_size=0):
     """S_dmask (see _s_dmask) of a torch call that drew rng_state."""
-    opts = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, False, None)
+    opts = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, False, None,
+                    block_mask=block_mask, block_mask_block_size=block_mask_block_size)
     if rng_state is not None:
         opts.seed, opts.offset = (int(x) & ((1 << 64) - 1) for x in rng_state.tolist())
     q, k, v = q.detach(), k.detach(), v.detach()
@@ -353,7 +417,8 @@ def _check_packed(name, x, rank, axis, count, layout, q=None):
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                     softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                    seed=None, kernel="auto", backward_kernel="auto", num_threads=None):
+                    seed=None, kernel="auto", backward_kernel="auto", num_threads=None, num_splits=0,
+                    block_mask=None, block_mask_block_size=0, q_descale=None, k_descale=None, v_descale=None):
     """Exact attention. q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) -> out (B, Sq, Hq, Dv).
 
     With return_attn_probs: (out, softmax_lse (B, Hq, Sq) float32, S_dmask), as upstream: S_dmask
@@ -363,44 +428,57 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     and BackwardKernel in include/flashattn/options.hpp); a request the inputs or the CPU rule
     out raises ValueError. seed: the dropout seed (default: drawn from torch's generator for
     tensors, numpy.random's for arrays). num_threads: worker threads (default:
-    flashattn.set_num_threads()'s, else torch.get_num_threads() for tensors, else OpenMP's)."""
+    flashattn.set_num_threads()'s, else torch.get_num_threads() for tensors, else OpenMP's).
+
+    num_splits: split-KV parts of each Q tile's keys, merged exactly (0: the planner's choice,
+    1: never). block_mask: bool or uint8 (ceil(Sq / block), ceil(Sk / block)) shared by every
+    batch and head, with block_mask_block_size the block; score (i, j) is kept only where
+    block_mask[i // block, j // block] is set. FP8: q, k, v of dtype float8_e4m3fn (or
+    float8_e5m2) with q_descale, k_descale, v_descale float32 (B, Hkv), value = code *
+    descale (None: 1), as upstream FA3; out is bfloat16, and there is no backward."""
     return _attention(q, k, v, None, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                      deterministic, return_attn_probs, seed, kernel, backward_kernel, num_threads)
+                      deterministic, return_attn_probs, seed, kernel, backward_kernel, num_threads, num_splits,
+                      block_mask, block_mask_block_size, (q_descale, k_descale, v_descale))
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                               softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                              seed=None, kernel="auto", backward_kernel="auto", num_threads=None):
+                              seed=None, kernel="auto", backward_kernel="auto", num_threads=None, num_splits=0,
+                              block_mask=None, block_mask_block_size=0):
     """flash_attn_func on qkv (B, S, 3, H, D), sliced without copies."""
     _check_packed("qkv", qkv, 5, 2, 3, "(batch, seqlen, 3, heads, head_dim)")
     return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal,
                            window_size, softcap, alibi_slopes, deterministic, return_attn_probs, seed=seed,
-                           kernel=kernel, backward_kernel=backward_kernel, num_threads=num_threads)
+                           kernel=kernel, backward_kernel=backward_kernel, num_threads=num_threads,
+                           num_splits=num_splits, block_mask=block_mask,
+                           block_mask_block_size=block_mask_block_size)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                             seed=None, kernel="auto", backward_kernel="auto", num_threads=None):
+                             seed=None, kernel="auto", backward_kernel="auto", num_threads=None, num_splits=0,
+                             block_mask=None, block_mask_block_size=0):
     """flash_attn_func on q and kv (B, Sk, 2, Hkv, D), sliced without copies."""
     _check_packed("kv", kv, 5, 2, 2, "(batch, seqlen_k, 2, heads_kv, head_dim)", q)
     return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
                            alibi_slopes, deterministic, return_attn_probs, seed=seed, kernel=kernel,
-                           backward_kernel=backward_kernel, num_threads=num_threads)
+                           backward_kernel=backward_kernel, num_threads=num_threads, num_splits=num_splits,
+                           block_mask=block_mask, block_mask_block_size=block_mask_block_size)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                            alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None, *,
-                           seed=None, kernel="auto", backward_kernel="auto", num_threads=None):
+                           seed=None, kernel="auto", backward_kernel="auto", num_threads=None, num_splits=0):
     """Packed variable-length batch: q (total_q, Hq, D), k/v (total_k, Hkv, D), int32 cu_seqlens (B + 1).
 
     Each sequence attends only within itself; softmax_lse is (Hq, total_q). kernel /
-    backward_kernel, seed and num_threads as flash_attn_func's."""
+    backward_kernel, seed, num_threads and num_splits as flash_attn_func's."""
     if block_table is not None:
         raise NotImplementedError("block_table: the paged KV cache is not implemented yet")
     return _attention(q, k, v, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), dropout_p, softmax_scale,
                       causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, seed, kernel,
-                      backward_kernel, num_threads)
+                      backward_kernel, num_threads, num_splits)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
@@ -574,24 +652,26 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
 
 def _backward_options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, seed,
-                      backward_kernel, num_threads, torch_inputs):
+                      backward_kernel, num_threads, torch_inputs, block_mask=None, block_mask_block_size=0):
     if dropout_p > 0.0 and seed is None:
         raise ValueError("seed: backward with dropout needs the seed the forward used")
     opts = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, seed,
-                    backward_kernel=backward_kernel)
+                    backward_kernel=backward_kernel, block_mask=block_mask,
+                    block_mask_block_size=block_mask_block_size)
     opts.num_threads = _resolve_threads(num_threads, torch_inputs)
     return opts
 
 
 def flash_attn_backward(dout, q, k, v, out, softmax_lse, dropout_p=0.0, softmax_scale=None, causal=False,
                         window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, *,
-                        seed=None, backward_kernel="auto", num_threads=None):
+                        seed=None, backward_kernel="auto", num_threads=None, block_mask=None,
+                        block_mask_block_size=0):
     """Gradients (dq, dk, dv) of sum(dout * out) for NumPy users; P is recomputed from softmax_lse.
 
-    With dropout, pass the seed the forward used. backward_kernel: the CPU kernel by name
-    ("auto", "tiled", "tiled_bf16")."""
+    With dropout, pass the seed the forward used; a forward's block_mask comes here too.
+    backward_kernel: the CPU kernel by name ("auto", "tiled", "tiled_bf16")."""
     opts = _backward_options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                             seed, backward_kernel, num_threads, _is_tensor(q))
+                             seed, backward_kernel, num_threads, _is_tensor(q), block_mask, block_mask_block_size)
     return _backward(dout, q, k, v, out, softmax_lse, opts)
 
 
@@ -604,6 +684,236 @@ def flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu
                              seed, backward_kernel, num_threads, _is_tensor(q))
     return _varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                             max_seqlen_k, opts)
+
+# ---- FP8 inputs (upstream FA3's q_descale, k_descale, v_descale) ------------------------------------
+
+
+def _fp8_format(x):
+    """"e4m3" or "e5m2" for an FP8 array or tensor, else None."""
+    if _is_tensor(x):
+        return {getattr(torch, "float8_e4m3fn", None): "e4m3", getattr(torch, "float8_e5m2", None): "e5m2"}.get(x.dtype)
+    if isinstance(x, np.ndarray):
+        return {np.dtype(ml_dtypes.float8_e4m3fn): "e4m3", np.dtype(ml_dtypes.float8_e5m2): "e5m2"}.get(x.dtype)
+    return None
+
+
+def _is_fp8(x) -> bool:
+    return _fp8_format(x) is not None
+
+
+def _fp8_input(x, name):
+    """The codes of an FP8 input as a zero-copy uint8 view (last dimension made contiguous), and its format."""
+    fmt = _fp8_format(x)
+    if fmt is None:
+        raise TypeError(f"{name}: dtype {_dtype_name(x)} but q is FP8: q, k, v are all float8_e4m3fn or float8_e5m2")
+    if _is_tensor(x):
+        if x.device.type != "cpu":
+            raise ValueError(f"{name}: only CPU tensors are supported, got device {x.device}")
+        t = x.detach()
+        if t.dim() > 0 and t.stride(-1) != 1 and t.shape[-1] > 1:
+            t = t.contiguous()
+        return t.view(torch.uint8).numpy(), fmt
+    if x.ndim > 0 and x.strides[-1] != x.itemsize and x.shape[-1] > 1:
+        x = np.ascontiguousarray(x)
+    return x.view(np.uint8), fmt
+
+
+def _fp8_descale(d, name, batch, heads_kv, group, seqlen):
+    """FA3's descale, float32 (batch, heads_kv) or None (1), in the native layout: one block of
+    all `seqlen` rows per (batch, head), (batch, heads, 1), q's heads taking their kv head's.
+    Returns (descale, block_size); block_size 0 is one descale for the whole tensor."""
+    if d is not None:
+        if _is_tensor(d):
+            if d.device.type != "cpu":
+                raise ValueError(f"{name}: only CPU tensors are supported, got device {d.device}")
+            if d.dtype != torch.float32:
+                raise TypeError(f"{name}: dtype {d.dtype} but expected torch.float32")
+            d = d.detach().numpy()
+        elif not isinstance(d, np.ndarray):
+            raise TypeError(f"{name}: expected a numpy.ndarray or a torch.Tensor, got {type(d).__name__}")
+        elif d.dtype != np.float32:
+            raise TypeError(f"{name}: dtype {d.dtype} but expected float32")
+        if d.shape != (batch, heads_kv):
+            raise ValueError(f"{name}: expected shape (batch, heads_kv) = ({batch}, {heads_kv}), got {tuple(d.shape)}")
+    if d is None or seqlen == 0 or batch == 0:
+        return np.ones(1, dtype=np.float32), 0
+    per_head = np.repeat(d, group, axis=1) if group > 1 else d
+    return np.ascontiguousarray(per_head)[:, :, None], seqlen
+
+
+def _fp8_forward(q, k, v, descales, opts):
+    """The FP8 forward on raw views: (out bfloat16 (B, Sq, Hq, Dv), softmax_lse (B, Hq, Sq))."""
+    codes = {}
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        codes[name] = _fp8_input(x, name)
+        rank = codes[name][0].ndim
+        if rank != 4:
+            raise ValueError(f"{name}: expected rank 4 (batch, seqlen, heads, head_dim), got rank {rank}")
+    b, sq, hq, _ = codes["q"][0].shape
+    _, sk, hkv, dv = codes["v"][0].shape
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"k: heads_q = {hq} is not a multiple of heads_kv = {hkv}")
+    group = hq // hkv
+    scales = [_fp8_descale(d, n + "_descale", b, hkv, group if n == "q" else 1, s)
+              for n, d, s in (("q", descales[0], sq), ("k", descales[1], sk), ("v", descales[2], sk))]
+    out, out_raw = _empty((b, sq, hq, dv), "bf16", q)
+    lse, lse_raw = _empty((b, hq, sq), "f32", q)
+    args = []
+    for (raw, fmt), (scale, block) in zip((codes["q"], codes["k"], codes["v"]), scales):
+        args += [raw, scale, fmt, block]
+    _C.forward_fp8(*args, out_raw, lse_raw, "bf16", opts)
+    return out, lse
+
+
+def _fp8_attention(q, k, v, descales, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                   return_attn_probs, seed, kernel, num_threads, num_splits, block_mask, block_mask_block_size):
+    if return_attn_probs and dropout_p > 0.0:
+        raise NotImplementedError("return_attn_probs: S_dmask under dropout is not available for FP8 inputs")
+    if _is_tensor(q):
+        _check_block_mask(block_mask, block_mask_block_size)
+        rng_state = _torch_rng_state(dropout_p, seed)
+        args = (q, k, v, *(_as_tensor(d) for d in descales), float(dropout_p),
+                None if softmax_scale is None else float(softmax_scale), bool(causal), int(window_size[0]),
+                int(window_size[1]), float(softcap), _as_tensor(alibi_slopes), rng_state, str(kernel),
+                int(_resolve_threads(num_threads, True) if num_threads else 0), _int_arg("num_splits", num_splits, 0),
+                _as_tensor(block_mask), int(block_mask_block_size))
+        direct = _torch_ops.direct(*(a for a in args if isinstance(a, torch.Tensor)))
+        out, lse = (_torch_ops._fwd_fp8 if direct else torch.ops.flashattn.fwd_fp8)(*args)
+        return (out, lse, out.new_empty((0,))) if return_attn_probs else out
+    opts = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, False,
+                    _numpy_seed(dropout_p, seed), kernel, "auto", num_splits, block_mask, block_mask_block_size)
+    opts.num_threads = _resolve_threads(num_threads, False)
+    out, lse = _fp8_forward(q, k, v, descales, opts)
+    return (out, lse, np.empty((0,), dtype=out.dtype)) if return_attn_probs else out
+
+
+# ---- flash_attn_combine, hadamard_rotate, plan ----------------------------------------------------------
+
+
+def _dtype_code(dtype, tensors, name):
+    """The native dtype name of a requested output dtype (torch's for tensors, NumPy's otherwise)."""
+    if tensors:
+        code = _torch_dtypes().get(dtype)
+    else:
+        try:
+            code = _NUMPY_DTYPES.get(np.dtype(dtype))
+        except TypeError:
+            code = None
+    if code is None:
+        raise TypeError(f"{name}: {dtype!r} is not an output dtype (float32, float16, bfloat16)")
+    return code
+
+
+def _output_raw(x, name):
+    """A zero-copy view of an output the caller passed (written in place, so never copied)."""
+    if _is_tensor(x):
+        if x.device.type != "cpu":
+            raise ValueError(f"{name}: only CPU tensors are supported, got device {x.device}")
+        step = x.stride(-1) if x.dim() else 1
+    elif isinstance(x, np.ndarray):
+        step = x.strides[-1] // x.itemsize if x.ndim else 1
+    else:
+        raise TypeError(f"{name}: expected a numpy.ndarray or a torch.Tensor, got {type(x).__name__}")
+    if step != 1 and x.shape[-1] > 1:
+        raise ValueError(f"{name}: last dimension must be contiguous (stride 1), got stride {step}")
+    return _raw(x, name)
+
+
+def _combine(out_partial, lse_partial, out, out_dtype, num_threads):
+    """flash_attn_combine on raw views: (out (B, Sq, H, Dv), softmax_lse (B, H, Sq))."""
+    tensors = _is_tensor(out_partial)
+    if len(out_partial.shape) != 5:
+        raise ValueError("out_partial: expected rank 5 (num_splits, batch, seqlen, heads, head_dim), got rank "
+                         f"{len(out_partial.shape)}")
+    splits, b, sq, h, dv = out_partial.shape
+    if tuple(lse_partial.shape) != (splits, b, sq, h):
+        raise ValueError(f"lse_partial: expected shape (num_splits, batch, seqlen, heads) = {(splits, b, sq, h)}, "
+                         f"got {tuple(lse_partial.shape)}")
+    outs, dt = _raw(out_partial, "out_partial")
+    # Upstream's (splits, B, Sq, H) lse, seqlen-contiguous, is the native (splits, B, H, Sq) transposed.
+    lses, ldt = _raw(lse_partial.transpose(-1, -2) if tensors else np.swapaxes(lse_partial, -1, -2), "lse_partial")
+    for name, d in (("out_partial", dt), ("lse_partial", ldt)):
+        if d != "f32":
+            raise TypeError(f"{name}: dtype {d} but expected float32 (partial results are float32)")
+    if out is not None:
+        out_code = _dtype_of(out, "out")
+        if out_dtype is not None and _dtype_code(out_dtype, tensors, "out_dtype") != out_code:
+            raise TypeError(f"out: dtype {out_code} does not match out_dtype {out_dtype!r}")
+        o, o_raw = out, _output_raw(out, "out")[0]
+    else:
+        out_code = "f32" if out_dtype is None else _dtype_code(out_dtype, tensors, "out_dtype")
+        o, o_raw = _empty((b, sq, h, dv), out_code, out_partial)
+    lse, lse_raw = _empty((b, h, sq), "f32", out_partial)
+    _C.merge_attention_states(outs, lses, o_raw, lse_raw, out_code, int(num_threads))
+    return o, lse
+
+
+def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None, *, num_threads=None):
+    """Exact combination of partial attention results over disjoint key sets, as upstream FA3's:
+    out_partial float32 (num_splits, B, Sq, H, Dv), each normalized; lse_partial float32
+    (num_splits, B, Sq, H) (-inf: a split that saw no key) -> (out (B, Sq, H, Dv) of out_dtype
+    (default float32, or out's), softmax_lse (B, Sq, H) float32, a transposed view of
+    (B, H, Sq) as upstream's). out: written in place when given. num_threads as
+    flash_attn_func's."""
+    tensors = _is_tensor(out_partial)
+    for name, x in (("lse_partial", lse_partial), ("out", out)):
+        if x is not None and _is_tensor(x) != tensors:
+            raise TypeError(f"inputs mix numpy arrays and torch tensors: out_partial, {name}")
+    if not tensors:
+        o, lse = _combine(out_partial, lse_partial, out, out_dtype, _resolve_threads(num_threads, False))
+        return o, np.swapaxes(lse, 1, 2)
+    code = (_dtype_of(out, "out") if out is not None and out_dtype is None
+            else "f32" if out_dtype is None else _dtype_code(out_dtype, True, "out_dtype"))
+    threads = _resolve_threads(num_threads, True) if num_threads else 0  # 0: resolved in the op, as fwd's
+    if _torch_ops.direct(out_partial, lse_partial, out):
+        o, lse = _combine(out_partial, lse_partial, out, out_dtype, _resolve_threads(threads, True))
+    else:
+        o, lse = torch.ops.flashattn.combine(out_partial, lse_partial, code, int(threads))
+        if out is not None:
+            if _dtype_of(out, "out") != code:
+                raise TypeError(f"out: dtype {out.dtype} does not match out_dtype {out_dtype!r}")
+            out.copy_(o)
+            o = out
+    return o, lse.transpose(1, 2)
+
+
+def hadamard_dim(head_dim: int) -> int:
+    """The size hadamard_rotate pads rows of head_dim features to: the power of two >= head_dim."""
+    return _C.hadamard_dim(_int_arg("head_dim", head_dim, 1))
+
+
+def hadamard_rotate(x, seed=0):
+    """x R along the last dimension, R = H diag(signs) / sqrt(n) the random orthogonal rotation
+    FlashAttention-3 applies to q and k before quantizing them to FP8 (H Sylvester-Hadamard,
+    signs drawn from seed; the same seed for q and k keeps their products): x (B, S, H, D)
+    float32, float16 or bfloat16 -> float32 (B, S, H, hadamard_dim(D)), x zero-padded to that
+    size (then pass softmax_scale = 1 / sqrt(D) to attention, whose default would take the
+    padded size)."""
+    raw, dt = _raw(x, "x")
+    if raw.ndim != 4:
+        raise ValueError(f"x: expected rank 4 (batch, seqlen, heads, head_dim), got rank {raw.ndim}")
+    b, s, h, d = raw.shape
+    y, y_raw = _empty((b, s, h, hadamard_dim(d) if d > 0 else 0), "f32", x)
+    _C.hadamard_rotate(raw, y_raw, dt, int(seed) & ((1 << 64) - 1))
+    return y
+
+
+def plan(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+         alibi_slopes=None, deterministic=False, *, kernel="auto", backward_kernel="auto", num_threads=None,
+         num_splits=0, block_mask=None, block_mask_block_size=0):
+    """The plans flash_attn_func and its backward run for these inputs and options, from the
+    planner the library calls (plan_forward, plan_backward on CpuHardware::detect): a dict with
+    "forward" (kernel, block_q, block_k, splits, work_items, threads, workspace bytes, ...),
+    "backward" (kernel, block_q, block_k, kv_work_items, threads, workspace bytes, ...) and
+    "problem" (the validated problem, described). Nothing is computed; inputs are validated as
+    a call validates them (a kernel this CPU cannot run raises ValueError)."""
+    if len(window_size) != 2:
+        raise ValueError(f"window_size: expected (left, right), got {window_size!r}")
+    raws, dt = _inputs(q=q, k=k, v=v)
+    opts = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, None,
+                    kernel, backward_kernel, num_splits, block_mask, block_mask_block_size)
+    opts.num_threads = _resolve_threads(num_threads, _is_tensor(q))
+    return _C.plan(raws["q"], raws["k"], raws["v"], dt, opts)
 
 
 def simd_target() -> str:

@@ -27,13 +27,13 @@ _MASK64 = (1 << 64) - 1
 
 
 def _opts(dropout_p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, deterministic,
-          rng_state, kernel, backward_kernel, num_threads, torch_inputs=True):
+          rng_state, kernel, backward_kernel, num_threads, num_splits=0, block_mask=None, block_mask_block_size=0):
     o = _impl._options(dropout_p, softmax_scale, causal, (window_left, window_right), softcap, alibi_slopes,
-                       deterministic, None, kernel, backward_kernel)
+                       deterministic, None, kernel, backward_kernel, num_splits, block_mask, block_mask_block_size)
     if rng_state is not None:
         seed, offset = (int(x) & _MASK64 for x in rng_state.tolist())
         o.seed, o.offset = seed, offset
-    o.num_threads = _impl._resolve_threads(num_threads, torch_inputs)
+    o.num_threads = _impl._resolve_threads(num_threads, True)
     return o
 
 
@@ -42,10 +42,11 @@ def _opts(dropout_p, softmax_scale, causal, window_left, window_right, softcap, 
 
 def _fwd(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, softmax_scale: Optional[float], causal: bool,
          window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[Tensor], deterministic: bool,
-         rng_state: Optional[Tensor], kernel: str, backward_kernel: str, num_threads: int) -> tuple[Tensor, Tensor]:
+         rng_state: Optional[Tensor], kernel: str, backward_kernel: str, num_threads: int, num_splits: int = 0,
+         block_mask: Optional[Tensor] = None, block_mask_block_size: int = 0) -> tuple[Tensor, Tensor]:
     """out (B, Sq, Hq, Dv) and softmax_lse (B, Hq, Sq) float32."""
     o = _opts(dropout_p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, deterministic,
-              rng_state, kernel, backward_kernel, num_threads)
+              rng_state, kernel, backward_kernel, num_threads, num_splits, block_mask, block_mask_block_size)
     out, lse, _ = _impl._forward(q, k, v, o, False)
     return out, lse
 
@@ -54,8 +55,7 @@ fwd = torch.library.custom_op("flashattn::fwd", _fwd, mutates_args=())
 
 
 @fwd.register_fake
-def _(q, k, v, dropout_p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, deterministic,
-      rng_state, kernel, backward_kernel, num_threads):
+def _(q, k, v, *args):
     _check_rank("q", q, 4, "(batch, seqlen_q, heads_q, head_dim)")
     b, sq, hq, _ = q.shape
     return q.new_empty((b, sq, hq, v.shape[-1])), q.new_empty((b, hq, sq), dtype=torch.float32)
@@ -64,10 +64,12 @@ def _(q, k, v, dropout_p, softmax_scale, causal, window_left, window_right, soft
 def _bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse: Tensor, dropout_p: float,
          softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int, softcap: float,
          alibi_slopes: Optional[Tensor], deterministic: bool, rng_state: Optional[Tensor], backward_kernel: str,
-         num_threads: int) -> tuple[Tensor, Tensor, Tensor]:
+         num_threads: int, block_mask: Optional[Tensor] = None,
+         block_mask_block_size: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv of sum(dout * out); P is recomputed from softmax_lse."""
     o = _opts(dropout_p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, deterministic,
-              rng_state, "auto", backward_kernel, num_threads)
+              rng_state, "auto", backward_kernel, num_threads, block_mask=block_mask,
+              block_mask_block_size=block_mask_block_size)
     return _impl._backward(dout, q, k, v, out, softmax_lse, o)
 
 
@@ -85,11 +87,13 @@ def _(dout, q, k, v, out, softmax_lse, *args):
 def _varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
                 max_seqlen_k: int, dropout_p: float, softmax_scale: Optional[float], causal: bool, window_left: int,
                 window_right: int, softcap: float, alibi_slopes: Optional[Tensor], deterministic: bool,
-                rng_state: Optional[Tensor], kernel: str, backward_kernel: str,
-                num_threads: int) -> tuple[Tensor, Tensor]:
-    """out (total_q, Hq, Dv) and softmax_lse (Hq, total_q) float32."""
+                rng_state: Optional[Tensor], kernel: str, backward_kernel: str, num_threads: int,
+                num_splits: int = 0, block_mask: Optional[Tensor] = None,
+                block_mask_block_size: int = 0) -> tuple[Tensor, Tensor]:
+    """out (total_q, Hq, Dv) and softmax_lse (Hq, total_q) float32 (the native library refuses
+    a block_mask with variable-length batches)."""
     o = _opts(dropout_p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, deterministic,
-              rng_state, kernel, backward_kernel, num_threads)
+              rng_state, kernel, backward_kernel, num_threads, num_splits, block_mask, block_mask_block_size)
     out, lse, _ = _impl._varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, o, False)
     return out, lse
 
@@ -108,10 +112,12 @@ def _varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, soft
                 cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
                 softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int, softcap: float,
                 alibi_slopes: Optional[Tensor], deterministic: bool, rng_state: Optional[Tensor],
-                backward_kernel: str, num_threads: int) -> tuple[Tensor, Tensor, Tensor]:
+                backward_kernel: str, num_threads: int, block_mask: Optional[Tensor] = None,
+                block_mask_block_size: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv of a packed variable-length batch."""
     o = _opts(dropout_p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, deterministic,
-              rng_state, "auto", backward_kernel, num_threads)
+              rng_state, "auto", backward_kernel, num_threads, block_mask=block_mask,
+              block_mask_block_size=block_mask_block_size)
     return _impl._varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, o)
 
@@ -155,7 +161,9 @@ def _check_rank(name, x, rank, layout):
 # The options after q, k, v (fwd) or after q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
 # max_seqlen_k (varlen_fwd), in the order of the schema.
 _FWD_OPTIONS = ("dropout_p", "softmax_scale", "causal", "window_left", "window_right", "softcap", "alibi_slopes",
-                "deterministic", "rng_state", "kernel", "backward_kernel", "num_threads")
+                "deterministic", "rng_state", "kernel", "backward_kernel", "num_threads", "num_splits", "block_mask",
+                "block_mask_block_size")
+_NOT_FOR_BACKWARD = ("kernel", "alibi_slopes", "rng_state", "num_splits", "block_mask")
 
 
 def _setup(ctx, inputs, output, varlen):
@@ -164,14 +172,14 @@ def _setup(ctx, inputs, output, varlen):
     named = dict(zip(_FWD_OPTIONS, rest))
     out, lse = output
     ctx.varlen = tuple(inputs[5:7]) if varlen else None
-    ctx.options = {n: named[n] for n in _FWD_OPTIONS if n not in ("kernel", "alibi_slopes", "rng_state")}
+    ctx.options = {n: named[n] for n in _FWD_OPTIONS if n not in _NOT_FOR_BACKWARD}
     extra = [inputs[3], inputs[4]] if varlen else []
     ctx.has_alibi, ctx.has_rng = named["alibi_slopes"] is not None, named["rng_state"] is not None
+    ctx.has_mask = named["block_mask"] is not None
     saved = [q, k, v, out, lse, *extra]
-    if ctx.has_alibi:
-        saved.append(named["alibi_slopes"])
-    if ctx.has_rng:
-        saved.append(named["rng_state"])
+    for present, name in ((ctx.has_alibi, "alibi_slopes"), (ctx.has_rng, "rng_state"), (ctx.has_mask, "block_mask")):
+        if present:
+            saved.append(named[name])
     ctx.save_for_backward(*saved)
     ctx.mark_non_differentiable(lse)
 
@@ -184,9 +192,11 @@ def _grads(ctx, dout, varlen):
     rest = rest[2:] if varlen else rest
     alibi = rest.pop(0) if ctx.has_alibi else None
     rng = rest.pop(0) if ctx.has_rng else None
+    mask = rest.pop(0) if ctx.has_mask else None
     o = ctx.options
     common = (o["dropout_p"], o["softmax_scale"], o["causal"], o["window_left"], o["window_right"], o["softcap"],
-              alibi, o["deterministic"], rng, o["backward_kernel"], o["num_threads"])
+              alibi, o["deterministic"], rng, o["backward_kernel"], o["num_threads"], mask,
+              o["block_mask_block_size"])
     dout = dout.to(q.dtype)
     if varlen:
         return torch.ops.flashattn.varlen_bwd(dout, q, k, v, out, lse, *cu, *ctx.varlen, *common)
@@ -243,3 +253,47 @@ def _(q, k_cache, v_cache, *args):
     _check_rank("q", q, 4, "(batch, seqlen_q, heads_q, head_dim)")
     b, sq, hq, _ = q.shape
     return q.new_empty((b, sq, hq, v_cache.shape[-1])), q.new_empty((b, hq, sq), dtype=torch.float32)
+
+
+# ---- FP8 forward and the combination of partial results ------------------------------------------
+
+
+def _fwd_fp8(q: Tensor, k: Tensor, v: Tensor, q_descale: Optional[Tensor], k_descale: Optional[Tensor],
+             v_descale: Optional[Tensor], dropout_p: float, softmax_scale: Optional[float], causal: bool,
+             window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
+             rng_state: Optional[Tensor], kernel: str, num_threads: int, num_splits: int,
+             block_mask: Optional[Tensor], block_mask_block_size: int) -> tuple[Tensor, Tensor]:
+    """FP8 q, k, v (float8_e4m3fn or float8_e5m2) with FA3's (B, Hkv) descales: out (B, Sq, Hq, Dv)
+    bfloat16 and softmax_lse (B, Hq, Sq) float32. Forward only."""
+    o = _opts(dropout_p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, False, rng_state,
+              kernel, "auto", num_threads, num_splits, block_mask, block_mask_block_size)
+    return _impl._fp8_forward(q, k, v, (q_descale, k_descale, v_descale), o)
+
+
+fwd_fp8 = torch.library.custom_op("flashattn::fwd_fp8", _fwd_fp8, mutates_args=())
+
+
+@fwd_fp8.register_fake
+def _(q, k, v, *args):
+    _check_rank("q", q, 4, "(batch, seqlen_q, heads_q, head_dim)")
+    b, sq, hq, _ = q.shape
+    return (q.new_empty((b, sq, hq, v.shape[-1]), dtype=torch.bfloat16),
+            q.new_empty((b, hq, sq), dtype=torch.float32))
+
+
+def _combine(out_partial: Tensor, lse_partial: Tensor, out_dtype: str, num_threads: int) -> tuple[Tensor, Tensor]:
+    """flash_attn_combine: out (B, Sq, H, Dv) of out_dtype ("f32", "f16", "bf16") and softmax_lse
+    (B, H, Sq) float32 from out_partial (splits, B, Sq, H, Dv) and lse_partial (splits, B, Sq, H)."""
+    dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[out_dtype]
+    return _impl._combine(out_partial, lse_partial, None, dtype, _impl._resolve_threads(num_threads, True))
+
+
+combine = torch.library.custom_op("flashattn::combine", _combine, mutates_args=())
+
+
+@combine.register_fake
+def _(out_partial, lse_partial, out_dtype, num_threads):
+    _check_rank("out_partial", out_partial, 5, "(num_splits, batch, seqlen, heads, head_dim)")
+    _, b, sq, h, dv = out_partial.shape
+    dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[out_dtype]
+    return out_partial.new_empty((b, sq, h, dv), dtype=dtype), out_partial.new_empty((b, h, sq))

@@ -88,12 +88,20 @@ def _scale(softmax_scale, head_dim):
 # --------------------------------------------------------------------------- float64
 
 
+def block_keep(block_mask, block_size, seqlen_q, seqlen_k):
+    """Bool (Sq, Sk) of a block-sparse mask: (i, j) is kept where block_mask[i // bs, j // bs]."""
+    rows = np.arange(seqlen_q) // block_size
+    cols = np.arange(seqlen_k) // block_size
+    return np.asarray(block_mask, dtype=bool)[rows[:, None], cols[None, :]]
+
+
 def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                  alibi_slopes=None, dropout_weights=None):
+                  alibi_slopes=None, dropout_weights=None, keep=None):
     """Float64 reference forward.
 
     dropout_weights: optional (B, Hq, Sq, Sk) multiplier applied to the probabilities
-    (0 where dropped, 1/(1-p) where kept), i.e. out = (P * w) @ v.
+    (0 where dropped, 1/(1-p) where kept), i.e. out = (P * w) @ v. keep: optional bool
+    (Sq, Sk) mask of further visible pairs (a block mask, see block_keep).
 
     Returns (out (B, Sq, Hq, Dv), lse (B, Hq, Sq), P (B, Hq, Sq, Sk)), all float64.
     """
@@ -110,6 +118,8 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1
     if alibi_slopes is not None:
         s = s + alibi_bias(alibi_slopes, batch, heads, seqlen_q, seqlen_k)
     mask = visible_mask(seqlen_q, seqlen_k, causal, window_size)
+    if keep is not None:
+        mask = mask & keep
     s = np.where(mask, s, -np.inf)
 
     with np.errstate(invalid="ignore"):
@@ -126,7 +136,7 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1
 
 
 def attention_backward_ref(dout, q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1),
-                           softcap=0.0, alibi_slopes=None, dropout_weights=None):
+                           softcap=0.0, alibi_slopes=None, dropout_weights=None, keep=None):
     """Analytic float64 gradients (dq, dk, dv) of sum(out * dout), shapes of q, k, v."""
     qh, kh0, vh0 = _to_bhsd(q), _to_bhsd(k), _to_bhsd(v)
     doh = _to_bhsd(dout)
@@ -135,7 +145,7 @@ def attention_backward_ref(dout, q, k, v, softmax_scale=None, causal=False, wind
     kh, vh = _repeat_kv(kh0, group), _repeat_kv(vh0, group)
     scale = _scale(softmax_scale, dim)
 
-    _, _, p = attention_ref(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    _, _, p = attention_ref(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, keep=keep)
     z = p if dropout_weights is None else p * np.asarray(dropout_weights, dtype=np.float64)
 
     dv = z.transpose(0, 1, 3, 2) @ doh                      # (B, Hq, Sk, Dv)
@@ -175,7 +185,7 @@ def _softmax_f32(s):
         return np.where(total > 0, e / np.where(total > 0, total, 1), 0).astype(np.float32)
 
 
-def _naive_scores(q, k, rnd, scale, causal, window_size, softcap, alibi_slopes):
+def _naive_scores(q, k, rnd, scale, causal, window_size, softcap, alibi_slopes, keep=None):
     qh, kh = _to_bhsd(q, np.float32), _to_bhsd(k, np.float32)
     batch, heads, seqlen_q, _ = qh.shape
     seqlen_k = kh.shape[2]
@@ -190,12 +200,14 @@ def _naive_scores(q, k, rnd, scale, causal, window_size, softcap, alibi_slopes):
     if alibi_slopes is not None:
         s = rnd(s + alibi_bias(alibi_slopes, batch, heads, seqlen_q, seqlen_k).astype(np.float32))
     mask = visible_mask(seqlen_q, seqlen_k, causal, window_size)
+    if keep is not None:
+        mask = mask & keep
     s = np.where(mask, s, np.float32(-np.inf))
     return qs, kh, s, t, group
 
 
 def attention_naive(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, dropout_weights=None):
+                    alibi_slopes=None, dropout_weights=None, keep=None):
     """Forward in the input precision (upstream's upcast=False reference).
 
     Returns out (B, Sq, Hq, Dv) as float32 values rounded to q's dtype.
@@ -203,7 +215,7 @@ def attention_naive(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     dtype = np.asarray(q).dtype
     rnd = _rounder(dtype)
     scale = _scale(softmax_scale, np.shape(q)[-1])
-    _, _, s, _, group = _naive_scores(q, k, rnd, scale, causal, window_size, softcap, alibi_slopes)
+    _, _, s, _, group = _naive_scores(q, k, rnd, scale, causal, window_size, softcap, alibi_slopes, keep)
     p = rnd(_softmax_f32(s))
     vh = _repeat_kv(_to_bhsd(v, np.float32), group)
     if dropout_weights is not None:
@@ -212,12 +224,12 @@ def attention_naive(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
 
 
 def attention_backward_naive(dout, q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1),
-                             softcap=0.0, alibi_slopes=None, dropout_weights=None):
+                             softcap=0.0, alibi_slopes=None, dropout_weights=None, keep=None):
     """Gradients in the input precision, as autograd through attention_naive would give."""
     dtype = np.asarray(q).dtype
     rnd = _rounder(dtype)
     scale = _scale(softmax_scale, np.shape(q)[-1])
-    qs, kh, s, t, group = _naive_scores(q, k, rnd, scale, causal, window_size, softcap, alibi_slopes)
+    qs, kh, s, t, group = _naive_scores(q, k, rnd, scale, causal, window_size, softcap, alibi_slopes, keep)
     vh = _repeat_kv(_to_bhsd(v, np.float32), group)
     doh = _to_bhsd(dout, np.float32)
     p = rnd(_softmax_f32(s))

@@ -73,6 +73,8 @@ struct Options {
   bool deterministic = false;
   int num_threads = 0;
   int num_splits = 0;
+  std::optional<Array> block_mask;  // u8 (q blocks, k blocks)
+  std::int64_t block_mask_block_size = 0;
   std::string kernel = "auto";           // AttentionOptions::kernel by name
   std::string backward_kernel = "auto";  // AttentionOptions::backward_kernel by name
 
@@ -89,6 +91,8 @@ struct Options {
     o.deterministic = deterministic;
     o.num_threads = num_threads;
     o.num_splits = num_splits;
+    o.block_mask = optional_in(block_mask, "u8", "block_mask");
+    o.block_mask_block_size = block_mask_block_size;
     o.kernel = flashattn::parse_forward_kernel(kernel);
     o.backward_kernel = flashattn::parse_backward_kernel(backward_kernel);
     record_threads(o.num_threads);
@@ -103,6 +107,48 @@ struct Options {
   }
   static void record_threads(int requested) { last_threads() = flashattn::CpuHardware::detect(requested).threads; }
 };
+
+// An FP8 input: u8 codes with float32 descales of the layout its block_size implies.
+flashattn::Fp8View fp8_in(const Array& codes, const Array& descale, const std::string& format,
+                          std::int64_t block_size, const char* arg, const char* descale_arg) {
+  return {in(codes, "u8", arg), in(descale, "f32", descale_arg), flashattn::parse_fp8_format(format), block_size};
+}
+
+nb::dict forward_plan_dict(const flashattn::CpuForwardPlan& p) {
+  nb::dict d;
+  d["kernel"] = flashattn::to_string(p.kernel);
+  d["block_q"] = p.block_q;
+  d["block_k"] = p.block_k;
+  d["head_dim_v_padded"] = p.head_dim_v_padded;
+  d["q_blocks"] = p.q_blocks;
+  d["work_items"] = p.work_items;
+  d["splits"] = p.splits;
+  d["threads"] = p.threads;
+  d["workspace_bytes_per_thread"] = p.workspace_bytes_per_thread;
+  d["shared_bytes"] = p.shared_bytes;
+  d["workspace_bytes"] = p.workspace_bytes();
+  d["describe"] = p.describe();
+  return d;
+}
+
+nb::dict backward_plan_dict(const flashattn::CpuBackwardPlan& p) {
+  nb::dict d;
+  d["kernel"] = flashattn::to_string(p.kernel);
+  d["block_q"] = p.block_q;
+  d["block_k"] = p.block_k;
+  d["head_dim_padded"] = p.head_dim_padded;
+  d["head_dim_v_padded"] = p.head_dim_v_padded;
+  d["q_blocks"] = p.q_blocks;
+  d["k_blocks"] = p.k_blocks;
+  d["kv_work_items"] = p.kv_work_items;
+  d["deterministic"] = p.deterministic;
+  d["threads"] = p.threads;
+  d["workspace_bytes_per_thread"] = p.workspace_bytes_per_thread;
+  d["shared_bytes"] = p.shared_bytes;
+  d["workspace_bytes"] = p.workspace_bytes();
+  d["describe"] = p.describe();
+  return d;
+}
 
 }  // namespace
 
@@ -138,6 +184,8 @@ NB_MODULE(_C, m) {
       .def_rw("deterministic", &Options::deterministic)
       .def_rw("num_threads", &Options::num_threads)
       .def_rw("num_splits", &Options::num_splits)
+      .def_rw("block_mask", &Options::block_mask)
+      .def_rw("block_mask_block_size", &Options::block_mask_block_size)
       .def_rw("kernel", &Options::kernel)
       .def_rw("backward_kernel", &Options::backward_kernel);
 
@@ -232,6 +280,60 @@ NB_MODULE(_C, m) {
       },
       "attention over a KV cache (of dtype's or u8 FP8 e4m3 codes with k_scale, v_scale descales), appending k, v "
       "in place");
+
+  m.def(
+      "forward_fp8",
+      [](Array q, Array q_descale, const std::string& q_format, std::int64_t q_block, Array k, Array k_descale,
+         const std::string& k_format, std::int64_t k_block, Array v, Array v_descale, const std::string& v_format,
+         std::int64_t v_block, Array o, Array lse, const std::string& out_dtype, const Options& opt) {
+        const flashattn::AttentionOptions options = opt.get();
+        const flashattn::Fp8View qv = fp8_in(q, q_descale, q_format, q_block, "q", "q_descale");
+        const flashattn::Fp8View kv = fp8_in(k, k_descale, k_format, k_block, "k", "k_descale");
+        const flashattn::Fp8View vv = fp8_in(v, v_descale, v_format, v_block, "v", "v_descale");
+        nb::gil_scoped_release release;
+        flashattn::forward_fp8(qv, kv, vv, out(o, out_dtype, "out"), out(lse, "f32", "softmax_lse"), options);
+      },
+      "FP8 forward (forward_fp8): codes and descales per tensor or per block of rows -> out, lse in place");
+
+  m.def(
+      "merge_attention_states",
+      [](Array outs, Array lses, Array o, Array lse, const std::string& out_dtype, int num_threads) {
+        Options::record_threads(num_threads);
+        nb::gil_scoped_release release;
+        flashattn::merge_attention_states(in(outs, "f32", "out_partial"), in(lses, "f32", "lse_partial"),
+                                          out(o, out_dtype, "out"), out(lse, "f32", "softmax_lse"), num_threads);
+      },
+      "partial (out, lse) pairs over disjoint key sets merged exactly: outs (splits, B, Sq, H, Dv), lses (splits, "
+      "B, H, Sq)");
+
+  m.def(
+      "hadamard_rotate",
+      [](Array x, Array y, const std::string& dtype, std::uint64_t seed) {
+        const flashattn::TensorView xv = in(x, dtype, "x");
+        const flashattn::MutableTensorView yv = out(y, "f32", "out");
+        nb::gil_scoped_release release;
+        flashattn::hadamard_rotate(xv, yv, seed);
+      },
+      "y = x R along the last dimension, R = H diag(signs(seed)) / sqrt(n), x zero-padded to n");
+  m.def("hadamard_dim", &flashattn::hadamard_dim, "the transform's size for rows of dim features");
+
+  m.def(
+      "plan",
+      [](Array q, Array k, Array v, const std::string& dtype, const Options& opt) {
+        const flashattn::AttentionOptions options = opt.get();
+        // The calls forward() and backward() make: the same problem, hardware and planner.
+        const flashattn::AttentionProblem problem =
+            flashattn::AttentionProblem::from_inputs(in(q, dtype, "q"), in(k, dtype, "k"), in(v, dtype, "v"), options);
+        const flashattn::CpuHardware hw = flashattn::CpuHardware::detect(options.num_threads);
+        nb::dict d;
+        d["forward"] = forward_plan_dict(
+            flashattn::plan_forward(problem, hw, options.num_splits, options.block_q, options.kernel));
+        d["backward"] = backward_plan_dict(
+            flashattn::plan_backward(problem, hw, options.deterministic, options.backward_kernel));
+        d["problem"] = problem.describe();
+        return d;
+      },
+      "the forward and backward plans the library runs for these inputs and options");
 
   m.def("simd_target", &flashattn::cpu_simd_target, "the SIMD target the CPU kernels dispatch to");
   m.def(
