@@ -293,3 +293,20 @@ def test_minilm_embeddings_equal_sdpa():
     ours, theirs = embeddings
     assert (ours - theirs).abs().max() <= 1e-5
     assert torch.nn.functional.cosine_similarity(ours, theirs).min() >= 0.99999
+
+
+def test_bench_smoke():
+    """bench/transformers_e2e.py runs (tiny model, short lengths) and times both backends."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "transformers_e2e.py")
+    spec = importlib.util.spec_from_file_location("transformers_e2e", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.main(["--threads", "0", "--seqlens", "48", "--decode-tokens", "2", "--decode-context", "40",
+                       "--dtypes", "f32", "--repeats", "1", "--layers", "1", "--hidden", "32", "--heads", "4",
+                       "--kv-heads", "2", "--intermediate", "48", "--vocab", "64"])
+    assert sorted((kind, name) for _, kind, _, name, *_ in rows) == [
+        ("decode", "fa_cpu"), ("decode", "sdpa"), ("prefill", "fa_cpu"), ("prefill", "sdpa")]
+    for *_, seconds, tokens_per_s, share in rows:
+        assert seconds > 0 and tokens_per_s > 0 and 0 < share < 1
