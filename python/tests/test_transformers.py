@@ -137,10 +137,14 @@ def test_logits_within_rule(family, dtype):
 
 
 @FAMILY
-def test_generate_greedy_same_tokens(family):
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generate_greedy_same_tokens(family, cache):
+    """Prefill, then 63 steps of one token on the KV cache (a static cache: keys beyond the
+    tokens so far, masked by the model), with the second row left-padded."""
     ours, theirs, _ = models(family, torch.float32)
     ids, mask = batch(seed=2)
-    args = dict(attention_mask=mask, max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=0)
+    args = dict(attention_mask=mask, max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=0,
+                cache_implementation=cache)
     with torch.no_grad():
         a, b = ours.generate(ids, **args), theirs.generate(ids, **args)
     assert a.shape == (2, PROMPT + 64)

@@ -49,6 +49,13 @@ class _Plan:
     cu_seqlens; the other rows of the output are 0 (they are padding: no key is visible)."""
 
     __slots__ = ("batch", "q_length", "kv_length", "causal", "window", "keys", "varlen")
+    # transformers' mask utilities take a plan made ahead of the forward (generate() does so for
+    # static caches) for a prepared 4-d mask and hand it back to attention_mask_function.
+    ndim = 4
+
+    @property
+    def shape(self):
+        return (self.batch, 1, self.q_length, self.kv_length)
 
     def __init__(self, batch, q_length, kv_length, causal, window, keys=None, varlen=None):
         self.batch, self.q_length, self.kv_length = int(batch), int(q_length), int(kv_length)
@@ -127,6 +134,11 @@ def attention_mask_function(batch_size, q_length, kv_length, q_offset=0, kv_offs
     transformers' own bool mask (what eager and SDPA would use) and checked exactly."""
     from transformers import masking_utils
 
+    if isinstance(attention_mask, _Plan):
+        if attention_mask.shape != (batch_size, 1, q_length, kv_length):
+            raise ValueError(f"attention_mask: {attention_mask} does not match this forward (batch {batch_size}, "
+                             f"q_length {q_length}, kv_length {kv_length})")
+        return attention_mask
     padding = None
     if attention_mask is not None:
         padding = masking_utils.prepare_padding_mask(attention_mask, kv_length, int(kv_offset))
