@@ -105,11 +105,13 @@ def models(family, dtype):
             build(config, REFERENCE, torch.float64, state))
 
 
-def batch(seed=1, length=PROMPT):
+def batch(seed=1, length=PROMPT, side="left"):
+    """Two rows; the second padded by PAD tokens on the left (generation) or right (training)."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, VOCAB, (2, length), generator=gen)
     mask = torch.ones_like(ids)
-    ids[1, :PAD], mask[1, :PAD] = 0, 0
+    pad = slice(None, PAD) if side == "left" else slice(length - PAD, None)
+    ids[1, pad], mask[1, pad] = 0, 0
     return ids, mask
 
 
@@ -127,9 +129,10 @@ def check_rule(ours, theirs, ref, dtype, factor, what):
 
 @FAMILY
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_logits_within_rule(family, dtype):
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_logits_within_rule(family, dtype, side):
     ours, theirs, ref = models(family, dtype)
-    ids, mask = batch()
+    ids, mask = batch(side=side)
     with torch.no_grad():
         logits = [m(ids, attention_mask=mask).logits for m in (ours, theirs, ref)]
     valid = mask.bool()
@@ -152,9 +155,10 @@ def test_generate_greedy_same_tokens(family, cache):
 
 
 @FAMILY
-def test_training_gradients_within_rule(family):
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_training_gradients_within_rule(family, side):
     dtype = torch.float32
-    ids, mask = batch(seed=3)
+    ids, mask = batch(seed=3, side=side)
     labels = ids.masked_fill(mask == 0, -100)
     grads = []
     for model in models(family, dtype):

@@ -142,8 +142,7 @@ def attention_mask_function(batch_size, q_length, kv_length, q_offset=0, kv_offs
     padding = None
     if attention_mask is not None:
         padding = masking_utils.prepare_padding_mask(attention_mask, kv_length, int(kv_offset))
-        padding = padding[:, int(kv_offset):int(kv_offset) + kv_length]
-    if padding is None or bool(padding.all()):
+    if padding is None or bool(padding[:, int(kv_offset):int(kv_offset) + kv_length].all()):
         if mask_function is masking_utils.bidirectional_mask_function:
             return _Plan(batch_size, q_length, kv_length, False, (-1, -1))
         if (mask_function is masking_utils.causal_mask_function
@@ -153,7 +152,14 @@ def attention_mask_function(batch_size, q_length, kv_length, q_offset=0, kv_offs
                                    q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
                                    attention_mask=attention_mask, allow_is_causal_skip=False,
                                    allow_is_bidirectional_skip=False, use_vmap=use_vmap, device=device)
-    return _plan_from_bool(mask.expand(batch_size, 1, q_length, kv_length)[:, 0])
+    mask = mask.expand(batch_size, 1, q_length, kv_length)[:, 0]
+    q0 = int(q_offset)
+    if padding is not None and q0 + q_length <= padding.shape[-1]:
+        # A query on a padding token (right padding, as in training batches) sees keys, but no
+        # real token sees it, so its output reaches nothing: it is left out (0, as in
+        # transformers' flash-attention path) and the real rows keep one bottom-right band.
+        mask = mask & padding[:, q0:q0 + q_length, None].to(torch.bool)
+    return _plan_from_bool(mask)
 
 
 def _plan_from_tensor(mask, batch, q_length, kv_length):
