@@ -15,6 +15,14 @@ transformers' own flash-attention path does), each with one ``causal`` flag and 
 ``window_size`` in flashattn's bottom-right-aligned convention. A pattern not of that form
 raises ValueError naming ``attention_mask``: nothing is approximated.
 
+Outputs at padding positions are 0 (as in transformers' flash-attention path): queries on
+padding tokens are left out, since no real token sees them. A decode step of a left-padded batch
+reads the KV cache in place (``flash_attn_with_kvcache`` with ``cache_leftpad``) when no
+gradient is needed. Refused with ValueError naming the argument: ``output_attentions=True``, an
+attention bias (``position_bias``, a float mask with values other than 0 and the minimum),
+attention sinks (``s_aux``, ``sinks``), packed sequences given as ``cu_seq_lens_*``, a paged
+cache (``block_table``), head masks.
+
 Where the model passes no mask, the module's ``is_causal`` (or the ``is_causal`` argument) and
 ``sliding_window`` decide, as in transformers' flash-attention path: a causal window of
 ``sliding_window`` tokens is the token itself and the ``sliding_window - 1`` before it.
