@@ -20,6 +20,7 @@ import os
 
 import pytest
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before huggingface_hub reads it: nothing is downloaded
 torch = pytest.importorskip("torch")
 try:
     import transformers
@@ -28,7 +29,6 @@ except ImportError:
 
 from flashattn.integrations import transformers as fa_hf  # noqa: E402
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 fa_hf.register()
 ATTN = fa_hf.ATTN_IMPLEMENTATION
 REFERENCE = "textbook_reference"
@@ -209,9 +209,32 @@ def test_dropout_in_training_mode():
     valid = mask.bool()
     assert (drop[0] - eval_logits)[valid].abs().max() > 1e-3
     assert (drop[0] - drop[1])[valid].abs().max() > 1e-3
+    model(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
     model.eval()
     with torch.no_grad():
         assert torch.equal(model(ids, attention_mask=mask).logits, eval_logits)
+
+
+def test_no_mask_uses_is_causal_and_sliding_window():
+    """Called without a mask (a model that builds none), the module's is_causal and sliding_window
+    decide, with transformers' window convention: w tokens are the query's and the w - 1 before."""
+    from transformers import masking_utils as mu
+
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, heads, 11, 16, generator=gen, dtype=torch.float64) for heads in (4, 2, 2))
+    module = torch.nn.Module()
+    module.is_causal = True
+    for window, function in ((None, mu.causal_mask_function), (4, mu.sliding_window_causal_mask_function(4))):
+        mask = mu.sdpa_mask(batch_size=2, q_length=11, kv_length=11, mask_function=function,
+                            allow_is_causal_skip=False)
+        expected = reference_attention(module, q, k, v, mask, scaling=0.25)[0]
+        got = fa_hf.attention_forward(module, q.float(), k.float(), v.float(), None, scaling=0.25,
+                                      sliding_window=window)[0]
+        assert (got.double() - expected).abs().max() <= 1e-5
+    module.is_causal = False
+    with pytest.raises(ValueError, match="sliding_window"):
+        fa_hf.attention_forward(module, q.float(), k.float(), v.float(), None, sliding_window=4)
 
 
 def test_from_pretrained(tmp_path):
