@@ -288,6 +288,10 @@ def test_mask_function_plans():
     plan = fa_hf.attention_mask_function(batch_size=2, q_length=9, kv_length=9,
                                          mask_function=mu.sliding_window_causal_mask_function(4))
     assert (plan.causal, plan.window, plan.varlen) == (True, (3, 0), None)
+    # The same window, planned from the materialized mask (the function not recognized).
+    rewrapped = mu.and_masks(mu.sliding_window_causal_mask_function(4), mu.causal_mask_function)
+    plan = fa_hf.attention_mask_function(batch_size=2, q_length=9, kv_length=9, mask_function=rewrapped)
+    assert (plan.causal, plan.window, plan.varlen) == (True, (3, 0), None)
     # Decode with a window cache: one query, keys from absolute position 20 on.
     plan = fa_hf.attention_mask_function(batch_size=1, q_length=1, kv_length=4, q_offset=23, kv_offset=20,
                                          mask_function=mu.sliding_window_causal_mask_function(4),

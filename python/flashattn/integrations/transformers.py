@@ -28,7 +28,8 @@ Where the model passes no mask, the module's ``is_causal`` (or the ``is_causal``
 ``sliding_window`` tokens is the token itself and the ``sliding_window - 1`` before it.
 
 The name has no "flash" in it: transformers 5 reads any implementation name containing
-"flash" as a request for a FlashAttention package or a Hub kernel.
+"flash" as a request for a FlashAttention package or a Hub kernel. Written against the mask
+utilities (transformers.masking_utils) of transformers 5.24.
 """
 
 from __future__ import annotations
@@ -85,44 +86,41 @@ def _plan_from_bool(mask):
 
     Rows that see no key are padding; keys that no row sees are dropped. What remains must be,
     in every batch element, one band j - i - (n_k - n_q) in [-left, right] (bottom-right
-    aligned, -1 unbounded) with the same (left, right) for the whole batch."""
+    aligned, -1 unbounded) with the same (left, right) for the whole batch. Checked from each
+    row's first and last key and count: count = last - first + 1 among the kept keys makes the
+    row one interval, which must then be the band's."""
     batch, q_length, kv_length = mask.shape
-    rows, cols = mask.any(-1), mask.any(-2)
-    n_q, n_k = rows.sum(-1), cols.sum(-1)
-    ck = cols.cumsum(-1) - 1  # index of each kept key among the kept keys of its batch element
-    cq = rows.cumsum(-1) - 1
-    off = (n_k - n_q)[:, None]
     raw = mask.view(torch.uint8)
-    first = torch.empty(batch, q_length, dtype=torch.long)
-    last = torch.empty(batch, q_length, dtype=torch.long)
+    count, first, last = (torch.empty(batch, q_length, dtype=torch.long) for _ in range(3))
     for r0 in range(0, q_length, _ROW_CHUNK):
         chunk = raw[:, r0:r0 + _ROW_CHUNK]
+        count[:, r0:r0 + _ROW_CHUNK] = chunk.sum(-1, dtype=torch.int32)
         first[:, r0:r0 + _ROW_CHUNK] = chunk.argmax(-1)  # the first True of each row
         last[:, r0:r0 + _ROW_CHUNK] = kv_length - 1 - chunk.flip(-1).argmax(-1)
-    rel_first = torch.gather(ck, 1, first) - cq - off
-    rel_last = torch.gather(ck, 1, last) - cq - off
-    # A row whose band is cut by the first (last) key says nothing about left (right).
-    cut_left = rows & (torch.gather(ck, 1, first) > 0)
-    cut_right = rows & (torch.gather(ck, 1, last) < (n_k - 1)[:, None])
-    left = int((-rel_first)[cut_left].max()) if bool(cut_left.any()) else -1
-    right = int(rel_last[cut_right].max()) if bool(cut_right.any()) else -1
+    rows, cols = count > 0, mask.any(-2)
+    n_q, n_k = rows.sum(-1), cols.sum(-1)
+    ck = cols.cumsum(-1) - 1  # index of each kept key among the kept keys of its batch element
+    first_c, last_c = torch.gather(ck, 1, first), torch.gather(ck, 1, last)
+    diagonal = rows.cumsum(-1) - 1 + (n_k - n_q)[:, None]  # bottom-right aligned, in kept keys
+    if not bool((~rows | (last_c - first_c + 1 == count)).all()):
+        raise ValueError("attention_mask: a query row sees keys with gaps between them (not padding); flashattn "
+                         "cannot express it — use attn_implementation='sdpa' or 'eager' for this model")
+    # A row whose band is cut by the first (last) kept key says nothing about left (right).
+    cut_left, cut_right = rows & (first_c > 0), rows & (last_c < (n_k - 1)[:, None])
+    left = int((diagonal - first_c)[cut_left].max()) if bool(cut_left.any()) else -1
+    right = int((last_c - diagonal)[cut_right].max()) if bool(cut_right.any()) else -1
     if (bool(cut_left.any()) and left < 0) or (bool(cut_right.any()) and right < 0):
         raise ValueError(f"attention_mask: a query row that does not see its own diagonal (window ({left}, "
                          f"{right}) in flashattn's bottom-right convention) cannot be expressed")
-    for b in range(batch):
-        for r0 in range(0, q_length, _ROW_CHUNK):
-            r1 = min(r0 + _ROW_CHUNK, q_length)
-            rel = ck[b][None, :] - cq[b, r0:r1, None] - off[b]
-            band = rows[b, r0:r1, None] & cols[b][None, :]
-            if left >= 0:
-                band &= rel >= -left
-            if right >= 0:
-                band &= rel <= right
-            if not torch.equal(band, mask[b, r0:r1]):
-                raise ValueError(
-                    f"attention_mask: batch element {b} is not a padding mask combined with one causal or sliding "
-                    f"window band (window ({left}, {right}) fits the batch up to row {r0}); flashattn cannot "
-                    "express it — use attn_implementation='sdpa' or 'eager' for this model")
+    lo = (diagonal - left).clamp(min=0) if left >= 0 else torch.zeros_like(diagonal)
+    hi = torch.minimum(diagonal + right, (n_k - 1)[:, None]) if right >= 0 else (n_k - 1)[:, None].expand_as(diagonal)
+    wrong = rows & ((first_c != lo) | (last_c != hi))
+    if bool(wrong.any()):
+        b, r = (int(x) for x in wrong.nonzero()[0])
+        raise ValueError(
+            f"attention_mask: row {r} of batch element {b} is not a padding mask combined with one causal or "
+            f"sliding window band (window ({left}, {right}) in flashattn's bottom-right convention fits the other "
+            "rows); flashattn cannot express it — use attn_implementation='sdpa' or 'eager' for this model")
     causal = right == 0
     if bool(rows.all()) and bool((cols == cols[:1]).all()):
         idx = cols[0].nonzero().flatten()
@@ -139,12 +137,30 @@ def _plan_from_bool(mask):
     return _Plan(batch, q_length, kv_length, causal, (left, right), varlen=varlen, cache=cache)
 
 
+def _sliding_window_of(mask_function, masking_utils):
+    """w when mask_function is transformers' sliding_window_causal_mask_function(w) unchanged (an
+    and_masks of its sliding_window_overlay(w) and causal_mask_function), else None."""
+    def cells(fn):
+        names = getattr(getattr(fn, "__code__", None), "co_freevars", ())
+        return dict(zip(names, (c.cell_contents for c in fn.__closure__ or ())))
+
+    if getattr(mask_function, "__qualname__", "") != "and_masks.<locals>.and_mask":
+        return None
+    parts = cells(mask_function).get("mask_functions")
+    if (not isinstance(parts, tuple) or len(parts) != 2 or parts[1] is not masking_utils.causal_mask_function
+            or getattr(parts[0], "__qualname__", "") != "sliding_window_overlay.<locals>.inner_mask"
+            or getattr(parts[0], "__module__", "") != masking_utils.__name__):
+        return None
+    window = cells(parts[0]).get("sliding_window")
+    return window if isinstance(window, int) and window > 0 else None
+
+
 def attention_mask_function(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
                             attention_mask=None, use_vmap=False, device="cpu", **kwargs):
     """The AttentionMaskInterface function: a _Plan instead of a 4-d mask.
 
-    The plain patterns (causal with the queries ending where the keys end, or bidirectional,
-    without padding) are planned from their arguments; anything else is materialized as
+    The plain patterns (causal or sliding-window causal with the queries ending where the keys
+    end, or bidirectional, without padding) are planned from their arguments; anything else is materialized as
     transformers' own bool mask (what eager and SDPA would use) and checked exactly."""
     from transformers import masking_utils
 
@@ -159,9 +175,12 @@ def attention_mask_function(batch_size, q_length, kv_length, q_offset=0, kv_offs
     if padding is None or bool(padding[:, int(kv_offset):int(kv_offset) + kv_length].all()):
         if mask_function is masking_utils.bidirectional_mask_function:
             return _Plan(batch_size, q_length, kv_length, False, (-1, -1))
-        if (mask_function is masking_utils.causal_mask_function
-                and int(q_offset) + q_length == int(kv_offset) + kv_length):
-            return _Plan(batch_size, q_length, kv_length, True, (-1, 0))
+        if int(q_offset) + q_length == int(kv_offset) + kv_length:
+            if mask_function is masking_utils.causal_mask_function:
+                return _Plan(batch_size, q_length, kv_length, True, (-1, 0))
+            window = _sliding_window_of(mask_function, masking_utils)
+            if window is not None:  # keys kv > q - window: the query's and the window - 1 before
+                return _Plan(batch_size, q_length, kv_length, True, (window - 1, 0))
     mask = masking_utils.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
                                    q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
                                    attention_mask=attention_mask, allow_is_causal_skip=False,
