@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `flashattn numerics` at small sizes: the JSON keys the issue names, and each claim the
-# report makes checked against numbers computed here or against SPEC's argument.
+# report makes checked against numbers computed here or against the argument of docs/algorithm.md §5.
 set -euo pipefail
 cli=$1
 work=$(mktemp -d)

@@ -1,4 +1,4 @@
-// Generation-4 numerics of the forward (SPEC §5): the exp2 implementations and
+// Generation-4 numerics of the forward (docs/algorithm.md §5): the exp2 implementations and
 // conditional rescaling, against the float64 reference, and the rescale statistics.
 #include <gtest/gtest.h>
 

@@ -36,7 +36,7 @@ struct ForwardResult {
 ForwardResult forward(const TensorView& q, const TensorView& k, const TensorView& v,
                       const AttentionOptions& options = {});
 
-// Gradients of Σ dout ∘ out with respect to q, k and v (SPEC §2, §3, §5). P is
+// Gradients of Σ dout ∘ out with respect to q, k and v (docs/algorithm.md §2, §3, §5). P is
 // recomputed tile by tile as exp(S·scale − lse) from the forward's lse; nothing
 // O(seqlen_q·seqlen_k) is allocated.
 //   dout (batch, seqlen_q, heads_q, head_dim_v)  same dtype and shape as out
@@ -141,7 +141,7 @@ ForwardResult forward_with_kvcache(const TensorView& q, const KvCache& cache,
 void merge_attention_states(const TensorView& outs, const TensorView& lses,
                             const MutableTensorView& out, const MutableTensorView& lse, int num_threads = 0);
 
-// FP8 attention (SPEC §4): q, k, v as FP8 codes with descale factors, per tensor or per
+// FP8 attention (docs/algorithm.md §4): q, k, v as FP8 codes with descale factors, per tensor or per
 // block of rows (see Fp8View and quantize_fp8), in the layout of forward(); out in any
 // floating dtype, lse float32. Scores accumulate in float32 and P is rounded to e4m3 before
 // P·V, as on an FP8 tensor core. On the CPU the FP8 values are decoded to float32 once per

@@ -1,4 +1,4 @@
-// The account of every kernel (SPEC §7.1): bytes moved between slow and fast memory,
+// The account of every kernel (docs/algorithm.md §7.1): bytes moved between slow and fast memory,
 // FLOPs, exponentials, and the clock cycles each unit of a GPU SM or a CPU core needs per
 // tile. It reads the same tile sizes the CPU kernels execute (CpuForwardPlan,
 // CpuBackwardPlan) and mirrors their loops, so the KernelCounters of a call equal these
@@ -70,7 +70,7 @@ struct TiledAccount {
   std::int64_t restream_heads = 0;
 };
 
-// Standard attention (SPEC §1) as a sequence of kernels. `minimal` (FlashAttention paper
+// Standard attention (docs/algorithm.md §1) as a sequence of kernels. `minimal` (FlashAttention paper
 // Algorithm 0 and its backward): S and P of every (batch, q head) written to slow memory in
 // full and read back once each, masks applied in place, dropout regenerated from its seed
 // where P is read, as a fused implementation does; S, P, dP, dS in the input dtype. Per
@@ -111,7 +111,7 @@ TiledAccount standard_backward(const AttentionProblem& problem, StandardModel mo
 TiledAccount flash_forward(const AttentionProblem& problem, const Tiling& tiling);
 TiledAccount flash_backward(const AttentionProblem& problem, const Tiling& tiling);
 
-// The Θ-forms of SPEC §2 in elements, over batch · heads_q heads of N = seqlen_q queries
+// The Θ-forms of docs/algorithm.md §2 in elements, over batch · heads_q heads of N = seqlen_q queries
 // and seqlen_k keys, for a fast memory of M elements: standard Θ(N·d + N²), tiled
 // Θ(N²·d²/M) (a Q block holds about M/d rows, so K and V are streamed N·d/M times).
 struct ThetaForms {
@@ -121,7 +121,7 @@ struct ThetaForms {
 };
 ThetaForms theta_forms(const AttentionProblem& problem, double sram_elements);
 
-// The lower bound of SPEC §2 (Dao et al. 2022, Proposition 3), as a sentence.
+// The lower bound of docs/algorithm.md §2 (Dao et al. 2022, Proposition 3), as a sentence.
 extern const char* const kLowerBound;
 
 // ---- work ---------------------------------------------------------------------------
@@ -190,7 +190,7 @@ Architecture cpu_architecture(const CpuHardware& hardware, const CpuMeasurements
 
 // ---- per-tile roofline --------------------------------------------------------------
 
-// Algorithmic switches of SPEC §5 that change the per-tile table.
+// Algorithmic switches of docs/algorithm.md §5 that change the per-tile table.
 struct TileOptions {
   DType dtype = DType::bf16;
   double poly_exp_fraction = 0.0;  // share of exponentials computed by a polynomial on the FP32 pipes

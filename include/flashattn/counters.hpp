@@ -1,5 +1,5 @@
 // Traffic and tile counters of the CPU kernels: what one call actually read, wrote and
-// computed, for the cost model to be checked against (SPEC §7.1, docs/cost_model.md).
+// computed, for the cost model to be checked against (docs/algorithm.md §7.1, docs/cost_model.md).
 //
 // Off by default: a call counts only when AttentionOptions::counters points here. The
 // kernels count per tile and per work item (a few integer additions beside a tile's

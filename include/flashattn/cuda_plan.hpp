@@ -1,4 +1,4 @@
-// Plan, then run (STYLE.md §4) for the CUDA backend: the tile shapes, launch grid and
+// Plan, then run (docs/algorithm.md §7.4) for the CUDA backend: the tile shapes, launch grid and
 // shared memory of the FlashAttention-2 kernels, computed from the problem alone (no GPU is
 // needed to plan). The kernels, the build's ptxas gate and the cost model read it.
 #pragma once

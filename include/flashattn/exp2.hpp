@@ -1,4 +1,4 @@
-// The forward kernel's exponentials (SPEC §5), evaluated on an array: for inspecting their
+// The forward kernel's exponentials (docs/algorithm.md §5), evaluated on an array: for inspecting their
 // accuracy (flashattn numerics) without reaching into the kernels.
 #pragma once
 

@@ -1,4 +1,4 @@
-// 8-bit floats (OCP FP8, SPEC §4): the formats, their conversions, and FP8 tensors with
+// 8-bit floats (OCP FP8, docs/algorithm.md §4): the formats, their conversions, and FP8 tensors with
 // descale factors — per tensor or per block of rows — as an FP8 attention or an FP8 KV
 // cache stores them.
 //

@@ -1,4 +1,4 @@
-// Incoherent processing (SPEC §4): the random orthogonal rotation FlashAttention-3 applies
+// Incoherent processing (docs/algorithm.md §4): the random orthogonal rotation FlashAttention-3 applies
 // to Q and K before quantizing them to FP8. R = H·diag(signs)/√n, with H the n×n
 // Sylvester–Hadamard matrix (entries ±1, H·Hᵀ = n·I) and signs ±1 drawn from a seed, is
 // orthogonal; with the same seed for both, (Q·R)(K·R)ᵀ = Q·Kᵀ, so scores are unchanged in

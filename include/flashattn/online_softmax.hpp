@@ -1,7 +1,7 @@
 // The online-softmax state of one score row: the heart of every FlashAttention kernel.
 //
 // Scores are kept in log2 units: the kernel multiplies Q·Kᵀ by softmax_scale·log2(e)
-// so that every exponential is a plain exp2 (SPEC §2, §3). The state is
+// so that every exponential is a plain exp2 (docs/algorithm.md §2, §3). The state is
 //   max  — a reference maximum m of the scores seen so far (log2 units),
 //   sum  — ℓ = Σ 2^(s_j − m) over those scores,
 // and the caller's unnormalized output õ = Σ 2^(s_j − m) v_j, which it keeps in its own
@@ -31,7 +31,7 @@ struct OnlineSoftmaxState {
   // Moves the reference maximum up to `tile_max` when that exceeds it by more than
   // `threshold` (log2 units; 0 = whenever it grows, the classic rule) and returns the factor
   // 2^(m_old − m_new) by which the caller must multiply its õ (already applied to sum).
-  // Conditional rescaling (SPEC §5): with threshold τ the tile's 2^(s − m) stay ≤ 2^τ.
+  // Conditional rescaling (docs/algorithm.md §5): with threshold τ the tile's 2^(s − m) stay ≤ 2^τ.
   // A NaN maximum is sticky: once a visible score was NaN, sum and õ are NaN and stay so.
   float rescale_to(float tile_max, float threshold = 0.0f) {
     if (tile_max <= max + threshold || std::isnan(max)) return 1.0f;  // a NaN tile_max propagates

@@ -11,7 +11,7 @@
 
 namespace flashattn {
 
-// The exponential of the forward's softmax (SPEC §5). `exact`: a degree-6 polynomial,
+// The exponential of the forward's softmax (docs/algorithm.md §5). `exact`: a degree-6 polynomial,
 // within 2 float ulps. `poly3`: Cody–Waite reduction and a cubic, relative error 7.5e-5
 // (below half a bf16 ulp). `mixed`: the first exp2_poly3_fraction of each tile row's
 // exponentials through poly3, the rest exact (FlashAttention-4's split between the
@@ -102,7 +102,7 @@ struct AttentionOptions {
   // of as they finish. Costs waiting, not arithmetic.
   bool deterministic = false;
 
-  // Forward numerics (SPEC §5); the backward always recomputes P with the exact exp2.
+  // Forward numerics (docs/algorithm.md §5); the backward always recomputes P with the exact exp2.
   Exp2Impl exp2 = Exp2Impl::automatic;
   float exp2_poly3_fraction = 0.5f;  // mixed only: share of each row's exponentials, [0, 1]
   // Conditional rescaling, in log2 units: the online-softmax state (m, ℓ, õ) is rescaled

@@ -1,4 +1,4 @@
-// Plan, then run (STYLE.md §4): tile sizes, thread partitioning and workspace for the
+// Plan, then run (docs/algorithm.md §7.4): tile sizes, thread partitioning and workspace for the
 // CPU forward kernel come from one inspectable Plan computed from (problem, hardware).
 // The kernel executes a Plan; the CLI and the cost model read the same Plan.
 #pragma once

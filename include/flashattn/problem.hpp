@@ -35,7 +35,7 @@ struct AttentionProblem {
   // sequence as its own problem, and sequence b keys its dropout mask and ALiBi slopes
   // with batch index b.
   std::int64_t batch_offset = 0;
-  // Forward numerics (SPEC §5), resolved: exp2 is never automatic here.
+  // Forward numerics (docs/algorithm.md §5), resolved: exp2 is never automatic here.
   Exp2Impl exp2 = Exp2Impl::exact;
   float exp2_poly3_fraction = 0.0f;  // mixed only
   float rescale_threshold = 0.0f;    // log2 units

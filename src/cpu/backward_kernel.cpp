@@ -1,4 +1,4 @@
-// The CPU backward kernel (SPEC §2 recomputation, §3 parallel over K/V blocks, §5
+// The CPU backward kernel (docs/algorithm.md §2 recomputation, §3 parallel over K/V blocks, §5
 // deterministic dQ), compiled once per Highway SIMD target. Per pair of tiles
 // (Q rows i, K/V columns j), with S' = Q·scale·log2e·Kᵀ in log2 units:
 //

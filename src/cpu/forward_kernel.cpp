@@ -1,6 +1,6 @@
 // The CPU forward kernel, compiled once per Highway SIMD target (foreach_target) and
 // dispatched once per call. One work item = one block of Q rows of one (batch, head);
-// it streams every visible K/V tile through fast memory (SPEC §2–§3):
+// it streams every visible K/V tile through fast memory (docs/algorithm.md §2–§3):
 //
 //   load Q tile
 //   for each K/V tile:  S = Q·Kᵀ·softmax_scale·log2e → mask → online-softmax update
@@ -64,7 +64,7 @@ HWY_INLINE void PrefetchRow(const void* row, std::int64_t bytes) {
   for (std::int64_t off = 0; off < bytes; off += kCacheLineBytes) hwy::Prefetch(static_cast<const char*>(row) + off);
 }
 
-// The producer role (SPEC §4) on a CPU: lay out K and V of one (batch, kv head) for keys
+// The producer role (docs/algorithm.md §4) on a CPU: lay out K and V of one (batch, kv head) for keys
 // [from, to), whole tiles at a time, reusing what is packed. Both are cut into the
 // micro-kernel's B panels of kMicroCols columns, each stored contiguously, so that a
 // micro-kernel reads its B panel as one sequential stream. (Row-major tiles put consecutive

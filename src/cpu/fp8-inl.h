@@ -1,4 +1,4 @@
-// FP8 conversions on float lanes (SPEC §4), compiled once per Highway target: codes
+// FP8 conversions on float lanes (docs/algorithm.md §4), compiled once per Highway target: codes
 // travel in 32-bit lanes, so a vector of floats converts in place. Same results as the
 // scalar definition in src/core/fp8.cpp (tests/test_fp8.cpp checks every code).
 // Include from inside the per-target section.

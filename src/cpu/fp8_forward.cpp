@@ -1,4 +1,4 @@
-// The FP8 forward (SPEC §4) on the CPU. A CPU has no FP8 multiplier, so this is an
+// The FP8 forward (docs/algorithm.md §4) on the CPU. A CPU has no FP8 multiplier, so this is an
 // emulation of FP8 *numerics*, not of FP8 speed: the operands are the FP8 values
 // (codes × descale, exactly what an FP8 tensor core multiplies, up to one float32 rounding
 // of the descale product), the products accumulate in float32 as on a tensor core, and P

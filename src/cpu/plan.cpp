@@ -132,7 +132,7 @@ CpuForwardPlan plan_forward(const AttentionProblem& p, const CpuHardware& hw, in
   std::int64_t bq = static_cast<std::int64_t>(hw.l2_bytes / 2) / bytes_per_row;
   bq = std::clamp(bq, mr, kMaxBlockQ) / mr * mr;  // a whole number of micro-tiles
   bq = std::min(bq, round_up(std::max<std::int64_t>(p.seqlen_q, 1), mr));
-  // Enough work items to keep every thread busy (SPEC §3: parallelize over the sequence).
+  // Enough work items to keep every thread busy (docs/algorithm.md §3: parallelize over the sequence).
   const std::int64_t heads = p.batch * p.heads_q;
   while (bq > 2 * mr && heads * ((p.seqlen_q + bq - 1) / bq) < 4 * hw.threads)
     bq = std::max(mr, bq / 2 / mr * mr);

@@ -1,4 +1,4 @@
-// The attention variants applied to one row of a score tile (SPEC §6), shared by the
+// The attention variants applied to one row of a score tile (docs/algorithm.md §6), shared by the
 // forward and backward kernels, compiled per Highway target. Scores arrive in log2 units
 // (Q was pre-scaled by softmax_scale·log2e); the float64 reference states the same
 // semantics in natural units (src/core/reference.cpp, Semantics).

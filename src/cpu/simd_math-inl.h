@@ -27,7 +27,7 @@ HWY_INLINE V Pow2FromRounded(D d, V y) {
   return hn::BitCast(d, hn::ShiftLeft<23>(hn::Add(hn::BitCast(di, y), hn::Set(di, 127))));
 }
 
-// 2^x on the FMA units (SPEC §5): x = n + f with n = round(x), |f| ≤ 1/2; 2^n goes
+// 2^x on the FMA units (docs/algorithm.md §5): x = n + f with n = round(x), |f| ≤ 1/2; 2^n goes
 // straight into the exponent bits, 2^f = e^(f·ln2) comes from its degree-6 Taylor
 // polynomial by Horner's rule. Truncation error (ln2/2)^7/7! ≈ 1.2e-7 relative, i.e.
 // about one float ulp. Inputs below −127 give exactly 0 (covers −∞, the masked score);
@@ -56,7 +56,7 @@ HWY_INLINE V Exp2(D d, V x) {
   return hn::IfThenElse(hn::IsNaN(input), input, hn::Mul(p, Pow2FromRounded(d, y)));
 }
 
-// 2^x by Cody–Waite range reduction with a cubic (SPEC §5, FlashAttention-4's software
+// 2^x by Cody–Waite range reduction with a cubic (docs/algorithm.md §5, FlashAttention-4's software
 // exp2): x = n + f with n = floor(x), 0 ≤ f < 1; 2^n goes into the exponent bits, 2^f
 // comes from a degree-3 polynomial by Horner's rule. Coefficients: the minimax fit of
 // 2^f for relative error on [0, 1) (Remez exchange, 5 alternation points), max relative

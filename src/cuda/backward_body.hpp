@@ -1,4 +1,4 @@
-// The backward kernel of FlashAttention-2 (SPEC §2–§3) for one thread block: block_n keys
+// The backward kernel of FlashAttention-2 (docs/algorithm.md §2–§3) for one thread block: block_n keys
 // of one (batch, kv head), 16 per warp, so that dK and dV accumulate in registers with no
 // cross-warp reduction; the block visits every Q tile of every q head of the kv head's
 // group that sees its keys, recomputes P = exp2(S·scale·log2e − lse·log2e) from the

@@ -1,4 +1,4 @@
-// The forward kernel of FlashAttention-2 (SPEC §2–§3) for one thread block: one Q tile of
+// The forward kernel of FlashAttention-2 (docs/algorithm.md §2–§3) for one thread block: one Q tile of
 // one (batch, head), its rows split among the warps, K/V tiles streamed through a
 // two-stage cp.async ring in shared memory, S = QKᵀ and O += PV on mma.m16n8k16 with
 // 16-bit inputs and f32 accumulators, the online softmax in registers with exp2.

@@ -24,7 +24,7 @@ constexpr double kMufuPerClock = 16.0;
 constexpr double kSmemBytesPerClock = 128.0;
 constexpr double kKiB = 1024.0, kGB = 1e9;
 
-// A software exp2 on the FP32 pipes (SPEC §5, FlashAttention-4): round to get n, subtract
+// A software exp2 on the FP32 pipes (docs/algorithm.md §5, FlashAttention-4): round to get n, subtract
 // for the fraction f, three FMAs of a cubic by Horner's rule, one integer add of n into
 // the exponent bits.
 constexpr double kGpuPolyExp2Ops = 6.0;
@@ -111,7 +111,7 @@ std::vector<Architecture> make_table() {
   };
 }
 
-// "This CPU" (SPEC §1: DRAM is the slow memory, L1/L2 and registers the fast one).
+// "This CPU" (docs/algorithm.md §1: DRAM is the slow memory, L1/L2 and registers the fast one).
 // Vector FP32 pipes that can issue an FMA each clock: two on Zen 2-4 and on Intel cores
 // since Haswell (AMD Software Optimization Guide for Zen 3; Intel Optimization Manual).
 constexpr double kFmaPipes = 2.0;

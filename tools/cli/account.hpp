@@ -1,5 +1,5 @@
 // The cost model as the CLI shows it (`flashattn explain`, `flashattn tour`): the
-// architecture chosen by name (this CPU measured on the spot), the SPEC §5 variants of
+// architecture chosen by name (this CPU measured on the spot), the docs/algorithm.md §5 variants of
 // the per-tile table, counted CPU runs, and JSON for each piece.
 #pragma once
 
@@ -17,7 +17,7 @@ namespace flashattn::cli {
 // cost::gpu_architectures(); throws Error naming the choices otherwise.
 cost::Architecture architecture_by_name(const std::string& name, int threads);
 
-// The per-tile table's rows: the plain schedule and what SPEC §5 changes in it.
+// The per-tile table's rows: the plain schedule and what docs/algorithm.md §5 changes in it.
 struct TileVariant {
   std::string name;
   cost::TileOptions options;

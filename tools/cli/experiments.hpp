@@ -1,4 +1,4 @@
-// The numerics experiments of SPEC §4-§5 that more than one subcommand runs: `flashattn
+// The numerics experiments of docs/algorithm.md §4-§5 that more than one subcommand runs: `flashattn
 // numerics` reports them in full, `flashattn tour` (chapters 4 and 5) at its own sizes.
 // One implementation, so both commands print the same measurement.
 #pragma once

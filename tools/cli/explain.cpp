@@ -1,4 +1,4 @@
-// `flashattn explain`: what a problem costs and why (SPEC §7.1) — work, traffic of
+// `flashattn explain`: what a problem costs and why (docs/algorithm.md §7.1) — work, traffic of
 // standard and tiled attention (exact and Θ-forms), per-tile unit cycles on an
 // architecture, predicted time; with --measure, the CPU kernel's counters beside the
 // model's exact counts for the tiles it ran.

@@ -1,4 +1,4 @@
-// `flashattn numerics`: the experiments behind SPEC §2, §4 and §5, each printing what it
+// `flashattn numerics`: the experiments behind docs/algorithm.md §2, §4 and §5, each printing what it
 // measured on this machine — the online softmax step by step, the accuracy of the two
 // exp2s before and after bf16 rounding, rescale counts with and without a threshold, FP8
 // attention error with outliers (per tensor, per block, Hadamard), and the speed of the

@@ -1,4 +1,4 @@
-// `flashattn tour`: the four generations of SPEC §2-§5 on this machine, each chapter
+// `flashattn tour`: the four generations of docs/algorithm.md §2-§5 on this machine, each chapter
 // printing what it measured beside what the cost model predicts; --out DIR also writes
 // the figures as SVG. Defaults fit a 2-core machine (well under a minute).
 #include <algorithm>
