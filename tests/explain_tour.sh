@@ -95,12 +95,15 @@ chapter5 = text[text.index("== 5. "):]
 # Chapter 4: each switch off in turn; without K/V reuse every streamed element is packed
 # again (the model's raw count), with it fewer are.
 sw = {m[0].strip(): (int(m[1]), int(m[2])) for m in
-      re.findall(r"^  (all on|K/V packing reuse off|software prefetch off|deferred normalization off) +(\d+) +(\d+) +[0-9.]+ +[0-9.]+$",
-                 chapter4, re.M)}
-assert len(sw) == 4, chapter4
+      re.findall(r"^  (all on|K/V packing reuse off|software prefetch off|deferred normalization off|Q-tile parallelism off)"
+                 r" +(\d+) +(\d+) +[0-9.]+ +[0-9.]+$", chapter4, re.M)}
+assert len(sw) == 5, chapter4
 assert sw["K/V packing reuse off"][0] == sw["K/V packing reuse off"][1], sw
 assert sw["all on"][0] < sw["all on"][1] and sw["software prefetch off"][0] < sw["software prefetch off"][1], sw
-assert len({v[1] for v in sw.values()}) == 1, sw  # the same K/V streamed whatever is switched
+per_head = sw.pop("Q-tile parallelism off")
+assert len({v[1] for v in sw.values()}) == 1, sw  # the same K/V streamed whatever else is switched
+# One Q tile per head streams each key once per head: less than Q tiles of 64 rows do.
+assert per_head[1] < sw["all on"][1], (per_head, sw)
 # Chapter 4: the FP8 experiment's five RMSEs, each FP8 variant well above bf16's error.
 rmse = {name: float(value) for name, value in
         re.findall(r"^   (bf16 attention|FP8 per \w+(?: \+ Hadamard)?)(?: \(\d+/\d+ rows\))? +([0-9.]+e[-+][0-9]+)$",

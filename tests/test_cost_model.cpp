@@ -473,6 +473,42 @@ TEST(CostModel, KernelSwitchesKeepTheResultAndChangeTheCounters) {
                    128.0);
 }
 
+TEST(CostModel, QTileParallelismSwitchIsFlashAttention1Partitioning) {
+  // Off: one work item per (batch, head) with all its rows in one Q tile, whatever block_q and
+  // num_splits ask — the plan the model is given says so, and the counters agree with the
+  // model's account of that tiling: one Q tile per head, each key tile streamed once per head.
+  const std::int64_t n = 300, heads = 3, d = 40, dv = 24;
+  const Tensor q = random_tensor(DType::f32, {2, n, heads, d}, 30);
+  const Tensor k = random_tensor(DType::f32, {2, n, heads, d}, 31);
+  const Tensor v = random_tensor(DType::f32, {2, n, heads, dv}, 32);
+  AttentionOptions o;
+  o.block_q = 32;
+  o.num_splits = 3;
+  o.num_threads = 2;
+  const ForwardResult reference = forward(q.view(), k.view(), v.view(), o);
+  o.switches.q_tile_parallelism = false;
+  KernelCounters c;
+  o.counters = &c;
+  const ForwardResult r = forward(q.view(), k.view(), v.view(), o);
+  for (std::int64_t i = 0; i < r.out.numel(); ++i)
+    ASSERT_NEAR(r.out.get(i), reference.out.get(i), 2e-6 + 2e-6 * std::fabs(reference.out.get(i))) << i;
+  for (std::int64_t i = 0; i < r.lse.numel(); ++i)
+    ASSERT_NEAR(r.lse.get(i), reference.lse.get(i), 2e-6 + 2e-6 * std::fabs(reference.lse.get(i))) << i;
+  const AttentionProblem p = AttentionProblem::from_inputs(q.view(), k.view(), v.view(), o);
+  const CpuForwardPlan plan = plan_forward(p, CpuHardware::detect(2), o);
+  EXPECT_EQ(plan.q_blocks, 1);
+  EXPECT_EQ(plan.splits, 1);
+  EXPECT_EQ(plan.work_items, 2 * heads);
+  const cost::TiledAccount model = cost::flash_forward(p, cost::tiling_of(plan));
+  EXPECT_EQ(c.tiles_computed, model.tiles_computed);
+  EXPECT_EQ(c.tiles_computed, 2 * heads * ((n + plan.block_k - 1) / plan.block_k));
+  EXPECT_EQ(c.k_read + c.v_read, model.traffic.elements_of("K", false) + model.traffic.elements_of("V", false));
+  EXPECT_EQ(c.k_read + c.v_read, 2 * heads * n * (d + dv));
+  // On (FlashAttention-2): block_q = 32 gives ten Q tiles per head, each streaming the keys.
+  o.switches.q_tile_parallelism = true;
+  EXPECT_EQ(plan_forward(p, CpuHardware::detect(2), o).q_blocks, (n + 31) / 32);
+}
+
 // ---- hardware table: per-tile cycles by hand -----------------------------------------
 
 TEST(CostModel, B200TileCyclesByHand) {

@@ -130,8 +130,7 @@ struct AttentionOptions {
   KernelCounters* counters = nullptr;
   // For measurement only (flashattn tour): turn one technique of the CPU forward kernels
   // off to time what it is worth (packing and prefetch: the tiled kernels); the result does
-  // not change. (The partitioning
-  // of FlashAttention-1, one work item per (batch, head), is block_q = seqlen_q.)
+  // not change beyond float32 rounding.
   struct KernelSwitches {
     // Off: every Q tile packs the K/V tiles it streams again, instead of reusing the
     // thread's packed head (counted: kv_packed = k_read + v_read for whole tiles).
@@ -143,6 +142,10 @@ struct AttentionOptions {
     // multiply per score and per output element each tile), instead of FlashAttention-2's
     // single division at the end. The result agrees to float32 rounding, not bit for bit.
     bool deferred_normalization = true;
+    // Off: FlashAttention-1's partitioning — one work item per (batch, head), its query rows
+    // one tile (block_q = seqlen_q) and no key splits — instead of FlashAttention-2's Q tiles
+    // spread over the threads; block_q and num_splits are then ignored.
+    bool q_tile_parallelism = true;
   };
   KernelSwitches switches;
 };

@@ -47,6 +47,11 @@ struct CpuForwardPlan {
   std::string describe() const;
 };
 
+// The plan a call with these options runs: their num_splits, block_q and kernel, or one Q
+// tile per head and no split where switches.q_tile_parallelism is off.
+CpuForwardPlan plan_forward(const AttentionProblem& problem, const CpuHardware& hardware,
+                            const AttentionOptions& options);
+
 // num_splits, block_q and kernel as AttentionOptions::num_splits, ::block_q and ::kernel
 // (0 and automatic: the planner's choice). A kernel that the problem's dtypes or the
 // hardware rule out is an Error naming it.

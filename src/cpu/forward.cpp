@@ -152,11 +152,12 @@ void run_forward_jobs(const std::vector<ForwardJob>& jobs) {
   const CpuHardware hw = CpuHardware::detect(options.num_threads);
   std::vector<PlannedJob> planned(live.size());
   for (std::size_t j = 0; j < live.size(); ++j)
-    planned[j].plan = plan_forward(live[j].problem, hw, options.num_splits, live[j].options.block_q, live[j].options.kernel);
+    planned[j].plan = plan_forward(live[j].problem, hw, live[j].options);
   const bool shared = live.size() > 1 && std::all_of(planned.begin(), planned.end(), [](const PlannedJob& j) {
                         return is_decode(j.plan.kernel);
                       });
-  if (shared && options.num_splits == 0) {  // split keys only as far as the sequences leave threads idle
+  // Split keys only as far as the sequences leave threads idle.
+  if (shared && options.num_splits == 0 && options.switches.q_tile_parallelism) {
     const auto sequences = static_cast<std::int64_t>(live.size());
     const auto splits = static_cast<int>((2 * hw.threads + sequences - 1) / sequences);
     for (std::size_t j = 0; j < live.size(); ++j)
@@ -262,7 +263,7 @@ AttentionProblem detail::validate_forward(const TensorView& q, const TensorView&
   problem.batch_offset = batch_offset;
   detail::check_forward_outputs(problem, q, k, v, out, lse);
   detail::check_rescale_counts(problem, options, q, k, v, out, lse);
-  plan_forward(problem, CpuHardware::detect(options.num_threads), options.num_splits, options.block_q, options.kernel);
+  plan_forward(problem, CpuHardware::detect(options.num_threads), options);
   return problem;
 }
 
@@ -292,8 +293,7 @@ AttentionProblem cache_problem(const detail::CacheSequence& c) {
 
 void detail::validate_cache_sequence(const CacheSequence& c) {
   const AttentionProblem problem = cache_problem(c);
-  plan_forward(problem, CpuHardware::detect(c.options.num_threads), c.options.num_splits, c.options.block_q,
-               c.options.kernel);
+  plan_forward(problem, CpuHardware::detect(c.options.num_threads), c.options);
 }
 
 void detail::forward_cache(const std::vector<CacheSequence>& sequences) {

@@ -110,6 +110,11 @@ std::int64_t choose_splits(int requested, std::int64_t items, std::int64_t k_til
 
 }  // namespace
 
+CpuForwardPlan plan_forward(const AttentionProblem& p, const CpuHardware& hw, const AttentionOptions& options) {
+  if (options.switches.q_tile_parallelism) return plan_forward(p, hw, options.num_splits, options.block_q, options.kernel);
+  return plan_forward(p, hw, 1, std::max<std::int64_t>(p.seqlen_q, 1), options.kernel);
+}
+
 CpuForwardPlan plan_forward(const AttentionProblem& p, const CpuHardware& hw, int num_splits,
                             std::int64_t block_q, ForwardKernel kernel) {
   CpuForwardPlan plan;

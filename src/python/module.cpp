@@ -327,7 +327,7 @@ NB_MODULE(_C, m) {
         const flashattn::CpuHardware hw = flashattn::CpuHardware::detect(options.num_threads);
         nb::dict d;
         d["forward"] = forward_plan_dict(
-            flashattn::plan_forward(problem, hw, options.num_splits, options.block_q, options.kernel));
+            flashattn::plan_forward(problem, hw, options));
         d["backward"] = backward_plan_dict(
             flashattn::plan_backward(problem, hw, options.deterministic, options.backward_kernel));
         d["problem"] = problem.describe();

@@ -50,7 +50,7 @@ CountedRun counted_run(const AttentionProblem& p, const AttentionOptions& option
   const Inputs in = random_inputs(p, 1);
   CountedRun r;
   const CpuHardware hw = CpuHardware::detect(options.num_threads);
-  r.forward_plan = plan_forward(p, hw, options.num_splits, options.block_q, options.kernel);
+  r.forward_plan = plan_forward(p, hw, options);
   r.backward_plan = plan_backward(p, hw, options.deterministic, options.backward_kernel);
   AttentionOptions counted = options;
   counted.counters = &r.forward;

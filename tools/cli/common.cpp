@@ -222,7 +222,7 @@ Measurement measure_forward(Impl impl, const AttentionProblem& p, const Attentio
   let_worker_threads_sleep();
   if (impl == Impl::flashattn) {
     const CpuForwardPlan plan =
-        plan_forward(p, CpuHardware::detect(options.num_threads), options.num_splits, options.block_q, options.kernel);
+        plan_forward(p, CpuHardware::detect(options.num_threads), options);
     m.peak_bytes = plan.workspace_bytes();
     m.kernel = to_string(plan.kernel);
     m.plan = plan.describe();

@@ -86,7 +86,7 @@ Account make_account(const ExplainFlags& f, const AttentionProblem& p, const Att
   Account a{p, architecture_by_name(f.arch, f.shape.threads)};
   if (a.arch.cpu) {
     const CpuHardware hw = CpuHardware::detect(f.shape.threads);
-    a.forward_tiling = cost::tiling_of(plan_forward(p, hw, options.num_splits, options.block_q, options.kernel));
+    a.forward_tiling = cost::tiling_of(plan_forward(p, hw, options));
     a.backward_tiling = cost::tiling_of(plan_backward(p, hw, false));
   } else {
     const std::int64_t br = f.tile.empty() ? kTableTile : f.tile[0], bc = f.tile.empty() ? kTableTile : f.tile[1];
