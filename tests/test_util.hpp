@@ -63,14 +63,14 @@ inline float naive_exp(const AttentionOptions& options, float x) {
   return y;
 }
 
-// Naive attention in the inputs' precision, the way a framework does it on low-precision
-// tensors: S accumulated in float32 and rounded to dtype, softmax in float32 rounded to
-// dtype, O = P·V accumulated in float32 and rounded to dtype; variants as the reference
-// states them. Its error against the float64 reference is the yardstick of upstream's
-// "at most 2× a naive implementation".
-inline std::vector<double> naive_same_precision(const AttentionProblem& p,
-                                                const AttentionOptions& options, const Tensor& q,
-                                                const Tensor& k, const Tensor& v) {
+// Attention in the inputs' precision with float32 accumulation, rounding to dtype either at
+// every step (naive_same_precision) or only where the kernels round
+// (rounded_where_the_kernel_rounds); both described below.
+enum class Rounding { every_step, where_the_kernel_rounds };
+inline std::vector<double> same_precision_attention(const AttentionProblem& p, const AttentionOptions& options,
+                                                    const Tensor& q, const Tensor& k, const Tensor& v,
+                                                    Rounding rounding) {
+  const bool every_step = rounding == Rounding::every_step;
   const reference::Semantics sem{&p, &options};
   std::vector<double> out(static_cast<std::size_t>(p.batch * p.seqlen_q * p.heads_q * p.head_dim_v));
   const std::int64_t group = p.heads_q / p.heads_kv;
@@ -87,22 +87,35 @@ inline std::vector<double> naive_same_precision(const AttentionProblem& p,
           for (std::int64_t d = 0; d < p.head_dim; ++d)
             dot += q.get(((b * p.seqlen_q + i) * p.heads_q + h) * p.head_dim + d) *
                    k.get(((b * p.seqlen_k + j) * p.heads_kv + kvh) * p.head_dim + d);
-          s[j] = round_to(p.dtype, static_cast<float>(sem.score(b, h, i, j, round_to(p.dtype, dot))));
+          s[j] = every_step ? round_to(p.dtype, static_cast<float>(sem.score(b, h, i, j, round_to(p.dtype, dot))))
+                            : static_cast<float>(sem.score(b, h, i, j, dot));
           m = std::fmax(m, s[j]);
         }
         if (m == -INFINITY) continue;
         for (std::int64_t j = 0; j < p.seqlen_k; ++j) sum += (s[j] = naive_exp(options, s[j] - m));
-        for (std::int64_t j = 0; j < p.seqlen_k; ++j)
-          s[j] = round_to(p.dtype, round_to(p.dtype, s[j] / sum) * static_cast<float>(sem.dropout_weight(b, h, i, j)));
+        for (std::int64_t j = 0; j < p.seqlen_k; ++j) {
+          const auto keep = static_cast<float>(sem.dropout_weight(b, h, i, j));
+          s[j] = every_step ? round_to(p.dtype, round_to(p.dtype, s[j] / sum) * keep) : round_to(p.dtype, s[j] * keep);
+        }
         for (std::int64_t d = 0; d < p.head_dim_v; ++d) {
           float acc = 0.0f;
           for (std::int64_t j = 0; j < p.seqlen_k; ++j)
             acc += s[j] * v.get(((b * p.seqlen_k + j) * p.heads_kv + kvh) * p.head_dim_v + d);
           out[static_cast<std::size_t>(((b * p.seqlen_q + i) * p.heads_q + h) * p.head_dim_v + d)] =
-              round_to(p.dtype, acc);
+              round_to(p.dtype, every_step ? acc : acc / sum);
         }
       }
   return out;
+}
+
+// Naive attention in the inputs' precision, the way a framework does it on low-precision
+// tensors: S accumulated in float32 and rounded to dtype, softmax in float32 rounded to
+// dtype, O = P·V accumulated in float32 and rounded to dtype; variants as the reference
+// states them. Its error against the float64 reference is the yardstick of upstream's
+// "at most 2× a naive implementation".
+inline std::vector<double> naive_same_precision(const AttentionProblem& p, const AttentionOptions& options,
+                                                const Tensor& q, const Tensor& k, const Tensor& v) {
+  return same_precision_attention(p, options, q, k, v, Rounding::every_step);
 }
 
 // The low-precision yardstick that rounds where the kernels round, no more: inputs exact in
@@ -116,38 +129,7 @@ inline std::vector<double> naive_same_precision(const AttentionProblem& p,
 // causal row, which this one is not (see Bf16Tolerance in tests/test_forward_bf16.cpp).
 inline std::vector<double> rounded_where_the_kernel_rounds(const AttentionProblem& p, const AttentionOptions& options,
                                                            const Tensor& q, const Tensor& k, const Tensor& v) {
-  const reference::Semantics sem{&p, &options};
-  std::vector<double> out(static_cast<std::size_t>(p.batch * p.seqlen_q * p.heads_q * p.head_dim_v));
-  const std::int64_t group = p.heads_q / p.heads_kv;
-  std::vector<float> s(static_cast<std::size_t>(p.seqlen_k));
-  for (std::int64_t b = 0; b < p.batch; ++b)
-    for (std::int64_t h = 0; h < p.heads_q; ++h)
-      for (std::int64_t i = 0; i < p.seqlen_q; ++i) {
-        const std::int64_t kvh = h / group;
-        float m = -INFINITY, sum = 0.0f;
-        for (std::int64_t j = 0; j < p.seqlen_k; ++j) {
-          s[j] = -INFINITY;
-          if (!sem.visible(i, j)) continue;
-          float dot = 0.0f;
-          for (std::int64_t d = 0; d < p.head_dim; ++d)
-            dot += q.get(((b * p.seqlen_q + i) * p.heads_q + h) * p.head_dim + d) *
-                   k.get(((b * p.seqlen_k + j) * p.heads_kv + kvh) * p.head_dim + d);
-          s[j] = static_cast<float>(sem.score(b, h, i, j, dot));
-          m = std::fmax(m, s[j]);
-        }
-        if (m == -INFINITY) continue;
-        for (std::int64_t j = 0; j < p.seqlen_k; ++j) sum += (s[j] = naive_exp(options, s[j] - m));
-        for (std::int64_t j = 0; j < p.seqlen_k; ++j)
-          s[j] = round_to(p.dtype, s[j] * static_cast<float>(sem.dropout_weight(b, h, i, j)));
-        for (std::int64_t d = 0; d < p.head_dim_v; ++d) {
-          float acc = 0.0f;
-          for (std::int64_t j = 0; j < p.seqlen_k; ++j)
-            acc += s[j] * v.get(((b * p.seqlen_k + j) * p.heads_kv + kvh) * p.head_dim_v + d);
-          out[static_cast<std::size_t>(((b * p.seqlen_q + i) * p.heads_q + h) * p.head_dim_v + d)] =
-              round_to(p.dtype, acc / sum);
-        }
-      }
-  return out;
+  return same_precision_attention(p, options, q, k, v, Rounding::where_the_kernel_rounds);
 }
 
 // One unit in the last place of a value of magnitude |x| in dtype (bf16: 8 significant

@@ -127,8 +127,10 @@ FLASHATTN_HD void backward_block(Block& block, const BackwardParams& p, int n_bl
   const int group = p.heads_q / p.heads_kv;
   const QueryBlocks qblocks = query_blocks(key0, kBM, p.seqlen_q, p.seqlen_k, p.causal);
   const int m_blocks_total = static_cast<int>(rows_padded / kBM);
-  const auto* k_base = static_cast<const char*>(p.k.data) + 2 * (batch * p.k.batch_stride + kv_head * p.k.head_stride);
-  const auto* v_base = static_cast<const char*>(p.v.data) + 2 * (batch * p.v.batch_stride + kv_head * p.v.head_stride);
+  const auto* k_base = byte_offset(static_cast<const char*>(p.k.data),
+                                   2 * (batch * p.k.batch_stride + kv_head * p.k.head_stride));
+  const auto* v_base = byte_offset(static_cast<const char*>(p.v.data),
+                                   2 * (batch * p.v.batch_stride + kv_head * p.v.head_stride));
 
   BackwardWarpState<F, kDTiles> states[Block::kLocalWarps];
   block.each_warp([&](W& w, int local) {
@@ -148,8 +150,10 @@ FLASHATTN_HD void backward_block(Block& block, const BackwardParams& p, int n_bl
       const std::int64_t row_index0 = (static_cast<std::int64_t>(batch) * p.heads_q + hq) * rows_padded + row0;
       // ---- load Q, dO (block_m, D) and the rows' lse·log2e and delta
       block.each_warp([&](W& w, int) {
-        const auto* q_base = static_cast<const char*>(p.q.data) + 2 * (batch * p.q.batch_stride + hq * p.q.head_stride);
-        const auto* do_base = static_cast<const char*>(p.dout.data) + 2 * (batch * p.dout.batch_stride + hq * p.dout.head_stride);
+        const auto* q_base = byte_offset(static_cast<const char*>(p.q.data),
+                                         2 * (batch * p.q.batch_stride + hq * p.q.head_stride));
+        const auto* do_base = byte_offset(static_cast<const char*>(p.dout.data),
+                                          2 * (batch * p.dout.batch_stride + hq * p.dout.head_stride));
         load_tile<kBM, kRowChunks, kTile.threads()>(w, smem_q, q_base, 2 * p.q.row_stride, row0, p.seqlen_q, p.head_dim);
         load_tile<kBM, kRowChunks, kTile.threads()>(w, smem_do, do_base, 2 * p.dout.row_stride, row0, p.seqlen_q,
                                                     p.head_dim);
@@ -316,8 +320,10 @@ FLASHATTN_HD void backward_block(Block& block, const BackwardParams& p, int n_bl
     auto& st = states[local];
     if (qblocks.begin >= qblocks.end) w.template wait<0>();  // only K and V were loaded
     const auto lane = w.lane();
-    auto* dk_base = static_cast<char*>(p.dk.data) + 2 * (batch * p.dk.batch_stride + kv_head * p.dk.head_stride);
-    auto* dv_base = static_cast<char*>(p.dv.data) + 2 * (batch * p.dv.batch_stride + kv_head * p.dv.head_stride);
+    auto* dk_base = byte_offset(static_cast<char*>(p.dk.data),
+                                2 * (batch * p.dk.batch_stride + kv_head * p.dk.head_stride));
+    auto* dv_base = byte_offset(static_cast<char*>(p.dv.data),
+                                2 * (batch * p.dv.batch_stride + kv_head * p.dv.head_stride));
     FLASHATTN_UNROLL
     for (int dt = 0; dt < kDTiles; ++dt)
       FLASHATTN_UNROLL

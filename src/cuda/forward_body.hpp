@@ -66,9 +66,12 @@ FLASHATTN_HD void forward_block(Block& block, const ForwardParams& p, int m_bloc
   const int smem_q = block.smem_base();
   const int smem_kv = smem_q + kTile.block_m * kD * 2;  // stage s: K at + 2 s · tile, V after it
   const int kv_head = head / (p.heads_q / p.heads_kv);
-  const auto* q_base = static_cast<const char*>(p.q.data) + 2 * (batch * p.q.batch_stride + head * p.q.head_stride);
-  const auto* k_base = static_cast<const char*>(p.k.data) + 2 * (batch * p.k.batch_stride + kv_head * p.k.head_stride);
-  const auto* v_base = static_cast<const char*>(p.v.data) + 2 * (batch * p.v.batch_stride + kv_head * p.v.head_stride);
+  const auto* q_base = byte_offset(static_cast<const char*>(p.q.data),
+                                   2 * (batch * p.q.batch_stride + head * p.q.head_stride));
+  const auto* k_base = byte_offset(static_cast<const char*>(p.k.data),
+                                   2 * (batch * p.k.batch_stride + kv_head * p.k.head_stride));
+  const auto* v_base = byte_offset(static_cast<const char*>(p.v.data),
+                                   2 * (batch * p.v.batch_stride + kv_head * p.v.head_stride));
   const std::int64_t row0 = static_cast<std::int64_t>(m_block) * kTile.block_m;
   const KeyBlocks blocks = key_blocks(row0, kTile.block_m, kTile.block_n, p.seqlen_q, p.seqlen_k, p.causal);
 
@@ -234,7 +237,8 @@ FLASHATTN_HD void forward_block(Block& block, const ForwardParams& p, int m_bloc
     if (blocks.end == 0) w.template wait<0>();  // only Q was loaded
     const auto lane = w.lane();
     const int warp_row0 = w.warp() * kTile.warp_rows();
-    auto* out_base = static_cast<char*>(p.out.data) + 2 * (batch * p.out.batch_stride + head * p.out.head_stride);
+    auto* out_base = byte_offset(static_cast<char*>(p.out.data),
+                                 2 * (batch * p.out.batch_stride + head * p.out.head_stride));
     float* lse_base = p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride;
     FLASHATTN_UNROLL
     for (int mt = 0; mt < kMTiles; ++mt)

@@ -60,6 +60,13 @@ FLASHATTN_HD RowCol<Int> mma_c_element(Int lane, int element) {
 }
 
 // ldmatrix.m8n8.x4.b16: lane t supplies the address of row t % 8 of matrix t / 8 ...
+// `bytes` into a tensor's memory. An empty tensor's data may be null, and offsetting a null
+// pointer is undefined even when nothing is read through it: null stays null.
+template <class Byte>
+FLASHATTN_HD Byte* byte_offset(Byte* data, long long bytes) {
+  return data == nullptr ? data : data + bytes;
+}
+
 template <class Int> FLASHATTN_HD Int ldmatrix_source_matrix(Int lane) { return lane / 8; }
 template <class Int> FLASHATTN_HD Int ldmatrix_source_row(Int lane) { return lane % 8; }
 // ... and receives in register j the elements (half 0, 1) at (row, col) of matrix j;
