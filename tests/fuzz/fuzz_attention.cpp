@@ -412,9 +412,10 @@ void run_case(FuzzedDataProvider& fdp) {
   const reference::Gradients g = reference::attention_backward(dout.view(), q.view(), k.view(), v.view(), o);
   const test::NaiveGradients n = test::naive_backward_same_precision(p, o, dout, q, k, v);
   // The backward reads the forward's out, which may be off by its own tolerance: through
-  // D_i = Σ_c dO_ic·O_ic that moves dS_ij by P_ij·δD_i and dq_i by at most
-  // |scale|·max|δD|·max|k| (Σ_j P_ij = 1). Regression dq-reads-the-forwards-out: f16, one key.
-  double delta_d = 0.0, k_max = 0.0;
+  // D_i = Σ_c dO_ic·O_ic that moves dS_ij by P_ij·δD_i, so dq_i by at most
+  // |scale|·max|δD|·max|k| (Σ_j P_ij = 1) and dk_j by at most |scale|·Σ_i|δD_i|·max|q|
+  // (P_ij ≤ 1). Regressions dq-reads-the-forwards-out and dk-reads-the-forwards-out: f16, one key.
+  double delta_d = 0.0, delta_d_sum = 0.0, k_max = 0.0, q_max = 0.0;
   for (std::int64_t row = 0; row < pout.numel() / in.head_dim_v; ++row) {
     double sum = 0.0;
     for (std::int64_t c = 0; c < in.head_dim_v; ++c) {
@@ -422,13 +423,17 @@ void run_case(FuzzedDataProvider& fdp) {
       sum += static_cast<double>(dout.get(e)) * (pout.get(e) - want.out[static_cast<std::size_t>(e)]);
     }
     delta_d = std::max(delta_d, std::fabs(sum));
+    delta_d_sum += std::fabs(sum);
   }
   for (std::int64_t i = 0; i < k.numel(); ++i) k_max = std::max(k_max, std::fabs(static_cast<double>(k.get(i))));
+  for (std::int64_t i = 0; i < q.numel(); ++i) q_max = std::max(q_max, std::fabs(static_cast<double>(q.get(i))));
   const double dq_from_out = std::fabs(p.softmax_scale) * delta_d * k_max;
+  const double dk_from_out = std::fabs(p.softmax_scale) * delta_d_sum * q_max;
   const auto gradient = [&](const char* name, const Placed& got, const std::vector<double>& want,
                             const std::vector<double>& naive) {
     const double error = max_error(got, want), naive_error = test::max_abs_error(naive, want);
-    const double tol = 1e-4 * (1.0 + max_abs(want)) + 3.0 * naive_error + (name[1] == 'q' ? dq_from_out : 0.0);
+    const double from_out = name[1] == 'q' ? dq_from_out : name[1] == 'k' ? dk_from_out : 0.0;
+    const double tol = 1e-4 * (1.0 + max_abs(want)) + 3.0 * naive_error + from_out;
     check(error <= tol, std::string(name) + " differs from the reference: error " + std::to_string(error) +
                             ", tolerance " + std::to_string(tol) + " (naive " + std::to_string(naive_error) + ")");
   };
