@@ -27,9 +27,7 @@ void merge_attention_states(const TensorView& outs, const TensorView& lses,
   if (!is_floating(out.dtype))
     throw Error("out: dtype " + to_string(out.dtype) + " is not a floating dtype (f32, bf16, f16)");
   detail::check_shape("out", out, {batch, sq, heads, dv}, "(batch, seqlen_q, heads_q, head_dim_v)");
-  detail::check_view("lse", lse, 3, "(batch, heads_q, seqlen_q)");
-  detail::check_dtype("lse", lse, DType::f32, "lse is always float32");
-  detail::check_shape("lse", lse, {batch, heads, sq}, "(batch, heads_q, seqlen_q)");
+  detail::check_tensor("lse", lse, DType::f32, "lse is always float32", {batch, heads, sq}, "(batch, heads_q, seqlen_q)");
   detail::check_output_layout("out", out);
   detail::check_output_layout("lse", lse);
   for (const auto& [name, input] : {std::pair{"outs", outs}, {"lses", lses}}) {

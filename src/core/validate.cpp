@@ -95,6 +95,13 @@ void check_shape(const char* name, const TensorView& view,
   }
 }
 
+void check_tensor(const char* name, const TensorView& view, DType dtype, const char* why,
+                  std::initializer_list<std::int64_t> shape, const char* layout) {
+  check_view(name, view, static_cast<int>(shape.size()), layout);
+  check_dtype(name, view, dtype, why);
+  check_shape(name, view, shape, layout);
+}
+
 void check_output_layout(const char* name, const TensorView& out) {
   if (out.numel() == 0) return;
   // Sufficient condition for no self-overlap: with dimensions sorted by stride, each
@@ -153,9 +160,7 @@ void check_forward_output_views(const AttentionProblem& p, const TensorView& q, 
   if (!is_floating(out.dtype))
     throw Error("out: dtype " + to_string(out.dtype) + " is not a floating dtype (f32, bf16, f16)");
   check_shape("out", out, {p.batch, p.seqlen_q, p.heads_q, p.head_dim_v}, kOutLayout);
-  check_view("lse", lse, 3, kLseLayout);
-  check_dtype("lse", lse, DType::f32, "lse is always float32");
-  check_shape("lse", lse, {p.batch, p.heads_q, p.seqlen_q}, kLseLayout);
+  check_tensor("lse", lse, DType::f32, "lse is always float32", {p.batch, p.heads_q, p.seqlen_q}, kLseLayout);
   check_output_layout("out", out);
   check_output_layout("lse", lse);
   for (const auto& [name, input] : {std::pair{"q", q}, {"k", k}, {"v", v}}) {
@@ -170,9 +175,7 @@ void check_rescale_counts(const AttentionProblem& p, const AttentionOptions& opt
   const TensorView counts = options.rescale_counts;
   if (counts.data == nullptr && counts.rank == 0) return;
   constexpr const char* kLayout = "(batch, heads_q, seqlen_q)";
-  check_view("rescale_counts", counts, 3, kLayout);
-  check_dtype("rescale_counts", counts, DType::i32, "counts are int32");
-  check_shape("rescale_counts", counts, {p.batch, p.heads_q, p.seqlen_q}, kLayout);
+  check_tensor("rescale_counts", counts, DType::i32, "counts are int32", {p.batch, p.heads_q, p.seqlen_q}, kLayout);
   check_output_layout("rescale_counts", counts);
   for (const auto& [name, other] : {std::pair{"q", q}, {"k", k}, {"v", v}, {"out", out}, {"lse", lse}})
     check_no_overlap("rescale_counts", counts, name, other);

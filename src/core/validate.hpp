@@ -21,6 +21,10 @@ void check_dtype(const char* name, const TensorView& view, DType expected,
 void check_shape(const char* name, const TensorView& view,
                  std::initializer_list<std::int64_t> expected, const char* layout);
 
+// check_view, check_dtype and check_shape of one tensor: rank and sizes `shape`, dtype `dtype`.
+void check_tensor(const char* name, const TensorView& view, DType dtype, const char* why,
+                  std::initializer_list<std::int64_t> shape, const char* layout);
+
 // An output must not overlap itself (two elements at one address) nor any input.
 void check_output_layout(const char* name, const TensorView& out);
 void check_no_overlap(const char* out_name, const TensorView& out, const char* in_name,

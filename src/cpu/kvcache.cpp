@@ -295,12 +295,9 @@ void forward_with_kvcache(const TensorView& q, const KvCache& c, const MutableTe
 
   // The outputs, whole: the per-sequence checks below see only the views cut from them.
   constexpr const char* kOutLayout = "(batch, seqlen_q, heads_q, head_dim_v)";
-  detail::check_view("out", out, 4, kOutLayout);
-  detail::check_dtype("out", out, q.dtype, "out must have q's dtype");
-  detail::check_shape("out", out, {batch, q.shape[1], q.shape[2], dv}, kOutLayout);
-  detail::check_view("lse", lse, 3, "(batch, heads_q, seqlen_q)");
-  detail::check_dtype("lse", lse, DType::f32, "lse is always float32");
-  detail::check_shape("lse", lse, {batch, q.shape[2], q.shape[1]}, "(batch, heads_q, seqlen_q)");
+  detail::check_tensor("out", out, q.dtype, "out must have q's dtype", {batch, q.shape[1], q.shape[2], dv}, kOutLayout);
+  detail::check_tensor("lse", lse, DType::f32, "lse is always float32", {batch, q.shape[2], q.shape[1]},
+                       "(batch, heads_q, seqlen_q)");
   const std::initializer_list<detail::NamedView> tables = {
       {"block_table", c.block_table},   {"cache_seqlens", c.cache_seqlens}, {"cache_batch_idx", c.cache_batch_idx},
       {"cache_leftpad", c.cache_leftpad}, {"rotary_cos", c.rotary_cos},     {"rotary_sin", c.rotary_sin}};

@@ -97,12 +97,9 @@ View lse_sequence(const View& t, std::int64_t begin, std::int64_t len) {
 // the per-sequence checks see only the views cut from them.
 void check_out_shapes(const TensorView& q, const TensorView& v, const TensorView& out,
                       const TensorView& lse) {
-  detail::check_view("out", out, 3, "(total_q, heads_q, head_dim_v)");
-  detail::check_dtype("out", out, q.dtype, "out must have q's dtype");
-  detail::check_shape("out", out, {q.shape[0], q.shape[1], v.shape[2]}, "(total_q, heads_q, head_dim_v)");
-  detail::check_view("lse", lse, 2, "(heads_q, total_q)");
-  detail::check_dtype("lse", lse, DType::f32, "lse is always float32");
-  detail::check_shape("lse", lse, {q.shape[1], q.shape[0]}, "(heads_q, total_q)");
+  detail::check_tensor("out", out, q.dtype, "out must have q's dtype", {q.shape[0], q.shape[1], v.shape[2]},
+                       "(total_q, heads_q, head_dim_v)");
+  detail::check_tensor("lse", lse, DType::f32, "lse is always float32", {q.shape[1], q.shape[0]}, "(heads_q, total_q)");
 }
 
 }  // namespace
@@ -148,15 +145,12 @@ void backward_varlen(const TensorView& dout, const TensorView& q, const TensorVi
   const Offsets o = check_varlen(q, k, v, seqlens, options);
   check_out_shapes(q, v, out, lse);
   detail::check_sequence_options(options, o.batch(), q.shape[1]);
-  detail::check_view("dout", dout, 3, "(total_q, heads_q, head_dim_v)");
-  detail::check_dtype("dout", dout, q.dtype, "dout must have q's dtype");
-  detail::check_shape("dout", dout, {out.shape[0], out.shape[1], out.shape[2]}, "(total_q, heads_q, head_dim_v)");
+  detail::check_tensor("dout", dout, q.dtype, "dout must have q's dtype", {out.shape[0], out.shape[1], out.shape[2]},
+                       "(total_q, heads_q, head_dim_v)");
   const std::tuple<const char*, TensorView, TensorView> grads[] = {{"dq", dq, q}, {"dk", dk, k}, {"dv", dv, v}};
-  for (const auto& [name, grad, like] : grads) {
-    detail::check_view(name, grad, 3, "(like its input)");
-    detail::check_dtype(name, grad, like.dtype, "gradients have their input's dtype");
-    detail::check_shape(name, grad, {like.shape[0], like.shape[1], like.shape[2]}, "(the shape of its input)");
-  }
+  for (const auto& [name, grad, like] : grads)
+    detail::check_tensor(name, grad, like.dtype, "gradients have their input's dtype",
+                         {like.shape[0], like.shape[1], like.shape[2]}, "(the shape of its input)");
   detail::check_outputs_apart({{"dq", dq}, {"dk", dk}, {"dv", dv}},
                               {{"dout", dout}, {"q", q}, {"k", k}, {"v", v}, {"out", out}, {"lse", lse},
                                {"cu_seqlens_q", seqlens.cu_seqlens_q}, {"cu_seqlens_k", seqlens.cu_seqlens_k}});
