@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "flashattn/flashattn.hpp"
-#include "test_util.hpp"
+#include "tests/support/support.hpp"
 
 namespace flashattn::test {
 namespace {

@@ -7,7 +7,7 @@
 #include <cmath>
 #include <sstream>
 
-#include "test_util.hpp"
+#include "tests/support/support.hpp"
 
 namespace flashattn::test {
 namespace {

@@ -2,7 +2,7 @@
 #include <gtest/gtest.h>
 
 #include "src/baseline/standard_attention.hpp"
-#include "test_util.hpp"
+#include "tests/support/support.hpp"
 
 namespace flashattn::test {
 namespace {

@@ -13,7 +13,7 @@
 
 #include "src/core/element.hpp"
 #include "src/cpu/bf16_dot.hpp"
-#include "test_util.hpp"
+#include "tests/support/support.hpp"
 
 namespace flashattn::test {
 namespace {

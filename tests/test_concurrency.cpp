@@ -6,7 +6,7 @@
 #include <thread>
 #include <vector>
 
-#include "test_util.hpp"
+#include "tests/support/support.hpp"
 
 namespace flashattn::test {
 namespace {

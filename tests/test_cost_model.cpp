@@ -5,7 +5,7 @@
 #include <cmath>
 
 #include "flashattn/cost_model.hpp"
-#include "test_util.hpp"
+#include "tests/support/support.hpp"
 
 namespace flashattn::test {
 namespace {

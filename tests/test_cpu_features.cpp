@@ -22,7 +22,7 @@
 
 #include "src/cpu/bf16_dot.hpp"
 #include "src/cpu/fp16_decode.hpp"
-#include "test_util.hpp"
+#include "tests/support/support.hpp"
 
 namespace flashattn::test {
 namespace {

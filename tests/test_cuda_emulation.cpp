@@ -15,7 +15,7 @@
 #include "src/cuda/backward_body.hpp"
 #include "src/cuda/emulation.hpp"
 #include "src/cuda/forward_body.hpp"
-#include "tests/test_util.hpp"
+#include "tests/support/support.hpp"
 
 namespace flashattn::cuda {
 namespace {

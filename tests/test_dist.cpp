@@ -11,7 +11,7 @@
 #include <sstream>
 
 #include "flashattn/dist.hpp"
-#include "test_util.hpp"
+#include "tests/support/support.hpp"
 
 namespace flashattn::test {
 namespace {

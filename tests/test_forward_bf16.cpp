@@ -9,7 +9,7 @@
 #include <sstream>
 #include <vector>
 
-#include "test_util.hpp"
+#include "tests/support/support.hpp"
 
 namespace flashattn::test {
 namespace {

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "src/core/element.hpp"
-#include "test_util.hpp"
+#include "tests/support/support.hpp"
 
 namespace flashattn::test {
 namespace {

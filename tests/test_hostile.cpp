@@ -8,7 +8,7 @@
 #include <limits>
 #include <tuple>
 
-#include "test_util.hpp"
+#include "tests/support/support.hpp"
 
 namespace flashattn::test {
 namespace {

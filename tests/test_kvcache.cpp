@@ -11,7 +11,7 @@
 #include <xmmintrin.h>
 #endif
 
-#include "test_util.hpp"
+#include "tests/support/support.hpp"
 
 namespace flashattn::test {
 namespace {

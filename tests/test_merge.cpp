@@ -6,7 +6,7 @@
 #include <limits>
 #include <vector>
 
-#include "test_util.hpp"
+#include "tests/support/support.hpp"
 
 namespace flashattn::test {
 namespace {

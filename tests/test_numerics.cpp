@@ -5,7 +5,7 @@
 #include <cmath>
 #include <numeric>
 
-#include "test_util.hpp"
+#include "tests/support/support.hpp"
 
 namespace flashattn::test {
 namespace {

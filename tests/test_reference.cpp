@@ -3,7 +3,7 @@
 
 #include <cmath>
 
-#include "test_util.hpp"
+#include "tests/support/support.hpp"
 
 namespace flashattn::test {
 namespace {

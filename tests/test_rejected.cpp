@@ -12,7 +12,7 @@
 #include "flashattn/attention.hpp"
 #include "flashattn/error.hpp"
 #include "flashattn/fp8.hpp"
-#include "test_util.hpp"
+#include "tests/support/support.hpp"
 
 namespace flashattn::test {
 namespace {

@@ -34,7 +34,7 @@ HWY_AFTER_NAMESPACE();
 #if HWY_ONCE
 #include <gtest/gtest.h>
 
-#include "test_util.hpp"
+#include "tests/support/support.hpp"
 
 namespace flashattn::cpu {
 HWY_EXPORT(Exp2Array);

@@ -6,9 +6,10 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <random>
 #include <sstream>
 
-#include "test_util.hpp"
+#include "tests/support/support.hpp"
 
 namespace flashattn::test {
 namespace {

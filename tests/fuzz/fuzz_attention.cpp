@@ -29,7 +29,7 @@
 
 #include "flashattn/flashattn.hpp"
 #include "flashattn/fp8.hpp"
-#include "tests/test_util.hpp"
+#include "tests/support/support.hpp"
 
 namespace flashattn::fuzz {
 namespace {

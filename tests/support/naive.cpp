@@ -1,0 +1,172 @@
+// The naive same-precision attention whose error sets the tolerance of the kernels' outputs
+// and gradients (naive.hpp).
+#include "tests/support/naive.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+#include "flashattn/exp2.hpp"
+#include "flashattn/reference.hpp"
+
+namespace flashattn::test {
+
+namespace {
+
+// e^x as a kernel run with `options` computes it: through the poly3 cubic when the options
+// let the kernel use it (poly3, and mixed, whose worst case that is), else std::exp. The
+// naive yardsticks below use it, so that a kernel's error is set beside that of a naive
+// implementation with the same exponential.
+float naive_exp(const AttentionOptions& options, float x) {
+  if (options.exp2 != Exp2Impl::poly3 && options.exp2 != Exp2Impl::mixed) return std::exp(x);
+  const float power = x * 1.44269504f;
+  float y = 0.0f;
+  exp2_array(Exp2Impl::poly3, &power, &y, 1);
+  return y;
+}
+
+// Attention in the inputs' precision with float32 accumulation, rounding to dtype either at
+// every step (naive_same_precision) or only where the kernels round
+// (rounded_where_the_kernel_rounds); both described below.
+enum class Rounding { every_step, where_the_kernel_rounds };
+std::vector<double> same_precision_attention(const AttentionProblem& p, const AttentionOptions& options,
+                                             const Tensor& q, const Tensor& k, const Tensor& v,
+                                             Rounding rounding) {
+  const bool every_step = rounding == Rounding::every_step;
+  const reference::Semantics sem{&p, &options};
+  std::vector<double> out(static_cast<std::size_t>(p.batch * p.seqlen_q * p.heads_q * p.head_dim_v));
+  const std::int64_t group = p.heads_q / p.heads_kv;
+  std::vector<float> s(static_cast<std::size_t>(p.seqlen_k));
+  for (std::int64_t b = 0; b < p.batch; ++b)
+    for (std::int64_t h = 0; h < p.heads_q; ++h)
+      for (std::int64_t i = 0; i < p.seqlen_q; ++i) {
+        const std::int64_t kvh = h / group;
+        float m = -INFINITY, sum = 0.0f;
+        for (std::int64_t j = 0; j < p.seqlen_k; ++j) {
+          s[j] = -INFINITY;
+          if (!sem.visible(i, j)) continue;
+          float dot = 0.0f;
+          for (std::int64_t d = 0; d < p.head_dim; ++d)
+            dot += q.get(((b * p.seqlen_q + i) * p.heads_q + h) * p.head_dim + d) *
+                   k.get(((b * p.seqlen_k + j) * p.heads_kv + kvh) * p.head_dim + d);
+          s[j] = every_step ? round_to(p.dtype, static_cast<float>(sem.score(b, h, i, j, round_to(p.dtype, dot))))
+                            : static_cast<float>(sem.score(b, h, i, j, dot));
+          m = std::fmax(m, s[j]);
+        }
+        if (m == -INFINITY) continue;
+        for (std::int64_t j = 0; j < p.seqlen_k; ++j) sum += (s[j] = naive_exp(options, s[j] - m));
+        for (std::int64_t j = 0; j < p.seqlen_k; ++j) {
+          const auto keep = static_cast<float>(sem.dropout_weight(b, h, i, j));
+          s[j] = every_step ? round_to(p.dtype, round_to(p.dtype, s[j] / sum) * keep) : round_to(p.dtype, s[j] * keep);
+        }
+        for (std::int64_t d = 0; d < p.head_dim_v; ++d) {
+          float acc = 0.0f;
+          for (std::int64_t j = 0; j < p.seqlen_k; ++j)
+            acc += s[j] * v.get(((b * p.seqlen_k + j) * p.heads_kv + kvh) * p.head_dim_v + d);
+          out[static_cast<std::size_t>(((b * p.seqlen_q + i) * p.heads_q + h) * p.head_dim_v + d)] =
+              round_to(p.dtype, every_step ? acc : acc / sum);
+        }
+      }
+  return out;
+}
+
+}  // namespace
+
+std::vector<double> naive_same_precision(const AttentionProblem& p, const AttentionOptions& options,
+                                         const Tensor& q, const Tensor& k, const Tensor& v) {
+  return same_precision_attention(p, options, q, k, v, Rounding::every_step);
+}
+
+std::vector<double> rounded_where_the_kernel_rounds(const AttentionProblem& p, const AttentionOptions& options,
+                                                    const Tensor& q, const Tensor& k, const Tensor& v) {
+  return same_precision_attention(p, options, q, k, v, Rounding::where_the_kernel_rounds);
+}
+
+NaiveGradients naive_backward_same_precision(const AttentionProblem& p, const AttentionOptions& options,
+                                             const Tensor& dout, const Tensor& q, const Tensor& k,
+                                             const Tensor& v) {
+  const reference::Semantics sem{&p, &options};
+  const std::int64_t d = p.head_dim, dv = p.head_dim_v, group = p.heads_q / p.heads_kv;
+  const std::int64_t sq = p.seqlen_q, sk = p.seqlen_k;
+  auto qi = [&](std::int64_t b, std::int64_t i, std::int64_t h, std::int64_t dim) {
+    return ((b * sq + i) * p.heads_q + h) * dim;
+  };
+  auto ki = [&](std::int64_t b, std::int64_t j, std::int64_t h, std::int64_t dim) {
+    return ((b * sk + j) * p.heads_kv + h) * dim;
+  };
+  std::vector<float> dq(static_cast<std::size_t>(q.numel())), dk(static_cast<std::size_t>(k.numel())),
+      dvv(static_cast<std::size_t>(v.numel()));
+  // Per head: P (undropped), W (dropout weights), G (dscore/ddot), dS, all (sq, sk).
+  std::vector<float> prob(static_cast<std::size_t>(sq * sk)), w(prob.size()), g(prob.size()), ds(prob.size());
+  std::vector<float> o(static_cast<std::size_t>(sq * dv));
+  for (std::int64_t b = 0; b < p.batch; ++b)
+    for (std::int64_t h = 0; h < p.heads_q; ++h) {
+      const std::int64_t kvh = h / group;
+      for (std::int64_t i = 0; i < sq; ++i) {
+        float m = -INFINITY, sum = 0.0f;
+        float* pr = prob.data() + i * sk;  // no element to index when sk = 0
+        for (std::int64_t j = 0; j < sk; ++j) {
+          const std::size_t e = static_cast<std::size_t>(i * sk + j);
+          pr[j] = -INFINITY;
+          w[e] = static_cast<float>(sem.dropout_weight(b, h, i, j));
+          if (!sem.visible(i, j)) continue;
+          float dot = 0.0f;
+          for (std::int64_t c = 0; c < d; ++c) dot += q.get(qi(b, i, h, d) + c) * k.get(ki(b, j, kvh, d) + c);
+          dot = round_to(p.dtype, dot);
+          g[e] = static_cast<float>(sem.score_gradient(dot));
+          pr[j] = round_to(p.dtype, static_cast<float>(sem.score(b, h, i, j, dot)));
+          m = std::fmax(m, pr[j]);
+        }
+        if (m == -INFINITY) {
+          std::fill(pr, pr + sk, 0.0f);
+        } else {
+          for (std::int64_t j = 0; j < sk; ++j) sum += (pr[j] = naive_exp(options, pr[j] - m));
+          for (std::int64_t j = 0; j < sk; ++j) pr[j] = round_to(p.dtype, pr[j] / sum);
+        }
+        for (std::int64_t c = 0; c < dv; ++c) {
+          float acc = 0.0f;
+          for (std::int64_t j = 0; j < sk; ++j)
+            acc += round_to(p.dtype, pr[j] * w[static_cast<std::size_t>(i * sk + j)]) * v.get(ki(b, j, kvh, dv) + c);
+          o[static_cast<std::size_t>(i * dv + c)] = round_to(p.dtype, acc);
+        }
+      }
+      for (std::int64_t i = 0; i < sq; ++i) {
+        float delta = 0.0f;
+        for (std::int64_t c = 0; c < dv; ++c) delta += dout.get(qi(b, i, h, dv) + c) * o[static_cast<std::size_t>(i * dv + c)];
+        for (std::int64_t j = 0; j < sk; ++j) {
+          const std::size_t e = static_cast<std::size_t>(i * sk + j);
+          float dp = 0.0f;
+          for (std::int64_t c = 0; c < dv; ++c) dp += dout.get(qi(b, i, h, dv) + c) * v.get(ki(b, j, kvh, dv) + c);
+          ds[e] = prob[e] == 0.0f ? 0.0f
+                                  : round_to(p.dtype, prob[e] * (w[e] * round_to(p.dtype, dp) - delta) * g[e]);
+        }
+      }
+      for (std::int64_t i = 0; i < sq; ++i)
+        for (std::int64_t c = 0; c < d; ++c) {
+          float acc = 0.0f;
+          for (std::int64_t j = 0; j < sk; ++j) acc += ds[static_cast<std::size_t>(i * sk + j)] * k.get(ki(b, j, kvh, d) + c);
+          dq[static_cast<std::size_t>(qi(b, i, h, d) + c)] = round_to(p.dtype, acc);
+        }
+      for (std::int64_t j = 0; j < sk; ++j) {  // this head's share of dK, dV
+        for (std::int64_t c = 0; c < d; ++c) {
+          float acc = 0.0f;
+          for (std::int64_t i = 0; i < sq; ++i) acc += ds[static_cast<std::size_t>(i * sk + j)] * q.get(qi(b, i, h, d) + c);
+          dk[static_cast<std::size_t>(ki(b, j, kvh, d) + c)] += round_to(p.dtype, acc);
+        }
+        for (std::int64_t c = 0; c < dv; ++c) {
+          float acc = 0.0f;
+          for (std::int64_t i = 0; i < sq; ++i) {
+            const std::size_t e = static_cast<std::size_t>(i * sk + j);
+            acc += round_to(p.dtype, prob[e] * w[e]) * dout.get(qi(b, i, h, dv) + c);
+          }
+          dvv[static_cast<std::size_t>(ki(b, j, kvh, dv) + c)] += round_to(p.dtype, acc);
+        }
+      }
+    }
+  NaiveGradients r;
+  for (float x : dq) r.dq.push_back(x);
+  for (float x : dk) r.dk.push_back(round_to(p.dtype, x));
+  for (float x : dvv) r.dv.push_back(round_to(p.dtype, x));
+  return r;
+}
+
+}  // namespace flashattn::test
