@@ -8,7 +8,6 @@
 
 #include <cmath>
 #include <random>
-#include <sstream>
 
 #include "flashattn/cuda_plan.hpp"
 #include "flashattn/flashattn.hpp"
@@ -21,36 +20,32 @@ namespace flashattn::cuda {
 namespace {
 
 using emulation::HostBlock;
-using test::max_abs_error;
-using test::random_tensor;
+using test::Case;
+using test::Inputs;
 
-struct Case {
-  std::int64_t batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim;
-  bool causal;
-  DType dtype;
-};
-
-std::string describe(const Case& c) {
-  std::ostringstream s;
-  s << "B=" << c.batch << " Sq=" << c.seqlen_q << " Sk=" << c.seqlen_k << " Hq=" << c.heads_q << " Hkv=" << c.heads_kv
-    << " D=" << c.head_dim << " causal=" << c.causal << " " << to_string(c.dtype);
-  return s.str();
+// A case of the CUDA kernels: one head dim for q, k and v (the kernels' only layout).
+Case cuda_case(std::int64_t batch, std::int64_t seqlen_q, std::int64_t seqlen_k, std::int64_t heads_q,
+               std::int64_t heads_kv, std::int64_t head_dim, bool causal, DType dtype, std::uint64_t seed,
+               bool deterministic = false) {
+  AttentionOptions options;
+  options.causal = causal;
+  options.deterministic = deterministic;
+  return Case({batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, head_dim}, dtype, options, seed);
 }
 
-Case random_case(std::mt19937& rng, int max_head_dim) {
-  Case c;
+Case random_case(std::mt19937& rng, int max_head_dim, std::uint64_t seed, bool deterministic = false) {
   // Small enough for hundreds of shapes in seconds, large enough for several tiles of each
   // kind, ragged ends and causal diagonals off the tile grid.
-  c.batch = 1 + rng() % 2;
-  c.heads_kv = 1 + rng() % 2;
-  c.heads_q = c.heads_kv * (1 + rng() % 2);
-  c.seqlen_q = 1 + rng() % 90;
-  c.seqlen_k = 1 + rng() % 140;
+  const std::int64_t batch = 1 + rng() % 2;
+  const std::int64_t heads_kv = 1 + rng() % 2;
+  const std::int64_t heads_q = heads_kv * (1 + rng() % 2);
+  const std::int64_t seqlen_q = 1 + rng() % 90;
+  const std::int64_t seqlen_k = 1 + rng() % 140;
   // any multiple of 8 up to the largest bucket: 16-byte rows, zero-padded to the bucket
-  c.head_dim = 8 * (1 + static_cast<std::int64_t>(rng() % (max_head_dim / 8)));
-  c.causal = rng() % 2;
-  c.dtype = rng() % 2 ? DType::bf16 : DType::f16;
-  return c;
+  const std::int64_t head_dim = 8 * (1 + static_cast<std::int64_t>(rng() % (max_head_dim / 8)));
+  const bool causal = rng() % 2;
+  const DType dtype = rng() % 2 ? DType::bf16 : DType::f16;
+  return cuda_case(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, dtype, seed, deterministic);
 }
 
 Operand operand(const Tensor& t) {
@@ -85,56 +80,40 @@ void emulate_forward_bucket(int bucket, const ForwardParams& p, std::int64_t bat
 
 // Forward through the emulated kernel; out is poisoned (NaN) first, so every element it
 // must write is checked.
-ForwardResult emulated_forward(const Case& c, const Tensor& q, const Tensor& k, const Tensor& v) {
-  AttentionOptions options;
-  options.causal = c.causal;
-  const AttentionProblem problem = AttentionProblem::from_inputs(q.view(), k.view(), v.view(), options);
+ForwardResult emulated_forward(const Case& c, const Inputs& in) {
+  const AttentionProblem& problem = c.problem();
   const CudaForwardPlan plan = plan_cuda_forward(problem);
-  ForwardResult r{Tensor(c.dtype, {c.batch, c.seqlen_q, c.heads_q, c.head_dim}), Tensor(DType::f32, {c.batch, c.heads_q, c.seqlen_q})};
+  ForwardResult r{Tensor(problem.dtype, {problem.batch, problem.seqlen_q, problem.heads_q, problem.head_dim}),
+                  Tensor(DType::f32, {problem.batch, problem.heads_q, problem.seqlen_q})};
   for (std::int64_t i = 0; i < r.out.numel(); ++i) r.out.set(i, NAN);
   for (std::int64_t i = 0; i < r.lse.numel(); ++i) r.lse.set(i, NAN);
-  const ForwardParams p{operand(q), operand(k), operand(v), mutable_operand(r.out), r.lse.data_as<float>(),
-                        c.heads_q * c.seqlen_q, c.seqlen_q, static_cast<int>(c.seqlen_q), static_cast<int>(c.seqlen_k),
-                        static_cast<int>(c.heads_q), static_cast<int>(c.heads_kv), static_cast<int>(c.head_dim),
-                        problem.softmax_scale * kLog2e, c.causal};
-  if (c.dtype == DType::bf16) emulate_forward_bucket<Bf16>(plan.bucket, p, c.batch);
-  else emulate_forward_bucket<F16>(plan.bucket, p, c.batch);
+  const ForwardParams p{operand(in.q), operand(in.k), operand(in.v), mutable_operand(r.out), r.lse.data_as<float>(),
+                        problem.heads_q * problem.seqlen_q, problem.seqlen_q, static_cast<int>(problem.seqlen_q),
+                        static_cast<int>(problem.seqlen_k), static_cast<int>(problem.heads_q),
+                        static_cast<int>(problem.heads_kv), static_cast<int>(problem.head_dim),
+                        problem.softmax_scale * kLog2e, problem.causal};
+  if (problem.dtype == DType::bf16) emulate_forward_bucket<Bf16>(plan.bucket, p, problem.batch);
+  else emulate_forward_bucket<F16>(plan.bucket, p, problem.batch);
   return r;
 }
 
-void check_forward(const Case& c, std::uint64_t seed) {
-  SCOPED_TRACE(describe(c) + " seed=" + std::to_string(seed));
-  const Tensor q = random_tensor(c.dtype, {c.batch, c.seqlen_q, c.heads_q, c.head_dim}, seed);
-  const Tensor k = random_tensor(c.dtype, {c.batch, c.seqlen_k, c.heads_kv, c.head_dim}, seed + 1);
-  const Tensor v = random_tensor(c.dtype, {c.batch, c.seqlen_k, c.heads_kv, c.head_dim}, seed + 2);
-  AttentionOptions options;
-  options.causal = c.causal;
-  const ForwardResult got = emulated_forward(c, q, k, v);
-  const reference::Result want = reference::attention(q.view(), k.view(), v.view(), options);
-  const AttentionProblem p = AttentionProblem::from_inputs(q.view(), k.view(), v.view(), options);
-  const double tolerance = 2.0 * max_abs_error(test::naive_same_precision(p, options, q, k, v), want.out) + 1e-5;
-  ASSERT_LE(max_abs_error(got.out, want.out), tolerance);
-  for (std::int64_t i = 0; i < got.lse.numel(); ++i) {
-    const double expected = want.lse[static_cast<std::size_t>(i)];
-    if (std::isinf(expected)) ASSERT_EQ(got.lse.get(i), expected) << "lse " << i;
-    else ASSERT_NEAR(got.lse.get(i), expected, 1e-4 * (1 + std::abs(expected))) << "lse " << i;
-  }
-}
+// Against the float64 reference by upstream's rule (test::check_forward).
+void check_emulated_forward(const Case& c) { test::check_forward(c, emulated_forward); }
 
 TEST(CudaEmulation, ForwardRandomShapes) {
   std::mt19937 rng(2024);
-  for (int trial = 0; trial < 150; ++trial) check_forward(random_case(rng, 256), 1000 + 3 * trial);
+  for (int trial = 0; trial < 150; ++trial) check_emulated_forward(random_case(rng, 256, 1000 + 3 * trial));
 }
 
 TEST(CudaEmulation, ForwardEdges) {
   std::uint64_t seed = 5000;
   for (const DType dtype : {DType::bf16, DType::f16}) {
-    check_forward({1, 1, 1, 1, 1, 64, false, dtype}, seed++);
-    check_forward({1, 129, 257, 2, 1, 128, true, dtype}, seed++);    // ragged past whole tiles
-    check_forward({1, 200, 50, 2, 2, 64, true, dtype}, seed++);      // Sq > Sk: leading rows see nothing
-    check_forward({2, 64, 64, 4, 1, 256, true, dtype}, seed++);      // MQA, whole tiles
-    check_forward({1, 33, 500, 1, 1, 200, false, dtype}, seed++);    // D padded to 256
-    check_forward({2, 33, 0, 2, 1, 64, true, dtype}, seed++);        // no keys: out 0, lse −∞
+    check_emulated_forward(cuda_case(1, 1, 1, 1, 1, 64, false, dtype, seed++));
+    check_emulated_forward(cuda_case(1, 129, 257, 2, 1, 128, true, dtype, seed++));  // ragged past whole tiles
+    check_emulated_forward(cuda_case(1, 200, 50, 2, 2, 64, true, dtype, seed++));    // Sq > Sk: leading rows see nothing
+    check_emulated_forward(cuda_case(2, 64, 64, 4, 1, 256, true, dtype, seed++));    // MQA, whole tiles
+    check_emulated_forward(cuda_case(1, 33, 500, 1, 1, 200, false, dtype, seed++));  // D padded to 256
+    check_emulated_forward(cuda_case(2, 33, 0, 2, 1, 64, true, dtype, seed++));      // no keys: out 0, lse −∞
   }
 }
 
@@ -174,65 +153,62 @@ void emulate_backward_bucket(int bucket, const BackwardParams& p, std::int64_t b
   else emulate_backward<kBackwardTiles[1], E>(p, batch);
 }
 
-void check_backward(const Case& c, bool deterministic, std::uint64_t seed) {
-  SCOPED_TRACE(describe(c) + " deterministic=" + std::to_string(deterministic) + " seed=" + std::to_string(seed));
-  const Tensor q = random_tensor(c.dtype, {c.batch, c.seqlen_q, c.heads_q, c.head_dim}, seed);
-  const Tensor k = random_tensor(c.dtype, {c.batch, c.seqlen_k, c.heads_kv, c.head_dim}, seed + 1);
-  const Tensor v = random_tensor(c.dtype, {c.batch, c.seqlen_k, c.heads_kv, c.head_dim}, seed + 2);
-  const Tensor dout = random_tensor(c.dtype, {c.batch, c.seqlen_q, c.heads_q, c.head_dim}, seed + 3);
-  AttentionOptions options;
-  options.causal = c.causal;
-  const ForwardResult fwd = emulated_forward(c, q, k, v);
-  const AttentionProblem problem = AttentionProblem::from_inputs(q.view(), k.view(), v.view(), options);
+// Backward through the emulated kernels, with the emulated forward's out and lse; dq, dk, dv
+// are poisoned (NaN) first.
+BackwardResult emulated_backward(const Case& c, const Inputs& in) {
+  const AttentionProblem& problem = c.problem();
+  const std::int64_t batch = problem.batch, seqlen_q = problem.seqlen_q, seqlen_k = problem.seqlen_k;
+  const std::int64_t heads_q = problem.heads_q, heads_kv = problem.heads_kv, head_dim = problem.head_dim;
+  const bool deterministic = c.options().deterministic;
+  const ForwardResult fwd = emulated_forward(c, in);
   const CudaBackwardPlan plan = plan_cuda_backward(problem, deterministic);
-  Tensor dq(c.dtype, {c.batch, c.seqlen_q, c.heads_q, c.head_dim}), dk(c.dtype, {c.batch, c.seqlen_k, c.heads_kv, c.head_dim}),
-      dv(c.dtype, {c.batch, c.seqlen_k, c.heads_kv, c.head_dim});
-  for (Tensor* t : {&dq, &dk, &dv})
+  BackwardResult r{Tensor(problem.dtype, {batch, seqlen_q, heads_q, head_dim}),
+                   Tensor(problem.dtype, {batch, seqlen_k, heads_kv, head_dim}),
+                   Tensor(problem.dtype, {batch, seqlen_k, heads_kv, head_dim})};
+  for (Tensor* t : {&r.dq, &r.dk, &r.dv})
     for (std::int64_t i = 0; i < t->numel(); ++i) t->set(i, NAN);
   // The workspace as launch_backward lays it out.
-  const std::int64_t rows = c.batch * c.heads_q * plan.m_blocks * plan.block_m;
+  const std::int64_t rows = batch * heads_q * plan.m_blocks * plan.block_m;
   std::vector<float> stats(static_cast<std::size_t>(2 * rows), NAN);
   std::vector<float> accum(static_cast<std::size_t>(rows * plan.head_dim_padded), 0.0f);
-  std::vector<int> turns(static_cast<std::size_t>(c.batch * c.heads_q * plan.m_blocks), 0);
+  std::vector<int> turns(static_cast<std::size_t>(batch * heads_q * plan.m_blocks), 0);
   BackwardParams p{};
-  p.q = operand(q);
-  p.k = operand(k);
-  p.v = operand(v);
+  p.q = operand(in.q);
+  p.k = operand(in.k);
+  p.v = operand(in.v);
   p.out = operand(fwd.out);
-  p.dout = operand(dout);
-  p.dq = mutable_operand(dq);
-  p.dk = mutable_operand(dk);
-  p.dv = mutable_operand(dv);
+  p.dout = operand(in.dout);
+  p.dq = mutable_operand(r.dq);
+  p.dk = mutable_operand(r.dk);
+  p.dv = mutable_operand(r.dv);
   p.lse = fwd.lse.data_as<float>();
-  p.lse_batch_stride = c.heads_q * c.seqlen_q;
-  p.lse_head_stride = c.seqlen_q;
+  p.lse_batch_stride = heads_q * seqlen_q;
+  p.lse_head_stride = seqlen_q;
   p.row_stats = stats.data();
   p.stats_rows = rows;
   p.dq_accum = accum.data();
   p.dq_turn = turns.data();
   p.head_dim_padded = plan.head_dim_padded;
-  p.seqlen_q = static_cast<int>(c.seqlen_q);
-  p.seqlen_k = static_cast<int>(c.seqlen_k);
-  p.heads_q = static_cast<int>(c.heads_q);
-  p.heads_kv = static_cast<int>(c.heads_kv);
-  p.head_dim = static_cast<int>(c.head_dim);
+  p.seqlen_q = static_cast<int>(seqlen_q);
+  p.seqlen_k = static_cast<int>(seqlen_k);
+  p.heads_q = static_cast<int>(heads_q);
+  p.heads_kv = static_cast<int>(heads_kv);
+  p.head_dim = static_cast<int>(head_dim);
   p.scale = problem.softmax_scale;
   p.scale_log2 = problem.softmax_scale * kLog2e;
-  p.causal = c.causal;
+  p.causal = problem.causal;
   p.deterministic = deterministic;
-  if (c.dtype == DType::bf16) emulate_backward_bucket<Bf16>(plan.bucket, p, c.batch);
-  else emulate_backward_bucket<F16>(plan.bucket, p, c.batch);
-
-  const reference::Gradients want = reference::attention_backward(dout.view(), q.view(), k.view(), v.view(), options);
-  const test::NaiveGradients naive = test::naive_backward_same_precision(problem, options, dout, q, k, v);
-  ASSERT_LE(max_abs_error(dq, want.dq), 3.0 * max_abs_error(naive.dq, want.dq) + 1e-4) << "dq";
-  ASSERT_LE(max_abs_error(dk, want.dk), 3.0 * max_abs_error(naive.dk, want.dk) + 1e-4) << "dk";
-  ASSERT_LE(max_abs_error(dv, want.dv), 3.0 * max_abs_error(naive.dv, want.dv) + 1e-4) << "dv";
+  if (problem.dtype == DType::bf16) emulate_backward_bucket<Bf16>(plan.bucket, p, batch);
+  else emulate_backward_bucket<F16>(plan.bucket, p, batch);
+  return r;
 }
+
+// Against the float64 reference by upstream's rule for gradients (test::check_backward).
+void check_emulated_backward(const Case& c) { test::check_backward(c, emulated_backward); }
 
 TEST(CudaEmulation, BackwardRandomShapes) {
   std::mt19937 rng(4048);
-  for (int trial = 0; trial < 60; ++trial) check_backward(random_case(rng, 128), trial % 3 == 0, 9000 + 4 * trial);
+  for (int trial = 0; trial < 60; ++trial) check_emulated_backward(random_case(rng, 128, 9000 + 4 * trial, trial % 3 == 0));
 }
 
 TEST(CudaEmulation, BackwardEdges) {
@@ -240,15 +216,15 @@ TEST(CudaEmulation, BackwardEdges) {
   for (const DType dtype : {DType::bf16, DType::f16}) {
     // No keys: dq must be written, zero (the reference's gradient of a row without keys);
     // no queries: dq is empty and dk, dv zero — no zero-size grid is launched.
-    check_backward({1, 37, 0, 2, 1, 64, false, dtype}, false, seed += 4);
-    check_backward({2, 37, 0, 2, 2, 128, true, dtype}, true, seed += 4);
-    check_backward({1, 0, 53, 2, 1, 64, false, dtype}, false, seed += 4);
-    check_backward({2, 0, 53, 4, 2, 128, true, dtype}, true, seed += 4);
-    check_backward({1, 0, 0, 1, 1, 64, false, dtype}, false, seed += 4);
-    check_backward({1, 1, 1, 1, 1, 64, false, dtype}, false, seed += 4);
-    check_backward({1, 200, 50, 2, 2, 64, true, dtype}, true, seed += 4);   // rows without keys
-    check_backward({1, 50, 200, 4, 1, 128, true, dtype}, false, seed += 4); // MQA, bottom-right causal
-    check_backward({2, 65, 129, 2, 1, 72, false, dtype}, true, seed += 4);  // D padded to 128
+    check_emulated_backward(cuda_case(1, 37, 0, 2, 1, 64, false, dtype, seed += 4, false));
+    check_emulated_backward(cuda_case(2, 37, 0, 2, 2, 128, true, dtype, seed += 4, true));
+    check_emulated_backward(cuda_case(1, 0, 53, 2, 1, 64, false, dtype, seed += 4, false));
+    check_emulated_backward(cuda_case(2, 0, 53, 4, 2, 128, true, dtype, seed += 4, true));
+    check_emulated_backward(cuda_case(1, 0, 0, 1, 1, 64, false, dtype, seed += 4, false));
+    check_emulated_backward(cuda_case(1, 1, 1, 1, 1, 64, false, dtype, seed += 4, false));
+    check_emulated_backward(cuda_case(1, 200, 50, 2, 2, 64, true, dtype, seed += 4, true));   // rows without keys
+    check_emulated_backward(cuda_case(1, 50, 200, 4, 1, 128, true, dtype, seed += 4, false)); // MQA, bottom-right causal
+    check_emulated_backward(cuda_case(2, 65, 129, 2, 1, 72, false, dtype, seed += 4, true));  // D padded to 128
   }
 }
 

@@ -8,7 +8,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <sstream>
 
 #include "flashattn/dist.hpp"
 #include "tests/support/support.hpp"
@@ -34,21 +33,21 @@ int world_size() {
 // milliseconds here).
 constexpr double kTestTimeoutSeconds = 60.0;
 
-struct Case {
-  std::int64_t batch, seqlen, heads_q, heads_kv, head_dim, head_dim_v;
-  bool causal;
-  DType dtype;
-  ShardLayout layout;
-  float softcap = 0.0f;
-};
+// A case of the ring: one sequence length for queries and keys, split over the ranks; one
+// thread each, as several ranks share this machine's cores.
+Case ring_case(std::int64_t batch, std::int64_t seqlen, std::int64_t heads_q, std::int64_t heads_kv,
+               std::int64_t head_dim, std::int64_t head_dim_v, bool causal, DType dtype, std::uint64_t seed,
+               float softcap = 0.0f) {
+  AttentionOptions options;
+  options.causal = causal;
+  options.softcap = softcap;
+  options.num_threads = 1;
+  return Case({batch, seqlen, seqlen, heads_q, heads_kv, head_dim, head_dim_v}, dtype, options, seed);
+}
 
-std::string describe(const Case& c) {
-  std::ostringstream s;
-  s << "B=" << c.batch << " S=" << c.seqlen << " Hq=" << c.heads_q << " Hkv=" << c.heads_kv << " D=" << c.head_dim
-    << " Dv=" << c.head_dim_v << " causal=" << c.causal << " dtype=" << to_string(c.dtype)
-    << " layout=" << (c.layout == ShardLayout::zigzag ? "zigzag" : "contiguous") << " softcap=" << c.softcap
-    << " ranks=" << world_size() << " rank=" << world_rank();
-  return s.str();
+std::string describe(const Case& c, ShardLayout layout) {
+  return c.describe() + " layout=" + (layout == ShardLayout::zigzag ? "zigzag" : "contiguous") +
+         " ranks=" + std::to_string(world_size()) + " rank=" + std::to_string(world_rank());
 }
 
 // The local shard of a global (B, S, H, D) tensor (dim 1) or (B, H, S) lse (dim 2): the rows
@@ -104,80 +103,74 @@ double max_abs(const Tensor& t) {
   return m;
 }
 
+// The global inputs, the same on every rank.
 struct Global {
   Tensor q, k, v, dout;
   AttentionOptions options;
 };
 
-Global make_global(const Case& c, std::uint64_t seed) {
-  Global g{random_tensor(c.dtype, {c.batch, c.seqlen, c.heads_q, c.head_dim}, seed),
-           random_tensor(c.dtype, {c.batch, c.seqlen, c.heads_kv, c.head_dim}, seed + 1),
-           random_tensor(c.dtype, {c.batch, c.seqlen, c.heads_kv, c.head_dim_v}, seed + 2),
-           random_tensor(c.dtype, {c.batch, c.seqlen, c.heads_q, c.head_dim_v}, seed + 3), {}};
-  g.options.causal = c.causal;
-  g.options.softcap = c.softcap;
-  g.options.num_threads = 1;  // several ranks share this machine's cores
-  return g;
+Global make_global(const Case& c) {
+  Inputs in = c.inputs();
+  return {std::move(in.q), std::move(in.k), std::move(in.v), std::move(in.dout), c.options()};
 }
 
-RingOptions ring_options(const Case& c) {
+RingOptions ring_options(const Case& c, ShardLayout layout) {
   RingOptions ring;
-  ring.seqlen = c.seqlen;
-  ring.layout = c.layout;
+  ring.seqlen = c.problem().seqlen_q;
+  ring.layout = layout;
   ring.timeout_seconds = kTestTimeoutSeconds;
   return ring;
 }
 
 // Forward: out and lse of the ring equal single-process flashattn's rows within the merge's
-// rounding, and the float64 reference's within the project's rule (f32 1e-5; otherwise 2×
-// the naive same-precision error plus 1e-5). The merge's rounding: each of the ring's
+// rounding, and the float64 reference's within the project's rule (f32 1e-5; otherwise
+// expect_within_yardstick, on this rank's rows). The merge's rounding: each of the ring's
 // partial outputs is rounded to the dtype once (at most u·max|v|, a partial being a convex
 // combination of rows of v) and both final outputs once (u·max|v| together), plus the
 // float32 floor 1e-5 of reordered accumulation.
-void check_forward(const Case& c, std::uint64_t seed) {
-  SCOPED_TRACE(describe(c));
-  const Global g = make_global(c, seed);
-  const auto ranges = dist::shard_ranges(c.seqlen, world_size(), world_rank(), c.layout);
+void check_ring_forward(const Case& c, ShardLayout layout) {
+  SCOPED_TRACE(describe(c, layout));
+  const Global g = make_global(c);
+  const AttentionProblem& p = c.problem();
+  const auto ranges = dist::shard_ranges(p.seqlen_q, world_size(), world_rank(), layout);
   const Tensor q = shard_of(g.q, ranges, 1), k = shard_of(g.k, ranges, 1), v = shard_of(g.v, ranges, 1);
   const std::int64_t sl = q.shape()[1];
-  Tensor out(c.dtype, {c.batch, sl, c.heads_q, c.head_dim_v}), lse(DType::f32, {c.batch, c.heads_q, sl});
+  Tensor out(p.dtype, {p.batch, sl, p.heads_q, p.head_dim_v}), lse(DType::f32, {p.batch, p.heads_q, sl});
   const dist::RingStats stats = dist::ring_forward(q.view(), k.view(), v.view(), out.view(), lse.view(), g.options,
-                                                   ring_options(c));
+                                                   ring_options(c, layout));
   EXPECT_EQ(stats.steps, world_size());
 
   const ForwardResult single = forward(g.q.view(), g.k.view(), g.v.view(), g.options);
-  const double merge_rounding = 2.0 * unit_roundoff(c.dtype) * max_abs(g.v) + 1e-5;
+  const double merge_rounding = 2.0 * unit_roundoff(p.dtype) * max_abs(g.v) + 1e-5;
   EXPECT_LE(max_abs_difference(out, shard_of(single.out, ranges, 1)), merge_rounding);
   EXPECT_LE(max_abs_difference(lse, shard_of(single.lse, ranges, 2)), 1e-5);
 
   const reference::Result want = reference::attention(g.q.view(), g.k.view(), g.v.view(), g.options);
-  double tolerance = 1e-5;
-  if (c.dtype != DType::f32) {
-    const AttentionProblem p = AttentionProblem::from_inputs(g.q.view(), g.k.view(), g.v.view(), g.options);
-    tolerance = 2.0 * max_abs_error(naive_same_precision(p, g.options, g.q, g.k, g.v), want.out) + 1e-5;
+  const std::vector<double> want_out = shard_of(want.out, single.out.shape(), ranges, 1);
+  if (p.dtype == DType::f32) {
+    EXPECT_LE(max_abs_error(out, want_out), kFloat32OutTolerance);
+  } else {
+    const std::vector<double> yardstick = rounded_where_the_kernel_rounds(p, g.options, g.q, g.k, g.v);
+    expect_within_yardstick(out, want_out, shard_of(yardstick, single.out.shape(), ranges, 1), p.dtype);
   }
-  EXPECT_LE(max_abs_error(out, shard_of(want.out, single.out.shape(), ranges, 1)), tolerance);
-  const std::vector<double> want_lse = shard_of(want.lse, single.lse.shape(), ranges, 2);
-  for (std::int64_t i = 0; i < lse.numel(); ++i)
-    ASSERT_NEAR(lse.get(i), want_lse[static_cast<std::size_t>(i)], 1e-5 + 1e-6 * std::fabs(want_lse[static_cast<std::size_t>(i)]))
-        << "lse index " << i;
+  expect_lse_near(lse, shard_of(want.lse, single.lse.shape(), ranges, 2));
 }
 
 // Backward with the ring's own out and lse: dq, dk, dv equal single-process flashattn's rows
-// and the float64 reference's within the project's rule for gradients (f32 1e-4; otherwise
-// 3× the naive same-precision error plus 1e-4).
-void check_backward(const Case& c, std::uint64_t seed, bool deterministic = false) {
-  SCOPED_TRACE(describe(c));
-  Global g = make_global(c, seed);
-  g.options.deterministic = deterministic;
-  const auto ranges = dist::shard_ranges(c.seqlen, world_size(), world_rank(), c.layout);
+// and the float64 reference's within the project's rule for gradients (gradient_rule: f32
+// 1e-4; otherwise 3× the naive same-precision error plus 1e-4).
+void check_ring_backward(const Case& c, ShardLayout layout) {
+  SCOPED_TRACE(describe(c, layout));
+  const Global g = make_global(c);
+  const AttentionProblem& p = c.problem();
+  const auto ranges = dist::shard_ranges(p.seqlen_q, world_size(), world_rank(), layout);
   const Tensor q = shard_of(g.q, ranges, 1), k = shard_of(g.k, ranges, 1), v = shard_of(g.v, ranges, 1);
   const Tensor dout = shard_of(g.dout, ranges, 1);
   const std::int64_t sl = q.shape()[1];
-  Tensor out(c.dtype, {c.batch, sl, c.heads_q, c.head_dim_v}), lse(DType::f32, {c.batch, c.heads_q, sl});
-  const RingOptions ring = ring_options(c);
+  Tensor out(p.dtype, {p.batch, sl, p.heads_q, p.head_dim_v}), lse(DType::f32, {p.batch, p.heads_q, sl});
+  const RingOptions ring = ring_options(c, layout);
   dist::ring_forward(q.view(), k.view(), v.view(), out.view(), lse.view(), g.options, ring);
-  Tensor dq(c.dtype, q.shape()), dk(c.dtype, k.shape()), dv(c.dtype, v.shape());
+  Tensor dq(p.dtype, q.shape()), dk(p.dtype, k.shape()), dv(p.dtype, v.shape());
   dist::ring_backward(dout.view(), q.view(), k.view(), v.view(), out.view(), lse.view(), dq.view(), dk.view(), dv.view(),
                       g.options, ring);
 
@@ -186,14 +179,13 @@ void check_backward(const Case& c, std::uint64_t seed, bool deterministic = fals
       backward(g.dout.view(), g.q.view(), g.k.view(), g.v.view(), fwd.out.view(), fwd.lse.view(), g.options);
   const reference::Gradients want =
       reference::attention_backward(g.dout.view(), g.q.view(), g.k.view(), g.v.view(), g.options);
-  double tol_q = 1e-4, tol_k = 1e-4, tol_v = 1e-4;
-  if (c.dtype != DType::f32) {
-    const AttentionProblem p = AttentionProblem::from_inputs(g.q.view(), g.k.view(), g.v.view(), g.options);
-    const NaiveGradients naive = naive_backward_same_precision(p, g.options, g.dout, g.q, g.k, g.v);
-    tol_q = 3.0 * max_abs_error(naive.dq, want.dq) + 1e-4;
-    tol_k = 3.0 * max_abs_error(naive.dk, want.dk) + 1e-4;
-    tol_v = 3.0 * max_abs_error(naive.dv, want.dv) + 1e-4;
-  }
+  NaiveGradients naive;
+  if (judged_by_yardstick(p.dtype, p.exp2)) naive = naive_backward_same_precision(p, g.options, g.dout, g.q, g.k, g.v);
+  const GradientRule rule_q = gradient_rule(p.dtype, p.exp2, naive.dq, want.dq);
+  const GradientRule rule_k = gradient_rule(p.dtype, p.exp2, naive.dk, want.dk);
+  const GradientRule rule_v = gradient_rule(p.dtype, p.exp2, naive.dv, want.dv);
+  for (const GradientRule* rule : {&rule_q, &rule_k, &rule_v}) EXPECT_EQ(rule->unsound, "");
+  const double tol_q = rule_q.tolerance, tol_k = rule_k.tolerance, tol_v = rule_v.tolerance;
   EXPECT_LE(max_abs_error(dq, shard_of(want.dq, g.q.shape(), ranges, 1)), tol_q);
   EXPECT_LE(max_abs_error(dk, shard_of(want.dk, g.k.shape(), ranges, 1)), tol_k);
   EXPECT_LE(max_abs_error(dv, shard_of(want.dv, g.v.shape(), ranges, 1)), tol_v);
@@ -209,58 +201,60 @@ void check_backward(const Case& c, std::uint64_t seed, bool deterministic = fals
 // Sequence lengths: not divisible by 2P for P = 2, 3, 4 (uneven shards), and shorter than
 // 2P = 8 (empty chunks on some ranks).
 TEST(Ring, ForwardNonCausalContiguousGqa) {
-  check_forward({2, 37, 4, 2, 16, 24, false, DType::f32, ShardLayout::contiguous}, 10);
+  check_ring_forward(ring_case(2, 37, 4, 2, 16, 24, false, DType::f32, 10), ShardLayout::contiguous);
 }
-TEST(Ring, ForwardNonCausalZigzag) { check_forward({1, 41, 2, 2, 32, 32, false, DType::f32, ShardLayout::zigzag}, 11); }
-TEST(Ring, ForwardCausalZigzagMqa) { check_forward({1, 53, 4, 1, 32, 32, true, DType::f32, ShardLayout::zigzag}, 12); }
+TEST(Ring, ForwardNonCausalZigzag) { check_ring_forward(ring_case(1, 41, 2, 2, 32, 32, false, DType::f32, 11), ShardLayout::zigzag); }
+TEST(Ring, ForwardCausalZigzagMqa) { check_ring_forward(ring_case(1, 53, 4, 1, 32, 32, true, DType::f32, 12), ShardLayout::zigzag); }
 TEST(Ring, ForwardCausalContiguous) {
-  check_forward({2, 29, 2, 1, 8, 8, true, DType::f32, ShardLayout::contiguous}, 13);
+  check_ring_forward(ring_case(2, 29, 2, 1, 8, 8, true, DType::f32, 13), ShardLayout::contiguous);
 }
 TEST(Ring, ForwardCausalSoftcap) {
-  check_forward({1, 47, 2, 2, 16, 16, true, DType::f32, ShardLayout::zigzag, 5.0f}, 14);
+  check_ring_forward(ring_case(1, 47, 2, 2, 16, 16, true, DType::f32, 14, 5.0f), ShardLayout::zigzag);
 }
-TEST(Ring, ForwardBf16Causal) { check_forward({1, 66, 4, 2, 64, 64, true, DType::bf16, ShardLayout::zigzag}, 15); }
+TEST(Ring, ForwardBf16Causal) { check_ring_forward(ring_case(1, 66, 4, 2, 64, 64, true, DType::bf16, 15), ShardLayout::zigzag); }
 TEST(Ring, ForwardF16NonCausal) {
-  check_forward({1, 35, 2, 1, 40, 24, false, DType::f16, ShardLayout::contiguous}, 16);
+  check_ring_forward(ring_case(1, 35, 2, 1, 40, 24, false, DType::f16, 16), ShardLayout::contiguous);
 }
 TEST(Ring, ForwardShorterThanTheRing) {
-  check_forward({1, 5, 2, 1, 8, 8, true, DType::f32, ShardLayout::zigzag}, 17);
-  check_forward({1, 3, 2, 1, 8, 8, false, DType::f32, ShardLayout::contiguous}, 18);
-  check_forward({1, 0, 2, 1, 8, 8, true, DType::f32, ShardLayout::zigzag}, 19);
+  check_ring_forward(ring_case(1, 5, 2, 1, 8, 8, true, DType::f32, 17), ShardLayout::zigzag);
+  check_ring_forward(ring_case(1, 3, 2, 1, 8, 8, false, DType::f32, 18), ShardLayout::contiguous);
+  check_ring_forward(ring_case(1, 0, 2, 1, 8, 8, true, DType::f32, 19), ShardLayout::zigzag);
 }
 
 TEST(Ring, BackwardNonCausalGqa) {
-  check_backward({2, 37, 4, 2, 16, 24, false, DType::f32, ShardLayout::contiguous}, 20);
+  check_ring_backward(ring_case(2, 37, 4, 2, 16, 24, false, DType::f32, 20), ShardLayout::contiguous);
 }
-TEST(Ring, BackwardCausalZigzag) { check_backward({1, 53, 4, 1, 32, 32, true, DType::f32, ShardLayout::zigzag}, 21); }
+TEST(Ring, BackwardCausalZigzag) { check_ring_backward(ring_case(1, 53, 4, 1, 32, 32, true, DType::f32, 21), ShardLayout::zigzag); }
 TEST(Ring, BackwardCausalContiguous) {
-  check_backward({2, 29, 2, 1, 8, 8, true, DType::f32, ShardLayout::contiguous}, 22);
+  check_ring_backward(ring_case(2, 29, 2, 1, 8, 8, true, DType::f32, 22), ShardLayout::contiguous);
 }
 TEST(Ring, BackwardCausalSoftcap) {
-  check_backward({1, 31, 2, 2, 16, 16, true, DType::f32, ShardLayout::zigzag, 5.0f}, 23);
+  check_ring_backward(ring_case(1, 31, 2, 2, 16, 16, true, DType::f32, 23, 5.0f), ShardLayout::zigzag);
 }
-TEST(Ring, BackwardBf16Causal) { check_backward({1, 45, 4, 2, 32, 32, true, DType::bf16, ShardLayout::zigzag}, 24); }
+TEST(Ring, BackwardBf16Causal) { check_ring_backward(ring_case(1, 45, 4, 2, 32, 32, true, DType::bf16, 24), ShardLayout::zigzag); }
 TEST(Ring, BackwardShorterThanTheRing) {
-  check_backward({1, 5, 2, 1, 8, 8, true, DType::f32, ShardLayout::zigzag}, 25);
-  check_backward({1, 0, 2, 1, 8, 8, false, DType::f32, ShardLayout::contiguous}, 26);
+  check_ring_backward(ring_case(1, 5, 2, 1, 8, 8, true, DType::f32, 25), ShardLayout::zigzag);
+  check_ring_backward(ring_case(1, 0, 2, 1, 8, 8, false, DType::f32, 26), ShardLayout::contiguous);
 }
 
 // options.deterministic: two runs give the same bits (the ring's summation order is fixed).
 TEST(Ring, DeterministicBackwardIsBitIdentical) {
-  const Case c{1, 61, 2, 1, 16, 16, true, DType::f32, ShardLayout::zigzag};
-  Global g = make_global(c, 30);
+  const Case c = ring_case(1, 61, 2, 1, 16, 16, true, DType::f32, 30);
+  const ShardLayout layout = ShardLayout::zigzag;
+  const AttentionProblem& p = c.problem();
+  Global g = make_global(c);
   g.options.deterministic = true;
   g.options.num_threads = 2;
-  const auto ranges = dist::shard_ranges(c.seqlen, world_size(), world_rank(), c.layout);
+  const auto ranges = dist::shard_ranges(p.seqlen_q, world_size(), world_rank(), layout);
   const Tensor q = shard_of(g.q, ranges, 1), k = shard_of(g.k, ranges, 1), v = shard_of(g.v, ranges, 1);
   const Tensor dout = shard_of(g.dout, ranges, 1);
-  Tensor out(c.dtype, dout.shape()), lse(DType::f32, {c.batch, c.heads_q, q.shape()[1]});
-  dist::ring_forward(q.view(), k.view(), v.view(), out.view(), lse.view(), g.options, ring_options(c));
-  Tensor first[3] = {Tensor(c.dtype, q.shape()), Tensor(c.dtype, k.shape()), Tensor(c.dtype, v.shape())};
-  Tensor second[3] = {Tensor(c.dtype, q.shape()), Tensor(c.dtype, k.shape()), Tensor(c.dtype, v.shape())};
+  Tensor out(p.dtype, dout.shape()), lse(DType::f32, {p.batch, p.heads_q, q.shape()[1]});
+  dist::ring_forward(q.view(), k.view(), v.view(), out.view(), lse.view(), g.options, ring_options(c, layout));
+  Tensor first[3] = {Tensor(p.dtype, q.shape()), Tensor(p.dtype, k.shape()), Tensor(p.dtype, v.shape())};
+  Tensor second[3] = {Tensor(p.dtype, q.shape()), Tensor(p.dtype, k.shape()), Tensor(p.dtype, v.shape())};
   for (Tensor* grads : {first, second})
     dist::ring_backward(dout.view(), q.view(), k.view(), v.view(), out.view(), lse.view(), grads[0].view(),
-                        grads[1].view(), grads[2].view(), g.options, ring_options(c));
+                        grads[1].view(), grads[2].view(), g.options, ring_options(c, layout));
   for (int i = 0; i < 3; ++i)
     EXPECT_EQ(std::memcmp(first[i].data(), second[i].data(), static_cast<std::size_t>(first[i].numel()) * sizeof(float)), 0)
         << "gradient " << i;
@@ -268,23 +262,25 @@ TEST(Ring, DeterministicBackwardIsBitIdentical) {
 
 // Bytes on the wire: P − 1 K/V shards forward; backward also P dK/dV accumulators (float32).
 TEST(Ring, BytesSentAreTheShardsThatTravel) {
-  const Case c{1, 50, 2, 1, 8, 12, true, DType::bf16, ShardLayout::zigzag};
-  const Global g = make_global(c, 40);
+  const Case c = ring_case(1, 50, 2, 1, 8, 12, true, DType::bf16, 40);
+  const ShardLayout layout = ShardLayout::zigzag;
+  const AttentionProblem& p = c.problem();
+  const Global g = make_global(c);
   const int ranks = world_size(), me = world_rank();
-  const auto ranges = dist::shard_ranges(c.seqlen, ranks, me, c.layout);
+  const auto ranges = dist::shard_ranges(p.seqlen_q, ranks, me, layout);
   const Tensor q = shard_of(g.q, ranges, 1), k = shard_of(g.k, ranges, 1), v = shard_of(g.v, ranges, 1);
   const Tensor dout = shard_of(g.dout, ranges, 1);
-  Tensor out(c.dtype, dout.shape()), lse(DType::f32, {c.batch, c.heads_q, q.shape()[1]});
+  Tensor out(p.dtype, dout.shape()), lse(DType::f32, {p.batch, p.heads_q, q.shape()[1]});
   const dist::RingStats fwd =
-      dist::ring_forward(q.view(), k.view(), v.view(), out.view(), lse.view(), g.options, ring_options(c));
-  Tensor dq(c.dtype, q.shape()), dk(c.dtype, k.shape()), dv(c.dtype, v.shape());
+      dist::ring_forward(q.view(), k.view(), v.view(), out.view(), lse.view(), g.options, ring_options(c, layout));
+  Tensor dq(p.dtype, q.shape()), dk(p.dtype, k.shape()), dv(p.dtype, v.shape());
   const dist::RingStats bwd = dist::ring_backward(dout.view(), q.view(), k.view(), v.view(), out.view(), lse.view(),
-                                                  dq.view(), dk.view(), dv.view(), g.options, ring_options(c));
+                                                  dq.view(), dk.view(), dv.view(), g.options, ring_options(c, layout));
   std::int64_t kv_bytes = 0, grad_bytes = 0;
   for (int step = 0; step < ranks; ++step) {
-    const std::int64_t tokens = dist::shard_length(c.seqlen, ranks, (me - step + ranks) % ranks, c.layout);
-    if (step + 1 < ranks) kv_bytes += tokens * c.heads_kv * (c.head_dim + c.head_dim_v) * 2;  // bf16
-    if (ranks > 1) grad_bytes += tokens * c.heads_kv * (c.head_dim + c.head_dim_v) * 4;      // float32
+    const std::int64_t tokens = dist::shard_length(p.seqlen_q, ranks, (me - step + ranks) % ranks, layout);
+    if (step + 1 < ranks) kv_bytes += tokens * p.heads_kv * (p.head_dim + p.head_dim_v) * 2;  // bf16
+    if (ranks > 1) grad_bytes += tokens * p.heads_kv * (p.head_dim + p.head_dim_v) * 4;      // float32
   }
   EXPECT_EQ(fwd.bytes_sent, kv_bytes);
   EXPECT_EQ(bwd.bytes_sent, kv_bytes + grad_bytes);
@@ -343,11 +339,13 @@ TEST(Ring, ZigzagBalancesCausalWork) {
 
 // Options the ring cannot express, and a rank whose arguments differ: every rank throws.
 TEST(Ring, UnsupportedOptionsAreErrorsOnEveryRank) {
-  const Case c{1, 20, 2, 1, 8, 8, true, DType::f32, ShardLayout::zigzag};
-  const Global g = make_global(c, 50);
-  const auto ranges = dist::shard_ranges(c.seqlen, world_size(), world_rank(), c.layout);
+  const Case c = ring_case(1, 20, 2, 1, 8, 8, true, DType::f32, 50);
+  const ShardLayout layout = ShardLayout::zigzag;
+  const AttentionProblem& p = c.problem();
+  const Global g = make_global(c);
+  const auto ranges = dist::shard_ranges(p.seqlen_q, world_size(), world_rank(), layout);
   const Tensor q = shard_of(g.q, ranges, 1), k = shard_of(g.k, ranges, 1), v = shard_of(g.v, ranges, 1);
-  Tensor out(c.dtype, q.shape()), lse(DType::f32, {c.batch, c.heads_q, q.shape()[1]});
+  Tensor out(p.dtype, q.shape()), lse(DType::f32, {p.batch, p.heads_q, q.shape()[1]});
   const auto expect_error = [&](const AttentionOptions& options, const RingOptions& ring, const std::string& needle) {
     try {
       dist::ring_forward(q.view(), k.view(), v.view(), out.view(), lse.view(), options, ring);
@@ -358,46 +356,46 @@ TEST(Ring, UnsupportedOptionsAreErrorsOnEveryRank) {
   };
   AttentionOptions dropout = g.options;
   dropout.dropout_p = 0.1f;
-  expect_error(dropout, ring_options(c), "dropout_p");
+  expect_error(dropout, ring_options(c, layout), "dropout_p");
   AttentionOptions window = g.options;
   window.window_size = {4, 0};
-  expect_error(window, ring_options(c), "window_size");
+  expect_error(window, ring_options(c, layout), "window_size");
   const float slopes[2] = {0.5f, 0.25f};
   AttentionOptions alibi = g.options;
   alibi.alibi_slopes = TensorView(slopes, DType::f32, {2});
-  expect_error(alibi, ring_options(c), "alibi_slopes");
-  Tensor counts(DType::i32, {c.batch, c.heads_q, q.shape()[1]});
+  expect_error(alibi, ring_options(c, layout), "alibi_slopes");
+  Tensor counts(DType::i32, {p.batch, p.heads_q, q.shape()[1]});
   AttentionOptions counted = g.options;
   counted.rescale_counts = counts.view();
-  expect_error(counted, ring_options(c), "rescale_counts");
-  RingOptions bad_timeout = ring_options(c);
+  expect_error(counted, ring_options(c, layout), "rescale_counts");
+  RingOptions bad_timeout = ring_options(c, layout);
   bad_timeout.timeout_seconds = 0.0;
   expect_error(g.options, bad_timeout, "timeout_seconds");
   if (world_size() > 1) {
     // Rank 1 alone claims another global length: its shard check fails, the others learn it.
-    RingOptions mismatched = ring_options(c);
-    if (world_rank() == 1) mismatched.seqlen = c.seqlen + 2 * world_size();
+    RingOptions mismatched = ring_options(c, layout);
+    if (world_rank() == 1) mismatched.seqlen = p.seqlen_q + 2 * world_size();
     expect_error(g.options, mismatched, world_rank() == 1 ? "global seqlen" : "rank(s) 1 rejected");
     // Rank 0 alone asks for a different softmax scale: every rank names the field.
     AttentionOptions scaled = g.options;
     if (world_rank() == 0) scaled.softmax_scale = 0.5f;
-    expect_error(scaled, ring_options(c), "softmax_scale");
+    expect_error(scaled, ring_options(c, layout), "softmax_scale");
   }
   // Backward: a gradient that aliases an input, on every rank.
-  Tensor dq(c.dtype, q.shape()), dk(c.dtype, k.shape()), dv(c.dtype, v.shape());
+  Tensor dq(p.dtype, q.shape()), dk(p.dtype, k.shape()), dv(p.dtype, v.shape());
   const Tensor dout = shard_of(g.dout, ranges, 1);
   try {
     dist::ring_backward(dout.view(), q.view(), k.view(), v.view(), out.view(), lse.view(),
-                        MutableTensorView(const_cast<void*>(q.data()), c.dtype, {c.batch, q.shape()[1], c.heads_q, c.head_dim}),
-                        dk.view(), dv.view(), g.options, ring_options(c));
+                        MutableTensorView(const_cast<void*>(q.data()), p.dtype, {p.batch, q.shape()[1], p.heads_q, p.head_dim}),
+                        dk.view(), dv.view(), g.options, ring_options(c, layout));
     ADD_FAILURE() << "no error for dq aliasing q";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("dq: output memory overlaps input q"), std::string::npos) << e.what();
   }
   // Wrong output shape on one rank.
-  Tensor short_out(c.dtype, {c.batch, q.shape()[1] + (world_rank() == 0 ? 1 : 0), c.heads_q, c.head_dim_v});
+  Tensor short_out(p.dtype, {p.batch, q.shape()[1] + (world_rank() == 0 ? 1 : 0), p.heads_q, p.head_dim_v});
   try {
-    dist::ring_forward(q.view(), k.view(), v.view(), short_out.view(), lse.view(), g.options, ring_options(c));
+    dist::ring_forward(q.view(), k.view(), v.view(), short_out.view(), lse.view(), g.options, ring_options(c, layout));
     ADD_FAILURE() << "no error for a wrong out shape on rank 0";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find(world_rank() == 0 ? "out" : "rank(s) 0 rejected"), std::string::npos)

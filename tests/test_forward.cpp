@@ -3,57 +3,19 @@
 
 #include <cmath>
 #include <limits>
-#include <sstream>
 
 #include "tests/support/support.hpp"
 
 namespace flashattn::test {
 namespace {
 
-struct Case {
-  std::int64_t batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, head_dim_v;
-  bool causal;
-  DType dtype;
-  int threads;
-};
-
-std::string describe(const Case& c) {
-  std::ostringstream s;
-  s << "B=" << c.batch << " Sq=" << c.seqlen_q << " Sk=" << c.seqlen_k << " Hq=" << c.heads_q
-    << " Hkv=" << c.heads_kv << " D=" << c.head_dim << " Dv=" << c.head_dim_v
-    << " causal=" << c.causal << " dtype=" << to_string(c.dtype) << " threads=" << c.threads;
-  return s.str();
-}
-
-// Runs one case and checks out and lse against the float64 reference with upstream's
-// rule: float32 within 1e-5; bf16/f16 by expect_within_yardstick (twice the largest and
-// the mean error of the yardstick that rounds where the kernels round, test_util.hpp).
-void check_case(const Case& c, std::uint64_t seed) {
-  SCOPED_TRACE(describe(c) + " seed=" + std::to_string(seed));
-  const Tensor q = random_tensor(c.dtype, {c.batch, c.seqlen_q, c.heads_q, c.head_dim}, seed);
-  const Tensor k = random_tensor(c.dtype, {c.batch, c.seqlen_k, c.heads_kv, c.head_dim}, seed + 1);
-  const Tensor v = random_tensor(c.dtype, {c.batch, c.seqlen_k, c.heads_kv, c.head_dim_v}, seed + 2);
+// A case of these tests: sizes, causal, dtype and thread count; checked by check_forward
+// (float32 within 1e-5, bf16/f16 by the yardstick that rounds where the kernels round).
+void check_case(const Shape& shape, bool causal, DType dtype, int threads, std::uint64_t seed) {
   AttentionOptions options;
-  options.causal = c.causal;
-  options.num_threads = c.threads;
-  const ForwardResult got = forward(q.view(), k.view(), v.view(), options);
-  const reference::Result want = reference::attention(q.view(), k.view(), v.view(), options);
-
-  if (c.dtype != DType::f32) {
-    const AttentionProblem p = AttentionProblem::from_inputs(q.view(), k.view(), v.view(), options);
-    expect_within_yardstick(got.out, want.out, rounded_where_the_kernel_rounds(p, options, q, k, v), c.dtype);
-  } else {
-    EXPECT_LE(max_abs_error(got.out, want.out), 1e-5);
-  }
-  for (std::int64_t i = 0; i < got.lse.numel(); ++i) {
-    const double expected = want.lse[static_cast<std::size_t>(i)];
-    const double actual = got.lse.get(i);
-    if (std::isinf(expected)) {
-      ASSERT_EQ(actual, expected) << "lse index " << i;
-    } else {
-      ASSERT_NEAR(actual, expected, 1e-5 + 1e-6 * std::fabs(expected)) << "lse index " << i;
-    }
-  }
+  options.causal = causal;
+  options.num_threads = threads;
+  check_forward(Case(shape, dtype, options, seed));
 }
 
 // The (Sq, Sk) pairs upstream tests, with ragged tails against every tile size.
@@ -64,38 +26,38 @@ TEST(Forward, SeqlenPairsFloat32) {
   std::uint64_t seed = 100;
   for (const auto& [sq, sk] : kSeqlenPairs)
     for (bool causal : {false, true})
-      check_case({1, sq, sk, 2, 1, 64, 64, causal, DType::f32, 2}, seed++);
+      check_case({1, sq, sk, 2, 1, 64, 64}, causal, DType::f32, 2, seed++);
 }
 
 TEST(Forward, HeadDims) {
   std::uint64_t seed = 200;
   for (std::int64_t d : {1, 5, 32, 40, 59, 64, 80, 96, 111, 128, 160, 192, 224, 256, 300, 384, 512})
-    check_case({1, 67, 131, 2, 2, d, d, d % 2 == 0, DType::f32, 2}, seed++);
+    check_case({1, 67, 131, 2, 2, d, d}, d % 2 == 0, DType::f32, 2, seed++);
 }
 
 TEST(Forward, ValueDimDiffersFromKeyDim) {
-  check_case({2, 45, 77, 4, 2, 64, 32, false, DType::f32, 2}, 300);
-  check_case({1, 80, 80, 2, 1, 40, 128, true, DType::f32, 2}, 301);
-  check_case({1, 33, 65, 1, 1, 3, 257, false, DType::f32, 1}, 302);
+  check_case({2, 45, 77, 4, 2, 64, 32}, false, DType::f32, 2, 300);
+  check_case({1, 80, 80, 2, 1, 40, 128}, true, DType::f32, 2, 301);
+  check_case({1, 33, 65, 1, 1, 3, 257}, false, DType::f32, 1, 302);
 }
 
 TEST(Forward, GroupedAndMultiQuery) {
-  check_case({2, 70, 90, 8, 8, 64, 64, true, DType::f32, 2}, 400);  // MHA
-  check_case({2, 70, 90, 8, 2, 64, 64, true, DType::f32, 2}, 401);  // GQA
-  check_case({2, 70, 90, 6, 1, 64, 64, false, DType::f32, 2}, 402);  // MQA
+  check_case({2, 70, 90, 8, 8, 64, 64}, true, DType::f32, 2, 400);  // MHA
+  check_case({2, 70, 90, 8, 2, 64, 64}, true, DType::f32, 2, 401);  // GQA
+  check_case({2, 70, 90, 6, 1, 64, 64}, false, DType::f32, 2, 402);  // MQA
 }
 
 TEST(Forward, ThreadCounts) {
   for (int threads : {1, 2, 3, 8})
-    check_case({2, 150, 260, 3, 1, 48, 48, true, DType::f32, threads}, 500 + threads);
+    check_case({2, 150, 260, 3, 1, 48, 48}, true, DType::f32, threads, 500 + threads);
 }
 
 TEST(Forward, LowPrecision) {
   std::uint64_t seed = 600;
   for (DType dtype : {DType::bf16, DType::f16}) {
-    check_case({1, 113, 203, 4, 2, 64, 64, false, dtype, 2}, seed++);
-    check_case({1, 127, 513, 2, 1, 128, 128, true, dtype, 2}, seed++);
-    check_case({2, 31, 45, 2, 2, 59, 80, true, dtype, 2}, seed++);
+    check_case({1, 113, 203, 4, 2, 64, 64}, false, dtype, 2, seed++);
+    check_case({1, 127, 513, 2, 1, 128, 128}, true, dtype, 2, seed++);
+    check_case({2, 31, 45, 2, 2, 59, 80}, true, dtype, 2, seed++);
   }
 }
 
@@ -104,10 +66,10 @@ TEST(Forward, EverySimdTarget) {
     EXPECT_EQ(cpu_simd_target(), target);
     std::uint64_t seed = 700;
     for (const auto& [sq, sk] : {std::pair<std::int64_t, std::int64_t>{113, 203}, {239, 1}, {3, 799}})
-      check_case({1, sq, sk, 2, 1, 59, 37, true, DType::f32, 2}, seed++);
-    check_case({2, 65, 129, 4, 2, 128, 128, false, DType::f32, 3}, seed++);
-    check_case({1, 50, 70, 2, 1, 96, 96, true, DType::bf16, 2}, seed++);
-    check_case({1, 50, 70, 2, 1, 40, 40, false, DType::f16, 1}, seed++);
+      check_case({1, sq, sk, 2, 1, 59, 37}, true, DType::f32, 2, seed++);
+    check_case({2, 65, 129, 4, 2, 128, 128}, false, DType::f32, 3, seed++);
+    check_case({1, 50, 70, 2, 1, 96, 96}, true, DType::bf16, 2, seed++);
+    check_case({1, 50, 70, 2, 1, 40, 40}, false, DType::f16, 1, seed++);
   });
 }
 
@@ -129,7 +91,7 @@ TEST(Forward, RowsWithoutVisibleKeysGiveZeroAndMinusInfinity) {
       EXPECT_TRUE(std::isfinite(lse)) << "row " << i;
     }
   }
-  check_case({2, 40, 25, 2, 1, 16, 16, true, DType::f32, 2}, 800);
+  check_case({2, 40, 25, 2, 1, 16, 16}, true, DType::f32, 2, 800);
 }
 
 TEST(Forward, EmptySizesGiveEmptyOutputs) {

@@ -6,7 +6,6 @@
 
 #include <cmath>
 #include <cstring>
-#include <sstream>
 #include <vector>
 
 #include "tests/support/support.hpp"
@@ -16,34 +15,18 @@ namespace {
 
 bool avx512_target(const std::string& target) { return target == "AVX3" || target == "AVX3_DL"; }
 
-struct Case {
-  std::int64_t batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, head_dim_v;
-};
-
-// Holds the ALiBi slopes the options point to.
-struct Run {
-  AttentionOptions options;
-  Tensor alibi;
-};
-
-// Variants by name, as in test_variants.cpp: causal, window, softcap, alibi, dropout,
-// splitsN, threadsN, bqN.
-Run make_run(const Case& c, const std::string& name, std::uint64_t seed) {
-  Run r;
-  AttentionOptions& o = r.options;
+// A bf16 case with variants by name, as in test_variants.cpp: causal, window, softcap,
+// alibi, dropout, splitsN, threadsN, bqN.
+Case variant_case(const Shape& shape, const std::string& name, std::uint64_t seed) {
   auto has = [&](const char* key) { return name.find(key) != std::string::npos; };
   auto number = [&](const char* key, int fallback) {
     const std::size_t at = name.find(key);
     return at == std::string::npos ? fallback : std::stoi(name.substr(at + std::strlen(key)));
   };
+  AttentionOptions o;
   o.causal = has("causal");
   if (has("window")) o.window_size = {45, o.causal ? 0 : 20};
   if (has("softcap")) o.softcap = 2.5f;
-  if (has("alibi")) {
-    r.alibi = Tensor(DType::f32, {c.heads_q});
-    for (std::int64_t h = 0; h < c.heads_q; ++h) r.alibi.set(h, std::exp2(-1.0f - 0.5f * static_cast<float>(h)));
-    o.alibi_slopes = r.alibi.view();
-  }
   if (has("dropout")) {
     o.dropout_p = 0.2f;
     o.seed = seed;
@@ -51,36 +34,25 @@ Run make_run(const Case& c, const std::string& name, std::uint64_t seed) {
   o.num_splits = number("splits", 0);
   o.num_threads = number("threads", 2);
   o.block_q = number("bq", 0);
-  return r;
+  const Case c(shape, DType::bf16, o, seed);
+  return has("alibi") ? c.with_alibi() : c;
 }
 
 // Runs `kernel` (automatic: tiled_bf16 where it can run and is the faster kernel, else
-// tiled; every case has more rows than the decode kernel takes) on random bf16 inputs and
-// checks out and lse against the float64 reference: out by expect_within_yardstick (twice
-// the largest and the mean error of the yardstick that rounds where the kernels round), lse
-// as the float32 tests check it.
-void check(const Case& c, const std::string& variant, ForwardKernel kernel, std::uint64_t seed) {
-  std::ostringstream trace;
-  trace << variant << " kernel=" << to_string(kernel) << " B=" << c.batch << " Sq=" << c.seqlen_q
-        << " Sk=" << c.seqlen_k << " Hq=" << c.heads_q << " Hkv=" << c.heads_kv << " D=" << c.head_dim
-        << " Dv=" << c.head_dim_v << " seed=" << seed;
-  SCOPED_TRACE(trace.str());
-  Run run = make_run(c, variant, seed);
-  AttentionOptions& o = run.options;
-  o.kernel = kernel;
-  const Tensor q = random_tensor(DType::bf16, {c.batch, c.seqlen_q, c.heads_q, c.head_dim}, seed);
-  const Tensor k = random_tensor(DType::bf16, {c.batch, c.seqlen_k, c.heads_kv, c.head_dim}, seed + 1);
-  const Tensor v = random_tensor(DType::bf16, {c.batch, c.seqlen_k, c.heads_kv, c.head_dim_v}, seed + 2);
-  const AttentionProblem p = AttentionProblem::from_inputs(q.view(), k.view(), v.view(), o);
+// tiled; every case has more rows than the decode kernel takes) on random bf16 inputs,
+// after checking that the plan names it, and checks out and lse by check_forward: out by
+// expect_within_yardstick (twice the largest and the mean error of the yardstick that
+// rounds where the kernels round), lse as the float32 tests check it.
+void check(const Shape& shape, const std::string& variant, ForwardKernel kernel, std::uint64_t seed) {
+  SCOPED_TRACE("variant '" + variant + "'");
+  const Case c = variant_case(shape, variant, seed).with([&](AttentionOptions& o) { o.kernel = kernel; });
+  const AttentionOptions& o = c.options();
   const CpuHardware hw = CpuHardware::detect(o.num_threads);
   const ForwardKernel runs = kernel != ForwardKernel::automatic  ? kernel
                              : hw.bf16_dot && hw.bf16_dot_fast ? ForwardKernel::tiled_bf16
                                                                 : ForwardKernel::tiled;
-  ASSERT_EQ(plan_forward(p, hw, o.num_splits, o.block_q, kernel).kernel, runs);
-  const ForwardResult got = forward(q.view(), k.view(), v.view(), o);
-  const reference::Result want = reference::attention(q.view(), k.view(), v.view(), o);
-  expect_within_yardstick(got.out, want.out, rounded_where_the_kernel_rounds(p, o, q, k, v), DType::bf16);
-  expect_lse_near(got.lse, want.lse);
+  ASSERT_EQ(plan_forward(c.problem(), hw, o.num_splits, o.block_q, kernel).kernel, runs) << c.describe();
+  check_forward(c);
 }
 
 // Odd and even head dims, Dv ≠ D, ragged Sq and Sk against every tile size, GQA and MQA,

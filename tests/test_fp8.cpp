@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "src/core/element.hpp"
@@ -286,36 +287,36 @@ std::vector<double> naive_fp8(const AttentionProblem& p, const AttentionOptions&
   return out;
 }
 
+// Each case's float32 inputs quantized to `format` with per-tensor (block 0) or per-block
+// scales; out in `out`.
+struct Quantization {
+  Fp8Format format;
+  std::int64_t block;
+  DType out;
+};
+
 TEST(Fp8Forward, MatchesTheReferenceOnTheDequantizedInputs) {
-  struct Case {
-    std::int64_t batch, seqlen_q, seqlen_k, heads_q, heads_kv, d, dv;
-    bool causal;
-    Fp8Format format;
-    std::int64_t block;
-    DType out;
+  AttentionOptions full, causal;
+  full.num_threads = causal.num_threads = 2;
+  causal.causal = true;
+  const std::pair<Case, Quantization> cases[] = {
+      {Case({1, 77, 131, 2, 1, 64, 64}, DType::f32, full, 900), {Fp8Format::e4m3, 0, DType::f32}},
+      {Case({2, 65, 190, 4, 2, 32, 48}, DType::f32, causal, 903), {Fp8Format::e4m3, 64, DType::bf16}},
+      {Case({1, 1, 300, 4, 1, 64, 64}, DType::f32, full, 906), {Fp8Format::e5m2, 32, DType::f32}},  // the decode kernel
+      {Case({1, 129, 129, 1, 1, 128, 128}, DType::f32, causal, 909), {Fp8Format::e5m2, 0, DType::f16}},
   };
-  const Case cases[] = {
-      {1, 77, 131, 2, 1, 64, 64, false, Fp8Format::e4m3, 0, DType::f32},
-      {2, 65, 190, 4, 2, 32, 48, true, Fp8Format::e4m3, 64, DType::bf16},
-      {1, 1, 300, 4, 1, 64, 64, false, Fp8Format::e5m2, 32, DType::f32},  // the decode kernel
-      {1, 129, 129, 1, 1, 128, 128, true, Fp8Format::e5m2, 0, DType::f16},
-  };
-  std::uint64_t seed = 900;
-  for (const Case& c : cases) {
-    SCOPED_TRACE(std::string(to_string(c.format)) + " block " + std::to_string(c.block) + " out " + to_string(c.out) +
-                 " Sq " + std::to_string(c.seqlen_q));
-    const Fp8Tensor q = quantize_fp8(random_tensor(DType::f32, {c.batch, c.seqlen_q, c.heads_q, c.d}, seed).view(), c.format, c.block);
-    const Fp8Tensor k = quantize_fp8(random_tensor(DType::f32, {c.batch, c.seqlen_k, c.heads_kv, c.d}, seed + 1).view(), c.format, c.block);
-    const Fp8Tensor v = quantize_fp8(random_tensor(DType::f32, {c.batch, c.seqlen_k, c.heads_kv, c.dv}, seed + 2).view(), c.format, c.block);
-    seed += 3;
-    AttentionOptions options;
-    options.causal = c.causal;
-    options.num_threads = 2;
-    const ForwardResult got = forward_fp8(q.view(), k.view(), v.view(), c.out, options);
+  for (const auto& [c, quant] : cases) {
+    SCOPED_TRACE(c.describe() + " " + to_string(quant.format) + " block " + std::to_string(quant.block) + " out " +
+                 to_string(quant.out));
+    const Inputs in = c.inputs();
+    const Fp8Tensor q = quantize_fp8(in.q.view(), quant.format, quant.block);
+    const Fp8Tensor k = quantize_fp8(in.k.view(), quant.format, quant.block);
+    const Fp8Tensor v = quantize_fp8(in.v.view(), quant.format, quant.block);
+    const AttentionOptions& options = c.options();
+    const ForwardResult got = forward_fp8(q.view(), k.view(), v.view(), quant.out, options);
     const Tensor qf = dequantize_fp8(q.view()), kf = dequantize_fp8(k.view()), vf = dequantize_fp8(v.view());
     const reference::Result want = reference::attention(qf.view(), kf.view(), vf.view(), options);
-    const AttentionProblem p = AttentionProblem::from_inputs(qf.view(), kf.view(), vf.view(), options);
-    const double naive = max_abs_error(naive_fp8(p, options, qf, kf, vf, c.out), want.out);
+    const double naive = max_abs_error(naive_fp8(c.problem(), options, qf, kf, vf, quant.out), want.out);
     EXPECT_LE(max_abs_error(got.out, want.out), 2.0 * naive + 1e-5);
     for (std::int64_t i = 0; i < got.lse.numel(); ++i)
       ASSERT_NEAR(got.lse.get(i), want.lse[static_cast<std::size_t>(i)], 1e-4) << "lse " << i;

@@ -78,5 +78,21 @@ TEST(Reference, ErrorMeasuresCountANaNOutputAsInfinite) {
   EXPECT_NE(yardstick_verdict(out, want, want, DType::bf16), "");
 }
 
+// A naive backward sloppier than kGradientYardstickUlps cannot widen the gradients'
+// tolerance: the rule reports it unsound; within the bound it sets 3× its error + the floor.
+TEST(Reference, GradientRuleRejectsAnInflatedYardstick) {
+  const std::vector<double> want{0.5, -1.5, 1.0};
+  const double u = ulp(DType::bf16, 1.5);
+  const std::vector<double> sound{0.5, -1.5 + 2 * u, 1.0}, inflated{0.5, -1.5 + 16 * u, 1.0};
+  const GradientRule ok = gradient_rule(DType::bf16, Exp2Impl::exact, sound, want);
+  EXPECT_EQ(ok.unsound, "");
+  EXPECT_DOUBLE_EQ(ok.tolerance, 3.0 * 2 * u + kGradientFloor);
+  EXPECT_NE(gradient_rule(DType::bf16, Exp2Impl::exact, inflated, want).unsound, "");
+  // Float32 with exact exponentials: the floor alone, whatever the naive gradient.
+  EXPECT_EQ(gradient_rule(DType::f32, Exp2Impl::exact, inflated, want).tolerance, kGradientFloor);
+  // poly3's 13 bits: a float32 naive off by bf16's 16 ulps (2^-3 of 1.5) is still unsound.
+  EXPECT_NE(gradient_rule(DType::f32, Exp2Impl::poly3, inflated, want).unsound, "");
+}
+
 }  // namespace
 }  // namespace flashattn::test
