@@ -45,7 +45,7 @@ Case ring_case(std::int64_t batch, std::int64_t seqlen, std::int64_t heads_q, st
   return Case({batch, seqlen, seqlen, heads_q, heads_kv, head_dim, head_dim_v}, dtype, options, seed);
 }
 
-std::string describe(const Case& c, ShardLayout layout) {
+std::string ring_trace(const Case& c, ShardLayout layout) {
   return c.describe() + " layout=" + (layout == ShardLayout::zigzag ? "zigzag" : "contiguous") +
          " ranks=" + std::to_string(world_size()) + " rank=" + std::to_string(world_rank());
 }
@@ -129,7 +129,7 @@ RingOptions ring_options(const Case& c, ShardLayout layout) {
 // combination of rows of v) and both final outputs once (u·max|v| together), plus the
 // float32 floor 1e-5 of reordered accumulation.
 void check_ring_forward(const Case& c, ShardLayout layout) {
-  SCOPED_TRACE(describe(c, layout));
+  SCOPED_TRACE(ring_trace(c, layout));
   const Global g = make_global(c);
   const AttentionProblem& p = c.problem();
   const auto ranges = dist::shard_ranges(p.seqlen_q, world_size(), world_rank(), layout);
@@ -160,7 +160,7 @@ void check_ring_forward(const Case& c, ShardLayout layout) {
 // and the float64 reference's within the project's rule for gradients (gradient_rule: f32
 // 1e-4; otherwise 3× the naive same-precision error plus 1e-4).
 void check_ring_backward(const Case& c, ShardLayout layout) {
-  SCOPED_TRACE(describe(c, layout));
+  SCOPED_TRACE(ring_trace(c, layout));
   const Global g = make_global(c);
   const AttentionProblem& p = c.problem();
   const auto ranges = dist::shard_ranges(p.seqlen_q, world_size(), world_rank(), layout);
