@@ -183,6 +183,7 @@ TEST(Backward, EmptySizes) {
 
 TEST(Backward, BadInputNamesTheArgument) {
   const Problem p = make_problem(backward_case({1, 5, 6, 2, 1, 8, 8}, false, DType::f32, 1, false, 1300));
+  const Inputs& in = p.in;
   auto expect = [](const std::function<void()>& call, const std::string& fragment) {
     try {
       call();
@@ -192,19 +193,19 @@ TEST(Backward, BadInputNamesTheArgument) {
     }
   };
   const Tensor wrong_dout = random_tensor(DType::f32, {1, 5, 2, 7}, 1);
-  expect([&] { backward(wrong_dout.view(), p.in.q.view(), p.in.k.view(), p.in.v.view(), p.fwd.out.view(), p.fwd.lse.view()); },
+  expect([&] { backward(wrong_dout.view(), in.q.view(), in.k.view(), in.v.view(), p.fwd.out.view(), p.fwd.lse.view()); },
          "dout: shape (1, 5, 2, 7) but expected (1, 5, 2, 8)");
   const Tensor wrong_lse(DType::f32, {1, 5, 2});
-  expect([&] { backward(p.in.dout.view(), p.in.q.view(), p.in.k.view(), p.in.v.view(), p.fwd.out.view(), wrong_lse.view()); },
+  expect([&] { backward(in.dout.view(), in.q.view(), in.k.view(), in.v.view(), p.fwd.out.view(), wrong_lse.view()); },
          "lse: shape (1, 5, 2) but expected (1, 2, 5)");
   const Tensor bf16_dout = random_tensor(DType::bf16, {1, 5, 2, 8}, 1);
-  expect([&] { backward(bf16_dout.view(), p.in.q.view(), p.in.k.view(), p.in.v.view(), p.fwd.out.view(), p.fwd.lse.view()); },
+  expect([&] { backward(bf16_dout.view(), in.q.view(), in.k.view(), in.v.view(), p.fwd.out.view(), p.fwd.lse.view()); },
          "dout: dtype bf16");
   Tensor dq(DType::f32, {1, 5, 2, 8}), dk(DType::f32, {1, 6, 1, 8}), dv(DType::f16, {1, 6, 1, 8});
-  expect([&] { backward(p.in.dout.view(), p.in.q.view(), p.in.k.view(), p.in.v.view(), p.fwd.out.view(), p.fwd.lse.view(), dq.view(), dk.view(), dv.view()); },
+  expect([&] { backward(in.dout.view(), in.q.view(), in.k.view(), in.v.view(), p.fwd.out.view(), p.fwd.lse.view(), dq.view(), dk.view(), dv.view()); },
          "dv: dtype f16");
-  Tensor dq_alias = p.in.q;
-  expect([&] { backward(p.in.dout.view(), dq_alias.view(), p.in.k.view(), p.in.v.view(), p.fwd.out.view(), p.fwd.lse.view(), dq_alias.view(), dk.view(), dk.view()); },
+  Tensor dq_alias = in.q;
+  expect([&] { backward(in.dout.view(), dq_alias.view(), in.k.view(), in.v.view(), p.fwd.out.view(), p.fwd.lse.view(), dq_alias.view(), dk.view(), dk.view()); },
          "overlaps input q");
 }
 

@@ -208,7 +208,8 @@ void check_emulated_backward(const Case& c) { test::check_backward(c, emulated_b
 
 TEST(CudaEmulation, BackwardRandomShapes) {
   std::mt19937 rng(4048);
-  for (int trial = 0; trial < 60; ++trial) check_emulated_backward(random_case(rng, 128, 9000 + 4 * trial, trial % 3 == 0));
+  for (int trial = 0; trial < 60; ++trial)
+    check_emulated_backward(random_case(rng, 128, 9000 + 4 * trial, trial % 3 == 0));
 }
 
 TEST(CudaEmulation, BackwardEdges) {

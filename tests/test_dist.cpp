@@ -203,15 +203,21 @@ void check_ring_backward(const Case& c, ShardLayout layout) {
 TEST(Ring, ForwardNonCausalContiguousGqa) {
   check_ring_forward(ring_case(2, 37, 4, 2, 16, 24, false, DType::f32, 10), ShardLayout::contiguous);
 }
-TEST(Ring, ForwardNonCausalZigzag) { check_ring_forward(ring_case(1, 41, 2, 2, 32, 32, false, DType::f32, 11), ShardLayout::zigzag); }
-TEST(Ring, ForwardCausalZigzagMqa) { check_ring_forward(ring_case(1, 53, 4, 1, 32, 32, true, DType::f32, 12), ShardLayout::zigzag); }
+TEST(Ring, ForwardNonCausalZigzag) {
+  check_ring_forward(ring_case(1, 41, 2, 2, 32, 32, false, DType::f32, 11), ShardLayout::zigzag);
+}
+TEST(Ring, ForwardCausalZigzagMqa) {
+  check_ring_forward(ring_case(1, 53, 4, 1, 32, 32, true, DType::f32, 12), ShardLayout::zigzag);
+}
 TEST(Ring, ForwardCausalContiguous) {
   check_ring_forward(ring_case(2, 29, 2, 1, 8, 8, true, DType::f32, 13), ShardLayout::contiguous);
 }
 TEST(Ring, ForwardCausalSoftcap) {
   check_ring_forward(ring_case(1, 47, 2, 2, 16, 16, true, DType::f32, 14, 5.0f), ShardLayout::zigzag);
 }
-TEST(Ring, ForwardBf16Causal) { check_ring_forward(ring_case(1, 66, 4, 2, 64, 64, true, DType::bf16, 15), ShardLayout::zigzag); }
+TEST(Ring, ForwardBf16Causal) {
+  check_ring_forward(ring_case(1, 66, 4, 2, 64, 64, true, DType::bf16, 15), ShardLayout::zigzag);
+}
 TEST(Ring, ForwardF16NonCausal) {
   check_ring_forward(ring_case(1, 35, 2, 1, 40, 24, false, DType::f16, 16), ShardLayout::contiguous);
 }
@@ -224,14 +230,18 @@ TEST(Ring, ForwardShorterThanTheRing) {
 TEST(Ring, BackwardNonCausalGqa) {
   check_ring_backward(ring_case(2, 37, 4, 2, 16, 24, false, DType::f32, 20), ShardLayout::contiguous);
 }
-TEST(Ring, BackwardCausalZigzag) { check_ring_backward(ring_case(1, 53, 4, 1, 32, 32, true, DType::f32, 21), ShardLayout::zigzag); }
+TEST(Ring, BackwardCausalZigzag) {
+  check_ring_backward(ring_case(1, 53, 4, 1, 32, 32, true, DType::f32, 21), ShardLayout::zigzag);
+}
 TEST(Ring, BackwardCausalContiguous) {
   check_ring_backward(ring_case(2, 29, 2, 1, 8, 8, true, DType::f32, 22), ShardLayout::contiguous);
 }
 TEST(Ring, BackwardCausalSoftcap) {
   check_ring_backward(ring_case(1, 31, 2, 2, 16, 16, true, DType::f32, 23, 5.0f), ShardLayout::zigzag);
 }
-TEST(Ring, BackwardBf16Causal) { check_ring_backward(ring_case(1, 45, 4, 2, 32, 32, true, DType::bf16, 24), ShardLayout::zigzag); }
+TEST(Ring, BackwardBf16Causal) {
+  check_ring_backward(ring_case(1, 45, 4, 2, 32, 32, true, DType::bf16, 24), ShardLayout::zigzag);
+}
 TEST(Ring, BackwardShorterThanTheRing) {
   check_ring_backward(ring_case(1, 5, 2, 1, 8, 8, true, DType::f32, 25), ShardLayout::zigzag);
   check_ring_backward(ring_case(1, 0, 2, 1, 8, 8, false, DType::f32, 26), ShardLayout::contiguous);

@@ -43,7 +43,8 @@ void check_backward(const Case& c, const BackwardCall& call) {
       reference::attention_backward(in.dout.view(), in.q.view(), in.k.view(), in.v.view(), c.options());
   const AttentionProblem& p = c.problem();
   NaiveGradients naive;
-  if (judged_by_yardstick(p.dtype, p.exp2)) naive = naive_backward_same_precision(p, c.options(), in.dout, in.q, in.k, in.v);
+  if (judged_by_yardstick(p.dtype, p.exp2))
+    naive = naive_backward_same_precision(p, c.options(), in.dout, in.q, in.k, in.v);
   struct Gradient {
     const char* name;
     const Tensor& got;
