@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <vector>
+
 #include "flashattn/reference.hpp"
 #include "tests/support/naive.hpp"
 #include "tests/support/tolerance.hpp"
@@ -18,19 +20,17 @@ BackwardResult library_backward(const Case& c, const Inputs& in) {
                   c.options());
 }
 
-std::vector<double> forward_yardstick(const Case& c, const Inputs& in) {
-  return rounded_where_the_kernel_rounds(c.problem(), c.options(), in.q, in.k, in.v);
-}
-
 void check_forward(const Case& c, const ForwardCall& call) {
   SCOPED_TRACE(c.describe());
   const Inputs in = c.inputs();
   const ForwardResult got = call(c, in);
   const reference::Result want = reference::attention(in.q.view(), in.k.view(), in.v.view(), c.options());
-  if (c.problem().dtype == DType::f32) {
+  const AttentionProblem& p = c.problem();
+  if (p.dtype == DType::f32) {
     EXPECT_LE(max_abs_error(got.out, want.out), kFloat32OutTolerance) << "out";
   } else {
-    expect_within_yardstick(got.out, want.out, forward_yardstick(c, in), c.problem().dtype);
+    expect_within_yardstick(got.out, want.out, rounded_where_the_kernel_rounds(p, c.options(), in.q, in.k, in.v),
+                            p.dtype);
   }
   expect_lse_near(got.lse, want.lse);
 }

@@ -4,7 +4,6 @@
 #pragma once
 
 #include <functional>
-#include <vector>
 
 #include "flashattn/attention.hpp"
 #include "tests/support/case.hpp"
@@ -20,9 +19,8 @@ BackwardResult library_backward(const Case& c, const Inputs& in);
 
 // out and lse of `call`: float32 within kFloat32OutTolerance; bf16/f16 by
 // expect_within_yardstick with the yardstick that rounds where the kernels round
-// (forward_yardstick); lse by expect_lse_near.
+// (rounded_where_the_kernel_rounds); lse by expect_lse_near.
 void check_forward(const Case& c, const ForwardCall& call = library_forward);
-std::vector<double> forward_yardstick(const Case& c, const Inputs& in);
 
 // dq, dk, dv of `call`, each by gradient_rule against the naive same-precision backward;
 // a naive backward outside kGradientYardstickUlps fails the test.
