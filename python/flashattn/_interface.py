@@ -139,10 +139,7 @@ def _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slope
     o.window_left, o.window_right = int(window_size[0]), int(window_size[1])
     o.softcap = float(softcap)
     if alibi_slopes is not None:
-        raw, dt = _raw(alibi_slopes, "alibi_slopes")
-        if dt != "f32":
-            raise TypeError(f"alibi_slopes: dtype {dt} but expected float32")
-        o.alibi_slopes = raw
+        o.alibi_slopes, o.alibi_dtype = _raw(alibi_slopes, "alibi_slopes")
     o.dropout_p = float(dropout_p)
     o.seed = int(seed) & ((1 << 64) - 1) if seed is not None else 0  # any integer, modulo 2^64
     o.deterministic = bool(deterministic)
@@ -256,13 +253,11 @@ def _probs(q, k, v, opts):
 def _backward(dout, q, k, v, out, lse, opts):
     raws, dt = _inputs(dout=dout, q=q, k=k, v=v, out=out)
     lse_raw, lse_dt = _raw(lse, "softmax_lse")
-    if lse_dt != "f32":
-        raise TypeError(f"softmax_lse: dtype {lse_dt} but expected float32")
     dq, dq_raw = _empty(raws["q"].shape, dt, q)
     dk, dk_raw = _empty(raws["k"].shape, dt, q)
     dv, dv_raw = _empty(raws["v"].shape, dt, q)
     _C.backward(raws["dout"], raws["q"], raws["k"], raws["v"], raws["out"], lse_raw, dq_raw, dk_raw, dv_raw,
-                dt, opts)
+                dt, lse_dt, opts)
     return dq, dk, dv
 
 
@@ -300,13 +295,13 @@ def _varlen_probs(q, k, v, cu_q, cu_k, max_q, max_k, opts):
 
 def _varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, opts):
     raws, dt = _inputs(dout=dout, q=q, k=k, v=v, out=out)
-    lse_raw, _ = _raw(lse, "softmax_lse")
+    lse_raw, lse_dt = _raw(lse, "softmax_lse")
     dq, dq_raw = _empty(raws["q"].shape, dt, q)
     dk, dk_raw = _empty(raws["k"].shape, dt, q)
     dv, dv_raw = _empty(raws["v"].shape, dt, q)
     _C.backward_varlen(raws["dout"], raws["q"], raws["k"], raws["v"], raws["out"], lse_raw,
                        _raw(cu_q, "cu_seqlens_q", int32=True)[0], _raw(cu_k, "cu_seqlens_k", int32=True)[0],
-                       int(max_q), int(max_k), dq_raw, dk_raw, dv_raw, dt, opts)
+                       int(max_q), int(max_k), dq_raw, dk_raw, dv_raw, dt, lse_dt, opts)
     return dq, dk, dv
 
 
@@ -562,11 +557,7 @@ def _kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
         raws, dt = _inputs(q=q, k_cache=k_cache, v_cache=v_cache)
         scales = {"k_scale": None, "v_scale": None}
     batch, sq, hq, _ = raws["q"].shape
-    new = {}
-    if k is not None or v is not None:
-        if k is None or v is None:
-            raise ValueError("k, v: the new keys and values come together")
-        new, _ = _inputs(q=q, k=k, v=v)
+    new, _ = _inputs(q=q, **{name: x for name, x in (("k", k), ("v", v)) if x is not None})
 
     def ints(x, name):
         return None if x is None else _raw(x, name, int32=True)[0]

@@ -67,6 +67,7 @@ struct Options {
   std::int64_t window_left = -1, window_right = -1;
   float softcap = 0.0f;
   std::optional<Array> alibi_slopes;
+  std::string alibi_dtype = "f32";  // the slopes' own dtype: the library checks it
   float dropout_p = 0.0f;
   std::uint64_t seed = 0;
   std::uint64_t offset = 0;
@@ -84,7 +85,7 @@ struct Options {
     o.causal = causal;
     o.window_size = {window_left, window_right};
     o.softcap = softcap;
-    o.alibi_slopes = optional_in(alibi_slopes, "f32", "alibi_slopes");
+    o.alibi_slopes = optional_in(alibi_slopes, alibi_dtype, "alibi_slopes");
     o.dropout_p = dropout_p;
     o.seed = seed;
     o.offset = offset;
@@ -178,6 +179,7 @@ NB_MODULE(_C, m) {
       .def_rw("window_right", &Options::window_right)
       .def_rw("softcap", &Options::softcap)
       .def_rw("alibi_slopes", &Options::alibi_slopes)
+      .def_rw("alibi_dtype", &Options::alibi_dtype)
       .def_rw("dropout_p", &Options::dropout_p)
       .def_rw("seed", &Options::seed)
       .def_rw("offset", &Options::offset)
@@ -202,14 +204,14 @@ NB_MODULE(_C, m) {
   m.def(
       "backward",
       [](Array dout, Array q, Array k, Array v, Array o, Array lse, Array dq, Array dk, Array dv,
-         const std::string& dtype, const Options& opt) {
+         const std::string& dtype, const std::string& lse_dtype, const Options& opt) {
         const flashattn::AttentionOptions options = opt.get();
         nb::gil_scoped_release release;
         flashattn::backward(in(dout, dtype, "dout"), in(q, dtype, "q"), in(k, dtype, "k"), in(v, dtype, "v"),
-                            in(o, dtype, "out"), in(lse, "f32", "softmax_lse"), out(dq, dtype, "dq"),
+                            in(o, dtype, "out"), in(lse, lse_dtype, "softmax_lse"), out(dq, dtype, "dq"),
                             out(dk, dtype, "dk"), out(dv, dtype, "dv"), options);
       },
-      "gradients written into dq, dk, dv");
+      "gradients written into dq, dk, dv (lse_dtype: softmax_lse's own, which the library checks)");
 
   m.def(
       "forward_varlen",
@@ -228,13 +230,13 @@ NB_MODULE(_C, m) {
       "backward_varlen",
       [](Array dout, Array q, Array k, Array v, Array o, Array lse, Array cu_q, Array cu_k,
          std::int64_t max_q, std::int64_t max_k, Array dq, Array dk, Array dv, const std::string& dtype,
-         const Options& opt) {
+         const std::string& lse_dtype, const Options& opt) {
         const flashattn::AttentionOptions options = opt.get();
         const flashattn::VarlenSeqlens s{in(cu_q, "i32", "cu_seqlens_q"), in(cu_k, "i32", "cu_seqlens_k"), max_q,
                                          max_k};
         nb::gil_scoped_release release;
         flashattn::backward_varlen(in(dout, dtype, "dout"), in(q, dtype, "q"), in(k, dtype, "k"),
-                                   in(v, dtype, "v"), in(o, dtype, "out"), in(lse, "f32", "softmax_lse"), s,
+                                   in(v, dtype, "v"), in(o, dtype, "out"), in(lse, lse_dtype, "softmax_lse"), s,
                                    out(dq, dtype, "dq"), out(dk, dtype, "dk"), out(dv, dtype, "dv"), options);
       },
       "gradients of a packed variable-length batch");
