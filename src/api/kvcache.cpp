@@ -156,15 +156,14 @@ struct CacheCall {
   std::int64_t rotary_dim = 0;
 };
 
-// Step 1: every check of the call's own arguments — the cache, its tables, the new tokens,
-// rotary, the outputs whole and the append's targets; nothing is written.
-CacheCall check_cache_call(const TensorView& q, const KvCache& c, const MutableTensorView& out,
-                           const MutableTensorView& lse, const AttentionOptions& options) {
+// Step 1, the call's own arguments, checked in this order; nothing is written.
+// The views and dtypes of q and the cache pools, and the call's sizes.
+CacheCall check_cache_views(const TensorView& q, const KvCache& c, const AttentionOptions& options) {
   detail::reject_rescale_counts("forward_with_kvcache", options);
   detail::check_view("q", q, 4, "(batch, seqlen_q, heads_q, head_dim)");
   detail::check_view("k_cache", c.k_cache, 4, "(batch_cache or pages, seqlen_cache or page_size, heads_kv, head_dim)");
   detail::check_view("v_cache", c.v_cache, 4, "(batch_cache or pages, seqlen_cache or page_size, heads_kv, head_dim_v)");
-  const bool fp8 = c.k_cache.dtype == DType::u8;  // e4m3 codes with descales
+  const bool fp8 = c.k_cache.dtype == DType::u8;
   if (!is_floating(q.dtype)) throw Error("q: dtype " + to_string(q.dtype) + " is not a floating dtype (f32, bf16, f16)");
   if (fp8) {
     detail::check_dtype("v_cache", c.v_cache, DType::u8, "an FP8 cache holds e4m3 codes in both pools");
@@ -180,7 +179,13 @@ CacheCall check_cache_call(const TensorView& q, const KvCache& c, const MutableT
                   detail::shape_string(c.k_cache) + " in dim " + std::to_string(d));
   const std::int64_t batch = q.shape[0], hkv = c.k_cache.shape[2], d = c.k_cache.shape[3], dv = c.v_cache.shape[3];
   const std::int64_t s_new = is_set(c.k) ? c.k.shape[1] : 0;
-  Layout layout;
+  return {fp8, batch, hkv, d, dv, s_new, {}, {}, {}, false, 0};
+}
+
+// Where each sequence's tokens live: the block table (paged) or the cache rows (contiguous).
+void resolve_layout(const KvCache& c, CacheCall& r) {
+  const std::int64_t batch = r.batch;
+  Layout& layout = r.layout;
   layout.paged = is_set(c.block_table);
   if (layout.paged) {
     detail::check_view("block_table", c.block_table, 2, "(batch, max_pages_per_seq)");
@@ -205,9 +210,15 @@ CacheCall check_cache_call(const TensorView& q, const KvCache& c, const MutableT
                     str(c.k_cache.shape[0]) + " rows");
     }
   }
-  const std::vector<std::int64_t> seqlens =
-      is_set(c.cache_seqlens) ? read_i32("cache_seqlens", c.cache_seqlens, batch)
-                              : std::vector<std::int64_t>(static_cast<std::size_t>(batch), layout.capacity - s_new);
+}
+
+// How many tokens each sequence holds and where they start, and the pages they span.
+void resolve_sequences(const KvCache& c, CacheCall& r) {
+  const std::int64_t batch = r.batch, s_new = r.s_new;
+  const Layout& layout = r.layout;
+  r.seqlens = is_set(c.cache_seqlens) ? read_i32("cache_seqlens", c.cache_seqlens, batch)
+                                      : std::vector<std::int64_t>(static_cast<std::size_t>(batch), layout.capacity - s_new);
+  const std::vector<std::int64_t>& seqlens = r.seqlens;
   for (std::int64_t b = 0; b < batch; ++b) {
     const std::int64_t n = seqlens[static_cast<std::size_t>(b)];
     if (n < 0 || n + s_new > layout.capacity)
@@ -218,9 +229,9 @@ CacheCall check_cache_call(const TensorView& q, const KvCache& c, const MutableT
   // so there is nothing to pad.
   if (is_set(c.cache_leftpad) && layout.paged)
     throw Error("cache_leftpad: not supported with a paged cache (block_table)");
-  const std::vector<std::int64_t> leftpad = is_set(c.cache_leftpad)
-                                                ? read_i32("cache_leftpad", c.cache_leftpad, batch)
-                                                : std::vector<std::int64_t>(static_cast<std::size_t>(batch), 0);
+  r.leftpad = is_set(c.cache_leftpad) ? read_i32("cache_leftpad", c.cache_leftpad, batch)
+                                      : std::vector<std::int64_t>(static_cast<std::size_t>(batch), 0);
+  const std::vector<std::int64_t>& leftpad = r.leftpad;
   for (std::int64_t b = 0; b < batch; ++b) {
     const std::int64_t pad = leftpad[static_cast<std::size_t>(b)], n = seqlens[static_cast<std::size_t>(b)];
     if (pad < 0 || pad > n)
@@ -239,33 +250,45 @@ CacheCall check_cache_call(const TensorView& q, const KvCache& c, const MutableT
       }
     }
   }
-  if (fp8) {
-    for (const auto& [name, scale] : {std::pair{"k_scale", c.k_scale}, {"v_scale", c.v_scale}}) {
-      detail::check_view(name, scale, 2, "(pages or batch_cache, heads_kv)");
-      detail::check_dtype(name, scale, DType::f32, "float32 descales");
-      detail::check_shape(name, scale, {c.k_cache.shape[0], hkv}, "(pages or batch_cache, heads_kv)");
-      for (const auto& [other, view] : {std::pair{"k_cache", TensorView(c.k_cache)}, {"v_cache", c.v_cache}, {"q", q},
-                                        {"k", c.k}, {"v", c.v}})
-        detail::check_no_overlap(name, scale, other, view);
-    }
-    detail::check_no_overlap("k_scale", c.k_scale, "v_scale", c.v_scale);
-    if (c.v_scale.strides[0] != c.k_scale.strides[0] || c.v_scale.strides[1] != c.k_scale.strides[1])
-      throw Error("v_scale: strides differ from k_scale's; give both the same layout");
-    // Pages (cache rows) that already hold tokens are read with their descales.
-    for (std::int64_t b = 0; b < batch; ++b) {
-      const std::int64_t first = leftpad[static_cast<std::size_t>(b)], n = seqlens[static_cast<std::size_t>(b)];
-      const std::int64_t step = layout.paged ? layout.page_size : std::max<std::int64_t>(n, 1);
-      for (std::int64_t pos = first / step * step; pos < n; pos += step)
-        for (std::int64_t h = 0; h < hkv; ++h)
-          for (const auto& [name, scale] : {std::pair{"k_scale", c.k_scale}, {"v_scale", c.v_scale}}) {
-            const std::int64_t page = layout.locate(b, pos).first;
-            const float value = descale_at(scale, page, h);
-            if (!(std::isfinite(value) && value > 0.0f))
-              throw Error(std::string(name) + ": [" + str(page) + ", " + str(h) + "] = " + std::to_string(value) +
-                          " is not a finite positive descale (sequence " + str(b) + " has tokens there)");
-          }
-    }
+}
+
+// An FP8 cache's descales: views, and finite positive values wherever tokens are read.
+void check_descales(const TensorView& q, const KvCache& c, const CacheCall& r) {
+  const std::int64_t batch = r.batch, hkv = r.hkv;
+  const Layout& layout = r.layout;
+  const std::vector<std::int64_t>& seqlens = r.seqlens;
+  const std::vector<std::int64_t>& leftpad = r.leftpad;
+  for (const auto& [name, scale] : {std::pair{"k_scale", c.k_scale}, {"v_scale", c.v_scale}}) {
+    detail::check_view(name, scale, 2, "(pages or batch_cache, heads_kv)");
+    detail::check_dtype(name, scale, DType::f32, "float32 descales");
+    detail::check_shape(name, scale, {c.k_cache.shape[0], hkv}, "(pages or batch_cache, heads_kv)");
+    for (const auto& [other, view] : {std::pair{"k_cache", TensorView(c.k_cache)}, {"v_cache", c.v_cache}, {"q", q},
+                                      {"k", c.k}, {"v", c.v}})
+      detail::check_no_overlap(name, scale, other, view);
   }
+  detail::check_no_overlap("k_scale", c.k_scale, "v_scale", c.v_scale);
+  if (c.v_scale.strides[0] != c.k_scale.strides[0] || c.v_scale.strides[1] != c.k_scale.strides[1])
+    throw Error("v_scale: strides differ from k_scale's; give both the same layout");
+  // Pages (cache rows) that already hold tokens are read with their descales.
+  for (std::int64_t b = 0; b < batch; ++b) {
+    const std::int64_t first = leftpad[static_cast<std::size_t>(b)], n = seqlens[static_cast<std::size_t>(b)];
+    const std::int64_t step = layout.paged ? layout.page_size : std::max<std::int64_t>(n, 1);
+    for (std::int64_t pos = first / step * step; pos < n; pos += step)
+      for (std::int64_t h = 0; h < hkv; ++h)
+        for (const auto& [name, scale] : {std::pair{"k_scale", c.k_scale}, {"v_scale", c.v_scale}}) {
+          const std::int64_t page = layout.locate(b, pos).first;
+          const float value = descale_at(scale, page, h);
+          if (!(std::isfinite(value) && value > 0.0f))
+            throw Error(std::string(name) + ": [" + str(page) + ", " + str(h) + "] = " + std::to_string(value) +
+                        " is not a finite positive descale (sequence " + str(b) + " has tokens there)");
+        }
+  }
+}
+
+// The new tokens to append.
+void check_new_tokens(const TensorView& q, const KvCache& c, const CacheCall& r) {
+  const bool fp8 = r.fp8;
+  const std::int64_t batch = r.batch, hkv = r.hkv, d = r.d, dv = r.dv, s_new = r.s_new;
   if (is_set(c.k) != is_set(c.v)) throw Error("k, v: the new keys and values come together");
   if (is_set(c.k)) {
     detail::check_view("k", c.k, 4, "(batch, seqlen_new, heads_kv, head_dim)");
@@ -288,8 +311,13 @@ CacheCall check_cache_call(const TensorView& q, const KvCache& c, const MutableT
                   throw Error(std::string(name) + ": [" + str(b) + ", " + str(t) + ", " + str(h) + ", " + str(e) +
                               "] is not finite; an FP8 cache stores finite values only");
   }
-  const bool positions_per_query = options.causal || options.window_size.left >= 0 || options.window_size.right >= 0;
-  std::int64_t rotary_dim = 0;
+}
+
+// Rotary tables: shapes, and a position for every token they rotate.
+void check_rotary(const TensorView& q, const KvCache& c, const AttentionOptions& options, CacheCall& r) {
+  const std::int64_t batch = r.batch, d = r.d, s_new = r.s_new;
+  const std::vector<std::int64_t>& seqlens = r.seqlens;
+  r.positions_per_query = options.causal || options.window_size.left >= 0 || options.window_size.right >= 0;
   if (is_set(c.rotary_cos) || is_set(c.rotary_sin)) {
     detail::check_view("rotary_cos", c.rotary_cos, 2, "(positions, rotary_dim / 2)");
     detail::check_view("rotary_sin", c.rotary_sin, 2, "(positions, rotary_dim / 2)");
@@ -297,16 +325,24 @@ CacheCall check_cache_call(const TensorView& q, const KvCache& c, const MutableT
       throw Error("rotary_cos: dtype " + to_string(c.rotary_cos.dtype) + " is not a floating dtype");
     detail::check_shape("rotary_sin", c.rotary_sin, {c.rotary_cos.shape[0], c.rotary_cos.shape[1]},
                         "(the shape of rotary_cos)");
-    rotary_dim = 2 * c.rotary_cos.shape[1];
-    if (rotary_dim > d) throw Error("rotary_cos: rotary_dim " + str(rotary_dim) + " exceeds head_dim " + str(d));
+    r.rotary_dim = 2 * c.rotary_cos.shape[1];
+    if (r.rotary_dim > d) throw Error("rotary_cos: rotary_dim " + str(r.rotary_dim) + " exceeds head_dim " + str(d));
     std::int64_t last = 0;
     for (std::int64_t b = 0; b < batch; ++b)
-      last = std::max(last, seqlens[static_cast<std::size_t>(b)] + std::max(s_new, positions_per_query ? q.shape[1] : 1) - 1);
+      last = std::max(last, seqlens[static_cast<std::size_t>(b)] + std::max(s_new, r.positions_per_query ? q.shape[1] : 1) - 1);
     if (last >= c.rotary_cos.shape[0])
       throw Error("rotary_cos: " + str(c.rotary_cos.shape[0]) + " positions but position " + str(last) + " is needed");
   }
+}
 
-  // The outputs, whole: the per-sequence checks below see only the views cut from them.
+// The outputs whole (the per-sequence checks see only the views cut from them), what the
+// append writes, and the options per sequence.
+void check_outputs_and_targets(const TensorView& q, const KvCache& c, const MutableTensorView& out,
+                               const MutableTensorView& lse, const AttentionOptions& options, const CacheCall& r) {
+  const bool fp8 = r.fp8;
+  const std::int64_t batch = r.batch, dv = r.dv, s_new = r.s_new;
+  const Layout& layout = r.layout;
+  const std::vector<std::int64_t>& seqlens = r.seqlens;
   constexpr const char* kOutLayout = "(batch, seqlen_q, heads_q, head_dim_v)";
   detail::check_tensor("out", out, q.dtype, "out must have q's dtype", {batch, q.shape[1], q.shape[2], dv}, kOutLayout);
   detail::check_tensor("lse", lse, DType::f32, "lse is always float32", {batch, q.shape[2], q.shape[1]},
@@ -329,7 +365,18 @@ CacheCall check_cache_call(const TensorView& q, const KvCache& c, const MutableT
     check_append_targets(layout, seqlens, s_new, batch);
   }
   detail::check_sequence_options(options, batch, q.shape[2]);
-  return {fp8, batch, hkv, d, dv, s_new, layout, seqlens, leftpad, positions_per_query, rotary_dim};
+}
+
+CacheCall check_cache_call(const TensorView& q, const KvCache& c, const MutableTensorView& out,
+                           const MutableTensorView& lse, const AttentionOptions& options) {
+  CacheCall r = check_cache_views(q, c, options);
+  resolve_layout(c, r);
+  resolve_sequences(c, r);
+  if (r.fp8) check_descales(q, c, r);
+  check_new_tokens(q, c, r);
+  check_rotary(q, c, options, r);
+  check_outputs_and_targets(q, c, out, lse, options, r);
+  return r;
 }
 
 // Step 2: each sequence as its own problem (its own number of keys) on views of q (rotated
@@ -383,7 +430,8 @@ void append(const KvCache& c, const CacheCall& r) {
   const bool fp8 = r.fp8;
   const std::int64_t batch = r.batch, hkv = r.hkv, d = r.d, dv = r.dv, s_new = r.s_new;
   const Layout& layout = r.layout;
-  const std::vector<std::int64_t>&seqlens = r.seqlens, &leftpad = r.leftpad;
+  const std::vector<std::int64_t>& seqlens = r.seqlens;
+  const std::vector<std::int64_t>& leftpad = r.leftpad;
   std::vector<float> row(static_cast<std::size_t>(std::max(d, dv)));
   std::vector<float> k_rows(static_cast<std::size_t>(s_new * d)), v_rows(static_cast<std::size_t>(s_new * dv));
   for (std::int64_t b = 0; b < batch; ++b)
