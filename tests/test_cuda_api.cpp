@@ -160,6 +160,33 @@ TEST(CudaApi, EntryPointsTheCudaBackendLacksNameThemselves) {
   }
 }
 
+// The backward's argument checks are the front door's, one set for every backend: a
+// gradient of the wrong shape reads the same on cuda as on the cpu.
+TEST(CudaApi, BackwardChecksAreSharedWithTheCpu) {
+  alignas(16) static unsigned char buffers[9][1 << 12];
+  auto call = [](Device device, std::int64_t dk_keys) {
+    auto view = [device](int i, DType dtype, std::initializer_list<std::int64_t> shape) {
+      return TensorView(buffers[i], dtype, shape).on(device);
+    };
+    auto output = [device](int i, DType dtype, std::initializer_list<std::int64_t> shape) {
+      return MutableTensorView(buffers[i], dtype, shape).on(device);
+    };
+    try {
+      backward(view(0, DType::bf16, {1, 4, 2, 64}), view(1, DType::bf16, {1, 4, 2, 64}),
+               view(2, DType::bf16, {1, 4, 1, 64}), view(3, DType::bf16, {1, 4, 1, 64}),
+               view(4, DType::bf16, {1, 4, 2, 64}), view(5, DType::f32, {1, 2, 4}),
+               output(6, DType::bf16, {1, 4, 2, 64}), output(7, DType::bf16, {1, dk_keys, 1, 64}),
+               output(8, DType::bf16, {1, 4, 1, 64}));
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const std::string cuda = call(Device::cuda, 3);
+  EXPECT_EQ(cuda, "dk: shape (1, 3, 1, 64) but expected (1, 4, 1, 64) (the shape of its input)");
+  EXPECT_EQ(cuda, call(Device::cpu, 3));
+}
+
 TEST(CudaApi, RescaleCountsAreRejectedOnCuda) {
   alignas(16) static unsigned char buffers[6][1 << 12];
   auto view = [](int i, DType dtype, std::initializer_list<std::int64_t> shape) {
