@@ -216,8 +216,9 @@ void resolve_layout(const KvCache& c, CacheCall& r) {
 void resolve_sequences(const KvCache& c, CacheCall& r) {
   const std::int64_t batch = r.batch, s_new = r.s_new;
   const Layout& layout = r.layout;
+  const std::int64_t full = layout.capacity - s_new;  // cache_seqlens unset: every sequence fills the cache
   r.seqlens = is_set(c.cache_seqlens) ? read_i32("cache_seqlens", c.cache_seqlens, batch)
-                                      : std::vector<std::int64_t>(static_cast<std::size_t>(batch), layout.capacity - s_new);
+                                      : std::vector<std::int64_t>(static_cast<std::size_t>(batch), full);
   const std::vector<std::int64_t>& seqlens = r.seqlens;
   for (std::int64_t b = 0; b < batch; ++b) {
     const std::int64_t n = seqlens[static_cast<std::size_t>(b)];
