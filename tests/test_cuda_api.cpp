@@ -2,8 +2,10 @@
 // a flashattn::Error naming the argument and the values, raised before any device work.
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <string>
 #include <tuple>
+#include <utility>
 
 #include "flashattn/cuda_plan.hpp"
 #include "flashattn/flashattn.hpp"
@@ -122,15 +124,83 @@ TEST(CudaApi, BackwardWithoutKeysOrQueriesStillWritesItsGradients) {
   }
 }
 
-TEST(CudaApi, CpuOnlyEntryPointsRejectCudaViews) {
-  const auto q = device_view(DType::bf16, {4, 1, 64});
+// Entry points the CUDA backend lacks fail at the route, before any argument (the offsets,
+// the block table: device memory) is read, with an Error naming the entry point and the backend.
+TEST(CudaApi, EntryPointsTheCudaBackendLacksNameThemselves) {
+  const auto packed = device_view(DType::bf16, {4, 1, 64});
+  const auto packed_out = device_output(DType::bf16, {4, 1, 64});
   const auto cu = device_view(DType::i32, {2});
-  try {
-    forward_varlen(q, q, q, {cu, cu, 4, 4});
-    FAIL() << "no error";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("runs on the cpu only"), std::string::npos) << e.what();
+  const VarlenSeqlens seqlens{cu, cu, 4, 4};
+  const auto q = device_view(DType::bf16, {1, 1, 1, 64});
+  const auto cache = device_output(DType::bf16, {1, 8, 1, 64});
+  const Fp8View fp8{device_view(DType::u8, {1, 4, 1, 64}), device_view(DType::f32, {1}), Fp8Format::e4m3, 0};
+  const auto out = device_output(DType::bf16, {1, 4, 1, 64});
+  const auto lse = device_output(DType::f32, {1, 1, 4});
+  KvCache kv;
+  kv.k_cache = cache;
+  kv.v_cache = cache;
+  const std::pair<const char*, std::function<void()>> calls[] = {
+      {"forward_varlen", [&] { forward_varlen(packed, packed, packed, seqlens); }},
+      {"forward_varlen", [&] { forward_varlen(packed, packed, packed, seqlens, packed_out, device_output(DType::f32, {1, 4})); }},
+      {"backward_varlen", [&] { backward_varlen(packed, packed, packed, packed, packed, device_view(DType::f32, {1, 4}), seqlens); }},
+      {"forward_with_kvcache", [&] { forward_with_kvcache(q, kv); }},
+      {"forward_with_kvcache", [&] { forward_with_kvcache(q, kv, device_output(DType::bf16, {1, 1, 1, 64}), device_output(DType::f32, {1, 1, 1})); }},
+      {"forward_fp8", [&] { forward_fp8(fp8, fp8, fp8, DType::bf16); }},
+      {"forward_fp8", [&] { forward_fp8(fp8, fp8, fp8, out, lse); }},
+  };
+  for (const auto& [entry_point, call] : calls) {
+    SCOPED_TRACE(entry_point);
+    try {
+      call();
+      ADD_FAILURE() << "no error";
+    } catch (const Error& e) {
+      EXPECT_EQ(std::string(e.what()),
+                std::string(entry_point) + ": not implemented by the cuda backend (the tensors are on cuda)");
+    }
   }
+}
+
+// The backward's argument checks are the front door's, one set for every backend: a
+// gradient of the wrong shape reads the same on cuda as on the cpu.
+TEST(CudaApi, BackwardChecksAreSharedWithTheCpu) {
+  alignas(16) static unsigned char buffers[9][1 << 12];
+  auto call = [](Device device, std::int64_t dk_keys) {
+    auto view = [device](int i, DType dtype, std::initializer_list<std::int64_t> shape) {
+      return TensorView(buffers[i], dtype, shape).on(device);
+    };
+    auto output = [device](int i, DType dtype, std::initializer_list<std::int64_t> shape) {
+      return MutableTensorView(buffers[i], dtype, shape).on(device);
+    };
+    try {
+      backward(view(0, DType::bf16, {1, 4, 2, 64}), view(1, DType::bf16, {1, 4, 2, 64}),
+               view(2, DType::bf16, {1, 4, 1, 64}), view(3, DType::bf16, {1, 4, 1, 64}),
+               view(4, DType::bf16, {1, 4, 2, 64}), view(5, DType::f32, {1, 2, 4}),
+               output(6, DType::bf16, {1, 4, 2, 64}), output(7, DType::bf16, {1, dk_keys, 1, 64}),
+               output(8, DType::bf16, {1, 4, 1, 64}));
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const std::string cuda = call(Device::cuda, 3);
+  EXPECT_EQ(cuda, "dk: shape (1, 3, 1, 64) but expected (1, 4, 1, 64) (the shape of its input)");
+  EXPECT_EQ(cuda, call(Device::cpu, 3));
+}
+
+TEST(CudaApi, RescaleCountsAreRejectedOnCuda) {
+  alignas(16) static unsigned char buffers[6][1 << 12];
+  auto view = [](int i, DType dtype, std::initializer_list<std::int64_t> shape) {
+    return TensorView(buffers[i], dtype, shape).on(Device::cuda);
+  };
+  auto output = [](int i, DType dtype, std::initializer_list<std::int64_t> shape) {
+    return MutableTensorView(buffers[i], dtype, shape).on(Device::cuda);
+  };
+  AttentionOptions options;
+  options.rescale_counts = output(5, DType::i32, {1, 2, 4});
+  const std::string msg = forward_error(view(0, DType::bf16, {1, 4, 2, 64}), view(1, DType::bf16, {1, 4, 1, 64}),
+                                        view(2, DType::bf16, {1, 4, 1, 64}), output(3, DType::bf16, {1, 4, 2, 64}),
+                                        output(4, DType::f32, {1, 2, 4}), options);
+  EXPECT_NE(msg.find("rescale_counts: not supported on cuda"), std::string::npos) << msg;
 }
 
 TEST(CudaApi, PlansComeFromTheTileTable) {

@@ -72,18 +72,15 @@ def _empty(shape, dt, like):
 
 
 def _inputs(**named):
-    """Raw views of the named arrays; all of one kind (NumPy or torch)."""
+    """Raw views of the named arrays, all of one kind (NumPy or torch), and each one's dtype
+    name by its argument name: whether the dtypes agree is the native library's check."""
     kinds = {_is_tensor(x) for x in named.values()}
     if len(kinds) > 1:
         raise TypeError("inputs mix numpy arrays and torch tensors: " + ", ".join(named))
     raws, dtypes = {}, {}
     for name, x in named.items():
         raws[name], dtypes[name] = _raw(x, name)
-    first = next(iter(named))
-    for name, dt in dtypes.items():
-        if dt != dtypes[first]:
-            raise TypeError(f"{name}: dtype {dt} does not match {first}'s dtype {dtypes[first]}")
-    return raws, dtypes[first]
+    return raws, dtypes
 
 
 def _check_block_mask(block_mask, block_mask_block_size):
@@ -139,10 +136,7 @@ def _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slope
     o.window_left, o.window_right = int(window_size[0]), int(window_size[1])
     o.softcap = float(softcap)
     if alibi_slopes is not None:
-        raw, dt = _raw(alibi_slopes, "alibi_slopes")
-        if dt != "f32":
-            raise TypeError(f"alibi_slopes: dtype {dt} but expected float32")
-        o.alibi_slopes = raw
+        o.alibi_slopes, o.alibi_dtype = _raw(alibi_slopes, "alibi_slopes")
     o.dropout_p = float(dropout_p)
     o.seed = int(seed) & ((1 << 64) - 1) if seed is not None else 0  # any integer, modulo 2^64
     o.deterministic = bool(deterministic)
@@ -214,13 +208,14 @@ def _resolve_threads(num_threads, torch_inputs):
 
 
 def _forward(q, k, v, opts, return_attn_probs):
-    raws, dt = _inputs(q=q, k=k, v=v)
+    raws, dts = _inputs(q=q, k=k, v=v)
+    dt = dts["q"]
     if raws["q"].ndim != 4:
         raise ValueError(f"q: expected rank 4 (batch, seqlen_q, heads_q, head_dim), got rank {raws['q'].ndim}")
     b, sq, hq, _ = raws["q"].shape
     out, out_raw = _empty((b, sq, hq, raws["v"].shape[-1]), dt, q)
     lse, lse_raw = _empty((b, hq, sq), "f32", q)
-    _C.forward(raws["q"], raws["k"], raws["v"], out_raw, lse_raw, dt, opts)
+    _C.forward(raws["q"], raws["k"], raws["v"], out_raw, lse_raw, {**dts, "out": dt}, opts)
     return out, lse, (_s_dmask(q, lambda o: _probs(q, k, v, o), opts) if return_attn_probs else None)
 
 
@@ -246,41 +241,42 @@ def _s_dmask(q, probs_of, opts):
 
 
 def _probs(q, k, v, opts):
-    raws, dt = _inputs(q=q, k=k, v=v)
+    raws, dts = _inputs(q=q, k=k, v=v)
     b, sq, hq, _ = raws["q"].shape
     probs, probs_raw = _empty((b, hq, sq, raws["k"].shape[1]), "f32", q)
-    _C.attention_probs(raws["q"], raws["k"], raws["v"], probs_raw, dt, opts)
+    _C.attention_probs(raws["q"], raws["k"], raws["v"], probs_raw, dts, opts)
     return probs
 
 
 def _backward(dout, q, k, v, out, lse, opts):
-    raws, dt = _inputs(dout=dout, q=q, k=k, v=v, out=out)
-    lse_raw, lse_dt = _raw(lse, "softmax_lse")
-    if lse_dt != "f32":
-        raise TypeError(f"softmax_lse: dtype {lse_dt} but expected float32")
+    raws, dts = _inputs(dout=dout, q=q, k=k, v=v, out=out)
+    raws["softmax_lse"], dts["softmax_lse"] = _raw(lse, "softmax_lse")
+    dt = dts["q"]
     dq, dq_raw = _empty(raws["q"].shape, dt, q)
     dk, dk_raw = _empty(raws["k"].shape, dt, q)
     dv, dv_raw = _empty(raws["v"].shape, dt, q)
-    _C.backward(raws["dout"], raws["q"], raws["k"], raws["v"], raws["out"], lse_raw, dq_raw, dk_raw, dv_raw,
-                dt, opts)
+    _C.backward(raws["dout"], raws["q"], raws["k"], raws["v"], raws["out"], raws["softmax_lse"], dq_raw, dk_raw,
+                dv_raw, {**dts, "dq": dt, "dk": dt, "dv": dt}, opts)
     return dq, dk, dv
 
 
 def _varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, opts, return_attn_probs):
-    raws, dt = _inputs(q=q, k=k, v=v)
+    raws, dts = _inputs(q=q, k=k, v=v)
+    dt = dts["q"]
     if raws["q"].ndim != 3:
         raise ValueError(f"q: expected rank 3 (total_q, heads_q, head_dim), got rank {raws['q'].ndim}")
     total_q, hq, _ = raws["q"].shape
     out, out_raw = _empty((total_q, hq, raws["v"].shape[-1]), dt, q)
     lse, lse_raw = _empty((hq, total_q), "f32", q)
     cq, ck = _raw(cu_q, "cu_seqlens_q", int32=True)[0], _raw(cu_k, "cu_seqlens_k", int32=True)[0]
-    _C.forward_varlen(raws["q"], raws["k"], raws["v"], cq, ck, int(max_q), int(max_k), out_raw, lse_raw, dt, opts)
+    _C.forward_varlen(raws["q"], raws["k"], raws["v"], cq, ck, int(max_q), int(max_k), out_raw, lse_raw,
+                      {**dts, "out": dt}, opts)
     return out, lse, (_s_dmask(q, lambda o: _varlen_probs(q, k, v, cu_q, cu_k, max_q, max_k, o), opts)
                       if return_attn_probs else None)
 
 
 def _varlen_probs(q, k, v, cu_q, cu_k, max_q, max_k, opts):
-    raws, dt = _inputs(q=q, k=k, v=v)
+    raws, dts = _inputs(q=q, k=k, v=v)
     hq = raws["q"].shape[1]
     cq, ck = _raw(cu_q, "cu_seqlens_q", int32=True)[0], _raw(cu_k, "cu_seqlens_k", int32=True)[0]
     # As upstream: (batch, heads_q, max_seqlen_q, max_seqlen_k), zero beyond each sequence.
@@ -293,20 +289,21 @@ def _varlen_probs(q, k, v, cu_q, cu_k, max_q, max_k, opts):
         if alibi is not None and alibi.ndim == 2:
             opts.alibi_slopes = alibi[b]
         _C.attention_probs(raws["q"][None, q0:q1], raws["k"][None, k0:k1], raws["v"][None, k0:k1],
-                           probs_raw[b:b + 1, :, :q1 - q0, :k1 - k0], dt, opts)
+                           probs_raw[b:b + 1, :, :q1 - q0, :k1 - k0], dts, opts)
     opts.alibi_slopes = alibi
     return probs
 
 
 def _varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, opts):
-    raws, dt = _inputs(dout=dout, q=q, k=k, v=v, out=out)
-    lse_raw, _ = _raw(lse, "softmax_lse")
+    raws, dts = _inputs(dout=dout, q=q, k=k, v=v, out=out)
+    raws["softmax_lse"], dts["softmax_lse"] = _raw(lse, "softmax_lse")
+    dt = dts["q"]
     dq, dq_raw = _empty(raws["q"].shape, dt, q)
     dk, dk_raw = _empty(raws["k"].shape, dt, q)
     dv, dv_raw = _empty(raws["v"].shape, dt, q)
-    _C.backward_varlen(raws["dout"], raws["q"], raws["k"], raws["v"], raws["out"], lse_raw,
+    _C.backward_varlen(raws["dout"], raws["q"], raws["k"], raws["v"], raws["out"], raws["softmax_lse"],
                        _raw(cu_q, "cu_seqlens_q", int32=True)[0], _raw(cu_k, "cu_seqlens_k", int32=True)[0],
-                       int(max_q), int(max_k), dq_raw, dk_raw, dv_raw, dt, opts)
+                       int(max_q), int(max_k), dq_raw, dk_raw, dv_raw, {**dts, "dq": dt, "dk": dt, "dv": dt}, opts)
     return dq, dk, dv
 
 
@@ -552,21 +549,19 @@ def _kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
     """The KV-cache call on raw views: (out, softmax_lse); the caches are written in place."""
     fp8 = _is_fp8_codes(k_cache)
     if fp8:
-        raws, dt = _inputs(q=q)
+        raws, dts = _inputs(q=q)
         raws["k_cache"], raws["v_cache"] = _fp8_codes(k_cache, "k_cache"), _fp8_codes(v_cache, "v_cache")
+        dts["k_cache"] = dts["v_cache"] = "u8"
         scales = {name: _f32_in_place(x, name) for name, x in (("k_scale", k_scale), ("v_scale", v_scale))}
     else:
         if k_scale is not None or v_scale is not None:
             raise TypeError("k_scale, v_scale: descales belong to an FP8 cache (uint8 e4m3 codes), "
                             f"not a {_dtype_name(k_cache)} cache")
-        raws, dt = _inputs(q=q, k_cache=k_cache, v_cache=v_cache)
+        raws, dts = _inputs(q=q, k_cache=k_cache, v_cache=v_cache)
         scales = {"k_scale": None, "v_scale": None}
     batch, sq, hq, _ = raws["q"].shape
-    new = {}
-    if k is not None or v is not None:
-        if k is None or v is None:
-            raise ValueError("k, v: the new keys and values come together")
-        new, _ = _inputs(q=q, k=k, v=v)
+    new, new_dts = _inputs(q=q, **{name: x for name, x in (("k", k), ("v", v)) if x is not None})
+    dt = dts["q"]
 
     def ints(x, name):
         return None if x is None else _raw(x, name, int32=True)[0]
@@ -585,8 +580,8 @@ def _kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
                             floats(rotary_cos, "rotary_cos"), floats(rotary_sin, "rotary_sin"),
                             ints(cache_seqlens, "cache_seqlens"), ints(cache_batch_idx, "cache_batch_idx"),
                             ints(cache_leftpad, "cache_leftpad"), ints(block_table, "block_table"),
-                            bool(rotary_interleaved), out_raw, lse_raw, dt, "u8" if fp8 else dt, scales["k_scale"],
-                            scales["v_scale"], opts)
+                            bool(rotary_interleaved), out_raw, lse_raw, {**dts, **new_dts, "out": dt},
+                            scales["k_scale"], scales["v_scale"], opts)
     return out, lse
 
 
@@ -909,11 +904,11 @@ def plan(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(
     a call validates them (a kernel this CPU cannot run raises ValueError)."""
     if len(window_size) != 2:
         raise ValueError(f"window_size: expected (left, right), got {window_size!r}")
-    raws, dt = _inputs(q=q, k=k, v=v)
+    raws, dts = _inputs(q=q, k=k, v=v)
     opts = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, None,
                     kernel, backward_kernel, num_splits, block_mask, block_mask_block_size)
     opts.num_threads = _resolve_threads(num_threads, _is_tensor(q))
-    return _C.plan(raws["q"], raws["k"], raws["v"], dt, opts)
+    return _C.plan(raws["q"], raws["k"], raws["v"], dts, opts)
 
 
 def simd_target() -> str:

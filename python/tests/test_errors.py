@@ -260,6 +260,21 @@ def test_varlen_backward_errors():
         flashattn.flash_attn_varlen_backward(dout.astype(BF16), q, k, v, out, lse, cu_q, cu_k, mq, mk)
 
 
+def test_the_native_checks_reach_python():
+    """Python passes each argument on with its own dtype: the library's checks report it."""
+    args = backward_args()
+    with pytest.raises(TypeError, match=r"lse: dtype f16 but expected f32 \(lse is always float32\)"):
+        flashattn.flash_attn_backward(args["dout"], args["q"], args["k"], args["v"], args["out"],
+                                      args["softmax_lse"].astype(np.float16))
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=r"alibi_slopes: dtype bf16 but expected f32 \(slopes are float32\)"):
+        flashattn.flash_attn_func(q, k, v, alibi_slopes=np.zeros(4, np.float32).astype(BF16))
+    q = np.zeros((1, 1, 4, 8), np.float32)
+    cache = np.zeros((1, 16, 2, 8), np.float32)
+    with pytest.raises(ValueError, match="k, v: the new keys and values come together"):
+        flashattn.flash_attn_with_kvcache(q, cache, cache.copy(), k=np.zeros((1, 2, 2, 8), np.float32), cache_seqlens=4)
+
+
 # --------------------------------------------------------------------------- not implemented
 
 

@@ -2,6 +2,7 @@
 
 #include <utility>
 #include <array>
+#include <cmath>
 #include <sstream>
 
 #include "flashattn/error.hpp"
@@ -184,6 +185,43 @@ void check_rescale_counts(const AttentionProblem& p, const AttentionOptions& opt
 void reject_rescale_counts(const char* entry_point, const AttentionOptions& options) {
   if (options.rescale_counts.data != nullptr || options.rescale_counts.rank != 0)
     throw Error(std::string("rescale_counts: reported by forward() and forward_fp8() only, not by ") + entry_point);
+}
+
+}  // namespace flashattn::detail
+
+namespace flashattn::detail {
+
+void check_fp8_input(const char* name, const Fp8View& x) {
+  constexpr const char* kLayout = "(batch, seqlen, heads, dim)";
+  const std::string codes_name = std::string(name) + ".codes", descale_name = std::string(name) + ".descale";
+  check_view(codes_name.c_str(), x.codes, 4, kLayout);
+  check_dtype(codes_name.c_str(), x.codes, DType::u8, "FP8 codes are one byte each");
+  if (x.block_size < 0)
+    throw Error(std::string(name) + ".block_size: must be >= 0 (0 = one scale per tensor), got " +
+                std::to_string(x.block_size));
+  const std::int64_t batch = x.codes.shape[0], seqlen = x.codes.shape[1], heads = x.codes.shape[2];
+  const std::int64_t blocks = x.block_size == 0 ? 1 : (seqlen + x.block_size - 1) / x.block_size;
+  check_dtype(descale_name.c_str(), x.descale, DType::f32, "descale factors are float32");
+  if (x.block_size == 0) {
+    check_view(descale_name.c_str(), x.descale, 1, "(1) per tensor");
+    check_shape(descale_name.c_str(), x.descale, {1}, "(1) per tensor");
+  } else {
+    check_view(descale_name.c_str(), x.descale, 3, "(batch, heads, blocks) per block");
+    check_shape(descale_name.c_str(), x.descale, {batch, heads, blocks},
+                "(batch, heads, ceil(seqlen / block_size)) per block");
+  }
+  const auto* descale = static_cast<const float*>(x.descale.data);
+  for (std::int64_t b = 0; b < (x.block_size == 0 ? 1 : batch); ++b)
+    for (std::int64_t h = 0; h < (x.block_size == 0 ? 1 : heads); ++h)
+      for (std::int64_t block = 0; block < blocks; ++block) {
+        const float d = x.block_size == 0 ? descale[0]
+                                          : descale[b * x.descale.strides[0] + h * x.descale.strides[1] +
+                                                    block * x.descale.strides[2]];
+        if (!(std::isfinite(d) && d > 0.0f))
+          throw Error(descale_name + ": entry (" + std::to_string(b) + ", " + std::to_string(h) + ", " +
+                      std::to_string(block) + ") is " + std::to_string(d) +
+                      " (descale factors must be finite and > 0)");
+      }
 }
 
 }  // namespace flashattn::detail

@@ -6,6 +6,7 @@
 #include <initializer_list>
 #include <string>
 
+#include "flashattn/fp8.hpp"
 #include "flashattn/problem.hpp"
 #include "flashattn/tensor.hpp"
 
@@ -54,6 +55,10 @@ void check_rescale_counts(const AttentionProblem& problem, const AttentionOption
                           const TensorView& out, const TensorView& lse);
 // Entry points that run one sequence at a time do not report rescale counts.
 void reject_rescale_counts(const char* entry_point, const AttentionOptions& options);
+
+// An FP8 input `name` (q, k, v): u8 codes (batch, seqlen, heads, dim), block_size >= 0, and
+// finite positive float32 descales, one per tensor (1) or per block (batch, heads, blocks).
+void check_fp8_input(const char* name, const Fp8View& x);
 
 std::string shape_string(const TensorView& view);
 

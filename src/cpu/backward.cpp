@@ -1,4 +1,4 @@
-// CPU backward driver: validate, plan, D = rowsum(dO∘O), then the passes on OpenMP threads.
+// The CPU backward driver: plan a checked job, D = rowsum(dO∘O), then the passes on OpenMP threads.
 #include <omp.h>
 
 #include <algorithm>
@@ -8,11 +8,9 @@
 
 #include "flashattn/attention.hpp"
 #include "flashattn/error.hpp"
-#include "src/core/validate.hpp"
 #include "src/cpu/backward_kernel.hpp"
 #include "src/cpu/allocate.hpp"
 #include "src/cpu/drivers.hpp"
-#include "src/cuda/backend.hpp"
 
 namespace flashattn {
 namespace cpu {
@@ -83,61 +81,15 @@ BackwardWorkspace::BackwardWorkspace(const CpuBackwardPlan& plan, const Attentio
 
 }  // namespace cpu
 
-namespace {
-
-void check_backward_args(const AttentionProblem& p, const TensorView& dout, const TensorView& q,
-                         const TensorView& k, const TensorView& v, const TensorView& out,
-                         const TensorView& lse, const TensorView& dq, const TensorView& dk,
-                         const TensorView& dv) {
-  using namespace detail;
-  constexpr const char* kOutLayout = "(batch, seqlen_q, heads_q, head_dim_v)";
-  check_view("dout", dout, 4, kOutLayout);
-  check_dtype("dout", dout, q.dtype, "dout must have q's dtype");
-  check_shape("dout", dout, {p.batch, p.seqlen_q, p.heads_q, p.head_dim_v}, kOutLayout);
-  check_view("out", out, 4, kOutLayout);
-  check_dtype("out", out, q.dtype, "out must have q's dtype");
-  check_shape("out", out, {p.batch, p.seqlen_q, p.heads_q, p.head_dim_v}, kOutLayout);
-  check_view("lse", lse, 3, "(batch, heads_q, seqlen_q)");
-  check_dtype("lse", lse, DType::f32, "lse is always float32");
-  check_shape("lse", lse, {p.batch, p.heads_q, p.seqlen_q}, "(batch, heads_q, seqlen_q)");
-  const std::pair<const char*, const TensorView*> grads[] = {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}};
-  const std::pair<const char*, const TensorView*> like[] = {{"q", &q}, {"k", &k}, {"v", &v}};
-  for (int g = 0; g < 3; ++g) {
-    const auto& [name, grad] = grads[g];
-    const TensorView& ref = *like[g].second;
-    check_view(name, *grad, 4, "(like its input)");
-    check_dtype(name, *grad, ref.dtype, "gradients have their input's dtype");
-    check_shape(name, *grad, {ref.shape[0], ref.shape[1], ref.shape[2], ref.shape[3]},
-                "(the shape of its input)");
-    check_output_layout(name, *grad);
-    for (const auto& [in_name, input] : {std::pair{"dout", dout}, {"q", q}, {"k", k}, {"v", v},
-                                         {"out", out}, {"lse", lse}})
-      check_no_overlap(name, *grad, in_name, input);
-    for (int o = 0; o < g; ++o) check_no_overlap(name, *grad, grads[o].first, *grads[o].second);
-  }
+void cpu::check_backward(const detail::BackwardJob& job) {
+  if (job.problem.batch > 0)
+    plan_backward(job.problem, CpuHardware::detect(job.options.num_threads), job.options.deterministic,
+                  job.options.backward_kernel);
 }
 
-}  // namespace
-
-AttentionProblem detail::validate_backward(const TensorView& dout, const TensorView& q, const TensorView& k,
-                                           const TensorView& v, const TensorView& out, const TensorView& lse,
-                                           const TensorView& dq, const TensorView& dk, const TensorView& dv,
-                                           const AttentionOptions& options, std::int64_t batch_offset) {
-  detail::reject_rescale_counts("backward", options);
-  AttentionProblem problem = AttentionProblem::from_inputs(q, k, v, options);
-  problem.batch_offset = batch_offset;
-  check_backward_args(problem, dout, q, k, v, out, lse, dq, dk, dv);
-  if (problem.batch > 0)
-    plan_backward(problem, CpuHardware::detect(options.num_threads), options.deterministic, options.backward_kernel);
-  return problem;
-}
-
-void detail::backward_impl(const TensorView& dout, const TensorView& q, const TensorView& k,
-                           const TensorView& v, const TensorView& out, const TensorView& lse,
-                           const MutableTensorView& dq, const MutableTensorView& dk,
-                           const MutableTensorView& dv, const AttentionOptions& options,
-                           std::int64_t batch_offset) {
-  const AttentionProblem p = validate_backward(dout, q, k, v, out, lse, dq, dk, dv, options, batch_offset);
+void cpu::run_backward(const detail::BackwardJob& job) {
+  const AttentionProblem& p = job.problem;
+  const AttentionOptions& options = job.options;
   if (p.batch == 0) return;
   const std::int64_t heads = p.batch * p.heads_q;
   const CpuBackwardPlan plan =
@@ -158,7 +110,7 @@ void detail::backward_impl(const TensorView& dout, const TensorView& q, const Te
   } else {
     dq_locks = std::make_unique<std::mutex[]>(cpu::kDqLockStripes);
   }
-  const cpu::BackwardParams params{p,      plan, dout, q,  k,  v,  out, lse, dq, dk, dv,
+  const cpu::BackwardParams params{p, plan, job.dout, job.q, job.k, job.v, job.out, job.lse, job.dq, job.dk, job.dv,
                                    options.alibi_slopes, options.block_mask,
                                    delta.get(), dq_accum.get(), dq_locks.get(), dq_tickets.get()};
   // Items are handed out strictly in order (an atomic counter, not an OpenMP schedule):
@@ -186,28 +138,6 @@ void detail::backward_impl(const TensorView& dout, const TensorView& q, const Te
     sum.tiles_skipped = heads * plan.q_blocks * plan.k_blocks - sum.tiles_computed;
     *options.counters += sum;
   }
-}
-
-void backward(const TensorView& dout, const TensorView& q, const TensorView& k,
-              const TensorView& v, const TensorView& out, const TensorView& lse,
-              const MutableTensorView& dq, const MutableTensorView& dk, const MutableTensorView& dv,
-              const AttentionOptions& options) {
-  const TensorView dq_view = dq, dk_view = dk, dv_view = dv;
-  if (cuda::common_device({{"dout", &dout}, {"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"lse", &lse},
-                           {"dq", &dq_view}, {"dk", &dk_view}, {"dv", &dv_view}}) == Device::cuda)
-    return cuda::backward(dout, q, k, v, out, lse, dq, dk, dv, options);
-  detail::backward_impl(dout, q, k, v, out, lse, dq, dk, dv, options, 0);
-}
-
-BackwardResult backward(const TensorView& dout, const TensorView& q, const TensorView& k,
-                        const TensorView& v, const TensorView& out, const TensorView& lse,
-                        const AttentionOptions& options) {
-  const AttentionProblem p = AttentionProblem::from_inputs(q, k, v, options);
-  BackwardResult r{Tensor(p.dtype, {p.batch, p.seqlen_q, p.heads_q, p.head_dim}),
-                   Tensor(p.dtype, {p.batch, p.seqlen_k, p.heads_kv, p.head_dim}),
-                   Tensor(p.dtype, {p.batch, p.seqlen_k, p.heads_kv, p.head_dim_v})};
-  backward(dout, q, k, v, out, lse, r.dq.view(), r.dk.view(), r.dv.view(), options);
-  return r;
 }
 
 }  // namespace flashattn

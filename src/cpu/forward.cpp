@@ -1,16 +1,15 @@
-// CPU forward driver: validate, plan, then run the work items on OpenMP threads.
+// The CPU forward driver: plan checked jobs, then run their work items on OpenMP threads.
 #include <omp.h>
 
 #include <algorithm>
+#include <span>
 #include <vector>
 
 #include "flashattn/attention.hpp"
 #include "flashattn/problem.hpp"
-#include "src/core/validate.hpp"
 #include "src/cpu/allocate.hpp"
 #include "src/cpu/drivers.hpp"
 #include "src/cpu/forward_kernel.hpp"
-#include "src/cuda/backend.hpp"
 
 namespace flashattn {
 namespace cpu {
@@ -120,16 +119,6 @@ void add_counters(std::int64_t grid, const std::vector<cpu::ForwardWorkspace>& w
   counters += sum;
 }
 
-// One validated problem and what its work items read and write; `paged` (when its table is
-// set) maps key j of batch element 0 to a page of the k and v pools.
-struct ForwardJob {
-  AttentionProblem problem;
-  TensorView q, k, v;
-  MutableTensorView out, lse;
-  AttentionOptions options;
-  cpu::PagedKv paged;
-};
-
 // A job's plan and the split-KV partial results its items write before the merge.
 struct PlannedJob {
   CpuForwardPlan plan;
@@ -137,15 +126,17 @@ struct PlannedJob {
   cpu::ForwardParams params;
 };
 
+}  // namespace
+
 // Plans and runs the jobs. Jobs that all take the decode kernel (one sequence each of a KV
 // cache, one token per sequence) share one parallel region: their items — (sequence, key
 // chunk) — go to the threads together, so a batch of short sequences costs one start-up of
 // the threads, not one per sequence, and needs fewer key splits — whose partial results go
 // to freshly allocated memory, page faults included, before their merge — to keep them
 // busy. Other jobs run one after the other, each in its own region.
-void run_forward_jobs(const std::vector<ForwardJob>& jobs) {
-  std::vector<ForwardJob> live;  // jobs with output rows
-  for (const ForwardJob& job : jobs)
+void cpu::run_forward_jobs(std::span<const detail::ForwardJob> jobs) {
+  std::vector<detail::ForwardJob> live;  // jobs with output rows
+  for (const detail::ForwardJob& job : jobs)
     if (job.problem.batch > 0 && job.problem.seqlen_q > 0) live.push_back(job);
   if (live.empty()) return;  // no rows: no rescale counts either
   const AttentionOptions& options = live.front().options;  // the call's: threads, splits, counters
@@ -164,7 +155,7 @@ void run_forward_jobs(const std::vector<ForwardJob>& jobs) {
       planned[j].plan = plan_forward(live[j].problem, hw, splits, live[j].options.block_q, live[j].options.kernel);
   }
   for (std::size_t j = 0; j < live.size(); ++j) {
-    const ForwardJob& job = live[j];
+    const detail::ForwardJob& job = live[j];
     const AttentionProblem& p = job.problem;
     PlannedJob& pj = planned[j];
     const std::int64_t split_rows = pj.plan.splits > 1 ? pj.plan.splits * p.batch * p.heads_q * p.seqlen_q : 0;
@@ -248,106 +239,8 @@ void run_forward_jobs(const std::vector<ForwardJob>& jobs) {
   }
 }
 
-void run_forward(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
-                 const MutableTensorView& out, const MutableTensorView& lse, const AttentionOptions& options,
-                 const cpu::PagedKv& paged) {
-  run_forward_jobs({{p, q, k, v, out, lse, options, paged}});
+void cpu::check_forward(const detail::ForwardJob& job) {
+  plan_forward(job.problem, CpuHardware::detect(job.options.num_threads), job.options);
 }
-
-}  // namespace
-
-AttentionProblem detail::validate_forward(const TensorView& q, const TensorView& k, const TensorView& v,
-                                          const TensorView& out, const TensorView& lse,
-                                          const AttentionOptions& options, std::int64_t batch_offset) {
-  AttentionProblem problem = AttentionProblem::from_inputs(q, k, v, options);
-  problem.batch_offset = batch_offset;
-  detail::check_forward_outputs(problem, q, k, v, out, lse);
-  detail::check_rescale_counts(problem, options, q, k, v, out, lse);
-  plan_forward(problem, CpuHardware::detect(options.num_threads), options);
-  return problem;
-}
-
-void detail::forward_impl(const TensorView& q, const TensorView& k, const TensorView& v,
-                          const MutableTensorView& out, const MutableTensorView& lse,
-                          const AttentionOptions& options, std::int64_t batch_offset) {
-  run_forward(validate_forward(q, k, v, out, lse, options, batch_offset), q, k, v, out, lse, options, {});
-}
-
-void detail::run_forward_problem(const AttentionProblem& problem, const TensorView& q, const TensorView& k,
-                                 const TensorView& v, const MutableTensorView& out, const MutableTensorView& lse,
-                                 const AttentionOptions& options) {
-  run_forward(problem, q, k, v, out, lse, options, {});
-}
-
-namespace {
-AttentionProblem cache_problem(const detail::CacheSequence& c) {
-  AttentionProblem problem =
-      AttentionProblem::from_sizes(c.q.shape[0], c.q.shape[1], c.seqlen_k, c.q.shape[2], c.k_pool.shape[2],
-                                   c.q.shape[3], c.v_pool.shape[3], c.q.dtype, c.options);
-  problem.batch_offset = c.batch_offset;
-  problem.kv_dtype = c.k_pool.dtype;  // u8 for an FP8 cache
-  detail::check_forward_outputs(problem, c.q, c.k_pool, c.v_pool, c.out, c.lse);
-  return problem;
-}
-}  // namespace
-
-void detail::validate_cache_sequence(const CacheSequence& c) {
-  const AttentionProblem problem = cache_problem(c);
-  plan_forward(problem, CpuHardware::detect(c.options.num_threads), c.options);
-}
-
-void detail::forward_cache(const std::vector<CacheSequence>& sequences) {
-  std::vector<ForwardJob> jobs;
-  for (const CacheSequence& c : sequences) {
-    const AttentionProblem problem = cache_problem(c);
-    const CacheSource& source = c.source;
-    const std::int64_t page_size = source.block_table != nullptr ? c.k_pool.shape[1] : 0;
-    jobs.push_back({problem, c.q, c.k_pool, c.v_pool, c.out, c.lse, c.options,
-                    {source.block_table, source.table_stride, page_size, source.k_descale, source.v_descale,
-                     source.descale_page_stride, source.descale_head_stride}});
-  }
-  run_forward_jobs(jobs);
-}
-
-void forward(const TensorView& q, const TensorView& k, const TensorView& v,
-             const MutableTensorView& out, const MutableTensorView& lse,
-             const AttentionOptions& options) {
-  const TensorView out_view = out, lse_view = lse;
-  if (cuda::common_device({{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out_view}, {"lse", &lse_view}}) == Device::cuda)
-    return cuda::forward(q, k, v, out, lse, options);
-  detail::forward_impl(q, k, v, out, lse, options, 0);
-}
-
-void detail::check_sequence_options(const AttentionOptions& options, std::int64_t batch,
-                                    std::int64_t heads_q) {
-  const TensorView& a = options.alibi_slopes;
-  if (a.rank != 2) return;  // rank 1 (or anything else) is checked per sequence
-  check_view("alibi_slopes", a, 2, "(batch, heads_q)");
-  check_dtype("alibi_slopes", a, DType::f32, "slopes are float32");
-  check_shape("alibi_slopes", a, {batch, heads_q}, "(batch, heads_q)");
-}
-
-AttentionOptions detail::sequence_options(const AttentionOptions& options, std::int64_t b) {
-  AttentionOptions o = options;
-  const TensorView& a = options.alibi_slopes;
-  if (a.rank == 2 && a.data != nullptr) {
-    o.alibi_slopes.data = static_cast<const float*>(a.data) + b * a.strides[0];
-    o.alibi_slopes.rank = 1;
-    o.alibi_slopes.shape = {a.shape[1], 0, 0, 0, 0};
-    o.alibi_slopes.strides = {a.strides[1], 0, 0, 0, 0};
-  }
-  return o;
-}
-
-ForwardResult forward(const TensorView& q, const TensorView& k, const TensorView& v,
-                      const AttentionOptions& options) {
-  const AttentionProblem p = AttentionProblem::from_inputs(q, k, v, options);
-  ForwardResult result{Tensor(p.dtype, {p.batch, p.seqlen_q, p.heads_q, p.head_dim_v}),
-                       Tensor(DType::f32, {p.batch, p.heads_q, p.seqlen_q})};
-  forward(q, k, v, result.out.view(), result.lse.view(), options);
-  return result;
-}
-
-std::string cpu_simd_target() { return cpu::kernel_geometry().target; }
 
 }  // namespace flashattn

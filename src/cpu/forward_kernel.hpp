@@ -12,23 +12,12 @@
 #include "flashattn/plan.hpp"
 #include "flashattn/problem.hpp"
 #include "flashattn/tensor.hpp"
+#include "src/core/paged_kv.hpp"
 #include "src/cpu/packed_head.hpp"
 
 namespace flashattn::cpu {
 
-// A paged K/V source: key j of the (single) sequence is row j % page_size of page
-// block_table[(j / page_size) · table_stride] of the k and v views (the page pools).
-// FP8 e4m3 pools (k and v of dtype u8) carry descales: row j's value is its codes times
-// descale[page · descale_page_stride + kv_head · descale_head_stride] (page = the batch
-// row when there is no table).
-struct PagedKv {
-  const std::int32_t* block_table = nullptr;  // null: k and v are ordinary views
-  std::int64_t table_stride = 0;
-  std::int64_t page_size = 0;
-  const float* k_descale = nullptr;  // null: not FP8
-  const float* v_descale = nullptr;
-  std::int64_t descale_page_stride = 0, descale_head_stride = 0;
-};
+using detail::PagedKv;  // the paged-KV source (src/core/paged_kv.hpp)
 
 // The decode kernel's view of a block of keys: key c's K and V rows of kv head 0 (the
 // other heads follow at the views' head strides) and, for FP8 pools, its page's descales

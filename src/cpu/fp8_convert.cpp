@@ -127,37 +127,13 @@ Fp8Tensor quantize_fp8(const TensorView& x, Fp8Format format, std::int64_t block
 }
 
 Tensor detail::dequantize_fp8(const char* name, const Fp8View& x) {
-  const std::string codes_name = std::string(name) + ".codes", descale_name = std::string(name) + ".descale";
-  check_view(codes_name.c_str(), x.codes, 4, kLayout);
-  check_dtype(codes_name.c_str(), x.codes, DType::u8, "FP8 codes are one byte each");
-  if (x.block_size < 0)
-    throw Error(std::string(name) + ".block_size: must be >= 0 (0 = one scale per tensor), got " +
-                std::to_string(x.block_size));
+  check_fp8_input(name, x);
   const std::int64_t batch = x.codes.shape[0], seqlen = x.codes.shape[1], heads = x.codes.shape[2];
   const std::int64_t dim = x.codes.shape[3];
-  check_dtype(descale_name.c_str(), x.descale, DType::f32, "descale factors are float32");
-  if (x.block_size == 0) {
-    check_view(descale_name.c_str(), x.descale, 1, "(1) per tensor");
-    check_shape(descale_name.c_str(), x.descale, {1}, "(1) per tensor");
-  } else {
-    check_view(descale_name.c_str(), x.descale, 3, "(batch, heads, blocks) per block");
-    check_shape(descale_name.c_str(), x.descale, {batch, heads, blocks_of(seqlen, x.block_size)},
-                "(batch, heads, ceil(seqlen / block_size)) per block");
-  }
-  const std::int64_t blocks = blocks_of(seqlen, x.block_size);
   auto descale_at = [&](std::int64_t b, std::int64_t h, std::int64_t block) {
     if (x.block_size == 0) return load_element(x.descale, 0);
     return load_element(x.descale, b * x.descale.strides[0] + h * x.descale.strides[1] + block * x.descale.strides[2]);
   };
-  for (std::int64_t b = 0; b < (x.block_size == 0 ? 1 : batch); ++b)
-    for (std::int64_t h = 0; h < (x.block_size == 0 ? 1 : heads); ++h)
-      for (std::int64_t block = 0; block < blocks; ++block) {
-        const float d = descale_at(b, h, block);
-        if (!(std::isfinite(d) && d > 0.0f))
-          throw Error(descale_name + ": entry (" + std::to_string(b) + ", " + std::to_string(h) + ", " +
-                      std::to_string(block) + ") is " + std::to_string(d) +
-                      " (descale factors must be finite and > 0)");
-      }
   Tensor out(DType::f32, {batch, seqlen, heads, dim});
   float* dst = out.data_as<float>();
   for (std::int64_t b = 0; b < batch; ++b)

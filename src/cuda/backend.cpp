@@ -1,5 +1,6 @@
-#include "src/cuda/backend.hpp"
-
+// The CUDA backend: its checks (16-bit operands, 16-byte rows, the features the kernels
+// have) and the launches of forward and backward. Plain C++ (built with or without CUDA):
+// the launches are in the CUDA translation units (or unavailable.cpp).
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -7,7 +8,7 @@
 #include "flashattn/cuda_plan.hpp"
 #include "flashattn/error.hpp"
 #include "flashattn/problem.hpp"
-#include "src/core/validate.hpp"
+#include "src/api/backend.hpp"
 #include "src/cuda/backward_body.hpp"
 #include "src/cuda/launch.hpp"
 
@@ -15,9 +16,6 @@ namespace flashattn::cuda {
 namespace {
 
 std::string str(std::int64_t v) { return std::to_string(v); }
-
-// The views' metadata, as the cpu-side checks (shapes, strides, overlap) read it.
-TensorView host_meta(const TensorView& view) { return view.on(Device::cpu); }
 
 // What the kernels need beyond the common checks: 16-bit floats, 16-byte rows (cp.async
 // moves 16 bytes), 32-bit sequence indices, grid dimensions within CUDA's limits.
@@ -49,6 +47,8 @@ void check_supported(const AttentionProblem& p, const AttentionOptions& options)
   if (p.block_mask_block_size != 0 || options.block_mask.data != nullptr)
     throw Error("block_mask: not supported on cuda");
   if (options.counters != nullptr) throw Error("counters: not supported on cuda");
+  if (options.rescale_counts.data != nullptr || options.rescale_counts.rank != 0)
+    throw Error("rescale_counts: not supported on cuda");
   if (p.heads_q > kMaxGridDim || p.batch > kMaxGridDim)
     throw Error("heads_q " + str(p.heads_q) + " / batch " + str(p.batch) + ": at most " + str(kMaxGridDim) +
                 " each on cuda");
@@ -57,80 +57,53 @@ void check_supported(const AttentionProblem& p, const AttentionOptions& options)
 Operand operand(const TensorView& v) { return {v.data, v.strides[0], v.strides[1], v.strides[2]}; }
 MutableOperand operand(const MutableTensorView& v) { return {v.data, v.strides[0], v.strides[1], v.strides[2]}; }
 
-}  // namespace
 
-Device common_device(std::initializer_list<std::pair<const char*, const TensorView*>> views) {
-  const auto& [first_name, first] = *views.begin();
-  for (const auto& [name, view] : views)
-    if (view->device != first->device)
-      throw Error(std::string(name) + ": on " + to_string(view->device) + " but " + first_name + " is on " +
-                  to_string(first->device) + " (all tensors of a call must be on one device)");
-  return first->device;
+void check_forward(const detail::ForwardJob& job) {
+  check_supported(job.problem, job.options);
+  for (const auto& [name, view] : {std::pair{"q", job.q}, {"k", job.k}, {"v", job.v}, {"out", TensorView(job.out)}})
+    check_operand(name, view);
+  plan_cuda_forward(job.problem);
 }
 
-void forward(const TensorView& q, const TensorView& k, const TensorView& v, const MutableTensorView& out,
-             const MutableTensorView& lse, const AttentionOptions& options) {
-  const AttentionProblem p = AttentionProblem::from_inputs(host_meta(q), host_meta(k), host_meta(v), options);
-  detail::check_forward_outputs(p, host_meta(q), host_meta(k), host_meta(v), host_meta(out), host_meta(lse));
-  check_supported(p, options);
-  for (const auto& [name, view] : {std::pair{"q", q}, {"k", k}, {"v", v}, {"out", TensorView(out)}})
-    check_operand(name, view);
+void forward(const detail::ForwardJob& job) {
+  const AttentionProblem& p = job.problem;
   const CudaForwardPlan plan = plan_cuda_forward(p);
   if (p.batch == 0 || p.seqlen_q == 0) return;
-  const ForwardParams params{operand(q), operand(k), operand(v), operand(out), static_cast<float*>(lse.data),
-                             lse.strides[0], lse.strides[1], static_cast<int>(p.seqlen_q),
-                             static_cast<int>(p.seqlen_k), static_cast<int>(p.heads_q), static_cast<int>(p.heads_kv),
-                             static_cast<int>(p.head_dim), p.softmax_scale * kLog2e, p.causal};
+  const ForwardParams params{operand(job.q), operand(job.k), operand(job.v), operand(job.out),
+                             static_cast<float*>(job.lse.data), job.lse.strides[0], job.lse.strides[1],
+                             static_cast<int>(p.seqlen_q), static_cast<int>(p.seqlen_k), static_cast<int>(p.heads_q),
+                             static_cast<int>(p.heads_kv), static_cast<int>(p.head_dim), p.softmax_scale * kLog2e,
+                             p.causal};
   launch_forward(params, plan, p.dtype == DType::bf16);
 }
 
-void backward(const TensorView& dout, const TensorView& q, const TensorView& k, const TensorView& v,
-              const TensorView& out, const TensorView& lse, const MutableTensorView& dq,
-              const MutableTensorView& dk, const MutableTensorView& dv, const AttentionOptions& options) {
-  const AttentionProblem p = AttentionProblem::from_inputs(host_meta(q), host_meta(k), host_meta(v), options);
-  check_supported(p, options);
-  const std::pair<const char*, TensorView> operands[] = {{"dout", dout}, {"q", q},   {"k", k},   {"v", v},
-                                                         {"out", out},   {"dq", dq}, {"dk", dk}, {"dv", dv}};
-  constexpr const char* kOutLayout = "(batch, seqlen_q, heads_q, head_dim_v)";
-  for (const auto& [name, view] : {std::pair{"dout", dout}, {"out", out}}) {
-    detail::check_view(name, host_meta(view), 4, kOutLayout);
-    detail::check_dtype(name, view, q.dtype, "must have q's dtype");
-    detail::check_shape(name, view, {p.batch, p.seqlen_q, p.heads_q, p.head_dim_v}, kOutLayout);
-  }
-  detail::check_view("lse", host_meta(lse), 3, "(batch, heads_q, seqlen_q)");
-  detail::check_dtype("lse", lse, DType::f32, "lse is always float32");
-  detail::check_shape("lse", lse, {p.batch, p.heads_q, p.seqlen_q}, "(batch, heads_q, seqlen_q)");
-  const std::pair<const char*, const TensorView*> like[] = {{"q", &q}, {"k", &k}, {"v", &v}};
-  const std::pair<const char*, TensorView> grads[] = {{"dq", dq}, {"dk", dk}, {"dv", dv}};
-  for (int g = 0; g < 3; ++g) {
-    const auto& [name, grad] = grads[g];
-    const TensorView& ref = *like[g].second;
-    detail::check_view(name, host_meta(grad), 4, "(like its input)");
-    detail::check_dtype(name, grad, ref.dtype, "gradients have their input's dtype");
-    detail::check_shape(name, grad, {ref.shape[0], ref.shape[1], ref.shape[2], ref.shape[3]}, "(the shape of its input)");
-    detail::check_output_layout(name, host_meta(grad));
-    for (const auto& [in_name, input] : {std::pair{"dout", dout}, {"q", q}, {"k", k}, {"v", v}, {"out", out},
-                                         {"lse", lse}})
-      detail::check_no_overlap(name, host_meta(grad), in_name, host_meta(input));
-    for (int o = 0; o < g; ++o) detail::check_no_overlap(name, host_meta(grad), grads[o].first, host_meta(grads[o].second));
-  }
+void check_backward(const detail::BackwardJob& job) {
+  check_supported(job.problem, job.options);
+  const std::pair<const char*, TensorView> operands[] = {{"dout", job.dout}, {"q", job.q},   {"k", job.k},
+                                                         {"v", job.v},       {"out", job.out}, {"dq", job.dq},
+                                                         {"dk", job.dk},     {"dv", job.dv}};
   for (const auto& [name, view] : operands) check_operand(name, view);
-  const CudaBackwardPlan plan = plan_cuda_backward(p, options.deterministic);
+  plan_cuda_backward(job.problem, job.options.deterministic);
+}
+
+void backward(const detail::BackwardJob& job) {
+  const AttentionProblem& p = job.problem;
+  const CudaBackwardPlan plan = plan_cuda_backward(p, job.options.deterministic);
   // Without keys dq is zero, without queries dk and dv are: the launch writes them
   // (run_backward_passes); only an empty batch has nothing to write.
   if (p.batch == 0) return;
   BackwardParams params{};
-  params.q = operand(q);
-  params.k = operand(k);
-  params.v = operand(v);
-  params.out = operand(out);
-  params.dout = operand(dout);
-  params.dq = operand(dq);
-  params.dk = operand(dk);
-  params.dv = operand(dv);
-  params.lse = static_cast<const float*>(lse.data);
-  params.lse_batch_stride = lse.strides[0];
-  params.lse_head_stride = lse.strides[1];
+  params.q = operand(job.q);
+  params.k = operand(job.k);
+  params.v = operand(job.v);
+  params.out = operand(job.out);
+  params.dout = operand(job.dout);
+  params.dq = operand(job.dq);
+  params.dk = operand(job.dk);
+  params.dv = operand(job.dv);
+  params.lse = static_cast<const float*>(job.lse.data);
+  params.lse_batch_stride = job.lse.strides[0];
+  params.lse_head_stride = job.lse.strides[1];
   params.stats_rows = p.batch * p.heads_q * plan.m_blocks * plan.block_m;
   params.head_dim_padded = plan.head_dim_padded;
   params.seqlen_q = static_cast<int>(p.seqlen_q);
@@ -141,8 +114,29 @@ void backward(const TensorView& dout, const TensorView& q, const TensorView& k, 
   params.scale = p.softmax_scale;
   params.scale_log2 = p.softmax_scale * kLog2e;
   params.causal = p.causal;
-  params.deterministic = options.deterministic;
+  params.deterministic = job.options.deterministic;
   launch_backward(params, plan, p.dtype == DType::bf16);
 }
 
+}  // namespace
 }  // namespace flashattn::cuda
+
+namespace flashattn::detail {
+
+// CUDA runs forward and backward; varlen, the KV cache and FP8 are the CPU's only.
+const Backend& cuda_backend() {
+  static constexpr Backend backend{
+      .name = "cuda",
+      .check_forward = cuda::check_forward,
+      .check_backward = cuda::check_backward,
+      .forward = cuda::forward,
+      .backward = cuda::backward,
+      .forward_varlen = nullptr,
+      .backward_varlen = nullptr,
+      .forward_with_kvcache = nullptr,
+      .forward_fp8 = nullptr,
+  };
+  return backend;
+}
+
+}  // namespace flashattn::detail

@@ -61,12 +61,31 @@ flashattn::TensorView optional_in(const std::optional<Array>& a, const std::stri
   return a ? in(*a, dtype, arg) : flashattn::TensorView{};
 }
 
+// Each array's dtype name by its argument name, as Python read it from the array itself:
+// whether they agree (k has q's dtype, ...) is the library's check.
+using Dtypes = std::map<std::string, std::string>;
+const std::string& dtype_named(const Dtypes& dtypes, const char* arg) {
+  const auto it = dtypes.find(arg);
+  if (it == dtypes.end()) throw nb::value_error((std::string(arg) + ": no dtype given for it").c_str());
+  return it->second;
+}
+flashattn::TensorView in(const Array& a, const Dtypes& dtypes, const char* arg) {
+  return in(a, dtype_named(dtypes, arg), arg);
+}
+flashattn::MutableTensorView out(const Array& a, const Dtypes& dtypes, const char* arg) {
+  return out(a, dtype_named(dtypes, arg), arg);
+}
+flashattn::TensorView optional_in(const std::optional<Array>& a, const Dtypes& dtypes, const char* arg) {
+  return a ? in(*a, dtypes, arg) : flashattn::TensorView{};
+}
+
 struct Options {
   std::optional<float> softmax_scale;
   bool causal = false;
   std::int64_t window_left = -1, window_right = -1;
   float softcap = 0.0f;
   std::optional<Array> alibi_slopes;
+  std::string alibi_dtype = "f32";  // the slopes' own dtype: the library checks it
   float dropout_p = 0.0f;
   std::uint64_t seed = 0;
   std::uint64_t offset = 0;
@@ -84,7 +103,7 @@ struct Options {
     o.causal = causal;
     o.window_size = {window_left, window_right};
     o.softcap = softcap;
-    o.alibi_slopes = optional_in(alibi_slopes, "f32", "alibi_slopes");
+    o.alibi_slopes = optional_in(alibi_slopes, alibi_dtype, "alibi_slopes");
     o.dropout_p = dropout_p;
     o.seed = seed;
     o.offset = offset;
@@ -178,6 +197,7 @@ NB_MODULE(_C, m) {
       .def_rw("window_right", &Options::window_right)
       .def_rw("softcap", &Options::softcap)
       .def_rw("alibi_slopes", &Options::alibi_slopes)
+      .def_rw("alibi_dtype", &Options::alibi_dtype)
       .def_rw("dropout_p", &Options::dropout_p)
       .def_rw("seed", &Options::seed)
       .def_rw("offset", &Options::offset)
@@ -191,10 +211,10 @@ NB_MODULE(_C, m) {
 
   m.def(
       "forward",
-      [](Array q, Array k, Array v, Array o, Array lse, const std::string& dtype, const Options& opt) {
+      [](Array q, Array k, Array v, Array o, Array lse, const Dtypes& dtypes, const Options& opt) {
         const flashattn::AttentionOptions options = opt.get();
         nb::gil_scoped_release release;
-        flashattn::forward(in(q, dtype, "q"), in(k, dtype, "k"), in(v, dtype, "v"), out(o, dtype, "out"),
+        flashattn::forward(in(q, dtypes, "q"), in(k, dtypes, "k"), in(v, dtypes, "v"), out(o, dtypes, "out"),
                            out(lse, "f32", "softmax_lse"), options);
       },
       "q, k, v (B, S, H, D) -> out, lse written in place");
@@ -202,50 +222,50 @@ NB_MODULE(_C, m) {
   m.def(
       "backward",
       [](Array dout, Array q, Array k, Array v, Array o, Array lse, Array dq, Array dk, Array dv,
-         const std::string& dtype, const Options& opt) {
+         const Dtypes& dtypes, const Options& opt) {
         const flashattn::AttentionOptions options = opt.get();
         nb::gil_scoped_release release;
-        flashattn::backward(in(dout, dtype, "dout"), in(q, dtype, "q"), in(k, dtype, "k"), in(v, dtype, "v"),
-                            in(o, dtype, "out"), in(lse, "f32", "softmax_lse"), out(dq, dtype, "dq"),
-                            out(dk, dtype, "dk"), out(dv, dtype, "dv"), options);
+        flashattn::backward(in(dout, dtypes, "dout"), in(q, dtypes, "q"), in(k, dtypes, "k"), in(v, dtypes, "v"),
+                            in(o, dtypes, "out"), in(lse, dtypes, "softmax_lse"), out(dq, dtypes, "dq"),
+                            out(dk, dtypes, "dk"), out(dv, dtypes, "dv"), options);
       },
       "gradients written into dq, dk, dv");
 
   m.def(
       "forward_varlen",
       [](Array q, Array k, Array v, Array cu_q, Array cu_k, std::int64_t max_q, std::int64_t max_k,
-         Array o, Array lse, const std::string& dtype, const Options& opt) {
+         Array o, Array lse, const Dtypes& dtypes, const Options& opt) {
         const flashattn::AttentionOptions options = opt.get();
         const flashattn::VarlenSeqlens s{in(cu_q, "i32", "cu_seqlens_q"), in(cu_k, "i32", "cu_seqlens_k"), max_q,
                                          max_k};
         nb::gil_scoped_release release;
-        flashattn::forward_varlen(in(q, dtype, "q"), in(k, dtype, "k"), in(v, dtype, "v"), s,
-                                  out(o, dtype, "out"), out(lse, "f32", "softmax_lse"), options);
+        flashattn::forward_varlen(in(q, dtypes, "q"), in(k, dtypes, "k"), in(v, dtypes, "v"), s,
+                                  out(o, dtypes, "out"), out(lse, "f32", "softmax_lse"), options);
       },
       "packed variable-length batch: q (total_q, H, D) ...");
 
   m.def(
       "backward_varlen",
       [](Array dout, Array q, Array k, Array v, Array o, Array lse, Array cu_q, Array cu_k,
-         std::int64_t max_q, std::int64_t max_k, Array dq, Array dk, Array dv, const std::string& dtype,
+         std::int64_t max_q, std::int64_t max_k, Array dq, Array dk, Array dv, const Dtypes& dtypes,
          const Options& opt) {
         const flashattn::AttentionOptions options = opt.get();
         const flashattn::VarlenSeqlens s{in(cu_q, "i32", "cu_seqlens_q"), in(cu_k, "i32", "cu_seqlens_k"), max_q,
                                          max_k};
         nb::gil_scoped_release release;
-        flashattn::backward_varlen(in(dout, dtype, "dout"), in(q, dtype, "q"), in(k, dtype, "k"),
-                                   in(v, dtype, "v"), in(o, dtype, "out"), in(lse, "f32", "softmax_lse"), s,
-                                   out(dq, dtype, "dq"), out(dk, dtype, "dk"), out(dv, dtype, "dv"), options);
+        flashattn::backward_varlen(in(dout, dtypes, "dout"), in(q, dtypes, "q"), in(k, dtypes, "k"),
+                                   in(v, dtypes, "v"), in(o, dtypes, "out"), in(lse, dtypes, "softmax_lse"), s,
+                                   out(dq, dtypes, "dq"), out(dk, dtypes, "dk"), out(dv, dtypes, "dv"), options);
       },
       "gradients of a packed variable-length batch");
 
   m.def(
       "attention_probs",
-      [](Array q, Array k, Array v, Array probs, const std::string& dtype, const Options& opt) {
+      [](Array q, Array k, Array v, Array probs, const Dtypes& dtypes, const Options& opt) {
         const flashattn::AttentionOptions options = opt.get();
         nb::gil_scoped_release release;
-        const flashattn::Tensor p =
-            flashattn::reference::attention_probs(in(q, dtype, "q"), in(k, dtype, "k"), in(v, dtype, "v"), options);
+        const flashattn::Tensor p = flashattn::reference::attention_probs(in(q, dtypes, "q"), in(k, dtypes, "k"),
+                                                                          in(v, dtypes, "v"), options);
         const flashattn::MutableTensorView dst = out(probs, "f32", "S_dmask");
         if (dst.numel() != p.numel()) throw flashattn::Error("S_dmask: wrong size");
         std::copy_n(p.data_as<float>(), p.numel(), static_cast<float*>(dst.data));
@@ -257,16 +277,16 @@ NB_MODULE(_C, m) {
       [](Array q, Array k_cache, Array v_cache, std::optional<Array> k, std::optional<Array> v,
          std::optional<Array> cos, std::optional<Array> sin, std::optional<Array> cache_seqlens,
          std::optional<Array> cache_batch_idx, std::optional<Array> cache_leftpad, std::optional<Array> block_table,
-         bool interleaved, Array o, Array lse, const std::string& dtype, const std::string& cache_dtype,
+         bool interleaved, Array o, Array lse, const Dtypes& dtypes,
          std::optional<Array> k_scale, std::optional<Array> v_scale, const Options& opt) {
         const flashattn::AttentionOptions options = opt.get();
         flashattn::KvCache c;
-        c.k_cache = out(k_cache, cache_dtype, "k_cache");
-        c.v_cache = out(v_cache, cache_dtype, "v_cache");
+        c.k_cache = out(k_cache, dtypes, "k_cache");
+        c.v_cache = out(v_cache, dtypes, "v_cache");
         if (k_scale) c.k_scale = out(*k_scale, "f32", "k_scale");
         if (v_scale) c.v_scale = out(*v_scale, "f32", "v_scale");
-        c.k = optional_in(k, dtype, "k");
-        c.v = optional_in(v, dtype, "v");
+        c.k = optional_in(k, dtypes, "k");
+        c.v = optional_in(v, dtypes, "v");
         c.rotary_cos = optional_in(cos, "f32", "rotary_cos");
         c.rotary_sin = optional_in(sin, "f32", "rotary_sin");
         c.cache_seqlens = optional_in(cache_seqlens, "i32", "cache_seqlens");
@@ -275,10 +295,10 @@ NB_MODULE(_C, m) {
         c.block_table = optional_in(block_table, "i32", "block_table");
         c.rotary_interleaved = interleaved;
         nb::gil_scoped_release release;
-        flashattn::forward_with_kvcache(in(q, dtype, "q"), c, out(o, dtype, "out"), out(lse, "f32", "softmax_lse"),
+        flashattn::forward_with_kvcache(in(q, dtypes, "q"), c, out(o, dtypes, "out"), out(lse, "f32", "softmax_lse"),
                                         options);
       },
-      "attention over a KV cache (of dtype's or u8 FP8 e4m3 codes with k_scale, v_scale descales), appending k, v "
+      "attention over a KV cache (of q's dtype or u8 FP8 e4m3 codes with k_scale, v_scale descales), appending k, v "
       "in place");
 
   m.def(
@@ -319,11 +339,11 @@ NB_MODULE(_C, m) {
 
   m.def(
       "plan",
-      [](Array q, Array k, Array v, const std::string& dtype, const Options& opt) {
+      [](Array q, Array k, Array v, const Dtypes& dtypes, const Options& opt) {
         const flashattn::AttentionOptions options = opt.get();
         // The calls forward() and backward() make: the same problem, hardware and planner.
-        const flashattn::AttentionProblem problem =
-            flashattn::AttentionProblem::from_inputs(in(q, dtype, "q"), in(k, dtype, "k"), in(v, dtype, "v"), options);
+        const flashattn::AttentionProblem problem = flashattn::AttentionProblem::from_inputs(
+            in(q, dtypes, "q"), in(k, dtypes, "k"), in(v, dtypes, "v"), options);
         const flashattn::CpuHardware hw = flashattn::CpuHardware::detect(options.num_threads);
         nb::dict d;
         d["forward"] = forward_plan_dict(

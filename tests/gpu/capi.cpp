@@ -7,7 +7,7 @@
 #include <string>
 
 #include "flashattn/tensor.hpp"
-#include "src/cuda/backend.hpp"
+#include "src/api/run.hpp"
 
 namespace {
 
@@ -44,7 +44,7 @@ const char* flashattn_cuda_forward(const void* q, const void* k, const void* v, 
     const flashattn::DType t = bf16 ? flashattn::DType::bf16 : flashattn::DType::f16;
     flashattn::AttentionOptions options;
     options.causal = causal != 0;
-    flashattn::cuda::forward(view(q, t, batch, seqlen_q, heads_q, head_dim), view(k, t, batch, seqlen_k, heads_kv, head_dim),
+    flashattn::detail::run_forward(flashattn::detail::cuda_backend(), view(q, t, batch, seqlen_q, heads_q, head_dim), view(k, t, batch, seqlen_k, heads_kv, head_dim),
                              view(v, t, batch, seqlen_k, heads_kv, head_dim), output(out, t, batch, seqlen_q, heads_q, head_dim),
                              flashattn::MutableTensorView(lse, flashattn::DType::f32, {batch, heads_q, seqlen_q})
                                  .on(flashattn::Device::cuda),
@@ -61,8 +61,8 @@ const char* flashattn_cuda_backward(const void* dout, const void* q, const void*
     flashattn::AttentionOptions options;
     options.causal = causal != 0;
     options.deterministic = deterministic != 0;
-    flashattn::cuda::backward(
-        view(dout, t, batch, seqlen_q, heads_q, head_dim), view(q, t, batch, seqlen_q, heads_q, head_dim),
+    flashattn::detail::run_backward(
+        flashattn::detail::cuda_backend(), view(dout, t, batch, seqlen_q, heads_q, head_dim), view(q, t, batch, seqlen_q, heads_q, head_dim),
         view(k, t, batch, seqlen_k, heads_kv, head_dim), view(v, t, batch, seqlen_k, heads_kv, head_dim),
         view(out, t, batch, seqlen_q, heads_q, head_dim),
         flashattn::TensorView(lse, flashattn::DType::f32, {batch, heads_q, seqlen_q}).on(flashattn::Device::cuda),

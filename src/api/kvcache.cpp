@@ -1,7 +1,8 @@
-// forward_with_kvcache: validate, append the new tokens (rotated) into their cache slots,
-// rotate q, then attend per sequence through the ordinary driver — a view of the cache
-// when it is contiguous, the page pools read through the block table when it is paged.
-// An FP8 cache quantizes on append (fp8_append below) and the kernels dequantize per row.
+// forward_with_kvcache in its steps: check the call, resolve its sequences (each checked,
+// the backend's checks included), append the new tokens (rotated) into their cache slots,
+// rotate q, then attend every sequence through the backend — a view of the cache when it
+// is contiguous, the page pools read through the block table when it is paged. An FP8
+// cache quantizes on append (fp8_append below) and the kernels dequantize per row.
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
@@ -12,8 +13,10 @@
 #include "flashattn/error.hpp"
 #include "flashattn/plan.hpp"
 #include "src/core/element.hpp"
+#include "src/api/backend.hpp"
+#include "src/api/route.hpp"
+#include "src/api/sequences.hpp"
 #include "src/core/validate.hpp"
-#include "src/cpu/drivers.hpp"
 
 namespace flashattn {
 namespace {
@@ -143,15 +146,24 @@ void check_append_targets(const Layout& layout, const std::vector<std::int64_t>&
   }
 }
 
-}  // namespace
+// A KV cache call, checked: its sizes, where each sequence's tokens are and how many it has.
+struct CacheCall {
+  bool fp8 = false;  // e4m3 codes with descales
+  std::int64_t batch = 0, hkv = 0, d = 0, dv = 0, s_new = 0;
+  Layout layout;
+  std::vector<std::int64_t> seqlens, leftpad;
+  bool positions_per_query = false;  // q rotated at cache_seqlens[b] + i (else at cache_seqlens[b])
+  std::int64_t rotary_dim = 0;
+};
 
-void forward_with_kvcache(const TensorView& q, const KvCache& c, const MutableTensorView& out,
-                          const MutableTensorView& lse, const AttentionOptions& options) {
+// Step 1, the call's own arguments, checked in this order; nothing is written.
+// The views and dtypes of q and the cache pools, and the call's sizes.
+CacheCall check_cache_views(const TensorView& q, const KvCache& c, const AttentionOptions& options) {
   detail::reject_rescale_counts("forward_with_kvcache", options);
   detail::check_view("q", q, 4, "(batch, seqlen_q, heads_q, head_dim)");
   detail::check_view("k_cache", c.k_cache, 4, "(batch_cache or pages, seqlen_cache or page_size, heads_kv, head_dim)");
   detail::check_view("v_cache", c.v_cache, 4, "(batch_cache or pages, seqlen_cache or page_size, heads_kv, head_dim_v)");
-  const bool fp8 = c.k_cache.dtype == DType::u8;  // e4m3 codes with descales
+  const bool fp8 = c.k_cache.dtype == DType::u8;
   if (!is_floating(q.dtype)) throw Error("q: dtype " + to_string(q.dtype) + " is not a floating dtype (f32, bf16, f16)");
   if (fp8) {
     detail::check_dtype("v_cache", c.v_cache, DType::u8, "an FP8 cache holds e4m3 codes in both pools");
@@ -167,7 +179,13 @@ void forward_with_kvcache(const TensorView& q, const KvCache& c, const MutableTe
                   detail::shape_string(c.k_cache) + " in dim " + std::to_string(d));
   const std::int64_t batch = q.shape[0], hkv = c.k_cache.shape[2], d = c.k_cache.shape[3], dv = c.v_cache.shape[3];
   const std::int64_t s_new = is_set(c.k) ? c.k.shape[1] : 0;
-  Layout layout;
+  return {fp8, batch, hkv, d, dv, s_new, {}, {}, {}, false, 0};
+}
+
+// Where each sequence's tokens live: the block table (paged) or the cache rows (contiguous).
+void resolve_layout(const KvCache& c, CacheCall& r) {
+  const std::int64_t batch = r.batch;
+  Layout& layout = r.layout;
   layout.paged = is_set(c.block_table);
   if (layout.paged) {
     detail::check_view("block_table", c.block_table, 2, "(batch, max_pages_per_seq)");
@@ -192,9 +210,16 @@ void forward_with_kvcache(const TensorView& q, const KvCache& c, const MutableTe
                     str(c.k_cache.shape[0]) + " rows");
     }
   }
-  const std::vector<std::int64_t> seqlens =
-      is_set(c.cache_seqlens) ? read_i32("cache_seqlens", c.cache_seqlens, batch)
-                              : std::vector<std::int64_t>(static_cast<std::size_t>(batch), layout.capacity - s_new);
+}
+
+// How many tokens each sequence holds and where they start, and the pages they span.
+void resolve_sequences(const KvCache& c, CacheCall& r) {
+  const std::int64_t batch = r.batch, s_new = r.s_new;
+  const Layout& layout = r.layout;
+  const std::int64_t full = layout.capacity - s_new;  // cache_seqlens unset: every sequence fills the cache
+  r.seqlens = is_set(c.cache_seqlens) ? read_i32("cache_seqlens", c.cache_seqlens, batch)
+                                      : std::vector<std::int64_t>(static_cast<std::size_t>(batch), full);
+  const std::vector<std::int64_t>& seqlens = r.seqlens;
   for (std::int64_t b = 0; b < batch; ++b) {
     const std::int64_t n = seqlens[static_cast<std::size_t>(b)];
     if (n < 0 || n + s_new > layout.capacity)
@@ -205,9 +230,9 @@ void forward_with_kvcache(const TensorView& q, const KvCache& c, const MutableTe
   // so there is nothing to pad.
   if (is_set(c.cache_leftpad) && layout.paged)
     throw Error("cache_leftpad: not supported with a paged cache (block_table)");
-  const std::vector<std::int64_t> leftpad = is_set(c.cache_leftpad)
-                                                ? read_i32("cache_leftpad", c.cache_leftpad, batch)
-                                                : std::vector<std::int64_t>(static_cast<std::size_t>(batch), 0);
+  r.leftpad = is_set(c.cache_leftpad) ? read_i32("cache_leftpad", c.cache_leftpad, batch)
+                                      : std::vector<std::int64_t>(static_cast<std::size_t>(batch), 0);
+  const std::vector<std::int64_t>& leftpad = r.leftpad;
   for (std::int64_t b = 0; b < batch; ++b) {
     const std::int64_t pad = leftpad[static_cast<std::size_t>(b)], n = seqlens[static_cast<std::size_t>(b)];
     if (pad < 0 || pad > n)
@@ -226,33 +251,45 @@ void forward_with_kvcache(const TensorView& q, const KvCache& c, const MutableTe
       }
     }
   }
-  if (fp8) {
-    for (const auto& [name, scale] : {std::pair{"k_scale", c.k_scale}, {"v_scale", c.v_scale}}) {
-      detail::check_view(name, scale, 2, "(pages or batch_cache, heads_kv)");
-      detail::check_dtype(name, scale, DType::f32, "float32 descales");
-      detail::check_shape(name, scale, {c.k_cache.shape[0], hkv}, "(pages or batch_cache, heads_kv)");
-      for (const auto& [other, view] : {std::pair{"k_cache", TensorView(c.k_cache)}, {"v_cache", c.v_cache}, {"q", q},
-                                        {"k", c.k}, {"v", c.v}})
-        detail::check_no_overlap(name, scale, other, view);
-    }
-    detail::check_no_overlap("k_scale", c.k_scale, "v_scale", c.v_scale);
-    if (c.v_scale.strides[0] != c.k_scale.strides[0] || c.v_scale.strides[1] != c.k_scale.strides[1])
-      throw Error("v_scale: strides differ from k_scale's; give both the same layout");
-    // Pages (cache rows) that already hold tokens are read with their descales.
-    for (std::int64_t b = 0; b < batch; ++b) {
-      const std::int64_t first = leftpad[static_cast<std::size_t>(b)], n = seqlens[static_cast<std::size_t>(b)];
-      const std::int64_t step = layout.paged ? layout.page_size : std::max<std::int64_t>(n, 1);
-      for (std::int64_t pos = first / step * step; pos < n; pos += step)
-        for (std::int64_t h = 0; h < hkv; ++h)
-          for (const auto& [name, scale] : {std::pair{"k_scale", c.k_scale}, {"v_scale", c.v_scale}}) {
-            const std::int64_t page = layout.locate(b, pos).first;
-            const float value = descale_at(scale, page, h);
-            if (!(std::isfinite(value) && value > 0.0f))
-              throw Error(std::string(name) + ": [" + str(page) + ", " + str(h) + "] = " + std::to_string(value) +
-                          " is not a finite positive descale (sequence " + str(b) + " has tokens there)");
-          }
-    }
+}
+
+// An FP8 cache's descales: views, and finite positive values wherever tokens are read.
+void check_descales(const TensorView& q, const KvCache& c, const CacheCall& r) {
+  const std::int64_t batch = r.batch, hkv = r.hkv;
+  const Layout& layout = r.layout;
+  const std::vector<std::int64_t>& seqlens = r.seqlens;
+  const std::vector<std::int64_t>& leftpad = r.leftpad;
+  for (const auto& [name, scale] : {std::pair{"k_scale", c.k_scale}, {"v_scale", c.v_scale}}) {
+    detail::check_view(name, scale, 2, "(pages or batch_cache, heads_kv)");
+    detail::check_dtype(name, scale, DType::f32, "float32 descales");
+    detail::check_shape(name, scale, {c.k_cache.shape[0], hkv}, "(pages or batch_cache, heads_kv)");
+    for (const auto& [other, view] : {std::pair{"k_cache", TensorView(c.k_cache)}, {"v_cache", c.v_cache}, {"q", q},
+                                      {"k", c.k}, {"v", c.v}})
+      detail::check_no_overlap(name, scale, other, view);
   }
+  detail::check_no_overlap("k_scale", c.k_scale, "v_scale", c.v_scale);
+  if (c.v_scale.strides[0] != c.k_scale.strides[0] || c.v_scale.strides[1] != c.k_scale.strides[1])
+    throw Error("v_scale: strides differ from k_scale's; give both the same layout");
+  // Pages (cache rows) that already hold tokens are read with their descales.
+  for (std::int64_t b = 0; b < batch; ++b) {
+    const std::int64_t first = leftpad[static_cast<std::size_t>(b)], n = seqlens[static_cast<std::size_t>(b)];
+    const std::int64_t step = layout.paged ? layout.page_size : std::max<std::int64_t>(n, 1);
+    for (std::int64_t pos = first / step * step; pos < n; pos += step)
+      for (std::int64_t h = 0; h < hkv; ++h)
+        for (const auto& [name, scale] : {std::pair{"k_scale", c.k_scale}, {"v_scale", c.v_scale}}) {
+          const std::int64_t page = layout.locate(b, pos).first;
+          const float value = descale_at(scale, page, h);
+          if (!(std::isfinite(value) && value > 0.0f))
+            throw Error(std::string(name) + ": [" + str(page) + ", " + str(h) + "] = " + std::to_string(value) +
+                        " is not a finite positive descale (sequence " + str(b) + " has tokens there)");
+        }
+  }
+}
+
+// The new tokens to append.
+void check_new_tokens(const TensorView& q, const KvCache& c, const CacheCall& r) {
+  const bool fp8 = r.fp8;
+  const std::int64_t batch = r.batch, hkv = r.hkv, d = r.d, dv = r.dv, s_new = r.s_new;
   if (is_set(c.k) != is_set(c.v)) throw Error("k, v: the new keys and values come together");
   if (is_set(c.k)) {
     detail::check_view("k", c.k, 4, "(batch, seqlen_new, heads_kv, head_dim)");
@@ -275,8 +312,13 @@ void forward_with_kvcache(const TensorView& q, const KvCache& c, const MutableTe
                   throw Error(std::string(name) + ": [" + str(b) + ", " + str(t) + ", " + str(h) + ", " + str(e) +
                               "] is not finite; an FP8 cache stores finite values only");
   }
-  const bool positions_per_query = options.causal || options.window_size.left >= 0 || options.window_size.right >= 0;
-  std::int64_t rotary_dim = 0;
+}
+
+// Rotary tables: shapes, and a position for every token they rotate.
+void check_rotary(const TensorView& q, const KvCache& c, const AttentionOptions& options, CacheCall& r) {
+  const std::int64_t batch = r.batch, d = r.d, s_new = r.s_new;
+  const std::vector<std::int64_t>& seqlens = r.seqlens;
+  r.positions_per_query = options.causal || options.window_size.left >= 0 || options.window_size.right >= 0;
   if (is_set(c.rotary_cos) || is_set(c.rotary_sin)) {
     detail::check_view("rotary_cos", c.rotary_cos, 2, "(positions, rotary_dim / 2)");
     detail::check_view("rotary_sin", c.rotary_sin, 2, "(positions, rotary_dim / 2)");
@@ -284,16 +326,24 @@ void forward_with_kvcache(const TensorView& q, const KvCache& c, const MutableTe
       throw Error("rotary_cos: dtype " + to_string(c.rotary_cos.dtype) + " is not a floating dtype");
     detail::check_shape("rotary_sin", c.rotary_sin, {c.rotary_cos.shape[0], c.rotary_cos.shape[1]},
                         "(the shape of rotary_cos)");
-    rotary_dim = 2 * c.rotary_cos.shape[1];
-    if (rotary_dim > d) throw Error("rotary_cos: rotary_dim " + str(rotary_dim) + " exceeds head_dim " + str(d));
+    r.rotary_dim = 2 * c.rotary_cos.shape[1];
+    if (r.rotary_dim > d) throw Error("rotary_cos: rotary_dim " + str(r.rotary_dim) + " exceeds head_dim " + str(d));
     std::int64_t last = 0;
     for (std::int64_t b = 0; b < batch; ++b)
-      last = std::max(last, seqlens[static_cast<std::size_t>(b)] + std::max(s_new, positions_per_query ? q.shape[1] : 1) - 1);
+      last = std::max(last, seqlens[static_cast<std::size_t>(b)] + std::max(s_new, r.positions_per_query ? q.shape[1] : 1) - 1);
     if (last >= c.rotary_cos.shape[0])
       throw Error("rotary_cos: " + str(c.rotary_cos.shape[0]) + " positions but position " + str(last) + " is needed");
   }
+}
 
-  // The outputs, whole: the per-sequence checks below see only the views cut from them.
+// The outputs whole (the per-sequence checks see only the views cut from them), what the
+// append writes, and the options per sequence.
+void check_outputs_and_targets(const TensorView& q, const KvCache& c, const MutableTensorView& out,
+                               const MutableTensorView& lse, const AttentionOptions& options, const CacheCall& r) {
+  const bool fp8 = r.fp8;
+  const std::int64_t batch = r.batch, dv = r.dv, s_new = r.s_new;
+  const Layout& layout = r.layout;
+  const std::vector<std::int64_t>& seqlens = r.seqlens;
   constexpr const char* kOutLayout = "(batch, seqlen_q, heads_q, head_dim_v)";
   detail::check_tensor("out", out, q.dtype, "out must have q's dtype", {batch, q.shape[1], q.shape[2], dv}, kOutLayout);
   detail::check_tensor("lse", lse, DType::f32, "lse is always float32", {batch, q.shape[2], q.shape[1]},
@@ -316,57 +366,73 @@ void forward_with_kvcache(const TensorView& q, const KvCache& c, const MutableTe
     check_append_targets(layout, seqlens, s_new, batch);
   }
   detail::check_sequence_options(options, batch, q.shape[2]);
-  // Each sequence as its own problem (its own number of keys), attended together after the
-  // append. Every one is checked — options, output views, the kernel — before the append
-  // writes the cache, so a rejected call leaves the cache as it was.
-  auto sequences_of = [&](const TensorView& q_used) {
-    const std::size_t elem = dtype_size(q.dtype);
-    std::vector<detail::CacheSequence> sequences;
-    for (std::int64_t b = 0; b < batch; ++b) {
-      const std::int64_t first = leftpad[static_cast<std::size_t>(b)];
-      const std::int64_t keys = seqlens[static_cast<std::size_t>(b)] + s_new - first;
-      auto rows_of = [&](const TensorView& t, std::int64_t from, std::int64_t n, std::int64_t batch_row) {
-        TensorView v = t;
-        v.data = static_cast<const unsigned char*>(t.data) +
-                 static_cast<std::int64_t>(dtype_size(t.dtype)) * (batch_row * t.strides[0] + from * t.strides[1]);
-        v.shape = {1, n, t.shape[2], t.shape[3], 0};
-        v.strides = {std::max<std::int64_t>(n, 1) * t.strides[1], t.strides[1], t.strides[2], t.strides[3], 0};
-        return v;
-      };
-      const AttentionOptions ob = detail::sequence_options(options, b);
-      MutableTensorView ob_out = out, ob_lse = lse;
-      ob_out.data = static_cast<unsigned char*>(out.data) + b * out.strides[0] * static_cast<std::int64_t>(dtype_size(out.dtype));
-      ob_out.shape[0] = 1;
-      ob_lse.data = static_cast<float*>(lse.data) + b * lse.strides[0];
-      ob_lse.shape[0] = 1;
-      TensorView qb = q_used;
-      qb.data = static_cast<const unsigned char*>(q_used.data) + b * q_used.strides[0] * static_cast<std::int64_t>(elem);
-      qb.shape[0] = 1;
-      detail::CacheSource source;
-      TensorView k_pool = c.k_cache, v_pool = c.v_cache;
-      std::int64_t scale_row = 0;
-      if (layout.paged) {  // the kernels read the pages in place through the block table
-        source.block_table = static_cast<const std::int32_t*>(c.block_table.data) + b * c.block_table.strides[0];
-        source.table_stride = c.block_table.strides[1];
-      } else {  // a view of the sequence's rows
-        scale_row = layout.batch_idx[static_cast<std::size_t>(b)];
-        k_pool = rows_of(c.k_cache, first, keys, scale_row);
-        v_pool = rows_of(c.v_cache, first, keys, scale_row);
-      }
-      if (fp8) {
-        source.k_descale = &descale_at(c.k_scale, layout.paged ? 0 : scale_row, 0);
-        source.v_descale = &descale_at(c.v_scale, layout.paged ? 0 : scale_row, 0);
-        source.descale_page_stride = layout.paged ? c.k_scale.strides[0] : 0;
-        source.descale_head_stride = c.k_scale.strides[1];
-      }
-      sequences.push_back({qb, k_pool, v_pool, source, keys, ob_out, ob_lse, ob, b});
-    }
-    return sequences;
-  };
-  for (const detail::CacheSequence& sequence : sequences_of(q)) detail::validate_cache_sequence(sequence);
+}
 
-  // Append the new tokens (keys rotated) into their slots, and nowhere else (an FP8 page
-  // whose descale must grow also re-encodes its earlier tokens, see fp8_append).
+CacheCall check_cache_call(const TensorView& q, const KvCache& c, const MutableTensorView& out,
+                           const MutableTensorView& lse, const AttentionOptions& options) {
+  CacheCall r = check_cache_views(q, c, options);
+  resolve_layout(c, r);
+  resolve_sequences(c, r);
+  if (r.fp8) check_descales(q, c, r);
+  check_new_tokens(q, c, r);
+  check_rotary(q, c, options, r);
+  check_outputs_and_targets(q, c, out, lse, options, r);
+  return r;
+}
+
+// Step 2: each sequence as its own problem (its own number of keys) on views of q (rotated
+// or not), the cache and the outputs: the pools read in place through the block table when
+// paged, a view of the sequence's rows when contiguous. Each problem's output views are
+// checked here.
+std::vector<detail::ForwardJob> sequence_jobs(const CacheCall& r, const TensorView& q_used, const KvCache& c,
+                                              const MutableTensorView& out, const MutableTensorView& lse,
+                                              const AttentionOptions& options) {
+  std::vector<detail::ForwardJob> jobs;
+  for (std::int64_t b = 0; b < r.batch; ++b) {
+    const std::int64_t first = r.leftpad[static_cast<std::size_t>(b)];
+    const std::int64_t keys = r.seqlens[static_cast<std::size_t>(b)] + r.s_new - first;
+    detail::ForwardJob job{{},
+                           detail::batch_element(q_used, b),
+                           c.k_cache,
+                           c.v_cache,
+                           detail::batch_element(out, b),
+                           detail::batch_element(lse, b),
+                           detail::sequence_options(options, b),
+                           {}};
+    std::int64_t scale_row = 0;
+    if (r.layout.paged) {
+      job.paged.block_table = static_cast<const std::int32_t*>(c.block_table.data) + b * c.block_table.strides[0];
+      job.paged.table_stride = c.block_table.strides[1];
+      job.paged.page_size = r.layout.page_size;
+    } else {
+      scale_row = r.layout.batch_idx[static_cast<std::size_t>(b)];
+      job.k = detail::cache_rows(TensorView(c.k_cache), scale_row, first, keys);
+      job.v = detail::cache_rows(TensorView(c.v_cache), scale_row, first, keys);
+    }
+    if (r.fp8) {
+      job.paged.k_descale = &descale_at(c.k_scale, r.layout.paged ? 0 : scale_row, 0);
+      job.paged.v_descale = &descale_at(c.v_scale, r.layout.paged ? 0 : scale_row, 0);
+      job.paged.descale_page_stride = r.layout.paged ? c.k_scale.strides[0] : 0;
+      job.paged.descale_head_stride = c.k_scale.strides[1];
+    }
+    job.problem = AttentionProblem::from_sizes(1, job.q.shape[1], keys, job.q.shape[2], job.k.shape[2],
+                                               job.q.shape[3], job.v.shape[3], job.q.dtype, job.options);
+    job.problem.batch_offset = b;
+    job.problem.kv_dtype = job.k.dtype;  // u8 for an FP8 cache
+    detail::check_forward_outputs(job.problem, job.q, job.k, job.v, job.out, job.lse);
+    jobs.push_back(job);
+  }
+  return jobs;
+}
+
+// Step 3: the new tokens (keys rotated) into their slots, and nowhere else (an FP8 page
+// whose descale must grow also re-encodes its earlier tokens, see fp8_append).
+void append(const KvCache& c, const CacheCall& r) {
+  const bool fp8 = r.fp8;
+  const std::int64_t batch = r.batch, hkv = r.hkv, d = r.d, dv = r.dv, s_new = r.s_new;
+  const Layout& layout = r.layout;
+  const std::vector<std::int64_t>& seqlens = r.seqlens;
+  const std::vector<std::int64_t>& leftpad = r.leftpad;
   std::vector<float> row(static_cast<std::size_t>(std::max(d, dv)));
   std::vector<float> k_rows(static_cast<std::size_t>(s_new * d)), v_rows(static_cast<std::size_t>(s_new * dv));
   for (std::int64_t b = 0; b < batch; ++b)
@@ -392,26 +458,63 @@ void forward_with_kvcache(const TensorView& q, const KvCache& c, const MutableTe
       }
     }
 
-  // q rotated at its positions (a copy; q itself is never written).
-  Tensor q_rot;
-  TensorView q_used = q;
-  std::vector<float> rotated(row.size());
-  if (rotary_dim > 0) {
-    q_rot = Tensor(q.dtype, {q.shape[0], q.shape[1], q.shape[2], q.shape[3]});
-    for (std::int64_t b = 0; b < batch; ++b)
-      for (std::int64_t i = 0; i < q.shape[1]; ++i)
-        for (std::int64_t h = 0; h < q.shape[2]; ++h) {
-          for (std::int64_t e = 0; e < d; ++e) row[e] = detail::load_element(q, detail::offset4(q, b, i, h, e));
-          rotate(c, seqlens[static_cast<std::size_t>(b)] + (positions_per_query ? i : 0), row.data(), rotated.data(), d);
-          for (std::int64_t e = 0; e < d; ++e) q_rot.set(((b * q.shape[1] + i) * q.shape[2] + h) * d + e, rotated[e]);
-        }
-    q_used = q_rot.view();
-  }
+}
 
-  detail::forward_cache(sequences_of(q_used));
+// Step 4: q rotated at its positions (a copy; q itself is never written).
+Tensor rotated_queries(const TensorView& q, const KvCache& c, const CacheCall& r) {
+  const std::int64_t d = r.d;
+  Tensor q_rot(q.dtype, {q.shape[0], q.shape[1], q.shape[2], q.shape[3]});
+  std::vector<float> row(static_cast<std::size_t>(d)), rotated(static_cast<std::size_t>(d));
+  for (std::int64_t b = 0; b < r.batch; ++b)
+    for (std::int64_t i = 0; i < q.shape[1]; ++i)
+      for (std::int64_t h = 0; h < q.shape[2]; ++h) {
+        for (std::int64_t e = 0; e < d; ++e) row[e] = detail::load_element(q, detail::offset4(q, b, i, h, e));
+        rotate(c, r.seqlens[static_cast<std::size_t>(b)] + (r.positions_per_query ? i : 0), row.data(), rotated.data(),
+               d);
+        for (std::int64_t e = 0; e < d; ++e) q_rot.set(((b * q.shape[1] + i) * q.shape[2] + h) * d + e, rotated[e]);
+      }
+  return q_rot;
+}
+
+// The route first: the checks read the tables' values, which only the host can.
+const detail::Backend& cache_backend(const TensorView& q, const KvCache& c, const TensorView& out,
+                                     const TensorView& lse) {
+  return detail::route("forward_with_kvcache", &detail::Backend::forward_with_kvcache,
+                       {{"q", q},
+                        {"k_cache", c.k_cache},
+                        {"v_cache", c.v_cache},
+                        {"block_table", c.block_table},
+                        {"cache_seqlens", c.cache_seqlens},
+                        {"cache_batch_idx", c.cache_batch_idx},
+                        {"k", c.k},
+                        {"v", c.v},
+                        {"rotary_cos", c.rotary_cos},
+                        {"rotary_sin", c.rotary_sin},
+                        {"cache_leftpad", c.cache_leftpad},
+                        {"k_scale", c.k_scale},
+                        {"v_scale", c.v_scale},
+                        {"out", out},
+                        {"lse", lse}});
+}
+
+}  // namespace
+
+void forward_with_kvcache(const TensorView& q, const KvCache& c, const MutableTensorView& out,
+                          const MutableTensorView& lse, const AttentionOptions& options) {
+  const detail::Backend& backend = cache_backend(q, c, out, lse);
+  const CacheCall call = check_cache_call(q, c, out, lse, options);
+  // Every sequence is checked — options, output views, the kernel — before the append
+  // writes the cache, so a rejected call leaves the cache as it was.
+  for (const detail::ForwardJob& job : sequence_jobs(call, q, c, out, lse, options)) backend.check_forward(job);
+  append(c, call);
+  const Tensor q_rot = call.rotary_dim > 0 ? rotated_queries(q, c, call) : Tensor();
+  // The sequences attend together after the append (the backend shares one parallel region
+  // among them where it can).
+  backend.forward_with_kvcache(sequence_jobs(call, call.rotary_dim > 0 ? q_rot.view() : q, c, out, lse, options));
 }
 
 ForwardResult forward_with_kvcache(const TensorView& q, const KvCache& cache, const AttentionOptions& options) {
+  cache_backend(q, cache, {}, {});
   detail::check_view("q", q, 4, "(batch, seqlen_q, heads_q, head_dim)");
   detail::check_view("v_cache", cache.v_cache, 4, "(pages or batch, slots, heads_kv, head_dim_v)");
   ForwardResult r{Tensor(q.dtype, {q.shape[0], q.shape[1], q.shape[2], cache.v_cache.shape[3]}),

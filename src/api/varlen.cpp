@@ -1,14 +1,16 @@
-// Variable-length packed batches: validate the offsets, then run every sequence as its
-// own (batch 1) problem through the ordinary drivers on strided views of the packed
-// tensors. Each call parallelizes over heads and Q tiles.
+// Variable-length packed batches: check the offsets, then run every sequence as its own
+// (batch 1) problem on strided views of the packed tensors (sequences.hpp), every one
+// checked before the first writes. The backend runs them one after the other.
 #include <tuple>
 #include <vector>
 
 #include "flashattn/attention.hpp"
 #include "flashattn/error.hpp"
-#include "src/core/element.hpp"
+#include "src/api/backend.hpp"
+#include "src/api/checks.hpp"
+#include "src/api/route.hpp"
+#include "src/api/sequences.hpp"
 #include "src/core/validate.hpp"
-#include "src/cpu/drivers.hpp"
 
 namespace flashattn {
 namespace {
@@ -65,34 +67,6 @@ Offsets check_varlen(const TensorView& q, const TensorView& k, const TensorView&
   return o;
 }
 
-// Tokens [begin, begin + len) of a packed (total, heads, dim) view as a (1, len, heads, dim) view.
-template <class View>
-View sequence(const View& t, std::int64_t begin, std::int64_t len) {
-  View r;
-  r.data = t.data == nullptr ? t.data
-                             : static_cast<decltype(t.data)>(static_cast<std::conditional_t<
-                                   std::is_const_v<std::remove_pointer_t<decltype(t.data)>>,
-                                   const unsigned char*, unsigned char*>>(t.data) +
-                                                              begin * t.strides[0] *
-                                                                  static_cast<std::int64_t>(dtype_size(t.dtype)));
-  r.dtype = t.dtype;
-  r.rank = 4;
-  r.shape = {1, len, t.shape[1], t.shape[2]};
-  r.strides = {std::max<std::int64_t>(len, 1) * t.strides[0], t.strides[0], t.strides[1], t.strides[2]};
-  return r;
-}
-
-// Columns [begin, begin + len) of a (heads, total) lse view as a (1, heads, len) view.
-template <class View>
-View lse_sequence(const View& t, std::int64_t begin, std::int64_t len) {
-  View r = t;
-  if (t.data != nullptr) r.data = static_cast<float*>(const_cast<void*>(static_cast<const void*>(t.data))) + begin * t.strides[1];
-  r.rank = 3;
-  r.shape = {1, t.shape[0], len, 0};
-  r.strides = {t.shape[0] * t.strides[0] + len * t.strides[1], t.strides[0], t.strides[1], 0};
-  return r;
-}
-
 // out (total_q, heads_q, head_dim_v) in q's dtype and lse (heads_q, total_q) float32, whole:
 // the per-sequence checks see only the views cut from them.
 void check_out_shapes(const TensorView& q, const TensorView& v, const TensorView& out,
@@ -107,6 +81,10 @@ void check_out_shapes(const TensorView& q, const TensorView& v, const TensorView
 void forward_varlen(const TensorView& q, const TensorView& k, const TensorView& v,
                     const VarlenSeqlens& seqlens, const MutableTensorView& out,
                     const MutableTensorView& lse, const AttentionOptions& options) {
+  const detail::Backend& backend =
+      detail::route("forward_varlen", &detail::Backend::forward_varlen,
+                    {{"q", q}, {"k", k}, {"v", v}, {"cu_seqlens_q", seqlens.cu_seqlens_q},
+                     {"cu_seqlens_k", seqlens.cu_seqlens_k}, {"out", out}, {"lse", lse}});
   const Offsets o = check_varlen(q, k, v, seqlens, options);
   check_out_shapes(q, v, out, lse);
   detail::check_outputs_apart({{"out", out}, {"lse", lse}},
@@ -114,22 +92,29 @@ void forward_varlen(const TensorView& q, const TensorView& k, const TensorView& 
                                {"cu_seqlens_k", seqlens.cu_seqlens_k}});
   detail::check_sequence_options(options, o.batch(), q.shape[1]);
   detail::reject_rescale_counts("forward_varlen", options);
-  // Every sequence is checked before the first one writes its rows.
-  for (int pass = 0; pass < 2; ++pass)
-    for (std::int64_t b = 0; b < o.batch(); ++b) {
-      const std::int64_t q0 = o.q[b], sq = o.q[b + 1] - q0, k0 = o.k[b], sk = o.k[b + 1] - k0;
-      const TensorView qb = sequence(q, q0, sq), kb = sequence(k, k0, sk), vb = sequence(v, k0, sk);
-      const MutableTensorView out_b = sequence(out, q0, sq), lse_b = lse_sequence(lse, q0, sq);
-      const AttentionOptions ob = detail::sequence_options(options, b);
-      if (pass == 0)
-        detail::validate_forward(qb, kb, vb, out_b, lse_b, ob, b);
-      else
-        detail::forward_impl(qb, kb, vb, out_b, lse_b, ob, b);
-    }
+  std::vector<detail::ForwardJob> jobs;
+  for (std::int64_t b = 0; b < o.batch(); ++b) {
+    const std::int64_t q0 = o.q[b], sq = o.q[b + 1] - q0, k0 = o.k[b], sk = o.k[b + 1] - k0;
+    detail::ForwardJob job{{},
+                           detail::packed_sequence(q, q0, sq),
+                           detail::packed_sequence(k, k0, sk),
+                           detail::packed_sequence(v, k0, sk),
+                           detail::packed_sequence(out, q0, sq),
+                           detail::packed_lse(lse, q0, sq),
+                           detail::sequence_options(options, b),
+                           {}};
+    job.problem = detail::check_forward_call(job.q, job.k, job.v, job.out, job.lse, job.options, b);
+    backend.check_forward(job);
+    jobs.push_back(job);
+  }
+  backend.forward_varlen(jobs);
 }
 
 ForwardResult forward_varlen(const TensorView& q, const TensorView& k, const TensorView& v,
                              const VarlenSeqlens& seqlens, const AttentionOptions& options) {
+  detail::route("forward_varlen", &detail::Backend::forward_varlen,
+                {{"q", q}, {"k", k}, {"v", v}, {"cu_seqlens_q", seqlens.cu_seqlens_q},
+                 {"cu_seqlens_k", seqlens.cu_seqlens_k}});
   check_varlen(q, k, v, seqlens, options);
   ForwardResult r{Tensor(q.dtype, {q.shape[0], q.shape[1], v.shape[2]}),
                   Tensor(DType::f32, {q.shape[1], q.shape[0]})};
@@ -142,6 +127,11 @@ void backward_varlen(const TensorView& dout, const TensorView& q, const TensorVi
                      const VarlenSeqlens& seqlens, const MutableTensorView& dq,
                      const MutableTensorView& dk, const MutableTensorView& dv,
                      const AttentionOptions& options) {
+  const detail::Backend& backend =
+      detail::route("backward_varlen", &detail::Backend::backward_varlen,
+                    {{"dout", dout}, {"q", q}, {"k", k}, {"v", v}, {"out", out}, {"lse", lse},
+                     {"cu_seqlens_q", seqlens.cu_seqlens_q}, {"cu_seqlens_k", seqlens.cu_seqlens_k}, {"dq", dq},
+                     {"dk", dk}, {"dv", dv}});
   const Offsets o = check_varlen(q, k, v, seqlens, options);
   check_out_shapes(q, v, out, lse);
   detail::check_sequence_options(options, o.batch(), q.shape[1]);
@@ -154,24 +144,34 @@ void backward_varlen(const TensorView& dout, const TensorView& q, const TensorVi
   detail::check_outputs_apart({{"dq", dq}, {"dk", dk}, {"dv", dv}},
                               {{"dout", dout}, {"q", q}, {"k", k}, {"v", v}, {"out", out}, {"lse", lse},
                                {"cu_seqlens_q", seqlens.cu_seqlens_q}, {"cu_seqlens_k", seqlens.cu_seqlens_k}});
-  // Every sequence is checked before the first one writes its gradients.
-  for (int pass = 0; pass < 2; ++pass)
-    for (std::int64_t b = 0; b < o.batch(); ++b) {
-      const std::int64_t q0 = o.q[b], sq = o.q[b + 1] - q0, k0 = o.k[b], sk = o.k[b + 1] - k0;
-      const TensorView dout_b = sequence(dout, q0, sq), qb = sequence(q, q0, sq), kb = sequence(k, k0, sk),
-                       vb = sequence(v, k0, sk), out_b = sequence(out, q0, sq), lse_b = lse_sequence(lse, q0, sq);
-      const MutableTensorView dq_b = sequence(dq, q0, sq), dk_b = sequence(dk, k0, sk), dv_b = sequence(dv, k0, sk);
-      const AttentionOptions ob = detail::sequence_options(options, b);
-      if (pass == 0)
-        detail::validate_backward(dout_b, qb, kb, vb, out_b, lse_b, dq_b, dk_b, dv_b, ob, b);
-      else
-        detail::backward_impl(dout_b, qb, kb, vb, out_b, lse_b, dq_b, dk_b, dv_b, ob, b);
-    }
+  std::vector<detail::BackwardJob> jobs;
+  for (std::int64_t b = 0; b < o.batch(); ++b) {
+    const std::int64_t q0 = o.q[b], sq = o.q[b + 1] - q0, k0 = o.k[b], sk = o.k[b + 1] - k0;
+    detail::BackwardJob job{{},
+                            detail::packed_sequence(dout, q0, sq),
+                            detail::packed_sequence(q, q0, sq),
+                            detail::packed_sequence(k, k0, sk),
+                            detail::packed_sequence(v, k0, sk),
+                            detail::packed_sequence(out, q0, sq),
+                            detail::packed_lse(lse, q0, sq),
+                            detail::packed_sequence(dq, q0, sq),
+                            detail::packed_sequence(dk, k0, sk),
+                            detail::packed_sequence(dv, k0, sk),
+                            detail::sequence_options(options, b)};
+    job.problem = detail::check_backward_call(job.dout, job.q, job.k, job.v, job.out, job.lse, job.dq, job.dk,
+                                              job.dv, job.options, b);
+    backend.check_backward(job);
+    jobs.push_back(job);
+  }
+  backend.backward_varlen(jobs);
 }
 
 BackwardResult backward_varlen(const TensorView& dout, const TensorView& q, const TensorView& k,
                                const TensorView& v, const TensorView& out, const TensorView& lse,
                                const VarlenSeqlens& seqlens, const AttentionOptions& options) {
+  detail::route("backward_varlen", &detail::Backend::backward_varlen,
+                {{"dout", dout}, {"q", q}, {"k", k}, {"v", v}, {"out", out}, {"lse", lse},
+                 {"cu_seqlens_q", seqlens.cu_seqlens_q}, {"cu_seqlens_k", seqlens.cu_seqlens_k}});
   check_varlen(q, k, v, seqlens, options);
   BackwardResult r{Tensor(q.dtype, {q.shape[0], q.shape[1], q.shape[2]}),
                    Tensor(q.dtype, {k.shape[0], k.shape[1], k.shape[2]}),

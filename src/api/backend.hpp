@@ -1,0 +1,68 @@
+// The backend table: what the front door (src/api) hands a call to once it has checked
+// every argument. A backend — the CPU (src/cpu/backend.cpp), CUDA (src/cuda/backend.cpp) —
+// fills one Backend; the front door routes by the tensors' device (route.hpp). An entry
+// point a backend lacks is a null function, which the front door turns into an Error
+// naming the entry point and the backend.
+#pragma once
+
+#include <span>
+
+#include "flashattn/fp8.hpp"
+#include "flashattn/options.hpp"
+#include "flashattn/problem.hpp"
+#include "flashattn/tensor.hpp"
+#include "src/core/paged_kv.hpp"
+
+namespace flashattn::detail {
+
+// One checked forward problem and what it reads and writes; `paged` (when its table or
+// descales are set) says where the keys of batch element 0 live in the k and v pools.
+struct ForwardJob {
+  AttentionProblem problem;
+  TensorView q, k, v;
+  MutableTensorView out, lse;
+  AttentionOptions options;
+  PagedKv paged;
+};
+
+// One checked backward problem.
+struct BackwardJob {
+  AttentionProblem problem;
+  TensorView dout, q, k, v, out, lse;
+  MutableTensorView dq, dk, dv;
+  AttentionOptions options;
+};
+
+// One checked FP8 forward problem (problem.fp8_probabilities set): q, k, v as codes with
+// their descales, every view and descale checked.
+struct Fp8ForwardJob {
+  AttentionProblem problem;
+  Fp8View q, k, v;
+  MutableTensorView out, lse;
+  AttentionOptions options;
+};
+
+struct Backend {
+  const char* name;  // "cpu", "cuda": the name errors give
+  // What only this backend rejects in a checked job — its kernels, its limits — without
+  // writing anything. Entry points that run several problems (varlen, the KV cache) check
+  // every one before the first writes.
+  void (*check_forward)(const ForwardJob&);
+  void (*check_backward)(const BackwardJob&);
+  // The entry points, each on jobs that passed check_forward / check_backward; null where
+  // the backend lacks the entry point.
+  void (*forward)(const ForwardJob&);
+  void (*backward)(const BackwardJob&);
+  // forward_varlen, backward_varlen: the sequences of a packed batch, one after the other.
+  void (*forward_varlen)(std::span<const ForwardJob>);
+  void (*backward_varlen)(std::span<const BackwardJob>);
+  // forward_with_kvcache: the sequences of a KV cache after the append, all together.
+  void (*forward_with_kvcache)(std::span<const ForwardJob>);
+  // forward_fp8: checks its plan and runs (nothing written before the plan is checked).
+  void (*forward_fp8)(const Fp8ForwardJob&);
+};
+
+const Backend& cpu_backend();
+const Backend& cuda_backend();
+
+}  // namespace flashattn::detail

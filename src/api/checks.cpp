@@ -1,0 +1,76 @@
+#include "src/api/checks.hpp"
+
+#include <cmath>
+#include <string>
+#include <utility>
+
+#include "flashattn/error.hpp"
+#include "src/core/validate.hpp"
+
+namespace flashattn::detail {
+
+AttentionProblem check_forward_call(const TensorView& q, const TensorView& k, const TensorView& v,
+                                    const TensorView& out, const TensorView& lse, const AttentionOptions& options,
+                                    std::int64_t batch_offset) {
+  AttentionProblem problem = AttentionProblem::from_inputs(q, k, v, options);
+  problem.batch_offset = batch_offset;
+  check_forward_outputs(problem, q, k, v, out, lse);
+  check_rescale_counts(problem, options, q, k, v, out, lse);
+  return problem;
+}
+
+AttentionProblem check_backward_call(const TensorView& dout, const TensorView& q, const TensorView& k,
+                                     const TensorView& v, const TensorView& out, const TensorView& lse,
+                                     const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                                     const AttentionOptions& options, std::int64_t batch_offset) {
+  reject_rescale_counts("backward", options);
+  AttentionProblem p = AttentionProblem::from_inputs(q, k, v, options);
+  p.batch_offset = batch_offset;
+  constexpr const char* kOutLayout = "(batch, seqlen_q, heads_q, head_dim_v)";
+  check_tensor("dout", dout, q.dtype, "dout must have q's dtype", {p.batch, p.seqlen_q, p.heads_q, p.head_dim_v},
+               kOutLayout);
+  check_tensor("out", out, q.dtype, "out must have q's dtype", {p.batch, p.seqlen_q, p.heads_q, p.head_dim_v},
+               kOutLayout);
+  check_tensor("lse", lse, DType::f32, "lse is always float32", {p.batch, p.heads_q, p.seqlen_q},
+               "(batch, heads_q, seqlen_q)");
+  const std::pair<const char*, const TensorView*> grads[] = {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}};
+  const TensorView* like[] = {&q, &k, &v};
+  for (int g = 0; g < 3; ++g) {
+    const auto& [name, grad] = grads[g];
+    const TensorView& ref = *like[g];
+    check_tensor(name, *grad, ref.dtype, "gradients have their input's dtype",
+                 {ref.shape[0], ref.shape[1], ref.shape[2], ref.shape[3]}, "(the shape of its input)");
+    check_output_layout(name, *grad);
+    for (const auto& [in_name, input] :
+         {std::pair{"dout", dout}, {"q", q}, {"k", k}, {"v", v}, {"out", out}, {"lse", lse}})
+      check_no_overlap(name, *grad, in_name, input);
+    for (int o = 0; o < g; ++o) check_no_overlap(name, *grad, grads[o].first, *grads[o].second);
+  }
+  return p;
+}
+
+AttentionProblem check_forward_fp8_call(const Fp8View& q, const Fp8View& k, const Fp8View& v, const TensorView& out,
+                                        const TensorView& lse, const AttentionOptions& options) {
+  check_fp8_input("q", q);
+  check_fp8_input("k", k);
+  check_fp8_input("v", v);
+  // The problem of the values the codes stand for: the codes' shapes, in float32.
+  auto values = [](const TensorView& codes) {
+    TensorView shape = codes;
+    shape.dtype = DType::f32;
+    return shape;
+  };
+  AttentionProblem problem = AttentionProblem::from_inputs(values(q.codes), values(k.codes), values(v.codes), options);
+  // Unrescaled probabilities reach 2^threshold and must stay within e4m3's range.
+  const float max_threshold = std::floor(std::log2(fp8_info(Fp8Format::e4m3).max));
+  if (problem.rescale_threshold > max_threshold)
+    throw Error("rescale_threshold: at most " + std::to_string(max_threshold) +
+                " with FP8 probabilities (P <= 2^threshold must fit e4m3's max 448), got " +
+                std::to_string(problem.rescale_threshold));
+  problem.fp8_probabilities = true;
+  check_forward_output_views(problem, q.codes, k.codes, v.codes, out, lse);
+  check_rescale_counts(problem, options, q.codes, k.codes, v.codes, out, lse);
+  return problem;
+}
+
+}  // namespace flashattn::detail

@@ -1,0 +1,33 @@
+// The argument checks of the entry points, shared by every backend: a call is checked here
+// once, on the views' shapes, strides and addresses, before it is routed. Each throws
+// flashattn::Error naming the argument and the offending values.
+#pragma once
+
+#include <cstdint>
+
+#include "flashattn/fp8.hpp"
+#include "flashattn/options.hpp"
+#include "flashattn/problem.hpp"
+#include "flashattn/tensor.hpp"
+
+namespace flashattn::detail {
+
+// forward(): q, k, v, the options, out and lse, and options.rescale_counts. `batch_offset`
+// is the index of batch element 0 in a larger batch (a sequence of a varlen batch).
+AttentionProblem check_forward_call(const TensorView& q, const TensorView& k, const TensorView& v,
+                                    const TensorView& out, const TensorView& lse, const AttentionOptions& options,
+                                    std::int64_t batch_offset);
+
+// backward(): dout, out and lse as the forward returned them, dq, dk, dv like their inputs
+// and apart from every input and from each other.
+AttentionProblem check_backward_call(const TensorView& dout, const TensorView& q, const TensorView& k,
+                                     const TensorView& v, const TensorView& out, const TensorView& lse,
+                                     const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                                     const AttentionOptions& options, std::int64_t batch_offset);
+
+// forward_fp8(): each FP8 input (codes, block size, descales), the options as FP8
+// probabilities allow them, out (any floating dtype) and lse, options.rescale_counts.
+AttentionProblem check_forward_fp8_call(const Fp8View& q, const Fp8View& k, const Fp8View& v, const TensorView& out,
+                                        const TensorView& lse, const AttentionOptions& options);
+
+}  // namespace flashattn::detail

@@ -1,0 +1,25 @@
+// forward(): checked once here, then run by the backend of the tensors' device.
+#include "flashattn/attention.hpp"
+#include "src/api/backend.hpp"
+#include "src/api/route.hpp"
+#include "src/api/run.hpp"
+
+namespace flashattn {
+
+void forward(const TensorView& q, const TensorView& k, const TensorView& v, const MutableTensorView& out,
+             const MutableTensorView& lse, const AttentionOptions& options) {
+  detail::run_forward(
+      detail::route("forward", &detail::Backend::forward, {{"q", q}, {"k", k}, {"v", v}, {"out", out}, {"lse", lse}}),
+      q, k, v, out, lse, options);
+}
+
+ForwardResult forward(const TensorView& q, const TensorView& k, const TensorView& v,
+                      const AttentionOptions& options) {
+  const AttentionProblem p = AttentionProblem::from_inputs(q, k, v, options);
+  ForwardResult result{Tensor(p.dtype, {p.batch, p.seqlen_q, p.heads_q, p.head_dim_v}),
+                       Tensor(DType::f32, {p.batch, p.heads_q, p.seqlen_q})};
+  forward(q, k, v, result.out.view(), result.lse.view(), options);
+  return result;
+}
+
+}  // namespace flashattn

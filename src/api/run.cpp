@@ -1,0 +1,37 @@
+#include "src/api/run.hpp"
+
+#include "src/api/checks.hpp"
+
+namespace flashattn::detail {
+namespace {
+// The view with its device set to cpu: the checks read only shapes and strides (and the
+// addresses, for overlap), which mean the same on every device.
+TensorView host(const TensorView& view) { return view.on(Device::cpu); }
+AttentionOptions host(const AttentionOptions& options) {
+  AttentionOptions o = options;
+  o.alibi_slopes = host(options.alibi_slopes);
+  o.block_mask = host(options.block_mask);
+  o.rescale_counts = options.rescale_counts.on(Device::cpu);
+  return o;
+}
+}  // namespace
+
+void run_forward(const Backend& backend, const TensorView& q, const TensorView& k, const TensorView& v,
+                 const MutableTensorView& out, const MutableTensorView& lse, const AttentionOptions& options) {
+  const ForwardJob job{check_forward_call(host(q), host(k), host(v), host(out), host(lse), host(options), 0),
+                       q, k, v, out, lse, options, {}};
+  backend.check_forward(job);
+  backend.forward(job);
+}
+
+void run_backward(const Backend& backend, const TensorView& dout, const TensorView& q, const TensorView& k,
+                  const TensorView& v, const TensorView& out, const TensorView& lse, const MutableTensorView& dq,
+                  const MutableTensorView& dk, const MutableTensorView& dv, const AttentionOptions& options) {
+  const BackwardJob job{check_backward_call(host(dout), host(q), host(k), host(v), host(out), host(lse), host(dq),
+                                            host(dk), host(dv), host(options), 0),
+                        dout, q, k, v, out, lse, dq, dk, dv, options};
+  backend.check_backward(job);
+  backend.backward(job);
+}
+
+}  // namespace flashattn::detail

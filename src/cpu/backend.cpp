@@ -1,0 +1,53 @@
+// The CPU backend: the backend table's entries on the drivers, and cpu_simd_target.
+#include <string>
+
+#include "flashattn/attention.hpp"
+#include "src/api/backend.hpp"
+#include "src/cpu/drivers.hpp"
+#include "src/cpu/forward_kernel.hpp"
+
+namespace flashattn {
+namespace {
+
+void forward_one(const detail::ForwardJob& job) { cpu::run_forward_jobs({&job, 1}); }
+
+// Sequences of a packed batch have no kernel in common to share: each runs on its own.
+void forward_each(std::span<const detail::ForwardJob> jobs) {
+  for (const detail::ForwardJob& job : jobs) forward_one(job);
+}
+
+void backward_each(std::span<const detail::BackwardJob> jobs) {
+  for (const detail::BackwardJob& job : jobs) cpu::run_backward(job);
+}
+
+// The CPU computes in float32 from the FP8 values (FP8 numerics, not FP8 speed): decoded
+// once per call, 4 bytes per element of q, k and v for its duration.
+void forward_fp8(const detail::Fp8ForwardJob& fp8) {
+  const Tensor qf = detail::dequantize_fp8("q", fp8.q);
+  const Tensor kf = detail::dequantize_fp8("k", fp8.k);
+  const Tensor vf = detail::dequantize_fp8("v", fp8.v);
+  const detail::ForwardJob job{fp8.problem, qf.view(), kf.view(), vf.view(), fp8.out, fp8.lse, fp8.options, {}};
+  cpu::check_forward(job);
+  forward_one(job);
+}
+
+}  // namespace
+
+const detail::Backend& detail::cpu_backend() {
+  static constexpr Backend backend{
+      .name = "cpu",
+      .check_forward = cpu::check_forward,
+      .check_backward = cpu::check_backward,
+      .forward = forward_one,
+      .backward = cpu::run_backward,
+      .forward_varlen = forward_each,
+      .backward_varlen = backward_each,
+      .forward_with_kvcache = cpu::run_forward_jobs,
+      .forward_fp8 = forward_fp8,
+  };
+  return backend;
+}
+
+std::string cpu_simd_target() { return cpu::kernel_geometry().target; }
+
+}  // namespace flashattn
