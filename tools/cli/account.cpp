@@ -1,6 +1,6 @@
 #include "tools/cli/account.hpp"
 
-#include "src/baseline/standard_attention.hpp"
+#include "tools/baseline/standard_attention.hpp"
 #include "tools/cli/common.hpp"
 
 namespace flashattn::cli {

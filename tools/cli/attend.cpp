@@ -8,7 +8,7 @@
 
 #include "tools/cli/commands.hpp"
 #include "tools/cli/common.hpp"
-#include "tools/cli/npy.hpp"
+#include "tools/support/npy.hpp"
 
 namespace flashattn::cli {
 namespace {
@@ -47,7 +47,7 @@ std::string shape_text(const std::vector<std::int64_t>& shape) {
 }
 
 void attend(AttendFlags& f) {
-  Tensor q = read_npy(f.q), k = read_npy(f.k), v = read_npy(f.v);
+  Tensor q = support::read_npy(f.q), k = support::read_npy(f.k), v = support::read_npy(f.v);
   // --dtype bf16 rounds the inputs to bf16; by default the kernel runs in q's file dtype.
   const DType dtype = f.dtype ? parse_dtype(*f.dtype) : q.dtype();
   q = converted(q, dtype);
@@ -67,24 +67,24 @@ void attend(AttendFlags& f) {
   Tensor cu_q, cu_k;
   VarlenSeqlens seqlens;
   if (varlen) {
-    cu_q = read_npy(f.cu_seqlens_q);
-    cu_k = read_npy(f.cu_seqlens_k);
+    cu_q = support::read_npy(f.cu_seqlens_q);
+    cu_k = support::read_npy(f.cu_seqlens_k);
     seqlens = {cu_q.view(), cu_k.view(), max_length(cu_q), max_length(cu_k)};
   }
   const ForwardResult r = varlen ? forward_varlen(q.view(), k.view(), v.view(), seqlens, options)
                                  : forward(q.view(), k.view(), v.view(), options);
   // NumPy has no bf16: a bf16 result is written as float32 (exactly representable).
-  write_npy(f.out, r.out.dtype() == DType::bf16 ? converted(r.out, DType::f32) : r.out);
-  if (!f.lse.empty()) write_npy(f.lse, r.lse);
+  support::write_npy(f.out, r.out.dtype() == DType::bf16 ? converted(r.out, DType::f32) : r.out);
+  if (!f.lse.empty()) support::write_npy(f.lse, r.lse);
   if (f.dout.empty()) return;
-  const Tensor dout = converted(read_npy(f.dout), dtype);
+  const Tensor dout = converted(support::read_npy(f.dout), dtype);
   const BackwardResult g =
       varlen ? backward_varlen(dout.view(), q.view(), k.view(), v.view(), r.out.view(), r.lse.view(),
                                seqlens, options)
              : backward(dout.view(), q.view(), k.view(), v.view(), r.out.view(), r.lse.view(), options);
   const std::pair<const std::string*, const Tensor*> grads[] = {{&f.dq, &g.dq}, {&f.dk, &g.dk}, {&f.dv, &g.dv}};
   for (const auto& [path, grad] : grads)
-    write_npy(*path, grad->dtype() == DType::bf16 ? converted(*grad, DType::f32) : *grad);
+    support::write_npy(*path, grad->dtype() == DType::bf16 ? converted(*grad, DType::f32) : *grad);
 }
 
 }  // namespace

@@ -8,7 +8,7 @@
 #include <memory>
 #include <random>
 
-#include "src/baseline/standard_attention.hpp"
+#include "tools/baseline/standard_attention.hpp"
 #include "tools/cli/bench_sweep.hpp"
 #include "tools/cli/commands.hpp"
 #include "tools/cli/common.hpp"

@@ -8,7 +8,7 @@
 #include <thread>
 #include <tuple>
 
-#include "src/baseline/standard_attention.hpp"
+#include "tools/baseline/standard_attention.hpp"
 #include "tools/cli/svg.hpp"
 
 namespace flashattn::cli {

@@ -1,5 +1,5 @@
 #include "tools/cli/common.hpp"
-#include "tools/cli/npy.hpp"
+#include "tools/support/npy.hpp"
 
 #include <omp.h>
 
@@ -64,11 +64,11 @@ void VariantFlags::apply(AttentionOptions& o) {
   o.dropout_p = dropout_p;
   o.seed = seed;
   if (!alibi_slopes_path.empty()) {
-    alibi_slopes = read_npy(alibi_slopes_path);
+    alibi_slopes = support::read_npy(alibi_slopes_path);
     o.alibi_slopes = alibi_slopes.view();
   }
   if (!block_mask_path.empty()) {
-    block_mask = read_npy(block_mask_path);
+    block_mask = support::read_npy(block_mask_path);
     o.block_mask = block_mask.view();
     o.block_mask_block_size = block_size;
   }
@@ -188,7 +188,7 @@ double cpu_clock_ghz() {
 
 }  // namespace flashattn::cli
 
-#include "src/baseline/standard_attention.hpp"
+#include "tools/baseline/standard_attention.hpp"
 
 namespace flashattn::cli {
 namespace {

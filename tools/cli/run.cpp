@@ -7,10 +7,10 @@
 #include <memory>
 #include <vector>
 
-#include "src/baseline/standard_attention.hpp"
+#include "tools/baseline/standard_attention.hpp"
 #include "tools/cli/commands.hpp"
 #include "tools/cli/common.hpp"
-#include "tools/cli/npy.hpp"
+#include "tools/support/npy.hpp"
 
 namespace flashattn::cli {
 namespace {
@@ -61,7 +61,7 @@ void run_decode(const RunFlags& f, CLI::App& app) {
 // flashattn only (the textbook baseline has no packed form), its time, GFLOP/s and the
 // max error against float64 on sampled rows of every sequence.
 void run_varlen(const RunFlags& f, const AttentionOptions& options) {
-  const Tensor cu_q = read_npy(f.cu_seqlens_q), cu_k = read_npy(f.cu_seqlens_k);
+  const Tensor cu_q = support::read_npy(f.cu_seqlens_q), cu_k = support::read_npy(f.cu_seqlens_k);
   const std::int64_t batch = cu_q.numel() - 1;
   std::int64_t max_q = 0, max_k = 0;
   double flops = 0.0;
