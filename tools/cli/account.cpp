@@ -1,7 +1,10 @@
 #include "tools/cli/account.hpp"
 
+#include <nlohmann/json.hpp>
+
 #include "tools/baseline/standard_attention.hpp"
-#include "tools/cli/common.hpp"
+#include "tools/cli/machine.hpp"
+#include "tools/cli/measure.hpp"
 
 namespace flashattn::cli {
 namespace {

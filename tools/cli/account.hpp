@@ -3,7 +3,7 @@
 // the per-tile table, counted CPU runs, and JSON for each piece.
 #pragma once
 
-#include <nlohmann/json.hpp>
+#include <nlohmann/json_fwd.hpp>
 
 #include <cstdint>
 #include <string>

@@ -2,28 +2,14 @@
 // so anyone can check flashattn with their own tools.
 #include <cstdio>
 #include <iostream>
-#include <memory>
 #include <optional>
 #include <algorithm>
 
 #include "tools/cli/commands.hpp"
-#include "tools/cli/common.hpp"
 #include "tools/support/npy.hpp"
 
 namespace flashattn::cli {
 namespace {
-
-struct AttendFlags {
-  std::string q, k, v, out, lse;
-  std::string dout, dq, dk, dv;  // gradients: all four or none
-  bool deterministic = false;
-  std::optional<std::string> dtype;
-  bool causal = false;
-  std::optional<float> softmax_scale;
-  int threads = 0;
-  VariantFlags variants;
-  std::string cu_seqlens_q, cu_seqlens_k;  // variable-length packed batch: both or neither
-};
 
 Tensor converted(const Tensor& t, DType dtype) {
   if (t.dtype() == dtype) return t;
@@ -45,6 +31,8 @@ std::string shape_text(const std::vector<std::int64_t>& shape) {
   for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
   return s + ")";
 }
+
+}  // namespace
 
 void attend(AttendFlags& f) {
   Tensor q = support::read_npy(f.q), k = support::read_npy(f.k), v = support::read_npy(f.v);
@@ -85,45 +73,6 @@ void attend(AttendFlags& f) {
   const std::pair<const std::string*, const Tensor*> grads[] = {{&f.dq, &g.dq}, {&f.dk, &g.dk}, {&f.dv, &g.dv}};
   for (const auto& [path, grad] : grads)
     support::write_npy(*path, grad->dtype() == DType::bf16 ? converted(*grad, DType::f32) : *grad);
-}
-
-}  // namespace
-
-void register_attend(CLI::App& app) {
-  auto flags = std::make_shared<AttendFlags>();
-  CLI::App* cmd = app.add_subcommand(
-      "attend", "attention on .npy inputs (float32/float16, layout (batch, seqlen, heads, dim))");
-  cmd->add_option("--q", flags->q, "queries (B, Sq, Hq, D)")->required()->check(CLI::ExistingFile);
-  cmd->add_option("--k", flags->k, "keys (B, Sk, Hkv, D)")->required()->check(CLI::ExistingFile);
-  cmd->add_option("--v", flags->v, "values (B, Sk, Hkv, Dv)")->required()->check(CLI::ExistingFile);
-  cmd->add_option("--out", flags->out, "output .npy (B, Sq, Hq, Dv); float32 when --dtype bf16")
-      ->required();
-  cmd->add_option("--lse", flags->lse, "log-sum-exp .npy (B, Hq, Sq), float32");
-  cmd->add_option("--dtype", flags->dtype, "compute dtype f32|f16|bf16 (default: q's dtype)");
-  cmd->add_flag("--causal", flags->causal, "bottom-right aligned causal mask");
-  cmd->add_option("--softmax-scale", flags->softmax_scale, "scale of Q·Kᵀ (default 1/sqrt(D))");
-  cmd->add_option("--threads", flags->threads, "worker threads (0 = all cores)");
-  CLI::Option* dout = cmd->add_option("--dout", flags->dout, "upstream gradient (B, Sq, Hq, Dv): computes dq, dk, dv")
-                          ->check(CLI::ExistingFile);
-  for (auto [name, target, help] : {std::tuple{"--dq", &flags->dq, "gradient of q (.npy)"},
-                                     {"--dk", &flags->dk, "gradient of k (.npy)"},
-                                     {"--dv", &flags->dv, "gradient of v (.npy)"}}) {
-    CLI::Option* opt = cmd->add_option(name, *target, help);
-    opt->needs(dout);
-    dout->needs(opt);
-  }
-  cmd->add_flag("--deterministic", flags->deterministic,
-                "bit-identical gradients for any run and thread count");
-  flags->variants.add_to(*cmd);
-  CLI::Option* cq = cmd->add_option("--cu-seqlens-q", flags->cu_seqlens_q,
-                                    "int32 offsets (batch + 1): q is packed (total_q, heads, dim)")
-                        ->check(CLI::ExistingFile);
-  CLI::Option* ck = cmd->add_option("--cu-seqlens-k", flags->cu_seqlens_k,
-                                    "int32 offsets (batch + 1): k, v are packed (total_k, heads, dim)")
-                        ->check(CLI::ExistingFile);
-  cq->needs(ck);
-  ck->needs(cq);
-  cmd->callback([flags] { attend(*flags); });
 }
 
 }  // namespace flashattn::cli

@@ -5,28 +5,21 @@
 #include <cstdio>
 #include <thread>
 #include <iostream>
-#include <memory>
 #include <random>
+
+#include <nlohmann/json.hpp>
 
 #include "tools/baseline/standard_attention.hpp"
 #include "tools/cli/bench_sweep.hpp"
 #include "tools/cli/commands.hpp"
-#include "tools/cli/common.hpp"
+#include "tools/cli/decode.hpp"
+#include "tools/cli/machine.hpp"
+#include "tools/cli/measure.hpp"
+#include "tools/cli/report.hpp"
 #include "tools/cli/svg.hpp"
 
 namespace flashattn::cli {
 namespace {
-
-struct BenchFlags {
-  ShapeFlags shape;
-  bool json = false;
-  int repeats = 5;
-  int sgemm_n = 2048;
-  std::vector<std::string> ops{"fwd", "bwd", "decode"};
-  bool sweep = false, quick = false;
-  SweepFlags grid;  // --seqlens, --dims, --dtypes, --causal of --sweep
-  std::string plot;
-};
 
 // --sweep or --quick: the grid or the issue's subset, as JSON or a table, and the plot.
 void sweep(const BenchFlags& f) {
@@ -44,7 +37,7 @@ void sweep(const BenchFlags& f) {
   if (!f.plot.empty()) svg::write(f.plot, sweep_plot(result));  // after the results: a bad path loses no data
 }
 
-void bench(const BenchFlags& f) {
+void bench_cases(const BenchFlags& f) {
   const int threads = resolved_threads(f.shape.threads);
   std::cerr << "sgemm " << f.sgemm_n << "^3 on " << threads << " threads (OpenBLAS "
             << baseline::openblas_corename() << ")\n";
@@ -202,39 +195,10 @@ void bench(const BenchFlags& f) {
 
 }  // namespace
 
-void register_bench(CLI::App& app) {
-  auto flags = std::make_shared<BenchFlags>();
-  CLI::App* cmd = app.add_subcommand(
-      "bench", "forward/backward benchmark: f32/bf16 x causal/full, flashattn and standard, vs OpenBLAS sgemm");
-  flags->shape.add_to(*cmd, /*with_mode=*/false);
-  cmd->add_flag("--json", flags->json, "machine-readable output");
-  cmd->add_option("--repeats", flags->repeats, "timed runs per case, median reported (>= 5)")
-      ->capture_default_str()->check(CLI::Range(5, 1000));
-  cmd->add_option("--sgemm-size", flags->sgemm_n, "n of the n^3 sgemm baseline")
-      ->capture_default_str()->check(CLI::PositiveNumber);
-  cmd->add_option("--ops", flags->ops, "which passes to time: fwd, bwd, decode (--sweep: fwd, bwd)")
-      ->capture_default_str()->check(CLI::IsMember({"fwd", "bwd", "decode"}))->delimiter(',');
-  CLI::Option* sweep_flag = cmd->add_flag(
-      "--sweep", flags->sweep,
-      "flashattn over the grid of --seqlens x --dims x --dtypes x --causal, fwd and bwd, vs sgemm");
-  cmd->add_flag("--quick", flags->quick,
-                "issue 7's subset (2 threads, S=4096, D=128 unless set; D=64/256, 1 thread, 4*S) and its targets")
-      ->excludes(sweep_flag);
-  SweepFlags& g = flags->grid;
-  cmd->add_option("--seqlens", g.seqlens, "--sweep: sequence lengths")
-      ->capture_default_str()->delimiter(',')->check(CLI::PositiveNumber)->needs(sweep_flag);
-  cmd->add_option("--dims", g.dims, "--sweep: head dimensions")
-      ->capture_default_str()->delimiter(',')->check(CLI::PositiveNumber)->needs(sweep_flag);
-  cmd->add_option("--dtypes", g.dtypes, "--sweep: f32, bf16")
-      ->capture_default_str()->delimiter(',')->check(CLI::IsMember({"f32", "bf16"}))->needs(sweep_flag);
-  cmd->add_option("--causal", g.causal, "--sweep: no, yes")
-      ->capture_default_str()->delimiter(',')->check(CLI::IsMember({"no", "yes"}))->needs(sweep_flag);
-  cmd->add_option("--plot", flags->plot, "--sweep or --quick: write GFLOP/s against S as SVG to this file");
-  cmd->callback([flags] {
-    if (flags->sweep || flags->quick) return sweep(*flags);
-    if (!flags->plot.empty()) throw Error("--plot: needs --sweep or --quick");
-    bench(*flags);
-  });
+void bench(const BenchFlags& f) {
+  if (f.sweep || f.quick) return sweep(f);
+  if (!f.plot.empty()) throw Error("--plot: needs --sweep or --quick");
+  bench_cases(f);
 }
 
 }  // namespace flashattn::cli

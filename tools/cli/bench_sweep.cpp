@@ -8,7 +8,12 @@
 #include <thread>
 #include <tuple>
 
+#include <nlohmann/json.hpp>
+
 #include "tools/baseline/standard_attention.hpp"
+#include "tools/cli/machine.hpp"
+#include "tools/cli/measure.hpp"
+#include "tools/cli/report.hpp"
 #include "tools/cli/svg.hpp"
 
 namespace flashattn::cli {

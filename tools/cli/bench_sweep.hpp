@@ -7,23 +7,11 @@
 #include <string>
 #include <vector>
 
-#include <nlohmann/json.hpp>
+#include <nlohmann/json_fwd.hpp>
 
-#include "tools/cli/common.hpp"
+#include "tools/cli/commands.hpp"
 
 namespace flashattn::cli {
-
-struct SweepFlags {
-  ShapeFlags shape;  // batch and heads (and the base S, D and threads of --quick)
-  int repeats = 5;
-  int sgemm_n = 2048;
-  std::vector<std::string> ops{"fwd", "bwd"};
-  // The full grid of the issue; the flags of `--sweep` restrict it.
-  std::vector<std::int64_t> seqlens{512, 1024, 2048, 4096, 8192, 16384};
-  std::vector<std::int64_t> dims{64, 128, 256};
-  std::vector<std::string> dtypes{"f32", "bf16"};
-  std::vector<std::string> causal{"no", "yes"};
-};
 
 // One flashattn case per (dtype, D, S, causal, op) of the grid, at shape.threads.
 nlohmann::json run_sweep(const SweepFlags& f);

@@ -3,7 +3,7 @@
 // One implementation, so both commands print the same measurement.
 #pragma once
 
-#include <nlohmann/json.hpp>
+#include <nlohmann/json_fwd.hpp>
 
 #include <cstdint>
 #include <random>

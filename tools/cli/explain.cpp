@@ -6,29 +6,16 @@
 #include <cmath>
 #include <cstdio>
 #include <iostream>
-#include <memory>
 #include <optional>
+
+#include <nlohmann/json.hpp>
 
 #include "tools/cli/account.hpp"
 #include "tools/cli/commands.hpp"
-#include "tools/cli/common.hpp"
+#include "tools/cli/measure.hpp"
 
 namespace flashattn::cli {
 namespace {
-
-struct ExplainFlags {
-  ShapeFlags shape;
-  std::vector<std::int64_t> window_size;
-  std::string arch = "h100";
-  std::optional<double> sram_elements;
-  std::vector<std::int64_t> tile;  // BR BC
-  std::string standard = "minimal";  // cost::StandardModel by name
-  float dropout_p = 0.0f;
-  std::string preset;  // "" or a name of kPresets
-  bool measure = false;
-  bool json = false;
-  int repeats = 3;
-};
 
 // A problem from a paper, with the paper's figures of standard attention and FlashAttention
 // beside which `explain --preset` prints the model's.
@@ -442,69 +429,42 @@ void print_text(const Account& a, const std::optional<Measured>& m) {
 
 }  // namespace
 
-void register_explain(CLI::App& app) {
-  auto flags = std::make_shared<ExplainFlags>();
-  flags->shape.causal = false;  // upstream's default (flash_attn_func: causal=False)
-  CLI::App* cmd = app.add_subcommand("explain", "what a problem costs and why: traffic, FLOPs, per-unit cycles");
-  flags->shape.add_to(*cmd);
-  cmd->add_option("--window-size", flags->window_size, "sliding window LEFT RIGHT (-1 = unbounded)")->expected(2);
-  cmd->add_option("--arch", flags->arch, "a100, a100-40gb, a100-80gb, h100, h200, b200, b300 or cpu (measured here)")
-      ->capture_default_str();
-  cmd->add_option("--sram-elements", flags->sram_elements,
-                  "fast-memory size M of the Θ-form (default: shared memory per SM, or L2 per core)");
-  cmd->add_option("--tile", flags->tile, "tile BR BC of the model (GPU; with --measure, BR also sets the CPU's Q tile)")
-      ->expected(2);
-  cmd->add_option("--dropout-p", flags->dropout_p,
-                  "dropout probability on the attention weights (eager: its kernels and keep mask; tiled: "
-                  "regenerated from the seed, no traffic)");
-  cmd->add_option("--preset", flags->preset,
-                  "gpt2-medium: the first FlashAttention paper's GPT-2 medium attention on an A100 (batch 64, seqlen "
-                  "1024, 16 heads, dim 64, f16, dropout 0.1, not causal), its figures beside the model's")
-      ->check(CLI::IsMember({"gpt2-medium"}));
-  cmd->add_option("--standard", flags->standard,
-                  "standard attention's model: minimal (S and P written and read once each) or eager (one kernel "
-                  "per step, as PyTorch's eager code)")
-      ->capture_default_str()->check(CLI::IsMember({"minimal", "eager"}));
-  cmd->add_flag("--measure", flags->measure, "run the CPU kernels with counters and show them beside the model");
-  cmd->add_option("--repeats", flags->repeats, "timed runs of --measure (median)")->capture_default_str();
-  cmd->add_flag("--json", flags->json, "machine-readable output");
-  cmd->callback([flags, cmd] {
-    if (!flags->preset.empty()) {
-      // The preset is the paper's problem: flags that would change it are refused, not mixed in.
-      for (const char* name : {"--batch", "--seqlen", "--seqlen-q", "--seqlen-k", "--heads", "--heads-kv", "--dim",
-                               "--dim-v", "--dtype", "--causal", "--arch", "--dropout-p", "--window-size", "--tile",
-                               "--sram-elements", "--measure"})
-        if (cmd->count(name) > 0)
-          throw Error(std::string("--preset ") + flags->preset + " sets the paper's problem; drop " + name);
-      const Preset& pr = preset_by_name(flags->preset);
-      ShapeFlags& s = flags->shape;
-      s.batch = pr.batch;
-      s.seqlen = pr.seqlen;
-      s.heads = pr.heads;
-      s.dim = pr.dim;
-      s.dtype = pr.dtype;
-      s.causal = false;
-      flags->arch = pr.arch;
-      flags->dropout_p = pr.dropout_p;
-    }
-    const ExplainFlags& f = *flags;
-    if (!f.tile.empty() && (f.tile[0] < 1 || f.tile[1] < 1))
-      throw Error("--tile: BR and BC must be >= 1, got " + std::to_string(f.tile[0]) + " " + std::to_string(f.tile[1]));
-    AttentionOptions options = f.shape.options();
-    if (!f.window_size.empty()) options.window_size = {f.window_size[0], f.window_size[1]};
-    options.dropout_p = f.dropout_p;
-    if (!f.tile.empty()) options.block_q = f.tile[0];
-    const AttentionProblem p = f.shape.problem(options);
-    Account a = make_account(f, p, options);
-    if (!f.preset.empty()) a.preset = &preset_by_name(f.preset);
-    std::optional<Measured> m;
-    if (f.measure) m = measure(f, p, options, a);
-    if (f.json) {
-      std::cout << to_json(a, m).dump(2) << "\n";
-    } else {
-      print_text(a, m);
-    }
-  });
+void explain(ExplainFlags flags) {
+  if (!flags.preset.empty()) {
+    // The preset is the paper's problem: flags that would change it are refused, not mixed in.
+    for (const char* name : {"--batch", "--seqlen", "--seqlen-q", "--seqlen-k", "--heads", "--heads-kv", "--dim",
+                             "--dim-v", "--dtype", "--causal", "--arch", "--dropout-p", "--window-size", "--tile",
+                             "--sram-elements", "--measure"})
+      if (flags.given.count(name) > 0)
+        throw Error(std::string("--preset ") + flags.preset + " sets the paper's problem; drop " + name);
+    const Preset& pr = preset_by_name(flags.preset);
+    ShapeFlags& s = flags.shape;
+    s.batch = pr.batch;
+    s.seqlen = pr.seqlen;
+    s.heads = pr.heads;
+    s.dim = pr.dim;
+    s.dtype = pr.dtype;
+    s.causal = false;
+    flags.arch = pr.arch;
+    flags.dropout_p = pr.dropout_p;
+  }
+  const ExplainFlags& f = flags;
+  if (!f.tile.empty() && (f.tile[0] < 1 || f.tile[1] < 1))
+    throw Error("--tile: BR and BC must be >= 1, got " + std::to_string(f.tile[0]) + " " + std::to_string(f.tile[1]));
+  AttentionOptions options = f.shape.options();
+  if (!f.window_size.empty()) options.window_size = {f.window_size[0], f.window_size[1]};
+  options.dropout_p = f.dropout_p;
+  if (!f.tile.empty()) options.block_q = f.tile[0];
+  const AttentionProblem p = f.shape.problem(options);
+  Account a = make_account(f, p, options);
+  if (!f.preset.empty()) a.preset = &preset_by_name(f.preset);
+  std::optional<Measured> m;
+  if (f.measure) m = measure(f, p, options, a);
+  if (f.json) {
+    std::cout << to_json(a, m).dump(2) << "\n";
+  } else {
+    print_text(a, m);
+  }
 }
 
 }  // namespace flashattn::cli

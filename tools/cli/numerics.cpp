@@ -9,24 +9,17 @@
 #include <cstdio>
 #include <iostream>
 #include <iterator>
-#include <memory>
 #include <random>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "tools/cli/commands.hpp"
-#include "tools/cli/common.hpp"
 #include "tools/cli/experiments.hpp"
+#include "tools/cli/report.hpp"
 
 namespace flashattn::cli {
 namespace {
-
-struct NumericsFlags {
-  ShapeFlags shape;
-  std::uint64_t seed = 2024;
-  int repeats = 5;
-  std::string fp8_format = "e4m3";
-  bool json = false;
-};
 
 constexpr double kLn2 = 0.6931471805599453;
 
@@ -184,6 +177,8 @@ void print_report(const nlohmann::json& j) {
               s["exp2_throughput"]["exact_gexp_per_s"].get<double>(), s["exp2_throughput"]["poly3_gexp_per_s"].get<double>());
 }
 
+}  // namespace
+
 void numerics(const NumericsFlags& f) {
   nlohmann::json j = machine_json(f.shape.threads);
   std::mt19937_64 rng(f.seed);
@@ -213,26 +208,6 @@ void numerics(const NumericsFlags& f) {
   std::printf("cpu: %s, %d threads, simd %s\n\n", j["cpu"].get<std::string>().c_str(), j["threads"].get<int>(),
               j["simd_target"].get<std::string>().c_str());
   print_report(j);
-}
-
-}  // namespace
-
-void register_numerics(CLI::App& app) {
-  auto flags = std::make_shared<NumericsFlags>();
-  flags->shape.seqlen = 2048;
-  flags->shape.heads = 8;
-  CLI::App* cmd = app.add_subcommand(
-      "numerics", "the numerics experiments: online softmax, exp2 accuracy, rescale counts, FP8 error, speed");
-  flags->shape.add_to(*cmd, /*with_mode=*/false);
-  cmd->add_option("--dtype", flags->shape.dtype, "dtype of the speed experiment: f32, bf16 or f16")
-      ->capture_default_str();
-  cmd->add_option("--seed", flags->seed, "seed of every random input")->capture_default_str();
-  cmd->add_option("--repeats", flags->repeats, "timed rounds of the speed experiment (median)")
-      ->capture_default_str()->check(CLI::Range(1, 1000));
-  cmd->add_option("--fp8-format", flags->fp8_format, "FP8 format of the error experiment: e4m3 or e5m2")
-      ->capture_default_str()->check(CLI::IsMember({"e4m3", "e5m2"}));
-  cmd->add_flag("--json", flags->json, "machine-readable output");
-  cmd->callback([flags] { numerics(*flags); });
 }
 
 }  // namespace flashattn::cli

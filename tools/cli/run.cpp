@@ -4,37 +4,27 @@
 #include <cmath>
 #include <cstdio>
 #include <iostream>
-#include <memory>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "tools/baseline/standard_attention.hpp"
 #include "tools/cli/commands.hpp"
-#include "tools/cli/common.hpp"
+#include "tools/cli/decode.hpp"
+#include "tools/cli/machine.hpp"
+#include "tools/cli/measure.hpp"
+#include "tools/cli/report.hpp"
 #include "tools/support/npy.hpp"
 
 namespace flashattn::cli {
 namespace {
 
-struct RunFlags {
-  ShapeFlags shape;
-  VariantFlags variants;
-  bool json = false;
-  int repeats = 3;
-  int samples = 64;
-  bool backward = false;
-  std::string cu_seqlens_q, cu_seqlens_k;  // a packed variable-length batch: both or neither
-  bool decode = false;
-  std::int64_t cached = 32768;
-  std::int64_t page_size = 0;
-  std::string cache_dtype;  // --decode: empty = q's dtype, or e4m3
-};
-
 // One decoding step over a KV cache: time, bandwidth, accuracy.
-void run_decode(const RunFlags& f, CLI::App& app) {
+void run_decode(const RunFlags& f) {
   DecodeCase c;
   c.batch = f.shape.batch;
-  c.heads = app.count("--heads") ? f.shape.heads : 32;  // decode defaults: 32 q heads, 8 kv heads
-  c.heads_kv = f.shape.heads_kv.value_or(app.count("--heads") ? f.shape.heads : 8);
+  c.heads = f.given.count("--heads") ? f.shape.heads : 32;  // decode defaults: 32 q heads, 8 kv heads
+  c.heads_kv = f.shape.heads_kv.value_or(f.given.count("--heads") ? f.shape.heads : 8);
   c.dim = f.shape.dim;
   c.dtype = parse_dtype(f.shape.dtype);
   c.threads = f.shape.threads;
@@ -156,8 +146,10 @@ void run_varlen(const RunFlags& f, const AttentionOptions& options) {
     std::printf("backward %10.2f ms %10.1f GFLOP/s\n", bwd_s * 1e3, 2.5 * flops / bwd_s * 1e-9);
 }
 
-void run(RunFlags& f, CLI::App& app) {
-  if (f.decode) return run_decode(f, app);
+}  // namespace
+
+void run(RunFlags& f) {
+  if (f.decode) return run_decode(f);
   AttentionOptions options = f.shape.options();
   f.variants.apply(options);
   if (!f.cu_seqlens_q.empty()) return run_varlen(f, options);
@@ -223,38 +215,6 @@ void run(RunFlags& f, CLI::App& app) {
   std::printf("(GFLOP/s counts 4*B*Hq*Sq*Sk*D, halved when causal, x2.5 for backward; "
               "forward error on %d sampled rows; gradients are checked by the tests)\n",
               f.samples);
-}
-
-}  // namespace
-
-void register_run(CLI::App& app) {
-  auto flags = std::make_shared<RunFlags>();
-  CLI::App* cmd = app.add_subcommand("run", "time flashattn against standard attention on random inputs");
-  flags->shape.add_to(*cmd);
-  flags->variants.add_to(*cmd);
-  cmd->add_flag("--json", flags->json, "machine-readable output");
-  cmd->add_option("--repeats", flags->repeats, "timed runs (median reported)")->capture_default_str()
-      ->check(CLI::PositiveNumber);
-  cmd->add_option("--samples", flags->samples, "rows checked against the float64 reference")
-      ->capture_default_str()->check(CLI::PositiveNumber);
-  CLI::Option* cq = cmd->add_option("--cu-seqlens-q", flags->cu_seqlens_q,
-                                    "int32 offsets .npy (batch + 1): a packed variable-length batch")
-                        ->check(CLI::ExistingFile);
-  CLI::Option* ck = cmd->add_option("--cu-seqlens-k", flags->cu_seqlens_k, "int32 key offsets .npy (batch + 1)")
-                        ->check(CLI::ExistingFile);
-  cq->needs(ck);
-  ck->needs(cq);
-  cmd->add_flag("--backward", flags->backward,
-                "also time backward (default and deterministic) against standard attention's");
-  cmd->add_flag("--decode", flags->decode,
-                "one decoding step over a KV cache (defaults: 32 q heads, 8 kv heads, 32768 cached tokens)");
-  cmd->add_option("--cache-seqlen", flags->cached, "tokens already in the cache (--decode)")->capture_default_str();
-  cmd->add_option("--page-size", flags->page_size, "paged cache with pages of this many tokens (0 = contiguous)")
-      ->capture_default_str();
-  cmd->add_option("--cache-dtype", flags->cache_dtype,
-                  "cache storage (--decode): e4m3 (FP8, one descale per page and kv head); default: the --dtype")
-      ->check(CLI::IsMember({"e4m3"}));
-  cmd->callback([flags, cmd] { run(*flags, *cmd); });
 }
 
 }  // namespace flashattn::cli

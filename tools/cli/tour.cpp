@@ -6,27 +6,20 @@
 #include <cstdio>
 #include <filesystem>
 #include <limits>
-#include <memory>
 #include <random>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "tools/cli/account.hpp"
 #include "tools/cli/commands.hpp"
-#include "tools/cli/common.hpp"
 #include "tools/cli/experiments.hpp"
+#include "tools/cli/machine.hpp"
+#include "tools/cli/measure.hpp"
 #include "tools/cli/svg.hpp"
 
 namespace flashattn::cli {
 namespace {
-
-struct TourFlags {
-  std::int64_t max_seqlen = 2048;  // chapters 1-3 sweep N = 256, 512, ... up to this
-  std::int64_t dim = 64;
-  std::int64_t heads = 2;
-  int threads = 0;
-  int repeats = 2;
-  std::string out;  // directory for the SVG figures; empty: none
-};
 
 constexpr std::int64_t kFirstSeqlen = 256;
 
@@ -420,6 +413,8 @@ void chapter_exp_unit(const TourFlags& f, const cost::Architecture& cpu) {
               r["threshold"].get<double>(), r["threshold"].get<double>());
 }
 
+}  // namespace
+
 void tour(const TourFlags& f) {
   if (f.max_seqlen < 16 || f.dim < 1 || f.heads < 1 || f.repeats < 1)
     throw Error("tour: --max-seqlen must be >= 16 and --dim, --heads, --repeats >= 1, got " +
@@ -442,20 +437,6 @@ void tour(const TourFlags& f) {
   chapter_exp_unit(f, cpu);
   std::printf("\nMore: `flashattn explain --help` prints the whole account of one problem; docs/cost_model.md\n"
               "states the model and its sources.\n");
-}
-
-}  // namespace
-
-void register_tour(CLI::App& app) {
-  auto flags = std::make_shared<TourFlags>();
-  CLI::App* cmd = app.add_subcommand("tour", "a guided, measured walk through the four FlashAttention generations");
-  cmd->add_option("--max-seqlen", flags->max_seqlen, "largest N of the sweeps (from 256, doubling)")->capture_default_str();
-  cmd->add_option("--dim", flags->dim, "head dimension")->capture_default_str();
-  cmd->add_option("--heads", flags->heads, "heads of the sweeps")->capture_default_str();
-  cmd->add_option("--threads", flags->threads, "worker threads (0 = all cores)")->capture_default_str();
-  cmd->add_option("--repeats", flags->repeats, "timed runs per measurement (median)")->capture_default_str();
-  cmd->add_option("--out", flags->out, "directory for the figures (SVG)");
-  cmd->callback([flags] { tour(*flags); });
 }
 
 }  // namespace flashattn::cli
