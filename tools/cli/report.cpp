@@ -40,4 +40,32 @@ nlohmann::json decode_json(const DecodeCase& c, const DecodeMeasurement& m) {
           {"max_error", m.max_error}, {"kernel", m.kernel}};
 }
 
+std::string run_json(int threads, const AttentionProblem& p, const std::vector<Measurement>& results,
+                     const std::vector<double>& errors, std::optional<double> speedup,
+                     std::optional<double> backward_speedup) {
+  nlohmann::json j = machine_json(threads);
+  for (std::size_t i = 0; i < results.size(); ++i) {
+    j["cases"].push_back(case_json(results[i], p));
+    if (i < errors.size()) j["cases"].back()["max_error"] = errors[i];
+  }
+  if (speedup) j["speedup"] = *speedup;
+  if (backward_speedup) j["backward_speedup"] = *backward_speedup;
+  return j.dump(2);
+}
+
+std::string varlen_run_json(int threads, const VarlenRun& r) {
+  nlohmann::json j = machine_json(threads);
+  j["varlen"] = {{"batch", r.batch}, {"total_q", r.total_q}, {"total_k", r.total_k},
+                 {"fwd_seconds", r.fwd_seconds}, {"fwd_gflops", r.fwd_gflops}, {"max_error", r.max_error}};
+  if (r.bwd_seconds) j["varlen"]["bwd_seconds"] = *r.bwd_seconds;
+  if (r.bwd_gflops) j["varlen"]["bwd_gflops"] = *r.bwd_gflops;
+  return j.dump(2);
+}
+
+std::string decode_run_json(int threads, const DecodeCase& c, const DecodeMeasurement& m) {
+  nlohmann::json j = machine_json(threads);
+  j["cases"].push_back(decode_json(c, m));
+  return j.dump(2);
+}
+
 }  // namespace flashattn::cli

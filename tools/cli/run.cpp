@@ -4,9 +4,8 @@
 #include <cmath>
 #include <cstdio>
 #include <iostream>
+#include <optional>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "tools/baseline/standard_attention.hpp"
 #include "tools/cli/commands.hpp"
@@ -34,9 +33,7 @@ void run_decode(const RunFlags& f) {
   c.kernel = parse_forward_kernel(f.shape.kernel);
   const DecodeMeasurement m = measure_decode(c, f.repeats);
   if (f.json) {
-    nlohmann::json j = machine_json(f.shape.threads);
-    j["cases"].push_back(decode_json(c, m));
-    std::cout << j.dump(2) << "\n";
+    std::cout << decode_run_json(f.shape.threads, c, m) << "\n";
     return;
   }
   std::printf("flashattn run --decode: batch %lld, %lld q heads, %lld kv heads, dim %lld, %s cache of %lld tokens%s, causal=false\n",
@@ -127,14 +124,12 @@ void run_varlen(const RunFlags& f, const AttentionOptions& options) {
       }
   }
   if (f.json) {
-    nlohmann::json j = machine_json(f.shape.threads);
-    j["varlen"] = {{"batch", batch}, {"total_q", whole.seqlen_q}, {"total_k", whole.seqlen_k},
-                   {"fwd_seconds", fwd_s}, {"fwd_gflops", flops / fwd_s * 1e-9}, {"max_error", error}};
+    VarlenRun r{batch, whole.seqlen_q, whole.seqlen_k, fwd_s, flops / fwd_s * 1e-9, error};
     if (f.backward) {
-      j["varlen"]["bwd_seconds"] = bwd_s;
-      j["varlen"]["bwd_gflops"] = 2.5 * flops / bwd_s * 1e-9;
+      r.bwd_seconds = bwd_s;
+      r.bwd_gflops = 2.5 * flops / bwd_s * 1e-9;
     }
-    std::cout << j.dump(2) << "\n";
+    std::cout << varlen_run_json(f.shape.threads, r) << "\n";
     return;
   }
   std::printf("flashattn run (varlen): %lld sequences, %lld queries, %lld keys in all; %s\n",
@@ -173,14 +168,10 @@ void run(RunFlags& f) {
   const std::size_t bwd = baseline ? 2 : 1;
 
   if (f.json) {
-    nlohmann::json j = machine_json(f.shape.threads);
-    for (std::size_t i = 0; i < results.size(); ++i) {
-      j["cases"].push_back(case_json(results[i], p));
-      if (i < errors.size()) j["cases"].back()["max_error"] = errors[i];
-    }
-    if (baseline) j["speedup"] = results[1].seconds / results[0].seconds;
-    if (f.backward && baseline) j["backward_speedup"] = results[4].seconds / results[2].seconds;
-    std::cout << j.dump(2) << "\n";
+    std::optional<double> speedup, backward_speedup;
+    if (baseline) speedup = results[1].seconds / results[0].seconds;
+    if (f.backward && baseline) backward_speedup = results[4].seconds / results[2].seconds;
+    std::cout << run_json(f.shape.threads, p, results, errors, speedup, backward_speedup) << "\n";
     return;
   }
   std::printf("flashattn run: %s\n", p.describe().c_str());
