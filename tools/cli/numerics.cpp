@@ -90,6 +90,45 @@ nlohmann::json exp2_accuracy() {
           {"bf16_results_differing_fraction", static_cast<double>(bf16_differs) / static_cast<double>(x.size())}};
 }
 
+// The shared experiments (experiments.hpp) in this report's JSON.
+nlohmann::json rescale_case_json(const RescaleCase& c) {
+  return {{"classic", c.classic},
+          {"conditional", c.conditional},
+          {"classic_per_row", c.classic_per_row},
+          {"conditional_per_row", c.conditional_per_row},
+          {"rows", c.rows},
+          {"key_tiles", c.key_tiles},
+          {"max_abs_diff", c.max_abs_diff}};
+}
+
+nlohmann::json rescale_json(const RescaleCounts& r) {
+  nlohmann::json j = {{"threshold", r.threshold},
+                      {"random", rescale_case_json(r.random)},
+                      {"adversarial", rescale_case_json(r.adversarial)}};
+  j["adversarial"]["score_growth_log2"] = r.score_growth_log2;
+  return j;
+}
+
+nlohmann::json fp8_json(const Fp8Error& f) {
+  return {{"format", f.format},
+          {"seed", f.seed},
+          {"outlier_fraction", f.outlier_fraction},
+          {"outlier_std", f.outlier_std},
+          {"output_dtype", f.output_dtype},
+          {"rmse_bf16", f.rmse_bf16},
+          {"block_q", f.block_q},
+          {"block_k", f.block_k},
+          {"rotation_seed", f.rotation_seed},
+          {"rmse_per_tensor", f.rmse_per_tensor},
+          {"rmse_per_block", f.rmse_per_block},
+          {"rmse_hadamard", f.rmse_hadamard},
+          {"rmse_per_block_hadamard", f.rmse_per_block_hadamard}};
+}
+
+nlohmann::json exp2_throughput_json(const Exp2Throughput& t) {
+  return {{"exact_gexp_per_s", t.exact_gexp_per_s}, {"poly3_gexp_per_s", t.poly3_gexp_per_s}};
+}
+
 // --- 5. speed of each exp2 and rescaling rule, one run -------------------------------------
 nlohmann::json speed(const AttentionProblem& p, std::mt19937_64& rng, int threads, int repeats) {
   struct Variant {
@@ -117,7 +156,7 @@ nlohmann::json speed(const AttentionProblem& p, std::mt19937_64& rng, int thread
       if (r > 0) times[i].push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
   nlohmann::json j = {{"dtype", to_string(p.dtype)}, {"causal", p.causal}, {"repeats", repeats},
-                      {"cases", nlohmann::json::array()}, {"exp2_throughput", exp2_throughput(repeats)}};
+                      {"cases", nlohmann::json::array()}, {"exp2_throughput", exp2_throughput_json(exp2_throughput(repeats))}};
   double baseline = 0.0;
   for (std::size_t i = 0; i < std::size(variants); ++i) {
     std::sort(times[i].begin(), times[i].end());
@@ -135,7 +174,7 @@ nlohmann::json speed(const AttentionProblem& p, std::mt19937_64& rng, int thread
   return j;
 }
 
-void print_report(const nlohmann::json& j) {
+void print_report(const nlohmann::json& j, const RescaleCounts& rescale, const Fp8Error& fp8) {
   const auto& os = j["online_softmax"];
   std::printf("1. online softmax of [1, 3, 2, 5] in blocks [1, 3], [2, 5] (natural units)\n");
   for (std::size_t s = 0; s < os["steps"].size(); ++s)
@@ -157,14 +196,12 @@ void print_report(const nlohmann::json& j) {
               e["bf16_half_ulp"].get<double>(), 100.0 * e["bf16_results_differing_fraction"].get<double>());
 
   std::printf("\n3. rescales of the online-softmax state, classic (threshold 0) vs conditional (threshold %g)\n",
-              j["rescale"]["threshold"].get<double>());
-  print_rescale_counts(j["rescale"]);
+              rescale.threshold);
+  print_rescale_counts(rescale);
 
-  const auto& f = j["fp8"];
   std::printf("\n4. attention output RMSE vs float64, N(0,1) inputs + N(0, %g^2) on %.1f%% of entries (seed %llu), %s\n",
-              f["outlier_std"].get<double>(), 100.0 * f["outlier_fraction"].get<double>(),
-              static_cast<unsigned long long>(f["seed"].get<std::uint64_t>()), f["format"].get<std::string>().c_str());
-  print_fp8_error(f);
+              fp8.outlier_std, 100.0 * fp8.outlier_fraction, static_cast<unsigned long long>(fp8.seed), fp8.format.c_str());
+  print_fp8_error(fp8);
 
   const auto& s = j["speed"];
   std::printf("\n5. forward speed, %s, median of %d round-robin runs\n", s["dtype"].get<std::string>().c_str(),
@@ -193,8 +230,10 @@ void numerics(const NumericsFlags& f) {
   scale_only.softmax_scale = f.shape.softmax_scale;
   const AttentionProblem p = f32_shape.problem(scale_only);
   std::cerr << "rescale counts\n";
-  j["rescale"] = rescale_counts(p, rng, f.shape.threads);
-  j["fp8"] = fp8_error(p, f.seed, parse_fp8_format(f.fp8_format), f.shape.threads);
+  const RescaleCounts rescale = rescale_counts(p, rng, f.shape.threads);
+  j["rescale"] = rescale_json(rescale);
+  const Fp8Error fp8 = fp8_error(p, f.seed, parse_fp8_format(f.fp8_format), f.shape.threads);
+  j["fp8"] = fp8_json(fp8);
   ShapeFlags speed_shape = f32_shape;
   speed_shape.dtype = f.shape.dtype;
   std::cerr << "speed\n";
@@ -207,7 +246,7 @@ void numerics(const NumericsFlags& f) {
               f.shape.dtype.c_str(), static_cast<unsigned long long>(f.seed), f.fp8_format.c_str(), f.repeats);
   std::printf("cpu: %s, %d threads, simd %s\n\n", j["cpu"].get<std::string>().c_str(), j["threads"].get<int>(),
               j["simd_target"].get<std::string>().c_str());
-  print_report(j);
+  print_report(j, rescale, fp8);
 }
 
 }  // namespace flashattn::cli
