@@ -100,8 +100,7 @@ nlohmann::json target(const std::string& name, const std::string& measure, doubl
   return {{"name", name}, {"measure", measure}, {"ratio", ratio}, {"target", at_least}, {"pass", ratio >= at_least}};
 }
 
-}  // namespace
-
+// One flashattn case per (dtype, D, S, causal, op) of the grid, at shape.threads.
 nlohmann::json run_sweep(const SweepFlags& f) {
   const int threads = resolved_threads(f.shape.threads);
   nlohmann::json j = header(f, threads, "sweep");
@@ -121,6 +120,7 @@ nlohmann::json run_sweep(const SweepFlags& f) {
   return j;
 }
 
+// The issue's subset and its targets (see sweep in bench_sweep.hpp).
 nlohmann::json run_quick(SweepFlags f) {
   const int threads = f.shape.threads > 0 ? f.shape.threads : kIssueThreads;
   f.shape.threads = threads;
@@ -174,6 +174,7 @@ nlohmann::json run_quick(SweepFlags f) {
   return j;
 }
 
+// GFLOP/s against S, one line per (op, dtype, causal, D, threads), sgemm as a horizontal line.
 std::string sweep_plot(const nlohmann::json& r) {
   const int threads = r["threads"];
   std::map<std::string, svg::Series> by_config;
@@ -200,6 +201,7 @@ std::string sweep_plot(const nlohmann::json& r) {
   return svg::line_chart({title, "sequence length S", "GFLOP/s", true, false}, series);
 }
 
+// The cases (and targets, when present) as a table on stdout.
 void print_sweep(const nlohmann::json& r) {
   const double sgemm = r["sgemm_gflops"];
   std::printf("cpu: %s, %d threads, simd %s, OpenBLAS %s: sgemm %.1f GFLOP/s\n", r["cpu"].get<std::string>().c_str(),
@@ -219,6 +221,15 @@ void print_sweep(const nlohmann::json& r) {
   for (const auto& t : r["targets"])
     std::printf("%-64s %8.2f %8.2f  %s\n", t["name"].get<std::string>().c_str(), t["ratio"].get<double>(),
                 t["target"].get<double>(), t["pass"].get<bool>() ? "pass" : "FAIL");
+}
+
+}  // namespace
+
+void sweep(const SweepFlags& f, bool quick, bool json, const std::string& plot) {
+  const nlohmann::json result = quick ? run_quick(f) : run_sweep(f);
+  if (json) std::cout << result.dump(2) << "\n";
+  else print_sweep(result);
+  if (!plot.empty()) svg::write(plot, sweep_plot(result));  // after the results: a bad path loses no data
 }
 
 }  // namespace flashattn::cli

@@ -17,11 +17,15 @@ nlohmann::json case_json(const Measurement& m, const AttentionProblem& p) {
           {"gflops", m.gflops},          {"peak_bytes", m.peak_bytes}};
   if (m.op == Op::bwd) j["deterministic"] = m.deterministic;
   if (!m.kernel.empty()) j["kernel"] = m.kernel;
-  if (p.window_left >= 0 || (p.window_right >= 0 && !p.causal)) {
+  if (states_window(p)) {
     j["window_left"] = p.window_left;
     j["window_right"] = p.window_right;
   }
   return j;
+}
+
+bool states_window(const AttentionProblem& p) {
+  return p.window_left >= 0 || (p.window_right >= 0 && !p.causal);
 }
 
 nlohmann::json machine_json(int threads) {
@@ -65,6 +69,25 @@ std::string varlen_run_json(int threads, const VarlenRun& r) {
 std::string decode_run_json(int threads, const DecodeCase& c, const DecodeMeasurement& m) {
   nlohmann::json j = machine_json(threads);
   j["cases"].push_back(decode_json(c, m));
+  return j.dump(2);
+}
+
+std::string bench_json(const BenchReport& r) {
+  nlohmann::json j = machine_json(r.threads);
+  j["sgemm_gflops"] = r.sgemm_gflops;
+  j["cases"] = nlohmann::json::array();
+  for (const TimedCase& c : r.cases) {
+    j["cases"].push_back(case_json(c.m, c.p));
+    if (c.block_kept_fraction) j["cases"].back()["block_kept_fraction"] = *c.block_kept_fraction;
+  }
+  for (const DecodeRun& d : r.decode) j["cases"].push_back(decode_json(d.c, d.m));
+  if (r.copy_gbps) j["copy_gbps"] = *r.copy_gbps;
+  for (const MemoryRow& m : r.memory_scaling)
+    j["memory_scaling"].push_back({{"seqlen", m.seqlen},
+                                   {"flashattn_fwd_bytes", m.flashattn_fwd_bytes},
+                                   {"flashattn_bwd_bytes", m.flashattn_bwd_bytes},
+                                   {"standard_fwd_score_bytes", m.standard_fwd_score_bytes},
+                                   {"standard_bwd_score_bytes", m.standard_bwd_score_bytes}});
   return j.dump(2);
 }
 
