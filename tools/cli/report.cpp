@@ -91,4 +91,74 @@ std::string bench_json(const BenchReport& r) {
   return j.dump(2);
 }
 
+namespace {
+
+nlohmann::json rescale_case_json(const RescaleCase& c) {
+  return {{"classic", c.classic},
+          {"conditional", c.conditional},
+          {"classic_per_row", c.classic_per_row},
+          {"conditional_per_row", c.conditional_per_row},
+          {"rows", c.rows},
+          {"key_tiles", c.key_tiles},
+          {"max_abs_diff", c.max_abs_diff}};
+}
+
+}  // namespace
+
+std::string numerics_json(const NumericsReport& r) {
+  nlohmann::json j = machine_json(r.threads);
+  j["seed"] = r.seed;
+  const OnlineSoftmaxSteps& os = r.online_softmax;
+  nlohmann::json steps = nlohmann::json::array();
+  for (const OnlineSoftmaxSteps::Step& s : os.steps) steps.push_back({{"m", s.m}, {"l", s.l}});
+  j["online_softmax"] = {{"scores", os.scores},   {"blocks", os.blocks},               {"steps", steps},
+                         {"l_final", os.l_final}, {"probabilities", os.probabilities}, {"one_pass", os.one_pass},
+                         {"max_abs_diff", os.max_abs_diff}};
+  const Exp2Accuracy& e = r.exp2;
+  j["exp2"] = {{"points", e.points},
+               {"range", {e.range_lo, e.range_hi}},
+               {"exact_max_rel_err_f32", e.exact_max_rel_err_f32},
+               {"poly3_max_rel_err_f32", e.poly3_max_rel_err_f32},
+               {"exact_max_rel_err_bf16", e.exact_max_rel_err_bf16},
+               {"poly3_max_rel_err_bf16", e.poly3_max_rel_err_bf16},
+               {"bf16_half_ulp", e.bf16_half_ulp},
+               {"bf16_results_differing_fraction", e.bf16_results_differing_fraction}};
+  j["rescale"] = {{"threshold", r.rescale.threshold},
+                  {"random", rescale_case_json(r.rescale.random)},
+                  {"adversarial", rescale_case_json(r.rescale.adversarial)}};
+  j["rescale"]["adversarial"]["score_growth_log2"] = r.rescale.score_growth_log2;
+  const Fp8Error& f = r.fp8;
+  j["fp8"] = {{"format", f.format},
+              {"seed", f.seed},
+              {"outlier_fraction", f.outlier_fraction},
+              {"outlier_std", f.outlier_std},
+              {"output_dtype", f.output_dtype},
+              {"rmse_bf16", f.rmse_bf16},
+              {"block_q", f.block_q},
+              {"block_k", f.block_k},
+              {"rotation_seed", f.rotation_seed},
+              {"rmse_per_tensor", f.rmse_per_tensor},
+              {"rmse_per_block", f.rmse_per_block},
+              {"rmse_hadamard", f.rmse_hadamard},
+              {"rmse_per_block_hadamard", f.rmse_per_block_hadamard}};
+  const Speed& s = r.speed;
+  j["speed"] = {{"dtype", s.dtype},
+                {"causal", s.causal},
+                {"repeats", s.repeats},
+                {"cases", nlohmann::json::array()},
+                {"exp2_throughput",
+                 {{"exact_gexp_per_s", s.exp2_throughput.exact_gexp_per_s},
+                  {"poly3_gexp_per_s", s.exp2_throughput.poly3_gexp_per_s}}}};
+  for (const SpeedCase& c : s.cases) {
+    nlohmann::json cj = {{"exp2", c.exp2},
+                         {"rescale_threshold", c.rescale_threshold},
+                         {"seconds", c.seconds},
+                         {"gflops", c.gflops},
+                         {"ratio_to_exact_classic", c.ratio_to_exact_classic}};
+    if (c.exp2_poly3_fraction) cj["exp2_poly3_fraction"] = *c.exp2_poly3_fraction;
+    j["speed"]["cases"].push_back(cj);
+  }
+  return j.dump(2);
+}
+
 }  // namespace flashattn::cli

@@ -12,6 +12,7 @@
 
 #include "flashattn/flashattn.hpp"
 #include "tools/cli/decode.hpp"
+#include "tools/cli/experiments.hpp"
 #include "tools/cli/measure.hpp"
 
 namespace flashattn::cli {
@@ -66,5 +67,49 @@ struct BenchReport {
   std::vector<MemoryRow> memory_scaling;
 };
 std::string bench_json(const BenchReport& r);
+
+// `numerics --json`: the machine's facts and the experiments of `flashattn numerics`.
+struct OnlineSoftmaxSteps {  // 1. the online softmax on [1, 3, 2, 5], blocks [1, 3] and [2, 5]
+  std::vector<int> scores;
+  std::vector<std::vector<float>> blocks;
+  struct Step {
+    double m;  // natural units
+    float l;
+  };
+  std::vector<Step> steps;  // after each block
+  float l_final = 0.0f;
+  std::vector<double> probabilities, one_pass;
+  double max_abs_diff = 0.0;
+};
+struct Exp2Accuracy {  // 2. each exp2 on [range_lo, range_hi], against float64
+  std::size_t points = 0;
+  double range_lo = 0.0, range_hi = 0.0;
+  double exact_max_rel_err_f32 = 0.0, poly3_max_rel_err_f32 = 0.0;
+  double exact_max_rel_err_bf16 = 0.0, poly3_max_rel_err_bf16 = 0.0;
+  double bf16_half_ulp = 0.0, bf16_results_differing_fraction = 0.0;
+};
+struct SpeedCase {  // 5. the forward with one exp2 and rescaling rule
+  std::string exp2;
+  float rescale_threshold = 0.0f;
+  double seconds = 0.0, gflops = 0.0, ratio_to_exact_classic = 0.0;
+  std::optional<float> exp2_poly3_fraction;  // exp2 mixed
+};
+struct Speed {
+  std::string dtype;
+  bool causal = false;
+  int repeats = 0;
+  std::vector<SpeedCase> cases;
+  Exp2Throughput exp2_throughput;
+};
+struct NumericsReport {
+  int threads = 0;  // as requested (0 = all cores)
+  std::uint64_t seed = 0;
+  OnlineSoftmaxSteps online_softmax;
+  Exp2Accuracy exp2;
+  RescaleCounts rescale;  // 3.
+  Fp8Error fp8;           // 4.
+  Speed speed;
+};
+std::string numerics_json(const NumericsReport& r);
 
 }  // namespace flashattn::cli
