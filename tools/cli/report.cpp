@@ -161,4 +161,33 @@ std::string numerics_json(const NumericsReport& r) {
   return j.dump(2);
 }
 
+std::string sweep_json(const SweepReport& r) {
+  nlohmann::json j = machine_json(r.threads);
+  j["mode"] = r.mode;
+  j["repeats"] = r.repeats;
+  j["sgemm_gflops"] = r.sgemm_gflops;
+  j["sgemm_size"] = r.sgemm_size;
+  j["standard_attention"] = r.standard_attention;
+  j["batch"] = r.batch;
+  j["heads"] = r.heads;
+  if (r.grid)
+    j["grid"] = {{"seqlens", r.grid->seqlens}, {"dims", r.grid->dims}, {"dtypes", r.grid->dtypes},
+                 {"causal", r.grid->causal},   {"ops", r.grid->ops}};
+  j["cases"] = nlohmann::json::array();
+  for (const SweepCase& c : r.cases) {
+    nlohmann::json cj = case_json(c.m, c.p);
+    cj["threads"] = c.threads;
+    cj["sgemm_gflops"] = c.sgemm_gflops;
+    cj["vs_sgemm"] = c.vs_sgemm;
+    j["cases"].push_back(cj);
+  }
+  if (!r.targets.empty()) {
+    j["targets"] = nlohmann::json::array();
+    for (const SweepTarget& t : r.targets)
+      j["targets"].push_back(
+          {{"name", t.name}, {"measure", t.measure}, {"ratio", t.ratio}, {"target", t.target}, {"pass", t.pass}});
+  }
+  return j.dump(2);
+}
+
 }  // namespace flashattn::cli

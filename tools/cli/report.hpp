@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "flashattn/flashattn.hpp"
+#include "tools/cli/commands.hpp"
 #include "tools/cli/decode.hpp"
 #include "tools/cli/experiments.hpp"
 #include "tools/cli/measure.hpp"
@@ -111,5 +112,33 @@ struct NumericsReport {
   Speed speed;
 };
 std::string numerics_json(const NumericsReport& r);
+
+// `bench --sweep --json` and `bench --quick --json` (tools/cli/bench_sweep.hpp): the machine's
+// facts, the first sgemm, each flashattn case with the sgemm measured just before it, and
+// (--quick) the targets.
+struct SweepCase {
+  Measurement m;  // its `out` left empty
+  AttentionProblem p;
+  int threads = 0;
+  double sgemm_gflops = 0.0, vs_sgemm = 0.0;
+};
+struct SweepTarget {
+  std::string name, measure;
+  double ratio = 0.0, target = 0.0;
+  bool pass = false;
+};
+struct SweepReport {
+  std::string mode;  // "sweep" or "quick"
+  int threads = 0;   // the run's
+  int repeats = 0;
+  double sgemm_gflops = 0.0;
+  int sgemm_size = 0;
+  std::string standard_attention;  // why standard attention is not timed
+  std::int64_t batch = 0, heads = 0;
+  std::optional<SweepFlags> grid;  // --sweep: the grid timed
+  std::vector<SweepCase> cases;
+  std::vector<SweepTarget> targets;  // --quick
+};
+std::string sweep_json(const SweepReport& r);
 
 }  // namespace flashattn::cli
