@@ -1,9 +1,8 @@
-// The JSON reports of `run --json` and `bench --json`: the machine's facts and one object per
-// measured case. Written here, so that the other files need the JSON library's declarations
-// (json_fwd.hpp) at most.
+// The JSON reports (--json) of every subcommand that has one, from plain structs: the one file
+// that includes the JSON library (report.cpp), a header-only library compiled once there.
+// Each report holds the machine's facts and its subcommand's results; a case of `run` and of
+// `bench` has one schema.
 #pragma once
-
-#include <nlohmann/json_fwd.hpp>
 
 #include <cstdint>
 #include <optional>
@@ -14,18 +13,14 @@
 #include "tools/cli/commands.hpp"
 #include "tools/cli/decode.hpp"
 #include "tools/cli/experiments.hpp"
+#include "tools/cli/explain.hpp"
 #include "tools/cli/measure.hpp"
 
 namespace flashattn::cli {
 
-// One benchmark case in the JSON schema shared by `run --json` and `bench --json`.
-nlohmann::json case_json(const Measurement& m, const AttentionProblem& p);
 // Whether a case states its window (window_left, window_right): a left bound, or a right one
 // that causal does not already imply.
 bool states_window(const AttentionProblem& p);
-// Top-level facts of the machine and build: cpu, threads, simd_target, openblas_corename.
-nlohmann::json machine_json(int threads);
-nlohmann::json decode_json(const DecodeCase& c, const DecodeMeasurement& m);
 
 // The whole reports of `run --json`, indented: the machine's facts, then the forward and
 // backward cases (forward ones with their sampled max_error, `errors[i]` for `results[i]`)
@@ -140,5 +135,8 @@ struct SweepReport {
   std::vector<SweepTarget> targets;  // --quick
 };
 std::string sweep_json(const SweepReport& r);
+
+// `explain --json`: the whole account, with the measured counters when `measured` is set.
+std::string explain_json(const Account& a, const std::optional<Measured>& measured);
 
 }  // namespace flashattn::cli
