@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
-# End-to-end check of the CLI: run (table and JSON), attend on .npy files, bad input.
+# End-to-end check of the CLI: --version, run (table and JSON), attend on .npy files, bad input.
 set -euo pipefail
 cli=$1
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 export PYTHONPATH="$(dirname "$0")${PYTHONPATH:+:$PYTHONPATH}"  # npyio.py
+
+# --version: the project's version as CMakeLists.txt's project() states it, and success.
+version=$(sed -n 's/^project(flashattn VERSION \([0-9.]*\).*/\1/p' "$(dirname "$0")/../CMakeLists.txt")
+[ -n "$version" ] || { echo "no project version in CMakeLists.txt"; exit 1; }
+[ "$("$cli" --version)" = "flashattn $version" ] || { echo "--version: expected flashattn $version"; exit 1; }
 
 "$cli" run --seqlen 200 --heads 2 --dim 64 --dtype f32 --repeats 1 > "$work/run.txt"
 grep -q "flashattn" "$work/run.txt"

@@ -1,7 +1,7 @@
 // The standard-attention baseline must itself be right, or the speedups mean nothing.
 #include <gtest/gtest.h>
 
-#include "src/baseline/standard_attention.hpp"
+#include "tools/baseline/standard_attention.hpp"
 #include "tests/support/support.hpp"
 
 namespace flashattn::test {

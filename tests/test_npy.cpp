@@ -14,9 +14,9 @@
 
 #include "flashattn/error.hpp"
 #include "flashattn/tensor.hpp"
-#include "tools/cli/npy.hpp"
+#include "tools/support/npy.hpp"
 
-namespace flashattn::cli {
+namespace flashattn::support {
 namespace {
 
 using ::testing::AllOf;
@@ -258,14 +258,14 @@ TEST(Npy, ReadsInt32OffsetsAndBoolMasks) {
   const std::int32_t values[] = {0, 7, -3};
   std::memcpy(data.data(), values, sizeof values);
   write_bytes(offsets, npy_bytes(1, "{'descr': '<i4', 'fortran_order': False, 'shape': (3,), }", data));
-  const flashattn::Tensor t = flashattn::cli::read_npy(offsets);
+  const flashattn::Tensor t = flashattn::support::read_npy(offsets);
   EXPECT_EQ(t.dtype(), flashattn::DType::i32);
   EXPECT_EQ(t.get(1), 7.0f);
   EXPECT_EQ(t.get(2), -3.0f);
   const std::string mask = temp_path("_b1");
   write_bytes(mask, npy_bytes(1, "{'descr': '|b1', 'fortran_order': False, 'shape': (2, 2), }",
                               std::string("\x01\x00\x00\x01", 4)));
-  const flashattn::Tensor m = flashattn::cli::read_npy(mask);
+  const flashattn::Tensor m = flashattn::support::read_npy(mask);
   EXPECT_EQ(m.dtype(), flashattn::DType::u8);
   EXPECT_EQ(m.get(0), 1.0f);
   EXPECT_EQ(m.get(1), 0.0f);
@@ -375,4 +375,4 @@ TEST(NpyErrors, WriteToMissingDirectory) {
 }
 
 }  // namespace
-}  // namespace flashattn::cli
+}  // namespace flashattn::support

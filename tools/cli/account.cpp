@@ -1,7 +1,8 @@
 #include "tools/cli/account.hpp"
 
-#include "src/baseline/standard_attention.hpp"
-#include "tools/cli/common.hpp"
+#include "tools/baseline/standard_attention.hpp"
+#include "tools/cli/machine.hpp"
+#include "tools/cli/measure.hpp"
 
 namespace flashattn::cli {
 namespace {
@@ -62,54 +63,6 @@ CountedRun counted_run(const AttentionProblem& p, const AttentionOptions& option
     r.backward_seconds = measure_backward(Impl::flashattn, p, options, in, repeats).seconds;
   }
   return r;
-}
-
-nlohmann::json cycles_json(const cost::UnitCycles& c) {
-  return {{"mma", c.mma}, {"exp", c.exp}, {"fma", c.fma}, {"smem", c.smem},
-          {"cycles", c.time()}, {"bottleneck", c.bottleneck()}, {"shared_pipes", c.shared_pipes}};
-}
-
-nlohmann::json architecture_json(const cost::Architecture& a) {
-  return {{"name", a.name},
-          {"description", a.description},
-          {"units", a.units},
-          {"clock_ghz", a.clock_ghz},
-          {"mma_per_clock", {{"16bit", a.mma_16bit}, {"tf32", a.mma_tf32}, {"fp8", a.mma_fp8}}},
-          {"fp32_lanes", a.fp32_lanes},
-          {"exp_per_clock", a.exp_per_clock},
-          {"poly_exp_ops", a.poly_exp_ops},
-          {"smem_bytes_per_clock", a.smem_bytes_per_clock},
-          {"smem_bytes", a.smem_bytes},
-          {"hbm_gbps", a.hbm_bytes_per_second * 1e-9},
-          {"memory_bytes", a.memory_bytes},
-          {"source", a.source}};
-}
-
-nlohmann::json traffic_json(const cost::Traffic& t) {
-  nlohmann::json terms = nlohmann::json::array();
-  for (const cost::Traffic::Term& term : t.terms)
-    terms.push_back({{"tensor", term.tensor}, {"write", term.write}, {"elements", term.elements},
-                     {"bytes", term.bytes()}});
-  return {{"elements", t.elements()}, {"bytes", t.bytes()}, {"terms", terms}};
-}
-
-nlohmann::json counters_json(const KernelCounters& c) {
-  return {{"q_read", c.q_read},           {"k_read", c.k_read},
-          {"v_read", c.v_read},           {"kv_packed", c.kv_packed},
-          {"tiles_computed", c.tiles_computed}, {"tiles_skipped", c.tiles_skipped},
-          {"scores", c.scores},           {"o_written", c.o_written},
-          {"lse_written", c.lse_written}, {"o_read", c.o_read},
-          {"dout_read", c.dout_read},     {"stats_read", c.stats_read},
-          {"dq_accum_read", c.dq_accum_read}, {"dq_accum_written", c.dq_accum_written},
-          {"dq_written", c.dq_written},   {"dk_written", c.dk_written},
-          {"dv_written", c.dv_written}};
-}
-
-nlohmann::json prediction_json(const cost::Prediction& p) {
-  return {{"seconds", p.seconds},         {"compute_seconds", p.compute_seconds},
-          {"memory_seconds", p.memory_seconds}, {"memory_bytes", p.memory_bytes},
-          {"tflops", p.tflops},           {"utilisation", p.utilisation},
-          {"bound", p.bound}};
 }
 
 }  // namespace flashattn::cli

@@ -1,9 +1,7 @@
 // The cost model as the CLI shows it (`flashattn explain`, `flashattn tour`): the
 // architecture chosen by name (this CPU measured on the spot), the docs/algorithm.md §5 variants of
-// the per-tile table, counted CPU runs, and JSON for each piece.
+// the per-tile table and counted CPU runs (explain.cpp writes them as JSON).
 #pragma once
-
-#include <nlohmann/json.hpp>
 
 #include <cstdint>
 #include <string>
@@ -51,11 +49,5 @@ struct CountedRun {
 };
 CountedRun counted_run(const AttentionProblem& problem, const AttentionOptions& options, int repeats,
                        bool with_backward);
-
-nlohmann::json cycles_json(const cost::UnitCycles& c);
-nlohmann::json architecture_json(const cost::Architecture& a);
-nlohmann::json traffic_json(const cost::Traffic& t);
-nlohmann::json counters_json(const KernelCounters& c);
-nlohmann::json prediction_json(const cost::Prediction& p);
 
 }  // namespace flashattn::cli

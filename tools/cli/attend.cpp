@@ -2,28 +2,14 @@
 // so anyone can check flashattn with their own tools.
 #include <cstdio>
 #include <iostream>
-#include <memory>
 #include <optional>
 #include <algorithm>
 
 #include "tools/cli/commands.hpp"
-#include "tools/cli/common.hpp"
-#include "tools/cli/npy.hpp"
+#include "tools/support/npy.hpp"
 
 namespace flashattn::cli {
 namespace {
-
-struct AttendFlags {
-  std::string q, k, v, out, lse;
-  std::string dout, dq, dk, dv;  // gradients: all four or none
-  bool deterministic = false;
-  std::optional<std::string> dtype;
-  bool causal = false;
-  std::optional<float> softmax_scale;
-  int threads = 0;
-  VariantFlags variants;
-  std::string cu_seqlens_q, cu_seqlens_k;  // variable-length packed batch: both or neither
-};
 
 Tensor converted(const Tensor& t, DType dtype) {
   if (t.dtype() == dtype) return t;
@@ -46,8 +32,10 @@ std::string shape_text(const std::vector<std::int64_t>& shape) {
   return s + ")";
 }
 
+}  // namespace
+
 void attend(AttendFlags& f) {
-  Tensor q = read_npy(f.q), k = read_npy(f.k), v = read_npy(f.v);
+  Tensor q = support::read_npy(f.q), k = support::read_npy(f.k), v = support::read_npy(f.v);
   // --dtype bf16 rounds the inputs to bf16; by default the kernel runs in q's file dtype.
   const DType dtype = f.dtype ? parse_dtype(*f.dtype) : q.dtype();
   q = converted(q, dtype);
@@ -67,63 +55,24 @@ void attend(AttendFlags& f) {
   Tensor cu_q, cu_k;
   VarlenSeqlens seqlens;
   if (varlen) {
-    cu_q = read_npy(f.cu_seqlens_q);
-    cu_k = read_npy(f.cu_seqlens_k);
+    cu_q = support::read_npy(f.cu_seqlens_q);
+    cu_k = support::read_npy(f.cu_seqlens_k);
     seqlens = {cu_q.view(), cu_k.view(), max_length(cu_q), max_length(cu_k)};
   }
   const ForwardResult r = varlen ? forward_varlen(q.view(), k.view(), v.view(), seqlens, options)
                                  : forward(q.view(), k.view(), v.view(), options);
   // NumPy has no bf16: a bf16 result is written as float32 (exactly representable).
-  write_npy(f.out, r.out.dtype() == DType::bf16 ? converted(r.out, DType::f32) : r.out);
-  if (!f.lse.empty()) write_npy(f.lse, r.lse);
+  support::write_npy(f.out, r.out.dtype() == DType::bf16 ? converted(r.out, DType::f32) : r.out);
+  if (!f.lse.empty()) support::write_npy(f.lse, r.lse);
   if (f.dout.empty()) return;
-  const Tensor dout = converted(read_npy(f.dout), dtype);
+  const Tensor dout = converted(support::read_npy(f.dout), dtype);
   const BackwardResult g =
       varlen ? backward_varlen(dout.view(), q.view(), k.view(), v.view(), r.out.view(), r.lse.view(),
                                seqlens, options)
              : backward(dout.view(), q.view(), k.view(), v.view(), r.out.view(), r.lse.view(), options);
   const std::pair<const std::string*, const Tensor*> grads[] = {{&f.dq, &g.dq}, {&f.dk, &g.dk}, {&f.dv, &g.dv}};
   for (const auto& [path, grad] : grads)
-    write_npy(*path, grad->dtype() == DType::bf16 ? converted(*grad, DType::f32) : *grad);
-}
-
-}  // namespace
-
-void register_attend(CLI::App& app) {
-  auto flags = std::make_shared<AttendFlags>();
-  CLI::App* cmd = app.add_subcommand(
-      "attend", "attention on .npy inputs (float32/float16, layout (batch, seqlen, heads, dim))");
-  cmd->add_option("--q", flags->q, "queries (B, Sq, Hq, D)")->required()->check(CLI::ExistingFile);
-  cmd->add_option("--k", flags->k, "keys (B, Sk, Hkv, D)")->required()->check(CLI::ExistingFile);
-  cmd->add_option("--v", flags->v, "values (B, Sk, Hkv, Dv)")->required()->check(CLI::ExistingFile);
-  cmd->add_option("--out", flags->out, "output .npy (B, Sq, Hq, Dv); float32 when --dtype bf16")
-      ->required();
-  cmd->add_option("--lse", flags->lse, "log-sum-exp .npy (B, Hq, Sq), float32");
-  cmd->add_option("--dtype", flags->dtype, "compute dtype f32|f16|bf16 (default: q's dtype)");
-  cmd->add_flag("--causal", flags->causal, "bottom-right aligned causal mask");
-  cmd->add_option("--softmax-scale", flags->softmax_scale, "scale of Q·Kᵀ (default 1/sqrt(D))");
-  cmd->add_option("--threads", flags->threads, "worker threads (0 = all cores)");
-  CLI::Option* dout = cmd->add_option("--dout", flags->dout, "upstream gradient (B, Sq, Hq, Dv): computes dq, dk, dv")
-                          ->check(CLI::ExistingFile);
-  for (auto [name, target, help] : {std::tuple{"--dq", &flags->dq, "gradient of q (.npy)"},
-                                     {"--dk", &flags->dk, "gradient of k (.npy)"},
-                                     {"--dv", &flags->dv, "gradient of v (.npy)"}}) {
-    CLI::Option* opt = cmd->add_option(name, *target, help);
-    opt->needs(dout);
-    dout->needs(opt);
-  }
-  cmd->add_flag("--deterministic", flags->deterministic,
-                "bit-identical gradients for any run and thread count");
-  flags->variants.add_to(*cmd);
-  CLI::Option* cq = cmd->add_option("--cu-seqlens-q", flags->cu_seqlens_q,
-                                    "int32 offsets (batch + 1): q is packed (total_q, heads, dim)")
-                        ->check(CLI::ExistingFile);
-  CLI::Option* ck = cmd->add_option("--cu-seqlens-k", flags->cu_seqlens_k,
-                                    "int32 offsets (batch + 1): k, v are packed (total_k, heads, dim)")
-                        ->check(CLI::ExistingFile);
-  cq->needs(ck);
-  ck->needs(cq);
-  cmd->callback([flags] { attend(*flags); });
+    support::write_npy(*path, grad->dtype() == DType::bf16 ? converted(*grad, DType::f32) : *grad);
 }
 
 }  // namespace flashattn::cli

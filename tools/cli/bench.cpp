@@ -5,31 +5,22 @@
 #include <cstdio>
 #include <thread>
 #include <iostream>
-#include <memory>
+#include <optional>
 #include <random>
 
-#include "src/baseline/standard_attention.hpp"
+#include "tools/baseline/standard_attention.hpp"
 #include "tools/cli/bench_sweep.hpp"
 #include "tools/cli/commands.hpp"
-#include "tools/cli/common.hpp"
-#include "tools/cli/svg.hpp"
+#include "tools/cli/decode.hpp"
+#include "tools/cli/machine.hpp"
+#include "tools/cli/measure.hpp"
+#include "tools/cli/report.hpp"
 
 namespace flashattn::cli {
 namespace {
 
-struct BenchFlags {
-  ShapeFlags shape;
-  bool json = false;
-  int repeats = 5;
-  int sgemm_n = 2048;
-  std::vector<std::string> ops{"fwd", "bwd", "decode"};
-  bool sweep = false, quick = false;
-  SweepFlags grid;  // --seqlens, --dims, --dtypes, --causal of --sweep
-  std::string plot;
-};
-
 // --sweep or --quick: the grid or the issue's subset, as JSON or a table, and the plot.
-void sweep(const BenchFlags& f) {
+void sweep_or_quick(const BenchFlags& f) {
   SweepFlags s = f.grid;
   s.shape = f.shape;
   s.repeats = f.repeats;
@@ -38,20 +29,22 @@ void sweep(const BenchFlags& f) {
   for (const char* op : {"fwd", "bwd"})
     if (std::find(f.ops.begin(), f.ops.end(), op) != f.ops.end()) s.ops.push_back(op);
   if (f.sweep && s.ops.empty()) throw Error("--ops: --sweep times fwd and/or bwd, got only decode");
-  const nlohmann::json result = f.quick ? run_quick(s) : run_sweep(s);
-  if (f.json) std::cout << result.dump(2) << "\n";
-  else print_sweep(result);
-  if (!f.plot.empty()) svg::write(f.plot, sweep_plot(result));  // after the results: a bad path loses no data
+  sweep(s, f.quick, f.json, f.plot);
 }
 
-void bench(const BenchFlags& f) {
+void bench_cases(const BenchFlags& f) {
   const int threads = resolved_threads(f.shape.threads);
   std::cerr << "sgemm " << f.sgemm_n << "^3 on " << threads << " threads (OpenBLAS "
             << baseline::openblas_corename() << ")\n";
-  nlohmann::json j = machine_json(f.shape.threads);
-  j["sgemm_gflops"] = baseline::sgemm_gflops(f.sgemm_n, threads, f.repeats);
+  BenchReport r;
+  r.threads = f.shape.threads;
+  r.sgemm_gflops = baseline::sgemm_gflops(f.sgemm_n, threads, f.repeats);
   std::this_thread::sleep_for(std::chrono::milliseconds(300));  // let BLAS workers park
-  j["cases"] = nlohmann::json::array();
+  // A timed case without its output tensor, which the report does not need.
+  auto add = [&r](Measurement m, const AttentionProblem& p, std::optional<double> kept = std::nullopt) {
+    m.out = Tensor();
+    r.cases.push_back({std::move(m), p, kept});
+  };
   for (const char* dtype : {"f32", "bf16"}) {
     for (bool causal : {false, true}) {
       ShapeFlags shape = f.shape;
@@ -63,13 +56,13 @@ void bench(const BenchFlags& f) {
       const bool fwd = std::find(f.ops.begin(), f.ops.end(), "fwd") != f.ops.end();
       const bool bwd = std::find(f.ops.begin(), f.ops.end(), "bwd") != f.ops.end();
       for (Impl impl : {Impl::flashattn, Impl::standard})
-        if (fwd) j["cases"].push_back(case_json(measure_forward(impl, p, shape.options(), in, f.repeats), p));
+        if (fwd) add(measure_forward(impl, p, shape.options(), in, f.repeats), p);
       if (!bwd) continue;
       AttentionOptions det = shape.options();
       det.deterministic = true;
-      j["cases"].push_back(case_json(measure_backward(Impl::flashattn, p, shape.options(), in, f.repeats), p));
-      j["cases"].push_back(case_json(measure_backward(Impl::flashattn, p, det, in, f.repeats), p));
-      j["cases"].push_back(case_json(measure_backward(Impl::standard, p, shape.options(), in, f.repeats), p));
+      add(measure_backward(Impl::flashattn, p, shape.options(), in, f.repeats), p);
+      add(measure_backward(Impl::flashattn, p, det, in, f.repeats), p);
+      add(measure_backward(Impl::standard, p, shape.options(), in, f.repeats), p);
     }
   }
   {  // Sliding window (512 left, 0 right) beside the full causal cases above: skipped tiles.
@@ -82,9 +75,9 @@ void bench(const BenchFlags& f) {
     std::cerr << "case " << p.describe() << "\n";
     const Inputs in = random_inputs(p, 7);
     if (std::find(f.ops.begin(), f.ops.end(), "fwd") != f.ops.end())
-      j["cases"].push_back(case_json(measure_forward(Impl::flashattn, p, options, in, f.repeats), p));
+      add(measure_forward(Impl::flashattn, p, options, in, f.repeats), p);
     if (std::find(f.ops.begin(), f.ops.end(), "bwd") != f.ops.end())
-      j["cases"].push_back(case_json(measure_backward(Impl::flashattn, p, options, in, f.repeats), p));
+      add(measure_backward(Impl::flashattn, p, options, in, f.repeats), p);
   }
   // Block-sparse (128-token blocks, a random quarter or half kept): time should follow
   // the kept fraction, against the full non-causal f32 case above.
@@ -109,16 +102,15 @@ void bench(const BenchFlags& f) {
     const AttentionProblem p = shape.problem(options);
     std::cerr << "case " << p.describe() << "\n";
     const Inputs in = random_inputs(p, 7);
-    nlohmann::json c = case_json(measure_forward(Impl::flashattn, p, options, in, f.repeats), p);
-    c["block_kept_fraction"] = static_cast<double>(kept_blocks) / static_cast<double>(mask.numel());
-    j["cases"].push_back(c);
+    add(measure_forward(Impl::flashattn, p, options, in, f.repeats), p,
+        static_cast<double>(kept_blocks) / static_cast<double>(mask.numel()));
   }
   // Decoding: one token over a 32k-token cache, bf16 or FP8 e4m3, contiguous and paged,
   // beside the machine's copy bandwidth (the bound a memory-bound decode step approaches);
   // then a batch of 32 sequences of 1024 tokens (the same bytes) decoding in one call, as an
   // inference engine's step does, paged by 16.
   if (std::find(f.ops.begin(), f.ops.end(), "decode") != f.ops.end()) {
-    j["copy_gbps"] = copy_gbps(f.repeats);
+    r.copy_gbps = copy_gbps(f.repeats);
     auto time_decode = [&](std::int64_t batch, std::int64_t cached, bool fp8, std::int64_t page_size) {
       DecodeCase c;
       c.threads = f.shape.threads;
@@ -132,7 +124,7 @@ void bench(const BenchFlags& f) {
       if (k == ForwardKernel::decode || (k == ForwardKernel::decode_fp16 && fp8)) c.kernel = k;
       std::cerr << "decode case: " << batch << " x " << cached << " tokens, " << (fp8 ? "e4m3" : "bf16")
                 << " cache, page size " << page_size << "\n";
-      j["cases"].push_back(decode_json(c, measure_decode(c, f.repeats)));
+      r.decode.push_back({c, measure_decode(c, f.repeats)});
     };
     for (bool fp8 : {false, true}) {
       for (std::int64_t page_size : {0, 16, 256}) time_decode(1, 32768, fp8, page_size);
@@ -151,18 +143,15 @@ void bench(const BenchFlags& f) {
     const AttentionProblem p = shape.problem();
     const CpuHardware hw = CpuHardware::detect(f.shape.threads);
     const double square = static_cast<double>(p.seqlen_q) * static_cast<double>(p.seqlen_k) * sizeof(float);
-    j["memory_scaling"].push_back(
-        {{"seqlen", seqlen},
-         {"flashattn_fwd_bytes", plan_forward(p, hw).workspace_bytes()},
-         {"flashattn_bwd_bytes", plan_backward(p, hw, false).workspace_bytes()},
-         {"standard_fwd_score_bytes", square},
-         {"standard_bwd_score_bytes", 2.0 * square}});
+    r.memory_scaling.push_back(
+        {seqlen, plan_forward(p, hw).workspace_bytes(), plan_backward(p, hw, false).workspace_bytes(), square,
+         2.0 * square});
   }
   if (f.json) {
-    std::cout << j.dump(2) << "\n";
+    std::cout << bench_json(r) << "\n";
     return;
   }
-  const double sgemm = j["sgemm_gflops"];
+  const double sgemm = r.sgemm_gflops;
   {
     const AttentionProblem p = f.shape.problem();
     std::printf("flashattn bench: batch=%lld seqlen_q=%lld seqlen_k=%lld heads_q=%lld heads_kv=%lld head_dim=%lld "
@@ -171,70 +160,34 @@ void bench(const BenchFlags& f) {
                 static_cast<long long>(p.heads_q), static_cast<long long>(p.heads_kv), static_cast<long long>(p.head_dim),
                 static_cast<long long>(p.head_dim_v), f.repeats);
   }
-  std::printf("cpu: %s, %d threads, simd %s, OpenBLAS %s: sgemm %.1f GFLOP/s\n",
-              j["cpu"].get<std::string>().c_str(), threads, j["simd_target"].get<std::string>().c_str(),
-              j["openblas_corename"].get<std::string>().c_str(), sgemm);
+  std::printf("cpu: %s, %d threads, simd %s, OpenBLAS %s: sgemm %.1f GFLOP/s\n", cpu_model().c_str(), threads,
+              cpu_simd_target().c_str(), baseline::openblas_corename().c_str(), sgemm);
   std::printf("%-10s %-4s %-6s %-6s %10s %9s %8s %12s  %s\n", "impl", "op", "determ", "dtype", "mask",
               "GFLOP/s", "/sgemm", "seconds", "kernel");
-  for (const auto& c : j["cases"]) {
-    if (c["op"] == "decode") {
-      std::printf("%-10s %-4s %-6s %2lld x %-5lld tokens, page size %-5lld %6.2f GB/s (%3.0f%% of copy) %12.4f  %s\n",
-                  "flashattn", "dec", c["cache_dtype"].get<std::string>().c_str(),
-                  static_cast<long long>(c["batch"].get<std::int64_t>()),
-                  static_cast<long long>(c["cached"].get<std::int64_t>()),
-                  static_cast<long long>(c["page_size"].get<std::int64_t>()), c["gbps"].get<double>(),
-                  100.0 * c["gbps"].get<double>() / j["copy_gbps"].get<double>(), c["seconds"].get<double>(),
-                  c.value("kernel", "-").c_str());
-      continue;
-    }
-    std::printf("%-10s %-4s %-6s %-6s %10s %9.1f %7.0f%% %12.4f  %s\n", c["impl"].get<std::string>().c_str(),
-                c["op"].get<std::string>().c_str(),
-                c.contains("deterministic") ? (c["deterministic"].get<bool>() ? "yes" : "no") : "-",
-                c["dtype"].get<std::string>().c_str(),
-                c.contains("block_kept_fraction") ? "blocks"
-                : c.contains("window_left")       ? "window"
-                : c["causal"].get<bool>() ? "causal"
-                                          : "full",
-                c["gflops"].get<double>(),
-                100.0 * c["gflops"].get<double>() / sgemm, c["seconds"].get<double>(), c.value("kernel", "-").c_str());
+  for (const TimedCase& c : r.cases) {
+    const Measurement& m = c.m;
+    std::printf("%-10s %-4s %-6s %-6s %10s %9.1f %7.0f%% %12.4f  %s\n", impl_name(m.impl), m.op == Op::fwd ? "fwd" : "bwd",
+                m.op == Op::bwd ? (m.deterministic ? "yes" : "no") : "-", to_string(c.p.dtype).c_str(),
+                c.block_kept_fraction ? "blocks"
+                : states_window(c.p)  ? "window"
+                : c.p.causal          ? "causal"
+                                      : "full",
+                m.gflops, 100.0 * m.gflops / sgemm, m.seconds, m.kernel.empty() ? "-" : m.kernel.c_str());
   }
+  for (const DecodeRun& d : r.decode)
+    std::printf("%-10s %-4s %-6s %2lld x %-5lld tokens, page size %-5lld %6.2f GB/s (%3.0f%% of copy) %12.4f  %s\n",
+                "flashattn", "dec", d.c.fp8_cache ? "e4m3" : to_string(d.c.dtype).c_str(),
+                static_cast<long long>(d.c.batch), static_cast<long long>(d.c.cached),
+                static_cast<long long>(d.c.page_size), d.m.gbps, 100.0 * d.m.gbps / r.copy_gbps.value_or(0.0),
+                d.m.seconds, d.m.kernel.c_str());
 }
 
 }  // namespace
 
-void register_bench(CLI::App& app) {
-  auto flags = std::make_shared<BenchFlags>();
-  CLI::App* cmd = app.add_subcommand(
-      "bench", "forward/backward benchmark: f32/bf16 x causal/full, flashattn and standard, vs OpenBLAS sgemm");
-  flags->shape.add_to(*cmd, /*with_mode=*/false);
-  cmd->add_flag("--json", flags->json, "machine-readable output");
-  cmd->add_option("--repeats", flags->repeats, "timed runs per case, median reported (>= 5)")
-      ->capture_default_str()->check(CLI::Range(5, 1000));
-  cmd->add_option("--sgemm-size", flags->sgemm_n, "n of the n^3 sgemm baseline")
-      ->capture_default_str()->check(CLI::PositiveNumber);
-  cmd->add_option("--ops", flags->ops, "which passes to time: fwd, bwd, decode (--sweep: fwd, bwd)")
-      ->capture_default_str()->check(CLI::IsMember({"fwd", "bwd", "decode"}))->delimiter(',');
-  CLI::Option* sweep_flag = cmd->add_flag(
-      "--sweep", flags->sweep,
-      "flashattn over the grid of --seqlens x --dims x --dtypes x --causal, fwd and bwd, vs sgemm");
-  cmd->add_flag("--quick", flags->quick,
-                "issue 7's subset (2 threads, S=4096, D=128 unless set; D=64/256, 1 thread, 4*S) and its targets")
-      ->excludes(sweep_flag);
-  SweepFlags& g = flags->grid;
-  cmd->add_option("--seqlens", g.seqlens, "--sweep: sequence lengths")
-      ->capture_default_str()->delimiter(',')->check(CLI::PositiveNumber)->needs(sweep_flag);
-  cmd->add_option("--dims", g.dims, "--sweep: head dimensions")
-      ->capture_default_str()->delimiter(',')->check(CLI::PositiveNumber)->needs(sweep_flag);
-  cmd->add_option("--dtypes", g.dtypes, "--sweep: f32, bf16")
-      ->capture_default_str()->delimiter(',')->check(CLI::IsMember({"f32", "bf16"}))->needs(sweep_flag);
-  cmd->add_option("--causal", g.causal, "--sweep: no, yes")
-      ->capture_default_str()->delimiter(',')->check(CLI::IsMember({"no", "yes"}))->needs(sweep_flag);
-  cmd->add_option("--plot", flags->plot, "--sweep or --quick: write GFLOP/s against S as SVG to this file");
-  cmd->callback([flags] {
-    if (flags->sweep || flags->quick) return sweep(*flags);
-    if (!flags->plot.empty()) throw Error("--plot: needs --sweep or --quick");
-    bench(*flags);
-  });
+void bench(const BenchFlags& f) {
+  if (f.sweep || f.quick) return sweep_or_quick(f);
+  if (!f.plot.empty()) throw Error("--plot: needs --sweep or --quick");
+  bench_cases(f);
 }
 
 }  // namespace flashattn::cli

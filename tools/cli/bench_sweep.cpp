@@ -8,7 +8,10 @@
 #include <thread>
 #include <tuple>
 
-#include "src/baseline/standard_attention.hpp"
+#include "tools/baseline/standard_attention.hpp"
+#include "tools/cli/machine.hpp"
+#include "tools/cli/measure.hpp"
+#include "tools/cli/report.hpp"
 #include "tools/cli/svg.hpp"
 
 namespace flashattn::cli {
@@ -45,25 +48,24 @@ ShapeFlags shape_of(const ShapeFlags& base, const Point& pt) {
   return s;
 }
 
-// Times one op of flashattn at `pt` on `in` (inputs of pt's sizes and dtype) as a JSON case.
+// Times one op of flashattn at `pt` on `in` (inputs of pt's sizes and dtype).
 // sgemm is measured again just before it, at the run's thread count, into the case's
 // `sgemm_gflops`: on a shared or boosting machine the speed drifts over a run (a quick run's
 // first sgemm came out 13% above one taken minutes later), and the case's `vs_sgemm`, the
 // GFLOP/s divided by that sgemm, compares like with like — ratios between cases too.
-nlohmann::json timed_case(const ShapeFlags& base, const Point& pt, Op op, const Inputs& in, int repeats,
-                          int sgemm_n, int run_threads) {
+SweepCase timed_case(const ShapeFlags& base, const Point& pt, Op op, const Inputs& in, int repeats, int sgemm_n,
+                     int run_threads) {
   const ShapeFlags shape = shape_of(base, pt);
   const AttentionProblem p = shape.problem();
   std::cerr << "case " << (op == Op::fwd ? "fwd " : "bwd ") << p.describe() << ", " << pt.threads
             << (pt.threads == 1 ? " thread\n" : " threads\n");
   const double sgemm = baseline::sgemm_gflops(sgemm_n, run_threads, repeats);
   std::this_thread::sleep_for(std::chrono::milliseconds(300));  // let BLAS workers park
-  const Measurement m = op == Op::fwd ? measure_forward(Impl::flashattn, p, shape.options(), in, repeats)
-                                      : measure_backward(Impl::flashattn, p, shape.options(), in, repeats);
-  nlohmann::json c = case_json(m, p);
-  c["threads"] = pt.threads;
-  c["sgemm_gflops"] = sgemm;
-  c["vs_sgemm"] = m.gflops / sgemm;
+  SweepCase c{op == Op::fwd ? measure_forward(Impl::flashattn, p, shape.options(), in, repeats)
+                            : measure_backward(Impl::flashattn, p, shape.options(), in, repeats),
+              p, pt.threads, sgemm, 0.0};
+  c.m.out = Tensor();  // not reported
+  c.vs_sgemm = c.m.gflops / sgemm;
   return c;
 }
 
@@ -77,32 +79,31 @@ bool has(const std::vector<std::string>& v, const std::string& x) {
 
 // machine facts, a first sgemm at `threads` (each case measures its own too), and the notes
 // every sweep result carries.
-nlohmann::json header(const SweepFlags& f, int threads, const char* mode) {
+SweepReport header(const SweepFlags& f, int threads, const char* mode) {
   std::cerr << "sgemm " << f.sgemm_n << "^3 on " << threads << " threads (OpenBLAS "
             << baseline::openblas_corename() << ")\n";
-  nlohmann::json j = machine_json(threads);
-  j["mode"] = mode;
-  j["repeats"] = f.repeats;
-  j["sgemm_gflops"] = baseline::sgemm_gflops(f.sgemm_n, threads, f.repeats);
-  j["sgemm_size"] = f.sgemm_n;
-  j["standard_attention"] = kStandardNote;
-  j["cases"] = nlohmann::json::array();
+  SweepReport r;
+  r.threads = threads;
+  r.mode = mode;
+  r.repeats = f.repeats;
+  r.sgemm_gflops = baseline::sgemm_gflops(f.sgemm_n, threads, f.repeats);
+  r.sgemm_size = f.sgemm_n;
+  r.standard_attention = kStandardNote;
+  r.batch = f.shape.batch;
+  r.heads = f.shape.heads;
   std::this_thread::sleep_for(std::chrono::milliseconds(300));  // let BLAS workers park
-  return j;
+  return r;
 }
 
-nlohmann::json target(const std::string& name, const std::string& measure, double ratio, double at_least) {
-  return {{"name", name}, {"measure", measure}, {"ratio", ratio}, {"target", at_least}, {"pass", ratio >= at_least}};
+SweepTarget target(const std::string& name, const std::string& measure, double ratio, double at_least) {
+  return {name, measure, ratio, at_least, ratio >= at_least};
 }
 
-}  // namespace
-
-nlohmann::json run_sweep(const SweepFlags& f) {
+// One flashattn case per (dtype, D, S, causal, op) of the grid, at shape.threads.
+SweepReport run_sweep(const SweepFlags& f) {
   const int threads = resolved_threads(f.shape.threads);
-  nlohmann::json j = header(f, threads, "sweep");
-  j["batch"] = f.shape.batch;
-  j["heads"] = f.shape.heads;
-  j["grid"] = {{"seqlens", f.seqlens}, {"dims", f.dims}, {"dtypes", f.dtypes}, {"causal", f.causal}, {"ops", f.ops}};
+  SweepReport r = header(f, threads, "sweep");
+  r.grid = f;
   for (const std::string& dtype : f.dtypes)
     for (const std::int64_t dim : f.dims)
       for (const std::int64_t seqlen : f.seqlens) {
@@ -110,34 +111,32 @@ nlohmann::json run_sweep(const SweepFlags& f) {
         const Inputs in = inputs_for(f.shape, {dtype, false, dim, seqlen, threads});
         for (const std::string& causal : f.causal)
           for (const std::string& op : f.ops)
-            j["cases"].push_back(timed_case(f.shape, {dtype, causal == "yes", dim, seqlen, threads},
-                                            op == "fwd" ? Op::fwd : Op::bwd, in, f.repeats, f.sgemm_n, threads));
+            r.cases.push_back(timed_case(f.shape, {dtype, causal == "yes", dim, seqlen, threads},
+                                         op == "fwd" ? Op::fwd : Op::bwd, in, f.repeats, f.sgemm_n, threads));
       }
-  return j;
+  return r;
 }
 
-nlohmann::json run_quick(SweepFlags f) {
+// The issue's subset and its targets (see sweep in bench_sweep.hpp).
+SweepReport run_quick(SweepFlags f) {
   const int threads = f.shape.threads > 0 ? f.shape.threads : kIssueThreads;
   f.shape.threads = threads;
-  nlohmann::json j = header(f, threads, "quick");
-  j["batch"] = f.shape.batch;
-  j["heads"] = f.shape.heads;
+  SweepReport r = header(f, threads, "quick");
   const std::int64_t s = f.shape.seqlen, d = f.shape.dim;
   std::map<std::tuple<std::string, bool, Op>, double> at_base;  // (dtype, causal, op) → vs_sgemm
   for (const char* dtype : {"f32", "bf16"}) {
     const Inputs in = inputs_for(f.shape, {dtype, false, d, s, threads});
     for (const bool causal : {false, true})
       for (const Op op : {Op::fwd, Op::bwd}) {
-        nlohmann::json c = timed_case(f.shape, {dtype, causal, d, s, threads}, op, in, f.repeats, f.sgemm_n, threads);
-        at_base[{dtype, causal, op}] = c["vs_sgemm"];
-        j["cases"].push_back(c);
+        SweepCase c = timed_case(f.shape, {dtype, causal, d, s, threads}, op, in, f.repeats, f.sgemm_n, threads);
+        at_base[{dtype, causal, op}] = c.vs_sgemm;
+        r.cases.push_back(std::move(c));
       }
   }
   auto f32_forward = [&](std::int64_t dim, std::int64_t seqlen, int t) {
     const Point pt{"f32", false, dim, seqlen, t};
-    nlohmann::json c = timed_case(f.shape, pt, Op::fwd, inputs_for(f.shape, pt), f.repeats, f.sgemm_n, threads);
-    j["cases"].push_back(c);
-    return c["vs_sgemm"].get<double>();
+    r.cases.push_back(timed_case(f.shape, pt, Op::fwd, inputs_for(f.shape, pt), f.repeats, f.sgemm_n, threads));
+    return r.cases.back().vs_sgemm;
   };
   const double d64 = f32_forward(64, s, threads), d256 = f32_forward(256, s, threads);
   const double one_thread = f32_forward(d, s, 1), long_seq = f32_forward(d, kLongSeqlenFactor * s, threads);
@@ -146,7 +145,7 @@ nlohmann::json run_quick(SweepFlags f) {
   // between cases (bf16/f32, the speed-up, long/short S) are corrected for drift as well.
   const double f32_fwd = at_base[{"f32", false, Op::fwd}], f32_bwd = at_base[{"f32", false, Op::bwd}];
   const std::string at = " (S=" + std::to_string(s) + ", D=" + std::to_string(d) + ")";
-  j["targets"] = {
+  r.targets = {
       target("fp32 forward, non-causal" + at, "flashattn GFLOP/s / sgemm_gflops of the case", f32_fwd, 0.85),
       target("fp32 forward, causal (FLOPs halved)" + at, "flashattn GFLOP/s / sgemm_gflops of the case",
              at_base[{"f32", true, Op::fwd}], 0.75),
@@ -166,54 +165,60 @@ nlohmann::json run_quick(SweepFlags f) {
              "GFLOP/s at the long S / GFLOP/s at S, each over its case's sgemm_gflops (within 10%)",
              long_seq / f32_fwd, 0.90),
   };
-  return j;
+  return r;
 }
 
-std::string sweep_plot(const nlohmann::json& r) {
-  const int threads = r["threads"];
+// GFLOP/s against S, one line per (op, dtype, causal, D, threads), sgemm as a horizontal line.
+std::string sweep_plot(const SweepReport& r) {
+  const int threads = r.threads;
   std::map<std::string, svg::Series> by_config;
   std::vector<std::string> order;  // of first appearance, which is the grid's
   double s_lo = 1e300, s_hi = 0.0;
-  for (const auto& c : r["cases"]) {
-    const int t = c["threads"];
-    std::string name = c["op"].get<std::string>() + " " + c["dtype"].get<std::string>() +
-                       (c["causal"].get<bool>() ? " causal" : " full") + " D=" + std::to_string(c["dim"].get<std::int64_t>());
+  for (const SweepCase& c : r.cases) {
+    const int t = c.threads;
+    std::string name = std::string(c.m.op == Op::fwd ? "fwd" : "bwd") + " " + to_string(c.p.dtype) +
+                       (c.p.causal ? " causal" : " full") + " D=" + std::to_string(c.p.head_dim);
     if (t != threads) name += " t=" + std::to_string(t);  // short: the legend is 160 px wide
     auto [it, fresh] = by_config.try_emplace(name, svg::Series{name, {}, {}});
     if (fresh) order.push_back(name);
-    const double s = static_cast<double>(c["seqlen_q"].get<std::int64_t>());
+    const double s = static_cast<double>(c.p.seqlen_q);
     it->second.x.push_back(s);
-    it->second.y.push_back(c["gflops"]);
+    it->second.y.push_back(c.m.gflops);
     s_lo = std::min(s_lo, s), s_hi = std::max(s_hi, s);
   }
-  const double sgemm = r["sgemm_gflops"];
+  const double sgemm = r.sgemm_gflops;
   std::vector<svg::Series> series{{"sgemm (OpenBLAS)", {s_lo, s_hi}, {sgemm, sgemm}}};  // first: solid, atop the legend
   for (const std::string& name : order) series.push_back(by_config[name]);
-  const std::string title = "flashattn " + r["mode"].get<std::string>() + ": B=" + std::to_string(r["batch"].get<std::int64_t>()) +
-                            ", Hq=" + std::to_string(r["heads"].get<std::int64_t>()) + ", " + std::to_string(threads) +
-                            " threads";
+  const std::string title = "flashattn " + r.mode + ": B=" + std::to_string(r.batch) + ", Hq=" + std::to_string(r.heads) +
+                            ", " + std::to_string(threads) + " threads";
   return svg::line_chart({title, "sequence length S", "GFLOP/s", true, false}, series);
 }
 
-void print_sweep(const nlohmann::json& r) {
-  const double sgemm = r["sgemm_gflops"];
-  std::printf("cpu: %s, %d threads, simd %s, OpenBLAS %s: sgemm %.1f GFLOP/s\n", r["cpu"].get<std::string>().c_str(),
-              r["threads"].get<int>(), r["simd_target"].get<std::string>().c_str(),
-              r["openblas_corename"].get<std::string>().c_str(), sgemm);
+// The cases (and targets, when present) as a table on stdout.
+void print_sweep(const SweepReport& r) {
+  const double sgemm = r.sgemm_gflops;
+  std::printf("cpu: %s, %d threads, simd %s, OpenBLAS %s: sgemm %.1f GFLOP/s\n", cpu_model().c_str(), r.threads,
+              cpu_simd_target().c_str(), baseline::openblas_corename().c_str(), sgemm);
   std::printf("%-4s %-5s %-6s %5s %7s %7s %9s %8s %10s  %s\n", "op", "dtype", "mask", "D", "S", "threads", "GFLOP/s",
               "/sgemm", "seconds", "kernel");
-  for (const auto& c : r["cases"])
-    std::printf("%-4s %-5s %-6s %5lld %7lld %7d %9.1f %7.0f%% %10.4f  %s\n", c["op"].get<std::string>().c_str(),
-                c["dtype"].get<std::string>().c_str(), c["causal"].get<bool>() ? "causal" : "full",
-                static_cast<long long>(c["dim"].get<std::int64_t>()),
-                static_cast<long long>(c["seqlen_q"].get<std::int64_t>()), c["threads"].get<int>(),
-                c["gflops"].get<double>(), 100.0 * c["vs_sgemm"].get<double>(), c["seconds"].get<double>(),
-                c.value("kernel", "-").c_str());
-  if (!r.contains("targets")) return;
+  for (const SweepCase& c : r.cases)
+    std::printf("%-4s %-5s %-6s %5lld %7lld %7d %9.1f %7.0f%% %10.4f  %s\n", c.m.op == Op::fwd ? "fwd" : "bwd",
+                to_string(c.p.dtype).c_str(), c.p.causal ? "causal" : "full", static_cast<long long>(c.p.head_dim),
+                static_cast<long long>(c.p.seqlen_q), c.threads, c.m.gflops, 100.0 * c.vs_sgemm, c.m.seconds,
+                c.m.kernel.empty() ? "-" : c.m.kernel.c_str());
+  if (r.targets.empty()) return;
   std::printf("\n%-64s %8s %8s\n", "issue 7 target", "measured", "target");
-  for (const auto& t : r["targets"])
-    std::printf("%-64s %8.2f %8.2f  %s\n", t["name"].get<std::string>().c_str(), t["ratio"].get<double>(),
-                t["target"].get<double>(), t["pass"].get<bool>() ? "pass" : "FAIL");
+  for (const SweepTarget& t : r.targets)
+    std::printf("%-64s %8.2f %8.2f  %s\n", t.name.c_str(), t.ratio, t.target, t.pass ? "pass" : "FAIL");
+}
+
+}  // namespace
+
+void sweep(const SweepFlags& f, bool quick, bool json, const std::string& plot) {
+  const SweepReport result = quick ? run_quick(f) : run_sweep(f);
+  if (json) std::cout << sweep_json(result) << "\n";
+  else print_sweep(result);
+  if (!plot.empty()) svg::write(plot, sweep_plot(result));  // after the results: a bad path loses no data
 }
 
 }  // namespace flashattn::cli

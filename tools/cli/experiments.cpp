@@ -22,8 +22,8 @@ Tensor normal_tensor(std::vector<std::int64_t> shape, std::mt19937_64& rng) {
 
 // Classic against conditional rescaling on the same inputs: the kernel's counts and the
 // largest output difference.
-nlohmann::json rescale_case(const Qkv& in, const AttentionProblem& p, int threads) {
-  nlohmann::json j;
+RescaleCase rescale_case(const Qkv& in, const AttentionProblem& p, int threads) {
+  RescaleCase r;
   std::vector<Tensor> outs;
   for (float threshold : {0.0f, AttentionProblem::kDefaultRescaleThreshold}) {
     std::vector<std::int32_t> counts(static_cast<std::size_t>(p.batch * p.heads_q * p.seqlen_q));
@@ -34,17 +34,17 @@ nlohmann::json rescale_case(const Qkv& in, const AttentionProblem& p, int thread
     outs.push_back(forward(in.q.view(), in.k.view(), in.v.view(), o).out);
     std::int64_t total = 0;
     for (std::int32_t c : counts) total += c;
-    j[threshold == 0.0f ? "classic" : "conditional"] = total;
-    j[threshold == 0.0f ? "classic_per_row" : "conditional_per_row"] =
+    (threshold == 0.0f ? r.classic : r.conditional) = total;
+    (threshold == 0.0f ? r.classic_per_row : r.conditional_per_row) =
         static_cast<double>(total) / static_cast<double>(counts.size());
   }
   double diff = 0.0;
   for (std::int64_t e = 0; e < outs[0].numel(); ++e) diff = std::fmax(diff, std::fabs(outs[0].get(e) - outs[1].get(e)));
-  j["max_abs_diff"] = diff;
-  j["rows"] = p.batch * p.heads_q * p.seqlen_q;
+  r.max_abs_diff = diff;
+  r.rows = p.batch * p.heads_q * p.seqlen_q;
   const std::int64_t bc = plan_forward(p, CpuHardware::detect(threads)).block_k;
-  j["key_tiles"] = (p.seqlen_k + bc - 1) / bc;
-  return j;
+  r.key_tiles = (p.seqlen_k + bc - 1) / bc;
+  return r;
 }
 
 double rmse(const Tensor& out, const std::vector<double>& want) {
@@ -65,10 +65,10 @@ Qkv random_qkv(const AttentionProblem& p, std::mt19937_64& rng) {
   return {std::move(q), std::move(k), std::move(v)};
 }
 
-nlohmann::json rescale_counts(const AttentionProblem& p, std::mt19937_64& rng, int threads) {
-  nlohmann::json j;
+RescaleCounts rescale_counts(const AttentionProblem& p, std::mt19937_64& rng, int threads) {
+  RescaleCounts r;
   const Qkv random = random_qkv(p, rng);
-  j["random"] = rescale_case(random, p, threads);
+  r.random = rescale_case(random, p, threads);
   // Adversarial rows: every query's scores grow steadily with the key index, by
   // kGrowthPerKey log2 units — 1.92 per 128-key tile, below the threshold of 8 — so the
   // classic rule rescales in every tile and the conditional one in about every fifth. (Not
@@ -82,13 +82,13 @@ nlohmann::json rescale_counts(const AttentionProblem& p, std::mt19937_64& rng, i
     const std::int64_t key = e / (p.heads_kv * p.head_dim) % p.seqlen_k;
     ramp.k.set(e, e % p.head_dim == 0 ? static_cast<float>(per_key * static_cast<double>(key)) : 0.0f);
   }
-  j["adversarial"] = rescale_case(ramp, p, threads);
-  j["adversarial"]["score_growth_log2"] = kGrowthPerKey * static_cast<double>(p.seqlen_k - 1);
-  j["threshold"] = AttentionProblem::kDefaultRescaleThreshold;
-  return j;
+  r.adversarial = rescale_case(ramp, p, threads);
+  r.score_growth_log2 = kGrowthPerKey * static_cast<double>(p.seqlen_k - 1);
+  r.threshold = AttentionProblem::kDefaultRescaleThreshold;
+  return r;
 }
 
-nlohmann::json fp8_error(const AttentionProblem& p, std::uint64_t seed, Fp8Format format, int threads) {
+Fp8Error fp8_error(const AttentionProblem& p, std::uint64_t seed, Fp8Format format, int threads) {
   constexpr double kOutlierFraction = 0.001, kOutlierStd = 10.0;
   std::mt19937_64 rng(seed);
   Qkv in = random_qkv(p, rng);
@@ -103,22 +103,23 @@ nlohmann::json fp8_error(const AttentionProblem& p, std::uint64_t seed, Fp8Forma
   std::cerr << "  fp8: float64 reference of " << p.describe() << "\n";
   const reference::Result want = reference::attention(in.q.view(), in.k.view(), in.v.view(), o);
 
-  nlohmann::json j = {{"format", to_string(format)},
-                      {"seed", seed},
-                      {"outlier_fraction", kOutlierFraction},
-                      {"outlier_std", kOutlierStd},
-                      {"output_dtype", "bf16"}};
+  Fp8Error r;
+  r.format = to_string(format);
+  r.seed = seed;
+  r.outlier_fraction = kOutlierFraction;
+  r.outlier_std = kOutlierStd;
+  r.output_dtype = "bf16";
   {  // bf16 attention: inputs rounded to bf16, the bf16 forward
     Tensor qb(DType::bf16, in.q.shape()), kb(DType::bf16, in.k.shape()), vb(DType::bf16, in.v.shape());
     for (auto [src, dst] : {std::pair{&in.q, &qb}, {&in.k, &kb}, {&in.v, &vb}})
       for (std::int64_t e = 0; e < src->numel(); ++e) dst->set(e, src->get(e));
-    j["rmse_bf16"] = rmse(forward(qb.view(), kb.view(), vb.view(), o).out, want.out);
+    r.rmse_bf16 = rmse(forward(qb.view(), kb.view(), vb.view(), o).out, want.out);
   }
   const CpuForwardPlan plan = plan_forward(p, CpuHardware::detect(threads));
-  j["block_q"] = plan.block_q;
-  j["block_k"] = plan.block_k;
+  r.block_q = plan.block_q;
+  r.block_k = plan.block_k;
   const std::uint64_t rotation_seed = seed + 1;
-  j["rotation_seed"] = rotation_seed;
+  r.rotation_seed = rotation_seed;
   const Tensor q_rot = hadamard_rotate(in.q.view(), rotation_seed), k_rot = hadamard_rotate(in.k.view(), rotation_seed);
   auto fp8_rmse = [&](const Tensor& q, const Tensor& k, bool per_block) {
     const Fp8Tensor q8 = quantize_fp8(q.view(), format, per_block ? plan.block_q : 0);
@@ -126,14 +127,14 @@ nlohmann::json fp8_error(const AttentionProblem& p, std::uint64_t seed, Fp8Forma
     const Fp8Tensor v8 = quantize_fp8(in.v.view(), format, per_block ? plan.block_k : 0);
     return rmse(forward_fp8(q8.view(), k8.view(), v8.view(), DType::bf16, o).out, want.out);
   };
-  j["rmse_per_tensor"] = fp8_rmse(in.q, in.k, false);
-  j["rmse_per_block"] = fp8_rmse(in.q, in.k, true);
-  j["rmse_hadamard"] = fp8_rmse(q_rot, k_rot, false);
-  j["rmse_per_block_hadamard"] = fp8_rmse(q_rot, k_rot, true);
-  return j;
+  r.rmse_per_tensor = fp8_rmse(in.q, in.k, false);
+  r.rmse_per_block = fp8_rmse(in.q, in.k, true);
+  r.rmse_hadamard = fp8_rmse(q_rot, k_rot, false);
+  r.rmse_per_block_hadamard = fp8_rmse(q_rot, k_rot, true);
+  return r;
 }
 
-nlohmann::json exp2_throughput(int repeats) {
+Exp2Throughput exp2_throughput(int repeats) {
   constexpr std::size_t kArray = 4096, kPasses = 4096;  // 16M exponentials per timing
   std::vector<float> x(kArray), y(kArray);
   for (std::size_t i = 0; i < kArray; ++i) x[i] = -20.0f * static_cast<float>(i) / kArray;
@@ -145,32 +146,30 @@ nlohmann::json exp2_throughput(int repeats) {
         exp2_array(impl == 0 ? Exp2Impl::exact : Exp2Impl::poly3, x.data(), y.data(), kArray);
       if (r > 0) times[impl].push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
-  nlohmann::json j;
+  Exp2Throughput r;
   for (int impl = 0; impl < 2; ++impl) {
     std::sort(times[impl].begin(), times[impl].end());
-    j[impl == 0 ? "exact_gexp_per_s" : "poly3_gexp_per_s"] =
+    (impl == 0 ? r.exact_gexp_per_s : r.poly3_gexp_per_s) =
         static_cast<double>(kArray * kPasses) / times[impl][times[impl].size() / 2] * 1e-9;
   }
-  return j;
+  return r;
 }
 
-void print_rescale_counts(const nlohmann::json& r) {
-  for (const char* name : {"random", "adversarial"})
+void print_rescale_counts(const RescaleCounts& r) {
+  for (const auto& [name, c] : {std::pair{"random", &r.random}, {"adversarial", &r.adversarial}})
     std::printf("   %-11s rows %lld, %lld key tiles: classic %lld (%.2f/row), conditional %lld (%.2f/row), max |diff| %.2e\n",
-                name, static_cast<long long>(r[name]["rows"].get<std::int64_t>()),
-                static_cast<long long>(r[name]["key_tiles"].get<std::int64_t>()),
-                static_cast<long long>(r[name]["classic"].get<std::int64_t>()), r[name]["classic_per_row"].get<double>(),
-                static_cast<long long>(r[name]["conditional"].get<std::int64_t>()),
-                r[name]["conditional_per_row"].get<double>(), r[name]["max_abs_diff"].get<double>());
+                name, static_cast<long long>(c->rows), static_cast<long long>(c->key_tiles),
+                static_cast<long long>(c->classic), c->classic_per_row, static_cast<long long>(c->conditional),
+                c->conditional_per_row, c->max_abs_diff);
 }
 
-void print_fp8_error(const nlohmann::json& f) {
-  std::printf("   bf16 attention                 %.3e\n", f["rmse_bf16"].get<double>());
-  std::printf("   FP8 per tensor                 %.3e\n", f["rmse_per_tensor"].get<double>());
-  std::printf("   FP8 per block (%lld/%lld rows)     %.3e\n", static_cast<long long>(f["block_q"].get<std::int64_t>()),
-              static_cast<long long>(f["block_k"].get<std::int64_t>()), f["rmse_per_block"].get<double>());
-  std::printf("   FP8 per tensor + Hadamard      %.3e\n", f["rmse_hadamard"].get<double>());
-  std::printf("   FP8 per block + Hadamard       %.3e\n", f["rmse_per_block_hadamard"].get<double>());
+void print_fp8_error(const Fp8Error& f) {
+  std::printf("   bf16 attention                 %.3e\n", f.rmse_bf16);
+  std::printf("   FP8 per tensor                 %.3e\n", f.rmse_per_tensor);
+  std::printf("   FP8 per block (%lld/%lld rows)     %.3e\n", static_cast<long long>(f.block_q),
+              static_cast<long long>(f.block_k), f.rmse_per_block);
+  std::printf("   FP8 per tensor + Hadamard      %.3e\n", f.rmse_hadamard);
+  std::printf("   FP8 per block + Hadamard       %.3e\n", f.rmse_per_block_hadamard);
 }
 
 }  // namespace flashattn::cli

@@ -6,46 +6,16 @@
 #include <cmath>
 #include <cstdio>
 #include <iostream>
-#include <memory>
 #include <optional>
 
 #include "tools/cli/account.hpp"
 #include "tools/cli/commands.hpp"
-#include "tools/cli/common.hpp"
+#include "tools/cli/explain.hpp"
+#include "tools/cli/measure.hpp"
+#include "tools/cli/report.hpp"
 
 namespace flashattn::cli {
 namespace {
-
-struct ExplainFlags {
-  ShapeFlags shape;
-  std::vector<std::int64_t> window_size;
-  std::string arch = "h100";
-  std::optional<double> sram_elements;
-  std::vector<std::int64_t> tile;  // BR BC
-  std::string standard = "minimal";  // cost::StandardModel by name
-  float dropout_p = 0.0f;
-  std::string preset;  // "" or a name of kPresets
-  bool measure = false;
-  bool json = false;
-  int repeats = 3;
-};
-
-// A problem from a paper, with the paper's figures of standard attention and FlashAttention
-// beside which `explain --preset` prints the model's.
-struct PaperFigures {
-  double standard_gflops, flash_gflops;  // forward + backward
-  double standard_gb, flash_gb;          // HBM reads + writes
-  double standard_ms, flash_ms;          // runtime, forward + backward
-};
-struct Preset {
-  const char* name;
-  const char* source;
-  std::int64_t batch, seqlen, heads, dim;
-  const char* dtype;
-  const char* arch;
-  float dropout_p;
-  PaperFigures paper;
-};
 
 // Dao et al. 2022 (FlashAttention), Figure 2 left: GPT-2 medium attention, "seq. length 1024,
 // head dim. 64, 16 heads, batch size 64) on A100 GPU", forward + backward. The paper's
@@ -56,31 +26,12 @@ constexpr Preset kPresets[] = {
     {"gpt2-medium", "Dao et al. 2022, FlashAttention, Figure 2 (left)", 64, 1024, 16, 64, "f16", "a100-40gb", 0.1f,
      {66.6, 75.2, 40.3, 4.4, 41.7, 7.3}},
 };
-// The tolerance of the preset's comparison: each ratio within ±25% of the paper's.
-constexpr double kPresetTolerance = 0.25;
 
 const Preset& preset_by_name(const std::string& name) {
   for (const Preset& p : kPresets)
     if (name == p.name) return p;
   throw Error("--preset: unknown preset '" + name + "' (known: gpt2-medium)");
 }
-
-struct Account {
-  AttentionProblem problem;
-  cost::Architecture arch;
-  cost::Tiling forward_tiling, backward_tiling;
-  double sram_elements = 0.0;
-  cost::Work work;
-  cost::StandardModel standard_model = cost::StandardModel::minimal;
-  std::vector<cost::Pass> standard_fwd_passes, standard_bwd_passes;
-  cost::TiledAccount standard_fwd, standard_bwd, flash_fwd, flash_bwd;
-  cost::CachedTraffic cached_fwd, cached_bwd;  // the tiled traffic with the L2
-  cost::Prediction predicted_std_fwd, predicted_std_bwd;
-  cost::ThetaForms theta;
-  cost::UnitCycles table_fwd, table_bwd;
-  cost::Prediction predicted_fwd, predicted_bwd;
-  const Preset* preset = nullptr;
-};
 
 Account make_account(const ExplainFlags& f, const AttentionProblem& p, const AttentionOptions& options) {
   Account a{p, architecture_by_name(f.arch, f.shape.threads)};
@@ -115,101 +66,12 @@ Account make_account(const ExplainFlags& f, const AttentionProblem& p, const Att
   return a;
 }
 
-nlohmann::json tiling_json(const cost::Tiling& t) {
-  return {{"block_q", t.block_q}, {"block_k", t.block_k}, {"splits", t.splits}, {"decode", t.decode}};
-}
-
 // `text` padded with spaces to `width` characters (UTF-8 code points, as a terminal shows them).
 std::string padded(const std::string& text, std::size_t width) {
   std::size_t chars = 0;
   for (const char c : text) chars += (static_cast<unsigned char>(c) & 0xC0) != 0x80;
   return text + std::string(width > chars ? width - chars : 0, ' ');
 }
-
-nlohmann::json passes_json(const std::vector<cost::Pass>& passes) {
-  nlohmann::json j = nlohmann::json::array();
-  for (const cost::Pass& k : passes)
-    j.push_back({{"name", k.name}, {"bytes", k.traffic.bytes()}, {"flops", k.flops}, {"traffic", traffic_json(k.traffic)}});
-  return j;
-}
-
-nlohmann::json cache_json(const cost::CachedTraffic& c) {
-  return {{"bytes", c.bytes},       {"raw_bytes", c.raw_bytes},   {"head_bytes", c.head_bytes},
-          {"heads_in_flight", c.heads_in_flight}, {"l2_bytes", c.l2_bytes}, {"fits", c.fits},
-          {"assumption", c.assumption}};
-}
-
-double flash_ms(const Account& a) { return (a.predicted_fwd.seconds + a.predicted_bwd.seconds) * 1e3; }
-double standard_ms(const Account& a) { return (a.predicted_std_fwd.seconds + a.predicted_std_bwd.seconds) * 1e3; }
-double flash_bytes(const Account& a) { return a.cached_fwd.bytes + a.cached_bwd.bytes; }
-double standard_bytes(const Account& a) {
-  return static_cast<double>(a.standard_fwd.traffic.bytes() + a.standard_bwd.traffic.bytes());
-}
-
-// The preset's three rows: the paper's figures and ratios beside the model's.
-struct PresetRow {
-  const char* name;
-  double paper_standard, paper_flash, model_standard, model_flash;
-  bool flash_over_standard;  // the ratio is flash / standard (FLOPs), else standard / flash
-  double paper_ratio() const { return flash_over_standard ? paper_flash / paper_standard : paper_standard / paper_flash; }
-  double model_ratio() const { return flash_over_standard ? model_flash / model_standard : model_standard / model_flash; }
-  bool within() const { return std::fabs(model_ratio() / paper_ratio() - 1.0) <= kPresetTolerance; }
-};
-std::vector<PresetRow> preset_rows(const Account& a) {
-  const PaperFigures& b = a.preset->paper;
-  const cost::Work& w = a.work;
-  return {{"GFLOPs (flash / standard)", b.standard_gflops, b.flash_gflops, (w.standard_forward + w.standard_backward) * 1e-9,
-           (w.forward + w.backward) * 1e-9, true},
-          {"HBM reads + writes, GB (standard / flash)", b.standard_gb, b.flash_gb, standard_bytes(a) * 1e-9,
-           flash_bytes(a) * 1e-9, false},
-          {"runtime, ms (speedup)", b.standard_ms, b.flash_ms, standard_ms(a), flash_ms(a), false}};
-}
-
-nlohmann::json tiles_json(const cost::TiledAccount& a) {
-  return {{"computed", a.tiles_computed}, {"skipped", a.tiles_skipped}, {"scores", a.scores}};
-}
-
-// The model's counts of the CPU kernels' terms, field for field as KernelCounters.
-struct ModelCounters {
-  KernelCounters forward, backward;
-};
-
-ModelCounters model_counters(const cost::TiledAccount& fwd, const cost::TiledAccount& bwd, bool split) {
-  ModelCounters m;
-  const cost::Traffic& f = fwd.traffic;
-  m.forward.q_read = f.elements_of("Q", false);
-  m.forward.k_read = f.elements_of("K", false);
-  m.forward.v_read = f.elements_of("V", false);
-  m.forward.o_written = f.elements_of(split ? "O partial" : "O", true);
-  m.forward.lse_written = f.elements_of(split ? "lse partial" : "lse", true);
-  m.forward.tiles_computed = fwd.tiles_computed;
-  m.forward.tiles_skipped = fwd.tiles_skipped;
-  m.forward.scores = fwd.scores;
-  const cost::Traffic& t = bwd.traffic;
-  KernelCounters& b = m.backward;
-  b.q_read = t.elements_of("Q", false);
-  b.k_read = t.elements_of("K", false);
-  b.v_read = t.elements_of("V", false);
-  b.o_read = t.elements_of("O", false);
-  b.dout_read = t.elements_of("dO", false);
-  b.stats_read = t.elements_of("lse", false) + t.elements_of("D", false);
-  b.dq_accum_read = t.elements_of("dQ accum", false);
-  b.dq_accum_written = t.elements_of("dQ accum", true);
-  b.dq_written = t.elements_of("dQ", true);
-  b.dk_written = t.elements_of("dK", true);
-  b.dv_written = t.elements_of("dV", true);
-  b.tiles_computed = bwd.tiles_computed;
-  b.tiles_skipped = bwd.tiles_skipped;
-  b.scores = bwd.scores;
-  return m;
-}
-
-struct Measured {
-  CountedRun run;
-  cost::TiledAccount model_fwd, model_bwd;
-  cost::Prediction cpu_fwd, cpu_bwd;  // predicted on this CPU for the executed plans
-  bool has_cpu_prediction = false;
-};
 
 Measured measure(const ExplainFlags& f, const AttentionProblem& p, const AttentionOptions& options, const Account& a) {
   Measured m;
@@ -222,88 +84,6 @@ Measured measure(const ExplainFlags& f, const AttentionProblem& p, const Attenti
     m.has_cpu_prediction = true;
   }
   return m;
-}
-
-nlohmann::json to_json(const Account& a, const std::optional<Measured>& m) {
-  const cost::Work& w = a.work;
-  nlohmann::json j;
-  j["problem"] = {{"describe", a.problem.describe()}, {"batch", a.problem.batch}, {"seqlen_q", a.problem.seqlen_q},
-                  {"seqlen_k", a.problem.seqlen_k}, {"heads_q", a.problem.heads_q}, {"heads_kv", a.problem.heads_kv},
-                  {"head_dim", a.problem.head_dim}, {"head_dim_v", a.problem.head_dim_v},
-                  {"dtype", to_string(a.problem.dtype)}, {"causal", a.problem.causal}};
-  j["arch"] = architecture_json(a.arch);
-  j["tiling"] = {{"forward", tiling_json(a.forward_tiling)}, {"backward", tiling_json(a.backward_tiling)}};
-  j["sram_elements"] = a.sram_elements;
-  j["flops"] = {{"forward", w.forward}, {"backward", w.backward}, {"backward_recompute", w.backward_recompute},
-                {"standard_forward", w.standard_forward}, {"standard_backward", w.standard_backward},
-                {"exp_forward", w.exp_forward}, {"exp_backward", w.exp_backward},
-                {"exp_standard_forward", w.exp_standard_forward}, {"visible_pairs", w.visible_pairs}};
-  j["traffic"] = {
-      {"standard_model", cost::to_string(a.standard_model)},
-      {"standard_bytes", a.standard_fwd.traffic.bytes() + a.standard_bwd.traffic.bytes()},
-      {"flash_bytes", flash_bytes(a)},
-      {"flash_raw_bytes", a.flash_fwd.traffic.bytes() + a.flash_bwd.traffic.bytes()},
-      {"standard_elements", a.standard_fwd.traffic.elements() + a.standard_bwd.traffic.elements()},
-      {"flash_elements", a.flash_fwd.traffic.elements() + a.flash_bwd.traffic.elements()},
-      {"forward", {{"standard", traffic_json(a.standard_fwd.traffic)}, {"flash", traffic_json(a.flash_fwd.traffic)},
-                   {"standard_passes", passes_json(a.standard_fwd_passes)},
-                   {"standard_bytes", a.standard_fwd.traffic.bytes()}, {"flash_bytes", a.cached_fwd.bytes},
-                   {"flash_raw_bytes", a.flash_fwd.traffic.bytes()}, {"cache", cache_json(a.cached_fwd)}}},
-      {"backward", {{"standard", traffic_json(a.standard_bwd.traffic)}, {"flash", traffic_json(a.flash_bwd.traffic)},
-                    {"standard_passes", passes_json(a.standard_bwd_passes)},
-                    {"standard_bytes", a.standard_bwd.traffic.bytes()}, {"flash_bytes", a.cached_bwd.bytes},
-                    {"flash_raw_bytes", a.flash_bwd.traffic.bytes()}, {"cache", cache_json(a.cached_bwd)}}},
-      {"theta_standard", a.theta.standard},
-      {"theta_flash", a.theta.flash},
-      {"theta_ratio", a.theta.ratio},
-      {"lower_bound", cost::kLowerBound}};
-  j["tiles"] = {{"forward", tiles_json(a.flash_fwd)}, {"backward", tiles_json(a.flash_bwd)}};
-  nlohmann::json variants = nlohmann::json::array();
-  for (const TileVariant& v : tile_variants(a.arch, a.problem.dtype))
-    variants.push_back(
-        {{"name", v.name},
-         {"forward", cycles_json(cost::forward_tile_cycles(a.arch, kTableTile, kTableTile, a.problem.head_dim,
-                                                           a.problem.head_dim_v, v.options))},
-         {"backward", cycles_json(cost::backward_tile_cycles(a.arch, kTableTile, kTableTile, a.problem.head_dim,
-                                                             a.problem.head_dim_v, v.options))}});
-  j["tile_cycles"] = {{"tile", {kTableTile, kTableTile, a.problem.head_dim}},
-                      {"forward", cycles_json(a.table_fwd)},
-                      {"backward", cycles_json(a.table_bwd)},
-                      {"variants", variants}};
-  j["prediction"] = {{"forward", prediction_json(a.predicted_fwd)},
-                     {"backward", prediction_json(a.predicted_bwd)},
-                     {"assumptions", a.predicted_fwd.assumptions}};
-  j["predicted"] = {{"standard_ms", standard_ms(a)},
-                    {"flash_ms", flash_ms(a)},
-                    {"speedup", standard_ms(a) / flash_ms(a)},
-                    {"standard_model", cost::to_string(a.standard_model)},
-                    {"standard", {{"forward", prediction_json(a.predicted_std_fwd)},
-                                  {"backward", prediction_json(a.predicted_std_bwd)},
-                                  {"assumptions", a.predicted_std_fwd.assumptions}}},
-                    {"flash", {{"forward", prediction_json(a.predicted_fwd)},
-                               {"backward", prediction_json(a.predicted_bwd)},
-                               {"assumptions", a.predicted_fwd.assumptions}}}};
-  if (a.preset) {
-    nlohmann::json rows = nlohmann::json::array();
-    for (const PresetRow& r : preset_rows(a))
-      rows.push_back({{"name", r.name}, {"paper", {r.paper_standard, r.paper_flash}},
-                      {"model", {r.model_standard, r.model_flash}}, {"paper_ratio", r.paper_ratio()},
-                      {"model_ratio", r.model_ratio()}, {"within_tolerance", r.within()}});
-    j["preset"] = {{"name", a.preset->name}, {"source", a.preset->source}, {"tolerance", kPresetTolerance}, {"rows", rows}};
-  }
-  if (m) {
-    const ModelCounters model = model_counters(m->model_fwd, m->model_bwd, m->run.forward_plan.splits > 1);
-    j["measured"] = {{"forward_plan", m->run.forward_plan.describe()},
-                     {"backward_plan", m->run.backward_plan.describe()},
-                     {"forward", counters_json(m->run.forward)},
-                     {"backward", counters_json(m->run.backward)},
-                     {"model", {{"forward", counters_json(model.forward)}, {"backward", counters_json(model.backward)}}},
-                     {"forward_seconds", m->run.forward_seconds},
-                     {"backward_seconds", m->run.backward_seconds}};
-    if (m->has_cpu_prediction)
-      j["measured"]["predicted"] = {{"forward", prediction_json(m->cpu_fwd)}, {"backward", prediction_json(m->cpu_bwd)}};
-  }
-  return j;
 }
 
 void print_cycles_row(const char* pass, const std::string& variant, const cost::UnitCycles& c) {
@@ -442,69 +222,89 @@ void print_text(const Account& a, const std::optional<Measured>& m) {
 
 }  // namespace
 
-void register_explain(CLI::App& app) {
-  auto flags = std::make_shared<ExplainFlags>();
-  flags->shape.causal = false;  // upstream's default (flash_attn_func: causal=False)
-  CLI::App* cmd = app.add_subcommand("explain", "what a problem costs and why: traffic, FLOPs, per-unit cycles");
-  flags->shape.add_to(*cmd);
-  cmd->add_option("--window-size", flags->window_size, "sliding window LEFT RIGHT (-1 = unbounded)")->expected(2);
-  cmd->add_option("--arch", flags->arch, "a100, a100-40gb, a100-80gb, h100, h200, b200, b300 or cpu (measured here)")
-      ->capture_default_str();
-  cmd->add_option("--sram-elements", flags->sram_elements,
-                  "fast-memory size M of the Θ-form (default: shared memory per SM, or L2 per core)");
-  cmd->add_option("--tile", flags->tile, "tile BR BC of the model (GPU; with --measure, BR also sets the CPU's Q tile)")
-      ->expected(2);
-  cmd->add_option("--dropout-p", flags->dropout_p,
-                  "dropout probability on the attention weights (eager: its kernels and keep mask; tiled: "
-                  "regenerated from the seed, no traffic)");
-  cmd->add_option("--preset", flags->preset,
-                  "gpt2-medium: the first FlashAttention paper's GPT-2 medium attention on an A100 (batch 64, seqlen "
-                  "1024, 16 heads, dim 64, f16, dropout 0.1, not causal), its figures beside the model's")
-      ->check(CLI::IsMember({"gpt2-medium"}));
-  cmd->add_option("--standard", flags->standard,
-                  "standard attention's model: minimal (S and P written and read once each) or eager (one kernel "
-                  "per step, as PyTorch's eager code)")
-      ->capture_default_str()->check(CLI::IsMember({"minimal", "eager"}));
-  cmd->add_flag("--measure", flags->measure, "run the CPU kernels with counters and show them beside the model");
-  cmd->add_option("--repeats", flags->repeats, "timed runs of --measure (median)")->capture_default_str();
-  cmd->add_flag("--json", flags->json, "machine-readable output");
-  cmd->callback([flags, cmd] {
-    if (!flags->preset.empty()) {
-      // The preset is the paper's problem: flags that would change it are refused, not mixed in.
-      for (const char* name : {"--batch", "--seqlen", "--seqlen-q", "--seqlen-k", "--heads", "--heads-kv", "--dim",
-                               "--dim-v", "--dtype", "--causal", "--arch", "--dropout-p", "--window-size", "--tile",
-                               "--sram-elements", "--measure"})
-        if (cmd->count(name) > 0)
-          throw Error(std::string("--preset ") + flags->preset + " sets the paper's problem; drop " + name);
-      const Preset& pr = preset_by_name(flags->preset);
-      ShapeFlags& s = flags->shape;
-      s.batch = pr.batch;
-      s.seqlen = pr.seqlen;
-      s.heads = pr.heads;
-      s.dim = pr.dim;
-      s.dtype = pr.dtype;
-      s.causal = false;
-      flags->arch = pr.arch;
-      flags->dropout_p = pr.dropout_p;
-    }
-    const ExplainFlags& f = *flags;
-    if (!f.tile.empty() && (f.tile[0] < 1 || f.tile[1] < 1))
-      throw Error("--tile: BR and BC must be >= 1, got " + std::to_string(f.tile[0]) + " " + std::to_string(f.tile[1]));
-    AttentionOptions options = f.shape.options();
-    if (!f.window_size.empty()) options.window_size = {f.window_size[0], f.window_size[1]};
-    options.dropout_p = f.dropout_p;
-    if (!f.tile.empty()) options.block_q = f.tile[0];
-    const AttentionProblem p = f.shape.problem(options);
-    Account a = make_account(f, p, options);
-    if (!f.preset.empty()) a.preset = &preset_by_name(f.preset);
-    std::optional<Measured> m;
-    if (f.measure) m = measure(f, p, options, a);
-    if (f.json) {
-      std::cout << to_json(a, m).dump(2) << "\n";
-    } else {
-      print_text(a, m);
-    }
-  });
+double flash_ms(const Account& a) { return (a.predicted_fwd.seconds + a.predicted_bwd.seconds) * 1e3; }
+double standard_ms(const Account& a) { return (a.predicted_std_fwd.seconds + a.predicted_std_bwd.seconds) * 1e3; }
+double flash_bytes(const Account& a) { return a.cached_fwd.bytes + a.cached_bwd.bytes; }
+double standard_bytes(const Account& a) {
+  return static_cast<double>(a.standard_fwd.traffic.bytes() + a.standard_bwd.traffic.bytes());
+}
+
+std::vector<PresetRow> preset_rows(const Account& a) {
+  const PaperFigures& b = a.preset->paper;
+  const cost::Work& w = a.work;
+  return {{"GFLOPs (flash / standard)", b.standard_gflops, b.flash_gflops, (w.standard_forward + w.standard_backward) * 1e-9,
+           (w.forward + w.backward) * 1e-9, true},
+          {"HBM reads + writes, GB (standard / flash)", b.standard_gb, b.flash_gb, standard_bytes(a) * 1e-9,
+           flash_bytes(a) * 1e-9, false},
+          {"runtime, ms (speedup)", b.standard_ms, b.flash_ms, standard_ms(a), flash_ms(a), false}};
+}
+
+ModelCounters model_counters(const cost::TiledAccount& fwd, const cost::TiledAccount& bwd, bool split) {
+  ModelCounters m;
+  const cost::Traffic& f = fwd.traffic;
+  m.forward.q_read = f.elements_of("Q", false);
+  m.forward.k_read = f.elements_of("K", false);
+  m.forward.v_read = f.elements_of("V", false);
+  m.forward.o_written = f.elements_of(split ? "O partial" : "O", true);
+  m.forward.lse_written = f.elements_of(split ? "lse partial" : "lse", true);
+  m.forward.tiles_computed = fwd.tiles_computed;
+  m.forward.tiles_skipped = fwd.tiles_skipped;
+  m.forward.scores = fwd.scores;
+  const cost::Traffic& t = bwd.traffic;
+  KernelCounters& b = m.backward;
+  b.q_read = t.elements_of("Q", false);
+  b.k_read = t.elements_of("K", false);
+  b.v_read = t.elements_of("V", false);
+  b.o_read = t.elements_of("O", false);
+  b.dout_read = t.elements_of("dO", false);
+  b.stats_read = t.elements_of("lse", false) + t.elements_of("D", false);
+  b.dq_accum_read = t.elements_of("dQ accum", false);
+  b.dq_accum_written = t.elements_of("dQ accum", true);
+  b.dq_written = t.elements_of("dQ", true);
+  b.dk_written = t.elements_of("dK", true);
+  b.dv_written = t.elements_of("dV", true);
+  b.tiles_computed = bwd.tiles_computed;
+  b.tiles_skipped = bwd.tiles_skipped;
+  b.scores = bwd.scores;
+  return m;
+}
+
+void explain(ExplainFlags flags) {
+  if (!flags.preset.empty()) {
+    // The preset is the paper's problem: flags that would change it are refused, not mixed in.
+    for (const char* name : {"--batch", "--seqlen", "--seqlen-q", "--seqlen-k", "--heads", "--heads-kv", "--dim",
+                             "--dim-v", "--dtype", "--causal", "--arch", "--dropout-p", "--window-size", "--tile",
+                             "--sram-elements", "--measure"})
+      if (flags.given.count(name) > 0)
+        throw Error(std::string("--preset ") + flags.preset + " sets the paper's problem; drop " + name);
+    const Preset& pr = preset_by_name(flags.preset);
+    ShapeFlags& s = flags.shape;
+    s.batch = pr.batch;
+    s.seqlen = pr.seqlen;
+    s.heads = pr.heads;
+    s.dim = pr.dim;
+    s.dtype = pr.dtype;
+    s.causal = false;
+    flags.arch = pr.arch;
+    flags.dropout_p = pr.dropout_p;
+  }
+  const ExplainFlags& f = flags;
+  if (!f.tile.empty() && (f.tile[0] < 1 || f.tile[1] < 1))
+    throw Error("--tile: BR and BC must be >= 1, got " + std::to_string(f.tile[0]) + " " + std::to_string(f.tile[1]));
+  AttentionOptions options = f.shape.options();
+  if (!f.window_size.empty()) options.window_size = {f.window_size[0], f.window_size[1]};
+  options.dropout_p = f.dropout_p;
+  if (!f.tile.empty()) options.block_q = f.tile[0];
+  const AttentionProblem p = f.shape.problem(options);
+  Account a = make_account(f, p, options);
+  if (!f.preset.empty()) a.preset = &preset_by_name(f.preset);
+  std::optional<Measured> m;
+  if (f.measure) m = measure(f, p, options, a);
+  if (f.json) {
+    std::cout << explain_json(a, m) << "\n";
+  } else {
+    print_text(a, m);
+  }
 }
 
 }  // namespace flashattn::cli

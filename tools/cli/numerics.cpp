@@ -9,33 +9,27 @@
 #include <cstdio>
 #include <iostream>
 #include <iterator>
-#include <memory>
 #include <random>
 #include <vector>
 
 #include "tools/cli/commands.hpp"
-#include "tools/cli/common.hpp"
 #include "tools/cli/experiments.hpp"
+#include "tools/cli/machine.hpp"
+#include "tools/cli/report.hpp"
 
 namespace flashattn::cli {
 namespace {
 
-struct NumericsFlags {
-  ShapeFlags shape;
-  std::uint64_t seed = 2024;
-  int repeats = 5;
-  std::string fp8_format = "e4m3";
-  bool json = false;
-};
-
 constexpr double kLn2 = 0.6931471805599453;
 
 // --- 1. the online softmax on [1, 3, 2, 5], blocks [1, 3] and [2, 5] ------------------------
-nlohmann::json online_softmax_steps() {
+OnlineSoftmaxSteps online_softmax_steps() {
   const std::vector<std::vector<float>> blocks = {{1.0f, 3.0f}, {2.0f, 5.0f}};
   constexpr float kLog2e = OnlineSoftmaxState::kLog2e;
   OnlineSoftmaxState state;  // log2 units inside, reported in natural units
-  nlohmann::json steps = nlohmann::json::array();
+  OnlineSoftmaxSteps r;
+  r.scores = {1, 3, 2, 5};
+  r.blocks = blocks;
   for (const auto& block : blocks) {
     float block_max = -INFINITY;
     for (float x : block) block_max = std::fmax(block_max, x * kLog2e);
@@ -43,9 +37,10 @@ nlohmann::json online_softmax_steps() {
     float sum = 0.0f;
     for (float x : block) sum += std::exp2(x * kLog2e - state.max);
     state.add(sum);
-    steps.push_back({{"m", state.max * kLn2}, {"l", state.sum}});
+    r.steps.push_back({state.max * kLn2, state.sum});
   }
-  std::vector<double> online, one_pass;
+  std::vector<double>& online = r.probabilities;
+  std::vector<double>& one_pass = r.one_pass;
   double max = -INFINITY, total = 0.0, diff = 0.0;
   for (const auto& block : blocks)
     for (float x : block) max = std::fmax(max, x);
@@ -57,13 +52,13 @@ nlohmann::json online_softmax_steps() {
       one_pass.push_back(std::exp(x - max) / total);
       diff = std::fmax(diff, std::fabs(online.back() - one_pass.back()));
     }
-  return {{"scores", {1, 3, 2, 5}}, {"blocks", blocks},        {"steps", steps},
-          {"l_final", state.sum},   {"probabilities", online}, {"one_pass", one_pass},
-          {"max_abs_diff", diff}};
+  r.l_final = state.sum;
+  r.max_abs_diff = diff;
+  return r;
 }
 
 // --- 2. exp2 accuracy on the attention range x ≤ 0 ------------------------------------------
-nlohmann::json exp2_accuracy() {
+Exp2Accuracy exp2_accuracy() {
   // A dense uniform sweep of [−126, 0] (below, results are subnormal; the kernels see
   // x ≤ 0 after subtracting the maximum) plus a finer one of [−1, 0], where every binade's
   // fraction f = x − floor(x) is covered densely.
@@ -87,18 +82,12 @@ nlohmann::json exp2_accuracy() {
     e_poly_bf16 = std::fmax(e_poly_bf16, rel(pb));
     bf16_differs += eb != pb;
   }
-  return {{"points", x.size()},
-          {"range", {-126.0, 0.0}},
-          {"exact_max_rel_err_f32", e_exact},
-          {"poly3_max_rel_err_f32", e_poly},
-          {"exact_max_rel_err_bf16", e_exact_bf16},
-          {"poly3_max_rel_err_bf16", e_poly_bf16},
-          {"bf16_half_ulp", unit_roundoff(DType::bf16)},
-          {"bf16_results_differing_fraction", static_cast<double>(bf16_differs) / static_cast<double>(x.size())}};
+  return {x.size(),    -126.0,      0.0, e_exact, e_poly, e_exact_bf16, e_poly_bf16, unit_roundoff(DType::bf16),
+          static_cast<double>(bf16_differs) / static_cast<double>(x.size())};
 }
 
 // --- 5. speed of each exp2 and rescaling rule, one run -------------------------------------
-nlohmann::json speed(const AttentionProblem& p, std::mt19937_64& rng, int threads, int repeats) {
+Speed speed(const AttentionProblem& p, std::mt19937_64& rng, int threads, int repeats) {
   struct Variant {
     Exp2Impl exp2;
     float threshold;
@@ -123,74 +112,67 @@ nlohmann::json speed(const AttentionProblem& p, std::mt19937_64& rng, int thread
       forward(q.view(), k.view(), v.view(), out.view(), lse.view(), o);
       if (r > 0) times[i].push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
-  nlohmann::json j = {{"dtype", to_string(p.dtype)}, {"causal", p.causal}, {"repeats", repeats},
-                      {"cases", nlohmann::json::array()}, {"exp2_throughput", exp2_throughput(repeats)}};
+  Speed r{to_string(p.dtype), p.causal, repeats, {}, exp2_throughput(repeats)};
   double baseline = 0.0;
   for (std::size_t i = 0; i < std::size(variants); ++i) {
     std::sort(times[i].begin(), times[i].end());
     const double seconds = times[i][times[i].size() / 2];
     const double gflops = p.conventional_forward_flops() / seconds * 1e-9;
     if (i == 0) baseline = gflops;
-    nlohmann::json c = {{"exp2", to_string(variants[i].exp2)},
-                        {"rescale_threshold", variants[i].threshold},
-                        {"seconds", seconds},
-                        {"gflops", gflops},
-                        {"ratio_to_exact_classic", gflops / baseline}};
-    if (variants[i].exp2 == Exp2Impl::mixed) c["exp2_poly3_fraction"] = AttentionOptions{}.exp2_poly3_fraction;
-    j["cases"].push_back(c);
+    SpeedCase c{to_string(variants[i].exp2), variants[i].threshold, seconds, gflops, gflops / baseline};
+    if (variants[i].exp2 == Exp2Impl::mixed) c.exp2_poly3_fraction = AttentionOptions{}.exp2_poly3_fraction;
+    r.cases.push_back(c);
   }
-  return j;
+  return r;
 }
 
-void print_report(const nlohmann::json& j) {
-  const auto& os = j["online_softmax"];
+void print_report(const NumericsReport& r) {
+  const OnlineSoftmaxSteps& os = r.online_softmax;
   std::printf("1. online softmax of [1, 3, 2, 5] in blocks [1, 3], [2, 5] (natural units)\n");
-  for (std::size_t s = 0; s < os["steps"].size(); ++s)
-    std::printf("   after block %zu: m = %.6f, l = %.6f\n", s + 1, os["steps"][s]["m"].get<double>(),
-                os["steps"][s]["l"].get<double>());
+  for (std::size_t s = 0; s < os.steps.size(); ++s)
+    std::printf("   after block %zu: m = %.6f, l = %.6f\n", s + 1, os.steps[s].m, static_cast<double>(os.steps[s].l));
   std::printf("   probabilities  ");
-  for (double x : os["probabilities"]) std::printf(" %.6f", x);
+  for (double x : os.probabilities) std::printf(" %.6f", x);
   std::printf("\n   one-pass       ");
-  for (double x : os["one_pass"]) std::printf(" %.6f", x);
-  std::printf("\n   max |online - one-pass| = %.2e\n", os["max_abs_diff"].get<double>());
+  for (double x : os.one_pass) std::printf(" %.6f", x);
+  std::printf("\n   max |online - one-pass| = %.2e\n", os.max_abs_diff);
 
-  const auto& e = j["exp2"];
+  const Exp2Accuracy& e = r.exp2;
   std::printf("\n2. exp2 over %lld points of [-126, 0], max relative error vs float64\n",
-              static_cast<long long>(e["points"].get<std::int64_t>()));
-  std::printf("   float32:        exact %.2e   poly3 %.2e\n", e["exact_max_rel_err_f32"].get<double>(),
-              e["poly3_max_rel_err_f32"].get<double>());
+              static_cast<long long>(e.points));
+  std::printf("   float32:        exact %.2e   poly3 %.2e\n", e.exact_max_rel_err_f32, e.poly3_max_rel_err_f32);
   std::printf("   rounded to bf16: exact %.2e   poly3 %.2e   (half a bf16 ulp: %.2e; results differing: %.3f%%)\n",
-              e["exact_max_rel_err_bf16"].get<double>(), e["poly3_max_rel_err_bf16"].get<double>(),
-              e["bf16_half_ulp"].get<double>(), 100.0 * e["bf16_results_differing_fraction"].get<double>());
+              e.exact_max_rel_err_bf16, e.poly3_max_rel_err_bf16, e.bf16_half_ulp,
+              100.0 * e.bf16_results_differing_fraction);
 
   std::printf("\n3. rescales of the online-softmax state, classic (threshold 0) vs conditional (threshold %g)\n",
-              j["rescale"]["threshold"].get<double>());
-  print_rescale_counts(j["rescale"]);
+              r.rescale.threshold);
+  print_rescale_counts(r.rescale);
 
-  const auto& f = j["fp8"];
+  const Fp8Error& fp8 = r.fp8;
   std::printf("\n4. attention output RMSE vs float64, N(0,1) inputs + N(0, %g^2) on %.1f%% of entries (seed %llu), %s\n",
-              f["outlier_std"].get<double>(), 100.0 * f["outlier_fraction"].get<double>(),
-              static_cast<unsigned long long>(f["seed"].get<std::uint64_t>()), f["format"].get<std::string>().c_str());
-  print_fp8_error(f);
+              fp8.outlier_std, 100.0 * fp8.outlier_fraction, static_cast<unsigned long long>(fp8.seed), fp8.format.c_str());
+  print_fp8_error(fp8);
 
-  const auto& s = j["speed"];
-  std::printf("\n5. forward speed, %s, median of %d round-robin runs\n", s["dtype"].get<std::string>().c_str(),
-              s["repeats"].get<int>());
-  for (const auto& c : s["cases"])
-    std::printf("   exp2 %-5s threshold %g: %7.1f GFLOP/s  (%.3fx exact/classic)\n", c["exp2"].get<std::string>().c_str(),
-                c["rescale_threshold"].get<double>(), c["gflops"].get<double>(),
-                c["ratio_to_exact_classic"].get<double>());
+  const Speed& s = r.speed;
+  std::printf("\n5. forward speed, %s, median of %d round-robin runs\n", s.dtype.c_str(), s.repeats);
+  for (const SpeedCase& c : s.cases)
+    std::printf("   exp2 %-5s threshold %g: %7.1f GFLOP/s  (%.3fx exact/classic)\n", c.exp2.c_str(), c.rescale_threshold,
+                c.gflops, c.ratio_to_exact_classic);
   std::printf("   exp2 alone, one thread: exact %.2f, poly3 %.2f billion per second\n",
-              s["exp2_throughput"]["exact_gexp_per_s"].get<double>(), s["exp2_throughput"]["poly3_gexp_per_s"].get<double>());
+              s.exp2_throughput.exact_gexp_per_s, s.exp2_throughput.poly3_gexp_per_s);
 }
 
+}  // namespace
+
 void numerics(const NumericsFlags& f) {
-  nlohmann::json j = machine_json(f.shape.threads);
+  NumericsReport r;
+  r.threads = f.shape.threads;
   std::mt19937_64 rng(f.seed);
-  j["seed"] = f.seed;
-  j["online_softmax"] = online_softmax_steps();
+  r.seed = f.seed;
+  r.online_softmax = online_softmax_steps();
   std::cerr << "exp2 sweep\n";
-  j["exp2"] = exp2_accuracy();
+  r.exp2 = exp2_accuracy();
   ShapeFlags f32_shape = f.shape;
   f32_shape.dtype = "f32";
   f32_shape.causal = false;
@@ -198,41 +180,21 @@ void numerics(const NumericsFlags& f) {
   scale_only.softmax_scale = f.shape.softmax_scale;
   const AttentionProblem p = f32_shape.problem(scale_only);
   std::cerr << "rescale counts\n";
-  j["rescale"] = rescale_counts(p, rng, f.shape.threads);
-  j["fp8"] = fp8_error(p, f.seed, parse_fp8_format(f.fp8_format), f.shape.threads);
+  r.rescale = rescale_counts(p, rng, f.shape.threads);
+  r.fp8 = fp8_error(p, f.seed, parse_fp8_format(f.fp8_format), f.shape.threads);
   ShapeFlags speed_shape = f32_shape;
   speed_shape.dtype = f.shape.dtype;
   std::cerr << "speed\n";
-  j["speed"] = speed(speed_shape.problem(scale_only), rng, f.shape.threads, f.repeats);
+  r.speed = speed(speed_shape.problem(scale_only), rng, f.shape.threads, f.repeats);
   if (f.json) {
-    std::cout << j.dump(2) << "\n";
+    std::cout << numerics_json(r) << "\n";
     return;
   }
   std::printf("flashattn numerics: %s (speed: dtype=%s) seed=%llu fp8_format=%s repeats=%d\n", p.describe().c_str(),
               f.shape.dtype.c_str(), static_cast<unsigned long long>(f.seed), f.fp8_format.c_str(), f.repeats);
-  std::printf("cpu: %s, %d threads, simd %s\n\n", j["cpu"].get<std::string>().c_str(), j["threads"].get<int>(),
-              j["simd_target"].get<std::string>().c_str());
-  print_report(j);
-}
-
-}  // namespace
-
-void register_numerics(CLI::App& app) {
-  auto flags = std::make_shared<NumericsFlags>();
-  flags->shape.seqlen = 2048;
-  flags->shape.heads = 8;
-  CLI::App* cmd = app.add_subcommand(
-      "numerics", "the numerics experiments: online softmax, exp2 accuracy, rescale counts, FP8 error, speed");
-  flags->shape.add_to(*cmd, /*with_mode=*/false);
-  cmd->add_option("--dtype", flags->shape.dtype, "dtype of the speed experiment: f32, bf16 or f16")
-      ->capture_default_str();
-  cmd->add_option("--seed", flags->seed, "seed of every random input")->capture_default_str();
-  cmd->add_option("--repeats", flags->repeats, "timed rounds of the speed experiment (median)")
-      ->capture_default_str()->check(CLI::Range(1, 1000));
-  cmd->add_option("--fp8-format", flags->fp8_format, "FP8 format of the error experiment: e4m3 or e5m2")
-      ->capture_default_str()->check(CLI::IsMember({"e4m3", "e5m2"}));
-  cmd->add_flag("--json", flags->json, "machine-readable output");
-  cmd->callback([flags] { numerics(*flags); });
+  std::printf("cpu: %s, %d threads, simd %s\n\n", cpu_model().c_str(), resolved_threads(f.shape.threads),
+              cpu_simd_target().c_str());
+  print_report(r);
 }
 
 }  // namespace flashattn::cli

@@ -16,22 +16,10 @@
 
 #include "flashattn/dist.hpp"
 #include "tools/cli/commands.hpp"
-#include "tools/cli/common.hpp"
+#include "tools/cli/measure.hpp"
 
 namespace flashattn::cli {
 namespace {
-
-struct RingFlags {
-  ShapeFlags shape;
-  std::string layout = "zigzag";
-  bool backward = false;
-  int repeats = 3;
-  float softcap = 0.0f;
-  double timeout = 300.0;
-  // Rank 0 recomputes the whole sequence in one process to check the ring up to this length;
-  // beyond it, that check would cost more than the ring itself.
-  std::int64_t verify_up_to = 8192;
-};
 
 // Input value of element `index` of tensor `stream`: uniform in [−√3, √3) (unit variance)
 // from a splitmix64 hash, the same on every rank whatever the sharding.
@@ -179,8 +167,8 @@ void report(const char* pass, const dist::RingStats& s, double alone, std::int64
   std::printf("  whole ring: %.2f ms (the slowest rank), %.1f GFLOP/s\n", slowest * 1e3, flops / slowest * 1e-9);
 }
 
-void run_ring(RingFlags& f, CLI::App& app) {
-  if (app.count("--seqlen-q") || app.count("--seqlen-k"))
+void run_ring(RingFlags& f) {
+  if (f.shape.seqlen_q || f.shape.seqlen_k)
     throw Error("ring: --seqlen-q/--seqlen-k do not apply (self-attention over one sequence): use --seqlen");
   if (f.layout != "zigzag" && f.layout != "contiguous")
     throw Error("ring: --layout must be zigzag or contiguous, got " + f.layout);
@@ -268,33 +256,18 @@ void run_ring(RingFlags& f, CLI::App& app) {
 
 }  // namespace
 
-void register_ring(CLI::App& app) {
-  auto flags = std::make_shared<RingFlags>();
-  CLI::App* sub = app.add_subcommand(
-      "ring", "ring attention over MPI: run under `mpirun -np P`; each rank holds S/P tokens (see docs/distributed.md)");
-  flags->shape.add_to(*sub);
-  sub->add_option("--layout", flags->layout, "zigzag (balanced under causal) or contiguous")->capture_default_str();
-  sub->add_flag("--backward", flags->backward, "also run ring_backward");
-  sub->add_option("--repeats", flags->repeats, "timed runs (the median is reported)")->capture_default_str();
-  sub->add_option("--softcap", flags->softcap, "soft-capping: scores become softcap*tanh(s/softcap)");
-  sub->add_option("--timeout", flags->timeout, "seconds any wait for a peer may take before it is an error")
-      ->capture_default_str();
-  sub->add_option("--verify-up-to", flags->verify_up_to,
-                  "rank 0 checks against single-process flashattn up to this seqlen")
-      ->capture_default_str();
-  sub->callback([flags, sub] {
-    int provided = 0;
-    MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided);
-    try {
-      run_ring(*flags, *sub);
-    } catch (const Error& e) {
-      std::fflush(stdout);
-      std::cerr << "flashattn: error: " << e.what() << "\n";
-      // A rank that fails leaves its peers waiting: end the whole job.
-      MPI_Abort(MPI_COMM_WORLD, 2);
-    }
-    MPI_Finalize();
-  });
+void ring(RingFlags& f) {
+  int provided = 0;
+  MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided);
+  try {
+    run_ring(f);
+  } catch (const Error& e) {
+    std::fflush(stdout);
+    std::cerr << "flashattn: error: " << e.what() << "\n";
+    // A rank that fails leaves its peers waiting: end the whole job.
+    MPI_Abort(MPI_COMM_WORLD, 2);
+  }
+  MPI_Finalize();
 }
 
 }  // namespace flashattn::cli

@@ -4,37 +4,26 @@
 #include <cmath>
 #include <cstdio>
 #include <iostream>
-#include <memory>
+#include <optional>
 #include <vector>
 
-#include "src/baseline/standard_attention.hpp"
+#include "tools/baseline/standard_attention.hpp"
 #include "tools/cli/commands.hpp"
-#include "tools/cli/common.hpp"
-#include "tools/cli/npy.hpp"
+#include "tools/cli/decode.hpp"
+#include "tools/cli/machine.hpp"
+#include "tools/cli/measure.hpp"
+#include "tools/cli/report.hpp"
+#include "tools/support/npy.hpp"
 
 namespace flashattn::cli {
 namespace {
 
-struct RunFlags {
-  ShapeFlags shape;
-  VariantFlags variants;
-  bool json = false;
-  int repeats = 3;
-  int samples = 64;
-  bool backward = false;
-  std::string cu_seqlens_q, cu_seqlens_k;  // a packed variable-length batch: both or neither
-  bool decode = false;
-  std::int64_t cached = 32768;
-  std::int64_t page_size = 0;
-  std::string cache_dtype;  // --decode: empty = q's dtype, or e4m3
-};
-
 // One decoding step over a KV cache: time, bandwidth, accuracy.
-void run_decode(const RunFlags& f, CLI::App& app) {
+void run_decode(const RunFlags& f) {
   DecodeCase c;
   c.batch = f.shape.batch;
-  c.heads = app.count("--heads") ? f.shape.heads : 32;  // decode defaults: 32 q heads, 8 kv heads
-  c.heads_kv = f.shape.heads_kv.value_or(app.count("--heads") ? f.shape.heads : 8);
+  c.heads = f.given.count("--heads") ? f.shape.heads : 32;  // decode defaults: 32 q heads, 8 kv heads
+  c.heads_kv = f.shape.heads_kv.value_or(f.given.count("--heads") ? f.shape.heads : 8);
   c.dim = f.shape.dim;
   c.dtype = parse_dtype(f.shape.dtype);
   c.threads = f.shape.threads;
@@ -44,9 +33,7 @@ void run_decode(const RunFlags& f, CLI::App& app) {
   c.kernel = parse_forward_kernel(f.shape.kernel);
   const DecodeMeasurement m = measure_decode(c, f.repeats);
   if (f.json) {
-    nlohmann::json j = machine_json(f.shape.threads);
-    j["cases"].push_back(decode_json(c, m));
-    std::cout << j.dump(2) << "\n";
+    std::cout << decode_run_json(f.shape.threads, c, m) << "\n";
     return;
   }
   std::printf("flashattn run --decode: batch %lld, %lld q heads, %lld kv heads, dim %lld, %s cache of %lld tokens%s, causal=false\n",
@@ -61,7 +48,7 @@ void run_decode(const RunFlags& f, CLI::App& app) {
 // flashattn only (the textbook baseline has no packed form), its time, GFLOP/s and the
 // max error against float64 on sampled rows of every sequence.
 void run_varlen(const RunFlags& f, const AttentionOptions& options) {
-  const Tensor cu_q = read_npy(f.cu_seqlens_q), cu_k = read_npy(f.cu_seqlens_k);
+  const Tensor cu_q = support::read_npy(f.cu_seqlens_q), cu_k = support::read_npy(f.cu_seqlens_k);
   const std::int64_t batch = cu_q.numel() - 1;
   std::int64_t max_q = 0, max_k = 0;
   double flops = 0.0;
@@ -137,14 +124,12 @@ void run_varlen(const RunFlags& f, const AttentionOptions& options) {
       }
   }
   if (f.json) {
-    nlohmann::json j = machine_json(f.shape.threads);
-    j["varlen"] = {{"batch", batch}, {"total_q", whole.seqlen_q}, {"total_k", whole.seqlen_k},
-                   {"fwd_seconds", fwd_s}, {"fwd_gflops", flops / fwd_s * 1e-9}, {"max_error", error}};
+    VarlenRun r{batch, whole.seqlen_q, whole.seqlen_k, fwd_s, flops / fwd_s * 1e-9, error};
     if (f.backward) {
-      j["varlen"]["bwd_seconds"] = bwd_s;
-      j["varlen"]["bwd_gflops"] = 2.5 * flops / bwd_s * 1e-9;
+      r.bwd_seconds = bwd_s;
+      r.bwd_gflops = 2.5 * flops / bwd_s * 1e-9;
     }
-    std::cout << j.dump(2) << "\n";
+    std::cout << varlen_run_json(f.shape.threads, r) << "\n";
     return;
   }
   std::printf("flashattn run (varlen): %lld sequences, %lld queries, %lld keys in all; %s\n",
@@ -156,8 +141,10 @@ void run_varlen(const RunFlags& f, const AttentionOptions& options) {
     std::printf("backward %10.2f ms %10.1f GFLOP/s\n", bwd_s * 1e3, 2.5 * flops / bwd_s * 1e-9);
 }
 
-void run(RunFlags& f, CLI::App& app) {
-  if (f.decode) return run_decode(f, app);
+}  // namespace
+
+void run(RunFlags& f) {
+  if (f.decode) return run_decode(f);
   AttentionOptions options = f.shape.options();
   f.variants.apply(options);
   if (!f.cu_seqlens_q.empty()) return run_varlen(f, options);
@@ -181,14 +168,10 @@ void run(RunFlags& f, CLI::App& app) {
   const std::size_t bwd = baseline ? 2 : 1;
 
   if (f.json) {
-    nlohmann::json j = machine_json(f.shape.threads);
-    for (std::size_t i = 0; i < results.size(); ++i) {
-      j["cases"].push_back(case_json(results[i], p));
-      if (i < errors.size()) j["cases"].back()["max_error"] = errors[i];
-    }
-    if (baseline) j["speedup"] = results[1].seconds / results[0].seconds;
-    if (f.backward && baseline) j["backward_speedup"] = results[4].seconds / results[2].seconds;
-    std::cout << j.dump(2) << "\n";
+    std::optional<double> speedup, backward_speedup;
+    if (baseline) speedup = results[1].seconds / results[0].seconds;
+    if (f.backward && baseline) backward_speedup = results[4].seconds / results[2].seconds;
+    std::cout << run_json(f.shape.threads, p, results, errors, speedup, backward_speedup) << "\n";
     return;
   }
   std::printf("flashattn run: %s\n", p.describe().c_str());
@@ -223,38 +206,6 @@ void run(RunFlags& f, CLI::App& app) {
   std::printf("(GFLOP/s counts 4*B*Hq*Sq*Sk*D, halved when causal, x2.5 for backward; "
               "forward error on %d sampled rows; gradients are checked by the tests)\n",
               f.samples);
-}
-
-}  // namespace
-
-void register_run(CLI::App& app) {
-  auto flags = std::make_shared<RunFlags>();
-  CLI::App* cmd = app.add_subcommand("run", "time flashattn against standard attention on random inputs");
-  flags->shape.add_to(*cmd);
-  flags->variants.add_to(*cmd);
-  cmd->add_flag("--json", flags->json, "machine-readable output");
-  cmd->add_option("--repeats", flags->repeats, "timed runs (median reported)")->capture_default_str()
-      ->check(CLI::PositiveNumber);
-  cmd->add_option("--samples", flags->samples, "rows checked against the float64 reference")
-      ->capture_default_str()->check(CLI::PositiveNumber);
-  CLI::Option* cq = cmd->add_option("--cu-seqlens-q", flags->cu_seqlens_q,
-                                    "int32 offsets .npy (batch + 1): a packed variable-length batch")
-                        ->check(CLI::ExistingFile);
-  CLI::Option* ck = cmd->add_option("--cu-seqlens-k", flags->cu_seqlens_k, "int32 key offsets .npy (batch + 1)")
-                        ->check(CLI::ExistingFile);
-  cq->needs(ck);
-  ck->needs(cq);
-  cmd->add_flag("--backward", flags->backward,
-                "also time backward (default and deterministic) against standard attention's");
-  cmd->add_flag("--decode", flags->decode,
-                "one decoding step over a KV cache (defaults: 32 q heads, 8 kv heads, 32768 cached tokens)");
-  cmd->add_option("--cache-seqlen", flags->cached, "tokens already in the cache (--decode)")->capture_default_str();
-  cmd->add_option("--page-size", flags->page_size, "paged cache with pages of this many tokens (0 = contiguous)")
-      ->capture_default_str();
-  cmd->add_option("--cache-dtype", flags->cache_dtype,
-                  "cache storage (--decode): e4m3 (FP8, one descale per page and kv head); default: the --dtype")
-      ->check(CLI::IsMember({"e4m3"}));
-  cmd->callback([flags, cmd] { run(*flags, *cmd); });
 }
 
 }  // namespace flashattn::cli

@@ -6,27 +6,18 @@
 #include <cstdio>
 #include <filesystem>
 #include <limits>
-#include <memory>
 #include <random>
 #include <vector>
 
 #include "tools/cli/account.hpp"
 #include "tools/cli/commands.hpp"
-#include "tools/cli/common.hpp"
 #include "tools/cli/experiments.hpp"
+#include "tools/cli/machine.hpp"
+#include "tools/cli/measure.hpp"
 #include "tools/cli/svg.hpp"
 
 namespace flashattn::cli {
 namespace {
-
-struct TourFlags {
-  std::int64_t max_seqlen = 2048;  // chapters 1-3 sweep N = 256, 512, ... up to this
-  std::int64_t dim = 64;
-  std::int64_t heads = 2;
-  int threads = 0;
-  int repeats = 2;
-  std::string out;  // directory for the SVG figures; empty: none
-};
 
 constexpr std::int64_t kFirstSeqlen = 256;
 
@@ -339,18 +330,18 @@ void chapter_asynchrony(const TourFlags& f, const cost::Architecture& cpu) {
               "  `flashattn numerics`, which runs it at larger sizes and with --fp8-format e5m2):\n",
               static_cast<long long>(small.seqlen_q), static_cast<long long>(f.heads), static_cast<long long>(f.dim),
               static_cast<unsigned long long>(kNumericsSeed));
-  const nlohmann::json fp8 = fp8_error(small, kNumericsSeed, Fp8Format::e4m3, f.threads);
+  const Fp8Error fp8 = fp8_error(small, kNumericsSeed, Fp8Format::e4m3, f.threads);
   print_fp8_error(fp8);
-  const double per_tensor = fp8["rmse_per_tensor"].get<double>();
+  const double per_tensor = fp8.rmse_per_tensor;
   const auto change = [per_tensor](double rmse) { return 100.0 * (rmse / per_tensor - 1.0); };
   std::printf("  Against per-tensor FP8: per-block scales %+.0f%%, the rotation %+.0f%%, both %+.0f%%; bf16 is %.0f×\n"
               "  more accurate than the best FP8 variant. FP8 is emulated here (decoded to float32, P rounded to\n"
               "  e4m3): its numerics, not its speed — a CPU has no FP8 multiplier.\n",
-              change(fp8["rmse_per_block"].get<double>()), change(fp8["rmse_hadamard"].get<double>()),
-              change(fp8["rmse_per_block_hadamard"].get<double>()),
-              std::min({per_tensor, fp8["rmse_per_block"].get<double>(), fp8["rmse_hadamard"].get<double>(),
-                        fp8["rmse_per_block_hadamard"].get<double>()}) /
-                  fp8["rmse_bf16"].get<double>());
+              change(fp8.rmse_per_block), change(fp8.rmse_hadamard),
+              change(fp8.rmse_per_block_hadamard),
+              std::min({per_tensor, fp8.rmse_per_block, fp8.rmse_hadamard,
+                        fp8.rmse_per_block_hadamard}) /
+                  fp8.rmse_bf16);
 }
 
 // ---- 5: the exponential unit ---------------------------------------------------------
@@ -389,8 +380,8 @@ void chapter_exp_unit(const TourFlags& f, const cost::Architecture& cpu) {
          svg::bar_chart({"Backward 128x128x128 bf16 tile: cycles per unit", "", "cycles per SM"}, names, bwd));
 
   const double poly3_per_clock = cpu.fp32_lanes / cpu.poly_exp_ops;
-  const nlohmann::json speed = exp2_throughput(std::max(3, f.repeats));
-  const double exact = speed["exact_gexp_per_s"].get<double>(), poly3 = speed["poly3_gexp_per_s"].get<double>();
+  const Exp2Throughput speed = exp2_throughput(std::max(3, f.repeats));
+  const double exact = speed.exact_gexp_per_s, poly3 = speed.poly3_gexp_per_s;
   std::printf("\n  Polynomial exp2 on this CPU, one thread, L1-resident array (median, interleaved):\n"
               "    %-7s model %5.2f per clock = %5.2f G/s at %.2f GHz   measured %5.2f G/s\n"
               "    %-7s model %5.2f per clock = %5.2f G/s               measured %5.2f G/s\n"
@@ -405,20 +396,22 @@ void chapter_exp_unit(const TourFlags& f, const cost::Architecture& cpu) {
   // Forward passes only, so the sweep's largest N: more key tiles per row for the rules to differ.
   const AttentionProblem p = square(f, f.max_seqlen, f.heads);
   std::mt19937_64 rng(kNumericsSeed);
-  const nlohmann::json r = rescale_counts(p, rng, f.threads);
+  const RescaleCounts r = rescale_counts(p, rng, f.threads);
   std::printf("\n  Conditional rescaling, counted by the kernel (AttentionOptions::rescale_counts): rescales of õ\n"
               "  after each row's first key tile, classic rule (τ = 0) against τ = %g log2 units (N = %lld):\n",
-              r["threshold"].get<double>(), static_cast<long long>(p.seqlen_q));
+              r.threshold, static_cast<long long>(p.seqlen_q));
   print_rescale_counts(r);
   std::printf("  On random rows the first tile's maximum is almost always within 2^τ of the row's, so τ = %g\n"
               "  skips nearly every rescale; the adversarial rows climb %.1f log2 units (about %.2f per tile), so the\n"
               "  classic rule rescales at every tile and τ = %g only when the climb since its last rescale passes\n"
               "  %g. The outputs agree to float32 rounding (max |diff|): the final õ/ℓ cancels the reference.\n",
-              r["threshold"].get<double>(), r["adversarial"]["score_growth_log2"].get<double>(),
-              r["adversarial"]["score_growth_log2"].get<double>() /
-                  static_cast<double>(r["adversarial"]["key_tiles"].get<std::int64_t>()),
-              r["threshold"].get<double>(), r["threshold"].get<double>());
+              r.threshold, r.score_growth_log2,
+              r.score_growth_log2 /
+                  static_cast<double>(r.adversarial.key_tiles),
+              r.threshold, r.threshold);
 }
+
+}  // namespace
 
 void tour(const TourFlags& f) {
   if (f.max_seqlen < 16 || f.dim < 1 || f.heads < 1 || f.repeats < 1)
@@ -442,20 +435,6 @@ void tour(const TourFlags& f) {
   chapter_exp_unit(f, cpu);
   std::printf("\nMore: `flashattn explain --help` prints the whole account of one problem; docs/cost_model.md\n"
               "states the model and its sources.\n");
-}
-
-}  // namespace
-
-void register_tour(CLI::App& app) {
-  auto flags = std::make_shared<TourFlags>();
-  CLI::App* cmd = app.add_subcommand("tour", "a guided, measured walk through the four FlashAttention generations");
-  cmd->add_option("--max-seqlen", flags->max_seqlen, "largest N of the sweeps (from 256, doubling)")->capture_default_str();
-  cmd->add_option("--dim", flags->dim, "head dimension")->capture_default_str();
-  cmd->add_option("--heads", flags->heads, "heads of the sweeps")->capture_default_str();
-  cmd->add_option("--threads", flags->threads, "worker threads (0 = all cores)")->capture_default_str();
-  cmd->add_option("--repeats", flags->repeats, "timed runs per measurement (median)")->capture_default_str();
-  cmd->add_option("--out", flags->out, "directory for the figures (SVG)");
-  cmd->callback([flags] { tour(*flags); });
 }
 
 }  // namespace flashattn::cli

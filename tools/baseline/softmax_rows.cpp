@@ -1,7 +1,7 @@
 // Row softmax of the materialized score matrix for the standard-attention baseline,
 // vectorized with Highway's exp so the baseline is the strong textbook, not a strawman.
 #undef HWY_TARGET_INCLUDE
-#define HWY_TARGET_INCLUDE "src/baseline/softmax_rows.cpp"
+#define HWY_TARGET_INCLUDE "tools/baseline/softmax_rows.cpp"
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
 
 #include <hwy/contrib/math/math-inl.h>
@@ -11,7 +11,7 @@
 #include <cmath>
 #include <limits>
 
-#include "src/baseline/softmax_rows.hpp"
+#include "tools/baseline/softmax_rows.hpp"
 
 HWY_BEFORE_NAMESPACE();
 namespace flashattn::baseline::HWY_NAMESPACE {

@@ -1,4 +1,4 @@
-#include "tools/cli/npy.hpp"
+#include "tools/support/npy.hpp"
 
 #include <bit>
 #include <cstdint>
@@ -9,7 +9,7 @@
 #include <string_view>
 #include <vector>
 
-namespace flashattn::cli {
+namespace flashattn::support {
 namespace {
 
 // The .npy payload is little-endian; on such a host it can be copied without swapping.
@@ -301,4 +301,4 @@ void write_npy(const std::string& path, const flashattn::Tensor& tensor) {
   if (!out) fail(path, "write failed");
 }
 
-}  // namespace flashattn::cli
+}  // namespace flashattn::support

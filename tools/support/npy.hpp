@@ -1,5 +1,5 @@
-// Minimal NumPy .npy reader/writer for the CLI: little-endian float32 / float16 arrays in
-// C order, rank 0..4. Everything else is rejected with a flashattn::Error that names the
+// Minimal NumPy .npy reader/writer for the CLI and the tests: little-endian float32 /
+// float16 arrays in C order, rank 0..4. Everything else is rejected with a flashattn::Error that names the
 // file and the problem.
 #pragma once
 
@@ -8,7 +8,7 @@
 #include "flashattn/error.hpp"
 #include "flashattn/tensor.hpp"
 
-namespace flashattn::cli {
+namespace flashattn::support {
 
 // Reads a .npy file (format 1.0, 2.0 or 3.0) holding '<f4' or '<f2' data in C order.
 // Returns a contiguous Tensor of dtype f32 or f16 with the file's shape.
@@ -18,4 +18,4 @@ flashattn::Tensor read_npy(const std::string& path);
 // bf16 has no numpy equivalent and throws; convert to f32 first.
 void write_npy(const std::string& path, const flashattn::Tensor& tensor);
 
-}  // namespace flashattn::cli
+}  // namespace flashattn::support

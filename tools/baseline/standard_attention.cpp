@@ -1,4 +1,4 @@
-#include "src/baseline/standard_attention.hpp"
+#include "tools/baseline/standard_attention.hpp"
 
 #include <cblas.h>
 #include <omp.h>
@@ -9,7 +9,7 @@
 
 #include "flashattn/error.hpp"
 #include "flashattn/problem.hpp"
-#include "src/baseline/softmax_rows.hpp"
+#include "tools/baseline/softmax_rows.hpp"
 #include "src/core/element.hpp"
 #include "src/core/validate.hpp"
 

@@ -1,0 +1,60 @@
+// The option groups several subcommands share, as plain values: the shape flags (named the
+// same way in every subcommand) and the attention variants. main.cpp, the one file that
+// sees the command-line parser, declares them and fills these structs.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "flashattn/flashattn.hpp"
+
+namespace flashattn::cli {
+
+struct ShapeFlags {
+  std::int64_t batch = 1;
+  std::int64_t seqlen = 4096;
+  std::optional<std::int64_t> seqlen_q, seqlen_k;
+  std::int64_t heads = 16;
+  std::optional<std::int64_t> heads_kv;
+  std::int64_t dim = 128;
+  std::optional<std::int64_t> dim_v;
+  std::string dtype = "bf16";
+  bool causal = true;
+  std::optional<float> softmax_scale;
+  int threads = 0;
+  int num_splits = 0;
+  std::string kernel = "auto";  // AttentionOptions::kernel by name
+  std::string backward_kernel = "auto";  // AttentionOptions::backward_kernel by name
+
+  // A benchmark case's dtype: a --kernel tiled_bf16 request applies to its bf16 cases, the
+  // others (f32) keep the planner's choice, so that one run times both.
+  void set_case_dtype(const std::string& case_dtype) {
+    dtype = case_dtype;
+    if (kernel == "tiled_bf16" && dtype != "bf16") kernel = "auto";
+    if (backward_kernel == "tiled_bf16" && dtype != "bf16") backward_kernel = "auto";
+  }
+  AttentionOptions options() const;
+  // Validated problem of these sizes with `options` (by default this->options()).
+  AttentionProblem problem(const std::optional<AttentionOptions>& options = std::nullopt) const;
+};
+
+// The attention variants, named as upstream's Python arguments; side inputs come from
+// .npy files and stay alive here while options point at them.
+struct VariantFlags {
+  std::vector<std::int64_t> window_size;  // (left, right), −1 = unbounded
+  float softcap = 0.0f;
+  std::string alibi_slopes_path;  // float32 (heads_q) or (batch, heads_q)
+  float dropout_p = 0.0f;
+  std::uint64_t seed = 0;
+  std::string block_mask_path;  // bool/uint8 (q blocks, k blocks)
+  std::int64_t block_size = 0;
+  Tensor alibi_slopes, block_mask;
+
+  // Loads the files and sets the variant fields of `options`.
+  void apply(AttentionOptions& options);
+  bool needs_flashattn_only() const;  // beyond what the standard baseline implements
+};
+
+}  // namespace flashattn::cli
