@@ -11,6 +11,8 @@
 
 namespace flashattn {
 
+struct PlansRun;  // plan.hpp
+
 // The exponential of the forward's softmax (docs/algorithm.md §5). `exact`: a degree-6 polynomial,
 // within 2 float ulps. `poly3`: Cody–Waite reduction and a cubic, relative error 7.5e-5
 // (below half a bf16 ulp). `mixed`: the first exp2_poly3_fraction of each tile row's
@@ -128,6 +130,10 @@ struct AttentionOptions {
   // Instrumentation: when set, the call adds what its kernels read, wrote and computed
   // to *counters (see counters.hpp). Off (null) by default.
   KernelCounters* counters = nullptr;
+  // When set, *plans_run receives the plans the call ran (plan.hpp: PlansRun): its contents
+  // are replaced once the call's checks have passed (a rejected call leaves it as it was).
+  // The CPU backend's plans; a CUDA call with it set is an Error.
+  PlansRun* plans_run = nullptr;
   // For measurement only (flashattn tour): turn one technique of the CPU forward kernels
   // off to time what it is worth (packing and prefetch: the tiled kernels); the result does
   // not change beyond float32 rounding.

@@ -5,7 +5,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <string>
+#include <vector>
 
 #include "flashattn/problem.hpp"
 
@@ -52,6 +54,15 @@ struct CpuForwardPlan {
 CpuForwardPlan plan_forward(const AttentionProblem& problem, const CpuHardware& hardware,
                             const AttentionOptions& options);
 
+// The plans of problems that one call runs together (the sequences of a KV cache), under
+// the call's options: each one's plan, except that when more than one takes a decode kernel
+// and all do — they then share one parallel region — and num_splits is the planner's, keys
+// split only as far as the sequences leave threads idle: ⌈2·threads / sequences⌉ shares.
+std::vector<CpuForwardPlan> plan_forward_together(std::span<const AttentionProblem> problems,
+                                                  const CpuHardware& hardware, const AttentionOptions& options);
+// Whether plans of plan_forward_together share one parallel region.
+bool plans_share_region(std::span<const CpuForwardPlan> plans);
+
 // num_splits, block_q and kernel as AttentionOptions::num_splits, ::block_q and ::kernel
 // (0 and automatic: the planner's choice). A kernel that the problem's dtypes or the
 // hardware rule out is an Error naming it.
@@ -86,5 +97,15 @@ struct CpuBackwardPlan {
 // that the problem's dtype or the hardware rule out is an Error naming it.
 CpuBackwardPlan plan_backward(const AttentionProblem& problem, const CpuHardware& hardware,
                               bool deterministic, BackwardKernel kernel = BackwardKernel::automatic);
+
+// The plans a call ran (AttentionOptions::plans_run), in the order it ran them: forward()
+// and forward_fp8 one forward plan; forward_varlen and forward_with_kvcache one per sequence
+// with query rows, in batch order; backward() one backward plan, backward_varlen one per
+// sequence. A forward problem without query rows runs no plan, nor does a batch of 0. The
+// CLI's measurements print these, not a plan of their own.
+struct PlansRun {
+  std::vector<CpuForwardPlan> forward;
+  std::vector<CpuBackwardPlan> backward;
+};
 
 }  // namespace flashattn

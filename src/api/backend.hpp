@@ -58,7 +58,9 @@ struct Backend {
   void (*backward_varlen)(std::span<const BackwardJob>);
   // forward_with_kvcache: the sequences of a KV cache after the append, all together.
   void (*forward_with_kvcache)(std::span<const ForwardJob>);
-  // forward_fp8: checks its plan and runs (nothing written before the plan is checked).
+  // forward_fp8 on a job that passed check_forward_fp8 (the plan's checks, before any
+  // operand is decoded).
+  void (*check_forward_fp8)(const Fp8ForwardJob&);
   void (*forward_fp8)(const Fp8ForwardJob&);
 };
 

@@ -17,7 +17,10 @@ void forward_fp8(const Fp8View& q, const Fp8View& k, const Fp8View& v, const Mut
       "forward_fp8", &detail::Backend::forward_fp8,
       {{"q.codes", q.codes}, {"q.descale", q.descale}, {"k.codes", k.codes}, {"k.descale", k.descale},
        {"v.codes", v.codes}, {"v.descale", v.descale}, {"out", out}, {"lse", lse}});
-  backend.forward_fp8({detail::check_forward_fp8_call(q, k, v, out, lse, options), q, k, v, out, lse, options});
+  const detail::Fp8ForwardJob job{detail::check_forward_fp8_call(q, k, v, out, lse, options), q, k, v, out, lse, options};
+  backend.check_forward_fp8(job);
+  detail::begin_run(options);
+  backend.forward_fp8(job);
 }
 
 ForwardResult forward_fp8(const Fp8View& q, const Fp8View& k, const Fp8View& v, DType out_dtype,

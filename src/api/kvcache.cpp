@@ -506,6 +506,7 @@ void forward_with_kvcache(const TensorView& q, const KvCache& c, const MutableTe
   // Every sequence is checked — options, output views, the kernel — before the append
   // writes the cache, so a rejected call leaves the cache as it was.
   for (const detail::ForwardJob& job : sequence_jobs(call, q, c, out, lse, options)) backend.check_forward(job);
+  detail::begin_run(options);
   append(c, call);
   const Tensor q_rot = call.rotary_dim > 0 ? rotated_queries(q, c, call) : Tensor();
   // The sequences attend together after the append (the backend shares one parallel region

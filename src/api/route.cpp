@@ -3,6 +3,7 @@
 #include <string>
 
 #include "flashattn/error.hpp"
+#include "flashattn/plan.hpp"
 
 namespace flashattn::detail {
 
@@ -16,6 +17,10 @@ Device common_device(std::initializer_list<NamedView> views) {
                   " is on " + to_string(first->view.device) + " (all tensors of a call must be on one device)");
   }
   return first != nullptr ? first->view.device : Device::cpu;
+}
+
+void begin_run(const AttentionOptions& options) {
+  if (options.plans_run != nullptr) *options.plans_run = PlansRun{};
 }
 
 void lacking(const char* entry_point, const Backend& backend) {

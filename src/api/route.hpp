@@ -3,6 +3,7 @@
 
 #include <initializer_list>
 
+#include "flashattn/options.hpp"
 #include "flashattn/tensor.hpp"
 #include "src/api/backend.hpp"
 #include "src/core/validate.hpp"
@@ -15,6 +16,10 @@ Device common_device(std::initializer_list<NamedView> views);
 
 // The backend of the views' device. Throws Error naming `entry_point` and the backend when
 // the backend lacks it (its `entry` is null): before any argument is read.
+// The call's checks, its backend's included, have passed and it is about to run: the plans
+// it runs replace what options.plans_run held (flashattn/plan.hpp: PlansRun).
+void begin_run(const AttentionOptions& options);
+
 [[noreturn]] void lacking(const char* entry_point, const Backend& backend);
 template <class Fn>
 const Backend& route(const char* entry_point, Fn Backend::*entry, std::initializer_list<NamedView> views) {

@@ -1,6 +1,7 @@
 #include "src/api/run.hpp"
 
 #include "src/api/checks.hpp"
+#include "src/api/route.hpp"
 
 namespace flashattn::detail {
 namespace {
@@ -21,6 +22,7 @@ void run_forward(const Backend& backend, const TensorView& q, const TensorView& 
   const ForwardJob job{check_forward_call(host(q), host(k), host(v), host(out), host(lse), host(options), 0),
                        q, k, v, out, lse, options, {}};
   backend.check_forward(job);
+  begin_run(options);
   backend.forward(job);
 }
 
@@ -31,6 +33,7 @@ void run_backward(const Backend& backend, const TensorView& dout, const TensorVi
                                             host(dk), host(dv), host(options), 0),
                         dout, q, k, v, out, lse, dq, dk, dv, options};
   backend.check_backward(job);
+  begin_run(options);
   backend.backward(job);
 }
 

@@ -107,6 +107,7 @@ void forward_varlen(const TensorView& q, const TensorView& k, const TensorView& 
     backend.check_forward(job);
     jobs.push_back(job);
   }
+  detail::begin_run(options);
   backend.forward_varlen(jobs);
 }
 
@@ -163,6 +164,7 @@ void backward_varlen(const TensorView& dout, const TensorView& q, const TensorVi
     backend.check_backward(job);
     jobs.push_back(job);
   }
+  detail::begin_run(options);
   backend.backward_varlen(jobs);
 }
 

@@ -20,14 +20,19 @@ void backward_each(std::span<const detail::BackwardJob> jobs) {
   for (const detail::BackwardJob& job : jobs) cpu::run_backward(job);
 }
 
+// The plan's checks read the problem and options alone.
+void check_forward_fp8(const detail::Fp8ForwardJob& fp8) {
+  cpu::check_forward({fp8.problem, {}, {}, {}, fp8.out, fp8.lse, fp8.options, {}});
+}
+
 // The CPU computes in float32 from the FP8 values (FP8 numerics, not FP8 speed): decoded
 // once per call, 4 bytes per element of q, k and v for its duration.
+
 void forward_fp8(const detail::Fp8ForwardJob& fp8) {
   const Tensor qf = detail::dequantize_fp8("q", fp8.q);
   const Tensor kf = detail::dequantize_fp8("k", fp8.k);
   const Tensor vf = detail::dequantize_fp8("v", fp8.v);
   const detail::ForwardJob job{fp8.problem, qf.view(), kf.view(), vf.view(), fp8.out, fp8.lse, fp8.options, {}};
-  cpu::check_forward(job);
   forward_one(job);
 }
 
@@ -43,6 +48,7 @@ const detail::Backend& detail::cpu_backend() {
       .forward_varlen = forward_each,
       .backward_varlen = backward_each,
       .forward_with_kvcache = cpu::run_forward_jobs,
+      .check_forward_fp8 = check_forward_fp8,
       .forward_fp8 = forward_fp8,
   };
   return backend;

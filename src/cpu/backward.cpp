@@ -138,6 +138,7 @@ void cpu::run_backward(const detail::BackwardJob& job) {
     sum.tiles_skipped = heads * plan.q_blocks * plan.k_blocks - sum.tiles_computed;
     *options.counters += sum;
   }
+  if (options.plans_run != nullptr) options.plans_run->backward.push_back(plan);
 }
 
 }  // namespace flashattn

@@ -141,20 +141,13 @@ void cpu::run_forward_jobs(std::span<const detail::ForwardJob> jobs) {
   if (live.empty()) return;  // no rows: no rescale counts either
   const AttentionOptions& options = live.front().options;  // the call's: threads, splits, counters
   const CpuHardware hw = CpuHardware::detect(options.num_threads);
+  std::vector<AttentionProblem> problems;
+  for (const detail::ForwardJob& job : live) problems.push_back(job.problem);
+  const std::vector<CpuForwardPlan> plans = plan_forward_together(problems, hw, options);
+  const bool shared = plans_share_region(plans);
   std::vector<PlannedJob> planned(live.size());
-  for (std::size_t j = 0; j < live.size(); ++j)
-    planned[j].plan = plan_forward(live[j].problem, hw, live[j].options);
-  const bool shared = live.size() > 1 && std::all_of(planned.begin(), planned.end(), [](const PlannedJob& j) {
-                        return is_decode(j.plan.kernel);
-                      });
-  // Split keys only as far as the sequences leave threads idle.
-  if (shared && options.num_splits == 0 && options.switches.q_tile_parallelism) {
-    const auto sequences = static_cast<std::int64_t>(live.size());
-    const auto splits = static_cast<int>((2 * hw.threads + sequences - 1) / sequences);
-    for (std::size_t j = 0; j < live.size(); ++j)
-      planned[j].plan = plan_forward(live[j].problem, hw, splits, live[j].options.block_q, live[j].options.kernel);
-  }
   for (std::size_t j = 0; j < live.size(); ++j) {
+    planned[j].plan = plans[j];
     const detail::ForwardJob& job = live[j];
     const AttentionProblem& p = job.problem;
     PlannedJob& pj = planned[j];
@@ -237,6 +230,7 @@ void cpu::run_forward_jobs(std::span<const detail::ForwardJob> jobs) {
   } else {
     for (std::size_t j = 0; j < live.size(); ++j) run(j, j + 1);
   }
+  if (options.plans_run != nullptr) options.plans_run->forward.insert(options.plans_run->forward.end(), plans.begin(), plans.end());
 }
 
 void cpu::check_forward(const detail::ForwardJob& job) {

@@ -115,6 +115,27 @@ CpuForwardPlan plan_forward(const AttentionProblem& p, const CpuHardware& hw, co
   return plan_forward(p, hw, 1, std::max<std::int64_t>(p.seqlen_q, 1), options.kernel);
 }
 
+std::vector<CpuForwardPlan> plan_forward_together(std::span<const AttentionProblem> problems, const CpuHardware& hw,
+                                                  const AttentionOptions& options) {
+  AttentionOptions call = options;
+  const bool shared = problems.size() > 1 && std::all_of(problems.begin(), problems.end(), [&](const AttentionProblem& p) {
+                        return is_decode(choose_kernel(p, hw, options.kernel));
+                      });
+  if (shared && options.num_splits == 0 && options.switches.q_tile_parallelism) {
+    const auto sequences = static_cast<std::int64_t>(problems.size());
+    call.num_splits = static_cast<int>((2 * hw.threads + sequences - 1) / sequences);
+  }
+  std::vector<CpuForwardPlan> plans;
+  plans.reserve(problems.size());
+  for (const AttentionProblem& p : problems) plans.push_back(plan_forward(p, hw, call));
+  return plans;
+}
+
+bool plans_share_region(std::span<const CpuForwardPlan> plans) {
+  return plans.size() > 1 &&
+         std::all_of(plans.begin(), plans.end(), [](const CpuForwardPlan& plan) { return is_decode(plan.kernel); });
+}
+
 CpuForwardPlan plan_forward(const AttentionProblem& p, const CpuHardware& hw, int num_splits,
                             std::int64_t block_q, ForwardKernel kernel) {
   CpuForwardPlan plan;

@@ -49,6 +49,7 @@ void check_supported(const AttentionProblem& p, const AttentionOptions& options)
   if (options.counters != nullptr) throw Error("counters: not supported on cuda");
   if (options.rescale_counts.data != nullptr || options.rescale_counts.rank != 0)
     throw Error("rescale_counts: not supported on cuda");
+  if (options.plans_run != nullptr) throw Error("plans_run: not supported on cuda (it reports the CPU's plans)");
   if (p.heads_q > kMaxGridDim || p.batch > kMaxGridDim)
     throw Error("heads_q " + str(p.heads_q) + " / batch " + str(p.batch) + ": at most " + str(kMaxGridDim) +
                 " each on cuda");
@@ -134,6 +135,7 @@ const Backend& cuda_backend() {
       .forward_varlen = nullptr,
       .backward_varlen = nullptr,
       .forward_with_kvcache = nullptr,
+      .check_forward_fp8 = nullptr,
       .forward_fp8 = nullptr,
   };
   return backend;

@@ -50,17 +50,21 @@ std::vector<TileRow> tile_rows(const cost::Architecture& arch, DType dtype, std:
 CountedRun counted_run(const AttentionProblem& p, const AttentionOptions& options, int repeats, bool with_backward) {
   const Inputs in = random_inputs(p, 1);
   CountedRun r;
-  const CpuHardware hw = CpuHardware::detect(options.num_threads);
-  r.forward_plan = plan_forward(p, hw, options);
-  r.backward_plan = plan_backward(p, hw, options.deterministic, options.backward_kernel);
+  PlansRun plans;  // the plans the counted calls ran
   AttentionOptions counted = options;
   counted.counters = &r.forward;
+  counted.plans_run = &plans;
   ForwardResult f = forward(in.q.view(), in.k.view(), in.v.view(), counted);
+  r.forward_plan = plans.forward.at(0);
   r.forward_seconds = measure_forward(Impl::flashattn, p, options, in, repeats).seconds;
   if (with_backward) {
     counted.counters = &r.backward;
     backward(in.dout.view(), in.q.view(), in.k.view(), in.v.view(), f.out.view(), f.lse.view(), counted);
+    r.backward_plan = plans.backward.at(0);
     r.backward_seconds = measure_backward(Impl::flashattn, p, options, in, repeats).seconds;
+  } else {  // not run: the plan a backward of these options would run
+    r.backward_plan = plan_backward(p, CpuHardware::detect(options.num_threads), options.deterministic,
+                                    options.backward_kernel);
   }
   return r;
 }

@@ -40,7 +40,8 @@ std::vector<TileRow> tile_rows(const cost::Architecture& arch, DType dtype, std:
                                std::int64_t head_dim_v);
 
 // One CPU forward and backward on random inputs with counters on, timed (median of
-// `repeats`), with the plans the kernels executed.
+// `repeats`), with the plans those calls ran (AttentionOptions::plans_run; without the
+// backward, the plan a backward would run).
 struct CountedRun {
   CpuForwardPlan forward_plan;
   CpuBackwardPlan backward_plan;

@@ -62,11 +62,11 @@ DecodeMeasurement measure_decode(const DecodeCase& c, int repeats) {
   options.kernel = c.kernel;
   ForwardResult r;
   DecodeMeasurement m;
-  AttentionProblem planned = logical;  // as forward_with_kvcache plans it: the cache's dtype
-  planned.kv_dtype = cache_dtype;
-  m.kernel = to_string(plan_forward(planned, CpuHardware::detect(c.threads), options.num_splits, 0, options.kernel).kernel);
+  PlansRun plans;  // one per sequence, all of one kernel: the sequences are alike
+  options.plans_run = &plans;
   m.seconds = median_seconds([&] { r = forward_with_kvcache(in.q.view(), cache, options); }, repeats, 1,
                              paged ? "decode (paged)" : "decode");
+  m.kernel = to_string(plans.forward.at(0).kernel);
   let_worker_threads_sleep();
   const std::int64_t row = c.heads_kv * c.dim;
   m.cache_bytes = static_cast<std::size_t>(2 * c.batch * cap * row) * dtype_size(cache_dtype);

@@ -99,10 +99,13 @@ Measurement measure_forward(Impl impl, const AttentionProblem& p, const Attentio
   Tensor lse(DType::f32, {p.batch, p.heads_q, p.seqlen_q});
   const std::string label = std::string(impl_name(impl)) + " " + to_string(p.dtype) +
                             (p.causal ? " causal" : "");
+  PlansRun plans;  // what the timed calls ran, reported below
+  AttentionOptions reporting = options;
+  reporting.plans_run = &plans;
   m.seconds = median_seconds(
       [&] {
         if (impl == Impl::flashattn) {
-          forward(in.q.view(), in.k.view(), in.v.view(), m.out.view(), lse.view(), options);
+          forward(in.q.view(), in.k.view(), in.v.view(), m.out.view(), lse.view(), reporting);
         } else {
           m.peak_bytes = baseline::standard_attention(in.q.view(), in.k.view(), in.v.view(),
                                                       m.out.view(), lse.view(), options);
@@ -110,9 +113,8 @@ Measurement measure_forward(Impl impl, const AttentionProblem& p, const Attentio
       },
       repeats, 1, label);
   let_worker_threads_sleep();
-  if (impl == Impl::flashattn) {
-    const CpuForwardPlan plan =
-        plan_forward(p, CpuHardware::detect(options.num_threads), options);
+  if (!plans.forward.empty()) {
+    const CpuForwardPlan& plan = plans.forward.front();
     m.peak_bytes = plan.workspace_bytes();
     m.kernel = to_string(plan.kernel);
     m.plan = plan.describe();
@@ -128,11 +130,14 @@ Measurement measure_backward(Impl impl, const AttentionProblem& p, const Attenti
   Tensor dq(p.dtype, in.q.shape()), dk(p.dtype, in.k.shape()), dv(p.dtype, in.v.shape());
   const std::string label = std::string(impl_name(impl)) + " backward " + to_string(p.dtype) +
                             (p.causal ? " causal" : "") + (m.deterministic ? " deterministic" : "");
+  PlansRun plans;  // what the timed calls ran, reported below
+  AttentionOptions reporting = options;
+  reporting.plans_run = &plans;
   m.seconds = median_seconds(
       [&] {
         if (impl == Impl::flashattn) {
           backward(in.dout.view(), in.q.view(), in.k.view(), in.v.view(), fwd.out.view(),
-                   fwd.lse.view(), dq.view(), dk.view(), dv.view(), options);
+                   fwd.lse.view(), dq.view(), dk.view(), dv.view(), reporting);
         } else {
           m.peak_bytes = baseline::standard_attention_backward(in.dout.view(), in.q.view(),
                                                                in.k.view(), in.v.view(), dq.view(),
@@ -141,9 +146,8 @@ Measurement measure_backward(Impl impl, const AttentionProblem& p, const Attenti
       },
       repeats, 1, label);
   let_worker_threads_sleep();
-  if (impl == Impl::flashattn) {
-    const CpuBackwardPlan plan =
-        plan_backward(p, CpuHardware::detect(options.num_threads), options.deterministic, options.backward_kernel);
+  if (!plans.backward.empty()) {
+    const CpuBackwardPlan& plan = plans.backward.front();
     m.peak_bytes = plan.workspace_bytes();
     m.kernel = to_string(plan.kernel);
   }
