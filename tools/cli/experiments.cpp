@@ -13,13 +13,6 @@ namespace flashattn::cli {
 
 namespace {
 
-Tensor normal_tensor(std::vector<std::int64_t> shape, std::mt19937_64& rng) {
-  Tensor t(DType::f32, std::move(shape));
-  std::normal_distribution<float> normal;
-  for (std::int64_t e = 0; e < t.numel(); ++e) t.set(e, normal(rng));
-  return t;
-}
-
 // Classic against conditional rescaling on the same inputs: the kernel's counts and the
 // largest output difference.
 RescaleCase rescale_case(const Qkv& in, const AttentionProblem& p, int threads) {
@@ -59,10 +52,9 @@ double rmse(const Tensor& out, const std::vector<double>& want) {
 }  // namespace
 
 Qkv random_qkv(const AttentionProblem& p, std::mt19937_64& rng) {
-  Tensor q = normal_tensor({p.batch, p.seqlen_q, p.heads_q, p.head_dim}, rng);
-  Tensor k = normal_tensor({p.batch, p.seqlen_k, p.heads_kv, p.head_dim}, rng);
-  Tensor v = normal_tensor({p.batch, p.seqlen_k, p.heads_kv, p.head_dim_v}, rng);
-  return {std::move(q), std::move(k), std::move(v)};
+  AttentionProblem f32 = p;
+  f32.dtype = DType::f32;
+  return support::random_inputs(f32, rng());
 }
 
 RescaleCounts rescale_counts(const AttentionProblem& p, std::mt19937_64& rng, int threads) {

@@ -8,13 +8,13 @@
 #include <string>
 
 #include "flashattn/flashattn.hpp"
+#include "tools/support/random_inputs.hpp"
 
 namespace flashattn::cli {
 
-// Float32 q, k, v of the problem's shapes, entries N(0, 1).
-struct Qkv {
-  Tensor q, k, v;
-};
+// Float32 q, k, v of the problem's shapes, entries N(0, 1) (tools/support/random_inputs.hpp),
+// seeded from the next value of `rng`.
+using Qkv = support::Qkv;
 Qkv random_qkv(const AttentionProblem& problem, std::mt19937_64& rng);
 
 // Rescales of the online-softmax state counted by the kernel (AttentionOptions::

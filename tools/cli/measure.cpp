@@ -8,33 +8,20 @@
 #include <cstdio>
 #include <cstring>
 #include <iostream>
-#include <random>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "tools/baseline/standard_attention.hpp"
+#include "tools/support/random_inputs.hpp"
 
 namespace flashattn::cli {
 
 Inputs random_inputs(const AttentionProblem& p, std::uint64_t seed) {
-  Inputs in{Tensor(p.dtype, {p.batch, p.seqlen_q, p.heads_q, p.head_dim}),
-            Tensor(p.dtype, {p.batch, p.seqlen_k, p.heads_kv, p.head_dim}),
-            Tensor(p.dtype, {p.batch, p.seqlen_k, p.heads_kv, p.head_dim_v}),
-            Tensor(p.dtype, {p.batch, p.seqlen_q, p.heads_q, p.head_dim_v})};
-  std::uint64_t stream = 0;
-  for (Tensor* t : {&in.q, &in.k, &in.v, &in.dout}) {
-    const std::int64_t n = t->numel();
-    const std::uint64_t s = seed * 3 + stream++;
-#pragma omp parallel
-    {
-      // One generator per thread and chunk: deterministic for a given thread count.
-      const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-      std::mt19937_64 rng(s * 1000003 + static_cast<std::uint64_t>(tid));
-      std::normal_distribution<float> normal;
-      for (std::int64_t i = n * tid / nt; i < n * (tid + 1) / nt; ++i) t->set(i, normal(rng));
-    }
-  }
-  return in;
+  // Seeds 4·seed … 4·seed + 3: the inputs of consecutive seeds never share a stream.
+  support::Qkv qkv = support::random_inputs(p, 4 * seed);
+  return {std::move(qkv.q), std::move(qkv.k), std::move(qkv.v),
+          support::random_tensor(p.dtype, {p.batch, p.seqlen_q, p.heads_q, p.head_dim_v}, 4 * seed + 3)};
 }
 
 double median_seconds(const std::function<void()>& fn, int repeats, int warmup,
