@@ -9,7 +9,7 @@
 #include "flashattn/attention.hpp"
 #include "flashattn/error.hpp"
 #include "src/core/validate.hpp"
-#include "src/cpu/backward_kernel.hpp"
+#include "src/cpu/kernels/backward_kernel.hpp"
 #include "src/cpu/allocate.hpp"
 #include "src/cpu/drivers.hpp"
 #include "src/cuda/backend.hpp"

@@ -1,0 +1,77 @@
+// Internal interface between the CPU forward driver (forward.cpp: validation, plan,
+// threads) and the per-SIMD-target kernels: tiled (tiled_forward.cpp) and decode
+// (decode_forward.cpp).
+#pragma once
+
+#include <cstdint>
+
+#include "flashattn/options.hpp"
+#include "flashattn/plan.hpp"
+#include "flashattn/problem.hpp"
+#include "flashattn/tensor.hpp"
+#include "src/cpu/kernels/workspace.hpp"
+
+namespace flashattn::cpu {
+
+// A paged K/V source: key j of the (single) sequence is row j % page_size of page
+// block_table[(j / page_size) · table_stride] of the k and v views (the page pools).
+// FP8 e4m3 pools (k and v of dtype u8) carry descales: row j's value is its codes times
+// descale[page · descale_page_stride + kv_head · descale_head_stride] (page = the batch
+// row when there is no table).
+struct PagedKv {
+  const std::int32_t* block_table = nullptr;  // null: k and v are ordinary views
+  std::int64_t table_stride = 0;
+  std::int64_t page_size = 0;
+  const float* k_descale = nullptr;  // null: not FP8
+  const float* v_descale = nullptr;
+  std::int64_t descale_page_stride = 0, descale_head_stride = 0;
+};
+
+constexpr std::int64_t kCacheLineBytes = 64;  // x86: one prefetch per line
+
+// Rows of the caller's tensors that the tiled kernel fetches ahead of the one it converts:
+// K and V rows while packing, Q rows into the Q tile, output rows it stores. Consecutive
+// rows of one head lie heads·D elements apart — 8 KiB at 16 heads × D 128 in float32 — each
+// on a page of its own, where the hardware prefetchers, which stay within a page, do not
+// follow; each row then waits for DRAM and often for a page walk. A packed row costs a few
+// hundred cycles, a miss about as many, so a few rows ahead hide it (4, 8 and 16 measured
+// alike on the Zen 3 of docs/performance.md; 8 is kept).
+constexpr std::int64_t kRowPrefetchDistance = 8;
+
+// Everything a work item needs; filled once per call by the driver.
+struct ForwardParams {
+  AttentionProblem problem;
+  CpuForwardPlan plan;
+  TensorView q, k, v;
+  MutableTensorView out, lse;
+  TensorView alibi_slopes, block_mask;  // from the options; empty when unused
+  // Split-KV partial results (plan.splits > 1): (splits, batch, seqlen_q, heads_q, Dv)
+  // normalized outputs and (splits, batch, heads_q, seqlen_q) lses, float32, contiguous.
+  float* split_out = nullptr;
+  float* split_lse = nullptr;
+  PagedKv paged;
+  MutableTensorView rescale_counts;  // int32 (batch, heads_q, seqlen_q), zeroed; null when not asked
+  AttentionOptions::KernelSwitches switches;
+};
+
+// Micro-kernel geometry of the SIMD target chosen at run time.
+struct KernelGeometry {
+  const char* target;
+  int float_lanes;
+  int micro_rows;
+  int micro_cols;
+};
+KernelGeometry kernel_geometry();
+
+// The kernel for one work item (batch, q head, q block), resolved once per call; Error for
+// tiled_bf16 where tiled_bf16_available() is false.
+using ForwardWorkItemFn = void (*)(const ForwardParams&, ForwardWorkspace&, std::int64_t item);
+ForwardWorkItemFn forward_work_item_kernel(ForwardKernel kernel);
+// The decode kernel's (decode_fp16's with fp16) work item, resolved once per call
+// (decode_forward.cpp); Error for decode_fp16 where the CPU lacks AVX512-FP16.
+ForwardWorkItemFn decode_work_item_kernel(bool fp16);
+
+// The CPU has AVX512-BF16 and the SIMD target chosen at run time has the tiled_bf16 kernel.
+bool tiled_bf16_available();
+
+}  // namespace flashattn::cpu
