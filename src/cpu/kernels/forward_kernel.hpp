@@ -1,6 +1,14 @@
 // Internal interface between the CPU forward driver (forward.cpp: validation, plan,
-// threads) and the per-SIMD-target kernels: tiled (tiled_forward.cpp) and decode
-// (decode_forward.cpp).
+// threads) and the per-SIMD-target kernels.
+//
+// The kernel families of src/cpu/kernels/, one Highway compilation unit (foreach_target)
+// each: tiled_forward.cpp (tiled, tiled_bf16), decode_forward.cpp (decode, decode_fp16),
+// tiled_backward.cpp (backward_kernel.hpp). Micro-kernels compiled once for their ISA:
+// bf16_dot.* (AVX512-BF16, AMX), fp16_decode.* (AVX512-FP16). Shared per-target steps:
+// tile_ops-inl.h (micro-kernel, row conversion), kv_pack-inl.h (paged K/V reader, packing,
+// prefetch), forward_rows-inl.h (mask, online softmax, output rows), score_mods-inl.h,
+// simd_math-inl.h, fp8-inl.h. workspace.* lays out the forward's per-thread memory; the
+// schedule the kernels walk is the plan's (ForwardSchedule, flashattn/plan.hpp).
 #pragma once
 
 #include <cstdint>
