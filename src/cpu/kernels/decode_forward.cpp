@@ -351,21 +351,26 @@ template <KvFormat F>
 void ScoreBlock(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeShape& sh, std::int64_t n,
                 std::int64_t ahead) {
   const DecodeKeys& keys = ws.decode_keys;
+  const std::int64_t hkv = sh.hkv, rows4 = sh.rows4, d = sh.d, d_span = sh.d_span, bc = sh.bc;
+  const std::int64_t k_head = sh.k_head, v_head = sh.v_head, k_row = sh.k_row, v_row = sh.v_row;
+  const DType dtype = prm.k.dtype;
+  const float* q_panels = ws.q_tile.get();
+  float* s_tile = ws.s_tile.get();
   for (std::int64_t c = 0; c < n; c += 4) {
     const std::int64_t count = std::min<std::int64_t>(4, n - c);
     const std::int64_t fetch_end = std::min(c + count + kDecodePrefetchKeys, ahead);
     const unsigned char* krows[4];
     for (std::int64_t i = 0; i < count; ++i) krows[i] = keys.k[c + i];
-    const float* panel = ws.q_tile.get();
-    float* s = ws.s_tile.get() + c;
-    for (std::int64_t g = 0; g < sh.hkv; ++g) {
+    const float* panel = q_panels;
+    float* s = s_tile + c;
+    for (std::int64_t g = 0; g < hkv; ++g) {
       for (std::int64_t i = c + kDecodePrefetchKeys; i < fetch_end; ++i) {
-        for (std::int64_t off = 0; off < sh.k_row; off += kCacheLineBytes) hwy::Prefetch(keys.k[i] + g * sh.k_head + off);
-        for (std::int64_t off = 0; off < sh.v_row; off += kCacheLineBytes) hwy::Prefetch(keys.v[i] + g * sh.v_head + off);
+        for (std::int64_t off = 0; off < k_row; off += kCacheLineBytes) hwy::Prefetch(keys.k[i] + g * k_head + off);
+        for (std::int64_t off = 0; off < v_row; off += kCacheLineBytes) hwy::Prefetch(keys.v[i] + g * v_head + off);
       }
-      for (std::int64_t r = 0; r < sh.rows4; r += 4, panel += 4 * sh.d_span, s += 4 * sh.bc)
-        ScoreKeys4<F>(panel, krows, count, sh.d, prm.k.dtype, s, sh.bc);
-      for (std::int64_t i = 0; i < count; ++i) krows[i] += sh.k_head;
+      for (std::int64_t r = 0; r < rows4; r += 4, panel += 4 * d_span, s += 4 * bc)
+        ScoreKeys4<F>(panel, krows, count, d, dtype, s, bc);
+      for (std::int64_t i = 0; i < count; ++i) krows[i] += k_head;
     }
   }
 }
@@ -389,12 +394,13 @@ void ScoreBlockFp16(ForwardWorkspace& ws, const DecodeShape& sh, std::int64_t n,
 
 // FP8: Q·(values·descale) = (Q·values read)·(kKvUnit·descale), on kv head g's real rows;
 // q_units (decode_fp16, else null) also undoes each row's Q scaling.
-void DescaleScores(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeShape& sh, std::int64_t g,
+HWY_INLINE void DescaleScores(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeShape& sh, std::int64_t g,
                    std::int64_t n, std::int64_t cols, const float* q_units) {
   constexpr float kUnit = kKvUnit<KvFormat::e4m3>;
   const std::int64_t descale_head = prm.paged.descale_head_stride;
   float* factor = ws.descales.get();
-  for (std::int64_t c = 0; c < cols; ++c) factor[c] = c < n ? kUnit * ws.decode_keys.k_descale[c][g * descale_head] : 0.0f;
+  const DecodeKeys& keys = ws.decode_keys;
+  for (std::int64_t c = 0; c < cols; ++c) factor[c] = c < n ? kUnit * keys.k_descale[c][g * descale_head] : 0.0f;
   for (std::int64_t r = 0; r < sh.rows; ++r) {
     float* srow = ws.s_tile.get() + (g * sh.rows4 + r) * sh.bc;
     const VF unit = hn::Set(DF(), q_units != nullptr ? q_units[g * sh.rows4 + r] : 1.0f);
@@ -404,7 +410,7 @@ void DescaleScores(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeS
 }
 
 // FP8: the block's V descales of kv head g (0 past n) into ws.descales.
-void LoadVDescales(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t g, std::int64_t n, std::int64_t cols) {
+HWY_INLINE void LoadVDescales(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t g, std::int64_t n, std::int64_t cols) {
   const std::int64_t descale_head = prm.paged.descale_head_stride;
   float* factor = ws.descales.get();
   for (std::int64_t c = 0; c < cols; ++c) factor[c] = c < n ? ws.decode_keys.v_descale[c][g * descale_head] : 0.0f;
@@ -418,14 +424,15 @@ HWY_INLINE void MulRow(float* HWY_RESTRICT x, const float* HWY_RESTRICT y, std::
 
 // x[c] *= scale for c < cols (a whole number of vectors).
 HWY_INLINE void ScaleRow(float* HWY_RESTRICT x, float scale, std::int64_t cols) {
-  for (std::int64_t c = 0; c < cols; c += kLanes) hn::Store(hn::Mul(hn::Load(DF(), x + c), hn::Set(DF(), scale)), DF(), x + c);
+  for (std::int64_t c = 0; c < cols; c += kLanes)
+    hn::Store(hn::Mul(hn::Load(DF(), x + c), hn::Set(DF(), scale)), DF(), x + c);
 }
 
 // Mask and online softmax of kv head g's rows over the block's keys j0.. (n, cols with
 // padding); padding rows get no probability mass. `finish(srow)` then turns each real row's
 // P into what the P·V step reads.
 template <class FinishFn>
-void SoftmaxRows(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeShape& sh, std::int64_t g, std::int64_t j0,
+HWY_INLINE void SoftmaxRows(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeShape& sh, std::int64_t g, std::int64_t j0,
                  std::int64_t n, std::int64_t cols, FinishFn finish) {
   const AttentionProblem& p = prm.problem;
   for (std::int64_t r = 0; r < sh.rows4; ++r) {
@@ -447,13 +454,15 @@ void SoftmaxRows(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeSha
 // õ += P·V of the block's n keys, every kv head's rows four at a time.
 template <KvFormat F>
 void AccumulateBlock(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeShape& sh, std::int64_t n) {
+  const std::int64_t hkv = sh.hkv, rows4 = sh.rows4, bc = sh.bc, dv = sh.dv, dv_pad = sh.dv_pad, v_head = sh.v_head;
+  const DType dtype = prm.v.dtype;
   const float* s_tile = ws.s_tile.get();
   float* o_acc = ws.o_acc.get();
-  for (std::int64_t g = 0; g < sh.hkv; ++g)
-    for (std::int64_t r = g * sh.rows4; r < (g + 1) * sh.rows4; r += 4)
-      for (std::int64_t e = 0; e < sh.dv_pad; e += kPair)
-        AccumulatePair4<F>(s_tile + r * sh.bc, sh.bc, ws.decode_keys, g * sh.v_head, n, e, sh.dv, prm.v.dtype,
-                           o_acc + r * sh.dv_pad + e, sh.dv_pad);
+  for (std::int64_t g = 0; g < hkv; ++g)
+    for (std::int64_t r = g * rows4; r < (g + 1) * rows4; r += 4)
+      for (std::int64_t e = 0; e < dv_pad; e += kPair)
+        AccumulatePair4<F>(s_tile + r * bc, bc, ws.decode_keys, g * v_head, n, e, dv, dtype, o_acc + r * dv_pad + e,
+                           dv_pad);
 }
 
 // AccumulateBlock in half precision (decode_fp16), P as PairHalves left it.
@@ -461,7 +470,7 @@ void AccumulateBlockFp16(ForwardWorkspace& ws, const DecodeShape& sh, std::int64
   for (std::int64_t g = 0; g < sh.hkv; ++g)
     for (std::int64_t r = g * sh.rows4; r < (g + 1) * sh.rows4; r += 4)
       fp16dot::AccumulateRows4(reinterpret_cast<const std::uint32_t*>(ws.s_tile.get() + r * sh.bc), sh.bc,
-                               ws.decode_keys.v.data(), g * sh.v_head, n, sh.dv, ws.v_units[static_cast<std::size_t>(g)],
+                               ws.decode_keys.v.data(), g * sh.v_head, n, sh.dv, ws.v_units[g],
                                ws.o_acc.get() + r * sh.dv_pad, sh.dv_pad);
 }
 
@@ -547,7 +556,7 @@ void DecodeFp16Item(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t
       DescaleScores(prm, ws, sh, g, n, cols, ws.q_units.get());
       LoadVDescales(prm, ws, g, n, cols);
       const float v_scale = Fp16VScale(ws.descales.get(), cols);
-      ws.v_units[static_cast<std::size_t>(g)] = kKvUnit<F> / v_scale;
+      ws.v_units[g] = kKvUnit<F> / v_scale;
       ScaleRow(ws.descales.get(), v_scale, cols);
       SoftmaxRows(prm, ws, sh, g, j0, n, cols, [&](float* srow) {
         MulRow(srow, ws.descales.get(), cols);
