@@ -65,7 +65,7 @@ HWY_INLINE std::int64_t Poly3Columns(const AttentionProblem& p, std::int64_t col
 // `deferred` false (a measurement switch): the output is kept normalized at every tile, as
 // FlashAttention-1 did — orow holds õ/ℓ, rescaled by ℓ_old·factor/ℓ_new, and P is divided by
 // ℓ_new — instead of dividing õ by ℓ once at the end.
-inline void SoftmaxRow(const RowMods& mods, float* HWY_RESTRICT srow, std::int64_t i, std::int64_t j0,
+static void SoftmaxRow(const RowMods& mods, float* HWY_RESTRICT srow, std::int64_t i, std::int64_t j0,
                 std::int64_t cols, OnlineSoftmaxState& state, float* HWY_RESTRICT orow,
                 std::int64_t ldo, std::int32_t& rescales, bool deferred) {
   const DF df;
@@ -114,7 +114,7 @@ HWY_INLINE void* OutputRow(const ForwardParams& prm, std::int64_t b, std::int64_
 // The output row of query i of (b, h), or its split's partial, from õ and the state; its
 // rescale count is added to the row's total when counted (splits of one row may run
 // concurrently), and to the thread's counters.
-inline void StoreOutputRow(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t split, std::int64_t b, std::int64_t h,
+static void StoreOutputRow(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t split, std::int64_t b, std::int64_t h,
                     std::int64_t i, const float* orow, const OnlineSoftmaxState& state, std::int32_t rescales) {
   const AttentionProblem& p = prm.problem;
   ws.counters.rescales += rescales;

@@ -73,32 +73,17 @@ HWY_INLINE void ScoreTile(const StripKeys* HWY_RESTRICT keys, std::int64_t strip
       if (keys[s].begin <= j && j < keys[s].end) micro(s, j);
 }
 
-// The mask step: variants and mask of every row over its strip's span (MaskRow); rows of
-// an empty span are left alone.
-void MaskTile(const RowMods& mods, float* HWY_RESTRICT s, std::int64_t lds, std::int64_t i0, std::int64_t rows,
-              std::int64_t j0, std::int64_t n, const StripKeys* HWY_RESTRICT keys) {
-  const AttentionProblem& p = *mods.problem;
+// row(r, i, j, n_r, cols): each row r of the tile over its strip's span — query i, keys j..
+// of which n_r are real, cols with padding, at column j − j0 of the row; rows of an empty
+// span are left alone. The tile's rows are consecutive queries of one head; padded rows
+// copy the last query.
+template <class RowFn>
+HWY_INLINE void ForEachSpanRow(const AttentionProblem& p, std::int64_t i0, std::int64_t rows, std::int64_t j0,
+                               std::int64_t n, const StripKeys* HWY_RESTRICT keys, RowFn row) {
   for (std::int64_t r = 0; r < rows; ++r) {
     const StripKeys k = keys[r / kMicroRows];
     if (k.begin == k.end) continue;
-    MaskRow(mods, s + r * lds + k.begin, std::min(i0 + r, p.seqlen_q - 1), j0 + k.begin, std::min(n, k.end) - k.begin,
-            k.end - k.begin);
-  }
-}
-
-// The online-softmax update of every row over its strip's span (SoftmaxRow); rows of an
-// empty span are left alone. The tile's rows are consecutive queries of one head; padded
-// rows copy the last query.
-void SoftmaxTile(const RowMods& mods, float* HWY_RESTRICT s, std::int64_t lds, std::int64_t i0,
-                 std::int64_t rows, std::int64_t j0, const StripKeys* HWY_RESTRICT keys,
-                 OnlineSoftmaxState* HWY_RESTRICT state, float* HWY_RESTRICT o_acc, std::int64_t ldo,
-                 std::int32_t* rescales, bool deferred) {
-  const AttentionProblem& p = *mods.problem;
-  for (std::int64_t r = 0; r < rows; ++r) {
-    const StripKeys k = keys[r / kMicroRows];
-    if (k.begin == k.end) continue;
-    SoftmaxRow(mods, s + r * lds + k.begin, std::min(i0 + r, p.seqlen_q - 1), j0 + k.begin, k.end - k.begin, state[r],
-               o_acc + r * ldo, ldo, rescales[r], deferred);
+    row(r, std::min(i0 + r, p.seqlen_q - 1), j0 + k.begin, std::min(n, k.end) - k.begin, k.end - k.begin);
   }
 }
 
@@ -289,9 +274,11 @@ void TiledItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item
   ws.counters.q_read += rows * d;
 
   ResetRows(ws, rows_pad, dv_pad);  // õ (rows_pad, dv_pad), softmax state and rescales
+  float* s_tile = ws.s_tile.get();  // (rows_pad, bc)
   float* o_acc = ws.o_acc.get();
   OnlineSoftmaxState* state = ws.states.data();
   std::int32_t* rescales = ws.rescales.data();
+  const bool deferred = prm.switches.deferred_normalization;
 
   for (std::int64_t j0 = w.first_block; j0 < key_end; j0 += bc) {
     const std::int64_t n = std::min(bc, key_end - j0);
@@ -302,9 +289,13 @@ void TiledItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item
     StripKeys* keys = ws.strip_keys.data();  // (strips)
     FindStripKeys(p, i0, strips, j0, n, keys);
     Products::Scores(prm, ws, j0, keys, strips, n_pad);
-    MaskTile(mods, ws.s_tile.get(), bc, i0, rows_pad, j0, n, keys);
-    SoftmaxTile(mods, ws.s_tile.get(), bc, i0, rows_pad, j0, keys, state, o_acc, dv_pad, rescales,
-                prm.switches.deferred_normalization);
+    // Row by row, while the row is in L1: the mask step, then the online-softmax update.
+    ForEachSpanRow(p, i0, rows_pad, j0, n, keys, [&](std::int64_t r, std::int64_t i, std::int64_t j, std::int64_t n_r,
+                                                     std::int64_t cols) {
+      float* srow = s_tile + r * bc + (j - j0);
+      MaskRow(mods, srow, i, j, n_r, cols);
+      SoftmaxRow(mods, srow, i, j, cols, state[r], o_acc + r * dv_pad, dv_pad, rescales[r], deferred);
+    });
     Products::Accumulate(prm, ws, j0, keys, strips);
   }
 

@@ -58,12 +58,12 @@ std::size_t forward_workspace_bytes(const CpuForwardPlan& plan, const AttentionP
 ForwardWorkspace::ForwardWorkspace(const CpuForwardPlan& plan, const AttentionProblem& p) {
   const ForwardLayout l(plan, p);
   q_tile = allocate_floats(l.q_tile);
-  k_row = allocate_floats(l.k_row);
-  v_row = allocate_floats(l.v_row);
   s_tile = allocate_floats(l.s_tile);
   o_acc = allocate_floats(l.o_acc);
   k_packed = allocate_floats(l.k_packed);
   v_packed = allocate_floats(l.v_packed);
+  k_row = allocate_floats(l.k_row);
+  v_row = allocate_floats(l.v_row);
   q_rows = allocate_floats(l.q_rows);
   q_units = allocate_floats(l.q_units);
   v_units = allocate_floats(l.v_units);
