@@ -97,7 +97,7 @@ void LoadRowStats(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t
 
 // The backward's five products on float32 FMAs (the forward's micro-kernel), K and V
 // widened at packing, Q pre-scaled by scale·log2e as it is loaded.
-struct Fp32Products {
+struct Fp32BackwardProducts {
   static constexpr std::int64_t kRowMultiple = kMicroRows;  // a Q tile's rows, padded
 
   // dK and dV of a K/V tile accumulate as rows of keys: (block_k, D_pad), (block_k, Dv_pad).
@@ -240,7 +240,7 @@ void ComputePAndDS(BackwardWorkspace& ws, const RowMods& mods, std::int64_t bc, 
 // dP, keys for dQ, query rows for dV and dK, which are computed transposed (dVᵀ = dOᵀ·P,
 // dKᵀ = Qᵀ·dS) so that their A operands, Qᵀ and dOᵀ, are row-major as tiles need them and
 // P and dS, paired two rows at a time, are their B panels.
-struct Bf16Products {
+struct Bf16BackwardProducts {
   static_assert(kMicroRows == bf16dot::kRows && kMicroCols == bf16dot::kCols, "one micro-tile for both kernels");
   static constexpr std::int64_t kStep = bf16dot::kPairStep;
 
@@ -374,7 +374,7 @@ void WaitForTicket(const std::atomic<std::int64_t>& ticket, std::int64_t kb) {
 // Item = (b, kv head, k block). Owns dK and dV of its K/V tile, so they need no
 // synchronization; streams the Q tiles of every q head sharing the kv head and adds its
 // dQ shares — under a striped lock in any order, or in K/V-block order (deterministic).
-// Products (Fp32Products, Bf16Products) computes the five matrix products.
+// Products (Fp32BackwardProducts, Bf16BackwardProducts) computes the five matrix products.
 template <class Products>
 void KvItem(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t item) {
   const AttentionProblem& p = prm.problem;
@@ -439,14 +439,14 @@ void KvItem(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t item)
 }
 
 void BackwardKvItem(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t item) {
-  KvItem<Fp32Products>(prm, ws, item);
+  KvItem<Fp32BackwardProducts>(prm, ws, item);
 }
 
 // The tiled_bf16 item where this target has one (AVX-512, whose micro-tile the bf16
 // micro-kernel shares), else null.
 BackwardKvItemFn TiledBf16KvItem() {
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
-  return &KvItem<Bf16Products>;
+  return &KvItem<Bf16BackwardProducts>;
 #else
   return nullptr;
 #endif
