@@ -1,7 +1,8 @@
 // K/V packing shared by the tiled forward and the tiled backward, compiled per Highway
 // target: the paged-KV reader (KvRows), row prefetch, and PackKeys, which lays out one
 // (batch, kv head)'s keys whole tiles at a time and keeps what a thread has packed.
-// Include inside the per-target section, after tile_ops-inl.h.
+// The decode forward resolves its key rows through KvRows as well.
+// Include inside the per-target section.
 #if defined(FLASHATTN_CPU_KV_PACK_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef FLASHATTN_CPU_KV_PACK_INL_H_
 #undef FLASHATTN_CPU_KV_PACK_INL_H_
