@@ -1,4 +1,4 @@
-// The bf16 micro-kernel (src/cpu/bf16_dot.hpp) against float64 products of the same bf16
+// The bf16 micro-kernel (src/cpu/kernels/bf16_dot.hpp) against float64 products of the same bf16
 // values, on AMX tiles and on VDPBF16PS (AMX switched off) where the CPU has them: every
 // entry point, depths that are and are not whole AMX chunks, strided operands; and the
 // exact layout helpers (pairing rows, transposing words, rounding).
@@ -12,7 +12,7 @@
 #include <hwy/aligned_allocator.h>
 
 #include "src/core/element.hpp"
-#include "src/cpu/bf16_dot.hpp"
+#include "src/cpu/kernels/bf16_dot.hpp"
 #include "tests/support/support.hpp"
 
 namespace flashattn::test {

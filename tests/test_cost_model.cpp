@@ -3,8 +3,11 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <string>
+#include <vector>
 
 #include "flashattn/cost_model.hpp"
+#include "flashattn/plan.hpp"
 #include "tests/support/support.hpp"
 
 namespace flashattn::test {
@@ -618,6 +621,60 @@ TEST(CostModel, PredictionIsConsistent) {
   EXPECT_FALSE(r.assumptions.empty());
   // The backward is 2.5× the work and bound by shared memory on B200.
   EXPECT_EQ(cost::predict_backward(p, cost::gpu_architecture("b200"), Tiling{128, 128}, {}).bound, "smem");
+}
+
+// The forward's schedule, which the kernels walk and the cost model counts: its items cover
+// every query row of every (batch, head) once, and the splits of a Q tile cut the keys its
+// rows see into consecutive shares of whole tiles, in order, without overlap or gap.
+TEST(CostModel, ForwardScheduleCoversEveryRowAndKeyOnce) {
+  struct Shape {
+    std::int64_t batch, seqlen_q, seqlen_k, heads_q, heads_kv;
+    bool causal;
+    std::int64_t left, right;
+  };
+  const Shape shapes[] = {{2, 77, 301, 4, 2, false, -1, -1}, {1, 130, 130, 3, 1, true, -1, -1},
+                          {1, 5, 1000, 2, 2, false, 100, 0}, {3, 1, 257, 8, 2, false, -1, -1},
+                          {1, 64, 700, 1, 1, true, 37, -1}};
+  for (const Shape& sh : shapes)
+    for (const bool decode : {false, true})
+      for (const std::int64_t splits : {1, 2, 3, 7}) {
+        AttentionOptions o;
+        o.causal = sh.causal;
+        o.window_size = {sh.left, sh.right};
+        const AttentionProblem p = AttentionProblem::from_sizes(sh.batch, sh.seqlen_q, sh.seqlen_k, sh.heads_q,
+                                                                sh.heads_kv, 16, 16, DType::f32, o);
+        const std::int64_t bq = 32, bc = 64;
+        const ForwardSchedule s{bq, bc, decode ? 1 : (p.seqlen_q + bq - 1) / bq, splits, decode};
+        SCOPED_TRACE(p.describe() + (decode ? " decode" : " tiled") + " splits " + std::to_string(splits));
+        const std::int64_t items = forward_work_items(p, s);
+        ASSERT_EQ(items, decode ? p.batch * splits : p.batch * p.heads_q * s.q_blocks * splits);
+        // (batch, head, row) → how often an item computes it; (batch, head, q block) → next key
+        std::vector<int> rows_seen(static_cast<std::size_t>(p.batch * p.heads_q * p.seqlen_q), 0);
+        for (std::int64_t item = 0; item < items; item += splits) {
+          const ForwardWorkItem first = forward_work_item(p, s, item);
+          const AttentionProblem::KeyRange lo = p.key_range(first.row_begin);
+          const AttentionProblem::KeyRange hi = p.key_range(first.row_begin + first.rows - 1);
+          std::int64_t next = lo.begin;  // where the next split's share must begin
+          for (std::int64_t split = 0; split < splits; ++split) {
+            const ForwardWorkItem w = forward_work_item(p, s, item + split);
+            EXPECT_EQ(w.split, split);
+            EXPECT_EQ(w.batch, first.batch);
+            EXPECT_EQ(w.head, first.head);
+            EXPECT_EQ(w.row_begin, first.row_begin);
+            if (w.key_begin >= w.key_end) continue;  // an empty share
+            EXPECT_EQ(w.key_begin, next);
+            EXPECT_TRUE(w.key_begin == lo.begin || w.key_begin % bc == 0) << "shares start on a tile";
+            EXPECT_EQ(w.first_block, decode ? w.key_begin : w.key_begin / bc * bc);
+            next = w.key_end;
+          }
+          EXPECT_EQ(next, std::max(lo.begin, hi.end)) << "the shares end where the rows' keys end";
+          const std::int64_t heads = decode ? p.heads_q : 1;
+          for (std::int64_t h = 0; h < heads; ++h)
+            for (std::int64_t i = first.row_begin; i < first.row_begin + first.rows; ++i)
+              ++rows_seen[static_cast<std::size_t>((first.batch * p.heads_q + first.head + h) * p.seqlen_q + i)];
+        }
+        for (const int seen : rows_seen) ASSERT_EQ(seen, 1);
+      }
 }
 
 }  // namespace

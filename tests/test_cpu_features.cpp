@@ -20,8 +20,8 @@
 #include <unistd.h>
 #endif
 
-#include "src/cpu/bf16_dot.hpp"
-#include "src/cpu/fp16_decode.hpp"
+#include "src/cpu/kernels/bf16_dot.hpp"
+#include "src/cpu/kernels/fp16_decode.hpp"
 #include "tests/support/support.hpp"
 
 namespace flashattn::test {
@@ -87,6 +87,24 @@ TEST(CpuFeatures, Avx512TargetExactlyWhereTheCpuHasAvx512) {
   EXPECT_EQ(hw.simd_target, cpu_simd_target());
   if (cpu_avx512(info)) EXPECT_TRUE(os_saves_avx512_state()) << "the kernel lists AVX-512 but XCR0 lacks its state";
   if (avx512_target(hw.simd_target)) EXPECT_TRUE(os_saves_avx512_state()) << "an AVX-512 target without the OS's ZMM state";
+}
+
+// The tests over every compiled SIMD target (for_each_simd_target) visit the one the
+// kernels dispatch to. A build with FLASHATTN_SIMD_TARGETS=native (cmake/simd_targets.cmake)
+// compiles few targets: this test then skips, naming the ones those tests cannot visit.
+TEST(CpuFeatures, ForEachSimdTargetVisitsTheDispatchedOne) {
+  std::string visited;
+  bool dispatched = false;
+  const std::string target = CpuHardware::detect(0).simd_target;
+  for_each_simd_target([&](const std::string& name) {
+    visited += (visited.empty() ? "" : " ") + name;
+    dispatched = dispatched || name == target;
+  });
+  EXPECT_TRUE(dispatched) << "dispatched target " << target << "; visited: " << visited;
+#ifdef FLASHATTN_SIMD_TARGETS_LEFT_OUT
+  GTEST_SKIP() << "built with FLASHATTN_SIMD_TARGETS=native: SIMD targets " << FLASHATTN_SIMD_TARGETS_LEFT_OUT
+               << " are not compiled; the tests over every compiled target ran " << visited << " only";
+#endif
 }
 
 TEST(CpuFeatures, Bf16DotExactlyWhereTheCpuHasAvx512Bf16) {

@@ -211,7 +211,7 @@ TEST(Forward, SplitKvMatchesTheReferenceForEverySplitCount) {
 
 TEST(Forward, MaskedStripsAgreeWithTheReferenceForEveryTileShape) {
   // A diagonal tile computes only the micro-tiles of each row strip's span of visible keys
-  // (FindStripKeys in forward_kernel.cpp), so the spans must hold every visible key for any
+  // (FindStripKeys in src/cpu/kernels/tiled_forward.cpp), so the spans must hold every visible key for any
   // Q tile against any K/V tile: Q tiles smaller than, unaligned with (126 against 128) and
   // as large as the K/V tiles, the plan's own choice (block_q 0), causal with Sq = Sk,
   // Sq < Sk and Sq > Sk (rows without keys), and windows whose left edge enters a tile

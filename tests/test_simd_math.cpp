@@ -10,7 +10,7 @@
 #include <limits>
 #include <vector>
 
-#include "src/cpu/simd_math-inl.h"
+#include "src/cpu/kernels/simd_math-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace flashattn::cpu::HWY_NAMESPACE {

@@ -32,7 +32,7 @@ Exp2Impl parse_exp2_impl(const std::string& name);
 // (every q head of a GQA group and every query token together) read against K and V in
 // place; "decode_fp16" — decode from an FP8 (e4m3) KV cache on AVX512-FP16: half-precision
 // products and short half-precision partial sums, moved to float32 every few terms (errors
-// a few percent of the codes' own quantization error; src/cpu/fp16_decode.hpp). `automatic`
+// a few percent of the codes' own quantization error; src/cpu/kernels/fp16_decode.hpp). `automatic`
 // lets the planner choose: for at most 16 rows per kv head decode_fp16 where the cache is FP8
 // and the CPU has AVX512-FP16, else decode; for more rows
 // tiled_bf16 where the inputs are bf16, the CPU and SIMD target have AVX512-BF16 and its

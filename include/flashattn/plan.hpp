@@ -32,6 +32,41 @@ struct CpuHardware {
   static CpuHardware detect(int num_threads);
 };
 
+// The forward's schedule (docs/algorithm.md §3): how a problem's work is cut into work items
+// and which query rows and keys each one computes. The kernels walk it, the planner counts
+// its items and the cost model counts its tiles, so all three agree by construction.
+struct ForwardSchedule {
+  std::int64_t block_q = 0;   // Q rows per item (tiled)
+  std::int64_t block_k = 0;   // keys per K/V tile
+  std::int64_t q_blocks = 1;  // Q tiles per (batch, head); decode: 1
+  std::int64_t splits = 1;    // split-KV: key shares per Q tile, merged by lse
+  bool decode = false;        // an item is (batch, split) over every head and query (decode kernels)
+};
+
+// One work item: query rows [row_begin, row_begin + rows) of (batch, head) against its
+// share [key_begin, key_end) of the keys those rows see. Its key blocks start at
+// first_block and are block_k apart: K/V tiles (tiled, key_begin rounded down to a tile) or
+// blocks from key_begin on (decode).
+struct ForwardWorkItem {
+  std::int64_t batch = 0;
+  std::int64_t head = 0;  // q head; decode: 0, the item covers every head
+  std::int64_t q_block = 0;
+  std::int64_t split = 0;
+  std::int64_t row_begin = 0, rows = 0;  // decode: every query, 0 and seqlen_q
+  std::int64_t key_begin = 0, key_end = 0;
+  std::int64_t first_block = 0;
+};
+
+// Work items of a problem under a schedule: batch · heads_q · q_blocks · splits, or
+// (decode) batch · splits.
+std::int64_t forward_work_items(const AttentionProblem& problem, const ForwardSchedule& schedule);
+
+// Item `item` < forward_work_items. Items run head-major; within a head, causal Q tiles
+// run longest first; the splits of one Q tile are consecutive items. Key ranges are
+// non-decreasing in the row, so the rows see [first row's begin, last row's end); split s
+// of S takes tiles [T·s/S, T·(s + 1)/S) of the T tiles that span it, clipped to it.
+ForwardWorkItem forward_work_item(const AttentionProblem& problem, const ForwardSchedule& schedule, std::int64_t item);
+
 struct CpuForwardPlan {
   ForwardKernel kernel = ForwardKernel::tiled;  // never automatic (options.hpp: ForwardKernel)
   std::int64_t block_q = 0;          // Q rows per work item (Br); decode: group · seqlen_q in fours, per kv head
@@ -47,6 +82,10 @@ struct CpuForwardPlan {
 
   std::size_t workspace_bytes() const { return workspace_bytes_per_thread * threads + shared_bytes; }
   std::string describe() const;
+  ForwardSchedule schedule() const { return {block_q, block_k, q_blocks, splits, is_decode(kernel)}; }
+  ForwardWorkItem work_item(const AttentionProblem& problem, std::int64_t item) const {
+    return forward_work_item(problem, schedule(), item);
+  }
 };
 
 // The plan a call with these options runs: their num_splits, block_q and kernel, or one Q

@@ -4,7 +4,7 @@
 #include "flashattn/attention.hpp"
 #include "src/api/backend.hpp"
 #include "src/cpu/drivers.hpp"
-#include "src/cpu/forward_kernel.hpp"
+#include "src/cpu/kernels/forward_kernel.hpp"
 
 namespace flashattn {
 namespace {

@@ -8,7 +8,7 @@
 
 #include "flashattn/attention.hpp"
 #include "flashattn/error.hpp"
-#include "src/cpu/backward_kernel.hpp"
+#include "src/cpu/kernels/backward_kernel.hpp"
 #include "src/cpu/allocate.hpp"
 #include "src/cpu/drivers.hpp"
 

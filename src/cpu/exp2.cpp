@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "src/cpu/simd_math-inl.h"
+#include "src/cpu/kernels/simd_math-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace flashattn::cpu::HWY_NAMESPACE {

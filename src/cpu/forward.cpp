@@ -9,85 +9,9 @@
 #include "flashattn/problem.hpp"
 #include "src/cpu/allocate.hpp"
 #include "src/cpu/drivers.hpp"
-#include "src/cpu/forward_kernel.hpp"
+#include "src/cpu/kernels/forward_kernel.hpp"
 
 namespace flashattn {
-namespace cpu {
-
-namespace {
-std::size_t round_up(std::size_t n, std::size_t m) { return (n + m - 1) / m * m; }
-
-// Tiles held at once: one, or (decode) one per kv head — Q rows and a block of V rows each.
-std::size_t tiles_held(const CpuForwardPlan& plan, const AttentionProblem& p) {
-  return static_cast<std::size_t>(is_decode(plan.kernel) ? p.heads_kv : 1);
-}
-}  // namespace
-
-// Elements of each workspace buffer for a plan: forward_workspace_bytes and the workspace's
-// constructor read the same sizes.
-struct WorkspaceSizes {
-  std::size_t q_floats, s_floats, o_floats, k_floats, v_floats;  // float32
-  std::size_t q_bf16, p_bf16, k_pairs, v_pairs;                  // bf16 (tiled_bf16)
-};
-
-WorkspaceSizes workspace_sizes(const CpuForwardPlan& plan, const AttentionProblem& p) {
-  const std::size_t bq = static_cast<std::size_t>(plan.block_q) * tiles_held(plan, p);
-  const auto bc = static_cast<std::size_t>(plan.block_k);
-  const auto d = static_cast<std::size_t>(p.head_dim);
-  const auto dv_pad = static_cast<std::size_t>(plan.head_dim_v_padded);
-  const bool decode = is_decode(plan.kernel), bf16 = plan.kernel == ForwardKernel::tiled_bf16;
-  const std::size_t keys_pad = decode ? 0 : round_up(static_cast<std::size_t>(p.seqlen_k), bc);
-  const std::size_t d_pad = round_up(d, 32);  // a whole number of pairs of vectors on every target
-  const std::size_t d_even = round_up(d, 2);  // whole bf16 pairs
-  WorkspaceSizes s{};
-  // decode: a row loaded besides the panels; decode_fp16: four, the rows' units and the kv
-  // heads' (DecodeItem's layout).
-  s.q_floats = bf16 ? 0 : decode ? (bq + 4) * d_pad + 2 * bq : bq * d_pad;
-  s.s_floats = bq * bc;
-  s.o_floats = bq * dv_pad + (decode ? bc : 0);
-  s.k_floats = bf16 ? 0 : keys_pad * d;
-  s.v_floats = bf16 ? 0 : keys_pad * dv_pad;
-  if (bf16) {
-    s.q_bf16 = bq * d_even;
-    s.p_bf16 = bq * bc;
-    s.k_pairs = keys_pad * d_even;
-    s.v_pairs = keys_pad * dv_pad;
-  }
-  return s;
-}
-
-std::size_t forward_workspace_bytes(const CpuForwardPlan& plan, const AttentionProblem& p) {
-  const std::size_t bq = static_cast<std::size_t>(plan.block_q) * tiles_held(plan, p);
-  const auto bc = static_cast<std::size_t>(plan.block_k);
-  const WorkspaceSizes w = workspace_sizes(plan, p);
-  const std::size_t floats = w.q_floats + w.s_floats + w.o_floats + w.k_floats + w.v_floats;
-  const std::size_t halves = w.q_bf16 + w.p_bf16 + w.k_pairs + w.v_pairs;
-  const std::size_t keys = is_decode(plan.kernel) ? bc + kDecodePrefetchKeys : 0;
-  const auto strips = static_cast<std::size_t>(plan.block_q / plan.hardware.micro_rows);
-  return floats * sizeof(float) + halves * sizeof(std::uint16_t) + bq * (sizeof(OnlineSoftmaxState) + sizeof(std::int32_t)) +
-         keys * DecodeKeys::kBytesPerKey + strips * sizeof(StripKeys);
-}
-
-ForwardWorkspace::ForwardWorkspace(const CpuForwardPlan& plan, const AttentionProblem& p)
-    : states(static_cast<std::size_t>(plan.block_q) * tiles_held(plan, p)),
-      rescales(static_cast<std::size_t>(plan.block_q) * tiles_held(plan, p)),
-      strip_keys(static_cast<std::size_t>(plan.block_q / plan.hardware.micro_rows)) {
-  const WorkspaceSizes w = workspace_sizes(plan, p);
-  q_tile = allocate_floats(w.q_floats);
-  if (is_decode(plan.kernel)) decode_keys.resize(static_cast<std::size_t>(plan.block_k + kDecodePrefetchKeys));
-  s_tile = allocate_floats(w.s_floats);
-  o_acc = allocate_floats(w.o_floats);
-  k_packed = allocate_floats(w.k_floats + 1);
-  v_packed = allocate_floats(w.v_floats + 1);
-  if (plan.kernel == ForwardKernel::tiled_bf16) {
-    q_bf16 = allocate_array<std::uint16_t>(w.q_bf16);
-    p_bf16 = allocate_array<std::uint16_t>(w.p_bf16);
-    k_pairs = allocate_array<std::uint16_t>(w.k_pairs);
-    v_pairs = allocate_array<std::uint16_t>(w.v_pairs);
-  }
-}
-
-}  // namespace cpu
 
 namespace {
 

@@ -10,7 +10,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "src/cpu/fp8-inl.h"
+#include "src/cpu/kernels/fp8-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace flashattn::cpu::HWY_NAMESPACE {

@@ -11,10 +11,10 @@
 #include <sstream>
 
 #include "flashattn/error.hpp"
-#include "src/cpu/backward_kernel.hpp"
-#include "src/cpu/bf16_dot.hpp"
-#include "src/cpu/fp16_decode.hpp"
-#include "src/cpu/forward_kernel.hpp"
+#include "src/cpu/kernels/backward_kernel.hpp"
+#include "src/cpu/kernels/bf16_dot.hpp"
+#include "src/cpu/kernels/fp16_decode.hpp"
+#include "src/cpu/kernels/forward_kernel.hpp"
 
 namespace flashattn {
 namespace {
@@ -186,12 +186,10 @@ CpuForwardPlan plan_forward(const AttentionProblem& p, const CpuHardware& hw, in
     plan.block_k = std::min(plan.block_k, std::max(mc, fit / mc * mc));
     const std::int64_t decode_tiles = (p.seqlen_k + plan.block_k - 1) / plan.block_k;
     plan.splits = choose_splits(num_splits, p.batch, decode_tiles, hw.threads);
-    plan.work_items = p.batch * plan.splits;
   } else {
-    const std::int64_t q_tiles = heads * plan.q_blocks;
-    plan.splits = choose_splits(num_splits, q_tiles, k_tiles, hw.threads);
-    plan.work_items = q_tiles * plan.splits;
+    plan.splits = choose_splits(num_splits, heads * plan.q_blocks, k_tiles, hw.threads);
   }
+  plan.work_items = forward_work_items(p, plan.schedule());
   plan.threads = static_cast<int>(std::clamp<std::int64_t>(plan.work_items, 1, hw.threads));
   plan.workspace_bytes_per_thread = cpu::forward_workspace_bytes(plan, p);
   if (plan.splits > 1)

@@ -1,7 +1,8 @@
 // The cost model: traffic, work, Θ-forms, per-tile unit cycles and predicted time.
-// The tiled traffic mirrors the loops of src/cpu/forward_kernel.cpp and
-// src/cpu/backward_kernel.cpp statement for statement (key ranges, tile skipping,
-// split-KV shares), which is what lets tests demand equality with KernelCounters.
+// The tiled traffic walks the forward's schedule (forward_work_item, flashattn/plan.hpp: key
+// ranges and split-KV shares) as the kernels of src/cpu/kernels/ do, and mirrors their tile
+// skipping and the loops of src/cpu/kernels/tiled_backward.cpp, which is what lets tests
+// demand equality with KernelCounters.
 #include "flashattn/cost_model.hpp"
 
 #include <algorithm>
@@ -33,19 +34,6 @@ void check_tiling(const Tiling& t) {
 bool tile_has_work(const AttentionProblem& p, std::int64_t i0, std::int64_t rows, std::int64_t j0,
                    std::int64_t n) {
   return !(p.key_range(i0 + rows - 1).end <= j0 || p.key_range(i0).begin >= j0 + n);
-}
-
-// Tiles and keys of one work item's key share [key_begin, key_end), walked as the
-// kernels walk it: from `first` in steps of block_k.
-struct KeyShare {
-  std::int64_t begin = 0, end = 0;
-};
-KeyShare split_share(const AttentionProblem& p, std::int64_t first_row, std::int64_t last_row, std::int64_t bc,
-                     std::int64_t split, std::int64_t splits) {
-  const std::int64_t first_tile = p.key_range(first_row).begin / bc;
-  const std::int64_t tiles = std::max<std::int64_t>(0, ceil_div(p.key_range(last_row).end, bc) - first_tile);
-  return {std::max(p.key_range(first_row).begin, (first_tile + tiles * split / splits) * bc),
-          std::min(p.key_range(last_row).end, (first_tile + tiles * (split + 1) / splits) * bc)};
 }
 
 }  // namespace
@@ -210,44 +198,30 @@ TiledAccount flash_forward(const AttentionProblem& p, const Tiling& tiling) {
   // Keys of each K/V tile that some Q tile reads: the head's K/V as a cache would hold them.
   std::vector<std::int64_t> tile_keys(static_cast<std::size_t>(tiling.decode ? 0 : k_tiles), 0);
   std::int64_t once_keys = 0;
-  if (tiling.decode) {
-    const std::int64_t rows = p.heads_q / p.heads_kv * p.seqlen_q;
-    copies = p.batch * p.heads_kv;
-    grid = k_tiles;
-    for (std::int64_t split = 0; split < splits; ++split) {
-      const KeyShare share = split_share(p, 0, p.seqlen_q - 1, bc, split, splits);
-      q_elems += rows * d;
-      out_rows += rows;
-      for (std::int64_t j0 = share.begin; j0 < share.end; j0 += bc) {
-        const std::int64_t n = std::min(bc, share.end - j0);
-        ++computed;
-        scores += rows * n;
-        k_keys += n;
-      }
-    }
-    once_keys = k_keys;
-  } else {
-    const std::int64_t q_blocks = ceil_div(p.seqlen_q, bq);
-    copies = p.batch * p.heads_q;
-    grid = q_blocks * k_tiles;
-    for (std::int64_t qb = 0; qb < q_blocks; ++qb) {
-      const std::int64_t i0 = qb * bq, rows = std::min(bq, p.seqlen_q - i0);
-      for (std::int64_t split = 0; split < splits; ++split) {
-        const KeyShare share = split_share(p, i0, i0 + rows - 1, bc, split, splits);
-        q_elems += rows * d;
-        out_rows += rows;
-        for (std::int64_t j0 = share.begin / bc * bc; j0 < share.end; j0 += bc) {
-          const std::int64_t n = std::min(bc, share.end - j0);
-          if (!tile_has_work(p, i0, rows, j0, n)) continue;
-          ++computed;
-          scores += rows * n;
-          k_keys += n;
-          std::int64_t& seen = tile_keys[static_cast<std::size_t>(j0 / bc)];
-          seen = std::max(seen, n);
-        }
-      }
+  // The work items of the first (batch, head) — (batch, kv head) for decode, whose items
+  // hold every head's rows — as the kernels run them.
+  const ForwardSchedule schedule{bq, bc, tiling.decode ? 1 : ceil_div(p.seqlen_q, bq), splits, tiling.decode};
+  const std::int64_t items = schedule.q_blocks * splits;
+  const std::int64_t group = tiling.decode ? p.heads_q / p.heads_kv : 1;  // q heads per item's rows
+  copies = tiling.decode ? p.batch * p.heads_kv : p.batch * p.heads_q;
+  grid = schedule.q_blocks * k_tiles;
+  for (std::int64_t item = 0; item < items; ++item) {
+    const ForwardWorkItem w = forward_work_item(p, schedule, item);
+    const std::int64_t rows = group * w.rows;
+    q_elems += rows * d;
+    out_rows += rows;
+    for (std::int64_t j0 = w.first_block; j0 < w.key_end; j0 += bc) {
+      const std::int64_t n = std::min(bc, w.key_end - j0);
+      if (!tiling.decode && !tile_has_work(p, w.row_begin, w.rows, j0, n)) continue;
+      ++computed;
+      scores += rows * n;
+      k_keys += n;
+      if (tiling.decode) continue;
+      std::int64_t& seen = tile_keys[static_cast<std::size_t>(j0 / bc)];
+      seen = std::max(seen, n);
     }
   }
+  if (tiling.decode) once_keys = k_keys;
   Traffic& t = a.traffic;
   t.add("Q", false, copies * q_elems, eb);
   t.add("K", false, copies * k_keys * d, eb);

@@ -118,7 +118,7 @@ constexpr double kFmaPipes = 2.0;
 // Vector loads per clock from L1: two on the same cores (same guides).
 constexpr double kL1LoadsPerClock = 2.0;
 // Vector instructions per vector of exponentials, read off the AVX2 code of
-// src/cpu/simd_math-inl.h (objdump of Exp2Array in src/cpu/exp2.cpp, Highway 1.0.3).
+// src/cpu/kernels/simd_math-inl.h (objdump of Exp2Array in src/cpu/exp2.cpp, Highway 1.0.3).
 // Both exp2s share 10: clamp (max, min), the reduction (Exp2: add and subtract 1.5·2^23,
 // subtract; Exp2Poly3: floor, subtract, add 1.5·2^23), and 2^n from the rounded sum's bits
 // — add the bias, shift into the exponent, multiply — and the NaN test and select. Exp2

@@ -9,7 +9,7 @@
 // Every product runs on the forward's micro-kernel; Pᵀ and dSᵀ are read in place
 // through a transposed view (MatA), never copied.
 #undef HWY_TARGET_INCLUDE
-#define HWY_TARGET_INCLUDE "src/cpu/backward_kernel.cpp"
+#define HWY_TARGET_INCLUDE "src/cpu/kernels/tiled_backward.cpp"
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
 
 #include <hwy/highway.h>
@@ -24,12 +24,13 @@
 #include "flashattn/online_softmax.hpp"
 #include "flashattn/error.hpp"
 #include "src/core/element.hpp"
-#include "src/cpu/backward_kernel.hpp"
-#include "src/cpu/bf16_dot.hpp"
-#include "src/cpu/forward_kernel.hpp"
-#include "src/cpu/score_mods-inl.h"
-#include "src/cpu/simd_math-inl.h"
-#include "src/cpu/tile_ops-inl.h"
+#include "src/cpu/kernels/backward_kernel.hpp"
+#include "src/cpu/kernels/bf16_dot.hpp"
+#include "src/cpu/kernels/forward_kernel.hpp"
+#include "src/cpu/kernels/kv_pack-inl.h"
+#include "src/cpu/kernels/score_mods-inl.h"
+#include "src/cpu/kernels/simd_math-inl.h"
+#include "src/cpu/kernels/tile_ops-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace flashattn::cpu::HWY_NAMESPACE {
@@ -40,6 +41,18 @@ std::int64_t RoundUp(std::int64_t n, std::int64_t m) { return (n + m - 1) / m * 
 // A K/V tile is the row dimension of the dK/dV products and the column dimension of the
 // S/dP products, so its padded width must be whole micro-tiles both ways.
 constexpr std::int64_t kMicroTileLcm = std::lcm(kMicroRows, kMicroCols);
+
+// The backward reads K and V as ordinary views (its entry points take no block table).
+constexpr PagedKv kUnpaged{};
+
+// K/V of one (batch, kv head) for keys [from, to) through PackKeys (kv_pack-inl.h), as the
+// forward packs them, placed by `place`.
+template <class PlaceFn>
+void PackHead(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t b, std::int64_t kv_head, std::int64_t from,
+              std::int64_t to, PlaceFn place) {
+  PackKeys(KvRows{&prm.k, &prm.v, &kUnpaged, b, kv_head}, prm.problem.seqlen_k, prm.plan.block_k, from, to, true,
+           ws.packed, ws.counters, place);
+}
 
 float* LsePointer(const BackwardParams& prm, std::int64_t b, std::int64_t h, std::int64_t i) {
   return const_cast<float*>(static_cast<const float*>(prm.lse.data)) + b * prm.lse.strides[0] +
@@ -84,7 +97,7 @@ void LoadRowStats(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t
 
 // The backward's five products on float32 FMAs (the forward's micro-kernel), K and V
 // widened at packing, Q pre-scaled by scale·log2e as it is loaded.
-struct Fp32Products {
+struct Fp32BackwardProducts {
   static constexpr std::int64_t kRowMultiple = kMicroRows;  // a Q tile's rows, padded
 
   // dK and dV of a K/V tile accumulate as rows of keys: (block_k, D_pad), (block_k, Dv_pad).
@@ -106,38 +119,24 @@ struct Fp32Products {
   }
 
   // Packs Kᵀ and Vᵀ (one (dim, block_k) panel per tile) and K (rows padded to D_pad) of one
-  // (batch, kv head) for keys [from, keys), whole tiles at a time, reusing what is packed.
+  // (batch, kv head) for keys [from, to), whole tiles at a time, reusing what is packed.
   static void Pack(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t b, std::int64_t kv_head,
-                   std::int64_t from, std::int64_t keys) {
+                   std::int64_t from, std::int64_t to) {
     const AttentionProblem& p = prm.problem;
     const std::int64_t bc = prm.plan.block_k, d = p.head_dim, dv = p.head_dim_v;
     const std::int64_t d_pad = prm.plan.head_dim_padded;
-    const std::int64_t begin = ws.packed.first_to_pack(b, kv_head, from / bc * bc);
-    const std::int64_t end = std::min(p.seqlen_k, RoundUp(keys, bc));
-    if (begin >= end) return;
     float* row = ws.row_scratch.get();
-    for (std::int64_t j = begin; j < end; ++j) {
+    PackHead(prm, ws, b, kv_head, from, to, [&](std::int64_t j, const void* k_row, const void* v_row) {
       const std::int64_t tile = j / bc, col = j % bc;
       float* krow = ws.k_packed.get() + j * d_pad;
-      LoadRow(RowPointer(prm.k, b, j, kv_head), p.dtype, d, 1.0f, krow);
-      std::fill(krow + d, krow + d_pad, 0.0f);
+      if (k_row != nullptr) LoadRow(k_row, prm.k.dtype, d, 1.0f, krow);
+      std::fill(krow + (k_row != nullptr ? d : 0), krow + d_pad, 0.0f);  // padding keys: zeros
       float* kt = ws.kt_packed.get() + tile * d * bc + col;
       for (std::int64_t c = 0; c < d; ++c) kt[c * bc] = krow[c];
-      LoadRow(RowPointer(prm.v, b, j, kv_head), p.dtype, dv, 1.0f, row);
+      if (v_row != nullptr) LoadRow(v_row, prm.v.dtype, dv, 1.0f, row);
       float* vt = ws.vt_packed.get() + tile * dv * bc + col;
-      for (std::int64_t c = 0; c < dv; ++c) vt[c * bc] = row[c];
-    }
-    if (end == p.seqlen_k && end % bc != 0) {
-      // Zero the padding of the last tile so masked products meet finite values.
-      const std::int64_t tile = end / bc, used = end % bc;
-      float* kt = ws.kt_packed.get() + tile * d * bc;
-      for (std::int64_t c = 0; c < d; ++c) std::fill(kt + c * bc + used, kt + (c + 1) * bc, 0.0f);
-      float* vt = ws.vt_packed.get() + tile * dv * bc;
-      for (std::int64_t c = 0; c < dv; ++c) std::fill(vt + c * bc + used, vt + (c + 1) * bc, 0.0f);
-      std::fill(ws.k_packed.get() + end * d_pad, ws.k_packed.get() + (tile + 1) * bc * d_pad, 0.0f);
-    }
-    ws.counters.kv_packed += (end - begin) * (d + dv);
-    ws.packed.done(end);
+      for (std::int64_t c = 0; c < dv; ++c) vt[c * bc] = v_row != nullptr ? row[c] : 0.0f;
+    });
   }
 
   // The Q tile (scaled by scale·log2e) and the dO tile of rows [i0, i0 + rows) of (b, h);
@@ -241,7 +240,7 @@ void ComputePAndDS(BackwardWorkspace& ws, const RowMods& mods, std::int64_t bc, 
 // dP, keys for dQ, query rows for dV and dK, which are computed transposed (dVᵀ = dOᵀ·P,
 // dKᵀ = Qᵀ·dS) so that their A operands, Qᵀ and dOᵀ, are row-major as tiles need them and
 // P and dS, paired two rows at a time, are their B panels.
-struct Bf16Products {
+struct Bf16BackwardProducts {
   static_assert(kMicroRows == bf16dot::kRows && kMicroCols == bf16dot::kCols, "one micro-tile for both kernels");
   static constexpr std::int64_t kStep = bf16dot::kPairStep;
 
@@ -271,24 +270,20 @@ struct Bf16Products {
     }
   }
 
-  // Per K/V tile of one (batch, kv head), keys [from, keys), whole tiles, reusing what is
+  // Per K/V tile of one (batch, kv head), keys [from, to), whole tiles, reusing what is
   // packed: kt_pairs and vt_pairs as panels of kMicroCols keys, step p holding each key's
   // elements 2p and 2p + 1 (S's and dP's B); k_pairs as panels of kMicroCols columns of K,
   // step p holding each column's values of keys 2p and 2p + 1 (dQ's B). The last tile's
   // padding keys are zeros, odd head dims end with a zero.
   static void Pack(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t b, std::int64_t kv_head,
-                   std::int64_t from, std::int64_t keys) {
+                   std::int64_t from, std::int64_t to) {
     const AttentionProblem& p = prm.problem;
     const std::int64_t bc = prm.plan.block_k, d = p.head_dim, dv = p.head_dim_v, d_pad = prm.plan.head_dim_padded;
     const std::int64_t d_even = Even(d), dv_even = Even(dv);
-    const std::int64_t begin = ws.packed.first_to_pack(b, kv_head, from / bc * bc);
-    const std::int64_t end = std::min(p.seqlen_k, RoundUp(keys, bc));
-    if (begin >= end) return;
-    const std::int64_t last = end == p.seqlen_k ? RoundUp(end, bc) : end;  // with the padding keys
-    for (std::int64_t j = begin; j < last; ++j) {
-      const bool real = j < end;
-      const auto* k = real ? static_cast<const std::uint16_t*>(RowPointer(prm.k, b, j, kv_head)) : nullptr;
-      const auto* v = real ? static_cast<const std::uint16_t*>(RowPointer(prm.v, b, j, kv_head)) : nullptr;
+    PackHead(prm, ws, b, kv_head, from, to, [&](std::int64_t j, const void* k_row, const void* v_row) {
+      const auto* k = static_cast<const std::uint16_t*>(k_row);
+      const auto* v = static_cast<const std::uint16_t*>(v_row);
+      const bool real = k != nullptr;
       const std::int64_t tile = j / bc, col = j % bc;
       std::uint16_t* kt = ws.kt_pairs.get() + tile * bc * d_even + col / kMicroCols * d_even * kMicroCols +
                           col % kMicroCols * 2;
@@ -298,9 +293,7 @@ struct Bf16Products {
       for (std::int64_t e = 0; e < dv_even; ++e) vt[e / 2 * kStep + e % 2] = real && e < dv ? v[e] : 0;
       std::uint16_t* kp = ws.k_pairs.get() + tile * bc * d_pad + col / 2 * kStep + col % 2;
       for (std::int64_t c = 0; c < d_pad; ++c) kp[c / kMicroCols * bc * kMicroCols + c % kMicroCols * 2] = real && c < d ? k[c] : 0;
-    }
-    ws.counters.kv_packed += (end - begin) * (d + dv);
-    ws.packed.done(end);
+    });
   }
 
   // Q and dO rows of [i0, i0 + rows) as stored, zero-padded to D_pad, Dv_pad and to rows_pad
@@ -381,7 +374,7 @@ void WaitForTicket(const std::atomic<std::int64_t>& ticket, std::int64_t kb) {
 // Item = (b, kv head, k block). Owns dK and dV of its K/V tile, so they need no
 // synchronization; streams the Q tiles of every q head sharing the kv head and adds its
 // dQ shares — under a striped lock in any order, or in K/V-block order (deterministic).
-// Products (Fp32Products, Bf16Products) computes the five matrix products.
+// Products (Fp32BackwardProducts, Bf16BackwardProducts) computes the five matrix products.
 template <class Products>
 void KvItem(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t item) {
   const AttentionProblem& p = prm.problem;
@@ -446,14 +439,14 @@ void KvItem(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t item)
 }
 
 void BackwardKvItem(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t item) {
-  KvItem<Fp32Products>(prm, ws, item);
+  KvItem<Fp32BackwardProducts>(prm, ws, item);
 }
 
 // The tiled_bf16 item where this target has one (AVX-512, whose micro-tile the bf16
 // micro-kernel shares), else null.
 BackwardKvItemFn TiledBf16KvItem() {
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
-  return &KvItem<Bf16Products>;
+  return &KvItem<Bf16BackwardProducts>;
 #else
   return nullptr;
 #endif

@@ -1,7 +1,7 @@
 // AVX512-FP16 products of the FP8 decode (fp16_decode.hpp). This file alone is compiled with
 // -mavx512fp16 (CMakeLists.txt): clang, unlike GCC, declares the half-precision vector types
 // only then. Nothing in it runs before available() (plan.cpp) has said the CPU has them.
-#include "src/cpu/fp16_decode.hpp"
+#include "src/cpu/kernels/fp16_decode.hpp"
 
 #if defined(__AVX512FP16__)
 #include <immintrin.h>

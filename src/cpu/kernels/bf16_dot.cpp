@@ -2,7 +2,7 @@
 // Every function that uses the instructions carries them in its target attribute: this file
 // is compiled for the baseline ISA, and nothing here is inlined into code that runs on CPUs
 // without them.
-#include "src/cpu/bf16_dot.hpp"
+#include "src/cpu/kernels/bf16_dot.hpp"
 
 #if defined(__x86_64__)
 #include <cpuid.h>

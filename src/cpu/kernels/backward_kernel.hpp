@@ -1,5 +1,5 @@
 // Internal interface between the CPU backward driver (backward.cpp) and the per-SIMD-
-// target kernel (backward_kernel.cpp).
+// target kernel (tiled_backward.cpp).
 #pragma once
 
 #include <cstdint>
@@ -13,7 +13,7 @@
 #include "flashattn/plan.hpp"
 #include "flashattn/problem.hpp"
 #include "flashattn/tensor.hpp"
-#include "src/cpu/packed_head.hpp"
+#include "src/cpu/kernels/packed_head.hpp"
 
 namespace flashattn::cpu {
 

@@ -1,0 +1,606 @@
+// The CPU decode forward kernels (a few query rows, many keys), compiled once per Highway
+// SIMD target (foreach_target) and dispatched once per call. Item = (batch, split), a
+// contiguous key chunk read for every kv head. Its rows are every (q head, query) pair,
+// grouped per kv head in fours, so each K and V row is read exactly once, in place and
+// converted in registers, and each key's kv heads — adjacent in memory — are read
+// together: no packing, no micro-tile padding (docs/algorithm.md §2–§3):
+//
+//   load Q panels (four rows each)
+//   for each block of keys:  resolve their rows (paged: once per page)
+//                            S = Q·Kᵀ four rows by four keys at once (one reduction for the
+//                            sixteen dot products) → FP8 descales → mask → online softmax
+//                            → õ += P·V with four rows and a pair of õ vectors in registers
+//   epilogue: o = õ / ℓ, lse
+//
+// decode reads every K/V storage format (one instantiation each); decode_fp16 (FP8 caches
+// on AVX512-FP16) runs the same steps with the products in half precision (fp16_decode.hpp).
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "src/cpu/kernels/decode_forward.cpp"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+
+#include <hwy/cache_control.h>
+#include <hwy/highway.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "flashattn/error.hpp"
+#include "flashattn/online_softmax.hpp"
+#include "src/core/element.hpp"
+#include "src/cpu/kernels/forward_kernel.hpp"
+#include "src/cpu/kernels/fp16_decode.hpp"
+#include "src/cpu/kernels/forward_rows-inl.h"
+#include "src/cpu/kernels/kv_pack-inl.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace flashattn::cpu::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+// Storage formats the decode kernel reads K and V rows in, one instantiation each: the
+// format is resolved once per call, not per row.
+enum class KvFormat { f32, bf16, f16, e4m3 };
+
+// The decode kernel reads K and V rows a pair of vectors (2·kLanes values) at a time.
+// bf16 splits a pair into its even and its odd elements — one load and two integer
+// operations, against two widening loads and two shifts for the values in order — so the
+// Q rows it multiplies and the õ rows it adds to hold every whole pair in that order too;
+// the other formats, and the scalar target's one-lane pairs, keep the order.
+template <KvFormat F>
+constexpr bool kEvenOdd = F == KvFormat::bf16 && HWY_TARGET != HWY_SCALAR;
+constexpr std::int64_t kPair = 2 * kLanes;
+static_assert(kMicroCols % kPair == 0, "a padded õ row is a whole number of pairs");
+
+// Position within its pair (in row order) of lane i of the pair's vector `half` (0 or 1).
+template <KvFormat F>
+constexpr std::int64_t PairIndex(std::int64_t half, std::int64_t i) {
+  return kEvenOdd<F> ? 2 * i + half : half * kLanes + i;
+}
+
+// What LoadKv's and LoadKvPair's values are short of the stored ones by: e4m3 codes are
+// read as halves 2^-8 times their values, so scores and probabilities are multiplied by
+// 2^8 — exactly, before their descales. 1 for the other formats.
+template <KvFormat F>
+constexpr float kKvUnit = F == KvFormat::e4m3 ? kE4m3HalfUnit : 1.0f;
+
+// kLanes values of a K/V row from element e on, as float32, times 1/kKvUnit (FP8 codes
+// without their descale, which is applied to the score or the probability instead).
+template <KvFormat F>
+HWY_INLINE VF LoadKv(const unsigned char* HWY_RESTRICT row, std::int64_t e) {
+  const DF df;
+  if constexpr (F == KvFormat::f32) {
+    return hn::LoadU(df, reinterpret_cast<const float*>(row) + e);
+  } else if constexpr (F == KvFormat::bf16) {
+    const hn::Rebind<hwy::bfloat16_t, DF> dbf;
+    return hn::PromoteTo(df, hn::LoadU(dbf, reinterpret_cast<const hwy::bfloat16_t*>(row) + e));
+  } else if constexpr (F == KvFormat::f16) {
+    const hn::Rebind<hwy::float16_t, DF> dh;
+    return hn::PromoteTo(df, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(row) + e));
+  } else {  // e4m3: 2^-8 times the values (E4m3HalfBits)
+    const hn::Rebind<std::int8_t, DF> d8;
+    const hn::Rebind<std::int16_t, DF> d16;
+    const auto bits = E4m3HalfBits(d16, hn::PromoteTo(d16, hn::LoadU(d8, reinterpret_cast<const std::int8_t*>(row) + e)));
+    return hn::PromoteTo(df, hn::BitCast(hn::Rebind<hwy::float16_t, DF>(), bits));
+  }
+}
+
+// The pair of vectors of a K/V row from element e on (e a multiple of kPair), in the order
+// PairIndex gives, times 1/kKvUnit.
+template <KvFormat F>
+HWY_INLINE void LoadKvPair(const unsigned char* HWY_RESTRICT row, std::int64_t e, VF& lo, VF& hi) {
+#if HWY_TARGET != HWY_SCALAR
+  const DF df;
+  if constexpr (kEvenOdd<F>) {
+    // 32-bit lane i holds element 2i in its low half and 2i + 1 in its high half.
+    const hn::RebindToUnsigned<DF> du;
+    const auto bits = hn::LoadU(du, reinterpret_cast<const std::uint32_t*>(row + 2 * e));
+    lo = hn::BitCast(df, hn::ShiftLeft<16>(bits));
+    hi = hn::BitCast(df, hn::And(bits, hn::Set(du, 0xFFFF0000u)));
+    return;
+  } else if constexpr (F == KvFormat::e4m3) {  // a pair's codes widened at once
+    const hn::Repartition<std::int16_t, DF> d16;
+    const hn::Rebind<std::int8_t, decltype(d16)> d8;
+    const hn::Rebind<hwy::float16_t, DF> dh;
+    const hn::Twice<decltype(dh)> dh2;
+    const auto h = hn::BitCast(dh2, E4m3HalfBits(d16, hn::PromoteTo(d16, hn::LoadU(d8, reinterpret_cast<const std::int8_t*>(row) + e))));
+    lo = hn::PromoteTo(df, hn::LowerHalf(dh, h));
+    hi = hn::PromoteTo(df, hn::UpperHalf(dh, h));
+    return;
+  }
+#endif
+  lo = LoadKv<F>(row, e);
+  hi = LoadKv<F>(row, e + kLanes);
+}
+
+// The last `n` < kPair values of a row from element e on, zero-filled to a pair in row
+// order (the ragged end of a row, whatever the format), times 1/kKvUnit.
+template <KvFormat F>
+HWY_INLINE void LoadKvTailPair(const unsigned char* HWY_RESTRICT row, std::int64_t e, std::int64_t n, DType dtype,
+                               VF& lo, VF& hi) {
+  HWY_ALIGN float part[kPair] = {};
+  LoadRow(row + e * static_cast<std::int64_t>(dtype_size(dtype)), dtype, std::min(n, kPair), 1.0f / kKvUnit<F>, part);
+  lo = hn::Load(DF(), part);
+  hi = hn::Load(DF(), part + kLanes);
+}
+
+// Four sums at once, over every lane of a0, a1, a2, a3: lane 4·block + k of the result
+// holds block `block`'s part of Σ a_k. Within every 128-bit block, interleaving (a0, a1)
+// and (a2, a3) and adding the halves leaves the four partial sums side by side.
+#if HWY_TARGET != HWY_SCALAR
+HWY_INLINE VF BlockSums4(VF a0, VF a1, VF a2, VF a3) {
+  static_assert(kLanes % 4 == 0, "whole 128-bit blocks of four floats");
+  const DF df;
+  // Per block: t01 = [a0₀+a0₂, a1₀+a1₂, a0₁+a0₃, a1₁+a1₃], t23 likewise; as 64-bit lanes
+  // their low and high pairs interleave to [Σa0, Σa1, Σa2, Σa3] halves.
+  const VF t01 = hn::Add(hn::InterleaveLower(df, a0, a1), hn::InterleaveUpper(df, a0, a1));
+  const VF t23 = hn::Add(hn::InterleaveLower(df, a2, a3), hn::InterleaveUpper(df, a2, a3));
+  const hn::RepartitionToWide<hn::RebindToUnsigned<DF>> du64;
+  const auto w01 = hn::BitCast(du64, t01), w23 = hn::BitCast(du64, t23);
+  return hn::Add(hn::BitCast(df, hn::InterleaveLower(du64, w01, w23)), hn::BitCast(df, hn::InterleaveUpper(du64, w01, w23)));
+}
+
+// The lanes of v summed block-wise into one 128-bit block: dst[i] = Σ_blocks v[4·block + i].
+template <class D>
+HWY_INLINE void StoreBlockSum(D d, hn::Vec<D> v, float* HWY_RESTRICT dst) {
+  if constexpr (hn::MaxLanes(D()) <= 4) {
+    hn::StoreU(v, d, dst);
+  } else {
+    const hn::Half<D> dh;
+    StoreBlockSum(dh, hn::Add(hn::LowerHalf(dh, v), hn::UpperHalf(dh, v)), dst);
+  }
+}
+#endif
+
+// Rows [c] of `keys` for keys j0 + c, c < count: one block-table lookup per page, not per row.
+void ResolveKeys(const ForwardParams& prm, std::int64_t b, std::int64_t j0, std::int64_t count, DecodeKeys& keys) {
+  const PagedKv& pg = prm.paged;
+  const KvRows kv{&prm.k, &prm.v, &pg, b, 0};
+  const std::int64_t page_size = pg.block_table != nullptr ? pg.page_size : j0 + count;  // contiguous: one page
+  for (std::int64_t c = 0; c < count;) {
+    const std::int64_t page = kv.page(j0 + c);
+    const float* kd = pg.k_descale != nullptr ? pg.k_descale + page * pg.descale_page_stride : nullptr;
+    const float* vd = pg.v_descale != nullptr ? pg.v_descale + page * pg.descale_page_stride : nullptr;
+    for (std::int64_t slot = (j0 + c) % page_size; c < count && slot < page_size; ++c, ++slot) {
+      keys.k[c] = static_cast<const unsigned char*>(RowPointer(prm.k, page, slot, 0));
+      keys.v[c] = static_cast<const unsigned char*>(RowPointer(prm.v, page, slot, 0));
+      keys.k_descale[c] = kd;
+      keys.v_descale[c] = vd;
+    }
+  }
+}
+
+// The scores of four rows and `count` ≤ 4 keys: s[r·lds + k] = (row r of the panel)·krows[k]
+// for r < 4, k < count, with K's values as LoadKvPair reads them (kKvUnit and the FP8
+// descale are applied later, per column). The panel holds, per pair of K vectors, the four
+// rows' values of the first vector, then of the second, in LoadKvPair's order (row order in
+// the ragged last pair). Sixteen FMA chains, one per (key, row), and one reduction for
+// their sixteen sums: the reduction, not the products, is what one key at a time paid for.
+template <KvFormat F>
+HWY_INLINE void ScoreKeys4(const float* HWY_RESTRICT panel, const unsigned char* const* krows, std::int64_t count,
+                           std::int64_t d, DType dtype, float* HWY_RESTRICT s, std::int64_t lds) {
+  const DF df;
+  const unsigned char* row[4];
+  for (std::int64_t k = 0; k < 4; ++k) row[k] = krows[std::min(k, count - 1)];  // a short group repeats its last key
+  VF acc[4][4];  // [key][row]
+  for (auto& key : acc)
+    for (VF& a : key) a = hn::Zero(df);
+  auto step = [&](std::int64_t k, VF lo, VF hi, const float* HWY_RESTRICT q) {
+    for (std::int64_t r = 0; r < 4; ++r) {
+      acc[k][r] = hn::MulAdd(hn::Load(df, q + r * kLanes), lo, acc[k][r]);
+      acc[k][r] = hn::MulAdd(hn::Load(df, q + (4 + r) * kLanes), hi, acc[k][r]);
+    }
+  };
+  VF lo, hi;
+  std::int64_t e = 0;
+  for (; e + kPair <= d; e += kPair, panel += 4 * kPair)
+    for (std::int64_t k = 0; k < 4; ++k) {
+      LoadKvPair<F>(row[k], e, lo, hi);
+      step(k, lo, hi, panel);
+    }
+  if (e < d)
+    for (std::int64_t k = 0; k < 4; ++k) {
+      LoadKvTailPair<F>(row[k], e, d - e, dtype, lo, hi);
+      step(k, lo, hi, panel);
+    }
+  HWY_ALIGN float sums[4][4];  // [row][key]
+  for (std::int64_t r = 0; r < 4; ++r) {
+#if HWY_TARGET == HWY_SCALAR
+    for (std::int64_t k = 0; k < 4; ++k) sums[r][k] = hn::GetLane(acc[k][r]);
+#else
+    const VF u = BlockSums4(acc[0][r], acc[1][r], acc[2][r], acc[3][r]);
+    if (count == 4) {
+      StoreBlockSum(df, u, s + r * lds);
+      continue;
+    }
+    StoreBlockSum(df, u, sums[r]);
+#endif
+    for (std::int64_t k = 0; k < count; ++k) s[r * lds + k] = sums[r][k];
+  }
+}
+
+// õ rows [0, 4) (row stride ldo), pair e, += P rows [0, 4) (row stride ldp) · the kv head's
+// V rows of keys [0, n) (at `offset` bytes from keys.v): eight FMA chains, õ in registers.
+template <KvFormat F>
+HWY_INLINE void AccumulatePair4(const float* HWY_RESTRICT p0, std::int64_t ldp, const DecodeKeys& keys,
+                                std::int64_t offset, std::int64_t n, std::int64_t e, std::int64_t dv, DType dtype,
+                                float* HWY_RESTRICT o0, std::int64_t ldo) {
+  const DF df;
+  VF a0 = hn::Load(df, o0), a1 = hn::Load(df, o0 + ldo), a2 = hn::Load(df, o0 + 2 * ldo), a3 = hn::Load(df, o0 + 3 * ldo);
+  VF b0 = hn::Load(df, o0 + kLanes), b1 = hn::Load(df, o0 + ldo + kLanes);
+  VF b2 = hn::Load(df, o0 + 2 * ldo + kLanes), b3 = hn::Load(df, o0 + 3 * ldo + kLanes);
+  auto step = [&](VF lo, VF hi, std::int64_t c) {
+    const VF w0 = hn::Set(df, p0[c]), w1 = hn::Set(df, p0[ldp + c]);
+    const VF w2 = hn::Set(df, p0[2 * ldp + c]), w3 = hn::Set(df, p0[3 * ldp + c]);
+    a0 = hn::MulAdd(w0, lo, a0);
+    b0 = hn::MulAdd(w0, hi, b0);
+    a1 = hn::MulAdd(w1, lo, a1);
+    b1 = hn::MulAdd(w1, hi, b1);
+    a2 = hn::MulAdd(w2, lo, a2);
+    b2 = hn::MulAdd(w2, hi, b2);
+    a3 = hn::MulAdd(w3, lo, a3);
+    b3 = hn::MulAdd(w3, hi, b3);
+  };
+  VF lo, hi;
+  if (e + kPair <= dv) {
+    std::int64_t c = 0;
+    for (; c + 2 <= n; c += 2) {  // two keys per pass: half the loop overhead
+      LoadKvPair<F>(keys.v[c] + offset, e, lo, hi);
+      step(lo, hi, c);
+      LoadKvPair<F>(keys.v[c + 1] + offset, e, lo, hi);
+      step(lo, hi, c + 1);
+    }
+    if (c < n) {
+      LoadKvPair<F>(keys.v[c] + offset, e, lo, hi);
+      step(lo, hi, c);
+    }
+  } else {  // the ragged end of the row: values past Dv read as zeros
+    for (std::int64_t c = 0; c < n; ++c) {
+      LoadKvTailPair<F>(keys.v[c] + offset, e, dv - e, dtype, lo, hi);
+      step(lo, hi, c);
+    }
+  }
+  hn::Store(a0, df, o0);
+  hn::Store(a1, df, o0 + ldo);
+  hn::Store(a2, df, o0 + 2 * ldo);
+  hn::Store(a3, df, o0 + 3 * ldo);
+  hn::Store(b0, df, o0 + kLanes);
+  hn::Store(b1, df, o0 + ldo + kLanes);
+  hn::Store(b2, df, o0 + 2 * ldo + kLanes);
+  hn::Store(b3, df, o0 + 3 * ldo + kLanes);
+}
+
+// The shape of one decode work item. Row g·rows4 + r (r < rows) is query r % Sq of q head
+// g·group + r / Sq; rows r ≥ rows of each kv head g are zero padding.
+struct DecodeShape {
+  std::int64_t d, dv, bc, dv_pad;
+  std::int64_t d_span;            // a Q row in a panel: whole pairs
+  std::int64_t hkv, group, rows;  // rows: a kv head's real rows, group · seqlen_q
+  std::int64_t rows4, all_rows;   // a kv head's rows in fours; every kv head's
+  std::int64_t k_head, v_head;    // bytes from one kv head's row of a key to the next's
+  std::int64_t k_row, v_row;      // bytes of a K and a V row
+  ForwardWorkItem item;
+
+  DecodeShape(const ForwardParams& prm, std::int64_t index) : item(prm.plan.work_item(prm.problem, index)) {
+    const AttentionProblem& p = prm.problem;
+    d = p.head_dim;
+    dv = p.head_dim_v;
+    bc = prm.plan.block_k;
+    dv_pad = prm.plan.head_dim_v_padded;
+    d_span = (d + kPair - 1) / kPair * kPair;
+    hkv = p.heads_kv;
+    group = p.heads_q / hkv;
+    rows = group * p.seqlen_q;
+    rows4 = prm.plan.block_q;
+    all_rows = hkv * rows4;
+    const auto elem = static_cast<std::int64_t>(dtype_size(prm.k.dtype));
+    k_head = prm.k.strides[2] * elem;
+    v_head = prm.v.strides[2] * elem;
+    k_row = d * elem;
+    v_row = dv * elem;
+  }
+};
+
+// Row r of kv head g's rows, times softmax_scale·log2e, into dst (d floats).
+HWY_INLINE void LoadQRow(const ForwardParams& prm, const DecodeShape& sh, std::int64_t g, std::int64_t r, float* dst) {
+  const AttentionProblem& p = prm.problem;
+  LoadRow(RowPointer(prm.q, sh.item.batch, r % p.seqlen_q, g * sh.group + r / p.seqlen_q), p.dtype, sh.d,
+          p.softmax_scale * OnlineSoftmaxState::kLog2e, dst);
+}
+
+// The Q panels (decode): each four rows form a ScoreKeys4 panel (4 · d_span floats) in the
+// q tile, (heads_kv · rows4, d_span), zeros past d and in the padding rows.
+template <KvFormat F>
+void LoadQPanels(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeShape& sh) {
+  const std::int64_t d = sh.d, d_span = sh.d_span;
+  float* q_panels = ws.q_tile.get();
+  float* q_row = ws.q_rows.get();  // one row in row order, loaded
+  std::fill(q_panels, q_panels + sh.all_rows * d_span, 0.0f);
+  for (std::int64_t g = 0; g < sh.hkv; ++g)
+    for (std::int64_t r = 0; r < sh.rows; ++r) {
+      LoadQRow(prm, sh, g, r, q_row);
+      float* panel = q_panels + (g * sh.rows4 + r / 4 * 4) * d_span + r % 4 * kLanes;
+      for (std::int64_t e = 0; e < d; e += kPair)
+        for (std::int64_t half = 0; half < 2; ++half)
+          for (std::int64_t i = 0; i < kLanes; ++i) {
+            const std::int64_t x = e + (e + kPair <= d ? PairIndex<F>(half, i) : half * kLanes + i);
+            panel[4 * e + half * 4 * kLanes + i] = x < d ? q_row[x] : 0.0f;
+          }
+    }
+}
+
+// The Q panels (decode_fp16): each four rows packed to halves in the q tile (fp16dot::PackQ4),
+// each row scaled by a power of two that its q unit undoes on the scores.
+void PackQHalves(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeShape& sh) {
+  const std::int64_t d = sh.d;
+  const std::int64_t panel_halves = 4 * ((d + fp16dot::kHalves - 1) / fp16dot::kHalves) * fp16dot::kHalves;
+  auto* q_halves = reinterpret_cast<std::uint16_t*>(ws.q_tile.get());  // (panels, panel_halves)
+  float* q_rows = ws.q_rows.get();  // a panel's four rows in row order, loaded
+  for (std::int64_t i = 0; i < sh.all_rows / 4; ++i) {
+    const std::int64_t g = 4 * i / sh.rows4, r0 = 4 * i % sh.rows4;
+    const std::int64_t live = std::clamp<std::int64_t>(sh.rows - r0, 0, 4);
+    for (std::int64_t r = r0; r < r0 + live; ++r) LoadQRow(prm, sh, g, r, q_rows + (r - r0) * d);
+    fp16dot::PackQ4(q_rows, d, live, d, q_halves + i * panel_halves, ws.q_units.get() + 4 * i);
+  }
+}
+
+// S columns [c, c + 4) = Q·k_(j0+c+i) of every kv head's rows, for the block's n keys. The K
+// and V rows of the keys kDecodePrefetchKeys ahead (of `ahead` resolved) are fetched, a kv
+// head's rows beside its scores, so that the fetches spread out: four keys read at once
+// interleave four streams, which the hardware prefetcher does not follow.
+template <KvFormat F>
+void ScoreBlock(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeShape& sh, std::int64_t n,
+                std::int64_t ahead) {
+  const DecodeKeys& keys = ws.decode_keys;
+  const std::int64_t hkv = sh.hkv, rows4 = sh.rows4, d = sh.d, d_span = sh.d_span, bc = sh.bc;
+  const std::int64_t k_head = sh.k_head, v_head = sh.v_head, k_row = sh.k_row, v_row = sh.v_row;
+  const DType dtype = prm.k.dtype;
+  const float* q_panels = ws.q_tile.get();
+  float* s_tile = ws.s_tile.get();
+  for (std::int64_t c = 0; c < n; c += 4) {
+    const std::int64_t count = std::min<std::int64_t>(4, n - c);
+    const std::int64_t fetch_end = std::min(c + count + kDecodePrefetchKeys, ahead);
+    const unsigned char* krows[4];
+    for (std::int64_t i = 0; i < count; ++i) krows[i] = keys.k[c + i];
+    const float* panel = q_panels;
+    float* s = s_tile + c;
+    for (std::int64_t g = 0; g < hkv; ++g) {
+      for (std::int64_t i = c + kDecodePrefetchKeys; i < fetch_end; ++i) {
+        for (std::int64_t off = 0; off < k_row; off += kCacheLineBytes) hwy::Prefetch(keys.k[i] + g * k_head + off);
+        for (std::int64_t off = 0; off < v_row; off += kCacheLineBytes) hwy::Prefetch(keys.v[i] + g * v_head + off);
+      }
+      for (std::int64_t r = 0; r < rows4; r += 4, panel += 4 * d_span, s += 4 * bc)
+        ScoreKeys4<F>(panel, krows, count, d, dtype, s, bc);
+      for (std::int64_t i = 0; i < count; ++i) krows[i] += k_head;
+    }
+  }
+}
+
+// ScoreBlock in half precision (decode_fp16): fp16dot prefetches as ScoreBlock does.
+void ScoreBlockFp16(ForwardWorkspace& ws, const DecodeShape& sh, std::int64_t n, std::int64_t ahead) {
+  const DecodeKeys& keys = ws.decode_keys;
+  const auto* q_halves = reinterpret_cast<const std::uint16_t*>(ws.q_tile.get());
+  for (std::int64_t c = 0; c < n; c += 4) {
+    const std::int64_t count = std::min<std::int64_t>(4, n - c);
+    const std::int64_t fetch_end = std::min(c + count + kDecodePrefetchKeys, ahead);
+    const unsigned char* krows[4];
+    for (std::int64_t i = 0; i < count; ++i) krows[i] = keys.k[c + i];
+    const fp16dot::Fetch fetch{keys.k.data() + c + kDecodePrefetchKeys, keys.v.data() + c + kDecodePrefetchKeys,
+                               std::max<std::int64_t>(0, fetch_end - c - kDecodePrefetchKeys), sh.k_row, sh.v_row,
+                               sh.v_head};
+    fp16dot::ScoreKeys4(q_halves, sh.all_rows / 4, sh.rows4 / 4, krows, sh.k_head, count, sh.d,
+                        ws.s_tile.get() + c, sh.bc, fetch);
+  }
+}
+
+// FP8: Q·(values·descale) = (Q·values read)·(kKvUnit·descale), on kv head g's real rows;
+// q_units (decode_fp16, else null) also undoes each row's Q scaling.
+HWY_INLINE void DescaleScores(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeShape& sh, std::int64_t g,
+                   std::int64_t n, std::int64_t cols, const float* q_units) {
+  constexpr float kUnit = kKvUnit<KvFormat::e4m3>;
+  const std::int64_t descale_head = prm.paged.descale_head_stride;
+  float* factor = ws.descales.get();
+  const DecodeKeys& keys = ws.decode_keys;
+  for (std::int64_t c = 0; c < cols; ++c) factor[c] = c < n ? kUnit * keys.k_descale[c][g * descale_head] : 0.0f;
+  for (std::int64_t r = 0; r < sh.rows; ++r) {
+    float* srow = ws.s_tile.get() + (g * sh.rows4 + r) * sh.bc;
+    const VF unit = hn::Set(DF(), q_units != nullptr ? q_units[g * sh.rows4 + r] : 1.0f);
+    for (std::int64_t c = 0; c < n; c += kLanes)
+      hn::Store(hn::Mul(hn::Mul(hn::Load(DF(), srow + c), hn::Load(DF(), factor + c)), unit), DF(), srow + c);
+  }
+}
+
+// FP8: the block's V descales of kv head g (0 past n) into ws.descales.
+HWY_INLINE void LoadVDescales(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t g, std::int64_t n, std::int64_t cols) {
+  const std::int64_t descale_head = prm.paged.descale_head_stride;
+  float* factor = ws.descales.get();
+  for (std::int64_t c = 0; c < cols; ++c) factor[c] = c < n ? ws.decode_keys.v_descale[c][g * descale_head] : 0.0f;
+}
+
+// x[c] *= y[c] for c < cols (a whole number of vectors).
+HWY_INLINE void MulRow(float* HWY_RESTRICT x, const float* HWY_RESTRICT y, std::int64_t cols) {
+  for (std::int64_t c = 0; c < cols; c += kLanes)
+    hn::Store(hn::Mul(hn::Load(DF(), x + c), hn::Load(DF(), y + c)), DF(), x + c);
+}
+
+// x[c] *= scale for c < cols (a whole number of vectors).
+HWY_INLINE void ScaleRow(float* HWY_RESTRICT x, float scale, std::int64_t cols) {
+  for (std::int64_t c = 0; c < cols; c += kLanes)
+    hn::Store(hn::Mul(hn::Load(DF(), x + c), hn::Set(DF(), scale)), DF(), x + c);
+}
+
+// Mask and online softmax of kv head g's rows over the block's keys j0.. (n, cols with
+// padding); padding rows get no probability mass. `finish(srow)` then turns each real row's
+// P into what the P·V step reads.
+template <class FinishFn>
+HWY_INLINE void SoftmaxRows(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeShape& sh, std::int64_t g, std::int64_t j0,
+                 std::int64_t n, std::int64_t cols, FinishFn finish) {
+  const AttentionProblem& p = prm.problem;
+  for (std::int64_t r = 0; r < sh.rows4; ++r) {
+    float* srow = ws.s_tile.get() + (g * sh.rows4 + r) * sh.bc;
+    if (r >= sh.rows) {
+      std::fill(srow, srow + cols, 0.0f);
+      continue;
+    }
+    std::fill(srow + n, srow + cols, 0.0f);
+    const std::int64_t row = g * sh.rows4 + r, i = r % p.seqlen_q;
+    const RowMods mods(p, prm.alibi_slopes, prm.block_mask, sh.item.batch, g * sh.group + r / p.seqlen_q);
+    MaskRow(mods, srow, i, j0, n, cols);
+    SoftmaxRow(mods, srow, i, j0, cols, ws.states[static_cast<std::size_t>(row)], ws.o_acc.get() + row * sh.dv_pad,
+               sh.dv_pad, ws.rescales[static_cast<std::size_t>(row)], prm.switches.deferred_normalization);
+    finish(srow);
+  }
+}
+
+// õ += P·V of the block's n keys, every kv head's rows four at a time.
+template <KvFormat F>
+void AccumulateBlock(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeShape& sh, std::int64_t n) {
+  const std::int64_t hkv = sh.hkv, rows4 = sh.rows4, bc = sh.bc, dv = sh.dv, dv_pad = sh.dv_pad, v_head = sh.v_head;
+  const DType dtype = prm.v.dtype;
+  const float* s_tile = ws.s_tile.get();
+  float* o_acc = ws.o_acc.get();
+  for (std::int64_t g = 0; g < hkv; ++g)
+    for (std::int64_t r = g * rows4; r < (g + 1) * rows4; r += 4)
+      for (std::int64_t e = 0; e < dv_pad; e += kPair)
+        AccumulatePair4<F>(s_tile + r * bc, bc, ws.decode_keys, g * v_head, n, e, dv, dtype, o_acc + r * dv_pad + e,
+                           dv_pad);
+}
+
+// AccumulateBlock in half precision (decode_fp16), P as PairHalves left it.
+void AccumulateBlockFp16(ForwardWorkspace& ws, const DecodeShape& sh, std::int64_t n) {
+  for (std::int64_t g = 0; g < sh.hkv; ++g)
+    for (std::int64_t r = g * sh.rows4; r < (g + 1) * sh.rows4; r += 4)
+      fp16dot::AccumulateRows4(reinterpret_cast<const std::uint32_t*>(ws.s_tile.get() + r * sh.bc), sh.bc,
+                               ws.decode_keys.v.data(), g * sh.v_head, n, sh.dv, ws.v_units[g],
+                               ws.o_acc.get() + r * sh.dv_pad, sh.dv_pad);
+}
+
+// Epilogue: every real row's output (or split partial) and lse.
+template <KvFormat F>
+void StoreRows(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeShape& sh) {
+  const AttentionProblem& p = prm.problem;
+  for (std::int64_t g = 0; g < sh.hkv; ++g)
+    for (std::int64_t r = 0; r < sh.rows; ++r) {
+      const std::int64_t row = g * sh.rows4 + r;
+      float* orow = ws.o_acc.get() + row * sh.dv_pad;
+      if constexpr (kEvenOdd<F>)  // whole pairs back into row order
+        for (std::int64_t e = 0; e + kPair <= sh.dv; e += kPair) {
+          HWY_ALIGN float pair[kPair];
+          for (std::int64_t half = 0; half < 2; ++half)
+            for (std::int64_t i = 0; i < kLanes; ++i) pair[PairIndex<F>(half, i)] = orow[e + half * kLanes + i];
+          std::copy(pair, pair + kPair, orow + e);
+        }
+      StoreOutputRow(prm, ws, sh.item.split, sh.item.batch, g * sh.group + r / p.seqlen_q, r % p.seqlen_q, orow,
+                     ws.states[static_cast<std::size_t>(row)], ws.rescales[static_cast<std::size_t>(row)]);
+    }
+  ws.counters.o_written += sh.hkv * sh.rows * sh.dv;
+  ws.counters.lse_written += sh.hkv * sh.rows;
+}
+
+// One decode work item, K and V in storage format F.
+template <KvFormat F>
+void DecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item) {
+  const DecodeShape sh(prm, item);
+  LoadQPanels<F>(prm, ws, sh);
+  ResetRows(ws, sh.all_rows, sh.dv_pad);
+  ws.counters.q_read += sh.hkv * sh.rows * sh.d;
+  const std::int64_t key_end = sh.item.key_end;
+  for (std::int64_t j0 = sh.item.first_block; j0 < key_end; j0 += sh.bc) {
+    const std::int64_t n = std::min(sh.bc, key_end - j0), cols = (n + kLanes - 1) / kLanes * kLanes;
+    const std::int64_t ahead = std::min(n + kDecodePrefetchKeys, key_end - j0);  // keys resolved
+    ResolveKeys(prm, sh.item.batch, j0, ahead, ws.decode_keys);
+    CountTiles(ws.counters, sh.hkv, sh.rows, n, sh.d, sh.dv);  // one (kv head, key block) tile each
+    ScoreBlock<F>(prm, ws, sh, n, ahead);
+    for (std::int64_t g = 0; g < sh.hkv; ++g) {
+      if constexpr (F == KvFormat::e4m3) {  // P·(values·descale) = (P·kKvUnit·descale)·(values read)
+        DescaleScores(prm, ws, sh, g, n, cols, nullptr);
+        LoadVDescales(prm, ws, g, n, cols);
+        ScaleRow(ws.descales.get(), kKvUnit<F>, cols);
+        SoftmaxRows(prm, ws, sh, g, j0, n, cols, [&](float* srow) { MulRow(srow, ws.descales.get(), cols); });
+      } else {
+        SoftmaxRows(prm, ws, sh, g, j0, n, cols, [](float*) {});
+      }
+    }
+    AccumulateBlock<F>(prm, ws, sh, n);
+  }
+  StoreRows<F>(prm, ws, sh);
+}
+
+// The power of two that P·descale is multiplied by (decode_fp16): it brings the largest of
+// the block's `cols` descales below 2^8, so P is at most 256 in half precision.
+float Fp16VScale(const float* descales, std::int64_t cols) {
+  VF largest = hn::Zero(DF());
+  for (std::int64_t c = 0; c < cols; c += kLanes) largest = hn::Max(largest, hn::Load(DF(), descales + c));
+  int exponent = 0;
+  const float most = hn::GetLane(hn::MaxOfLanes(DF(), largest));
+  if (most > 0.0f && std::isfinite(most)) std::frexp(most, &exponent);  // most < 2^exponent
+  return std::ldexp(1.0f, std::clamp(8 - exponent, -100, 100));
+}
+
+// One decode_fp16 work item: DecodeItem's steps on an FP8 cache with the products in half
+// precision. P·(values·descale) = (P·descale·2^u)·(values read) with 2^u from Fp16VScale,
+// and kKvUnit·2^-u applied to the float32 sums (v_units).
+void DecodeFp16Item(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item) {
+  constexpr KvFormat F = KvFormat::e4m3;
+  const DecodeShape sh(prm, item);
+  PackQHalves(prm, ws, sh);
+  ResetRows(ws, sh.all_rows, sh.dv_pad);
+  ws.counters.q_read += sh.hkv * sh.rows * sh.d;
+  const std::int64_t key_end = sh.item.key_end;
+  for (std::int64_t j0 = sh.item.first_block; j0 < key_end; j0 += sh.bc) {
+    const std::int64_t n = std::min(sh.bc, key_end - j0), cols = (n + kLanes - 1) / kLanes * kLanes;
+    const std::int64_t ahead = std::min(n + kDecodePrefetchKeys, key_end - j0);  // keys resolved
+    ResolveKeys(prm, sh.item.batch, j0, ahead, ws.decode_keys);
+    CountTiles(ws.counters, sh.hkv, sh.rows, n, sh.d, sh.dv);
+    ScoreBlockFp16(ws, sh, n, ahead);
+    for (std::int64_t g = 0; g < sh.hkv; ++g) {
+      DescaleScores(prm, ws, sh, g, n, cols, ws.q_units.get());
+      LoadVDescales(prm, ws, g, n, cols);
+      const float v_scale = Fp16VScale(ws.descales.get(), cols);
+      ws.v_units[g] = kKvUnit<F> / v_scale;
+      ScaleRow(ws.descales.get(), v_scale, cols);
+      SoftmaxRows(prm, ws, sh, g, j0, n, cols, [&](float* srow) {
+        MulRow(srow, ws.descales.get(), cols);
+        fp16dot::PairHalves(srow, reinterpret_cast<std::uint32_t*>(srow), cols);  // in place
+      });
+    }
+    AccumulateBlockFp16(ws, sh, n);
+  }
+  StoreRows<F>(prm, ws, sh);
+}
+
+void ForwardDecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item) {
+  switch (prm.k.dtype) {
+    case DType::f32: return DecodeItem<KvFormat::f32>(prm, ws, item);
+    case DType::bf16: return DecodeItem<KvFormat::bf16>(prm, ws, item);
+    case DType::f16: return DecodeItem<KvFormat::f16>(prm, ws, item);
+    case DType::u8: return DecodeItem<KvFormat::e4m3>(prm, ws, item);
+    case DType::i32: return;  // never an attention operand: rejected by validation
+  }
+}
+
+// decode_fp16 reads FP8 caches only (the plan checks); a hand-made plan on another cache
+// runs decode.
+void ForwardDecodeFp16Item(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item) {
+  if (prm.k.dtype != DType::u8) return ForwardDecodeItem(prm, ws, item);
+  DecodeFp16Item(prm, ws, item);
+}
+
+}  // namespace flashattn::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace flashattn::cpu {
+
+HWY_EXPORT(ForwardDecodeItem);
+HWY_EXPORT(ForwardDecodeFp16Item);
+
+ForwardWorkItemFn decode_work_item_kernel(bool fp16) {
+  kernel_geometry();  // the first dispatched call picks the target; then the table is direct
+  if (!fp16) return &HWY_DYNAMIC_DISPATCH(ForwardDecodeItem);
+  if (!fp16dot::available())  // as for tiled_bf16: never an illegal instruction
+    throw Error("kernel decode_fp16: this CPU (AVX512-FP16) cannot run it");
+  return &HWY_DYNAMIC_DISPATCH(ForwardDecodeFp16Item);
+}
+
+}  // namespace flashattn::cpu
+#endif  // HWY_ONCE

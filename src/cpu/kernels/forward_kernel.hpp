@@ -1,0 +1,74 @@
+// Internal interface between the CPU forward driver (forward.cpp: validation, plan,
+// threads) and the per-SIMD-target kernels.
+//
+// The kernel families of src/cpu/kernels/, one Highway compilation unit (foreach_target)
+// each: tiled_forward.cpp (tiled, tiled_bf16), decode_forward.cpp (decode, decode_fp16),
+// tiled_backward.cpp (backward_kernel.hpp). Micro-kernels compiled once for their ISA:
+// bf16_dot.* (AVX512-BF16, AMX), fp16_decode.* (AVX512-FP16). Shared per-target steps:
+// tile_ops-inl.h (micro-kernel, row conversion), kv_pack-inl.h (paged K/V reader, packing,
+// prefetch), forward_rows-inl.h (mask, online softmax, output rows), score_mods-inl.h,
+// simd_math-inl.h, fp8-inl.h. workspace.* lays out the forward's per-thread memory; the
+// schedule the kernels walk is the plan's (ForwardSchedule, flashattn/plan.hpp).
+#pragma once
+
+#include <cstdint>
+
+#include "flashattn/options.hpp"
+#include "flashattn/plan.hpp"
+#include "flashattn/problem.hpp"
+#include "flashattn/tensor.hpp"
+#include "src/core/paged_kv.hpp"
+#include "src/cpu/kernels/workspace.hpp"
+
+namespace flashattn::cpu {
+
+using detail::PagedKv;  // the paged-KV source (src/core/paged_kv.hpp)
+
+constexpr std::int64_t kCacheLineBytes = 64;  // x86: one prefetch per line
+
+// Rows of the caller's tensors that the tiled kernel fetches ahead of the one it converts:
+// K and V rows while packing, Q rows into the Q tile, output rows it stores. Consecutive
+// rows of one head lie heads·D elements apart — 8 KiB at 16 heads × D 128 in float32 — each
+// on a page of its own, where the hardware prefetchers, which stay within a page, do not
+// follow; each row then waits for DRAM and often for a page walk. A packed row costs a few
+// hundred cycles, a miss about as many, so a few rows ahead hide it (4, 8 and 16 measured
+// alike on the Zen 3 of docs/performance.md; 8 is kept).
+constexpr std::int64_t kRowPrefetchDistance = 8;
+
+// Everything a work item needs; filled once per call by the driver.
+struct ForwardParams {
+  AttentionProblem problem;
+  CpuForwardPlan plan;
+  TensorView q, k, v;
+  MutableTensorView out, lse;
+  TensorView alibi_slopes, block_mask;  // from the options; empty when unused
+  // Split-KV partial results (plan.splits > 1): (splits, batch, seqlen_q, heads_q, Dv)
+  // normalized outputs and (splits, batch, heads_q, seqlen_q) lses, float32, contiguous.
+  float* split_out = nullptr;
+  float* split_lse = nullptr;
+  PagedKv paged;
+  MutableTensorView rescale_counts;  // int32 (batch, heads_q, seqlen_q), zeroed; null when not asked
+  AttentionOptions::KernelSwitches switches;
+};
+
+// Micro-kernel geometry of the SIMD target chosen at run time.
+struct KernelGeometry {
+  const char* target;
+  int float_lanes;
+  int micro_rows;
+  int micro_cols;
+};
+KernelGeometry kernel_geometry();
+
+// The kernel for one work item (batch, q head, q block), resolved once per call; Error for
+// tiled_bf16 where tiled_bf16_available() is false.
+using ForwardWorkItemFn = void (*)(const ForwardParams&, ForwardWorkspace&, std::int64_t item);
+ForwardWorkItemFn forward_work_item_kernel(ForwardKernel kernel);
+// The decode kernel's (decode_fp16's with fp16) work item, resolved once per call
+// (decode_forward.cpp); Error for decode_fp16 where the CPU lacks AVX512-FP16.
+ForwardWorkItemFn decode_work_item_kernel(bool fp16);
+
+// The CPU has AVX512-BF16 and the SIMD target chosen at run time has the tiled_bf16 kernel.
+bool tiled_bf16_available();
+
+}  // namespace flashattn::cpu

@@ -1,0 +1,95 @@
+// K/V packing shared by the tiled forward and the tiled backward, compiled per Highway
+// target: the paged-KV reader (KvRows), row prefetch, and PackKeys, which lays out one
+// (batch, kv head)'s keys whole tiles at a time and keeps what a thread has packed.
+// The decode forward resolves its key rows through KvRows as well.
+// Include inside the per-target section.
+#if defined(FLASHATTN_CPU_KV_PACK_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef FLASHATTN_CPU_KV_PACK_INL_H_
+#undef FLASHATTN_CPU_KV_PACK_INL_H_
+#else
+#define FLASHATTN_CPU_KV_PACK_INL_H_
+#endif
+
+#include <hwy/cache_control.h>
+#include <hwy/highway.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "flashattn/counters.hpp"
+#include "flashattn/tensor.hpp"
+#include "src/cpu/kernels/forward_kernel.hpp"
+#include "src/cpu/kernels/packed_head.hpp"
+#include "src/cpu/kernels/tile_ops-inl.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace flashattn::cpu::HWY_NAMESPACE {
+
+// The K and V rows of one (batch, kv head): key j is row j of batch b, or — paged — row
+// j % page_size of page block_table[(j / page_size) · table_stride] of the pools.
+struct KvRows {
+  const TensorView* k;
+  const TensorView* v;
+  const PagedKv* paged;
+  std::int64_t batch, kv_head;
+
+  // The page (batch row of the views) that holds key j.
+  std::int64_t page(std::int64_t j) const {
+    return paged->block_table == nullptr ? batch : paged->block_table[(j / paged->page_size) * paged->table_stride];
+  }
+  const void* row(const TensorView& t, std::int64_t j) const {
+    if (paged->block_table == nullptr) return RowPointer(t, batch, j, kv_head);
+    return RowPointer(t, page(j), j % paged->page_size, kv_head);
+  }
+  const void* k_row(std::int64_t j) const { return row(*k, j); }
+  const void* v_row(std::int64_t j) const { return row(*v, j); }
+  // The factor that turns key j's row of an FP8 pool into values; 1 otherwise.
+  float descale(const float* table, std::int64_t j) const {
+    if (table == nullptr) return 1.0f;
+    return table[page(j) * paged->descale_page_stride + kv_head * paged->descale_head_stride];
+  }
+  float k_descale(std::int64_t j) const { return descale(paged->k_descale, j); }
+  float v_descale(std::int64_t j) const { return descale(paged->v_descale, j); }
+};
+
+// Prefetches the cache lines of the `bytes` bytes from `row` on: a row that is read
+// kRowPrefetchDistance rows later.
+HWY_INLINE void PrefetchRow(const void* row, std::int64_t bytes) {
+  for (std::int64_t off = 0; off < bytes; off += kCacheLineBytes) hwy::Prefetch(static_cast<const char*>(row) + off);
+}
+
+// The producer role (docs/algorithm.md §4) on a CPU: lay out K and V of `rows` for keys
+// [from, to) of seqlen_k, whole tiles of block_k at a time, extending what `packed` holds.
+// Each kernel cuts them into its micro-kernel's B panels, each stored contiguously, so that
+// a micro-kernel reads its B panel as one sequential stream. (Row-major tiles put
+// consecutive rows of a panel block_k or head_dim_v floats apart, 512 B at 128: all in the
+// same few L1 sets, which hold too few of them for the panel to stay in L1 while the row
+// strips reuse it.) `place(j, k_row, v_row)` puts key j's rows, as stored, into its panels;
+// null rows are the keys that pad the last tile, which must be zeros: masked scores must
+// meet finite K and V. With `prefetch`, the rows kRowPrefetchDistance keys ahead are fetched.
+template <class PlaceFn>
+void PackKeys(const KvRows& rows, std::int64_t seqlen_k, std::int64_t block_k, std::int64_t from, std::int64_t to,
+              bool prefetch, PackedHead& packed, KernelCounters& counters, PlaceFn place) {
+  const std::int64_t bc = block_k;
+  const std::int64_t begin = packed.first_to_pack(rows.batch, rows.kv_head, from / bc * bc);
+  const std::int64_t end = std::min(seqlen_k, (to + bc - 1) / bc * bc);
+  const std::int64_t d = rows.k->shape[3], dv = rows.v->shape[3];
+  const std::int64_t k_bytes = d * static_cast<std::int64_t>(dtype_size(rows.k->dtype));
+  const std::int64_t v_bytes = dv * static_cast<std::int64_t>(dtype_size(rows.v->dtype));
+  for (std::int64_t j = begin; j < end; ++j) {
+    if (prefetch && j + kRowPrefetchDistance < end) {
+      PrefetchRow(rows.k_row(j + kRowPrefetchDistance), k_bytes);
+      PrefetchRow(rows.v_row(j + kRowPrefetchDistance), v_bytes);
+    }
+    place(j, rows.k_row(j), rows.v_row(j));
+  }
+  if (end == seqlen_k && begin < end)
+    for (std::int64_t j = end; j % bc != 0; ++j) place(j, nullptr, nullptr);
+  if (end > begin) counters.kv_packed += (end - begin) * (d + dv);
+  packed.done(end);
+}
+
+}  // namespace flashattn::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#endif  // per-target include guard

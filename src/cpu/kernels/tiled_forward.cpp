@@ -1,0 +1,367 @@
+// The CPU tiled forward kernels, compiled once per Highway SIMD target (foreach_target) and
+// dispatched once per call. One work item = one block of Q rows of one (batch, head) and
+// its share of the keys (ForwardSchedule, flashattn/plan.hpp); it streams every visible K/V
+// tile through fast memory (docs/algorithm.md §2–§3):
+//
+//   pack K/V (kv_pack-inl.h), load Q tile
+//   for each K/V tile:  S = Q·Kᵀ·softmax_scale·log2e → mask → online-softmax update
+//                       (P = 2^(S − m)) → õ += P·V
+//   epilogue: o = õ / ℓ, lse = (m + log2 ℓ)·ln2
+//
+// Both products run on one register-blocked micro-kernel, each row strip over only the keys
+// it may see (FindStripKeys); S never leaves the L2 cache. The kernels "tiled" and
+// "tiled_bf16" differ only in that micro-kernel and the operands it reads (Fp32Products:
+// float32 FMAs; Bf16Products: AVX512-BF16 dot products on bf16 operands, bf16_dot.hpp).
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "src/cpu/kernels/tiled_forward.cpp"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+
+#include <hwy/highway.h>
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "flashattn/online_softmax.hpp"
+#include "flashattn/error.hpp"
+#include "src/core/element.hpp"
+#include "src/cpu/kernels/bf16_dot.hpp"
+#include "src/cpu/kernels/forward_kernel.hpp"
+#include "src/cpu/kernels/forward_rows-inl.h"
+#include "src/cpu/kernels/kv_pack-inl.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace flashattn::cpu::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+// K/V of one (batch, kv head) for keys [from, to) through PackKeys, placed by `place`.
+template <class PlaceFn>
+void PackHead(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t b, std::int64_t kv_head, std::int64_t from,
+              std::int64_t to, PlaceFn place) {
+  if (!prm.switches.reuse_packed_kv) ws.packed = {};  // measurement: pack again what is packed
+  PackKeys(KvRows{&prm.k, &prm.v, &prm.paged, b, kv_head}, prm.problem.seqlen_k, prm.plan.block_k, from, to,
+           prm.switches.software_prefetch, ws.packed, ws.counters, place);
+}
+
+// The keys of tile [j0, j0 + n) that each row strip of the Q tile starting at query i0
+// computes. Key ranges are non-decreasing in the row, so strip s (queries i0 + s·kMicroRows
+// on; padding rows count as the last query) sees at most [its first row's begin, its last
+// row's end); rounded out to whole panels of kMicroCols keys, that is its span. Outside it
+// every score of the strip is masked (causal, window): no S micro-tile, no exponential and
+// no P·V depth is spent there, so a diagonal tile costs about its visible triangle, not its
+// square. A strip that sees none of the tile's keys gets an empty span and is skipped: its
+// softmax state and õ stay as they are, exactly what an all-masked row would leave.
+void FindStripKeys(const AttentionProblem& p, std::int64_t i0, std::int64_t strips, std::int64_t j0, std::int64_t n,
+                   StripKeys* HWY_RESTRICT keys) {
+  for (std::int64_t s = 0; s < strips; ++s) {
+    const std::int64_t first = std::min(i0 + s * kMicroRows, p.seqlen_q - 1);
+    const std::int64_t last = std::min(i0 + (s + 1) * kMicroRows - 1, p.seqlen_q - 1);
+    const std::int64_t lo = std::max<std::int64_t>(p.key_range(first).begin - j0, 0);
+    const std::int64_t hi = std::min(p.key_range(last).end - j0, n);
+    keys[s] = lo < hi ? StripKeys{lo / kMicroCols * kMicroCols, (hi + kMicroCols - 1) / kMicroCols * kMicroCols}
+                      : StripKeys{};
+  }
+}
+
+// micro(s, j): S(strip s, panel j) = Q(strip)·Kᵀ(panel), for every panel j in the strip's
+// span. Panels outermost: one packed K panel (contiguous) stays in L1 while the row strips
+// pass over it.
+template <class MicroFn>
+HWY_INLINE void ScoreTile(const StripKeys* HWY_RESTRICT keys, std::int64_t strips, std::int64_t n_pad, MicroFn micro) {
+  for (std::int64_t j = 0; j < n_pad; j += kMicroCols)
+    for (std::int64_t s = 0; s < strips; ++s)
+      if (keys[s].begin <= j && j < keys[s].end) micro(s, j);
+}
+
+// row(r, i, j, n_r, cols): each row r of the tile over its strip's span — query i, keys j..
+// of which n_r are real, cols with padding, at column j − j0 of the row; rows of an empty
+// span are left alone. The tile's rows are consecutive queries of one head; padded rows
+// copy the last query.
+template <class RowFn>
+HWY_INLINE void ForEachSpanRow(const AttentionProblem& p, std::int64_t i0, std::int64_t rows, std::int64_t j0,
+                               std::int64_t n, const StripKeys* HWY_RESTRICT keys, RowFn row) {
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const StripKeys k = keys[r / kMicroRows];
+    if (k.begin == k.end) continue;
+    row(r, std::min(i0 + r, p.seqlen_q - 1), j0 + k.begin, std::min(n, k.end) - k.begin, k.end - k.begin);
+  }
+}
+
+// micro(s, c, span): õ(strip s, panel c) += P(strip, span)·V(span, panel), for every output
+// panel c: a strip's P is zero outside its span, so its depth is the span alone. Panels
+// outermost, as in ScoreTile.
+template <class MicroFn>
+HWY_INLINE void AccumulateTile(const StripKeys* HWY_RESTRICT keys, std::int64_t strips, std::int64_t dv_pad,
+                               MicroFn micro) {
+  for (std::int64_t c = 0; c < dv_pad; c += kMicroCols)
+    for (std::int64_t s = 0; s < strips; ++s)
+      if (keys[s].begin != keys[s].end) micro(s, c, keys[s]);
+}
+
+// The tiled kernel's two products on float32 FMAs (MicroTile): K and V converted to float32
+// at packing (FP8 codes dequantized), Q pre-scaled by softmax_scale·log2e as it is loaded.
+struct Fp32Products {
+  // K tiles as panels of kMicroCols keys, each (head_dim, kMicroCols) — Kᵀ; V tiles as panels
+  // of kMicroCols columns, each (block_k, kMicroCols).
+  static void Pack(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t b, std::int64_t kv_head,
+                   std::int64_t from, std::int64_t to) {
+    const std::int64_t bc = prm.plan.block_k, d = prm.problem.head_dim, dv = prm.problem.head_dim_v;
+    const std::int64_t dv_pad = prm.plan.head_dim_v_padded;
+    float* krow = ws.k_row.get();
+    float* vrow = ws.v_row.get();
+    const KvRows kv{&prm.k, &prm.v, &prm.paged, b, kv_head};
+    PackHead(prm, ws, b, kv_head, from, to, [&](std::int64_t j, const void* k_row, const void* v_row) {
+      const bool zero = k_row == nullptr;
+      if (!zero) {
+        LoadRow(k_row, prm.k.dtype, d, kv.k_descale(j), krow);
+        LoadRow(v_row, prm.v.dtype, dv, kv.v_descale(j), vrow);
+      }
+      float* kt = ws.k_packed.get() + (j / bc) * d * bc + (j % bc) / kMicroCols * d * kMicroCols + j % kMicroCols;
+      float* vt = ws.v_packed.get() + (j / bc) * bc * dv_pad + (j % bc) * kMicroCols;
+      for (std::int64_t c = 0; c < d; ++c) kt[c * kMicroCols] = zero ? 0.0f : krow[c];
+      for (std::int64_t c = 0; c < dv_pad; c += kMicroCols)
+        for (std::int64_t e = 0; e < kMicroCols; ++e) vt[c * bc + e] = zero || c + e >= dv ? 0.0f : vrow[c + e];
+    });
+  }
+
+  // Rows [0, rows) of the Q tile from queries i0.., times softmax_scale·log2e; rows up to
+  // rows_pad zero.
+  static void LoadQ(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t b, std::int64_t h, std::int64_t i0,
+                    std::int64_t rows, std::int64_t rows_pad) {
+    const AttentionProblem& p = prm.problem;
+    const std::int64_t d = p.head_dim;
+    float* q_tile = ws.q_tile.get();  // (rows_pad, d)
+    const float q_scale = p.softmax_scale * OnlineSoftmaxState::kLog2e;
+    const std::int64_t q_bytes = d * static_cast<std::int64_t>(dtype_size(p.dtype));
+    for (std::int64_t r = 0; r < rows; ++r) {
+      if (prm.switches.software_prefetch && r + kRowPrefetchDistance < rows)
+        PrefetchRow(RowPointer(prm.q, b, i0 + r + kRowPrefetchDistance, h), q_bytes);
+      LoadRow(RowPointer(prm.q, b, i0 + r, h), p.dtype, d, q_scale, q_tile + r * d);
+    }
+    std::fill(q_tile + rows * d, q_tile + rows_pad * d, 0.0f);
+  }
+
+  // The S tile of keys j0.. (n_pad of them) over each strip's span.
+  static void Scores(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t j0, const StripKeys* keys,
+                     std::int64_t strips, std::int64_t n_pad) {
+    const std::int64_t d = prm.problem.head_dim, bc = prm.plan.block_k;
+    const float* q_tile = ws.q_tile.get();
+    const float* k_tile = ws.k_packed.get() + (j0 / bc) * d * bc;
+    float* s_tile = ws.s_tile.get();  // (rows_pad, bc)
+    ScoreTile(keys, strips, n_pad, [&](std::int64_t s, std::int64_t j) {
+      MicroTile<false>({q_tile + s * kMicroRows * d, d}, k_tile + j / kMicroCols * d * kMicroCols, kMicroCols,
+                       s_tile + s * kMicroRows * bc + j, bc, d);
+    });
+  }
+
+  // õ += P·V(keys j0..), P in place in the S tile.
+  static void Accumulate(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t j0, const StripKeys* keys,
+                         std::int64_t strips) {
+    const std::int64_t bc = prm.plan.block_k, dv_pad = prm.plan.head_dim_v_padded;
+    const float* s_tile = ws.s_tile.get();
+    const float* v_tile = ws.v_packed.get() + j0 * dv_pad;
+    float* o_acc = ws.o_acc.get();
+    AccumulateTile(keys, strips, dv_pad, [&](std::int64_t s, std::int64_t c, StripKeys k) {
+      MicroTile<true>({s_tile + s * kMicroRows * bc + k.begin, bc}, v_tile + c / kMicroCols * bc * kMicroCols + k.begin * kMicroCols,
+                      kMicroCols, o_acc + s * kMicroRows * dv_pad + c, dv_pad, k.end - k.begin);
+    });
+  }
+};
+
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+// The tiled kernel's two products on AVX512-BF16 dot products (bf16_dot.hpp), for bf16 q, k
+// and v: every operand is bf16 with pairs along the product's depth, read as stored. S =
+// Q·Kᵀ takes Q unscaled — exact inputs — and applies softmax_scale·log2e to S in float32 as
+// the micro-tile is stored, so nothing is rounded that upstream does not round; P is rounded
+// to bf16 (nearest even) before P·V, as upstream rounds it, while ℓ sums the float32 P.
+// The bf16 micro-tile is this target's micro-tile, so strips, spans and panels are the
+// float32 kernel's.
+struct Bf16Products {
+  static_assert(kMicroRows == bf16dot::kRows && kMicroCols == bf16dot::kCols, "one micro-tile for both kernels");
+
+  static std::int64_t EvenHeadDim(const ForwardParams& prm) { return (prm.problem.head_dim + 1) / 2 * 2; }
+
+  // K tiles as panels of kMicroCols keys, each (head_dim_pairs, kMicroCols, 2): step p holds
+  // every key's elements 2p and 2p + 1 side by side (an odd head_dim ends with a zero); V
+  // tiles as panels of kMicroCols columns, each (block_k / 2, kMicroCols, 2): step p holds
+  // every column's values of keys 2p and 2p + 1.
+  static void Pack(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t b, std::int64_t kv_head,
+                   std::int64_t from, std::int64_t to) {
+    const std::int64_t bc = prm.plan.block_k, d = prm.problem.head_dim, dv = prm.problem.head_dim_v;
+    const std::int64_t dv_pad = prm.plan.head_dim_v_padded, d_even = EvenHeadDim(prm);
+    constexpr std::int64_t kStep = bf16dot::kPairStep;
+    PackHead(prm, ws, b, kv_head, from, to, [&](std::int64_t j, const void* k_row, const void* v_row) {
+      const auto* k = static_cast<const std::uint16_t*>(k_row);
+      const auto* v = static_cast<const std::uint16_t*>(v_row);
+      std::uint16_t* kt =
+          ws.k_pairs.get() + (j / bc) * d_even * bc + (j % bc) / kMicroCols * d_even * kMicroCols + j % kMicroCols * 2;
+      for (std::int64_t e = 0; e < d; ++e) kt[e / 2 * kStep + e % 2] = k != nullptr ? k[e] : 0;
+      if (d < d_even) kt[d / 2 * kStep + 1] = 0;
+      std::uint16_t* vt = ws.v_pairs.get() + (j / bc) * bc * dv_pad + (j % bc) / 2 * kStep + j % 2;
+      for (std::int64_t c = 0; c < dv_pad; ++c)
+        vt[c / kMicroCols * bc * kMicroCols + c % kMicroCols * 2] = v != nullptr && c < dv ? v[c] : 0;
+    });
+  }
+
+  // Rows [0, rows) of the bf16 Q tile from queries i0.., as stored (head_dim padded to even
+  // with a zero); rows up to rows_pad zero.
+  static void LoadQ(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t b, std::int64_t h, std::int64_t i0,
+                    std::int64_t rows, std::int64_t rows_pad) {
+    const std::int64_t d = prm.problem.head_dim, d_even = EvenHeadDim(prm);
+    std::uint16_t* q = ws.q_bf16.get();  // (rows_pad, d_even)
+    const std::int64_t q_bytes = d * static_cast<std::int64_t>(sizeof(std::uint16_t));
+    for (std::int64_t r = 0; r < rows; ++r) {
+      if (prm.switches.software_prefetch && r + kRowPrefetchDistance < rows)
+        PrefetchRow(RowPointer(prm.q, b, i0 + r + kRowPrefetchDistance, h), q_bytes);
+      std::memcpy(q + r * d_even, RowPointer(prm.q, b, i0 + r, h), static_cast<std::size_t>(q_bytes));
+      if (d < d_even) q[r * d_even + d] = 0;
+    }
+    std::fill(q + rows * d_even, q + rows_pad * d_even, std::uint16_t{0});
+  }
+
+  static void Scores(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t j0, const StripKeys* keys,
+                     std::int64_t strips, std::int64_t n_pad) {
+    const std::int64_t d_even = EvenHeadDim(prm), bc = prm.plan.block_k;
+    const float scale = prm.problem.softmax_scale * OnlineSoftmaxState::kLog2e;
+    const std::uint16_t* q = ws.q_bf16.get();
+    const std::uint16_t* k_tile = ws.k_pairs.get() + (j0 / bc) * d_even * bc;
+    float* s_tile = ws.s_tile.get();  // (rows_pad, bc)
+    ScoreTile(keys, strips, n_pad, [&](std::int64_t s, std::int64_t j) {
+      bf16dot::DotStore(q + s * kMicroRows * d_even, d_even, k_tile + j / kMicroCols * d_even * kMicroCols, d_even / 2,
+                        scale, s_tile + s * kMicroRows * bc + j, bc);
+    });
+  }
+
+  // P of each strip's span rounded into the bf16 P tile, then õ += P·V(keys j0..).
+  static void Accumulate(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t j0, const StripKeys* keys,
+                         std::int64_t strips) {
+    const std::int64_t bc = prm.plan.block_k, dv_pad = prm.plan.head_dim_v_padded;
+    const float* s_tile = ws.s_tile.get();
+    std::uint16_t* p_tile = ws.p_bf16.get();  // (rows_pad, bc)
+    for (std::int64_t s = 0; s < strips; ++s)
+      for (std::int64_t r = s * kMicroRows; r < (s + 1) * kMicroRows && keys[s].begin != keys[s].end; ++r)
+        bf16dot::RoundToBf16(s_tile + r * bc + keys[s].begin, p_tile + r * bc + keys[s].begin,
+                             keys[s].end - keys[s].begin);
+    const std::uint16_t* v_tile = ws.v_pairs.get() + j0 * dv_pad;
+    float* o_acc = ws.o_acc.get();
+    AccumulateTile(keys, strips, dv_pad, [&](std::int64_t s, std::int64_t c, StripKeys k) {
+      bf16dot::DotAccumulate(p_tile + s * kMicroRows * bc + k.begin, bc,
+                             v_tile + c / kMicroCols * bc * kMicroCols + k.begin * kMicroCols, (k.end - k.begin) / 2,
+                             o_acc + s * kMicroRows * dv_pad + c, dv_pad);
+    });
+  }
+};
+#endif
+
+// One work item of the tiled kernels: a Q tile of one (batch, head) against its visible K/V
+// tiles; Products (Fp32Products, Bf16Products) computes the two matrix products.
+template <class Products>
+void TiledItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item) {
+  const AttentionProblem& p = prm.problem;
+  const CpuForwardPlan& plan = prm.plan;
+  const std::int64_t d = p.head_dim, dv_pad = plan.head_dim_v_padded, bc = plan.block_k;
+
+  const ForwardWorkItem w = plan.work_item(p, item);
+  const std::int64_t b = w.batch, h = w.head, split = w.split, i0 = w.row_begin, rows = w.rows;
+  const std::int64_t kv_head = h / (p.heads_q / p.heads_kv);
+  const std::int64_t rows_pad = (rows + kMicroRows - 1) / kMicroRows * kMicroRows;
+  const std::int64_t strips = rows_pad / kMicroRows;
+  const std::int64_t key_begin = w.key_begin, key_end = w.key_end;
+  const RowMods mods(p, prm.alibi_slopes, prm.block_mask, b, h);
+
+  Products::Pack(prm, ws, b, kv_head, key_begin, key_end);
+  Products::LoadQ(prm, ws, b, h, i0, rows, rows_pad);
+  ws.counters.q_read += rows * d;
+
+  ResetRows(ws, rows_pad, dv_pad);  // õ (rows_pad, dv_pad), softmax state and rescales
+  float* s_tile = ws.s_tile.get();  // (rows_pad, bc)
+  float* o_acc = ws.o_acc.get();
+  OnlineSoftmaxState* state = ws.states.data();
+  std::int32_t* rescales = ws.rescales.data();
+  const bool deferred = prm.switches.deferred_normalization;
+
+  for (std::int64_t j0 = w.first_block; j0 < key_end; j0 += bc) {
+    const std::int64_t n = std::min(bc, key_end - j0);
+    const std::int64_t n_pad = (n + kMicroCols - 1) / kMicroCols * kMicroCols;
+    if (!mods.tile_has_work(i0, rows, j0, n)) continue;  // block-sparse: skip it entirely
+    CountTiles(ws.counters, 1, rows, n, d, p.head_dim_v);
+
+    StripKeys* keys = ws.strip_keys.data();  // (strips)
+    FindStripKeys(p, i0, strips, j0, n, keys);
+    Products::Scores(prm, ws, j0, keys, strips, n_pad);
+    // Row by row, while the row is in L1: the mask step, then the online-softmax update.
+    ForEachSpanRow(p, i0, rows_pad, j0, n, keys, [&](std::int64_t r, std::int64_t i, std::int64_t j, std::int64_t n_r,
+                                                     std::int64_t cols) {
+      float* srow = s_tile + r * bc + (j - j0);
+      MaskRow(mods, srow, i, j, n_r, cols);
+      SoftmaxRow(mods, srow, i, j, cols, state[r], o_acc + r * dv_pad, dv_pad, rescales[r], deferred);
+    });
+    Products::Accumulate(prm, ws, j0, keys, strips);
+  }
+
+  // Epilogue: normalize once (deferred normalization) and store lse — a split's partial
+  // result goes to the float32 buffers that merge_attention_states combines.
+  const std::int64_t out_bytes = p.head_dim_v * static_cast<std::int64_t>(dtype_size(prm.out.dtype));
+  for (std::int64_t r = 0; r < rows; ++r) {
+    if (prm.switches.software_prefetch && plan.splits == 1 && r + kRowPrefetchDistance < rows)
+      PrefetchRow(OutputRow(prm, b, i0 + r + kRowPrefetchDistance, h), out_bytes);
+    StoreOutputRow(prm, ws, split, b, h, i0 + r, o_acc + r * dv_pad, state[r], rescales[r]);
+  }
+  ws.counters.o_written += rows * p.head_dim_v;
+  ws.counters.lse_written += rows;
+}
+
+void TiledWorkItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item) {
+  TiledItem<Fp32Products>(prm, ws, item);
+}
+
+// The tiled_bf16 work item where this target has one (AVX-512, whose micro-tile the bf16
+// micro-kernel shares), else null.
+ForwardWorkItemFn TiledBf16WorkItem() {
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+  return &TiledItem<Bf16Products>;
+#else
+  return nullptr;
+#endif
+}
+
+KernelGeometry GetKernelGeometry() {
+  return {hwy::TargetName(HWY_TARGET), static_cast<int>(kLanes), static_cast<int>(kMicroRows),
+          static_cast<int>(kMicroCols)};
+}
+
+}  // namespace flashattn::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace flashattn::cpu {
+
+HWY_EXPORT(GetKernelGeometry);
+HWY_EXPORT(TiledWorkItem);
+HWY_EXPORT(TiledBf16WorkItem);
+
+KernelGeometry kernel_geometry() { return HWY_DYNAMIC_DISPATCH(GetKernelGeometry)(); }
+
+bool tiled_bf16_available() {
+  return bf16dot::available() && HWY_DYNAMIC_DISPATCH(TiledBf16WorkItem)() != nullptr;
+}
+
+ForwardWorkItemFn forward_work_item_kernel(ForwardKernel kernel) {
+  kernel_geometry();  // the first dispatched call picks the target; then the table is direct
+  switch (kernel) {
+    case ForwardKernel::tiled: return &HWY_DYNAMIC_DISPATCH(TiledWorkItem);
+    case ForwardKernel::decode: return decode_work_item_kernel(false);
+    case ForwardKernel::decode_fp16: return decode_work_item_kernel(true);
+    case ForwardKernel::tiled_bf16:
+      // The plan checked this; the check here keeps a hand-made plan from an illegal instruction.
+      if (!tiled_bf16_available())
+        throw Error("kernel tiled_bf16: this CPU (AVX512-BF16) or SIMD target (" + std::string(kernel_geometry().target) +
+                    ") cannot run it");
+      return HWY_DYNAMIC_DISPATCH(TiledBf16WorkItem)();
+    case ForwardKernel::automatic: break;
+  }
+  throw Error("forward kernel: a plan names its kernel, never automatic");
+}
+
+}  // namespace flashattn::cpu
+#endif  // HWY_ONCE

@@ -1,0 +1,83 @@
+// The forward workspace's layout and allocation (workspace.hpp).
+#include "src/cpu/kernels/workspace.hpp"
+
+#include "src/cpu/allocate.hpp"
+
+namespace flashattn::cpu {
+namespace {
+std::size_t round_up(std::size_t n, std::size_t m) { return (n + m - 1) / m * m; }
+}  // namespace
+
+ForwardLayout::ForwardLayout(const CpuForwardPlan& plan, const AttentionProblem& p) {
+  const bool decode = is_decode(plan.kernel), bf16 = plan.kernel == ForwardKernel::tiled_bf16;
+  // Tiles held at once: one, or (decode) one per kv head — Q rows and a block of V rows each.
+  const auto tiles_held = static_cast<std::size_t>(decode ? p.heads_kv : 1);
+  rows = static_cast<std::size_t>(plan.block_q) * tiles_held;
+  const auto bc = static_cast<std::size_t>(plan.block_k);
+  const auto d = static_cast<std::size_t>(p.head_dim);
+  const auto dv_pad = static_cast<std::size_t>(plan.head_dim_v_padded);
+  const std::size_t keys_pad = decode ? 0 : round_up(static_cast<std::size_t>(p.seqlen_k), bc);
+  const std::size_t d_pad = round_up(d, 32);  // a whole number of pairs of vectors on every target
+  const std::size_t d_even = round_up(d, 2);  // whole bf16 pairs
+  q_tile = bf16 ? 0 : rows * d_pad;
+  s_tile = rows * bc;
+  o_acc = rows * dv_pad;
+  if (decode) {
+    q_rows = 4 * d_pad;
+    q_units = rows;
+    v_units = tiles_held;
+    descales = bc;
+    decode_keys = bc + static_cast<std::size_t>(kDecodePrefetchKeys);
+  } else if (bf16) {
+    q_bf16 = rows * d_even;
+    p_bf16 = rows * bc;
+    k_pairs = keys_pad * d_even;
+    v_pairs = keys_pad * dv_pad;
+  } else {
+    k_row = d_pad;
+    v_row = dv_pad;
+    k_packed = keys_pad * d;
+    v_packed = keys_pad * dv_pad;
+  }
+  strips = static_cast<std::size_t>(plan.block_q / plan.hardware.micro_rows);
+}
+
+std::size_t ForwardLayout::bytes() const {
+  const std::size_t floats = q_tile + k_row + v_row + s_tile + o_acc + k_packed + v_packed + q_rows + q_units +
+                             v_units + descales;
+  const std::size_t halves = q_bf16 + p_bf16 + k_pairs + v_pairs;
+  return floats * sizeof(float) + halves * sizeof(std::uint16_t) +
+         rows * (sizeof(OnlineSoftmaxState) + sizeof(std::int32_t)) + decode_keys * DecodeKeys::kBytesPerKey +
+         strips * sizeof(StripKeys);
+}
+
+std::size_t forward_workspace_bytes(const CpuForwardPlan& plan, const AttentionProblem& p) {
+  return ForwardLayout(plan, p).bytes();
+}
+
+ForwardWorkspace::ForwardWorkspace(const CpuForwardPlan& plan, const AttentionProblem& p) {
+  const ForwardLayout l(plan, p);
+  q_tile = allocate_floats(l.q_tile);
+  s_tile = allocate_floats(l.s_tile);
+  o_acc = allocate_floats(l.o_acc);
+  k_packed = allocate_floats(l.k_packed);
+  v_packed = allocate_floats(l.v_packed);
+  k_row = allocate_floats(l.k_row);
+  v_row = allocate_floats(l.v_row);
+  q_rows = allocate_floats(l.q_rows);
+  q_units = allocate_floats(l.q_units);
+  v_units = allocate_floats(l.v_units);
+  descales = allocate_floats(l.descales);
+  states.resize(l.rows);
+  rescales.resize(l.rows);
+  strip_keys.resize(l.strips);
+  if (l.q_bf16 > 0) {
+    q_bf16 = allocate_array<std::uint16_t>(l.q_bf16);
+    p_bf16 = allocate_array<std::uint16_t>(l.p_bf16);
+    k_pairs = allocate_array<std::uint16_t>(l.k_pairs);
+    v_pairs = allocate_array<std::uint16_t>(l.v_pairs);
+  }
+  decode_keys.resize(l.decode_keys);
+}
+
+}  // namespace flashattn::cpu

@@ -1,0 +1,108 @@
+// The forward kernels' per-thread workspace as a named layout: ForwardLayout sizes every
+// buffer from the plan, ForwardWorkspace allocates them, and the plan reports their bytes
+// (forward_workspace_bytes). Each buffer has one role; the kernels never carve one buffer
+// out of another.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include <hwy/aligned_allocator.h>
+
+#include "flashattn/counters.hpp"
+#include "flashattn/online_softmax.hpp"
+#include "flashattn/plan.hpp"
+#include "flashattn/problem.hpp"
+#include "src/cpu/kernels/packed_head.hpp"
+
+namespace flashattn::cpu {
+
+// The decode kernel's view of a block of keys: key c's K and V rows of kv head 0 (the
+// other heads follow at the views' head strides) and, for FP8 pools, its page's descales
+// of kv head 0 (null otherwise). Resolved once per key for every kv head; one array per
+// field, so that a loop over keys reads each with an 8-byte stride.
+struct DecodeKeys {
+  std::vector<const unsigned char*> k, v;
+  std::vector<const float*> k_descale, v_descale;
+  void resize(std::size_t n) {
+    k.resize(n);
+    v.resize(n);
+    k_descale.resize(n);
+    v_descale.resize(n);
+  }
+  static constexpr std::size_t kBytesPerKey = 2 * sizeof(const unsigned char*) + 2 * sizeof(const float*);
+};
+
+// Keys whose K and V rows (every kv head: 2 KiB each at 8 heads × D 128 bf16) the decode
+// kernel prefetches ahead of the keys it scores: K because it reads four keys' rows at once,
+// four streams the hardware prefetcher does not follow; V because P·V reads it only after
+// the block's softmax. On the Zen 3 of docs/performance.md distances of 0 to 16 keys, V
+// alone, measured alike within the noise; on the Sapphire Rapids Xeon of 2026-12, prefetching
+// K with V took bf16 decode from 6.6 to 5.0–5.3 ms, and distances of 8, 16 and 32 keys
+// measured alike within the noise.
+constexpr std::int64_t kDecodePrefetchKeys = 16;
+
+// Columns [begin, end) of a K/V tile that one row strip of a Q tile (the micro-kernel's
+// rows) computes, in whole micro-kernel panels; begin == end: none (tiled_forward.cpp,
+// FindStripKeys).
+struct StripKeys {
+  std::int64_t begin = 0;
+  std::int64_t end = 0;
+};
+
+// Elements of each buffer of ForwardWorkspace for a plan (0: the kernel does not use it).
+// "rows" are the rows a work item holds: block_q, or (decode) block_q per kv head.
+struct ForwardLayout {
+  ForwardLayout(const CpuForwardPlan& plan, const AttentionProblem& problem);
+  std::size_t bytes() const;
+
+  std::size_t rows = 0;
+  // float32
+  std::size_t q_tile = 0, k_row = 0, v_row = 0, s_tile = 0, o_acc = 0, k_packed = 0, v_packed = 0;
+  std::size_t q_rows = 0, q_units = 0, v_units = 0, descales = 0;  // decode
+  // bf16 (tiled_bf16)
+  std::size_t q_bf16 = 0, p_bf16 = 0, k_pairs = 0, v_pairs = 0;
+  std::size_t strips = 0;       // StripKeys (tiled)
+  std::size_t decode_keys = 0;  // DecodeKeys entries (decode)
+};
+
+// Per-thread scratch memory, sized by the plan (ForwardLayout). The packed K/V of one
+// (batch, kv head) stays cached across the work items of that head: a thread packs each
+// head once.
+struct ForwardWorkspace {
+  explicit ForwardWorkspace(const CpuForwardPlan& plan, const AttentionProblem& problem);
+
+  // The Q tile: (tiled) (block_q, head_dim), pre-scaled; (decode) the Q panels, (heads_kv ·
+  // block_q, head_dim rounded to two vectors) — decode_fp16: the same panels in halves.
+  hwy::AlignedFreeUniquePtr<float[]> q_tile;
+  hwy::AlignedFreeUniquePtr<float[]> k_row, v_row;  // (tiled) one K and one V row, converted, while packing
+  hwy::AlignedFreeUniquePtr<float[]> s_tile;        // (rows, block_k): S, then P in place
+  hwy::AlignedFreeUniquePtr<float[]> o_acc;         // (rows, head_dim_v_padded): õ
+  // (tiled) k tiles of Kᵀ, each as contiguous panels of kMicroCols keys, (head_dim, kMicroCols)
+  // each; v: k tiles of V, each as contiguous panels of kMicroCols columns, (block_k,
+  // kMicroCols) each (Fp32Products::Pack in tiled_forward.cpp)
+  hwy::AlignedFreeUniquePtr<float[]> k_packed;  // k_tiles · head_dim · block_k floats
+  hwy::AlignedFreeUniquePtr<float[]> v_packed;  // k_tiles · block_k · head_dim_v_padded floats
+  // (decode) Q rows in row order as loaded, before they go into panels (four: decode_fp16);
+  // (decode_fp16) what each row's scores are multiplied by (rows) and each kv head's P·V
+  // sums (heads_kv); (decode, FP8) a key block's descales, K's then V's (block_k).
+  hwy::AlignedFreeUniquePtr<float[]> q_rows, q_units, v_units, descales;
+  std::vector<OnlineSoftmaxState> states;  // (rows): m and ℓ of each row
+  std::vector<std::int32_t> rescales;      // (rows): rescales of each row (counters, rescale_counts)
+  std::vector<StripKeys> strip_keys;       // (block_q / micro_rows): each row strip's span of the current tile
+  // (tiled_bf16) bf16 operands of the VDPBF16PS micro-kernel (bf16_dot.hpp), all with pairs
+  // along the products' depth: Q rows unscaled, head_dim rounded up to even (q_bf16, block_q
+  // rows); P rounded, (block_q, block_k); k tiles of K, each as panels of kMicroCols keys,
+  // (head_dim_pairs, kMicroCols, 2) each; k tiles of V, each as panels of kMicroCols columns,
+  // (block_k / 2, kMicroCols, 2) each. The float32 Q tile and packed K/V are unused then.
+  hwy::AlignedFreeUniquePtr<std::uint16_t[]> q_bf16, p_bf16, k_pairs, v_pairs;
+  DecodeKeys decode_keys;  // (block_k + kDecodePrefetchKeys): a key block's rows (decode)
+  PackedHead packed;       // which head k/v buffers hold, and how much of it
+  KernelCounters counters;  // this thread's share of the call's counts (counters.hpp)
+};
+
+// Bytes ForwardWorkspace allocates for this plan (the plan reports it).
+std::size_t forward_workspace_bytes(const CpuForwardPlan& plan, const AttentionProblem& problem);
+
+}  // namespace flashattn::cpu
