@@ -1,7 +1,11 @@
-// The forward workspace's layout and allocation (workspace.hpp).
+// The workspaces' layouts and allocation: the forward's (workspace.hpp) and the backward's
+// (backward_kernel.hpp).
 #include "src/cpu/kernels/workspace.hpp"
 
+#include <algorithm>
+
 #include "src/cpu/allocate.hpp"
+#include "src/cpu/kernels/backward_kernel.hpp"
 
 namespace flashattn::cpu {
 namespace {
@@ -78,6 +82,68 @@ ForwardWorkspace::ForwardWorkspace(const CpuForwardPlan& plan, const AttentionPr
     v_pairs = allocate_array<std::uint16_t>(l.v_pairs);
   }
   decode_keys.resize(l.decode_keys);
+}
+
+namespace {
+// Buffer sizes of one workspace: the float32 kernel's packed K/V are float32, tiled_bf16's
+// bf16 (and its per-tile operands come on top of the float32 tiles both kernels use).
+struct BackwardSizes {
+  std::size_t bq, bc, d, dv, d_pad, dv_pad, keys_pad;
+  bool bf16;
+  BackwardSizes(const CpuBackwardPlan& plan, const AttentionProblem& p)
+      : bq(static_cast<std::size_t>(plan.block_q)), bc(static_cast<std::size_t>(plan.block_k)),
+        d(static_cast<std::size_t>(p.head_dim)), dv(static_cast<std::size_t>(p.head_dim_v)),
+        d_pad(static_cast<std::size_t>(plan.head_dim_padded)),
+        dv_pad(static_cast<std::size_t>(plan.head_dim_v_padded)),
+        keys_pad(round_up(static_cast<std::size_t>(p.seqlen_k), bc)), bf16(plan.kernel == BackwardKernel::tiled_bf16) {}
+  std::size_t floats() const {
+    return bq * (d_pad + dv_pad + 4 * bc + d_pad) + bc * (d_pad + dv_pad) +
+           (bf16 ? 0 : keys_pad * (d + dv + d_pad)) + std::max(d_pad, dv_pad);
+  }
+  std::size_t bf16_elements() const {
+    return bf16 ? 2 * bq * (d_pad + dv_pad) + bq * std::max(d_pad, dv_pad) + 3 * bq * bc +
+                      keys_pad * (round_up(d, 2) + round_up(dv, 2) + d_pad)
+                : 0;
+  }
+};
+}  // namespace
+
+std::size_t backward_workspace_bytes(const CpuBackwardPlan& plan, const AttentionProblem& p) {
+  const BackwardSizes s(plan, p);
+  return s.floats() * sizeof(float) + s.bf16_elements() * sizeof(std::uint16_t) + s.bq * 2 * sizeof(float);
+}
+
+BackwardWorkspace::BackwardWorkspace(const CpuBackwardPlan& plan, const AttentionProblem& p)
+    : row_lse2(static_cast<std::size_t>(plan.block_q)),
+      row_delta(static_cast<std::size_t>(plan.block_q)) {
+  const BackwardSizes s(plan, p);
+  q_tile = allocate_floats(s.bq * s.d_pad);
+  do_tile = allocate_floats(s.bq * s.dv_pad);
+  p_tile = allocate_floats(s.bq * s.bc);
+  ds_tile = allocate_floats(s.bq * s.bc);
+  g_tile = allocate_floats(s.bq * s.bc);
+  w_tile = allocate_floats(s.bq * s.bc);
+  dq_tile = allocate_floats(s.bq * s.d_pad);
+  dk_acc = allocate_floats(s.bc * s.d_pad);
+  dv_acc = allocate_floats(s.bc * s.dv_pad);
+  row_scratch = allocate_floats(std::max(s.d_pad, s.dv_pad));
+  if (!s.bf16) {
+    kt_packed = allocate_floats(s.keys_pad * s.d + 1);
+    vt_packed = allocate_floats(s.keys_pad * s.dv + 1);
+    k_packed = allocate_floats(s.keys_pad * s.d_pad + 1);
+    return;
+  }
+  q_bf16 = allocate_array<std::uint16_t>(s.bq * s.d_pad);
+  do_bf16 = allocate_array<std::uint16_t>(s.bq * s.dv_pad);
+  qt_bf16 = allocate_array<std::uint16_t>(s.bq * s.d_pad);
+  dot_bf16 = allocate_array<std::uint16_t>(s.bq * s.dv_pad);
+  pair_scratch = allocate_array<std::uint16_t>(s.bq * std::max(s.d_pad, s.dv_pad));
+  pt_bf16 = allocate_array<std::uint16_t>(s.bq * s.bc);
+  dst_bf16 = allocate_array<std::uint16_t>(s.bq * s.bc);
+  ds_bf16 = allocate_array<std::uint16_t>(s.bq * s.bc);
+  kt_pairs = allocate_array<std::uint16_t>(s.keys_pad * round_up(s.d, 2));
+  vt_pairs = allocate_array<std::uint16_t>(s.keys_pad * round_up(s.dv, 2));
+  k_pairs = allocate_array<std::uint16_t>(s.keys_pad * s.d_pad);
 }
 
 }  // namespace flashattn::cpu
