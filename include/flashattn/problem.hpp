@@ -1,5 +1,7 @@
 // One description of an attention problem: shapes, dtype and mask options. It drives
-// validation, the plan, the FLOP count reported by the CLI and benchmarks, and tests.
+// validation, the plan, the FLOP count reported by the CLI and benchmarks, and tests. What
+// the library's own entry points know beyond it — the batch index of a sequence of a
+// variable-length batch, an FP8 KV cache, FP8 probabilities — they keep beside it, internally.
 #pragma once
 
 #include <cstdint>
@@ -18,7 +20,7 @@ struct AttentionProblem {
   std::int64_t heads_kv = 1;
   std::int64_t head_dim = 0;    // D, of q and k
   std::int64_t head_dim_v = 0;  // Dv, of v and out
-  DType dtype = DType::f32;
+  DType dtype = DType::f32;  // of q, k, v and out
   bool causal = false;
   float softmax_scale = 0.0f;  // resolved: never unset here
   // Variants (see AttentionOptions), resolved: causal folds into window_right = 0.

@@ -35,7 +35,8 @@ void forward_fp8(const detail::Fp8ForwardJob& fp8) {
   const Tensor qf = detail::dequantize_fp8("q", fp8.q);
   const Tensor kf = detail::dequantize_fp8("k", fp8.k);
   const Tensor vf = detail::dequantize_fp8("v", fp8.v);
-  const detail::ForwardJob job{fp8.problem, kFp8Forward, qf.view(), kf.view(), vf.view(), fp8.out, fp8.lse, fp8.options, {}};
+  const detail::ForwardJob job{fp8.problem, kFp8Forward, qf.view(), kf.view(), vf.view(),
+                               fp8.out, fp8.lse, fp8.options, {}};
   forward_one(job);
 }
 

@@ -83,7 +83,8 @@ void cpu::run_forward_jobs(std::span<const detail::ForwardJob> jobs) {
     const std::int64_t split_rows = pj.plan.splits > 1 ? pj.plan.splits * p.batch * p.heads_q * p.seqlen_q : 0;
     pj.split_out = cpu::allocate_floats(static_cast<std::size_t>(split_rows * p.head_dim_v));
     pj.split_lse = cpu::allocate_floats(static_cast<std::size_t>(split_rows));
-    pj.params = {p, job.internals, pj.plan, job.q, job.k, job.v, job.out, job.lse, job.options.alibi_slopes, job.options.block_mask,
+    pj.params = {p, job.internals, pj.plan, job.q, job.k, job.v, job.out, job.lse,
+                 job.options.alibi_slopes, job.options.block_mask,
                  pj.split_out.get(), pj.split_lse.get(), job.paged, job.options.rescale_counts,
                  job.options.switches};
   }
