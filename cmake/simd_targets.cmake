@@ -21,7 +21,11 @@ if(FLASHATTN_SIMD_TARGETS STREQUAL "native")
   list(GET probe 0 left_out_mask)
   list(GET probe 1 left_out_names)
   message(STATUS "FLASHATTN_SIMD_TARGETS=native: leaving out SIMD targets ${left_out_names}")
-  # Public within the build tree: the tests must loop over the targets the library has.
+  # The kernels' layer, and public within the build tree: the tests must loop over the
+  # targets the library has.
+  target_compile_definitions(flashattn_cpu PUBLIC
+    $<BUILD_INTERFACE:HWY_DISABLED_TARGETS=${left_out_mask}>
+    "$<BUILD_INTERFACE:FLASHATTN_SIMD_TARGETS_LEFT_OUT=\"${left_out_names}\">")
   target_compile_definitions(flashattn PUBLIC
     $<BUILD_INTERFACE:HWY_DISABLED_TARGETS=${left_out_mask}>
     "$<BUILD_INTERFACE:FLASHATTN_SIMD_TARGETS_LEFT_OUT=\"${left_out_names}\">")

@@ -648,6 +648,18 @@ TEST(CostModel, ForwardScheduleCoversEveryRowAndKeyOnce) {
         SCOPED_TRACE(p.describe() + (decode ? " decode" : " tiled") + " splits " + std::to_string(splits));
         const std::int64_t items = forward_work_items(p, s);
         ASSERT_EQ(items, decode ? p.batch * splits : p.batch * p.heads_q * s.q_blocks * splits);
+        // The items of one (batch, kv head) group are consecutive (the driver hands them out whole).
+        const std::int64_t per_group = forward_items_per_kv_head(p, s);
+        ASSERT_EQ(items % per_group, 0);
+        for (std::int64_t item = 0; item < items; ++item) {
+          const ForwardWorkItem w = forward_work_item(p, s, item);
+          const std::int64_t group = item / per_group;
+          if (decode) {
+            EXPECT_EQ(w.batch, group);
+          } else {
+            EXPECT_EQ(w.batch * p.heads_kv + w.head / (p.heads_q / p.heads_kv), group) << "item " << item;
+          }
+        }
         // (batch, head, row) → how often an item computes it; (batch, head, q block) → next key
         std::vector<int> rows_seen(static_cast<std::size_t>(p.batch * p.heads_q * p.seqlen_q), 0);
         for (std::int64_t item = 0; item < items; item += splits) {

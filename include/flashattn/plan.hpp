@@ -61,6 +61,11 @@ struct ForwardWorkItem {
 // (decode) batch · splits.
 std::int64_t forward_work_items(const AttentionProblem& problem, const ForwardSchedule& schedule);
 
+// Items are grouped by (batch, kv head): the q heads of one kv head are consecutive, so
+// items [g·n, (g + 1)·n) of n = forward_items_per_kv_head read the K/V of group g alone
+// (tiled; decode items read every kv head, n = splits).
+std::int64_t forward_items_per_kv_head(const AttentionProblem& problem, const ForwardSchedule& schedule);
+
 // Item `item` < forward_work_items. Items run head-major; within a head, causal Q tiles
 // run longest first; the splits of one Q tile are consecutive items. Key ranges are
 // non-decreasing in the row, so the rows see [first row's begin, last row's end); split s

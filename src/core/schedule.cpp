@@ -10,6 +10,10 @@ std::int64_t forward_work_items(const AttentionProblem& p, const ForwardSchedule
   return s.decode ? p.batch * s.splits : p.batch * p.heads_q * s.q_blocks * s.splits;
 }
 
+std::int64_t forward_items_per_kv_head(const AttentionProblem& p, const ForwardSchedule& s) {
+  return s.decode ? s.splits : p.heads_q / p.heads_kv * s.q_blocks * s.splits;
+}
+
 ForwardWorkItem forward_work_item(const AttentionProblem& p, const ForwardSchedule& s, std::int64_t item) {
   ForwardWorkItem w;
   const std::int64_t bc = s.block_k;

@@ -109,7 +109,7 @@ void cpu::run_forward_jobs(std::span<const detail::ForwardJob> jobs) {
       const CpuForwardPlan& plan = planned[j].plan;
       const std::int64_t groups = plan.kernel == ForwardKernel::tiled ? p.batch * p.heads_kv : 0;
       const std::int64_t whole_groups = groups / plan.threads * plan.threads;
-      const std::int64_t group_items = groups > 0 ? plan.work_items / groups : 1;
+      const std::int64_t group_items = groups > 0 ? forward_items_per_kv_head(p, plan.schedule()) : 1;
       units.push_back({whole_groups, group_items});
       ends.push_back((ends.empty() ? 0 : ends.back()) + whole_groups + (plan.work_items - whole_groups * group_items));
     }
