@@ -11,6 +11,7 @@
 #include <xmmintrin.h>
 #endif
 
+#include "src/cpu/planner.hpp"
 #include "tests/support/support.hpp"
 
 namespace flashattn::test {
@@ -985,28 +986,60 @@ TEST(KvCache, Fp8CacheBadInputNamesTheArgument) {
 namespace flashattn::test {
 namespace {
 
-// decode_fp16 is planned by default for an FP8 cache (kv_dtype u8) with few rows per kv head
+// decode_fp16 is planned by default for an FP8 cache (k/v u8) with few rows per kv head
 // where the CPU has AVX512-FP16; asked for where it cannot run, it is an Error
-// that names the kernel and the reason, raised before an append writes the cache.
+// that names the kernel and the reason, raised before an append writes the cache. The
+// hardware with and without it is simulated through the library's internal planner (the
+// one forward_with_kvcache calls, src/cpu/planner.hpp); the plan a real call ran on this
+// CPU is read from its report (plans_run).
 TEST(KvCache, DecodeFp16IsPlannedForFp8CachesOnly) {
   CpuHardware with = CpuHardware::detect(1), without = with;
   with.decode_fp16 = true;
   without.decode_fp16 = false;
-  AttentionProblem p = AttentionProblem::from_sizes(1, 1, 500, 32, 8, 128, 128, DType::bf16, {});
-  p.kv_dtype = DType::u8;
-  EXPECT_EQ(plan_forward(p, with).kernel, ForwardKernel::decode_fp16);
-  EXPECT_EQ(plan_forward(p, without).kernel, ForwardKernel::decode);
-  expect_error([&] { plan_forward(p, without, 0, 0, ForwardKernel::decode_fp16); },
+  constexpr detail::ProblemInternals kFp8Cache{.fp8_kv_cache = true};
+  const AttentionProblem p = AttentionProblem::from_sizes(1, 1, 500, 32, 8, 128, 128, DType::bf16, {});
+  EXPECT_EQ(cpu::plan_forward(p, kFp8Cache, with).kernel, ForwardKernel::decode_fp16);
+  EXPECT_EQ(cpu::plan_forward(p, kFp8Cache, without).kernel, ForwardKernel::decode);
+  expect_error([&] { cpu::plan_forward(p, kFp8Cache, without, 0, 0, ForwardKernel::decode_fp16); },
                {"kernel decode_fp16", "AVX512-FP16 (this one: no)"});
-  AttentionProblem bf16_cache = p;
-  bf16_cache.kv_dtype = DType::bf16;
-  EXPECT_EQ(plan_forward(bf16_cache, with).kernel, ForwardKernel::decode);
-  expect_error([&] { plan_forward(bf16_cache, with, 0, 0, ForwardKernel::decode_fp16); },
+  // A bf16 cache: the problem as given, as the public planner plans it.
+  EXPECT_EQ(plan_forward(p, with).kernel, ForwardKernel::decode);
+  EXPECT_EQ(cpu::plan_forward(p, {}, with).kernel, ForwardKernel::decode);
+  expect_error([&] { plan_forward(p, with, 0, 0, ForwardKernel::decode_fp16); },
                {"kernel decode_fp16", "FP8 (e4m3) KV cache (k/v: bf16)"});
-  AttentionProblem many_rows = AttentionProblem::from_sizes(1, 8, 500, 32, 8, 128, 128, DType::f32, {});
-  many_rows.kv_dtype = DType::u8;
-  expect_error([&] { plan_forward(many_rows, with, 0, 0, ForwardKernel::decode_fp16); },
+  const AttentionProblem many_rows = AttentionProblem::from_sizes(1, 8, 500, 32, 8, 128, 128, DType::f32, {});
+  expect_error([&] { cpu::plan_forward(many_rows, kFp8Cache, with, 0, 0, ForwardKernel::decode_fp16); },
                {"at most 16 query rows per kv head", "seqlen_q: 32"});
+
+  // For real: an FP8 cache runs decode_fp16 where this CPU has AVX512-FP16, decode where it
+  // has not; a bf16 cache of the same shape runs decode.
+  const Tensor q16 = random_tensor(DType::bf16, {1, 1, 4, 32}, 7);
+  Tensor k_codes(DType::u8, {1, 24, 2, 32}), v_codes(DType::u8, {1, 24, 2, 32}), cached(DType::i32, {1});
+  Tensor k_scale(DType::f32, {1, 2}), v_scale(DType::f32, {1, 2});
+  for (std::int64_t i = 0; i < k_codes.numel(); ++i) {
+    k_codes.data_as<std::uint8_t>()[i] = static_cast<std::uint8_t>(i % 113);
+    v_codes.data_as<std::uint8_t>()[i] = static_cast<std::uint8_t>(i % 101);
+  }
+  for (std::int64_t h = 0; h < 2; ++h) {
+    k_scale.set(h, 0.5f);
+    v_scale.set(h, 0.25f);
+  }
+  cached.set(0, 24.0f);
+  KvCache fp8_cache{k_codes.view(), v_codes.view(), TensorView{}, cached.view()};
+  fp8_cache.k_scale = k_scale.view();
+  fp8_cache.v_scale = v_scale.view();
+  PlansRun ran;
+  AttentionOptions reporting;
+  reporting.num_threads = 1;
+  reporting.plans_run = &ran;
+  forward_with_kvcache(q16.view(), fp8_cache, reporting);
+  ASSERT_EQ(ran.forward.size(), 1u);
+  EXPECT_EQ(ran.forward[0].kernel,
+            CpuHardware::detect(1).decode_fp16 ? ForwardKernel::decode_fp16 : ForwardKernel::decode);
+  Tensor k_bf16 = random_tensor(DType::bf16, {1, 24, 2, 32}, 8), v_bf16 = random_tensor(DType::bf16, {1, 24, 2, 32}, 9);
+  forward_with_kvcache(q16.view(), KvCache{k_bf16.view(), v_bf16.view(), TensorView{}, cached.view()}, reporting);
+  ASSERT_EQ(ran.forward.size(), 1u);
+  EXPECT_EQ(ran.forward[0].kernel, ForwardKernel::decode);
   EXPECT_EQ(parse_forward_kernel("decode_fp16"), ForwardKernel::decode_fp16);
   EXPECT_STREQ(to_string(ForwardKernel::decode_fp16), "decode_fp16");
 

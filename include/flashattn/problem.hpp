@@ -1,5 +1,7 @@
 // One description of an attention problem: shapes, dtype and mask options. It drives
-// validation, the plan, the FLOP count reported by the CLI and benchmarks, and tests.
+// validation, the plan, the FLOP count reported by the CLI and benchmarks, and tests. What
+// the library's own entry points know beyond it — the batch index of a sequence of a
+// variable-length batch, an FP8 KV cache, FP8 probabilities — they keep beside it, internally.
 #pragma once
 
 #include <cstdint>
@@ -18,8 +20,7 @@ struct AttentionProblem {
   std::int64_t heads_kv = 1;
   std::int64_t head_dim = 0;    // D, of q and k
   std::int64_t head_dim_v = 0;  // Dv, of v and out
-  DType dtype = DType::f32;
-  DType kv_dtype = DType::f32;  // of k and v as stored: dtype, or u8 for an FP8 e4m3 KV cache
+  DType dtype = DType::f32;  // of q, k, v and out
   bool causal = false;
   float softmax_scale = 0.0f;  // resolved: never unset here
   // Variants (see AttentionOptions), resolved: causal folds into window_right = 0.
@@ -31,17 +32,10 @@ struct AttentionProblem {
   std::uint64_t seed = 0;
   std::uint64_t offset = 0;
   std::int64_t block_mask_block_size = 0;  // 0: no block mask
-  // Index of batch element 0 in a larger batch: a variable-length batch runs each
-  // sequence as its own problem, and sequence b keys its dropout mask and ALiBi slopes
-  // with batch index b.
-  std::int64_t batch_offset = 0;
   // Forward numerics (docs/algorithm.md §5), resolved: exp2 is never automatic here.
   Exp2Impl exp2 = Exp2Impl::exact;
   float exp2_poly3_fraction = 0.0f;  // mixed only
   float rescale_threshold = 0.0f;    // log2 units
-  // Set by forward_fp8 only: P is rounded to FP8 e4m3 before P·V, as an FP8 tensor core
-  // multiplies it (ℓ sums the unrounded P).
-  bool fp8_probabilities = false;
   // Default of AttentionOptions::rescale_threshold; the largest accepted keeps every
   // unrescaled probability 2^(s − m) ≤ 2^64 and ℓ ≤ seqlen_k·2^64 far from float's 2^128.
   static constexpr float kDefaultRescaleThreshold = 8.0f;

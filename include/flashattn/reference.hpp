@@ -17,6 +17,11 @@ namespace flashattn::reference {
 struct Semantics {
   const AttentionProblem* problem;
   const AttentionOptions* options;
+  // Index of the problem's batch element 0 in a larger batch: dropout and (batch, heads)
+  // ALiBi slopes of batch element b are those of batch index b + batch_offset. Sequence b of
+  // a variable-length batch, taken as a batch-1 problem, has batch_offset b: forward_varlen
+  // keys its dropout mask with batch index b.
+  std::int64_t batch_offset = 0;
 
   // Row i may see key j: inside the causal/window range and a kept block.
   bool visible(std::int64_t i, std::int64_t j) const;
@@ -31,11 +36,13 @@ struct Semantics {
 
 // Output row (head_dim_v values) and natural-log lse of query `row` of (batch, head), with
 // every variant of `options` (window, softcap, ALiBi, dropout, block mask). A row without
-// visible keys gives zeros and lse = −∞.
+// visible keys gives zeros and lse = −∞. `batch_offset` as Semantics::batch_offset: the
+// batch index that keys dropout and (batch, heads) ALiBi slopes is batch + batch_offset.
 void attention_row(const AttentionProblem& problem, const AttentionOptions& options,
                    const TensorView& q,
                    const TensorView& k, const TensorView& v, std::int64_t batch,
-                   std::int64_t head, std::int64_t row, double* out_row, double* lse);
+                   std::int64_t head, std::int64_t row, double* out_row, double* lse,
+                   std::int64_t batch_offset = 0);
 
 struct Result {
   std::vector<double> out;  // (batch, seqlen_q, heads_q, head_dim_v), contiguous

@@ -12,29 +12,35 @@
 #include "flashattn/problem.hpp"
 #include "flashattn/tensor.hpp"
 #include "src/core/paged_kv.hpp"
+#include "src/core/problem_internals.hpp"
 
 namespace flashattn::detail {
 
 // One checked forward problem and what it reads and writes; `paged` (when its table or
-// descales are set) says where the keys of batch element 0 live in the k and v pools.
+// descales are set) says where the keys of batch element 0 live in the k and v pools;
+// `internals` what the entry point knows beyond the problem (a sequence's batch index, an
+// FP8 cache, FP8 probabilities).
 struct ForwardJob {
   AttentionProblem problem;
+  ProblemInternals internals;
   TensorView q, k, v;
   MutableTensorView out, lse;
   AttentionOptions options;
   PagedKv paged;
 };
 
-// One checked backward problem.
+// One checked backward problem (`internals`: a sequence's batch index).
 struct BackwardJob {
   AttentionProblem problem;
+  ProblemInternals internals;
   TensorView dout, q, k, v, out, lse;
   MutableTensorView dq, dk, dv;
   AttentionOptions options;
 };
 
-// One checked FP8 forward problem (problem.fp8_probabilities set): q, k, v as codes with
-// their descales, every view and descale checked.
+// One checked FP8 forward problem, the problem of the values the codes stand for (its
+// probabilities are rounded to FP8: ProblemInternals::fp8_probabilities): q, k, v as codes
+// with their descales, every view and descale checked.
 struct Fp8ForwardJob {
   AttentionProblem problem;
   Fp8View q, k, v;

@@ -10,10 +10,8 @@
 namespace flashattn::detail {
 
 AttentionProblem check_forward_call(const TensorView& q, const TensorView& k, const TensorView& v,
-                                    const TensorView& out, const TensorView& lse, const AttentionOptions& options,
-                                    std::int64_t batch_offset) {
+                                    const TensorView& out, const TensorView& lse, const AttentionOptions& options) {
   AttentionProblem problem = AttentionProblem::from_inputs(q, k, v, options);
-  problem.batch_offset = batch_offset;
   check_forward_outputs(problem, q, k, v, out, lse);
   check_rescale_counts(problem, options, q, k, v, out, lse);
   return problem;
@@ -22,10 +20,9 @@ AttentionProblem check_forward_call(const TensorView& q, const TensorView& k, co
 AttentionProblem check_backward_call(const TensorView& dout, const TensorView& q, const TensorView& k,
                                      const TensorView& v, const TensorView& out, const TensorView& lse,
                                      const TensorView& dq, const TensorView& dk, const TensorView& dv,
-                                     const AttentionOptions& options, std::int64_t batch_offset) {
+                                     const AttentionOptions& options) {
   reject_rescale_counts("backward", options);
   AttentionProblem p = AttentionProblem::from_inputs(q, k, v, options);
-  p.batch_offset = batch_offset;
   constexpr const char* kOutLayout = "(batch, seqlen_q, heads_q, head_dim_v)";
   check_tensor("dout", dout, q.dtype, "dout must have q's dtype", {p.batch, p.seqlen_q, p.heads_q, p.head_dim_v},
                kOutLayout);
@@ -67,7 +64,6 @@ AttentionProblem check_forward_fp8_call(const Fp8View& q, const Fp8View& k, cons
     throw Error("rescale_threshold: at most " + std::to_string(max_threshold) +
                 " with FP8 probabilities (P <= 2^threshold must fit e4m3's max 448), got " +
                 std::to_string(problem.rescale_threshold));
-  problem.fp8_probabilities = true;
   check_forward_output_views(problem, q.codes, k.codes, v.codes, out, lse);
   check_rescale_counts(problem, options, q.codes, k.codes, v.codes, out, lse);
   return problem;

@@ -3,8 +3,6 @@
 // flashattn::Error naming the argument and the offending values.
 #pragma once
 
-#include <cstdint>
-
 #include "flashattn/fp8.hpp"
 #include "flashattn/options.hpp"
 #include "flashattn/problem.hpp"
@@ -12,21 +10,20 @@
 
 namespace flashattn::detail {
 
-// forward(): q, k, v, the options, out and lse, and options.rescale_counts. `batch_offset`
-// is the index of batch element 0 in a larger batch (a sequence of a varlen batch).
+// forward(): q, k, v, the options, out and lse, and options.rescale_counts.
 AttentionProblem check_forward_call(const TensorView& q, const TensorView& k, const TensorView& v,
-                                    const TensorView& out, const TensorView& lse, const AttentionOptions& options,
-                                    std::int64_t batch_offset);
+                                    const TensorView& out, const TensorView& lse, const AttentionOptions& options);
 
 // backward(): dout, out and lse as the forward returned them, dq, dk, dv like their inputs
 // and apart from every input and from each other.
 AttentionProblem check_backward_call(const TensorView& dout, const TensorView& q, const TensorView& k,
                                      const TensorView& v, const TensorView& out, const TensorView& lse,
                                      const TensorView& dq, const TensorView& dk, const TensorView& dv,
-                                     const AttentionOptions& options, std::int64_t batch_offset);
+                                     const AttentionOptions& options);
 
 // forward_fp8(): each FP8 input (codes, block size, descales), the options as FP8
-// probabilities allow them, out (any floating dtype) and lse, options.rescale_counts.
+// probabilities allow them, out (any floating dtype) and lse, options.rescale_counts. The
+// problem is that of the values the codes stand for, in float32.
 AttentionProblem check_forward_fp8_call(const Fp8View& q, const Fp8View& k, const Fp8View& v, const TensorView& out,
                                         const TensorView& lse, const AttentionOptions& options);
 

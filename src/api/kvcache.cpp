@@ -392,6 +392,7 @@ std::vector<detail::ForwardJob> sequence_jobs(const CacheCall& r, const TensorVi
     const std::int64_t first = r.leftpad[static_cast<std::size_t>(b)];
     const std::int64_t keys = r.seqlens[static_cast<std::size_t>(b)] + r.s_new - first;
     detail::ForwardJob job{{},
+                           {.batch_offset = b, .fp8_kv_cache = r.fp8},
                            detail::batch_element(q_used, b),
                            c.k_cache,
                            c.v_cache,
@@ -417,8 +418,6 @@ std::vector<detail::ForwardJob> sequence_jobs(const CacheCall& r, const TensorVi
     }
     job.problem = AttentionProblem::from_sizes(1, job.q.shape[1], keys, job.q.shape[2], job.k.shape[2],
                                                job.q.shape[3], job.v.shape[3], job.q.dtype, job.options);
-    job.problem.batch_offset = b;
-    job.problem.kv_dtype = job.k.dtype;  // u8 for an FP8 cache
     detail::check_forward_outputs(job.problem, job.q, job.k, job.v, job.out, job.lse);
     jobs.push_back(job);
   }

@@ -19,8 +19,8 @@ AttentionOptions host(const AttentionOptions& options) {
 
 void run_forward(const Backend& backend, const TensorView& q, const TensorView& k, const TensorView& v,
                  const MutableTensorView& out, const MutableTensorView& lse, const AttentionOptions& options) {
-  const ForwardJob job{check_forward_call(host(q), host(k), host(v), host(out), host(lse), host(options), 0),
-                       q, k, v, out, lse, options, {}};
+  const ForwardJob job{check_forward_call(host(q), host(k), host(v), host(out), host(lse), host(options)),
+                       {}, q, k, v, out, lse, options, {}};
   backend.check_forward(job);
   begin_run(options);
   backend.forward(job);
@@ -30,8 +30,8 @@ void run_backward(const Backend& backend, const TensorView& dout, const TensorVi
                   const TensorView& v, const TensorView& out, const TensorView& lse, const MutableTensorView& dq,
                   const MutableTensorView& dk, const MutableTensorView& dv, const AttentionOptions& options) {
   const BackwardJob job{check_backward_call(host(dout), host(q), host(k), host(v), host(out), host(lse), host(dq),
-                                            host(dk), host(dv), host(options), 0),
-                        dout, q, k, v, out, lse, dq, dk, dv, options};
+                                            host(dk), host(dv), host(options)),
+                        {}, dout, q, k, v, out, lse, dq, dk, dv, options};
   backend.check_backward(job);
   begin_run(options);
   backend.backward(job);

@@ -96,6 +96,7 @@ void forward_varlen(const TensorView& q, const TensorView& k, const TensorView& 
   for (std::int64_t b = 0; b < o.batch(); ++b) {
     const std::int64_t q0 = o.q[b], sq = o.q[b + 1] - q0, k0 = o.k[b], sk = o.k[b + 1] - k0;
     detail::ForwardJob job{{},
+                           {.batch_offset = b},
                            detail::packed_sequence(q, q0, sq),
                            detail::packed_sequence(k, k0, sk),
                            detail::packed_sequence(v, k0, sk),
@@ -103,7 +104,7 @@ void forward_varlen(const TensorView& q, const TensorView& k, const TensorView& 
                            detail::packed_lse(lse, q0, sq),
                            detail::sequence_options(options, b),
                            {}};
-    job.problem = detail::check_forward_call(job.q, job.k, job.v, job.out, job.lse, job.options, b);
+    job.problem = detail::check_forward_call(job.q, job.k, job.v, job.out, job.lse, job.options);
     backend.check_forward(job);
     jobs.push_back(job);
   }
@@ -149,6 +150,7 @@ void backward_varlen(const TensorView& dout, const TensorView& q, const TensorVi
   for (std::int64_t b = 0; b < o.batch(); ++b) {
     const std::int64_t q0 = o.q[b], sq = o.q[b + 1] - q0, k0 = o.k[b], sk = o.k[b + 1] - k0;
     detail::BackwardJob job{{},
+                            {.batch_offset = b},
                             detail::packed_sequence(dout, q0, sq),
                             detail::packed_sequence(q, q0, sq),
                             detail::packed_sequence(k, k0, sk),
@@ -160,7 +162,7 @@ void backward_varlen(const TensorView& dout, const TensorView& q, const TensorVi
                             detail::packed_sequence(dv, k0, sk),
                             detail::sequence_options(options, b)};
     job.problem = detail::check_backward_call(job.dout, job.q, job.k, job.v, job.out, job.lse, job.dq, job.dk,
-                                              job.dv, job.options, b);
+                                              job.dv, job.options);
     backend.check_backward(job);
     jobs.push_back(job);
   }

@@ -74,7 +74,6 @@ AttentionProblem AttentionProblem::from_sizes(std::int64_t batch, std::int64_t s
   p.head_dim = head_dim;
   p.head_dim_v = head_dim_v;
   p.dtype = dtype;
-  p.kv_dtype = dtype;
   p.causal = options.causal;
   p.window_left = options.window_size.left;
   p.window_right = options.causal ? 0

@@ -22,7 +22,7 @@ bool Semantics::visible(std::int64_t i, std::int64_t j) const {
 double Semantics::slope(std::int64_t b, std::int64_t h) const {
   const TensorView& a = options->alibi_slopes;
   return a.rank == 1 ? detail::load_element(a, h * a.strides[0])
-                     : detail::load_element(a, (b + problem->batch_offset) * a.strides[0] + h * a.strides[1]);
+                     : detail::load_element(a, (b + batch_offset) * a.strides[0] + h * a.strides[1]);
 }
 
 double Semantics::score(std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j, double dot) const {
@@ -43,7 +43,7 @@ double Semantics::score_gradient(double dot) const {
 double Semantics::dropout_weight(std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j) const {
   const AttentionProblem& p = *problem;
   if (p.dropout_p <= 0.0f) return 1.0;
-  return dropout_keep(p.seed, p.offset, b + p.batch_offset, h, i, j, p.dropout_p)
+  return dropout_keep(p.seed, p.offset, b + batch_offset, h, i, j, p.dropout_p)
              ? 1.0 / (1.0 - p.dropout_p)
              : 0.0;
 }
@@ -63,8 +63,8 @@ double dot_row(const AttentionProblem& p, const TensorView& q, const TensorView&
 
 void attention_row(const AttentionProblem& p, const AttentionOptions& options, const TensorView& q,
                    const TensorView& k, const TensorView& v, std::int64_t b, std::int64_t h,
-                   std::int64_t i, double* out_row, double* lse) {
-  const Semantics sem{&p, &options};
+                   std::int64_t i, double* out_row, double* lse, std::int64_t batch_offset) {
+  const Semantics sem{&p, &options, batch_offset};
   const std::int64_t kv_head = h / (p.heads_q / p.heads_kv);
   std::fill(out_row, out_row + p.head_dim_v, 0.0);
   // S row (visible keys only) = score(q_i·k_j), P row = softmax(S row), o = Σ P·w·V.

@@ -20,9 +20,12 @@ void backward_each(std::span<const detail::BackwardJob> jobs) {
   for (const detail::BackwardJob& job : jobs) cpu::run_backward(job);
 }
 
+// What the CPU runs for forward_fp8: the float32 values of the codes, with FP8 probabilities.
+constexpr detail::ProblemInternals kFp8Forward{.fp8_probabilities = true};
+
 // The plan's checks read the problem and options alone.
 void check_forward_fp8(const detail::Fp8ForwardJob& fp8) {
-  cpu::check_forward({fp8.problem, {}, {}, {}, fp8.out, fp8.lse, fp8.options, {}});
+  cpu::check_forward({fp8.problem, kFp8Forward, {}, {}, {}, fp8.out, fp8.lse, fp8.options, {}});
 }
 
 // The CPU computes in float32 from the FP8 values (FP8 numerics, not FP8 speed): decoded
@@ -32,7 +35,8 @@ void forward_fp8(const detail::Fp8ForwardJob& fp8) {
   const Tensor qf = detail::dequantize_fp8("q", fp8.q);
   const Tensor kf = detail::dequantize_fp8("k", fp8.k);
   const Tensor vf = detail::dequantize_fp8("v", fp8.v);
-  const detail::ForwardJob job{fp8.problem, qf.view(), kf.view(), vf.view(), fp8.out, fp8.lse, fp8.options, {}};
+  const detail::ForwardJob job{fp8.problem, kFp8Forward, qf.view(), kf.view(), vf.view(),
+                               fp8.out, fp8.lse, fp8.options, {}};
   forward_one(job);
 }
 

@@ -43,7 +43,8 @@ void cpu::run_backward(const detail::BackwardJob& job) {
   } else {
     dq_locks = std::make_unique<std::mutex[]>(cpu::kDqLockStripes);
   }
-  const cpu::BackwardParams params{p, plan, job.dout, job.q, job.k, job.v, job.out, job.lse, job.dq, job.dk, job.dv,
+  const cpu::BackwardParams params{p, job.internals, plan, job.dout, job.q, job.k, job.v, job.out, job.lse,
+                                   job.dq, job.dk, job.dv,
                                    options.alibi_slopes, options.block_mask,
                                    delta.get(), dq_accum.get(), dq_locks.get(), dq_tickets.get()};
   // Items are handed out strictly in order (an atomic counter, not an OpenMP schedule):

@@ -10,6 +10,7 @@
 #include "src/cpu/allocate.hpp"
 #include "src/cpu/drivers.hpp"
 #include "src/cpu/kernels/forward_kernel.hpp"
+#include "src/cpu/planner.hpp"
 
 namespace flashattn {
 
@@ -66,8 +67,12 @@ void cpu::run_forward_jobs(std::span<const detail::ForwardJob> jobs) {
   const AttentionOptions& options = live.front().options;  // the call's: threads, splits, counters
   const CpuHardware hw = CpuHardware::detect(options.num_threads);
   std::vector<AttentionProblem> problems;
-  for (const detail::ForwardJob& job : live) problems.push_back(job.problem);
-  const std::vector<CpuForwardPlan> plans = plan_forward_together(problems, hw, options);
+  std::vector<detail::ProblemInternals> internals;
+  for (const detail::ForwardJob& job : live) {
+    problems.push_back(job.problem);
+    internals.push_back(job.internals);
+  }
+  const std::vector<CpuForwardPlan> plans = cpu::plan_forward_together(problems, internals, hw, options);
   const bool shared = plans_share_region(plans);
   std::vector<PlannedJob> planned(live.size());
   for (std::size_t j = 0; j < live.size(); ++j) {
@@ -78,7 +83,8 @@ void cpu::run_forward_jobs(std::span<const detail::ForwardJob> jobs) {
     const std::int64_t split_rows = pj.plan.splits > 1 ? pj.plan.splits * p.batch * p.heads_q * p.seqlen_q : 0;
     pj.split_out = cpu::allocate_floats(static_cast<std::size_t>(split_rows * p.head_dim_v));
     pj.split_lse = cpu::allocate_floats(static_cast<std::size_t>(split_rows));
-    pj.params = {p, pj.plan, job.q, job.k, job.v, job.out, job.lse, job.options.alibi_slopes, job.options.block_mask,
+    pj.params = {p, job.internals, pj.plan, job.q, job.k, job.v, job.out, job.lse,
+                 job.options.alibi_slopes, job.options.block_mask,
                  pj.split_out.get(), pj.split_lse.get(), job.paged, job.options.rescale_counts,
                  job.options.switches};
   }
@@ -158,7 +164,7 @@ void cpu::run_forward_jobs(std::span<const detail::ForwardJob> jobs) {
 }
 
 void cpu::check_forward(const detail::ForwardJob& job) {
-  plan_forward(job.problem, CpuHardware::detect(job.options.num_threads), job.options);
+  cpu::plan_forward(job.problem, job.internals, CpuHardware::detect(job.options.num_threads), job.options);
 }
 
 }  // namespace flashattn

@@ -15,6 +15,7 @@
 #include "src/cpu/kernels/bf16_dot.hpp"
 #include "src/cpu/kernels/fp16_decode.hpp"
 #include "src/cpu/kernels/forward_kernel.hpp"
+#include "src/cpu/planner.hpp"
 
 namespace flashattn {
 namespace {
@@ -70,17 +71,18 @@ namespace {
 // into micro-tiles that would be mostly padding.
 constexpr std::int64_t kDecodeRows = 16;
 
-// The kernel that runs `p`: the requested one, or (automatic) decode for few rows per kv
-// head, tiled_bf16 where it can run and is the faster one (CpuHardware::bf16_dot_fast),
-// tiled otherwise. A request the inputs or the hardware
+// The kernel that runs `p` with k and v stored in `kv_dtype`: the requested one, or
+// (automatic) decode for few rows per kv head, tiled_bf16 where it can run and is the faster
+// one (CpuHardware::bf16_dot_fast), tiled otherwise. A request the inputs or the hardware
 // rule out is an Error that names the kernel and why.
-ForwardKernel choose_kernel(const AttentionProblem& p, const CpuHardware& hw, ForwardKernel requested) {
+ForwardKernel choose_kernel(const AttentionProblem& p, DType kv_dtype, const CpuHardware& hw,
+                            ForwardKernel requested) {
   // FP8 caches (kv_dtype u8) and forward_fp8 (float32 values of FP8 codes) are not bf16.
-  const bool bf16_inputs = p.dtype == DType::bf16 && p.kv_dtype == DType::bf16;
+  const bool bf16_inputs = p.dtype == DType::bf16 && kv_dtype == DType::bf16;
   if (requested == ForwardKernel::tiled_bf16) {
     if (!bf16_inputs)
       throw Error("kernel tiled_bf16: needs bf16 q, k and v, got q " + std::string(to_string(p.dtype)) + ", k/v " +
-                  to_string(p.kv_dtype) + " (use kernel tiled or auto)");
+                  to_string(kv_dtype) + " (use kernel tiled or auto)");
     if (!hw.bf16_dot)
       throw Error("kernel tiled_bf16: not available here: it needs a CPU with AVX512-BF16 (VDPBF16PS) and the AVX3 "
                   "or AVX3_DL SIMD target (this CPU has AVX512-BF16: " +
@@ -90,9 +92,9 @@ ForwardKernel choose_kernel(const AttentionProblem& p, const CpuHardware& hw, Fo
   }
   const std::int64_t rows = p.heads_q / p.heads_kv * p.seqlen_q;  // per kv head
   static_assert(AttentionProblem::kMaxHeadDim <= cpu::fp16dot::kMaxHeadDim, "decode_fp16 takes every head dim");
-  const bool fp16_decode = p.kv_dtype == DType::u8 && rows <= kDecodeRows && hw.decode_fp16;
+  const bool fp16_decode = kv_dtype == DType::u8 && rows <= kDecodeRows && hw.decode_fp16;
   if (requested == ForwardKernel::decode_fp16 && !fp16_decode)
-    throw Error("kernel decode_fp16: needs an FP8 (e4m3) KV cache (k/v: " + std::string(to_string(p.kv_dtype)) +
+    throw Error("kernel decode_fp16: needs an FP8 (e4m3) KV cache (k/v: " + std::string(to_string(kv_dtype)) +
                 "), at most " + std::to_string(kDecodeRows) + " query rows per kv head (heads_q / heads_kv · seqlen_q: " +
                 std::to_string(rows) + ") and a CPU with AVX512-FP16 (this one: " + (hw.decode_fp16 ? "yes" : "no") +
                 "); use kernel decode or auto");
@@ -110,25 +112,41 @@ std::int64_t choose_splits(int requested, std::int64_t items, std::int64_t k_til
 
 }  // namespace
 
-CpuForwardPlan plan_forward(const AttentionProblem& p, const CpuHardware& hw, const AttentionOptions& options) {
-  if (options.switches.q_tile_parallelism) return plan_forward(p, hw, options.num_splits, options.block_q, options.kernel);
-  return plan_forward(p, hw, 1, std::max<std::int64_t>(p.seqlen_q, 1), options.kernel);
+CpuForwardPlan cpu::plan_forward(const AttentionProblem& p, const detail::ProblemInternals& internals,
+                                 const CpuHardware& hw, const AttentionOptions& options) {
+  if (options.switches.q_tile_parallelism)
+    return plan_forward(p, internals, hw, options.num_splits, options.block_q, options.kernel);
+  return plan_forward(p, internals, hw, 1, std::max<std::int64_t>(p.seqlen_q, 1), options.kernel);
 }
 
-std::vector<CpuForwardPlan> plan_forward_together(std::span<const AttentionProblem> problems, const CpuHardware& hw,
-                                                  const AttentionOptions& options) {
+CpuForwardPlan plan_forward(const AttentionProblem& p, const CpuHardware& hw, const AttentionOptions& options) {
+  return cpu::plan_forward(p, {}, hw, options);
+}
+
+std::vector<CpuForwardPlan> cpu::plan_forward_together(std::span<const AttentionProblem> problems,
+                                                       std::span<const detail::ProblemInternals> internals,
+                                                       const CpuHardware& hw, const AttentionOptions& options) {
+  if (internals.size() != problems.size())
+    throw Error("plan_forward_together: " + std::to_string(internals.size()) + " internals for " +
+                std::to_string(problems.size()) + " problems");
   AttentionOptions call = options;
-  const bool shared = problems.size() > 1 && std::all_of(problems.begin(), problems.end(), [&](const AttentionProblem& p) {
-                        return is_decode(choose_kernel(p, hw, options.kernel));
-                      });
+  bool shared = problems.size() > 1;
+  for (std::size_t i = 0; i < problems.size() && shared; ++i)
+    shared = is_decode(choose_kernel(problems[i], internals[i].kv_dtype(problems[i]), hw, options.kernel));
   if (shared && options.num_splits == 0 && options.switches.q_tile_parallelism) {
     const auto sequences = static_cast<std::int64_t>(problems.size());
     call.num_splits = static_cast<int>((2 * hw.threads + sequences - 1) / sequences);
   }
   std::vector<CpuForwardPlan> plans;
   plans.reserve(problems.size());
-  for (const AttentionProblem& p : problems) plans.push_back(plan_forward(p, hw, call));
+  for (std::size_t i = 0; i < problems.size(); ++i) plans.push_back(plan_forward(problems[i], internals[i], hw, call));
   return plans;
+}
+
+std::vector<CpuForwardPlan> plan_forward_together(std::span<const AttentionProblem> problems, const CpuHardware& hw,
+                                                  const AttentionOptions& options) {
+  const std::vector<detail::ProblemInternals> as_given(problems.size());
+  return cpu::plan_forward_together(problems, as_given, hw, options);
 }
 
 bool plans_share_region(std::span<const CpuForwardPlan> plans) {
@@ -138,9 +156,14 @@ bool plans_share_region(std::span<const CpuForwardPlan> plans) {
 
 CpuForwardPlan plan_forward(const AttentionProblem& p, const CpuHardware& hw, int num_splits,
                             std::int64_t block_q, ForwardKernel kernel) {
+  return cpu::plan_forward(p, {}, hw, num_splits, block_q, kernel);
+}
+
+CpuForwardPlan cpu::plan_forward(const AttentionProblem& p, const detail::ProblemInternals& internals,
+                                 const CpuHardware& hw, int num_splits, std::int64_t block_q, ForwardKernel kernel) {
   CpuForwardPlan plan;
   plan.hardware = hw;
-  plan.kernel = choose_kernel(p, hw, kernel);
+  plan.kernel = choose_kernel(p, internals.kv_dtype(p), hw, kernel);
   const std::int64_t mr = hw.micro_rows, mc = hw.micro_cols;
   plan.head_dim_v_padded = round_up(p.head_dim_v, mc);
 

@@ -589,14 +589,13 @@ void run_varlen(FuzzedDataProvider& fdp) {
       for (std::int64_t h = 0; h < hq; ++h) slopes.set(h, alibi.get((alibi.shape().size() == 2 ? b * hq : 0) + h));
       ob.alibi_slopes = slopes.view();
     }
-    AttentionProblem p = AttentionProblem::from_inputs(qb.view(), kb.view(), vb.view(), ob);
-    p.batch_offset = b;
+    const AttentionProblem p = AttentionProblem::from_inputs(qb.view(), kb.view(), vb.view(), ob);
     std::vector<double> want(static_cast<std::size_t>(sq * hq * dv));
     for (std::int64_t h = 0; h < hq; ++h)
       for (std::int64_t i = 0; i < sq; ++i) {
         double lse_want = 0.0;
         reference::attention_row(p, ob, qb.view(), kb.view(), vb.view(), 0, h, i,
-                                 &want[static_cast<std::size_t>((i * hq + h) * dv)], &lse_want);
+                                 &want[static_cast<std::size_t>((i * hq + h) * dv)], &lse_want, b);
         const double got = plse.get(h * total_q + q0 + i);
         if (std::isinf(lse_want))
           check(got == lse_want, "varlen lse of a row without visible keys is not -inf");
@@ -604,7 +603,7 @@ void run_varlen(FuzzedDataProvider& fdp) {
           check(std::fabs(got - lse_want) <= 1e-5 + 1e-5 * std::fabs(lse_want), "varlen lse differs from the reference");
       }
     const double tol = 1e-5 * (1.0 + max_abs(want)) +
-                       2.0 * test::max_abs_error(test::naive_same_precision(p, ob, qb, kb, vb), want);
+                       2.0 * test::max_abs_error(test::naive_same_precision(p, ob, qb, kb, vb, b), want);
     for (std::int64_t i = 0; i < sq * hq * dv; ++i)
       check(std::fabs(pout.get(q0 * hq * dv + i) - want[static_cast<std::size_t>(i)]) <= tol,
             "varlen out of sequence " + std::to_string(b) + " differs from the reference");
@@ -803,8 +802,11 @@ void run_kvcache(FuzzedDataProvider& fdp) {
     out_view = MutableTensorView(pkc.bytes.data() + pkc.origin, dtype, {1, 1, 1, 1});
     if (batch * seqlen_q * hq * dv <= fits) out_view = MutableTensorView(pkc.bytes.data() + pkc.origin, dtype, {batch, seqlen_q, hq, dv});
   }
+  PlansRun plans;  // one per sequence (when there are query rows): the kernel each one ran
+  AttentionOptions run = o;
+  run.plans_run = &plans;
   try {
-    forward_with_kvcache(q.view(), cache, out_view, drop_leading(plse.mutable_view()), o);
+    forward_with_kvcache(q.view(), cache, out_view, drop_leading(plse.mutable_view()), run);
     check(fault == 0, "forward_with_kvcache accepted fault " + std::to_string(fault));
   } catch (const Error& e) {
     check(fault != 0, std::string("forward_with_kvcache rejected a valid call: ") + e.what());
@@ -885,6 +887,9 @@ void run_kvcache(FuzzedDataProvider& fdp) {
   check(v_wrong.empty(), "v_cache: wrong value after the append: " + v_wrong);
   pkc.check_gaps("k_cache");
   pvc.check_gaps("v_cache");
+  check(plans.forward.size() == static_cast<std::size_t>(seqlen_q > 0 ? batch : 0),
+        "forward_with_kvcache reported " + std::to_string(plans.forward.size()) + " plans for " +
+            std::to_string(batch) + " sequences");
   // Each sequence against the reference over its gathered keys.
   for (std::int64_t b = 0; b < batch; ++b) {
     const std::int64_t first = pads[static_cast<std::size_t>(b)];  // slots before it are padding
@@ -908,10 +913,7 @@ void run_kvcache(FuzzedDataProvider& fdp) {
     // its roundings can do — scores move by at most γ_s·A (A the largest Σ|q·k| in log2
     // units), which moves the weights by at most e^(2·ln2·γ_s·A) in ratio; P·V adds γ_v·max|v|.
     double half_out = 0.0, half_lse = 0.0;
-    AttentionProblem planned = p;
-    planned.kv_dtype = fp8 ? DType::u8 : dtype;
-    if (plan_forward(planned, CpuHardware::detect(o.num_threads), o.num_splits, 0, o.kernel).kernel ==
-        ForwardKernel::decode_fp16) {
+    if (seqlen_q > 0 && plans.forward[static_cast<std::size_t>(b)].kernel == ForwardKernel::decode_fp16) {
       double a = 0.0, v_max = 0.0;
       for (std::int64_t i = 0; i < seqlen_q * hq; ++i)
         for (std::int64_t j = 0; j < sk; ++j) {

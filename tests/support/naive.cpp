@@ -30,9 +30,9 @@ float naive_exp(const AttentionOptions& options, float x) {
 enum class Rounding { every_step, where_the_kernel_rounds };
 std::vector<double> same_precision_attention(const AttentionProblem& p, const AttentionOptions& options,
                                              const Tensor& q, const Tensor& k, const Tensor& v,
-                                             Rounding rounding) {
+                                             Rounding rounding, std::int64_t batch_offset) {
   const bool every_step = rounding == Rounding::every_step;
-  const reference::Semantics sem{&p, &options};
+  const reference::Semantics sem{&p, &options, batch_offset};
   std::vector<double> out(static_cast<std::size_t>(p.batch * p.seqlen_q * p.heads_q * p.head_dim_v));
   const std::int64_t group = p.heads_q / p.heads_kv;
   std::vector<float> s(static_cast<std::size_t>(p.seqlen_k));
@@ -72,13 +72,14 @@ std::vector<double> same_precision_attention(const AttentionProblem& p, const At
 }  // namespace
 
 std::vector<double> naive_same_precision(const AttentionProblem& p, const AttentionOptions& options,
-                                         const Tensor& q, const Tensor& k, const Tensor& v) {
-  return same_precision_attention(p, options, q, k, v, Rounding::every_step);
+                                         const Tensor& q, const Tensor& k, const Tensor& v,
+                                         std::int64_t batch_offset) {
+  return same_precision_attention(p, options, q, k, v, Rounding::every_step, batch_offset);
 }
 
 std::vector<double> rounded_where_the_kernel_rounds(const AttentionProblem& p, const AttentionOptions& options,
                                                     const Tensor& q, const Tensor& k, const Tensor& v) {
-  return same_precision_attention(p, options, q, k, v, Rounding::where_the_kernel_rounds);
+  return same_precision_attention(p, options, q, k, v, Rounding::where_the_kernel_rounds, 0);
 }
 
 NaiveGradients naive_backward_same_precision(const AttentionProblem& p, const AttentionOptions& options,

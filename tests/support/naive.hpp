@@ -5,6 +5,7 @@
 // implementation of the same computation.
 #pragma once
 
+#include <cstdint>
 #include <vector>
 
 #include "flashattn/options.hpp"
@@ -17,9 +18,11 @@ namespace flashattn::test {
 // in float32 and rounded to dtype, softmax in float32 rounded to dtype, O = P·V accumulated
 // in float32 and rounded to dtype; variants as the reference states them. Its error
 // against the float64 reference is the yardstick of upstream's "at most 2× a naive
-// implementation". out as (batch, seqlen_q, heads_q, head_dim_v), contiguous.
+// implementation". out as (batch, seqlen_q, heads_q, head_dim_v), contiguous. Dropout and
+// (batch, heads) ALiBi slopes keyed as reference::Semantics keys them with `batch_offset`.
 std::vector<double> naive_same_precision(const AttentionProblem& p, const AttentionOptions& options,
-                                         const Tensor& q, const Tensor& k, const Tensor& v);
+                                         const Tensor& q, const Tensor& k, const Tensor& v,
+                                         std::int64_t batch_offset = 0);
 
 // The low-precision yardstick that rounds where the kernels round, no more: inputs exact in
 // dtype, S accumulated in float32 (variants as the reference states them, rounded to float),

@@ -117,7 +117,7 @@ void run_varlen(const RunFlags& f, const AttentionOptions& options) {
     for (std::int64_t i : {std::int64_t{0}, sq / 2, sq - 1})
       for (std::int64_t h = 0; h < pb.heads_q; h += std::max<std::int64_t>(1, pb.heads_q - 1)) {
         double lse = 0.0;
-        reference::attention_row(pb, ob, qb, kb, vb, 0, h, i, row.data(), &lse);
+        reference::attention_row(pb, ob, qb, kb, vb, 0, h, i, row.data(), &lse, b);  // dropout keyed by sequence
         for (std::int64_t c = 0; c < pb.head_dim_v; ++c)
           error = std::max(error, std::fabs(fwd.out.get(((q0 + i) * pb.heads_q + h) * pb.head_dim_v + c) -
                                             row[static_cast<std::size_t>(c)]));

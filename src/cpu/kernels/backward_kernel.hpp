@@ -13,12 +13,14 @@
 #include "flashattn/plan.hpp"
 #include "flashattn/problem.hpp"
 #include "flashattn/tensor.hpp"
+#include "src/core/problem_internals.hpp"
 #include "src/cpu/kernels/packed_head.hpp"
 
 namespace flashattn::cpu {
 
 struct BackwardParams {
   AttentionProblem problem;
+  detail::ProblemInternals internals;  // a sequence's batch index
   CpuBackwardPlan plan;
   TensorView dout, q, k, v, out, lse;
   MutableTensorView dq, dk, dv;

@@ -18,6 +18,7 @@
 #include "flashattn/problem.hpp"
 #include "flashattn/tensor.hpp"
 #include "src/core/paged_kv.hpp"
+#include "src/core/problem_internals.hpp"
 #include "src/cpu/kernels/workspace.hpp"
 
 namespace flashattn::cpu {
@@ -38,6 +39,7 @@ constexpr std::int64_t kRowPrefetchDistance = 8;
 // Everything a work item needs; filled once per call by the driver.
 struct ForwardParams {
   AttentionProblem problem;
+  detail::ProblemInternals internals;  // a sequence's batch index, an FP8 cache, FP8 probabilities
   CpuForwardPlan plan;
   TensorView q, k, v;
   MutableTensorView out, lse;

@@ -94,7 +94,7 @@ static void SoftmaxRow(const RowMods& mods, float* HWY_RESTRICT srow, std::int64
   vsum = ExpRange([](DF d, VF x) { return Exp2(d, x); }, srow, poly_cols, cols, vm, vsum);
   const float scaled_sum = state.sum;  // ℓ_old · factor
   state.add(hn::GetLane(hn::SumOfLanes(df, vsum)));
-  if (p.fp8_probabilities)
+  if (mods.fp8_probabilities)
     for (std::int64_t j = 0; j < cols; j += kLanes)
       hn::Store(RoundToFp8(df, hn::Load(df, srow + j), Fp8Format::e4m3), df, srow + j);
   if (!deferred) {

@@ -20,6 +20,7 @@
 #include "flashattn/online_softmax.hpp"
 #include "flashattn/problem.hpp"
 #include "src/core/element.hpp"
+#include "src/core/problem_internals.hpp"
 
 HWY_BEFORE_NAMESPACE();
 namespace flashattn::cpu::HWY_NAMESPACE {
@@ -34,12 +35,13 @@ struct RowMods {
   bool alibi = false;
   std::uint32_t dropout_threshold = 0;
   float dropout_scale = 1.0f;  // 1/(1 − p)
-  std::int64_t batch = 0, head = 0;  // batch counts from problem->batch_offset (varlen)
+  std::int64_t batch = 0, head = 0;  // batch counts from internals.batch_offset (varlen, KV cache)
+  bool fp8_probabilities = false;    // forward_fp8: P rounded to e4m3 before P·V
 
-  RowMods(const AttentionProblem& p, const TensorView& alibi_slopes, const TensorView& mask,
-          std::int64_t b, std::int64_t h)
+  RowMods(const AttentionProblem& p, const detail::ProblemInternals& internals, const TensorView& alibi_slopes,
+          const TensorView& mask, std::int64_t b, std::int64_t h)
       : problem(&p), block_mask(p.block_mask_block_size > 0 ? &mask : nullptr),
-        batch(b + p.batch_offset), head(h) {
+        batch(b + internals.batch_offset), head(h), fp8_probabilities(internals.fp8_probabilities) {
     constexpr float kLog2e = OnlineSoftmaxState::kLog2e;
     softcap2 = p.softcap * kLog2e;
     alibi = p.alibi;
