@@ -146,26 +146,15 @@ TEST(ForwardBf16Dot, UnavailableKernelIsAClearError) {
                {"kernel tiled_bf16", "bf16 q, k and v", "f32"});
   {  // bf16 queries on an FP8 cache of p's shape, through forward_with_kvcache: the plan it ran
     const Tensor q = random_tensor(DType::bf16, {1, 64, 2, 32}, 2);
-    Tensor k_codes(DType::u8, {1, 64, 2, 32}), v_codes(DType::u8, {1, 64, 2, 32});
-    Tensor k_scale(DType::f32, {1, 2}), v_scale(DType::f32, {1, 2});
-    for (std::int64_t i = 0; i < k_codes.numel(); ++i) {
-      k_codes.data_as<std::uint8_t>()[i] = static_cast<std::uint8_t>(i % 113);
-      v_codes.data_as<std::uint8_t>()[i] = static_cast<std::uint8_t>(i % 101);
-    }
-    for (std::int64_t h = 0; h < 2; ++h) {
-      k_scale.set(h, 0.5f);
-      v_scale.set(h, 0.25f);
-    }
-    KvCache fp8_cache{k_codes.view(), v_codes.view()};
-    fp8_cache.k_scale = k_scale.view();
-    fp8_cache.v_scale = v_scale.view();
+    Fp8CacheTensors fp8 = fp8_cache({1, 64, 2, 32});
+    const KvCache fp8_kv = fp8.cache();
     AttentionOptions bf16_kernel;
     bf16_kernel.kernel = ForwardKernel::tiled_bf16;
-    expect_error([&] { forward_with_kvcache(q.view(), fp8_cache, bf16_kernel); }, {"kernel tiled_bf16", "u8"});
+    expect_error([&] { forward_with_kvcache(q.view(), fp8_kv, bf16_kernel); }, {"kernel tiled_bf16", "u8"});
     PlansRun ran;
     AttentionOptions reporting;
     reporting.plans_run = &ran;
-    forward_with_kvcache(q.view(), fp8_cache, reporting);
+    forward_with_kvcache(q.view(), fp8_kv, reporting);
     ASSERT_EQ(ran.forward.size(), 1u);
     EXPECT_EQ(ran.forward[0].kernel, ForwardKernel::tiled);
   }

@@ -1014,25 +1014,16 @@ TEST(KvCache, DecodeFp16IsPlannedForFp8CachesOnly) {
   // For real: an FP8 cache runs decode_fp16 where this CPU has AVX512-FP16, decode where it
   // has not; a bf16 cache of the same shape runs decode.
   const Tensor q16 = random_tensor(DType::bf16, {1, 1, 4, 32}, 7);
-  Tensor k_codes(DType::u8, {1, 24, 2, 32}), v_codes(DType::u8, {1, 24, 2, 32}), cached(DType::i32, {1});
-  Tensor k_scale(DType::f32, {1, 2}), v_scale(DType::f32, {1, 2});
-  for (std::int64_t i = 0; i < k_codes.numel(); ++i) {
-    k_codes.data_as<std::uint8_t>()[i] = static_cast<std::uint8_t>(i % 113);
-    v_codes.data_as<std::uint8_t>()[i] = static_cast<std::uint8_t>(i % 101);
-  }
-  for (std::int64_t h = 0; h < 2; ++h) {
-    k_scale.set(h, 0.5f);
-    v_scale.set(h, 0.25f);
-  }
+  Tensor cached(DType::i32, {1});
   cached.set(0, 24.0f);
-  KvCache fp8_cache{k_codes.view(), v_codes.view(), TensorView{}, cached.view()};
-  fp8_cache.k_scale = k_scale.view();
-  fp8_cache.v_scale = v_scale.view();
+  Fp8CacheTensors fp8 = fp8_cache({1, 24, 2, 32});
+  KvCache fp8_kv = fp8.cache();
+  fp8_kv.cache_seqlens = cached.view();
   PlansRun ran;
   AttentionOptions reporting;
   reporting.num_threads = 1;
   reporting.plans_run = &ran;
-  forward_with_kvcache(q16.view(), fp8_cache, reporting);
+  forward_with_kvcache(q16.view(), fp8_kv, reporting);
   ASSERT_EQ(ran.forward.size(), 1u);
   EXPECT_EQ(ran.forward[0].kernel,
             CpuHardware::detect(1).decode_fp16 ? ForwardKernel::decode_fp16 : ForwardKernel::decode);

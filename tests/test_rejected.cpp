@@ -209,7 +209,10 @@ TEST(Rejected, PagedTableEntries) {
 TEST(Rejected, Fp8CacheKeepsItsCodesAndDescales) {
   Tensor q = random_tensor(DType::bf16, {2, 1, 2, 8}, 31);
   Tensor k_codes = filled(DType::u8, {2, 8, 1, 8}, 0.0f), v_codes = filled(DType::u8, {2, 8, 1, 8}, 0.0f);
-  Tensor k_scale = filled(DType::f32, {2, 1}, 0.5f), v_scale = filled(DType::f32, {2, 1}, 0.5f);
+  // k_scale's (2, 1) descales begin a larger allocation, so that an output view laid over them
+  // (below) stays inside memory the test owns.
+  Tensor k_scale_storage = filled(DType::f32, {16}, 0.5f), v_scale = filled(DType::f32, {2, 1}, 0.5f);
+  const MutableTensorView k_scale(k_scale_storage.data(), DType::f32, {2, 1});
   for (std::int64_t i = 0; i < k_codes.numel(); ++i) {
     k_codes.data_as<std::uint8_t>()[i] = static_cast<std::uint8_t>(0x30 + i % 7);
     v_codes.data_as<std::uint8_t>()[i] = static_cast<std::uint8_t>(0x31 + i % 5);
@@ -220,19 +223,19 @@ TEST(Rejected, Fp8CacheKeepsItsCodesAndDescales) {
   KvCache c;
   c.k_cache = k_codes.view();
   c.v_cache = v_codes.view();
-  c.k_scale = k_scale.view();
+  c.k_scale = k_scale;
   c.v_scale = v_scale.view();
   c.k = k.view();
   c.v = v.view();
   c.cache_seqlens = seqlens.view();
-  const std::vector<const Tensor*> guarded = {&out, &lse, &k_codes, &v_codes, &k_scale, &v_scale};
+  const std::vector<const Tensor*> guarded = {&out, &lse, &k_codes, &v_codes, &k_scale_storage, &v_scale};
   Tensor wrong = filled(DType::bf16, {2, 1, 2, 4}, 7.0f);
   expect_rejected([&] { forward_with_kvcache(q.view(), c, wrong.view(), lse.view()); }, {"out: shape (2, 1, 2, 4)"},
                   guarded);
   AttentionOptions o;
   o.softcap = -1.0f;
   expect_rejected([&] { forward_with_kvcache(q.view(), c, out.view(), lse.view(), o); }, {"softcap"}, guarded);
-  MutableTensorView out_over_scale(k_scale.data(), DType::bf16, {2, 1, 2, 8});
+  MutableTensorView out_over_scale(k_scale_storage.data(), DType::bf16, {2, 1, 2, 8});  // exactly its 64 bytes
   expect_rejected([&] { forward_with_kvcache(q.view(), c, out_over_scale, lse.view()); },
                   {"out", "overlaps input k_scale"}, guarded);
   EXPECT_NO_THROW(forward_with_kvcache(q.view(), c, out.view(), lse.view()));

@@ -51,4 +51,27 @@ std::string Case::describe() const {
   return s.str();
 }
 
+Fp8CacheTensors fp8_cache(const std::vector<std::int64_t>& shape) {
+  Fp8CacheTensors c{Tensor(DType::u8, shape), Tensor(DType::u8, shape), Tensor(DType::f32, {shape[0], shape[2]}),
+                    Tensor(DType::f32, {shape[0], shape[2]})};
+  for (std::int64_t i = 0; i < c.k_codes.numel(); ++i) {
+    c.k_codes.data_as<std::uint8_t>()[i] = static_cast<std::uint8_t>(i % 113);
+    c.v_codes.data_as<std::uint8_t>()[i] = static_cast<std::uint8_t>(i % 101);
+  }
+  for (std::int64_t i = 0; i < c.k_scale.numel(); ++i) {
+    c.k_scale.set(i, 0.5f);
+    c.v_scale.set(i, 0.25f);
+  }
+  return c;
+}
+
+KvCache Fp8CacheTensors::cache() {
+  KvCache c;
+  c.k_cache = k_codes.view();
+  c.v_cache = v_codes.view();
+  c.k_scale = k_scale.view();
+  c.v_scale = v_scale.view();
+  return c;
+}
+
 }  // namespace flashattn::test

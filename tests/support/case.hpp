@@ -7,7 +7,9 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
+#include "flashattn/attention.hpp"
 #include "flashattn/options.hpp"
 #include "flashattn/problem.hpp"
 #include "flashattn/tensor.hpp"
@@ -57,5 +59,14 @@ class Case {
   std::uint64_t seed_;
   std::shared_ptr<const Tensor> alibi_slopes_;
 };
+
+// An FP8 (e4m3) KV cache of shape (batch, seqlen, heads_kv, dim): finite codes i % 113 (K)
+// and i % 101 (V) at flat index i, descales 0.5 (K) and 0.25 (V) per (cache row, kv head).
+struct Fp8CacheTensors {
+  Tensor k_codes, v_codes, k_scale, v_scale;
+  // Views of the four tensors; every other field unset.
+  KvCache cache();
+};
+Fp8CacheTensors fp8_cache(const std::vector<std::int64_t>& shape);
 
 }  // namespace flashattn::test

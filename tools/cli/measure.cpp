@@ -79,16 +79,30 @@ std::string human_bytes(double bytes) {
 
 const char* impl_name(Impl impl) { return impl == Impl::flashattn ? "flashattn" : "standard"; }
 
+namespace {
+
+// `options` that also hand the plans the call ran to `plans`.
+AttentionOptions reporting_plans(const AttentionOptions& options, PlansRun& plans) {
+  AttentionOptions reporting = options;
+  reporting.plans_run = &plans;
+  return reporting;
+}
+
+// How a timed run is named in progress output: "flashattn backward bf16 causal".
+std::string run_label(const Measurement& m, const AttentionProblem& p) {
+  return std::string(impl_name(m.impl)) + (m.op == Op::bwd ? " backward " : " ") + to_string(p.dtype) +
+         (p.causal ? " causal" : "") + (m.deterministic ? " deterministic" : "");
+}
+
+}  // namespace
+
 Measurement measure_forward(Impl impl, const AttentionProblem& p, const AttentionOptions& options,
                             const Inputs& in, int repeats) {
   Measurement m{impl};
   m.out = Tensor(p.dtype, {p.batch, p.seqlen_q, p.heads_q, p.head_dim_v});
   Tensor lse(DType::f32, {p.batch, p.heads_q, p.seqlen_q});
-  const std::string label = std::string(impl_name(impl)) + " " + to_string(p.dtype) +
-                            (p.causal ? " causal" : "");
   PlansRun plans;  // what the timed calls ran, reported below
-  AttentionOptions reporting = options;
-  reporting.plans_run = &plans;
+  const AttentionOptions reporting = reporting_plans(options, plans);
   m.seconds = median_seconds(
       [&] {
         if (impl == Impl::flashattn) {
@@ -98,7 +112,7 @@ Measurement measure_forward(Impl impl, const AttentionProblem& p, const Attentio
                                                       m.out.view(), lse.view(), options);
         }
       },
-      repeats, 1, label);
+      repeats, 1, run_label(m, p));
   let_worker_threads_sleep();
   if (!plans.forward.empty()) {
     const CpuForwardPlan& plan = plans.forward.front();
@@ -115,11 +129,8 @@ Measurement measure_backward(Impl impl, const AttentionProblem& p, const Attenti
   Measurement m{impl, Op::bwd, impl == Impl::flashattn && options.deterministic};
   const ForwardResult fwd = forward(in.q.view(), in.k.view(), in.v.view(), options);
   Tensor dq(p.dtype, in.q.shape()), dk(p.dtype, in.k.shape()), dv(p.dtype, in.v.shape());
-  const std::string label = std::string(impl_name(impl)) + " backward " + to_string(p.dtype) +
-                            (p.causal ? " causal" : "") + (m.deterministic ? " deterministic" : "");
   PlansRun plans;  // what the timed calls ran, reported below
-  AttentionOptions reporting = options;
-  reporting.plans_run = &plans;
+  const AttentionOptions reporting = reporting_plans(options, plans);
   m.seconds = median_seconds(
       [&] {
         if (impl == Impl::flashattn) {
@@ -131,7 +142,7 @@ Measurement measure_backward(Impl impl, const AttentionProblem& p, const Attenti
                                                                dk.view(), dv.view(), options);
         }
       },
-      repeats, 1, label);
+      repeats, 1, run_label(m, p));
   let_worker_threads_sleep();
   if (!plans.backward.empty()) {
     const CpuBackwardPlan& plan = plans.backward.front();
