@@ -217,6 +217,38 @@ void expect_batch_invariant(bool fp8) {
 TEST(PagedVarlen, BitIdenticalAloneInAnyBatchOnAnyThreads) { expect_batch_invariant(false); }
 TEST(PagedVarlen, Fp8PoolBitIdenticalAloneInAnyBatchOnAnyThreads) { expect_batch_invariant(true); }
 
+// Each sequence's plan (AttentionOptions::plans_run, batch order, sequences with rows) is the
+// same on every thread count: decode rows split their keys in shares of about kSplitKeys =
+// 2048, prefill chunks take the tiled kernel unsplit.
+TEST(PagedVarlen, PlansDependOnTheSequenceAlone) {
+  AttentionOptions o;
+  o.causal = true;
+  const Batch batch = make_batch(kMix, DType::bf16, 16, o, 3);
+  std::vector<std::string> first;
+  for (int threads : {1, 2, 3}) {
+    PlansRun plans;
+    o.num_threads = threads;
+    o.plans_run = &plans;
+    batch.run(o);
+    ASSERT_EQ(plans.forward.size(), 7u);  // kMix has two sequences without rows
+    const CpuForwardPlan& long_decode = plans.forward[0];  // (1, 2500)
+    EXPECT_TRUE(is_decode(long_decode.kernel));
+    EXPECT_EQ(long_decode.splits, 2);
+    EXPECT_EQ(plans.forward[1].kernel, ForwardKernel::tiled);  // (40, 100)
+    EXPECT_EQ(plans.forward[1].splits, 1);
+    for (std::size_t i = 0; i < plans.forward.size(); ++i) {
+      CpuForwardPlan p = plans.forward[i];
+      p.threads = 0;  // the threads a plan may use are the call's
+      p.hardware.threads = 0;
+      if (threads == 1) {
+        first.push_back(p.describe());
+      } else {
+        EXPECT_EQ(p.describe(), first[i]) << "sequence with rows " << i;
+      }
+    }
+  }
+}
+
 // An FP8 pool read by forward_varlen_paged equals forward_with_kvcache's read of the same
 // pages (tested against the reference in test_kvcache.cpp) bit for bit: one thread and one
 // key share plan both calls alike.
