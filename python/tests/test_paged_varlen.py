@@ -91,3 +91,21 @@ def test_bad_calls_raise():
     with pytest.raises(ValueError, match="inference only"):
         flashattn.flash_attn_varlen_func(q.requires_grad_(), k_cache, v_cache, cu_q, None, 70, 2100,
                                          block_table=table, seqused_k=seqused)
+
+
+def test_fp8_pool_matches_its_dequantized_values():
+    q, k_cache, v_cache, table, cu_q, seqused = paged_batch(torch.float32, seed=2)
+    g = torch.Generator().manual_seed(3)
+    k_codes = torch.randint(0, 0x7F, k_cache.shape, dtype=torch.uint8, generator=g)  # finite e4m3 codes
+    v_codes = torch.randint(0, 0x7F, v_cache.shape, dtype=torch.uint8, generator=g)
+    k_codes[torch.rand(k_codes.shape, generator=g) < 0.5] |= 0x80  # and their negatives
+    k_scale = torch.rand(k_cache.shape[0], HKV, generator=g) * 0.01 + 0.001
+    v_scale = torch.rand(k_cache.shape[0], HKV, generator=g) * 0.01 + 0.001
+
+    def values(codes, scale):
+        return codes.view(torch.float8_e4m3fn).float() * scale[:, None, :, None]
+
+    want = reference(q, values(k_codes, k_scale), values(v_codes, v_scale), table, cu_q, seqused, causal=True)
+    out = flashattn.flash_attn_varlen_func(q, k_codes, v_codes, cu_q, None, 70, 2100, causal=True, block_table=table,
+                                           seqused_k=seqused, k_scale=k_scale, v_scale=v_scale)
+    assert (out.double() - want).abs().max().item() < 1e-5
