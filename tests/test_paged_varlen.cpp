@@ -159,6 +159,29 @@ TEST(PagedVarlen, EachSequenceMatchesTheReference) {
   });
 }
 
+// ALiBi slopes per sequence, (batch, heads_q): sequence b reads row b. Rows that repeat the
+// (heads_q) slopes give their result bit for bit; a row scaled differently changes its
+// sequence alone.
+TEST(PagedVarlen, AlibiSlopesPerSequence) {
+  AttentionOptions o;
+  o.causal = true;
+  const Batch batch = make_batch(kMix, DType::f32, 16, o, 9, true);
+  const TensorView shared = batch.cases.front().options().alibi_slopes;
+  const auto n = static_cast<std::int64_t>(kMix.size());
+  Tensor rows(DType::f32, {n, kHq});
+  for (std::int64_t b = 0; b < n; ++b)
+    for (std::int64_t h = 0; h < kHq; ++h)
+      rows.set(b * kHq + h, static_cast<const float*>(shared.data)[h * shared.strides[0]] * (b == 2 ? 2.0f : 1.0f));
+  AttentionOptions one = o, each = o;
+  one.alibi_slopes = shared;
+  each.alibi_slopes = rows.view();
+  const ForwardResult a = batch.run(one), b = batch.run(each);
+  for (std::size_t s = 0; s < kMix.size(); ++s) {
+    const ForwardResult x = sequence_result(a, batch, s), y = sequence_result(b, batch, s);
+    EXPECT_EQ(bitwise_equal(x.out, y.out), s != 2) << "sequence " << s;
+  }
+}
+
 // The sequences `pick` of a batch, in that order, over the same pools.
 Batch subset(const Batch& all, const std::vector<std::size_t>& pick) {
   Batch r = all;
