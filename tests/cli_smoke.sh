@@ -198,3 +198,13 @@ if "$cli" run --decode --cache-seqlen 300 --heads 4 --heads-kv 2 --dim 32 --kern
 fi
 grep -q "FP8 (e4m3) KV cache" "$work/err.txt"
 echo "cli smoke (decode): ok"
+
+# The serving batch, small: one forward_varlen_paged call against one call per sequence.
+"$cli" bench --ops serve_smoke --json --repeats 5 --sgemm-size 64 > "$work/serve.json" 2> "$work/err.txt"
+python3 - "$work/serve.json" <<'PY'
+import json, sys
+j = json.load(open(sys.argv[1]))
+(c,) = [c for c in j["cases"] if c["op"] == "serve"]
+assert c["case"] == "smoke" and c["speedup_vs_per_sequence"] > 0 and c["decode_gbps"] > 0 and j["copy_gbps"] > 0, c
+PY
+echo "cli smoke (serve): ok"

@@ -139,12 +139,15 @@ TEST(CudaApi, EntryPointsTheCudaBackendLacksNameThemselves) {
   KvCache kv;
   kv.k_cache = cache;
   kv.v_cache = cache;
+  const PagedKvBatch paged{cache, cache, device_view(DType::i32, {1, 1}), device_view(DType::i32, {1}), {}, {}};
   const std::pair<const char*, std::function<void()>> calls[] = {
       {"forward_varlen", [&] { forward_varlen(packed, packed, packed, seqlens); }},
       {"forward_varlen", [&] { forward_varlen(packed, packed, packed, seqlens, packed_out, device_output(DType::f32, {1, 4})); }},
       {"backward_varlen", [&] { backward_varlen(packed, packed, packed, packed, packed, device_view(DType::f32, {1, 4}), seqlens); }},
       {"forward_with_kvcache", [&] { forward_with_kvcache(q, kv); }},
       {"forward_with_kvcache", [&] { forward_with_kvcache(q, kv, device_output(DType::bf16, {1, 1, 1, 64}), device_output(DType::f32, {1, 1, 1})); }},
+      {"forward_varlen_paged", [&] { forward_varlen_paged(packed, cu, 4, paged); }},
+      {"forward_varlen_paged", [&] { forward_varlen_paged(packed, cu, 4, paged, packed_out, device_output(DType::f32, {1, 4})); }},
       {"forward_fp8", [&] { forward_fp8(fp8, fp8, fp8, DType::bf16); }},
       {"forward_fp8", [&] { forward_fp8(fp8, fp8, fp8, out, lse); }},
   };

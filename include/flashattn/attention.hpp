@@ -85,6 +85,33 @@ BackwardResult backward_varlen(const TensorView& dout, const TensorView& q, cons
                                const TensorView& v, const TensorView& out, const TensorView& lse,
                                const VarlenSeqlens& seqlens, const AttentionOptions& options = {});
 
+// Paged variable-length batches, the serving call (upstream's flash_attn_varlen_func with
+// block_table, and FA3's seqused_k): sequence b has the query rows [cu_seqlens_q[b],
+// cu_seqlens_q[b + 1]) of the packed q — any number: decode rows (1), prefill chunks,
+// none — and seqused_k[b] keys, read in place from the page pools: key j is row
+// j % page_size of page block_table[b, j / page_size]. Causal is bottom-right aligned per
+// sequence: query row i of a sequence with q_len rows and k_len keys sees keys
+// j <= i + k_len − q_len. ALiBi slopes may be (heads_q) or (batch, heads_q).
+//   q (total_q, heads_q, head_dim), out (total_q, heads_q, head_dim_v), lse (heads_q, total_q)
+// The pools hold q's dtype, or (u8) FP8 e4m3 codes with descales as KvCache's k_scale and
+// v_scale: float32 (num_pages, heads_kv), finite and positive for every page read.
+// The whole batch runs in one parallel region (docs/algorithm.md §3, work partitioning),
+// and a sequence's plan — kernel, tiles, key splits — depends on its own lengths and the
+// options alone: its out and lse are bit-identical alone, in any batch, on any number of
+// threads. Nothing is appended: the pools are only read.
+struct PagedKvBatch {
+  TensorView k_cache, v_cache;  // (num_pages, page_size, heads_kv, head_dim / head_dim_v)
+  TensorView block_table;       // int32 (batch, max_pages): each sequence's pages in order
+  TensorView seqused_k;         // int32 (batch): keys of each sequence, <= max_pages · page_size
+  TensorView k_scale, v_scale;  // FP8 pools only
+};
+
+void forward_varlen_paged(const TensorView& q, const TensorView& cu_seqlens_q, std::int64_t max_seqlen_q,
+                          const PagedKvBatch& kv, const MutableTensorView& out, const MutableTensorView& lse,
+                          const AttentionOptions& options = {});
+ForwardResult forward_varlen_paged(const TensorView& q, const TensorView& cu_seqlens_q, std::int64_t max_seqlen_q,
+                                   const PagedKvBatch& kv, const AttentionOptions& options = {});
+
 // The KV cache of an inference engine (upstream's flash_attn_with_kvcache). The cache is
 // contiguous (batch_cache, seqlen_cache, heads_kv, dim) or paged (num_pages, page_size,
 // heads_kv, dim) with an int32 block_table (batch, max_pages_per_seq) naming each

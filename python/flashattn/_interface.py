@@ -466,16 +466,72 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                            alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None, *,
-                           seed=None, kernel="auto", backward_kernel="auto", num_threads=None, num_splits=0):
+                           seed=None, kernel="auto", backward_kernel="auto", num_threads=None, num_splits=0,
+                           seqused_k=None, k_scale=None, v_scale=None):
     """Packed variable-length batch: q (total_q, Hq, D), k/v (total_k, Hkv, D), int32 cu_seqlens (B + 1).
 
     Each sequence attends only within itself; softmax_lse is (Hq, total_q). kernel /
-    backward_kernel, seed, num_threads and num_splits as flash_attn_func's."""
+    backward_kernel, seed, num_threads and num_splits as flash_attn_func's.
+
+    Paged (block_table int32 (B, max_pages), as upstream): k and v are page pools
+    (num_pages, page_size, Hkv, D), read in place; sequence b's keys are its first
+    seqused_k[b] (FA3's argument; default cu_seqlens_k[b + 1] - cu_seqlens_k[b]) slots of
+    pages block_table[b, :], and its queries any number of rows — decode rows and prefill
+    chunks mixed, causal aligned bottom-right. uint8 (or float8_e4m3fn) pools are FP8 e4m3
+    codes with float32 k_scale/v_scale (num_pages, Hkv) descales. The whole batch runs in
+    one parallel region and each sequence's result is bit-identical alone, in any batch, on
+    any number of threads. Inference only: no dropout, no gradients. Returns out, or
+    (out, softmax_lse, None) with return_attn_probs."""
     if block_table is not None:
-        raise NotImplementedError("block_table: the paged KV cache is not implemented yet")
+        return _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, dropout_p, softmax_scale, causal,
+                             window_size, softcap, alibi_slopes, return_attn_probs, block_table, seqused_k,
+                             k_scale, v_scale, kernel, num_threads, num_splits)
+    for name, x in (("seqused_k", seqused_k), ("k_scale", k_scale), ("v_scale", v_scale)):
+        if x is not None:
+            raise ValueError(f"{name}: belongs to a paged batch (block_table)")
     return _attention(q, k, v, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), dropout_p, softmax_scale,
                       causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, seed, kernel,
                       backward_kernel, num_threads, num_splits)
+
+
+def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, dropout_p, softmax_scale, causal,
+                  window_size, softcap, alibi_slopes, return_attn_probs, block_table, seqused_k, k_scale, v_scale,
+                  kernel, num_threads, num_splits):
+    """flash_attn_varlen_func over page pools (forward_varlen_paged in include/flashattn/attention.hpp)."""
+    if dropout_p != 0.0:
+        raise ValueError(f"dropout_p: a paged batch is inference only, got {dropout_p}")
+    if _is_tensor(q) and torch.is_grad_enabled() and any(
+            _is_tensor(x) and x.requires_grad for x in (q, k_cache, v_cache)):
+        raise ValueError("q, k, v: a paged batch is inference only (no gradients); call it under torch.no_grad()")
+    if seqused_k is None:
+        if cu_seqlens_k is None:
+            raise ValueError("seqused_k: a paged batch needs seqused_k or cu_seqlens_k for its key counts")
+        cu = cu_seqlens_k.numpy() if _is_tensor(cu_seqlens_k) else np.asarray(cu_seqlens_k)
+        used = np.diff(cu.astype(np.int64)).astype(np.int32)
+        seqused_k = torch.from_numpy(used) if _is_tensor(q) else used
+    if _is_fp8_codes(k_cache):
+        raws, dts = _inputs(q=q)
+        raws["k_cache"], raws["v_cache"] = _fp8_codes(k_cache, "k_cache"), _fp8_codes(v_cache, "v_cache")
+        dts["k_cache"] = dts["v_cache"] = "u8"
+        scales = [None if x is None else _raw(x, name)[0] for name, x in (("k_scale", k_scale), ("v_scale", v_scale))]
+    else:
+        if k_scale is not None or v_scale is not None:
+            raise TypeError("k_scale, v_scale: descales belong to an FP8 cache (uint8 e4m3 codes), "
+                            f"not a {_dtype_name(k_cache)} cache")
+        raws, dts = _inputs(q=q, k_cache=k_cache, v_cache=v_cache)
+        scales = [None, None]
+    opts = _options(0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, False, None, kernel,
+                    num_splits=num_splits)
+    opts.num_threads = _resolve_threads(num_threads, _is_tensor(q))
+    total, hq, _ = raws["q"].shape
+    dt = dts["q"]
+    out, out_raw = _empty((total, hq, raws["v_cache"].shape[-1]), dt, q)
+    lse, lse_raw = _empty((hq, total), "f32", q)
+    _C.forward_varlen_paged(raws["q"], _raw(cu_seqlens_q, "cu_seqlens_q", int32=True)[0], int(max_seqlen_q),
+                            raws["k_cache"], raws["v_cache"], _raw(block_table, "block_table", int32=True)[0],
+                            _raw(seqused_k, "seqused_k", int32=True)[0], scales[0], scales[1], out_raw, lse_raw,
+                            {**dts, "out": dt}, opts)
+    return (out, lse, None) if return_attn_probs else out
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,

@@ -92,10 +92,17 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
                                alibi_slopes=None, return_softmax: bool = False, block_table=None, leftpad_k=None,
                                seqused_k=None):
     """(out, softmax_lse (Hq, total_q), S_dmask, rng_state) of a packed variable-length batch."""
-    for name, x in (("block_table", block_table), ("leftpad_k", leftpad_k), ("seqused_k", seqused_k)):
-        if x is not None:
-            raise NotImplementedError(f"{name}: not supported by the varlen forward on the CPU "
-                                      "(flash_attn_with_kvcache has paged caches and cache_leftpad)")
+    if leftpad_k is not None:
+        raise NotImplementedError("leftpad_k: not supported by the varlen forward on the CPU "
+                                  "(flash_attn_with_kvcache has cache_leftpad)")
+    if block_table is not None:  # page pools read in place: inference only
+        _check_return_softmax(return_softmax, dropout_p)
+        out, lse, _ = _impl._paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, dropout_p, softmax_scale,
+                                          causal, (window_size_left, window_size_right), softcap, alibi_slopes, True,
+                                          block_table, seqused_k, None, None, "auto", None, 0)
+        return out, lse, q.new_empty((0,)), torch.zeros(2, dtype=torch.int64)
+    if seqused_k is not None:
+        raise ValueError("seqused_k: belongs to a paged batch (block_table)")
     _check_return_softmax(return_softmax, dropout_p)
     op_rng, rng_state = _rng_for_forward(dropout_p)
     alibi_slopes = _alibi(alibi_slopes)

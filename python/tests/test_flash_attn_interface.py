@@ -201,7 +201,7 @@ def test_varlen_classes_match_functions():
     for a, b in zip(grads, _grads(ref, dout, q, k, v)):
         assert torch.equal(a, b)
     assert softmax_d.shape == (4, total)
-    with pytest.raises(NotImplementedError, match="seqused_k"):
+    with pytest.raises(ValueError, match="seqused_k: belongs to a paged batch"):
         fai._flash_attn_varlen_forward(q, k, v, cu, cu, m, m, 0.0, None, True, seqused_k=cu)
 
 

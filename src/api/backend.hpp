@@ -64,6 +64,9 @@ struct Backend {
   void (*backward_varlen)(std::span<const BackwardJob>);
   // forward_with_kvcache: the sequences of a KV cache after the append, all together.
   void (*forward_with_kvcache)(std::span<const ForwardJob>);
+  // forward_varlen_paged: the sequences of a paged batch, all together, each computed as it
+  // would be on its own (bit for bit: its plan depends on its own problem alone).
+  void (*forward_varlen_paged)(std::span<const ForwardJob>);
   // forward_fp8 on a job that passed check_forward_fp8 (the plan's checks, before any
   // operand is decoded).
   void (*check_forward_fp8)(const Fp8ForwardJob&);

@@ -6,11 +6,17 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 #include "flashattn/options.hpp"
 #include "flashattn/tensor.hpp"
 
 namespace flashattn::detail {
+
+// Reads and checks one cu_seqlens tensor: int32 (batch + 1), starts at 0, non-decreasing,
+// ends at `total`, every length at most `max_seqlen` (named `max_name` in errors).
+std::vector<std::int64_t> read_offsets(const char* name, const TensorView& cu, std::int64_t total,
+                                       std::int64_t max_seqlen, const char* max_name);
 
 // The options of sequence b: ALiBi slopes of shape (batch, heads_q) become that sequence's
 // row. check_sequence_options validates those slopes against the whole batch first.

@@ -17,34 +17,6 @@ namespace {
 
 std::string str(std::int64_t v) { return std::to_string(v); }
 
-// Reads and checks one cu_seqlens tensor: int32 (batch + 1), starts at 0, non-decreasing,
-// ends at `total`, every length at most `max_seqlen`.
-std::vector<std::int64_t> read_offsets(const char* name, const TensorView& cu, std::int64_t total,
-                                       std::int64_t max_seqlen, const char* max_name) {
-  detail::check_view(name, cu, 1, "(batch + 1)");
-  detail::check_dtype(name, cu, DType::i32, "offsets are int32");
-  if (cu.shape[0] < 1) throw Error(std::string(name) + ": needs at least one offset (batch + 1)");
-  std::vector<std::int64_t> offsets(static_cast<std::size_t>(cu.shape[0]));
-  for (std::int64_t b = 0; b < cu.shape[0]; ++b)
-    offsets[static_cast<std::size_t>(b)] =
-        static_cast<std::int64_t>(static_cast<const std::int32_t*>(cu.data)[b * cu.strides[0]]);
-  if (offsets.front() != 0)
-    throw Error(std::string(name) + ": must start at 0, got " + str(offsets.front()));
-  for (std::size_t b = 1; b < offsets.size(); ++b) {
-    const std::int64_t len = offsets[b] - offsets[b - 1];
-    if (len < 0)
-      throw Error(std::string(name) + ": must be non-decreasing, but [" + str(static_cast<std::int64_t>(b - 1)) +
-                  "] = " + str(offsets[b - 1]) + " > [" + str(static_cast<std::int64_t>(b)) + "] = " + str(offsets[b]));
-    if (len > max_seqlen)
-      throw Error(std::string(name) + ": sequence " + str(static_cast<std::int64_t>(b - 1)) + " has length " +
-                  str(len) + " > " + max_name + " = " + str(max_seqlen));
-  }
-  if (offsets.back() != total)
-    throw Error(std::string(name) + ": last offset " + str(offsets.back()) +
-                " does not match the " + str(total) + " packed tokens");
-  return offsets;
-}
-
 struct Offsets {
   std::vector<std::int64_t> q, k;
   std::int64_t batch() const { return static_cast<std::int64_t>(q.size()) - 1; }
@@ -59,8 +31,8 @@ Offsets check_varlen(const TensorView& q, const TensorView& k, const TensorView&
     throw Error("v: total_k " + str(v.shape[0]) + " does not match k total_k " + str(k.shape[0]));
   if (options.block_mask.data != nullptr || options.block_mask.rank != 0)
     throw Error("block_mask: not supported with variable-length batches");
-  Offsets o{read_offsets("cu_seqlens_q", s.cu_seqlens_q, q.shape[0], s.max_seqlen_q, "max_seqlen_q"),
-            read_offsets("cu_seqlens_k", s.cu_seqlens_k, k.shape[0], s.max_seqlen_k, "max_seqlen_k")};
+  Offsets o{detail::read_offsets("cu_seqlens_q", s.cu_seqlens_q, q.shape[0], s.max_seqlen_q, "max_seqlen_q"),
+            detail::read_offsets("cu_seqlens_k", s.cu_seqlens_k, k.shape[0], s.max_seqlen_k, "max_seqlen_k")};
   if (o.q.size() != o.k.size())
     throw Error("cu_seqlens_k: " + str(static_cast<std::int64_t>(o.k.size())) + " offsets but cu_seqlens_q has " +
                 str(static_cast<std::int64_t>(o.q.size())) + " (both are batch + 1)");

@@ -52,6 +52,7 @@ const detail::Backend& detail::cpu_backend() {
       .forward_varlen = forward_each,
       .backward_varlen = backward_each,
       .forward_with_kvcache = cpu::run_forward_jobs,
+      .forward_varlen_paged = cpu::run_forward_batch,
       .check_forward_fp8 = check_forward_fp8,
       .forward_fp8 = forward_fp8,
   };

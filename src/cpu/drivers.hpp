@@ -25,6 +25,9 @@ void check_backward(const detail::BackwardJob& job);
 // Runs the jobs: when all of them take the decode kernel (the sequences of a KV cache), in
 // one parallel region; otherwise one after the other (forward.cpp).
 void run_forward_jobs(std::span<const detail::ForwardJob> jobs);
+// Runs the sequences of a paged batch in one parallel region, each planned on its own
+// (plan_forward_alone): forward_varlen_paged (forward.cpp).
+void run_forward_batch(std::span<const detail::ForwardJob> jobs);
 void run_backward(const detail::BackwardJob& job);
 
 }  // namespace flashattn::cpu

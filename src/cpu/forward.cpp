@@ -2,6 +2,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <numeric>
 #include <span>
 #include <vector>
 
@@ -51,6 +52,112 @@ struct PlannedJob {
   cpu::ForwardParams params;
 };
 
+PlannedJob planned_job(const detail::ForwardJob& job, const CpuForwardPlan& plan) {
+  PlannedJob pj;
+  pj.plan = plan;
+  const AttentionProblem& p = job.problem;
+  const std::int64_t split_rows = plan.splits > 1 ? plan.splits * p.batch * p.heads_q * p.seqlen_q : 0;
+  pj.split_out = cpu::allocate_floats(static_cast<std::size_t>(split_rows * p.head_dim_v));
+  pj.split_lse = cpu::allocate_floats(static_cast<std::size_t>(split_rows));
+  pj.params = {p, job.internals, plan, job.q, job.k, job.v, job.out, job.lse,
+               job.options.alibi_slopes, job.options.block_mask,
+               pj.split_out.get(), pj.split_lse.get(), job.paged, job.options.rescale_counts,
+               job.options.switches};
+  return pj;
+}
+
+// The jobs with output rows.
+std::vector<detail::ForwardJob> live_jobs(std::span<const detail::ForwardJob> jobs) {
+  std::vector<detail::ForwardJob> live;
+  for (const detail::ForwardJob& job : jobs)
+    if (job.problem.batch > 0 && job.problem.seqlen_q > 0) live.push_back(job);
+  return live;
+}
+
+// Runs the jobs' work items in one parallel region, job after job in the order given, then
+// merges the split ones. Every thread's workspace holds the buffers of every plan.
+void run_region(std::span<const detail::ForwardJob> live, std::span<PlannedJob> planned, const CpuHardware& hw,
+                const AttentionOptions& options) {
+  cpu::ForwardLayout layout(planned[0].plan, live[0].problem);
+  for (std::size_t j = 1; j < live.size(); ++j) layout.widen(cpu::ForwardLayout(planned[j].plan, live[j].problem));
+  // The items of one (batch, kv head) are consecutive and share its packed K/V (tiled
+  // kernel). A thread that takes single items packs every kv head it touches (with 2
+  // threads, each head twice); so the groups that divide evenly among the threads go out
+  // whole, each packed once, and only the remaining groups go out item by item, which
+  // keeps the threads balanced.
+  struct Units {
+    std::int64_t whole_groups, group_items;
+  };
+  std::vector<Units> units;
+  std::vector<std::int64_t> ends;  // prefix sums of the jobs' units
+  for (std::size_t j = 0; j < live.size(); ++j) {
+    const AttentionProblem& p = live[j].problem;
+    const CpuForwardPlan& plan = planned[j].plan;
+    const std::int64_t groups = plan.kernel == ForwardKernel::tiled ? p.batch * p.heads_kv : 0;
+    const std::int64_t whole_groups = groups / plan.threads * plan.threads;
+    const std::int64_t group_items = groups > 0 ? forward_items_per_kv_head(p, plan.schedule()) : 1;
+    units.push_back({whole_groups, group_items});
+    ends.push_back((ends.empty() ? 0 : ends.back()) + whole_groups + (plan.work_items - whole_groups * group_items));
+  }
+  const int threads = static_cast<int>(std::clamp<std::int64_t>(ends.back(), 1, hw.threads));
+  // Workspaces are allocated here, before the threads start, so that running out of memory
+  // is an exception for the caller rather than a termination inside an OpenMP region.
+  std::vector<cpu::ForwardWorkspace> workspaces;
+  workspaces.reserve(static_cast<std::size_t>(threads));
+  for (int t = 0; t < threads; ++t) workspaces.emplace_back(layout);
+  std::vector<cpu::ForwardWorkItemFn> kernels;
+  for (const PlannedJob& pj : planned) kernels.push_back(cpu::forward_work_item_kernel(pj.plan.kernel));
+  // The first write to the caller's memory: planning and allocation, which may throw, are done.
+  for (const detail::ForwardJob& job : live) zero_rescale_counts(job.options);
+#pragma omp parallel num_threads(threads)
+  {
+    cpu::ForwardWorkspace& workspace = workspaces[static_cast<std::size_t>(omp_get_thread_num())];
+    std::size_t packed_for = live.size();  // the job whose K/V the workspace's packed buffers hold
+#pragma omp for schedule(dynamic, 1)
+    for (std::int64_t unit = 0; unit < ends.back(); ++unit) {
+      const auto j = static_cast<std::size_t>(std::upper_bound(ends.begin(), ends.end(), unit) - ends.begin());
+      const std::int64_t u = unit - (j > 0 ? ends[j - 1] : 0);
+      const Units& g = units[j];
+      const cpu::ForwardParams& params = planned[j].params;
+      if (j != packed_for) {  // every job is batch element 0 of its own views: what is packed is another's
+        workspace.packed = {};
+        packed_for = j;
+      }
+      if (u < g.whole_groups) {
+        for (std::int64_t item = u * g.group_items; item < (u + 1) * g.group_items; ++item)
+          kernels[j](params, workspace, item);
+      } else {
+        kernels[j](params, workspace, g.whole_groups * g.group_items + (u - g.whole_groups));
+      }
+    }
+  }
+  if (options.counters != nullptr) {
+    std::int64_t grid = 0;
+    for (std::size_t j = 0; j < live.size(); ++j) grid += grid_tiles(live[j].problem, planned[j].plan);
+    add_counters(grid, workspaces, *options.counters);
+  }
+  for (std::size_t j = 0; j < live.size(); ++j) {
+    const AttentionProblem& p = live[j].problem;
+    const CpuForwardPlan& plan = planned[j].plan;
+    if (plan.splits > 1)
+      merge_attention_states(
+          TensorView(planned[j].split_out.get(), DType::f32, {plan.splits, p.batch, p.seqlen_q, p.heads_q, p.head_dim_v}),
+          TensorView(planned[j].split_lse.get(), DType::f32, {plan.splits, p.batch, p.heads_q, p.seqlen_q}),
+          live[j].out, live[j].lse, plan.threads);
+  }
+}
+
+void record_plans(const AttentionOptions& options, const std::vector<CpuForwardPlan>& plans) {
+  if (options.plans_run != nullptr) options.plans_run->forward.insert(options.plans_run->forward.end(), plans.begin(), plans.end());
+}
+
+// The cost of a job's longest work item: the (row, key) pairs of its first item (causal Q
+// tiles run longest first), every head's for the decode kernel.
+std::int64_t longest_item(const detail::ForwardJob& job, const CpuForwardPlan& plan) {
+  const ForwardWorkItem w = plan.work_item(job.problem, 0);
+  return w.rows * std::max<std::int64_t>(1, w.key_end - w.key_begin) * (is_decode(plan.kernel) ? job.problem.heads_q : 1);
+}
+
 }  // namespace
 
 // Plans and runs the jobs. Jobs that all take the decode kernel (one sequence each of a KV
@@ -60,9 +167,7 @@ struct PlannedJob {
 // to freshly allocated memory, page faults included, before their merge — to keep them
 // busy. Other jobs run one after the other, each in its own region.
 void cpu::run_forward_jobs(std::span<const detail::ForwardJob> jobs) {
-  std::vector<detail::ForwardJob> live;  // jobs with output rows
-  for (const detail::ForwardJob& job : jobs)
-    if (job.problem.batch > 0 && job.problem.seqlen_q > 0) live.push_back(job);
+  const std::vector<detail::ForwardJob> live = live_jobs(jobs);
   if (live.empty()) return;  // no rows: no rescale counts either
   const AttentionOptions& options = live.front().options;  // the call's: threads, splits, counters
   const CpuHardware hw = CpuHardware::detect(options.num_threads);
@@ -73,94 +178,39 @@ void cpu::run_forward_jobs(std::span<const detail::ForwardJob> jobs) {
     internals.push_back(job.internals);
   }
   const std::vector<CpuForwardPlan> plans = cpu::plan_forward_together(problems, internals, hw, options);
-  const bool shared = plans_share_region(plans);
-  std::vector<PlannedJob> planned(live.size());
-  for (std::size_t j = 0; j < live.size(); ++j) {
-    planned[j].plan = plans[j];
-    const detail::ForwardJob& job = live[j];
-    const AttentionProblem& p = job.problem;
-    PlannedJob& pj = planned[j];
-    const std::int64_t split_rows = pj.plan.splits > 1 ? pj.plan.splits * p.batch * p.heads_q * p.seqlen_q : 0;
-    pj.split_out = cpu::allocate_floats(static_cast<std::size_t>(split_rows * p.head_dim_v));
-    pj.split_lse = cpu::allocate_floats(static_cast<std::size_t>(split_rows));
-    pj.params = {p, job.internals, pj.plan, job.q, job.k, job.v, job.out, job.lse,
-                 job.options.alibi_slopes, job.options.block_mask,
-                 pj.split_out.get(), pj.split_lse.get(), job.paged, job.options.rescale_counts,
-                 job.options.switches};
-  }
-
-  // Runs jobs [first, last) in one region: the threads' workspaces fit the largest plan.
-  auto run = [&](std::size_t first, std::size_t last) {
-    std::size_t widest = first;
-    for (std::size_t j = first; j < last; ++j)
-      if (planned[j].plan.workspace_bytes_per_thread > planned[widest].plan.workspace_bytes_per_thread) widest = j;
-    // The items of one (batch, kv head) are consecutive and share its packed K/V (tiled
-    // kernel). A thread that takes single items packs every kv head it touches (with 2
-    // threads, each head twice); so the groups that divide evenly among the threads go out
-    // whole, each packed once, and only the remaining groups go out item by item, which
-    // keeps the threads balanced.
-    struct Units {
-      std::int64_t whole_groups, group_items;
-    };
-    std::vector<Units> units;
-    std::vector<std::int64_t> ends;  // prefix sums of the jobs' units
-    for (std::size_t j = first; j < last; ++j) {
-      const AttentionProblem& p = live[j].problem;
-      const CpuForwardPlan& plan = planned[j].plan;
-      const std::int64_t groups = plan.kernel == ForwardKernel::tiled ? p.batch * p.heads_kv : 0;
-      const std::int64_t whole_groups = groups / plan.threads * plan.threads;
-      const std::int64_t group_items = groups > 0 ? forward_items_per_kv_head(p, plan.schedule()) : 1;
-      units.push_back({whole_groups, group_items});
-      ends.push_back((ends.empty() ? 0 : ends.back()) + whole_groups + (plan.work_items - whole_groups * group_items));
-    }
-    const int threads = static_cast<int>(std::clamp<std::int64_t>(ends.back(), 1, hw.threads));
-    // Workspaces are allocated here, before the threads start, so that running out of memory
-    // is an exception for the caller rather than a termination inside an OpenMP region.
-    std::vector<cpu::ForwardWorkspace> workspaces;
-    workspaces.reserve(static_cast<std::size_t>(threads));
-    for (int t = 0; t < threads; ++t) workspaces.emplace_back(planned[widest].plan, live[widest].problem);
-    std::vector<cpu::ForwardWorkItemFn> kernels;
-    for (std::size_t j = first; j < last; ++j) kernels.push_back(cpu::forward_work_item_kernel(planned[j].plan.kernel));
-    // The first write to the caller's memory: planning and allocation, which may throw, are done.
-    for (std::size_t j = first; j < last; ++j) zero_rescale_counts(live[j].options);
-#pragma omp parallel num_threads(threads)
-    {
-      cpu::ForwardWorkspace& workspace = workspaces[static_cast<std::size_t>(omp_get_thread_num())];
-#pragma omp for schedule(dynamic, 1)
-      for (std::int64_t unit = 0; unit < ends.back(); ++unit) {
-        const auto j = static_cast<std::size_t>(std::upper_bound(ends.begin(), ends.end(), unit) - ends.begin());
-        const std::int64_t u = unit - (j > 0 ? ends[j - 1] : 0);
-        const Units& g = units[j];
-        const cpu::ForwardParams& params = planned[first + j].params;
-        if (u < g.whole_groups) {
-          for (std::int64_t item = u * g.group_items; item < (u + 1) * g.group_items; ++item)
-            kernels[j](params, workspace, item);
-        } else {
-          kernels[j](params, workspace, g.whole_groups * g.group_items + (u - g.whole_groups));
-        }
-      }
-    }
-    if (options.counters != nullptr) {
-      std::int64_t grid = 0;
-      for (std::size_t j = first; j < last; ++j) grid += grid_tiles(live[j].problem, planned[j].plan);
-      add_counters(grid, workspaces, *options.counters);
-    }
-    for (std::size_t j = first; j < last; ++j) {
-      const AttentionProblem& p = live[j].problem;
-      const CpuForwardPlan& plan = planned[j].plan;
-      if (plan.splits > 1)
-        merge_attention_states(
-            TensorView(planned[j].split_out.get(), DType::f32, {plan.splits, p.batch, p.seqlen_q, p.heads_q, p.head_dim_v}),
-            TensorView(planned[j].split_lse.get(), DType::f32, {plan.splits, p.batch, p.heads_q, p.seqlen_q}),
-            live[j].out, live[j].lse, plan.threads);
-    }
-  };
-  if (shared) {
-    run(0, live.size());
+  std::vector<PlannedJob> planned;
+  for (std::size_t j = 0; j < live.size(); ++j) planned.push_back(planned_job(live[j], plans[j]));
+  if (plans_share_region(plans)) {
+    run_region(live, planned, hw, options);
   } else {
-    for (std::size_t j = 0; j < live.size(); ++j) run(j, j + 1);
+    for (std::size_t j = 0; j < live.size(); ++j) run_region({&live[j], 1}, {&planned[j], 1}, hw, options);
   }
-  if (options.plans_run != nullptr) options.plans_run->forward.insert(options.plans_run->forward.end(), plans.begin(), plans.end());
+  record_plans(options, plans);
+}
+
+// Every job planned alone (plan_forward_alone), all in one region, the jobs whose longest
+// item is longest first: the threads start on the long prefill tiles and key shares and end
+// on the short ones, which fill the gaps.
+void cpu::run_forward_batch(std::span<const detail::ForwardJob> jobs) {
+  const std::vector<detail::ForwardJob> live = live_jobs(jobs);
+  if (live.empty()) return;
+  const AttentionOptions& options = live.front().options;
+  const CpuHardware hw = CpuHardware::detect(options.num_threads);
+  std::vector<CpuForwardPlan> plans;
+  for (const detail::ForwardJob& job : live) plans.push_back(cpu::plan_forward_alone(job.problem, job.internals, hw, job.options));
+  std::vector<std::size_t> order(live.size());
+  std::iota(order.begin(), order.end(), std::size_t{0});
+  std::vector<std::int64_t> cost;
+  for (std::size_t j = 0; j < live.size(); ++j) cost.push_back(longest_item(live[j], plans[j]));
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return cost[a] > cost[b]; });
+  std::vector<detail::ForwardJob> ordered;
+  std::vector<PlannedJob> planned;
+  for (std::size_t j : order) {
+    ordered.push_back(live[j]);
+    planned.push_back(planned_job(live[j], plans[j]));
+  }
+  run_region(ordered, planned, hw, options);
+  record_plans(options, plans);
 }
 
 void cpu::check_forward(const detail::ForwardJob& job) {

@@ -149,6 +149,26 @@ std::vector<CpuForwardPlan> plan_forward_together(std::span<const AttentionProbl
   return cpu::plan_forward_together(problems, as_given, hw, options);
 }
 
+CpuForwardPlan cpu::plan_forward_alone(const AttentionProblem& p, const detail::ProblemInternals& internals,
+                                       const CpuHardware& hw, const AttentionOptions& options) {
+  CpuHardware one = hw;
+  one.threads = 1;
+  const bool q_tiles = options.switches.q_tile_parallelism;
+  const std::int64_t block_q = q_tiles ? options.block_q : std::max<std::int64_t>(p.seqlen_q, 1);
+  const int requested = q_tiles ? options.num_splits : 1;
+  CpuForwardPlan plan = plan_forward(p, internals, one, requested == 0 ? 1 : requested, block_q, options.kernel);
+  // An item of kSplitKeys keys of every kv head reads 2048 · 8 · (128 + 128) · 2 B = 8 MiB of
+  // a bf16 cache at 8 kv heads, D = 128: long enough that its start and its share of the
+  // merge (heads_q · head_dim_v floats per query row) are small beside it, short enough that
+  // a 16k-token row is 8 items to balance among the threads.
+  if (requested == 0 && is_decode(plan.kernel) && p.seqlen_k > kSplitKeys)
+    plan = plan_forward(p, internals, one, static_cast<int>((p.seqlen_k + kSplitKeys - 1) / kSplitKeys), block_q,
+                        options.kernel);
+  plan.hardware = hw;
+  plan.threads = static_cast<int>(std::clamp<std::int64_t>(plan.work_items, 1, hw.threads));
+  return plan;
+}
+
 bool plans_share_region(std::span<const CpuForwardPlan> plans) {
   return plans.size() > 1 &&
          std::all_of(plans.begin(), plans.end(), [](const CpuForwardPlan& plan) { return is_decode(plan.kernel); });

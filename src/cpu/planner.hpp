@@ -23,6 +23,17 @@ CpuForwardPlan plan_forward(const AttentionProblem& problem, const detail::Probl
                             const CpuHardware& hardware, int num_splits = 0, std::int64_t block_q = 0,
                             ForwardKernel kernel = ForwardKernel::automatic);
 
+// The plan of one sequence of a batch that runs together (forward_varlen_paged): from the
+// problem and the options alone, never the thread count or the rest of the batch, so that
+// the sequence's results are bit-identical in any batch and on any number of threads. Its
+// tiles are those of plan_forward on one thread; a decode kernel splits the keys into
+// shares of about kSplitKeys (options.num_splits, when set, instead); the tiled kernels
+// split them only as options.num_splits asks. `threads` is hardware.threads, capped by the
+// work items.
+constexpr std::int64_t kSplitKeys = 2048;
+CpuForwardPlan plan_forward_alone(const AttentionProblem& problem, const detail::ProblemInternals& internals,
+                                  const CpuHardware& hardware, const AttentionOptions& options);
+
 // plan_forward_together of flashattn/plan.hpp; internals[i] belongs to problems[i] (as many).
 std::vector<CpuForwardPlan> plan_forward_together(std::span<const AttentionProblem> problems,
                                                   std::span<const detail::ProblemInternals> internals,

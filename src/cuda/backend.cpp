@@ -135,6 +135,7 @@ const Backend& cuda_backend() {
       .forward_varlen = nullptr,
       .backward_varlen = nullptr,
       .forward_with_kvcache = nullptr,
+      .forward_varlen_paged = nullptr,
       .check_forward_fp8 = nullptr,
       .forward_fp8 = nullptr,
   };

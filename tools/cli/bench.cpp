@@ -12,6 +12,7 @@
 #include "tools/cli/bench_sweep.hpp"
 #include "tools/cli/commands.hpp"
 #include "tools/cli/decode.hpp"
+#include "tools/cli/serve.hpp"
 #include "tools/cli/machine.hpp"
 #include "tools/cli/measure.hpp"
 #include "tools/cli/report.hpp"
@@ -131,6 +132,16 @@ void bench_cases(const BenchFlags& f) {
       time_decode(32, 1024, fp8, 16);
     }
   }
+  // Serving: issue 23's batch of prefill chunks and decode rows (serve), or a small one of
+  // the same kinds (serve_smoke), in one call against one call per sequence.
+  for (const char* op : {"serve", "serve_smoke"}) {
+    if (std::find(f.ops.begin(), f.ops.end(), op) == f.ops.end()) continue;
+    if (!r.copy_gbps) r.copy_gbps = copy_gbps(f.repeats);
+    ServeCase c = std::string(op) == "serve" ? ServeCase::issue() : ServeCase::smoke();
+    c.threads = f.shape.threads;
+    std::cerr << "serve case: " << c.name << "\n";
+    r.serve.push_back({c, measure_serve(c, f.repeats)});
+  }
   // Extra memory against sequence length, from the plans the kernels execute (their only
   // allocations): flashattn grows linearly, standard attention with the square.
   for (std::int64_t seqlen : {1024, 2048, 4096, 8192, 16384, 32768, 65536}) {
@@ -174,6 +185,10 @@ void bench_cases(const BenchFlags& f) {
                                       : "full",
                 m.gflops, 100.0 * m.gflops / sgemm, m.seconds, m.kernel.empty() ? "-" : m.kernel.c_str());
   }
+  for (const ServeRun& s : r.serve)
+    std::printf("%-10s serve %-5s one call %.4f s, per sequence %.4f s (%.2fx); decode rows %.2f GB/s (%3.0f%% of copy)\n",
+                "flashattn", s.c.name.c_str(), s.m.seconds, s.m.per_sequence_seconds,
+                s.m.per_sequence_seconds / s.m.seconds, s.m.decode_gbps, 100.0 * s.m.decode_gbps / r.copy_gbps.value_or(0.0));
   for (const DecodeRun& d : r.decode)
     std::printf("%-10s %-4s %-6s %2lld x %-5lld tokens, page size %-5lld %6.2f GB/s (%3.0f%% of copy) %12.4f  %s\n",
                 "flashattn", "dec", d.c.fp8_cache ? "e4m3" : to_string(d.c.dtype).c_str(),

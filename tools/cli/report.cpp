@@ -87,6 +87,24 @@ std::string bench_json(const BenchReport& r) {
     if (c.block_kept_fraction) j["cases"].back()["block_kept_fraction"] = *c.block_kept_fraction;
   }
   for (const DecodeRun& d : r.decode) j["cases"].push_back(decode_json(d.c, d.m));
+  for (const ServeRun& s : r.serve)
+    j["cases"].push_back({{"impl", "flashattn"},
+                          {"op", "serve"},
+                          {"case", s.c.name},
+                          {"dtype", to_string(s.c.dtype)},
+                          {"heads", s.c.heads},
+                          {"heads_kv", s.c.heads_kv},
+                          {"dim", s.c.dim},
+                          {"page_size", s.c.page_size},
+                          {"prefill_rows", s.c.prefill_rows},
+                          {"prefill_cached", s.c.prefill_cached},
+                          {"decode_keys", s.c.decode_keys},
+                          {"seconds", s.m.seconds},
+                          {"per_sequence_seconds", s.m.per_sequence_seconds},
+                          {"speedup_vs_per_sequence", s.m.per_sequence_seconds / s.m.seconds},
+                          {"decode_seconds", s.m.decode_seconds},
+                          {"decode_gbps", s.m.decode_gbps},
+                          {"pool_bytes", s.m.pool_bytes}});
   if (r.copy_gbps) j["copy_gbps"] = *r.copy_gbps;
   for (const MemoryRow& m : r.memory_scaling)
     j["memory_scaling"].push_back({{"seqlen", m.seqlen},

@@ -12,6 +12,7 @@
 #include "flashattn/flashattn.hpp"
 #include "tools/cli/commands.hpp"
 #include "tools/cli/decode.hpp"
+#include "tools/cli/serve.hpp"
 #include "tools/cli/experiments.hpp"
 #include "tools/cli/explain.hpp"
 #include "tools/cli/measure.hpp"
@@ -49,6 +50,10 @@ struct DecodeRun {
   DecodeCase c;
   DecodeMeasurement m;
 };
+struct ServeRun {
+  ServeCase c;
+  ServeMeasurement m;
+};
 struct MemoryRow {
   std::int64_t seqlen = 0;
   std::size_t flashattn_fwd_bytes = 0, flashattn_bwd_bytes = 0;
@@ -57,9 +62,10 @@ struct MemoryRow {
 struct BenchReport {
   int threads = 0;  // as requested (0 = all cores)
   double sgemm_gflops = 0.0;
-  std::optional<double> copy_gbps;  // with decode cases
+  std::optional<double> copy_gbps;  // with decode or serve cases
   std::vector<TimedCase> cases;
   std::vector<DecodeRun> decode;
+  std::vector<ServeRun> serve;
   std::vector<MemoryRow> memory_scaling;
 };
 std::string bench_json(const BenchReport& r);

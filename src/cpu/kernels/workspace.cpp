@@ -55,12 +55,24 @@ std::size_t ForwardLayout::bytes() const {
          strips * sizeof(StripKeys);
 }
 
+void ForwardLayout::widen(const ForwardLayout& o) {
+  for (auto [mine, theirs] :
+       {std::pair{&rows, o.rows}, {&q_tile, o.q_tile}, {&k_row, o.k_row}, {&v_row, o.v_row}, {&s_tile, o.s_tile},
+        {&o_acc, o.o_acc}, {&k_packed, o.k_packed}, {&v_packed, o.v_packed}, {&q_rows, o.q_rows},
+        {&q_units, o.q_units}, {&v_units, o.v_units}, {&descales, o.descales}, {&q_bf16, o.q_bf16},
+        {&p_bf16, o.p_bf16}, {&k_pairs, o.k_pairs}, {&v_pairs, o.v_pairs}, {&strips, o.strips},
+        {&decode_keys, o.decode_keys}})
+    *mine = std::max(*mine, theirs);
+}
+
 std::size_t forward_workspace_bytes(const CpuForwardPlan& plan, const AttentionProblem& p) {
   return ForwardLayout(plan, p).bytes();
 }
 
-ForwardWorkspace::ForwardWorkspace(const CpuForwardPlan& plan, const AttentionProblem& p) {
-  const ForwardLayout l(plan, p);
+ForwardWorkspace::ForwardWorkspace(const CpuForwardPlan& plan, const AttentionProblem& p)
+    : ForwardWorkspace(ForwardLayout(plan, p)) {}
+
+ForwardWorkspace::ForwardWorkspace(const ForwardLayout& l) {
   q_tile = allocate_floats(l.q_tile);
   s_tile = allocate_floats(l.s_tile);
   o_acc = allocate_floats(l.o_acc);

@@ -56,6 +56,8 @@ struct StripKeys {
 struct ForwardLayout {
   ForwardLayout(const CpuForwardPlan& plan, const AttentionProblem& problem);
   std::size_t bytes() const;
+  // Every buffer at least as large as `other`'s: a workspace for the items of both plans.
+  void widen(const ForwardLayout& other);
 
   std::size_t rows = 0;
   // float32
@@ -72,6 +74,7 @@ struct ForwardLayout {
 // head once.
 struct ForwardWorkspace {
   explicit ForwardWorkspace(const CpuForwardPlan& plan, const AttentionProblem& problem);
+  explicit ForwardWorkspace(const ForwardLayout& layout);
 
   // The Q tile: (tiled) (block_q, head_dim), pre-scaled; (decode) the Q panels, (heads_kv ·
   // block_q, head_dim rounded to two vectors) — decode_fp16: the same panels in halves.

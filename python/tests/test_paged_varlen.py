@@ -1,0 +1,111 @@
+"""flash_attn_varlen_func with block_table (and FA3's seqused_k): decode rows and prefill
+chunks mixed over shuffled pages, against a float64 torch eager reference per sequence."""
+import numpy as np
+import pytest
+import torch
+
+import flashattn
+from flashattn import flash_attn_interface
+
+HQ, HKV, D, PAGE = 4, 2, 32, 16
+LENGTHS = [(1, 300), (0, 20), (40, 100), (1, 0), (3, 17), (70, 50), (16, 2100)]  # (query rows, keys)
+
+
+def paged_batch(dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    pages = sum(-(-k // PAGE) for _, k in LENGTHS) + 2
+    width = max(-(-k // PAGE) for _, k in LENGTHS) + 1
+    k_cache = torch.randn(pages, PAGE, HKV, D, generator=g).to(dtype)
+    v_cache = torch.randn(pages, PAGE, HKV, D, generator=g).to(dtype)
+    order = torch.randperm(pages, generator=g).to(torch.int32)
+    table = torch.full((len(LENGTHS), width), -1, dtype=torch.int32)
+    used = 0
+    for b, (_, k) in enumerate(LENGTHS):
+        n = -(-k // PAGE)
+        table[b, :n] = order[used:used + n]
+        used += n
+    q = torch.randn(sum(q for q, _ in LENGTHS), HQ, D, generator=g).to(dtype)
+    cu_q = torch.tensor(np.cumsum([0] + [q for q, _ in LENGTHS]), dtype=torch.int32)
+    seqused = torch.tensor([k for _, k in LENGTHS], dtype=torch.int32)
+    return q, k_cache, v_cache, table, cu_q, seqused
+
+
+def reference(q, k_cache, v_cache, table, cu_q, seqused, causal, softcap=0.0):
+    """Each sequence's keys gathered from its pages, attention in float64 (bottom-right causal)."""
+    out = torch.zeros(q.shape[0], HQ, D, dtype=torch.float64)
+    for b in range(table.shape[0]):
+        q0, q1, n = int(cu_q[b]), int(cu_q[b + 1]), int(seqused[b])
+        if q1 == q0 or n == 0:
+            continue
+        rows = (table[b, : -(-n // PAGE)].long()[:, None] * PAGE + torch.arange(PAGE)).reshape(-1)[:n]
+        k = k_cache.reshape(-1, HKV, D)[rows].double().repeat_interleave(HQ // HKV, dim=1)
+        v = v_cache.reshape(-1, HKV, D)[rows].double().repeat_interleave(HQ // HKV, dim=1)
+        s = torch.einsum("ihd,jhd->hij", q[q0:q1].double(), k) / D ** 0.5
+        if softcap > 0:
+            s = softcap * torch.tanh(s / softcap)
+        if causal:
+            i = torch.arange(q1 - q0)[:, None]
+            j = torch.arange(n)[None, :]
+            s = s.masked_fill(j > i + n - (q1 - q0), float("-inf"))
+        p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows that see no key: zeros
+        out[q0:q1] = torch.einsum("hij,jhd->ihd", p, v)
+    return out
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2), (torch.float16, 4e-3)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_matches_eager_reference(dtype, tol, causal):
+    q, k_cache, v_cache, table, cu_q, seqused = paged_batch(dtype)
+    want = reference(q, k_cache, v_cache, table, cu_q, seqused, causal, softcap=3.0)
+    out = flashattn.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, None, 70, 2100, causal=causal, softcap=3.0,
+                                           block_table=table, seqused_k=seqused)
+    assert out.dtype == dtype and out.shape == (q.shape[0], HQ, D)
+    assert (out.double() - want).abs().max().item() < tol
+
+
+def test_keys_from_cu_seqlens_k_numpy_and_upstream_module():
+    q, k_cache, v_cache, table, cu_q, seqused = paged_batch(torch.float32, seed=1)
+    cu_k = torch.tensor(np.cumsum([0] + seqused.tolist()), dtype=torch.int32)
+    a = flashattn.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, None, 70, 2100, causal=True, block_table=table,
+                                         seqused_k=seqused)
+    b = flashattn.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, 70, 2100, causal=True, block_table=table)
+    c = flashattn.flash_attn_varlen_func(q.numpy(), k_cache.numpy(), v_cache.numpy(), cu_q.numpy(), None, 70, 2100,
+                                         causal=True, block_table=table.numpy(), seqused_k=seqused.numpy())
+    d, lse, _, _ = flash_attn_interface._flash_attn_varlen_forward(q, k_cache, v_cache, cu_q, cu_k, 70, 2100, 0.0,
+                                                                   None, True, block_table=table,
+                                                                   seqused_k=seqused)
+    assert torch.equal(a, b) and torch.equal(a, torch.from_numpy(c)) and torch.equal(a, d)
+    assert lse.shape == (HQ, q.shape[0])
+
+
+def test_bad_calls_raise():
+    q, k_cache, v_cache, table, cu_q, seqused = paged_batch(torch.float32)
+    bad = table.clone()
+    bad[0, 0] = k_cache.shape[0]
+    with pytest.raises(ValueError, match=r"block_table: \[0, 0\]"):
+        flashattn.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, None, 70, 2100, block_table=bad,
+                                         seqused_k=seqused)
+    with pytest.raises(ValueError, match="dropout_p"):
+        flashattn.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, None, 70, 2100, dropout_p=0.1,
+                                         block_table=table, seqused_k=seqused)
+    with pytest.raises(ValueError, match="inference only"):
+        flashattn.flash_attn_varlen_func(q.requires_grad_(), k_cache, v_cache, cu_q, None, 70, 2100,
+                                         block_table=table, seqused_k=seqused)
+
+
+def test_fp8_pool_matches_its_dequantized_values():
+    q, k_cache, v_cache, table, cu_q, seqused = paged_batch(torch.float32, seed=2)
+    g = torch.Generator().manual_seed(3)
+    k_codes = torch.randint(0, 0x7F, k_cache.shape, dtype=torch.uint8, generator=g)  # finite e4m3 codes
+    v_codes = torch.randint(0, 0x7F, v_cache.shape, dtype=torch.uint8, generator=g)
+    k_codes[torch.rand(k_codes.shape, generator=g) < 0.5] |= 0x80  # and their negatives
+    k_scale = torch.rand(k_cache.shape[0], HKV, generator=g) * 0.01 + 0.001
+    v_scale = torch.rand(k_cache.shape[0], HKV, generator=g) * 0.01 + 0.001
+
+    def values(codes, scale):
+        return codes.view(torch.float8_e4m3fn).float() * scale[:, None, :, None]
+
+    want = reference(q, values(k_codes, k_scale), values(v_codes, v_scale), table, cu_q, seqused, causal=True)
+    out = flashattn.flash_attn_varlen_func(q, k_codes, v_codes, cu_q, None, 70, 2100, causal=True, block_table=table,
+                                           seqused_k=seqused, k_scale=k_scale, v_scale=v_scale)
+    assert (out.double() - want).abs().max().item() < 1e-5

@@ -1,0 +1,122 @@
+#include "tools/cli/serve.hpp"
+
+#include <algorithm>
+#include <cstring>
+
+#include "tools/cli/measure.hpp"
+
+namespace flashattn::cli {
+
+ServeCase ServeCase::issue() {
+  ServeCase c;
+  c.name = "issue";
+  for (std::int64_t i = 0; i < 4; ++i) c.prefill_cached.push_back(i * 8192 / 3);
+  for (std::int64_t i = 0; i < 60; ++i) c.decode_keys.push_back(512 + i * (16384 - 512) / 59);
+  return c;
+}
+
+ServeCase ServeCase::smoke() {
+  ServeCase c;
+  c.name = "smoke";
+  c.prefill_rows = 64;
+  c.prefill_cached = {0, 300};
+  c.decode_keys = {100, 2500, 700, 33};
+  c.heads = 8;
+  c.heads_kv = 2;
+  c.dim = 64;
+  return c;
+}
+
+namespace {
+
+// A batch of sequences (query rows, keys) over consecutive pages of the pools.
+struct Batch {
+  Tensor q, cu_q, table, seqused;
+  std::int64_t max_q = 0;
+};
+
+Batch make_batch(const ServeCase& c, const std::vector<std::pair<std::int64_t, std::int64_t>>& seqs,
+                 const std::vector<std::int64_t>& first_page, std::int64_t width) {
+  Batch r;
+  const auto n = static_cast<std::int64_t>(seqs.size());
+  std::int64_t total = 0;
+  for (const auto& [rows, keys] : seqs) total += rows, r.max_q = std::max(r.max_q, rows);
+  const AttentionProblem p = AttentionProblem::from_sizes(1, std::max<std::int64_t>(total, 1), 1, c.heads, c.heads_kv,
+                                                          c.dim, c.dim, c.dtype, {});
+  r.q = Tensor(c.dtype, {total, c.heads, c.dim});
+  const Tensor q = random_inputs(p, 5).q;
+  std::memcpy(r.q.data(), q.data(), static_cast<std::size_t>(r.q.numel()) * dtype_size(c.dtype));
+  r.cu_q = Tensor(DType::i32, {n + 1});
+  r.table = Tensor(DType::i32, {n, width});
+  r.seqused = Tensor(DType::i32, {n});
+  std::int32_t* cu = r.cu_q.data_as<std::int32_t>();
+  cu[0] = 0;
+  for (std::int64_t b = 0; b < n; ++b) {
+    const auto [rows, keys] = seqs[static_cast<std::size_t>(b)];
+    cu[b + 1] = cu[b] + static_cast<std::int32_t>(rows);
+    r.seqused.data_as<std::int32_t>()[b] = static_cast<std::int32_t>(keys);
+    for (std::int64_t pg = 0; pg < width; ++pg)
+      r.table.data_as<std::int32_t>()[b * width + pg] =
+          static_cast<std::int32_t>(first_page[static_cast<std::size_t>(b)] + std::min(pg, (keys + c.page_size - 1) / c.page_size - 1));
+  }
+  return r;
+}
+
+// Pseudo-random bf16/f16/f32 values in [−1, 1) without the cost of a normal generator:
+// the pools of the issue's batch hold a billion of them.
+void fill(Tensor& t) {
+  std::uint64_t x = 0x9E3779B97F4A7C15ull;
+  for (std::int64_t i = 0; i < t.numel(); ++i) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    t.set(i, static_cast<float>(static_cast<std::int64_t>(x >> 40) - (1ll << 23)) / static_cast<float>(1 << 23));
+  }
+}
+
+}  // namespace
+
+ServeMeasurement measure_serve(const ServeCase& c, int repeats) {
+  std::vector<std::pair<std::int64_t, std::int64_t>> seqs;  // (query rows, keys)
+  for (std::int64_t cached : c.prefill_cached) seqs.emplace_back(c.prefill_rows, cached + c.prefill_rows);
+  for (std::int64_t keys : c.decode_keys) seqs.emplace_back(1, keys);
+  std::vector<std::int64_t> first_page;
+  std::int64_t pages = 0, width = 1;
+  for (const auto& [rows, keys] : seqs) {
+    first_page.push_back(pages);
+    const std::int64_t n = (keys + c.page_size - 1) / c.page_size;
+    pages += n;
+    width = std::max(width, n);
+  }
+  Tensor k_pool(c.dtype, {pages, c.page_size, c.heads_kv, c.dim}), v_pool(c.dtype, {pages, c.page_size, c.heads_kv, c.dim});
+  fill(k_pool);
+  fill(v_pool);
+  ServeMeasurement m;
+  m.pool_bytes = 2 * static_cast<std::size_t>(k_pool.numel()) * dtype_size(c.dtype);
+  AttentionOptions options;
+  options.causal = true;
+  options.num_threads = c.threads;
+  auto call = [&](const Batch& b) {
+    const PagedKvBatch kv{k_pool.view(), v_pool.view(), b.table.view(), b.seqused.view(), {}, {}};
+    forward_varlen_paged(b.q.view(), b.cu_q.view(), b.max_q, kv, options);
+  };
+  const Batch all = make_batch(c, seqs, first_page, width);
+  std::vector<Batch> each;
+  for (std::size_t s = 0; s < seqs.size(); ++s) each.push_back(make_batch(c, {seqs[s]}, {first_page[s]}, width));
+  const std::size_t prefills = c.prefill_cached.size();
+  const Batch decode = make_batch(c, {seqs.begin() + static_cast<std::ptrdiff_t>(prefills), seqs.end()},
+                                  {first_page.begin() + static_cast<std::ptrdiff_t>(prefills), first_page.end()}, width);
+  m.seconds = median_seconds([&] { call(all); }, repeats, 1, "serve " + c.name + ": one call");
+  let_worker_threads_sleep();
+  m.per_sequence_seconds = median_seconds([&] { for (const Batch& b : each) call(b); }, repeats, 1,
+                                          "serve " + c.name + ": one call per sequence");
+  let_worker_threads_sleep();
+  m.decode_seconds = median_seconds([&] { call(decode); }, repeats, 1, "serve " + c.name + ": decode rows");
+  let_worker_threads_sleep();
+  std::int64_t decode_keys = 0;
+  for (std::int64_t k : c.decode_keys) decode_keys += k;
+  const double bytes = static_cast<double>(decode_keys) * static_cast<double>(2 * c.heads_kv * c.dim) *
+                       static_cast<double>(dtype_size(c.dtype));
+  m.decode_gbps = bytes / m.decode_seconds / 1e9;
+  return m;
+}
+
+}  // namespace flashattn::cli

@@ -1,0 +1,40 @@
+// The serving bench case (`bench --ops serve`): one step of an inference server's batch —
+// prefill chunks and decode rows of many sequences over their own pages of one bf16 pool —
+// as one forward_varlen_paged call, against one call per sequence, and its decode rows
+// alone (their K/V read rate beside the copy bandwidth).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "flashattn/flashattn.hpp"
+
+namespace flashattn::cli {
+
+struct ServeCase {
+  std::string name;
+  std::int64_t prefill_rows = 512;             // new tokens of each prefill chunk
+  std::vector<std::int64_t> prefill_cached;    // cached tokens under each chunk
+  std::vector<std::int64_t> decode_keys;       // keys of each decode row (its cache and itself)
+  std::int64_t heads = 32, heads_kv = 8, dim = 128, page_size = 16;
+  DType dtype = DType::bf16;
+  int threads = 0;
+
+  // Issue 23's batch: 4 chunks of 512 over 0–8k cached tokens, 60 decode rows over 512–16k.
+  static ServeCase issue();
+  // A small one of the same kinds, for the CLI smoke test.
+  static ServeCase smoke();
+};
+
+struct ServeMeasurement {
+  double seconds = 0.0;               // the batch in one call (median)
+  double per_sequence_seconds = 0.0;  // one call per sequence, all of them (median)
+  double decode_seconds = 0.0;        // the decode rows alone, in one call (median)
+  double decode_gbps = 0.0;           // their K and V bytes per decode_seconds
+  std::size_t pool_bytes = 0;         // K and V pools
+};
+ServeMeasurement measure_serve(const ServeCase& c, int repeats);
+
+}  // namespace flashattn::cli
