@@ -84,7 +84,7 @@ void cpu::run_forward_jobs(std::span<const detail::ForwardJob> jobs) {
     pj.split_out = cpu::allocate_floats(static_cast<std::size_t>(split_rows * p.head_dim_v));
     pj.split_lse = cpu::allocate_floats(static_cast<std::size_t>(split_rows));
     pj.params = {p, job.internals, pj.plan, job.q, job.k, job.v, job.out, job.lse,
-                 job.options.alibi_slopes, job.options.block_mask,
+                 job.options.alibi_slopes, job.options.block_mask, job.options.sinks,
                  pj.split_out.get(), pj.split_lse.get(), job.paged, job.options.rescale_counts,
                  job.options.switches};
   }
