@@ -190,7 +190,7 @@ TEST(CudaApi, BackwardChecksAreSharedWithTheCpu) {
   EXPECT_EQ(cuda, call(Device::cpu, 3));
 }
 
-TEST(CudaApi, RescaleCountsAndPlansRunAreRejectedOnCuda) {
+TEST(CudaApi, RescaleCountsPlansRunAndSinksAreRejectedOnCuda) {
   alignas(16) static unsigned char buffers[6][1 << 12];
   auto view = [](int i, DType dtype, std::initializer_list<std::int64_t> shape) {
     return TensorView(buffers[i], dtype, shape).on(Device::cuda);
@@ -214,6 +214,13 @@ TEST(CudaApi, RescaleCountsAndPlansRunAreRejectedOnCuda) {
                     output(4, DType::f32, {1, 2, 4}), reporting);
   EXPECT_NE(plans_msg.find("plans_run: not supported on cuda"), std::string::npos) << plans_msg;
   EXPECT_EQ(plans.forward.size(), 2u);  // a rejected call leaves it as it was
+  AttentionOptions sinks;
+  sinks.sinks = view(5, DType::f32, {2});
+  const std::string sinks_msg =
+      forward_error(view(0, DType::bf16, {1, 4, 2, 64}), view(1, DType::bf16, {1, 4, 1, 64}),
+                    view(2, DType::bf16, {1, 4, 1, 64}), output(3, DType::bf16, {1, 4, 2, 64}),
+                    output(4, DType::f32, {1, 2, 4}), sinks);
+  EXPECT_NE(sinks_msg.find("sinks are not supported on cuda"), std::string::npos) << sinks_msg;
 }
 
 TEST(CudaApi, PlansComeFromTheTileTable) {

@@ -374,6 +374,9 @@ TEST(Ring, UnsupportedOptionsAreErrorsOnEveryRank) {
   AttentionOptions alibi = g.options;
   alibi.alibi_slopes = TensorView(slopes, DType::f32, {2});
   expect_error(alibi, ring_options(c, layout), "alibi_slopes");
+  AttentionOptions sinks = g.options;
+  sinks.sinks = TensorView(slopes, DType::f32, {2});
+  expect_error(sinks, ring_options(c, layout), "sinks are not supported by the ring");
   Tensor counts(DType::i32, {p.batch, p.heads_q, q.shape()[1]});
   AttentionOptions counted = g.options;
   counted.rescale_counts = counts.view();

@@ -271,6 +271,11 @@ std::vector<double> naive_fp8(const AttentionProblem& p, const AttentionOptions&
           s[j] = dot * p.softmax_scale;
           m = std::fmax(m, s[j]);
         }
+        if (p.sinks) {  // the sink: in the denominator, with no value
+          const float sink = static_cast<float>(sem.sink(h));
+          m = std::fmax(m, sink);
+          sum = std::exp(sink - m);
+        }
         for (std::int64_t j = 0; j < p.seqlen_k; ++j) {
           const float e = std::exp(s[j] - m);
           sum += e;
@@ -296,14 +301,19 @@ struct Quantization {
 };
 
 TEST(Fp8Forward, MatchesTheReferenceOnTheDequantizedInputs) {
-  AttentionOptions full, causal;
-  full.num_threads = causal.num_threads = 2;
-  causal.causal = true;
+  AttentionOptions full, causal, sinks;
+  full.num_threads = causal.num_threads = sinks.num_threads = 2;
+  causal.causal = sinks.causal = true;
+  Tensor sink_logits(DType::f32, {4});
+  for (std::int64_t h = 0; h < 4; ++h) sink_logits.set(h, 2.0f - static_cast<float>(h));
+  sinks.sinks = sink_logits.view();
   const std::pair<Case, Quantization> cases[] = {
       {Case({1, 77, 131, 2, 1, 64, 64}, DType::f32, full, 900), {Fp8Format::e4m3, 0, DType::f32}},
       {Case({2, 65, 190, 4, 2, 32, 48}, DType::f32, causal, 903), {Fp8Format::e4m3, 64, DType::bf16}},
       {Case({1, 1, 300, 4, 1, 64, 64}, DType::f32, full, 906), {Fp8Format::e5m2, 32, DType::f32}},  // the decode kernel
       {Case({1, 129, 129, 1, 1, 128, 128}, DType::f32, causal, 909), {Fp8Format::e5m2, 0, DType::f16}},
+      {Case({2, 65, 190, 4, 2, 32, 48}, DType::f32, sinks, 912), {Fp8Format::e4m3, 64, DType::f32}},
+      {Case({1, 2, 300, 4, 1, 64, 64}, DType::f32, sinks, 915), {Fp8Format::e4m3, 0, DType::f32}},  // decode
   };
   for (const auto& [c, quant] : cases) {
     SCOPED_TRACE(c.describe() + " " + to_string(quant.format) + " block " + std::to_string(quant.block) + " out " +

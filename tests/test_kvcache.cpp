@@ -209,6 +209,9 @@ TEST(KvCache, ContiguousAndPagedMatchTheReference) {
     const Inputs s;
     AttentionOptions o;
     o.causal = true;
+    Tensor sinks(DType::f32, {kHq});  // the half-split run with attention sinks
+    for (std::int64_t h = 0; h < kHq; ++h) sinks.set(h, 1.5f - static_cast<float>(h));
+    if (!interleaved) o.sinks = sinks.view();
     const std::vector<double> want = reference_out(s, interleaved, o);
 
     Tensor k_cache = s.old_k, v_cache = s.old_v;

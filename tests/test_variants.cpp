@@ -1,4 +1,4 @@
-// Sliding window, softcap, ALiBi, dropout and block-sparse attention — alone and in the
+// Sliding window, softcap, ALiBi, dropout, block-sparse attention and attention sinks — alone and in the
 // combinations users meet — forward and backward against the float64 reference.
 #include <gtest/gtest.h>
 
@@ -21,7 +21,7 @@ struct Shape {
 // Holds the side inputs (slopes, block mask) that options point to.
 struct Variant {
   AttentionOptions options;
-  Tensor alibi, block_mask;
+  Tensor alibi, block_mask, sinks;
   std::string name;
 };
 
@@ -41,6 +41,13 @@ Variant make_variant(const Shape& s, const std::string& name, std::uint64_t seed
     for (std::int64_t i = 0; i < v.alibi.numel(); ++i) v.alibi.set(i, std::exp2(-1.0f - 0.7f * static_cast<float>(i)));
     v.options.alibi_slopes = v.alibi.view();
   }
+  if (has("sinks")) {  // logits around the scores' own range, some above every score
+    v.sinks = Tensor(DType::f32, {s.heads_q});
+    for (std::int64_t i = 0; i < v.sinks.numel(); ++i) v.sinks.set(i, static_cast<float>(rng() % 600) / 100.0f - 2.0f);
+    v.options.sinks = v.sinks.view();
+  }
+  if (has("split3")) v.options.num_splits = 3;
+  if (has("nodefer")) v.options.switches.deferred_normalization = false;
   if (has("dropout")) {
     v.options.dropout_p = 0.17f;
     v.options.seed = seed;
@@ -80,6 +87,8 @@ void check_variant(const Shape& s, const std::string& name, DType dtype, std::ui
   EXPECT_LE(max_abs_error(fwd.out, want.out), tol_out) << "out";
   expect_lse_near(fwd.lse, want.lse);
 
+  Tensor dsinks(DType::f32, {s.heads_q});
+  if (o.sinks.data != nullptr) o.dsinks = dsinks.view();
   const BackwardResult got = backward(dout.view(), q.view(), k.view(), v.view(), fwd.out.view(),
                                       fwd.lse.view(), o);
   const reference::Gradients g = reference::attention_backward(dout.view(), q.view(), k.view(), v.view(), o);
@@ -93,6 +102,7 @@ void check_variant(const Shape& s, const std::string& name, DType dtype, std::ui
   EXPECT_LE(max_abs_error(got.dq, g.dq), tq) << "dq";
   EXPECT_LE(max_abs_error(got.dk, g.dk), tk) << "dk";
   EXPECT_LE(max_abs_error(got.dv, g.dv), tv) << "dv";
+  if (o.sinks.data != nullptr) EXPECT_LE(max_abs_error(dsinks, g.dsinks), 1e-4 * static_cast<double>(s.batch * s.seqlen_q)) << "dsinks";
 }
 
 const Shape kShapes[] = {{1, 113, 203, 2, 1, 40, 40}, {2, 97, 97, 4, 2, 32, 24}, {1, 203, 113, 2, 2, 64, 64},
@@ -130,6 +140,40 @@ TEST(Variants, BlockSparse) {
   for (const Shape& s : kShapes)
     for (const char* v : {"blocks", "blocks16", "causal+blocks16", "blocks+alibi+softcap"})
       check_variant(s, v, DType::f32, seed, seed % 2 == 0), ++seed;
+}
+
+// Attention sinks (options.sinks): every forward kernel and the split-KV merge (the decode
+// shape of kShapes, split3), alone and with softcap, ALiBi, windows, dropout, block masks;
+// the backward's dq, dk, dv and dsinks.
+TEST(Variants, Sinks) {
+  std::uint64_t seed = 200;
+  for (const Shape& s : kShapes)
+    for (const char* v : {"sinks", "causal+sinks", "window+softcap+alibi+sinks", "sinks+split3", "sinks+nodefer",
+                          "sinks+dropout+blocks16"})
+      for (int threads : {1, 2, 3}) check_variant(s, v, DType::f32, seed++, threads == 3, threads);
+  for_each_simd_target([&](const std::string&) {
+    check_variant({1, 61, 77, 4, 2, 24, 24}, "window+softcap+alibi+sinks+split3", DType::f32, seed++, true, 3);
+    check_variant({2, 2, 90, 4, 1, 40, 40}, "sinks+split3", DType::f32, seed++, false, 2);
+  });
+}
+
+// A row that sees no key: out 0 and lse = its sink; its gradient is zero.
+TEST(Variants, SinksRowWithoutKeys) {
+  const Tensor q = random_tensor(DType::f32, {1, 9, 2, 16}, 1);
+  const Tensor k = random_tensor(DType::f32, {1, 4, 2, 16}, 2);
+  const Tensor v = random_tensor(DType::f32, {1, 4, 2, 16}, 3);
+  Tensor sinks(DType::f32, {2});
+  sinks.set(0, 0.5f);
+  sinks.set(1, -1.25f);
+  AttentionOptions o;
+  o.sinks = sinks.view();
+  o.window_size = {0, 0};  // rows 0..4 see no key (Sk − Sq = −5)
+  const ForwardResult fwd = forward(q.view(), k.view(), v.view(), o);
+  const reference::Result want = reference::attention(q.view(), k.view(), v.view(), o);
+  EXPECT_LE(max_abs_error(fwd.out, want.out), 1e-5);
+  expect_lse_near(fwd.lse, want.lse);
+  EXPECT_EQ(fwd.lse.get(0), 0.5f);  // (b 0, h 0, row 0)
+  EXPECT_EQ(fwd.lse.get(9 + 2), -1.25f);  // (b 0, h 1, row 2)
 }
 
 TEST(Variants, LowPrecisionAndEveryTarget) {
@@ -260,6 +304,63 @@ TEST(Variants, BadInputNamesTheArgument) {
   o.block_mask = fmask.view();
   o.block_mask_block_size = 4;
   expect(o, "block_mask: dtype f32");
+}
+
+// Bad sinks (shape, dtype, a non-finite logit) and a bad dsinks: an Error naming them,
+// raised before out, lse, dq or dsinks is written.
+TEST(Variants, BadSinksNameTheArgumentBeforeAnythingIsWritten) {
+  const Tensor q = random_tensor(DType::f32, {2, 10, 4, 8}, 1);
+  const Tensor k = random_tensor(DType::f32, {2, 12, 2, 8}, 2);
+  Tensor out(DType::f32, {2, 10, 4, 8}), lse(DType::f32, {2, 4, 10});
+  for (std::int64_t i = 0; i < out.numel(); ++i) out.set(i, 7.0f);
+  auto expect = [&](const AttentionOptions& o, const std::string& fragment) {
+    try {
+      forward(q.view(), k.view(), k.view(), out.view(), lse.view(), o);
+      ADD_FAILURE() << "expected flashattn::Error containing " << fragment;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
+    }
+    for (std::int64_t i = 0; i < out.numel(); ++i) ASSERT_EQ(out.get(i), 7.0f) << fragment;
+  };
+  const Tensor three(DType::f32, {3}), bf(DType::bf16, {4}), two_d(DType::f32, {2, 4});
+  AttentionOptions o;
+  o.sinks = three.view();
+  expect(o, "sinks: shape (3) but expected (4)");
+  o.sinks = bf.view();
+  expect(o, "sinks: dtype bf16");
+  o.sinks = two_d.view();
+  expect(o, "sinks");
+  for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                    -std::numeric_limits<float>::infinity()}) {
+    Tensor sinks(DType::f32, {4});
+    sinks.set(2, bad);
+    o.sinks = sinks.view();
+    expect(o, "sinks: sink logit of head 2 is");
+  }
+
+  Tensor sinks(DType::f32, {4});
+  o.sinks = sinks.view();
+  const ForwardResult f = forward(q.view(), k.view(), k.view(), o);
+  Tensor dq(DType::f32, {2, 10, 4, 8}), dk(DType::f32, {2, 12, 2, 8}), dv(DType::f32, {2, 12, 2, 8});
+  Tensor dsinks3(DType::f32, {3}), dsinks(DType::f32, {4});
+  dsinks3.set(0, 7.0f), dsinks.set(0, 7.0f), dq.set(0, 7.0f);
+  auto expect_backward = [&](const AttentionOptions& ob, const std::string& fragment) {
+    try {
+      backward(f.out.view(), q.view(), k.view(), k.view(), f.out.view(), f.lse.view(), dq.view(), dk.view(),
+               dv.view(), ob);
+      ADD_FAILURE() << "expected flashattn::Error containing " << fragment;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(dq.get(0), 7.0f);
+    EXPECT_EQ(dsinks3.get(0), 7.0f);
+    EXPECT_EQ(dsinks.get(0), 7.0f);
+  };
+  o.dsinks = dsinks3.view();
+  expect_backward(o, "dsinks: shape (3) but expected (4)");
+  AttentionOptions no_sinks;
+  no_sinks.dsinks = dsinks.view();
+  expect_backward(no_sinks, "dsinks: set without sinks");
 }
 
 }  // namespace

@@ -50,9 +50,15 @@ void check_varlen(const std::vector<std::int32_t>& lq, const std::vector<std::in
   VarlenSeqlens s{cu_q.view(), cu_k.view(), *std::max_element(lq.begin(), lq.end()),
                   *std::max_element(lk.begin(), lk.end())};
   o.deterministic = true;  // per-sequence results then compare bit for bit
+  Tensor sinks(DType::f32, {hq}), dsinks(DType::f32, {hq}), dsinks_b(DType::f32, {hq});
+  for (std::int64_t h = 0; h < hq; ++h) sinks.set(h, 0.75f * static_cast<float>(h) - 1.0f);
+  const bool with_sinks = o.sinks.rank != 0;  // a marker: filled here, with dsinks
+  if (with_sinks) o.sinks = sinks.view(), o.dsinks = dsinks.view();
   const ForwardResult f = forward_varlen(q.view(), k.view(), v.view(), s, o);
   const BackwardResult g =
       backward_varlen(dout.view(), q.view(), k.view(), v.view(), f.out.view(), f.lse.view(), s, o);
+  std::vector<double> dsinks_sum(static_cast<std::size_t>(hq), 0.0);
+  if (with_sinks) o.dsinks = dsinks_b.view();
   for (std::int64_t b = 0; b < batch; ++b) {
     SCOPED_TRACE("sequence " + std::to_string(b));
     const std::int64_t q0 = cu_q.get(b), sq = lq[b], k0 = cu_k.get(b), sk = lk[b];
@@ -71,7 +77,9 @@ void check_varlen(const std::vector<std::int32_t>& lq, const std::vector<std::in
     expect_bitwise_equal_rows(g.dq, q0, gb.dq, "dq");
     expect_bitwise_equal_rows(g.dk, k0, gb.dk, "dk");
     expect_bitwise_equal_rows(g.dv, k0, gb.dv, "dv");
+    for (std::int64_t h = 0; with_sinks && h < hq; ++h) dsinks_sum[static_cast<std::size_t>(h)] += dsinks_b.get(h);
   }
+  if (with_sinks) EXPECT_LE(max_abs_error(dsinks, dsinks_sum), 1e-5) << "dsinks: the sum of the sequences'";
 }
 
 TEST(Varlen, EqualsEachSequenceOnItsOwn) {
@@ -86,6 +94,10 @@ TEST(Varlen, EqualsEachSequenceOnItsOwn) {
   everything.softcap = 2.0f;
   everything.alibi_slopes.rank = 2;  // filled per call with (batch, heads_q) slopes
   check_varlen(lq, lk, everything, 3);
+  AttentionOptions sinks;
+  sinks.causal = true;
+  sinks.sinks.rank = 1;  // filled per call with (heads_q) sink logits
+  check_varlen(lq, lk, sinks, 4);
 }
 
 TEST(Varlen, DropoutIsKeyedByTheSequenceIndexAsInABatch) {

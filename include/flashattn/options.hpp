@@ -77,6 +77,13 @@ struct AttentionOptions {
   // ALiBi: adds −slope·|i + Sk − Sq − j| to score (i, j); float32 slopes of shape
   // (heads_q) or (batch, heads_q). Unset (null data) disables it.
   TensorView alibi_slopes;
+  // Learnable attention sinks (gpt-oss `sinks`; FA4 `learnable_sink`, vLLM `s_aux`): float32
+  // logits of shape (heads_q), one per q head, that join every row's softmax denominator
+  // with no value: o_i = Σ_j e^{s_ij} v_j / (Σ_j e^{s_ij} + e^{sink_h}). A sink is already a
+  // logit: neither softmax_scale nor softcap nor ALiBi touches it. lse includes it
+  // (lse_i = log(Σ_j e^{s_ij} + e^{sink_h})); a row without visible keys gives o = 0 and
+  // lse = sink_h. Unset (null data) disables it. docs/algorithm.md §"Attention sinks".
+  TensorView sinks;
   // Dropout on the attention probabilities with probability dropout_p; kept weights are
   // scaled by 1/(1 − dropout_p). The mask is a pure function of (seed, offset, batch,
   // head, row, column) — see dropout_keep() — so it does not depend on tiling or threads
@@ -103,6 +110,10 @@ struct AttentionOptions {
   // dQ shares of the K/V tiles are added in K/V-block order (a ticket per Q tile) instead
   // of as they finish. Costs waiting, not arithmetic.
   bool deterministic = false;
+  // Backward only, with sinks: when set, float32 (heads_q) receives the sinks' gradient
+  // dsinks_h = −Σ_{b,i} e^{sink_h − lse_{b,h,i}}·D_{b,h,i}, D = rowsum(dO ∘ O), summed in a
+  // fixed order (bit-identical for every thread count). Unset: not computed.
+  MutableTensorView dsinks;
 
   // Forward numerics (docs/algorithm.md §5); the backward always recomputes P with the exact exp2.
   Exp2Impl exp2 = Exp2Impl::automatic;

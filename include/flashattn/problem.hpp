@@ -28,6 +28,7 @@ struct AttentionProblem {
   std::int64_t window_right = -1;  // −1: unbounded
   float softcap = 0.0f;
   bool alibi = false;
+  bool sinks = false;  // options.sinks set
   float dropout_p = 0.0f;
   std::uint64_t seed = 0;
   std::uint64_t offset = 0;

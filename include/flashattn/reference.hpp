@@ -26,6 +26,7 @@ struct Semantics {
   // Row i may see key j: inside the causal/window range and a kept block.
   bool visible(std::int64_t i, std::int64_t j) const;
   double slope(std::int64_t b, std::int64_t h) const;
+  double sink(std::int64_t h) const;  // the sink logit of q head h (options.sinks)
   // Score of (i, j) from the raw dot product q_i·k_j: scale, then softcap, then ALiBi.
   double score(std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j, double dot) const;
   // d score / d dot (the softcap's tanh included).
@@ -36,7 +37,7 @@ struct Semantics {
 
 // Output row (head_dim_v values) and natural-log lse of query `row` of (batch, head), with
 // every variant of `options` (window, softcap, ALiBi, dropout, block mask). A row without
-// visible keys gives zeros and lse = −∞. `batch_offset` as Semantics::batch_offset: the
+// visible keys gives zeros and lse = −∞ (the sink logit with options.sinks). `batch_offset` as Semantics::batch_offset: the
 // batch index that keys dropout and (batch, heads) ALiBi slopes is batch + batch_offset.
 void attention_row(const AttentionProblem& problem, const AttentionOptions& options,
                    const TensorView& q,
@@ -61,6 +62,7 @@ struct Gradients {
   std::vector<double> dq;  // (batch, seqlen_q, heads_q, head_dim), contiguous
   std::vector<double> dk;  // (batch, seqlen_k, heads_kv, head_dim), contiguous
   std::vector<double> dv;  // (batch, seqlen_k, heads_kv, head_dim_v), contiguous
+  std::vector<double> dsinks;  // (heads_q) with options.sinks, else empty
 };
 // Analytic gradients of Σ dout ∘ attention(q, k, v) in float64, row by row:
 // P = softmax(S), dV += Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − rowsum(dO ∘ O)),

@@ -43,6 +43,14 @@ AttentionProblem check_backward_call(const TensorView& dout, const TensorView& q
       check_no_overlap(name, *grad, in_name, input);
     for (int o = 0; o < g; ++o) check_no_overlap(name, *grad, grads[o].first, *grads[o].second);
   }
+  if (options.dsinks.data != nullptr || options.dsinks.rank != 0) {
+    if (!p.sinks) throw Error("dsinks: set without sinks");
+    check_tensor("dsinks", options.dsinks.on(Device::cpu), DType::f32, "dsinks is float32", {p.heads_q}, "(heads_q)");
+    check_output_layout("dsinks", options.dsinks);
+    for (const auto& [in_name, input] : {std::pair{"dout", dout}, {"out", out}, {"lse", lse}, {"dq", dq}, {"dk", dk},
+                                         {"dv", dv}, {"sinks", options.sinks}})
+      check_no_overlap("dsinks", options.dsinks, in_name, input);
+  }
   return p;
 }
 

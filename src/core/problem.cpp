@@ -86,6 +86,19 @@ AttentionProblem AttentionProblem::from_sizes(std::int64_t batch, std::int64_t s
   p.seed = options.seed;
   p.offset = options.offset;
   p.alibi = options.alibi_slopes.data != nullptr || options.alibi_slopes.rank != 0;
+  p.sinks = options.sinks.data != nullptr || options.sinks.rank != 0;
+  if (p.sinks) {
+    // Checked as on the host whatever its device (the CUDA backend rejects sinks by name);
+    // the logits themselves are read only from host memory.
+    const TensorView& s = options.sinks;
+    detail::check_view("sinks", s.on(Device::cpu), 1, "(heads_q)");
+    detail::check_dtype("sinks", s, DType::f32, "sink logits are float32");
+    detail::check_shape("sinks", s, {heads_q}, "(heads_q)");
+    for (std::int64_t h = 0; s.device == Device::cpu && h < heads_q; ++h) {
+      const float x = static_cast<const float*>(s.data)[h * s.strides[0]];
+      require(std::isfinite(x), "sinks: sink logit of head " + str(h) + " is " + std::to_string(x) + ", expected finite");
+    }
+  }
   p.block_mask_block_size = options.block_mask.data != nullptr || options.block_mask.rank != 0
                                 ? options.block_mask_block_size
                                 : 0;

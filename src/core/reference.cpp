@@ -25,6 +25,10 @@ double Semantics::slope(std::int64_t b, std::int64_t h) const {
                      : detail::load_element(a, (b + batch_offset) * a.strides[0] + h * a.strides[1]);
 }
 
+double Semantics::sink(std::int64_t h) const {
+  return detail::load_element(options->sinks, h * options->sinks.strides[0]);
+}
+
 double Semantics::score(std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j, double dot) const {
   const AttentionProblem& p = *problem;
   double s = dot * static_cast<double>(p.softmax_scale);
@@ -76,12 +80,14 @@ void attention_row(const AttentionProblem& p, const AttentionOptions& options, c
       keys.push_back(j);
       s.push_back(sem.score(b, h, i, j, dot_row(p, q, k, b, h, kv_head, i, j)));
     }
+  // The sink: one more logit in the denominator, with no value.
+  const double sink = p.sinks ? sem.sink(h) : -std::numeric_limits<double>::infinity();
   if (keys.empty()) {
-    *lse = -std::numeric_limits<double>::infinity();
+    *lse = sink;
     return;
   }
-  const double m = *std::max_element(s.begin(), s.end());
-  double sum = 0.0;
+  const double m = std::max(*std::max_element(s.begin(), s.end()), sink);
+  double sum = std::exp(sink - m);
   for (double& x : s) sum += (x = std::exp(x - m));
   for (std::size_t n = 0; n < keys.size(); ++n) {
     const std::int64_t j = keys[n];
@@ -145,6 +151,8 @@ Gradients attention_backward(const TensorView& dout, const TensorView& q, const 
   g.dq.assign(static_cast<std::size_t>(p.batch * p.seqlen_q * p.heads_q * d), 0.0);
   g.dk.assign(static_cast<std::size_t>(p.batch * p.seqlen_k * p.heads_kv * d), 0.0);
   g.dv.assign(static_cast<std::size_t>(p.batch * p.seqlen_k * p.heads_kv * dv), 0.0);
+  g.dsinks.assign(static_cast<std::size_t>(p.sinks ? p.heads_q : 0), 0.0);
+  std::vector<double> dsinks_bh(static_cast<std::size_t>(p.sinks ? p.batch * p.heads_q : 0), 0.0);
   // One (batch, kv head) per task: its dk/dv rows are written by nobody else.
 #pragma omp parallel for collapse(2) schedule(dynamic)
   for (std::int64_t b = 0; b < p.batch; ++b)
@@ -159,6 +167,8 @@ Gradients attention_backward(const TensorView& dout, const TensorView& q, const 
           for (std::int64_t c = 0; c < dv; ++c)
             delta += static_cast<double>(load_element(dout, offset4(dout, b, i, h, c))) *
                      out_row[static_cast<std::size_t>(c)];
+          // d/dsink of Σ dO∘O: the sink's probability e^{sink − lse} times (0 − D_i).
+          if (p.sinks) dsinks_bh[static_cast<std::size_t>(b * p.heads_q + h)] -= std::exp(sem.sink(h) - lse) * delta;
           const AttentionProblem::KeyRange range = p.key_range(i);
           for (std::int64_t j = range.begin; j < range.end; ++j) {
             if (!sem.visible(i, j)) continue;
@@ -181,6 +191,9 @@ Gradients attention_backward(const TensorView& dout, const TensorView& q, const 
           }
         }
     }
+  for (std::int64_t b = 0; b < p.batch && p.sinks; ++b)
+    for (std::int64_t h = 0; h < p.heads_q; ++h)
+      g.dsinks[static_cast<std::size_t>(h)] += dsinks_bh[static_cast<std::size_t>(b * p.heads_q + h)];
   return g;
 }
 

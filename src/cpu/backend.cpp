@@ -16,7 +16,20 @@ void forward_each(std::span<const detail::ForwardJob> jobs) {
   for (const detail::ForwardJob& job : jobs) forward_one(job);
 }
 
+// cpu::run_backward adds its sequence's share to options.dsinks: zeroed once per call.
+void zero_dsinks(const AttentionOptions& options) {
+  const MutableTensorView& d = options.dsinks;
+  for (std::int64_t h = 0; d.data != nullptr && h < d.shape[0]; ++h) static_cast<float*>(d.data)[h * d.strides[0]] = 0.0f;
+}
+
+void backward_one(const detail::BackwardJob& job) {
+  zero_dsinks(job.options);
+  cpu::run_backward(job);
+}
+
+// Every sequence's job carries the same options.dsinks; the shares add up in sequence order.
 void backward_each(std::span<const detail::BackwardJob> jobs) {
+  if (!jobs.empty()) zero_dsinks(jobs.front().options);
   for (const detail::BackwardJob& job : jobs) cpu::run_backward(job);
 }
 
@@ -48,7 +61,7 @@ const detail::Backend& detail::cpu_backend() {
       .check_forward = cpu::check_forward,
       .check_backward = cpu::check_backward,
       .forward = forward_one,
-      .backward = cpu::run_backward,
+      .backward = backward_one,
       .forward_varlen = forward_each,
       .backward_varlen = backward_each,
       .forward_with_kvcache = cpu::run_forward_jobs,

@@ -2,6 +2,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <memory>
 #include <vector>
@@ -65,6 +66,22 @@ void cpu::run_backward(const detail::BackwardJob& job) {
 #pragma omp barrier
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t bh = 0; bh < heads; ++bh) kernels.store_dq(params, workspace, bh);
+  }
+  if (options.dsinks.data != nullptr) {
+    // dsinks_h = −Σ_{b,i} e^{sink_h − lse}·D (docs/algorithm.md "Attention sinks"), one
+    // thread in (b, i) order: the same bits for every thread count. Added to what the
+    // caller zeroed (src/cpu/backend.cpp): the sequences of backward_varlen add up.
+    for (std::int64_t h = 0; h < p.heads_q; ++h) {
+      const double sink = static_cast<const float*>(options.sinks.data)[h * options.sinks.strides[0]];
+      double sum = 0.0;
+      for (std::int64_t b = 0; b < p.batch; ++b)
+        for (std::int64_t i = 0; i < p.seqlen_q; ++i) {
+          const float lse = static_cast<const float*>(job.lse.data)[b * job.lse.strides[0] + h * job.lse.strides[1] +
+                                                                    i * job.lse.strides[2]];
+          sum += std::exp(sink - lse) * delta[(b * p.heads_q + h) * p.seqlen_q + i];
+        }
+      static_cast<float*>(options.dsinks.data)[h * options.dsinks.strides[0]] -= static_cast<float>(sum);
+    }
   }
   if (options.counters != nullptr) {
     KernelCounters sum;

@@ -86,6 +86,9 @@ struct Options {
   float softcap = 0.0f;
   std::optional<Array> alibi_slopes;
   std::string alibi_dtype = "f32";  // the slopes' own dtype: the library checks it
+  std::optional<Array> sinks;       // (heads_q) sink logits
+  std::string sinks_dtype = "f32";  // the sinks' own dtype: the library checks it
+  std::optional<Array> dsinks;      // backward only: float32 (heads_q) receives the sinks' gradient
   float dropout_p = 0.0f;
   std::uint64_t seed = 0;
   std::uint64_t offset = 0;
@@ -104,6 +107,8 @@ struct Options {
     o.window_size = {window_left, window_right};
     o.softcap = softcap;
     o.alibi_slopes = optional_in(alibi_slopes, alibi_dtype, "alibi_slopes");
+    o.sinks = optional_in(sinks, sinks_dtype, "sinks");
+    if (dsinks) o.dsinks = out(*dsinks, "f32", "dsinks");
     o.dropout_p = dropout_p;
     o.seed = seed;
     o.offset = offset;
@@ -198,6 +203,9 @@ NB_MODULE(_C, m) {
       .def_rw("softcap", &Options::softcap)
       .def_rw("alibi_slopes", &Options::alibi_slopes)
       .def_rw("alibi_dtype", &Options::alibi_dtype)
+      .def_rw("sinks", &Options::sinks)
+      .def_rw("sinks_dtype", &Options::sinks_dtype)
+      .def_rw("dsinks", &Options::dsinks)
       .def_rw("dropout_p", &Options::dropout_p)
       .def_rw("seed", &Options::seed)
       .def_rw("offset", &Options::offset)

@@ -124,16 +124,25 @@ static void StoreOutputRow(const ForwardParams& prm, ForwardWorkspace& ws, std::
         .fetch_add(rescales, std::memory_order_relaxed);
   }
   // Kept normalized at every tile (the deferred_normalization switch off): nothing left to divide.
-  const float inverse = prm.switches.deferred_normalization || state.sum == 0.0f ? state.inverse_sum() : 1.0f;
+  float inverse = prm.switches.deferred_normalization || state.sum == 0.0f ? state.inverse_sum() : 1.0f;
+  OnlineSoftmaxState final_state = state;
+  if (p.sinks && split == 0) {
+    // The sink joins split 0's keys as one more score with no value (docs/algorithm.md
+    // "Attention sinks"): exactly once per row, and the split merge carries it on.
+    const float sink = static_cast<const float*>(prm.sinks.data)[h * prm.sinks.strides[0]];
+    const float kept = prm.switches.deferred_normalization ? 1.0f : state.sum;
+    const OnlineSoftmaxState::MergeFactors f = final_state.merge({sink * OnlineSoftmaxState::kLog2e, 1.0f});
+    inverse = f.self * kept * final_state.inverse_sum();
+  }
   if (prm.plan.splits > 1) {
     StoreRow(orow, p.head_dim_v, inverse,
              prm.split_out + (((split * p.batch + b) * p.seqlen_q + i) * p.heads_q + h) * p.head_dim_v, DType::f32);
-    prm.split_lse[((split * p.batch + b) * p.heads_q + h) * p.seqlen_q + i] = state.lse();
+    prm.split_lse[((split * p.batch + b) * p.heads_q + h) * p.seqlen_q + i] = final_state.lse();
     return;
   }
   StoreRow(orow, p.head_dim_v, inverse, OutputRow(prm, b, i, h), prm.out.dtype);
   static_cast<float*>(prm.lse.data)[b * prm.lse.strides[0] + h * prm.lse.strides[1] + i * prm.lse.strides[2]] =
-      state.lse();
+      final_state.lse();
 }
 
 // A work item's rows start over: õ zero, softmax state empty, no rescales; `rows` rows of
