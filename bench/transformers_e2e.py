@@ -12,6 +12,10 @@ The model is randomly initialised from a Llama config (grouped-query heads, rota
 its size is set by the options (default: 4 layers, hidden 512, 8 heads of dim 64, 2 kv heads,
 MLP 1408, vocabulary 32000).
 
+With --batch B --left-pad P the prompts are B rows, every row but the first left-padded by P
+tokens (attention_mask 0 there), as batched generate() pads them: the masks take the
+integration's variable-length route (prefill) and its in-place cache route (decode).
+
     python3 bench/transformers_e2e.py [--threads 2] [--seqlens 1024,4096,8192] [--decode-tokens 32]
 """
 
@@ -36,6 +40,9 @@ def parse_args(argv):
     p.add_argument("--decode-context", type=csv(int), default=[1024, 4096], help="KV cache lengths for decode")
     p.add_argument("--dtypes", type=csv(str), default=["bf16", "f32"])
     p.add_argument("--repeats", type=int, default=3, help="timed runs per backend after a warm-up, median")
+    p.add_argument("--batch", type=int, default=1, help="prompts per forward")
+    p.add_argument("--left-pad", type=int, default=0,
+                   help="tokens of left padding in every prompt but the first (needs --batch 2 or more)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--heads", type=int, default=8)
@@ -47,6 +54,9 @@ def parse_args(argv):
         p.error(f"--dtypes: {a.dtypes} not all in ['bf16', 'f32']")
     if a.repeats < 1 or a.decode_tokens < 1:
         p.error("--repeats and --decode-tokens must be at least 1")
+    if a.batch < 1 or a.left_pad < 0 or (a.left_pad and (a.batch < 2 or a.left_pad >= min(a.seqlens + a.decode_context))):
+        p.error(f"--batch {a.batch} --left-pad {a.left_pad}: left padding needs a batch of 2 or more and fewer "
+                "tokens than every prompt")
     return a
 
 
@@ -101,8 +111,13 @@ def main(argv=None):
             models[name] = model.to(dtypes[dname]).eval()
         gen = torch.Generator().manual_seed(1)
 
+        def padding(length, extra=0):
+            mask = torch.ones(args.batch, length + extra, dtype=torch.long)
+            mask[1:, :args.left_pad] = 0
+            return mask if args.left_pad else None
+
         def prefill(name, ids):
-            return models[name](ids, use_cache=True, logits_to_keep=1)
+            return models[name](ids, attention_mask=padding(ids.shape[1]), use_cache=True, logits_to_keep=1)
 
         def timed(name, fn):
             timers[name].seconds = 0.0
@@ -112,8 +127,9 @@ def main(argv=None):
 
         cases = [("prefill", s) for s in args.seqlens] + [("decode", c) for c in args.decode_context]
         for kind, length in cases:
-            ids = torch.randint(0, args.vocab, (1, length), generator=gen)
-            step = torch.randint(0, args.vocab, (1, 1), generator=gen)
+            ids = torch.randint(0, args.vocab, (args.batch, length), generator=gen)
+            step = torch.randint(0, args.vocab, (args.batch, 1), generator=gen)
+            grown = padding(length, args.decode_tokens)
             runs = {name: [] for name in backends}
             with torch.no_grad():
                 # Decode runs start from one prefilled cache per backend, cut back to the context
@@ -121,8 +137,9 @@ def main(argv=None):
                 caches = {name: prefill(name, ids).cache for name in backends} if kind == "decode" else {}
 
                 def decode(name):
-                    for _ in range(args.decode_tokens):
-                        models[name](step, cache=caches[name], use_cache=True)
+                    for i in range(args.decode_tokens):
+                        mask = None if grown is None else grown[:, :length + i + 1]
+                        models[name](step, attention_mask=mask, cache=caches[name], use_cache=True)
                     caches[name].crop(-args.decode_tokens)
 
                 # Run 0 of each backend is a warm-up at the same shapes (oneDNN compiles kernels per
@@ -134,13 +151,13 @@ def main(argv=None):
             for name in backends:
                 kept = runs[name][1:]
                 best = min(kept)
-                tokens = length if kind == "prefill" else args.decode_tokens
+                tokens = args.batch * (length if kind == "prefill" else args.decode_tokens)
                 rows.append((dname, kind, length, name, best[0], statistics.median(t for t, _ in kept),
                              tokens / best[0], best[1] / best[0]))
 
     print(f"threads={args.threads or 'default'} layers={args.layers} hidden={args.hidden} heads={args.heads} "
           f"kv_heads={args.kv_heads} head_dim={args.hidden // args.heads} repeats={args.repeats} "
-          f"decode_tokens={args.decode_tokens}")
+          f"decode_tokens={args.decode_tokens} batch={args.batch} left_pad={args.left_pad}")
     print("| dtype | phase | tokens (prefill) / context (decode) | attention | best run (s) | median (s) "
           "| tokens/s (best) | attention share (best) | speed-up vs SDPA (best) |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -330,6 +330,41 @@ def test_decode_step_in_place_equals_varlen(dtype):
         assert (in_place.float() - unpadded.float()).abs().max() <= (1e-6 if dtype == torch.float32 else 1e-2)
 
 
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_prompt_plan_equals_the_checked_mask(side):
+    """A padded prompt's plan, found from the padding mask alone (_plan_from_padding), computes
+    what the plan checked from transformers' materialized bool mask computes, for causal,
+    sliding-window and bidirectional layers; a row with a gap takes the general check."""
+    from transformers import masking_utils as mu
+
+    gen = torch.Generator().manual_seed(6)
+    length = 23
+    q, k, v = (torch.randn(3, heads, length, 16, generator=gen) for heads in (4, 2, 2))
+    padding = torch.ones(3, length, dtype=torch.bool)
+    if side == "left":
+        padding[1, :9], padding[2, :1] = False, False
+    else:
+        padding[1, 14:], padding[2, -1:] = False, False
+    module = torch.nn.Module()
+    for function in (mu.causal_mask_function, mu.sliding_window_causal_mask_function(5),
+                     mu.bidirectional_mask_function):
+        plan = fa_hf.attention_mask_function(batch_size=3, q_length=length, kv_length=length,
+                                             mask_function=function, attention_mask=padding)
+        mask = mu.sdpa_mask(batch_size=3, q_length=length, kv_length=length, mask_function=function,
+                            attention_mask=padding, allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
+        checked = fa_hf._plan_from_bool(mask[:, 0] & padding[:, :, None])
+        assert plan.varlen is not None and plan.causal == checked.causal
+        fast = fa_hf.attention_forward(module, q, k, v, plan, scaling=0.25)[0]
+        slow = fa_hf.attention_forward(module, q, k, v, checked, scaling=0.25)[0]
+        assert (fast - slow).abs().max() <= 1e-6
+    gap = padding.clone()
+    gap[0, 10] = False
+    assert fa_hf._plan_from_padding(gap, True, (-1, 0)) is None
+    with pytest.raises(ValueError, match="attention_mask"):
+        fa_hf.attention_mask_function(batch_size=3, q_length=length, kv_length=length, attention_mask=gap,
+                                      mask_function=mu.sliding_window_causal_mask_function(5))
+
+
 MINILM_SENTENCES = [
     "A man is eating food.",
     "The quick brown fox jumps over the lazy dog while the farmer watches from the porch.",

@@ -170,6 +170,25 @@ def _plan_from_bool(mask):
     return _Plan(batch, q_length, kv_length, causal, (left, right), varlen=varlen, cache=cache)
 
 
+def _plan_from_padding(padding, causal, window):
+    """The varlen _Plan of a prompt (queries = keys, no offsets) whose padding mask (batch, length)
+    leaves one contiguous run of real tokens in every row (left or right padding), for the
+    pattern (causal, window) among the real tokens: what _plan_from_bool makes of the
+    materialized mask, found in O(batch * length) instead of O(batch * length²). None where a
+    row has no real token or a gap between real tokens (the general check decides those)."""
+    batch, length = padding.shape
+    real = padding.to(torch.bool)
+    n = real.sum(-1)
+    first = real.to(torch.uint8).argmax(-1)
+    last = length - 1 - real.flip(-1).to(torch.uint8).argmax(-1)
+    if not bool(((n > 0) & (last - first + 1 == n)).all()):
+        return None
+    index = real.flatten().nonzero().flatten()
+    cu = F.pad(n.cumsum(0), (1, 0)).to(torch.int32)
+    longest = int(n.max())
+    return _Plan(batch, length, length, causal, window, varlen=(index, index, cu, cu, longest, longest))
+
+
 def _sliding_window_of(mask_function, masking_utils):
     """w when mask_function is transformers' sliding_window_causal_mask_function(w) unchanged (an
     and_masks of its sliding_window_overlay(w) and causal_mask_function), else None."""
@@ -214,6 +233,17 @@ def attention_mask_function(batch_size, q_length, kv_length, q_offset=0, kv_offs
             window = _sliding_window_of(mask_function, masking_utils)
             if window is not None:  # keys kv > q - window: the query's and the window - 1 before
                 return _Plan(batch_size, q_length, kv_length, True, (window - 1, 0))
+    if padding is not None and int(q_offset) == int(kv_offset) == 0 and 1 < q_length == kv_length == padding.shape[-1]:
+        if mask_function is masking_utils.bidirectional_mask_function:
+            band = (False, (-1, -1))
+        elif mask_function is masking_utils.causal_mask_function:
+            band = (True, (-1, 0))
+        else:
+            window = _sliding_window_of(mask_function, masking_utils)
+            band = None if window is None else (True, (window - 1, 0))
+        plan = None if band is None else _plan_from_padding(padding, *band)
+        if plan is not None:
+            return plan
     mask = masking_utils.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
                                    q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
                                    attention_mask=attention_mask, allow_is_causal_skip=False,
