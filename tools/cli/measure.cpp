@@ -120,7 +120,8 @@ Measurement measure_forward(Impl impl, const AttentionProblem& p, const Attentio
     m.kernel = to_string(plan.kernel);
     m.plan = plan.describe();
   }
-  m.gflops = p.conventional_forward_flops() / m.seconds * 1e-9;
+  m.gflops = p.visible_forward_flops(options.block_mask) / m.seconds * 1e-9;
+  m.dense_equivalent_gflops = p.conventional_forward_flops() / m.seconds * 1e-9;
   return m;
 }
 
@@ -149,7 +150,8 @@ Measurement measure_backward(Impl impl, const AttentionProblem& p, const Attenti
     m.peak_bytes = plan.workspace_bytes();
     m.kernel = to_string(plan.kernel);
   }
-  m.gflops = 2.5 * p.conventional_forward_flops() / m.seconds * 1e-9;
+  m.gflops = 2.5 * p.visible_forward_flops(options.block_mask) / m.seconds * 1e-9;
+  m.dense_equivalent_gflops = 2.5 * p.conventional_forward_flops() / m.seconds * 1e-9;
   return m;
 }
 

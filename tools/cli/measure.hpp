@@ -43,9 +43,11 @@ struct Measurement {
   Op op = Op::fwd;
   bool deterministic = false;  // bwd only
   double seconds = 0.0;      // median
-  double gflops = 0.0;       // conventional FLOPs: 4·B·Hq·Sq·Sk·D (halved when causal),
-                             // 2.5× that for backward (upstream's convention); a window
-                             // counts as its causal or full square, so it shows as speed
+  double gflops = 0.0;       // visible pairs' FLOPs only (AttentionProblem::visible_forward_flops,
+                             // causal, window and block mask counted exactly), 2.5× that
+                             // for backward (upstream's ratio), so it never exceeds the peak
+  double dense_equivalent_gflops = 0.0;  // upstream's headline: 4·B·Hq·Sq·Sk·D, halved when
+                                         // causal, whatever the window or block mask hides
   std::size_t peak_bytes = 0;  // extra memory the implementation allocated
   std::string kernel, plan;    // flashattn: the plan's kernel and (fwd) its description
   Tensor out;                // fwd: output of the last run

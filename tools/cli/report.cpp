@@ -21,7 +21,8 @@ nlohmann::json case_json(const Measurement& m, const AttentionProblem& p) {
           {"seqlen_q", p.seqlen_q},      {"seqlen_k", p.seqlen_k},
           {"dim", p.head_dim},           {"dim_v", p.head_dim_v},
           {"causal", p.causal},          {"seconds", m.seconds},
-          {"gflops", m.gflops},          {"peak_bytes", m.peak_bytes}};
+          {"gflops", m.gflops},          {"dense_equivalent_gflops", m.dense_equivalent_gflops},
+          {"peak_bytes", m.peak_bytes}};
   if (m.op == Op::bwd) j["deterministic"] = m.deterministic;
   if (!m.kernel.empty()) j["kernel"] = m.kernel;
   if (states_window(p)) {
