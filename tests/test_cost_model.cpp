@@ -21,6 +21,49 @@ AttentionProblem square(std::int64_t n, std::int64_t d, bool causal = false, DTy
   return AttentionProblem::from_sizes(1, n, n, 1, 1, d, d, dtype, o);
 }
 
+// ---- visible pairs, brute force ------------------------------------------------------
+
+// Every (query, key) pair tested against the masks' definitions (options.hpp): the window
+// i + Sk − Sq − left <= j <= i + Sk − Sq + right, causal as right = 0, and the block mask.
+TEST(CostModel, VisiblePairsMatchBruteForce) {
+  struct Shape {
+    std::int64_t sq, sk, left, right, block;
+    bool causal;
+  };
+  const std::vector<Shape> shapes = {{7, 7, -1, -1, 0, false}, {7, 7, -1, -1, 0, true},  {5, 11, -1, -1, 0, true},
+                                     {11, 5, -1, -1, 0, true}, {13, 9, 3, 2, 0, false},  {9, 13, 0, -1, 0, false},
+                                     {13, 13, 4, -1, 3, true}, {10, 17, -1, -1, 4, false}, {17, 10, 2, 5, 5, false}};
+  for (const Shape& sh : shapes) {
+    AttentionOptions o;
+    o.causal = sh.causal;
+    o.window_size = {sh.left, sh.right};
+    std::vector<std::uint8_t> mask;
+    Tensor mask_tensor;
+    if (sh.block > 0) {
+      const std::int64_t qb = (sh.sq + sh.block - 1) / sh.block, kb = (sh.sk + sh.block - 1) / sh.block;
+      mask_tensor = Tensor(DType::u8, {qb, kb});
+      auto* m = mask_tensor.data_as<std::uint8_t>();
+      for (std::int64_t i = 0; i < qb * kb; ++i) m[i] = static_cast<std::uint8_t>((i * 7 + 3) % 3 != 0);
+      o.block_mask = mask_tensor.view();
+      o.block_mask_block_size = sh.block;
+    }
+    const AttentionProblem p = AttentionProblem::from_sizes(2, sh.sq, sh.sk, 3, 3, 8, 5, DType::f32, o);
+    std::int64_t expected = 0;
+    for (std::int64_t i = 0; i < sh.sq; ++i)
+      for (std::int64_t j = 0; j < sh.sk; ++j) {
+        const std::int64_t diagonal = i + sh.sk - sh.sq;
+        const std::int64_t right = sh.causal ? 0 : sh.right;
+        if (sh.left >= 0 && j < diagonal - sh.left) continue;
+        if (right >= 0 && j > diagonal + right) continue;
+        if (sh.block > 0 && mask_tensor.data_as<std::uint8_t>()[(i / sh.block) * ((sh.sk + sh.block - 1) / sh.block) + j / sh.block] == 0)
+          continue;
+        ++expected;
+      }
+    EXPECT_EQ(p.visible_pairs(o.block_mask), expected) << p.describe();
+    EXPECT_DOUBLE_EQ(p.visible_forward_flops(o.block_mask), 2.0 * (8 + 5) * 2 * 3 * static_cast<double>(expected));
+  }
+}
+
 // ---- traffic, hand-computed ----------------------------------------------------------
 
 TEST(CostModel, StandardForwardTrafficByHand) {

@@ -64,6 +64,15 @@ struct AttentionProblem {
   KeyRange key_range(std::int64_t row) const;
   // Upstream's convention for the headline GFLOP/s: 4·B·Hq·Sq·Sk·D, halved for causal.
   double conventional_forward_flops() const;
+  // (query, key) pairs of one (batch, head) whose score is visible: inside key_range(row)
+  // and, where block_mask is set (the validated u8 mask of AttentionOptions, blocks of
+  // block_mask_block_size), in a non-zero block. Exact, O(Sq · key blocks).
+  std::int64_t visible_pairs(const TensorView& block_mask = {}) const;
+  // FLOPs of the visible scores only, 2·(D + Dv) per pair per (batch, head): what a
+  // kernel that skips hidden scores needs, so GFLOP/s from it cannot exceed the machine's
+  // peak on sparse, windowed or causal problems (conventional_forward_flops is the
+  // dense-equivalent figure).
+  double visible_forward_flops(const TensorView& block_mask = {}) const;
 
   std::string describe() const;
 };

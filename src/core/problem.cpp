@@ -222,6 +222,31 @@ double AttentionProblem::conventional_forward_flops() const {
   return causal ? full / 2.0 : full;
 }
 
+std::int64_t AttentionProblem::visible_pairs(const TensorView& block_mask) const {
+  const bool masked = block_mask_block_size > 0 && block_mask.data != nullptr;
+  const std::int64_t bs = block_mask_block_size;
+  std::int64_t pairs = 0;
+  for (std::int64_t row = 0; row < seqlen_q; ++row) {
+    const KeyRange r = key_range(row);
+    if (r.size() == 0) continue;
+    if (!masked) {
+      pairs += r.size();
+      continue;
+    }
+    const auto* mask_row = static_cast<const std::uint8_t*>(block_mask.data) + (row / bs) * block_mask.strides[0];
+    for (std::int64_t kb = r.begin / bs; kb * bs < r.end; ++kb) {
+      if (mask_row[kb * block_mask.strides[1]] == 0) continue;
+      pairs += std::min(r.end, (kb + 1) * bs) - std::max(r.begin, kb * bs);
+    }
+  }
+  return pairs;
+}
+
+double AttentionProblem::visible_forward_flops(const TensorView& block_mask) const {
+  return 2.0 * static_cast<double>(head_dim + head_dim_v) * static_cast<double>(batch) *
+         static_cast<double>(heads_q) * static_cast<double>(visible_pairs(block_mask));
+}
+
 std::string AttentionProblem::describe() const {
   std::ostringstream s;
   s << "batch=" << batch << " seqlen_q=" << seqlen_q << " seqlen_k=" << seqlen_k

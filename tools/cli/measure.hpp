@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 
 #include "flashattn/flashattn.hpp"
@@ -43,9 +44,11 @@ struct Measurement {
   Op op = Op::fwd;
   bool deterministic = false;  // bwd only
   double seconds = 0.0;      // median
-  double gflops = 0.0;       // conventional FLOPs: 4·B·Hq·Sq·Sk·D (halved when causal),
-                             // 2.5× that for backward (upstream's convention); a window
-                             // counts as its causal or full square, so it shows as speed
+  double gflops = 0.0;       // visible pairs' FLOPs only (AttentionProblem::visible_forward_flops,
+                             // causal, window and block mask counted exactly), 2.5× that
+                             // for backward (upstream's ratio), so it never exceeds the peak
+  double dense_equivalent_gflops = 0.0;  // upstream's headline: 4·B·Hq·Sq·Sk·D, halved when
+                                         // causal, whatever the window or block mask hides
   std::size_t peak_bytes = 0;  // extra memory the implementation allocated
   std::string kernel, plan;    // flashattn: the plan's kernel and (fwd) its description
   Tensor out;                // fwd: output of the last run
@@ -60,5 +63,17 @@ Measurement measure_backward(Impl impl, const AttentionProblem& problem,
 
 // Memory bandwidth of a large copy (bytes read + written per second), best of `repeats`.
 double copy_gbps(int repeats);
+
+// The float32 FMA peak of `threads` threads: each runs 12 independent FMA chains in the
+// widest vectors the CPU has (AVX-512 or AVX2), best of `repeats`. Empty off x86-64 FMA.
+struct FmaPeak {
+  double gflops;
+  std::string isa;  // what the loop ran
+};
+std::optional<FmaPeak> fma_peak_gflops(int threads, int repeats);
+// The CPU has VDPBF16PS (AVX512-BF16).
+bool cpu_has_bf16_dot();
+// Why bf16_peak_gflops is null in bench's JSON.
+std::string bf16_peak_absent_reason();
 
 }  // namespace flashattn::cli

@@ -21,7 +21,8 @@ nlohmann::json case_json(const Measurement& m, const AttentionProblem& p) {
           {"seqlen_q", p.seqlen_q},      {"seqlen_k", p.seqlen_k},
           {"dim", p.head_dim},           {"dim_v", p.head_dim_v},
           {"causal", p.causal},          {"seconds", m.seconds},
-          {"gflops", m.gflops},          {"peak_bytes", m.peak_bytes}};
+          {"gflops", m.gflops},          {"dense_equivalent_gflops", m.dense_equivalent_gflops},
+          {"peak_bytes", m.peak_bytes}};
   if (m.op == Op::bwd) j["deterministic"] = m.deterministic;
   if (!m.kernel.empty()) j["kernel"] = m.kernel;
   if (states_window(p)) {
@@ -81,9 +82,14 @@ std::string decode_run_json(int threads, const DecodeCase& c, const DecodeMeasur
 std::string bench_json(const BenchReport& r) {
   nlohmann::json j = machine_json(r.threads);
   j["sgemm_gflops"] = r.sgemm_gflops;
+  j["fma_peak_gflops"] = r.fma_peak_gflops ? nlohmann::json(*r.fma_peak_gflops) : nlohmann::json(nullptr);
+  if (r.fma_peak_gflops) j["fma_peak_isa"] = r.fma_peak_isa;
+  j["bf16_peak_gflops"] = nullptr;
+  j["bf16_peak_reason"] = r.bf16_peak_reason;
   j["cases"] = nlohmann::json::array();
   for (const TimedCase& c : r.cases) {
     j["cases"].push_back(case_json(c.m, c.p));
+    if (const std::optional<double> peak = r.peak_for(c)) j["cases"].back()["fraction_of_peak"] = c.m.gflops / *peak;
     if (c.block_kept_fraction) j["cases"].back()["block_kept_fraction"] = *c.block_kept_fraction;
   }
   for (const DecodeRun& d : r.decode) j["cases"].push_back(decode_json(d.c, d.m));
