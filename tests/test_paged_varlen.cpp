@@ -117,7 +117,8 @@ ForwardResult sequence_result(const ForwardResult& all, const Batch& batch, std:
 
 bool bitwise_equal(const Tensor& a, const Tensor& b) {
   return a.numel() == b.numel() &&
-         std::memcmp(a.data(), b.data(), static_cast<std::size_t>(a.numel()) * dtype_size(a.dtype())) == 0;
+         (a.numel() == 0 ||  // an empty sequence's tensors have no data to compare (memcmp of null is UB)
+          std::memcmp(a.data(), b.data(), static_cast<std::size_t>(a.numel()) * dtype_size(a.dtype())) == 0);
 }
 
 // Decode rows (some over more than kSplitKeys keys: split), prefill chunks over cached keys,
