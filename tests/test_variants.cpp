@@ -21,7 +21,7 @@ struct Shape {
 // Holds the side inputs (slopes, block mask) that options point to.
 struct Variant {
   AttentionOptions options;
-  Tensor alibi, block_mask, sinks;
+  Tensor alibi, block_mask, sinks, attn_mask;
   std::string name;
 };
 
@@ -59,6 +59,27 @@ Variant make_variant(const Shape& s, const std::string& name, std::uint64_t seed
     for (std::int64_t i = 0; i < v.block_mask.numel(); ++i) v.block_mask.set(i, rng() % 3 != 0 ? 1.0f : 0.0f);
     v.options.block_mask = v.block_mask.view();
     v.options.block_mask_block_size = bs;
+  }
+  // attn_mask: "bmask" boolean (B, Hq, Sq, Sk) with whole rows and 16-key runs hidden, "bmask1"
+  // boolean (1, 1, Sq, Sk), "bias" f32 (B, 1, Sq, Sk) with some −∞, "biasbf16" bf16 (1, Hq, 1, Sk).
+  if (has("bmask") || has("bias")) {
+    const bool boolean = has("bmask");
+    const std::vector<std::int64_t> shape =
+        has("bmask1") ? std::vector<std::int64_t>{1, 1, s.seqlen_q, s.seqlen_k}
+        : boolean     ? std::vector<std::int64_t>{s.batch, s.heads_q, s.seqlen_q, s.seqlen_k}
+        : has("biasbf16") ? std::vector<std::int64_t>{1, s.heads_q, 1, s.seqlen_k}
+                          : std::vector<std::int64_t>{s.batch, 1, s.seqlen_q, s.seqlen_k};
+    v.attn_mask = Tensor(boolean ? DType::u8 : has("biasbf16") ? DType::bf16 : DType::f32, shape);
+    const std::int64_t sk = shape[3];
+    for (std::int64_t e = 0; e < v.attn_mask.numel(); ++e) {
+      const std::int64_t row = e / sk, col = e % sk;
+      if (boolean)
+        v.attn_mask.set(e, row % 7 == 3 || (col / 16) % 3 == 1 || rng() % 5 == 0 ? 0.0f : 1.0f);
+      else
+        v.attn_mask.set(e, rng() % 11 == 0 ? -std::numeric_limits<float>::infinity()
+                                           : static_cast<float>(rng() % 400) / 100.0f - 2.0f);
+    }
+    v.options.attn_mask = v.attn_mask.view();
   }
   return v;
 }
@@ -155,6 +176,23 @@ TEST(Variants, Sinks) {
     check_variant({1, 61, 77, 4, 2, 24, 24}, "window+softcap+alibi+sinks+split3", DType::f32, seed++, true, 3);
     check_variant({2, 2, 90, 4, 1, 40, 40}, "sinks+split3", DType::f32, seed++, false, 2);
   });
+}
+
+// attn_mask (a dense boolean mask or additive bias, broadcast): every forward kernel (the
+// decode shape of kShapes), alone and with causal, windows, softcap, ALiBi, dropout, block
+// masks and sinks, 1–3 threads, every SIMD target; rows and tiles the mask hides entirely.
+TEST(Variants, AttnMask) {
+  std::uint64_t seed = 300;
+  for (const Shape& s : kShapes)
+    for (const char* v : {"bmask", "bmask1", "bias", "biasbf16", "causal+bmask1", "window+softcap+alibi+bias",
+                          "bmask+dropout+blocks16", "bias+sinks+split3"})
+      for (int threads : {1, 2, 3}) check_variant(s, v, DType::f32, seed++, threads == 3, threads);
+  for_each_simd_target([&](const std::string&) {
+    check_variant({1, 61, 77, 4, 2, 24, 24}, "causal+bmask", DType::f32, seed++, true, 3);
+    check_variant({2, 2, 90, 4, 1, 40, 40}, "bias+split3", DType::f32, seed++, false, 2);
+  });
+  check_variant({2, 97, 97, 4, 2, 32, 24}, "bmask", DType::bf16, seed++, false, 2);
+  check_variant({2, 97, 97, 4, 2, 32, 24}, "bias", DType::bf16, seed++, false, 2);
 }
 
 // A row that sees no key: out 0 and lse = its sink; its gradient is zero.
@@ -290,6 +328,19 @@ TEST(Variants, BadInputNamesTheArgument) {
   const Tensor slopes2(DType::f32, {3, 4});
   o.alibi_slopes = slopes2.view();
   expect(o, "alibi_slopes: shape (3, 4) but expected (2, 4)");
+  const Tensor mask_bad_shape(DType::u8, {2, 3, 10, 12});
+  o = {};
+  o.attn_mask = mask_bad_shape.view();
+  expect(o, "attn_mask: shape (2, 3, 10, 12) does not broadcast");
+  const Tensor mask_int(DType::i32, {1, 1, 10, 12});
+  o.attn_mask = mask_int.view();
+  expect(o, "attn_mask: dtype i32");
+  const Tensor mask_wide(DType::f32, {1, 1, 10, 24});
+  TensorView strided = mask_wide.view();
+  strided.shape[3] = 12;
+  strided.strides[3] = 2;
+  o.attn_mask = strided;
+  expect(o, "attn_mask: last dimension must be contiguous");
   const Tensor bf_slopes(DType::bf16, {4});
   o.alibi_slopes = bf_slopes.view();
   expect(o, "alibi_slopes: dtype bf16");

@@ -96,6 +96,18 @@ struct AttentionOptions {
   // is non-zero. K/V tiles whose blocks are all masked are skipped. Unset disables it.
   TensorView block_mask;
   std::int64_t block_mask_block_size = 0;
+  // Dense mask or additive bias (SDPA's attn_mask), rank 4, broadcastable over
+  // (batch, heads_q, seqlen_q, seqlen_k): each dim is its size or 1 (a size-1 dim is read
+  // once, never expanded; strides of size-1 dims are ignored). u8 (0 = hidden, non-zero =
+  // kept, as SDPA's boolean mask: true keeps): score (i, j) is hidden where false; a K/V
+  // tile whose mask block is all false is skipped. f32, bf16 or f16: added to the score
+  // after softmax_scale, softcap and ALiBi (s = softcap·tanh(scale·q·k / softcap) − ALiBi
+  // + bias; SDPA adds it to the scaled score, which is the same without softcap); −∞
+  // entries hide their key. A row left without visible keys gives o = 0 and lse = −∞ (or
+  // the sink). Combines with every other variant. Unset (null data) disables it. Supported
+  // by attention_forward / attention_backward on the CPU (not on CUDA, varlen, KV cache,
+  // FP8 or the ring, which reject it by name).
+  TensorView attn_mask;
   // Worker threads; 0 means the OpenMP default (all cores).
   int num_threads = 0;
   // Forward only, split-KV ("flash-decoding"): the keys of every (batch, head, Q tile) are

@@ -33,6 +33,9 @@ struct AttentionProblem {
   std::uint64_t seed = 0;
   std::uint64_t offset = 0;
   std::int64_t block_mask_block_size = 0;  // 0: no block mask
+  // options.attn_mask: none, a boolean (u8) mask, or an additive (floating) bias.
+  enum class MaskKind : std::uint8_t { none, boolean, bias };
+  MaskKind attn_mask = MaskKind::none;
   // Forward numerics (docs/algorithm.md §5), resolved: exp2 is never automatic here.
   Exp2Impl exp2 = Exp2Impl::exact;
   float exp2_poly3_fraction = 0.0f;  // mixed only

@@ -27,7 +27,11 @@ struct Semantics {
   bool visible(std::int64_t i, std::int64_t j) const;
   double slope(std::int64_t b, std::int64_t h) const;
   double sink(std::int64_t h) const;  // the sink logit of q head h (options.sinks)
-  // Score of (i, j) from the raw dot product q_i·k_j: scale, then softcap, then ALiBi.
+  // options.attn_mask at (b, h, i, j), broadcast: a bias, or 0 (kept) / −∞ (hidden) for a
+  // boolean mask; 0 without one.
+  double mask(std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j) const;
+  // Score of (i, j) from the raw dot product q_i·k_j: scale, then softcap, then ALiBi, then
+  // attn_mask. A score of −∞ hides its key as visible() does.
   double score(std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j, double dot) const;
   // d score / d dot (the softcap's tanh included).
   double score_gradient(double dot) const;

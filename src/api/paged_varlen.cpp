@@ -95,6 +95,7 @@ void check_tables(const PagedKvBatch& kv, PagedCall& r) {
 PagedCall check_paged_call(const TensorView& q, const TensorView& cu_seqlens_q, std::int64_t max_seqlen_q,
                            const PagedKvBatch& kv, const AttentionOptions& options) {
   detail::reject_rescale_counts("forward_varlen_paged", options);
+  detail::reject_attn_mask("forward_varlen_paged", options);
   if (is_set(options.block_mask)) throw Error("block_mask: not supported with variable-length batches");
   PagedCall r;
   check_pools(q, kv, r);

@@ -131,6 +131,20 @@ AttentionProblem AttentionProblem::from_sizes(std::int64_t batch, std::int64_t s
     detail::check_shape("block_mask", m, {(seqlen_q + bs - 1) / bs, (seqlen_k + bs - 1) / bs},
                         "(ceil(seqlen_q / block), ceil(seqlen_k / block))");
   }
+  if (options.attn_mask.data != nullptr || options.attn_mask.rank != 0) {
+    const TensorView& m = options.attn_mask;
+    // Checked as on the host whatever its device (the CUDA backend rejects it by name).
+    detail::check_view("attn_mask", m.on(Device::cpu), 4, "broadcastable to (batch, heads_q, seqlen_q, seqlen_k)");
+    require(m.dtype == DType::u8 || is_floating(m.dtype),
+            "attn_mask: dtype " + to_string(m.dtype) + " is neither u8 (a boolean mask) nor f32, bf16, f16 (a bias)");
+    const std::int64_t full[4] = {batch, heads_q, seqlen_q, seqlen_k};
+    for (int d = 0; d < 4; ++d)
+      require(m.shape[d] == full[d] || m.shape[d] == 1,
+              "attn_mask: shape " + detail::shape_string(m) + " does not broadcast to (batch, heads_q, seqlen_q, seqlen_k) = (" +
+                  str(batch) + ", " + str(heads_q) + ", " + str(seqlen_q) + ", " + str(seqlen_k) + "): dim " + str(d) +
+                  " must be " + str(full[d]) + " or 1");
+    p.attn_mask = m.dtype == DType::u8 ? MaskKind::boolean : MaskKind::bias;
+  }
   return p;
 }
 
@@ -259,6 +273,7 @@ std::string AttentionProblem::describe() const {
   if (alibi) s << " alibi";
   if (dropout_p > 0.0f) s << " dropout_p=" << dropout_p << " seed=" << seed;
   if (block_mask_block_size > 0) s << " block_mask_block_size=" << block_mask_block_size;
+  if (attn_mask != MaskKind::none) s << " attn_mask=" << (attn_mask == MaskKind::boolean ? "bool" : "bias");
   s << " exp2=" << to_string(exp2);
   if (exp2 == Exp2Impl::mixed) s << " exp2_poly3_fraction=" << exp2_poly3_fraction;
   s << " rescale_threshold=" << rescale_threshold;

@@ -29,12 +29,24 @@ double Semantics::sink(std::int64_t h) const {
   return detail::load_element(options->sinks, h * options->sinks.strides[0]);
 }
 
+double Semantics::mask(std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j) const {
+  if (problem->attn_mask == AttentionProblem::MaskKind::none) return 0.0;
+  const TensorView& m = options->attn_mask;
+  const std::int64_t index[4] = {b, h, i, j};
+  std::int64_t offset = 0;
+  for (int d = 0; d < 4; ++d)
+    if (m.shape[d] > 1) offset += index[d] * m.strides[d];
+  const double x = detail::load_element(m, offset);
+  if (problem->attn_mask == AttentionProblem::MaskKind::bias) return x;
+  return x != 0.0 ? 0.0 : -std::numeric_limits<double>::infinity();
+}
+
 double Semantics::score(std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j, double dot) const {
   const AttentionProblem& p = *problem;
   double s = dot * static_cast<double>(p.softmax_scale);
   if (p.softcap > 0.0f) s = p.softcap * std::tanh(s / p.softcap);
   if (p.alibi) s -= slope(b, h) * static_cast<double>(std::llabs(i + p.seqlen_k - p.seqlen_q - j));
-  return s;
+  return s + mask(b, h, i, j);
 }
 
 double Semantics::score_gradient(double dot) const {
@@ -75,11 +87,13 @@ void attention_row(const AttentionProblem& p, const AttentionOptions& options, c
   std::vector<std::int64_t> keys;
   std::vector<double> s;
   const AttentionProblem::KeyRange range = p.key_range(i);
-  for (std::int64_t j = range.begin; j < range.end; ++j)
-    if (sem.visible(i, j)) {
-      keys.push_back(j);
-      s.push_back(sem.score(b, h, i, j, dot_row(p, q, k, b, h, kv_head, i, j)));
-    }
+  for (std::int64_t j = range.begin; j < range.end; ++j) {
+    if (!sem.visible(i, j)) continue;
+    const double sj = sem.score(b, h, i, j, dot_row(p, q, k, b, h, kv_head, i, j));
+    if (sj == -std::numeric_limits<double>::infinity()) continue;  // hidden by attn_mask
+    keys.push_back(j);
+    s.push_back(sj);
+  }
   // The sink: one more logit in the denominator, with no value.
   const double sink = p.sinks ? sem.sink(h) : -std::numeric_limits<double>::infinity();
   if (keys.empty()) {

@@ -55,6 +55,8 @@ void check_rescale_counts(const AttentionProblem& problem, const AttentionOption
                           const TensorView& out, const TensorView& lse);
 // Entry points that run one sequence at a time do not report rescale counts.
 void reject_rescale_counts(const char* entry_point, const AttentionOptions& options);
+// Entry points without a dense attn_mask (varlen, KV cache, FP8) reject one by name.
+void reject_attn_mask(const char* entry_point, const AttentionOptions& options);
 
 // An FP8 input `name` (q, k, v): u8 codes (batch, seqlen, heads, dim), block_size >= 0, and
 // finite positive float32 descales, one per tensor (1) or per block (batch, heads, blocks).

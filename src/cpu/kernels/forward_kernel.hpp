@@ -45,6 +45,7 @@ struct ForwardParams {
   MutableTensorView out, lse;
   TensorView alibi_slopes, block_mask;  // from the options; empty when unused
   TensorView sinks;                     // from the options; empty when unused
+  TensorView attn_mask;                 // from the options; empty when unused
   // Split-KV partial results (plan.splits > 1): (splits, batch, seqlen_q, heads_q, Dv)
   // normalized outputs and (splits, batch, heads_q, seqlen_q) lses, float32, contiguous.
   float* split_out = nullptr;

@@ -37,11 +37,22 @@ struct RowMods {
   float dropout_scale = 1.0f;  // 1/(1 − p)
   std::int64_t batch = 0, head = 0;  // batch counts from internals.batch_offset (varlen, KV cache)
   bool fp8_probabilities = false;    // forward_fp8: P rounded to e4m3 before P·V
+  // options.attn_mask (null when there is none) and, broadcast, the offset of this (batch,
+  // head)'s plane and its row and column strides (0 along a size-1 dim).
+  const TensorView* attn_mask = nullptr;
+  std::int64_t mask_base = 0, mask_row_stride = 0, mask_col_stride = 0;
 
   RowMods(const AttentionProblem& p, const detail::ProblemInternals& internals, const TensorView& alibi_slopes,
-          const TensorView& mask, std::int64_t b, std::int64_t h)
+          const TensorView& mask, const TensorView& dense_mask, std::int64_t b, std::int64_t h)
       : problem(&p), block_mask(p.block_mask_block_size > 0 ? &mask : nullptr),
         batch(b + internals.batch_offset), head(h), fp8_probabilities(internals.fp8_probabilities) {
+    if (p.attn_mask != AttentionProblem::MaskKind::none) {
+      attn_mask = &dense_mask;
+      const auto stride = [&](int d) { return dense_mask.shape[d] > 1 ? dense_mask.strides[d] : 0; };
+      mask_base = batch * stride(0) + h * stride(1);
+      mask_row_stride = stride(2);
+      mask_col_stride = stride(3);
+    }
     constexpr float kLog2e = OnlineSoftmaxState::kLog2e;
     softcap2 = p.softcap * kLog2e;
     alibi = p.alibi;
@@ -65,17 +76,45 @@ struct RowMods {
   }
 
   // Does any row of [i0, i0 + rows) keep any key of [j0, j0 + n)? Tiles that fail are
-  // skipped entirely (window, causal and block mask).
+  // skipped entirely (window, causal, block mask and a boolean attn_mask).
   bool tile_has_work(std::int64_t i0, std::int64_t rows, std::int64_t j0, std::int64_t n) const {
     const AttentionProblem& p = *problem;
     // key_range bounds are non-decreasing in the row, so the first and last rows bound it.
     if (p.key_range(i0 + rows - 1).end <= j0 || p.key_range(i0).begin >= j0 + n) return false;
-    if (block_mask == nullptr) return true;
+    if (block_mask == nullptr) return dense_mask_keeps_any(i0, rows, j0, n);
     const std::int64_t bs = p.block_mask_block_size;
     for (std::int64_t bi = i0 / bs; bi <= (i0 + rows - 1) / bs; ++bi)
       for (std::int64_t bj = j0 / bs; bj <= (j0 + n - 1) / bs; ++bj)
-        if (block_kept(bi * bs, bj * bs)) return true;
+        if (block_kept(bi * bs, bj * bs)) return dense_mask_keeps_any(i0, rows, j0, n);
     return false;
+  }
+
+  // Does the boolean attn_mask keep any (i, j) of the tile? True without one (a bias
+  // hides nothing it would be worth scanning for).
+  bool dense_mask_keeps_any(std::int64_t i0, std::int64_t rows, std::int64_t j0, std::int64_t n) const {
+    if (attn_mask == nullptr || problem->attn_mask != AttentionProblem::MaskKind::boolean) return true;
+    const auto* m = static_cast<const std::uint8_t*>(attn_mask->data) + mask_base;
+    const std::int64_t last_row = mask_row_stride == 0 ? i0 : i0 + rows - 1;
+    const std::int64_t last_col = mask_col_stride == 0 ? j0 : j0 + n - 1;
+    for (std::int64_t i = i0; i <= last_row; ++i)
+      for (std::int64_t j = j0; j <= last_col; ++j)
+        if (m[i * mask_row_stride + j * mask_col_stride] != 0) return true;
+    return false;
+  }
+
+  // The mask step of options.attn_mask on columns [lo, hi) of a row (keys j0 + c): adds the
+  // bias (in log2 units, as the scores) or sets the hidden scores to −∞.
+  void apply_dense_mask(float* HWY_RESTRICT s, std::int64_t i, std::int64_t j0, std::int64_t lo, std::int64_t hi) const {
+    constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+    const std::int64_t row = mask_base + i * mask_row_stride;
+    if (problem->attn_mask == AttentionProblem::MaskKind::boolean) {
+      const auto* m = static_cast<const std::uint8_t*>(attn_mask->data) + row;
+      for (std::int64_t c = lo; c < hi; ++c)
+        if (m[(j0 + c) * mask_col_stride] == 0) s[c] = kNegInf;
+      return;
+    }
+    for (std::int64_t c = lo; c < hi; ++c)
+      s[c] += detail::load_element(*attn_mask, row + (j0 + c) * mask_col_stride) * OnlineSoftmaxState::kLog2e;
   }
 
   // One score row of a tile: columns [0, cols) hold keys j0 + c. Applies softcap and
@@ -112,6 +151,7 @@ struct RowMods {
     const std::int64_t hi = std::clamp<std::int64_t>(r.end - j0, lo, n);
     std::fill(s, s + lo, kNegInf);
     std::fill(s + hi, s + cols, kNegInf);
+    if (attn_mask != nullptr) apply_dense_mask(s, i, j0, lo, hi);
     if (block_mask == nullptr || lo >= hi) return;
     const std::int64_t bs = p.block_mask_block_size;
     for (std::int64_t c = lo; c < hi;) {

@@ -392,7 +392,7 @@ void KvItem(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t item)
 
   Products::ZeroDkDv(prm, ws, n_pad);
   for (std::int64_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
-    const RowMods mods(p, prm.internals, prm.alibi_slopes, prm.block_mask, b, h);
+    const RowMods mods(p, prm.internals, prm.alibi_slopes, prm.block_mask, prm.attn_mask, b, h);
     for (std::int64_t qb = 0; qb < plan.q_blocks; ++qb) {
       const std::int64_t i0 = qb * bq, rows = std::min(bq, p.seqlen_q - i0);
       if (!mods.tile_has_work(i0, rows, j0, n)) continue;  // causal, window, block mask
