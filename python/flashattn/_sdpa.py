@@ -34,6 +34,8 @@ def _check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
             raise ValueError(f"{name}: expected rank 4 (batch, heads, seqlen, head_dim), got shape {tuple(x.shape)}")
     if len({_impl._is_tensor(x) for x in (query, key, value)}) > 1:
         raise TypeError("inputs mix numpy arrays and torch tensors: query, key, value")
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        _impl._dtype_of(x, name)
     if attn_mask is not None and is_causal:
         raise ValueError("attn_mask: must be None when is_causal=True (as torch's scaled_dot_product_attention)")
     if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or not 0.0 <= dropout_p < 1.0:

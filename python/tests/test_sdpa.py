@@ -168,7 +168,7 @@ def test_dropout_is_the_librarys():
     (lambda q, k, v: flashattn.scaled_dot_product_attention(q, k, v, dropout_p=1.0), ValueError, "dropout_p"),
     (lambda q, k, v: flashattn.scaled_dot_product_attention(q, k, v, scale="x"), TypeError, "scale"),
     (lambda q, k, v: flashattn.scaled_dot_product_attention(q, k.numpy(), v), TypeError, "mix"),
-    (lambda q, k, v: flashattn.scaled_dot_product_attention(q.to(torch.float64), k, v), TypeError, "dtype"),
+    (lambda q, k, v: flashattn.scaled_dot_product_attention(q.to(torch.float64), k, v), TypeError, "query: dtype"),
     (lambda q, k, v: flashattn.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(8, 9, requires_grad=True)),
      NotImplementedError, "dbias"),
 ], ids=["rank", "causal_and_mask", "heads", "mask_dtype", "mask_shape", "mask_rank", "mask_type", "dropout",
