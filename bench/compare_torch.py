@@ -8,7 +8,10 @@ the convention of `flashattn bench`), their ratio and the largest difference bet
 outputs or gradients relative to torch's largest value (a check that both computed the same
 thing). The same again under torch.compile (`--compile BACKEND`, inductor by default;
 flashattn with fullgraph=True, so a graph break is an error): both compiled GFLOP/s, their
-ratio, and flashattn's compiled over eager GFLOP/s. PyTorch is optional: without it the
+ratio, and flashattn's compiled over eager GFLOP/s. `--masks bool,float` adds the SDPA
+drop-in: flashattn.scaled_dot_product_attention against torch's SDPA with the same (S, S)
+attn_mask (bool: the causal triangle when causal, else 10% of the keys hidden at random;
+float: a random bias, −inf where the bool mask hides). PyTorch is optional: without it the
 script says so and exits 0.
 
     python3 bench/compare_torch.py [--threads 2] [--seqlens 4096] [--dims 128] [--compile none] ...
@@ -42,6 +45,8 @@ def parse_args(argv):
     p.add_argument("--dtypes", type=csv(str), default=["f32", "bf16"])
     p.add_argument("--causal", type=csv(str), default=["no", "yes"])
     p.add_argument("--ops", type=csv(str), default=["fwd", "bwd"])
+    p.add_argument("--masks", type=csv(str), default=["none"],
+                   help="none (flash_attn_func), bool, float (the SDPA drop-in with that attn_mask)")
     p.add_argument("--repeats", type=int, default=MIN_REPEATS, help=f"timed runs, median (>= {MIN_REPEATS})")
     p.add_argument("--compile", choices=["inductor", "aot_eager", "none"], default="inductor",
                    help="torch.compile backend of the compiled columns (none: eager only)")
@@ -49,7 +54,7 @@ def parse_args(argv):
     if a.repeats < MIN_REPEATS:
         p.error(f"--repeats: {a.repeats} is below {MIN_REPEATS}")
     for name, values, allowed in [("--dtypes", a.dtypes, {"f32", "bf16"}), ("--causal", a.causal, {"no", "yes"}),
-                                  ("--ops", a.ops, {"fwd", "bwd"})]:
+                                  ("--ops", a.ops, {"fwd", "bwd"}), ("--masks", a.masks, {"none", "bool", "float"})]:
         if not set(values) <= allowed:
             p.error(f"{name}: {values} not all in {sorted(allowed)}")
     return a
@@ -71,9 +76,20 @@ def relative_diff(ours, theirs):
     return ((ours.float() - theirs).abs().max() / theirs.abs().max()).item()
 
 
-def compare(torch, flashattn, a, op, dtype, causal, s, d):
+def attn_mask(torch, gen, kind, causal, s, dtype):
+    """The (S, S) attn_mask of --masks (None for "none")."""
+    if kind == "none":
+        return None
+    keep = torch.ones(s, s, dtype=torch.bool).tril() if causal else torch.rand(s, s, generator=gen) > 0.1
+    if kind == "bool":
+        return keep
+    return torch.randn(s, s, generator=gen).masked_fill(~keep, float("-inf")).to(dtype)
+
+
+def compare(torch, flashattn, a, op, dtype, causal, s, d, mask_kind="none"):
     """GFLOP/s of each variant — "flashattn" and "torch" eager, with "... compiled" under
-    --compile — and the largest relative difference of any variant's result from eager torch's."""
+    --compile — and the largest relative difference of any variant's result from eager torch's.
+    With a mask, "flashattn" is the SDPA drop-in in SDPA's layout, both given the same mask."""
     tdtype = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
     gen = torch.Generator().manual_seed(7)
     shape = (a.batch, s, a.heads, d)  # flashattn's layout; SDPA's is (batch, heads, seqlen, dim)
@@ -81,19 +97,24 @@ def compare(torch, flashattn, a, op, dtype, causal, s, d):
     tq, tk, tv, tdout = (x.transpose(1, 2).contiguous() for x in (q, k, v, dout))
     sdpa = torch.nn.functional.scaled_dot_product_attention
     flops = 4.0 * a.batch * a.heads * s * s * d * (0.5 if causal else 1.0)
+    mask = attn_mask(torch, gen, mask_kind, causal, s, tdtype)
+    drop_in = mask is not None
 
     def ours(q, k, v):
+        if drop_in:
+            return flashattn.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return flashattn.flash_attn_func(q, k, v, causal=causal)
 
     def theirs(q, k, v):
-        return sdpa(q, k, v, is_causal=causal)
+        return sdpa(q, k, v, attn_mask=mask) if drop_in else sdpa(q, k, v, is_causal=causal)
 
     # (function, its inputs, its dout, whether its layout is SDPA's)
-    variants = {"flashattn": (ours, (q, k, v), dout, False), "torch": (theirs, (tq, tk, tv), tdout, True)}
+    ours_inputs, ours_dout = ((tq, tk, tv), tdout) if drop_in else ((q, k, v), dout)
+    variants = {"flashattn": (ours, ours_inputs, ours_dout, drop_in), "torch": (theirs, (tq, tk, tv), tdout, True)}
     if a.compile != "none":
         torch._dynamo.reset()  # a fresh cache per case: no recompilation limit across cases
-        variants["flashattn compiled"] = (torch.compile(ours, backend=a.compile, fullgraph=True), (q, k, v), dout,
-                                          False)
+        variants["flashattn compiled"] = (torch.compile(ours, backend=a.compile, fullgraph=True), ours_inputs,
+                                          ours_dout, drop_in)
         variants["torch compiled"] = (torch.compile(theirs, backend=a.compile), (tq, tk, tv), tdout, True)
 
     results, seconds = {}, {}
@@ -140,7 +161,7 @@ def main(argv):
     print(f"torch {torch.__version__}, flashattn simd {flashattn.simd_target()}, {a.threads} threads, "
           f"B={a.batch}, H={a.heads}, median of {a.repeats}, GFLOP/s"
           + (f"; compiled: torch.compile(backend={a.compile!r})" if compiled else ""))
-    print(f"{'op':4} {'dtype':5} {'mask':6} {'D':>4} {'S':>6} {'flashattn':>10} {'torch':>10} {'ratio':>7}"
+    print(f"{'op':4} {'dtype':5} {'mask':6} {'attn_mask':9} {'D':>4} {'S':>6} {'flashattn':>10} {'torch':>10} {'ratio':>7}"
           + (f" {'fa comp.':>10} {'torch comp.':>11} {'ratio':>7} {'fa comp./eager':>14}" if compiled else "")
           + f" {'rel. diff':>10}")
     failed = False
@@ -148,9 +169,9 @@ def main(argv):
         for d in a.dims:
             for s in a.seqlens:
                 for causal in a.causal:
-                    for op in a.ops:
-                        g, diff = compare(torch, flashattn, a, op, dtype, causal == "yes", s, d)
-                        line = (f"{op:4} {dtype:5} {'causal' if causal == 'yes' else 'full':6} {d:4} {s:6} "
+                    for op, mask in ((op, mask) for mask in a.masks for op in a.ops):
+                        g, diff = compare(torch, flashattn, a, op, dtype, causal == "yes", s, d, mask)
+                        line = (f"{op:4} {dtype:5} {'causal' if causal == 'yes' else 'full':6} {mask:9} {d:4} {s:6} "
                                 f"{g['flashattn']:10.1f} {g['torch']:10.1f} {g['flashattn'] / g['torch']:6.2f}x")
                         if compiled:
                             fc, tc = g["flashattn compiled"], g["torch compiled"]

@@ -31,6 +31,7 @@ Variant make_variant(const Shape& s, const std::string& name, std::uint64_t seed
   std::mt19937_64 rng(seed);
   auto has = [&](const char* key) { return name.find(key) != std::string::npos; };
   if (has("causal")) v.options.causal = true;
+  if (has("topleft")) v.options.causal_alignment = CausalAlignment::top_left;
   if (has("window")) v.options.window_size = {37, v.options.causal ? 0 : 11};
   if (has("leftonly")) v.options.window_size = {20, -1};
   if (has("rightonly")) v.options.window_size = {-1, 5};
@@ -193,6 +194,84 @@ TEST(Variants, AttnMask) {
   });
   check_variant({2, 97, 97, 4, 2, 32, 24}, "bmask", DType::bf16, seed++, false, 2);
   check_variant({2, 97, 97, 4, 2, 32, 24}, "bias", DType::bf16, seed++, false, 2);
+}
+
+// causal_alignment top_left (SDPA's is_causal): causal, windows and ALiBi measured from key i,
+// on Sq < Sk, Sq == Sk, Sq > Sk and the decode shape, with windows, ALiBi, dense masks,
+// dropout, block masks and sinks, 1–3 threads, every SIMD target.
+TEST(Variants, TopLeftCausal) {
+  std::uint64_t seed = 400;
+  for (const Shape& s : kShapes)
+    for (const char* v : {"topleft+causal", "topleft+causal+window", "topleft+window+alibi", "topleft+rightonly",
+                          "topleft+causal+bmask1", "topleft+causal+bias+dropout", "topleft+causal+blocks16+sinks"})
+      for (int threads : {1, 2, 3}) check_variant(s, v, DType::f32, seed++, threads == 3, threads);
+  for_each_simd_target([&](const std::string&) {
+    check_variant({1, 61, 77, 4, 2, 24, 24}, "topleft+causal+alibi", DType::f32, seed++, true, 3);
+    check_variant({2, 2, 90, 4, 1, 40, 40}, "topleft+causal+split3", DType::f32, seed++, false, 2);
+  });
+  check_variant({2, 97, 130, 4, 2, 32, 24}, "topleft+causal", DType::bf16, seed++, false, 2);
+}
+
+// Top-left causal is the lower triangle j <= i written as a boolean attn_mask — checked without
+// key_range, which the reference shares with the kernels — and the cost model counts its pairs.
+TEST(Variants, TopLeftCausalIsTheLowerTriangle) {
+  for (const auto& [sq, sk] : {std::pair<std::int64_t, std::int64_t>{37, 90}, {90, 37}, {5, 8}, {8, 5}}) {
+    SCOPED_TRACE("Sq=" + std::to_string(sq) + " Sk=" + std::to_string(sk));
+    const Tensor q = random_tensor(DType::f32, {2, sq, 2, 16}, 1);
+    const Tensor k = random_tensor(DType::f32, {2, sk, 2, 16}, 2);
+    const Tensor v = random_tensor(DType::f32, {2, sk, 2, 16}, 3);
+    Tensor tril(DType::u8, {1, 1, sq, sk});
+    for (std::int64_t i = 0; i < sq; ++i)
+      for (std::int64_t j = 0; j < sk; ++j) tril.set(i * sk + j, j <= i ? 1.0f : 0.0f);
+    AttentionOptions top_left;
+    top_left.causal = true;
+    top_left.causal_alignment = CausalAlignment::top_left;
+    AttentionOptions masked;
+    masked.attn_mask = tril.view();
+    const ForwardResult got = forward(q.view(), k.view(), v.view(), top_left);
+    const reference::Result want = reference::attention(q.view(), k.view(), v.view(), masked);
+    EXPECT_LE(max_abs_error(got.out, want.out), 1e-5);
+    expect_lse_near(got.lse, want.lse);
+    std::int64_t pairs = 0;
+    for (std::int64_t i = 0; i < sq; ++i) pairs += std::min(i + 1, sk);
+    const AttentionProblem p = AttentionProblem::from_inputs(q.view(), k.view(), v.view(), top_left);
+    EXPECT_EQ(p.visible_pairs(), pairs);
+    EXPECT_NE(p.describe().find("causal_alignment=top_left"), std::string::npos);
+  }
+}
+
+// The entry points whose positions are not one (Sq, Sk) matrix's reject top_left by name.
+TEST(Variants, TopLeftRejectedByName) {
+  AttentionOptions o;
+  o.causal = true;
+  o.causal_alignment = CausalAlignment::top_left;
+  auto expect = [](const std::function<void()>& call, const std::string& fragment) {
+    try {
+      call();
+      ADD_FAILURE() << "expected flashattn::Error containing " << fragment;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
+    }
+  };
+  const Tensor q3 = random_tensor(DType::f32, {10, 2, 8}, 1), k3 = random_tensor(DType::f32, {12, 2, 8}, 2);
+  Tensor cu(DType::i32, {2});
+  expect([&] { forward_varlen(q3.view(), k3.view(), k3.view(), {cu.view(), cu.view(), 10, 12}, o); },
+         "causal_alignment: top_left is not supported by the variable-length entry points");
+  Tensor out3(DType::f32, {10, 2, 8}), lse3(DType::f32, {2, 10});
+  const Tensor pool = random_tensor(DType::f32, {2, 4, 2, 8}, 3);
+  PagedKvBatch paged;
+  paged.k_cache = paged.v_cache = pool.view();
+  expect([&] { forward_varlen_paged(q3.view(), cu.view(), 10, paged, out3.view(), lse3.view(), o); },
+         "causal_alignment: top_left is not supported by forward_varlen_paged");
+  const Tensor q = random_tensor(DType::f32, {1, 3, 2, 8}, 1);
+  Tensor cache = random_tensor(DType::f32, {1, 12, 2, 8}, 4);
+  KvCache kv;
+  kv.k_cache = kv.v_cache = cache.view();
+  expect([&] { forward_with_kvcache(q.view(), kv, o); },
+         "causal_alignment: top_left is not supported by forward_with_kvcache");
+  Tensor out(DType::f32, {1, 3, 2, 8}), lse(DType::f32, {1, 2, 3});
+  expect([&] { forward_fp8({}, {}, {}, out.view(), lse.view(), o); },
+         "causal_alignment: top_left is not supported by forward_fp8");
 }
 
 // A row that sees no key: out 0 and lse = its sink; its gradient is zero.

@@ -58,23 +58,39 @@ const char* to_string(BackwardKernel kernel);
 // Parses "auto", "tiled", "tiled_bf16"; throws Error otherwise.
 BackwardKernel parse_backward_kernel(const std::string& name);
 
+// Where the diagonal of the (seqlen_q, seqlen_k) score matrix lies, the key position of
+// query row i that causal, window_size and ALiBi measure from (docs/algorithm.md §6):
+// `bottom_right` (upstream FlashAttention's): key i + seqlen_k − seqlen_q, the queries being
+// the last seqlen_q positions of the keys' sequence; `top_left` (PyTorch SDPA's is_causal,
+// torch.tril): key i, the queries being its first positions. They agree when seqlen_q ==
+// seqlen_k.
+enum class CausalAlignment : std::uint8_t { bottom_right, top_left };
+const char* to_string(CausalAlignment alignment);
+// Parses "bottom_right", "top_left"; throws Error otherwise.
+CausalAlignment parse_causal_alignment(const std::string& name);
+
 struct AttentionOptions {
   // Scale applied to Q·Kᵀ before the softmax; 1/sqrt(head_dim) when unset.
   std::optional<float> softmax_scale;
-  // Causal mask aligned to the bottom-right corner of the (seqlen_q, seqlen_k) score
-  // matrix, as upstream: query i sees key j iff j <= i + seqlen_k - seqlen_q.
+  // Causal mask: query i sees key j iff j <= diagonal(i), where diagonal(i) = i + seqlen_k −
+  // seqlen_q (causal_alignment bottom_right, the default, as upstream) or i (top_left, as
+  // SDPA's is_causal).
   bool causal = false;
   // Sliding window (local attention): query i sees keys j with
-  //   i + Sk − Sq − left <= j <= i + Sk − Sq + right;  −1 means unbounded on that side.
+  //   diagonal(i) − left <= j <= diagonal(i) + right;  −1 means unbounded on that side.
   // causal is the same as right = 0. K/V tiles entirely outside the window are skipped.
   struct WindowSize {
     std::int64_t left = -1;
     std::int64_t right = -1;
   } window_size;
+  // The diagonal of causal, window_size and ALiBi (see CausalAlignment). top_left is taken by
+  // forward() / backward() (every CPU kernel, the reference and the cost
+  // model); varlen, paged, KV cache, FP8, the ring and CUDA reject it by name.
+  CausalAlignment causal_alignment = CausalAlignment::bottom_right;
   // Logit soft-capping: scores become softcap·tanh(s / softcap) before the softmax
   // (s already scaled); 0 disables it.
   float softcap = 0.0f;
-  // ALiBi: adds −slope·|i + Sk − Sq − j| to score (i, j); float32 slopes of shape
+  // ALiBi: adds −slope·|diagonal(i) − j| to score (i, j); float32 slopes of shape
   // (heads_q) or (batch, heads_q). Unset (null data) disables it.
   TensorView alibi_slopes;
   // Learnable attention sinks (gpt-oss `sinks`; FA4 `learnable_sink`, vLLM `s_aux`): float32

@@ -22,6 +22,7 @@ struct AttentionProblem {
   std::int64_t head_dim_v = 0;  // Dv, of v and out
   DType dtype = DType::f32;  // of q, k, v and out
   bool causal = false;
+  CausalAlignment causal_alignment = CausalAlignment::bottom_right;  // of causal, window and ALiBi
   float softmax_scale = 0.0f;  // resolved: never unset here
   // Variants (see AttentionOptions), resolved: causal folds into window_right = 0.
   std::int64_t window_left = -1;   // −1: unbounded
@@ -57,8 +58,13 @@ struct AttentionProblem {
                                      std::int64_t head_dim_v, DType dtype,
                                      const AttentionOptions& options);
 
-  // Keys [begin, end) query row i may attend to under causal and window (bottom-right
-  // alignment); empty when begin >= end. A block mask may hide more inside the range.
+  // The key aligned with query row i (CausalAlignment): i + seqlen_k − seqlen_q bottom-right,
+  // i top-left. causal, window and ALiBi measure from it.
+  std::int64_t diagonal(std::int64_t row) const {
+    return causal_alignment == CausalAlignment::top_left ? row : row + seqlen_k - seqlen_q;
+  }
+  // Keys [begin, end) query row i may attend to under causal and window (measured from
+  // diagonal(i)); empty when begin >= end. A block mask may hide more inside the range.
   struct KeyRange {
     std::int64_t begin;
     std::int64_t end;

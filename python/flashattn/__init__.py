@@ -42,6 +42,7 @@ from ._interface import (  # noqa: E402
     set_num_threads,
     simd_target,
 )
+from ._sdpa import scaled_dot_product_attention  # noqa: E402
 
 
 
@@ -84,6 +85,7 @@ __all__ = [
     "hadamard_rotate",
     "last_num_threads",
     "plan",
+    "scaled_dot_product_attention",
     "set_num_threads",
     "simd_target",
 ]

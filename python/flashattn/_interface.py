@@ -116,6 +116,34 @@ def _block_mask_raw(block_mask, block_mask_block_size):
     return m.view(np.uint8)
 
 
+def _attn_mask_raw(attn_mask):
+    """A zero-copy view of a dense attn_mask for the native core and its dtype name: bool
+    (or uint8) masks as uint8 ("u8", non-zero keeps), float32/float16/bfloat16 biases as
+    _raw's; rank < 4 padded with leading size-1 dims (SDPA's broadcasting from the right)."""
+    if _is_tensor(attn_mask):
+        if attn_mask.device.type != "cpu":
+            raise ValueError(f"attn_mask: only CPU tensors are supported, got device {attn_mask.device}")
+        m = attn_mask.detach()
+        if m.dim() > 4:
+            raise ValueError(f"attn_mask: rank {m.dim()} does not broadcast to (batch, heads, seqlen_q, seqlen_k)")
+        m = m.reshape((1,) * (4 - m.dim()) + tuple(m.shape)) if m.dim() < 4 else m
+        if m.dtype in (torch.bool, torch.uint8):
+            if m.stride(-1) != 1 and m.shape[-1] > 1:
+                m = m.contiguous()
+            return m.view(torch.uint8).numpy(), "u8"
+        return _raw(m, "attn_mask")
+    if isinstance(attn_mask, np.ndarray):
+        if attn_mask.ndim > 4:
+            raise ValueError(f"attn_mask: rank {attn_mask.ndim} does not broadcast to (batch, heads, seqlen_q, seqlen_k)")
+        m = attn_mask.reshape((1,) * (4 - attn_mask.ndim) + attn_mask.shape)
+        if m.dtype in (np.dtype(np.bool_), np.dtype(np.uint8)):
+            if m.strides[-1] != 1 and m.shape[-1] > 1:
+                m = np.ascontiguousarray(m)
+            return m.view(np.uint8), "u8"
+        return _raw(m, "attn_mask")
+    raise TypeError(f"attn_mask: expected a numpy.ndarray or a torch.Tensor, got {type(attn_mask).__name__}")
+
+
 def _int_arg(name, value, minimum):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{name}: expected an integer >= {minimum}, got {value!r}")
@@ -123,8 +151,12 @@ def _int_arg(name, value, minimum):
 
 
 def _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, seed,
-             kernel="auto", backward_kernel="auto", num_splits=0, block_mask=None, block_mask_block_size=0):
+             kernel="auto", backward_kernel="auto", num_splits=0, block_mask=None, block_mask_block_size=0, *,
+             attn_mask=None, causal_alignment="bottom_right"):
     o = _C.Options()
+    if attn_mask is not None:
+        o.attn_mask, o.attn_mask_dtype = _attn_mask_raw(attn_mask)
+    o.causal_alignment = causal_alignment
     o.num_splits = _int_arg("num_splits", num_splits, 0)
     o.block_mask = _block_mask_raw(block_mask, block_mask_block_size)
     o.block_mask_block_size = int(block_mask_block_size)

@@ -57,6 +57,7 @@ AttentionProblem check_backward_call(const TensorView& dout, const TensorView& q
 AttentionProblem check_forward_fp8_call(const Fp8View& q, const Fp8View& k, const Fp8View& v, const TensorView& out,
                                         const TensorView& lse, const AttentionOptions& options) {
   reject_attn_mask("forward_fp8", options);
+  reject_top_left("forward_fp8", options);
   check_fp8_input("q", q);
   check_fp8_input("k", k);
   check_fp8_input("v", v);

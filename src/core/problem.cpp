@@ -75,6 +75,7 @@ AttentionProblem AttentionProblem::from_sizes(std::int64_t batch, std::int64_t s
   p.head_dim_v = head_dim_v;
   p.dtype = dtype;
   p.causal = options.causal;
+  p.causal_alignment = options.causal_alignment;
   p.window_left = options.window_size.left;
   p.window_right = options.causal ? 0
                    : options.window_size.right;
@@ -173,11 +174,21 @@ AttentionProblem AttentionProblem::from_inputs(const TensorView& q, const Tensor
 }
 
 AttentionProblem::KeyRange AttentionProblem::key_range(std::int64_t row) const {
-  const std::int64_t diagonal = row + seqlen_k - seqlen_q;  // key aligned with this row
+  const std::int64_t d = diagonal(row);
   KeyRange r{0, seqlen_k};
-  if (window_left >= 0) r.begin = std::max<std::int64_t>(0, diagonal - window_left);
-  if (window_right >= 0) r.end = std::clamp<std::int64_t>(diagonal + window_right + 1, 0, seqlen_k);
+  if (window_left >= 0) r.begin = std::max<std::int64_t>(0, d - window_left);
+  if (window_right >= 0) r.end = std::clamp<std::int64_t>(d + window_right + 1, 0, seqlen_k);
   return r;
+}
+
+const char* to_string(CausalAlignment alignment) {
+  return alignment == CausalAlignment::top_left ? "top_left" : "bottom_right";
+}
+
+CausalAlignment parse_causal_alignment(const std::string& name) {
+  for (CausalAlignment a : {CausalAlignment::bottom_right, CausalAlignment::top_left})
+    if (name == to_string(a)) return a;
+  throw Error("causal_alignment: unknown alignment '" + name + "' (expected bottom_right or top_left)");
 }
 
 const char* to_string(Exp2Impl impl) {
@@ -267,6 +278,7 @@ std::string AttentionProblem::describe() const {
     << " heads_q=" << heads_q << " heads_kv=" << heads_kv << " head_dim=" << head_dim
     << " head_dim_v=" << head_dim_v << " dtype=" << to_string(dtype)
     << " causal=" << (causal ? "true" : "false") << " softmax_scale=" << softmax_scale;
+  if (causal_alignment != CausalAlignment::bottom_right) s << " causal_alignment=" << to_string(causal_alignment);
   if (window_left >= 0 || (window_right >= 0 && !causal))
     s << " window_size=(" << window_left << ", " << window_right << ")";
   if (softcap > 0.0f) s << " softcap=" << softcap;

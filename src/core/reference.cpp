@@ -45,7 +45,7 @@ double Semantics::score(std::int64_t b, std::int64_t h, std::int64_t i, std::int
   const AttentionProblem& p = *problem;
   double s = dot * static_cast<double>(p.softmax_scale);
   if (p.softcap > 0.0f) s = p.softcap * std::tanh(s / p.softcap);
-  if (p.alibi) s -= slope(b, h) * static_cast<double>(std::llabs(i + p.seqlen_k - p.seqlen_q - j));
+  if (p.alibi) s -= slope(b, h) * static_cast<double>(std::llabs(p.diagonal(i) - j));
   return s + mask(b, h, i, j);
 }
 

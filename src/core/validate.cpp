@@ -187,6 +187,12 @@ void reject_rescale_counts(const char* entry_point, const AttentionOptions& opti
     throw Error(std::string("rescale_counts: reported by forward() and forward_fp8() only, not by ") + entry_point);
 }
 
+void reject_top_left(const char* entry_point, const AttentionOptions& options) {
+  if (options.causal_alignment != CausalAlignment::bottom_right)
+    throw Error(std::string("causal_alignment: ") + to_string(options.causal_alignment) + " is not supported by " +
+                entry_point + " (forward and backward take it)");
+}
+
 void reject_attn_mask(const char* entry_point, const AttentionOptions& options) {
   if (options.attn_mask.data != nullptr || options.attn_mask.rank != 0)
     throw Error(std::string("attn_mask: not supported by ") + entry_point + " (forward and backward take it)");

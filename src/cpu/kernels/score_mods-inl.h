@@ -137,8 +137,8 @@ struct RowMods {
     } else if (grad != nullptr) {
       std::fill(grad, grad + cols, 1.0f);
     }
-    if (alibi) {  // s −= slope·|i + Sk − Sq − j|
-      const auto diagonal = hn::Set(df, static_cast<float>(i + p.seqlen_k - p.seqlen_q - j0));
+    if (alibi) {  // s −= slope·|diagonal(i) − j|
+      const auto diagonal = hn::Set(df, static_cast<float>(p.diagonal(i) - j0));
       const auto slope = hn::Set(df, alibi_slope2);
       for (std::int64_t c = 0; c < cols; c += lanes) {
         const auto distance = hn::Abs(hn::Sub(diagonal, hn::Iota(df, static_cast<float>(c))));

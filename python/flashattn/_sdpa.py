@@ -1,0 +1,150 @@
+"""flashattn.scaled_dot_product_attention: PyTorch's SDPA on the native core.
+
+query (B, Hq, Sq, D), key (B, Hkv, Sk, D), value (B, Hkv, Sk, Dv), SDPA's layout, reach the
+library as transposed views (B, S, H, D) — no copies — and the output comes back as the
+transposed view of the library's (B, Sq, Hq, Dv). is_causal is top-left aligned (the
+library's causal_alignment "top_left"), attn_mask the library's dense attn_mask (bool:
+True keeps; float: added to the scaled scores), broadcast from the right as SDPA's.
+
+Torch tensors go through the custom ops flashattn::sdpa_fwd / flashattn::sdpa_bwd (fake
+kernels for torch.compile, autograd for dq, dk, dv); NumPy arrays are forward only.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from . import _interface as _impl
+
+torch = _impl.torch
+Tensor = torch.Tensor if torch is not None else np.ndarray  # the ops' schema reads the annotations
+
+_MASK64 = (1 << 64) - 1
+
+
+def _check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    """SDPA's argument rules, as ValueError/TypeError naming the argument, before any work
+    (or any draw from a random generator)."""
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if not (_impl._is_tensor(x) or isinstance(x, np.ndarray)):
+            raise TypeError(f"{name}: expected a numpy.ndarray or a torch.Tensor, got {type(x).__name__}")
+        if x.ndim != 4:
+            raise ValueError(f"{name}: expected rank 4 (batch, heads, seqlen, head_dim), got shape {tuple(x.shape)}")
+    if len({_impl._is_tensor(x) for x in (query, key, value)}) > 1:
+        raise TypeError("inputs mix numpy arrays and torch tensors: query, key, value")
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        _impl._dtype_of(x, name)
+    if attn_mask is not None and is_causal:
+        raise ValueError("attn_mask: must be None when is_causal=True (as torch's scaled_dot_product_attention)")
+    if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p!r}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
+    hq, hkv = query.shape[1], key.shape[1]
+    if not enable_gqa and hq != hkv:
+        raise ValueError(f"key: {hkv} heads but query has {hq}; pass enable_gqa=True for grouped-query attention")
+    if attn_mask is None:
+        return
+    if _impl._is_tensor(attn_mask):
+        floating = attn_mask.dtype.is_floating_point
+        if attn_mask.dtype != torch.bool and not floating:
+            raise TypeError(f"attn_mask: dtype {attn_mask.dtype} is neither bool nor floating")
+        if floating and attn_mask.requires_grad and torch.is_grad_enabled():
+            raise NotImplementedError("attn_mask: its gradient (dbias) is not supported yet; pass attn_mask.detach() "
+                                      "or a mask that does not require grad")
+    elif isinstance(attn_mask, np.ndarray):
+        if attn_mask.dtype != np.bool_ and attn_mask.dtype not in _impl._NUMPY_DTYPES:
+            raise TypeError(f"attn_mask: dtype {attn_mask.dtype} is neither bool nor float32, float16, bfloat16")
+    else:
+        raise TypeError(f"attn_mask: expected a numpy.ndarray or a torch.Tensor, got {type(attn_mask).__name__}")
+    if attn_mask.ndim > 4:
+        raise ValueError(f"attn_mask: rank {attn_mask.ndim} does not broadcast to (batch, heads, seqlen_q, seqlen_k)")
+
+
+def _opts(attn_mask, dropout_p, is_causal, scale, rng_state, num_threads):
+    o = _impl._options(dropout_p, scale, is_causal, (-1, -1), 0.0, None, False, None, attn_mask=attn_mask,
+                       causal_alignment="top_left")
+    if rng_state is not None:
+        o.seed, o.offset = (int(x) & _MASK64 for x in rng_state.tolist())
+    o.num_threads = _impl._resolve_threads(num_threads, True)
+    return o
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                 enable_gqa=False):
+    """torch.nn.functional.scaled_dot_product_attention on flashattn's CPU kernels.
+
+    query (B, Hq, Sq, D), key (B, Hkv, Sk, D), value (B, Hkv, Sk, Dv) -> (B, Hq, Sq, Dv), torch
+    tensors or NumPy arrays. attn_mask: bool (True keeps) or float (added to the scaled
+    scores), broadcastable to (B, Hq, Sq, Sk) from the right (2-D (Sq, Sk), 3-D, 4-D); size-1
+    dims are read once, never expanded. is_causal: key j visible to query i iff j <= i
+    (top-left). scale: default 1/sqrt(D). enable_gqa: Hq a multiple of Hkv. dropout_p: the
+    library's dropout (its own RNG, seeded from torch's generator: the masks differ from
+    torch's). Gradients of query, key and value through autograd; not of attn_mask."""
+    _check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    scale = None if scale is None else float(scale)
+    if _impl._is_tensor(query):
+        q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+        if isinstance(attn_mask, np.ndarray):
+            attn_mask = torch.from_numpy(attn_mask)
+        rng_state = _impl._torch_rng_state(dropout_p, None)
+        args = (q, k, v, attn_mask, float(dropout_p), bool(is_causal), scale, rng_state, 0)
+        direct = _impl._torch_ops.direct(q, k, v, attn_mask)
+        out, _ = (_sdpa_fwd if direct else torch.ops.flashattn.sdpa_fwd)(*args)
+        return out.transpose(1, 2)
+    q, k, v = (np.swapaxes(x, 1, 2) for x in (query, key, value))
+    o = _impl._options(dropout_p, scale, is_causal, (-1, -1), 0.0, None, False,
+                       _impl._numpy_seed(dropout_p, None), attn_mask=attn_mask, causal_alignment="top_left")
+    o.num_threads = _impl._resolve_threads(None, False)
+    out, _, _ = _impl._forward(q, k, v, o, False)
+    return np.swapaxes(out, 1, 2)
+
+
+def _sdpa_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], dropout_p: float, is_causal: bool,
+              scale: Optional[float], rng_state: Optional[Tensor], num_threads: int) -> tuple[Tensor, Tensor]:
+    """out (B, Sq, Hq, Dv) and softmax_lse (B, Hq, Sq) float32 of (B, S, H, D) views."""
+    out, lse, _ = _impl._forward(q, k, v, _opts(attn_mask, dropout_p, is_causal, scale, rng_state, num_threads), False)
+    return out, lse
+
+
+def _sdpa_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse: Tensor,
+              attn_mask: Optional[Tensor], dropout_p: float, is_causal: bool, scale: Optional[float],
+              rng_state: Optional[Tensor], num_threads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv (B, S, H, D), contiguous, of sum(dout * out)."""
+    o = _opts(attn_mask, dropout_p, is_causal, scale, rng_state, num_threads)
+    return _impl._backward(dout, q, k, v, out, softmax_lse, o)
+
+
+if torch is not None:
+    sdpa_fwd = torch.library.custom_op("flashattn::sdpa_fwd", _sdpa_fwd, mutates_args=())
+    sdpa_bwd = torch.library.custom_op("flashattn::sdpa_bwd", _sdpa_bwd, mutates_args=())
+
+    @sdpa_fwd.register_fake
+    def _(q, k, v, *args):
+        b, sq, hq, _ = q.shape
+        return q.new_empty((b, sq, hq, v.shape[-1])), q.new_empty((b, hq, sq), dtype=torch.float32)
+
+    @sdpa_bwd.register_fake
+    def _(dout, q, k, v, *args):
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+    def _setup(ctx, inputs, output):
+        q, k, v, attn_mask, dropout_p, is_causal, scale, rng_state, num_threads = inputs
+        out, lse = output
+        ctx.options = (dropout_p, is_causal, scale, num_threads)
+        ctx.has_mask, ctx.has_rng = attn_mask is not None, rng_state is not None
+        ctx.save_for_backward(q, k, v, out, lse, *(t for t in (attn_mask, rng_state) if t is not None))
+        ctx.mark_non_differentiable(lse)
+
+    def _backward(ctx, dout, _dlse):
+        q, k, v, out, lse, *rest = ctx.saved_tensors
+        mask = rest.pop(0) if ctx.has_mask else None
+        rng = rest.pop(0) if ctx.has_rng else None
+        dropout_p, is_causal, scale, num_threads = ctx.options
+        dq, dk, dv = torch.ops.flashattn.sdpa_bwd(dout.to(q.dtype), q, k, v, out, lse, mask, dropout_p, is_causal,
+                                                  scale, rng, num_threads)
+        return dq, dk, dv, None, None, None, None, None, None
+
+    torch.library.register_autograd("flashattn::sdpa_fwd", _backward, setup_context=_setup)

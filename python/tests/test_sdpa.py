@@ -1,0 +1,200 @@
+"""flashattn.scaled_dot_product_attention against torch.nn.functional.scaled_dot_product_attention.
+
+Every combination of mask (none, bool, float) and its broadcast shape, is_causal (top-left,
+Sq != Sk both ways), enable_gqa, scale and dtype (float32, bfloat16), forward and backward
+(dq, dk, dv), with the project's tolerance rule: the float64 reference is torch's SDPA in
+float64, the naive same-precision implementation SDPA's formula in torch ops on the inputs'
+dtype (every product, score and probability rounded to it); float32: error <= 1e-5 out /
+1e-4 grads; bfloat16: <= 2x / 3x the naive one's error. Then
+dropout (the library's RNG, as flash_attn_func's), NumPy arrays, bad inputs, opcheck and
+torch.compile(fullgraph=True). Skipped without torch."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+import flashattn  # noqa: E402
+from conftest import seed_for  # noqa: E402
+
+# (name, shape of the mask given (B, Hq, Sq, Sk) sizes): SDPA's broadcasting from the right.
+MASK_SHAPES = {
+    "2d": lambda b, h, sq, sk: (sq, sk),
+    "3d": lambda b, h, sq, sk: (h, sq, sk),
+    "keys": lambda b, h, sq, sk: (1, sk),
+    "batch": lambda b, h, sq, sk: (b, 1, sq, sk),
+    "full": lambda b, h, sq, sk: (b, h, sq, sk),
+    "heads_keys": lambda b, h, sq, sk: (1, h, 1, sk),
+}
+MASKS = [("none", None, False), ("none", None, True)] + [
+    (kind, shape, False) for kind in ("bool", "float") for shape in MASK_SHAPES]
+MASK_IDS = ["none", "causal"] + [f"{kind}-{shape}" for kind, shape, _ in MASKS[2:]]
+SEQLENS = [(37, 53), (53, 37)]
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+
+
+def make_mask(gen, kind, shape, dtype):
+    if kind == "bool":
+        return torch.rand(shape, generator=gen) > 0.3
+    m = torch.randn(shape, generator=gen)
+    m[torch.rand(shape, generator=gen) < 0.1] = float("-inf")
+    return m.to(dtype)
+
+
+def inputs(seed, b, hq, hkv, sq, sk, d, dtype):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, sq, d, generator=gen).to(dtype)
+    k = torch.randn(b, hkv, sk, d, generator=gen).to(dtype)
+    v = torch.randn(b, hkv, sk, d, generator=gen).to(dtype)
+    dout = torch.randn(b, hq, sq, d, generator=gen).to(dtype)
+    return gen, q, k, v, dout
+
+
+def naive_sdpa(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
+    """SDPA's definition in torch ops, in q's dtype (the naive same-precision implementation)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    s = (q * (q.shape[-1] ** -0.5 if scale is None else scale)) @ k.transpose(-1, -2)
+    if is_causal:
+        attn_mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask
+    return torch.softmax(s, dim=-1) @ v
+
+
+def run(fn, q, k, v, dout, **kw):
+    q, k, v = (x.detach().requires_grad_(True) for x in (q, k, v))
+    out = fn(q, k, v, **kw)
+    return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+
+def within(name, got, ref, naive, dtype, grad, context):
+    err = (got.double() - ref).abs().max().item()
+    if dtype == torch.float32:
+        tol = 1e-4 if grad else 1e-5
+    else:
+        tol = (3 if grad else 2) * (naive.double() - ref).abs().max().item() + (1e-4 if grad else 1e-5)
+    assert err <= tol, f"{name}: max error {err:.3e} > {tol:.3e} ({context})"
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
+@pytest.mark.parametrize("scale", [None, 0.3], ids=["default_scale", "scale"])
+@pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
+@pytest.mark.parametrize("seqlens", SEQLENS, ids=["sq<sk", "sq>sk"])
+@pytest.mark.parametrize("mask", MASKS, ids=MASK_IDS)
+def test_matches_torch(mask, seqlens, gqa, scale, dtype):
+    kind, shape, is_causal = mask
+    sq, sk = seqlens
+    b, hq, hkv, d = 2, 4, (2 if gqa else 4), 24
+    dt = DTYPES[dtype]
+    seed = seed_for("sdpa", kind, shape, is_causal, seqlens, gqa, scale, dtype)
+    gen, q, k, v, dout = inputs(seed, b, hq, hkv, sq, sk, d, dt)
+    attn_mask = None if kind == "none" else make_mask(gen, kind, MASK_SHAPES[shape](b, hq, sq, sk), dt)
+    kw = dict(is_causal=is_causal, scale=scale, enable_gqa=gqa)
+    got = run(flashattn.scaled_dot_product_attention, q, k, v, dout, attn_mask=attn_mask, **kw)
+    naive = run(naive_sdpa, q, k, v, dout, attn_mask=attn_mask, **kw)
+    ref_mask = attn_mask if attn_mask is None or kind == "bool" else attn_mask.double()
+    ref = run(F.scaled_dot_product_attention, q.double(), k.double(), v.double(), dout.double(), attn_mask=ref_mask,
+              **kw)
+    context = f"seed={seed}"
+    assert got[0].shape == (b, hq, sq, d) and got[0].dtype == dt
+    for name, g, r, n in zip(("out", "dq", "dk", "dv"), got, ref, naive):
+        within(name, g, r, n, dt, name != "out", context)
+
+
+def test_strided_views_not_copies():
+    """Inputs in SDPA's layout reach the library as transposed views: a (B, S, H, D) tensor
+    transposed to (B, H, S, D) gives the same result, and the output is a view of (B, Sq, Hq, Dv)."""
+    gen, q, k, v, _ = inputs(seed_for("views"), 2, 4, 4, 33, 40, 16, torch.float32)
+    q_bshd = q.transpose(1, 2).contiguous().transpose(1, 2)
+    out = flashattn.scaled_dot_product_attention(q_bshd, k, v, is_causal=True)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True), atol=1e-5, rtol=0)
+    assert out.transpose(1, 2).is_contiguous()
+
+
+def test_expanded_mask_read_in_place():
+    """A mask expanded with stride-0 dims (torch's expand) is accepted as it is."""
+    gen, q, k, v, _ = inputs(seed_for("expand"), 2, 4, 4, 20, 30, 16, torch.float32)
+    m = (torch.rand(20, 30, generator=gen) > 0.4).expand(2, 4, 20, 30)
+    torch.testing.assert_close(flashattn.scaled_dot_product_attention(q, k, v, attn_mask=m),
+                               F.scaled_dot_product_attention(q, k, v, attn_mask=m), atol=1e-5, rtol=0)
+
+
+def test_numpy_arrays():
+    gen, q, k, v, _ = inputs(seed_for("numpy"), 1, 4, 2, 17, 29, 16, torch.float32)
+    m = torch.randn(17, 29, generator=gen)
+    got = flashattn.scaled_dot_product_attention(q.numpy(), k.numpy(), v.numpy(), attn_mask=m.numpy(),
+                                                 enable_gqa=True)
+    assert isinstance(got, np.ndarray) and got.shape == (1, 4, 17, 16)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
+    np.testing.assert_allclose(got, want.numpy(), atol=1e-5, rtol=0)
+    causal = flashattn.scaled_dot_product_attention(q.numpy(), k.numpy(), v.numpy(), is_causal=True, enable_gqa=True)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    np.testing.assert_allclose(causal, want.numpy(), atol=1e-5, rtol=0)
+
+
+def test_dropout_is_the_librarys():
+    """dropout_p > 0 draws the library's (seed, offset) from torch's generator as flash_attn_func
+    does: the same generator state gives flash_attn_func's result and gradients; a mask joins it."""
+    gen, q, k, v, dout = inputs(seed_for("dropout"), 2, 4, 2, 31, 45, 16, torch.float32)
+    torch.manual_seed(7)
+    got = run(flashattn.scaled_dot_product_attention, q, k, v, dout, dropout_p=0.3, enable_gqa=True)
+    torch.manual_seed(7)
+    t = lambda x: x.transpose(1, 2)  # noqa: E731
+    want = run(lambda a, b, c: t(flashattn.flash_attn_func(t(a), t(b), t(c), dropout_p=0.3)), q, k, v, dout)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=0)
+    without = flashattn.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    assert (got[0] - without).abs().max() > 1e-2
+    torch.manual_seed(7)
+    masked = flashattn.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(31, 45, dtype=torch.bool),
+                                                    dropout_p=0.3, enable_gqa=True)
+    torch.testing.assert_close(masked, got[0], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("call, error, fragment", [
+    (lambda q, k, v: flashattn.scaled_dot_product_attention(q[0], k[0], v[0]), ValueError, "query: expected rank 4"),
+    (lambda q, k, v: flashattn.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(8, 9, dtype=torch.bool),
+                                                            is_causal=True), ValueError, "attn_mask: must be None"),
+    (lambda q, k, v: flashattn.scaled_dot_product_attention(q, k[:, :1], v[:, :1]), ValueError, "enable_gqa"),
+    (lambda q, k, v: flashattn.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(8, 9, dtype=torch.int32)),
+     TypeError, "attn_mask: dtype"),
+    (lambda q, k, v: flashattn.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(3, 8, 9)), ValueError,
+     "attn_mask: shape"),
+    (lambda q, k, v: flashattn.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(1, 1, 1, 8, 9)),
+     ValueError, "attn_mask: rank 5"),
+    (lambda q, k, v: flashattn.scaled_dot_product_attention(q, k, v, attn_mask=[[True]]), TypeError, "attn_mask"),
+    (lambda q, k, v: flashattn.scaled_dot_product_attention(q, k, v, dropout_p=1.0), ValueError, "dropout_p"),
+    (lambda q, k, v: flashattn.scaled_dot_product_attention(q, k, v, scale="x"), TypeError, "scale"),
+    (lambda q, k, v: flashattn.scaled_dot_product_attention(q, k.numpy(), v), TypeError, "mix"),
+    (lambda q, k, v: flashattn.scaled_dot_product_attention(q.to(torch.float64), k, v), TypeError, "query: dtype"),
+    (lambda q, k, v: flashattn.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(8, 9, requires_grad=True)),
+     NotImplementedError, "dbias"),
+], ids=["rank", "causal_and_mask", "heads", "mask_dtype", "mask_shape", "mask_rank", "mask_type", "dropout",
+        "scale", "mixed", "float64", "mask_grad"])
+def test_bad_inputs_name_the_argument(call, error, fragment):
+    _, q, k, v, _ = inputs(1, 1, 2, 2, 8, 9, 8, torch.float32)
+    with pytest.raises(error, match=fragment):
+        call(q, k, v)
+
+
+def test_opcheck():
+    gen, q, k, v, _ = inputs(seed_for("opcheck"), 1, 2, 2, 9, 12, 8, torch.float32)
+    m = torch.rand(1, 1, 9, 12, generator=gen) > 0.3
+    t = lambda x: x.transpose(1, 2).requires_grad_(True)  # noqa: E731
+    for mask, causal in ((None, True), (m, False), (torch.randn(1, 2, 9, 12, generator=gen), False)):
+        torch.library.opcheck(torch.ops.flashattn.sdpa_fwd, (t(q), t(k), t(v), mask, 0.0, causal, None, None, 1))
+
+
+def test_compile_fullgraph_matches_eager():
+    gen, q, k, v, dout = inputs(seed_for("compile"), 2, 4, 2, 21, 34, 16, torch.float32)
+    m = torch.randn(2, 1, 21, 34, generator=gen)
+
+    def f(q, k, v, m):
+        return flashattn.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=0.2, enable_gqa=True) * 2.0
+
+    eager = run(f, q, k, v, dout, m=m)
+    compiled = run(torch.compile(f, fullgraph=True, backend="aot_eager"), q, k, v, dout, m=m)
+    for e, c in zip(eager, compiled):
+        torch.testing.assert_close(c, e, atol=0, rtol=0)
