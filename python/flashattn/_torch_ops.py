@@ -16,6 +16,7 @@ as much as a whole decode step on a short cache; the results are the same.
 
 from __future__ import annotations
 
+import inspect
 from typing import Optional
 
 import torch
@@ -89,13 +90,22 @@ def _dsinks(o, q, sinks):
 bwd = torch.library.custom_op("flashattn::bwd", _bwd, mutates_args=())
 
 
-@bwd.register_fake
-def _(dout, q, k, v, out, softmax_lse, *args):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), _fake_dsinks(q, args[-1])
+def _fake_grads(op_impl):
+    """The fake kernel of a backward op: dq, dk, dv like q, k, v and dsinks as _dsinks makes it
+    (the call's arguments bound to the op's signature, defaults included, to find its sinks)."""
+    signature = inspect.signature(op_impl)
+
+    def fake(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        q, k, v, sinks = (bound.arguments[n] for n in ("q", "k", "v", "sinks"))
+        return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+                q.new_empty((0 if sinks is None else sinks.shape[0],), dtype=torch.float32))
+
+    return fake
 
 
-def _fake_dsinks(q, sinks):
-    return q.new_empty((0 if sinks is None else sinks.shape[0],), dtype=torch.float32)
+bwd.register_fake(_fake_grads(_bwd))
 
 
 # ---- variable-length batches ------------------------------------------------------------------
@@ -143,9 +153,7 @@ def _varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, soft
 varlen_bwd = torch.library.custom_op("flashattn::varlen_bwd", _varlen_bwd, mutates_args=())
 
 
-@varlen_bwd.register_fake
-def _(dout, q, k, v, *args):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), _fake_dsinks(q, args[-1])
+varlen_bwd.register_fake(_fake_grads(_varlen_bwd))
 
 
 def direct(*tensors):
