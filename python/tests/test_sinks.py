@@ -1,6 +1,6 @@
-"""Attention sinks through the extension's Options (sinks, dsinks) against an eager torch
-implementation of gpt-oss's sinks, its gradients by torch autograd. The `sinks=` keyword
-of the public functions is not wired yet (docs/python.md, "Attention sinks")."""
+"""Attention sinks: through the extension's Options (sinks, dsinks) against an eager torch
+implementation of gpt-oss's sinks, its gradients by torch autograd; then the public
+`learnable_sink=` keyword (docs/python.md, "Attention sinks") against the float64 reference."""
 
 import numpy as np
 import pytest
