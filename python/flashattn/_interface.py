@@ -350,14 +350,11 @@ def _attention(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, s
     if len(window_size) != 2:
         raise ValueError(f"window_size: expected (left, right), got {window_size!r}")
     if any(_is_fp8(x) for x in (q, k, v)):
-        if sinks is not None:
-            raise NotImplementedError("learnable_sink: not wired for FP8 inputs in Python yet (the native "
-                                      "forward_fp8 takes AttentionOptions::sinks)")
         if varlen is not None:
             raise NotImplementedError("q: FP8 inputs are supported by flash_attn_func only, not the varlen functions")
         return _fp8_attention(q, k, v, descales, dropout_p, softmax_scale, causal, window_size, softcap,
                               alibi_slopes, return_attn_probs, seed, kernel, num_threads, num_splits, block_mask,
-                              block_mask_block_size)
+                              block_mask_block_size, sinks)
     for name, d in zip(("q_descale", "k_descale", "v_descale"), descales):
         if d is not None:
             raise TypeError(f"{name}: descales belong to FP8 inputs (float8_e4m3fn or float8_e5m2), "
@@ -750,12 +747,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
 
 def _backward_options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, seed,
-                      backward_kernel, num_threads, torch_inputs, block_mask=None, block_mask_block_size=0):
+                      backward_kernel, num_threads, torch_inputs, block_mask=None, block_mask_block_size=0,
+                      sinks=None):
     if dropout_p > 0.0 and seed is None:
         raise ValueError("seed: backward with dropout needs the seed the forward used")
     opts = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, seed,
                     backward_kernel=backward_kernel, block_mask=block_mask,
-                    block_mask_block_size=block_mask_block_size)
+                    block_mask_block_size=block_mask_block_size, sinks=sinks)
     opts.num_threads = _resolve_threads(num_threads, torch_inputs)
     return opts
 
@@ -763,25 +761,44 @@ def _backward_options(dropout_p, softmax_scale, causal, window_size, softcap, al
 def flash_attn_backward(dout, q, k, v, out, softmax_lse, dropout_p=0.0, softmax_scale=None, causal=False,
                         window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, *,
                         seed=None, backward_kernel="auto", num_threads=None, block_mask=None,
-                        block_mask_block_size=0):
+                        block_mask_block_size=0, learnable_sink=None):
     """Gradients (dq, dk, dv) of sum(dout * out) for NumPy users; P is recomputed from softmax_lse.
 
-    With dropout, pass the seed the forward used; a forward's block_mask comes here too.
+    With dropout, pass the seed the forward used; a forward's block_mask and learnable_sink
+    come here too (with learnable_sink: (dq, dk, dv, dsinks), dsinks float32 (Hq,)).
     backward_kernel: the CPU kernel by name ("auto", "tiled", "tiled_bf16")."""
+    sinks = _learnable_sink(learnable_sink, q)
     opts = _backward_options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                             seed, backward_kernel, num_threads, _is_tensor(q), block_mask, block_mask_block_size)
-    return _backward(dout, q, k, v, out, softmax_lse, opts)
+                             seed, backward_kernel, num_threads, _is_tensor(q), block_mask, block_mask_block_size,
+                             sinks)
+    dsinks = _dsinks_output(opts, sinks, q)
+    grads = _backward(dout, q, k, v, out, softmax_lse, opts)
+    return grads if dsinks is None else (*grads, dsinks)
 
 
 def flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                max_seqlen_k, dropout_p=0.0, softmax_scale=None, causal=False,
                                window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, *,
-                               seed=None, backward_kernel="auto", num_threads=None):
-    """Gradients (dq, dk, dv) of a packed variable-length batch."""
+                               seed=None, backward_kernel="auto", num_threads=None, learnable_sink=None):
+    """Gradients (dq, dk, dv) of a packed variable-length batch (with learnable_sink, and dsinks,
+    as flash_attn_backward's)."""
+    sinks = _learnable_sink(learnable_sink, q)
     opts = _backward_options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                             seed, backward_kernel, num_threads, _is_tensor(q))
-    return _varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                            max_seqlen_k, opts)
+                             seed, backward_kernel, num_threads, _is_tensor(q), sinks=sinks)
+    dsinks = _dsinks_output(opts, sinks, q)
+    grads = _varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                             max_seqlen_k, opts)
+    return grads if dsinks is None else (*grads, dsinks)
+
+
+def _dsinks_output(opts, sinks, like):
+    """float32 (Hq) zeros of like's kind, set as the options' dsinks, or None without sinks."""
+    if sinks is None:
+        return None
+    dsinks, raw = _empty((sinks.shape[0],), "f32", like)
+    raw[...] = 0.0
+    opts.dsinks = raw
+    return dsinks
 
 # ---- FP8 inputs (upstream FA3's q_descale, k_descale, v_descale) ------------------------------------
 
@@ -864,7 +881,8 @@ def _fp8_forward(q, k, v, descales, opts):
 
 
 def _fp8_attention(q, k, v, descales, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                   return_attn_probs, seed, kernel, num_threads, num_splits, block_mask, block_mask_block_size):
+                   return_attn_probs, seed, kernel, num_threads, num_splits, block_mask, block_mask_block_size,
+                   sinks=None):
     if return_attn_probs and dropout_p > 0.0:
         raise NotImplementedError("return_attn_probs: S_dmask under dropout is not available for FP8 inputs")
     if _is_tensor(q):
@@ -874,12 +892,12 @@ def _fp8_attention(q, k, v, descales, dropout_p, softmax_scale, causal, window_s
                 None if softmax_scale is None else float(softmax_scale), bool(causal), int(window_size[0]),
                 int(window_size[1]), float(softcap), _as_tensor(alibi_slopes), rng_state, str(kernel),
                 int(_resolve_threads(num_threads, True) if num_threads else 0), _int_arg("num_splits", num_splits, 0),
-                _as_tensor(block_mask), int(block_mask_block_size))
+                _as_tensor(block_mask), int(block_mask_block_size), sinks)
         direct = _torch_ops.direct(*(a for a in args if isinstance(a, torch.Tensor)))
         out, lse = (_torch_ops._fwd_fp8 if direct else torch.ops.flashattn.fwd_fp8)(*args)
         return (out, lse, out.new_empty((0,))) if return_attn_probs else out
     opts = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, False,
-                    _numpy_seed(dropout_p, seed), kernel, "auto", num_splits, block_mask, block_mask_block_size)
+                    _numpy_seed(dropout_p, seed), kernel, "auto", num_splits, block_mask, block_mask_block_size, sinks)
     opts.num_threads = _resolve_threads(num_threads, False)
     out, lse = _fp8_forward(q, k, v, descales, opts)
     return (out, lse, np.empty((0,), dtype=out.dtype)) if return_attn_probs else out

@@ -297,11 +297,12 @@ def _fwd_fp8(q: Tensor, k: Tensor, v: Tensor, q_descale: Optional[Tensor], k_des
              v_descale: Optional[Tensor], dropout_p: float, softmax_scale: Optional[float], causal: bool,
              window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
              rng_state: Optional[Tensor], kernel: str, num_threads: int, num_splits: int,
-             block_mask: Optional[Tensor], block_mask_block_size: int) -> tuple[Tensor, Tensor]:
+             block_mask: Optional[Tensor], block_mask_block_size: int,
+             sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """FP8 q, k, v (float8_e4m3fn or float8_e5m2) with FA3's (B, Hkv) descales: out (B, Sq, Hq, Dv)
-    bfloat16 and softmax_lse (B, Hq, Sq) float32. Forward only."""
+    bfloat16 and softmax_lse (B, Hq, Sq) float32. Forward only (no gradient for sinks either)."""
     o = _opts(dropout_p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, False, rng_state,
-              kernel, "auto", num_threads, num_splits, block_mask, block_mask_block_size)
+              kernel, "auto", num_threads, num_splits, block_mask, block_mask_block_size, sinks)
     return _impl._fp8_forward(q, k, v, (q_descale, k_descale, v_descale), o)
 
 

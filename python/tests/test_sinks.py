@@ -337,3 +337,26 @@ def test_bad_learnable_sink_names_the_argument():
         flashattn.flash_attn_varlen_func(q[0], q[0], q[0], torch.tensor([0, 4], dtype=torch.int32),
                                          torch.tensor([0, 4], dtype=torch.int32), 4, 4,
                                          learnable_sink=torch.zeros(5))
+
+
+def test_numpy_backward_with_learnable_sink():
+    """flash_attn_backward(learnable_sink=) for NumPy users: autograd's dq, dk, dv and dsinks."""
+    gen = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(2, 19, 4, 16, generator=gen).requires_grad_() for _ in range(3))
+    dout = torch.randn(2, 19, 4, 16, generator=gen)
+    sinks = torch.tensor([0.5, 1.5, -2.0, 3.0], requires_grad=True)
+    out, lse, _ = flashattn.flash_attn_func(q, k, v, causal=True, learnable_sink=sinks, return_attn_probs=True,
+                                            num_threads=2)
+    out.backward(dout)
+    got = flashattn.flash_attn_backward(dout.numpy(), *(x.detach().numpy() for x in (q, k, v, out)), lse.numpy(),
+                                        causal=True, learnable_sink=sinks.detach().numpy(), num_threads=2)
+    assert len(got) == 4 and got[3].dtype == np.float32
+    for g, x in zip(got, (q, k, v, sinks)):
+        np.testing.assert_array_equal(g, x.grad.numpy())
+    cu = torch.tensor([0, 19, 38], dtype=torch.int32)
+    packed = [x.detach().reshape(38, 4, 16).numpy() for x in (dout, q, k, v, out)]
+    lse_packed = lse.permute(1, 0, 2).reshape(4, 38).contiguous().numpy()
+    got = flashattn.flash_attn_varlen_backward(*packed, lse_packed, cu.numpy(), cu.numpy(), 19, 19, causal=True,
+                                               learnable_sink=sinks.detach().numpy(), num_threads=2)
+    np.testing.assert_allclose(got[3], sinks.grad.numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got[0].reshape(2, 19, 4, 16), q.grad.numpy(), rtol=0, atol=1e-5)
