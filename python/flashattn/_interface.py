@@ -542,7 +542,8 @@ def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         raise ValueError(f"dropout_p: a paged batch is inference only, got {dropout_p}")
     if _is_tensor(q) and torch.is_grad_enabled() and any(
             _is_tensor(x) and x.requires_grad for x in (q, k_cache, v_cache, learnable_sink)):
-        raise ValueError("q, k, v, learnable_sink: a paged batch is inference only (no gradients); call it under torch.no_grad()")
+        raise ValueError("q, k, v, learnable_sink: a paged batch is inference only (no gradients); call it under "
+                         "torch.no_grad()")
     if seqused_k is None:
         if cu_seqlens_k is None:
             raise ValueError("seqused_k: a paged batch needs seqused_k or cu_seqlens_k for its key counts")

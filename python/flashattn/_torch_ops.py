@@ -140,7 +140,8 @@ def _varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, soft
                 softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int, softcap: float,
                 alibi_slopes: Optional[Tensor], deterministic: bool, rng_state: Optional[Tensor],
                 backward_kernel: str, num_threads: int, block_mask: Optional[Tensor] = None,
-                block_mask_block_size: int = 0, sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                block_mask_block_size: int = 0,
+                sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """dq, dk, dv and dsinks (as bwd's) of a packed variable-length batch."""
     o = _opts(dropout_p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, deterministic,
               rng_state, "auto", backward_kernel, num_threads, block_mask=block_mask,
