@@ -293,6 +293,110 @@ TEST(Variants, SinksRowWithoutKeys) {
   EXPECT_EQ(fwd.lse.get(9 + 2), -1.25f);  // (b 0, h 1, row 2)
 }
 
+// Sinks with bf16 and f16 inputs (the tiled kernel here; the yardstick's softmax counts the sink).
+TEST(Variants, SinksLowPrecision) {
+  std::uint64_t seed = 400;
+  for (DType dtype : {DType::bf16, DType::f16}) {
+    check_variant({2, 97, 97, 4, 2, 32, 24}, "causal+sinks", dtype, seed++, false, 2);
+    check_variant({1, 70, 90, 4, 2, 48, 48}, "window+softcap+alibi+sinks", dtype, seed++, true, 3);
+  }
+}
+
+// The decode kernel on split-KV (num_splits 2 to 5, one query per sequence, GQA): the sink
+// enters each row once through split 0, and the merge carries it — against the reference.
+TEST(Variants, SinksDecodeKernelSplitKv) {
+  std::uint64_t seed = 420;
+  for_each_simd_target([&](const std::string&) {
+    for (DType dtype : {DType::f32, DType::bf16})
+      for (int splits : {2, 3, 5})
+        for (int threads : {1, 2, 3}) {
+          SCOPED_TRACE(std::string(to_string(dtype)) + " splits " + std::to_string(splits) + " threads " +
+                       std::to_string(threads));
+          Variant var = make_variant({2, 1, 333, 8, 2, 64, 64}, splits == 3 ? "sinks+window" : "sinks", seed);
+          AttentionOptions& o = var.options;
+          o.kernel = ForwardKernel::decode;
+          o.num_splits = splits;
+          o.num_threads = threads;
+          const Tensor q = random_tensor(dtype, {2, 1, 8, 64}, seed);
+          const Tensor k = random_tensor(dtype, {2, 333, 2, 64}, seed + 1);
+          const Tensor v = random_tensor(dtype, {2, 333, 2, 64}, seed + 2);
+          ++seed;
+          const AttentionProblem p = AttentionProblem::from_inputs(q.view(), k.view(), v.view(), o);
+          ASSERT_EQ(plan_forward(p, CpuHardware::detect(threads), splits, 0, ForwardKernel::decode).kernel,
+                    ForwardKernel::decode);
+          const ForwardResult got = forward(q.view(), k.view(), v.view(), o);
+          const reference::Result want = reference::attention(q.view(), k.view(), v.view(), o);
+          double tol = 1e-5;
+          if (dtype != DType::f32) tol += 2.0 * max_abs_error(naive_same_precision(p, o, q, k, v), want.out);
+          EXPECT_LE(max_abs_error(got.out, want.out), tol);
+          expect_lse_near(got.lse, want.lse);
+        }
+  });
+}
+
+// What a sink does to a row's (out, lse) follows from the row's (out, lse) without it
+// (docs/algorithm.md §6.1): lse' = log(e^lse + e^σ), out' = out · e^(lse − lse'). Checked on
+// the kernels whose rounding the float64 reference does not model — tiled_bf16 (AVX512-BF16)
+// and decode_fp16 (AVX512-FP16, over an FP8 cache), split and not — where the CPU has them.
+void expect_sink_applied(const ForwardResult& plain, const ForwardResult& sunk, const Tensor& sinks,
+                         std::int64_t heads_q, std::int64_t seqlen_q) {
+  for (std::int64_t i = 0; i < plain.lse.numel(); ++i) {
+    const double sink = sinks.get((i / seqlen_q) % heads_q), lse = plain.lse.get(i);
+    const double want = std::max(lse, sink) + std::log1p(std::exp(-std::fabs(lse - sink)));
+    ASSERT_NEAR(sunk.lse.get(i), want, 1e-5 * std::max(1.0, std::fabs(want))) << "lse " << i;
+  }
+  const std::int64_t dv = plain.out.shape()[3];
+  for (std::int64_t e = 0; e < plain.out.numel(); ++e) {
+    const std::int64_t row = e / dv, b = row / (seqlen_q * heads_q), i = row / heads_q % seqlen_q, h = row % heads_q;
+    const std::int64_t l = (b * heads_q + h) * seqlen_q + i;
+    const double want = plain.out.get(e) * std::exp(static_cast<double>(plain.lse.get(l)) - sunk.lse.get(l));
+    ASSERT_NEAR(sunk.out.get(e), want, 2e-2 * std::fabs(want) + 1e-5) << "out " << e;  // one bf16/f16 rounding
+  }
+}
+
+TEST(Variants, SinksTiledBf16Kernel) {
+  if (!CpuHardware::detect(0).bf16_dot) GTEST_SKIP() << "no AVX512-BF16 on this CPU: tiled_bf16 cannot run here";
+  const Tensor q = random_tensor(DType::bf16, {2, 77, 4, 64}, 440);
+  const Tensor k = random_tensor(DType::bf16, {2, 131, 2, 64}, 441);
+  const Tensor v = random_tensor(DType::bf16, {2, 131, 2, 64}, 442);
+  Tensor sinks(DType::f32, {4});
+  for (std::int64_t h = 0; h < 4; ++h) sinks.set(h, 1.5f * static_cast<float>(h) - 1.0f);
+  for (int splits : {1, 3}) {
+    SCOPED_TRACE("splits " + std::to_string(splits));
+    AttentionOptions o;
+    o.kernel = ForwardKernel::tiled_bf16;
+    o.causal = true;
+    o.num_splits = splits;
+    o.num_threads = 3;
+    const ForwardResult plain = forward(q.view(), k.view(), v.view(), o);
+    o.sinks = sinks.view();
+    expect_sink_applied(plain, forward(q.view(), k.view(), v.view(), o), sinks, 4, 77);
+  }
+}
+
+TEST(Variants, SinksDecodeFp16Kernel) {
+  if (!CpuHardware::detect(0).decode_fp16) GTEST_SKIP() << "no AVX512-FP16 on this CPU: decode_fp16 cannot run here";
+  Fp8CacheTensors fp8 = fp8_cache({2, 300, 2, 64});
+  Tensor q = random_tensor(DType::f32, {2, 1, 8, 64}, 450);
+  for (std::int64_t i = 0; i < q.numel(); ++i) q.set(i, q.get(i) * 0x1p-6f);  // scores near the sinks' range
+  Tensor seqlens(DType::i32, {2}), sinks(DType::f32, {8});
+  seqlens.set(0, 300.0f);
+  seqlens.set(1, 171.0f);
+  for (std::int64_t h = 0; h < 8; ++h) sinks.set(h, 0.75f * static_cast<float>(h) - 2.0f);
+  for (int splits : {1, 4}) {
+    SCOPED_TRACE("splits " + std::to_string(splits));
+    KvCache c = fp8.cache();
+    c.cache_seqlens = seqlens.view();
+    AttentionOptions o;
+    o.kernel = ForwardKernel::decode_fp16;
+    o.num_splits = splits;
+    o.num_threads = 2;
+    const ForwardResult plain = forward_with_kvcache(q.view(), c, o);
+    o.sinks = sinks.view();
+    expect_sink_applied(plain, forward_with_kvcache(q.view(), c, o), sinks, 8, 1);
+  }
+}
+
 TEST(Variants, LowPrecisionAndEveryTarget) {
   std::uint64_t seed = 60;
   for (DType dtype : {DType::bf16, DType::f16})

@@ -13,7 +13,8 @@ def flash_attn_func(q: Array, k: Array, v: Array, dropout_p: float = 0.0, softma
                     num_threads: Optional[int] = None, num_splits: int = 0, block_mask: Optional[Array] = None,
                     block_mask_block_size: int = 0, q_descale: Optional[Array] = None,
                     k_descale: Optional[Array] = None,
-                    v_descale: Optional[Array] = None) -> Union[Array, Tuple[Array, Array, Array]]: ...
+                    v_descale: Optional[Array] = None,
+    learnable_sink: Optional[Array] = None) -> Union[Array, Tuple[Array, Array, Array]]: ...
 def flash_attn_qkvpacked_func(qkv: Array, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
                               causal: bool = False, window_size: Window = (-1, -1), softcap: float = 0.0,
                               alibi_slopes: Optional[Array] = None, deterministic: bool = False,
@@ -21,7 +22,8 @@ def flash_attn_qkvpacked_func(qkv: Array, dropout_p: float = 0.0, softmax_scale:
                     kernel: str = "auto", backward_kernel: str = "auto",
                               num_threads: Optional[int] = None, num_splits: int = 0,
                               block_mask: Optional[Array] = None,
-                              block_mask_block_size: int = 0) -> Union[Array, Tuple[Array, Array, Array]]: ...
+                              block_mask_block_size: int = 0,
+    learnable_sink: Optional[Array] = None) -> Union[Array, Tuple[Array, Array, Array]]: ...
 def flash_attn_kvpacked_func(q: Array, kv: Array, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
                              causal: bool = False, window_size: Window = (-1, -1), softcap: float = 0.0,
                              alibi_slopes: Optional[Array] = None, deterministic: bool = False,
@@ -29,7 +31,8 @@ def flash_attn_kvpacked_func(q: Array, kv: Array, dropout_p: float = 0.0, softma
                     kernel: str = "auto", backward_kernel: str = "auto",
                              num_threads: Optional[int] = None, num_splits: int = 0,
                              block_mask: Optional[Array] = None,
-                             block_mask_block_size: int = 0) -> Union[Array, Tuple[Array, Array, Array]]: ...
+                             block_mask_block_size: int = 0,
+    learnable_sink: Optional[Array] = None) -> Union[Array, Tuple[Array, Array, Array]]: ...
 def flash_attn_varlen_func(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqlens_k: Array,
                            max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
                            softmax_scale: Optional[float] = None, causal: bool = False,
@@ -38,14 +41,16 @@ def flash_attn_varlen_func(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu
                            return_attn_probs: bool = False, block_table: Optional[Array] = None, *,
                            seed: Optional[int] = None, kernel: str = "auto", backward_kernel: str = "auto",
                            num_threads: Optional[int] = None,
-                           num_splits: int = 0) -> Union[Array, Tuple[Array, Array, Array]]: ...
+                           num_splits: int = 0,
+    learnable_sink: Optional[Array] = None) -> Union[Array, Tuple[Array, Array, Array]]: ...
 def flash_attn_varlen_qkvpacked_func(qkv: Array, cu_seqlens: Array, max_seqlen: int, dropout_p: float = 0.0,
                                      softmax_scale: Optional[float] = None, causal: bool = False,
                                      window_size: Window = (-1, -1), softcap: float = 0.0,
                                      alibi_slopes: Optional[Array] = None, deterministic: bool = False,
                                      return_attn_probs: bool = False, *, seed: Optional[int] = None,
                     kernel: str = "auto", backward_kernel: str = "auto",
-                                     num_threads: Optional[int] = None) -> Union[Array, Tuple[Array, Array, Array]]: ...
+                                     num_threads: Optional[int] = None,
+    learnable_sink: Optional[Array] = None) -> Union[Array, Tuple[Array, Array, Array]]: ...
 def flash_attn_varlen_kvpacked_func(q: Array, kv: Array, cu_seqlens_q: Array, cu_seqlens_k: Array,
                                     max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
                                     softmax_scale: Optional[float] = None, causal: bool = False,
@@ -53,7 +58,8 @@ def flash_attn_varlen_kvpacked_func(q: Array, kv: Array, cu_seqlens_q: Array, cu
                                     alibi_slopes: Optional[Array] = None, deterministic: bool = False,
                                     return_attn_probs: bool = False, *, seed: Optional[int] = None,
                     kernel: str = "auto", backward_kernel: str = "auto",
-                                    num_threads: Optional[int] = None) -> Union[Array, Tuple[Array, Array, Array]]: ...
+                                    num_threads: Optional[int] = None,
+    learnable_sink: Optional[Array] = None) -> Union[Array, Tuple[Array, Array, Array]]: ...
 def flash_attn_with_kvcache(q: Array, k_cache: Array, v_cache: Array, k: Optional[Array] = None,
                             v: Optional[Array] = None, rotary_cos: Optional[Array] = None,
                             rotary_sin: Optional[Array] = None, cache_seqlens: Optional[Array] = None,
@@ -63,21 +69,24 @@ def flash_attn_with_kvcache(q: Array, k_cache: Array, v_cache: Array, k: Optiona
                             rotary_interleaved: bool = True, alibi_slopes: Optional[Array] = None,
                             num_splits: int = 0, return_softmax_lse: bool = False, *,
                             k_scale: Optional[Array] = None, v_scale: Optional[Array] = None,
-                            kernel: str = "auto", num_threads: Optional[int] = None) -> Any: ...
+                            kernel: str = "auto", num_threads: Optional[int] = None,
+    learnable_sink: Optional[Array] = None) -> Any: ...
 def flash_attn_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, softmax_lse: Array,
                         dropout_p: float = 0.0, softmax_scale: Optional[float] = None, causal: bool = False,
                         window_size: Window = (-1, -1), softcap: float = 0.0, alibi_slopes: Optional[Array] = None,
                         deterministic: bool = False, *, seed: Optional[int] = None,
                         backward_kernel: str = "auto", num_threads: Optional[int] = None,
                         block_mask: Optional[Array] = None,
-                        block_mask_block_size: int = 0) -> Tuple[Array, Array, Array]: ...
+                        block_mask_block_size: int = 0,
+    learnable_sink: Optional[Array] = None) -> Tuple[Array, Array, Array]: ...
 def flash_attn_varlen_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, softmax_lse: Array,
                                cu_seqlens_q: Array, cu_seqlens_k: Array, max_seqlen_q: int, max_seqlen_k: int,
                                dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
                                causal: bool = False, window_size: Window = (-1, -1), softcap: float = 0.0,
                                alibi_slopes: Optional[Array] = None, deterministic: bool = False, *,
                                seed: Optional[int] = None, backward_kernel: str = "auto",
-                               num_threads: Optional[int] = None) -> Tuple[Array, Array, Array]: ...
+                               num_threads: Optional[int] = None,
+    learnable_sink: Optional[Array] = None) -> Tuple[Array, Array, Array]: ...
 def flash_attn_combine(out_partial: Array, lse_partial: Array, out: Optional[Array] = None,
                        out_dtype: Any = None, *, num_threads: Optional[int] = None) -> Tuple[Array, Array]: ...
 def hadamard_dim(head_dim: int) -> int: ...

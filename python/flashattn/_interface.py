@@ -150,9 +150,37 @@ def _int_arg(name, value, minimum):
     return int(value)
 
 
+def _learnable_sink(learnable_sink, q):
+    """Upstream FA4's learnable_sink: one sink logit per q head, shape (heads_q,), float32,
+    float16 or bfloat16 (widened exactly to the float32 the native library takes; a tensor
+    through autograd, so its gradient comes back in its own dtype). None stays None; whether
+    the logits are finite is the native library's check."""
+    if learnable_sink is None:
+        return None
+    if _is_tensor(q) != _is_tensor(learnable_sink):
+        raise TypeError("inputs mix numpy arrays and torch tensors: q, learnable_sink")
+    if _is_tensor(learnable_sink):
+        if learnable_sink.device.type != "cpu":
+            raise ValueError(f"learnable_sink: only CPU tensors are supported, got device {learnable_sink.device}")
+        if learnable_sink.dtype not in _torch_dtypes():
+            raise TypeError(f"learnable_sink: dtype {learnable_sink.dtype} is not supported (float32, float16, "
+                            "bfloat16)")
+    elif not isinstance(learnable_sink, np.ndarray):
+        raise TypeError(f"learnable_sink: expected a numpy.ndarray or a torch.Tensor, got "
+                        f"{type(learnable_sink).__name__}")
+    elif learnable_sink.dtype not in _NUMPY_DTYPES:
+        raise TypeError(f"learnable_sink: dtype {learnable_sink.dtype} is not supported (float32, float16, bfloat16)")
+    heads_q = q.shape[-2] if len(q.shape) >= 3 else None  # a q of another rank: the native library's error
+    if len(learnable_sink.shape) != 1 or heads_q is not None and learnable_sink.shape[0] != heads_q:
+        raise ValueError(f"learnable_sink: expected shape (heads_q,) = ({heads_q},), got {tuple(learnable_sink.shape)}")
+    if _is_tensor(learnable_sink):
+        return learnable_sink.float()
+    return learnable_sink.astype(np.float32, copy=False)
+
+
 def _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, seed,
-             kernel="auto", backward_kernel="auto", num_splits=0, block_mask=None, block_mask_block_size=0, *,
-             attn_mask=None, causal_alignment="bottom_right"):
+             kernel="auto", backward_kernel="auto", num_splits=0, block_mask=None, block_mask_block_size=0,
+             sinks=None, *, attn_mask=None, causal_alignment="bottom_right"):
     o = _C.Options()
     if attn_mask is not None:
         o.attn_mask, o.attn_mask_dtype = _attn_mask_raw(attn_mask)
@@ -169,6 +197,8 @@ def _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slope
     o.softcap = float(softcap)
     if alibi_slopes is not None:
         o.alibi_slopes, o.alibi_dtype = _raw(alibi_slopes, "alibi_slopes")
+    if sinks is not None:  # float32 (heads_q): _learnable_sink's result
+        o.sinks, o.sinks_dtype = _raw(sinks, "learnable_sink")
     o.dropout_p = float(dropout_p)
     o.seed = int(seed) & ((1 << 64) - 1) if seed is not None else 0  # any integer, modulo 2^64
     o.deterministic = bool(deterministic)
@@ -344,9 +374,10 @@ def _varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, opts):
 
 def _attention(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                return_attn_probs, seed, kernel, backward_kernel, num_threads, num_splits=0, block_mask=None,
-               block_mask_block_size=0, descales=(None, None, None)):
+               block_mask_block_size=0, descales=(None, None, None), learnable_sink=None):
     if len({_is_tensor(x) for x in (q, k, v)}) > 1:
         raise TypeError("inputs mix numpy arrays and torch tensors: q, k, v")
+    sinks = _learnable_sink(learnable_sink, q)
     if len(window_size) != 2:
         raise ValueError(f"window_size: expected (left, right), got {window_size!r}")
     if any(_is_fp8(x) for x in (q, k, v)):
@@ -354,7 +385,7 @@ def _attention(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, s
             raise NotImplementedError("q: FP8 inputs are supported by flash_attn_func only, not the varlen functions")
         return _fp8_attention(q, k, v, descales, dropout_p, softmax_scale, causal, window_size, softcap,
                               alibi_slopes, return_attn_probs, seed, kernel, num_threads, num_splits, block_mask,
-                              block_mask_block_size)
+                              block_mask_block_size, sinks)
     for name, d in zip(("q_descale", "k_descale", "v_descale"), descales):
         if d is not None:
             raise TypeError(f"{name}: descales belong to FP8 inputs (float8_e4m3fn or float8_e5m2), "
@@ -362,10 +393,10 @@ def _attention(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, s
     if _is_tensor(q):
         return _torch_attention(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, softcap,
                                 alibi_slopes, deterministic, return_attn_probs, seed, kernel, backward_kernel,
-                                num_threads, num_splits, block_mask, block_mask_block_size)
+                                num_threads, num_splits, block_mask, block_mask_block_size, sinks)
     seed = _numpy_seed(dropout_p, seed)
     opts = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, seed,
-                    kernel, backward_kernel, num_splits, block_mask, block_mask_block_size)
+                    kernel, backward_kernel, num_splits, block_mask, block_mask_block_size, sinks)
     opts.num_threads = _resolve_threads(num_threads, False)
     if varlen is None:
         out, lse, probs = _forward(q, k, v, opts, return_attn_probs)
@@ -376,7 +407,7 @@ def _attention(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, s
 
 def _torch_attention(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                      deterministic, return_attn_probs, seed, kernel, backward_kernel, num_threads, num_splits,
-                     block_mask, block_mask_block_size):
+                     block_mask, block_mask_block_size, sinks=None):
     _check_block_mask(block_mask, block_mask_block_size)  # its errors before the generator is drawn from
     block_mask = _as_tensor(block_mask)
     rng_state = _torch_rng_state(dropout_p, seed)
@@ -387,20 +418,20 @@ def _torch_attention(q, k, v, varlen, dropout_p, softmax_scale, causal, window_s
     scalars = (float(dropout_p), None if softmax_scale is None else float(softmax_scale), bool(causal),
                int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes, bool(deterministic),
                rng_state, str(kernel), str(backward_kernel), int(num_threads or 0),
-               _int_arg("num_splits", num_splits, 0), block_mask, int(block_mask_block_size))
+               _int_arg("num_splits", num_splits, 0), block_mask, int(block_mask_block_size), sinks)
     ops = _torch_ops
     if varlen is None:
-        fwd = ops._fwd if ops.direct(q, k, v, alibi_slopes, block_mask) else torch.ops.flashattn.fwd
+        fwd = ops._fwd if ops.direct(q, k, v, alibi_slopes, block_mask, sinks) else torch.ops.flashattn.fwd
         out, lse = fwd(q, k, v, *scalars)
     else:
         cu_q, cu_k, max_q, max_k = varlen
-        direct = ops.direct(q, k, v, cu_q, cu_k, alibi_slopes, block_mask)
+        direct = ops.direct(q, k, v, cu_q, cu_k, alibi_slopes, block_mask, sinks)
         fwd = ops._varlen_fwd if direct else torch.ops.flashattn.varlen_fwd
         out, lse = fwd(q, k, v, cu_q, cu_k, int(max_q), int(max_k), *scalars)
     if not return_attn_probs:
         return out
     return out, lse, _torch_s_dmask(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, softcap,
-                                    alibi_slopes, rng_state, block_mask, block_mask_block_size)
+                                    alibi_slopes, rng_state, block_mask, block_mask_block_size, sinks)
 
 
 def _as_tensor(x):
@@ -409,10 +440,10 @@ def _as_tensor(x):
 
 
 def _torch_s_dmask(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                   rng_state, block_mask=None, block_mask_block_size=0):
+                   rng_state, block_mask=None, block_mask_block_size=0, sinks=None):
     """S_dmask (see _s_dmask) of a torch call that drew rng_state."""
     opts = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, False, None,
-                    block_mask=block_mask, block_mask_block_size=block_mask_block_size)
+                    block_mask=block_mask, block_mask_block_size=block_mask_block_size, sinks=sinks)
     if rng_state is not None:
         opts.seed, opts.offset = (int(x) & ((1 << 64) - 1) for x in rng_state.tolist())
     q, k, v = q.detach(), k.detach(), v.detach()
@@ -447,7 +478,8 @@ def _check_packed(name, x, rank, axis, count, layout, q=None):
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                     softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
                     seed=None, kernel="auto", backward_kernel="auto", num_threads=None, num_splits=0,
-                    block_mask=None, block_mask_block_size=0, q_descale=None, k_descale=None, v_descale=None):
+                    block_mask=None, block_mask_block_size=0, q_descale=None, k_descale=None, v_descale=None,
+                    learnable_sink=None):
     """Exact attention. q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) -> out (B, Sq, Hq, Dv).
 
     With return_attn_probs: (out, softmax_lse (B, Hq, Sq) float32, S_dmask), as upstream: S_dmask
@@ -464,42 +496,48 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     batch and head, with block_mask_block_size the block; score (i, j) is kept only where
     block_mask[i // block, j // block] is set. FP8: q, k, v of dtype float8_e4m3fn (or
     float8_e5m2) with q_descale, k_descale, v_descale float32 (B, Hkv), value = code *
-    descale (None: 1), as upstream FA3; out is bfloat16, and there is no backward."""
+    descale (None: 1), as upstream FA3; out is bfloat16, and there is no backward.
+
+    learnable_sink: upstream FA4's (gpt-oss's `sinks`), one logit per q head (Hq,) float32
+    (float16 and bfloat16 are widened) joining every row's softmax denominator without a
+    value, neither scaled nor softcapped; softmax_lse includes it, and autograd gives its
+    gradient (docs/python.md, "Attention sinks")."""
     return _attention(q, k, v, None, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                       deterministic, return_attn_probs, seed, kernel, backward_kernel, num_threads, num_splits,
-                      block_mask, block_mask_block_size, (q_descale, k_descale, v_descale))
+                      block_mask, block_mask_block_size, (q_descale, k_descale, v_descale), learnable_sink)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                               softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
                               seed=None, kernel="auto", backward_kernel="auto", num_threads=None, num_splits=0,
-                              block_mask=None, block_mask_block_size=0):
+                              block_mask=None, block_mask_block_size=0, learnable_sink=None):
     """flash_attn_func on qkv (B, S, 3, H, D), sliced without copies."""
     _check_packed("qkv", qkv, 5, 2, 3, "(batch, seqlen, 3, heads, head_dim)")
     return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal,
                            window_size, softcap, alibi_slopes, deterministic, return_attn_probs, seed=seed,
                            kernel=kernel, backward_kernel=backward_kernel, num_threads=num_threads,
                            num_splits=num_splits, block_mask=block_mask,
-                           block_mask_block_size=block_mask_block_size)
+                           block_mask_block_size=block_mask_block_size, learnable_sink=learnable_sink)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
                              seed=None, kernel="auto", backward_kernel="auto", num_threads=None, num_splits=0,
-                             block_mask=None, block_mask_block_size=0):
+                             block_mask=None, block_mask_block_size=0, learnable_sink=None):
     """flash_attn_func on q and kv (B, Sk, 2, Hkv, D), sliced without copies."""
     _check_packed("kv", kv, 5, 2, 2, "(batch, seqlen_k, 2, heads_kv, head_dim)", q)
     return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
                            alibi_slopes, deterministic, return_attn_probs, seed=seed, kernel=kernel,
                            backward_kernel=backward_kernel, num_threads=num_threads, num_splits=num_splits,
-                           block_mask=block_mask, block_mask_block_size=block_mask_block_size)
+                           block_mask=block_mask, block_mask_block_size=block_mask_block_size,
+                           learnable_sink=learnable_sink)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                            alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None, *,
                            seed=None, kernel="auto", backward_kernel="auto", num_threads=None, num_splits=0,
-                           seqused_k=None, k_scale=None, v_scale=None):
+                           seqused_k=None, k_scale=None, v_scale=None, learnable_sink=None):
     """Packed variable-length batch: q (total_q, Hq, D), k/v (total_k, Hkv, D), int32 cu_seqlens (B + 1).
 
     Each sequence attends only within itself; softmax_lse is (Hq, total_q). kernel /
@@ -513,28 +551,30 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     codes with float32 k_scale/v_scale (num_pages, Hkv) descales. The whole batch runs in
     one parallel region and each sequence's result is bit-identical alone, in any batch, on
     any number of threads. Inference only: no dropout, no gradients. Returns out, or
-    (out, softmax_lse, None) with return_attn_probs."""
+    (out, softmax_lse, None) with return_attn_probs. learnable_sink as flash_attn_func's,
+    paged or not."""
     if block_table is not None:
         return _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, dropout_p, softmax_scale, causal,
                              window_size, softcap, alibi_slopes, return_attn_probs, block_table, seqused_k,
-                             k_scale, v_scale, kernel, num_threads, num_splits)
+                             k_scale, v_scale, kernel, num_threads, num_splits, learnable_sink)
     for name, x in (("seqused_k", seqused_k), ("k_scale", k_scale), ("v_scale", v_scale)):
         if x is not None:
             raise ValueError(f"{name}: belongs to a paged batch (block_table)")
     return _attention(q, k, v, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), dropout_p, softmax_scale,
                       causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, seed, kernel,
-                      backward_kernel, num_threads, num_splits)
+                      backward_kernel, num_threads, num_splits, learnable_sink=learnable_sink)
 
 
 def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, dropout_p, softmax_scale, causal,
                   window_size, softcap, alibi_slopes, return_attn_probs, block_table, seqused_k, k_scale, v_scale,
-                  kernel, num_threads, num_splits):
+                  kernel, num_threads, num_splits, learnable_sink=None):
     """flash_attn_varlen_func over page pools (forward_varlen_paged in include/flashattn/attention.hpp)."""
     if dropout_p != 0.0:
         raise ValueError(f"dropout_p: a paged batch is inference only, got {dropout_p}")
     if _is_tensor(q) and torch.is_grad_enabled() and any(
-            _is_tensor(x) and x.requires_grad for x in (q, k_cache, v_cache)):
-        raise ValueError("q, k, v: a paged batch is inference only (no gradients); call it under torch.no_grad()")
+            _is_tensor(x) and x.requires_grad for x in (q, k_cache, v_cache, learnable_sink)):
+        raise ValueError("q, k, v, learnable_sink: a paged batch is inference only (no gradients); call it under "
+                         "torch.no_grad()")
     if seqused_k is None:
         if cu_seqlens_k is None:
             raise ValueError("seqused_k: a paged batch needs seqused_k or cu_seqlens_k for its key counts")
@@ -552,8 +592,9 @@ def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                             f"not a {_dtype_name(k_cache)} cache")
         raws, dts = _inputs(q=q, k_cache=k_cache, v_cache=v_cache)
         scales = [None, None]
+    sinks = _learnable_sink(learnable_sink, q)
     opts = _options(0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, False, None, kernel,
-                    num_splits=num_splits)
+                    num_splits=num_splits, sinks=sinks)
     opts.num_threads = _resolve_threads(num_threads, _is_tensor(q))
     total, hq, _ = raws["q"].shape
     dt = dts["q"]
@@ -569,26 +610,28 @@ def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
                                      causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                                      deterministic=False, return_attn_probs=False, *, seed=None, kernel="auto",
-                                     backward_kernel="auto", num_threads=None):
+                                     backward_kernel="auto", num_threads=None, learnable_sink=None):
     """flash_attn_varlen_func on qkv (total, 3, H, D)."""
     _check_packed("qkv", qkv, 4, 1, 3, "(total, 3, heads, head_dim)")
     return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen,
                                   max_seqlen, dropout_p, softmax_scale, causal, window_size, softcap,
                                   alibi_slopes, deterministic, return_attn_probs, seed=seed, kernel=kernel,
-                                  backward_kernel=backward_kernel, num_threads=num_threads)
+                                  backward_kernel=backward_kernel, num_threads=num_threads,
+                                  learnable_sink=learnable_sink)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                     dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                                     softcap=0.0, alibi_slopes=None, deterministic=False,
                                     return_attn_probs=False, *, seed=None, kernel="auto", backward_kernel="auto",
-                                    num_threads=None):
+                                    num_threads=None, learnable_sink=None):
     """flash_attn_varlen_func on q and kv (total_k, 2, Hkv, D)."""
     _check_packed("kv", kv, 4, 1, 2, "(total_k, 2, heads_kv, head_dim)", q)
     return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
                                   alibi_slopes, deterministic, return_attn_probs, seed=seed, kernel=kernel,
-                                  backward_kernel=backward_kernel, num_threads=num_threads)
+                                  backward_kernel=backward_kernel, num_threads=num_threads,
+                                  learnable_sink=learnable_sink)
 
 
 def _dtype_name(x):
@@ -678,7 +721,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
                             return_softmax_lse=False, *, k_scale=None, v_scale=None, kernel="auto",
-                            num_threads=None):
+                            num_threads=None, learnable_sink=None):
     """Attention over a KV cache, as upstream: k_cache/v_cache (B_cache, S_cache, Hkv, D) or paged
     (num_pages, page_size, Hkv, D) with block_table (B, max_pages); new k, v (B, S_new, Hkv, D)
     are written into the cache in place at cache_seqlens before attending; rotary_cos/sin
@@ -693,8 +736,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     kernel: the CPU forward kernel by name — "auto" (the planner's choice), "decode",
     "decode_fp16" (an FP8 cache on AVX512-FP16: half-precision products), "tiled" or
-    "tiled_bf16" (see ForwardKernel in include/flashattn/options.hpp). num_threads as
-    flash_attn_func's."""
+    "tiled_bf16" (see ForwardKernel in include/flashattn/options.hpp). num_threads and
+    learnable_sink as flash_attn_func's."""
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         step = cache.stride(-1) if _is_tensor(cache) else cache.strides[-1] // cache.itemsize
         if step != 1:  # written in place: a contiguous copy would lose the appended tokens
@@ -702,6 +745,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if len(window_size) != 2:
         raise ValueError(f"window_size: expected (left, right), got {window_size!r}")
     batch = q.shape[0]
+    sinks = _learnable_sink(learnable_sink, q)
     if _is_tensor(q):
         for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
             if x is not None and not _is_tensor(x):
@@ -720,13 +764,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 tensor(cache_batch_idx), tensor(cache_leftpad), tensor(block_table),
                 None if softmax_scale is None else float(softmax_scale), bool(causal), int(window_size[0]),
                 int(window_size[1]), float(softcap), bool(rotary_interleaved), alibi_slopes, int(num_splits),
-                tensor(k_scale), tensor(v_scale), str(kernel), int(num_threads or 0))
+                tensor(k_scale), tensor(v_scale), str(kernel), int(num_threads or 0), sinks)
         direct = _torch_ops.direct(*(a for a in args if isinstance(a, torch.Tensor)))
         out, lse = (_torch_ops.fwd_kvcache_direct if direct else torch.ops.flashattn.fwd_kvcache)(*args)
         return (out, lse) if return_softmax_lse else out
     if cache_seqlens is not None and not hasattr(cache_seqlens, "shape"):
         cache_seqlens = np.full((batch,), int(cache_seqlens), dtype=np.int32)
-    opts = _options(0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, False, None, kernel)
+    opts = _options(0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, False, None, kernel, sinks=sinks)
     opts.num_splits = int(num_splits)
     opts.num_threads = _resolve_threads(num_threads, False)
     out, lse = _kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
@@ -735,12 +779,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
 
 def _backward_options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, seed,
-                      backward_kernel, num_threads, torch_inputs, block_mask=None, block_mask_block_size=0):
+                      backward_kernel, num_threads, torch_inputs, block_mask=None, block_mask_block_size=0,
+                      sinks=None):
     if dropout_p > 0.0 and seed is None:
         raise ValueError("seed: backward with dropout needs the seed the forward used")
     opts = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, seed,
                     backward_kernel=backward_kernel, block_mask=block_mask,
-                    block_mask_block_size=block_mask_block_size)
+                    block_mask_block_size=block_mask_block_size, sinks=sinks)
     opts.num_threads = _resolve_threads(num_threads, torch_inputs)
     return opts
 
@@ -748,25 +793,44 @@ def _backward_options(dropout_p, softmax_scale, causal, window_size, softcap, al
 def flash_attn_backward(dout, q, k, v, out, softmax_lse, dropout_p=0.0, softmax_scale=None, causal=False,
                         window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, *,
                         seed=None, backward_kernel="auto", num_threads=None, block_mask=None,
-                        block_mask_block_size=0):
+                        block_mask_block_size=0, learnable_sink=None):
     """Gradients (dq, dk, dv) of sum(dout * out) for NumPy users; P is recomputed from softmax_lse.
 
-    With dropout, pass the seed the forward used; a forward's block_mask comes here too.
+    With dropout, pass the seed the forward used; a forward's block_mask and learnable_sink
+    come here too (with learnable_sink: (dq, dk, dv, dsinks), dsinks float32 (Hq,)).
     backward_kernel: the CPU kernel by name ("auto", "tiled", "tiled_bf16")."""
+    sinks = _learnable_sink(learnable_sink, q)
     opts = _backward_options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                             seed, backward_kernel, num_threads, _is_tensor(q), block_mask, block_mask_block_size)
-    return _backward(dout, q, k, v, out, softmax_lse, opts)
+                             seed, backward_kernel, num_threads, _is_tensor(q), block_mask, block_mask_block_size,
+                             sinks)
+    dsinks = _dsinks_output(opts, sinks, q)
+    grads = _backward(dout, q, k, v, out, softmax_lse, opts)
+    return grads if dsinks is None else (*grads, dsinks)
 
 
 def flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                max_seqlen_k, dropout_p=0.0, softmax_scale=None, causal=False,
                                window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, *,
-                               seed=None, backward_kernel="auto", num_threads=None):
-    """Gradients (dq, dk, dv) of a packed variable-length batch."""
+                               seed=None, backward_kernel="auto", num_threads=None, learnable_sink=None):
+    """Gradients (dq, dk, dv) of a packed variable-length batch (with learnable_sink, and dsinks,
+    as flash_attn_backward's)."""
+    sinks = _learnable_sink(learnable_sink, q)
     opts = _backward_options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                             seed, backward_kernel, num_threads, _is_tensor(q))
-    return _varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                            max_seqlen_k, opts)
+                             seed, backward_kernel, num_threads, _is_tensor(q), sinks=sinks)
+    dsinks = _dsinks_output(opts, sinks, q)
+    grads = _varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                             max_seqlen_k, opts)
+    return grads if dsinks is None else (*grads, dsinks)
+
+
+def _dsinks_output(opts, sinks, like):
+    """float32 (Hq) zeros of like's kind, set as the options' dsinks, or None without sinks."""
+    if sinks is None:
+        return None
+    dsinks, raw = _empty((sinks.shape[0],), "f32", like)
+    raw[...] = 0.0
+    opts.dsinks = raw
+    return dsinks
 
 # ---- FP8 inputs (upstream FA3's q_descale, k_descale, v_descale) ------------------------------------
 
@@ -849,7 +913,8 @@ def _fp8_forward(q, k, v, descales, opts):
 
 
 def _fp8_attention(q, k, v, descales, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                   return_attn_probs, seed, kernel, num_threads, num_splits, block_mask, block_mask_block_size):
+                   return_attn_probs, seed, kernel, num_threads, num_splits, block_mask, block_mask_block_size,
+                   sinks=None):
     if return_attn_probs and dropout_p > 0.0:
         raise NotImplementedError("return_attn_probs: S_dmask under dropout is not available for FP8 inputs")
     if _is_tensor(q):
@@ -859,12 +924,12 @@ def _fp8_attention(q, k, v, descales, dropout_p, softmax_scale, causal, window_s
                 None if softmax_scale is None else float(softmax_scale), bool(causal), int(window_size[0]),
                 int(window_size[1]), float(softcap), _as_tensor(alibi_slopes), rng_state, str(kernel),
                 int(_resolve_threads(num_threads, True) if num_threads else 0), _int_arg("num_splits", num_splits, 0),
-                _as_tensor(block_mask), int(block_mask_block_size))
+                _as_tensor(block_mask), int(block_mask_block_size), sinks)
         direct = _torch_ops.direct(*(a for a in args if isinstance(a, torch.Tensor)))
         out, lse = (_torch_ops._fwd_fp8 if direct else torch.ops.flashattn.fwd_fp8)(*args)
         return (out, lse, out.new_empty((0,))) if return_attn_probs else out
     opts = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, False,
-                    _numpy_seed(dropout_p, seed), kernel, "auto", num_splits, block_mask, block_mask_block_size)
+                    _numpy_seed(dropout_p, seed), kernel, "auto", num_splits, block_mask, block_mask_block_size, sinks)
     opts.num_threads = _resolve_threads(num_threads, False)
     out, lse = _fp8_forward(q, k, v, descales, opts)
     return (out, lse, np.empty((0,), dtype=out.dtype)) if return_attn_probs else out

@@ -16,6 +16,7 @@ as much as a whole decode step on a short cache; the results are the same.
 
 from __future__ import annotations
 
+import inspect
 from typing import Optional
 
 import torch
@@ -27,9 +28,11 @@ _MASK64 = (1 << 64) - 1
 
 
 def _opts(dropout_p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, deterministic,
-          rng_state, kernel, backward_kernel, num_threads, num_splits=0, block_mask=None, block_mask_block_size=0):
+          rng_state, kernel, backward_kernel, num_threads, num_splits=0, block_mask=None, block_mask_block_size=0,
+          sinks=None):
     o = _impl._options(dropout_p, softmax_scale, causal, (window_left, window_right), softcap, alibi_slopes,
-                       deterministic, None, kernel, backward_kernel, num_splits, block_mask, block_mask_block_size)
+                       deterministic, None, kernel, backward_kernel, num_splits, block_mask, block_mask_block_size,
+                       sinks)
     if rng_state is not None:
         seed, offset = (int(x) & _MASK64 for x in rng_state.tolist())
         o.seed, o.offset = seed, offset
@@ -43,10 +46,11 @@ def _opts(dropout_p, softmax_scale, causal, window_left, window_right, softcap, 
 def _fwd(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, softmax_scale: Optional[float], causal: bool,
          window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[Tensor], deterministic: bool,
          rng_state: Optional[Tensor], kernel: str, backward_kernel: str, num_threads: int, num_splits: int = 0,
-         block_mask: Optional[Tensor] = None, block_mask_block_size: int = 0) -> tuple[Tensor, Tensor]:
-    """out (B, Sq, Hq, Dv) and softmax_lse (B, Hq, Sq) float32."""
+         block_mask: Optional[Tensor] = None, block_mask_block_size: int = 0,
+         sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """out (B, Sq, Hq, Dv) and softmax_lse (B, Hq, Sq) float32 (including the float32 (Hq) sinks)."""
     o = _opts(dropout_p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, deterministic,
-              rng_state, kernel, backward_kernel, num_threads, num_splits, block_mask, block_mask_block_size)
+              rng_state, kernel, backward_kernel, num_threads, num_splits, block_mask, block_mask_block_size, sinks)
     out, lse, _ = _impl._forward(q, k, v, o, False)
     return out, lse
 
@@ -64,21 +68,44 @@ def _(q, k, v, *args):
 def _bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse: Tensor, dropout_p: float,
          softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int, softcap: float,
          alibi_slopes: Optional[Tensor], deterministic: bool, rng_state: Optional[Tensor], backward_kernel: str,
-         num_threads: int, block_mask: Optional[Tensor] = None,
-         block_mask_block_size: int = 0) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv of sum(dout * out); P is recomputed from softmax_lse."""
+         num_threads: int, block_mask: Optional[Tensor] = None, block_mask_block_size: int = 0,
+         sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """dq, dk, dv of sum(dout * out) and dsinks (float32 (Hq) with sinks, else (0,)); P is
+    recomputed from softmax_lse."""
     o = _opts(dropout_p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, deterministic,
               rng_state, "auto", backward_kernel, num_threads, block_mask=block_mask,
-              block_mask_block_size=block_mask_block_size)
-    return _impl._backward(dout, q, k, v, out, softmax_lse, o)
+              block_mask_block_size=block_mask_block_size, sinks=sinks)
+    dsinks = _dsinks(o, q, sinks)
+    return (*_impl._backward(dout, q, k, v, out, softmax_lse, o), dsinks)
+
+
+def _dsinks(o, q, sinks):
+    """The sinks' gradient, float32 like them, set as the options' output: (Hq), or (0,) without sinks."""
+    dsinks = q.new_zeros((0 if sinks is None else sinks.shape[0],), dtype=torch.float32)
+    if sinks is not None:
+        o.dsinks = dsinks.numpy()
+    return dsinks
 
 
 bwd = torch.library.custom_op("flashattn::bwd", _bwd, mutates_args=())
 
 
-@bwd.register_fake
-def _(dout, q, k, v, out, softmax_lse, *args):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _fake_grads(op_impl):
+    """The fake kernel of a backward op: dq, dk, dv like q, k, v and dsinks as _dsinks makes it
+    (the call's arguments bound to the op's signature, defaults included, to find its sinks)."""
+    signature = inspect.signature(op_impl)
+
+    def fake(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        q, k, v, sinks = (bound.arguments[n] for n in ("q", "k", "v", "sinks"))
+        return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+                q.new_empty((0 if sinks is None else sinks.shape[0],), dtype=torch.float32))
+
+    return fake
+
+
+bwd.register_fake(_fake_grads(_bwd))
 
 
 # ---- variable-length batches ------------------------------------------------------------------
@@ -88,12 +115,12 @@ def _varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
                 max_seqlen_k: int, dropout_p: float, softmax_scale: Optional[float], causal: bool, window_left: int,
                 window_right: int, softcap: float, alibi_slopes: Optional[Tensor], deterministic: bool,
                 rng_state: Optional[Tensor], kernel: str, backward_kernel: str, num_threads: int,
-                num_splits: int = 0, block_mask: Optional[Tensor] = None,
-                block_mask_block_size: int = 0) -> tuple[Tensor, Tensor]:
+                num_splits: int = 0, block_mask: Optional[Tensor] = None, block_mask_block_size: int = 0,
+                sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """out (total_q, Hq, Dv) and softmax_lse (Hq, total_q) float32 (the native library refuses
     a block_mask with variable-length batches)."""
     o = _opts(dropout_p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, deterministic,
-              rng_state, kernel, backward_kernel, num_threads, num_splits, block_mask, block_mask_block_size)
+              rng_state, kernel, backward_kernel, num_threads, num_splits, block_mask, block_mask_block_size, sinks)
     out, lse, _ = _impl._varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, o, False)
     return out, lse
 
@@ -113,21 +140,21 @@ def _varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, soft
                 softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int, softcap: float,
                 alibi_slopes: Optional[Tensor], deterministic: bool, rng_state: Optional[Tensor],
                 backward_kernel: str, num_threads: int, block_mask: Optional[Tensor] = None,
-                block_mask_block_size: int = 0) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv of a packed variable-length batch."""
+                block_mask_block_size: int = 0,
+                sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """dq, dk, dv and dsinks (as bwd's) of a packed variable-length batch."""
     o = _opts(dropout_p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, deterministic,
               rng_state, "auto", backward_kernel, num_threads, block_mask=block_mask,
-              block_mask_block_size=block_mask_block_size)
-    return _impl._varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                  max_seqlen_k, o)
+              block_mask_block_size=block_mask_block_size, sinks=sinks)
+    dsinks = _dsinks(o, q, sinks)
+    return (*_impl._varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, o), dsinks)
 
 
 varlen_bwd = torch.library.custom_op("flashattn::varlen_bwd", _varlen_bwd, mutates_args=())
 
 
-@varlen_bwd.register_fake
-def _(dout, q, k, v, *args):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+varlen_bwd.register_fake(_fake_grads(_varlen_bwd))
 
 
 def direct(*tensors):
@@ -162,8 +189,8 @@ def _check_rank(name, x, rank, layout):
 # max_seqlen_k (varlen_fwd), in the order of the schema.
 _FWD_OPTIONS = ("dropout_p", "softmax_scale", "causal", "window_left", "window_right", "softcap", "alibi_slopes",
                 "deterministic", "rng_state", "kernel", "backward_kernel", "num_threads", "num_splits", "block_mask",
-                "block_mask_block_size")
-_NOT_FOR_BACKWARD = ("kernel", "alibi_slopes", "rng_state", "num_splits", "block_mask")
+                "block_mask_block_size", "sinks")
+_NOT_FOR_BACKWARD = ("kernel", "alibi_slopes", "rng_state", "num_splits", "block_mask", "sinks")
 
 
 def _setup(ctx, inputs, output, varlen):
@@ -176,8 +203,10 @@ def _setup(ctx, inputs, output, varlen):
     extra = [inputs[3], inputs[4]] if varlen else []
     ctx.has_alibi, ctx.has_rng = named["alibi_slopes"] is not None, named["rng_state"] is not None
     ctx.has_mask = named["block_mask"] is not None
+    ctx.has_sinks = named["sinks"] is not None
     saved = [q, k, v, out, lse, *extra]
-    for present, name in ((ctx.has_alibi, "alibi_slopes"), (ctx.has_rng, "rng_state"), (ctx.has_mask, "block_mask")):
+    for present, name in ((ctx.has_alibi, "alibi_slopes"), (ctx.has_rng, "rng_state"), (ctx.has_mask, "block_mask"),
+                          (ctx.has_sinks, "sinks")):
         if present:
             saved.append(named[name])
     ctx.save_for_backward(*saved)
@@ -193,10 +222,11 @@ def _grads(ctx, dout, varlen):
     alibi = rest.pop(0) if ctx.has_alibi else None
     rng = rest.pop(0) if ctx.has_rng else None
     mask = rest.pop(0) if ctx.has_mask else None
+    sinks = rest.pop(0) if ctx.has_sinks else None
     o = ctx.options
     common = (o["dropout_p"], o["softmax_scale"], o["causal"], o["window_left"], o["window_right"], o["softcap"],
               alibi, o["deterministic"], rng, o["backward_kernel"], o["num_threads"], mask,
-              o["block_mask_block_size"])
+              o["block_mask_block_size"], sinks)
     dout = dout.to(q.dtype)
     if varlen:
         return torch.ops.flashattn.varlen_bwd(dout, q, k, v, out, lse, *cu, *ctx.varlen, *common)
@@ -207,9 +237,14 @@ def _fwd_setup(ctx, inputs, output):
     _setup(ctx, inputs, output, varlen=False)
 
 
+def _option_grads(ctx, dsinks):
+    """The gradients of the options, in _FWD_OPTIONS order: None but the sinks'."""
+    return (None,) * (len(_FWD_OPTIONS) - 1) + (dsinks if ctx.has_sinks else None,)
+
+
 def _fwd_backward(ctx, dout, _dlse):
-    dq, dk, dv = _grads(ctx, dout, varlen=False)
-    return (dq, dk, dv) + (None,) * len(_FWD_OPTIONS)
+    dq, dk, dv, dsinks = _grads(ctx, dout, varlen=False)
+    return (dq, dk, dv) + _option_grads(ctx, dsinks)
 
 
 def _varlen_setup(ctx, inputs, output):
@@ -217,8 +252,8 @@ def _varlen_setup(ctx, inputs, output):
 
 
 def _varlen_backward(ctx, dout, _dlse):
-    dq, dk, dv = _grads(ctx, dout, varlen=True)
-    return (dq, dk, dv) + (None,) * (4 + len(_FWD_OPTIONS))
+    dq, dk, dv, dsinks = _grads(ctx, dout, varlen=True)
+    return (dq, dk, dv) + (None,) * 4 + _option_grads(ctx, dsinks)
 
 
 torch.library.register_autograd("flashattn::fwd", _fwd_backward, setup_context=_fwd_setup)
@@ -233,11 +268,12 @@ def _fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor
                  cache_batch_idx: Optional[Tensor], cache_leftpad: Optional[Tensor], block_table: Optional[Tensor],
                  softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int, softcap: float,
                  rotary_interleaved: bool, alibi_slopes: Optional[Tensor], num_splits: int, k_scale: Optional[Tensor],
-                 v_scale: Optional[Tensor], kernel: str, num_threads: int) -> tuple[Tensor, Tensor]:
+                 v_scale: Optional[Tensor], kernel: str, num_threads: int,
+                 sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """out (B, Sq, Hq, Dv) and softmax_lse (B, Hq, Sq); new k, v are written into the cache
     (and an FP8 cache's descales grown) in place."""
     o = _opts(0.0, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, False, None, kernel,
-              "auto", num_threads)
+              "auto", num_threads, sinks=sinks)
     o.num_splits = int(num_splits)
     return _impl._kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                   cache_batch_idx, cache_leftpad, block_table, rotary_interleaved, k_scale, v_scale,
@@ -262,11 +298,12 @@ def _fwd_fp8(q: Tensor, k: Tensor, v: Tensor, q_descale: Optional[Tensor], k_des
              v_descale: Optional[Tensor], dropout_p: float, softmax_scale: Optional[float], causal: bool,
              window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
              rng_state: Optional[Tensor], kernel: str, num_threads: int, num_splits: int,
-             block_mask: Optional[Tensor], block_mask_block_size: int) -> tuple[Tensor, Tensor]:
+             block_mask: Optional[Tensor], block_mask_block_size: int,
+             sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """FP8 q, k, v (float8_e4m3fn or float8_e5m2) with FA3's (B, Hkv) descales: out (B, Sq, Hq, Dv)
-    bfloat16 and softmax_lse (B, Hq, Sq) float32. Forward only."""
+    bfloat16 and softmax_lse (B, Hq, Sq) float32. Forward only (no gradient for sinks either)."""
     o = _opts(dropout_p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, False, rng_state,
-              kernel, "auto", num_threads, num_splits, block_mask, block_mask_block_size)
+              kernel, "auto", num_threads, num_splits, block_mask, block_mask_block_size, sinks)
     return _impl._fp8_forward(q, k, v, (q_descale, k_descale, v_descale), o)
 
 

@@ -81,6 +81,15 @@ def alibi_bias(alibi_slopes, batch, heads, seqlen_q, seqlen_k):
     return -slopes[:, :, None, None] * dist[None, None]
 
 
+def _with_sinks(s, sinks):
+    """Scores (B, H, Sq, Sk) with one more key column per head: its sink logit (gpt-oss's
+    sinks, unscaled), which joins the softmax denominator and has no value."""
+    if sinks is None:
+        return s
+    col = np.broadcast_to(np.asarray(sinks, dtype=s.dtype)[None, :, None, None], s.shape[:-1] + (1,))
+    return np.concatenate([s, col], axis=-1)
+
+
 def _scale(softmax_scale, head_dim):
     return 1.0 / np.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
 
@@ -96,12 +105,13 @@ def block_keep(block_mask, block_size, seqlen_q, seqlen_k):
 
 
 def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                  alibi_slopes=None, dropout_weights=None, keep=None):
+                  alibi_slopes=None, dropout_weights=None, keep=None, sinks=None):
     """Float64 reference forward.
 
     dropout_weights: optional (B, Hq, Sq, Sk) multiplier applied to the probabilities
     (0 where dropped, 1/(1-p) where kept), i.e. out = (P * w) @ v. keep: optional bool
-    (Sq, Sk) mask of further visible pairs (a block mask, see block_keep).
+    (Sq, Sk) mask of further visible pairs (a block mask, see block_keep). sinks: optional
+    (Hq,) logits, one per head, in every row's denominator (lse includes them; P does not).
 
     Returns (out (B, Sq, Hq, Dv), lse (B, Hq, Sq), P (B, Hq, Sq, Sk)), all float64.
     """
@@ -120,24 +130,26 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1
     mask = visible_mask(seqlen_q, seqlen_k, causal, window_size)
     if keep is not None:
         mask = mask & keep
-    s = np.where(mask, s, -np.inf)
+    s = _with_sinks(np.where(mask, s, -np.inf), sinks)
 
     with np.errstate(invalid="ignore"):
-        m = np.max(s, axis=-1, keepdims=True) if seqlen_k else np.full(s.shape[:-1] + (1,), -np.inf)
+        m = np.max(s, axis=-1, keepdims=True) if s.shape[-1] else np.full(s.shape[:-1] + (1,), -np.inf)
         m_safe = np.where(np.isfinite(m), m, 0.0)
         e = np.exp(s - m_safe)
         total = e.sum(axis=-1, keepdims=True)
         p = np.where(total > 0, e / np.where(total > 0, total, 1.0), 0.0)
         with np.errstate(divide="ignore"):
             lse = np.where(total > 0, m_safe + np.log(np.where(total > 0, total, 1.0)), -np.inf)[..., 0]
+    p = p[..., :seqlen_k]
     z = p if dropout_weights is None else p * np.asarray(dropout_weights, dtype=np.float64)
     out = z @ vh
     return _from_bhsd(out), lse, p
 
 
 def attention_backward_ref(dout, q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1),
-                           softcap=0.0, alibi_slopes=None, dropout_weights=None, keep=None):
-    """Analytic float64 gradients (dq, dk, dv) of sum(out * dout), shapes of q, k, v."""
+                           softcap=0.0, alibi_slopes=None, dropout_weights=None, keep=None, sinks=None):
+    """Analytic float64 gradients (dq, dk, dv) of sum(out * dout), shapes of q, k, v; with
+    sinks also dsinks (Hq,) = -sum over batch and rows of e^(sink - lse) * rowsum(dout * out)."""
     qh, kh0, vh0 = _to_bhsd(q), _to_bhsd(k), _to_bhsd(v)
     doh = _to_bhsd(dout)
     batch, heads, seqlen_q, dim = qh.shape
@@ -145,7 +157,8 @@ def attention_backward_ref(dout, q, k, v, softmax_scale=None, causal=False, wind
     kh, vh = _repeat_kv(kh0, group), _repeat_kv(vh0, group)
     scale = _scale(softmax_scale, dim)
 
-    _, _, p = attention_ref(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, keep=keep)
+    _, lse, p = attention_ref(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, keep=keep,
+                              sinks=sinks)
     z = p if dropout_weights is None else p * np.asarray(dropout_weights, dtype=np.float64)
 
     dv = z.transpose(0, 1, 3, 2) @ doh                      # (B, Hq, Sk, Dv)
@@ -158,7 +171,11 @@ def attention_backward_ref(dout, q, k, v, softmax_scale=None, causal=False, wind
     ds = ds * scale                                         # d loss / d (q . k)
     dq = ds @ kh
     dk = ds.transpose(0, 1, 3, 2) @ qh
-    return (_from_bhsd(dq), _from_bhsd(_sum_groups(dk, group)), _from_bhsd(_sum_groups(dv, group)))
+    grads = (_from_bhsd(dq), _from_bhsd(_sum_groups(dk, group)), _from_bhsd(_sum_groups(dv, group)))
+    if sinks is None:
+        return grads
+    p_sink = np.exp(np.asarray(sinks, dtype=np.float64)[None, :, None] - lse)
+    return grads + (-np.sum(p_sink * delta[..., 0], axis=(0, 2)),)
 
 
 # --------------------------------------------------------------------------- same precision
@@ -207,7 +224,7 @@ def _naive_scores(q, k, rnd, scale, causal, window_size, softcap, alibi_slopes, 
 
 
 def attention_naive(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, dropout_weights=None, keep=None):
+                    alibi_slopes=None, dropout_weights=None, keep=None, sinks=None):
     """Forward in the input precision (upstream's upcast=False reference).
 
     Returns out (B, Sq, Hq, Dv) as float32 values rounded to q's dtype.
@@ -216,7 +233,7 @@ def attention_naive(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     rnd = _rounder(dtype)
     scale = _scale(softmax_scale, np.shape(q)[-1])
     _, _, s, _, group = _naive_scores(q, k, rnd, scale, causal, window_size, softcap, alibi_slopes, keep)
-    p = rnd(_softmax_f32(s))
+    p = rnd(_softmax_f32(_with_sinks(s, sinks)))[..., :s.shape[-1]]
     vh = _repeat_kv(_to_bhsd(v, np.float32), group)
     if dropout_weights is not None:
         p = rnd(p * np.asarray(dropout_weights, dtype=np.float32))
@@ -224,15 +241,17 @@ def attention_naive(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
 
 
 def attention_backward_naive(dout, q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1),
-                             softcap=0.0, alibi_slopes=None, dropout_weights=None, keep=None):
-    """Gradients in the input precision, as autograd through attention_naive would give."""
+                             softcap=0.0, alibi_slopes=None, dropout_weights=None, keep=None, sinks=None):
+    """Gradients in the input precision, as autograd through attention_naive would give
+    (with sinks, dsinks too, accumulated in float32)."""
     dtype = np.asarray(q).dtype
     rnd = _rounder(dtype)
     scale = _scale(softmax_scale, np.shape(q)[-1])
     qs, kh, s, t, group = _naive_scores(q, k, rnd, scale, causal, window_size, softcap, alibi_slopes, keep)
     vh = _repeat_kv(_to_bhsd(v, np.float32), group)
     doh = _to_bhsd(dout, np.float32)
-    p = rnd(_softmax_f32(s))
+    p_all = rnd(_softmax_f32(_with_sinks(s, sinks)))
+    p = p_all[..., :s.shape[-1]]
     if dropout_weights is not None:
         w = np.asarray(dropout_weights, dtype=np.float32)
         z = rnd(p * w)
@@ -250,8 +269,10 @@ def attention_backward_naive(dout, q, k, v, softmax_scale=None, causal=False, wi
     dqs = rnd(ds @ kh)
     dq = rnd(dqs * np.float32(scale))
     dk = rnd(ds.transpose(0, 1, 3, 2) @ qs)
-    return (_from_bhsd(dq), _from_bhsd(rnd(_sum_groups(dk, group))),
-            _from_bhsd(rnd(_sum_groups(dv, group))))
+    grads = (_from_bhsd(dq), _from_bhsd(rnd(_sum_groups(dk, group))), _from_bhsd(rnd(_sum_groups(dv, group))))
+    if sinks is None:
+        return grads
+    return grads + (-np.sum(p_all[..., -1] * delta[..., 0], axis=(0, 2), dtype=np.float32),)
 
 
 # --------------------------------------------------------------------------- tolerance rule

@@ -191,6 +191,32 @@ def test_fp8_forward(causal):
     assert torch.equal(torch.export.export(Fp8(), (*t, *td)).module()(*t, *td), tout)
 
 
+def test_fp8_forward_with_learnable_sink():
+    """FP8 inputs with learnable_sink: the reference on the dequantized values with the sinks,
+    within the FP8 bound; NumPy and torch (op and compiled) agree bit for bit."""
+    (q8, k8, v8), (dq, dk, dv) = _fp8_case(31, 2, 21, 40, 4, 2, 32)
+    sinks = np.array([0.5, 4.0, -1.0, 8.0], np.float32)  # the scores reach ~20: some sinks must compete
+    out, lse, _ = flashattn.flash_attn_func(q8, k8, v8, causal=True, q_descale=dq, k_descale=dk, v_descale=dv,
+                                            return_attn_probs=True, learnable_sink=sinks)
+    qf, kf, vf = _dequantized(q8, dq, 2), _dequantized(k8, dk, 1), _dequantized(v8, dv, 1)
+    out_ref, lse_ref, _ = attention_ref(qf, kf, vf, causal=True, sinks=sinks.astype(np.float64))
+    tol = 2.0 ** -4 * np.abs(vf).max() + 2.0 ** -8 * np.abs(out_ref).max()
+    assert max_abs(out.astype(np.float32), out_ref) <= tol
+    assert max_abs(lse, lse_ref) < 1e-4
+    plain_lse = attention_ref(qf, kf, vf, causal=True)[1]
+    assert max_abs(plain_lse, lse_ref) > 0.1  # the sinks matter
+    t = [torch.from_numpy(x.view(np.uint8)).view(torch.float8_e4m3fn) for x in (q8, k8, v8)]
+    td = [torch.from_numpy(x) for x in (dq, dk, dv)]
+
+    def f(a, b, c, x, y, z, s):
+        return flashattn.flash_attn_func(a, b, c, causal=True, q_descale=x, k_descale=y, v_descale=z,
+                                         learnable_sink=s)
+
+    ts = torch.from_numpy(sinks)
+    assert np.array_equal(f(*t, *td, ts).float().numpy(), out.astype(np.float32))
+    assert np.array_equal(torch.compile(f, fullgraph=True)(*t, *td, ts).float().numpy(), out.astype(np.float32))
+
+
 def test_fp8_opcheck_and_e5m2():
     (q8, k8, v8), (dq, dk, dv) = _fp8_case(7, 1, 9, 17, 2, 1, 16)
     t = [torch.from_numpy(x.view(np.uint8)).view(torch.float8_e4m3fn) for x in (q8, k8, v8)]

@@ -128,3 +128,48 @@ def test_reference_naive_error_scale(dtype):
         e = ref.max_abs(a, b)
         scale = float(np.max(np.abs(b)))
         assert 0 < e < 16 * eps * scale, f"naive d{n} error {e}, |ref| {scale} (seed={seed})"
+
+
+@pytest.mark.parametrize("variant", [dict(), dict(causal=True), dict(window_size=(1, 0), softcap=0.6)],
+                         ids=["full", "causal", "window-softcap"])
+def test_reference_sinks_selfcheck(variant):
+    """With sinks: lse = log(sum_j e^s_ij + e^sink); a row that sees no key (Sq > Sk, causal)
+    gives out 0 and lse = its sink; dq, dk, dv and dsinks == central differences; the float32
+    naive reference == attention_ref."""
+    seed = seed_for("sinks selfcheck", str(variant))
+    batch, sq, sk, hq, hkv, d = 2, 5, 3, 4, 2, 3
+    q, k, v = make_qkv(seed, batch, sq, sk, hq, hkv, d, 4, np.float64)
+    sinks = np.array([-1.0, 0.3, 1.5, 3.0])
+    out, lse, _ = ref.attention_ref(q, k, v, sinks=sinks, **variant)
+    _, lse_plain, _ = ref.attention_ref(q, k, v, **variant)
+    want = np.logaddexp(lse_plain, sinks[None, :, None])
+    np.testing.assert_allclose(lse, want, rtol=1e-12, atol=1e-12)
+    if variant.get("causal"):  # rows 0 and 1 see no key
+        np.testing.assert_array_equal(out[:, :2], 0.0)
+        np.testing.assert_allclose(lse[:, :, :2], np.broadcast_to(sinks[None, :, None], (batch, hq, 2)))
+
+    dout = make_dout(seed, out.shape, np.float64)
+    grads = ref.attention_backward_ref(dout, q, k, v, sinks=sinks, **variant)
+    assert len(grads) == 4
+
+    def loss(qq, kk, vv, ss):
+        return float(np.sum(ref.attention_ref(qq, kk, vv, sinks=ss, **variant)[0] * dout))
+
+    eps = 1e-6
+    base = [q, k, v, sinks]
+    for which, g in enumerate(grads):
+        num = np.zeros_like(base[which])
+        for idx in np.ndindex(num.shape):
+            plus, minus = [x.copy() for x in base], [x.copy() for x in base]
+            plus[which][idx] += eps
+            minus[which][idx] -= eps
+            num[idx] = (loss(*plus) - loss(*minus)) / (2 * eps)
+        np.testing.assert_allclose(g, num, rtol=1e-5, atol=1e-7, err_msg=f"gradient {which}")
+
+    naive = ref.attention_naive(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32), sinks=sinks,
+                                **variant)
+    np.testing.assert_allclose(naive, out, atol=1e-5)
+    naive_grads = ref.attention_backward_naive(dout.astype(np.float32), q.astype(np.float32),
+                                               k.astype(np.float32), v.astype(np.float32), sinks=sinks, **variant)
+    for g, n in zip(grads, naive_grads):
+        np.testing.assert_allclose(n, g, atol=1e-4)

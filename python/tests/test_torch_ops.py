@@ -55,6 +55,26 @@ def test_opcheck_fwd_bwd(case):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_opcheck_sinks(dtype):
+    """fwd, bwd, varlen_fwd, varlen_bwd with sinks: schema, fake kernels (dsinks (Hq) float32),
+    autograd registration (a gradient for sinks)."""
+    gen = torch.Generator().manual_seed(seed_for("opcheck_sinks", str(dtype)))
+    q = rand(gen, (2, 13, 4, 16), dtype, True)
+    k = rand(gen, (2, 21, 2, 16), dtype, True)
+    v = rand(gen, (2, 21, 2, 16), dtype, True)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], requires_grad=True)
+    fwd_args = (q, k, v) + options(causal=True)
+    torch.library.opcheck(OPS.fwd, fwd_args, {"sinks": sinks})
+    out, lse = OPS.fwd(*fwd_args, sinks=sinks)
+    bwd_args = (rand(gen, tuple(out.shape), dtype), q.detach(), k.detach(), v.detach(), out.detach(), lse.detach())
+    torch.library.opcheck(OPS.bwd, bwd_args + backward_options(causal=True), {"sinks": sinks.detach()})
+    cu = torch.tensor([0, 5, 13], dtype=torch.int32)
+    cu_k = torch.tensor([0, 9, 21], dtype=torch.int32)
+    varlen_args = (q[0], k[0], v[0], cu, cu_k, 8, 12) + options(causal=True)
+    torch.library.opcheck(OPS.varlen_fwd, varlen_args, {"sinks": sinks})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_opcheck_varlen(dtype):
     seed = seed_for("opcheck_varlen", str(dtype))
     gen = torch.Generator().manual_seed(seed)
@@ -108,8 +128,12 @@ def test_meta_shapes():
     assert out.device.type == "meta" and out.shape == (3, 17, 8, 48) and out.dtype == torch.bfloat16
     out, lse = OPS.fwd(q, k, v, *options())
     assert lse.shape == (3, 8, 17) and lse.dtype == torch.float32
-    dq, dk, dv = OPS.bwd(out, q, k, v, out, lse, *backward_options())
-    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    dq, dk, dv, dsinks = OPS.bwd(out, q, k, v, out, lse, *backward_options())
+    assert (dq.shape, dk.shape, dv.shape, dsinks.shape) == (q.shape, k.shape, v.shape, (0,))
+    sinks = torch.empty(8, device="meta")
+    out, lse = OPS.fwd(q, k, v, *options(), sinks=sinks)
+    dsinks = OPS.bwd(out, q, k, v, out, lse, *backward_options(), sinks=sinks)[3]
+    assert dsinks.shape == (8,) and dsinks.dtype == torch.float32
     qv, kv = torch.empty(40, 8, 32, device="meta"), torch.empty(50, 2, 32, device="meta")
     cu = torch.empty(4, dtype=torch.int32, device="meta")
     out = flashattn.flash_attn_varlen_func(qv, kv, kv, cu, cu, 20, 20)

@@ -426,3 +426,62 @@ def test_sentence_transformers_encode_equals_sdpa():
     ours, theirs = embeddings
     assert (ours - theirs).abs().max() <= 1e-5
     assert torch.nn.functional.cosine_similarity(ours, theirs).min() >= 0.99999
+
+
+def gpt_oss_models(dtype):
+    """A tiny random gpt-oss (attention sinks through `s_aux`, alternating sliding and full layers,
+    a window shorter than the prompt, GQA, mixture of experts) with flashattn, with its eager
+    attention (the one that implements sinks in transformers) and that eager in float64. Its
+    sinks are drawn wide, so that they change the result."""
+    config = transformers.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=6,
+        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=256, pad_token_id=0,
+        initializer_range=0.2)
+    config._experts_implementation = "eager"  # grouped_mm takes no float64
+    torch.manual_seed(0)
+    first = build(config, ATTN, torch.float32)
+    gen = torch.Generator().manual_seed(4)
+    state = {}
+    for name, w in first.state_dict().items():
+        if name.endswith("self_attn.sinks"):
+            w = torch.empty(w.shape).uniform_(-1.0, 3.0, generator=gen)
+        state[name] = w.to(dtype).to(torch.float32)
+    return (build(config, ATTN, dtype, state), build(config, "eager", dtype, state),
+            build(config, "eager", torch.float64, state))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpt_oss_sinks_logits_and_gradients_within_rule(dtype):
+    """gpt-oss's s_aux goes in as learnable_sink: logits (left-padded batch) and, in training, the
+    sinks' gradients within the rule against the float64 eager model; without the sinks the
+    logits would be far off (they matter)."""
+    ours, theirs, ref = gpt_oss_models(dtype)
+    ids, mask = batch(side="left")
+    real = mask.bool()
+    with torch.no_grad():
+        want = ref(ids, attention_mask=mask).logits[real]
+        check_rule(ours(ids, attention_mask=mask).logits[real], theirs(ids, attention_mask=mask).logits[real], want,
+                   dtype, 2, "gpt-oss logits")
+        plain = copy.deepcopy(ours)
+        for layer in plain.model.layers:
+            layer.self_attn.sinks.fill_(-1e4)
+        assert (plain(ids, attention_mask=mask).logits[real].double() - want).abs().max() > 0.05
+    ids, mask = batch(side="right")
+    grads = []
+    for model in (ours, theirs, ref):
+        model.train()
+        model.zero_grad()
+        model(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss.backward()
+        grads.append(torch.cat([layer.self_attn.sinks.grad.double() for layer in model.model.layers]))
+    assert grads[2].abs().max() > 1e-3
+    check_rule(grads[0], grads[1], grads[2], dtype, 3, "gpt-oss sinks gradient")
+
+
+def test_gpt_oss_generate_greedy_same_tokens():
+    """Greedy decoding of a left-padded batch (decode steps read the cache in place, with the
+    sinks): the tokens of the eager model."""
+    ours, theirs, _ = gpt_oss_models(torch.float32)
+    ids, mask = batch(side="left")
+    args = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours.generate(ids, **args), theirs.generate(ids, **args))

@@ -52,7 +52,11 @@ std::vector<double> same_precision_attention(const AttentionProblem& p, const At
                             : static_cast<float>(sem.score(b, h, i, j, dot));
           m = std::fmax(m, s[j]);
         }
+        // The sink (options.sinks) joins the denominator with no value (docs/algorithm.md §6.1).
+        const float sink = p.sinks ? static_cast<float>(sem.sink(h)) : -INFINITY;
+        m = std::fmax(m, sink);
         if (m == -INFINITY) continue;
+        if (p.sinks) sum += naive_exp(options, sink - m);
         for (std::int64_t j = 0; j < p.seqlen_k; ++j) sum += (s[j] = naive_exp(options, s[j] - m));
         for (std::int64_t j = 0; j < p.seqlen_k; ++j) {
           const auto keep = static_cast<float>(sem.dropout_weight(b, h, i, j));
@@ -117,9 +121,12 @@ NaiveGradients naive_backward_same_precision(const AttentionProblem& p, const At
           pr[j] = round_to(p.dtype, static_cast<float>(sem.score(b, h, i, j, dot)));
           m = std::fmax(m, pr[j]);
         }
+        const float sink = p.sinks ? static_cast<float>(sem.sink(h)) : -INFINITY;  // as the forward's
+        m = std::fmax(m, sink);
         if (m == -INFINITY) {
           std::fill(pr, pr + sk, 0.0f);
         } else {
+          if (p.sinks) sum += naive_exp(options, sink - m);
           for (std::int64_t j = 0; j < sk; ++j) sum += (pr[j] = naive_exp(options, pr[j] - m));
           for (std::int64_t j = 0; j < sk; ++j) pr[j] = round_to(p.dtype, pr[j] / sum);
         }

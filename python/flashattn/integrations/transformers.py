@@ -20,8 +20,10 @@ padding tokens are left out, since no real token sees them. A decode step of a l
 reads the KV cache in place (``flash_attn_with_kvcache`` with ``cache_leftpad``) when no
 gradient is needed. Refused with ValueError naming the argument: ``output_attentions=True``, an
 attention bias (``position_bias``, a float mask with values other than 0 and the minimum),
-attention sinks (``s_aux``, ``sinks``), packed sequences given as ``cu_seq_lens_*``, a paged
-cache (``block_table``), head masks.
+an argument named ``sinks``, packed sequences given as ``cu_seq_lens_*``, a paged cache
+(``block_table``), head masks. gpt-oss's attention sinks (``s_aux``, one logit per q head in
+every row's softmax denominator) are taken, as flashattn's ``learnable_sink``, with their
+gradient.
 
 Where the model passes no mask, the module's ``is_causal`` (or the ``is_causal`` argument) and
 ``sliding_window`` decide, as in transformers' flash-attention path: a causal window of
@@ -44,8 +46,8 @@ from .. import _torch_ops
 ATTN_IMPLEMENTATION = "fa_cpu"
 
 # Arguments some models pass to the attention function that change what it computes and that
-# flashattn does not take (an additive bias, attention sinks, packed sequences, head masks).
-_REFUSED = ("position_bias", "s_aux", "sinks", "head_mask", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+# flashattn does not take (an additive bias, sinks of unknown semantics, packed sequences, head masks).
+_REFUSED = ("position_bias", "sinks", "head_mask", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
             "max_length_k", "indices", "block_indices", "block_table")
 
 # The dtype names of the native core, for the direct route of _dense_inference.
@@ -309,21 +311,23 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             window = (int(sliding_window) - 1, 0)
         plan = _Plan(batch, q_length, kv_length, causal, window)
 
+    sinks = kwargs.get("s_aux")  # gpt-oss: (Hq) unscaled logits, as learnable_sink
     options = dict(dropout_p=float(dropout), softmax_scale=scaling, causal=plan.causal, window_size=plan.window,
-                   softcap=0.0 if softcap is None else float(softcap))
+                   softcap=0.0 if softcap is None else float(softcap), learnable_sink=sinks)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
     if plan.varlen is None:
         k0, k1 = plan.keys
         if (k0, k1) != (0, kv_length):
             k, v = k[:, k0:k1], v[:, k0:k1]
-        out = None if needs_grad or options["dropout_p"] != 0.0 else _dense_inference(
+        out = None if needs_grad or options["dropout_p"] != 0.0 or sinks is not None else _dense_inference(
             q, k, v, scaling, plan.causal, plan.window, options["softcap"])
         return (flash_attn_func(q, k, v, **options) if out is None else out), None
     if plan.cache is not None and not needs_grad and options["dropout_p"] == 0.0:
         leftpad, seqlens = plan.cache  # the keys stay where the model's cache holds them
         out = flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, cache_leftpad=leftpad, softmax_scale=scaling,
-                                      causal=plan.causal, window_size=plan.window, softcap=options["softcap"])
+                                      causal=plan.causal, window_size=plan.window, softcap=options["softcap"],
+                                      learnable_sink=sinks)
         return out, None
     q_index, k_index, cu_q, cu_k, max_q, max_k = plan.varlen
     heads, heads_kv = q.shape[2], k.shape[2]
