@@ -62,7 +62,8 @@ Variant make_variant(const Shape& s, const std::string& name, std::uint64_t seed
   }
   // attn_mask: "bmask" boolean (B, Hq, Sq, Sk) with whole rows and 16-key runs hidden, "bmask1"
   // boolean (1, 1, Sq, Sk), "bias" f32 (B, 1, Sq, Sk) with some −∞, "biasbf16" bf16 (1, Hq, 1, Sk),
-  // "biasfull" f32 (B, Hq, Sq, Sk), "bias11" f32 (1, 1, Sq, Sk), "biash" f32 (1, Hq, 1, Sk).
+  // "biasfull" f32 (B, Hq, Sq, Sk), "bias11" f32 (1, 1, Sq, Sk), "biash" f32 (1, Hq, 1, Sk),
+  // "biasf16" f16 (B, 1, Sq, Sk), "biascol" f32 (B, Hq, Sq, 1).
   // "dbias" (a bias, (B, 1, Sq, Sk) unless another is named) also asks the backward for dbias.
   if (has("bmask") || has("bias")) {
     const bool boolean = has("bmask");
@@ -70,8 +71,13 @@ Variant make_variant(const Shape& s, const std::string& name, std::uint64_t seed
         has("bmask1") || has("bias11") ? std::vector<std::int64_t>{1, 1, s.seqlen_q, s.seqlen_k}
         : boolean || has("biasfull")   ? std::vector<std::int64_t>{s.batch, s.heads_q, s.seqlen_q, s.seqlen_k}
         : has("biasbf16") || has("biash") ? std::vector<std::int64_t>{1, s.heads_q, 1, s.seqlen_k}
+        : has("biascol")                  ? std::vector<std::int64_t>{s.batch, s.heads_q, s.seqlen_q, 1}
                                           : std::vector<std::int64_t>{s.batch, 1, s.seqlen_q, s.seqlen_k};
-    v.attn_mask = Tensor(boolean ? DType::u8 : has("biasbf16") ? DType::bf16 : DType::f32, shape);
+    v.attn_mask = Tensor(boolean             ? DType::u8
+                         : has("biasbf16") ? DType::bf16
+                         : has("biasf16")  ? DType::f16
+                                           : DType::f32,
+                         shape);
     const std::int64_t sk = shape[3];
     for (std::int64_t e = 0; e < v.attn_mask.numel(); ++e) {
       const std::int64_t row = e / sk, col = e % sk;
@@ -196,8 +202,8 @@ TEST(Variants, Sinks) {
 TEST(Variants, AttnMask) {
   std::uint64_t seed = 300;
   for (const Shape& s : kShapes)
-    for (const char* v : {"bmask", "bmask1", "bias", "biasbf16", "causal+bmask1", "window+softcap+alibi+bias",
-                          "bmask+dropout+blocks16", "bias+sinks+split3"})
+    for (const char* v : {"bmask", "bmask1", "bias", "biasbf16", "biasf16", "biascol", "causal+bmask1",
+                          "window+softcap+alibi+bias", "bmask+dropout+blocks16", "bias+sinks+split3"})
       for (int threads : {1, 2, 3}) check_variant(s, v, DType::f32, seed++, threads == 3, threads);
   for_each_simd_target([&](const std::string&) {
     check_variant({1, 61, 77, 4, 2, 24, 24}, "causal+bmask", DType::f32, seed++, true, 3);
@@ -208,13 +214,13 @@ TEST(Variants, AttnMask) {
 }
 
 // options.dbias: the bias gradient of every broadcast shape — full, (1, 1, Sq, Sk), (B, 1, Sq, Sk),
-// (1, Hq, 1, Sk) — against the float64 reference, with causal, softcap, ALiBi, dropout, every
+// (1, Hq, 1, Sk), (B, Hq, Sq, 1) — against the float64 reference, with causal, softcap, ALiBi, dropout, every
 // forward shape of kShapes, 1–3 threads, every SIMD target; from one forward's out and lse, the
 // same dbias bits for 1, 2 and 3 threads.
 TEST(Variants, AttnMaskBiasGradient) {
   std::uint64_t seed = 400;
   const char* variants[] = {"dbias+biasfull", "dbias+bias11", "dbias", "dbias+biash", "causal+dbias+bias11",
-                            "softcap+alibi+dbias+biasfull", "dropout+dbias+biash", "window+softcap+dropout+dbias"};
+                            "softcap+alibi+dbias+biasfull", "dropout+dbias+biash", "window+softcap+dropout+dbias", "causal+dbias+biascol"};
   for (const Shape& s : kShapes)
     for (const char* v : variants)
       for (int threads : {1, 2, 3}) check_variant(s, v, DType::f32, seed++, threads == 3, threads);
