@@ -62,15 +62,23 @@ Variant make_variant(const Shape& s, const std::string& name, std::uint64_t seed
     v.options.block_mask_block_size = bs;
   }
   // attn_mask: "bmask" boolean (B, Hq, Sq, Sk) with whole rows and 16-key runs hidden, "bmask1"
-  // boolean (1, 1, Sq, Sk), "bias" f32 (B, 1, Sq, Sk) with some −∞, "biasbf16" bf16 (1, Hq, 1, Sk).
+  // boolean (1, 1, Sq, Sk), "bias" f32 (B, 1, Sq, Sk) with some −∞, "biasbf16" bf16 (1, Hq, 1, Sk),
+  // "biasfull" f32 (B, Hq, Sq, Sk), "bias11" f32 (1, 1, Sq, Sk), "biash" f32 (1, Hq, 1, Sk),
+  // "biasf16" f16 (B, 1, Sq, Sk), "biascol" f32 (B, Hq, Sq, 1).
+  // "dbias" (a bias, (B, 1, Sq, Sk) unless another is named) also asks the backward for dbias.
   if (has("bmask") || has("bias")) {
     const bool boolean = has("bmask");
     const std::vector<std::int64_t> shape =
-        has("bmask1") ? std::vector<std::int64_t>{1, 1, s.seqlen_q, s.seqlen_k}
-        : boolean     ? std::vector<std::int64_t>{s.batch, s.heads_q, s.seqlen_q, s.seqlen_k}
-        : has("biasbf16") ? std::vector<std::int64_t>{1, s.heads_q, 1, s.seqlen_k}
-                          : std::vector<std::int64_t>{s.batch, 1, s.seqlen_q, s.seqlen_k};
-    v.attn_mask = Tensor(boolean ? DType::u8 : has("biasbf16") ? DType::bf16 : DType::f32, shape);
+        has("bmask1") || has("bias11") ? std::vector<std::int64_t>{1, 1, s.seqlen_q, s.seqlen_k}
+        : boolean || has("biasfull")   ? std::vector<std::int64_t>{s.batch, s.heads_q, s.seqlen_q, s.seqlen_k}
+        : has("biasbf16") || has("biash") ? std::vector<std::int64_t>{1, s.heads_q, 1, s.seqlen_k}
+        : has("biascol")                  ? std::vector<std::int64_t>{s.batch, s.heads_q, s.seqlen_q, 1}
+                                          : std::vector<std::int64_t>{s.batch, 1, s.seqlen_q, s.seqlen_k};
+    v.attn_mask = Tensor(boolean             ? DType::u8
+                         : has("biasbf16") ? DType::bf16
+                         : has("biasf16")  ? DType::f16
+                                           : DType::f32,
+                         shape);
     const std::int64_t sk = shape[3];
     for (std::int64_t e = 0; e < v.attn_mask.numel(); ++e) {
       const std::int64_t row = e / sk, col = e % sk;
@@ -111,20 +119,30 @@ void check_variant(const Shape& s, const std::string& name, DType dtype, std::ui
 
   Tensor dsinks(DType::f32, {s.heads_q});
   if (o.sinks.data != nullptr) o.dsinks = dsinks.view();
+  const bool with_dbias = name.find("dbias") != std::string::npos;
+  Tensor dbias(DType::f32, with_dbias ? var.attn_mask.shape() : std::vector<std::int64_t>{0});
+  if (with_dbias) o.dbias = dbias.view();
   const BackwardResult got = backward(dout.view(), q.view(), k.view(), v.view(), fwd.out.view(),
                                       fwd.lse.view(), o);
   const reference::Gradients g = reference::attention_backward(dout.view(), q.view(), k.view(), v.view(), o);
   double tq = 1e-4, tk = 1e-4, tv = 1e-4;
+  // dbias sums dS over its broadcast dims: float32 rounding grows with the terms per element.
+  const double summed = with_dbias ? static_cast<double>(s.batch * s.heads_q * s.seqlen_q * s.seqlen_k) /
+                                         static_cast<double>(dbias.numel())
+                                   : 1.0;
+  double tb = 1e-4 + 1e-5 * summed;
   if (dtype != DType::f32) {
     const NaiveGradients n = naive_backward_same_precision(p, o, dout, q, k, v);
     tq += 3.0 * max_abs_error(n.dq, g.dq);
     tk += 3.0 * max_abs_error(n.dk, g.dk);
     tv += 3.0 * max_abs_error(n.dv, g.dv);
+    if (with_dbias) tb += 3.0 * max_abs_error(n.dbias, g.dbias);
   }
   EXPECT_LE(max_abs_error(got.dq, g.dq), tq) << "dq";
   EXPECT_LE(max_abs_error(got.dk, g.dk), tk) << "dk";
   EXPECT_LE(max_abs_error(got.dv, g.dv), tv) << "dv";
   if (o.sinks.data != nullptr) EXPECT_LE(max_abs_error(dsinks, g.dsinks), 1e-4 * static_cast<double>(s.batch * s.seqlen_q)) << "dsinks";
+  if (with_dbias) EXPECT_LE(max_abs_error(dbias, g.dbias), tb) << "dbias";
 }
 
 const Shape kShapes[] = {{1, 113, 203, 2, 1, 40, 40}, {2, 97, 97, 4, 2, 32, 24}, {1, 203, 113, 2, 2, 64, 64},
@@ -185,8 +203,8 @@ TEST(Variants, Sinks) {
 TEST(Variants, AttnMask) {
   std::uint64_t seed = 300;
   for (const Shape& s : kShapes)
-    for (const char* v : {"bmask", "bmask1", "bias", "biasbf16", "causal+bmask1", "window+softcap+alibi+bias",
-                          "bmask+dropout+blocks16", "bias+sinks+split3"})
+    for (const char* v : {"bmask", "bmask1", "bias", "biasbf16", "biasf16", "biascol", "causal+bmask1",
+                          "window+softcap+alibi+bias", "bmask+dropout+blocks16", "bias+sinks+split3"})
       for (int threads : {1, 2, 3}) check_variant(s, v, DType::f32, seed++, threads == 3, threads);
   for_each_simd_target([&](const std::string&) {
     check_variant({1, 61, 77, 4, 2, 24, 24}, "causal+bmask", DType::f32, seed++, true, 3);
@@ -272,6 +290,48 @@ TEST(Variants, TopLeftRejectedByName) {
   Tensor out(DType::f32, {1, 3, 2, 8}), lse(DType::f32, {1, 2, 3});
   expect([&] { forward_fp8({}, {}, {}, out.view(), lse.view(), o); },
          "causal_alignment: top_left is not supported by forward_fp8");
+}
+
+// options.dbias: the bias gradient of every broadcast shape — full, (1, 1, Sq, Sk), (B, 1, Sq, Sk),
+// (1, Hq, 1, Sk), (B, Hq, Sq, 1) — against the float64 reference, with causal, softcap, ALiBi, dropout, every
+// forward shape of kShapes, 1–3 threads, every SIMD target; from one forward's out and lse, the
+// same dbias bits for 1, 2 and 3 threads.
+TEST(Variants, AttnMaskBiasGradient) {
+  std::uint64_t seed = 400;
+  const char* variants[] = {"dbias+biasfull", "dbias+bias11", "dbias", "dbias+biash", "causal+dbias+bias11",
+                            "softcap+alibi+dbias+biasfull", "dropout+dbias+biash", "window+softcap+dropout+dbias", "causal+dbias+biascol"};
+  for (const Shape& s : kShapes)
+    for (const char* v : variants)
+      for (int threads : {1, 2, 3}) check_variant(s, v, DType::f32, seed++, threads == 3, threads);
+  for_each_simd_target([&](const std::string&) {
+    check_variant({1, 61, 77, 4, 2, 24, 24}, "causal+softcap+dbias+bias11", DType::f32, seed++, true, 3);
+    check_variant({2, 2, 90, 4, 1, 40, 40}, "dbias+biash", DType::f32, seed++, false, 2);
+  });
+  check_variant({2, 97, 97, 4, 2, 32, 24}, "dbias+biasfull", DType::bf16, seed++, false, 2);
+  check_variant({2, 97, 97, 4, 2, 32, 24}, "causal+dbias+biasbf16", DType::bf16, seed++, false, 3);
+
+  const Shape s{2, 150, 300, 4, 2, 32, 32};  // several Q and K/V tiles
+  for (const char* v : variants) {
+    SCOPED_TRACE(v);
+    Variant var = make_variant(s, v, seed);
+    const Tensor q = random_tensor(DType::f32, {s.batch, s.seqlen_q, s.heads_q, s.head_dim}, seed);
+    const Tensor k = random_tensor(DType::f32, {s.batch, s.seqlen_k, s.heads_kv, s.head_dim}, seed + 1);
+    const Tensor val = random_tensor(DType::f32, {s.batch, s.seqlen_k, s.heads_kv, s.head_dim_v}, seed + 2);
+    const Tensor dout = random_tensor(DType::f32, {s.batch, s.seqlen_q, s.heads_q, s.head_dim_v}, seed + 3);
+    ++seed;
+    const ForwardResult fwd = forward(q.view(), k.view(), val.view(), var.options);
+    std::vector<Tensor> dbias;
+    for (int threads : {1, 2, 3}) {
+      dbias.emplace_back(DType::f32, var.attn_mask.shape());
+      var.options.dbias = dbias.back().view();
+      var.options.num_threads = threads;
+      backward(dout.view(), q.view(), k.view(), val.view(), fwd.out.view(), fwd.lse.view(), var.options);
+    }
+    for (int t : {1, 2})
+      EXPECT_EQ(std::memcmp(dbias[0].data(), dbias[static_cast<std::size_t>(t)].data(),
+                            static_cast<std::size_t>(dbias[0].numel()) * 4), 0)
+          << "dbias differs between 1 and " << t + 1 << " threads";
+  }
 }
 
 // A row that sees no key: out 0 and lse = its sink; its gradient is zero.
@@ -595,6 +655,71 @@ TEST(Variants, BadSinksNameTheArgumentBeforeAnythingIsWritten) {
   AttentionOptions no_sinks;
   no_sinks.dsinks = dsinks.view();
   expect_backward(no_sinks, "dsinks: set without sinks");
+}
+
+// A bad dbias (no float attn_mask, a boolean one, another shape or dtype, overlapping an input or
+// another output) and an attn_mask overlapping an output: an Error naming them, raised before
+// out, dq or dbias is written.
+TEST(Variants, BadDbiasAndOverlappingMaskNameTheArgumentBeforeAnythingIsWritten) {
+  const Tensor q = random_tensor(DType::f32, {2, 10, 4, 8}, 1);
+  const Tensor k = random_tensor(DType::f32, {2, 12, 2, 8}, 2);
+  Tensor bias = random_tensor(DType::f32, {2, 1, 10, 12}, 3);
+  const Tensor boolean(DType::u8, {2, 1, 10, 12});
+  AttentionOptions o;
+  o.attn_mask = bias.view();
+  const ForwardResult f = forward(q.view(), k.view(), k.view(), o);
+  Tensor dq(DType::f32, {2, 10, 4, 8}), dk(DType::f32, {2, 12, 2, 8}), dv(DType::f32, {2, 12, 2, 8});
+  Tensor dbias(DType::f32, {2, 1, 10, 12}), wrong_shape(DType::f32, {1, 1, 10, 12}), wrong_dtype(DType::bf16, {2, 1, 10, 12});
+  Tensor big(DType::f32, {2 * 10 * 4 * 8 + 2 * 10 * 12});  // dq and dbias in one buffer
+  dq.set(0, 7.0f), dbias.set(0, 7.0f), wrong_shape.set(0, 7.0f), big.set(0, 7.0f);
+  auto expect_backward = [&](const AttentionOptions& ob, const MutableTensorView& dq_view, const std::string& fragment) {
+    try {
+      backward(f.out.view(), q.view(), k.view(), k.view(), f.out.view(), f.lse.view(), dq_view, dk.view(), dv.view(),
+               ob);
+      ADD_FAILURE() << "expected flashattn::Error containing " << fragment;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(dq.get(0), 7.0f) << fragment;
+    EXPECT_EQ(dbias.get(0), 7.0f) << fragment;
+    EXPECT_EQ(wrong_shape.get(0), 7.0f) << fragment;
+    EXPECT_EQ(big.get(0), 7.0f) << fragment;
+  };
+  AttentionOptions ob;
+  ob.dbias = dbias.view();
+  expect_backward(ob, dq.view(), "dbias: set without a float attn_mask (none is set)");
+  ob.attn_mask = boolean.view();
+  expect_backward(ob, dq.view(), "dbias: set without a float attn_mask (a boolean mask has no gradient)");
+  ob.attn_mask = bias.view();
+  ob.dbias = wrong_shape.view();
+  expect_backward(ob, dq.view(), "dbias: shape (1, 1, 10, 12) but expected (2, 1, 10, 12)");
+  ob.dbias = wrong_dtype.view();
+  expect_backward(ob, dq.view(), "dbias: dtype bf16");
+  ob.dbias = MutableTensorView(big.data_as<float>() + 2 * 10 * 4 * 8 - 1, DType::f32, {2, 1, 10, 12});
+  const MutableTensorView dq_in_big(big.data_as<float>(), DType::f32, {2, 10, 4, 8});
+  expect_backward(ob, dq_in_big, "dbias: output memory overlaps input dq");
+  ob.dbias = MutableTensorView(const_cast<float*>(f.lse.data_as<float>()), DType::f32, {2, 1, 10, 12});
+  expect_backward(ob, dq.view(), "dbias: output memory overlaps input lse");
+  // attn_mask inside an output's memory.
+  ob.dbias = dbias.view();
+  ob.attn_mask = TensorView(dq.data_as<float>(), DType::f32, {2, 1, 10, 12});
+  expect_backward(ob, dq.view(), "dq: output memory overlaps input attn_mask");
+  ob.attn_mask = TensorView(dbias.data_as<float>(), DType::f32, {2, 1, 10, 12});
+  expect_backward(ob, dq.view(), "dbias: output memory overlaps input attn_mask");
+  Tensor out(DType::f32, {2, 10, 4, 8}), lse(DType::f32, {2, 4, 10});
+  out.set(0, 7.0f);
+  for (const auto& [target, name] : {std::pair{&out, "out"}, {&lse, "lse"}}) {
+    AttentionOptions of;
+    of.attn_mask = TensorView(target->data_as<float>(), DType::f32, {1, 1, 10, 1});
+    try {
+      forward(q.view(), k.view(), k.view(), out.view(), lse.view(), of);
+      ADD_FAILURE() << "expected an Error for attn_mask inside " << name;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(std::string(name) + ": output memory overlaps input attn_mask"),
+                std::string::npos) << e.what();
+    }
+    EXPECT_EQ(out.get(0), 7.0f);
+  }
 }
 
 }  // namespace

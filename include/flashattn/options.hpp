@@ -142,6 +142,15 @@ struct AttentionOptions {
   // dsinks_h = −Σ_{b,i} e^{sink_h − lse_{b,h,i}}·D_{b,h,i}, D = rowsum(dO ∘ O), summed in a
   // fixed order (bit-identical for every thread count). Unset: not computed.
   MutableTensorView dsinks;
+  // Backward only, with a float attn_mask (a bias): when set, float32 of attn_mask's shape
+  // receives the bias gradient dbias = dS, dS_ij = P_ij·(dP_ij − D_i) (dP after dropout's
+  // weights): the gradient of the score after the mask step, before softcap's and
+  // softmax_scale's chain rule — summed over attn_mask's size-1 (broadcast) dims, in a
+  // fixed order (bit-identical for every thread count). float32 whatever the bias's dtype
+  // (the sums over broadcast dims stay in float32; convert it if you want the bias's dtype).
+  // Set without a float attn_mask, of another shape or dtype, or overlapping an input or
+  // another output: an Error. Unset (null data): not computed.
+  MutableTensorView dbias;
 
   // Forward numerics (docs/algorithm.md §5); the backward always recomputes P with the exact exp2.
   Exp2Impl exp2 = Exp2Impl::automatic;

@@ -67,6 +67,9 @@ struct Gradients {
   std::vector<double> dk;  // (batch, seqlen_k, heads_kv, head_dim), contiguous
   std::vector<double> dv;  // (batch, seqlen_k, heads_kv, head_dim_v), contiguous
   std::vector<double> dsinks;  // (heads_q) with options.sinks, else empty
+  // attn_mask's shape, contiguous, with a float attn_mask (a bias), else empty: dS = P ∘ (dP − D)
+  // (the score's gradient after the mask step) summed over the bias's size-1 dims.
+  std::vector<double> dbias;
 };
 // Analytic gradients of Σ dout ∘ attention(q, k, v) in float64, row by row:
 // P = softmax(S), dV += Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − rowsum(dO ∘ O)),

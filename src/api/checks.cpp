@@ -14,6 +14,9 @@ AttentionProblem check_forward_call(const TensorView& q, const TensorView& k, co
   AttentionProblem problem = AttentionProblem::from_inputs(q, k, v, options);
   check_forward_outputs(problem, q, k, v, out, lse);
   check_rescale_counts(problem, options, q, k, v, out, lse);
+  if (options.attn_mask.data != nullptr)
+    for (const auto& [name, output] : {std::pair{"out", out}, {"lse", lse}, {"rescale_counts", options.rescale_counts}})
+      if (output.data != nullptr) check_no_overlap(name, output, "attn_mask", options.attn_mask);
   return problem;
 }
 
@@ -38,8 +41,8 @@ AttentionProblem check_backward_call(const TensorView& dout, const TensorView& q
     check_tensor(name, *grad, ref.dtype, "gradients have their input's dtype",
                  {ref.shape[0], ref.shape[1], ref.shape[2], ref.shape[3]}, "(the shape of its input)");
     check_output_layout(name, *grad);
-    for (const auto& [in_name, input] :
-         {std::pair{"dout", dout}, {"q", q}, {"k", k}, {"v", v}, {"out", out}, {"lse", lse}})
+    for (const auto& [in_name, input] : {std::pair{"dout", dout}, {"q", q}, {"k", k}, {"v", v}, {"out", out},
+                                         {"lse", lse}, {"attn_mask", options.attn_mask}})
       check_no_overlap(name, *grad, in_name, input);
     for (int o = 0; o < g; ++o) check_no_overlap(name, *grad, grads[o].first, *grads[o].second);
   }
@@ -48,8 +51,22 @@ AttentionProblem check_backward_call(const TensorView& dout, const TensorView& q
     check_tensor("dsinks", options.dsinks.on(Device::cpu), DType::f32, "dsinks is float32", {p.heads_q}, "(heads_q)");
     check_output_layout("dsinks", options.dsinks);
     for (const auto& [in_name, input] : {std::pair{"dout", dout}, {"out", out}, {"lse", lse}, {"dq", dq}, {"dk", dk},
-                                         {"dv", dv}, {"sinks", options.sinks}})
+                                         {"dv", dv}, {"sinks", options.sinks}, {"attn_mask", options.attn_mask}})
       check_no_overlap("dsinks", options.dsinks, in_name, input);
+  }
+  if (options.dbias.data != nullptr || options.dbias.rank != 0) {
+    const TensorView& bias = options.attn_mask;
+    if (p.attn_mask != AttentionProblem::MaskKind::bias)
+      throw Error(std::string("dbias: set without a float attn_mask (") +
+                  (p.attn_mask == AttentionProblem::MaskKind::none ? "none is set" : "a boolean mask has no gradient") +
+                  ")");
+    check_tensor("dbias", options.dbias.on(Device::cpu), DType::f32, "dbias is float32",
+                 {bias.shape[0], bias.shape[1], bias.shape[2], bias.shape[3]}, "(attn_mask's shape)");
+    check_output_layout("dbias", options.dbias);
+    for (const auto& [in_name, input] :
+         {std::pair{"dout", dout}, {"q", q}, {"k", k}, {"v", v}, {"out", out}, {"lse", lse}, {"dq", dq}, {"dk", dk},
+          {"dv", dv}, {"attn_mask", bias}, {"dsinks", options.dsinks}})
+      check_no_overlap("dbias", options.dbias, in_name, input);
   }
   return p;
 }

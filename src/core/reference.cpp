@@ -167,6 +167,9 @@ Gradients attention_backward(const TensorView& dout, const TensorView& q, const 
   g.dv.assign(static_cast<std::size_t>(p.batch * p.seqlen_k * p.heads_kv * dv), 0.0);
   g.dsinks.assign(static_cast<std::size_t>(p.sinks ? p.heads_q : 0), 0.0);
   std::vector<double> dsinks_bh(static_cast<std::size_t>(p.sinks ? p.batch * p.heads_q : 0), 0.0);
+  // With a bias: dS of every (b, h, i, j), summed into dbias once the rows are done.
+  const bool bias = p.attn_mask == AttentionProblem::MaskKind::bias;
+  std::vector<double> ds_all(static_cast<std::size_t>(bias ? p.batch * p.heads_q * p.seqlen_q * p.seqlen_k : 0), 0.0);
   // One (batch, kv head) per task: its dk/dv rows are written by nobody else.
 #pragma omp parallel for collapse(2) schedule(dynamic)
   for (std::int64_t b = 0; b < p.batch; ++b)
@@ -195,7 +198,9 @@ Gradients attention_backward(const TensorView& dout, const TensorView& q, const 
               dp += go * static_cast<double>(load_element(v, offset4(v, b, j, kvh, c)));
               g.dv[static_cast<std::size_t>(((b * p.seqlen_k + j) * p.heads_kv + kvh) * dv + c)] += pij * w * go;
             }
-            const double ds = pij * (w * dp - delta) * sem.score_gradient(dot);
+            const double ds_masked = pij * (w * dp - delta);  // d/d(score after the mask step)
+            if (bias) ds_all[static_cast<std::size_t>(((b * p.heads_q + h) * p.seqlen_q + i) * p.seqlen_k + j)] = ds_masked;
+            const double ds = ds_masked * sem.score_gradient(dot);
             for (std::int64_t c = 0; c < d; ++c) {
               g.dq[static_cast<std::size_t>(((b * p.seqlen_q + i) * p.heads_q + h) * d + c)] +=
                   ds * static_cast<double>(load_element(k, offset4(k, b, j, kvh, c)));
@@ -208,6 +213,19 @@ Gradients attention_backward(const TensorView& dout, const TensorView& q, const 
   for (std::int64_t b = 0; b < p.batch && p.sinks; ++b)
     for (std::int64_t h = 0; h < p.heads_q; ++h)
       g.dsinks[static_cast<std::size_t>(h)] += dsinks_bh[static_cast<std::size_t>(b * p.heads_q + h)];
+  if (bias) {
+    const auto& m = options.attn_mask.shape;
+    g.dbias.assign(static_cast<std::size_t>(m[0] * m[1] * m[2] * m[3]), 0.0);
+    for (std::int64_t b = 0; b < p.batch; ++b)
+      for (std::int64_t h = 0; h < p.heads_q; ++h)
+        for (std::int64_t i = 0; i < p.seqlen_q; ++i)
+          for (std::int64_t j = 0; j < p.seqlen_k; ++j) {
+            const std::int64_t at = (((m[0] > 1 ? b : 0) * m[1] + (m[1] > 1 ? h : 0)) * m[2] + (m[2] > 1 ? i : 0)) * m[3] +
+                                    (m[3] > 1 ? j : 0);
+            g.dbias[static_cast<std::size_t>(at)] +=
+                ds_all[static_cast<std::size_t>(((b * p.heads_q + h) * p.seqlen_q + i) * p.seqlen_k + j)];
+          }
+  }
   return g;
 }
 

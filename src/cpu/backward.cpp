@@ -44,10 +44,21 @@ void cpu::run_backward(const detail::BackwardJob& job) {
   } else {
     dq_locks = std::make_unique<std::mutex[]>(cpu::kDqLockStripes);
   }
+  // dbias: items of different (batch, kv head) share its elements where it broadcasts over
+  // the batch, or over the q heads of more than one kv head; they add in a fixed order then.
+  const MutableTensorView& dbias = options.dbias;
+  const bool dbias_shared = dbias.data != nullptr && ((dbias.shape[0] == 1 && p.batch > 1) ||
+                                                      (dbias.shape[1] == 1 && p.heads_kv > 1));
+  std::unique_ptr<std::atomic<std::int64_t>[]> dbias_tickets;
+  if (dbias_shared) {
+    dbias_tickets = std::make_unique<std::atomic<std::int64_t>[]>(static_cast<std::size_t>(plan.k_blocks));
+    for (std::int64_t kb = 0; kb < plan.k_blocks; ++kb) dbias_tickets[kb].store(0, std::memory_order_relaxed);
+  }
   const cpu::BackwardParams params{p, job.internals, plan, job.dout, job.q, job.k, job.v, job.out, job.lse,
                                    job.dq, job.dk, job.dv,
                                    options.alibi_slopes, options.block_mask, options.attn_mask,
-                                   delta.get(), dq_accum.get(), dq_locks.get(), dq_tickets.get()};
+                                   delta.get(), dq_accum.get(), dq_locks.get(), dq_tickets.get(),
+                                   dbias, dbias_shared, dbias_tickets.get()};
   // Items are handed out strictly in order (an atomic counter, not an OpenMP schedule):
   // the deterministic mode's tickets rely on K/V block kb − 1 starting before kb.
   std::atomic<std::int64_t> next_item{0};
@@ -55,10 +66,21 @@ void cpu::run_backward(const detail::BackwardJob& job) {
   // the caller, not a termination inside an OpenMP region.
   std::vector<cpu::BackwardWorkspace> workspaces;
   workspaces.reserve(static_cast<std::size_t>(plan.threads));
-  for (int t = 0; t < plan.threads; ++t) workspaces.emplace_back(plan, p);
+  for (int t = 0; t < plan.threads; ++t) {
+    workspaces.emplace_back(plan, p);
+    if (dbias_shared) workspaces.back().dbias_tile = cpu::allocate_floats(cpu::DbiasTileShape(plan, p, dbias).size());
+  }
+  const std::int64_t dbias_rows = dbias.data != nullptr ? dbias.shape[0] * dbias.shape[1] * dbias.shape[2] : 0;
 #pragma omp parallel num_threads(plan.threads)
   {
     cpu::BackwardWorkspace& workspace = workspaces[static_cast<std::size_t>(omp_get_thread_num())];
+    // dbias zeroed row by row; the delta pass's barrier ends it before any item adds.
+#pragma omp for schedule(static) nowait
+    for (std::int64_t r = 0; r < dbias_rows; ++r) {
+      float* row = static_cast<float*>(dbias.data) + r / (dbias.shape[1] * dbias.shape[2]) * dbias.strides[0] +
+                   r / dbias.shape[2] % dbias.shape[1] * dbias.strides[1] + r % dbias.shape[2] * dbias.strides[2];
+      for (std::int64_t j = 0; j < dbias.shape[3]; ++j) row[j * dbias.strides[3]] = 0.0f;
+    }
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t bh = 0; bh < heads; ++bh) kernels.delta(params, workspace, bh);
     for (std::int64_t item = next_item++; item < plan.kv_work_items; item = next_item++)

@@ -103,6 +103,9 @@ NaiveGradients naive_backward_same_precision(const AttentionProblem& p, const At
   // Per head: P (undropped), W (dropout weights), G (dscore/ddot), dS, all (sq, sk).
   std::vector<float> prob(static_cast<std::size_t>(sq * sk)), w(prob.size()), g(prob.size()), ds(prob.size());
   std::vector<float> o(static_cast<std::size_t>(sq * dv));
+  const bool bias = p.attn_mask == AttentionProblem::MaskKind::bias;
+  const auto& m = options.attn_mask.shape;
+  std::vector<float> dbias(static_cast<std::size_t>(bias ? m[0] * m[1] * m[2] * m[3] : 0));
   for (std::int64_t b = 0; b < p.batch; ++b)
     for (std::int64_t h = 0; h < p.heads_q; ++h) {
       const std::int64_t kvh = h / group;
@@ -146,6 +149,10 @@ NaiveGradients naive_backward_same_precision(const AttentionProblem& p, const At
           for (std::int64_t c = 0; c < dv; ++c) dp += dout.get(qi(b, i, h, dv) + c) * v.get(ki(b, j, kvh, dv) + c);
           ds[e] = prob[e] == 0.0f ? 0.0f
                                   : round_to(p.dtype, prob[e] * (w[e] * round_to(p.dtype, dp) - delta) * g[e]);
+          if (bias && prob[e] != 0.0f)
+            dbias[static_cast<std::size_t>(
+                (((m[0] > 1 ? b : 0) * m[1] + (m[1] > 1 ? h : 0)) * m[2] + (m[2] > 1 ? i : 0)) * m[3] + (m[3] > 1 ? j : 0))] +=
+                round_to(p.dtype, prob[e] * (w[e] * round_to(p.dtype, dp) - delta));
         }
       }
       for (std::int64_t i = 0; i < sq; ++i)
@@ -174,6 +181,7 @@ NaiveGradients naive_backward_same_precision(const AttentionProblem& p, const At
   for (float x : dq) r.dq.push_back(x);
   for (float x : dk) r.dk.push_back(round_to(p.dtype, x));
   for (float x : dvv) r.dv.push_back(round_to(p.dtype, x));
+  for (float x : dbias) r.dbias.push_back(x);
   return r;
 }
 

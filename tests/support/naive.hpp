@@ -40,9 +40,10 @@ std::vector<double> rounded_where_the_kernel_rounds(const AttentionProblem& p, c
 // on low-precision tensors): every materialized matrix (S, P, dP, dS) and every gradient
 // is rounded to dtype, accumulations run in float32. Its error against the float64
 // reference gradients is the yardstick of upstream's "at most 3× a naive implementation".
-// dq, dk, dv contiguous in the layouts of q, k, v.
+// dq, dk, dv contiguous in the layouts of q, k, v; with a float attn_mask, dbias (contiguous,
+// its shape): dS before the softcap's chain rule rounded to dtype, summed in float32.
 struct NaiveGradients {
-  std::vector<double> dq, dk, dv;
+  std::vector<double> dq, dk, dv, dbias;
 };
 NaiveGradients naive_backward_same_precision(const AttentionProblem& p, const AttentionOptions& options,
                                              const Tensor& dout, const Tensor& q, const Tensor& k,

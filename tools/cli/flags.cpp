@@ -35,10 +35,15 @@ void VariantFlags::apply(AttentionOptions& o) {
     o.block_mask = block_mask.view();
     o.block_mask_block_size = block_size;
   }
+  if (!attn_mask_path.empty()) {
+    attn_mask = support::read_npy(attn_mask_path);
+    o.attn_mask = attn_mask.view();
+  }
 }
 
 bool VariantFlags::needs_flashattn_only() const {
-  return softcap > 0.0f || dropout_p > 0.0f || !alibi_slopes_path.empty() || !block_mask_path.empty();
+  return softcap > 0.0f || dropout_p > 0.0f || !alibi_slopes_path.empty() || !block_mask_path.empty() ||
+         !attn_mask_path.empty();
 }
 
 }  // namespace flashattn::cli

@@ -50,7 +50,8 @@ struct VariantFlags {
   std::uint64_t seed = 0;
   std::string block_mask_path;  // bool/uint8 (q blocks, k blocks)
   std::int64_t block_size = 0;
-  Tensor alibi_slopes, block_mask;
+  std::string attn_mask_path;  // bool/uint8 mask or float bias, rank 4, broadcastable to (B, Hq, Sq, Sk)
+  Tensor alibi_slopes, block_mask, attn_mask;
 
   // Loads the files and sets the variant fields of `options`.
   void apply(AttentionOptions& options);

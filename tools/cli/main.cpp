@@ -68,6 +68,10 @@ void add_variants(CLI::App& app, VariantFlags& v) {
   CLI::Option* size = app.add_option("--block-size", v.block_size, "tokens per block of --block-mask");
   mask->needs(size);
   size->needs(mask);
+  app.add_option("--attn-mask", v.attn_mask_path,
+                 "dense mask .npy: bool/uint8 (true keeps) or float bias, rank 4, broadcastable to (batch, heads, "
+                 "seqlen_q, seqlen_k)")
+      ->check(CLI::ExistingFile);
 }
 
 void add_run(CLI::App& app) {

@@ -33,6 +33,25 @@ struct BackwardParams {
   // Deterministic mode: one ticket per (batch, head, q block) holding the next K/V block
   // allowed to add its share, so every Q tile sums its shares in K/V-block order.
   std::atomic<std::int64_t>* dq_tickets = nullptr;
+  // options.dbias (float32, attn_mask's shape, zeroed by the driver); null data when not
+  // requested. dbias_shared: work items of different (batch, kv head) add into the same
+  // elements (dbias broadcast over the batch, or over heads of several kv heads), so each
+  // item sums its share in its workspace's dbias_tile and adds it in (batch, kv head) order:
+  // dbias_tickets[k block] holds the next batch·heads_kv + kv head allowed to add.
+  MutableTensorView dbias;
+  bool dbias_shared = false;
+  std::atomic<std::int64_t>* dbias_tickets = nullptr;
+};
+
+// One work item's share of a shared dbias (BackwardParams::dbias_shared): (planes, rows,
+// cols) with planes its q heads (1 where dbias broadcasts over heads), rows seqlen_q (or 1)
+// and cols block_k (or 1), float32, contiguous.
+struct DbiasTileShape {
+  std::int64_t planes = 0, rows = 0, cols = 0;
+  DbiasTileShape(const CpuBackwardPlan& plan, const AttentionProblem& p, const TensorView& dbias)
+      : planes(dbias.shape[1] > 1 ? p.heads_q / p.heads_kv : 1), rows(dbias.shape[2]),
+        cols(dbias.shape[3] > 1 ? plan.block_k : 1) {}
+  std::int64_t size() const { return planes * rows * cols; }
 };
 
 // Striped locks guard the dQ accumulator in the default mode: enough stripes that two
@@ -71,6 +90,7 @@ struct BackwardWorkspace {
   // keys, (D_even / 2, micro_cols, 2) each), K with pairs of keys (dQ's B: micro_cols columns,
   // (block_k / 2, micro_cols, 2) each).
   hwy::AlignedFreeUniquePtr<std::uint16_t[]> kt_pairs, vt_pairs, k_pairs;
+  hwy::AlignedFreeUniquePtr<float[]> dbias_tile;  // (DbiasTileShape) with a shared dbias, else empty
   std::vector<float> row_lse2;   // (block_q): lse·log2e, the exp2 offset of each row
   std::vector<float> row_delta;  // (block_q): D of each row
   PackedHead packed;  // which head k/v buffers hold, and how much of it

@@ -103,18 +103,65 @@ struct RowMods {
   }
 
   // The mask step of options.attn_mask on columns [lo, hi) of a row (keys j0 + c): adds the
-  // bias (in log2 units, as the scores) or sets the hidden scores to −∞.
+  // bias (in log2 units, as the scores) or sets the hidden scores to −∞. The row's entries
+  // are contiguous (attn_mask's last dim is) or one value (a size-1 key dim): whole vectors
+  // are loaded and widened to float32 (u8 to u32, bf16 and f16 promoted), the tail by element.
   void apply_dense_mask(float* HWY_RESTRICT s, std::int64_t i, std::int64_t j0, std::int64_t lo, std::int64_t hi) const {
+    using DF = hn::ScalableTag<float>;
+    const DF df;
+    const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(df));
     constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+    constexpr float kLog2e = OnlineSoftmaxState::kLog2e;
     const std::int64_t row = mask_base + i * mask_row_stride;
-    if (problem->attn_mask == AttentionProblem::MaskKind::boolean) {
-      const auto* m = static_cast<const std::uint8_t*>(attn_mask->data) + row;
-      for (std::int64_t c = lo; c < hi; ++c)
-        if (m[(j0 + c) * mask_col_stride] == 0) s[c] = kNegInf;
+    const std::int64_t first = row + j0 * mask_col_stride;  // the element of column 0
+    if (mask_col_stride == 0) {  // one entry for the whole row
+      const float x = detail::load_element(*attn_mask, first);
+      if (problem->attn_mask == AttentionProblem::MaskKind::boolean) {
+        if (x == 0.0f) std::fill(s + lo, s + hi, kNegInf);
+      } else {
+        for (std::int64_t c = lo; c < hi; ++c) s[c] += x * kLog2e;
+      }
       return;
     }
-    for (std::int64_t c = lo; c < hi; ++c)
-      s[c] += detail::load_element(*attn_mask, row + (j0 + c) * mask_col_stride) * OnlineSoftmaxState::kLog2e;
+    std::int64_t c = lo;
+    // s += bias·log2e over whole vectors; load(c) gives the bias of columns c.. as float32.
+    const auto bias_loop = [&](auto load) {
+      const auto log2e = hn::Set(df, kLog2e);
+      for (; c + lanes <= hi; c += lanes) hn::StoreU(hn::MulAdd(load(c), log2e, hn::LoadU(df, s + c)), df, s + c);
+    };
+    switch (attn_mask->dtype) {
+      case DType::u8: {
+        const auto* m = static_cast<const std::uint8_t*>(attn_mask->data) + first;
+        const hn::Rebind<std::uint8_t, DF> d8;
+        const hn::RebindToUnsigned<DF> du;
+        const auto hidden = hn::Set(df, kNegInf);
+        for (; c + lanes <= hi; c += lanes) {
+          const auto zero = hn::Eq(hn::PromoteTo(du, hn::LoadU(d8, m + c)), hn::Zero(du));
+          hn::StoreU(hn::IfThenElse(hn::RebindMask(df, zero), hidden, hn::LoadU(df, s + c)), df, s + c);
+        }
+        for (; c < hi; ++c)
+          if (m[c] == 0) s[c] = kNegInf;
+        return;
+      }
+      case DType::f32: {
+        const auto* m = static_cast<const float*>(attn_mask->data) + first;
+        bias_loop([&](std::int64_t at) { return hn::LoadU(df, m + at); });
+        break;
+      }
+      case DType::bf16: {
+        const auto* m = static_cast<const hwy::bfloat16_t*>(attn_mask->data) + first;
+        const hn::Rebind<hwy::bfloat16_t, DF> dbf;
+        bias_loop([&](std::int64_t at) { return hn::PromoteTo(df, hn::LoadU(dbf, m + at)); });
+        break;
+      }
+      default: {  // f16
+        const auto* m = static_cast<const hwy::float16_t*>(attn_mask->data) + first;
+        const hn::Rebind<hwy::float16_t, DF> dh;
+        bias_loop([&](std::int64_t at) { return hn::PromoteTo(df, hn::LoadU(dh, m + at)); });
+        break;
+      }
+    }
+    for (; c < hi; ++c) s[c] += detail::load_element(*attn_mask, first + c) * kLog2e;
   }
 
   // One score row of a tile: columns [0, cols) hold keys j0 + c. Applies softcap and

@@ -187,12 +187,81 @@ struct Fp32BackwardProducts {
   }
 };
 
+// Waits until `ticket` reaches `turn`: in deterministic mode K/V block `turn` is next to add
+// into a Q tile; with a shared dbias, (batch, kv head) `turn` is next to add into a k block's
+// columns. Work items are handed out in order, so the item it waits for is already running.
+void WaitForTicket(const std::atomic<std::int64_t>& ticket, std::int64_t turn) {
+  while (ticket.load(std::memory_order_acquire) != turn) std::this_thread::yield();
+}
+
+// Where the dS rows of one (batch, q head) against one K/V tile add up for options.dbias:
+// row i's key j0 + c at base[i·row_stride + c·col_stride] (0 along a broadcast dim) —
+// dbias itself, or the item's dbias_tile when items share dbias elements. Null base: no dbias.
+struct DbiasRows {
+  float* base = nullptr;
+  std::int64_t row_stride = 0, col_stride = 0;
+};
+
+// The offset of dbias element (b, h, 0, j0), broadcast.
+std::int64_t DbiasOffset(const MutableTensorView& db, std::int64_t b, std::int64_t h, std::int64_t j0) {
+  const auto stride = [&](int d) { return db.shape[d] > 1 ? db.strides[d] : 0; };
+  return b * stride(0) + h * stride(1) + j0 * stride(3);
+}
+
+DbiasRows DbiasTarget(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t b, std::int64_t h,
+                      std::int64_t kv_head, std::int64_t j0) {
+  const MutableTensorView& db = prm.dbias;
+  if (db.data == nullptr) return {};
+  if (!prm.dbias_shared)
+    return {static_cast<float*>(db.data) + DbiasOffset(db, b, h, j0), db.shape[2] > 1 ? db.strides[2] : 0,
+            db.shape[3] > 1 ? db.strides[3] : 0};
+  const DbiasTileShape t(prm.plan, prm.problem, db);
+  const std::int64_t plane = t.planes > 1 ? h - kv_head * t.planes : 0;
+  return {ws.dbias_tile.get() + plane * t.rows * t.cols, t.rows > 1 ? t.cols : 0, t.cols > 1 ? 1 : 0};
+}
+
+// dst[c·col_stride] += ds[c] for c < n; col_stride 0 (a broadcast key dim) adds the row's
+// sum, taken left to right.
+void AddDbiasRow(const float* HWY_RESTRICT ds, std::int64_t n, float* HWY_RESTRICT dst, std::int64_t col_stride) {
+  if (col_stride == 0) {
+    float sum = 0.0f;
+    for (std::int64_t c = 0; c < n; ++c) sum += ds[c];
+    *dst += sum;
+  } else if (col_stride == 1) {
+    const DF df;
+    std::int64_t c = 0;
+    for (; c + kLanes <= n; c += kLanes) hn::StoreU(hn::Add(hn::LoadU(df, dst + c), hn::Load(df, ds + c)), df, dst + c);
+    for (; c < n; ++c) dst[c] += ds[c];
+  } else {
+    for (std::int64_t c = 0; c < n; ++c) dst[c * col_stride] += ds[c];
+  }
+}
+
+// A shared dbias: item (b, kv head, k block)'s dbias_tile added into dbias once the items of
+// the same k block and lower batch·heads_kv + kv head have added theirs.
+void AddDbiasTile(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t b, std::int64_t kv_head,
+                  std::int64_t kb, std::int64_t j0, std::int64_t n) {
+  const MutableTensorView& db = prm.dbias;
+  const DbiasTileShape t(prm.plan, prm.problem, db);
+  const std::int64_t bkv = b * prm.problem.heads_kv + kv_head;
+  WaitForTicket(prm.dbias_tickets[kb], bkv);
+  for (std::int64_t plane = 0; plane < t.planes; ++plane) {
+    float* out = static_cast<float*>(db.data) + DbiasOffset(db, b, t.planes > 1 ? kv_head * t.planes + plane : 0, j0);
+    for (std::int64_t r = 0; r < t.rows; ++r)
+      AddDbiasRow(ws.dbias_tile.get() + (plane * t.rows + r) * t.cols, t.cols > 1 ? n : 1, out + r * db.strides[2],
+                  t.cols > 1 ? db.strides[3] : 0);
+  }
+  prm.dbias_tickets[kb].store(bkv + 1, std::memory_order_release);
+}
+
 // For the Q tile against K/V tile `j0` (n keys, n_pad columns), from S' in p_tile and dP in
 // ds_tile: P·w into p_tile (w the dropout weights, 1 without dropout) and dS into ds_tile,
 // with the variants of `mods` applied exactly as in the forward. Hidden scores become −∞,
-// so P = 0 there.
-void ComputePAndDS(BackwardWorkspace& ws, const RowMods& mods, std::int64_t bc, std::int64_t i0, std::int64_t rows,
-                   std::int64_t rows_pad, std::int64_t j0, std::int64_t n, std::int64_t n_pad) {
+// so P = 0 there. With `dbias`, each row's dS before the softcap's chain rule (the gradient
+// of the score after the mask step) is added there.
+void ComputePAndDS(BackwardWorkspace& ws, const RowMods& mods, const DbiasRows& dbias, std::int64_t bc,
+                   std::int64_t i0, std::int64_t rows, std::int64_t rows_pad, std::int64_t j0, std::int64_t n,
+                   std::int64_t n_pad) {
   const AttentionProblem& p = *mods.problem;
   const bool softcap = p.softcap > 0.0f, dropout = mods.dropout_threshold != 0;
   const DF df;
@@ -224,10 +293,16 @@ void ComputePAndDS(BackwardWorkspace& ws, const RowMods& mods, std::int64_t bc, 
         dp = hn::Mul(dp, w);
       }
       VF ds = hn::Mul(pj, hn::Sub(dp, delta));
-      if (softcap) ds = hn::Mul(ds, hn::Load(df, grow + j));  // through the tanh
+      if (softcap) {  // through the tanh; dbias's dS, from before it, takes the tanh's place
+        const VF g = hn::Load(df, grow + j);
+        if (dbias.base != nullptr) hn::Store(ds, df, grow + j);
+        ds = hn::Mul(ds, g);
+      }
       hn::Store(pw, df, prow + j);
       hn::Store(ds, df, dsrow + j);
     }
+    if (dbias.base != nullptr)
+      AddDbiasRow(softcap ? grow : dsrow, n, dbias.base + i * dbias.row_stride, dbias.col_stride);
   }
 }
 
@@ -365,12 +440,6 @@ void AddTile(const float* HWY_RESTRICT src, float* HWY_RESTRICT dst, std::int64_
     hn::Store(hn::Add(hn::Load(df, dst + e), hn::Load(df, src + e)), df, dst + e);
 }
 
-// Deterministic mode: waits until K/V block `kb` is next to add into a Q tile. Work items
-// are handed out in K/V-block order, so the block it waits for is already running.
-void WaitForTicket(const std::atomic<std::int64_t>& ticket, std::int64_t kb) {
-  while (ticket.load(std::memory_order_acquire) != kb) std::this_thread::yield();
-}
-
 // Item = (b, kv head, k block). Owns dK and dV of its K/V tile, so they need no
 // synchronization; streams the Q tiles of every q head sharing the kv head and adds its
 // dQ shares — under a striped lock in any order, or in K/V-block order (deterministic).
@@ -391,8 +460,13 @@ void KvItem(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t item)
   ws.counters.v_read += n * p.head_dim_v;
 
   Products::ZeroDkDv(prm, ws, n_pad);
+  if (prm.dbias_shared) {
+    const DbiasTileShape t(plan, p, prm.dbias);
+    std::fill(ws.dbias_tile.get(), ws.dbias_tile.get() + t.size(), 0.0f);
+  }
   for (std::int64_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
     const RowMods mods(p, prm.internals, prm.alibi_slopes, prm.block_mask, prm.attn_mask, b, h);
+    const DbiasRows dbias = DbiasTarget(prm, ws, b, h, kv_head, j0);
     for (std::int64_t qb = 0; qb < plan.q_blocks; ++qb) {
       const std::int64_t i0 = qb * bq, rows = std::min(bq, p.seqlen_q - i0);
       if (!mods.tile_has_work(i0, rows, j0, n)) continue;  // causal, window, block mask
@@ -407,7 +481,7 @@ void KvItem(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t item)
       LoadRowStats(prm, ws, b, h, i0, rows, rows_pad);
       Products::LoadQ(prm, ws, b, h, i0, rows, rows_pad);
       Products::ScoresAndDp(prm, ws, kb, rows_pad, n_pad);
-      ComputePAndDS(ws, mods, bc, i0, rows, rows_pad, j0, n, n_pad);
+      ComputePAndDS(ws, mods, dbias, bc, i0, rows, rows_pad, j0, n, n_pad);
       // dV, dK and this K/V tile's dQ share, added to the shared float32 accumulator.
       Products::Gradients(prm, ws, j0, rows_pad, n_pad);
       const float* dq_tile = ws.dq_tile.get();
@@ -433,6 +507,7 @@ void KvItem(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t item)
         ticket.store(kb + 1, std::memory_order_release);
       }
   }
+  if (prm.dbias_shared) AddDbiasTile(prm, ws, b, kv_head, kb, j0, n);
   Products::StoreDkDv(prm, ws, b, kv_head, j0, n);
   ws.counters.dk_written += n * p.head_dim;
   ws.counters.dv_written += n * p.head_dim_v;
