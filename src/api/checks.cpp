@@ -23,6 +23,9 @@ AttentionProblem check_backward_call(const TensorView& dout, const TensorView& q
                                      const AttentionOptions& options) {
   reject_rescale_counts("backward", options);
   AttentionProblem p = AttentionProblem::from_inputs(q, k, v, options);
+  if (options.score_hook.score != nullptr && options.score_hook.derivative == nullptr)
+    throw Error("score_hook: its score_mod has no derivative, which backward needs (write it generic over "
+                "flex::Dual or wrap it in flex::WithDerivative, flex.hpp)");
   constexpr const char* kOutLayout = "(batch, seqlen_q, heads_q, head_dim_v)";
   check_tensor("dout", dout, q.dtype, "dout must have q's dtype", {p.batch, p.seqlen_q, p.heads_q, p.head_dim_v},
                kOutLayout);
@@ -57,6 +60,7 @@ AttentionProblem check_backward_call(const TensorView& dout, const TensorView& q
 AttentionProblem check_forward_fp8_call(const Fp8View& q, const Fp8View& k, const Fp8View& v, const TensorView& out,
                                         const TensorView& lse, const AttentionOptions& options) {
   reject_attn_mask("forward_fp8", options);
+  reject_score_hook("forward_fp8", options);
   check_fp8_input("q", q);
   check_fp8_input("k", k);
   check_fp8_input("v", v);

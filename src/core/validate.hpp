@@ -57,6 +57,8 @@ void check_rescale_counts(const AttentionProblem& problem, const AttentionOption
 void reject_rescale_counts(const char* entry_point, const AttentionOptions& options);
 // Entry points without a dense attn_mask (varlen, KV cache, FP8) reject one by name.
 void reject_attn_mask(const char* entry_point, const AttentionOptions& options);
+// Entry points without user score and mask functions (the same as attn_mask) reject a score_hook by name.
+void reject_score_hook(const char* entry_point, const AttentionOptions& options);
 
 // An FP8 input `name` (q, k, v): u8 codes (batch, seqlen, heads, dim), block_size >= 0, and
 // finite positive float32 descales, one per tensor (1) or per block (batch, heads, blocks).

@@ -45,6 +45,7 @@ void check_supported(const AttentionProblem& p, const AttentionOptions& options)
   if (p.alibi) throw Error("alibi_slopes: not supported on cuda");
   if (p.sinks) throw Error("sinks are not supported on cuda");
   if (p.attn_mask != AttentionProblem::MaskKind::none) throw Error("attn_mask: not supported on cuda");
+  if (options.score_hook.apply != nullptr) throw Error("score_hook: not supported on cuda");
   if (p.dropout_p != 0.0f) throw Error("dropout_p: " + std::to_string(p.dropout_p) + " is not supported on cuda");
   if (p.block_mask_block_size != 0 || options.block_mask.data != nullptr)
     throw Error("block_mask: not supported on cuda");

@@ -193,8 +193,7 @@ struct Fp32BackwardProducts {
 // so P = 0 there.
 void ComputePAndDS(BackwardWorkspace& ws, const RowMods& mods, std::int64_t bc, std::int64_t i0, std::int64_t rows,
                    std::int64_t rows_pad, std::int64_t j0, std::int64_t n, std::int64_t n_pad) {
-  const AttentionProblem& p = *mods.problem;
-  const bool softcap = p.softcap > 0.0f, dropout = mods.dropout_threshold != 0;
+  const bool grad = mods.needs_grad(), dropout = mods.dropout_threshold != 0;
   const DF df;
   for (std::int64_t r = 0; r < rows_pad; ++r) {
     float* prow = ws.p_tile.get() + r * bc;
@@ -207,7 +206,7 @@ void ComputePAndDS(BackwardWorkspace& ws, const RowMods& mods, std::int64_t bc, 
       continue;
     }
     const std::int64_t i = i0 + r;
-    mods.apply(prow, softcap ? grow : nullptr, i, j0, n, n_pad);
+    mods.apply(prow, grad ? grow : nullptr, i, j0, n, n_pad);
     if (dropout) {
       std::fill(wrow, wrow + n_pad, 1.0f);
       mods.apply_dropout(wrow, i, j0, n_pad);
@@ -224,7 +223,7 @@ void ComputePAndDS(BackwardWorkspace& ws, const RowMods& mods, std::int64_t bc, 
         dp = hn::Mul(dp, w);
       }
       VF ds = hn::Mul(pj, hn::Sub(dp, delta));
-      if (softcap) ds = hn::Mul(ds, hn::Load(df, grow + j));  // through the tanh
+      if (grad) ds = hn::Mul(ds, hn::Load(df, grow + j));  // through the tanh and score_mod
       hn::Store(pw, df, prow + j);
       hn::Store(ds, df, dsrow + j);
     }
@@ -392,7 +391,7 @@ void KvItem(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t item)
 
   Products::ZeroDkDv(prm, ws, n_pad);
   for (std::int64_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
-    const RowMods mods(p, prm.internals, prm.alibi_slopes, prm.block_mask, prm.attn_mask, b, h);
+    const RowMods mods(p, prm.internals, prm.alibi_slopes, prm.block_mask, prm.attn_mask, prm.score_hook, b, h);
     for (std::int64_t qb = 0; qb < plan.q_blocks; ++qb) {
       const std::int64_t i0 = qb * bq, rows = std::min(bq, p.seqlen_q - i0);
       if (!mods.tile_has_work(i0, rows, j0, n)) continue;  // causal, window, block mask

@@ -1,0 +1,230 @@
+// User-defined score and mask functions (flex.hpp, AttentionOptions::score_hook): relative
+// position bias, prefix-LM, document masking over a packed batch, soft-capping and ALiBi
+// written as score_mods, forward and backward against the float64 reference (which calls
+// the same functors per score), with and without a block mask from create_block_mask, odd
+// shapes, 1–3 threads, every SIMD target.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <sstream>
+#include <vector>
+
+#include "flashattn/flex.hpp"
+#include "tests/support/support.hpp"
+
+namespace flashattn::test {
+namespace {
+
+struct Shape {
+  std::int64_t batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim;
+};
+
+const Shape kShapes[] = {{1, 113, 203, 2, 1, 40}, {2, 97, 97, 4, 2, 32}, {1, 203, 113, 2, 2, 64},
+                         {2, 3, 150, 4, 2, 40}};  // the last runs the decode kernel
+
+struct Inputs {
+  Tensor q, k, v, dout;
+};
+
+Inputs make_inputs(const Shape& s, std::uint64_t seed) {
+  return {random_tensor(DType::f32, {s.batch, s.seqlen_q, s.heads_q, s.head_dim}, seed),
+          random_tensor(DType::f32, {s.batch, s.seqlen_k, s.heads_kv, s.head_dim}, seed + 1),
+          random_tensor(DType::f32, {s.batch, s.seqlen_k, s.heads_kv, s.head_dim}, seed + 2),
+          random_tensor(DType::f32, {s.batch, s.seqlen_q, s.heads_q, s.head_dim}, seed + 3)};
+}
+
+// Forward (and backward unless with_backward is false) of `o` against the float64 reference.
+ForwardResult check_against_reference(const Inputs& in, AttentionOptions o, int threads, bool with_backward = true) {
+  o.num_threads = threads;
+  const ForwardResult fwd = forward(in.q.view(), in.k.view(), in.v.view(), o);
+  const reference::Result want = reference::attention(in.q.view(), in.k.view(), in.v.view(), o);
+  EXPECT_LE(max_abs_error(fwd.out, want.out), 1e-5) << "out";
+  expect_lse_near(fwd.lse, want.lse);
+  if (!with_backward) return fwd;
+  const BackwardResult got =
+      backward(in.dout.view(), in.q.view(), in.k.view(), in.v.view(), fwd.out.view(), fwd.lse.view(), o);
+  const reference::Gradients g =
+      reference::attention_backward(in.dout.view(), in.q.view(), in.k.view(), in.v.view(), o);
+  EXPECT_LE(max_abs_error(got.dq, g.dq), 1e-4) << "dq";
+  EXPECT_LE(max_abs_error(got.dk, g.dk), 1e-4) << "dk";
+  EXPECT_LE(max_abs_error(got.dv, g.dv), 1e-4) << "dv";
+  return fwd;
+}
+
+std::vector<double> values(const Tensor& t) {
+  std::vector<double> v(static_cast<std::size_t>(t.numel()));
+  for (std::int64_t e = 0; e < t.numel(); ++e) v[static_cast<std::size_t>(e)] = t.get(e);
+  return v;
+}
+
+std::string trace(const Shape& s, const char* name, int threads, std::int64_t block) {
+  std::ostringstream t;
+  t << name << " B=" << s.batch << " Sq=" << s.seqlen_q << " Sk=" << s.seqlen_k << " Hq=" << s.heads_q
+    << " Hkv=" << s.heads_kv << " D=" << s.head_dim << " threads=" << threads << " block=" << block;
+  return t.str();
+}
+
+// A score_mod and mask_mod run with no block mask and with block masks of 16 and 32.
+template <class ScoreMod, class MaskMod>
+void check_mods(const Shape& s, const char* name, const ScoreMod& score_mod, const MaskMod& mask_mod,
+                std::uint64_t seed, AttentionOptions base = {}) {
+  const Inputs in = make_inputs(s, seed);
+  const FlexMods mods(score_mod, mask_mod);
+  constexpr bool has_mask = FlexMods<ScoreMod, MaskMod>::kHasMask;
+  for (std::int64_t block : {0, 16, 32})
+    for (int threads : {1, 2, 3}) {
+      if (!has_mask && block > 0) continue;  // a block mask comes from a mask_mod
+      SCOPED_TRACE(trace(s, name, threads, block));
+      AttentionOptions o = base;
+      BlockMask blocks;
+      if constexpr (has_mask)
+        if (block > 0) blocks = create_block_mask(mask_mod, s.batch, s.heads_q, s.seqlen_q, s.seqlen_k, block);
+      o.score_hook = mods.hook(block > 0 ? &blocks : nullptr);
+      o.deterministic = threads == 3;
+      check_against_reference(in, o, threads);
+    }
+}
+
+TEST(Flex, RelativePositionBias) {
+  std::uint64_t seed = 700;
+  for (const Shape& s : kShapes) {
+    const std::int64_t span = s.seqlen_q + s.seqlen_k;
+    std::vector<float> table(static_cast<std::size_t>(s.heads_q * span));
+    for (std::size_t e = 0; e < table.size(); ++e) table[e] = static_cast<float>((e * 37) % 101) / 50.0f - 1.0f;
+    const auto bias = [&](auto score, std::int64_t, std::int64_t h, std::int64_t q, std::int64_t kv) {
+      return score + table[static_cast<std::size_t>(h * span + q - kv + s.seqlen_k)];
+    };
+    check_mods(s, "relbias", bias, flex::NoMaskMod{}, seed++);
+    AttentionOptions causal;
+    causal.causal = true;
+    check_mods(s, "relbias+causal", bias, flex::NoMaskMod{}, seed++, causal);
+  }
+}
+
+TEST(Flex, PrefixLm) {
+  std::uint64_t seed = 720;
+  for (const Shape& s : kShapes) {
+    const std::int64_t prefix = s.seqlen_k / 3, diagonal = s.seqlen_k - s.seqlen_q;
+    const auto prefix_lm = [=](std::int64_t, std::int64_t, std::int64_t q, std::int64_t kv) {
+      return kv < prefix || kv <= q + diagonal;
+    };
+    check_mods(s, "prefix_lm", flex::NoScoreMod{}, prefix_lm, seed++);
+  }
+}
+
+// Packed documents of different lengths per batch element, causal within each; a relative
+// bias on top (score_mod and mask_mod together).
+TEST(Flex, DocumentMaskOverPackedBatch) {
+  std::uint64_t seed = 740;
+  for (const Shape& s : kShapes) {
+    if (s.seqlen_q != s.seqlen_k) continue;
+    std::vector<int> doc(static_cast<std::size_t>(s.batch * s.seqlen_q));
+    for (std::int64_t b = 0; b < s.batch; ++b)
+      for (std::int64_t i = 0; i < s.seqlen_q; ++i) doc[static_cast<std::size_t>(b * s.seqlen_q + i)] =
+          static_cast<int>((i + 7 * b) / (19 + 6 * b));
+    const std::int64_t n = s.seqlen_q;
+    const auto doc_mask = [&](std::int64_t b, std::int64_t, std::int64_t q, std::int64_t kv) {
+      return doc[static_cast<std::size_t>(b * n + q)] == doc[static_cast<std::size_t>(b * n + kv)] && kv <= q;
+    };
+    check_mods(s, "document", flex::NoScoreMod{}, doc_mask, seed++);
+    const auto decay = [](auto score, std::int64_t, std::int64_t h, std::int64_t q, std::int64_t kv) {
+      return score - 0.01f * static_cast<float>(h + 1) * static_cast<float>(q - kv);
+    };
+    check_mods(s, "document+decay", decay, doc_mask, seed++);
+  }
+}
+
+// Soft-capping as a score_mod (differentiated by the library through flex::tanh, and with a
+// derivative of the user's) matches the built-in softcap.
+TEST(Flex, SoftcapAsScoreMod) {
+  std::uint64_t seed = 760;
+  constexpr float cap = 1.5f;
+  const auto softcap = [](auto score, std::int64_t, std::int64_t, std::int64_t, std::int64_t) {
+    return cap * flex::tanh(score / cap);
+  };
+  const auto value = [](float score, std::int64_t, std::int64_t, std::int64_t, std::int64_t) {
+    return cap * std::tanh(score / cap);
+  };
+  const auto slope = [](double score, std::int64_t, std::int64_t, std::int64_t, std::int64_t) {
+    const double t = std::tanh(score / cap);
+    return 1.0 - t * t;
+  };
+  const flex::WithDerivative explicit_softcap{value, slope};
+  for (const Shape& s : kShapes) {
+    check_mods(s, "softcap_mod", softcap, flex::NoMaskMod{}, seed);
+    check_mods(s, "softcap_with_derivative", explicit_softcap, flex::NoMaskMod{}, seed);
+    const Inputs in = make_inputs(s, seed++);
+    AttentionOptions builtin;
+    builtin.softcap = cap;
+    builtin.causal = true;
+    const ForwardResult want = forward(in.q.view(), in.k.view(), in.v.view(), builtin);
+    const FlexMods mods(softcap);
+    AttentionOptions o;
+    o.causal = true;
+    o.score_hook = mods.hook();
+    const ForwardResult got = check_against_reference(in, o, 2);
+    EXPECT_LE(max_abs_error(got.out, values(want.out)), 1e-5) << "score_mod softcap vs options.softcap";
+  }
+}
+
+TEST(Flex, AlibiAsScoreMod) {
+  std::uint64_t seed = 780;
+  for (const Shape& s : kShapes) {
+    Tensor slopes(DType::f32, {s.heads_q});
+    for (std::int64_t h = 0; h < s.heads_q; ++h) slopes.set(h, std::exp2(-1.0f - 0.7f * static_cast<float>(h)));
+    const float* sl = slopes.data_as<float>();
+    const std::int64_t diagonal = s.seqlen_k - s.seqlen_q;
+    const auto alibi = [=](auto score, std::int64_t, std::int64_t h, std::int64_t q, std::int64_t kv) {
+      return score - sl[h] * static_cast<float>(std::llabs(q + diagonal - kv));
+    };
+    check_mods(s, "alibi_mod", alibi, flex::NoMaskMod{}, seed);
+    const Inputs in = make_inputs(s, seed++);
+    AttentionOptions builtin;
+    builtin.alibi_slopes = slopes.view();
+    const ForwardResult want = forward(in.q.view(), in.k.view(), in.v.view(), builtin);
+    const FlexMods mods(alibi);
+    AttentionOptions o;
+    o.score_hook = mods.hook();
+    const ForwardResult got = check_against_reference(in, o, 3);
+    EXPECT_LE(max_abs_error(got.out, values(want.out)), 1e-5) << "score_mod ALiBi vs options.alibi_slopes";
+  }
+}
+
+// The hook composes with the built-in variants: it sees their score (softcap, ALiBi, bias)
+// and its mask joins theirs.
+TEST(Flex, WithBuiltinVariants) {
+  const Shape s{2, 97, 97, 4, 2, 32};
+  const auto bias = [](auto score, std::int64_t b, std::int64_t h, std::int64_t q, std::int64_t kv) {
+    return score * 0.75f + 0.05f * static_cast<float>((q * 3 + kv + b + h) % 7);
+  };
+  const auto stripes = [](std::int64_t, std::int64_t h, std::int64_t q, std::int64_t kv) {
+    return (q + kv + h) % 5 != 0;
+  };
+  Tensor slopes(DType::f32, {s.heads_q});
+  for (std::int64_t h = 0; h < s.heads_q; ++h) slopes.set(h, 0.1f * static_cast<float>(h + 1));
+  AttentionOptions o;
+  o.window_size = {40, 3};
+  o.softcap = 2.0f;
+  o.alibi_slopes = slopes.view();
+  o.dropout_p = 0.1f;
+  o.seed = 5;
+  check_mods(s, "window+softcap+alibi+dropout", bias, stripes, 800, o);
+}
+
+TEST(Flex, EverySimdTarget) {
+  std::uint64_t seed = 820;
+  const auto bias = [](auto score, std::int64_t, std::int64_t h, std::int64_t q, std::int64_t kv) {
+    return score + 0.03f * static_cast<float>((q - kv) % 11) - 0.2f * static_cast<float>(h);
+  };
+  const auto causal_docs = [](std::int64_t, std::int64_t, std::int64_t q, std::int64_t kv) {
+    return q / 23 == kv / 23 && kv <= q;
+  };
+  for_each_simd_target([&](const std::string&) {
+    check_mods({1, 61, 61, 4, 2, 24}, "docs+bias", bias, causal_docs, seed++);
+    check_mods({2, 2, 90, 4, 1, 40}, "bias decode", bias, flex::NoMaskMod{}, seed++);
+  });
+}
+
+}  // namespace
+}  // namespace flashattn::test
