@@ -226,5 +226,77 @@ TEST(Flex, EverySimdTarget) {
   });
 }
 
+// A block mask from create_block_mask: its empty tiles are skipped (counted), and mask_mod is
+// never asked about a key of a full block — an all-true mask_mod is not called at all.
+TEST(Flex, BlockMaskSkipsEmptyTilesAndFullBlocks) {
+  const Shape s{1, 256, 256, 2, 2, 32};
+  const Inputs in = make_inputs(s, 900);
+  std::atomic<std::int64_t> calls{0};
+  const auto docs = [&](std::int64_t, std::int64_t, std::int64_t q, std::int64_t kv) {
+    calls.fetch_add(1, std::memory_order_relaxed);
+    return q / 64 == kv / 64 && kv <= q;
+  };
+  const FlexMods mods(flex::NoScoreMod{}, docs);
+  const BlockMask blocks = create_block_mask(docs, 1, 1, s.seqlen_q, s.seqlen_k, 32);
+  KernelCounters with_blocks, without_blocks;
+  AttentionOptions o;
+  o.block_q = 64;
+  o.counters = &with_blocks;
+  o.score_hook = mods.hook(&blocks);
+  calls = 0;
+  check_against_reference(in, o, 2, false);
+  o.counters = &without_blocks;
+  o.score_hook = mods.hook();
+  check_against_reference(in, o, 2, false);
+  EXPECT_GT(with_blocks.tiles_skipped, without_blocks.tiles_skipped);
+  EXPECT_LT(with_blocks.tiles_computed, without_blocks.tiles_computed);
+
+  const auto all = [&](std::int64_t, std::int64_t, std::int64_t, std::int64_t) {
+    calls.fetch_add(1, std::memory_order_relaxed);
+    return true;
+  };
+  const FlexMods all_mods(flex::NoScoreMod{}, all);
+  const BlockMask full = create_block_mask(all, 1, 1, s.seqlen_q, s.seqlen_k, 32);
+  for (std::int64_t e = 0; e < full.blocks.numel(); ++e) ASSERT_EQ(full.blocks.get(e), 2.0f);
+  calls = 0;
+  AttentionOptions f;
+  f.score_hook = all_mods.hook(&full);
+  forward(in.q.view(), in.k.view(), in.v.view(), f);
+  EXPECT_EQ(calls.load(), 0) << "mask_mod called inside full blocks";
+}
+
+// Bad input names the argument; paths without the hook reject it by name.
+TEST(Flex, BadInputNamesTheArgument) {
+  const Shape s{1, 20, 24, 2, 1, 16};
+  const Inputs in = make_inputs(s, 950);
+  const auto causal = [](std::int64_t, std::int64_t, std::int64_t q, std::int64_t kv) { return kv <= q; };
+  const auto float_only = [](float x, std::int64_t, std::int64_t, std::int64_t, std::int64_t) { return 2.0f * x; };
+  const FlexMods masks(flex::NoScoreMod{}, causal);
+  const FlexMods no_derivative(float_only);
+  AttentionOptions o;
+  o.score_hook = no_derivative.hook();
+  const ForwardResult fwd = forward(in.q.view(), in.k.view(), in.v.view(), o);  // forward needs no derivative
+  expect_error([&] { backward(in.dout.view(), in.q.view(), in.k.view(), in.v.view(), fwd.out.view(), fwd.lse.view(), o); },
+               {"score_hook", "no derivative"});
+  const BlockMask wrong = create_block_mask(causal, 1, 1, s.seqlen_q, s.seqlen_k + 40, 8);
+  o.score_hook = masks.hook(&wrong);
+  expect_error([&] { forward(in.q.view(), in.k.view(), in.v.view(), o); }, {"score_hook.block_mask: shape (1, 1, 3, 8)"});
+  o.score_hook = masks.hook();
+  o.score_hook.block_size = 4;
+  expect_error([&] { forward(in.q.view(), in.k.view(), in.v.view(), o); }, {"score_hook.block_mask"});
+  o.score_hook = masks.hook();
+  o.score_hook.mask = nullptr;
+  expect_error([&] { forward(in.q.view(), in.k.view(), in.v.view(), o); }, {"score_hook", "neither"});
+  expect_error([] { create_block_mask([](auto...) { return true; }, 1, 1, 8, 8, 0); },
+               {"create_block_mask", "block_size"});
+  o.score_hook = masks.hook();
+  Tensor cu(DType::i32, {2});
+  cu.set(0, 0.0f);
+  cu.set(1, 20.0f);
+  const Tensor q3 = random_tensor(DType::f32, {20, 2, 16}, 1), k3 = random_tensor(DType::f32, {20, 1, 16}, 2);
+  expect_error([&] { forward_varlen(q3.view(), k3.view(), k3.view(), {cu.view(), cu.view(), 20, 20}, o); },
+               {"score_hook: not supported by the variable-length entry points"});
+}
+
 }  // namespace
 }  // namespace flashattn::test
