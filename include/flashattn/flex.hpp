@@ -3,7 +3,7 @@
 // turned into the AttentionOptions::score_hook that forward() and backward() call once per
 // span of a score row (options.hpp: ScoreHook). The templates below live in the caller's
 // translation unit: the per-score loop over the user's functor is compiled there, inlined,
-// with no indirect call per score. docs/algorithm.md §6.1.
+// with no indirect call per score. docs/algorithm.md §6.2.
 //
 //   const auto rel_bias = [&](auto s, std::int64_t, std::int64_t h, std::int64_t q, std::int64_t kv) {
 //     return s + table[h][q - kv + max_len];

@@ -61,7 +61,7 @@ BackwardKernel parse_backward_kernel(const std::string& name);
 // User-defined score and mask functions (FlexAttention's score_mod and mask_mod), type-erased
 // so that the library's kernels, compiled per SIMD target, can call the user's code: build
 // one with include/flashattn/flex.hpp (FlexMods::hook), which instantiates these functions
-// in the user's translation unit. docs/algorithm.md §6.1.
+// in the user's translation unit. docs/algorithm.md §6.2.
 //
 // The kernels call `apply` once per span of a score row (one row of a tile, or the part of
 // it inside one block of `block_mask`), never per score: the per-score loop is the user's,

@@ -43,7 +43,7 @@ struct RowMods {
   const TensorView* attn_mask = nullptr;
   std::int64_t mask_base = 0, mask_row_stride = 0, mask_col_stride = 0;
   // options.score_hook (null when there is none) and, where it has a block mask, the
-  // offset of this (batch, head)'s plane in it (docs/algorithm.md §6.1).
+  // offset of this (batch, head)'s plane in it (docs/algorithm.md §6.2).
   const ScoreHook* hook = nullptr;
   std::int64_t hook_blocks_base = 0;
 
