@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "flashattn/flex.hpp"
+#include "flashattn/fp8.hpp"
 #include "tests/support/support.hpp"
 
 namespace flashattn::test {
@@ -296,6 +297,14 @@ TEST(Flex, BadInputNamesTheArgument) {
   const Tensor q3 = random_tensor(DType::f32, {20, 2, 16}, 1), k3 = random_tensor(DType::f32, {20, 1, 16}, 2);
   expect_error([&] { forward_varlen(q3.view(), k3.view(), k3.view(), {cu.view(), cu.view(), 20, 20}, o); },
                {"score_hook: not supported by the variable-length entry points"});
+  Tensor k_cache = random_tensor(DType::f32, {1, 24, 1, 16}, 3), v_cache = random_tensor(DType::f32, {1, 24, 1, 16}, 4);
+  KvCache cache;
+  cache.k_cache = k_cache.view();
+  cache.v_cache = v_cache.view();
+  expect_error([&] { forward_with_kvcache(in.q.view(), cache, o); }, {"score_hook: not supported by forward_with_kvcache"});
+  const Fp8Tensor q8 = quantize_fp8(in.q.view(), Fp8Format::e4m3), k8 = quantize_fp8(in.k.view(), Fp8Format::e4m3);
+  expect_error([&] { forward_fp8(q8.view(), k8.view(), k8.view(), DType::f32, o); },
+               {"score_hook: not supported by forward_fp8"});
 }
 
 }  // namespace
