@@ -65,7 +65,7 @@ BackwardKernel parse_backward_kernel(const std::string& name);
 //
 // The kernels call `apply` once per span of a score row (one row of a tile, or the part of
 // it inside one block of `block_mask`), never per score: the per-score loop is the user's,
-// inlined and vectorisable there.
+// inlined and vectorisable there. Threads call it concurrently: the functors must be thread-safe.
 struct ScoreSpan {
   // n scores of query q_idx against keys kv_begin .. kv_begin + n − 1, in log2 units
   // (natural · log2 e, as the kernels keep them), after softmax_scale, softcap, ALiBi and
