@@ -8,6 +8,7 @@
 #include "flashattn/dropout.hpp"
 #include "flashattn/error.hpp"
 #include "flashattn/exp2.hpp"
+#include "flashattn/flex.hpp"
 #include "flashattn/fp8.hpp"
 #include "flashattn/hadamard.hpp"
 #include "flashattn/online_softmax.hpp"

@@ -68,6 +68,49 @@ enum class CausalAlignment : std::uint8_t { bottom_right, top_left };
 const char* to_string(CausalAlignment alignment);
 // Parses "bottom_right", "top_left"; throws Error otherwise.
 CausalAlignment parse_causal_alignment(const std::string& name);
+// User-defined score and mask functions (FlexAttention's score_mod and mask_mod), type-erased
+// so that the library's kernels, compiled per SIMD target, can call the user's code: build
+// one with include/flashattn/flex.hpp (FlexMods::hook), which instantiates these functions
+// in the user's translation unit. docs/algorithm.md §6.2.
+//
+// The kernels call `apply` once per span of a score row (one row of a tile, or the part of
+// it inside one block of `block_mask`), never per score: the per-score loop is the user's,
+// inlined and vectorisable there. Threads call it concurrently: the functors must be thread-safe.
+struct ScoreSpan {
+  // n scores of query q_idx against keys kv_begin .. kv_begin + n − 1, in log2 units
+  // (natural · log2 e, as the kernels keep them), after softmax_scale, softcap, ALiBi and
+  // attn_mask; −∞ where the key is already hidden (it must stay −∞). `apply` replaces
+  // them by score_mod's, and by −∞ where mask_mod hides the key.
+  float* scores;
+  // Backward only (null in the forward): the n factors d(score)/d(scaled score) so far, to
+  // be multiplied by d score_mod / d score (the chain rule).
+  float* grad;
+  std::int64_t batch, head, q_idx, kv_begin, n;
+  bool mask;  // evaluate mask_mod: false inside a block that block_mask calls full
+};
+// A block of ScoreHook::block_mask: every key of it hidden (the tile is skipped), some, or
+// none (mask_mod is not evaluated).
+enum class ScoreBlock : std::uint8_t { empty = 0, partial = 1, full = 2 };
+struct ScoreHook {
+  // The kernels' call (null: no hook). `mods` is passed back to every function.
+  void (*apply)(const void* mods, const ScoreSpan& span) = nullptr;
+  // The float64 reference's per-score forms, in natural units: score_mod (null: none),
+  // mask_mod (null: none; true keeps the key) and d score_mod / d score (null: the
+  // backward rejects the hook).
+  double (*score)(const void* mods, double s, std::int64_t b, std::int64_t h, std::int64_t q_idx,
+                  std::int64_t kv_idx) = nullptr;
+  bool (*mask)(const void* mods, std::int64_t b, std::int64_t h, std::int64_t q_idx, std::int64_t kv_idx) = nullptr;
+  double (*derivative)(const void* mods, double s, std::int64_t b, std::int64_t h, std::int64_t q_idx,
+                       std::int64_t kv_idx) = nullptr;
+  const void* mods = nullptr;
+  // Optional (flex.hpp: create_block_mask): u8 ScoreBlock values of shape (1 or batch,
+  // 1 or heads_q, ceil(seqlen_q / block_size), ceil(seqlen_k / block_size)), a size-1 dim
+  // shared by every batch element / head. It is a promise about mask_mod, as FlexAttention's
+  // BlockMask: keys of an empty block are hidden without asking mask_mod, keys of a full block
+  // kept without asking it. Unset: every block partial.
+  TensorView block_mask;
+  std::int64_t block_size = 0;
+};
 
 struct AttentionOptions {
   // Scale applied to Q·Kᵀ before the softmax; 1/sqrt(head_dim) when unset.
@@ -124,6 +167,13 @@ struct AttentionOptions {
   // by attention_forward / attention_backward on the CPU (not on CUDA, varlen, KV cache,
   // FP8 or the ring, which reject it by name).
   TensorView attn_mask;
+  // User-defined score_mod and mask_mod (see ScoreHook; built by flex.hpp), applied after
+  // attn_mask: s = score_mod(softcap·tanh(scale·q·k / softcap) − ALiBi + bias, b, h, i, j),
+  // and −∞ where mask_mod(b, h, i, j) is false (or the block is empty). Combines with every
+  // other variant; the backward needs score_mod's derivative (ScoreHook::derivative).
+  // Supported by attention_forward / attention_backward on the CPU (tiled and decode
+  // kernels); CUDA, varlen, KV cache, paged, FP8 and the ring reject it by name.
+  ScoreHook score_hook;
   // Worker threads; 0 means the OpenMP default (all cores).
   int num_threads = 0;
   // Forward only, split-KV ("flash-decoding"): the keys of every (batch, head, Q tile) are

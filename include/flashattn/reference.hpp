@@ -31,10 +31,16 @@ struct Semantics {
   // boolean mask; 0 without one.
   double mask(std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j) const;
   // Score of (i, j) from the raw dot product q_i·k_j: scale, then softcap, then ALiBi, then
-  // attn_mask. A score of −∞ hides its key as visible() does.
+  // attn_mask, without options.score_hook.
+  double builtin_score(std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j, double dot) const;
+  // options.score_hook keeps (b, h, i, j): its block mask's block is full, or partial (every
+  // block without a block mask) and mask_mod keeps it (or there is none). True without a hook.
+  bool hook_keeps(std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j) const;
+  // builtin_score, then the hook: −∞ where it hides the key, else score_mod of it (if any).
+  // A score of −∞ hides its key as visible() does.
   double score(std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j, double dot) const;
-  // d score / d dot (the softcap's tanh included).
-  double score_gradient(double dot) const;
+  // d score / d dot (the softcap's tanh and score_mod's derivative included).
+  double score_gradient(std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j, double dot) const;
   // 0 if (i, j) is dropped, 1/(1 − p) if kept, 1 without dropout.
   double dropout_weight(std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j) const;
 };

@@ -26,6 +26,9 @@ AttentionProblem check_backward_call(const TensorView& dout, const TensorView& q
                                      const AttentionOptions& options) {
   reject_rescale_counts("backward", options);
   AttentionProblem p = AttentionProblem::from_inputs(q, k, v, options);
+  if (options.score_hook.score != nullptr && options.score_hook.derivative == nullptr)
+    throw Error("score_hook: its score_mod has no derivative, which backward needs (write it generic over "
+                "flex::Dual or wrap it in flex::WithDerivative, flex.hpp)");
   constexpr const char* kOutLayout = "(batch, seqlen_q, heads_q, head_dim_v)";
   check_tensor("dout", dout, q.dtype, "dout must have q's dtype", {p.batch, p.seqlen_q, p.heads_q, p.head_dim_v},
                kOutLayout);
@@ -60,6 +63,9 @@ AttentionProblem check_backward_call(const TensorView& dout, const TensorView& q
       throw Error(std::string("dbias: set without a float attn_mask (") +
                   (p.attn_mask == AttentionProblem::MaskKind::none ? "none is set" : "a boolean mask has no gradient") +
                   ")");
+    if (options.score_hook.apply != nullptr)
+      throw Error("dbias: not supported with a score_hook (the bias gradient would need score_mod's derivative "
+                  "apart from the softcap's)");
     check_tensor("dbias", options.dbias.on(Device::cpu), DType::f32, "dbias is float32",
                  {bias.shape[0], bias.shape[1], bias.shape[2], bias.shape[3]}, "(attn_mask's shape)");
     check_output_layout("dbias", options.dbias);
@@ -75,6 +81,7 @@ AttentionProblem check_forward_fp8_call(const Fp8View& q, const Fp8View& k, cons
                                         const TensorView& lse, const AttentionOptions& options) {
   reject_attn_mask("forward_fp8", options);
   reject_top_left("forward_fp8", options);
+  reject_score_hook("forward_fp8", options);
   check_fp8_input("q", q);
   check_fp8_input("k", k);
   check_fp8_input("v", v);

@@ -162,6 +162,7 @@ CacheCall check_cache_views(const TensorView& q, const KvCache& c, const Attenti
   detail::reject_rescale_counts("forward_with_kvcache", options);
   detail::reject_attn_mask("forward_with_kvcache", options);
   detail::reject_top_left("forward_with_kvcache", options);
+  detail::reject_score_hook("forward_with_kvcache", options);
   detail::check_view("q", q, 4, "(batch, seqlen_q, heads_q, head_dim)");
   detail::check_view("k_cache", c.k_cache, 4, "(batch_cache or pages, seqlen_cache or page_size, heads_kv, head_dim)");
   detail::check_view("v_cache", c.v_cache, 4, "(batch_cache or pages, seqlen_cache or page_size, heads_kv, head_dim_v)");

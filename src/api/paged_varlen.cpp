@@ -97,6 +97,7 @@ PagedCall check_paged_call(const TensorView& q, const TensorView& cu_seqlens_q, 
   detail::reject_rescale_counts("forward_varlen_paged", options);
   detail::reject_attn_mask("forward_varlen_paged", options);
   detail::reject_top_left("forward_varlen_paged", options);
+  detail::reject_score_hook("forward_varlen_paged", options);
   if (is_set(options.block_mask)) throw Error("block_mask: not supported with variable-length batches");
   PagedCall r;
   check_pools(q, kv, r);

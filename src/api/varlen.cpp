@@ -33,6 +33,7 @@ Offsets check_varlen(const TensorView& q, const TensorView& k, const TensorView&
     throw Error("block_mask: not supported with variable-length batches");
   detail::reject_attn_mask("the variable-length entry points", options);
   detail::reject_top_left("the variable-length entry points", options);
+  detail::reject_score_hook("the variable-length entry points", options);
   Offsets o{detail::read_offsets("cu_seqlens_q", s.cu_seqlens_q, q.shape[0], s.max_seqlen_q, "max_seqlen_q"),
             detail::read_offsets("cu_seqlens_k", s.cu_seqlens_k, k.shape[0], s.max_seqlen_k, "max_seqlen_k")};
   if (o.q.size() != o.k.size())

@@ -146,6 +146,26 @@ AttentionProblem AttentionProblem::from_sizes(std::int64_t batch, std::int64_t s
                   " must be " + str(full[d]) + " or 1");
     p.attn_mask = m.dtype == DType::u8 ? MaskKind::boolean : MaskKind::bias;
   }
+  if (const ScoreHook& hook = options.score_hook; hook.apply != nullptr) {
+    require(hook.score != nullptr || hook.mask != nullptr,
+            "score_hook: has neither a score_mod nor a mask_mod (ScoreHook::score and ::mask are both null)");
+    if (hook.block_size != 0 || hook.block_mask.data != nullptr || hook.block_mask.rank != 0) {
+      const std::int64_t bs = hook.block_size;
+      require(bs >= 1, "score_hook.block_size: must be >= 1 with a block mask, got " + str(bs));
+      const TensorView& m = hook.block_mask;
+      detail::check_view("score_hook.block_mask", m, 4, "(batch or 1, heads_q or 1, q blocks, kv blocks)");
+      detail::check_dtype("score_hook.block_mask", m, DType::u8, "ScoreBlock values, one byte per block");
+      const std::int64_t want[4] = {batch, heads_q, (seqlen_q + bs - 1) / bs, (seqlen_k + bs - 1) / bs};
+      for (int d = 0; d < 4; ++d)
+        require(m.shape[d] == want[d] || (d < 2 && m.shape[d] == 1),
+                "score_hook.block_mask: shape " + detail::shape_string(m) + " is not (batch or 1, heads_q or 1, " +
+                    "ceil(seqlen_q / block), ceil(seqlen_k / block)) = (" + str(batch) + ", " + str(heads_q) + ", " +
+                    str(want[2]) + ", " + str(want[3]) + ") for block_size " + str(bs));
+    }
+  } else {
+    require(hook.score == nullptr && hook.mask == nullptr && hook.block_mask.data == nullptr,
+            "score_hook: apply is null but score, mask or block_mask is set (build it with FlexMods::hook)");
+  }
   return p;
 }
 

@@ -41,7 +41,7 @@ double Semantics::mask(std::int64_t b, std::int64_t h, std::int64_t i, std::int6
   return x != 0.0 ? 0.0 : -std::numeric_limits<double>::infinity();
 }
 
-double Semantics::score(std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j, double dot) const {
+double Semantics::builtin_score(std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j, double dot) const {
   const AttentionProblem& p = *problem;
   double s = dot * static_cast<double>(p.softmax_scale);
   if (p.softcap > 0.0f) s = p.softcap * std::tanh(s / p.softcap);
@@ -49,11 +49,40 @@ double Semantics::score(std::int64_t b, std::int64_t h, std::int64_t i, std::int
   return s + mask(b, h, i, j);
 }
 
-double Semantics::score_gradient(double dot) const {
+bool Semantics::hook_keeps(std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j) const {
+  const ScoreHook& hook = options->score_hook;
+  if (hook.apply == nullptr) return true;
+  ScoreBlock state = ScoreBlock::partial;
+  if (hook.block_size > 0) {
+    const TensorView& m = hook.block_mask;
+    const std::int64_t bs = hook.block_size;
+    const std::int64_t offset = (m.shape[0] > 1 ? b * m.strides[0] : 0) + (m.shape[1] > 1 ? h * m.strides[1] : 0) +
+                                (i / bs) * m.strides[2] + (j / bs) * m.strides[3];
+    state = static_cast<ScoreBlock>(static_cast<const std::uint8_t*>(m.data)[offset]);
+  }
+  if (state == ScoreBlock::empty) return false;
+  return state == ScoreBlock::full || hook.mask == nullptr || hook.mask(hook.mods, b, h, i, j);
+}
+
+double Semantics::score(std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j, double dot) const {
+  constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+  const double s = builtin_score(b, h, i, j, dot);
+  if (s == kNegInf || !hook_keeps(b, h, i, j)) return kNegInf;
+  const ScoreHook& hook = options->score_hook;
+  return hook.score != nullptr ? hook.score(hook.mods, s, b, h, i, j) : s;
+}
+
+double Semantics::score_gradient(std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j, double dot) const {
   const double scale = problem->softmax_scale;
-  if (problem->softcap <= 0.0f) return scale;
-  const double t = std::tanh(dot * scale / problem->softcap);
-  return scale * (1.0 - t * t);
+  double g = scale;
+  if (problem->softcap > 0.0f) {
+    const double t = std::tanh(dot * scale / problem->softcap);
+    g *= 1.0 - t * t;
+  }
+  const ScoreHook& hook = options->score_hook;
+  if (hook.score == nullptr) return g;
+  const double s = builtin_score(b, h, i, j, dot);
+  return s == -std::numeric_limits<double>::infinity() ? g : g * hook.derivative(hook.mods, s, b, h, i, j);
 }
 
 double Semantics::dropout_weight(std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j) const {
@@ -190,7 +219,9 @@ Gradients attention_backward(const TensorView& dout, const TensorView& q, const 
           for (std::int64_t j = range.begin; j < range.end; ++j) {
             if (!sem.visible(i, j)) continue;
             const double dot = dot_row(p, q, k, b, h, kvh, i, j);
-            const double pij = std::exp(sem.score(b, h, i, j, dot) - lse);
+            const double sij = sem.score(b, h, i, j, dot);
+            if (sij == -std::numeric_limits<double>::infinity()) continue;  // hidden: no gradient
+            const double pij = std::exp(sij - lse);
             const double w = sem.dropout_weight(b, h, i, j);
             double dp = 0.0;  // dP_ij = w · dO_i·V_j
             for (std::int64_t c = 0; c < dv; ++c) {
@@ -200,7 +231,7 @@ Gradients attention_backward(const TensorView& dout, const TensorView& q, const 
             }
             const double ds_masked = pij * (w * dp - delta);  // d/d(score after the mask step)
             if (bias) ds_all[static_cast<std::size_t>(((b * p.heads_q + h) * p.seqlen_q + i) * p.seqlen_k + j)] = ds_masked;
-            const double ds = ds_masked * sem.score_gradient(dot);
+            const double ds = ds_masked * sem.score_gradient(b, h, i, j, dot);
             for (std::int64_t c = 0; c < d; ++c) {
               g.dq[static_cast<std::size_t>(((b * p.seqlen_q + i) * p.heads_q + h) * d + c)] +=
                   ds * static_cast<double>(load_element(k, offset4(k, b, j, kvh, c)));

@@ -198,6 +198,11 @@ void reject_attn_mask(const char* entry_point, const AttentionOptions& options) 
     throw Error(std::string("attn_mask: not supported by ") + entry_point + " (forward and backward take it)");
 }
 
+void reject_score_hook(const char* entry_point, const AttentionOptions& options) {
+  if (options.score_hook.apply != nullptr)
+    throw Error(std::string("score_hook: not supported by ") + entry_point + " (forward and backward take it)");
+}
+
 }  // namespace flashattn::detail
 
 namespace flashattn::detail {

@@ -59,6 +59,8 @@ void reject_rescale_counts(const char* entry_point, const AttentionOptions& opti
 void reject_attn_mask(const char* entry_point, const AttentionOptions& options);
 // Likewise a top-left causal_alignment (positions there are the sequences' or the cache's).
 void reject_top_left(const char* entry_point, const AttentionOptions& options);
+// Entry points without user score and mask functions (the same as attn_mask) reject a score_hook by name.
+void reject_score_hook(const char* entry_point, const AttentionOptions& options);
 
 // An FP8 input `name` (q, k, v): u8 codes (batch, seqlen, heads, dim), block_size >= 0, and
 // finite positive float32 descales, one per tensor (1) or per block (batch, heads, blocks).

@@ -56,7 +56,7 @@ void cpu::run_backward(const detail::BackwardJob& job) {
   }
   const cpu::BackwardParams params{p, job.internals, plan, job.dout, job.q, job.k, job.v, job.out, job.lse,
                                    job.dq, job.dk, job.dv,
-                                   options.alibi_slopes, options.block_mask, options.attn_mask,
+                                   options.alibi_slopes, options.block_mask, options.attn_mask, options.score_hook,
                                    delta.get(), dq_accum.get(), dq_locks.get(), dq_tickets.get(),
                                    dbias, dbias_shared, dbias_tickets.get()};
   // Items are handed out strictly in order (an atomic counter, not an OpenMP schedule):

@@ -61,7 +61,7 @@ PlannedJob planned_job(const detail::ForwardJob& job, const CpuForwardPlan& plan
   pj.split_lse = cpu::allocate_floats(static_cast<std::size_t>(split_rows));
   pj.params = {p, job.internals, plan, job.q, job.k, job.v, job.out, job.lse,
                job.options.alibi_slopes, job.options.block_mask, job.options.sinks, job.options.attn_mask,
-               pj.split_out.get(), pj.split_lse.get(), job.paged, job.options.rescale_counts,
+               job.options.score_hook, pj.split_out.get(), pj.split_lse.get(), job.paged, job.options.rescale_counts,
                job.options.switches};
   return pj;
 }

@@ -47,6 +47,7 @@ void check_supported(const AttentionProblem& p, const AttentionOptions& options)
   if (p.attn_mask != AttentionProblem::MaskKind::none) throw Error("attn_mask: not supported on cuda");
   if (p.causal_alignment != CausalAlignment::bottom_right)
     throw Error(std::string("causal_alignment: ") + to_string(p.causal_alignment) + " is not supported on cuda");
+  if (options.score_hook.apply != nullptr) throw Error("score_hook: not supported on cuda");
   if (p.dropout_p != 0.0f) throw Error("dropout_p: " + std::to_string(p.dropout_p) + " is not supported on cuda");
   if (p.block_mask_block_size != 0 || options.block_mask.data != nullptr)
     throw Error("block_mask: not supported on cuda");

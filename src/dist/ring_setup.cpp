@@ -72,6 +72,7 @@ void reject_unsupported(const char* operation, const AttentionOptions& options) 
   if (options.attn_mask.data != nullptr || options.attn_mask.rank != 0) throw Error(op + ": attn_mask" + why);
   if (options.causal_alignment != CausalAlignment::bottom_right)
     throw Error(op + ": causal_alignment " + to_string(options.causal_alignment) + why);
+  if (options.score_hook.apply != nullptr) throw Error(op + ": score_hook" + why);
   if (options.sinks.data != nullptr || options.sinks.rank != 0)  // each block's forward would add the sink again
     throw Error(op + ": sinks are not supported by the ring (each block's partial would count the sink again)");
   if (options.rescale_counts.data != nullptr || options.rescale_counts.rank != 0)

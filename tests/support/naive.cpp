@@ -120,7 +120,7 @@ NaiveGradients naive_backward_same_precision(const AttentionProblem& p, const At
           float dot = 0.0f;
           for (std::int64_t c = 0; c < d; ++c) dot += q.get(qi(b, i, h, d) + c) * k.get(ki(b, j, kvh, d) + c);
           dot = round_to(p.dtype, dot);
-          g[e] = static_cast<float>(sem.score_gradient(dot));
+          g[e] = static_cast<float>(sem.score_gradient(b, h, i, j, dot));
           pr[j] = round_to(p.dtype, static_cast<float>(sem.score(b, h, i, j, dot)));
           m = std::fmax(m, pr[j]);
         }

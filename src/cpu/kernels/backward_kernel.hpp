@@ -26,6 +26,7 @@ struct BackwardParams {
   MutableTensorView dq, dk, dv;
   TensorView alibi_slopes, block_mask;  // from the options; empty when unused
   TensorView attn_mask;                 // from the options; empty when unused
+  ScoreHook score_hook;                 // from the options; apply null when unused
   float* delta = nullptr;     // (batch, heads_q, seqlen_q): D = rowsum(dO ∘ O)
   float* dq_accum = nullptr;  // (batch, heads_q, seqlen_q, head_dim_padded), float32
   // Default mode: kDqLockStripes locks over the Q tiles of dq_accum; tiles add in any order.

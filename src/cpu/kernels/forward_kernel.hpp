@@ -46,6 +46,7 @@ struct ForwardParams {
   TensorView alibi_slopes, block_mask;  // from the options; empty when unused
   TensorView sinks;                     // from the options; empty when unused
   TensorView attn_mask;                 // from the options; empty when unused
+  ScoreHook score_hook;                 // from the options; apply null when unused
   // Split-KV partial results (plan.splits > 1): (splits, batch, seqlen_q, heads_q, Dv)
   // normalized outputs and (splits, batch, heads_q, seqlen_q) lses, float32, contiguous.
   float* split_out = nullptr;

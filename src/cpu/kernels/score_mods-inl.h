@@ -18,6 +18,7 @@
 
 #include "flashattn/dropout.hpp"
 #include "flashattn/online_softmax.hpp"
+#include "flashattn/options.hpp"
 #include "flashattn/problem.hpp"
 #include "src/core/element.hpp"
 #include "src/core/problem_internals.hpp"
@@ -41,11 +42,22 @@ struct RowMods {
   // head)'s plane and its row and column strides (0 along a size-1 dim).
   const TensorView* attn_mask = nullptr;
   std::int64_t mask_base = 0, mask_row_stride = 0, mask_col_stride = 0;
+  // options.score_hook (null when there is none) and, where it has a block mask, the
+  // offset of this (batch, head)'s plane in it (docs/algorithm.md §6.2).
+  const ScoreHook* hook = nullptr;
+  std::int64_t hook_blocks_base = 0;
 
   RowMods(const AttentionProblem& p, const detail::ProblemInternals& internals, const TensorView& alibi_slopes,
-          const TensorView& mask, const TensorView& dense_mask, std::int64_t b, std::int64_t h)
+          const TensorView& mask, const TensorView& dense_mask, const ScoreHook& score_hook, std::int64_t b,
+          std::int64_t h)
       : problem(&p), block_mask(p.block_mask_block_size > 0 ? &mask : nullptr),
         batch(b + internals.batch_offset), head(h), fp8_probabilities(internals.fp8_probabilities) {
+    if (score_hook.apply != nullptr) {
+      hook = &score_hook;
+      const TensorView& m = score_hook.block_mask;
+      if (score_hook.block_size > 0)
+        hook_blocks_base = (m.shape[0] > 1 ? batch * m.strides[0] : 0) + (m.shape[1] > 1 ? h * m.strides[1] : 0);
+    }
     if (p.attn_mask != AttentionProblem::MaskKind::none) {
       attn_mask = &dense_mask;
       const auto stride = [&](int d) { return dense_mask.shape[d] > 1 ? dense_mask.strides[d] : 0; };
@@ -75,12 +87,36 @@ struct RowMods {
                                                  (j / bs) * block_mask->strides[1]) != 0.0f;
   }
 
+  // The ScoreBlock of the score hook's block mask holding (i, j); partial without one.
+  ScoreBlock hook_block(std::int64_t i, std::int64_t j) const {
+    if (hook->block_size == 0) return ScoreBlock::partial;
+    const TensorView& m = hook->block_mask;
+    const std::int64_t bs = hook->block_size;
+    return static_cast<ScoreBlock>(
+        static_cast<const std::uint8_t*>(m.data)[hook_blocks_base + (i / bs) * m.strides[2] + (j / bs) * m.strides[3]]);
+  }
+
+  // Is any block of the score hook's block mask that meets the tile not empty? True without one.
+  bool hook_keeps_any(std::int64_t i0, std::int64_t rows, std::int64_t j0, std::int64_t n) const {
+    if (hook == nullptr || hook->block_size == 0) return true;
+    const std::int64_t bs = hook->block_size;
+    for (std::int64_t i = i0 / bs * bs; i < i0 + rows; i += bs)
+      for (std::int64_t j = j0 / bs * bs; j < j0 + n; j += bs)
+        if (hook_block(i, j) != ScoreBlock::empty) return true;
+    return false;
+  }
+
+  // Does a backward pass need d(score)/d(scaled score) from apply()? (softcap's tanh, score_mod)
+  bool needs_grad() const { return softcap2 > 0.0f || (hook != nullptr && hook->score != nullptr); }
+
   // Does any row of [i0, i0 + rows) keep any key of [j0, j0 + n)? Tiles that fail are
-  // skipped entirely (window, causal, block mask and a boolean attn_mask).
+  // skipped entirely (window, causal, block mask, a boolean attn_mask and the score hook's
+  // empty blocks).
   bool tile_has_work(std::int64_t i0, std::int64_t rows, std::int64_t j0, std::int64_t n) const {
     const AttentionProblem& p = *problem;
     // key_range bounds are non-decreasing in the row, so the first and last rows bound it.
     if (p.key_range(i0 + rows - 1).end <= j0 || p.key_range(i0).begin >= j0 + n) return false;
+    if (!hook_keeps_any(i0, rows, j0, n)) return false;
     if (block_mask == nullptr) return dense_mask_keeps_any(i0, rows, j0, n);
     const std::int64_t bs = p.block_mask_block_size;
     for (std::int64_t bi = i0 / bs; bi <= (i0 + rows - 1) / bs; ++bi)
@@ -199,11 +235,33 @@ struct RowMods {
     std::fill(s, s + lo, kNegInf);
     std::fill(s + hi, s + cols, kNegInf);
     if (attn_mask != nullptr) apply_dense_mask(s, i, j0, lo, hi);
-    if (block_mask == nullptr || lo >= hi) return;
-    const std::int64_t bs = p.block_mask_block_size;
+    if (block_mask != nullptr) {
+      const std::int64_t bs = p.block_mask_block_size;
+      for (std::int64_t c = lo; c < hi;) {
+        const std::int64_t end = std::min(hi, ((j0 + c) / bs + 1) * bs - j0);  // end of this block
+        if (!block_kept(i, j0 + c)) std::fill(s + c, s + end, kNegInf);
+        c = end;
+      }
+    }
+    if (hook != nullptr) apply_hook(s, grad, i, j0, lo, hi);
+  }
+
+  // The score hook on columns [lo, hi) of row i (keys j0 + c): one call per block of its
+  // block mask (the whole span without one) — empty blocks hidden without a call, full
+  // blocks called without mask_mod, or not at all without a score_mod.
+  void apply_hook(float* HWY_RESTRICT s, float* HWY_RESTRICT grad, std::int64_t i, std::int64_t j0, std::int64_t lo,
+                  std::int64_t hi) const {
+    constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+    const std::int64_t bs = hook->block_size;
     for (std::int64_t c = lo; c < hi;) {
-      const std::int64_t end = std::min(hi, ((j0 + c) / bs + 1) * bs - j0);  // end of this block
-      if (!block_kept(i, j0 + c)) std::fill(s + c, s + end, kNegInf);
+      const std::int64_t end = bs > 0 ? std::min(hi, ((j0 + c) / bs + 1) * bs - j0) : hi;
+      const ScoreBlock state = hook_block(i, j0 + c);
+      if (state == ScoreBlock::empty) {
+        std::fill(s + c, s + end, kNegInf);
+      } else if (state == ScoreBlock::partial || hook->score != nullptr) {
+        hook->apply(hook->mods, ScoreSpan{s + c, grad != nullptr ? grad + c : nullptr, batch, head, i, j0 + c,
+                                          end - c, state == ScoreBlock::partial});
+      }
       c = end;
     }
   }

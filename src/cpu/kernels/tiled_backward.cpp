@@ -257,13 +257,12 @@ void AddDbiasTile(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t
 // For the Q tile against K/V tile `j0` (n keys, n_pad columns), from S' in p_tile and dP in
 // ds_tile: P·w into p_tile (w the dropout weights, 1 without dropout) and dS into ds_tile,
 // with the variants of `mods` applied exactly as in the forward. Hidden scores become −∞,
-// so P = 0 there. With `dbias`, each row's dS before the softcap's chain rule (the gradient
-// of the score after the mask step) is added there.
+// so P = 0 there. With `dbias`, each row's dS before the chain rule through softcap (the
+// gradient of the score after the mask step; dbias excludes a score_hook) is added there.
 void ComputePAndDS(BackwardWorkspace& ws, const RowMods& mods, const DbiasRows& dbias, std::int64_t bc,
                    std::int64_t i0, std::int64_t rows, std::int64_t rows_pad, std::int64_t j0, std::int64_t n,
                    std::int64_t n_pad) {
-  const AttentionProblem& p = *mods.problem;
-  const bool softcap = p.softcap > 0.0f, dropout = mods.dropout_threshold != 0;
+  const bool grad = mods.needs_grad(), dropout = mods.dropout_threshold != 0;
   const DF df;
   for (std::int64_t r = 0; r < rows_pad; ++r) {
     float* prow = ws.p_tile.get() + r * bc;
@@ -276,7 +275,7 @@ void ComputePAndDS(BackwardWorkspace& ws, const RowMods& mods, const DbiasRows& 
       continue;
     }
     const std::int64_t i = i0 + r;
-    mods.apply(prow, softcap ? grow : nullptr, i, j0, n, n_pad);
+    mods.apply(prow, grad ? grow : nullptr, i, j0, n, n_pad);
     if (dropout) {
       std::fill(wrow, wrow + n_pad, 1.0f);
       mods.apply_dropout(wrow, i, j0, n_pad);
@@ -293,7 +292,7 @@ void ComputePAndDS(BackwardWorkspace& ws, const RowMods& mods, const DbiasRows& 
         dp = hn::Mul(dp, w);
       }
       VF ds = hn::Mul(pj, hn::Sub(dp, delta));
-      if (softcap) {  // through the tanh; dbias's dS, from before it, takes the tanh's place
+      if (grad) {  // through the tanh and score_mod; dbias's dS, from before it, takes g's place
         const VF g = hn::Load(df, grow + j);
         if (dbias.base != nullptr) hn::Store(ds, df, grow + j);
         ds = hn::Mul(ds, g);
@@ -302,7 +301,7 @@ void ComputePAndDS(BackwardWorkspace& ws, const RowMods& mods, const DbiasRows& 
       hn::Store(ds, df, dsrow + j);
     }
     if (dbias.base != nullptr)
-      AddDbiasRow(softcap ? grow : dsrow, n, dbias.base + i * dbias.row_stride, dbias.col_stride);
+      AddDbiasRow(grad ? grow : dsrow, n, dbias.base + i * dbias.row_stride, dbias.col_stride);
   }
 }
 
@@ -465,7 +464,7 @@ void KvItem(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t item)
     std::fill(ws.dbias_tile.get(), ws.dbias_tile.get() + t.size(), 0.0f);
   }
   for (std::int64_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
-    const RowMods mods(p, prm.internals, prm.alibi_slopes, prm.block_mask, prm.attn_mask, b, h);
+    const RowMods mods(p, prm.internals, prm.alibi_slopes, prm.block_mask, prm.attn_mask, prm.score_hook, b, h);
     const DbiasRows dbias = DbiasTarget(prm, ws, b, h, kv_head, j0);
     for (std::int64_t qb = 0; qb < plan.q_blocks; ++qb) {
       const std::int64_t i0 = qb * bq, rows = std::min(bq, p.seqlen_q - i0);

@@ -1,0 +1,259 @@
+// User-defined score and mask functions in FlexAttention's vocabulary: a score_mod(score, b,
+// h, q_idx, kv_idx) and a mask_mod(b, h, q_idx, kv_idx), given as functors or lambdas,
+// turned into the AttentionOptions::score_hook that forward() and backward() call once per
+// span of a score row (options.hpp: ScoreHook). The templates below live in the caller's
+// translation unit: the per-score loop over the user's functor is compiled there, inlined,
+// with no indirect call per score. docs/algorithm.md §6.2.
+//
+//   const auto rel_bias = [&](auto s, std::int64_t, std::int64_t h, std::int64_t q, std::int64_t kv) {
+//     return s + table[h][q - kv + max_len];
+//   };
+//   const auto causal_doc = [&](std::int64_t, std::int64_t, std::int64_t q, std::int64_t kv) {
+//     return doc[q] == doc[kv] && kv <= q;
+//   };
+//   const flashattn::FlexMods mods(rel_bias, causal_doc);             // must outlive the calls
+//   const flashattn::BlockMask blocks = flashattn::create_block_mask(causal_doc, 1, 1, S, S);
+//   options.score_hook = mods.hook(&blocks);
+//
+// The backward needs d score_mod / d score. A score_mod generic in its score (`auto s`) is
+// differentiated by the library: it is called with flex::Dual, a forward-mode dual number,
+// for which +, −, ·, / and flex::tanh, exp, log, sqrt, abs are defined (write those
+// unqualified or as flex::tanh, not std::tanh). Otherwise wrap it with its derivative:
+// flex::WithDerivative{score_mod, dscore_mod}, dscore_mod(score, b, h, q_idx, kv_idx).
+// A score_mod that is neither runs forward only; backward() rejects the hook by name.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
+#include "flashattn/error.hpp"
+#include "flashattn/options.hpp"
+#include "flashattn/tensor.hpp"
+
+namespace flashattn {
+namespace flex {
+
+// value + grad·ε with ε² = 0: a function applied to Dual{x, 1} gives {f(x), f'(x)}.
+template <class T>
+struct Dual {
+  T value;
+  T grad;
+};
+
+template <class T> Dual<T> operator+(Dual<T> a, Dual<T> b) { return {a.value + b.value, a.grad + b.grad}; }
+template <class T> Dual<T> operator-(Dual<T> a, Dual<T> b) { return {a.value - b.value, a.grad - b.grad}; }
+template <class T> Dual<T> operator*(Dual<T> a, Dual<T> b) { return {a.value * b.value, a.grad * b.value + a.value * b.grad}; }
+template <class T> Dual<T> operator/(Dual<T> a, Dual<T> b) {
+  return {a.value / b.value, (a.grad * b.value - a.value * b.grad) / (b.value * b.value)};
+}
+template <class T> Dual<T> operator-(Dual<T> a) { return {-a.value, -a.grad}; }
+// With a constant (any arithmetic type, converted to T).
+template <class T, class U, class = std::enable_if_t<std::is_arithmetic_v<U>>>
+Dual<T> operator+(Dual<T> a, U c) { return {a.value + static_cast<T>(c), a.grad}; }
+template <class T, class U, class = std::enable_if_t<std::is_arithmetic_v<U>>>
+Dual<T> operator+(U c, Dual<T> a) { return a + c; }
+template <class T, class U, class = std::enable_if_t<std::is_arithmetic_v<U>>>
+Dual<T> operator-(Dual<T> a, U c) { return {a.value - static_cast<T>(c), a.grad}; }
+template <class T, class U, class = std::enable_if_t<std::is_arithmetic_v<U>>>
+Dual<T> operator-(U c, Dual<T> a) { return {static_cast<T>(c) - a.value, -a.grad}; }
+template <class T, class U, class = std::enable_if_t<std::is_arithmetic_v<U>>>
+Dual<T> operator*(Dual<T> a, U c) { return {a.value * static_cast<T>(c), a.grad * static_cast<T>(c)}; }
+template <class T, class U, class = std::enable_if_t<std::is_arithmetic_v<U>>>
+Dual<T> operator*(U c, Dual<T> a) { return a * c; }
+template <class T, class U, class = std::enable_if_t<std::is_arithmetic_v<U>>>
+Dual<T> operator/(Dual<T> a, U c) { return {a.value / static_cast<T>(c), a.grad / static_cast<T>(c)}; }
+template <class T, class U, class = std::enable_if_t<std::is_arithmetic_v<U>>>
+Dual<T> operator/(U c, Dual<T> a) { return Dual<T>{static_cast<T>(c), T(0)} / a; }
+
+// The elementary functions, for plain numbers and for Dual.
+inline float tanh(float x) { return std::tanh(x); }
+inline double tanh(double x) { return std::tanh(x); }
+inline float exp(float x) { return std::exp(x); }
+inline double exp(double x) { return std::exp(x); }
+inline float log(float x) { return std::log(x); }
+inline double log(double x) { return std::log(x); }
+inline float sqrt(float x) { return std::sqrt(x); }
+inline double sqrt(double x) { return std::sqrt(x); }
+inline float abs(float x) { return std::fabs(x); }
+inline double abs(double x) { return std::fabs(x); }
+template <class T> Dual<T> tanh(Dual<T> a) {
+  const T t = std::tanh(a.value);
+  return {t, a.grad * (T(1) - t * t)};
+}
+template <class T> Dual<T> exp(Dual<T> a) {
+  const T e = std::exp(a.value);
+  return {e, a.grad * e};
+}
+template <class T> Dual<T> log(Dual<T> a) { return {std::log(a.value), a.grad / a.value}; }
+template <class T> Dual<T> sqrt(Dual<T> a) {
+  const T r = std::sqrt(a.value);
+  return {r, a.grad / (T(2) * r)};
+}
+template <class T> Dual<T> abs(Dual<T> a) { return a.value < T(0) ? -a : a; }
+
+// A score_mod with its derivative d score_mod / d score, both (score, b, h, q_idx, kv_idx).
+template <class F, class DF>
+struct WithDerivative {
+  F f;
+  DF df;
+};
+template <class F, class DF>
+WithDerivative(F, DF) -> WithDerivative<F, DF>;
+
+// "No score_mod" / "no mask_mod" for FlexMods.
+struct NoScoreMod {};
+struct NoMaskMod {};
+
+namespace detail {
+
+template <class F> struct IsWithDerivative : std::false_type {};
+template <class F, class DF> struct IsWithDerivative<WithDerivative<F, DF>> : std::true_type {};
+
+// score_mod at s, of type T (float in the kernels, double in the reference).
+template <class T, class F>
+T call_score(const F& f, T s, std::int64_t b, std::int64_t h, std::int64_t q, std::int64_t kv) {
+  if constexpr (IsWithDerivative<F>::value) {
+    return call_score(f.f, s, b, h, q, kv);
+  } else if constexpr (std::is_invocable_v<const F&, T, std::int64_t, std::int64_t, std::int64_t, std::int64_t>) {
+    return static_cast<T>(f(s, b, h, q, kv));
+  } else {
+    return static_cast<T>(f(static_cast<float>(s), b, h, q, kv));
+  }
+}
+
+template <class T, class F>
+constexpr bool kDifferentiable =
+    IsWithDerivative<F>::value ||
+    std::is_invocable_v<const F&, Dual<T>, std::int64_t, std::int64_t, std::int64_t, std::int64_t>;
+
+// {score_mod(s), d score_mod / d s}.
+template <class T, class F>
+Dual<T> call_with_derivative(const F& f, T s, std::int64_t b, std::int64_t h, std::int64_t q, std::int64_t kv) {
+  if constexpr (IsWithDerivative<F>::value) {
+    return {call_score(f.f, s, b, h, q, kv), static_cast<T>(f.df(s, b, h, q, kv))};
+  } else {
+    const auto r = f(Dual<T>{s, T(1)}, b, h, q, kv);
+    return {static_cast<T>(r.value), static_cast<T>(r.grad)};
+  }
+}
+
+}  // namespace detail
+}  // namespace flex
+
+// A block mask derived from a mask_mod (create_block_mask); see ScoreHook::block_mask.
+struct BlockMask {
+  Tensor blocks;  // u8 ScoreBlock values, (batch or 1, heads or 1, q blocks, kv blocks)
+  std::int64_t block_size = 0;
+};
+
+// Evaluates mask_mod(b, h, q_idx, kv_idx) over every (b < batch, h < heads, q_idx < seqlen_q,
+// kv_idx < seqlen_k) once and classifies each block_size × block_size block as empty,
+// partial or full (FlexAttention's create_block_mask). batch = 1 (heads = 1) when mask_mod
+// does not depend on b (h): the block mask is then shared by every batch element (head).
+template <class MaskMod>
+BlockMask create_block_mask(const MaskMod& mask_mod, std::int64_t batch, std::int64_t heads, std::int64_t seqlen_q,
+                            std::int64_t seqlen_k, std::int64_t block_size = 128) {
+  if (batch < 1 || heads < 1 || seqlen_q < 0 || seqlen_k < 0)
+    throw Error("create_block_mask: expected batch, heads >= 1 and seqlen_q, seqlen_k >= 0, got (" +
+                std::to_string(batch) + ", " + std::to_string(heads) + ", " + std::to_string(seqlen_q) + ", " +
+                std::to_string(seqlen_k) + ")");
+  if (block_size < 1) throw Error("create_block_mask: block_size must be >= 1, got " + std::to_string(block_size));
+  const std::int64_t qb = (seqlen_q + block_size - 1) / block_size, kb = (seqlen_k + block_size - 1) / block_size;
+  BlockMask m{Tensor(DType::u8, {batch, heads, qb, kb}), block_size};
+  std::uint8_t* out = m.blocks.data_as<std::uint8_t>();
+  for (std::int64_t b = 0; b < batch; ++b)
+    for (std::int64_t h = 0; h < heads; ++h)
+      for (std::int64_t bi = 0; bi < qb; ++bi)
+        for (std::int64_t bj = 0; bj < kb; ++bj) {
+          bool any_kept = false, any_hidden = false;
+          for (std::int64_t i = bi * block_size; i < std::min(seqlen_q, (bi + 1) * block_size); ++i)
+            for (std::int64_t j = bj * block_size; j < std::min(seqlen_k, (bj + 1) * block_size); ++j)
+              (mask_mod(b, h, i, j) ? any_kept : any_hidden) = true;
+          const ScoreBlock state = !any_kept ? ScoreBlock::empty : any_hidden ? ScoreBlock::partial : ScoreBlock::full;
+          out[((b * heads + h) * qb + bi) * kb + bj] = static_cast<std::uint8_t>(state);
+        }
+  return m;
+}
+
+// A score_mod and a mask_mod (either may be flex::NoScoreMod / flex::NoMaskMod) and the
+// ScoreHook that runs them. The object must outlive every call given its hook.
+template <class ScoreMod = flex::NoScoreMod, class MaskMod = flex::NoMaskMod>
+class FlexMods {
+ public:
+  static constexpr bool kHasScore = !std::is_same_v<ScoreMod, flex::NoScoreMod>;
+  static constexpr bool kHasMask = !std::is_same_v<MaskMod, flex::NoMaskMod>;
+
+  explicit FlexMods(ScoreMod score_mod = {}, MaskMod mask_mod = {}) : score_mod_(score_mod), mask_mod_(mask_mod) {}
+
+  // The hook for AttentionOptions::score_hook; `block_mask` (null: none) must outlive the calls too.
+  ScoreHook hook(const BlockMask* block_mask = nullptr) const {
+    ScoreHook h;
+    h.apply = &apply;
+    h.mods = this;
+    if constexpr (kHasScore) {
+      h.score = [](const void* self, double s, std::int64_t b, std::int64_t hd, std::int64_t q, std::int64_t kv) {
+        return flex::detail::call_score(static_cast<const FlexMods*>(self)->score_mod_, s, b, hd, q, kv);
+      };
+      if constexpr (flex::detail::kDifferentiable<double, ScoreMod>)
+        h.derivative = [](const void* self, double s, std::int64_t b, std::int64_t hd, std::int64_t q, std::int64_t kv) {
+          return flex::detail::call_with_derivative(static_cast<const FlexMods*>(self)->score_mod_, s, b, hd, q, kv).grad;
+        };
+    }
+    if constexpr (kHasMask)
+      h.mask = [](const void* self, std::int64_t b, std::int64_t hd, std::int64_t q, std::int64_t kv) {
+        return static_cast<bool>(static_cast<const FlexMods*>(self)->mask_mod_(b, hd, q, kv));
+      };
+    if (block_mask != nullptr) {
+      h.block_mask = block_mask->blocks.view();
+      h.block_size = block_mask->block_size;
+    }
+    return h;
+  }
+
+ private:
+  // The per-span loop (ScoreSpan): scores in log2 units go to score_mod in natural units and
+  // back; the derivative is unit-free.
+  template <bool Mask, bool Grad>
+  static void run(const FlexMods& m, const ScoreSpan& sp) {
+    constexpr float kLn2 = 0.693147180559945309f, kLog2e = 1.442695040888963407f;
+    constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+    for (std::int64_t c = 0; c < sp.n; ++c) {
+      const float s = sp.scores[c];
+      const std::int64_t kv = sp.kv_begin + c;
+      bool keep = s != kNegInf;
+      if constexpr (Mask) keep = keep && static_cast<bool>(m.mask_mod_(sp.batch, sp.head, sp.q_idx, kv));
+      float out = s;
+      if constexpr (kHasScore) {
+        if constexpr (Grad) {
+          const flex::Dual<float> r =
+              flex::detail::call_with_derivative(m.score_mod_, s * kLn2, sp.batch, sp.head, sp.q_idx, kv);
+          out = r.value * kLog2e;
+          sp.grad[c] *= keep ? r.grad : 0.0f;
+        } else {
+          out = flex::detail::call_score(m.score_mod_, s * kLn2, sp.batch, sp.head, sp.q_idx, kv) * kLog2e;
+        }
+      }
+      sp.scores[c] = keep ? out : kNegInf;
+    }
+  }
+
+  static void apply(const void* self, const ScoreSpan& sp) {
+    const FlexMods& m = *static_cast<const FlexMods*>(self);
+    const bool mask = kHasMask && sp.mask;
+    if constexpr (kHasScore && flex::detail::kDifferentiable<float, ScoreMod>) {
+      if (sp.grad != nullptr) {
+        if (mask) run<kHasMask, true>(m, sp); else run<false, true>(m, sp);
+        return;
+      }
+    }
+    if (mask) run<kHasMask, false>(m, sp); else run<false, false>(m, sp);
+  }
+
+  ScoreMod score_mod_;
+  MaskMod mask_mod_;
+};
+
+}  // namespace flashattn

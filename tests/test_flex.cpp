@@ -1,0 +1,326 @@
+// User-defined score and mask functions (flex.hpp, AttentionOptions::score_hook): relative
+// position bias, prefix-LM, document masking over a packed batch, soft-capping and ALiBi
+// written as score_mods, forward and backward against the float64 reference (which calls
+// the same functors per score), with and without a block mask from create_block_mask, odd
+// shapes, 1–3 threads, every SIMD target.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <sstream>
+#include <vector>
+
+#include "flashattn/flex.hpp"
+#include "flashattn/fp8.hpp"
+#include "tests/support/support.hpp"
+
+namespace flashattn::test {
+namespace {
+
+struct Shape {
+  std::int64_t batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim;
+};
+
+const Shape kShapes[] = {{1, 113, 203, 2, 1, 40}, {2, 97, 97, 4, 2, 32}, {1, 203, 113, 2, 2, 64},
+                         {2, 3, 150, 4, 2, 40}};  // the last runs the decode kernel
+
+struct Inputs {
+  Tensor q, k, v, dout;
+};
+
+Inputs make_inputs(const Shape& s, std::uint64_t seed, DType dtype = DType::f32) {
+  return {random_tensor(dtype, {s.batch, s.seqlen_q, s.heads_q, s.head_dim}, seed),
+          random_tensor(dtype, {s.batch, s.seqlen_k, s.heads_kv, s.head_dim}, seed + 1),
+          random_tensor(dtype, {s.batch, s.seqlen_k, s.heads_kv, s.head_dim}, seed + 2),
+          random_tensor(dtype, {s.batch, s.seqlen_q, s.heads_q, s.head_dim}, seed + 3)};
+}
+
+// Forward (and backward unless with_backward is false) of `o` against the float64
+// reference; bf16/f16 inputs within 2× (outputs) and 3× (gradients) the naive error.
+ForwardResult check_against_reference(const Inputs& in, AttentionOptions o, int threads, bool with_backward = true) {
+  o.num_threads = threads;
+  const ForwardResult fwd = forward(in.q.view(), in.k.view(), in.v.view(), o);
+  const reference::Result want = reference::attention(in.q.view(), in.k.view(), in.v.view(), o);
+  const AttentionProblem p = AttentionProblem::from_inputs(in.q.view(), in.k.view(), in.v.view(), o);
+  const bool low = in.q.dtype() != DType::f32;
+  const double tol_out = 1e-5 + (low ? 2.0 * max_abs_error(naive_same_precision(p, o, in.q, in.k, in.v), want.out) : 0.0);
+  EXPECT_LE(max_abs_error(fwd.out, want.out), tol_out) << "out";
+  expect_lse_near(fwd.lse, want.lse);
+  if (!with_backward) return fwd;
+  const BackwardResult got =
+      backward(in.dout.view(), in.q.view(), in.k.view(), in.v.view(), fwd.out.view(), fwd.lse.view(), o);
+  const reference::Gradients g =
+      reference::attention_backward(in.dout.view(), in.q.view(), in.k.view(), in.v.view(), o);
+  double tq = 1e-4, tk = 1e-4, tv = 1e-4;
+  if (low) {
+    const NaiveGradients n = naive_backward_same_precision(p, o, in.dout, in.q, in.k, in.v);
+    tq += 3.0 * max_abs_error(n.dq, g.dq);
+    tk += 3.0 * max_abs_error(n.dk, g.dk);
+    tv += 3.0 * max_abs_error(n.dv, g.dv);
+  }
+  EXPECT_LE(max_abs_error(got.dq, g.dq), tq) << "dq";
+  EXPECT_LE(max_abs_error(got.dk, g.dk), tk) << "dk";
+  EXPECT_LE(max_abs_error(got.dv, g.dv), tv) << "dv";
+  return fwd;
+}
+
+std::vector<double> values(const Tensor& t) {
+  std::vector<double> v(static_cast<std::size_t>(t.numel()));
+  for (std::int64_t e = 0; e < t.numel(); ++e) v[static_cast<std::size_t>(e)] = t.get(e);
+  return v;
+}
+
+std::string trace(const Shape& s, const char* name, int threads, std::int64_t block) {
+  std::ostringstream t;
+  t << name << " B=" << s.batch << " Sq=" << s.seqlen_q << " Sk=" << s.seqlen_k << " Hq=" << s.heads_q
+    << " Hkv=" << s.heads_kv << " D=" << s.head_dim << " threads=" << threads << " block=" << block;
+  return t.str();
+}
+
+// A score_mod and mask_mod run with no block mask and with block masks of 16 and 32.
+template <class ScoreMod, class MaskMod>
+void check_mods(const Shape& s, const char* name, const ScoreMod& score_mod, const MaskMod& mask_mod,
+                std::uint64_t seed, AttentionOptions base = {}, DType dtype = DType::f32) {
+  const Inputs in = make_inputs(s, seed, dtype);
+  const FlexMods mods(score_mod, mask_mod);
+  constexpr bool has_mask = FlexMods<ScoreMod, MaskMod>::kHasMask;
+  for (std::int64_t block : {0, 16, 32})
+    for (int threads : {1, 2, 3}) {
+      if (!has_mask && block > 0) continue;  // a block mask comes from a mask_mod
+      SCOPED_TRACE(trace(s, name, threads, block));
+      AttentionOptions o = base;
+      BlockMask blocks;
+      if constexpr (has_mask)
+        if (block > 0) blocks = create_block_mask(mask_mod, s.batch, s.heads_q, s.seqlen_q, s.seqlen_k, block);
+      o.score_hook = mods.hook(block > 0 ? &blocks : nullptr);
+      o.deterministic = threads == 3;
+      check_against_reference(in, o, threads);
+    }
+}
+
+TEST(Flex, RelativePositionBias) {
+  std::uint64_t seed = 700;
+  for (const Shape& s : kShapes) {
+    const std::int64_t span = s.seqlen_q + s.seqlen_k;
+    std::vector<float> table(static_cast<std::size_t>(s.heads_q * span));
+    for (std::size_t e = 0; e < table.size(); ++e) table[e] = static_cast<float>((e * 37) % 101) / 50.0f - 1.0f;
+    const auto bias = [&](auto score, std::int64_t, std::int64_t h, std::int64_t q, std::int64_t kv) {
+      return score + table[static_cast<std::size_t>(h * span + q - kv + s.seqlen_k)];
+    };
+    check_mods(s, "relbias", bias, flex::NoMaskMod{}, seed++);
+    AttentionOptions causal;
+    causal.causal = true;
+    check_mods(s, "relbias+causal", bias, flex::NoMaskMod{}, seed++, causal);
+  }
+}
+
+TEST(Flex, PrefixLm) {
+  std::uint64_t seed = 720;
+  for (const Shape& s : kShapes) {
+    const std::int64_t prefix = s.seqlen_k / 3, diagonal = s.seqlen_k - s.seqlen_q;
+    const auto prefix_lm = [=](std::int64_t, std::int64_t, std::int64_t q, std::int64_t kv) {
+      return kv < prefix || kv <= q + diagonal;
+    };
+    check_mods(s, "prefix_lm", flex::NoScoreMod{}, prefix_lm, seed++);
+  }
+}
+
+// Packed documents of different lengths per batch element, causal within each; a relative
+// bias on top (score_mod and mask_mod together).
+TEST(Flex, DocumentMaskOverPackedBatch) {
+  std::uint64_t seed = 740;
+  for (const Shape& s : kShapes) {
+    if (s.seqlen_q != s.seqlen_k) continue;
+    std::vector<int> doc(static_cast<std::size_t>(s.batch * s.seqlen_q));
+    for (std::int64_t b = 0; b < s.batch; ++b)
+      for (std::int64_t i = 0; i < s.seqlen_q; ++i) doc[static_cast<std::size_t>(b * s.seqlen_q + i)] =
+          static_cast<int>((i + 7 * b) / (19 + 6 * b));
+    const std::int64_t n = s.seqlen_q;
+    const auto doc_mask = [&](std::int64_t b, std::int64_t, std::int64_t q, std::int64_t kv) {
+      return doc[static_cast<std::size_t>(b * n + q)] == doc[static_cast<std::size_t>(b * n + kv)] && kv <= q;
+    };
+    check_mods(s, "document", flex::NoScoreMod{}, doc_mask, seed++);
+    const auto decay = [](auto score, std::int64_t, std::int64_t h, std::int64_t q, std::int64_t kv) {
+      return score - 0.01f * static_cast<float>(h + 1) * static_cast<float>(q - kv);
+    };
+    check_mods(s, "document+decay", decay, doc_mask, seed++);
+  }
+}
+
+// Soft-capping as a score_mod (differentiated by the library through flex::tanh, and with a
+// derivative of the user's) matches the built-in softcap.
+TEST(Flex, SoftcapAsScoreMod) {
+  std::uint64_t seed = 760;
+  constexpr float cap = 1.5f;
+  const auto softcap = [](auto score, std::int64_t, std::int64_t, std::int64_t, std::int64_t) {
+    return cap * flex::tanh(score / cap);
+  };
+  const auto value = [](float score, std::int64_t, std::int64_t, std::int64_t, std::int64_t) {
+    return cap * std::tanh(score / cap);
+  };
+  const auto slope = [](double score, std::int64_t, std::int64_t, std::int64_t, std::int64_t) {
+    const double t = std::tanh(score / cap);
+    return 1.0 - t * t;
+  };
+  const flex::WithDerivative explicit_softcap{value, slope};
+  for (const Shape& s : kShapes) {
+    check_mods(s, "softcap_mod", softcap, flex::NoMaskMod{}, seed);
+    check_mods(s, "softcap_with_derivative", explicit_softcap, flex::NoMaskMod{}, seed);
+    const Inputs in = make_inputs(s, seed++);
+    AttentionOptions builtin;
+    builtin.softcap = cap;
+    builtin.causal = true;
+    const ForwardResult want = forward(in.q.view(), in.k.view(), in.v.view(), builtin);
+    const FlexMods mods(softcap);
+    AttentionOptions o;
+    o.causal = true;
+    o.score_hook = mods.hook();
+    const ForwardResult got = check_against_reference(in, o, 2);
+    EXPECT_LE(max_abs_error(got.out, values(want.out)), 1e-5) << "score_mod softcap vs options.softcap";
+  }
+}
+
+TEST(Flex, AlibiAsScoreMod) {
+  std::uint64_t seed = 780;
+  for (const Shape& s : kShapes) {
+    Tensor slopes(DType::f32, {s.heads_q});
+    for (std::int64_t h = 0; h < s.heads_q; ++h) slopes.set(h, std::exp2(-1.0f - 0.7f * static_cast<float>(h)));
+    const float* sl = slopes.data_as<float>();
+    const std::int64_t diagonal = s.seqlen_k - s.seqlen_q;
+    const auto alibi = [=](auto score, std::int64_t, std::int64_t h, std::int64_t q, std::int64_t kv) {
+      return score - sl[h] * static_cast<float>(std::llabs(q + diagonal - kv));
+    };
+    check_mods(s, "alibi_mod", alibi, flex::NoMaskMod{}, seed);
+    const Inputs in = make_inputs(s, seed++);
+    AttentionOptions builtin;
+    builtin.alibi_slopes = slopes.view();
+    const ForwardResult want = forward(in.q.view(), in.k.view(), in.v.view(), builtin);
+    const FlexMods mods(alibi);
+    AttentionOptions o;
+    o.score_hook = mods.hook();
+    const ForwardResult got = check_against_reference(in, o, 3);
+    EXPECT_LE(max_abs_error(got.out, values(want.out)), 1e-5) << "score_mod ALiBi vs options.alibi_slopes";
+  }
+}
+
+// The hook composes with the built-in variants: it sees their score (softcap, ALiBi, bias)
+// and its mask joins theirs.
+TEST(Flex, WithBuiltinVariants) {
+  const Shape s{2, 97, 97, 4, 2, 32};
+  const auto bias = [](auto score, std::int64_t b, std::int64_t h, std::int64_t q, std::int64_t kv) {
+    return score * 0.75f + 0.05f * static_cast<float>((q * 3 + kv + b + h) % 7);
+  };
+  const auto stripes = [](std::int64_t, std::int64_t h, std::int64_t q, std::int64_t kv) {
+    return (q + kv + h) % 5 != 0;
+  };
+  Tensor slopes(DType::f32, {s.heads_q});
+  for (std::int64_t h = 0; h < s.heads_q; ++h) slopes.set(h, 0.1f * static_cast<float>(h + 1));
+  AttentionOptions o;
+  o.window_size = {40, 3};
+  o.softcap = 2.0f;
+  o.alibi_slopes = slopes.view();
+  o.dropout_p = 0.1f;
+  o.seed = 5;
+  check_mods(s, "window+softcap+alibi+dropout", bias, stripes, 800, o);
+}
+
+TEST(Flex, EverySimdTarget) {
+  std::uint64_t seed = 820;
+  const auto bias = [](auto score, std::int64_t, std::int64_t h, std::int64_t q, std::int64_t kv) {
+    return score + 0.03f * static_cast<float>((q - kv) % 11) - 0.2f * static_cast<float>(h);
+  };
+  const auto causal_docs = [](std::int64_t, std::int64_t, std::int64_t q, std::int64_t kv) {
+    return q / 23 == kv / 23 && kv <= q;
+  };
+  for_each_simd_target([&](const std::string&) {
+    check_mods({1, 61, 61, 4, 2, 24}, "docs+bias", bias, causal_docs, seed++);
+    AttentionOptions split;
+    split.num_splits = 3;
+    check_mods({2, 2, 90, 4, 1, 40}, "bias decode split3", bias, flex::NoMaskMod{}, seed++, split);
+  });
+  for (DType dtype : {DType::bf16, DType::f16})
+    check_mods({2, 97, 97, 4, 2, 32}, to_string(dtype).c_str(), bias, causal_docs, seed++, {}, dtype);
+}
+
+// A block mask from create_block_mask: its empty tiles are skipped (counted), and mask_mod is
+// never asked about a key of a full block — an all-true mask_mod is not called at all.
+TEST(Flex, BlockMaskSkipsEmptyTilesAndFullBlocks) {
+  const Shape s{1, 256, 256, 2, 2, 32};
+  const Inputs in = make_inputs(s, 900);
+  std::atomic<std::int64_t> calls{0};
+  const auto docs = [&](std::int64_t, std::int64_t, std::int64_t q, std::int64_t kv) {
+    calls.fetch_add(1, std::memory_order_relaxed);
+    return q / 64 == kv / 64 && kv <= q;
+  };
+  const FlexMods mods(flex::NoScoreMod{}, docs);
+  const BlockMask blocks = create_block_mask(docs, 1, 1, s.seqlen_q, s.seqlen_k, 32);
+  KernelCounters with_blocks, without_blocks;
+  AttentionOptions o;
+  o.block_q = 64;
+  o.counters = &with_blocks;
+  o.score_hook = mods.hook(&blocks);
+  calls = 0;
+  check_against_reference(in, o, 2, false);
+  o.counters = &without_blocks;
+  o.score_hook = mods.hook();
+  check_against_reference(in, o, 2, false);
+  EXPECT_GT(with_blocks.tiles_skipped, without_blocks.tiles_skipped);
+  EXPECT_LT(with_blocks.tiles_computed, without_blocks.tiles_computed);
+
+  const auto all = [&](std::int64_t, std::int64_t, std::int64_t, std::int64_t) {
+    calls.fetch_add(1, std::memory_order_relaxed);
+    return true;
+  };
+  const FlexMods all_mods(flex::NoScoreMod{}, all);
+  const BlockMask full = create_block_mask(all, 1, 1, s.seqlen_q, s.seqlen_k, 32);
+  for (std::int64_t e = 0; e < full.blocks.numel(); ++e) ASSERT_EQ(full.blocks.get(e), 2.0f);
+  calls = 0;
+  AttentionOptions f;
+  f.score_hook = all_mods.hook(&full);
+  forward(in.q.view(), in.k.view(), in.v.view(), f);
+  EXPECT_EQ(calls.load(), 0) << "mask_mod called inside full blocks";
+}
+
+// Bad input names the argument; paths without the hook reject it by name.
+TEST(Flex, BadInputNamesTheArgument) {
+  const Shape s{1, 20, 24, 2, 1, 16};
+  const Inputs in = make_inputs(s, 950);
+  const auto causal = [](std::int64_t, std::int64_t, std::int64_t q, std::int64_t kv) { return kv <= q; };
+  const auto float_only = [](float x, std::int64_t, std::int64_t, std::int64_t, std::int64_t) { return 2.0f * x; };
+  const FlexMods masks(flex::NoScoreMod{}, causal);
+  const FlexMods no_derivative(float_only);
+  AttentionOptions o;
+  o.score_hook = no_derivative.hook();
+  const ForwardResult fwd = forward(in.q.view(), in.k.view(), in.v.view(), o);  // forward needs no derivative
+  expect_error([&] { backward(in.dout.view(), in.q.view(), in.k.view(), in.v.view(), fwd.out.view(), fwd.lse.view(), o); },
+               {"score_hook", "no derivative"});
+  const BlockMask wrong = create_block_mask(causal, 1, 1, s.seqlen_q, s.seqlen_k + 40, 8);
+  o.score_hook = masks.hook(&wrong);
+  expect_error([&] { forward(in.q.view(), in.k.view(), in.v.view(), o); }, {"score_hook.block_mask: shape (1, 1, 3, 8)"});
+  o.score_hook = masks.hook();
+  o.score_hook.block_size = 4;
+  expect_error([&] { forward(in.q.view(), in.k.view(), in.v.view(), o); }, {"score_hook.block_mask"});
+  o.score_hook = masks.hook();
+  o.score_hook.mask = nullptr;
+  expect_error([&] { forward(in.q.view(), in.k.view(), in.v.view(), o); }, {"score_hook", "neither"});
+  expect_error([] { create_block_mask([](auto...) { return true; }, 1, 1, 8, 8, 0); },
+               {"create_block_mask", "block_size"});
+  o.score_hook = masks.hook();
+  Tensor cu(DType::i32, {2});
+  cu.set(0, 0.0f);
+  cu.set(1, 20.0f);
+  const Tensor q3 = random_tensor(DType::f32, {20, 2, 16}, 1), k3 = random_tensor(DType::f32, {20, 1, 16}, 2);
+  expect_error([&] { forward_varlen(q3.view(), k3.view(), k3.view(), {cu.view(), cu.view(), 20, 20}, o); },
+               {"score_hook: not supported by the variable-length entry points"});
+  Tensor k_cache = random_tensor(DType::f32, {1, 24, 1, 16}, 3), v_cache = random_tensor(DType::f32, {1, 24, 1, 16}, 4);
+  KvCache cache;
+  cache.k_cache = k_cache.view();
+  cache.v_cache = v_cache.view();
+  expect_error([&] { forward_with_kvcache(in.q.view(), cache, o); }, {"score_hook: not supported by forward_with_kvcache"});
+  const Fp8Tensor q8 = quantize_fp8(in.q.view(), Fp8Format::e4m3), k8 = quantize_fp8(in.k.view(), Fp8Format::e4m3);
+  expect_error([&] { forward_fp8(q8.view(), k8.view(), k8.view(), DType::f32, o); },
+               {"score_hook: not supported by forward_fp8"});
+}
+
+}  // namespace
+}  // namespace flashattn::test
