@@ -16,6 +16,7 @@
 #include "tools/cli/experiments.hpp"
 #include "tools/cli/explain.hpp"
 #include "tools/cli/measure.hpp"
+#include "tools/cli/peaks.hpp"
 
 namespace flashattn::cli {
 
@@ -62,16 +63,7 @@ struct MemoryRow {
 struct BenchReport {
   int threads = 0;  // as requested (0 = all cores)
   double sgemm_gflops = 0.0;
-  std::optional<double> fma_peak_gflops;  // the FMA loop's, at the run's threads
-  std::string fma_peak_isa;
-  std::string bf16_peak_reason;            // why bf16_peak_gflops is null
-  bool bf16_bounded_by_fma = false;        // no bf16 dot product: bf16 cases compute in FMA
-  // The peak that bounds a case (fp32: the FMA peak; bf16: it too where the CPU has no bf16
-  // dot product), empty where not measured.
-  std::optional<double> peak_for(const TimedCase& c) const {
-    if (c.p.dtype == DType::bf16 && !bf16_bounded_by_fma) return std::nullopt;
-    return fma_peak_gflops;
-  }
+  Peaks peaks;  // measured before the cases, at the run's threads
   std::optional<double> copy_gbps;  // with decode or serve cases
   std::vector<TimedCase> cases;
   std::vector<DecodeRun> decode;
