@@ -2,6 +2,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <utility>
+
 #include "tools/baseline/standard_attention.hpp"
 #include "tools/cli/machine.hpp"
 
@@ -61,11 +63,12 @@ void add_peaks_json(nlohmann::json& j, const Peaks& peaks) {
   }
 }
 
-// A case's `bounded_by` (the peak its kernel computes on: fma, bf16_dot or amx_bf16) and its
-// `fraction_of_peak`, GFLOP/s over that peak (null where the peak was not measured).
+// A case's `bounded_by` (the peak its kernel computes on: fma, bf16_dot or amx_bf16), that
+// peak's `peak_gflops` and `fraction_of_peak`, GFLOP/s over it (null where not measured).
 void add_bound_json(nlohmann::json& c, const Measurement& m, const Peaks& peaks) {
   const Peaks::Bound bound = peaks.bound_of(m.kernel);
   c["bounded_by"] = bound.name;
+  c["peak_gflops"] = bound.peak->gflops ? nlohmann::json(*bound.peak->gflops) : nlohmann::json(nullptr);
   c["fraction_of_peak"] =
       bound.peak->gflops ? nlohmann::json(m.gflops / *bound.peak->gflops) : nlohmann::json(nullptr);
 }
@@ -218,6 +221,7 @@ std::string sweep_json(const SweepReport& r) {
   j["standard_attention"] = r.standard_attention;
   j["batch"] = r.batch;
   j["heads"] = r.heads;
+  add_peaks_json(j, r.peaks);
   if (r.grid)
     j["grid"] = {{"seqlens", r.grid->seqlens}, {"dims", r.grid->dims}, {"dtypes", r.grid->dtypes},
                  {"causal", r.grid->causal},   {"ops", r.grid->ops}};
@@ -227,12 +231,14 @@ std::string sweep_json(const SweepReport& r) {
     cj["threads"] = c.threads;
     cj["sgemm_gflops"] = c.sgemm_gflops;
     cj["vs_sgemm"] = c.vs_sgemm;
+    add_bound_json(cj, c.m, c.peaks);
     j["cases"].push_back(cj);
   }
-  if (!r.targets.empty()) {
-    j["targets"] = nlohmann::json::array();
-    for (const SweepTarget& t : r.targets)
-      j["targets"].push_back(
+  for (const auto& [key, targets] : {std::pair{"targets", &r.targets}, std::pair{"peak_targets", &r.peak_targets}}) {
+    if (targets->empty()) continue;
+    j[key] = nlohmann::json::array();
+    for (const SweepTarget& t : *targets)
+      j[key].push_back(
           {{"name", t.name}, {"measure", t.measure}, {"ratio", t.ratio}, {"target", t.target}, {"pass", t.pass}});
   }
   return j.dump(2);
