@@ -181,14 +181,14 @@ void bench_cases(const BenchFlags& f) {
               "GFLOP/s", "/sgemm", "/peak", "seconds", "kernel");
   for (const TimedCase& c : r.cases) {
     const Measurement& m = c.m;
-    const std::optional<double> peak = r.peaks.bound_of(m.kernel).peak->gflops;
-    std::printf("%-10s %-4s %-6s %-6s %10s %9.1f %7.0f%% %7.0f%% %12.4f  %s\n", impl_name(m.impl), m.op == Op::fwd ? "fwd" : "bwd",
+    const Peak& peak = *r.peaks.bound_of(m.kernel).peak;
+    std::printf("%-10s %-4s %-6s %-6s %10s %9.1f %7.0f%% %8s %12.4f  %s\n", impl_name(m.impl), m.op == Op::fwd ? "fwd" : "bwd",
                 m.op == Op::bwd ? (m.deterministic ? "yes" : "no") : "-", to_string(c.p.dtype).c_str(),
                 c.block_kept_fraction ? "blocks"
                 : states_window(c.p)  ? "window"
                 : c.p.causal          ? "causal"
                                       : "full",
-                m.gflops, 100.0 * m.gflops / sgemm, peak ? 100.0 * m.gflops / *peak : 0.0, m.seconds,
+                m.gflops, 100.0 * m.gflops / sgemm, percent_of_peak(m.gflops, peak).c_str(), m.seconds,
                 m.kernel.empty() ? "-" : m.kernel.c_str());
   }
   for (const ServeRun& s : r.serve)

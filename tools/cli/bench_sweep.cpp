@@ -235,10 +235,10 @@ void print_sweep(const SweepReport& r) {
               "GFLOP/s", "/sgemm", "/peak", "bound", "seconds", "kernel");
   for (const SweepCase& c : r.cases) {
     const Peaks::Bound bound = c.peaks.bound_of(c.m.kernel);
-    std::printf("%-4s %-5s %-6s %5lld %7lld %7d %9.1f %7.0f%% %7.0f%% %-8s %10.4f  %s\n", c.m.op == Op::fwd ? "fwd" : "bwd",
+    std::printf("%-4s %-5s %-6s %5lld %7lld %7d %9.1f %7.0f%% %8s %-8s %10.4f  %s\n", c.m.op == Op::fwd ? "fwd" : "bwd",
                 to_string(c.p.dtype).c_str(), c.p.causal ? "causal" : "full", static_cast<long long>(c.p.head_dim),
                 static_cast<long long>(c.p.seqlen_q), c.threads, c.m.gflops, 100.0 * c.vs_sgemm,
-                bound.peak->gflops ? 100.0 * c.m.gflops / *bound.peak->gflops : 0.0, bound.name, c.m.seconds,
+                percent_of_peak(c.m.gflops, *bound.peak).c_str(), bound.name, c.m.seconds,
                 c.m.kernel.empty() ? "-" : c.m.kernel.c_str());
   }
   for (const auto& [title, targets] : {std::pair{"issue 7 target", &r.targets},

@@ -193,6 +193,13 @@ Peaks measure_peaks(int threads, int repeats) {
   return p;
 }
 
+std::string percent_of_peak(double gflops, const Peak& peak) {
+  if (!peak.gflops) return "-";
+  char buf[16];
+  std::snprintf(buf, sizeof buf, "%.0f%%", 100.0 * gflops / *peak.gflops);
+  return buf;
+}
+
 void print_peaks(const Peaks& peaks) {
   for (const auto& [name, peak] : {std::pair{"FMA peak", &peaks.fma}, std::pair{"bf16 dot-product peak", &peaks.bf16_dot},
                                    std::pair{"AMX bf16 peak", &peaks.amx_bf16}}) {

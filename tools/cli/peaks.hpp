@@ -36,6 +36,8 @@ struct Peaks {
 
 // Each loop `threads` threads at once, best of `repeats` after one warm-up run.
 Peaks measure_peaks(int threads, int repeats);
+// `gflops` as a percentage of `peak` for a table ("37%"), "-" where the peak was not measured.
+std::string percent_of_peak(double gflops, const Peak& peak);
 // One line a peak on stdout: its GFLOP/s and loop, or why it was not measured.
 void print_peaks(const Peaks& peaks);
 
