@@ -67,6 +67,16 @@ one = [c for c in j["cases"] if c["threads"] == 1][0]
 t = by_name["fp32 forward, 1 -> 2 threads"]
 assert abs(t["ratio"] - f32[(False, "fwd")]["vs_sgemm"] / one["vs_sgemm"]) < 1e-9 * t["ratio"], t
 assert by_name["fp32 forward, 1 -> 2 threads"]["target"] == 1.85
+# Issue 25's targets: each a case's GFLOP/s over the peak measured just before it.
+assert j["fma_peak_gflops"] > 0, j
+peak_targets = {t["name"]: t for t in j["peak_targets"]}
+assert len(peak_targets) == 8, j["peak_targets"]
+for c in j["cases"]:
+    assert c["bounded_by"] in ("fma", "bf16_dot", "amx_bf16") and c["peak_gflops"] > 0, c
+    assert abs(c["fraction_of_peak"] - c["gflops"] / c["peak_gflops"]) <= 1e-9 * c["fraction_of_peak"], c
+t = peak_targets["fp32 forward, non-causal (S=64, D=32)"]
+assert abs(t["ratio"] - f32[(False, "fwd")]["fraction_of_peak"]) < 1e-9 * t["ratio"] and t["target"] == 0.88, t
+assert "fma peak" in t["measure"] and t["pass"] == (t["ratio"] >= t["target"]), t
 svg = ET.parse(sys.argv[2]).getroot()
 ns = "{http://www.w3.org/2000/svg}"
 # 12 cases on 11 lines (the 4·S case extends the base f32 forward line), and sgemm's

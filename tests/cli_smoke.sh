@@ -208,3 +208,32 @@ j = json.load(open(sys.argv[1]))
 assert c["case"] == "smoke" and c["speedup_vs_per_sequence"] > 0 and c["decode_gbps"] > 0 and j["copy_gbps"] > 0, c
 PY
 echo "cli smoke (serve): ok"
+
+# The peaks beside the cases: the FMA loop measured, each bf16 peak measured or null with a
+# reason naming the CPU feature it lacks, and every timed case a fraction of the peak it names.
+"$cli" bench --ops fwd --seqlen 64 --heads 2 --dim 32 --threads 2 --json --repeats 5 --sgemm-size 64 \
+  > "$work/peaks.json" 2> "$work/err.txt"
+python3 - "$work/peaks.json" <<'PY'
+import json, sys
+j = json.load(open(sys.argv[1]))
+flags = set(open("/proc/cpuinfo").read().split())
+assert j["fma_peak_gflops"] > 0 and "Highway" in j["fma_peak_isa"], j
+for key, feature, flag in [("bf16", "AVX512-BF16", "avx512_bf16"), ("amx_bf16", "AMX-BF16", "amx_bf16")]:
+    gflops = j[key + "_peak_gflops"]
+    if gflops is None:
+        assert feature in j[key + "_peak_reason"], j
+        assert flag not in flags or key == "amx_bf16", (key, "measured nowhere although the CPU has", flag)
+    else:
+        assert gflops > 0 and j[key + "_peak_isa"] and flag in flags, j
+peaks = {"fma": j["fma_peak_gflops"], "bf16_dot": j["bf16_peak_gflops"], "amx_bf16": j["amx_bf16_peak_gflops"]}
+timed = [c for c in j["cases"] if c["op"] in ("fwd", "bwd")]
+assert timed, j["cases"]
+for c in timed:
+    assert c["bounded_by"] in peaks and (c["bounded_by"] == "fma") == (c.get("kernel") != "tiled_bf16"), c
+    assert c["peak_gflops"] == peaks[c["bounded_by"]], c
+    assert abs(c["fraction_of_peak"] - c["gflops"] / c["peak_gflops"]) <= 1e-9 * c["fraction_of_peak"], c
+    assert c["fraction_of_peak"] < 1, c  # visible pairs' FLOPs: below the machine's peak
+    # A block-sparse case of one 128-token block that the random mask dropped has no visible pair.
+    assert (c["fraction_of_peak"] > 0) == (c.get("block_kept_fraction") != 0.0), c
+PY
+echo "cli smoke (bench peaks): ok"

@@ -134,6 +134,8 @@ TEST(CpuFeatures, AmxExactlyWhereTheCpuHasItAndTheOsGrantsIt) {
   EXPECT_EQ(CpuHardware::detect(0).bf16_dot_fast,
             CpuHardware::detect(0).bf16_dot && (info.vendor == "AuthenticAMD" || (cpu && granted)))
       << "vendor " << info.vendor;
+  // What bench's AMX peak loop runs on (tools/cli/peaks.cpp).
+  EXPECT_EQ(CpuHardware::detect(0).amx_bf16, CpuHardware::detect(0).bf16_dot && cpu && granted);
 }
 
 TEST(CpuFeatures, DecodeFp16ExactlyWhereTheCpuHasAvx512Fp16) {

@@ -26,6 +26,8 @@ struct CpuHardware {
                                   // the dispatched target (AVX3, AVX3_DL) provides the kernel
   bool bf16_dot_fast = false;     // and its products outpace float32 FMA (AMX, or AMD's
                                   // VDPBF16PS): the bf16 kernels are planned by default
+  bool amx_bf16 = false;          // and they run on AMX tiles (AMX-BF16, and Linux granted this
+                                  // process the tile state)
   bool decode_fp16 = false;       // the decode_fp16 kernel can run: the CPU has AVX512-FP16
 
   // Cache sizes from the OS, micro-kernel geometry from the dispatched SIMD target.

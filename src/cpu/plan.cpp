@@ -60,6 +60,7 @@ CpuHardware CpuHardware::detect(int num_threads) {
   hw.micro_cols = g.micro_cols;
   hw.bf16_dot = cpu::tiled_bf16_available();
   hw.bf16_dot_fast = hw.bf16_dot && cpu::bf16dot::outpaces_fma();
+  hw.amx_bf16 = hw.bf16_dot && cpu::bf16dot::uses_amx();
   hw.decode_fp16 = cpu::fp16dot::available();
   return hw;
 }

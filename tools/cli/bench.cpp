@@ -15,6 +15,7 @@
 #include "tools/cli/serve.hpp"
 #include "tools/cli/machine.hpp"
 #include "tools/cli/measure.hpp"
+#include "tools/cli/peaks.hpp"
 #include "tools/cli/report.hpp"
 
 namespace flashattn::cli {
@@ -40,12 +41,7 @@ void bench_cases(const BenchFlags& f) {
   BenchReport r;
   r.threads = f.shape.threads;
   r.sgemm_gflops = baseline::sgemm_gflops(f.sgemm_n, threads, f.repeats);
-  if (const std::optional<FmaPeak> peak = fma_peak_gflops(threads, f.repeats)) {
-    r.fma_peak_gflops = peak->gflops;
-    r.fma_peak_isa = peak->isa;
-  }
-  r.bf16_peak_reason = bf16_peak_absent_reason();
-  r.bf16_bounded_by_fma = !cpu_has_bf16_dot();
+  r.peaks = measure_peaks(threads, f.repeats);
   std::this_thread::sleep_for(std::chrono::milliseconds(300));  // let BLAS workers park
   // A timed case without its output tensor, which the report does not need.
   auto add = [&r](Measurement m, const AttentionProblem& p, std::optional<double> kept = std::nullopt) {
@@ -179,21 +175,20 @@ void bench_cases(const BenchFlags& f) {
   }
   std::printf("cpu: %s, %d threads, simd %s, OpenBLAS %s: sgemm %.1f GFLOP/s\n", cpu_model().c_str(), threads,
               cpu_simd_target().c_str(), baseline::openblas_corename().c_str(), sgemm);
-  if (r.fma_peak_gflops) std::printf("FMA peak (%s, 12 chains a thread): %.1f GFLOP/s\n", r.fma_peak_isa.c_str(), *r.fma_peak_gflops);
-  std::printf("bf16 dot-product peak: not measured (%s)\n", r.bf16_peak_reason.c_str());
-  std::printf("GFLOP/s count visible pairs only; /peak: over the peak that bounds the case\n");
+  print_peaks(r.peaks);
+  std::printf("GFLOP/s count visible pairs only; /peak: over the peak that bounds the case (its kernel's)\n");
   std::printf("%-10s %-4s %-6s %-6s %10s %9s %8s %8s %12s  %s\n", "impl", "op", "determ", "dtype", "mask",
               "GFLOP/s", "/sgemm", "/peak", "seconds", "kernel");
   for (const TimedCase& c : r.cases) {
     const Measurement& m = c.m;
-    const std::optional<double> peak = r.peak_for(c);
-    std::printf("%-10s %-4s %-6s %-6s %10s %9.1f %7.0f%% %7.0f%% %12.4f  %s\n", impl_name(m.impl), m.op == Op::fwd ? "fwd" : "bwd",
+    const Peak& peak = *r.peaks.bound_of(m.kernel).peak;
+    std::printf("%-10s %-4s %-6s %-6s %10s %9.1f %7.0f%% %8s %12.4f  %s\n", impl_name(m.impl), m.op == Op::fwd ? "fwd" : "bwd",
                 m.op == Op::bwd ? (m.deterministic ? "yes" : "no") : "-", to_string(c.p.dtype).c_str(),
                 c.block_kept_fraction ? "blocks"
                 : states_window(c.p)  ? "window"
                 : c.p.causal          ? "causal"
                                       : "full",
-                m.gflops, 100.0 * m.gflops / sgemm, peak ? 100.0 * m.gflops / *peak : 0.0, m.seconds,
+                m.gflops, 100.0 * m.gflops / sgemm, percent_of_peak(m.gflops, peak).c_str(), m.seconds,
                 m.kernel.empty() ? "-" : m.kernel.c_str());
   }
   for (const ServeRun& s : r.serve)

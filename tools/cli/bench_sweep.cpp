@@ -7,10 +7,12 @@
 #include <map>
 #include <thread>
 #include <tuple>
+#include <utility>
 
 #include "tools/baseline/standard_attention.hpp"
 #include "tools/cli/machine.hpp"
 #include "tools/cli/measure.hpp"
+#include "tools/cli/peaks.hpp"
 #include "tools/cli/report.hpp"
 #include "tools/cli/svg.hpp"
 
@@ -50,7 +52,7 @@ ShapeFlags shape_of(const ShapeFlags& base, const Point& pt) {
 
 // Times one op of flashattn at `pt` on `in` (inputs of pt's sizes and dtype).
 // sgemm is measured again just before it, at the run's thread count, into the case's
-// `sgemm_gflops`: on a shared or boosting machine the speed drifts over a run (a quick run's
+// `sgemm_gflops`, and the peaks at the case's threads into its `peaks`: on a shared or boosting machine the speed drifts over a run (a quick run's
 // first sgemm came out 13% above one taken minutes later), and the case's `vs_sgemm`, the
 // GFLOP/s divided by that sgemm, compares like with like — ratios between cases too.
 SweepCase timed_case(const ShapeFlags& base, const Point& pt, Op op, const Inputs& in, int repeats, int sgemm_n,
@@ -60,10 +62,11 @@ SweepCase timed_case(const ShapeFlags& base, const Point& pt, Op op, const Input
   std::cerr << "case " << (op == Op::fwd ? "fwd " : "bwd ") << p.describe() << ", " << pt.threads
             << (pt.threads == 1 ? " thread\n" : " threads\n");
   const double sgemm = baseline::sgemm_gflops(sgemm_n, run_threads, repeats);
+  Peaks peaks = measure_peaks(pt.threads, repeats);
   std::this_thread::sleep_for(std::chrono::milliseconds(300));  // let BLAS workers park
   SweepCase c{op == Op::fwd ? measure_forward(Impl::flashattn, p, shape.options(), in, repeats)
                             : measure_backward(Impl::flashattn, p, shape.options(), in, repeats),
-              p, pt.threads, sgemm, 0.0};
+              p, pt.threads, sgemm, 0.0, std::move(peaks)};
   c.m.out = Tensor();  // not reported
   c.vs_sgemm = c.m.gflops / sgemm;
   return c;
@@ -77,7 +80,7 @@ bool has(const std::vector<std::string>& v, const std::string& x) {
   return std::find(v.begin(), v.end(), x) != v.end();
 }
 
-// machine facts, a first sgemm at `threads` (each case measures its own too), and the notes
+// machine facts, a first sgemm and peaks at `threads` (each case measures its own too), and the notes
 // every sweep result carries.
 SweepReport header(const SweepFlags& f, int threads, const char* mode) {
   std::cerr << "sgemm " << f.sgemm_n << "^3 on " << threads << " threads (OpenBLAS "
@@ -88,6 +91,7 @@ SweepReport header(const SweepFlags& f, int threads, const char* mode) {
   r.repeats = f.repeats;
   r.sgemm_gflops = baseline::sgemm_gflops(f.sgemm_n, threads, f.repeats);
   r.sgemm_size = f.sgemm_n;
+  r.peaks = measure_peaks(threads, f.repeats);
   r.standard_attention = kStandardNote;
   r.batch = f.shape.batch;
   r.heads = f.shape.heads;
@@ -97,6 +101,15 @@ SweepReport header(const SweepFlags& f, int threads, const char* mode) {
 
 SweepTarget target(const std::string& name, const std::string& measure, double ratio, double at_least) {
   return {name, measure, ratio, at_least, ratio >= at_least};
+}
+
+// A case's GFLOP/s over the peak that bounds it (Peaks::bound_of), 0 where that peak was not
+// measured, and the target's measure naming that peak.
+SweepTarget peak_target(const std::string& name, const SweepCase& c, double at_least) {
+  const Peaks::Bound bound = c.peaks.bound_of(c.m.kernel);
+  const double fraction = bound.peak->gflops ? c.m.gflops / *bound.peak->gflops : 0.0;
+  return target(name, std::string("flashattn GFLOP/s / ") + bound.name + " peak measured before the case", fraction,
+                at_least);
 }
 
 // One flashattn case per (dtype, D, S, causal, op) of the grid, at shape.threads.
@@ -124,12 +137,14 @@ SweepReport run_quick(SweepFlags f) {
   SweepReport r = header(f, threads, "quick");
   const std::int64_t s = f.shape.seqlen, d = f.shape.dim;
   std::map<std::tuple<std::string, bool, Op>, double> at_base;  // (dtype, causal, op) → vs_sgemm
+  std::map<std::tuple<std::string, bool, Op>, std::size_t> base_case;  // → its index in r.cases
   for (const char* dtype : {"f32", "bf16"}) {
     const Inputs in = inputs_for(f.shape, {dtype, false, d, s, threads});
     for (const bool causal : {false, true})
       for (const Op op : {Op::fwd, Op::bwd}) {
         SweepCase c = timed_case(f.shape, {dtype, causal, d, s, threads}, op, in, f.repeats, f.sgemm_n, threads);
         at_base[{dtype, causal, op}] = c.vs_sgemm;
+        base_case[{dtype, causal, op}] = r.cases.size();
         r.cases.push_back(std::move(c));
       }
   }
@@ -138,6 +153,7 @@ SweepReport run_quick(SweepFlags f) {
     r.cases.push_back(timed_case(f.shape, pt, Op::fwd, inputs_for(f.shape, pt), f.repeats, f.sgemm_n, threads));
     return r.cases.back().vs_sgemm;
   };
+  const std::size_t d64_case = r.cases.size();
   const double d64 = f32_forward(64, s, threads), d256 = f32_forward(256, s, threads);
   const double one_thread = f32_forward(d, s, 1), long_seq = f32_forward(d, kLongSeqlenFactor * s, threads);
 
@@ -164,6 +180,21 @@ SweepReport run_quick(SweepFlags f) {
       target("fp32 forward S=" + std::to_string(kLongSeqlenFactor * s) + " vs S=" + std::to_string(s),
              "GFLOP/s at the long S / GFLOP/s at S, each over its case's sgemm_gflops (within 10%)",
              long_seq / f32_fwd, 0.90),
+  };
+  // Issue 25's: each case a fraction of the peak its kernel is bounded by (the bf16 dot
+  // product's where the bf16 kernels run on it, the FMA peak otherwise).
+  auto base = [&](const char* dtype, bool causal, Op op) -> const SweepCase& {
+    return r.cases[base_case.at({dtype, causal, op})];
+  };
+  r.peak_targets = {
+      peak_target("fp32 forward, non-causal" + at, base("f32", false, Op::fwd), 0.88),
+      peak_target("fp32 forward, causal" + at, base("f32", true, Op::fwd), 0.85),
+      peak_target("bf16 forward, non-causal" + at, base("bf16", false, Op::fwd), 0.80),
+      peak_target("bf16 forward, causal" + at, base("bf16", true, Op::fwd), 0.78),
+      peak_target("fp32 backward, non-causal" + at, base("f32", false, Op::bwd), 0.80),
+      peak_target("bf16 backward, non-causal" + at, base("bf16", false, Op::bwd), 0.72),
+      peak_target("fp32 forward D=64", r.cases[d64_case], 0.80),
+      peak_target("fp32 forward D=256", r.cases[d64_case + 1], 0.80),
   };
   return r;
 }
@@ -199,17 +230,24 @@ void print_sweep(const SweepReport& r) {
   const double sgemm = r.sgemm_gflops;
   std::printf("cpu: %s, %d threads, simd %s, OpenBLAS %s: sgemm %.1f GFLOP/s\n", cpu_model().c_str(), r.threads,
               cpu_simd_target().c_str(), baseline::openblas_corename().c_str(), sgemm);
-  std::printf("%-4s %-5s %-6s %5s %7s %7s %9s %8s %10s  %s\n", "op", "dtype", "mask", "D", "S", "threads", "GFLOP/s",
-              "/sgemm", "seconds", "kernel");
-  for (const SweepCase& c : r.cases)
-    std::printf("%-4s %-5s %-6s %5lld %7lld %7d %9.1f %7.0f%% %10.4f  %s\n", c.m.op == Op::fwd ? "fwd" : "bwd",
+  print_peaks(r.peaks);
+  std::printf("%-4s %-5s %-6s %5s %7s %7s %9s %8s %8s %-8s %10s  %s\n", "op", "dtype", "mask", "D", "S", "threads",
+              "GFLOP/s", "/sgemm", "/peak", "bound", "seconds", "kernel");
+  for (const SweepCase& c : r.cases) {
+    const Peaks::Bound bound = c.peaks.bound_of(c.m.kernel);
+    std::printf("%-4s %-5s %-6s %5lld %7lld %7d %9.1f %7.0f%% %8s %-8s %10.4f  %s\n", c.m.op == Op::fwd ? "fwd" : "bwd",
                 to_string(c.p.dtype).c_str(), c.p.causal ? "causal" : "full", static_cast<long long>(c.p.head_dim),
-                static_cast<long long>(c.p.seqlen_q), c.threads, c.m.gflops, 100.0 * c.vs_sgemm, c.m.seconds,
+                static_cast<long long>(c.p.seqlen_q), c.threads, c.m.gflops, 100.0 * c.vs_sgemm,
+                percent_of_peak(c.m.gflops, *bound.peak).c_str(), bound.name, c.m.seconds,
                 c.m.kernel.empty() ? "-" : c.m.kernel.c_str());
-  if (r.targets.empty()) return;
-  std::printf("\n%-64s %8s %8s\n", "issue 7 target", "measured", "target");
-  for (const SweepTarget& t : r.targets)
-    std::printf("%-64s %8.2f %8.2f  %s\n", t.name.c_str(), t.ratio, t.target, t.pass ? "pass" : "FAIL");
+  }
+  for (const auto& [title, targets] : {std::pair{"issue 7 target", &r.targets},
+                                       std::pair{"issue 25 target (fraction of the case's peak)", &r.peak_targets}}) {
+    if (targets->empty()) continue;
+    std::printf("\n%-64s %8s %8s\n", title, "measured", "target");
+    for (const SweepTarget& t : *targets)
+      std::printf("%-64s %8.2f %8.2f  %s\n", t.name.c_str(), t.ratio, t.target, t.pass ? "pass" : "FAIL");
+  }
 }
 
 }  // namespace

@@ -12,10 +12,6 @@
 #include <utility>
 #include <vector>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
 #include "tools/baseline/standard_attention.hpp"
 #include "tools/support/random_inputs.hpp"
 
@@ -170,83 +166,6 @@ double copy_gbps(int repeats) {
     if (r > 0) best = std::min(best, sec);
   }
   return 2.0 * static_cast<double>(kBytes) / best * 1e-9;
-}
-
-namespace {
-
-// The FMA loop: 12 independent accumulator chains per thread (Zen 3/4 and Intel cores retire
-// two FMAs a cycle at a 4-cycle latency, so 8 chains fill them and 12 leave slack), each
-// step an a·x + b that keeps the values bounded. Per ISA, compiled once with its target
-// attribute and chosen at run time, like src/cpu/kernels/bf16_dot.cpp. Returns FLOPs done.
-constexpr int kChains = 12;
-constexpr std::int64_t kFmaSteps = std::int64_t{1} << 24;
-
-#if defined(__x86_64__)
-__attribute__((target("avx2,fma"))) double fma_loop_avx2(float* sink) {
-  __m256 acc[kChains];
-  for (int c = 0; c < kChains; ++c) acc[c] = _mm256_set1_ps(0.001f * static_cast<float>(c));
-  const __m256 a = _mm256_set1_ps(0.999f), b = _mm256_set1_ps(0.001f);
-  for (std::int64_t i = 0; i < kFmaSteps; ++i)
-    for (int c = 0; c < kChains; ++c) acc[c] = _mm256_fmadd_ps(acc[c], a, b);
-  __m256 sum = acc[0];
-  for (int c = 1; c < kChains; ++c) sum = _mm256_add_ps(sum, acc[c]);
-  *sink = _mm256_cvtss_f32(sum);
-  return 2.0 * 8 * kChains * static_cast<double>(kFmaSteps);
-}
-
-__attribute__((target("avx512f"))) double fma_loop_avx512(float* sink) {
-  __m512 acc[kChains];
-  for (int c = 0; c < kChains; ++c) acc[c] = _mm512_set1_ps(0.001f * static_cast<float>(c));
-  const __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(0.001f);
-  for (std::int64_t i = 0; i < kFmaSteps; ++i)
-    for (int c = 0; c < kChains; ++c) acc[c] = _mm512_fmadd_ps(acc[c], a, b);
-  __m512 sum = acc[0];
-  for (int c = 1; c < kChains; ++c) sum = _mm512_add_ps(sum, acc[c]);
-  *sink = _mm512_reduce_add_ps(sum);
-  return 2.0 * 16 * kChains * static_cast<double>(kFmaSteps);
-}
-#endif
-
-}  // namespace
-
-std::optional<FmaPeak> fma_peak_gflops(int threads, int repeats) {
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  const bool avx512 = __builtin_cpu_supports("avx512f");
-  if (!avx512 && !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) return std::nullopt;
-  double best = 0.0;
-  for (int r = 0; r < repeats + 1; ++r) {
-    double flops = 0.0;
-    const auto t0 = std::chrono::steady_clock::now();
-#pragma omp parallel num_threads(threads) reduction(+ : flops)
-    {
-      float sink = 0.0f;
-      flops += avx512 ? fma_loop_avx512(&sink) : fma_loop_avx2(&sink);
-      if (sink == 12345.0f) std::fputc(' ', stderr);  // keeps the loop's result live
-    }
-    const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (r > 0) best = std::max(best, flops / sec * 1e-9);
-  }
-  return FmaPeak{best, avx512 ? "avx512f zmm" : "avx2 fma ymm"};
-#else
-  (void)threads;
-  (void)repeats;
-  return std::nullopt;
-#endif
-}
-
-bool cpu_has_bf16_dot() {
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512bf16");
-#else
-  return false;
-#endif
-}
-
-std::string bf16_peak_absent_reason() {
-  if (!cpu_has_bf16_dot()) return "no bf16 dot product on this CPU (no AVX512-BF16, no AMX)";
-  return "VDPBF16PS loop not implemented yet";
 }
 
 }  // namespace flashattn::cli

@@ -64,16 +64,4 @@ Measurement measure_backward(Impl impl, const AttentionProblem& problem,
 // Memory bandwidth of a large copy (bytes read + written per second), best of `repeats`.
 double copy_gbps(int repeats);
 
-// The float32 FMA peak of `threads` threads: each runs 12 independent FMA chains in the
-// widest vectors the CPU has (AVX-512 or AVX2), best of `repeats`. Empty off x86-64 FMA.
-struct FmaPeak {
-  double gflops;
-  std::string isa;  // what the loop ran
-};
-std::optional<FmaPeak> fma_peak_gflops(int threads, int repeats);
-// The CPU has VDPBF16PS (AVX512-BF16).
-bool cpu_has_bf16_dot();
-// Why bf16_peak_gflops is null in bench's JSON.
-std::string bf16_peak_absent_reason();
-
 }  // namespace flashattn::cli

@@ -117,7 +117,7 @@ Speed speed(const AttentionProblem& p, std::mt19937_64& rng, int threads, int re
   for (std::size_t i = 0; i < std::size(variants); ++i) {
     std::sort(times[i].begin(), times[i].end());
     const double seconds = times[i][times[i].size() / 2];
-    const double gflops = p.conventional_forward_flops() / seconds * 1e-9;
+    const double gflops = p.visible_forward_flops() / seconds * 1e-9;  // the visible pairs' FLOPs
     if (i == 0) baseline = gflops;
     SpeedCase c{to_string(variants[i].exp2), variants[i].threshold, seconds, gflops, gflops / baseline};
     if (variants[i].exp2 == Exp2Impl::mixed) c.exp2_poly3_fraction = AttentionOptions{}.exp2_poly3_fraction;

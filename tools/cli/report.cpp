@@ -2,6 +2,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <utility>
+
 #include "tools/baseline/standard_attention.hpp"
 #include "tools/cli/machine.hpp"
 
@@ -49,6 +51,28 @@ nlohmann::json decode_json(const DecodeCase& c, const DecodeMeasurement& m) {
           {"max_error", m.max_error}, {"kernel", m.kernel}};
 }
 
+// fma_peak_gflops, bf16_peak_gflops (VDPBF16PS) and amx_bf16_peak_gflops, each with its
+// `_isa` when measured, else null with its `_reason`.
+void add_peaks_json(nlohmann::json& j, const Peaks& peaks) {
+  for (const auto& [name, peak] : {std::pair{"fma", &peaks.fma}, std::pair{"bf16", &peaks.bf16_dot},
+                                   std::pair{"amx_bf16", &peaks.amx_bf16}}) {
+    const std::string key = std::string(name) + "_peak";
+    j[key + "_gflops"] = peak->gflops ? nlohmann::json(*peak->gflops) : nlohmann::json(nullptr);
+    if (peak->gflops) j[key + "_isa"] = peak->isa;
+    else j[key + "_reason"] = peak->reason;
+  }
+}
+
+// A case's `bounded_by` (the peak its kernel computes on: fma, bf16_dot or amx_bf16), that
+// peak's `peak_gflops` and `fraction_of_peak`, GFLOP/s over it (null where not measured).
+void add_bound_json(nlohmann::json& c, const Measurement& m, const Peaks& peaks) {
+  const Peaks::Bound bound = peaks.bound_of(m.kernel);
+  c["bounded_by"] = bound.name;
+  c["peak_gflops"] = bound.peak->gflops ? nlohmann::json(*bound.peak->gflops) : nlohmann::json(nullptr);
+  c["fraction_of_peak"] =
+      bound.peak->gflops ? nlohmann::json(m.gflops / *bound.peak->gflops) : nlohmann::json(nullptr);
+}
+
 }  // namespace
 
 std::string run_json(int threads, const AttentionProblem& p, const std::vector<Measurement>& results,
@@ -82,14 +106,11 @@ std::string decode_run_json(int threads, const DecodeCase& c, const DecodeMeasur
 std::string bench_json(const BenchReport& r) {
   nlohmann::json j = machine_json(r.threads);
   j["sgemm_gflops"] = r.sgemm_gflops;
-  j["fma_peak_gflops"] = r.fma_peak_gflops ? nlohmann::json(*r.fma_peak_gflops) : nlohmann::json(nullptr);
-  if (r.fma_peak_gflops) j["fma_peak_isa"] = r.fma_peak_isa;
-  j["bf16_peak_gflops"] = nullptr;
-  j["bf16_peak_reason"] = r.bf16_peak_reason;
+  add_peaks_json(j, r.peaks);
   j["cases"] = nlohmann::json::array();
   for (const TimedCase& c : r.cases) {
     j["cases"].push_back(case_json(c.m, c.p));
-    if (const std::optional<double> peak = r.peak_for(c)) j["cases"].back()["fraction_of_peak"] = c.m.gflops / *peak;
+    add_bound_json(j["cases"].back(), c.m, r.peaks);
     if (c.block_kept_fraction) j["cases"].back()["block_kept_fraction"] = *c.block_kept_fraction;
   }
   for (const DecodeRun& d : r.decode) j["cases"].push_back(decode_json(d.c, d.m));
@@ -200,6 +221,7 @@ std::string sweep_json(const SweepReport& r) {
   j["standard_attention"] = r.standard_attention;
   j["batch"] = r.batch;
   j["heads"] = r.heads;
+  add_peaks_json(j, r.peaks);
   if (r.grid)
     j["grid"] = {{"seqlens", r.grid->seqlens}, {"dims", r.grid->dims}, {"dtypes", r.grid->dtypes},
                  {"causal", r.grid->causal},   {"ops", r.grid->ops}};
@@ -209,12 +231,14 @@ std::string sweep_json(const SweepReport& r) {
     cj["threads"] = c.threads;
     cj["sgemm_gflops"] = c.sgemm_gflops;
     cj["vs_sgemm"] = c.vs_sgemm;
+    add_bound_json(cj, c.m, c.peaks);
     j["cases"].push_back(cj);
   }
-  if (!r.targets.empty()) {
-    j["targets"] = nlohmann::json::array();
-    for (const SweepTarget& t : r.targets)
-      j["targets"].push_back(
+  for (const auto& [key, targets] : {std::pair{"targets", &r.targets}, std::pair{"peak_targets", &r.peak_targets}}) {
+    if (targets->empty()) continue;
+    j[key] = nlohmann::json::array();
+    for (const SweepTarget& t : *targets)
+      j[key].push_back(
           {{"name", t.name}, {"measure", t.measure}, {"ratio", t.ratio}, {"target", t.target}, {"pass", t.pass}});
   }
   return j.dump(2);

@@ -16,6 +16,7 @@
 #include "tools/cli/experiments.hpp"
 #include "tools/cli/explain.hpp"
 #include "tools/cli/measure.hpp"
+#include "tools/cli/peaks.hpp"
 
 namespace flashattn::cli {
 
@@ -62,16 +63,7 @@ struct MemoryRow {
 struct BenchReport {
   int threads = 0;  // as requested (0 = all cores)
   double sgemm_gflops = 0.0;
-  std::optional<double> fma_peak_gflops;  // the FMA loop's, at the run's threads
-  std::string fma_peak_isa;
-  std::string bf16_peak_reason;            // why bf16_peak_gflops is null
-  bool bf16_bounded_by_fma = false;        // no bf16 dot product: bf16 cases compute in FMA
-  // The peak that bounds a case (fp32: the FMA peak; bf16: it too where the CPU has no bf16
-  // dot product), empty where not measured.
-  std::optional<double> peak_for(const TimedCase& c) const {
-    if (c.p.dtype == DType::bf16 && !bf16_bounded_by_fma) return std::nullopt;
-    return fma_peak_gflops;
-  }
+  Peaks peaks;  // measured before the cases, at the run's threads
   std::optional<double> copy_gbps;  // with decode or serve cases
   std::vector<TimedCase> cases;
   std::vector<DecodeRun> decode;
@@ -125,13 +117,14 @@ struct NumericsReport {
 std::string numerics_json(const NumericsReport& r);
 
 // `bench --sweep --json` and `bench --quick --json` (tools/cli/bench_sweep.hpp): the machine's
-// facts, the first sgemm, each flashattn case with the sgemm measured just before it, and
-// (--quick) the issue's targets.
+// facts, the first sgemm and peaks, each flashattn case with the sgemm and peaks measured just
+// before it (its bounded_by, fraction_of_peak), and (--quick) issue 7's and issue 25's targets.
 struct SweepCase {
   Measurement m;  // its `out` left empty
   AttentionProblem p;
   int threads = 0;
   double sgemm_gflops = 0.0, vs_sgemm = 0.0;
+  Peaks peaks;  // measured just before the case, like its sgemm
 };
 struct SweepTarget {
   std::string name, measure;
@@ -147,8 +140,10 @@ struct SweepReport {
   std::string standard_attention;  // why standard attention is not timed
   std::int64_t batch = 0, heads = 0;
   std::optional<SweepFlags> grid;  // --sweep: the grid timed
+  Peaks peaks;                      // measured with the first sgemm
   std::vector<SweepCase> cases;
-  std::vector<SweepTarget> targets;  // --quick
+  std::vector<SweepTarget> targets;       // --quick: issue 7's, against sgemm
+  std::vector<SweepTarget> peak_targets;  // --quick: issue 25's, fractions of each case's peak
 };
 std::string sweep_json(const SweepReport& r);
 

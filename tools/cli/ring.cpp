@@ -199,7 +199,7 @@ void run_ring(RingFlags& f) {
   const dist::RingStats fwd = median_run(f.repeats, [&] {
     return dist::ring_forward(q.view(), k.view(), v.view(), out.view(), lse.view(), options, ring);
   });
-  const double flops = p.conventional_forward_flops();
+  const double flops = p.visible_forward_flops();  // the visible pairs' FLOPs (ring takes no block mask)
   report("forward (median of runs)", fwd, communication_alone(p, layout, ranks, f.repeats, false), local, flops, ranks);
   if (f.backward) {
     const dist::RingStats bwd = median_run(f.repeats, [&] {

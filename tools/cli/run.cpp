@@ -61,7 +61,7 @@ void run_varlen(const RunFlags& f, const AttentionOptions& options) {
     one.batch = 1;
     one.seqlen_q = sq;
     one.seqlen_k = sk;
-    flops += one.problem(options).conventional_forward_flops();
+    flops += one.problem(options).visible_forward_flops();  // its visible pairs' FLOPs
   }
   ShapeFlags packed = f.shape;  // a (1, total, H, D) problem supplies the random tensors
   packed.batch = 1;
