@@ -14,6 +14,7 @@
 #include "flashattn/plan.hpp"
 #include "src/core/element.hpp"
 #include "src/api/backend.hpp"
+#include "src/api/checks.hpp"
 #include "src/api/route.hpp"
 #include "src/api/sequences.hpp"
 #include "src/core/validate.hpp"
@@ -162,22 +163,9 @@ CacheCall check_cache_views(const TensorView& q, const KvCache& c, const Attenti
   detail::reject_rescale_counts("forward_with_kvcache", options);
   detail::reject_attn_mask("forward_with_kvcache", options);
   detail::check_view("q", q, 4, "(batch, seqlen_q, heads_q, head_dim)");
-  detail::check_view("k_cache", c.k_cache, 4, "(batch_cache or pages, seqlen_cache or page_size, heads_kv, head_dim)");
-  detail::check_view("v_cache", c.v_cache, 4, "(batch_cache or pages, seqlen_cache or page_size, heads_kv, head_dim_v)");
-  const bool fp8 = c.k_cache.dtype == DType::u8;
-  if (!is_floating(q.dtype)) throw Error("q: dtype " + to_string(q.dtype) + " is not a floating dtype (f32, bf16, f16)");
-  if (fp8) {
-    detail::check_dtype("v_cache", c.v_cache, DType::u8, "an FP8 cache holds e4m3 codes in both pools");
-  } else {
-    detail::check_dtype("k_cache", c.k_cache, q.dtype, "the cache has q's dtype, or u8 for FP8 e4m3 codes");
-    detail::check_dtype("v_cache", c.v_cache, q.dtype, "the cache has q's dtype");
-    if (is_set(c.k_scale) || is_set(c.v_scale))
-      throw Error("k_scale, v_scale: descales belong to an FP8 cache (u8 codes), not a " + to_string(q.dtype) + " cache");
-  }
-  for (int d : {0, 1, 2})
-    if (c.v_cache.shape[d] != c.k_cache.shape[d])
-      throw Error("v_cache: shape " + detail::shape_string(c.v_cache) + " does not match k_cache " +
-                  detail::shape_string(c.k_cache) + " in dim " + std::to_string(d));
+  const bool fp8 = detail::check_cache_pools(
+      q, c.k_cache, c.v_cache, c.k_scale, c.v_scale, "(batch_cache or pages, seqlen_cache or page_size, heads_kv, head_dim)",
+      "(batch_cache or pages, seqlen_cache or page_size, heads_kv, head_dim_v)");
   const std::int64_t batch = q.shape[0], hkv = c.k_cache.shape[2], d = c.k_cache.shape[3], dv = c.v_cache.shape[3];
   const std::int64_t s_new = is_set(c.k) ? c.k.shape[1] : 0;
   return {fp8, batch, hkv, d, dv, s_new, {}, {}, {}, false, 0};
