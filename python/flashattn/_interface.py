@@ -506,9 +506,36 @@ def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     if seqused_k is None:
         if cu_seqlens_k is None:
             raise ValueError("seqused_k: a paged batch needs seqused_k or cu_seqlens_k for its key counts")
-        cu = cu_seqlens_k.numpy() if _is_tensor(cu_seqlens_k) else np.asarray(cu_seqlens_k)
-        used = np.diff(cu.astype(np.int64)).astype(np.int32)
-        seqused_k = torch.from_numpy(used) if _is_tensor(q) else used
+        if _is_tensor(cu_seqlens_k):  # torch ops only, so that a compiled graph keeps it
+            seqused_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
+        else:
+            seqused_k = np.diff(np.asarray(cu_seqlens_k).astype(np.int64)).astype(np.int32)
+    if len(window_size) != 2:
+        raise ValueError(f"window_size: expected (left, right), got {window_size!r}")
+    if _is_tensor(q):
+        if alibi_slopes is not None and not _is_tensor(alibi_slopes):
+            alibi_slopes = torch.as_tensor(alibi_slopes)
+        if num_threads is not None and num_threads != 0:
+            num_threads = _resolve_threads(num_threads, True)
+        tables = [_as_tensor(x) for x in (cu_seqlens_q, block_table, seqused_k, k_scale, v_scale)]
+        args = (q, k_cache, v_cache, tables[0], int(max_seqlen_q), tables[1], tables[2], tables[3], tables[4],
+                None if softmax_scale is None else float(softmax_scale), bool(causal), int(window_size[0]),
+                int(window_size[1]), float(softcap), alibi_slopes, str(kernel), int(num_threads or 0),
+                _int_arg("num_splits", num_splits, 0))
+        direct = _torch_ops.direct(*(a for a in args if isinstance(a, torch.Tensor)))
+        out, lse = (_torch_ops._varlen_paged_fwd if direct else torch.ops.flashattn.varlen_paged_fwd)(*args)
+    else:
+        opts = _options(0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, False, None, kernel,
+                        num_splits=num_splits)
+        opts.num_threads = _resolve_threads(num_threads, False)
+        out, lse = _paged_varlen_forward(q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, block_table, seqused_k,
+                                         k_scale, v_scale, opts)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def _paged_varlen_forward(q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, block_table, seqused_k, k_scale, v_scale,
+                          opts):
+    """The paged variable-length call on raw views: (out, softmax_lse)."""
     if _is_fp8_codes(k_cache):
         raws, dts = _inputs(q=q)
         raws["k_cache"], raws["v_cache"] = _fp8_codes(k_cache, "k_cache"), _fp8_codes(v_cache, "v_cache")
@@ -520,9 +547,6 @@ def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                             f"not a {_dtype_name(k_cache)} cache")
         raws, dts = _inputs(q=q, k_cache=k_cache, v_cache=v_cache)
         scales = [None, None]
-    opts = _options(0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, False, None, kernel,
-                    num_splits=num_splits)
-    opts.num_threads = _resolve_threads(num_threads, _is_tensor(q))
     total, hq, _ = raws["q"].shape
     dt = dts["q"]
     out, out_raw = _empty((total, hq, raws["v_cache"].shape[-1]), dt, q)
@@ -531,7 +555,7 @@ def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                             raws["k_cache"], raws["v_cache"], _raw(block_table, "block_table", int32=True)[0],
                             _raw(seqused_k, "seqused_k", int32=True)[0], scales[0], scales[1], out_raw, lse_raw,
                             {**dts, "out": dt}, opts)
-    return (out, lse, None) if return_attn_probs else out
+    return out, lse
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,

@@ -9,9 +9,9 @@ Arguments are primitives the schema can hold: the attention options travel one b
 and the dropout seed and offset as an int64 tensor `rng_state` of shape (2,) (None
 without dropout), so that a traced graph draws them at run time from torch's generator.
 
-Plain eager inference (see direct()) calls the implementations _fwd, _varlen_fwd and
-_fwd_kvcache without the dispatcher: its Python custom-op path costs 40 to 80 µs a call,
-as much as a whole decode step on a short cache; the results are the same.
+Plain eager inference (see direct()) calls the implementations _fwd, _varlen_fwd,
+_varlen_paged_fwd and _fwd_kvcache without the dispatcher: its Python custom-op path costs
+40 to 80 µs a call, as much as a whole decode step on a short cache; the results are the same.
 """
 
 from __future__ import annotations
@@ -128,6 +128,32 @@ varlen_bwd = torch.library.custom_op("flashattn::varlen_bwd", _varlen_bwd, mutat
 @varlen_bwd.register_fake
 def _(dout, q, k, v, *args):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+# ---- paged variable-length batches ------------------------------------------------------------
+
+
+def _varlen_paged_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor, max_seqlen_q: int,
+                      block_table: Tensor, seqused_k: Tensor, k_scale: Optional[Tensor], v_scale: Optional[Tensor],
+                      softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int,
+                      softcap: float, alibi_slopes: Optional[Tensor], kernel: str, num_threads: int,
+                      num_splits: int) -> tuple[Tensor, Tensor]:
+    """out (total_q, Hq, Dv) and softmax_lse (Hq, total_q) float32 of a paged batch; the pools
+    are only read. Forward only (inference)."""
+    o = _opts(0.0, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, False, None, kernel,
+              "auto", num_threads, num_splits)
+    return _impl._paged_varlen_forward(q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, block_table, seqused_k,
+                                       k_scale, v_scale, o)
+
+
+varlen_paged_fwd = torch.library.custom_op("flashattn::varlen_paged_fwd", _varlen_paged_fwd, mutates_args=())
+
+
+@varlen_paged_fwd.register_fake
+def _(q, k_cache, v_cache, *args):
+    _check_rank("q", q, 3, "(total_q, heads_q, head_dim)")
+    total_q, hq, _ = q.shape
+    return q.new_empty((total_q, hq, v_cache.shape[-1])), q.new_empty((hq, total_q), dtype=torch.float32)
 
 
 def direct(*tensors):

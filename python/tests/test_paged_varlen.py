@@ -30,8 +30,9 @@ def paged_batch(dtype, seed=0):
     return q, k_cache, v_cache, table, cu_q, seqused
 
 
-def reference(q, k_cache, v_cache, table, cu_q, seqused, causal, softcap=0.0):
-    """Each sequence's keys gathered from its pages, attention in float64 (bottom-right causal)."""
+def reference(q, k_cache, v_cache, table, cu_q, seqused, causal, softcap=0.0, window_left=-1):
+    """Each sequence's keys gathered from its pages, attention in float64 (bottom-right causal,
+    keys more than window_left before a query's diagonal masked when window_left >= 0)."""
     out = torch.zeros(q.shape[0], HQ, D, dtype=torch.float64)
     for b in range(table.shape[0]):
         q0, q1, n = int(cu_q[b]), int(cu_q[b + 1]), int(seqused[b])
@@ -43,10 +44,12 @@ def reference(q, k_cache, v_cache, table, cu_q, seqused, causal, softcap=0.0):
         s = torch.einsum("ihd,jhd->hij", q[q0:q1].double(), k) / D ** 0.5
         if softcap > 0:
             s = softcap * torch.tanh(s / softcap)
+        i = torch.arange(q1 - q0)[:, None]
+        j = torch.arange(n)[None, :]
         if causal:
-            i = torch.arange(q1 - q0)[:, None]
-            j = torch.arange(n)[None, :]
             s = s.masked_fill(j > i + n - (q1 - q0), float("-inf"))
+        if window_left >= 0:
+            s = s.masked_fill(j < i + n - (q1 - q0) - window_left, float("-inf"))
         p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows that see no key: zeros
         out[q0:q1] = torch.einsum("hij,jhd->ihd", p, v)
     return out
@@ -109,3 +112,40 @@ def test_fp8_pool_matches_its_dequantized_values():
     out = flashattn.flash_attn_varlen_func(q, k_codes, v_codes, cu_q, None, 70, 2100, causal=True, block_table=table,
                                            seqused_k=seqused, k_scale=k_scale, v_scale=v_scale)
     assert (out.double() - want).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_compiled_fullgraph_is_bit_identical_to_eager(fp8):
+    """The paged call is one op (flashattn::varlen_paged_fwd) in a compiled graph, keys
+    counted from cu_seqlens_k inside it, and gives eager's bits."""
+    q, k_cache, v_cache, table, cu_q, seqused = paged_batch(torch.bfloat16, seed=4)
+    cu_k = torch.tensor(np.cumsum([0] + seqused.tolist()), dtype=torch.int32)
+    scales = {}
+    if fp8:
+        g = torch.Generator().manual_seed(5)
+        k_cache = torch.randint(0, 0x7F, k_cache.shape, dtype=torch.uint8, generator=g)
+        v_cache = torch.randint(0, 0x7F, v_cache.shape, dtype=torch.uint8, generator=g)
+        scales = {"k_scale": torch.rand(k_cache.shape[0], HKV, generator=g) * 0.01 + 0.001,
+                  "v_scale": torch.rand(k_cache.shape[0], HKV, generator=g) * 0.01 + 0.001}
+
+    def call(q, k_cache, v_cache, table, cu_q, cu_k):
+        return flashattn.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, 70, 2100, causal=True, softcap=3.0,
+                                                window_size=(500, 0), block_table=table, return_attn_probs=True,
+                                                **scales)
+
+    torch._dynamo.reset()
+    out, lse, _ = torch.compile(call, fullgraph=True)(q, k_cache, v_cache, table, cu_q, cu_k)
+    want_out, want_lse, _ = call(q, k_cache, v_cache, table, cu_q, cu_k)
+    assert out.dtype == torch.bfloat16 and lse.shape == (HQ, q.shape[0])
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    if fp8:
+        k_cache = k_cache.view(torch.float8_e4m3fn).float() * scales["k_scale"][:, None, :, None]
+        v_cache = v_cache.view(torch.float8_e4m3fn).float() * scales["v_scale"][:, None, :, None]
+    want = reference(q, k_cache, v_cache, table, cu_q, seqused, causal=True, softcap=3.0, window_left=500)
+    assert (out.double() - want).abs().max().item() < 3e-2
+
+
+def test_op_passes_opcheck():
+    q, k_cache, v_cache, table, cu_q, seqused = paged_batch(torch.float32, seed=6)
+    args = (q, k_cache, v_cache, cu_q, 70, table, seqused, None, None, None, True, -1, -1, 0.0, None, "auto", 1, 0)
+    torch.library.opcheck(torch.ops.flashattn.varlen_paged_fwd, args)
