@@ -150,6 +150,16 @@ struct KvCache {
   // read exactly whatever the CPU's denormals-are-zero mode (MXCSR DAZ, e.g.
   // torch.set_flush_denormal(True)): subnormal codes (|value| < 2^-6·descale) included.
   MutableTensorView k_scale, v_scale;
+  // A packed batch (FA3's cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q), paged caches only:
+  // q (total_q, heads_q, head_dim) with int32 offsets cu_seqlens_q (batch + 1) — any number
+  // of query rows per sequence, decode rows and prefill chunks mixed — and new k, v
+  // (total_new, heads_kv, dim) with int32 offsets cu_seqlens_k_new (batch + 1): sequence b
+  // appends its rows [cu_seqlens_k_new[b], cu_seqlens_k_new[b + 1]) at cache_seqlens[b]...,
+  // rotated as above, then attends to cache_seqlens[b] plus those keys; out (total_q,
+  // heads_q, head_dim_v), lse (heads_q, total_q). Every sequence is planned on its own, as in
+  // forward_varlen_paged. Unset: q and k, v are (batch, seqlen, ...) as above.
+  TensorView cu_seqlens_q, cu_seqlens_k_new;
+  std::int64_t max_seqlen_q = 0;
 };
 
 void forward_with_kvcache(const TensorView& q, const KvCache& cache, const MutableTensorView& out,
