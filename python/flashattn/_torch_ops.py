@@ -259,15 +259,17 @@ def _fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor
                  cache_batch_idx: Optional[Tensor], cache_leftpad: Optional[Tensor], block_table: Optional[Tensor],
                  softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int, softcap: float,
                  rotary_interleaved: bool, alibi_slopes: Optional[Tensor], num_splits: int, k_scale: Optional[Tensor],
-                 v_scale: Optional[Tensor], kernel: str, num_threads: int) -> tuple[Tensor, Tensor]:
-    """out (B, Sq, Hq, Dv) and softmax_lse (B, Hq, Sq); new k, v are written into the cache
-    (and an FP8 cache's descales grown) in place."""
+                 v_scale: Optional[Tensor], kernel: str, num_threads: int, cu_seqlens_q: Optional[Tensor] = None,
+                 cu_seqlens_k_new: Optional[Tensor] = None, max_seqlen_q: int = 0) -> tuple[Tensor, Tensor]:
+    """out (B, Sq, Hq, Dv) and softmax_lse (B, Hq, Sq) — (total_q, Hq, Dv) and (Hq, total_q)
+    with cu_seqlens_q (a packed batch); new k, v are written into the cache (and an FP8
+    cache's descales grown) in place."""
     o = _opts(0.0, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, False, None, kernel,
               "auto", num_threads)
     o.num_splits = int(num_splits)
     return _impl._kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                   cache_batch_idx, cache_leftpad, block_table, rotary_interleaved, k_scale, v_scale,
-                                  o)
+                                  o, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q)
 
 
 fwd_kvcache = torch.library.custom_op("flashattn::fwd_kvcache", _fwd_kvcache,
@@ -276,6 +278,10 @@ fwd_kvcache = torch.library.custom_op("flashattn::fwd_kvcache", _fwd_kvcache,
 
 @fwd_kvcache.register_fake
 def _(q, k_cache, v_cache, *args):
+    if len(args) > 20 and args[20] is not None:  # cu_seqlens_q: a packed batch
+        _check_rank("q", q, 3, "(total_q, heads_q, head_dim)")
+        total_q, hq, _ = q.shape
+        return q.new_empty((total_q, hq, v_cache.shape[-1])), q.new_empty((hq, total_q), dtype=torch.float32)
     _check_rank("q", q, 4, "(batch, seqlen_q, heads_q, head_dim)")
     b, sq, hq, _ = q.shape
     return q.new_empty((b, sq, hq, v_cache.shape[-1])), q.new_empty((b, hq, sq), dtype=torch.float32)

@@ -149,3 +149,87 @@ def test_op_passes_opcheck():
     q, k_cache, v_cache, table, cu_q, seqused = paged_batch(torch.float32, seed=6)
     args = (q, k_cache, v_cache, cu_q, 70, table, seqused, None, None, None, True, -1, -1, 0.0, None, "auto", 1, 0)
     torch.library.opcheck(torch.ops.flashattn.varlen_paged_fwd, args)
+
+
+ADDED = [1, 0, 40, 0, 3, 50, 16]  # new tokens of each of LENGTHS' sequences (at most its keys)
+
+
+def rotate(x, pos, cos, sin, interleaved):
+    """x (..., D) rotated at positions pos (x's leading dim) in float64 over 2 * cos.shape[1] features."""
+    half = cos.shape[1]
+    c, s = cos[pos].double()[:, None, :], sin[pos].double()[:, None, :]
+    x = x.double().clone()
+    a, b = (x[..., 0:2 * half:2], x[..., 1:2 * half:2]) if interleaved else (x[..., :half], x[..., half:2 * half])
+    a, b = a.clone(), b.clone()
+    ra, rb = a * c - b * s, a * s + b * c
+    if interleaved:
+        x[..., 0:2 * half:2], x[..., 1:2 * half:2] = ra, rb
+    else:
+        x[..., :half], x[..., half:2 * half] = ra, rb
+    return x
+
+
+def packed_append(dtype, seed):
+    """A paged batch whose last ADDED[b] keys of sequence b are given as new k, v (their slots
+    zeroed), with rotary tables over 16 of D's features."""
+    q, k_cache, v_cache, table, cu_q, seqused = paged_batch(dtype, seed)
+    before = seqused - torch.tensor(ADDED, dtype=torch.int32)
+    slots = [int(table[b, j // PAGE]) * PAGE + j % PAGE for b in range(len(ADDED))
+             for j in range(int(before[b]), int(seqused[b]))]
+    flat_k, flat_v = k_cache.view(-1, HKV, D), v_cache.view(-1, HKV, D)
+    k_new, v_new = flat_k[slots].clone(), flat_v[slots].clone()
+    flat_k[slots], flat_v[slots] = 0, 0
+    cu_new = torch.tensor(np.cumsum([0] + ADDED), dtype=torch.int32)
+    angles = torch.arange(2200, dtype=torch.float64)[:, None] * 0.3 ** torch.arange(8, dtype=torch.float64)
+    return q, k_cache, v_cache, table, cu_q, seqused, before, k_new, v_new, cu_new, slots, angles.cos().float(), \
+        angles.sin().float()
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_packed_kvcache_appends_rotated_then_attends(dtype, tol, interleaved):
+    """flash_attn_with_kvcache with FA3's cu_seqlens_q / cu_seqlens_k_new over a paged cache:
+    the new keys land rotated at cache_seqlens[b].., values as given, and each sequence
+    attends (q rotated at its positions) against the float64 reference of the pools."""
+    q, k_cache, v_cache, table, cu_q, seqused, before, k_new, v_new, cu_new, slots, cos, sin = packed_append(dtype, 7)
+    positions = torch.cat([torch.arange(int(before[b]), int(seqused[b])) for b in range(len(ADDED))])
+    want_k = rotate(k_new, positions, cos, sin, interleaved)
+    out, lse = flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cos, sin, cache_seqlens=before,
+                                                 block_table=table, causal=True, rotary_interleaved=interleaved,
+                                                 return_softmax_lse=True, cu_seqlens_q=cu_q, cu_seqlens_k_new=cu_new,
+                                                 max_seqlen_q=70)
+    assert out.shape == (q.shape[0], HQ, D) and lse.shape == (HQ, q.shape[0])
+    flat_k, flat_v = k_cache.view(-1, HKV, D), v_cache.view(-1, HKV, D)
+    assert (flat_k[slots].double() - want_k).abs().max().item() <= 8 * torch.finfo(dtype).eps
+    assert torch.equal(flat_v[slots], v_new)
+    q_positions = torch.cat([int(before[b]) + torch.arange(int(cu_q[b + 1] - cu_q[b])) for b in range(len(ADDED))])
+    q_rot = rotate(q, q_positions.long(), cos, sin, interleaved)
+    want = reference(q_rot, k_cache, v_cache, table, cu_q, seqused, causal=True)
+    assert (out.double() - want).abs().max().item() < tol
+    # the same bits as flash_attn_varlen_func over the pools after the append
+    again = flashattn.flash_attn_varlen_func(q_rot.to(dtype), k_cache, v_cache, cu_q, None, 70, 2100, causal=True,
+                                             block_table=table, seqused_k=seqused)
+    assert (again.double() - out.double()).abs().max().item() < tol
+
+
+def test_packed_kvcache_compiles_and_rejects_before_writing():
+    q, k_cache, v_cache, table, cu_q, seqused, before, k_new, v_new, cu_new, slots, cos, sin = \
+        packed_append(torch.bfloat16, 8)
+
+    def call(q, k_cache, v_cache, k_new, v_new, cu_new):
+        return flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cos, sin, cache_seqlens=before,
+                                                 block_table=table, causal=True, return_softmax_lse=True,
+                                                 cu_seqlens_q=cu_q, cu_seqlens_k_new=cu_new, max_seqlen_q=70)
+
+    k0, v0 = k_cache.clone(), v_cache.clone()
+    bad = cu_new.clone()
+    bad[-1] += 1
+    with pytest.raises(ValueError, match="cu_seqlens_k_new"):
+        call(q, k_cache, v_cache, k_new, v_new, bad)
+    assert torch.equal(k_cache, k0) and torch.equal(v_cache, v0)  # a rejected call writes nothing
+    torch._dynamo.reset()
+    k1, v1 = k_cache.clone(), v_cache.clone()
+    out, lse = torch.compile(call, fullgraph=True)(q, k1, v1, k_new, v_new, cu_new)
+    want_out, want_lse = call(q, k_cache, v_cache, k_new, v_new, cu_new)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    assert torch.equal(k1, k_cache) and torch.equal(v1, v_cache)
