@@ -98,7 +98,8 @@ BackwardResult backward_varlen(const TensorView& dout, const TensorView& q, cons
 // The whole batch runs in one parallel region (docs/algorithm.md §3, work partitioning),
 // and a sequence's plan — kernel, tiles, key splits — depends on its own lengths and the
 // options alone: its out and lse are bit-identical alone, in any batch, on any number of
-// threads. Nothing is appended: the pools are only read.
+// threads. Nothing is appended: the pools are only read (forward_with_kvcache with
+// cu_seqlens_q appends each sequence's new tokens, then runs the batch this way).
 struct PagedKvBatch {
   TensorView k_cache, v_cache;  // (num_pages, page_size, heads_kv, head_dim / head_dim_v)
   TensorView block_table;       // int32 (batch, max_pages): each sequence's pages in order
