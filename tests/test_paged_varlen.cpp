@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <random>
@@ -357,6 +358,172 @@ TEST(PagedVarlen, RejectsBadCallsBeforeWriting) {
   f = fp8;
   f.v_scale = Tensor(DType::f32, {1, kHkv});
   expect_rejected(f, {}, {"v_scale"});
+}
+
+
+// A packed KV-cache call (forward_with_kvcache with cu_seqlens_q, cu_seqlens_k_new) over the
+// pools of `batch`: sequence b's last added[b] keys are taken out of its pages (their slots
+// set to NaN) and given as new k, v, packed; cache_seqlens the keys before them.
+struct PackedAppend {
+  Tensor k_pool, v_pool, k, v, cu_new, seqlens;
+  KvCache cache(const Batch& batch) {
+    KvCache c;
+    c.k_cache = k_pool.view(), c.v_cache = v_pool.view();
+    c.block_table = batch.table.view(), c.cache_seqlens = seqlens.view();
+    c.k = k.view(), c.v = v.view(), c.cu_seqlens_k_new = cu_new.view();
+    c.cu_seqlens_q = batch.cu_q.view(), c.max_seqlen_q = batch.max_q;
+    return c;
+  }
+};
+
+PackedAppend packed_append(const Batch& batch, const std::vector<std::int64_t>& added) {
+  const auto n = static_cast<std::int64_t>(added.size());
+  const std::int64_t total = std::accumulate(added.begin(), added.end(), std::int64_t{0});
+  const std::int64_t page_size = batch.k_pool.shape()[1], width = batch.table.shape()[1], row = kHkv * kDim;
+  PackedAppend r{batch.k_pool, batch.v_pool, Tensor(batch.q.dtype(), {total, kHkv, kDim}),
+                 Tensor(batch.q.dtype(), {total, kHkv, kDim}), Tensor(DType::i32, {n + 1}), Tensor(DType::i32, {n})};
+  std::int64_t t0 = 0;
+  r.cu_new.set(0, 0.0f);
+  for (std::int64_t b = 0; b < n; ++b) {
+    const std::int64_t keys = batch.seqused.get(b), first = keys - added[static_cast<std::size_t>(b)];
+    r.seqlens.set(b, static_cast<float>(first));
+    for (std::int64_t j = first; j < keys; ++j, ++t0) {
+      const std::int64_t page = batch.table.get(b * width + j / page_size);
+      const std::int64_t slot = (page * page_size + j % page_size) * row;
+      for (std::int64_t e = 0; e < row; ++e) {
+        r.k.set(t0 * row + e, batch.k_pool.get(slot + e));
+        r.v.set(t0 * row + e, batch.v_pool.get(slot + e));
+        r.k_pool.set(slot + e, std::numeric_limits<float>::quiet_NaN());
+        r.v_pool.set(slot + e, std::numeric_limits<float>::quiet_NaN());
+      }
+    }
+    r.cu_new.set(b + 1, static_cast<float>(t0));
+  }
+  return r;
+}
+
+// Appended then attended: without rotary the pools after the call are the batch's, bit for
+// bit (every appended slot written, no other); out and lse are forward_varlen_paged's over
+// them, bit for bit, and each sequence's match the float64 reference of its case; 1, 2 and
+// 3 threads, every SIMD target.
+TEST(PagedVarlen, PackedKvCacheAppendsThenAttends) {
+  const std::vector<std::int64_t> added{1, 0, 40, 0, 3, 50, 1, 0, 7};  // of kMix's keys
+  AttentionOptions causal;
+  causal.causal = true;
+  for_each_simd_target([&](const std::string&) {
+    for (DType dtype : {DType::f32, DType::bf16})
+      for (int threads : {1, 2, 3}) {
+        SCOPED_TRACE(to_string(dtype) + " threads " + std::to_string(threads));
+        AttentionOptions o = causal;
+        o.num_threads = threads;
+        const Batch batch = make_batch(kMix, dtype, 16, o, 11);
+        PackedAppend a = packed_append(batch, added);
+        const ForwardResult all = forward_with_kvcache(batch.q.view(), a.cache(batch), o);
+        EXPECT_TRUE(bitwise_equal(a.k_pool, batch.k_pool) && bitwise_equal(a.v_pool, batch.v_pool));
+        const ForwardResult paged = batch.run(o);  // the same pools read by forward_varlen_paged
+        EXPECT_TRUE(bitwise_equal(all.out, paged.out) && bitwise_equal(all.lse, paged.lse));
+        for (std::size_t b = 0; b < kMix.size(); ++b) {
+          if (batch.rows(b) == 0) continue;
+          SCOPED_TRACE("sequence " + std::to_string(b));
+          const ForwardResult mine = sequence_result(all, batch, b);
+          check_forward(batch.cases[b], [&](const Case&, const Inputs&) { return ForwardResult{mine.out, mine.lse}; });
+        }
+      }
+  });
+}
+
+// With rotary tables (interleaved and half-split): each sequence's pools equal, bit for bit,
+// those of the same sequence appended alone through the (batch, seqlen) KV-cache call, whose
+// rotary is tested against the reference in test_kvcache.cpp, and its out and lse equal that
+// call's within its rounding (it may split the keys differently).
+TEST(PagedVarlen, PackedKvCacheRotatesAsTheBatchedCall) {
+  const std::vector<Lengths> mix{{1, 300}, {4, 20}, {0, 9}, {6, 6}, {1, 33}};
+  const std::vector<std::int64_t> added{1, 4, 2, 6, 0};
+  Tensor cos(DType::f32, {512, 8}), sin(DType::f32, {512, 8});  // rotary_dim 16 of 32
+  for (std::int64_t i = 0; i < cos.numel(); ++i) {
+    const double angle = 0.37 * static_cast<double>(i / 8) / std::pow(10.0, static_cast<double>(i % 8) / 4.0);
+    cos.set(i, static_cast<float>(std::cos(angle)));
+    sin.set(i, static_cast<float>(std::sin(angle)));
+  }
+  AttentionOptions o;
+  o.causal = true;
+  o.num_threads = 2;
+  for (bool interleaved : {true, false}) {
+    SCOPED_TRACE(interleaved ? "interleaved" : "half-split");
+    const Batch batch = make_batch(mix, DType::bf16, 16, o, 13);
+    PackedAppend a = packed_append(batch, added);
+    KvCache c = a.cache(batch);
+    c.rotary_cos = cos.view(), c.rotary_sin = sin.view(), c.rotary_interleaved = interleaved;
+    Tensor k_before = a.k_pool, v_before = a.v_pool;
+    const ForwardResult all = forward_with_kvcache(batch.q.view(), c, o);
+    for (std::size_t b = 0; b < mix.size(); ++b) {
+      SCOPED_TRACE("sequence " + std::to_string(b));
+      const auto bi = static_cast<std::int64_t>(b);
+      const std::int64_t rows = batch.rows(b), q0 = batch.cu_q.get(bi), width = batch.table.shape()[1];
+      const std::int64_t t0 = a.cu_new.get(bi), n = added[b], row = kHkv * kDim;
+      Tensor q(DType::bf16, {1, rows, kHq, kDim}), k(DType::bf16, {1, n, kHkv, kDim}), v = k;
+      for (std::int64_t i = 0; i < q.numel(); ++i) q.set(i, batch.q.get(q0 * kHq * kDim + i));
+      for (std::int64_t i = 0; i < n * row; ++i) k.set(i, a.k.get(t0 * row + i)), v.set(i, a.v.get(t0 * row + i));
+      Tensor k_pool = k_before, v_pool = v_before, table(DType::i32, {1, width}), seqlen(DType::i32, {1});
+      for (std::int64_t pg = 0; pg < width; ++pg) table.set(pg, batch.table.get(bi * width + pg));
+      seqlen.set(0, a.seqlens.get(bi));
+      KvCache alone;
+      alone.k_cache = k_pool.view(), alone.v_cache = v_pool.view(), alone.block_table = table.view();
+      alone.cache_seqlens = seqlen.view();
+      if (n > 0) alone.k = k.view(), alone.v = v.view();
+      alone.rotary_cos = cos.view(), alone.rotary_sin = sin.view(), alone.rotary_interleaved = interleaved;
+      const ForwardResult want = forward_with_kvcache(q.view(), alone, o);
+      const std::int64_t page_size = 16;
+      for (std::int64_t j = 0; j < batch.seqused.get(bi); ++j) {  // this sequence's slots
+        const std::int64_t page = batch.table.get(bi * width + j / page_size);
+        const std::int64_t slot = (page * page_size + j % page_size) * row;
+        for (std::int64_t e = 0; e < row; ++e) {
+          ASSERT_EQ(a.k_pool.get(slot + e), k_pool.get(slot + e)) << "key " << j << " element " << e;
+          ASSERT_EQ(a.v_pool.get(slot + e), v_pool.get(slot + e)) << "value " << j << " element " << e;
+        }
+      }
+      const ForwardResult mine = sequence_result(all, batch, b);
+      for (std::int64_t i = 0; i < want.out.numel(); ++i)  // split-KV may differ: the batched call is not batch-invariant
+        ASSERT_NEAR(mine.out.get(i), want.out.get(i), 1e-2) << "out element " << i;
+      for (std::int64_t i = 0; i < want.lse.numel(); ++i) ASSERT_NEAR(mine.lse.get(i), want.lse.get(i), 1e-5);
+    }
+  }
+}
+
+// A packed KV-cache call rejected leaves the pools, out and lse as they were.
+TEST(PagedVarlen, PackedKvCacheRejectsBadCallsBeforeWriting) {
+  const Batch batch = make_batch({{1, 40}, {5, 17}, {2, 3}}, DType::bf16, 16, {}, 5);
+  const PackedAppend good = packed_append(batch, {1, 5, 2});
+  Tensor out(DType::bf16, {batch.q.shape()[0], kHq, kDim}), lse(DType::f32, {kHq, batch.q.shape()[0]});
+  for (std::int64_t i = 0; i < out.numel(); ++i) out.set(i, 7.0f);
+  for (std::int64_t i = 0; i < lse.numel(); ++i) lse.set(i, 7.0f);
+  auto expect_rejected = [&](PackedAppend a, const Batch& bt, const std::function<void(KvCache&)>& edit,
+                             const std::vector<std::string>& fragments) {
+    SCOPED_TRACE(fragments.front());
+    KvCache c = a.cache(bt);
+    edit(c);
+    expect_error([&] { forward_with_kvcache(bt.q.view(), c, out.view(), lse.view()); }, fragments);
+    EXPECT_TRUE(bitwise_equal(a.k_pool, good.k_pool) && bitwise_equal(a.v_pool, good.v_pool));
+    for (std::int64_t i = 0; i < out.numel(); ++i) ASSERT_EQ(out.get(i), 7.0f);
+    for (std::int64_t i = 0; i < lse.numel(); ++i) ASSERT_EQ(lse.get(i), 7.0f);
+  };
+  const std::int64_t width = batch.table.shape()[1];
+  PackedAppend a = good;
+  a.cu_new.set(3, 7.0f);
+  expect_rejected(a, batch, [](KvCache&) {}, {"cu_seqlens_k_new", "does not match"});
+  a = good;
+  a.seqlens.set(0, static_cast<float>(width * 16));
+  expect_rejected(a, batch, [](KvCache&) {}, {"cache_seqlens: [0]", "does not fit"});
+  Batch shared = batch;  // sequence 2 appends into sequence 1's second page
+  shared.table.set(2 * width, batch.table.get(width + 1));
+  expect_rejected(good, shared, [](KvCache&) {}, {"block_table: page", "receives new tokens"});
+  expect_rejected(good, batch, [](KvCache& c) { c.block_table = {}; }, {"cu_seqlens_q", "block_table"});
+  expect_rejected(good, batch, [](KvCache& c) { c.cu_seqlens_k_new = {}; }, {"cu_seqlens_k_new"});
+  const Tensor cos(DType::f32, {20, 8});
+  expect_rejected(good, batch, [&](KvCache& c) { c.rotary_cos = c.rotary_sin = cos.view(); },
+                  {"rotary_cos: 20 positions"});
+  const Tensor wide(DType::bf16, {8, kHkv, kDim + 1});
+  expect_rejected(good, batch, [&](KvCache& c) { c.v = wide.view(); }, {"v:"});
 }
 
 }  // namespace

@@ -98,7 +98,8 @@ BackwardResult backward_varlen(const TensorView& dout, const TensorView& q, cons
 // The whole batch runs in one parallel region (docs/algorithm.md §3, work partitioning),
 // and a sequence's plan — kernel, tiles, key splits — depends on its own lengths and the
 // options alone: its out and lse are bit-identical alone, in any batch, on any number of
-// threads. Nothing is appended: the pools are only read.
+// threads. Nothing is appended: the pools are only read (forward_with_kvcache with
+// cu_seqlens_q appends each sequence's new tokens, then runs the batch this way).
 struct PagedKvBatch {
   TensorView k_cache, v_cache;  // (num_pages, page_size, heads_kv, head_dim / head_dim_v)
   TensorView block_table;       // int32 (batch, max_pages): each sequence's pages in order
@@ -150,6 +151,16 @@ struct KvCache {
   // read exactly whatever the CPU's denormals-are-zero mode (MXCSR DAZ, e.g.
   // torch.set_flush_denormal(True)): subnormal codes (|value| < 2^-6·descale) included.
   MutableTensorView k_scale, v_scale;
+  // A packed batch (FA3's cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q), paged caches only:
+  // q (total_q, heads_q, head_dim) with int32 offsets cu_seqlens_q (batch + 1) — any number
+  // of query rows per sequence, decode rows and prefill chunks mixed — and new k, v
+  // (total_new, heads_kv, dim) with int32 offsets cu_seqlens_k_new (batch + 1): sequence b
+  // appends its rows [cu_seqlens_k_new[b], cu_seqlens_k_new[b + 1]) at cache_seqlens[b]...,
+  // rotated as above, then attends to cache_seqlens[b] plus those keys; out (total_q,
+  // heads_q, head_dim_v), lse (heads_q, total_q). Every sequence is planned on its own, as in
+  // forward_varlen_paged. Unset: q and k, v are (batch, seqlen, ...) as above.
+  TensorView cu_seqlens_q, cu_seqlens_k_new;
+  std::int64_t max_seqlen_q = 0;
 };
 
 void forward_with_kvcache(const TensorView& q, const KvCache& cache, const MutableTensorView& out,

@@ -578,9 +578,36 @@ def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     if seqused_k is None:
         if cu_seqlens_k is None:
             raise ValueError("seqused_k: a paged batch needs seqused_k or cu_seqlens_k for its key counts")
-        cu = cu_seqlens_k.numpy() if _is_tensor(cu_seqlens_k) else np.asarray(cu_seqlens_k)
-        used = np.diff(cu.astype(np.int64)).astype(np.int32)
-        seqused_k = torch.from_numpy(used) if _is_tensor(q) else used
+        if _is_tensor(cu_seqlens_k):  # torch ops only, so that a compiled graph keeps it
+            seqused_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
+        else:
+            seqused_k = np.diff(np.asarray(cu_seqlens_k).astype(np.int64)).astype(np.int32)
+    if len(window_size) != 2:
+        raise ValueError(f"window_size: expected (left, right), got {window_size!r}")
+    if _is_tensor(q):
+        if alibi_slopes is not None and not _is_tensor(alibi_slopes):
+            alibi_slopes = torch.as_tensor(alibi_slopes)
+        if num_threads is not None and num_threads != 0:
+            num_threads = _resolve_threads(num_threads, True)
+        tables = [_as_tensor(x) for x in (cu_seqlens_q, block_table, seqused_k, k_scale, v_scale)]
+        args = (q, k_cache, v_cache, tables[0], int(max_seqlen_q), tables[1], tables[2], tables[3], tables[4],
+                None if softmax_scale is None else float(softmax_scale), bool(causal), int(window_size[0]),
+                int(window_size[1]), float(softcap), alibi_slopes, str(kernel), int(num_threads or 0),
+                _int_arg("num_splits", num_splits, 0), _learnable_sink(learnable_sink, q))
+        direct = _torch_ops.direct(*(a for a in args if isinstance(a, torch.Tensor)))
+        out, lse = (_torch_ops._varlen_paged_fwd if direct else torch.ops.flashattn.varlen_paged_fwd)(*args)
+    else:
+        opts = _options(0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, False, None, kernel,
+                        num_splits=num_splits, sinks=_learnable_sink(learnable_sink, q))
+        opts.num_threads = _resolve_threads(num_threads, False)
+        out, lse = _paged_varlen_forward(q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, block_table, seqused_k,
+                                         k_scale, v_scale, opts)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def _paged_varlen_forward(q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, block_table, seqused_k, k_scale, v_scale,
+                          opts):
+    """The paged variable-length call on raw views: (out, softmax_lse)."""
     if _is_fp8_codes(k_cache):
         raws, dts = _inputs(q=q)
         raws["k_cache"], raws["v_cache"] = _fp8_codes(k_cache, "k_cache"), _fp8_codes(v_cache, "v_cache")
@@ -592,10 +619,6 @@ def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                             f"not a {_dtype_name(k_cache)} cache")
         raws, dts = _inputs(q=q, k_cache=k_cache, v_cache=v_cache)
         scales = [None, None]
-    sinks = _learnable_sink(learnable_sink, q)
-    opts = _options(0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, False, None, kernel,
-                    num_splits=num_splits, sinks=sinks)
-    opts.num_threads = _resolve_threads(num_threads, _is_tensor(q))
     total, hq, _ = raws["q"].shape
     dt = dts["q"]
     out, out_raw = _empty((total, hq, raws["v_cache"].shape[-1]), dt, q)
@@ -604,7 +627,7 @@ def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                             raws["k_cache"], raws["v_cache"], _raw(block_table, "block_table", int32=True)[0],
                             _raw(seqused_k, "seqused_k", int32=True)[0], scales[0], scales[1], out_raw, lse_raw,
                             {**dts, "out": dt}, opts)
-    return (out, lse, None) if return_attn_probs else out
+    return out, lse
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
@@ -676,7 +699,8 @@ def _f32_in_place(x, name):
 
 
 def _kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                     cache_leftpad, block_table, rotary_interleaved, k_scale, v_scale, opts):
+                     cache_leftpad, block_table, rotary_interleaved, k_scale, v_scale, opts, cu_seqlens_q=None,
+                     cu_seqlens_k_new=None, max_seqlen_q=0):
     """The KV-cache call on raw views: (out, softmax_lse); the caches are written in place."""
     fp8 = _is_fp8_codes(k_cache)
     if fp8:
@@ -690,7 +714,6 @@ def _kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
                             f"not a {_dtype_name(k_cache)} cache")
         raws, dts = _inputs(q=q, k_cache=k_cache, v_cache=v_cache)
         scales = {"k_scale": None, "v_scale": None}
-    batch, sq, hq, _ = raws["q"].shape
     new, new_dts = _inputs(q=q, **{name: x for name, x in (("k", k), ("v", v)) if x is not None})
     dt = dts["q"]
 
@@ -705,14 +728,20 @@ def _kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
             raw = np.asarray(x.float().numpy() if _is_tensor(x) else np.asarray(x, dtype=np.float32))
         return raw
 
-    out, out_raw = _empty((batch, sq, hq, raws["v_cache"].shape[-1]), dt, q)
-    lse, lse_raw = _empty((batch, hq, sq), "f32", q)
+    dv = raws["v_cache"].shape[-1]
+    if cu_seqlens_q is not None:  # packed (FA3): q (total_q, Hq, D)
+        total, hq, _ = raws["q"].shape
+        (out, out_raw), (lse, lse_raw) = _empty((total, hq, dv), dt, q), _empty((hq, total), "f32", q)
+    else:
+        batch, sq, hq, _ = raws["q"].shape
+        (out, out_raw), (lse, lse_raw) = _empty((batch, sq, hq, dv), dt, q), _empty((batch, hq, sq), "f32", q)
     _C.forward_with_kvcache(raws["q"], raws["k_cache"], raws["v_cache"], new.get("k"), new.get("v"),
                             floats(rotary_cos, "rotary_cos"), floats(rotary_sin, "rotary_sin"),
                             ints(cache_seqlens, "cache_seqlens"), ints(cache_batch_idx, "cache_batch_idx"),
                             ints(cache_leftpad, "cache_leftpad"), ints(block_table, "block_table"),
                             bool(rotary_interleaved), out_raw, lse_raw, {**dts, **new_dts, "out": dt},
-                            scales["k_scale"], scales["v_scale"], opts)
+                            scales["k_scale"], scales["v_scale"], opts, ints(cu_seqlens_q, "cu_seqlens_q"),
+                            ints(cu_seqlens_k_new, "cu_seqlens_k_new"), int(max_seqlen_q or 0))
     return out, lse
 
 
@@ -721,7 +750,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
                             return_softmax_lse=False, *, k_scale=None, v_scale=None, kernel="auto",
-                            num_threads=None, learnable_sink=None):
+                            num_threads=None, learnable_sink=None, cu_seqlens_q=None, cu_seqlens_k_new=None,
+                            max_seqlen_q=None):
     """Attention over a KV cache, as upstream: k_cache/v_cache (B_cache, S_cache, Hkv, D) or paged
     (num_pages, page_size, Hkv, D) with block_table (B, max_pages); new k, v (B, S_new, Hkv, D)
     are written into the cache in place at cache_seqlens before attending; rotary_cos/sin
@@ -737,14 +767,21 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     kernel: the CPU forward kernel by name — "auto" (the planner's choice), "decode",
     "decode_fp16" (an FP8 cache on AVX512-FP16: half-precision products), "tiled" or
     "tiled_bf16" (see ForwardKernel in include/flashattn/options.hpp). num_threads and
-    learnable_sink as flash_attn_func's."""
+    learnable_sink as flash_attn_func's.
+
+    Packed batch (FA3's cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q; paged caches only):
+    q (total_q, Hq, D) with int32 cu_seqlens_q (B + 1), any number of query rows per sequence;
+    new k, v (total_new, Hkv, D) with int32 cu_seqlens_k_new (B + 1): sequence b appends its
+    rows at cache_seqlens[b] (rotated), then attends to all its keys; out (total_q, Hq, Dv),
+    softmax_lse (Hq, total_q). Each sequence's result is that of flash_attn_varlen_func over
+    the pools after the append, bit for bit."""
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         step = cache.stride(-1) if _is_tensor(cache) else cache.strides[-1] // cache.itemsize
         if step != 1:  # written in place: a contiguous copy would lose the appended tokens
             raise ValueError(f"{name}: last dimension must be contiguous (stride 1), got stride {step}")
     if len(window_size) != 2:
         raise ValueError(f"window_size: expected (left, right), got {window_size!r}")
-    batch = q.shape[0]
+    batch = q.shape[0] if cu_seqlens_q is None else len(cu_seqlens_q) - 1
     sinks = _learnable_sink(learnable_sink, q)
     if _is_tensor(q):
         for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
@@ -764,7 +801,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 tensor(cache_batch_idx), tensor(cache_leftpad), tensor(block_table),
                 None if softmax_scale is None else float(softmax_scale), bool(causal), int(window_size[0]),
                 int(window_size[1]), float(softcap), bool(rotary_interleaved), alibi_slopes, int(num_splits),
-                tensor(k_scale), tensor(v_scale), str(kernel), int(num_threads or 0), sinks)
+                tensor(k_scale), tensor(v_scale), str(kernel), int(num_threads or 0), sinks, tensor(cu_seqlens_q),
+                tensor(cu_seqlens_k_new), int(max_seqlen_q or 0))
         direct = _torch_ops.direct(*(a for a in args if isinstance(a, torch.Tensor)))
         out, lse = (_torch_ops.fwd_kvcache_direct if direct else torch.ops.flashattn.fwd_kvcache)(*args)
         return (out, lse) if return_softmax_lse else out
@@ -774,7 +812,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     opts.num_splits = int(num_splits)
     opts.num_threads = _resolve_threads(num_threads, False)
     out, lse = _kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                                cache_leftpad, block_table, rotary_interleaved, k_scale, v_scale, opts)
+                                cache_leftpad, block_table, rotary_interleaved, k_scale, v_scale, opts, cu_seqlens_q,
+                                cu_seqlens_k_new, max_seqlen_q)
     return (out, lse) if return_softmax_lse else out
 
 

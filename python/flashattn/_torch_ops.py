@@ -9,9 +9,9 @@ Arguments are primitives the schema can hold: the attention options travel one b
 and the dropout seed and offset as an int64 tensor `rng_state` of shape (2,) (None
 without dropout), so that a traced graph draws them at run time from torch's generator.
 
-Plain eager inference (see direct()) calls the implementations _fwd, _varlen_fwd and
-_fwd_kvcache without the dispatcher: its Python custom-op path costs 40 to 80 µs a call,
-as much as a whole decode step on a short cache; the results are the same.
+Plain eager inference (see direct()) calls the implementations _fwd, _varlen_fwd,
+_varlen_paged_fwd and _fwd_kvcache without the dispatcher: its Python custom-op path costs
+40 to 80 µs a call, as much as a whole decode step on a short cache; the results are the same.
 """
 
 from __future__ import annotations
@@ -157,6 +157,32 @@ varlen_bwd = torch.library.custom_op("flashattn::varlen_bwd", _varlen_bwd, mutat
 varlen_bwd.register_fake(_fake_grads(_varlen_bwd))
 
 
+# ---- paged variable-length batches ------------------------------------------------------------
+
+
+def _varlen_paged_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor, max_seqlen_q: int,
+                      block_table: Tensor, seqused_k: Tensor, k_scale: Optional[Tensor], v_scale: Optional[Tensor],
+                      softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int,
+                      softcap: float, alibi_slopes: Optional[Tensor], kernel: str, num_threads: int,
+                      num_splits: int, sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """out (total_q, Hq, Dv) and softmax_lse (Hq, total_q) float32 of a paged batch; the pools
+    are only read. Forward only (inference, no gradient for sinks either)."""
+    o = _opts(0.0, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, False, None, kernel,
+              "auto", num_threads, num_splits, sinks=sinks)
+    return _impl._paged_varlen_forward(q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, block_table, seqused_k,
+                                       k_scale, v_scale, o)
+
+
+varlen_paged_fwd = torch.library.custom_op("flashattn::varlen_paged_fwd", _varlen_paged_fwd, mutates_args=())
+
+
+@varlen_paged_fwd.register_fake
+def _(q, k_cache, v_cache, *args):
+    _check_rank("q", q, 3, "(total_q, heads_q, head_dim)")
+    total_q, hq, _ = q.shape
+    return q.new_empty((total_q, hq, v_cache.shape[-1])), q.new_empty((hq, total_q), dtype=torch.float32)
+
+
 def direct(*tensors):
     """Whether a call may skip the dispatcher: eager (no torch.compile or export tracing, no
     torch-function or dispatch mode, no functorch transform, which must all see the op),
@@ -268,16 +294,18 @@ def _fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor
                  cache_batch_idx: Optional[Tensor], cache_leftpad: Optional[Tensor], block_table: Optional[Tensor],
                  softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int, softcap: float,
                  rotary_interleaved: bool, alibi_slopes: Optional[Tensor], num_splits: int, k_scale: Optional[Tensor],
-                 v_scale: Optional[Tensor], kernel: str, num_threads: int,
-                 sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    """out (B, Sq, Hq, Dv) and softmax_lse (B, Hq, Sq); new k, v are written into the cache
-    (and an FP8 cache's descales grown) in place."""
+                 v_scale: Optional[Tensor], kernel: str, num_threads: int, sinks: Optional[Tensor] = None,
+                 cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k_new: Optional[Tensor] = None,
+                 max_seqlen_q: int = 0) -> tuple[Tensor, Tensor]:
+    """out (B, Sq, Hq, Dv) and softmax_lse (B, Hq, Sq) — (total_q, Hq, Dv) and (Hq, total_q)
+    with cu_seqlens_q (a packed batch); new k, v are written into the cache (and an FP8
+    cache's descales grown) in place."""
     o = _opts(0.0, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, False, None, kernel,
               "auto", num_threads, sinks=sinks)
     o.num_splits = int(num_splits)
     return _impl._kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                   cache_batch_idx, cache_leftpad, block_table, rotary_interleaved, k_scale, v_scale,
-                                  o)
+                                  o, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q)
 
 
 fwd_kvcache = torch.library.custom_op("flashattn::fwd_kvcache", _fwd_kvcache,
@@ -285,7 +313,13 @@ fwd_kvcache = torch.library.custom_op("flashattn::fwd_kvcache", _fwd_kvcache,
 
 
 @fwd_kvcache.register_fake
-def _(q, k_cache, v_cache, *args):
+def _(*args, **kwargs):
+    bound = inspect.signature(_fwd_kvcache).bind(*args, **kwargs)
+    q, v_cache = bound.arguments["q"], bound.arguments["v_cache"]
+    if bound.arguments.get("cu_seqlens_q") is not None:  # a packed batch
+        _check_rank("q", q, 3, "(total_q, heads_q, head_dim)")
+        total_q, hq, _ = q.shape
+        return q.new_empty((total_q, hq, v_cache.shape[-1])), q.new_empty((hq, total_q), dtype=torch.float32)
     _check_rank("q", q, 4, "(batch, seqlen_q, heads_q, head_dim)")
     b, sq, hq, _ = q.shape
     return q.new_empty((b, sq, hq, v_cache.shape[-1])), q.new_empty((b, hq, sq), dtype=torch.float32)

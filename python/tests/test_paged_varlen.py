@@ -30,8 +30,9 @@ def paged_batch(dtype, seed=0):
     return q, k_cache, v_cache, table, cu_q, seqused
 
 
-def reference(q, k_cache, v_cache, table, cu_q, seqused, causal, softcap=0.0):
-    """Each sequence's keys gathered from its pages, attention in float64 (bottom-right causal)."""
+def reference(q, k_cache, v_cache, table, cu_q, seqused, causal, softcap=0.0, window_left=-1):
+    """Each sequence's keys gathered from its pages, attention in float64 (bottom-right causal,
+    keys more than window_left before a query's diagonal masked when window_left >= 0)."""
     out = torch.zeros(q.shape[0], HQ, D, dtype=torch.float64)
     for b in range(table.shape[0]):
         q0, q1, n = int(cu_q[b]), int(cu_q[b + 1]), int(seqused[b])
@@ -43,10 +44,12 @@ def reference(q, k_cache, v_cache, table, cu_q, seqused, causal, softcap=0.0):
         s = torch.einsum("ihd,jhd->hij", q[q0:q1].double(), k) / D ** 0.5
         if softcap > 0:
             s = softcap * torch.tanh(s / softcap)
+        i = torch.arange(q1 - q0)[:, None]
+        j = torch.arange(n)[None, :]
         if causal:
-            i = torch.arange(q1 - q0)[:, None]
-            j = torch.arange(n)[None, :]
             s = s.masked_fill(j > i + n - (q1 - q0), float("-inf"))
+        if window_left >= 0:
+            s = s.masked_fill(j < i + n - (q1 - q0) - window_left, float("-inf"))
         p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows that see no key: zeros
         out[q0:q1] = torch.einsum("hij,jhd->ihd", p, v)
     return out
@@ -109,3 +112,124 @@ def test_fp8_pool_matches_its_dequantized_values():
     out = flashattn.flash_attn_varlen_func(q, k_codes, v_codes, cu_q, None, 70, 2100, causal=True, block_table=table,
                                            seqused_k=seqused, k_scale=k_scale, v_scale=v_scale)
     assert (out.double() - want).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_compiled_fullgraph_is_bit_identical_to_eager(fp8):
+    """The paged call is one op (flashattn::varlen_paged_fwd) in a compiled graph, keys
+    counted from cu_seqlens_k inside it, and gives eager's bits."""
+    q, k_cache, v_cache, table, cu_q, seqused = paged_batch(torch.bfloat16, seed=4)
+    cu_k = torch.tensor(np.cumsum([0] + seqused.tolist()), dtype=torch.int32)
+    scales = {}
+    if fp8:
+        g = torch.Generator().manual_seed(5)
+        k_cache = torch.randint(0, 0x7F, k_cache.shape, dtype=torch.uint8, generator=g)
+        v_cache = torch.randint(0, 0x7F, v_cache.shape, dtype=torch.uint8, generator=g)
+        scales = {"k_scale": torch.rand(k_cache.shape[0], HKV, generator=g) * 0.01 + 0.001,
+                  "v_scale": torch.rand(k_cache.shape[0], HKV, generator=g) * 0.01 + 0.001}
+
+    def call(q, k_cache, v_cache, table, cu_q, cu_k):
+        return flashattn.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, 70, 2100, causal=True, softcap=3.0,
+                                                window_size=(500, 0), block_table=table, return_attn_probs=True,
+                                                **scales)
+
+    torch._dynamo.reset()
+    out, lse, _ = torch.compile(call, fullgraph=True)(q, k_cache, v_cache, table, cu_q, cu_k)
+    want_out, want_lse, _ = call(q, k_cache, v_cache, table, cu_q, cu_k)
+    assert out.dtype == torch.bfloat16 and lse.shape == (HQ, q.shape[0])
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    if fp8:
+        k_cache = k_cache.view(torch.float8_e4m3fn).float() * scales["k_scale"][:, None, :, None]
+        v_cache = v_cache.view(torch.float8_e4m3fn).float() * scales["v_scale"][:, None, :, None]
+    want = reference(q, k_cache, v_cache, table, cu_q, seqused, causal=True, softcap=3.0, window_left=500)
+    assert (out.double() - want).abs().max().item() < 3e-2
+
+
+def test_op_passes_opcheck():
+    q, k_cache, v_cache, table, cu_q, seqused = paged_batch(torch.float32, seed=6)
+    args = (q, k_cache, v_cache, cu_q, 70, table, seqused, None, None, None, True, -1, -1, 0.0, None, "auto", 1, 0)
+    torch.library.opcheck(torch.ops.flashattn.varlen_paged_fwd, args)
+
+
+ADDED = [1, 0, 40, 0, 3, 50, 16]  # new tokens of each of LENGTHS' sequences (at most its keys)
+
+
+def rotate(x, pos, cos, sin, interleaved):
+    """x (..., D) rotated at positions pos (x's leading dim) in float64 over 2 * cos.shape[1] features."""
+    half = cos.shape[1]
+    c, s = cos[pos].double()[:, None, :], sin[pos].double()[:, None, :]
+    x = x.double().clone()
+    a, b = (x[..., 0:2 * half:2], x[..., 1:2 * half:2]) if interleaved else (x[..., :half], x[..., half:2 * half])
+    a, b = a.clone(), b.clone()
+    ra, rb = a * c - b * s, a * s + b * c
+    if interleaved:
+        x[..., 0:2 * half:2], x[..., 1:2 * half:2] = ra, rb
+    else:
+        x[..., :half], x[..., half:2 * half] = ra, rb
+    return x
+
+
+def packed_append(dtype, seed):
+    """A paged batch whose last ADDED[b] keys of sequence b are given as new k, v (their slots
+    zeroed), with rotary tables over 16 of D's features."""
+    q, k_cache, v_cache, table, cu_q, seqused = paged_batch(dtype, seed)
+    before = seqused - torch.tensor(ADDED, dtype=torch.int32)
+    slots = [int(table[b, j // PAGE]) * PAGE + j % PAGE for b in range(len(ADDED))
+             for j in range(int(before[b]), int(seqused[b]))]
+    flat_k, flat_v = k_cache.view(-1, HKV, D), v_cache.view(-1, HKV, D)
+    k_new, v_new = flat_k[slots].clone(), flat_v[slots].clone()
+    flat_k[slots], flat_v[slots] = 0, 0
+    cu_new = torch.tensor(np.cumsum([0] + ADDED), dtype=torch.int32)
+    angles = torch.arange(2200, dtype=torch.float64)[:, None] * 0.3 ** torch.arange(8, dtype=torch.float64)
+    return q, k_cache, v_cache, table, cu_q, seqused, before, k_new, v_new, cu_new, slots, angles.cos().float(), \
+        angles.sin().float()
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_packed_kvcache_appends_rotated_then_attends(dtype, tol, interleaved):
+    """flash_attn_with_kvcache with FA3's cu_seqlens_q / cu_seqlens_k_new over a paged cache:
+    the new keys land rotated at cache_seqlens[b].., values as given, and each sequence
+    attends (q rotated at its positions) against the float64 reference of the pools."""
+    q, k_cache, v_cache, table, cu_q, seqused, before, k_new, v_new, cu_new, slots, cos, sin = packed_append(dtype, 7)
+    positions = torch.cat([torch.arange(int(before[b]), int(seqused[b])) for b in range(len(ADDED))])
+    want_k = rotate(k_new, positions, cos, sin, interleaved)
+    out, lse = flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cos, sin, cache_seqlens=before,
+                                                 block_table=table, causal=True, rotary_interleaved=interleaved,
+                                                 return_softmax_lse=True, cu_seqlens_q=cu_q, cu_seqlens_k_new=cu_new,
+                                                 max_seqlen_q=70)
+    assert out.shape == (q.shape[0], HQ, D) and lse.shape == (HQ, q.shape[0])
+    flat_k, flat_v = k_cache.view(-1, HKV, D), v_cache.view(-1, HKV, D)
+    assert (flat_k[slots].double() - want_k).abs().max().item() <= 8 * torch.finfo(dtype).eps
+    assert torch.equal(flat_v[slots], v_new)
+    q_positions = torch.cat([int(before[b]) + torch.arange(int(cu_q[b + 1] - cu_q[b])) for b in range(len(ADDED))])
+    q_rot = rotate(q, q_positions.long(), cos, sin, interleaved)
+    want = reference(q_rot, k_cache, v_cache, table, cu_q, seqused, causal=True)
+    assert (out.double() - want).abs().max().item() < tol
+    # the same bits as flash_attn_varlen_func over the pools after the append
+    again = flashattn.flash_attn_varlen_func(q_rot.to(dtype), k_cache, v_cache, cu_q, None, 70, 2100, causal=True,
+                                             block_table=table, seqused_k=seqused)
+    assert (again.double() - out.double()).abs().max().item() < tol
+
+
+def test_packed_kvcache_compiles_and_rejects_before_writing():
+    q, k_cache, v_cache, table, cu_q, seqused, before, k_new, v_new, cu_new, slots, cos, sin = \
+        packed_append(torch.bfloat16, 8)
+
+    def call(q, k_cache, v_cache, k_new, v_new, cu_new):
+        return flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cos, sin, cache_seqlens=before,
+                                                 block_table=table, causal=True, return_softmax_lse=True,
+                                                 cu_seqlens_q=cu_q, cu_seqlens_k_new=cu_new, max_seqlen_q=70)
+
+    k0, v0 = k_cache.clone(), v_cache.clone()
+    bad = cu_new.clone()
+    bad[-1] += 1
+    with pytest.raises(ValueError, match="cu_seqlens_k_new"):
+        call(q, k_cache, v_cache, k_new, v_new, bad)
+    assert torch.equal(k_cache, k0) and torch.equal(v_cache, v0)  # a rejected call writes nothing
+    torch._dynamo.reset()
+    k1, v1 = k_cache.clone(), v_cache.clone()
+    out, lse = torch.compile(call, fullgraph=True)(q, k1, v1, k_new, v_new, cu_new)
+    want_out, want_lse = call(q, k_cache, v_cache, k_new, v_new, cu_new)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    assert torch.equal(k1, k_cache) and torch.equal(v1, v_cache)

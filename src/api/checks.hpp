@@ -27,4 +27,13 @@ AttentionProblem check_backward_call(const TensorView& dout, const TensorView& q
 AttentionProblem check_forward_fp8_call(const Fp8View& q, const Fp8View& k, const Fp8View& v, const TensorView& out,
                                         const TensorView& lse, const AttentionOptions& options);
 
+// The page pools (or cache rows) of forward_with_kvcache and forward_varlen_paged: q of a
+// floating dtype; k_cache and v_cache 4-d views (k_layout, v_layout name their dims) of q's
+// dtype, or both u8 (FP8 e4m3 codes, true is returned) — a cache of q's dtype takes no
+// k_scale or v_scale —; v_cache's first three dims those of k_cache. The descales of an FP8
+// cache are the caller's to check (their shapes differ between the entry points).
+bool check_cache_pools(const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
+                       const TensorView& k_scale, const TensorView& v_scale, const char* k_layout,
+                       const char* v_layout);
+
 }  // namespace flashattn::detail

@@ -14,6 +14,7 @@
 #include "flashattn/plan.hpp"
 #include "src/core/element.hpp"
 #include "src/api/backend.hpp"
+#include "src/api/checks.hpp"
 #include "src/api/route.hpp"
 #include "src/api/sequences.hpp"
 #include "src/core/validate.hpp"
@@ -114,12 +115,13 @@ void fp8_append(const MutableTensorView& pool, const MutableTensorView& scale, c
 // The append writes each new token to one slot: no two sequences may write one cache row
 // (contiguous) or page, and a page that receives tokens may not also be read through another
 // entry of the block table — the write would change what that entry holds.
-void check_append_targets(const Layout& layout, const std::vector<std::int64_t>& seqlens, std::int64_t s_new,
-                          std::int64_t batch) {
+void check_append_targets(const Layout& layout, const std::vector<std::int64_t>& seqlens,
+                          const std::vector<std::int64_t>& added, std::int64_t batch) {
   auto entry = [](std::int64_t b, std::int64_t i) { return "[" + str(b) + ", " + str(i) + "]"; };
   std::map<std::int64_t, std::pair<std::int64_t, std::int64_t>> written;  // cache row or page -> (b, table column)
   for (std::int64_t b = 0; b < batch; ++b) {
-    const std::int64_t n = seqlens[static_cast<std::size_t>(b)];
+    const std::int64_t n = seqlens[static_cast<std::size_t>(b)], s_new = added[static_cast<std::size_t>(b)];
+    if (s_new == 0) continue;
     const std::int64_t first = layout.paged ? n / layout.page_size : 0;
     const std::int64_t last = layout.paged ? (n + s_new - 1) / layout.page_size : 0;
     for (std::int64_t pg = first; pg <= last; ++pg) {
@@ -135,7 +137,9 @@ void check_append_targets(const Layout& layout, const std::vector<std::int64_t>&
   }
   if (!layout.paged) return;
   for (std::int64_t b = 0; b < batch; ++b) {
-    const std::int64_t pages = (seqlens[static_cast<std::size_t>(b)] + s_new + layout.page_size - 1) / layout.page_size;
+    const std::int64_t pages =
+        (seqlens[static_cast<std::size_t>(b)] + added[static_cast<std::size_t>(b)] + layout.page_size - 1) /
+        layout.page_size;
     for (std::int64_t pg = 0; pg < pages; ++pg) {
       const std::int64_t page = layout.locate(b, pg * layout.page_size).first;
       const auto it = written.find(page);
@@ -148,12 +152,30 @@ void check_append_targets(const Layout& layout, const std::vector<std::int64_t>&
 
 // A KV cache call, checked: its sizes, where each sequence's tokens are and how many it has.
 struct CacheCall {
-  bool fp8 = false;  // e4m3 codes with descales
-  std::int64_t batch = 0, hkv = 0, d = 0, dv = 0, s_new = 0;
+  bool fp8 = false;     // e4m3 codes with descales
+  bool varlen = false;  // q, k, v packed, sequences cut by cu_seqlens_q and cu_seqlens_k_new
+  std::int64_t batch = 0, hq = 0, hkv = 0, d = 0, dv = 0;
+  std::vector<std::int64_t> cu_q, cu_new;  // varlen: the offsets of query rows and new tokens
+  std::vector<std::int64_t> added;         // new tokens of each sequence
   Layout layout;
   std::vector<std::int64_t> seqlens, leftpad;
   bool positions_per_query = false;  // q rotated at cache_seqlens[b] + i (else at cache_seqlens[b])
   std::int64_t rotary_dim = 0;
+
+  std::size_t at(std::int64_t b) const { return static_cast<std::size_t>(b); }
+  // Sequence b's query rows of q or out, its lse, its new tokens of k or v: (1, rows, heads, dim) views.
+  template <class View>
+  View queries(const View& t, std::int64_t b) const {
+    return varlen ? detail::packed_sequence(t, cu_q[at(b)], cu_q[at(b) + 1] - cu_q[at(b)]) : detail::batch_element(t, b);
+  }
+  template <class View>
+  View lse_of(const View& t, std::int64_t b) const {
+    return varlen ? detail::packed_lse(t, cu_q[at(b)], cu_q[at(b) + 1] - cu_q[at(b)]) : detail::batch_element(t, b);
+  }
+  template <class View>
+  View new_tokens(const View& t, std::int64_t b) const {
+    return varlen ? detail::packed_sequence(t, cu_new[at(b)], added[at(b)]) : detail::batch_element(t, b);
+  }
 };
 
 // Step 1, the call's own arguments, checked in this order; nothing is written.
@@ -163,26 +185,40 @@ CacheCall check_cache_views(const TensorView& q, const KvCache& c, const Attenti
   detail::reject_attn_mask("forward_with_kvcache", options);
   detail::reject_top_left("forward_with_kvcache", options);
   detail::reject_score_hook("forward_with_kvcache", options);
-  detail::check_view("q", q, 4, "(batch, seqlen_q, heads_q, head_dim)");
-  detail::check_view("k_cache", c.k_cache, 4, "(batch_cache or pages, seqlen_cache or page_size, heads_kv, head_dim)");
-  detail::check_view("v_cache", c.v_cache, 4, "(batch_cache or pages, seqlen_cache or page_size, heads_kv, head_dim_v)");
-  const bool fp8 = c.k_cache.dtype == DType::u8;
-  if (!is_floating(q.dtype)) throw Error("q: dtype " + to_string(q.dtype) + " is not a floating dtype (f32, bf16, f16)");
-  if (fp8) {
-    detail::check_dtype("v_cache", c.v_cache, DType::u8, "an FP8 cache holds e4m3 codes in both pools");
-  } else {
-    detail::check_dtype("k_cache", c.k_cache, q.dtype, "the cache has q's dtype, or u8 for FP8 e4m3 codes");
-    detail::check_dtype("v_cache", c.v_cache, q.dtype, "the cache has q's dtype");
-    if (is_set(c.k_scale) || is_set(c.v_scale))
-      throw Error("k_scale, v_scale: descales belong to an FP8 cache (u8 codes), not a " + to_string(q.dtype) + " cache");
+  CacheCall r;
+  r.varlen = is_set(c.cu_seqlens_q);
+  if (r.varlen)
+    detail::check_view("q", q, 3, "(total_q, heads_q, head_dim)");
+  else
+    detail::check_view("q", q, 4, "(batch, seqlen_q, heads_q, head_dim)");
+  r.fp8 = detail::check_cache_pools(
+      q, c.k_cache, c.v_cache, c.k_scale, c.v_scale, "(batch_cache or pages, seqlen_cache or page_size, heads_kv, head_dim)",
+      "(batch_cache or pages, seqlen_cache or page_size, heads_kv, head_dim_v)");
+  r.hq = q.shape[r.varlen ? 1 : 2], r.hkv = c.k_cache.shape[2], r.d = c.k_cache.shape[3], r.dv = c.v_cache.shape[3];
+  if (!r.varlen) {
+    if (is_set(c.cu_seqlens_k_new)) throw Error("cu_seqlens_k_new: set without cu_seqlens_q (a packed batch)");
+    r.batch = q.shape[0];
+    r.added.assign(r.at(r.batch), is_set(c.k) ? c.k.shape[1] : 0);
+    return r;
   }
-  for (int d : {0, 1, 2})
-    if (c.v_cache.shape[d] != c.k_cache.shape[d])
-      throw Error("v_cache: shape " + detail::shape_string(c.v_cache) + " does not match k_cache " +
-                  detail::shape_string(c.k_cache) + " in dim " + std::to_string(d));
-  const std::int64_t batch = q.shape[0], hkv = c.k_cache.shape[2], d = c.k_cache.shape[3], dv = c.v_cache.shape[3];
-  const std::int64_t s_new = is_set(c.k) ? c.k.shape[1] : 0;
-  return {fp8, batch, hkv, d, dv, s_new, {}, {}, {}, false, 0};
+  r.cu_q = detail::read_offsets("cu_seqlens_q", c.cu_seqlens_q, q.shape[0], c.max_seqlen_q, "max_seqlen_q");
+  r.batch = static_cast<std::int64_t>(r.cu_q.size()) - 1;
+  if (!is_set(c.block_table))
+    throw Error("cu_seqlens_q: a packed KV-cache batch needs a paged cache (block_table)");
+  r.cu_new.assign(r.cu_q.size(), 0);
+  if (is_set(c.k)) {
+    if (!is_set(c.cu_seqlens_k_new))
+      throw Error("cu_seqlens_k_new: packed new k, v (total_new, heads_kv, head_dim) need their offsets");
+    detail::check_view("k", c.k, 3, "(total_new, heads_kv, head_dim)");
+    r.cu_new = detail::read_offsets("cu_seqlens_k_new", c.cu_seqlens_k_new, c.k.shape[0], c.k.shape[0], "total_new");
+    if (r.cu_new.size() != r.cu_q.size())
+      throw Error("cu_seqlens_k_new: batch " + str(static_cast<std::int64_t>(r.cu_new.size()) - 1) +
+                  " but cu_seqlens_q has batch " + str(r.batch));
+  } else if (is_set(c.cu_seqlens_k_new)) {
+    throw Error("cu_seqlens_k_new: set without new k, v");
+  }
+  for (std::int64_t b = 0; b < r.batch; ++b) r.added.push_back(r.cu_new[r.at(b) + 1] - r.cu_new[r.at(b)]);
+  return r;
 }
 
 // Where each sequence's tokens live: the block table (paged) or the cache rows (contiguous).
@@ -217,14 +253,16 @@ void resolve_layout(const KvCache& c, CacheCall& r) {
 
 // How many tokens each sequence holds and where they start, and the pages they span.
 void resolve_sequences(const KvCache& c, CacheCall& r) {
-  const std::int64_t batch = r.batch, s_new = r.s_new;
+  const std::int64_t batch = r.batch;
   const Layout& layout = r.layout;
-  const std::int64_t full = layout.capacity - s_new;  // cache_seqlens unset: every sequence fills the cache
-  r.seqlens = is_set(c.cache_seqlens) ? read_i32("cache_seqlens", c.cache_seqlens, batch)
-                                      : std::vector<std::int64_t>(static_cast<std::size_t>(batch), full);
+  if (is_set(c.cache_seqlens)) {
+    r.seqlens = read_i32("cache_seqlens", c.cache_seqlens, batch);
+  } else {  // every sequence fills the cache
+    for (std::int64_t b = 0; b < batch; ++b) r.seqlens.push_back(layout.capacity - r.added[r.at(b)]);
+  }
   const std::vector<std::int64_t>& seqlens = r.seqlens;
   for (std::int64_t b = 0; b < batch; ++b) {
-    const std::int64_t n = seqlens[static_cast<std::size_t>(b)];
+    const std::int64_t n = seqlens[static_cast<std::size_t>(b)], s_new = r.added[r.at(b)];
     if (n < 0 || n + s_new > layout.capacity)
       throw Error("cache_seqlens: [" + str(b) + "] = " + str(n) + " plus " + str(s_new) +
                   " new tokens does not fit the cache capacity " + str(layout.capacity));
@@ -245,7 +283,7 @@ void resolve_sequences(const KvCache& c, CacheCall& r) {
   if (layout.paged) {
     const auto* t = static_cast<const std::int32_t*>(c.block_table.data);
     for (std::int64_t b = 0; b < batch; ++b) {
-      const std::int64_t pages = (seqlens[static_cast<std::size_t>(b)] + s_new + layout.page_size - 1) / layout.page_size;
+      const std::int64_t pages = (seqlens[r.at(b)] + r.added[r.at(b)] + layout.page_size - 1) / layout.page_size;
       for (std::int64_t pg = 0; pg < pages; ++pg) {
         const std::int64_t page = t[b * c.block_table.strides[0] + pg * c.block_table.strides[1]];
         if (page < 0 || page >= c.k_cache.shape[0])
@@ -292,34 +330,46 @@ void check_descales(const TensorView& q, const KvCache& c, const CacheCall& r) {
 // The new tokens to append.
 void check_new_tokens(const TensorView& q, const KvCache& c, const CacheCall& r) {
   const bool fp8 = r.fp8;
-  const std::int64_t batch = r.batch, hkv = r.hkv, d = r.d, dv = r.dv, s_new = r.s_new;
+  const std::int64_t batch = r.batch, hkv = r.hkv, d = r.d, dv = r.dv;
   if (is_set(c.k) != is_set(c.v)) throw Error("k, v: the new keys and values come together");
   if (is_set(c.k)) {
-    detail::check_view("k", c.k, 4, "(batch, seqlen_new, heads_kv, head_dim)");
-    detail::check_view("v", c.v, 4, "(batch, seqlen_new, heads_kv, head_dim_v)");
-    detail::check_dtype("k", c.k, q.dtype, "new keys have q's dtype");
-    detail::check_dtype("v", c.v, q.dtype, "new values have q's dtype");
-    detail::check_shape("k", c.k, {batch, s_new, hkv, d}, "(batch, seqlen_new, heads_kv, head_dim)");
-    detail::check_shape("v", c.v, {batch, s_new, hkv, dv}, "(batch, seqlen_new, heads_kv, head_dim_v)");
+    if (r.varlen) {
+      const std::int64_t total = r.cu_new.back();
+      detail::check_view("v", c.v, 3, "(total_new, heads_kv, head_dim_v)");
+      detail::check_dtype("k", c.k, q.dtype, "new keys have q's dtype");
+      detail::check_dtype("v", c.v, q.dtype, "new values have q's dtype");
+      detail::check_shape("k", c.k, {total, hkv, d}, "(total_new, heads_kv, head_dim)");
+      detail::check_shape("v", c.v, {total, hkv, dv}, "(total_new, heads_kv, head_dim_v)");
+    } else {
+      const std::int64_t s_new = r.added.empty() ? 0 : r.added[0];
+      detail::check_view("k", c.k, 4, "(batch, seqlen_new, heads_kv, head_dim)");
+      detail::check_view("v", c.v, 4, "(batch, seqlen_new, heads_kv, head_dim_v)");
+      detail::check_dtype("k", c.k, q.dtype, "new keys have q's dtype");
+      detail::check_dtype("v", c.v, q.dtype, "new values have q's dtype");
+      detail::check_shape("k", c.k, {batch, s_new, hkv, d}, "(batch, seqlen_new, heads_kv, head_dim)");
+      detail::check_shape("v", c.v, {batch, s_new, hkv, dv}, "(batch, seqlen_new, heads_kv, head_dim_v)");
+    }
     for (const auto& [name, input] : {std::pair{"k", c.k}, {"v", c.v}, {"q", q}}) {
       detail::check_no_overlap("k_cache", c.k_cache, name, input);
       detail::check_no_overlap("v_cache", c.v_cache, name, input);
     }
     if (fp8)  // e4m3 has no infinity, and a NaN code would read back as a number
       for (const auto& [name, input] : {std::pair{"k", c.k}, {"v", c.v}})
-        for (std::int64_t b = 0; b < batch; ++b)
-          for (std::int64_t t = 0; t < s_new; ++t)
+        for (std::int64_t b = 0; b < batch; ++b) {
+          const TensorView rows = r.new_tokens(input, b);
+          for (std::int64_t t = 0; t < rows.shape[1]; ++t)
             for (std::int64_t h = 0; h < hkv; ++h)
-              for (std::int64_t e = 0; e < input.shape[3]; ++e)
-                if (!std::isfinite(detail::load_element(input, detail::offset4(input, b, t, h, e))))
+              for (std::int64_t e = 0; e < rows.shape[3]; ++e)
+                if (!std::isfinite(detail::load_element(rows, detail::offset4(rows, 0, t, h, e))))
                   throw Error(std::string(name) + ": [" + str(b) + ", " + str(t) + ", " + str(h) + ", " + str(e) +
                               "] is not finite; an FP8 cache stores finite values only");
+        }
   }
 }
 
 // Rotary tables: shapes, and a position for every token they rotate.
 void check_rotary(const TensorView& q, const KvCache& c, const AttentionOptions& options, CacheCall& r) {
-  const std::int64_t batch = r.batch, d = r.d, s_new = r.s_new;
+  const std::int64_t batch = r.batch, d = r.d;
   const std::vector<std::int64_t>& seqlens = r.seqlens;
   r.positions_per_query = options.causal || options.window_size.left >= 0 || options.window_size.right >= 0;
   if (is_set(c.rotary_cos) || is_set(c.rotary_sin)) {
@@ -333,7 +383,8 @@ void check_rotary(const TensorView& q, const KvCache& c, const AttentionOptions&
     if (r.rotary_dim > d) throw Error("rotary_cos: rotary_dim " + str(r.rotary_dim) + " exceeds head_dim " + str(d));
     std::int64_t last = 0;
     for (std::int64_t b = 0; b < batch; ++b)
-      last = std::max(last, seqlens[static_cast<std::size_t>(b)] + std::max(s_new, r.positions_per_query ? q.shape[1] : 1) - 1);
+      last = std::max(last, seqlens[r.at(b)] +
+                                std::max(r.added[r.at(b)], r.positions_per_query ? r.queries(q, b).shape[1] : 1) - 1);
     if (last >= c.rotary_cos.shape[0])
       throw Error("rotary_cos: " + str(c.rotary_cos.shape[0]) + " positions but position " + str(last) + " is needed");
   }
@@ -344,16 +395,24 @@ void check_rotary(const TensorView& q, const KvCache& c, const AttentionOptions&
 void check_outputs_and_targets(const TensorView& q, const KvCache& c, const MutableTensorView& out,
                                const MutableTensorView& lse, const AttentionOptions& options, const CacheCall& r) {
   const bool fp8 = r.fp8;
-  const std::int64_t batch = r.batch, dv = r.dv, s_new = r.s_new;
+  const std::int64_t batch = r.batch, dv = r.dv;
   const Layout& layout = r.layout;
   const std::vector<std::int64_t>& seqlens = r.seqlens;
-  constexpr const char* kOutLayout = "(batch, seqlen_q, heads_q, head_dim_v)";
-  detail::check_tensor("out", out, q.dtype, "out must have q's dtype", {batch, q.shape[1], q.shape[2], dv}, kOutLayout);
-  detail::check_tensor("lse", lse, DType::f32, "lse is always float32", {batch, q.shape[2], q.shape[1]},
-                       "(batch, heads_q, seqlen_q)");
+  if (r.varlen) {
+    detail::check_tensor("out", out, q.dtype, "out must have q's dtype", {q.shape[0], q.shape[1], dv},
+                         "(total_q, heads_q, head_dim_v)");
+    detail::check_tensor("lse", lse, DType::f32, "lse is always float32", {q.shape[1], q.shape[0]},
+                         "(heads_q, total_q)");
+  } else {
+    detail::check_tensor("out", out, q.dtype, "out must have q's dtype", {batch, q.shape[1], q.shape[2], dv},
+                         "(batch, seqlen_q, heads_q, head_dim_v)");
+    detail::check_tensor("lse", lse, DType::f32, "lse is always float32", {batch, q.shape[2], q.shape[1]},
+                         "(batch, heads_q, seqlen_q)");
+  }
   const std::initializer_list<detail::NamedView> tables = {
-      {"block_table", c.block_table},   {"cache_seqlens", c.cache_seqlens}, {"cache_batch_idx", c.cache_batch_idx},
-      {"cache_leftpad", c.cache_leftpad}, {"rotary_cos", c.rotary_cos},     {"rotary_sin", c.rotary_sin}};
+      {"block_table", c.block_table},     {"cache_seqlens", c.cache_seqlens}, {"cache_batch_idx", c.cache_batch_idx},
+      {"cache_leftpad", c.cache_leftpad}, {"rotary_cos", c.rotary_cos},       {"rotary_sin", c.rotary_sin},
+      {"cu_seqlens_q", c.cu_seqlens_q},   {"cu_seqlens_k_new", c.cu_seqlens_k_new}};
   detail::check_outputs_apart({{"out", out}, {"lse", lse}},
                               {{"q", q}, {"k_cache", c.k_cache}, {"v_cache", c.v_cache}, {"k", c.k}, {"v", c.v},
                                {"k_scale", c.k_scale}, {"v_scale", c.v_scale}});
@@ -361,14 +420,14 @@ void check_outputs_and_targets(const TensorView& q, const KvCache& c, const Muta
     detail::check_no_overlap("out", out, table.name, table.view);
     detail::check_no_overlap("lse", lse, table.name, table.view);
   }
-  if (s_new > 0) {  // the append writes the pools (and an FP8 cache's descales)
+  if (is_set(c.k)) {  // the append writes the pools (and an FP8 cache's descales)
     detail::check_outputs_apart({{"k_cache", c.k_cache}, {"v_cache", c.v_cache}}, tables);
     if (fp8)
       for (const auto& [name, scale] : {std::pair{"k_scale", c.k_scale}, {"v_scale", c.v_scale}})
         for (const detail::NamedView& table : tables) detail::check_no_overlap(name, scale, table.name, table.view);
-    check_append_targets(layout, seqlens, s_new, batch);
+    check_append_targets(layout, seqlens, r.added, batch);
   }
-  detail::check_sequence_options(options, batch, q.shape[2]);
+  detail::check_sequence_options(options, batch, r.hq);
 }
 
 CacheCall check_cache_call(const TensorView& q, const KvCache& c, const MutableTensorView& out,
@@ -393,14 +452,14 @@ std::vector<detail::ForwardJob> sequence_jobs(const CacheCall& r, const TensorVi
   std::vector<detail::ForwardJob> jobs;
   for (std::int64_t b = 0; b < r.batch; ++b) {
     const std::int64_t first = r.leftpad[static_cast<std::size_t>(b)];
-    const std::int64_t keys = r.seqlens[static_cast<std::size_t>(b)] + r.s_new - first;
+    const std::int64_t keys = r.seqlens[r.at(b)] + r.added[r.at(b)] - first;
     detail::ForwardJob job{{},
                            {.batch_offset = b, .fp8_kv_cache = r.fp8},
-                           detail::batch_element(q_used, b),
+                           r.queries(q_used, b),
                            c.k_cache,
                            c.v_cache,
-                           detail::batch_element(out, b),
-                           detail::batch_element(lse, b),
+                           r.queries(out, b),
+                           r.lse_of(lse, b),
                            detail::sequence_options(options, b),
                            {}};
     std::int64_t scale_row = 0;
@@ -431,19 +490,21 @@ std::vector<detail::ForwardJob> sequence_jobs(const CacheCall& r, const TensorVi
 // whose descale must grow also re-encodes its earlier tokens, see fp8_append).
 void append(const KvCache& c, const CacheCall& r) {
   const bool fp8 = r.fp8;
-  const std::int64_t batch = r.batch, hkv = r.hkv, d = r.d, dv = r.dv, s_new = r.s_new;
+  const std::int64_t batch = r.batch, hkv = r.hkv, d = r.d, dv = r.dv;
   const Layout& layout = r.layout;
   const std::vector<std::int64_t>& seqlens = r.seqlens;
   const std::vector<std::int64_t>& leftpad = r.leftpad;
-  std::vector<float> row(static_cast<std::size_t>(std::max(d, dv)));
-  std::vector<float> k_rows(static_cast<std::size_t>(s_new * d)), v_rows(static_cast<std::size_t>(s_new * dv));
+  std::vector<float> row(static_cast<std::size_t>(std::max(d, dv))), k_rows, v_rows;
   for (std::int64_t b = 0; b < batch; ++b)
     for (std::int64_t h = 0; h < hkv; ++h) {
-      const std::int64_t seqlen = seqlens[static_cast<std::size_t>(b)];
+      const std::int64_t seqlen = seqlens[r.at(b)], s_new = r.added[r.at(b)];
+      const TensorView k = r.new_tokens(c.k, b), v = r.new_tokens(c.v, b);
+      k_rows.resize(static_cast<std::size_t>(s_new * d));
+      v_rows.resize(static_cast<std::size_t>(s_new * dv));
       for (std::int64_t t = 0; t < s_new; ++t) {
-        for (std::int64_t e = 0; e < d; ++e) row[e] = detail::load_element(c.k, detail::offset4(c.k, b, t, h, e));
+        for (std::int64_t e = 0; e < d; ++e) row[e] = detail::load_element(k, detail::offset4(k, 0, t, h, e));
         rotate(c, seqlen + t, row.data(), k_rows.data() + t * d, d);
-        for (std::int64_t e = 0; e < dv; ++e) v_rows[t * dv + e] = detail::load_element(c.v, detail::offset4(c.v, b, t, h, e));
+        for (std::int64_t e = 0; e < dv; ++e) v_rows[t * dv + e] = detail::load_element(v, detail::offset4(v, 0, t, h, e));
       }
       if (fp8) {
         const std::int64_t first = leftpad[static_cast<std::size_t>(b)];
@@ -465,16 +526,18 @@ void append(const KvCache& c, const CacheCall& r) {
 // Step 4: q rotated at its positions (a copy; q itself is never written).
 Tensor rotated_queries(const TensorView& q, const KvCache& c, const CacheCall& r) {
   const std::int64_t d = r.d;
-  Tensor q_rot(q.dtype, {q.shape[0], q.shape[1], q.shape[2], q.shape[3]});
+  Tensor q_rot(q.dtype, std::vector<std::int64_t>(q.shape.begin(), q.shape.begin() + q.rank));
   std::vector<float> row(static_cast<std::size_t>(d)), rotated(static_cast<std::size_t>(d));
-  for (std::int64_t b = 0; b < r.batch; ++b)
-    for (std::int64_t i = 0; i < q.shape[1]; ++i)
-      for (std::int64_t h = 0; h < q.shape[2]; ++h) {
-        for (std::int64_t e = 0; e < d; ++e) row[e] = detail::load_element(q, detail::offset4(q, b, i, h, e));
-        rotate(c, r.seqlens[static_cast<std::size_t>(b)] + (r.positions_per_query ? i : 0), row.data(), rotated.data(),
-               d);
-        for (std::int64_t e = 0; e < d; ++e) q_rot.set(((b * q.shape[1] + i) * q.shape[2] + h) * d + e, rotated[e]);
+  for (std::int64_t b = 0; b < r.batch; ++b) {
+    const TensorView src = r.queries(q, b);
+    const MutableTensorView dst = r.queries(q_rot.view(), b);
+    for (std::int64_t i = 0; i < src.shape[1]; ++i)
+      for (std::int64_t h = 0; h < src.shape[2]; ++h) {
+        for (std::int64_t e = 0; e < d; ++e) row[e] = detail::load_element(src, detail::offset4(src, 0, i, h, e));
+        rotate(c, r.seqlens[r.at(b)] + (r.positions_per_query ? i : 0), row.data(), rotated.data(), d);
+        for (std::int64_t e = 0; e < d; ++e) detail::store_element(dst, detail::offset4(dst, 0, i, h, e), rotated[e]);
       }
+  }
   return q_rot;
 }
 
@@ -493,6 +556,8 @@ const detail::Backend& cache_backend(const TensorView& q, const KvCache& c, cons
                         {"rotary_cos", c.rotary_cos},
                         {"rotary_sin", c.rotary_sin},
                         {"cache_leftpad", c.cache_leftpad},
+                        {"cu_seqlens_q", c.cu_seqlens_q},
+                        {"cu_seqlens_k_new", c.cu_seqlens_k_new},
                         {"k_scale", c.k_scale},
                         {"v_scale", c.v_scale},
                         {"out", out},
@@ -508,18 +573,30 @@ void forward_with_kvcache(const TensorView& q, const KvCache& c, const MutableTe
   // Every sequence is checked — options, output views, the kernel — before the append
   // writes the cache, so a rejected call leaves the cache as it was.
   for (const detail::ForwardJob& job : sequence_jobs(call, q, c, out, lse, options)) backend.check_forward(job);
+  if (call.varlen && backend.forward_varlen_paged == nullptr)
+    throw Error("cu_seqlens_q: a packed KV-cache batch runs as forward_varlen_paged, which this backend lacks");
   detail::begin_run(options);
   append(c, call);
   const Tensor q_rot = call.rotary_dim > 0 ? rotated_queries(q, c, call) : Tensor();
   // The sequences attend together after the append (the backend shares one parallel region
   // among them where it can).
-  backend.forward_with_kvcache(sequence_jobs(call, call.rotary_dim > 0 ? q_rot.view() : q, c, out, lse, options));
+  // A packed batch runs as forward_varlen_paged does: each sequence planned on its own.
+  const std::vector<detail::ForwardJob> jobs =
+      sequence_jobs(call, call.rotary_dim > 0 ? q_rot.view() : q, c, out, lse, options);
+  (call.varlen ? backend.forward_varlen_paged : backend.forward_with_kvcache)(jobs);
 }
 
 ForwardResult forward_with_kvcache(const TensorView& q, const KvCache& cache, const AttentionOptions& options) {
   cache_backend(q, cache, {}, {});
-  detail::check_view("q", q, 4, "(batch, seqlen_q, heads_q, head_dim)");
   detail::check_view("v_cache", cache.v_cache, 4, "(pages or batch, slots, heads_kv, head_dim_v)");
+  if (cache.cu_seqlens_q.data != nullptr || cache.cu_seqlens_q.rank != 0) {
+    detail::check_view("q", q, 3, "(total_q, heads_q, head_dim)");
+    ForwardResult r{Tensor(q.dtype, {q.shape[0], q.shape[1], cache.v_cache.shape[3]}),
+                    Tensor(DType::f32, {q.shape[1], q.shape[0]})};
+    forward_with_kvcache(q, cache, r.out.view(), r.lse.view(), options);
+    return r;
+  }
+  detail::check_view("q", q, 4, "(batch, seqlen_q, heads_q, head_dim)");
   ForwardResult r{Tensor(q.dtype, {q.shape[0], q.shape[1], q.shape[2], cache.v_cache.shape[3]}),
                   Tensor(DType::f32, {q.shape[0], q.shape[2], q.shape[1]})};
   forward_with_kvcache(q, cache, r.out.view(), r.lse.view(), options);

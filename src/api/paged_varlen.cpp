@@ -10,6 +10,7 @@
 #include "flashattn/attention.hpp"
 #include "flashattn/error.hpp"
 #include "src/api/backend.hpp"
+#include "src/api/checks.hpp"
 #include "src/api/route.hpp"
 #include "src/api/sequences.hpp"
 #include "src/core/validate.hpp"
@@ -30,25 +31,13 @@ struct PagedCall {
 // The pools: q's dtype, or u8 e4m3 codes in both with descales; one page layout.
 void check_pools(const TensorView& q, const PagedKvBatch& kv, PagedCall& r) {
   detail::check_view("q", q, 3, "(total_q, heads_q, head_dim)");
-  if (!is_floating(q.dtype)) throw Error("q: dtype " + to_string(q.dtype) + " is not a floating dtype (f32, bf16, f16)");
-  detail::check_view("k_cache", kv.k_cache, 4, "(num_pages, page_size, heads_kv, head_dim)");
-  detail::check_view("v_cache", kv.v_cache, 4, "(num_pages, page_size, heads_kv, head_dim_v)");
-  r.fp8 = kv.k_cache.dtype == DType::u8;
-  if (r.fp8) {
-    detail::check_dtype("v_cache", kv.v_cache, DType::u8, "an FP8 cache holds e4m3 codes in both pools");
+  r.fp8 = detail::check_cache_pools(q, kv.k_cache, kv.v_cache, kv.k_scale, kv.v_scale,
+                                    "(num_pages, page_size, heads_kv, head_dim)",
+                                    "(num_pages, page_size, heads_kv, head_dim_v)");
+  if (r.fp8)
     for (const auto& [name, scale] : {std::pair{"k_scale", kv.k_scale}, {"v_scale", kv.v_scale}})
       detail::check_tensor(name, scale, DType::f32, "float32 descales", {kv.k_cache.shape[0], kv.k_cache.shape[2]},
                            "(num_pages, heads_kv)");
-  } else {
-    detail::check_dtype("k_cache", kv.k_cache, q.dtype, "the cache has q's dtype, or u8 for FP8 e4m3 codes");
-    detail::check_dtype("v_cache", kv.v_cache, q.dtype, "the cache has q's dtype");
-    if (is_set(kv.k_scale) || is_set(kv.v_scale))
-      throw Error("k_scale, v_scale: descales belong to an FP8 cache (u8 codes), not a " + to_string(q.dtype) + " cache");
-  }
-  for (int d : {0, 1, 2})
-    if (kv.v_cache.shape[d] != kv.k_cache.shape[d])
-      throw Error("v_cache: shape " + detail::shape_string(kv.v_cache) + " does not match k_cache " +
-                  detail::shape_string(kv.k_cache) + " in dim " + std::to_string(d));
   if (kv.k_cache.shape[2] < 1 || q.shape[1] % kv.k_cache.shape[2] != 0)
     throw Error("k_cache: heads_kv " + str(kv.k_cache.shape[2]) + " does not divide q's heads_q " + str(q.shape[1]));
   if (kv.k_cache.shape[3] != q.shape[2])

@@ -74,8 +74,9 @@ std::vector<detail::ForwardJob> live_jobs(std::span<const detail::ForwardJob> jo
   return live;
 }
 
-// Runs the jobs' work items in one parallel region, job after job in the order given, then
-// merges the split ones. Every thread's workspace holds the buffers of every plan.
+// Runs the jobs' work items in one parallel region, job after job in the order given, and
+// in the same region merges the split ones. Every thread's workspace holds the buffers of
+// every plan.
 void run_region(std::span<const detail::ForwardJob> live, std::span<PlannedJob> planned, const CpuHardware& hw,
                 const AttentionOptions& options) {
   cpu::ForwardLayout layout(planned[0].plan, live[0].problem);
@@ -130,20 +131,23 @@ void run_region(std::span<const detail::ForwardJob> live, std::span<PlannedJob> 
         kernels[j](params, workspace, g.whole_groups * g.group_items + (u - g.whole_groups));
       }
     }
+    // Second phase, after the barrier that ends the loop above: the split jobs' merges, a
+    // job per thread at a time (a row's merge does not depend on the thread count).
+#pragma omp for schedule(dynamic, 1)
+    for (std::size_t j = 0; j < live.size(); ++j) {
+      const AttentionProblem& p = live[j].problem;
+      const CpuForwardPlan& plan = planned[j].plan;
+      if (plan.splits > 1)
+        merge_attention_states(
+            TensorView(planned[j].split_out.get(), DType::f32, {plan.splits, p.batch, p.seqlen_q, p.heads_q, p.head_dim_v}),
+            TensorView(planned[j].split_lse.get(), DType::f32, {plan.splits, p.batch, p.heads_q, p.seqlen_q}),
+            live[j].out, live[j].lse, 1);
+    }
   }
   if (options.counters != nullptr) {
     std::int64_t grid = 0;
     for (std::size_t j = 0; j < live.size(); ++j) grid += grid_tiles(live[j].problem, planned[j].plan);
     add_counters(grid, workspaces, *options.counters);
-  }
-  for (std::size_t j = 0; j < live.size(); ++j) {
-    const AttentionProblem& p = live[j].problem;
-    const CpuForwardPlan& plan = planned[j].plan;
-    if (plan.splits > 1)
-      merge_attention_states(
-          TensorView(planned[j].split_out.get(), DType::f32, {plan.splits, p.batch, p.seqlen_q, p.heads_q, p.head_dim_v}),
-          TensorView(planned[j].split_lse.get(), DType::f32, {plan.splits, p.batch, p.heads_q, p.seqlen_q}),
-          live[j].out, live[j].lse, plan.threads);
   }
 }
 

@@ -309,7 +309,8 @@ NB_MODULE(_C, m) {
          std::optional<Array> cos, std::optional<Array> sin, std::optional<Array> cache_seqlens,
          std::optional<Array> cache_batch_idx, std::optional<Array> cache_leftpad, std::optional<Array> block_table,
          bool interleaved, Array o, Array lse, const Dtypes& dtypes,
-         std::optional<Array> k_scale, std::optional<Array> v_scale, const Options& opt) {
+         std::optional<Array> k_scale, std::optional<Array> v_scale, const Options& opt, std::optional<Array> cu_q,
+         std::optional<Array> cu_new, std::int64_t max_q) {
         const flashattn::AttentionOptions options = opt.get();
         flashattn::KvCache c;
         c.k_cache = out(k_cache, dtypes, "k_cache");
@@ -325,6 +326,9 @@ NB_MODULE(_C, m) {
         c.cache_leftpad = optional_in(cache_leftpad, "i32", "cache_leftpad");
         c.block_table = optional_in(block_table, "i32", "block_table");
         c.rotary_interleaved = interleaved;
+        c.cu_seqlens_q = optional_in(cu_q, "i32", "cu_seqlens_q");
+        c.cu_seqlens_k_new = optional_in(cu_new, "i32", "cu_seqlens_k_new");
+        c.max_seqlen_q = max_q;
         nb::gil_scoped_release release;
         flashattn::forward_with_kvcache(in(q, dtypes, "q"), c, out(o, dtypes, "out"), out(lse, "f32", "softmax_lse"),
                                         options);
