@@ -89,10 +89,10 @@ TEST(Errors, MismatchedDtypes) {
 }
 
 TEST(Errors, HeadDimOutOfRange) {
-  for (std::int64_t d : {513, 1000}) {
+  for (std::int64_t d : {577, 1000}) {
     const Tensor q = random_tensor(DType::f32, {1, 2, 1, d}, 1);
     expect_error([&] { forward(q.view(), q.view(), q.view()); },
-                 {"head_dim: " + std::to_string(d), "[1, 512]"});
+                 {"head_dim: " + std::to_string(d), "[1, 576]"});
   }
   const Tensor q(DType::f32, {1, 2, 1, 0});
   expect_error([&] { forward(q.view(), q.view(), q.view()); }, {"head_dim: 0"});

@@ -536,10 +536,12 @@ void expect_fp8_codes_read_on_every_layout(ForwardKernel kernel) {
   struct Shape {
     std::int64_t hq, hkv, d, dv;
   };
-  const Shape shapes[] = {{6, 2, 40, 24}, {16, 2, 128, 128}, {2, 2, 3, 5}, {4, 1, 256, 64}};
+  // The last: DeepSeek's MLA decode (tests/test_mla.cpp), above decode_fp16's head_dim bound of 512.
+  const Shape shapes[] = {{6, 2, 40, 24}, {16, 2, 128, 128}, {2, 2, 3, 5}, {4, 1, 256, 64}, {16, 1, 576, 512}};
   constexpr std::int64_t keys = 339;
   for_each_simd_target([&](const std::string&) {
     for (const Shape& s : shapes) {
+      if (kernel == ForwardKernel::decode_fp16 && s.d > 512) continue;  // an Error: Mla.DecodeFp16IsNeverPlannedAboveItsHeadDim
       SCOPED_TRACE("Hq " + std::to_string(s.hq) + " Hkv " + std::to_string(s.hkv) + " D " + std::to_string(s.d) +
                    " Dv " + std::to_string(s.dv));
       Tensor q = random_tensor(DType::f32, {1, 1, s.hq, s.d}, 80);

@@ -46,7 +46,11 @@ struct AttentionProblem {
   static constexpr float kDefaultRescaleThreshold = 8.0f;
   static constexpr float kMaxRescaleThreshold = 64.0f;
 
-  static constexpr std::int64_t kMaxHeadDim = 512;
+  // The largest head_dim and head_dim_v: 576 takes DeepSeek's absorbed MLA decode (K rows of
+  // 512 latent + 64 rotary features, V the 512 latent ones). Every kernel sizes its workspace
+  // from the problem; decode_fp16 alone has a lower bound of its own (fp16_decode.hpp), and
+  // the planner never chooses it above that.
+  static constexpr std::int64_t kMaxHeadDim = 576;
 
   // Validates q, k, v (and their consistency) and resolves the options.
   static AttentionProblem from_inputs(const TensorView& q, const TensorView& k,

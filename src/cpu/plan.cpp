@@ -92,8 +92,12 @@ ForwardKernel choose_kernel(const AttentionProblem& p, DType kv_dtype, const Cpu
     return requested;
   }
   const std::int64_t rows = p.heads_q / p.heads_kv * p.seqlen_q;  // per kv head
-  static_assert(AttentionProblem::kMaxHeadDim <= cpu::fp16dot::kMaxHeadDim, "decode_fp16 takes every head dim");
-  const bool fp16_decode = kv_dtype == DType::u8 && rows <= kDecodeRows && hw.decode_fp16;
+  // decode_fp16's half-precision sums of Q·Kᵀ are bounded for head_dim ≤ its own limit.
+  if (requested == ForwardKernel::decode_fp16 && p.head_dim > cpu::fp16dot::kMaxHeadDim)
+    throw Error("kernel decode_fp16: head_dim " + std::to_string(p.head_dim) + " above its limit " +
+                std::to_string(cpu::fp16dot::kMaxHeadDim) + " (half-precision partial sums); use kernel decode or auto");
+  const bool fp16_decode =
+      kv_dtype == DType::u8 && rows <= kDecodeRows && p.head_dim <= cpu::fp16dot::kMaxHeadDim && hw.decode_fp16;
   if (requested == ForwardKernel::decode_fp16 && !fp16_decode)
     throw Error("kernel decode_fp16: needs an FP8 (e4m3) KV cache (k/v: " + std::string(to_string(kv_dtype)) +
                 "), at most " + std::to_string(kDecodeRows) + " query rows per kv head (heads_q / heads_kv · seqlen_q: " +

@@ -5,7 +5,8 @@
 //   S = Q·Kᵀ: q rows are scaled by a power of two to a largest magnitude in [128, 256) and
 //     rounded to half; each lane sums D/32 products in order, then four lanes add in a
 //     two-level tree, then the sums go on in float32. A product is at most 256 · 1.875 (codes
-//     read as halves 2^-8 times their values), so for D ≤ kMaxHeadDim nothing overflows.
+//     read as halves 2^-8 times their values), so for D ≤ kMaxHeadDim nothing overflows; the
+//     planner never chooses the kernel above it, and asking for it there is an Error.
 //   õ += P·V: P, times the V descale and a power of two that keeps it ≤ 256, is rounded to
 //     half; two runs of kAccumulateKeys keys are each summed in order and then added in half
 //     (≤ 16 · 256 · 1.875), then added to the float32 õ.
