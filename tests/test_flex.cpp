@@ -320,6 +320,13 @@ TEST(Flex, BadInputNamesTheArgument) {
   const Fp8Tensor q8 = quantize_fp8(in.q.view(), Fp8Format::e4m3), k8 = quantize_fp8(in.k.view(), Fp8Format::e4m3);
   expect_error([&] { forward_fp8(q8.view(), k8.view(), k8.view(), DType::f32, o); },
                {"score_hook: not supported by forward_fp8"});
+  const Tensor bias = random_tensor(DType::f32, {1, 1, s.seqlen_q, s.seqlen_k}, 5);
+  Tensor dbias(DType::f32, {1, 1, s.seqlen_q, s.seqlen_k});
+  o.score_hook = masks.hook();
+  o.attn_mask = bias.view();
+  o.dbias = dbias.view();
+  expect_error([&] { backward(in.dout.view(), in.q.view(), in.k.view(), in.v.view(), fwd.out.view(), fwd.lse.view(), o); },
+               {"dbias: not supported with a score_hook"});
 }
 
 }  // namespace

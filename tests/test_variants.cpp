@@ -307,6 +307,8 @@ TEST(Variants, AttnMaskBiasGradient) {
     check_variant({1, 61, 77, 4, 2, 24, 24}, "causal+softcap+dbias+bias11", DType::f32, seed++, true, 3);
     check_variant({2, 2, 90, 4, 1, 40, 40}, "dbias+biash", DType::f32, seed++, false, 2);
   });
+  // Per-head dbias broadcast over the batch without grouped heads: each kv head adds into its own head.
+  for (int threads : {1, 3}) check_variant({3, 41, 57, 3, 3, 24, 24}, "dbias+biash", DType::f32, seed++, false, threads);
   check_variant({2, 97, 97, 4, 2, 32, 24}, "dbias+biasfull", DType::bf16, seed++, false, 2);
   check_variant({2, 97, 97, 4, 2, 32, 24}, "causal+dbias+biasbf16", DType::bf16, seed++, false, 3);
 

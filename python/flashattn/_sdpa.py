@@ -7,7 +7,8 @@ library's causal_alignment "top_left"), attn_mask the library's dense attn_mask 
 True keeps; float: added to the scaled scores), broadcast from the right as SDPA's.
 
 Torch tensors go through the custom ops flashattn::sdpa_fwd / flashattn::sdpa_bwd (fake
-kernels for torch.compile, autograd for dq, dk, dv); NumPy arrays are forward only.
+kernels for torch.compile, autograd for dq, dk, dv and a float attn_mask's gradient, the
+library's dbias summed over the mask's broadcast dims); NumPy arrays are forward only.
 """
 
 from __future__ import annotations
@@ -51,9 +52,6 @@ def _check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
         floating = attn_mask.dtype.is_floating_point
         if attn_mask.dtype != torch.bool and not floating:
             raise TypeError(f"attn_mask: dtype {attn_mask.dtype} is neither bool nor floating")
-        if floating and attn_mask.requires_grad and torch.is_grad_enabled():
-            raise NotImplementedError("attn_mask: its gradient (dbias) is not supported yet; pass attn_mask.detach() "
-                                      "or a mask that does not require grad")
     elif isinstance(attn_mask, np.ndarray):
         if attn_mask.dtype != np.bool_ and attn_mask.dtype not in _impl._NUMPY_DTYPES:
             raise TypeError(f"attn_mask: dtype {attn_mask.dtype} is neither bool nor float32, float16, bfloat16")
@@ -82,7 +80,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     dims are read once, never expanded. is_causal: key j visible to query i iff j <= i
     (top-left). scale: default 1/sqrt(D). enable_gqa: Hq a multiple of Hkv. dropout_p: the
     library's dropout (its own RNG, seeded from torch's generator: the masks differ from
-    torch's). Gradients of query, key and value through autograd; not of attn_mask."""
+    torch's). Gradients of query, key, value and a float attn_mask through autograd (the
+    mask's in its own shape and dtype, summed over its broadcast dims, as torch's)."""
     _check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     scale = None if scale is None else float(scale)
     if _impl._is_tensor(query):
@@ -111,10 +110,17 @@ def _sdpa_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], drop
 
 def _sdpa_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse: Tensor,
               attn_mask: Optional[Tensor], dropout_p: float, is_causal: bool, scale: Optional[float],
-              rng_state: Optional[Tensor], num_threads: int) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv (B, S, H, D), contiguous, of sum(dout * out)."""
+              rng_state: Optional[Tensor], num_threads: int,
+              attn_mask_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """dq, dk, dv (B, S, H, D), contiguous, of sum(dout * out), and with attn_mask_grad the
+    float attn_mask's gradient in its shape and dtype (else an empty (0,) tensor)."""
     o = _opts(attn_mask, dropout_p, is_causal, scale, rng_state, num_threads)
-    return _impl._backward(dout, q, k, v, out, softmax_lse, o)
+    if not attn_mask_grad:
+        return (*_impl._backward(dout, q, k, v, out, softmax_lse, o), q.new_empty((0,)))
+    dbias = torch.zeros((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape), dtype=torch.float32)
+    o.dbias = dbias.numpy()
+    dq, dk, dv = _impl._backward(dout, q, k, v, out, softmax_lse, o)
+    return dq, dk, dv, dbias.reshape(attn_mask.shape).to(attn_mask.dtype)
 
 
 if torch is not None:
@@ -127,8 +133,10 @@ if torch is not None:
         return q.new_empty((b, sq, hq, v.shape[-1])), q.new_empty((b, hq, sq), dtype=torch.float32)
 
     @sdpa_bwd.register_fake
-    def _(dout, q, k, v, *args):
-        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    def _(dout, q, k, v, out, softmax_lse, attn_mask, dropout_p, is_causal, scale, rng_state, num_threads,
+          attn_mask_grad):
+        dmask = attn_mask.new_empty(attn_mask.shape) if attn_mask_grad else q.new_empty((0,))
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dmask
 
     def _setup(ctx, inputs, output):
         q, k, v, attn_mask, dropout_p, is_causal, scale, rng_state, num_threads = inputs
@@ -143,8 +151,9 @@ if torch is not None:
         mask = rest.pop(0) if ctx.has_mask else None
         rng = rest.pop(0) if ctx.has_rng else None
         dropout_p, is_causal, scale, num_threads = ctx.options
-        dq, dk, dv = torch.ops.flashattn.sdpa_bwd(dout.to(q.dtype), q, k, v, out, lse, mask, dropout_p, is_causal,
-                                                  scale, rng, num_threads)
-        return dq, dk, dv, None, None, None, None, None, None
+        mask_grad = ctx.needs_input_grad[3]
+        dq, dk, dv, dmask = torch.ops.flashattn.sdpa_bwd(dout.to(q.dtype), q, k, v, out, lse, mask, dropout_p,
+                                                         is_causal, scale, rng, num_threads, mask_grad)
+        return dq, dk, dv, dmask if mask_grad else None, None, None, None, None, None
 
     torch.library.register_autograd("flashattn::sdpa_fwd", _backward, setup_context=_setup)

@@ -2,12 +2,13 @@
 
 Every combination of mask (none, bool, float) and its broadcast shape, is_causal (top-left,
 Sq != Sk both ways), enable_gqa, scale and dtype (float32, bfloat16), forward and backward
-(dq, dk, dv), with the project's tolerance rule: the float64 reference is torch's SDPA in
+(dq, dk, dv, and a float mask's gradient in its own shape and dtype, as torch's
+attn_mask.grad), with the project's tolerance rule: the float64 reference is torch's SDPA in
 float64, the naive same-precision implementation SDPA's formula in torch ops on the inputs'
 dtype (every product, score and probability rounded to it); float32: error <= 1e-5 out /
-1e-4 grads; bfloat16: <= 2x / 3x the naive one's error. Then
-dropout (the library's RNG, as flash_attn_func's), NumPy arrays, bad inputs, opcheck and
-torch.compile(fullgraph=True). Skipped without torch."""
+1e-4 grads; bfloat16: <= 2x / 3x the naive one's error. Then an
+expanded mask's gradient, dropout (the library's RNG, as flash_attn_func's), NumPy arrays,
+bad inputs, opcheck and torch.compile(fullgraph=True), mask gradient included. Skipped without torch."""
 
 import numpy as np
 import pytest
@@ -63,10 +64,12 @@ def naive_sdpa(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=
     return torch.softmax(s, dim=-1) @ v
 
 
-def run(fn, q, k, v, dout, **kw):
+def run(fn, q, k, v, dout, grad_of=(), **kw):
+    """out and the gradients of q, k, v and of the keyword arguments named in grad_of."""
     q, k, v = (x.detach().requires_grad_(True) for x in (q, k, v))
+    kw.update({name: kw[name].detach().requires_grad_(True) for name in grad_of})
     out = fn(q, k, v, **kw)
-    return (out, *torch.autograd.grad(out, (q, k, v), dout))
+    return (out, *torch.autograd.grad(out, (q, k, v, *(kw[name] for name in grad_of)), dout))
 
 
 def within(name, got, ref, naive, dtype, grad, context):
@@ -91,7 +94,7 @@ def test_matches_torch(mask, seqlens, gqa, scale, dtype):
     seed = seed_for("sdpa", kind, shape, is_causal, seqlens, gqa, scale, dtype)
     gen, q, k, v, dout = inputs(seed, b, hq, hkv, sq, sk, d, dt)
     attn_mask = None if kind == "none" else make_mask(gen, kind, MASK_SHAPES[shape](b, hq, sq, sk), dt)
-    kw = dict(is_causal=is_causal, scale=scale, enable_gqa=gqa)
+    kw = dict(is_causal=is_causal, scale=scale, enable_gqa=gqa, grad_of=("attn_mask",) if kind == "float" else ())
     got = run(flashattn.scaled_dot_product_attention, q, k, v, dout, attn_mask=attn_mask, **kw)
     naive = run(naive_sdpa, q, k, v, dout, attn_mask=attn_mask, **kw)
     ref_mask = attn_mask if attn_mask is None or kind == "bool" else attn_mask.double()
@@ -99,7 +102,9 @@ def test_matches_torch(mask, seqlens, gqa, scale, dtype):
               **kw)
     context = f"seed={seed}"
     assert got[0].shape == (b, hq, sq, d) and got[0].dtype == dt
-    for name, g, r, n in zip(("out", "dq", "dk", "dv"), got, ref, naive):
+    if kind == "float":
+        assert got[4].shape == attn_mask.shape and got[4].dtype == dt
+    for name, g, r, n in zip(("out", "dq", "dk", "dv", "dmask"), got, ref, naive):
         within(name, g, r, n, dt, name != "out", context)
 
 
@@ -119,6 +124,27 @@ def test_expanded_mask_read_in_place():
     m = (torch.rand(20, 30, generator=gen) > 0.4).expand(2, 4, 20, 30)
     torch.testing.assert_close(flashattn.scaled_dot_product_attention(q, k, v, attn_mask=m),
                                F.scaled_dot_product_attention(q, k, v, attn_mask=m), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
+def test_expanded_mask_gradient(dtype):
+    """A float mask expanded (stride 0) from (Sq, Sk) to (B, Hq, Sq, Sk) and requiring grad
+    through the expand: its leaf's gradient, summed over the expanded dims, is torch's."""
+    dt = DTYPES[dtype]
+    seed = seed_for("expand_grad", dtype)
+    gen, q, k, v, dout = inputs(seed, 2, 4, 2, 19, 27, 16, dt)
+    leaf = make_mask(gen, "float", (19, 27), dt)
+    expanded = lambda m: m.expand(2, 4, 19, 27)  # noqa: E731
+    grads = [run(lambda q, k, v, m: fn(q, k, v, attn_mask=expanded(m), scale=0.4, enable_gqa=True), *args,
+                 grad_of=("m",), m=m)
+             for fn, args, m in ((flashattn.scaled_dot_product_attention, (q, k, v, dout), leaf),
+                                 (naive_sdpa, (q, k, v, dout), leaf),
+                                 (F.scaled_dot_product_attention, (q.double(), k.double(), v.double(), dout.double()),
+                                  leaf.double()))]
+    got, naive, ref = grads
+    assert got[4].shape == (19, 27) and got[4].dtype == dt
+    for name, g, r, n in zip(("out", "dq", "dk", "dv", "dmask"), got, ref, naive):
+        within(name, g, r, n, dt, name != "out", f"seed={seed}")
 
 
 def test_numpy_arrays():
@@ -169,10 +195,8 @@ def test_dropout_is_the_librarys():
     (lambda q, k, v: flashattn.scaled_dot_product_attention(q, k, v, scale="x"), TypeError, "scale"),
     (lambda q, k, v: flashattn.scaled_dot_product_attention(q, k.numpy(), v), TypeError, "mix"),
     (lambda q, k, v: flashattn.scaled_dot_product_attention(q.to(torch.float64), k, v), TypeError, "query: dtype"),
-    (lambda q, k, v: flashattn.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(8, 9, requires_grad=True)),
-     NotImplementedError, "dbias"),
 ], ids=["rank", "causal_and_mask", "heads", "mask_dtype", "mask_shape", "mask_rank", "mask_type", "dropout",
-        "scale", "mixed", "float64", "mask_grad"])
+        "scale", "mixed", "float64"])
 def test_bad_inputs_name_the_argument(call, error, fragment):
     _, q, k, v, _ = inputs(1, 1, 2, 2, 8, 9, 8, torch.float32)
     with pytest.raises(error, match=fragment):
@@ -183,8 +207,16 @@ def test_opcheck():
     gen, q, k, v, _ = inputs(seed_for("opcheck"), 1, 2, 2, 9, 12, 8, torch.float32)
     m = torch.rand(1, 1, 9, 12, generator=gen) > 0.3
     t = lambda x: x.transpose(1, 2).requires_grad_(True)  # noqa: E731
-    for mask, causal in ((None, True), (m, False), (torch.randn(1, 2, 9, 12, generator=gen), False)):
+    bias = torch.randn(1, 2, 9, 12, generator=gen)
+    for mask, causal in ((None, True), (m, False), (bias, False), (bias.detach().requires_grad_(True), False)):
         torch.library.opcheck(torch.ops.flashattn.sdpa_fwd, (t(q), t(k), t(v), mask, 0.0, causal, None, None, 1))
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    mask2d = bias[0, 0]
+    out, lse = torch.ops.flashattn.sdpa_fwd(qt, kt, vt, mask2d, 0.0, False, 0.3, None, 1)
+    dout = torch.randn(out.shape, generator=gen)
+    for mask, mask_grad in ((None, False), (mask2d, False), (mask2d, True)):
+        torch.library.opcheck(torch.ops.flashattn.sdpa_bwd, (dout, qt, kt, vt, out, lse, mask, 0.0, False, 0.3, None, 1,
+                                                             mask_grad))
 
 
 def test_compile_fullgraph_matches_eager():
@@ -194,7 +226,7 @@ def test_compile_fullgraph_matches_eager():
     def f(q, k, v, m):
         return flashattn.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=0.2, enable_gqa=True) * 2.0
 
-    eager = run(f, q, k, v, dout, m=m)
-    compiled = run(torch.compile(f, fullgraph=True, backend="aot_eager"), q, k, v, dout, m=m)
+    eager = run(f, q, k, v, dout, grad_of=("m",), m=m)
+    compiled = run(torch.compile(f, fullgraph=True, backend="aot_eager"), q, k, v, dout, grad_of=("m",), m=m)
     for e, c in zip(eager, compiled):
         torch.testing.assert_close(c, e, atol=0, rtol=0)

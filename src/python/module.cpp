@@ -99,6 +99,7 @@ struct Options {
   std::int64_t block_mask_block_size = 0;
   std::optional<Array> attn_mask;         // rank 4, broadcastable to (batch, heads_q, seqlen_q, seqlen_k)
   std::string attn_mask_dtype = "u8";     // "u8" (a boolean mask) or a bias's floating dtype
+  std::optional<Array> dbias;             // backward only: float32 of attn_mask's shape receives the bias's gradient
   std::string causal_alignment = "bottom_right";  // or "top_left" (SDPA's is_causal)
   std::string kernel = "auto";           // AttentionOptions::kernel by name
   std::string backward_kernel = "auto";  // AttentionOptions::backward_kernel by name
@@ -121,6 +122,7 @@ struct Options {
     o.block_mask = optional_in(block_mask, "u8", "block_mask");
     o.block_mask_block_size = block_mask_block_size;
     o.attn_mask = optional_in(attn_mask, attn_mask_dtype, "attn_mask");
+    if (dbias) o.dbias = out(*dbias, "f32", "dbias");
     o.causal_alignment = flashattn::parse_causal_alignment(causal_alignment);
     o.kernel = flashattn::parse_forward_kernel(kernel);
     o.backward_kernel = flashattn::parse_backward_kernel(backward_kernel);
@@ -221,6 +223,7 @@ NB_MODULE(_C, m) {
       .def_rw("block_mask_block_size", &Options::block_mask_block_size)
       .def_rw("attn_mask", &Options::attn_mask)
       .def_rw("attn_mask_dtype", &Options::attn_mask_dtype)
+      .def_rw("dbias", &Options::dbias)
       .def_rw("causal_alignment", &Options::causal_alignment)
       .def_rw("kernel", &Options::kernel)
       .def_rw("backward_kernel", &Options::backward_kernel);

@@ -246,7 +246,7 @@ void AddDbiasTile(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t
   const std::int64_t bkv = b * prm.problem.heads_kv + kv_head;
   WaitForTicket(prm.dbias_tickets[kb], bkv);
   for (std::int64_t plane = 0; plane < t.planes; ++plane) {
-    float* out = static_cast<float*>(db.data) + DbiasOffset(db, b, t.planes > 1 ? kv_head * t.planes + plane : 0, j0);
+    float* out = static_cast<float*>(db.data) + DbiasOffset(db, b, kv_head * t.planes + plane, j0);
     for (std::int64_t r = 0; r < t.rows; ++r)
       AddDbiasRow(ws.dbias_tile.get() + (plane * t.rows + r) * t.cols, t.cols > 1 ? n : 1, out + r * db.strides[2],
                   t.cols > 1 ? db.strides[3] : 0);
