@@ -44,21 +44,24 @@ void cpu::run_backward(const detail::BackwardJob& job) {
   } else {
     dq_locks = std::make_unique<std::mutex[]>(cpu::kDqLockStripes);
   }
-  // dbias: items of different (batch, kv head) share its elements where it broadcasts over
-  // the batch, or over the q heads of more than one kv head; they add in a fixed order then.
+  // dbias: items share its elements where it broadcasts over the batch, over the q heads of
+  // more than one kv head, or over the keys of more than one K/V block; they add in a fixed
+  // order then (in item order when the keys broadcast, else per K/V block).
   const MutableTensorView& dbias = options.dbias;
-  const bool dbias_shared = dbias.data != nullptr && ((dbias.shape[0] == 1 && p.batch > 1) ||
-                                                      (dbias.shape[1] == 1 && p.heads_kv > 1));
+  const bool dbias_in_item_order = dbias.data != nullptr && dbias.shape[3] == 1 && plan.k_blocks > 1;
+  const bool dbias_shared = dbias_in_item_order || (dbias.data != nullptr && ((dbias.shape[0] == 1 && p.batch > 1) ||
+                                                                              (dbias.shape[1] == 1 && p.heads_kv > 1)));
   std::unique_ptr<std::atomic<std::int64_t>[]> dbias_tickets;
   if (dbias_shared) {
-    dbias_tickets = std::make_unique<std::atomic<std::int64_t>[]>(static_cast<std::size_t>(plan.k_blocks));
-    for (std::int64_t kb = 0; kb < plan.k_blocks; ++kb) dbias_tickets[kb].store(0, std::memory_order_relaxed);
+    const std::int64_t tickets = dbias_in_item_order ? 1 : plan.k_blocks;
+    dbias_tickets = std::make_unique<std::atomic<std::int64_t>[]>(static_cast<std::size_t>(tickets));
+    for (std::int64_t t = 0; t < tickets; ++t) dbias_tickets[t].store(0, std::memory_order_relaxed);
   }
   const cpu::BackwardParams params{p, job.internals, plan, job.dout, job.q, job.k, job.v, job.out, job.lse,
                                    job.dq, job.dk, job.dv,
                                    options.alibi_slopes, options.block_mask, options.attn_mask, options.score_hook,
                                    delta.get(), dq_accum.get(), dq_locks.get(), dq_tickets.get(),
-                                   dbias, dbias_shared, dbias_tickets.get()};
+                                   dbias, dbias_shared, dbias_in_item_order, dbias_tickets.get()};
   // Items are handed out strictly in order (an atomic counter, not an OpenMP schedule):
   // the deterministic mode's tickets rely on K/V block kb − 1 starting before kb.
   std::atomic<std::int64_t> next_item{0};

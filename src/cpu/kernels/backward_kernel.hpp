@@ -35,12 +35,15 @@ struct BackwardParams {
   // allowed to add its share, so every Q tile sums its shares in K/V-block order.
   std::atomic<std::int64_t>* dq_tickets = nullptr;
   // options.dbias (float32, attn_mask's shape, zeroed by the driver); null data when not
-  // requested. dbias_shared: work items of different (batch, kv head) add into the same
-  // elements (dbias broadcast over the batch, or over heads of several kv heads), so each
-  // item sums its share in its workspace's dbias_tile and adds it in (batch, kv head) order:
-  // dbias_tickets[k block] holds the next batch·heads_kv + kv head allowed to add.
+  // requested. dbias_shared: work items add into the same elements (dbias broadcast over the
+  // batch, over heads of several kv heads, or over the keys of several K/V blocks), so each
+  // item sums its share in its workspace's dbias_tile and adds it in a fixed order: with
+  // dbias_in_item_order (keys broadcast), one ticket holding the next work item allowed to
+  // add (items are claimed in increasing order, so the wait ends); else dbias_tickets[k
+  // block] holding the next batch·heads_kv + kv head allowed to add.
   MutableTensorView dbias;
   bool dbias_shared = false;
+  bool dbias_in_item_order = false;
   std::atomic<std::int64_t>* dbias_tickets = nullptr;
 };
 

@@ -237,21 +237,24 @@ void AddDbiasRow(const float* HWY_RESTRICT ds, std::int64_t n, float* HWY_RESTRI
   }
 }
 
-// A shared dbias: item (b, kv head, k block)'s dbias_tile added into dbias once the items of
-// the same k block and lower batch·heads_kv + kv head have added theirs.
+// A shared dbias: item (b, kv head, k block)'s dbias_tile added into dbias once every lower
+// item (dbias_in_item_order), else the items of the same k block and lower
+// batch·heads_kv + kv head, have added theirs.
 void AddDbiasTile(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t b, std::int64_t kv_head,
                   std::int64_t kb, std::int64_t j0, std::int64_t n) {
   const MutableTensorView& db = prm.dbias;
   const DbiasTileShape t(prm.plan, prm.problem, db);
   const std::int64_t bkv = b * prm.problem.heads_kv + kv_head;
-  WaitForTicket(prm.dbias_tickets[kb], bkv);
+  std::atomic<std::int64_t>& ticket = prm.dbias_tickets[prm.dbias_in_item_order ? 0 : kb];
+  const std::int64_t turn = prm.dbias_in_item_order ? bkv * prm.plan.k_blocks + kb : bkv;
+  WaitForTicket(ticket, turn);
   for (std::int64_t plane = 0; plane < t.planes; ++plane) {
     float* out = static_cast<float*>(db.data) + DbiasOffset(db, b, kv_head * t.planes + plane, j0);
     for (std::int64_t r = 0; r < t.rows; ++r)
       AddDbiasRow(ws.dbias_tile.get() + (plane * t.rows + r) * t.cols, t.cols > 1 ? n : 1, out + r * db.strides[2],
                   t.cols > 1 ? db.strides[3] : 0);
   }
-  prm.dbias_tickets[kb].store(bkv + 1, std::memory_order_release);
+  ticket.store(turn + 1, std::memory_order_release);
 }
 
 // For the Q tile against K/V tile `j0` (n keys, n_pad columns), from S' in p_tile and dP in
