@@ -317,6 +317,12 @@ TEST(Flex, BadInputNamesTheArgument) {
   cache.k_cache = k_cache.view();
   cache.v_cache = v_cache.view();
   expect_error([&] { forward_with_kvcache(in.q.view(), cache, o); }, {"score_hook: not supported by forward_with_kvcache"});
+  PagedKvBatch paged;
+  paged.k_cache = k_cache.view();
+  paged.v_cache = v_cache.view();
+  Tensor out3(DType::f32, {20, 2, 16}), lse3(DType::f32, {2, 20});
+  expect_error([&] { forward_varlen_paged(q3.view(), cu.view(), 20, paged, out3.view(), lse3.view(), o); },
+               {"score_hook: not supported by forward_varlen_paged"});
   const Fp8Tensor q8 = quantize_fp8(in.q.view(), Fp8Format::e4m3), k8 = quantize_fp8(in.k.view(), Fp8Format::e4m3);
   expect_error([&] { forward_fp8(q8.view(), k8.view(), k8.view(), DType::f32, o); },
                {"score_hook: not supported by forward_fp8"});
