@@ -1,7 +1,5 @@
 #include "tools/cli/measure.hpp"
 
-#include <omp.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
