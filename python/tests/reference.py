@@ -357,3 +357,25 @@ def attention_bruteforce(q, k, v, softmax_scale=None, causal=False, window_size=
                 for j, s in scores.items():
                     out[b, i, h, :] += np.exp(s - mx) / total * v[b, j, hk, :]
     return out, lse
+
+
+# --------------------------------------------------------------------------- FP8 cache kernels
+
+
+def fp8_tolerance(kernel):
+    """Of max|v|: float32 rounding (decode), or four half-precision roundings (decode_fp16:
+    half-precision products, short half-precision sums; tests/test_kvcache.cpp holds it to a
+    half-precision yardstick)."""
+    return 2.0**-9 if kernel == "decode_fp16" else 1e-4
+
+
+def run_kernel(kernel, call):
+    """call()'s result; a visible skip where this CPU lacks the kernel (decode_fp16 without
+    AVX512-FP16), which must be the only reason the call fails."""
+    import pytest
+
+    try:
+        return call()
+    except ValueError as e:
+        assert kernel == "decode_fp16" and "AVX512-FP16 (this one: no)" in str(e), str(e)
+        pytest.skip(f"no AVX512-FP16 on this CPU: {kernel} cannot run here")

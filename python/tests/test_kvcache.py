@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import flashattn
+from reference import fp8_tolerance, run_kernel
 
 
 def rotary_tables(positions, half):
@@ -133,23 +134,6 @@ def logical(cache, scale, table, b, n, page_size):
         return decode(cache[b], scale[b])[:n]
     pages = [decode(cache[p], scale[p]) for p in table[b]]
     return np.concatenate(pages)[:n]
-
-
-def fp8_tolerance(kernel):
-    """Of max|v|: float32 rounding (decode), or four half-precision roundings (decode_fp16:
-    half-precision products, short half-precision sums; tests/test_kvcache.cpp holds it to a
-    half-precision yardstick)."""
-    return 2.0**-9 if kernel == "decode_fp16" else 1e-4
-
-
-def run_kernel(kernel, call):
-    """call()'s result; a visible skip where this CPU lacks the kernel (decode_fp16 without
-    AVX512-FP16), which must be the only reason the call fails."""
-    try:
-        return call()
-    except ValueError as e:
-        assert kernel == "decode_fp16" and "AVX512-FP16 (this one: no)" in str(e), str(e)
-        pytest.skip(f"no AVX512-FP16 on this CPU: {kernel} cannot run here")
 
 
 @pytest.mark.parametrize("kernel", ["decode", "decode_fp16"])
