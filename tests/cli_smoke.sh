@@ -209,6 +209,32 @@ assert c["case"] == "smoke" and c["speedup_vs_per_sequence"] > 0 and c["decode_g
 PY
 echo "cli smoke (serve): ok"
 
+# The mask forms, small: the document mask as mask_mod, varlen and a dense boolean mask give
+# varlen's output; every form a fraction of its peak on the visible pairs; the ratios reported.
+"$cli" bench --ops masks_smoke --json --repeats 5 --sgemm-size 64 --threads 2 > "$work/masks.json" 2> "$work/err.txt"
+python3 - "$work/masks.json" <<'PY'
+import json, sys
+j = json.load(open(sys.argv[1]))
+cases = {c["form"]: c for c in j["cases"] if c["op"] == "masks"}
+assert sorted(cases) == sorted(["unmasked", "causal", "varlen", "mask_mod", "dense_bool", "score_mod"]), cases
+tokens, length, heads = 4 * 40, 40, 2
+pairs = {"unmasked": tokens * tokens * heads, "causal": tokens * (tokens + 1) // 2 * heads,
+         "score_mod": tokens * (tokens + 1) // 2 * heads}
+for form, c in cases.items():
+    assert c["case"] == "smoke" and c["seconds"] > 0 and c["kernel"], c
+    assert c["visible_pairs"] == pairs.get(form, 4 * length * (length + 1) // 2 * heads), c
+    assert abs(c["gflops"] - 4 * c["dim"] * c["visible_pairs"] / c["seconds"] * 1e-9) <= 1e-6 * c["gflops"], c
+    assert 0 < c["fraction_of_peak"] < 1, c
+for form in ("mask_mod", "dense_bool"):
+    assert cases[form]["max_diff_vs_varlen"] < 1e-5, cases[form]
+(r,) = j["mask_ratios"]
+for key, a, b in [("mask_mod_vs_varlen", "mask_mod", "varlen"), ("dense_bool_vs_unmasked", "dense_bool", "unmasked"),
+                  ("score_mod_vs_causal", "score_mod", "causal")]:
+    assert abs(r[key] - cases[a]["gflops"] / cases[b]["gflops"]) <= 1e-9 * r[key], (key, r)
+assert r["create_block_mask_seconds"] > 0, r
+PY
+echo "cli smoke (masks): ok"
+
 # The peaks beside the cases: the FMA loop measured, each bf16 peak measured or null with a
 # reason naming the CPU feature it lacks, and every timed case a fraction of the peak it names.
 "$cli" bench --ops fwd --seqlen 64 --heads 2 --dim 32 --threads 2 --json --repeats 5 --sgemm-size 64 \

@@ -2,6 +2,7 @@
 // a flashattn::Error naming the argument and the values, raised before any device work.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <functional>
 #include <string>
 #include <tuple>
@@ -9,6 +10,7 @@
 
 #include "flashattn/cuda_plan.hpp"
 #include "flashattn/flashattn.hpp"
+#include "flashattn/flex.hpp"
 
 namespace flashattn {
 namespace {
@@ -221,6 +223,50 @@ TEST(CudaApi, RescaleCountsPlansRunAndSinksAreRejectedOnCuda) {
                     view(2, DType::bf16, {1, 4, 1, 64}), output(3, DType::bf16, {1, 4, 2, 64}),
                     output(4, DType::f32, {1, 2, 4}), sinks);
   EXPECT_NE(sinks_msg.find("sinks are not supported on cuda"), std::string::npos) << sinks_msg;
+}
+
+// causal_alignment top_left and a score_hook: forward and backward name the option, and
+// the outputs (host bytes posing as device memory) stay as they were.
+TEST(CudaApi, TopLeftAndScoreHookAreRejectedOnCuda) {
+  alignas(16) static unsigned char buffers[9][1 << 12];
+  constexpr unsigned char kUnwritten = 0xA5;
+  for (auto& b : buffers) std::fill(std::begin(b), std::end(b), kUnwritten);
+  auto view = [](int i, DType dtype, std::initializer_list<std::int64_t> shape) {
+    return TensorView(buffers[i], dtype, shape).on(Device::cuda);
+  };
+  auto output = [](int i, DType dtype, std::initializer_list<std::int64_t> shape) {
+    return MutableTensorView(buffers[i], dtype, shape).on(Device::cuda);
+  };
+  AttentionOptions top_left;
+  top_left.causal = true;
+  top_left.causal_alignment = CausalAlignment::top_left;
+  const FlexMods mods([](auto s, std::int64_t, std::int64_t, std::int64_t q_idx, std::int64_t kv_idx) {
+    return s + 0.01f * static_cast<float>(q_idx - kv_idx);
+  });
+  AttentionOptions hooked;
+  hooked.score_hook = mods.hook();
+  for (const auto& [options, message] : {std::pair{top_left, "causal_alignment: top_left is not supported on cuda"},
+                                         std::pair{hooked, "score_hook: not supported on cuda"}}) {
+    SCOPED_TRACE(message);
+    EXPECT_EQ(forward_error(view(0, DType::bf16, {1, 4, 2, 64}), view(1, DType::bf16, {1, 4, 1, 64}),
+                            view(2, DType::bf16, {1, 4, 1, 64}), output(3, DType::bf16, {1, 4, 2, 64}),
+                            output(4, DType::f32, {1, 2, 4}), options),
+              message);
+    std::string backward_message = "no error";
+    try {
+      backward(view(8, DType::bf16, {1, 4, 2, 64}), view(0, DType::bf16, {1, 4, 2, 64}),
+               view(1, DType::bf16, {1, 4, 1, 64}), view(2, DType::bf16, {1, 4, 1, 64}),
+               view(3, DType::bf16, {1, 4, 2, 64}), view(4, DType::f32, {1, 2, 4}),
+               output(5, DType::bf16, {1, 4, 2, 64}), output(6, DType::bf16, {1, 4, 1, 64}),
+               output(7, DType::bf16, {1, 4, 1, 64}), options);
+    } catch (const Error& e) {
+      backward_message = e.what();
+    }
+    EXPECT_EQ(backward_message, message);
+    for (const auto& b : buffers)
+      EXPECT_TRUE(std::all_of(std::begin(b), std::end(b), [](unsigned char x) { return x == kUnwritten; }))
+          << "a rejected call wrote to buffer " << (&b - buffers);
+  }
 }
 
 TEST(CudaApi, PlansComeFromTheTileTable) {

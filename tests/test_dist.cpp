@@ -8,8 +8,10 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <utility>
 
 #include "flashattn/dist.hpp"
+#include "flashattn/flex.hpp"
 #include "tests/support/support.hpp"
 
 namespace flashattn::test {
@@ -356,6 +358,15 @@ TEST(Ring, UnsupportedOptionsAreErrorsOnEveryRank) {
   const auto ranges = dist::shard_ranges(p.seqlen_q, world_size(), world_rank(), layout);
   const Tensor q = shard_of(g.q, ranges, 1), k = shard_of(g.k, ranges, 1), v = shard_of(g.v, ranges, 1);
   Tensor out(p.dtype, q.shape()), lse(DType::f32, {p.batch, p.heads_q, q.shape()[1]});
+  // Sentinels that every rejected call must leave as they are.
+  constexpr float kUnwritten = 7.0f;
+  for (Tensor* t : {&out, &lse})
+    for (std::int64_t e = 0; e < t->numel(); ++e) t->set(e, kUnwritten);
+  const auto unwritten = [&](const Tensor& t) {
+    for (std::int64_t e = 0; e < t.numel(); ++e)
+      if (t.get(e) != kUnwritten) return false;
+    return true;
+  };
   const auto expect_error = [&](const AttentionOptions& options, const RingOptions& ring, const std::string& needle) {
     try {
       dist::ring_forward(q.view(), k.view(), v.view(), out.view(), lse.view(), options, ring);
@@ -363,6 +374,7 @@ TEST(Ring, UnsupportedOptionsAreErrorsOnEveryRank) {
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
     }
+    EXPECT_TRUE(unwritten(out) && unwritten(lse)) << "a call rejected for " << needle << " wrote out or lse";
   };
   AttentionOptions dropout = g.options;
   dropout.dropout_p = 0.1f;
@@ -381,6 +393,15 @@ TEST(Ring, UnsupportedOptionsAreErrorsOnEveryRank) {
   AttentionOptions counted = g.options;
   counted.rescale_counts = counts.view();
   expect_error(counted, ring_options(c, layout), "rescale_counts");
+  AttentionOptions top_left = g.options;
+  top_left.causal_alignment = CausalAlignment::top_left;
+  expect_error(top_left, ring_options(c, layout), "causal_alignment top_left is not supported by the ring");
+  const FlexMods mods([](auto s, std::int64_t, std::int64_t, std::int64_t q_idx, std::int64_t kv_idx) {
+    return s + 0.01f * static_cast<float>(q_idx - kv_idx);
+  });
+  AttentionOptions hooked = g.options;
+  hooked.score_hook = mods.hook();
+  expect_error(hooked, ring_options(c, layout), "score_hook is not supported by the ring");
   RingOptions bad_timeout = ring_options(c, layout);
   bad_timeout.timeout_seconds = 0.0;
   expect_error(g.options, bad_timeout, "timeout_seconds");
@@ -394,9 +415,22 @@ TEST(Ring, UnsupportedOptionsAreErrorsOnEveryRank) {
     if (world_rank() == 0) scaled.softmax_scale = 0.5f;
     expect_error(scaled, ring_options(c, layout), "softmax_scale");
   }
-  // Backward: a gradient that aliases an input, on every rank.
+  // Backward: the same options rejected by name, the gradients left unwritten ...
   Tensor dq(p.dtype, q.shape()), dk(p.dtype, k.shape()), dv(p.dtype, v.shape());
   const Tensor dout = shard_of(g.dout, ranges, 1);
+  for (Tensor* t : {&dq, &dk, &dv})
+    for (std::int64_t e = 0; e < t->numel(); ++e) t->set(e, kUnwritten);
+  for (const auto& [options, needle] : {std::pair{top_left, "causal_alignment top_left"}, std::pair{hooked, "score_hook"}}) {
+    try {
+      dist::ring_backward(dout.view(), q.view(), k.view(), v.view(), out.view(), lse.view(), dq.view(), dk.view(),
+                          dv.view(), options, ring_options(c, layout));
+      ADD_FAILURE() << "no error, expected one naming " << needle;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(std::string("ring_backward: ") + needle), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE(unwritten(dq) && unwritten(dk) && unwritten(dv)) << "a call rejected for " << needle << " wrote a gradient";
+  }
+  // ... and a gradient that aliases an input, on every rank.
   try {
     dist::ring_backward(dout.view(), q.view(), k.view(), v.view(), out.view(), lse.view(),
                         MutableTensorView(const_cast<void*>(q.data()), p.dtype, {p.batch, q.shape()[1], p.heads_q, p.head_dim}),

@@ -66,7 +66,26 @@ Variant make_variant(const Shape& s, const std::string& name, std::uint64_t seed
   // "biasfull" f32 (B, Hq, Sq, Sk), "bias11" f32 (1, 1, Sq, Sk), "biash" f32 (1, Hq, 1, Sk),
   // "biasf16" f16 (B, 1, Sq, Sk), "biascol" f32 (B, Hq, Sq, 1).
   // "dbias" (a bias, (B, 1, Sq, Sk) unless another is named) also asks the backward for dbias.
-  if (has("bmask") || has("bias")) {
+  // Boolean masks with whole tiles kept, hidden and mixed (the kernels' summary, empty /
+  // full / partial): keys in bands of 256 — band 0 kept, band 1 hidden, the rest random —
+  // swapped for rows from 150 on and in odd (batch, head) planes. "bmasktiles" (B, Hq, Sq, Sk),
+  // "bmasktiles11" (1, 1, Sq, Sk), "bmaskkeys" (1, Hq, 1, Sk), "bmaskrows" (B, 1, Sq, 1).
+  if (has("bmasktiles") || has("bmaskkeys") || has("bmaskrows")) {
+    const std::vector<std::int64_t> shape =
+        has("bmasktiles11") ? std::vector<std::int64_t>{1, 1, s.seqlen_q, s.seqlen_k}
+        : has("bmasktiles") ? std::vector<std::int64_t>{s.batch, s.heads_q, s.seqlen_q, s.seqlen_k}
+        : has("bmaskkeys")  ? std::vector<std::int64_t>{1, s.heads_q, 1, s.seqlen_k}
+                            : std::vector<std::int64_t>{s.batch, 1, s.seqlen_q, 1};
+    v.attn_mask = Tensor(DType::u8, shape);
+    const std::int64_t rows = shape[2], cols = shape[3];
+    for (std::int64_t e = 0; e < v.attn_mask.numel(); ++e) {
+      const std::int64_t plane = e / (rows * cols), i = e / cols % rows, j = e % cols;
+      const bool swap = (i >= 150) != (plane % 2 == 1);
+      const bool kept = j / 256 == 0 ? !swap : j / 256 == 1 ? swap : rng() % 3 != 0;
+      v.attn_mask.set(e, (has("bmaskrows") ? i % 5 != 2 : kept) ? 1.0f : 0.0f);
+    }
+    v.options.attn_mask = v.attn_mask.view();
+  } else if (has("bmask") || has("bias")) {
     const bool boolean = has("bmask");
     const std::vector<std::int64_t> shape =
         has("bmask1") || has("bias11") ? std::vector<std::int64_t>{1, 1, s.seqlen_q, s.seqlen_k}
@@ -289,6 +308,28 @@ TEST(Variants, TopLeftRejectedByName) {
 // (1, Hq, 1, Sk), (B, Hq, Sq, 1) — against the float64 reference, with causal, softcap, ALiBi, dropout, every
 // forward shape of kShapes, 1–3 threads, every SIMD target; from one forward's out and lse, the
 // same dbias bits for 1, 2 and 3 threads.
+// A boolean attn_mask whose tiles are kept whole, hidden whole or mixed (the kernels read
+// only the mixed ones, skip the hidden ones): odd sizes, every forward kernel, broadcast
+// planes, 1–3 threads; hidden tiles are skipped.
+TEST(Variants, AttnMaskTiles) {
+  std::uint64_t seed = 900;
+  const Shape shapes[] = {{2, 203, 700, 4, 2, 40, 40}, {1, 301, 555, 2, 1, 24, 24}, {2, 3, 700, 4, 2, 40, 40}};
+  for (const Shape& s : shapes)
+    for (const char* v : {"bmasktiles", "bmasktiles11", "bmaskkeys", "bmaskrows", "causal+bmasktiles"})
+      for (int threads : {1, 2, 3}) check_variant(s, v, DType::f32, seed++, threads == 3, threads);
+  const Shape s = shapes[0];
+  for (int threads : {1, 2, 3}) {
+    Variant var = make_variant(s, "bmasktiles", seed);
+    KernelCounters counters;
+    var.options.counters = &counters;
+    var.options.num_threads = threads;
+    const Tensor q = random_tensor(DType::f32, {s.batch, s.seqlen_q, s.heads_q, s.head_dim}, seed);
+    const Tensor k = random_tensor(DType::f32, {s.batch, s.seqlen_k, s.heads_kv, s.head_dim}, seed + 1);
+    forward(q.view(), k.view(), k.view(), var.options);
+    EXPECT_GT(counters.tiles_skipped, 0) << threads << " threads: no tile of band 1 (hidden) skipped";
+  }
+}
+
 TEST(Variants, AttnMaskBiasGradient) {
   std::uint64_t seed = 400;
   const char* variants[] = {"dbias+biasfull", "dbias+bias11", "dbias", "dbias+biash", "causal+dbias+bias11",

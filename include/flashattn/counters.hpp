@@ -24,7 +24,8 @@ struct KernelCounters {
   std::int64_t v_read = 0;         // V elements, likewise (backward: once per K/V tile)
   std::int64_t kv_packed = 0;      // K and V elements converted from the caller's memory into packed tiles
   std::int64_t tiles_computed = 0;  // (Q tile, K/V tile) pairs computed
-  std::int64_t tiles_skipped = 0;   // pairs of the tile grid skipped (causal, window, block mask)
+  std::int64_t tiles_skipped = 0;   // pairs of the tile grid skipped (causal, window, block mask,
+                                    // a boolean attn_mask's or a score_hook's empty blocks)
   std::int64_t scores = 0;          // score entries of the computed tiles (rows × keys, no padding)
   // Forward.
   std::int64_t o_written = 0;    // output elements written (split-KV: each split's partial output)

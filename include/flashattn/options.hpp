@@ -158,8 +158,9 @@ struct AttentionOptions {
   // Dense mask or additive bias (SDPA's attn_mask), rank 4, broadcastable over
   // (batch, heads_q, seqlen_q, seqlen_k): each dim is its size or 1 (a size-1 dim is read
   // once, never expanded; strides of size-1 dims are ignored). u8 (0 = hidden, non-zero =
-  // kept, as SDPA's boolean mask: true keeps): score (i, j) is hidden where false; a K/V
-  // tile whose mask block is all false is skipped. f32, bf16 or f16: added to the score
+  // kept, as SDPA's boolean mask: true keeps): score (i, j) is hidden where false; a tile
+  // whose mask block is all false is skipped, one all true is not read (a per-call summary,
+  // one pass over the mask; docs/algorithm.md §6). f32, bf16 or f16: added to the score
   // after softmax_scale, softcap and ALiBi (s = softcap·tanh(scale·q·k / softcap) − ALiBi
   // + bias; SDPA adds it to the scaled score, which is the same without softcap); −∞
   // entries hide their key. A row left without visible keys gives o = 0 and lse = −∞ (or

@@ -57,9 +57,12 @@ void cpu::run_backward(const detail::BackwardJob& job) {
     dbias_tickets = std::make_unique<std::atomic<std::int64_t>[]>(static_cast<std::size_t>(tickets));
     for (std::int64_t t = 0; t < tickets; ++t) dbias_tickets[t].store(0, std::memory_order_relaxed);
   }
+  const cpu::DenseMaskSummary mask_blocks(options.attn_mask, p.seqlen_q, p.seqlen_k, plan.block_q, plan.block_k,
+                                          plan.threads);
   const cpu::BackwardParams params{p, job.internals, plan, job.dout, job.q, job.k, job.v, job.out, job.lse,
                                    job.dq, job.dk, job.dv,
-                                   options.alibi_slopes, options.block_mask, options.attn_mask, options.score_hook,
+                                   options.alibi_slopes, options.block_mask, options.attn_mask, mask_blocks.blocks(),
+                                   options.score_hook,
                                    delta.get(), dq_accum.get(), dq_locks.get(), dq_tickets.get(),
                                    dbias, dbias_shared, dbias_in_item_order, dbias_tickets.get()};
   // Items are handed out strictly in order (an atomic counter, not an OpenMP schedule):

@@ -14,6 +14,7 @@
 #include "tools/cli/decode.hpp"
 #include "tools/cli/serve.hpp"
 #include "tools/cli/machine.hpp"
+#include "tools/cli/masks.hpp"
 #include "tools/cli/measure.hpp"
 #include "tools/cli/peaks.hpp"
 #include "tools/cli/report.hpp"
@@ -144,6 +145,17 @@ void bench_cases(const BenchFlags& f) {
     std::cerr << "serve case: " << c.name << "\n";
     r.serve.push_back({c, measure_serve(c, f.repeats)});
   }
+  // Masks: issue 24's document mask as mask_mod, varlen and a dense boolean mask beside the
+  // unmasked kernel, and a relative-bias score_mod beside causal (masks), or a small one of the
+  // same kinds (masks_smoke).
+  for (const char* op : {"masks", "masks_smoke"}) {
+    if (std::find(f.ops.begin(), f.ops.end(), op) == f.ops.end()) continue;
+    MaskCase c = std::string(op) == "masks" ? MaskCase::issue() : MaskCase::smoke();
+    c.threads = f.shape.threads;
+    std::cerr << "masks case: " << c.name << ", " << c.documents << " documents of " << c.document_tokens
+              << " tokens\n";
+    r.masks.push_back({c, measure_masks(c, f.repeats)});
+  }
   // Extra memory against sequence length, from the plans the kernels execute (their only
   // allocations): flashattn grows linearly, standard attention with the square.
   for (std::int64_t seqlen : {1024, 2048, 4096, 8192, 16384, 32768, 65536}) {
@@ -195,6 +207,20 @@ void bench_cases(const BenchFlags& f) {
     std::printf("%-10s serve %-5s one call %.4f s, per sequence %.4f s (%.2fx); decode rows %.2f GB/s (%3.0f%% of copy)\n",
                 "flashattn", s.c.name.c_str(), s.m.seconds, s.m.per_sequence_seconds,
                 s.m.per_sequence_seconds / s.m.seconds, s.m.decode_gbps, 100.0 * s.m.decode_gbps / r.copy_gbps.value_or(0.0));
+  for (const MasksRun& k : r.masks) {
+    std::printf("masks %s: %lld documents of %lld tokens, %lld heads, D %lld, %s; create_block_mask %.4f s\n",
+                k.c.name.c_str(), static_cast<long long>(k.c.documents), static_cast<long long>(k.c.document_tokens),
+                static_cast<long long>(k.c.heads), static_cast<long long>(k.c.dim), to_string(k.c.dtype).c_str(),
+                k.m.create_block_mask_seconds);
+    for (const MaskRun& run : k.m.runs)
+      std::printf("%-10s masks %-10s %9.1f GFLOP/s %8s %12.4f  %s\n", "flashattn", run.form.c_str(), run.gflops,
+                  percent_of_peak(run.gflops, *r.peaks.bound_of(run.kernel).peak).c_str(), run.seconds,
+                  run.kernel.c_str());
+    std::printf("masks %s: mask_mod / varlen %.2f, dense_bool / unmasked %.2f, score_mod / causal %.2f (GFLOP/s)\n",
+                k.c.name.c_str(), k.m.run("mask_mod").gflops / k.m.run("varlen").gflops,
+                k.m.run("dense_bool").gflops / k.m.run("unmasked").gflops,
+                k.m.run("score_mod").gflops / k.m.run("causal").gflops);
+  }
   for (const DecodeRun& d : r.decode)
     std::printf("%-10s %-4s %-6s %2lld x %-5lld tokens, page size %-5lld %6.2f GB/s (%3.0f%% of copy) %12.4f  %s\n",
                 "flashattn", "dec", d.c.fp8_cache ? "e4m3" : to_string(d.c.dtype).c_str(),

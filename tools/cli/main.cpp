@@ -155,8 +155,11 @@ void add_bench(CLI::App& app) {
   cmd->add_option("--sgemm-size", flags->sgemm_n, "n of the n^3 sgemm baseline")
       ->capture_default_str()->check(CLI::PositiveNumber);
   cmd->add_option("--ops", flags->ops, "which passes to time: fwd, bwd, decode, serve (issue 23's serving batch), serve_smoke "
-                  "(a small one) (--sweep: fwd, bwd)")
-      ->capture_default_str()->check(CLI::IsMember({"fwd", "bwd", "decode", "serve", "serve_smoke"}))->delimiter(',');
+                  "(a small one), masks (issue 24's document mask as mask_mod, varlen and a dense bool mask, and a "
+                  "score_mod), masks_smoke (a small one) (--sweep: fwd, bwd)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"fwd", "bwd", "decode", "serve", "serve_smoke", "masks", "masks_smoke"}))
+      ->delimiter(',');
   CLI::Option* sweep_flag = cmd->add_flag(
       "--sweep", flags->sweep,
       "flashattn over the grid of --seqlens x --dims x --dtypes x --causal, fwd and bwd, vs sgemm");

@@ -132,6 +132,35 @@ std::string bench_json(const BenchReport& r) {
                           {"decode_seconds", s.m.decode_seconds},
                           {"decode_gbps", s.m.decode_gbps},
                           {"pool_bytes", s.m.pool_bytes}});
+  for (const MasksRun& k : r.masks) {
+    for (const MaskRun& run : k.m.runs) {
+      Measurement m{Impl::flashattn};
+      m.gflops = run.gflops;
+      m.kernel = run.kernel;
+      nlohmann::json c = {{"impl", "flashattn"},
+                          {"op", "masks"},
+                          {"case", k.c.name},
+                          {"form", run.form},
+                          {"dtype", to_string(k.c.dtype)},
+                          {"heads", k.c.heads},
+                          {"dim", k.c.dim},
+                          {"documents", k.c.documents},
+                          {"document_tokens", k.c.document_tokens},
+                          {"seconds", run.seconds},
+                          {"visible_pairs", run.visible_pairs},
+                          {"gflops", run.gflops},
+                          {"kernel", run.kernel}};
+      if (run.form == "mask_mod" || run.form == "dense_bool") c["max_diff_vs_varlen"] = run.max_diff;
+      add_bound_json(c, m, r.peaks);
+      j["cases"].push_back(std::move(c));
+    }
+    const auto ratio = [&](const char* a, const char* b) { return k.m.run(a).gflops / k.m.run(b).gflops; };
+    j["mask_ratios"].push_back({{"case", k.c.name},
+                                {"create_block_mask_seconds", k.m.create_block_mask_seconds},
+                                {"mask_mod_vs_varlen", ratio("mask_mod", "varlen")},
+                                {"dense_bool_vs_unmasked", ratio("dense_bool", "unmasked")},
+                                {"score_mod_vs_causal", ratio("score_mod", "causal")}});
+  }
   if (r.copy_gbps) j["copy_gbps"] = *r.copy_gbps;
   for (const MemoryRow& m : r.memory_scaling)
     j["memory_scaling"].push_back({{"seqlen", m.seqlen},

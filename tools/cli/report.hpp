@@ -12,6 +12,7 @@
 #include "flashattn/flashattn.hpp"
 #include "tools/cli/commands.hpp"
 #include "tools/cli/decode.hpp"
+#include "tools/cli/masks.hpp"
 #include "tools/cli/serve.hpp"
 #include "tools/cli/experiments.hpp"
 #include "tools/cli/explain.hpp"
@@ -41,7 +42,9 @@ std::string varlen_run_json(int threads, const VarlenRun& r);
 std::string decode_run_json(int threads, const DecodeCase& c, const DecodeMeasurement& m);
 
 // `bench --json` (without --sweep or --quick): the machine's facts, OpenBLAS sgemm, the
-// timed cases in order, then the decode cases, and the extra memory against seqlen.
+// timed cases in order, then the decode, serve and mask cases (each mask form a case of op
+// "masks" with its fraction_of_peak, and `mask_ratios` per mask case), and the extra memory
+// against seqlen.
 struct TimedCase {
   Measurement m;  // its `out` left empty
   AttentionProblem p;
@@ -54,6 +57,10 @@ struct DecodeRun {
 struct ServeRun {
   ServeCase c;
   ServeMeasurement m;
+};
+struct MasksRun {
+  MaskCase c;
+  MaskMeasurement m;
 };
 struct MemoryRow {
   std::int64_t seqlen = 0;
@@ -68,6 +75,7 @@ struct BenchReport {
   std::vector<TimedCase> cases;
   std::vector<DecodeRun> decode;
   std::vector<ServeRun> serve;
+  std::vector<MasksRun> masks;
   std::vector<MemoryRow> memory_scaling;
 };
 std::string bench_json(const BenchReport& r);

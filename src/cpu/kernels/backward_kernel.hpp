@@ -14,6 +14,7 @@
 #include "flashattn/problem.hpp"
 #include "flashattn/tensor.hpp"
 #include "src/core/problem_internals.hpp"
+#include "src/cpu/kernels/mask_blocks.hpp"
 #include "src/cpu/kernels/packed_head.hpp"
 
 namespace flashattn::cpu {
@@ -26,6 +27,7 @@ struct BackwardParams {
   MutableTensorView dq, dk, dv;
   TensorView alibi_slopes, block_mask;  // from the options; empty when unused
   TensorView attn_mask;                 // from the options; empty when unused
+  DenseMaskBlocks attn_mask_blocks;     // a boolean attn_mask's tiles (the driver's summary)
   ScoreHook score_hook;                 // from the options; apply null when unused
   float* delta = nullptr;     // (batch, heads_q, seqlen_q): D = rowsum(dO ∘ O)
   float* dq_accum = nullptr;  // (batch, heads_q, seqlen_q, head_dim_padded), float32

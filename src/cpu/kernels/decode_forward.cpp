@@ -443,8 +443,8 @@ HWY_INLINE void SoftmaxRows(const ForwardParams& prm, ForwardWorkspace& ws, cons
     }
     std::fill(srow + n, srow + cols, 0.0f);
     const std::int64_t row = g * sh.rows4 + r, i = r % p.seqlen_q;
-    const RowMods mods(p, prm.internals, prm.alibi_slopes, prm.block_mask, prm.attn_mask, prm.score_hook, sh.item.batch,
-                       g * sh.group + r / p.seqlen_q);
+    const RowMods mods(p, prm.internals, prm.alibi_slopes, prm.block_mask, prm.attn_mask, prm.attn_mask_blocks,
+                       prm.score_hook, sh.item.batch, g * sh.group + r / p.seqlen_q);
     MaskRow(mods, srow, i, j0, n, cols);
     SoftmaxRow(mods, srow, i, j0, cols, ws.states[static_cast<std::size_t>(row)], ws.o_acc.get() + row * sh.dv_pad,
                sh.dv_pad, ws.rescales[static_cast<std::size_t>(row)], prm.switches.deferred_normalization);

@@ -7,8 +7,9 @@
 // bf16_dot.* (AVX512-BF16, AMX), fp16_decode.* (AVX512-FP16). Shared per-target steps:
 // tile_ops-inl.h (micro-kernel, row conversion), kv_pack-inl.h (paged K/V reader, packing,
 // prefetch), forward_rows-inl.h (mask, online softmax, output rows), score_mods-inl.h,
-// simd_math-inl.h, fp8-inl.h. workspace.* lays out the forward's per-thread memory; the
-// schedule the kernels walk is the plan's (ForwardSchedule, flashattn/plan.hpp).
+// simd_math-inl.h, fp8-inl.h. workspace.* lays out the forward's per-thread memory,
+// mask_blocks.* summarises a boolean attn_mask per tile (forward and backward); the schedule
+// the kernels walk is the plan's (ForwardSchedule, flashattn/plan.hpp).
 #pragma once
 
 #include <cstdint>
@@ -19,6 +20,7 @@
 #include "flashattn/tensor.hpp"
 #include "src/core/paged_kv.hpp"
 #include "src/core/problem_internals.hpp"
+#include "src/cpu/kernels/mask_blocks.hpp"
 #include "src/cpu/kernels/workspace.hpp"
 
 namespace flashattn::cpu {
@@ -46,6 +48,7 @@ struct ForwardParams {
   TensorView alibi_slopes, block_mask;  // from the options; empty when unused
   TensorView sinks;                     // from the options; empty when unused
   TensorView attn_mask;                 // from the options; empty when unused
+  DenseMaskBlocks attn_mask_blocks;     // a boolean attn_mask's tiles (the driver's summary)
   ScoreHook score_hook;                 // from the options; apply null when unused
   // Split-KV partial results (plan.splits > 1): (splits, batch, seqlen_q, heads_q, Dv)
   // normalized outputs and (splits, batch, heads_q, seqlen_q) lses, float32, contiguous.

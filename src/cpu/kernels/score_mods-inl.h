@@ -22,6 +22,7 @@
 #include "flashattn/problem.hpp"
 #include "src/core/element.hpp"
 #include "src/core/problem_internals.hpp"
+#include "src/cpu/kernels/mask_blocks.hpp"
 
 HWY_BEFORE_NAMESPACE();
 namespace flashattn::cpu::HWY_NAMESPACE {
@@ -42,14 +43,17 @@ struct RowMods {
   // head)'s plane and its row and column strides (0 along a size-1 dim).
   const TensorView* attn_mask = nullptr;
   std::int64_t mask_base = 0, mask_row_stride = 0, mask_col_stride = 0;
+  // A boolean attn_mask's tile summary (null otherwise) and this (batch, head)'s plane in it.
+  const DenseMaskBlocks* mask_blocks = nullptr;
+  std::int64_t mask_blocks_plane = 0;
   // options.score_hook (null when there is none) and, where it has a block mask, the
   // offset of this (batch, head)'s plane in it (docs/algorithm.md §6.2).
   const ScoreHook* hook = nullptr;
   std::int64_t hook_blocks_base = 0;
 
   RowMods(const AttentionProblem& p, const detail::ProblemInternals& internals, const TensorView& alibi_slopes,
-          const TensorView& mask, const TensorView& dense_mask, const ScoreHook& score_hook, std::int64_t b,
-          std::int64_t h)
+          const TensorView& mask, const TensorView& dense_mask, const DenseMaskBlocks& dense_blocks,
+          const ScoreHook& score_hook, std::int64_t b, std::int64_t h)
       : problem(&p), block_mask(p.block_mask_block_size > 0 ? &mask : nullptr),
         batch(b + internals.batch_offset), head(h), fp8_probabilities(internals.fp8_probabilities) {
     if (score_hook.apply != nullptr) {
@@ -64,6 +68,10 @@ struct RowMods {
       mask_base = batch * stride(0) + h * stride(1);
       mask_row_stride = stride(2);
       mask_col_stride = stride(3);
+      if (dense_blocks.states != nullptr) {
+        mask_blocks = &dense_blocks;
+        mask_blocks_plane = dense_blocks.plane(batch, h);
+      }
     }
     constexpr float kLog2e = OnlineSoftmaxState::kLog2e;
     softcap2 = p.softcap * kLog2e;
@@ -110,32 +118,47 @@ struct RowMods {
   bool needs_grad() const { return softcap2 > 0.0f || (hook != nullptr && hook->score != nullptr); }
 
   // Does any row of [i0, i0 + rows) keep any key of [j0, j0 + n)? Tiles that fail are
-  // skipped entirely (window, causal, block mask, a boolean attn_mask and the score hook's
-  // empty blocks).
+  // skipped entirely (window, causal, block mask, a boolean attn_mask's and the score
+  // hook's empty blocks).
   bool tile_has_work(std::int64_t i0, std::int64_t rows, std::int64_t j0, std::int64_t n) const {
     const AttentionProblem& p = *problem;
     // key_range bounds are non-decreasing in the row, so the first and last rows bound it.
     if (p.key_range(i0 + rows - 1).end <= j0 || p.key_range(i0).begin >= j0 + n) return false;
-    if (!hook_keeps_any(i0, rows, j0, n)) return false;
-    if (block_mask == nullptr) return dense_mask_keeps_any(i0, rows, j0, n);
+    if (!hook_keeps_any(i0, rows, j0, n) || !dense_mask_keeps_any(i0, rows, j0, n)) return false;
+    if (block_mask == nullptr) return true;
     const std::int64_t bs = p.block_mask_block_size;
     for (std::int64_t bi = i0 / bs; bi <= (i0 + rows - 1) / bs; ++bi)
       for (std::int64_t bj = j0 / bs; bj <= (j0 + n - 1) / bs; ++bj)
-        if (block_kept(bi * bs, bj * bs)) return dense_mask_keeps_any(i0, rows, j0, n);
+        if (block_kept(bi * bs, bj * bs)) return true;
     return false;
   }
 
-  // Does the boolean attn_mask keep any (i, j) of the tile? True without one (a bias
-  // hides nothing it would be worth scanning for).
+  // Is any block of the boolean attn_mask's summary that meets the tile not empty? True
+  // without one (a bias hides nothing it would be worth scanning for). The summary's blocks
+  // are the plan's tiles: one lookup per tile.
   bool dense_mask_keeps_any(std::int64_t i0, std::int64_t rows, std::int64_t j0, std::int64_t n) const {
-    if (attn_mask == nullptr || problem->attn_mask != AttentionProblem::MaskKind::boolean) return true;
-    const auto* m = static_cast<const std::uint8_t*>(attn_mask->data) + mask_base;
-    const std::int64_t last_row = mask_row_stride == 0 ? i0 : i0 + rows - 1;
-    const std::int64_t last_col = mask_col_stride == 0 ? j0 : j0 + n - 1;
-    for (std::int64_t i = i0; i <= last_row; ++i)
-      for (std::int64_t j = j0; j <= last_col; ++j)
-        if (m[i * mask_row_stride + j * mask_col_stride] != 0) return true;
+    if (mask_blocks == nullptr) return true;
+    const DenseMaskBlocks& m = *mask_blocks;
+    for (std::int64_t i = i0 / m.block_rows * m.block_rows; i < i0 + rows; i += m.block_rows)
+      for (std::int64_t j = j0 / m.block_cols * m.block_cols; j < j0 + n; j += m.block_cols)
+        if (m.at(mask_blocks_plane, i, j) != ScoreBlock::empty) return true;
     return false;
+  }
+
+  // A boolean attn_mask on columns [lo, hi) of row i (keys j0 + c), one span per block of
+  // its summary: an empty block's keys hidden without reading the mask, a full block's
+  // left as they are, a partial block's read (apply_dense_mask).
+  void apply_boolean_mask(float* HWY_RESTRICT s, std::int64_t i, std::int64_t j0, std::int64_t lo,
+                          std::int64_t hi) const {
+    constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+    const DenseMaskBlocks& m = *mask_blocks;
+    for (std::int64_t c = lo; c < hi;) {
+      const std::int64_t end = std::min(hi, ((j0 + c) / m.block_cols + 1) * m.block_cols - j0);
+      const ScoreBlock state = m.at(mask_blocks_plane, i, j0 + c);
+      if (state == ScoreBlock::empty) std::fill(s + c, s + end, kNegInf);
+      else if (state == ScoreBlock::partial) apply_dense_mask(s, i, j0, c, end);
+      c = end;
+    }
   }
 
   // The mask step of options.attn_mask on columns [lo, hi) of a row (keys j0 + c): adds the
@@ -234,7 +257,8 @@ struct RowMods {
     const std::int64_t hi = std::clamp<std::int64_t>(r.end - j0, lo, n);
     std::fill(s, s + lo, kNegInf);
     std::fill(s + hi, s + cols, kNegInf);
-    if (attn_mask != nullptr) apply_dense_mask(s, i, j0, lo, hi);
+    if (mask_blocks != nullptr) apply_boolean_mask(s, i, j0, lo, hi);
+    else if (attn_mask != nullptr) apply_dense_mask(s, i, j0, lo, hi);
     if (block_mask != nullptr) {
       const std::int64_t bs = p.block_mask_block_size;
       for (std::int64_t c = lo; c < hi;) {

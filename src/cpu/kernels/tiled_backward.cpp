@@ -467,7 +467,8 @@ void KvItem(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t item)
     std::fill(ws.dbias_tile.get(), ws.dbias_tile.get() + t.size(), 0.0f);
   }
   for (std::int64_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
-    const RowMods mods(p, prm.internals, prm.alibi_slopes, prm.block_mask, prm.attn_mask, prm.score_hook, b, h);
+    const RowMods mods(p, prm.internals, prm.alibi_slopes, prm.block_mask, prm.attn_mask, prm.attn_mask_blocks,
+                       prm.score_hook, b, h);
     const DbiasRows dbias = DbiasTarget(prm, ws, b, h, kv_head, j0);
     for (std::int64_t qb = 0; qb < plan.q_blocks; ++qb) {
       const std::int64_t i0 = qb * bq, rows = std::min(bq, p.seqlen_q - i0);

@@ -267,7 +267,8 @@ void TiledItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item
   const std::int64_t rows_pad = (rows + kMicroRows - 1) / kMicroRows * kMicroRows;
   const std::int64_t strips = rows_pad / kMicroRows;
   const std::int64_t key_begin = w.key_begin, key_end = w.key_end;
-  const RowMods mods(p, prm.internals, prm.alibi_slopes, prm.block_mask, prm.attn_mask, prm.score_hook, b, h);
+  const RowMods mods(p, prm.internals, prm.alibi_slopes, prm.block_mask, prm.attn_mask, prm.attn_mask_blocks,
+                     prm.score_hook, b, h);
 
   Products::Pack(prm, ws, b, kv_head, key_begin, key_end);
   Products::LoadQ(prm, ws, b, h, i0, rows, rows_pad);

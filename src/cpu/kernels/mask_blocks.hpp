@@ -1,0 +1,48 @@
+// The per-call summary of a boolean attn_mask (docs/algorithm.md §6): one ScoreBlock —
+// empty, partial or full — per (mask plane, Q tile, K/V tile), built once by the driver in
+// one pass over the mask. The kernels skip an empty tile without reading the mask, apply
+// nothing on a full one and read the mask only in partial ones.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "flashattn/options.hpp"
+#include "flashattn/tensor.hpp"
+
+namespace flashattn::cpu {
+
+// What the kernels read: null `states` without a boolean mask. A size-1 query (key) dim of
+// the mask is one block of block_rows = seqlen_q (block_cols = seqlen_k), so lookups need
+// no case for broadcasting.
+struct DenseMaskBlocks {
+  const std::uint8_t* states = nullptr;  // ScoreBlock values, (planes, row_blocks, col_blocks)
+  std::int64_t block_rows = 1, block_cols = 1;
+  std::int64_t row_blocks = 0, col_blocks = 0;
+  std::int64_t mask_batch = 1, mask_heads = 1;  // the mask's dims 0 and 1 (1 or batch, heads_q)
+
+  // The offset of (batch, head)'s plane in `states`.
+  std::int64_t plane(std::int64_t batch, std::int64_t head) const {
+    return ((mask_batch > 1 ? batch : 0) * mask_heads + (mask_heads > 1 ? head : 0)) * row_blocks * col_blocks;
+  }
+  ScoreBlock at(std::int64_t plane_offset, std::int64_t i, std::int64_t j) const {
+    return static_cast<ScoreBlock>(states[plane_offset + i / block_rows * col_blocks + j / block_cols]);
+  }
+};
+
+// The summary's storage, owned by the driver for the call. `mask` is options.attn_mask (no
+// summary unless it is boolean), of a problem of seqlen_q × seqlen_k; the tiles are the
+// plan's block_rows × block_cols; the pass over the mask runs on `threads` threads.
+class DenseMaskSummary {
+ public:
+  DenseMaskSummary() = default;
+  DenseMaskSummary(const TensorView& mask, std::int64_t seqlen_q, std::int64_t seqlen_k, std::int64_t block_rows,
+                   std::int64_t block_cols, int threads);
+  const DenseMaskBlocks& blocks() const { return blocks_; }
+
+ private:
+  std::vector<std::uint8_t> states_;
+  DenseMaskBlocks blocks_;
+};
+
+}  // namespace flashattn::cpu
