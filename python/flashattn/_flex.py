@@ -53,6 +53,7 @@ def _need_torch(name):
 # The index arguments, in the mods' order after the score: (b, h, q_idx, kv_idx).
 _INDEX_NAMES = ("b", "h", "q_idx", "kv_idx")
 _SCORE = 1 << 4  # the score's bit; bit d (0..3) is index d's
+_UNIT = 1 << 5  # a score-dependent value that is score + (what does not depend on it), or -inf
 
 # aten operations through which a value stays affine in the score (by their overload packet).
 _AFFINE_UNARY = {"neg", "positive", "clone", "alias", "view", "_unsafe_view", "reshape", "expand", "squeeze",
@@ -86,12 +87,40 @@ def _affine_step(name, args, kwargs, on_score):
     return name
 
 
+def _keeps_unit(name, args, kwargs, bits_of):
+    """Whether the aten operation `name` gives score + (a score-independent value), or -inf,
+    wherever its score-dependent inputs are such (their d/d score is 1, or they hide the key)."""
+    def unit(x):
+        return bool(bits_of(x) & _UNIT)
+
+    def independent(x):
+        return not bits_of(x) & _SCORE
+
+    def neg_inf(x):  # a constant -inf: a float, or a tensor that depends on no index
+        if isinstance(x, torch.Tensor):
+            return bits_of(x) == 0 and bool((x == -math.inf).all())
+        return isinstance(x, float) and x == -math.inf
+
+    if name == "add":
+        x, y = args[:2]
+        return (unit(x) and independent(y)) or (independent(x) and unit(y) and kwargs.get("alpha", 1) == 1)
+    if name == "sub":
+        return unit(args[0]) and independent(args[1])
+    if name in _AFFINE_UNARY and name != "neg":
+        return unit(args[0])
+    if name == "where":
+        return all(unit(x) or neg_inf(x) for x in args[1:3])
+    if name == "masked_fill":
+        return unit(args[0]) and neg_inf(args[2])
+    return False
+
+
 def _trace(fn, n_scores, mod_name):
     """Runs fn once on (1,)-shaped tensors — n_scores float64 scores, then b, h, q_idx, kv_idx as
     int64 — and returns (the bits of what its result depends on, why it is not affine in the
-    score or None). Tensors are followed by identity through a dispatch mode (every tensor
-    made is kept alive meanwhile, so no id is reused); a result that is no tensor depends on
-    nothing."""
+    score or None, whether its d/d score is 1 wherever it does not hide the key). Tensors are
+    followed by identity through a dispatch mode (every tensor made is kept alive meanwhile,
+    so no id is reused); a result that is no tensor depends on nothing."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
@@ -105,28 +134,31 @@ def _trace(fn, n_scores, mod_name):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             out = func(*args, **kwargs)
-            dep = bits_of((args, kwargs))
+            dep = bits_of((args, kwargs)) & ~_UNIT
             if dep & _SCORE:
-                why = _affine_step(func.overloadpacket.__name__.rstrip("_"), args, kwargs,
-                                   lambda a: bool(bits_of(a) & _SCORE))
+                name = func.overloadpacket.__name__.rstrip("_")
+                why = _affine_step(name, args, kwargs, lambda a: bool(bits_of(a) & _SCORE))
                 if why is not None:
                     reasons.append(why)
+                elif _keeps_unit(name, args, kwargs, bits_of):
+                    dep |= _UNIT
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):
-                    bits[id(t)] = bits.get(id(t), 0) | dep
+                    bits[id(t)] = dep
                     alive.append(t)
             return out
 
     inputs = [torch.zeros(1, dtype=torch.float64) for _ in range(n_scores)]
     inputs += [torch.zeros(1, dtype=torch.int64) for _ in _INDEX_NAMES]
     for i, t in enumerate(inputs):
-        bits[id(t)] = _SCORE if i < n_scores else 1 << (i - n_scores)
+        bits[id(t)] = _SCORE | _UNIT if i < n_scores else 1 << (i - n_scores)
     try:
         with Follow():
             result = fn(*inputs)
     except Exception as e:  # noqa: BLE001 - any failure of the user's function, reported with its name
         raise type(e)(f"{mod_name}: failed on index tensors: {e}") from e
-    return bits_of(result), (reasons[0] if reasons else None)
+    dep = bits_of(result)
+    return dep & ~_UNIT, (reasons[0] if reasons else None), bool(dep & _UNIT)
 
 
 def _evaluate(fn, prefix, sizes, dep, rows, q0, mod_name):
@@ -241,7 +273,7 @@ def _create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE):
     bs = _block_size_arg(BLOCK_SIZE)
     name = f"mask_mod {getattr(mask_mod, '__name__', type(mask_mod).__name__)}"
     sizes = (b, h, q_len, kv_len)
-    dep, _ = _trace(mask_mod, 0, name)
+    dep, _, _ = _trace(mask_mod, 0, name)
     q_blocks, kv_blocks = -(-q_len // bs), -(-kv_len // bs)
     sb, sh = (b if dep & 1 else 1), (h if dep & 2 else 1)
     rows = max(1, _EVAL_ELEMENTS // (sb * sh * kv_blocks * bs * bs)) * bs
@@ -254,21 +286,21 @@ def _create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE):
         r = r.reshape(sb, sh, n if dep & 4 else 1, kv_len if dep & 8 else 1).expand(sb, sh, n, kv_len)
         nb = -(-n // bs)
         kept = torch.zeros(sb, sh, nb * bs, kv_blocks * bs, dtype=torch.bool)
-        hidden = torch.zeros_like(kept)
         kept[:, :, :n, :kv_len] = r
-        hidden[:, :, :n, :kv_len] = ~r
         tiles = kept.view(sb, sh, nb, bs, kv_blocks, bs)
-        any_kept = tiles.any(dim=5).any(dim=3)
-        any_hidden = hidden.view(sb, sh, nb, bs, kv_blocks, bs).any(dim=5).any(dim=3)
-        st = torch.where(any_kept, torch.where(any_hidden, _BLOCK_PARTIAL, _BLOCK_FULL), _BLOCK_EMPTY).to(torch.uint8)
+        count = tiles.sum(dim=(3, 5), dtype=torch.int32)  # kept keys per block, against the block's scores
+        real = (torch.arange(nb).mul(bs).neg().add(n).clamp(max=bs).view(nb, 1)
+                * torch.arange(kv_blocks).mul(bs).neg().add(kv_len).clamp(max=bs).view(1, kv_blocks))
+        st = torch.where(count == 0, _BLOCK_EMPTY,
+                         torch.where(count == real.to(torch.int32), _BLOCK_FULL, _BLOCK_PARTIAL)).to(torch.uint8)
         partial = st == _BLOCK_PARTIAL
         ix = torch.full(st.shape, -1, dtype=torch.int32)
-        count = int(partial.sum())
-        ix[partial] = torch.arange(slots, slots + count, dtype=torch.int32)
+        n_partial = int(partial.sum())
+        ix[partial] = torch.arange(slots, slots + n_partial, dtype=torch.int32)
         blocks.append(tiles.permute(0, 1, 2, 4, 3, 5)[partial])
         states.append(st)
         index.append(ix)
-        slots += count
+        slots += n_partial
     states, index = torch.cat(states, dim=2), torch.cat(index, dim=2)
     blocks = torch.cat(blocks, dim=0) if slots else torch.zeros(0, bs, bs, dtype=torch.bool)
     assert states.shape == (sb, sh, q_blocks, kv_blocks)
@@ -288,46 +320,70 @@ def _compact(x):
     return x.contiguous()
 
 
+def _check_values(name, f0, f1, q0):
+    """The slope f1 − f0 (None for None), 0 where f0 is -inf (a key hidden at every score);
+    ValueError unless every f0 is finite or -inf and every slope finite. One reduction per
+    tensor when all is well."""
+    slope = None if f1 is None else f1 - f0
+    total = f0.sum().item()  # -inf: no nan, no +inf
+    if (math.isfinite(total) or total == -math.inf) and (slope is None or math.isfinite(slope.sum().item())):
+        return slope
+    hidden = f0 == -math.inf
+    bad = ~(torch.isfinite(f0) | hidden)
+    if slope is not None:
+        slope.masked_fill_(hidden, 0.0)
+        bad |= ~torch.isfinite(slope)
+    if bool(bad.any()):
+        at = tuple(int(i) for i in bad.nonzero()[0])
+        got = f0[at].item() if f1 is None else (f0[at].item(), f1[at].item())
+        raise ValueError(f"{name}: returned {got!r} at score {'0' if f1 is None else '(0, 1)'} for "
+                         f"(b, h, q_idx, kv_idx) = {(at[0], at[1], at[2] + q0, at[3])} (each 0 where score_mod "
+                         "does not read it): only finite values and -inf are taken")
+    return slope
+
+
 def _score_coefficients(score_mod, sizes):
     """(a, c), float32 tensors of rank 4 broadcastable to (B, Hq, Sq, Sk), with score_mod(s) =
-    a*s + c at every score; None for a ≡ 1 (c ≡ 0). Raises NotImplementedError for a score_mod
-    that is not affine in the score."""
+    a*s + c at every score; a None where it is 1 everywhere, c None where it is 0. Raises
+    NotImplementedError for a score_mod that is not affine in the score. A score_mod that only
+    adds to the score (biases, ALiBi, where/masked_fill with -inf) is evaluated once, at score
+    0; others also at 1, for a = f(1) − f(0)."""
     name = f"score_mod {getattr(score_mod, '__name__', type(score_mod).__name__)}"
-    dep, why = _trace(score_mod, 1, name)
+    dep, why, unit = _trace(score_mod, 1, name)
     if why is not None:
         raise NotImplementedError(
             f"{name}: not affine in the score ({why}); flashattn evaluates score_mod per block as a*score + c, "
             "so it takes sums, differences, products and quotients with score-independent values, where and "
             "masked_fill on score-independent conditions (for soft-capping use flash_attn_func's softcap=)")
-    b, h, sq, sk = sizes
     shape = tuple(s if dep & (1 << d) else 1 for d, s in enumerate(sizes))
-    a = torch.empty(shape, dtype=torch.float32)
     c = torch.empty(shape, dtype=torch.float32)
-    probes = torch.tensor([0.0, 1.0], dtype=torch.float64)
-    rows = _row_chunk(sizes, dep, 2) if dep & 4 else 1
+    a, a_value = None, (1.0 if unit else None)  # a is allocated once some slope differs from the first one
+    rows = _row_chunk(sizes, dep, 1 if unit else 2) if dep & 4 else 1
     for q0 in range(0, shape[2], rows):
         n = min(rows, shape[2] - q0)
-        per_probe = torch.vmap(lambda s, *idx: score_mod(s, *idx), in_dims=(0, None, None, None, None))
-        out = _evaluate(lambda s, *idx: per_probe(s, *idx), (probes,), sizes, dep, n, q0, name)
-        if not out.dtype.is_floating_point:
-            raise TypeError(f"{name}: expected a floating result, got dtype {out.dtype}")
-        out = out.to(torch.float64).reshape(shape[0], shape[1], n, shape[3], 2)
-        f0, f1 = out[..., 0], out[..., 1]
-        hidden = f0 == -math.inf
-        slope = torch.where(hidden, 0.0, f1 - f0)
-        bad = ~(torch.isfinite(slope) & (torch.isfinite(f0) | hidden))
-        if bool(bad.any()):
-            at = [int(i) for i in bad.nonzero()[0]]
-            at[2] += q0
-            raise ValueError(f"{name}: returned {f0[tuple(bad.nonzero()[0])].item()!r} at score 0 and "
-                             f"{f1[tuple(bad.nonzero()[0])].item()!r} at score 1 for (b, h, q_idx, kv_idx) = "
-                             f"{tuple(at)} (each index 0 where score_mod does not read it): only finite values "
-                             "and -inf are taken")
-        a[:, :, q0:q0 + n] = slope
+        f0, f1 = (None if unit and x else
+                  _evaluate(score_mod, (torch.tensor(x, dtype=torch.float64),), sizes, dep, n, q0, name)
+                  for x in (0.0, 1.0))
+        if not f0.dtype.is_floating_point:
+            raise TypeError(f"{name}: expected a floating result, got dtype {f0.dtype}")
+        f0, f1 = (None if f is None else f.to(torch.float64).reshape(shape[0], shape[1], n, shape[3])
+                  for f in (f0, f1))
+        slope = _check_values(name, f0, f1, q0)
         c[:, :, q0:q0 + n] = f0
-    a, c = _compact(a), _compact(c)
-    is_identity = a.numel() == 1 and a.item() == 1.0
-    return (None if is_identity else a), (None if c.numel() == 1 and c.item() == 0.0 else c)
+        if slope is None:
+            continue
+        if a is None:
+            a_value = slope.flatten()[0].item() if a_value is None else a_value
+            lo, hi = torch.aminmax(slope)
+            if lo.item() == a_value and hi.item() == a_value:
+                continue
+            a = torch.full(shape, a_value, dtype=torch.float32)
+        a[:, :, q0:q0 + n] = slope
+    if a is None:
+        a = None if a_value == 1.0 else torch.full((1, 1, 1, 1), a_value, dtype=torch.float32)
+    else:
+        a = _compact(a)
+    return a, (None if c.numel() == 1 and c.item() == 0.0 else c)
 
 
 # ---- flex_attention --------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """flashattn.flex_attention and create_block_mask against a float64 reference and torch's FlexAttention.
 
 Mods (causal, sliding window, prefix-LM, a document mask over a packed batch, a hidden-rows
-mask, relative position bias, ALiBi, a per-(b, h) scale and bias, a score_mod that masks
-with where), B/H given or None, MHA and GQA, Sq != Sk both ways with lengths that are not
+mask, relative position bias, ALiBi, a per-(b, h) scale and bias, where with -inf or a
+constant), B/H given or None, MHA and GQA, Sq != Sk both ways with lengths that are not
 multiples of the block, float32 and bfloat16, threads 1, 2, 3: out and dq, dk, dv with the
 project's tolerance rule (float32: error <= 1e-5 out / 1e-4 grads; bfloat16: <= 2x / 3x the
 error of a naive same-precision implementation, plus those). The float64 reference is the
@@ -66,6 +66,9 @@ def make_case(name, sq, sk, gen):
     def where_causal(score, b, h, q, kv):
         return torch.where(q >= kv, score, NEG_INF)
 
+    def where_const(score, b, h, q, kv):  # slope 1 below the diagonal, 0 above: a differs per score
+        return torch.where(q >= kv, score + 1.0, 0.5)
+
     return {
         "causal": (None, causal, (None, None)),
         "sliding_window": (None, sliding_window, (None, None)),
@@ -78,11 +81,12 @@ def make_case(name, sq, sk, gen):
         "rel_bias_document": (rel_bias, document, (B, HQ)),
         "scale_bias": (scale_bias, None, None),
         "where_causal": (where_causal, None, None),
+        "where_const": (where_const, None, None),
     }[name]
 
 
 CASES = ["causal", "sliding_window", "prefix_lm", "document", "hidden_rows", "rel_bias", "alibi", "alibi_causal",
-         "rel_bias_document", "scale_bias", "where_causal"]
+         "rel_bias_document", "scale_bias", "where_causal", "where_const"]
 
 
 def dense_flex(q, k, v, score_mod=None, mask_mod=None, scale=None, enable_gqa=False):
@@ -219,7 +223,8 @@ def test_block_mask_matches_torch(case, seqlens):
 
 def test_mods_evaluated_per_chunk_of_blocks():
     """Each mod is called a few times per call (once to follow its operations, then once per
-    vmapped chunk of q rows), never per block or per element."""
+    vmapped chunk of q rows, a score_mod that only adds to the score at score 0, others at 0
+    and 1), never per block or per element."""
     calls = {"mask": 0, "score": 0}
     bias = torch.randn(600)
 
@@ -241,10 +246,19 @@ def test_mods_evaluated_per_chunk_of_blocks():
         out = flashattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=chunked)
     finally:
         _flex._EVAL_ELEMENTS = _flex_elements
-    assert calls == {"mask": 2 + 1 + 10, "score": 2 + 1 + 10}  # 10 chunks of 32 rows each
+    assert calls == {"mask": 2 + 1 + 10, "score": 2 + 1 + 5}  # 10 chunks of 32 rows (blocks); 5 of 64
     assert torch.equal(chunked.to_states(), bm.to_states())
     torch.testing.assert_close(out, flashattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm),
                                atol=0, rtol=0)
+    scales = torch.rand(300) + 0.5
+
+    def scaled(score, b, h, q, kv):
+        calls["score"] += 1
+        return score * scales[kv] + bias[q - kv + 300]
+
+    calls["score"] = 0
+    flashattn.flex_attention(q, k, v, score_mod=scaled, block_mask=bm)
+    assert calls["score"] == 1 + 2
 
 
 def test_storage_follows_what_the_mods_read():
