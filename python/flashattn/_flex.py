@@ -157,6 +157,10 @@ def _trace(fn, n_scores, mod_name):
             result = fn(*inputs)
     except Exception as e:  # noqa: BLE001 - any failure of the user's function, reported with its name
         raise type(e)(f"{mod_name}: failed on index tensors: {e}") from e
+    if isinstance(result, torch.Tensor) and result.requires_grad:
+        raise NotImplementedError(f"{mod_name}: its result requires grad (it reads a tensor that does): flashattn "
+                                  "evaluates the mods outside autograd, so only query, key and value get gradients; "
+                                  "detach the tensor or run under torch.no_grad()")
     dep = bits_of(result)
     return dep & ~_UNIT, (reasons[0] if reasons else None), bool(dep & _UNIT)
 

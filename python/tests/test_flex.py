@@ -296,6 +296,7 @@ def test_bad_inputs_name_the_argument():
     q, k, v = (torch.randn(1, 2, 9, 8) for _ in range(3))
     causal = lambda b, h, i, j: i >= j  # noqa: E731
     bm = flashattn.create_block_mask(causal, None, None, 9, 9, BLOCK_SIZE=4)
+    learned = torch.zeros(2, requires_grad=True)
     calls = [
         (lambda: flashattn.flex_attention(q[0], k[0], v[0]), ValueError, "query: expected rank 4"),
         (lambda: flashattn.flex_attention(q.numpy(), k, v), TypeError, "query: expected a torch.Tensor"),
@@ -317,6 +318,8 @@ def test_bad_inputs_name_the_argument():
         (lambda: flashattn.create_block_mask(lambda b, h, i, j: (i - j).float(), None, None, 9, 9), TypeError,
          "mask_mod <lambda>: expected a bool tensor"),
         (lambda: flashattn.create_block_mask("causal", None, None, 9, 9), TypeError, "mask_mod: expected a callable"),
+        (lambda: flashattn.flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s + learned[h]),
+         NotImplementedError, "score_mod <lambda>: its result requires grad"),
     ]
     for call, error, fragment in calls:
         with pytest.raises(error, match=fragment):

@@ -128,6 +128,18 @@ struct FlexHook {
     return partial_row(b, h, i, j / block_size)[(j % block_size) * partial_blocks.strides[2]] != 0;
   }
 
+  // s[i] += f·c[i·step] for i < n, with the two strides the coefficients have as their own loops.
+  static void add_scaled(float* s, const float* c, std::int64_t step, std::int64_t n, float f) {
+    if (step == 1) {
+      for (std::int64_t i = 0; i < n; ++i) s[i] += f * c[i];
+    } else if (step == 0) {
+      const float v = f * c[0];
+      for (std::int64_t i = 0; i < n; ++i) s[i] += v;
+    } else {
+      for (std::int64_t i = 0; i < n; ++i) s[i] += f * c[i * step];
+    }
+  }
+
   // ScoreHook::apply: scores in log2 units, so f(s·ln 2)·log2 e = a·s + c·log2 e.
   static void apply(const void* self, const flashattn::ScoreSpan& sp) {
     constexpr float kLog2e = 1.442695040888963407f;
@@ -154,6 +166,12 @@ struct FlexHook {
         const flashattn::ScoreBlock s = m.state(sp.batch, sp.head, sp.q_idx / m.block_size, j0 / m.block_size);
         block_keeps = s == flashattn::ScoreBlock::full;
         if (s == flashattn::ScoreBlock::partial) bits = m.partial_row(sp.batch, sp.head, sp.q_idx, j0 / m.block_size);
+      }
+      if (bits == nullptr && block_keeps && a == nullptr) {
+        // Every key kept and d/d score = 1 (biases, ALiBi): c added, vectorisable; −∞ + c stays −∞.
+        if (c != nullptr) add_scaled(sp.scores + k, c + k * c_step, c_step, end - k, kLog2e);
+        k = end;
+        continue;
       }
       for (; k < end; ++k) {
         bool keep = sp.scores[k] != kNegInf;
