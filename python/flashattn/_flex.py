@@ -32,6 +32,7 @@ from typing import Optional
 import numpy as np
 
 from . import _interface as _impl
+from . import _sdpa
 
 torch = _impl.torch
 Tensor = torch.Tensor if torch is not None else np.ndarray  # the ops' schema reads the annotations
@@ -501,10 +502,7 @@ if torch is not None:
     flex_fwd = torch.library.custom_op("flashattn::flex_fwd", _flex_fwd, mutates_args=())
     flex_bwd = torch.library.custom_op("flashattn::flex_bwd", _flex_bwd, mutates_args=())
 
-    @flex_fwd.register_fake
-    def _(q, k, v, *args):
-        b, sq, hq, _ = q.shape
-        return q.new_empty((b, sq, hq, v.shape[-1])), q.new_empty((b, hq, sq), dtype=torch.float32)
+    flex_fwd.register_fake(_sdpa.fake_out_lse)
 
     @flex_bwd.register_fake
     def _(dout, q, k, v, *args):

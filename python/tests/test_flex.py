@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 
 import flashattn  # noqa: E402
 from flashattn import _flex  # noqa: E402
-from conftest import seed_for  # noqa: E402
+from conftest import run_grads as run, seed_for, torch_inputs, within_torch  # noqa: E402
 
 B, HQ, D, BLOCK = 2, 4, 24, 16
 SEQLENS = [(37, 53), (53, 37)]
@@ -126,28 +126,7 @@ def ours(q, k, v, score_mod=None, mask_mod=None, scale=None, enable_gqa=False, m
 
 
 def inputs(seed, hkv, sq, sk, dtype):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, HQ, sq, D, generator=gen).to(dtype)
-    k = torch.randn(B, hkv, sk, D, generator=gen).to(dtype)
-    v = torch.randn(B, hkv, sk, D, generator=gen).to(dtype)
-    dout = torch.randn(B, HQ, sq, D, generator=gen).to(dtype)
-    return gen, q, k, v, dout
-
-
-def run(fn, q, k, v, dout, **kw):
-    """out and the gradients of q, k, v."""
-    q, k, v = (x.detach().requires_grad_(True) for x in (q, k, v))
-    out = fn(q, k, v, **kw)
-    return (out, *torch.autograd.grad(out, (q, k, v), dout))
-
-
-def within(name, got, ref, naive, dtype, grad, context):
-    err = (got.double() - ref).abs().max().item()
-    if dtype == torch.float32:
-        tol = 1e-4 if grad else 1e-5
-    else:
-        tol = (3 if grad else 2) * (naive.double() - ref).abs().max().item() + (1e-4 if grad else 1e-5)
-    assert err <= tol, f"{name}: max error {err:.3e} > {tol:.3e} ({context})"
+    return torch_inputs(seed, B, HQ, hkv, sq, sk, D, dtype)
 
 
 @pytest.fixture
@@ -175,7 +154,7 @@ def check_case(case, seqlens, gqa, dtype, threads, reference):
     ref = run(reference, q.double(), k.double(), v.double(), dout.double(), **kw)
     assert got[0].shape == (B, HQ, sq, D) and got[0].dtype == dt
     for name, g, r, n in zip(("out", "dq", "dk", "dv"), got, ref, naive):
-        within(name, g, r, n, dt, name != "out", f"seed={seed}")
+        within_torch(name, g, r, n, name != "out", f"seed={seed}")
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -352,7 +331,7 @@ def test_default_block_size_and_scale():
     ref = run(lambda q, k, v: dense_flex(q, k, v, mask_mod=mask_mod, scale=0.3), q.double(), k.double(), v.double(),
               dout.double())
     for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref):
-        within(name, g, r, None, torch.float32, name != "out", "defaults")
+        within_torch(name, g, r, None, name != "out", "defaults")
 
 
 def test_opcheck():
