@@ -153,11 +153,8 @@ def _trace(fn, n_scores, mod_name):
     inputs += [torch.zeros(1, dtype=torch.int64) for _ in _INDEX_NAMES]
     for i, t in enumerate(inputs):
         bits[id(t)] = _SCORE | _UNIT if i < n_scores else 1 << (i - n_scores)
-    try:
-        with Follow():
-            result = fn(*inputs)
-    except Exception as e:  # noqa: BLE001 - any failure of the user's function, reported with its name
-        raise type(e)(f"{mod_name}: failed on index tensors: {e}") from e
+    with Follow():
+        result = fn(*inputs)
     if isinstance(result, torch.Tensor) and result.requires_grad:
         raise NotImplementedError(f"{mod_name}: its result requires grad (it reads a tensor that does): flashattn "
                                   "evaluates the mods outside autograd, so only query, key and value get gradients; "

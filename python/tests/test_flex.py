@@ -26,7 +26,7 @@ from flashattn import _flex  # noqa: E402
 from conftest import run_grads as run, seed_for, torch_inputs, within_torch  # noqa: E402
 
 B, HQ, D, BLOCK = 2, 4, 24, 16
-SEQLENS = [(37, 53), (53, 37)]
+SEQLENS = [(37, 53), (53, 37), (3, 70)]  # (3, 70): few query rows per kv head, the decode kernel's forward
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 NEG_INF = float("-inf")
 
@@ -160,7 +160,7 @@ def check_case(case, seqlens, gqa, dtype, threads, reference):
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
-@pytest.mark.parametrize("seqlens", SEQLENS, ids=["sq<sk", "sq>sk"])
+@pytest.mark.parametrize("seqlens", SEQLENS, ids=["sq<sk", "sq>sk", "decode"])
 @pytest.mark.parametrize("case", CASES)
 def test_matches_float64_reference(case, seqlens, gqa, dtype, threads):
     check_case(case, seqlens, gqa, dtype, threads, dense_flex)
@@ -168,14 +168,14 @@ def test_matches_float64_reference(case, seqlens, gqa, dtype, threads):
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
-@pytest.mark.parametrize("seqlens", SEQLENS, ids=["sq<sk", "sq>sk"])
+@pytest.mark.parametrize("seqlens", SEQLENS, ids=["sq<sk", "sq>sk", "decode"])
 @pytest.mark.parametrize("case", CASES)
 def test_matches_torch_flex_attention(case, seqlens, gqa, dtype, torch_cpu_backward):
     check_case(case, seqlens, gqa, dtype, 2, torch_flex)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if make_case(c, 37, 53, torch.Generator())[1] is not None])
-@pytest.mark.parametrize("seqlens", SEQLENS + [(300, 300)], ids=["sq<sk", "sq>sk", "square"])
+@pytest.mark.parametrize("seqlens", SEQLENS + [(300, 300)], ids=["sq<sk", "sq>sk", "decode", "square"])
 def test_block_mask_matches_torch(case, seqlens):
     """The same blocks computed as torch's create_block_mask (to_dense, sparsity), full blocks
     exactly those with every key kept, and each partial block's content mask_mod's."""
@@ -198,6 +198,21 @@ def test_block_mask_matches_torch(case, seqlens):
         if state == 1:
             content = got._partial_blocks[int(index[bi, hi, i, j])][:block.shape[0], :block.shape[1]]
             assert torch.equal(content, block), (bi, hi, i, j)
+
+
+@pytest.mark.parametrize("case", ["alibi_causal", "rel_bias_document", "where_const"])
+def test_native_reference_applies_the_same_mods(case):
+    """The float64 reference of the native library (its attention probabilities) reads the
+    same evaluated mods as the kernels, through the hook's per-score forms."""
+    gen, q, k, v, _ = inputs(seed_for("probs", case), 2, 29, 41, torch.float32)
+    score_mod, mask_mod, mask_bh = make_case(case, 29, 41, gen)
+    bm = None if mask_mod is None else flashattn.create_block_mask(mask_mod, *mask_bh, 29, 41, BLOCK_SIZE=8)
+    mods = _flex._mods(score_mod, bm, (B, HQ, 29, 41))
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    probs = flashattn._interface._probs(qt, kt, vt, _flex._opts(None, *mods, 1))
+    want = dense_flex(q.double(), k.double(), torch.eye(41, dtype=torch.float64).expand(B, 2, 41, 41),
+                      score_mod=score_mod, mask_mod=mask_mod, enable_gqa=True)
+    torch.testing.assert_close(probs.double(), want, atol=1e-6, rtol=0)
 
 
 def test_mods_evaluated_per_chunk_of_blocks():
