@@ -276,7 +276,7 @@ def _create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE):
     name = f"mask_mod {getattr(mask_mod, '__name__', type(mask_mod).__name__)}"
     sizes = (b, h, q_len, kv_len)
     dep, _, _ = _trace(mask_mod, 0, name)
-    q_blocks, kv_blocks = -(-q_len // bs), -(-kv_len // bs)
+    kv_blocks = -(-kv_len // bs)
     sb, sh = (b if dep & 1 else 1), (h if dep & 2 else 1)
     rows = max(1, _EVAL_ELEMENTS // (sb * sh * kv_blocks * bs * bs)) * bs
     states, index, blocks, slots = [], [], [], 0
@@ -290,11 +290,12 @@ def _create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE):
         kept = torch.zeros(sb, sh, nb * bs, kv_blocks * bs, dtype=torch.bool)
         kept[:, :, :n, :kv_len] = r
         tiles = kept.view(sb, sh, nb, bs, kv_blocks, bs)
-        count = tiles.sum(dim=(3, 5), dtype=torch.int32)  # kept keys per block, against the block's scores
-        real = (torch.arange(nb).mul(bs).neg().add(n).clamp(max=bs).view(nb, 1)
-                * torch.arange(kv_blocks).mul(bs).neg().add(kv_len).clamp(max=bs).view(1, kv_blocks))
-        st = torch.where(count == 0, _BLOCK_EMPTY,
-                         torch.where(count == real.to(torch.int32), _BLOCK_FULL, _BLOCK_PARTIAL)).to(torch.uint8)
+        kept_count = tiles.sum(dim=(3, 5), dtype=torch.int32)
+        rows_in = (n - torch.arange(nb, dtype=torch.int32) * bs).clamp(max=bs)  # the tail blocks are cut
+        cols_in = (kv_len - torch.arange(kv_blocks, dtype=torch.int32) * bs).clamp(max=bs)
+        full = kept_count == rows_in[:, None] * cols_in[None, :]
+        st = torch.where(kept_count == 0, _BLOCK_EMPTY,
+                         torch.where(full, _BLOCK_FULL, _BLOCK_PARTIAL)).to(torch.uint8)
         partial = st == _BLOCK_PARTIAL
         ix = torch.full(st.shape, -1, dtype=torch.int32)
         n_partial = int(partial.sum())
@@ -305,7 +306,6 @@ def _create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE):
         slots += n_partial
     states, index = torch.cat(states, dim=2), torch.cat(index, dim=2)
     blocks = torch.cat(blocks, dim=0) if slots else torch.zeros(0, bs, bs, dtype=torch.bool)
-    assert states.shape == (sb, sh, q_blocks, kv_blocks)
     return BlockMask(states, index, blocks.contiguous(), (b, h, q_len, kv_len), bs, mask_mod)
 
 
@@ -313,7 +313,7 @@ def _create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE):
 
 
 def _compact(x):
-    """x with every dim along which it is constant cut to size 1 (a broadcast view of it)."""
+    """x cut to size 1 along every dim along which it is constant (it broadcasts back to x)."""
     for d in range(x.dim()):
         if x.shape[d] > 1:
             first = x.narrow(d, 0, 1)
@@ -363,13 +363,13 @@ def _score_coefficients(score_mod, sizes):
     rows = _row_chunk(sizes, dep, 1 if unit else 2) if dep & 4 else 1
     for q0 in range(0, shape[2], rows):
         n = min(rows, shape[2] - q0)
-        f0, f1 = (None if unit and x else
-                  _evaluate(score_mod, (torch.tensor(x, dtype=torch.float64),), sizes, dep, n, q0, name)
-                  for x in (0.0, 1.0))
-        if not f0.dtype.is_floating_point:
-            raise TypeError(f"{name}: expected a floating result, got dtype {f0.dtype}")
-        f0, f1 = (None if f is None else f.to(torch.float64).reshape(shape[0], shape[1], n, shape[3])
-                  for f in (f0, f1))
+        def at_score(x):
+            f = _evaluate(score_mod, (torch.tensor(x, dtype=torch.float64),), sizes, dep, n, q0, name)
+            if not f.dtype.is_floating_point:
+                raise TypeError(f"{name}: expected a floating result, got dtype {f.dtype}")
+            return f.to(torch.float64).reshape(shape[0], shape[1], n, shape[3])
+
+        f0, f1 = at_score(0.0), (None if unit else at_score(1.0))
         slope = _check_values(name, f0, f1, q0)
         c[:, :, q0:q0 + n] = f0
         if slope is None:
@@ -459,6 +459,20 @@ def _flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa,
     return (out, lse) if return_lse else out
 
 
+def _check_mods(q, k, partial_index, partial_blocks, score_a, score_c):
+    """What the native hook reads without bounds checks, checked against q, k (B, S, H, D): a
+    and c float32 broadcastable to (B, Hq, Sq, Sk), partial slots within partial_blocks. (The
+    library checks the block states' shape and the partial index's and blocks' shapes.)"""
+    full = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+    for name, x in (("score_a", score_a), ("score_c", score_c)):
+        if x is not None and (x.dtype != torch.float32 or x.dim() != 4
+                              or any(n not in (1, f) for n, f in zip(x.shape, full))):
+            raise ValueError(f"{name}: expected float32 broadcastable to (B, Hq, Sq, Sk) = {full}, got "
+                             f"{x.dtype} {tuple(x.shape)}")
+    if partial_index is not None and partial_index.numel() and int(partial_index.max()) >= partial_blocks.shape[0]:
+        raise ValueError(f"partial_index: slot {int(partial_index.max())} of {partial_blocks.shape[0]} partial blocks")
+
+
 def _opts(scale, block_states, partial_index, partial_blocks, block_size, score_a, score_c, num_threads):
     o = _impl._options(0.0, scale, False, (-1, -1), 0.0, None, False, None)
     if block_states is not None:
@@ -478,6 +492,7 @@ def _flex_fwd(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], block_sta
               partial_index: Optional[Tensor], partial_blocks: Optional[Tensor], block_size: int,
               score_a: Optional[Tensor], score_c: Optional[Tensor], num_threads: int) -> tuple[Tensor, Tensor]:
     """out (B, Sq, Hq, Dv) and softmax_lse (B, Hq, Sq) float32 of (B, S, H, D) views."""
+    _check_mods(q, k, partial_index, partial_blocks, score_a, score_c)
     o = _opts(scale, block_states, partial_index, partial_blocks, block_size, score_a, score_c, num_threads)
     out, lse, _ = _impl._forward(q, k, v, o, False)
     return out, lse
@@ -488,6 +503,7 @@ def _flex_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softma
               partial_blocks: Optional[Tensor], block_size: int, score_a: Optional[Tensor],
               score_c: Optional[Tensor], num_threads: int) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv (B, S, H, D) of sum(dout * out); P is recomputed from softmax_lse."""
+    _check_mods(q, k, partial_index, partial_blocks, score_a, score_c)
     o = _opts(scale, block_states, partial_index, partial_blocks, block_size, score_a, score_c, num_threads)
     return _impl._backward(dout, q, k, v, out, softmax_lse, o)
 

@@ -364,6 +364,24 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.flashattn.flex_bwd, (dout, qt, kt, vt, out, lse, None, *mods, 1))
 
 
+def test_ops_check_what_the_hook_reads():
+    """The ops refuse coefficients that do not broadcast to the problem and partial slots
+    beyond the partial blocks, before the native call."""
+    q, k, v = (torch.randn(1, 9, 2, 8) for _ in range(3))
+    bm = flashattn.create_block_mask(lambda b, h, i, j: i >= j, None, None, 9, 9, BLOCK_SIZE=4)
+    mods = (bm._states, bm._partial_index, bm._partial_blocks, 4)
+    with pytest.raises(ValueError, match="score_c: expected float32 broadcastable"):
+        torch.ops.flashattn.flex_fwd(q, k, v, None, *mods, None, torch.zeros(1, 2, 10, 9), 1)
+    with pytest.raises(ValueError, match="score_a: expected float32"):
+        torch.ops.flashattn.flex_fwd(q, k, v, None, *mods, torch.zeros(1, 1, 1, 1, dtype=torch.float64), None, 1)
+    with pytest.raises(ValueError, match="partial_index: slot"):
+        torch.ops.flashattn.flex_fwd(q, k, v, None, bm._states, bm._partial_index, bm._partial_blocks[:1], 4, None,
+                                     None, 1)
+    with pytest.raises(ValueError, match="score_hook.block_mask: shape"):
+        torch.ops.flashattn.flex_fwd(q, k, v, None, bm._states[:, :, :2], bm._partial_index[:, :, :2],
+                                     bm._partial_blocks, 4, None, None, 1)
+
+
 def test_compile_matches_eager():
     """torch.compile graph-breaks around flex_attention (its mods are evaluated eagerly) and
     gives eager's results and gradients."""
