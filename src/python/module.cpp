@@ -149,8 +149,8 @@ struct FlexHook {
     const bool score = m.has_score();
     // a and c at the span's first key, and their key strides (0 where broadcast along the keys).
     const auto row = [&](const flashattn::TensorView& v) {
-      return v.data == nullptr ? nullptr
-                               : static_cast<const float*>(v.data) + offset(v, sp.batch, sp.head, sp.q_idx, sp.kv_begin);
+      if (v.data == nullptr) return static_cast<const float*>(nullptr);
+      return static_cast<const float*>(v.data) + offset(v, sp.batch, sp.head, sp.q_idx, sp.kv_begin);
     };
     const float* a = row(m.score_a);
     const float* c = row(m.score_c);
