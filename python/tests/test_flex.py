@@ -3,8 +3,9 @@
 Mods (causal, sliding window, prefix-LM, a document mask over a packed batch, a hidden-rows
 mask, relative position bias, ALiBi, a per-(b, h) scale and bias, where with -inf or a
 constant), B/H given or None, MHA and GQA, Sq != Sk both ways with lengths that are not
-multiples of the block, float32 and bfloat16, threads 1, 2, 3 (one count per pair of lengths): out and dq, dk, dv with the
-project's tolerance rule (float32: error <= 1e-5 out / 1e-4 grads; bfloat16: <= 2x / 3x the
+multiples of the block and few query rows (the decode kernel), float32 and bfloat16,
+threads 1, 2, 3 (one count per pair of lengths): out and dq, dk, dv with the project's
+tolerance rule (float32: error <= 1e-5 out / 1e-4 grads; bfloat16: <= 2x / 3x the
 error of a naive same-precision implementation, plus those). The float64 reference is the
 definition in torch ops (scores materialized, mods applied by broadcasting); the torch
 comparison is torch.nn.attention.flex_attention in eager mode on float64 inputs (torch
