@@ -42,6 +42,7 @@ from ._interface import (  # noqa: E402
     set_num_threads,
     simd_target,
 )
+from ._flex import BlockMask, create_block_mask, flex_attention  # noqa: E402
 from ._sdpa import scaled_dot_product_attention  # noqa: E402
 
 
@@ -69,6 +70,9 @@ def install_as_flash_attn() -> bool:
 
 __all__ = [
     "__version__",
+    "BlockMask",
+    "create_block_mask",
+    "flex_attention",
     "install_as_flash_attn",
     "flash_attn_backward",
     "flash_attn_combine",

@@ -128,7 +128,8 @@ if torch is not None:
     sdpa_bwd = torch.library.custom_op("flashattn::sdpa_bwd", _sdpa_bwd, mutates_args=())
 
     @sdpa_fwd.register_fake
-    def _(q, k, v, *args):
+    def fake_out_lse(q, k, v, *args):
+        """out (B, Sq, Hq, Dv) and float32 lse (B, Hq, Sq) of (B, S, H, D) q, v: the forward ops' fake."""
         b, sq, hq, _ = q.shape
         return q.new_empty((b, sq, hq, v.shape[-1])), q.new_empty((b, hq, sq), dtype=torch.float32)
 

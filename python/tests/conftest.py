@@ -96,3 +96,39 @@ class Snapshot:
             same = np.array_equal(np.ascontiguousarray(a).view(np.uint8),
                                   self.copies[name].view(np.uint8))
             assert same, f"input {name} was modified {context}"
+
+
+def torch_inputs(seed, b, hq, hkv, sq, sk, d, dtype):
+    """A torch generator seeded with `seed`, and q (b, hq, sq, d), k, v (b, hkv, sk, d), dout
+    (b, hq, sq, d) drawn from it, standard normal, in `dtype` ((B, H, S, D): SDPA's layout)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, sq, d, generator=gen).to(dtype)
+    k = torch.randn(b, hkv, sk, d, generator=gen).to(dtype)
+    v = torch.randn(b, hkv, sk, d, generator=gen).to(dtype)
+    dout = torch.randn(b, hq, sq, d, generator=gen).to(dtype)
+    return gen, q, k, v, dout
+
+
+def run_grads(fn, q, k, v, dout, grad_of=(), **kw):
+    """Torch tensors: fn(q, k, v, **kw) and the gradients of q, k, v and of the keyword
+    arguments named in grad_of, for dout."""
+    import torch
+
+    q, k, v = (x.detach().requires_grad_(True) for x in (q, k, v))
+    kw.update({name: kw[name].detach().requires_grad_(True) for name in grad_of})
+    out = fn(q, k, v, **kw)
+    return (out, *torch.autograd.grad(out, (q, k, v, *(kw[name] for name in grad_of)), dout))
+
+
+def within_torch(name, got, ref, naive, grad, context):
+    """The tolerance rule on torch tensors against a float64 reference: float32 error <= 1e-5
+    (outputs) / 1e-4 (gradients); lower precisions <= 2x / 3x the naive same-precision
+    implementation's error, plus those."""
+    err = (got.double() - ref).abs().max().item()
+    if got.dtype.itemsize == 4:
+        tol = 1e-4 if grad else 1e-5
+    else:
+        tol = (3 if grad else 2) * (naive.double() - ref).abs().max().item() + (1e-4 if grad else 1e-5)
+    assert err <= tol, f"{name}: max error {err:.3e} > {tol:.3e} ({context})"

@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
 import flashattn  # noqa: E402
-from conftest import seed_for  # noqa: E402
+from conftest import run_grads as run, seed_for, torch_inputs as inputs, within_torch  # noqa: E402
 
 # (name, shape of the mask given (B, Hq, Sq, Sk) sizes): SDPA's broadcasting from the right.
 MASK_SHAPES = {
@@ -43,15 +43,6 @@ def make_mask(gen, kind, shape, dtype):
     return m.to(dtype)
 
 
-def inputs(seed, b, hq, hkv, sq, sk, d, dtype):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, hq, sq, d, generator=gen).to(dtype)
-    k = torch.randn(b, hkv, sk, d, generator=gen).to(dtype)
-    v = torch.randn(b, hkv, sk, d, generator=gen).to(dtype)
-    dout = torch.randn(b, hq, sq, d, generator=gen).to(dtype)
-    return gen, q, k, v, dout
-
-
 def naive_sdpa(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
     """SDPA's definition in torch ops, in q's dtype (the naive same-precision implementation)."""
     group = q.shape[1] // k.shape[1]
@@ -62,23 +53,6 @@ def naive_sdpa(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=
     if attn_mask is not None:
         s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask
     return torch.softmax(s, dim=-1) @ v
-
-
-def run(fn, q, k, v, dout, grad_of=(), **kw):
-    """out and the gradients of q, k, v and of the keyword arguments named in grad_of."""
-    q, k, v = (x.detach().requires_grad_(True) for x in (q, k, v))
-    kw.update({name: kw[name].detach().requires_grad_(True) for name in grad_of})
-    out = fn(q, k, v, **kw)
-    return (out, *torch.autograd.grad(out, (q, k, v, *(kw[name] for name in grad_of)), dout))
-
-
-def within(name, got, ref, naive, dtype, grad, context):
-    err = (got.double() - ref).abs().max().item()
-    if dtype == torch.float32:
-        tol = 1e-4 if grad else 1e-5
-    else:
-        tol = (3 if grad else 2) * (naive.double() - ref).abs().max().item() + (1e-4 if grad else 1e-5)
-    assert err <= tol, f"{name}: max error {err:.3e} > {tol:.3e} ({context})"
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
@@ -105,7 +79,7 @@ def test_matches_torch(mask, seqlens, gqa, scale, dtype):
     if kind == "float":
         assert got[4].shape == attn_mask.shape and got[4].dtype == dt
     for name, g, r, n in zip(("out", "dq", "dk", "dv", "dmask"), got, ref, naive):
-        within(name, g, r, n, dt, name != "out", context)
+        within_torch(name, g, r, n, name != "out", context)
 
 
 def test_strided_views_not_copies():
@@ -144,7 +118,7 @@ def test_expanded_mask_gradient(dtype):
     got, naive, ref = grads
     assert got[4].shape == (19, 27) and got[4].dtype == dt
     for name, g, r, n in zip(("out", "dq", "dk", "dv", "dmask"), got, ref, naive):
-        within(name, g, r, n, dt, name != "out", f"seed={seed}")
+        within_torch(name, g, r, n, name != "out", f"seed={seed}")
 
 
 def test_numpy_arrays():

@@ -10,6 +10,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
+#include <limits>
 #include <map>
 #include <optional>
 #include <string>
@@ -79,6 +81,143 @@ flashattn::TensorView optional_in(const std::optional<Array>& a, const Dtypes& d
   return a ? in(*a, dtypes, arg) : flashattn::TensorView{};
 }
 
+// FlexAttention from Python (python/flashattn/_flex.py; docs/python.md): the user's
+// mask_mod and score_mod arrive already evaluated, vectorised, by Python — the block mask's
+// ScoreBlock states with the boolean content of its partial blocks, and score_mod as
+// per-score coefficients of f(s) = a·s + c (it was checked to be affine in s) — so the
+// kernels' ScoreHook reads tensors and never calls into Python (the GIL stays released).
+struct FlexHook {
+  flashattn::TensorView block_states;    // u8 ScoreBlock, (B or 1, Hq or 1, q blocks, kv blocks)
+  flashattn::TensorView partial_index;   // i32 like block_states: a partial block's slot in partial_blocks
+  flashattn::TensorView partial_blocks;  // u8 (slots, block_size, block_size): non-zero keeps the key
+  std::int64_t block_size = 0;
+  // f32, each dim its size in (B, Hq, Sq, Sk) or 1 (broadcast); null data: a ≡ 1, c ≡ 0.
+  flashattn::TensorView score_a, score_c;
+
+  bool has_mask() const { return block_states.data != nullptr; }
+  bool has_score() const { return score_a.data != nullptr || score_c.data != nullptr; }
+
+  // The element offset of (b, h, i, j) in a view whose size-1 dims are broadcast.
+  static std::int64_t offset(const flashattn::TensorView& v, std::int64_t b, std::int64_t h, std::int64_t i,
+                             std::int64_t j) {
+    const std::int64_t idx[4] = {b, h, i, j};
+    std::int64_t o = 0;
+    for (int d = 0; d < 4; ++d)
+      if (v.shape[d] > 1) o += idx[d] * v.strides[d];
+    return o;
+  }
+  static float coefficient(const flashattn::TensorView& v, float absent, std::int64_t b, std::int64_t h,
+                           std::int64_t i, std::int64_t j) {
+    return v.data == nullptr ? absent : static_cast<const float*>(v.data)[offset(v, b, h, i, j)];
+  }
+
+  flashattn::ScoreBlock state(std::int64_t b, std::int64_t h, std::int64_t bi, std::int64_t bj) const {
+    return static_cast<flashattn::ScoreBlock>(
+        static_cast<const std::uint8_t*>(block_states.data)[offset(block_states, b, h, bi, bj)]);
+  }
+  // The partial block (bi, bj)'s content from row i % block_size, column 0; key j at [j % block_size].
+  const std::uint8_t* partial_row(std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t bj) const {
+    const std::int64_t slot =
+        static_cast<const std::int32_t*>(partial_index.data)[offset(partial_index, b, h, i / block_size, bj)];
+    return static_cast<const std::uint8_t*>(partial_blocks.data) + slot * partial_blocks.strides[0] +
+           (i % block_size) * partial_blocks.strides[1];
+  }
+  bool keeps(std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j) const {
+    const flashattn::ScoreBlock s = state(b, h, i / block_size, j / block_size);
+    if (s != flashattn::ScoreBlock::partial) return s == flashattn::ScoreBlock::full;
+    return partial_row(b, h, i, j / block_size)[(j % block_size) * partial_blocks.strides[2]] != 0;
+  }
+
+  // s[i] += f·c[i·step] for i < n, with the two strides the coefficients have as their own loops.
+  static void add_scaled(float* s, const float* c, std::int64_t step, std::int64_t n, float f) {
+    if (step == 1) {
+      for (std::int64_t i = 0; i < n; ++i) s[i] += f * c[i];
+    } else if (step == 0) {
+      const float v = f * c[0];
+      for (std::int64_t i = 0; i < n; ++i) s[i] += v;
+    } else {
+      for (std::int64_t i = 0; i < n; ++i) s[i] += f * c[i * step];
+    }
+  }
+
+  // ScoreHook::apply: scores in log2 units, so f(s·ln 2)·log2 e = a·s + c·log2 e.
+  static void apply(const void* self, const flashattn::ScoreSpan& sp) {
+    constexpr float kLog2e = 1.442695040888963407f;
+    constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+    const FlexHook& m = *static_cast<const FlexHook*>(self);
+    const bool mask = sp.mask && m.has_mask();
+    const bool score = m.has_score();
+    // a and c at the span's first key, and their key strides (0 where broadcast along the keys).
+    const auto row = [&](const flashattn::TensorView& v) {
+      if (v.data == nullptr) return static_cast<const float*>(nullptr);
+      return static_cast<const float*>(v.data) + offset(v, sp.batch, sp.head, sp.q_idx, sp.kv_begin);
+    };
+    const float* a = row(m.score_a);
+    const float* c = row(m.score_c);
+    const std::int64_t a_step = a != nullptr && m.score_a.shape[3] > 1 ? m.score_a.strides[3] : 0;
+    const std::int64_t c_step = c != nullptr && m.score_c.shape[3] > 1 ? m.score_c.strides[3] : 0;
+    for (std::int64_t k = 0; k < sp.n;) {
+      const std::int64_t j0 = sp.kv_begin + k;
+      // One block of the mask at a time: its content row is looked up once.
+      const std::int64_t end = mask ? std::min(sp.n, k + m.block_size - j0 % m.block_size) : sp.n;
+      const std::uint8_t* bits = nullptr;  // a partial block's content row; null: the block's state decides
+      bool block_keeps = true;
+      if (mask) {
+        const flashattn::ScoreBlock s = m.state(sp.batch, sp.head, sp.q_idx / m.block_size, j0 / m.block_size);
+        block_keeps = s == flashattn::ScoreBlock::full;
+        if (s == flashattn::ScoreBlock::partial) bits = m.partial_row(sp.batch, sp.head, sp.q_idx, j0 / m.block_size);
+      }
+      if (bits == nullptr && block_keeps && a == nullptr) {
+        // Every key kept and d/d score = 1 (biases, ALiBi): c added, vectorisable; −∞ + c stays −∞.
+        if (c != nullptr) add_scaled(sp.scores + k, c + k * c_step, c_step, end - k, kLog2e);
+        k = end;
+        continue;
+      }
+      for (; k < end; ++k) {
+        bool keep = sp.scores[k] != kNegInf;
+        if (mask)
+          keep = keep && (bits != nullptr ? bits[((sp.kv_begin + k) % m.block_size) * m.partial_blocks.strides[2]] != 0
+                                          : block_keeps);
+        if (!keep) {
+          sp.scores[k] = kNegInf;
+          if (sp.grad != nullptr && score) sp.grad[k] = 0.0f;
+          continue;
+        }
+        if (score) {
+          const float ak = a != nullptr ? a[k * a_step] : 1.0f;
+          sp.scores[k] = ak * sp.scores[k] + (c != nullptr ? c[k * c_step] * kLog2e : 0.0f);
+          if (sp.grad != nullptr) sp.grad[k] *= ak;
+        }
+      }
+    }
+  }
+
+  // The hook for AttentionOptions::score_hook, with the float64 reference's per-score forms.
+  flashattn::ScoreHook hook() const {
+    flashattn::ScoreHook h;
+    h.apply = &apply;
+    h.mods = this;
+    if (has_score()) {
+      h.score = [](const void* self, double s, std::int64_t b, std::int64_t hd, std::int64_t i, std::int64_t j) {
+        const FlexHook& m = *static_cast<const FlexHook*>(self);
+        return static_cast<double>(coefficient(m.score_a, 1.0f, b, hd, i, j)) * s +
+               static_cast<double>(coefficient(m.score_c, 0.0f, b, hd, i, j));
+      };
+      h.derivative = [](const void* self, double, std::int64_t b, std::int64_t hd, std::int64_t i, std::int64_t j) {
+        return static_cast<double>(coefficient(static_cast<const FlexHook*>(self)->score_a, 1.0f, b, hd, i, j));
+      };
+    }
+    if (has_mask()) {
+      h.mask = [](const void* self, std::int64_t b, std::int64_t hd, std::int64_t i, std::int64_t j) {
+        return static_cast<const FlexHook*>(self)->keeps(b, hd, i, j);
+      };
+      h.block_mask = block_states;
+      h.block_size = block_size;
+    }
+    return h;
+  }
+};
+
 struct Options {
   std::optional<float> softmax_scale;
   bool causal = false;
@@ -103,6 +242,12 @@ struct Options {
   std::string causal_alignment = "bottom_right";  // or "top_left" (SDPA's is_causal)
   std::string kernel = "auto";           // AttentionOptions::kernel by name
   std::string backward_kernel = "auto";  // AttentionOptions::backward_kernel by name
+  // FlexAttention's evaluated mods (FlexHook): block mask and partial blocks, score_mod's a, c.
+  std::optional<Array> flex_block_states, flex_partial_index, flex_partial_blocks, flex_score_a, flex_score_c;
+  std::int64_t flex_block_size = 0;
+  // The hook's views, rebuilt by get(): AttentionOptions::score_hook points at it, so these
+  // Options must outlive the call they configure (the bindings hold them through it).
+  mutable FlexHook flex;
 
   flashattn::AttentionOptions get() const {
     flashattn::AttentionOptions o;
@@ -126,6 +271,23 @@ struct Options {
     o.causal_alignment = flashattn::parse_causal_alignment(causal_alignment);
     o.kernel = flashattn::parse_forward_kernel(kernel);
     o.backward_kernel = flashattn::parse_backward_kernel(backward_kernel);
+    flex = FlexHook{optional_in(flex_block_states, "u8", "block_mask"),
+                    optional_in(flex_partial_index, "i32", "block_mask partial index"),
+                    optional_in(flex_partial_blocks, "u8", "block_mask partial blocks"),
+                    flex_block_size,
+                    optional_in(flex_score_a, "f32", "score_mod coefficient a"),
+                    optional_in(flex_score_c, "f32", "score_mod coefficient c")};
+    if (flex.has_mask()) {
+      const flashattn::TensorView &st = flex.block_states, &ix = flex.partial_index, &pb = flex.partial_blocks;
+      bool same = ix.data != nullptr && ix.rank == 4 && st.rank == 4;
+      for (int d = 0; same && d < 4; ++d) same = ix.shape[d] == st.shape[d];
+      if (!same || pb.data == nullptr || pb.rank != 3 || flex_block_size < 1 || pb.shape[1] != flex_block_size ||
+          pb.shape[2] != flex_block_size)
+        throw flashattn::Error("block_mask: its partial index must have the block states' shape and its partial "
+                               "blocks shape (n, block_size, block_size) with block_size >= 1, got block_size " +
+                               std::to_string(flex_block_size));
+    }
+    if (flex.has_mask() || flex.has_score()) o.score_hook = flex.hook();
     record_threads(o.num_threads);
     return o;
   }
@@ -226,7 +388,13 @@ NB_MODULE(_C, m) {
       .def_rw("dbias", &Options::dbias)
       .def_rw("causal_alignment", &Options::causal_alignment)
       .def_rw("kernel", &Options::kernel)
-      .def_rw("backward_kernel", &Options::backward_kernel);
+      .def_rw("backward_kernel", &Options::backward_kernel)
+      .def_rw("flex_block_states", &Options::flex_block_states)
+      .def_rw("flex_partial_index", &Options::flex_partial_index)
+      .def_rw("flex_partial_blocks", &Options::flex_partial_blocks)
+      .def_rw("flex_block_size", &Options::flex_block_size)
+      .def_rw("flex_score_a", &Options::flex_score_a)
+      .def_rw("flex_score_c", &Options::flex_score_c);
 
   m.def(
       "forward",

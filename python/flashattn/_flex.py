@@ -1,0 +1,544 @@
+"""flashattn.flex_attention and flashattn.create_block_mask: PyTorch's FlexAttention on the native core.
+
+The user's mods are Python callables; the kernels never call them. They are evaluated here,
+vectorised (torch.vmap over index tensors, as torch evaluates them), before the native call:
+
+* mask_mod by create_block_mask, once per block mask: every BLOCK_SIZE x BLOCK_SIZE block of
+  each (b, h) classified empty, partial or full (the native ScoreBlock), and the boolean
+  content of the partial blocks kept, compactly (only those, with an index), so the kernels
+  skip empty blocks, keep full ones without a lookup and read one byte per key elsewhere.
+* score_mod by flex_attention, once per call: its operations on the score are checked to be
+  affine (add, subtract, multiply or divide by what does not depend on the score, where and
+  masked_fill on conditions that do not, floating casts) by running it once under a dispatch
+  mode, then it is evaluated at scores 0 and 1 to give f(s) = a*s + c per score, a and c each
+  stored only along the dims (b, h, q_idx, kv_idx) it depends on, and only where not
+  constant. The derivative of f is a: the backward needs nothing else. Other score_mods
+  (tanh soft-capping, ...) raise NotImplementedError naming the operation.
+
+The native hook (src/python/module.cpp, FlexHook) applies both per span of a score row, with
+the GIL released. The ops flashattn::flex_fwd / flashattn::flex_bwd take the evaluated tensors,
+so they have fake kernels and an autograd formula; flex_attention and create_block_mask
+themselves run outside torch.compile's graph (the mods' evaluation checks data), which
+graph-breaks around them. docs/python.md, "FlexAttention".
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import operator
+from typing import Optional
+
+import numpy as np
+
+from . import _interface as _impl
+from . import _sdpa
+
+torch = _impl.torch
+Tensor = torch.Tensor if torch is not None else np.ndarray  # the ops' schema reads the annotations
+
+# Elements of one vmapped evaluation of a mod (bools, or float64 pairs for score_mod): bounds
+# the temporaries, 2^22 float64 pairs being 64 MiB. Evaluations are split along q_idx.
+_EVAL_ELEMENTS = 1 << 22
+
+_BLOCK_EMPTY, _BLOCK_PARTIAL, _BLOCK_FULL = 0, 1, 2  # flashattn::ScoreBlock
+
+
+def _need_torch(name):
+    if torch is None:
+        raise ImportError(f"flashattn.{name} needs PyTorch (its mods are evaluated with torch tensors)")
+
+
+# ---- which indices a mod reads, and whether it is affine in the score ------------------------
+
+# The index arguments, in the mods' order after the score: (b, h, q_idx, kv_idx).
+_INDEX_NAMES = ("b", "h", "q_idx", "kv_idx")
+_SCORE = 1 << 4  # the score's bit; bit d (0..3) is index d's
+_UNIT = 1 << 5  # a score-dependent value that is score + (what does not depend on it), or -inf
+
+# aten operations through which a value stays affine in the score (by their overload packet).
+_AFFINE_UNARY = {"neg", "positive", "clone", "alias", "view", "_unsafe_view", "reshape", "expand", "squeeze",
+                 "unsqueeze", "permute", "t", "transpose", "detach", "contiguous", "lift_fresh", "lift_fresh_copy",
+                 "_to_copy", "to", "select", "slice", "broadcast_to", "expand_copy", "view_copy"}
+_AFFINE_SUM = {"add", "sub", "rsub"}
+
+
+def _affine_step(name, args, kwargs, on_score):
+    """Why the aten operation `name`, some of whose inputs depend on the score, is not affine in
+    it (None when it is); on_score(x): whether the argument x depends on the score."""
+    score_args = [i for i, a in enumerate(args) if on_score(a)]
+    score_kwargs = [k for k, a in kwargs.items() if on_score(a)]
+    if name in _AFFINE_SUM:
+        return f"{name} with a score-dependent {score_kwargs[0]}" if score_kwargs else None
+    if name in _AFFINE_UNARY:
+        dtype = kwargs.get("dtype")
+        if name in ("_to_copy", "to") and dtype is not None and not dtype.is_floating_point:
+            return f"a cast of the score to {dtype}"
+        return None
+    if name == "mul":
+        return "a product of two score-dependent values" if len(score_args) + len(score_kwargs) > 1 else None
+    if name == "div":
+        if kwargs.get("rounding_mode") is not None:
+            return f"div with rounding_mode={kwargs['rounding_mode']!r}"
+        return None if score_args == [0] and not score_kwargs else "a division by a score-dependent value"
+    if name == "where":
+        return "where on a score-dependent condition" if 0 in score_args else None
+    if name == "masked_fill":
+        return None if score_args == [0] and not score_kwargs else "masked_fill with a score-dependent mask or value"
+    return name
+
+
+def _keeps_unit(name, args, kwargs, bits_of):
+    """Whether the aten operation `name` gives score + (a score-independent value), or -inf,
+    wherever its score-dependent inputs are such (their d/d score is 1, or they hide the key)."""
+    def unit(x):
+        return bool(bits_of(x) & _UNIT)
+
+    def independent(x):
+        return not bits_of(x) & _SCORE
+
+    def neg_inf(x):  # a constant -inf: a float, or a tensor that depends on no index
+        if isinstance(x, torch.Tensor):
+            return bits_of(x) == 0 and bool((x == -math.inf).all())
+        return isinstance(x, float) and x == -math.inf
+
+    if name == "add":
+        x, y = args[:2]
+        return (unit(x) and independent(y)) or (independent(x) and unit(y) and kwargs.get("alpha", 1) == 1)
+    if name == "sub":
+        return unit(args[0]) and independent(args[1])
+    if name in _AFFINE_UNARY and name != "neg":
+        return unit(args[0])
+    if name == "where":
+        return all(unit(x) or neg_inf(x) for x in args[1:3])
+    if name == "masked_fill":
+        return unit(args[0]) and neg_inf(args[2])
+    return False
+
+
+def _trace(fn, n_scores, mod_name):
+    """Runs fn once on (1,)-shaped tensors — n_scores float64 scores, then b, h, q_idx, kv_idx as
+    int64 — and returns (the bits of what its result depends on, why it is not affine in the
+    score or None, whether its d/d score is 1 wherever it does not hide the key). Tensors are
+    followed by identity through a dispatch mode (every tensor made is kept alive meanwhile,
+    so no id is reused); a result that is no tensor depends on nothing."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    bits, alive, reasons = {}, [], []
+
+    def bits_of(x):
+        return functools.reduce(operator.or_, (bits.get(id(t), 0) for t in tree_leaves(x)
+                                               if isinstance(t, torch.Tensor)), 0)
+
+    class Follow(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            dep = bits_of((args, kwargs)) & ~_UNIT
+            if dep & _SCORE:
+                name = func.overloadpacket.__name__.rstrip("_")
+                why = _affine_step(name, args, kwargs, lambda a: bool(bits_of(a) & _SCORE))
+                if why is not None:
+                    reasons.append(why)
+                elif _keeps_unit(name, args, kwargs, bits_of):
+                    dep |= _UNIT
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    bits[id(t)] = dep
+                    alive.append(t)
+            return out
+
+    inputs = [torch.zeros(1, dtype=torch.float64) for _ in range(n_scores)]
+    inputs += [torch.zeros(1, dtype=torch.int64) for _ in _INDEX_NAMES]
+    for i, t in enumerate(inputs):
+        bits[id(t)] = _SCORE | _UNIT if i < n_scores else 1 << (i - n_scores)
+    with Follow():
+        result = fn(*inputs)
+    if isinstance(result, torch.Tensor) and result.requires_grad:
+        raise NotImplementedError(f"{mod_name}: its result requires grad (it reads a tensor that does): flashattn "
+                                  "evaluates the mods outside autograd, so only query, key and value get gradients; "
+                                  "detach the tensor or run under torch.no_grad()")
+    dep = bits_of(result)
+    return dep & ~_UNIT, (reasons[0] if reasons else None), bool(dep & _UNIT)
+
+
+def _evaluate(fn, prefix, sizes, dep, rows, q0, mod_name):
+    """fn vmapped over (b, h, q_idx, kv_idx) — each read index of its size (q_idx from q0, `rows`
+    of them), each unread one of size 1 — with `prefix` the unbatched leading arguments: a
+    tensor of shape (1 or B, 1 or H, rows or 1, 1 or KV)."""
+    index = []
+    for d, size in enumerate(sizes):
+        if not dep & (1 << d):
+            index.append(torch.zeros(1, dtype=torch.int64))
+        elif d == 2:
+            index.append(torch.arange(q0, q0 + rows, dtype=torch.int64))
+        else:
+            index.append(torch.arange(size, dtype=torch.int64))
+    f = fn
+    for d in reversed(range(4)):
+        f = torch.vmap(f, in_dims=(None,) * len(prefix) + tuple(0 if e == d else None for e in range(4)))
+    with torch.no_grad():
+        out = f(*prefix, *index)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{mod_name}: expected a tensor result, got {type(out).__name__}")
+    return out
+
+
+def _row_chunk(sizes, dep, per_element):
+    """q_idx rows per evaluation, under _EVAL_ELEMENTS (at least one)."""
+    others = 1
+    for d in (0, 1, 3):
+        if dep & (1 << d):
+            others *= sizes[d]
+    return max(1, _EVAL_ELEMENTS // (others * per_element))
+
+
+# ---- the block mask --------------------------------------------------------------------------
+
+
+class BlockMask:
+    """FlexAttention's BlockMask, as flashattn.create_block_mask builds it: per (b, h), every
+    BLOCK_SIZE x BLOCK_SIZE block of the (Q_LEN, KV_LEN) scores empty (skipped), partial
+    (mask_mod's values kept, one byte per score) or full (kept without a look-up). torch's
+    attribute names: shape (B, H, Q_LEN, KV_LEN), BLOCK_SIZE (Q, KV), seq_lengths, mask_mod,
+    sparsity(), to_dense(). Block states are stored once along a dim mask_mod does not read
+    (B, H None, or mask_mod independent of b, h)."""
+
+    def __init__(self, states, partial_index, partial_blocks, shape, block_size, mask_mod):
+        self._states = states                  # uint8 (B or 1, H or 1, q blocks, kv blocks): ScoreBlock
+        self._partial_index = partial_index    # int32 like _states: the slot of a partial block, else -1
+        self._partial_blocks = partial_blocks  # bool (slots, BLOCK_SIZE, BLOCK_SIZE): True keeps the key
+        self.shape = tuple(shape)
+        self.BLOCK_SIZE = (block_size, block_size)
+        self.mask_mod = mask_mod
+
+    @property
+    def seq_lengths(self):
+        return self.shape[2], self.shape[3]
+
+    def _expanded_states(self):
+        b, h = self.shape[:2]
+        return self._states.expand(b, h, *self._states.shape[2:])
+
+    def sparsity(self) -> float:
+        """The percentage of blocks skipped (empty), over (B, H) as given."""
+        return 100.0 * (self._states == _BLOCK_EMPTY).double().mean().item()
+
+    def to_dense(self):
+        """int32 (B, H, q blocks, kv blocks): 1 where a block is computed (partial or full), as
+        torch's BlockMask.to_dense()."""
+        return (self._expanded_states() != _BLOCK_EMPTY).to(torch.int32)
+
+    def to_states(self):
+        """uint8 (B, H, q blocks, kv blocks): 0 empty, 1 partial, 2 full (flashattn::ScoreBlock)."""
+        return self._expanded_states().clone()
+
+    def __repr__(self):
+        return (f"BlockMask(shape={self.shape}, BLOCK_SIZE={self.BLOCK_SIZE}, sparsity={self.sparsity():.2f}%, "
+                f"partial_blocks={self._partial_blocks.shape[0]})")
+
+
+def _positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+    return int(value)
+
+
+def _block_size_arg(block_size):
+    if isinstance(block_size, (tuple, list)):
+        if len(block_size) != 2 or block_size[0] != block_size[1]:
+            raise ValueError(f"BLOCK_SIZE: flashattn's blocks are square, got {tuple(block_size)!r}")
+        block_size = block_size[0]
+    return _positive_int("BLOCK_SIZE", block_size)
+
+
+def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=128):
+    """torch.nn.attention.flex_attention.create_block_mask for flashattn.flex_attention.
+
+    mask_mod(b, h, q_idx, kv_idx) -> bool tensor (True keeps the key) is evaluated with
+    torch.vmap over the indices it reads, BLOCK_SIZE rows of q at a time or more, and every
+    block classified; partial blocks keep their content, so flex_attention never calls
+    mask_mod. B, H None: one mask for every batch element / head (as torch). device: "cpu"."""
+    _need_torch("create_block_mask")
+    return _create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE)
+
+
+def _create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE):
+    if not callable(mask_mod):
+        raise TypeError(f"mask_mod: expected a callable (b, h, q_idx, kv_idx) -> bool, got {type(mask_mod).__name__}")
+    b = 1 if B is None else _positive_int("B", B)
+    h = 1 if H is None else _positive_int("H", H)
+    q_len, kv_len = _positive_int("Q_LEN", Q_LEN), _positive_int("KV_LEN", KV_LEN)
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"device: flashattn runs on the CPU, got {device!r}")
+    bs = _block_size_arg(BLOCK_SIZE)
+    name = f"mask_mod {getattr(mask_mod, '__name__', type(mask_mod).__name__)}"
+    sizes = (b, h, q_len, kv_len)
+    dep, _, _ = _trace(mask_mod, 0, name)
+    kv_blocks = -(-kv_len // bs)
+    sb, sh = (b if dep & 1 else 1), (h if dep & 2 else 1)
+    rows = max(1, _EVAL_ELEMENTS // (sb * sh * kv_blocks * bs * bs)) * bs
+    states, index, blocks, slots = [], [], [], 0
+    for q0 in range(0, q_len, rows):
+        n = min(rows, q_len - q0)
+        r = _evaluate(mask_mod, (), sizes, dep, n, q0, name)
+        if r.dtype != torch.bool:
+            raise TypeError(f"{name}: expected a bool tensor result (True keeps the key), got dtype {r.dtype}")
+        r = r.reshape(sb, sh, n if dep & 4 else 1, kv_len if dep & 8 else 1).expand(sb, sh, n, kv_len)
+        nb = -(-n // bs)
+        kept = torch.zeros(sb, sh, nb * bs, kv_blocks * bs, dtype=torch.bool)
+        kept[:, :, :n, :kv_len] = r
+        tiles = kept.view(sb, sh, nb, bs, kv_blocks, bs)
+        kept_count = tiles.sum(dim=(3, 5), dtype=torch.int32)
+        rows_in = (n - torch.arange(nb, dtype=torch.int32) * bs).clamp(max=bs)  # the tail blocks are cut
+        cols_in = (kv_len - torch.arange(kv_blocks, dtype=torch.int32) * bs).clamp(max=bs)
+        full = kept_count == rows_in[:, None] * cols_in[None, :]
+        st = torch.where(kept_count == 0, _BLOCK_EMPTY,
+                         torch.where(full, _BLOCK_FULL, _BLOCK_PARTIAL)).to(torch.uint8)
+        partial = st == _BLOCK_PARTIAL
+        ix = torch.full(st.shape, -1, dtype=torch.int32)
+        n_partial = int(partial.sum())
+        ix[partial] = torch.arange(slots, slots + n_partial, dtype=torch.int32)
+        blocks.append(tiles.permute(0, 1, 2, 4, 3, 5)[partial])
+        states.append(st)
+        index.append(ix)
+        slots += n_partial
+    states, index = torch.cat(states, dim=2), torch.cat(index, dim=2)
+    blocks = torch.cat(blocks, dim=0) if slots else torch.zeros(0, bs, bs, dtype=torch.bool)
+    return BlockMask(states, index, blocks.contiguous(), (b, h, q_len, kv_len), bs, mask_mod)
+
+
+# ---- score_mod -------------------------------------------------------------------------------
+
+
+def _compact(x):
+    """x cut to size 1 along every dim along which it is constant (it broadcasts back to x)."""
+    for d in range(x.dim()):
+        if x.shape[d] > 1:
+            first = x.narrow(d, 0, 1)
+            if bool((x == first).all()):
+                x = first
+    return x.contiguous()
+
+
+def _check_values(name, f0, f1, q0):
+    """The slope f1 − f0 (None for None), 0 where f0 is -inf (a key hidden at every score);
+    ValueError unless every f0 is finite or -inf and every slope finite. One reduction per
+    tensor when all is well."""
+    slope = None if f1 is None else f1 - f0
+    total = f0.sum().item()  # -inf: no nan, no +inf
+    if (math.isfinite(total) or total == -math.inf) and (slope is None or math.isfinite(slope.sum().item())):
+        return slope
+    hidden = f0 == -math.inf
+    bad = ~(torch.isfinite(f0) | hidden)
+    if slope is not None:
+        slope.masked_fill_(hidden, 0.0)
+        bad |= ~torch.isfinite(slope)
+    if bool(bad.any()):
+        at = tuple(int(i) for i in bad.nonzero()[0])
+        got = f0[at].item() if f1 is None else (f0[at].item(), f1[at].item())
+        raise ValueError(f"{name}: returned {got!r} at score {'0' if f1 is None else '(0, 1)'} for "
+                         f"(b, h, q_idx, kv_idx) = {(at[0], at[1], at[2] + q0, at[3])} (each 0 where score_mod "
+                         "does not read it): only finite values and -inf are taken")
+    return slope
+
+
+def _score_coefficients(score_mod, sizes):
+    """(a, c), float32 tensors of rank 4 broadcastable to (B, Hq, Sq, Sk), with score_mod(s) =
+    a*s + c at every score; a None where it is 1 everywhere, c None where it is 0. Raises
+    NotImplementedError for a score_mod that is not affine in the score. A score_mod that only
+    adds to the score (biases, ALiBi, where/masked_fill with -inf) is evaluated once, at score
+    0; others also at 1, for a = f(1) − f(0)."""
+    name = f"score_mod {getattr(score_mod, '__name__', type(score_mod).__name__)}"
+    dep, why, unit = _trace(score_mod, 1, name)
+    if why is not None:
+        raise NotImplementedError(
+            f"{name}: not affine in the score ({why}); flashattn evaluates score_mod per block as a*score + c, "
+            "so it takes sums, differences, products and quotients with score-independent values, where and "
+            "masked_fill on score-independent conditions (for soft-capping use flash_attn_func's softcap=)")
+    shape = tuple(s if dep & (1 << d) else 1 for d, s in enumerate(sizes))
+    c = torch.empty(shape, dtype=torch.float32)
+    a, a_value = None, (1.0 if unit else None)  # a is allocated once some slope differs from the first one
+    rows = _row_chunk(sizes, dep, 1 if unit else 2) if dep & 4 else 1
+    for q0 in range(0, shape[2], rows):
+        n = min(rows, shape[2] - q0)
+        def at_score(x):
+            f = _evaluate(score_mod, (torch.tensor(x, dtype=torch.float64),), sizes, dep, n, q0, name)
+            if not f.dtype.is_floating_point:
+                raise TypeError(f"{name}: expected a floating result, got dtype {f.dtype}")
+            return f.to(torch.float64).reshape(shape[0], shape[1], n, shape[3])
+
+        f0, f1 = at_score(0.0), (None if unit else at_score(1.0))
+        slope = _check_values(name, f0, f1, q0)
+        c[:, :, q0:q0 + n] = f0
+        if slope is None:
+            continue
+        if a is None:
+            a_value = slope.flatten()[0].item() if a_value is None else a_value
+            lo, hi = torch.aminmax(slope)
+            if lo.item() == a_value and hi.item() == a_value:
+                continue
+            a = torch.full(shape, a_value, dtype=torch.float32)
+        a[:, :, q0:q0 + n] = slope
+    if a is None:
+        a = None if a_value == 1.0 else torch.full((1, 1, 1, 1), a_value, dtype=torch.float32)
+    else:
+        a = _compact(a)
+    return a, (None if c.numel() == 1 and c.item() == 0.0 else c)
+
+
+# ---- flex_attention --------------------------------------------------------------------------
+
+
+def _check(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options):
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if not _impl._is_tensor(x):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 4:
+            raise ValueError(f"{name}: expected rank 4 (batch, heads, seqlen, head_dim), got shape {tuple(x.shape)}")
+        if x.device.type != "cpu":
+            raise ValueError(f"{name}: only CPU tensors are supported, got device {x.device}")
+        _impl._dtype_of(x, name)
+    if score_mod is not None and not callable(score_mod):
+        raise TypeError(f"score_mod: expected a callable (score, b, h, q_idx, kv_idx) or None, got "
+                        f"{type(score_mod).__name__}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
+    if kernel_options is not None:
+        raise ValueError(f"kernel_options: flashattn's CPU kernels take none, got {kernel_options!r}")
+    b, hq, sq, _ = query.shape
+    hkv, sk = key.shape[1], key.shape[2]
+    if not enable_gqa and hq != hkv:
+        raise ValueError(f"key: {hkv} heads but query has {hq}; pass enable_gqa=True for grouped-query attention")
+    if block_mask is None:
+        return
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask: expected a flashattn.BlockMask (from flashattn.create_block_mask), got "
+                        f"{type(block_mask).__module__}.{type(block_mask).__name__}; build it with "
+                        "flashattn.create_block_mask(block_mask.mask_mod, ...)")
+    mb, mh, mq, mk = block_mask.shape
+    if (mq, mk) != (sq, sk) or mb not in (1, b) or mh not in (1, hq):
+        raise ValueError(f"block_mask: built for (B, H, Q_LEN, KV_LEN) = {block_mask.shape}, which does not fit "
+                         f"query and key's ({b}, {hq}, {sq}, {sk}) (B and H may be 1)")
+
+
+def _mods(score_mod, block_mask, sizes):
+    """The op arguments that carry the evaluated mods: block states, partial index, partial
+    blocks, block size, a, c."""
+    a, c = (None, None) if score_mod is None else _score_coefficients(score_mod, sizes)
+    if block_mask is None:
+        return None, None, None, 0, a, c
+    return (block_mask._states, block_mask._partial_index, block_mask._partial_blocks, block_mask.BLOCK_SIZE[0],
+            a, c)
+
+
+def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
+                   return_lse=False, kernel_options=None):
+    """torch.nn.attention.flex_attention.flex_attention on flashattn's CPU kernels.
+
+    query (B, Hq, Sq, D), key (B, Hkv, Sk, D), value (B, Hkv, Sk, Dv) -> (B, Hq, Sq, Dv), torch
+    CPU tensors (float32, float16, bfloat16). score_mod(score, b, h, q_idx, kv_idx) must be
+    affine in the score (NotImplementedError otherwise); block_mask from
+    flashattn.create_block_mask. scale: default 1/sqrt(D). enable_gqa: Hq a multiple of Hkv.
+    return_lse: also the log-sum-exp (B, Hq, Sq), float32, natural log (not differentiable).
+    Gradients of query, key and value through autograd."""
+    _need_torch("flex_attention")
+    return _flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, kernel_options)
+
+
+def _flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, kernel_options):
+    _check(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options)
+    b, hq, sq, _ = query.shape
+    mods = _mods(score_mod, block_mask, (b, hq, sq, key.shape[2]))
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+    args = (q, k, v, None if scale is None else float(scale), *mods, 0)
+    direct = _impl._torch_ops.direct(q, k, v)
+    out, lse = (_flex_fwd if direct else torch.ops.flashattn.flex_fwd)(*args)
+    out = out.transpose(1, 2)
+    return (out, lse) if return_lse else out
+
+
+def _check_mods(q, k, partial_index, partial_blocks, score_a, score_c):
+    """What the native hook reads without bounds checks, checked against q, k (B, S, H, D): a
+    and c float32 broadcastable to (B, Hq, Sq, Sk), partial slots within partial_blocks. (The
+    library checks the block states' shape and the partial index's and blocks' shapes.)"""
+    full = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+    for name, x in (("score_a", score_a), ("score_c", score_c)):
+        if x is not None and (x.dtype != torch.float32 or x.dim() != 4
+                              or any(n not in (1, f) for n, f in zip(x.shape, full))):
+            raise ValueError(f"{name}: expected float32 broadcastable to (B, Hq, Sq, Sk) = {full}, got "
+                             f"{x.dtype} {tuple(x.shape)}")
+    if partial_index is not None and partial_index.numel() and int(partial_index.max()) >= partial_blocks.shape[0]:
+        raise ValueError(f"partial_index: slot {int(partial_index.max())} of {partial_blocks.shape[0]} partial blocks")
+
+
+def _opts(scale, block_states, partial_index, partial_blocks, block_size, score_a, score_c, num_threads):
+    o = _impl._options(0.0, scale, False, (-1, -1), 0.0, None, False, None)
+    if block_states is not None:
+        o.flex_block_states = block_states.numpy()
+        o.flex_partial_index = partial_index.numpy()
+        o.flex_partial_blocks = partial_blocks.view(torch.uint8).numpy()
+        o.flex_block_size = int(block_size)
+    if score_a is not None:
+        o.flex_score_a = score_a.numpy()
+    if score_c is not None:
+        o.flex_score_c = score_c.numpy()
+    o.num_threads = _impl._resolve_threads(num_threads, True)
+    return o
+
+
+def _flex_fwd(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], block_states: Optional[Tensor],
+              partial_index: Optional[Tensor], partial_blocks: Optional[Tensor], block_size: int,
+              score_a: Optional[Tensor], score_c: Optional[Tensor], num_threads: int) -> tuple[Tensor, Tensor]:
+    """out (B, Sq, Hq, Dv) and softmax_lse (B, Hq, Sq) float32 of (B, S, H, D) views."""
+    _check_mods(q, k, partial_index, partial_blocks, score_a, score_c)
+    o = _opts(scale, block_states, partial_index, partial_blocks, block_size, score_a, score_c, num_threads)
+    out, lse, _ = _impl._forward(q, k, v, o, False)
+    return out, lse
+
+
+def _flex_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse: Tensor,
+              scale: Optional[float], block_states: Optional[Tensor], partial_index: Optional[Tensor],
+              partial_blocks: Optional[Tensor], block_size: int, score_a: Optional[Tensor],
+              score_c: Optional[Tensor], num_threads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv (B, S, H, D) of sum(dout * out); P is recomputed from softmax_lse."""
+    _check_mods(q, k, partial_index, partial_blocks, score_a, score_c)
+    o = _opts(scale, block_states, partial_index, partial_blocks, block_size, score_a, score_c, num_threads)
+    return _impl._backward(dout, q, k, v, out, softmax_lse, o)
+
+
+if torch is not None:
+    create_block_mask = torch.compiler.disable(create_block_mask)
+    flex_attention = torch.compiler.disable(flex_attention)
+
+    flex_fwd = torch.library.custom_op("flashattn::flex_fwd", _flex_fwd, mutates_args=())
+    flex_bwd = torch.library.custom_op("flashattn::flex_bwd", _flex_bwd, mutates_args=())
+
+    flex_fwd.register_fake(_sdpa.fake_out_lse)
+
+    @flex_bwd.register_fake
+    def _(dout, q, k, v, *args):
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+    _MOD_ARGS = ("block_states", "partial_index", "partial_blocks", "score_a", "score_c")
+
+    def _setup(ctx, inputs, output):
+        q, k, v, scale, states, index, blocks, block_size, a, c, num_threads = inputs
+        mods = dict(zip(_MOD_ARGS, (states, index, blocks, a, c)))
+        ctx.present = tuple(n for n in _MOD_ARGS if mods[n] is not None)
+        ctx.options = (scale, block_size, num_threads)
+        ctx.save_for_backward(q, k, v, *output, *(mods[n] for n in ctx.present))
+        ctx.mark_non_differentiable(output[1])
+
+    def _backward(ctx, dout, _dlse):
+        q, k, v, out, lse, *rest = ctx.saved_tensors
+        mods = dict.fromkeys(_MOD_ARGS)
+        mods.update(zip(ctx.present, rest))
+        scale, block_size, num_threads = ctx.options
+        dq, dk, dv = torch.ops.flashattn.flex_bwd(dout.to(q.dtype), q, k, v, out, lse, scale, mods["block_states"],
+                                                  mods["partial_index"], mods["partial_blocks"], block_size,
+                                                  mods["score_a"], mods["score_c"], num_threads)
+        return dq, dk, dv, None, None, None, None, None, None, None, None
+
+    torch.library.register_autograd("flashattn::flex_fwd", _backward, setup_context=_setup)

@@ -1,0 +1,400 @@
+"""flashattn.flex_attention and create_block_mask against a float64 reference and torch's FlexAttention.
+
+Mods (causal, sliding window, prefix-LM, a document mask over a packed batch, a hidden-rows
+mask, relative position bias, ALiBi, a per-(b, h) scale and bias, where with -inf or a
+constant), B/H given or None, MHA and GQA, Sq != Sk both ways with lengths that are not
+multiples of the block and few query rows (the decode kernel), float32 and bfloat16,
+threads 1, 2, 3 (one count per pair of lengths): out and dq, dk, dv with the project's
+tolerance rule (float32: error <= 1e-5 out / 1e-4 grads; bfloat16: <= 2x / 3x the
+error of a naive same-precision implementation, plus those). The float64 reference is the
+definition in torch ops (scores materialized, mods applied by broadcasting); the torch
+comparison is torch.nn.attention.flex_attention in eager mode on float64 inputs (torch
+refuses a CPU backward there, a device check its eager path does not need: the test lifts
+it). Then: the block mask's blocks against torch's, evaluation once per chunk of blocks
+(never per element), compact storage, non-affine score_mods refused by name, bad inputs,
+opcheck, torch.compile and return_lse. Skipped without torch."""
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import flashattn  # noqa: E402
+from flashattn import _flex  # noqa: E402
+from conftest import run_grads as run, seed_for, torch_inputs, within_torch  # noqa: E402
+
+B, HQ, D, BLOCK = 2, 4, 24, 16
+SEQLENS = [(37, 53), (53, 37), (3, 70)]  # (3, 70): few query rows per kv head, the decode kernel's forward
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+NEG_INF = float("-inf")
+
+
+def make_case(name, sq, sk, gen):
+    """(score_mod, mask_mod, (B, H) for create_block_mask) of a named case; the mods broadcast
+    (for the dense references) and run under vmap (for flashattn and torch)."""
+    doc = torch.randint(0, 3, (B, max(sq, sk)), generator=gen).sort(dim=1).values  # packed documents
+    table = torch.randn(sq + sk, generator=gen)  # a bias per relative position
+    slopes = torch.rand(HQ, generator=gen) * 0.3
+    bh_scale, bh_bias = torch.rand(B, HQ, generator=gen) + 0.5, torch.randn(B, HQ, generator=gen)
+
+    def causal(b, h, q, kv):
+        return q >= kv
+
+    def sliding_window(b, h, q, kv):
+        return (q >= kv) & (q - kv <= 9)
+
+    def prefix_lm(b, h, q, kv):
+        return (kv < 11) | (q >= kv)
+
+    def document(b, h, q, kv):
+        return (doc[b, q] == doc[b, kv]) & (q >= kv)
+
+    def hidden_rows(b, h, q, kv):
+        return (q >= 5) & (kv <= q + 3)
+
+    def rel_bias(score, b, h, q, kv):
+        return score + table[q - kv + sk - 1]
+
+    def alibi(score, b, h, q, kv):
+        return score - slopes[h] * (q - kv).abs()
+
+    def scale_bias(score, b, h, q, kv):
+        return score * bh_scale[b, h] + bh_bias[b, h]
+
+    def where_causal(score, b, h, q, kv):
+        return torch.where(q >= kv, score, NEG_INF)
+
+    def where_const(score, b, h, q, kv):  # slope 1 below the diagonal, 0 above: a differs per score
+        return torch.where(q >= kv, score + 1.0, 0.5)
+
+    return {
+        "causal": (None, causal, (None, None)),
+        "sliding_window": (None, sliding_window, (None, None)),
+        "prefix_lm": (None, prefix_lm, (None, HQ)),
+        "document": (None, document, (B, None)),
+        "hidden_rows": (None, hidden_rows, (B, HQ)),
+        "rel_bias": (rel_bias, None, None),
+        "alibi": (alibi, None, None),
+        "alibi_causal": (alibi, causal, (None, None)),
+        "rel_bias_document": (rel_bias, document, (B, HQ)),
+        "scale_bias": (scale_bias, None, None),
+        "where_causal": (where_causal, None, None),
+        "where_const": (where_const, None, None),
+    }[name]
+
+
+CASES = ["causal", "sliding_window", "prefix_lm", "document", "hidden_rows", "rel_bias", "alibi", "alibi_causal",
+         "rel_bias_document", "scale_bias", "where_causal", "where_const"]
+
+
+def dense_flex(q, k, v, score_mod=None, mask_mod=None, scale=None, enable_gqa=False):
+    """FlexAttention's definition in torch ops in q's dtype, scores materialized: float64 inputs
+    give the reference, others the naive same-precision implementation (every score and
+    probability rounded to the dtype). A row without visible keys gives zeros, as torch's."""
+    b, hq, sq, d = q.shape
+    group = hq // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    sk = k.shape[2]
+    s = (q @ k.transpose(-1, -2)) * (d ** -0.5 if scale is None else scale)
+    idx = (torch.arange(b).view(b, 1, 1, 1), torch.arange(hq).view(1, hq, 1, 1), torch.arange(sq).view(1, 1, sq, 1),
+           torch.arange(sk).view(1, 1, 1, sk))
+    if score_mod is not None:
+        s = score_mod(s, *idx).to(q.dtype)
+    if mask_mod is not None:
+        s = s.masked_fill(~mask_mod(*idx), NEG_INF)
+    e = torch.exp(s - s.amax(dim=-1, keepdim=True).clamp(min=-1e30))
+    p = (e / e.sum(dim=-1, keepdim=True).clamp(min=1e-30)).to(q.dtype)
+    return p @ v
+
+
+def torch_flex(q, k, v, score_mod=None, mask_mod=None, scale=None, enable_gqa=False):
+    """torch.nn.attention.flex_attention eager, with its block mask from torch's create_block_mask."""
+    fa = pytest.importorskip("torch.nn.attention.flex_attention", reason="torch without FlexAttention")
+    bm = None if mask_mod is None else fa.create_block_mask(mask_mod, None, None, q.shape[2], k.shape[2],
+                                                            device="cpu", BLOCK_SIZE=BLOCK)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "flex_attention called without torch.compile()"
+        return fa.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, scale=scale, enable_gqa=enable_gqa)
+
+
+def ours(q, k, v, score_mod=None, mask_mod=None, scale=None, enable_gqa=False, mask_bh=(None, None)):
+    bm = None if mask_mod is None else flashattn.create_block_mask(mask_mod, *mask_bh, q.shape[2], k.shape[2],
+                                                                   BLOCK_SIZE=BLOCK)
+    return flashattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, scale=scale, enable_gqa=enable_gqa)
+
+
+def inputs(seed, hkv, sq, sk, dtype):
+    return torch_inputs(seed, B, HQ, hkv, sq, sk, D, dtype)
+
+
+@pytest.fixture
+def torch_cpu_backward(monkeypatch):
+    """torch's flex_attention refuses requires_grad inputs on the CPU in a device check; its eager
+    (math) path computes the gradients on any device, so the check is lifted for the reference."""
+    fa = pytest.importorskip("torch.nn.attention.flex_attention", reason="torch without FlexAttention")
+    monkeypatch.setattr(fa, "_validate_device", lambda *args: None)
+
+
+def check_case(case, seqlens, gqa, dtype, threads, reference):
+    sq, sk = seqlens
+    dt = DTYPES[dtype]
+    seed = seed_for("flex", case, seqlens, gqa, dtype, threads)
+    gen, q, k, v, dout = inputs(seed, 2 if gqa else HQ, sq, sk, dt)
+    score_mod, mask_mod, mask_bh = make_case(case, sq, sk, gen)
+    kw = dict(score_mod=score_mod, mask_mod=mask_mod, enable_gqa=gqa)
+    flashattn.set_num_threads(threads)
+    try:
+        got = run(ours, q, k, v, dout, mask_bh=mask_bh or (None, None), **kw)
+        assert flashattn.last_num_threads() == threads
+    finally:
+        flashattn._interface._num_threads = 0
+    naive = run(dense_flex, q, k, v, dout, **kw)
+    ref = run(reference, q.double(), k.double(), v.double(), dout.double(), **kw)
+    assert got[0].shape == (B, HQ, sq, D) and got[0].dtype == dt
+    for name, g, r, n in zip(("out", "dq", "dk", "dv"), got, ref, naive):
+        within_torch(name, g, r, n, name != "out", f"seed={seed}")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
+@pytest.mark.parametrize("seqlens, threads", list(zip(SEQLENS, (1, 2, 3))), ids=["sq<sk-1t", "sq>sk-2t", "decode-3t"])
+@pytest.mark.parametrize("case", CASES)
+def test_matches_float64_reference(case, seqlens, threads, gqa, dtype):
+    """Each case on 1, 2 and 3 threads, one thread count per pair of lengths."""
+    check_case(case, seqlens, gqa, dtype, threads, dense_flex)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
+@pytest.mark.parametrize("seqlens", SEQLENS, ids=["sq<sk", "sq>sk", "decode"])
+@pytest.mark.parametrize("case", CASES)
+def test_matches_torch_flex_attention(case, seqlens, gqa, dtype, torch_cpu_backward):
+    check_case(case, seqlens, gqa, dtype, 2, torch_flex)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if make_case(c, 37, 53, torch.Generator())[1] is not None])
+@pytest.mark.parametrize("seqlens", SEQLENS + [(300, 300)], ids=["sq<sk", "sq>sk", "decode", "square"])
+def test_block_mask_matches_torch(case, seqlens):
+    """The same blocks computed as torch's create_block_mask (to_dense, sparsity), full blocks
+    exactly those with every key kept, and each partial block's content mask_mod's."""
+    fa = pytest.importorskip("torch.nn.attention.flex_attention", reason="torch without FlexAttention")
+    sq, sk = seqlens
+    _, mask_mod, (mb, mh) = make_case(case, sq, sk, torch.Generator().manual_seed(seed_for("bm", case, seqlens)))
+    got = flashattn.create_block_mask(mask_mod, mb, mh, sq, sk, BLOCK_SIZE=BLOCK)
+    want = fa.create_block_mask(mask_mod, mb, mh, sq, sk, device="cpu", BLOCK_SIZE=BLOCK)
+    assert got.shape == want.shape and got.BLOCK_SIZE == want.BLOCK_SIZE and got.seq_lengths == (sq, sk)
+    assert torch.equal(got.to_dense(), want.to_dense().to(torch.int32))
+    assert got.sparsity() == pytest.approx(want.sparsity())
+    b, h = got.shape[:2]
+    dense = mask_mod(torch.arange(b).view(b, 1, 1, 1), torch.arange(h).view(1, h, 1, 1),
+                     torch.arange(sq).view(1, 1, sq, 1), torch.arange(sk).view(1, 1, 1, sk)).expand(b, h, sq, sk)
+    states, index = got.to_states(), got._partial_index.expand(b, h, -1, -1)
+    for bi, hi, i, j in np.ndindex(*states.shape):
+        block = dense[bi, hi, i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK]
+        state = int(states[bi, hi, i, j])
+        assert state == (0 if not block.any() else 2 if block.all() else 1), (bi, hi, i, j)
+        if state == 1:
+            content = got._partial_blocks[int(index[bi, hi, i, j])][:block.shape[0], :block.shape[1]]
+            assert torch.equal(content, block), (bi, hi, i, j)
+
+
+@pytest.mark.parametrize("case", ["alibi_causal", "rel_bias_document", "where_const"])
+def test_native_reference_applies_the_same_mods(case):
+    """The float64 reference of the native library (its attention probabilities) reads the
+    same evaluated mods as the kernels, through the hook's per-score forms."""
+    gen, q, k, v, _ = inputs(seed_for("probs", case), 2, 29, 41, torch.float32)
+    score_mod, mask_mod, mask_bh = make_case(case, 29, 41, gen)
+    bm = None if mask_mod is None else flashattn.create_block_mask(mask_mod, *mask_bh, 29, 41, BLOCK_SIZE=8)
+    mods = _flex._mods(score_mod, bm, (B, HQ, 29, 41))
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    probs = flashattn._interface._probs(qt, kt, vt, _flex._opts(None, *mods, 1))
+    want = dense_flex(q.double(), k.double(), torch.eye(41, dtype=torch.float64).expand(B, 2, 41, 41),
+                      score_mod=score_mod, mask_mod=mask_mod, enable_gqa=True)
+    torch.testing.assert_close(probs.double(), want, atol=1e-6, rtol=0)
+
+
+def test_mods_evaluated_per_chunk_of_blocks():
+    """Each mod is called a few times per call (once to follow its operations, then once per
+    vmapped chunk of q rows, a score_mod that only adds to the score at score 0, others at 0
+    and 1), never per block or per element."""
+    calls = {"mask": 0, "score": 0}
+    bias = torch.randn(600)
+
+    def mask_mod(b, h, q, kv):
+        calls["mask"] += 1
+        return (q >= kv) | (kv < 7)
+
+    def score_mod(score, b, h, q, kv):
+        calls["score"] += 1
+        return score + bias[q - kv + 300]
+
+    q, k, v = (torch.randn(1, 2, 300, 16) for _ in range(3))
+    bm = flashattn.create_block_mask(mask_mod, None, None, 300, 300, BLOCK_SIZE=32)
+    flashattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm)
+    assert calls == {"mask": 2, "score": 2}
+    _flex_elements, _flex._EVAL_ELEMENTS = _flex._EVAL_ELEMENTS, 300 * 64
+    try:
+        chunked = flashattn.create_block_mask(mask_mod, None, None, 300, 300, BLOCK_SIZE=32)
+        out = flashattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=chunked)
+    finally:
+        _flex._EVAL_ELEMENTS = _flex_elements
+    assert calls == {"mask": 2 + 1 + 10, "score": 2 + 1 + 5}  # 10 chunks of 32 rows (blocks); 5 of 64
+    assert torch.equal(chunked.to_states(), bm.to_states())
+    torch.testing.assert_close(out, flashattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm),
+                               atol=0, rtol=0)
+    scales = torch.rand(300) + 0.5
+
+    def scaled(score, b, h, q, kv):
+        calls["score"] += 1
+        return score * scales[kv] + bias[q - kv + 300]
+
+    calls["score"] = 0
+    flashattn.flex_attention(q, k, v, score_mod=scaled, block_mask=bm)
+    assert calls["score"] == 1 + 2
+
+
+def test_storage_follows_what_the_mods_read():
+    """Block states are stored once along b or h where mask_mod ignores them; a score_mod's
+    coefficients only along the indices it reads, and not at all where constant."""
+    doc = torch.tensor([[0] * 20 + [1] * 20, [0] * 10 + [1] * 30])
+    bm = flashattn.create_block_mask(lambda b, h, q, kv: doc[b, q] == doc[b, kv], 2, 8, 40, 40, BLOCK_SIZE=8)
+    assert bm._states.shape == (2, 1, 5, 5) and bm.shape == (2, 8, 40, 40) and bm.to_dense().shape == (2, 8, 5, 5)
+    slopes = torch.rand(8)
+    a, c = _flex._score_coefficients(lambda s, b, h, q, kv: s - slopes[h] * (q - kv).abs(), (2, 8, 40, 50))
+    assert a is None and c.shape == (1, 8, 40, 50)
+    a, c = _flex._score_coefficients(lambda s, b, h, q, kv: s * 2.0, (2, 8, 40, 50))
+    assert a.shape == (1, 1, 1, 1) and a.item() == 2.0 and c is None
+    assert _flex._score_coefficients(lambda s, b, h, q, kv: s, (2, 8, 40, 50)) == (None, None)
+
+
+@pytest.mark.parametrize("score_mod, op", [
+    (lambda s, b, h, q, kv: 20.0 * torch.tanh(s / 20.0), "tanh"),
+    (lambda s, b, h, q, kv: s * s, "product of two score-dependent"),
+    (lambda s, b, h, q, kv: torch.where(s > 0, s, 0.5 * s), r"\(gt\)"),
+    (lambda s, b, h, q, kv: s.abs() + q, "abs"),
+    (lambda s, b, h, q, kv: s.clamp(min=-5.0), "clamp"),
+    (lambda s, b, h, q, kv: 1.0 / s, "reciprocal"),
+    (lambda s, b, h, q, kv: (q + 1) / s, "division by a score-dependent value"),
+    (lambda s, b, h, q, kv: s.int().float(), "cast of the score to torch.int32"),
+], ids=["tanh", "square", "where", "abs", "clamp", "reciprocal", "divisor", "int"])
+def test_score_mod_not_affine_is_refused_by_name(score_mod, op):
+    q, k, v = (torch.randn(1, 2, 9, 8) for _ in range(3))
+    with pytest.raises(NotImplementedError, match=f"score_mod <lambda>: not affine in the score.*{op}"):
+        flashattn.flex_attention(q, k, v, score_mod=score_mod)
+
+
+def test_bad_inputs_name_the_argument():
+    fa = pytest.importorskip("torch.nn.attention.flex_attention", reason="torch without FlexAttention")
+    q, k, v = (torch.randn(1, 2, 9, 8) for _ in range(3))
+    causal = lambda b, h, i, j: i >= j  # noqa: E731
+    bm = flashattn.create_block_mask(causal, None, None, 9, 9, BLOCK_SIZE=4)
+    learned = torch.zeros(2, requires_grad=True)
+    calls = [
+        (lambda: flashattn.flex_attention(q[0], k[0], v[0]), ValueError, "query: expected rank 4"),
+        (lambda: flashattn.flex_attention(q.numpy(), k, v), TypeError, "query: expected a torch.Tensor"),
+        (lambda: flashattn.flex_attention(q.double(), k, v), TypeError, "query: dtype"),
+        (lambda: flashattn.flex_attention(q, k[:, :1], v[:, :1]), ValueError, "key: 1 heads.*enable_gqa"),
+        (lambda: flashattn.flex_attention(q, k, v, score_mod=3), TypeError, "score_mod: expected a callable"),
+        (lambda: flashattn.flex_attention(q, k, v, scale="x"), TypeError, "scale"),
+        (lambda: flashattn.flex_attention(q, k, v, kernel_options={"BLOCK_M": 64}), ValueError, "kernel_options"),
+        (lambda: flashattn.flex_attention(q[:, :, :8], k, v, block_mask=bm), ValueError, "block_mask: built for"),
+        (lambda: flashattn.flex_attention(q, k, v, block_mask=fa.create_block_mask(causal, None, None, 9, 9,
+                                                                                   device="cpu")),
+         TypeError, "block_mask: expected a flashattn.BlockMask"),
+        (lambda: flashattn.flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s + math.nan), ValueError,
+         "score_mod <lambda>: returned nan"),
+        (lambda: flashattn.create_block_mask(causal, 0, None, 9, 9), ValueError, "B: expected a positive integer"),
+        (lambda: flashattn.create_block_mask(causal, None, None, 9, 9, device="cuda"), ValueError, "device"),
+        (lambda: flashattn.create_block_mask(causal, None, None, 9, 9, BLOCK_SIZE=(4, 8)), ValueError,
+         "BLOCK_SIZE: flashattn's blocks are square"),
+        (lambda: flashattn.create_block_mask(lambda b, h, i, j: (i - j).float(), None, None, 9, 9), TypeError,
+         "mask_mod <lambda>: expected a bool tensor"),
+        (lambda: flashattn.create_block_mask("causal", None, None, 9, 9), TypeError, "mask_mod: expected a callable"),
+        (lambda: flashattn.flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s + learned[h]),
+         NotImplementedError, "score_mod <lambda>: its result requires grad"),
+    ]
+    for call, error, fragment in calls:
+        with pytest.raises(error, match=fragment):
+            call()
+
+
+def test_return_lse_matches_torch():
+    fa = pytest.importorskip("torch.nn.attention.flex_attention", reason="torch without FlexAttention")
+    gen, q, k, v, _ = inputs(seed_for("lse"), HQ, 29, 45, torch.float32)
+    score_mod, mask_mod, _ = make_case("alibi_causal", 29, 45, gen)
+    bm = flashattn.create_block_mask(mask_mod, None, None, 29, 45, BLOCK_SIZE=BLOCK)
+    out, lse = flashattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, return_lse=True)
+    tbm = fa.create_block_mask(mask_mod, None, None, 29, 45, device="cpu", BLOCK_SIZE=BLOCK)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want_out, want_lse = fa.flex_attention(q.double(), k.double(), v.double(), score_mod=score_mod,
+                                               block_mask=tbm, return_lse=True)
+    assert lse.shape == (B, HQ, 29) and lse.dtype == torch.float32
+    torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=0)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=0)
+
+
+def test_default_block_size_and_scale():
+    """BLOCK_SIZE 128 (one block over short lengths: partial) and an explicit scale."""
+    gen, q, k, v, dout = inputs(seed_for("defaults"), HQ, 150, 131, torch.float32)
+    _, mask_mod, _ = make_case("sliding_window", 150, 131, gen)
+    bm = flashattn.create_block_mask(mask_mod, None, None, 150, 131)
+    assert bm.BLOCK_SIZE == (128, 128) and bm.to_states().shape == (1, 1, 2, 2)
+    got = run(lambda q, k, v: flashattn.flex_attention(q, k, v, block_mask=bm, scale=0.3), q, k, v, dout)
+    ref = run(lambda q, k, v: dense_flex(q, k, v, mask_mod=mask_mod, scale=0.3), q.double(), k.double(), v.double(),
+              dout.double())
+    for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref):
+        within_torch(name, g, r, None, name != "out", "defaults")
+
+
+def test_opcheck():
+    gen, q, k, v, _ = inputs(seed_for("opcheck"), 2, 19, 23, torch.float32)
+    score_mod, mask_mod, _ = make_case("rel_bias_document", 19, 23, gen)
+    bm = flashattn.create_block_mask(mask_mod, B, None, 19, 23, BLOCK_SIZE=8)
+    a, c = _flex._score_coefficients(score_mod, (B, HQ, 19, 23))
+    t = lambda x: x.transpose(1, 2).requires_grad_(True)  # noqa: E731
+    mods = (bm._states, bm._partial_index, bm._partial_blocks, 8, a, c)
+    for args in ((None, None, None, 0, a, c), mods, (*mods[:4], None, None)):
+        torch.library.opcheck(torch.ops.flashattn.flex_fwd, (t(q), t(k), t(v), 0.4, *args, 1))
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    out, lse = torch.ops.flashattn.flex_fwd(qt, kt, vt, None, *mods, 1)
+    dout = torch.randn(out.shape, generator=gen)
+    torch.library.opcheck(torch.ops.flashattn.flex_bwd, (dout, qt, kt, vt, out, lse, None, *mods, 1))
+
+
+def test_ops_check_what_the_hook_reads():
+    """The ops refuse coefficients that do not broadcast to the problem and partial slots
+    beyond the partial blocks, before the native call."""
+    q, k, v = (torch.randn(1, 9, 2, 8) for _ in range(3))
+    bm = flashattn.create_block_mask(lambda b, h, i, j: i >= j, None, None, 9, 9, BLOCK_SIZE=4)
+    mods = (bm._states, bm._partial_index, bm._partial_blocks, 4)
+    with pytest.raises(ValueError, match="score_c: expected float32 broadcastable"):
+        torch.ops.flashattn.flex_fwd(q, k, v, None, *mods, None, torch.zeros(1, 2, 10, 9), 1)
+    with pytest.raises(ValueError, match="score_a: expected float32"):
+        torch.ops.flashattn.flex_fwd(q, k, v, None, *mods, torch.zeros(1, 1, 1, 1, dtype=torch.float64), None, 1)
+    with pytest.raises(ValueError, match="partial_index: slot"):
+        torch.ops.flashattn.flex_fwd(q, k, v, None, bm._states, bm._partial_index, bm._partial_blocks[:1], 4, None,
+                                     None, 1)
+    with pytest.raises(ValueError, match="score_hook.block_mask: shape"):
+        torch.ops.flashattn.flex_fwd(q, k, v, None, bm._states[:, :, :2], bm._partial_index[:, :, :2],
+                                     bm._partial_blocks, 4, None, None, 1)
+
+
+def test_compile_matches_eager():
+    """torch.compile graph-breaks around flex_attention (its mods are evaluated eagerly) and
+    gives eager's results and gradients."""
+    gen, q, k, v, dout = inputs(seed_for("compile"), 2, 21, 34, torch.float32)
+    score_mod, mask_mod, _ = make_case("alibi_causal", 21, 34, gen)
+    bm = flashattn.create_block_mask(mask_mod, None, None, 21, 34, BLOCK_SIZE=8)
+
+    def f(q, k, v):
+        return flashattn.flex_attention(q * 1.5, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=True) * 2.0
+
+    eager = run(f, q, k, v, dout)
+    torch._dynamo.reset()
+    compiled = run(torch.compile(f, backend="aot_eager"), q, k, v, dout)
+    for e, c in zip(eager, compiled):
+        torch.testing.assert_close(c, e, atol=0, rtol=0)
