@@ -1,6 +1,7 @@
 #include "tools/cli/serve.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <string>
 #include <tuple>
@@ -79,8 +80,9 @@ void fill(Tensor& t) {
 }
 
 // One decode step of c.shared_sequences sequences that continue one prefix of
-// c.shared_prefix keys with c.shared_own keys each: (shared, unshared) median seconds, the
-// unshared call's table rows being the prefix's pages followed by the sequence's own.
+// c.shared_prefix keys with c.shared_own keys each: (shared, unshared) median seconds of
+// `repeats` runs, the unshared call's table rows being the prefix's pages followed by the
+// sequence's own.
 std::pair<double, double> time_shared_prefix(const ServeCase& c, int repeats) {
   const std::int64_t n = c.shared_sequences, prefix_pages = (c.shared_prefix + c.page_size - 1) / c.page_size;
   const std::int64_t own_pages = (c.shared_own + c.page_size - 1) / c.page_size;
@@ -116,14 +118,20 @@ std::pair<double, double> time_shared_prefix(const ServeCase& c, int repeats) {
   with.prefix_seqused_k = prefix_keys_t.view();
   with.prefix_idx = prefix_idx.view();
   const PagedKvBatch without{k_pool.view(), v_pool.view(), unshared_table.view(), unshared_keys.view(), {}, {}, {}, {}, {}};
-  const std::string name = "serve " + c.name + ": shared prefix";
-  const double s = median_seconds([&] { forward_varlen_paged(shared.q.view(), shared.cu_q.view(), 1, with, options); },
-                                  repeats, 1, name + " shared");
+  // Timed alternately, a warm-up pair first, so that a load that changes during the run (a
+  // shared machine) weighs on both alike.
+  std::vector<double> s, u;
+  for (int r = 0; r <= repeats; ++r) {
+    for (auto [kv, times] : {std::pair<const PagedKvBatch*, std::vector<double>*>{&with, &s}, {&without, &u}}) {
+      const auto t0 = std::chrono::steady_clock::now();
+      forward_varlen_paged(shared.q.view(), shared.cu_q.view(), 1, *kv, options);
+      if (r > 0) times->push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+  }
   let_worker_threads_sleep();
-  const double u = median_seconds([&] { forward_varlen_paged(shared.q.view(), shared.cu_q.view(), 1, without, options); },
-                                  repeats, 1, name + " read by each sequence");
-  let_worker_threads_sleep();
-  return {s, u};
+  std::sort(s.begin(), s.end());
+  std::sort(u.begin(), u.end());
+  return {s[s.size() / 2], u[u.size() / 2]};
 }
 
 }  // namespace
