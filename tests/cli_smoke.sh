@@ -199,13 +199,15 @@ fi
 grep -q "FP8 (e4m3) KV cache" "$work/err.txt"
 echo "cli smoke (decode): ok"
 
-# The serving batch, small: one forward_varlen_paged call against one call per sequence.
+# The serving batch, small: one forward_varlen_paged call against one call per sequence, and
+# sequences sharing a prefix, shared against unshared.
 "$cli" bench --ops serve_smoke --json --repeats 5 --sgemm-size 64 > "$work/serve.json" 2> "$work/err.txt"
 python3 - "$work/serve.json" <<'PY'
 import json, sys
 j = json.load(open(sys.argv[1]))
 (c,) = [c for c in j["cases"] if c["op"] == "serve"]
 assert c["case"] == "smoke" and c["speedup_vs_per_sequence"] > 0 and c["decode_gbps"] > 0 and j["copy_gbps"] > 0, c
+assert c["shared_sequences"] == 4 and c["shared_prefix"] == 320 and c["shared_prefix_speedup"] > 0, c
 PY
 echo "cli smoke (serve): ok"
 

@@ -3,7 +3,6 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <cstring>
 #include <limits>
 
 #include "tests/support/support.hpp"
@@ -131,11 +130,6 @@ TEST(Backward, ReferenceGradientsMatchFiniteDifferences) {
       EXPECT_NEAR((*grad)[static_cast<std::size_t>(i)], numeric, 1e-4 * (1 + std::fabs(numeric))) << "element " << i;
     }
   }
-}
-
-bool bitwise_equal(const Tensor& a, const Tensor& b) {
-  return a.numel() == b.numel() &&
-         std::memcmp(a.data(), b.data(), static_cast<std::size_t>(a.numel()) * dtype_size(a.dtype())) == 0;
 }
 
 TEST(Backward, DeterministicModeIsBitIdenticalAcrossRunsAndThreadCounts) {

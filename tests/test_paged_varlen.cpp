@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <functional>
 #include <limits>
 #include <numeric>
@@ -107,19 +106,7 @@ Batch make_batch(const std::vector<Lengths>& lengths, DType dtype, std::int64_t 
 
 // Sequence b's rows of a batch result, as the (1, seqlen_q, heads, dim) result of a batch of one.
 ForwardResult sequence_result(const ForwardResult& all, const Batch& batch, std::size_t b) {
-  const std::int64_t q0 = batch.cu_q.get(static_cast<std::int64_t>(b)), n = batch.rows(b);
-  const std::int64_t total = all.out.shape()[0];
-  ForwardResult r{Tensor(all.out.dtype(), {1, n, kHq, kDim}), Tensor(DType::f32, {1, kHq, n})};
-  for (std::int64_t i = 0; i < n * kHq * kDim; ++i) r.out.set(i, all.out.get(q0 * kHq * kDim + i));
-  for (std::int64_t h = 0; h < kHq; ++h)
-    for (std::int64_t i = 0; i < n; ++i) r.lse.set(h * n + i, all.lse.get(h * total + q0 + i));
-  return r;
-}
-
-bool bitwise_equal(const Tensor& a, const Tensor& b) {
-  return a.numel() == b.numel() &&
-         (a.numel() == 0 ||  // an empty sequence's tensors have no data to compare (memcmp of null is UB)
-          std::memcmp(a.data(), b.data(), static_cast<std::size_t>(a.numel()) * dtype_size(a.dtype())) == 0);
+  return packed_rows(all, batch.cu_q.get(static_cast<std::int64_t>(b)), batch.rows(b));
 }
 
 // Decode rows (some over more than kSplitKeys keys: split), prefill chunks over cached keys,

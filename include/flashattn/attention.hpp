@@ -100,11 +100,34 @@ BackwardResult backward_varlen(const TensorView& dout, const TensorView& q, cons
 // options alone: its out and lse are bit-identical alone, in any batch, on any number of
 // threads. Nothing is appended: the pools are only read (forward_with_kvcache with
 // cu_seqlens_q appends each sequence's new tokens, then runs the batch this way).
+//
+// Shared prefixes (cascade attention, FlashInfer's two-level cascade): sequences that continue
+// one prefix — a system prompt shared by many requests — name it in prefix_idx, and their own
+// block_table row and seqused_k then cover their suffix alone: sequence b with prefix p
+// attends to the prefix_seqused_k[p] keys of prefix p (key j on page prefix_block_table[p,
+// j / page_size]) followed by its own seqused_k[b]. The prefix's keys and values are read once
+// for the query rows of all its sequences — one problem over all their rows, whose q heads
+// share their kv head's K/V tiles — and that partial result is merged with each sequence's
+// own through their log-sum-exps (merge_attention_states' merge, in the same parallel
+// region): out and lse equal the unshared call over the concatenated keys within float32
+// rounding of the merge.
+// Rules, each an Error naming the argument: the sequences of one prefix are consecutive in the
+// batch (their query rows are one block of q, as FlashInfer's per-level qo_indptr); a sequence's
+// pages are not its prefix's pages; under causal (bottom-right over prefix + suffix) every query
+// row sees the whole prefix, so seqused_k[b] >= its query rows − 1; window_size, ALiBi and
+// dropout, which would need each row's absolute position in the prefix pass, are rejected.
+// Sinks join each sequence's own pass (once per row). A sequence's result depends on its
+// prefix's other sequences (the prefix pass is planned for all their rows), never on the rest
+// of the batch or the thread count.
 struct PagedKvBatch {
   TensorView k_cache, v_cache;  // (num_pages, page_size, heads_kv, head_dim / head_dim_v)
   TensorView block_table;       // int32 (batch, max_pages): each sequence's pages in order
   TensorView seqused_k;         // int32 (batch): keys of each sequence, <= max_pages · page_size
   TensorView k_scale, v_scale;  // FP8 pools only
+  // Shared prefixes: all three, or none.
+  TensorView prefix_block_table;  // int32 (num_prefixes, max_prefix_pages): each prefix's pages in order
+  TensorView prefix_seqused_k;    // int32 (num_prefixes): keys of each prefix, <= max_prefix_pages · page_size
+  TensorView prefix_idx;          // int32 (batch): the prefix sequence b continues, or −1 for none
 };
 
 void forward_varlen_paged(const TensorView& q, const TensorView& cu_seqlens_q, std::int64_t max_seqlen_q,

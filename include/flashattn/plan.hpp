@@ -146,7 +146,9 @@ CpuBackwardPlan plan_backward(const AttentionProblem& problem, const CpuHardware
 
 // The plans a call ran (AttentionOptions::plans_run), in the order it ran them: forward()
 // and forward_fp8 one forward plan; forward_varlen, forward_with_kvcache and
-// forward_varlen_paged one per sequence with query rows, in batch order; backward() one backward plan, backward_varlen one per
+// forward_varlen_paged one per sequence with query rows, in batch order (then, with shared
+// prefixes, one per prefix whose sequences have query rows, in prefix order; the run order is
+// the longest first); backward() one backward plan, backward_varlen one per
 // sequence. A forward problem without query rows runs no plan, nor does a batch of 0. The
 // CLI's measurements print these, not a plan of their own.
 struct PlansRun {

@@ -41,8 +41,11 @@ def flash_attn_varlen_func(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu
                            return_attn_probs: bool = False, block_table: Optional[Array] = None, *,
                            seed: Optional[int] = None, kernel: str = "auto", backward_kernel: str = "auto",
                            num_threads: Optional[int] = None,
-                           num_splits: int = 0,
-    learnable_sink: Optional[Array] = None) -> Union[Array, Tuple[Array, Array, Array]]: ...
+                           num_splits: int = 0, seqused_k: Optional[Array] = None,
+                           k_scale: Optional[Array] = None, v_scale: Optional[Array] = None,
+                           learnable_sink: Optional[Array] = None, prefix_block_table: Optional[Array] = None,
+                           prefix_seqused_k: Optional[Array] = None,
+                           prefix_idx: Optional[Array] = None) -> Union[Array, Tuple[Array, Array, Array]]: ...
 def flash_attn_varlen_qkvpacked_func(qkv: Array, cu_seqlens: Array, max_seqlen: int, dropout_p: float = 0.0,
                                      softmax_scale: Optional[float] = None, causal: bool = False,
                                      window_size: Window = (-1, -1), softcap: float = 0.0,

@@ -537,7 +537,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                            alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None, *,
                            seed=None, kernel="auto", backward_kernel="auto", num_threads=None, num_splits=0,
-                           seqused_k=None, k_scale=None, v_scale=None, learnable_sink=None):
+                           seqused_k=None, k_scale=None, v_scale=None, learnable_sink=None, prefix_block_table=None,
+                           prefix_seqused_k=None, prefix_idx=None):
     """Packed variable-length batch: q (total_q, Hq, D), k/v (total_k, Hkv, D), int32 cu_seqlens (B + 1).
 
     Each sequence attends only within itself; softmax_lse is (Hq, total_q). kernel /
@@ -552,12 +553,23 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     one parallel region and each sequence's result is bit-identical alone, in any batch, on
     any number of threads. Inference only: no dropout, no gradients. Returns out, or
     (out, softmax_lse, None) with return_attn_probs. learnable_sink as flash_attn_func's,
-    paged or not."""
+    paged or not.
+
+    Shared prefixes (cascade attention, paged only): prefix_block_table int32 (P, max_prefix_pages),
+    prefix_seqused_k int32 (P) and prefix_idx int32 (B), all three or none. Sequence b with
+    prefix_idx[b] = p >= 0 attends to prefix p's keys followed by its own (block_table[b],
+    seqused_k[b]: its suffix only); the prefix's keys are read once for the query rows of all
+    its sequences, which must be consecutive in the batch. Under causal every query row sees the
+    whole prefix (seqused_k[b] >= its rows - 1); window_size and alibi_slopes are rejected.
+    Equal to the unshared call over the concatenated keys within float32 rounding."""
+    prefixes = (prefix_block_table, prefix_seqused_k, prefix_idx)
     if block_table is not None:
         return _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, dropout_p, softmax_scale, causal,
                              window_size, softcap, alibi_slopes, return_attn_probs, block_table, seqused_k,
-                             k_scale, v_scale, kernel, num_threads, num_splits, learnable_sink)
-    for name, x in (("seqused_k", seqused_k), ("k_scale", k_scale), ("v_scale", v_scale)):
+                             k_scale, v_scale, kernel, num_threads, num_splits, learnable_sink, prefixes)
+    for name, x in (("seqused_k", seqused_k), ("k_scale", k_scale), ("v_scale", v_scale),
+                    ("prefix_block_table", prefix_block_table), ("prefix_seqused_k", prefix_seqused_k),
+                    ("prefix_idx", prefix_idx)):
         if x is not None:
             raise ValueError(f"{name}: belongs to a paged batch (block_table)")
     return _attention(q, k, v, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), dropout_p, softmax_scale,
@@ -567,8 +579,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, dropout_p, softmax_scale, causal,
                   window_size, softcap, alibi_slopes, return_attn_probs, block_table, seqused_k, k_scale, v_scale,
-                  kernel, num_threads, num_splits, learnable_sink=None):
-    """flash_attn_varlen_func over page pools (forward_varlen_paged in include/flashattn/attention.hpp)."""
+                  kernel, num_threads, num_splits, learnable_sink=None, prefixes=(None, None, None)):
+    """flash_attn_varlen_func over page pools (forward_varlen_paged in include/flashattn/attention.hpp);
+    prefixes: (prefix_block_table, prefix_seqused_k, prefix_idx) or Nones."""
     if dropout_p != 0.0:
         raise ValueError(f"dropout_p: a paged batch is inference only, got {dropout_p}")
     if _is_tensor(q) and torch.is_grad_enabled() and any(
@@ -589,11 +602,11 @@ def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
             alibi_slopes = torch.as_tensor(alibi_slopes)
         if num_threads is not None and num_threads != 0:
             num_threads = _resolve_threads(num_threads, True)
-        tables = [_as_tensor(x) for x in (cu_seqlens_q, block_table, seqused_k, k_scale, v_scale)]
+        tables = [_as_tensor(x) for x in (cu_seqlens_q, block_table, seqused_k, k_scale, v_scale, *prefixes)]
         args = (q, k_cache, v_cache, tables[0], int(max_seqlen_q), tables[1], tables[2], tables[3], tables[4],
                 None if softmax_scale is None else float(softmax_scale), bool(causal), int(window_size[0]),
                 int(window_size[1]), float(softcap), alibi_slopes, str(kernel), int(num_threads or 0),
-                _int_arg("num_splits", num_splits, 0), _learnable_sink(learnable_sink, q))
+                _int_arg("num_splits", num_splits, 0), _learnable_sink(learnable_sink, q), *tables[5:])
         direct = _torch_ops.direct(*(a for a in args if isinstance(a, torch.Tensor)))
         out, lse = (_torch_ops._varlen_paged_fwd if direct else torch.ops.flashattn.varlen_paged_fwd)(*args)
     else:
@@ -601,12 +614,12 @@ def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                         num_splits=num_splits, sinks=_learnable_sink(learnable_sink, q))
         opts.num_threads = _resolve_threads(num_threads, False)
         out, lse = _paged_varlen_forward(q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, block_table, seqused_k,
-                                         k_scale, v_scale, opts)
+                                         k_scale, v_scale, opts, prefixes)
     return (out, lse, None) if return_attn_probs else out
 
 
 def _paged_varlen_forward(q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, block_table, seqused_k, k_scale, v_scale,
-                          opts):
+                          opts, prefixes=(None, None, None)):
     """The paged variable-length call on raw views: (out, softmax_lse)."""
     if _is_fp8_codes(k_cache):
         raws, dts = _inputs(q=q)
@@ -625,8 +638,10 @@ def _paged_varlen_forward(q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, block
     lse, lse_raw = _empty((hq, total), "f32", q)
     _C.forward_varlen_paged(raws["q"], _raw(cu_seqlens_q, "cu_seqlens_q", int32=True)[0], int(max_seqlen_q),
                             raws["k_cache"], raws["v_cache"], _raw(block_table, "block_table", int32=True)[0],
-                            _raw(seqused_k, "seqused_k", int32=True)[0], scales[0], scales[1], out_raw, lse_raw,
-                            {**dts, "out": dt}, opts)
+                            _raw(seqused_k, "seqused_k", int32=True)[0], scales[0], scales[1],
+                            *(None if x is None else _raw(x, name, int32=True)[0] for name, x in
+                              zip(("prefix_block_table", "prefix_seqused_k", "prefix_idx"), prefixes)),
+                            out_raw, lse_raw, {**dts, "out": dt}, opts)
     return out, lse
 
 

@@ -164,13 +164,15 @@ def _varlen_paged_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q:
                       block_table: Tensor, seqused_k: Tensor, k_scale: Optional[Tensor], v_scale: Optional[Tensor],
                       softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int,
                       softcap: float, alibi_slopes: Optional[Tensor], kernel: str, num_threads: int,
-                      num_splits: int, sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    """out (total_q, Hq, Dv) and softmax_lse (Hq, total_q) float32 of a paged batch; the pools
-    are only read. Forward only (inference, no gradient for sinks either)."""
+                      num_splits: int, sinks: Optional[Tensor] = None, prefix_block_table: Optional[Tensor] = None,
+                      prefix_seqused_k: Optional[Tensor] = None,
+                      prefix_idx: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """out (total_q, Hq, Dv) and softmax_lse (Hq, total_q) float32 of a paged batch, with shared
+    prefixes or not; the pools are only read. Forward only (inference, no gradient for sinks either)."""
     o = _opts(0.0, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, False, None, kernel,
               "auto", num_threads, num_splits, sinks=sinks)
     return _impl._paged_varlen_forward(q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, block_table, seqused_k,
-                                       k_scale, v_scale, o)
+                                       k_scale, v_scale, o, (prefix_block_table, prefix_seqused_k, prefix_idx))
 
 
 varlen_paged_fwd = torch.library.custom_op("flashattn::varlen_paged_fwd", _varlen_paged_fwd, mutates_args=())

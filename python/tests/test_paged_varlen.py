@@ -240,3 +240,88 @@ def test_packed_kvcache_compiles_and_rejects_before_writing():
     want_out, want_lse = call(q, k_cache, v_cache, k_new, v_new, cu_new)
     assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
     assert torch.equal(k1, k_cache) and torch.equal(v1, v_cache)
+
+
+def shared_batch(dtype, seed):
+    """Sequences (query rows, own keys, prefix) over two prefixes of whole pages (so that the
+    unshared table row of a sequence is its prefix's pages, then its own), one sequence
+    without prefix between the groups: (q, pools, cu_q, shared args, unshared table, seqused)."""
+    seqs = [(1, 5, 0), (3, 40, 0), (1, 0, 0), (2, 17, -1), (1, 33, 1), (0, 4, 1), (5, 9, 1)]
+    prefix_pages = [4, 2]
+    g = torch.Generator().manual_seed(seed)
+    width = 4
+    pages = sum(prefix_pages) + len(seqs) * width
+    k_cache = torch.randn(pages, PAGE, HKV, D, generator=g).to(dtype)
+    v_cache = torch.randn(pages, PAGE, HKV, D, generator=g).to(dtype)
+    order = torch.randperm(pages, generator=g).to(torch.int32)
+    prefix_table = torch.full((2, 5), -1, dtype=torch.int32)
+    prefix_table[0, :4], prefix_table[1, :2] = order[:4], order[4:6]
+    table = order[6:].reshape(len(seqs), width).clone()
+    flat = torch.full((len(seqs), 4 + width), -1, dtype=torch.int32)
+    for b, (_, _, p) in enumerate(seqs):
+        n = prefix_pages[p] if p >= 0 else 0
+        flat[b] = -1
+        flat[b, :n] = prefix_table[p, :n]
+        flat[b, n:n + width] = table[b]
+    q = torch.randn(sum(r for r, _, _ in seqs), HQ, D, generator=g).to(dtype)
+    cu_q = torch.tensor(np.cumsum([0] + [r for r, _, _ in seqs]), dtype=torch.int32)
+    seqused = torch.tensor([k for _, k, _ in seqs], dtype=torch.int32)
+    prefix = {"prefix_block_table": prefix_table,
+              "prefix_seqused_k": torch.tensor([PAGE * n for n in prefix_pages], dtype=torch.int32),
+              "prefix_idx": torch.tensor([p for _, _, p in seqs], dtype=torch.int32)}
+    flat_seqused = torch.tensor([k + (PAGE * prefix_pages[p] if p >= 0 else 0) for _, k, p in seqs], dtype=torch.int32)
+    return q, k_cache, v_cache, cu_q, table, seqused, prefix, flat, flat_seqused
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+def test_shared_prefix_equals_unshared_and_reference(dtype, tol):
+    """Shared prefixes (cascade): the float64 reference of each sequence's prefix + own keys,
+    the unshared call within the merge's rounding, and the NumPy path and a compiled graph
+    (flashattn::varlen_paged_fwd with the prefix tensors) bit for bit."""
+    q, k_cache, v_cache, cu_q, table, seqused, prefix, flat, flat_seqused = shared_batch(dtype, 9)
+
+    def call(q, k_cache, v_cache, table, seqused, prefix_block_table, prefix_seqused_k, prefix_idx):
+        return flashattn.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, None, 5, 104, causal=True, softcap=3.0,
+                                                block_table=table, seqused_k=seqused, return_attn_probs=True,
+                                                prefix_block_table=prefix_block_table,
+                                                prefix_seqused_k=prefix_seqused_k, prefix_idx=prefix_idx)
+
+    out, lse, _ = call(q, k_cache, v_cache, table, seqused, *prefix.values())
+    want_out, want_lse, _ = call(q, k_cache, v_cache, flat, flat_seqused, None, None, None)
+    eps = torch.finfo(dtype).eps
+    assert (out.double() - want_out.double()).abs().max().item() <= 1e-5 + eps * want_out.double().abs().max().item()
+    assert (lse - want_lse).abs().max().item() < 1e-4
+    want = reference(q, k_cache, v_cache, flat, cu_q, flat_seqused, causal=True, softcap=3.0)
+    assert (out.double() - want).abs().max().item() < tol
+    if dtype == torch.float32:
+        numpy_out = flashattn.flash_attn_varlen_func(
+            q.numpy(), k_cache.numpy(), v_cache.numpy(), cu_q.numpy(), None, 5, 104, causal=True, softcap=3.0,
+            block_table=table.numpy(), seqused_k=seqused.numpy(), **{name: x.numpy() for name, x in prefix.items()})
+        assert torch.equal(out, torch.from_numpy(numpy_out))
+    torch._dynamo.reset()
+    compiled, compiled_lse, _ = torch.compile(call, fullgraph=True)(q, k_cache, v_cache, table, seqused,
+                                                                    *prefix.values())
+    assert torch.equal(compiled, out) and torch.equal(compiled_lse, lse)
+
+
+def test_shared_prefix_bad_calls_raise():
+    q, k_cache, v_cache, cu_q, table, seqused, prefix, _, _ = shared_batch(torch.float32, 10)
+
+    def call(**changes):
+        args = {**prefix, **changes}
+        flashattn.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, None, 5, 104, causal=True, block_table=table,
+                                         seqused_k=seqused, **args)
+
+    scattered = prefix["prefix_idx"].clone()
+    scattered[3] = 0
+    scattered[1] = -1
+    with pytest.raises(ValueError, match="prefix_idx: sequences 0 and 2 continue prefix 0"):
+        call(prefix_idx=scattered)
+    with pytest.raises(ValueError, match=r"prefix_idx: \[0\] = 2"):
+        call(prefix_idx=torch.tensor([2, 0, 0, -1, 1, 1, 1], dtype=torch.int32))
+    with pytest.raises(ValueError, match="prefix_seqused_k: unset"):
+        call(prefix_seqused_k=None)
+    with pytest.raises(ValueError, match="window_size"):
+        call(window_size=(8, 0))
+    with pytest.raises(ValueError, match="prefix_idx: belongs to a paged batch"):
+        flashattn.flash_attn_varlen_func(q, q, q, cu_q, cu_q, 5, 5, prefix_idx=prefix["prefix_idx"])

@@ -48,6 +48,14 @@ struct Fp8ForwardJob {
   AttentionOptions options;
 };
 
+// One merge of partial results over disjoint key sets, merge_attention_states' arguments:
+// outs (splits, batch, seqlen_q, heads_q, head_dim_v) and lses (splits, batch, heads_q,
+// seqlen_q) float32, into out and lse (a shared prefix's pass and a sequence's own).
+struct StateMerge {
+  TensorView outs, lses;
+  MutableTensorView out, lse;
+};
+
 struct Backend {
   const char* name;  // "cpu", "cuda": the name errors give
   // What only this backend rejects in a checked job — its kernels, its limits — without
@@ -65,8 +73,9 @@ struct Backend {
   // forward_with_kvcache: the sequences of a KV cache after the append, all together.
   void (*forward_with_kvcache)(std::span<const ForwardJob>);
   // forward_varlen_paged: the sequences of a paged batch, all together, each computed as it
-  // would be on its own (bit for bit: its plan depends on its own problem alone).
-  void (*forward_varlen_paged)(std::span<const ForwardJob>);
+  // would be on its own (bit for bit: its plan depends on its own problem alone); then the
+  // merges, which read what the jobs wrote (shared prefixes' partial results).
+  void (*forward_varlen_paged)(std::span<const ForwardJob>, std::span<const StateMerge>);
   // forward_fp8 on a job that passed check_forward_fp8 (the plan's checks, before any
   // operand is decoded).
   void (*check_forward_fp8)(const Fp8ForwardJob&);

@@ -583,7 +583,11 @@ void forward_with_kvcache(const TensorView& q, const KvCache& c, const MutableTe
   // A packed batch runs as forward_varlen_paged does: each sequence planned on its own.
   const std::vector<detail::ForwardJob> jobs =
       sequence_jobs(call, call.rotary_dim > 0 ? q_rot.view() : q, c, out, lse, options);
-  (call.varlen ? backend.forward_varlen_paged : backend.forward_with_kvcache)(jobs);
+  if (call.varlen) {
+    backend.forward_varlen_paged(jobs, {});
+  } else {
+    backend.forward_with_kvcache(jobs);
+  }
 }
 
 ForwardResult forward_with_kvcache(const TensorView& q, const KvCache& cache, const AttentionOptions& options) {

@@ -1,8 +1,11 @@
 // Paged variable-length batches (forward_varlen_paged): check the call — offsets, the page
-// pools, the block table, the key counts, the descales of an FP8 pool, the outputs — then
-// make each sequence a batch-1 problem on views of q and the outputs that reads the pools
-// in place through its row of the block table (the PagedKv of a KV cache), every one
-// checked before the backend runs them all together.
+// pools, the block table, the key counts, the descales of an FP8 pool, the shared prefixes,
+// the outputs — then make each sequence a batch-1 problem on views of q and the outputs that
+// reads the pools in place through its row of the block table (the PagedKv of a KV cache),
+// and each shared prefix one problem on its sequences' query rows, every one checked before
+// the backend runs them all together and merges each prefix's partial result with its
+// sequences' own.
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -21,11 +24,13 @@ namespace {
 std::string str(std::int64_t v) { return std::to_string(v); }
 bool is_set(const TensorView& t) { return t.data != nullptr || t.rank != 0; }
 
-// The call's sizes and each sequence's query offsets and key count, checked.
+// The call's sizes and each sequence's query offsets and key count, checked; with shared
+// prefixes, each prefix's key count and its sequences [first, end) (first == end: none).
 struct PagedCall {
   bool fp8 = false;
   std::int64_t batch = 0, page_size = 0;
   std::vector<std::int64_t> cu_q, keys;
+  std::vector<std::int64_t> prefix_keys, prefix_first, prefix_end;
 };
 
 // The pools: q's dtype, or u8 e4m3 codes in both with descales; one page layout.
@@ -46,6 +51,49 @@ void check_pools(const TensorView& q, const PagedKvBatch& kv, PagedCall& r) {
   if (r.page_size < 1) throw Error("k_cache: page size " + str(r.page_size) + " must be >= 1");
 }
 
+std::int64_t entry(const TensorView& t, std::int64_t i) {
+  return static_cast<const std::int32_t*>(t.data)[i * t.strides[0]];
+}
+
+// Page pg of row `row` of a block table.
+std::int64_t table_page(const TensorView& table, std::int64_t row, std::int64_t pg) {
+  return static_cast<const std::int32_t*>(table.data)[row * table.strides[0] + pg * table.strides[1]];
+}
+
+// The key counts `counts` (int32 (rows)) of the rows of a block table `table_name` (int32
+// (rows, max_pages)): each within the row's pages, every page it reads a page of the pools
+// and, in an FP8 pool, with finite positive descales. Returns the counts.
+std::vector<std::int64_t> check_table(const PagedKvBatch& kv, const PagedCall& r, const char* table_name,
+                                      const TensorView& table, const char* counts_name, const TensorView& counts) {
+  const std::int64_t rows = table.shape[0];
+  detail::check_tensor(counts_name, counts, DType::i32, "key counts are int32", {rows}, "(rows of its block table)");
+  const std::int64_t capacity = table.shape[1] * r.page_size, pages = kv.k_cache.shape[0];
+  std::vector<std::int64_t> keys;
+  for (std::int64_t b = 0; b < rows; ++b) {
+    const std::int64_t n = entry(counts, b);
+    if (n < 0 || n > capacity)
+      throw Error(std::string(counts_name) + ": [" + str(b) + "] = " + str(n) + " outside [0, max_pages · page_size = " +
+                  str(capacity) + "]");
+    keys.push_back(n);
+    for (std::int64_t pg = 0; pg < (n + r.page_size - 1) / r.page_size; ++pg) {
+      const std::int64_t page = table_page(table, b, pg);
+      if (page < 0 || page >= pages)
+        throw Error(std::string(table_name) + ": [" + str(b) + ", " + str(pg) + "] = " + str(page) +
+                    " outside the cache's " + str(pages) + " pages");
+      if (!r.fp8) continue;
+      for (const auto& [name, scale] : {std::pair{"k_scale", kv.k_scale}, {"v_scale", kv.v_scale}})
+        for (std::int64_t h = 0; h < kv.k_cache.shape[2]; ++h) {
+          const float value = static_cast<const float*>(scale.data)[page * scale.strides[0] + h * scale.strides[1]];
+          if (!(std::isfinite(value) && value > 0.0f))
+            throw Error(std::string(name) + ": [" + str(page) + ", " + str(h) + "] = " + std::to_string(value) +
+                        " is not a finite positive descale (" + table_name + " row " + str(b) + " reads page " +
+                        str(page) + ")");
+        }
+    }
+  }
+  return keys;
+}
+
 // The block table and key counts: every page a sequence reads is a page of the pools and,
 // in an FP8 pool, has finite positive descales.
 void check_tables(const PagedKvBatch& kv, PagedCall& r) {
@@ -53,32 +101,81 @@ void check_tables(const PagedKvBatch& kv, PagedCall& r) {
   detail::check_dtype("block_table", kv.block_table, DType::i32, "int32 page numbers");
   if (kv.block_table.shape[0] != r.batch)
     throw Error("block_table: " + str(kv.block_table.shape[0]) + " rows but cu_seqlens_q has batch " + str(r.batch));
-  detail::check_tensor("seqused_k", kv.seqused_k, DType::i32, "key counts are int32", {r.batch}, "(batch)");
-  const std::int64_t capacity = kv.block_table.shape[1] * r.page_size, pages = kv.k_cache.shape[0];
-  const auto* table = static_cast<const std::int32_t*>(kv.block_table.data);
-  for (std::int64_t b = 0; b < r.batch; ++b) {
-    const std::int64_t n = static_cast<const std::int32_t*>(kv.seqused_k.data)[b * kv.seqused_k.strides[0]];
-    if (n < 0 || n > capacity)
-      throw Error("seqused_k: [" + str(b) + "] = " + str(n) + " outside [0, max_pages · page_size = " + str(capacity) +
-                  "]");
-    r.keys.push_back(n);
-    for (std::int64_t pg = 0; pg < (n + r.page_size - 1) / r.page_size; ++pg) {
-      const std::int64_t page = table[b * kv.block_table.strides[0] + pg * kv.block_table.strides[1]];
-      if (page < 0 || page >= pages)
-        throw Error("block_table: [" + str(b) + ", " + str(pg) + "] = " + str(page) + " outside the cache's " +
-                    str(pages) + " pages");
-      if (!r.fp8) continue;
-      for (const auto& [name, scale] : {std::pair{"k_scale", kv.k_scale}, {"v_scale", kv.v_scale}})
-        for (std::int64_t h = 0; h < kv.k_cache.shape[2]; ++h) {
-          const float value = static_cast<const float*>(scale.data)[page * scale.strides[0] + h * scale.strides[1]];
-          if (!(std::isfinite(value) && value > 0.0f))
-            throw Error(std::string(name) + ": [" + str(page) + ", " + str(h) + "] = " + std::to_string(value) +
-                        " is not a finite positive descale (sequence " + str(b) + " reads page " + str(page) + ")");
-        }
-    }
-  }
+  r.keys = check_table(kv, r, "block_table", kv.block_table, "seqused_k", kv.seqused_k);
   if (r.fp8 && (kv.v_scale.strides[0] != kv.k_scale.strides[0] || kv.v_scale.strides[1] != kv.k_scale.strides[1]))
     throw Error("v_scale: strides differ from k_scale's; give both the same layout");
+}
+
+bool has_prefixes(const PagedKvBatch& kv) {
+  return is_set(kv.prefix_block_table) || is_set(kv.prefix_seqused_k) || is_set(kv.prefix_idx);
+}
+
+// What a prefix pass cannot compute: masks and biases that depend on each query row's
+// absolute position (the pass sees one block of rows from many sequences), and dropout
+// (its mask is a function of the row and column it would not know).
+void check_prefix_options(const AttentionOptions& options) {
+  constexpr const char* kWhy = " not supported with shared prefixes (prefix_idx): the prefix pass does not know each "
+                               "query row's position";
+  if (options.window_size.left >= 0 || options.window_size.right >= 0)
+    throw Error("window_size: (" + str(options.window_size.left) + ", " + str(options.window_size.right) + ")" + kWhy);
+  if (is_set(options.alibi_slopes)) throw Error(std::string("alibi_slopes:") + kWhy);
+  if (options.dropout_p != 0.0f)
+    throw Error("dropout_p: " + std::to_string(options.dropout_p) + " not supported with shared prefixes (prefix_idx)");
+}
+
+// The shared prefixes: their tables and key counts as the sequences'; each sequence's prefix
+// in range; the sequences of a prefix consecutive, none reading a page of its prefix, and
+// under causal each query row seeing the whole prefix.
+void check_prefixes(const PagedKvBatch& kv, const AttentionOptions& options, PagedCall& r) {
+  if (!has_prefixes(kv)) return;
+  for (const auto& [name, t] : {std::pair{"prefix_block_table", kv.prefix_block_table},
+                                {"prefix_seqused_k", kv.prefix_seqused_k}, {"prefix_idx", kv.prefix_idx}})
+    if (!is_set(t))
+      throw Error(std::string(name) + ": unset, but shared prefixes take prefix_block_table, prefix_seqused_k and "
+                                      "prefix_idx together");
+  check_prefix_options(options);
+  detail::check_view("prefix_block_table", kv.prefix_block_table, 2, "(num_prefixes, max_prefix_pages)");
+  detail::check_dtype("prefix_block_table", kv.prefix_block_table, DType::i32, "int32 page numbers");
+  r.prefix_keys = check_table(kv, r, "prefix_block_table", kv.prefix_block_table, "prefix_seqused_k",
+                              kv.prefix_seqused_k);
+  const std::int64_t prefixes = kv.prefix_block_table.shape[0];
+  detail::check_tensor("prefix_idx", kv.prefix_idx, DType::i32, "prefix indices are int32", {r.batch}, "(batch)");
+  r.prefix_first.assign(static_cast<std::size_t>(prefixes), 0);
+  r.prefix_end.assign(static_cast<std::size_t>(prefixes), 0);
+  std::vector<std::vector<std::pair<std::int64_t, std::int64_t>>> pages(static_cast<std::size_t>(prefixes));  // (page, index)
+  for (std::int64_t b = 0; b < r.batch; ++b) {
+    const std::int64_t p = entry(kv.prefix_idx, b);
+    if (p < -1 || p >= prefixes)
+      throw Error("prefix_idx: [" + str(b) + "] = " + str(p) + " outside [-1, num_prefixes = " + str(prefixes) + ")");
+    if (p < 0) continue;
+    const auto pi = static_cast<std::size_t>(p);
+    if (r.prefix_first[pi] == r.prefix_end[pi]) {
+      r.prefix_first[pi] = b;
+    } else if (r.prefix_end[pi] != b) {
+      throw Error("prefix_idx: sequences " + str(r.prefix_end[pi] - 1) + " and " + str(b) + " continue prefix " +
+                  str(p) + " but sequence " + str(r.prefix_end[pi]) +
+                  " between them does not: the sequences of a prefix must be consecutive");
+    }
+    r.prefix_end[pi] = b + 1;
+    const auto bi = static_cast<std::size_t>(b);
+    const std::int64_t rows = r.cu_q[bi + 1] - r.cu_q[bi], own = r.keys[bi];
+    if (options.causal && r.prefix_keys[pi] > 0 && own < rows - 1)
+      throw Error("seqused_k: [" + str(b) + "] = " + str(own) + " keys after prefix " + str(p) + " for " + str(rows) +
+                  " causal query rows: a row would not see the whole prefix (needs seqused_k >= rows − 1)");
+    if (pages[pi].empty()) {
+      for (std::int64_t pg = 0; pg < (r.prefix_keys[pi] + r.page_size - 1) / r.page_size; ++pg)
+        pages[pi].emplace_back(table_page(kv.prefix_block_table, p, pg), pg);
+      std::sort(pages[pi].begin(), pages[pi].end());
+    }
+    for (std::int64_t pg = 0; pg < (own + r.page_size - 1) / r.page_size; ++pg) {
+      const std::int64_t page = table_page(kv.block_table, b, pg);
+      const auto same = std::lower_bound(pages[pi].begin(), pages[pi].end(), std::pair{page, std::int64_t{0}});
+      if (same != pages[pi].end() && same->first == page)
+        throw Error("block_table: [" + str(b) + ", " + str(pg) + "] = " + str(page) +
+                    " is also a page of the sequence's shared prefix (prefix_block_table: [" + str(p) + ", " +
+                    str(same->second) + "])");
+    }
+  }
 }
 
 PagedCall check_paged_call(const TensorView& q, const TensorView& cu_seqlens_q, std::int64_t max_seqlen_q,
@@ -94,6 +191,7 @@ PagedCall check_paged_call(const TensorView& q, const TensorView& cu_seqlens_q, 
   r.batch = static_cast<std::int64_t>(r.cu_q.size()) - 1;
   check_tables(kv, r);
   detail::check_sequence_options(options, r.batch, q.shape[1]);
+  check_prefixes(kv, options, r);
   return r;
 }
 
@@ -108,9 +206,68 @@ const detail::Backend& paged_backend(const TensorView& q, const TensorView& cu_s
                         {"seqused_k", kv.seqused_k},
                         {"k_scale", kv.k_scale},
                         {"v_scale", kv.v_scale},
+                        {"prefix_block_table", kv.prefix_block_table},
+                        {"prefix_seqused_k", kv.prefix_seqused_k},
+                        {"prefix_idx", kv.prefix_idx},
                         {"out", out},
                         {"lse", lse}});
 }
+
+// A job over query rows [q0, q0 + rows) of q that reads `keys` keys through row `row` of
+// `table` (a block table) and writes out and lse (batch-1 views).
+detail::ForwardJob paged_job(const TensorView& q, const PagedKvBatch& kv, const PagedCall& r, const TensorView& table,
+                             std::int64_t row, std::int64_t keys, std::int64_t q0, std::int64_t rows,
+                             const MutableTensorView& out, const MutableTensorView& lse, const AttentionOptions& options,
+                             std::int64_t batch_offset) {
+  detail::ForwardJob job{{},      {.batch_offset = batch_offset, .fp8_kv_cache = r.fp8},
+                         detail::packed_sequence(q, q0, rows),
+                         kv.k_cache, kv.v_cache, out, lse, options, {}};
+  job.paged.block_table = static_cast<const std::int32_t*>(table.data) + row * table.strides[0];
+  job.paged.table_stride = table.strides[1];
+  job.paged.page_size = r.page_size;
+  if (r.fp8) {
+    job.paged.k_descale = static_cast<const float*>(kv.k_scale.data);
+    job.paged.v_descale = static_cast<const float*>(kv.v_scale.data);
+    job.paged.descale_page_stride = kv.k_scale.strides[0];
+    job.paged.descale_head_stride = kv.k_scale.strides[1];
+  }
+  job.problem = AttentionProblem::from_sizes(1, rows, keys, q.shape[1], kv.k_cache.shape[2], q.shape[2],
+                                             kv.v_cache.shape[3], q.dtype, job.options);
+  return job;
+}
+
+// The partial results of the sequences that continue a shared prefix, before their merge:
+// float32 out (2, rows, heads_q, head_dim_v) and lse (2, heads_q, rows), pass 0 the prefixes',
+// pass 1 the sequences' own, over those sequences' query rows, prefix after prefix.
+class Partials {
+ public:
+  Partials(std::int64_t rows, std::int64_t heads, std::int64_t dim_v)
+      : rows_(rows), heads_(heads), dim_v_(dim_v), out_(DType::f32, {2, rows, heads, dim_v}),
+        lse_(DType::f32, {2, heads, rows}) {}
+  // Rows [from, from + n) of a pass, as a job's (1, n, heads_q, head_dim_v) out and (1, heads_q, n) lse.
+  MutableTensorView out(int pass, std::int64_t from, std::int64_t n) {
+    return detail::packed_sequence(MutableTensorView(out_.data_as<float>() + pass * rows_ * heads_ * dim_v_, DType::f32,
+                                                     {rows_, heads_, dim_v_}),
+                                   from, n);
+  }
+  MutableTensorView lse(int pass, std::int64_t from, std::int64_t n) {
+    return detail::packed_lse(MutableTensorView(lse_.data_as<float>() + pass * heads_ * rows_, DType::f32, {heads_, rows_}),
+                              from, n);
+  }
+  // Both passes of rows [from, from + n) merged into out and lse (batch-1 views).
+  detail::StateMerge merge(std::int64_t from, std::int64_t n, const MutableTensorView& out,
+                           const MutableTensorView& lse) {
+    const std::int64_t pass_out = rows_ * heads_ * dim_v_, pass_lse = heads_ * rows_;
+    return {TensorView(out_.data_as<float>() + from * heads_ * dim_v_, DType::f32, {2, 1, n, heads_, dim_v_},
+                       {pass_out, pass_out, heads_ * dim_v_, dim_v_, 1}),
+            TensorView(lse_.data_as<float>() + from, DType::f32, {2, 1, heads_, n}, {pass_lse, pass_lse, rows_, 1}),
+            out, lse};
+  }
+
+ private:
+  std::int64_t rows_, heads_, dim_v_;
+  Tensor out_, lse_;
+};
 
 }  // namespace
 
@@ -125,37 +282,52 @@ void forward_varlen_paged(const TensorView& q, const TensorView& cu_seqlens_q, s
   detail::check_outputs_apart({{"out", out}, {"lse", lse}},
                               {{"q", q}, {"cu_seqlens_q", cu_seqlens_q}, {"k_cache", kv.k_cache},
                                {"v_cache", kv.v_cache}, {"block_table", kv.block_table}, {"seqused_k", kv.seqused_k},
-                               {"k_scale", kv.k_scale}, {"v_scale", kv.v_scale}});
+                               {"k_scale", kv.k_scale}, {"v_scale", kv.v_scale},
+                               {"prefix_block_table", kv.prefix_block_table},
+                               {"prefix_seqused_k", kv.prefix_seqused_k}, {"prefix_idx", kv.prefix_idx}});
+  // Each prefix's sequences' rows in the partials start at row partial_row[p].
+  const std::size_t prefixes = r.prefix_keys.size();
+  std::vector<std::int64_t> partial_row(prefixes + 1, 0);
+  for (std::size_t p = 0; p < prefixes; ++p)
+    partial_row[p + 1] = partial_row[p] + r.cu_q[static_cast<std::size_t>(r.prefix_end[p])] -
+                         r.cu_q[static_cast<std::size_t>(r.prefix_first[p])];
+  Partials partials(partial_row.back(), q.shape[1], kv.v_cache.shape[3]);
   std::vector<detail::ForwardJob> jobs;
+  std::vector<detail::StateMerge> merges;
   for (std::int64_t b = 0; b < r.batch; ++b) {
-    const std::int64_t q0 = r.cu_q[static_cast<std::size_t>(b)], sq = r.cu_q[static_cast<std::size_t>(b) + 1] - q0;
-    detail::ForwardJob job{{},
-                           {.batch_offset = b, .fp8_kv_cache = r.fp8},
-                           detail::packed_sequence(q, q0, sq),
-                           kv.k_cache,
-                           kv.v_cache,
-                           detail::packed_sequence(out, q0, sq),
-                           detail::packed_lse(lse, q0, sq),
-                           detail::sequence_options(options, b),
-                           {}};
-    job.paged.block_table = static_cast<const std::int32_t*>(kv.block_table.data) + b * kv.block_table.strides[0];
-    job.paged.table_stride = kv.block_table.strides[1];
-    job.paged.page_size = r.page_size;
-    if (r.fp8) {
-      job.paged.k_descale = static_cast<const float*>(kv.k_scale.data);
-      job.paged.v_descale = static_cast<const float*>(kv.v_scale.data);
-      job.paged.descale_page_stride = kv.k_scale.strides[0];
-      job.paged.descale_head_stride = kv.k_scale.strides[1];
+    const auto bi = static_cast<std::size_t>(b);
+    const std::int64_t q0 = r.cu_q[bi], sq = r.cu_q[bi + 1] - q0;
+    const std::int64_t p = prefixes > 0 ? entry(kv.prefix_idx, b) : -1;
+    if (p < 0) {
+      jobs.push_back(paged_job(q, kv, r, kv.block_table, b, r.keys[bi], q0, sq, detail::packed_sequence(out, q0, sq),
+                               detail::packed_lse(lse, q0, sq), detail::sequence_options(options, b), b));
+      continue;
     }
-    job.problem = AttentionProblem::from_sizes(1, sq, r.keys[static_cast<std::size_t>(b)], q.shape[1],
-                                               kv.k_cache.shape[2], q.shape[2], kv.v_cache.shape[3], q.dtype,
-                                               job.options);
-    detail::check_forward_outputs(job.problem, job.q, job.k, job.v, job.out, job.lse);
+    const auto pi = static_cast<std::size_t>(p);
+    const std::int64_t row = partial_row[pi] + q0 - r.cu_q[static_cast<std::size_t>(r.prefix_first[pi])];
+    jobs.push_back(paged_job(q, kv, r, kv.block_table, b, r.keys[bi], q0, sq, partials.out(1, row, sq),
+                             partials.lse(1, row, sq), detail::sequence_options(options, b), b));
+    if (sq > 0) merges.push_back(partials.merge(row, sq, detail::packed_sequence(out, q0, sq), detail::packed_lse(lse, q0, sq)));
+  }
+  // The prefix passes: every query row of the prefix's sequences sees every prefix key; the
+  // sinks join the sequences' own passes, once per row.
+  AttentionOptions prefix_options = options;
+  prefix_options.causal = false;
+  prefix_options.sinks = {};
+  for (std::size_t p = 0; p < prefixes; ++p) {
+    const std::int64_t first = r.prefix_first[p], q0 = r.cu_q[static_cast<std::size_t>(first)];
+    const std::int64_t rows = partial_row[p + 1] - partial_row[p];
+    if (rows == 0) continue;
+    jobs.push_back(paged_job(q, kv, r, kv.prefix_block_table, static_cast<std::int64_t>(p), r.prefix_keys[p], q0, rows,
+                             partials.out(0, partial_row[p], rows), partials.lse(0, partial_row[p], rows),
+                             prefix_options, first));
+  }
+  for (const detail::ForwardJob& job : jobs) {
+    detail::check_forward_output_views(job.problem, job.q, job.k, job.v, job.out, job.lse);
     backend.check_forward(job);
-    jobs.push_back(job);
   }
   detail::begin_run(options);
-  backend.forward_varlen_paged(jobs);
+  backend.forward_varlen_paged(jobs, merges);
 }
 
 ForwardResult forward_varlen_paged(const TensorView& q, const TensorView& cu_seqlens_q, std::int64_t max_seqlen_q,

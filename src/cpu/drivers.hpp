@@ -26,8 +26,8 @@ void check_backward(const detail::BackwardJob& job);
 // one parallel region; otherwise one after the other (forward.cpp).
 void run_forward_jobs(std::span<const detail::ForwardJob> jobs);
 // Runs the sequences of a paged batch in one parallel region, each planned on its own
-// (plan_forward_alone): forward_varlen_paged (forward.cpp).
-void run_forward_batch(std::span<const detail::ForwardJob> jobs);
+// (plan_forward_alone), then the merges in the same region: forward_varlen_paged (forward.cpp).
+void run_forward_batch(std::span<const detail::ForwardJob> jobs, std::span<const detail::StateMerge> merges);
 void run_backward(const detail::BackwardJob& job);
 
 }  // namespace flashattn::cpu

@@ -78,10 +78,10 @@ std::vector<detail::ForwardJob> live_jobs(std::span<const detail::ForwardJob> jo
 }
 
 // Runs the jobs' work items in one parallel region, job after job in the order given, and
-// in the same region merges the split ones. Every thread's workspace holds the buffers of
-// every plan.
+// in the same region merges the split ones, then runs `merges` (which read what the jobs
+// wrote). Every thread's workspace holds the buffers of every plan.
 void run_region(std::span<const detail::ForwardJob> live, std::span<PlannedJob> planned, const CpuHardware& hw,
-                const AttentionOptions& options) {
+                const AttentionOptions& options, std::span<const detail::StateMerge> merges = {}) {
   cpu::ForwardLayout layout(planned[0].plan, live[0].problem);
   for (std::size_t j = 1; j < live.size(); ++j) layout.widen(cpu::ForwardLayout(planned[j].plan, live[j].problem));
   // The items of one (batch, kv head) are consecutive and share its packed K/V (tiled
@@ -146,6 +146,10 @@ void run_region(std::span<const detail::ForwardJob> live, std::span<PlannedJob> 
             TensorView(planned[j].split_lse.get(), DType::f32, {plan.splits, p.batch, p.heads_q, p.seqlen_q}),
             live[j].out, live[j].lse, 1);
     }
+    // Third phase, after the split merges wrote the jobs' outputs: the caller's merges.
+#pragma omp for schedule(dynamic, 1)
+    for (std::size_t m = 0; m < merges.size(); ++m)
+      merge_attention_states(merges[m].outs, merges[m].lses, merges[m].out, merges[m].lse, 1);
   }
   if (options.counters != nullptr) {
     std::int64_t grid = 0;
@@ -197,8 +201,8 @@ void cpu::run_forward_jobs(std::span<const detail::ForwardJob> jobs) {
 
 // Every job planned alone (plan_forward_alone), all in one region, the jobs whose longest
 // item is longest first: the threads start on the long prefill tiles and key shares and end
-// on the short ones, which fill the gaps.
-void cpu::run_forward_batch(std::span<const detail::ForwardJob> jobs) {
+// on the short ones, which fill the gaps; the merges at the region's end.
+void cpu::run_forward_batch(std::span<const detail::ForwardJob> jobs, std::span<const detail::StateMerge> merges) {
   const std::vector<detail::ForwardJob> live = live_jobs(jobs);
   if (live.empty()) return;
   const AttentionOptions& options = live.front().options;
@@ -216,7 +220,7 @@ void cpu::run_forward_batch(std::span<const detail::ForwardJob> jobs) {
     ordered.push_back(live[j]);
     planned.push_back(planned_job(live[j], plans[j]));
   }
-  run_region(ordered, planned, hw, options);
+  run_region(ordered, planned, hw, options, merges);
   record_plans(options, plans);
 }
 

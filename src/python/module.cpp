@@ -449,17 +449,25 @@ NB_MODULE(_C, m) {
   m.def(
       "forward_varlen_paged",
       [](Array q, Array cu_q, std::int64_t max_q, Array k_cache, Array v_cache, Array block_table, Array seqused_k,
-         std::optional<Array> k_scale, std::optional<Array> v_scale, Array o, Array lse, const Dtypes& dtypes,
-         const Options& opt) {
+         std::optional<Array> k_scale, std::optional<Array> v_scale, std::optional<Array> prefix_block_table,
+         std::optional<Array> prefix_seqused_k, std::optional<Array> prefix_idx, Array o, Array lse,
+         const Dtypes& dtypes, const Options& opt) {
         const flashattn::AttentionOptions options = opt.get();
-        flashattn::PagedKvBatch kv{in(k_cache, dtypes, "k_cache"), in(v_cache, dtypes, "v_cache"),
-                                   in(block_table, "i32", "block_table"), in(seqused_k, "i32", "seqused_k"),
-                                   optional_in(k_scale, "f32", "k_scale"), optional_in(v_scale, "f32", "v_scale")};
+        flashattn::PagedKvBatch kv{in(k_cache, dtypes, "k_cache"),
+                                   in(v_cache, dtypes, "v_cache"),
+                                   in(block_table, "i32", "block_table"),
+                                   in(seqused_k, "i32", "seqused_k"),
+                                   optional_in(k_scale, "f32", "k_scale"),
+                                   optional_in(v_scale, "f32", "v_scale"),
+                                   optional_in(prefix_block_table, "i32", "prefix_block_table"),
+                                   optional_in(prefix_seqused_k, "i32", "prefix_seqused_k"),
+                                   optional_in(prefix_idx, "i32", "prefix_idx")};
         nb::gil_scoped_release release;
         flashattn::forward_varlen_paged(in(q, dtypes, "q"), in(cu_q, "i32", "cu_seqlens_q"), max_q, kv,
                                         out(o, dtypes, "out"), out(lse, "f32", "softmax_lse"), options);
       },
-      "paged variable-length batch: q (total_q, H, D) over page pools through block_table");
+      "paged variable-length batch: q (total_q, H, D) over page pools through block_table, with shared prefixes "
+      "(prefix_block_table, prefix_seqused_k, prefix_idx) or not");
 
   m.def(
       "attention_probs",

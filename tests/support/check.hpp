@@ -21,6 +21,9 @@ BackwardResult library_backward(const Case& c, const Inputs& in);
 // expect_within_yardstick with the yardstick that rounds where the kernels round
 // (rounded_where_the_kernel_rounds); lse by expect_lse_near.
 void check_forward(const Case& c, const ForwardCall& call = library_forward);
+// The same judgement of `got`, computed from `in` — inputs in the case's shapes that are not
+// the case's own random ones (a shared prefix's keys, say).
+void check_forward(const Case& c, const Inputs& in, const ForwardResult& got);
 
 // dq, dk, dv of `call`, each by gradient_rule against the naive same-precision backward;
 // a naive backward outside kGradientYardstickUlps fails the test.

@@ -4,6 +4,7 @@
 #include <hwy/targets.h>
 
 #include <cstdint>
+#include <cstring>
 
 #include "flashattn/error.hpp"
 
@@ -28,6 +29,21 @@ void expect_error(const std::function<void()>& call, const std::vector<std::stri
       EXPECT_NE(std::string(e.what()).find(f), std::string::npos)
           << "message '" << e.what() << "' lacks '" << f << "'";
   }
+}
+
+bool bitwise_equal(const Tensor& a, const Tensor& b) {
+  return a.numel() == b.numel() &&
+         (a.numel() == 0 ||  // an empty tensor has no data to compare (memcmp of null is UB)
+          std::memcmp(a.data(), b.data(), static_cast<std::size_t>(a.numel()) * dtype_size(a.dtype())) == 0);
+}
+
+ForwardResult packed_rows(const ForwardResult& all, std::int64_t q0, std::int64_t n) {
+  const std::int64_t total = all.out.shape()[0], heads = all.out.shape()[1], dim_v = all.out.shape()[2];
+  ForwardResult r{Tensor(all.out.dtype(), {1, n, heads, dim_v}), Tensor(DType::f32, {1, heads, n})};
+  for (std::int64_t i = 0; i < n * heads * dim_v; ++i) r.out.set(i, all.out.get(q0 * heads * dim_v + i));
+  for (std::int64_t h = 0; h < heads; ++h)
+    for (std::int64_t i = 0; i < n; ++i) r.lse.set(h * n + i, all.lse.get(h * total + q0 + i));
+  return r;
 }
 
 bool cpu_has_avx512bf16() {

@@ -1,9 +1,12 @@
 // GoogleTest helpers: every SIMD target, expected Errors, what the CPU says about itself.
 #pragma once
 
+#include <cstdint>
 #include <functional>
 #include <string>
 #include <vector>
+
+#include "flashattn/attention.hpp"
 
 namespace flashattn::test {
 
@@ -17,5 +20,12 @@ void expect_error(const std::function<void()>& call, const std::vector<std::stri
 // What the CPU says about itself, independently of the library's detection: a machine that
 // has AVX512-BF16 must run the bf16 kernels, never skip them.
 bool cpu_has_avx512bf16();
+
+// Whether two tensors hold the same number of elements and the same bytes.
+bool bitwise_equal(const Tensor& a, const Tensor& b);
+
+// Query rows [q0, q0 + n) of a packed batch's result — out (total_q, heads, head_dim_v),
+// lse (heads, total_q) — as the (1, n, heads, head_dim_v) result of a batch of one.
+ForwardResult packed_rows(const ForwardResult& all, std::int64_t q0, std::int64_t n);
 
 }  // namespace flashattn::test

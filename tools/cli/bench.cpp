@@ -203,10 +203,17 @@ void bench_cases(const BenchFlags& f) {
                 m.gflops, 100.0 * m.gflops / sgemm, percent_of_peak(m.gflops, peak).c_str(), m.seconds,
                 m.kernel.empty() ? "-" : m.kernel.c_str());
   }
-  for (const ServeRun& s : r.serve)
+  for (const ServeRun& s : r.serve) {
     std::printf("%-10s serve %-5s one call %.4f s, per sequence %.4f s (%.2fx); decode rows %.2f GB/s (%3.0f%% of copy)\n",
                 "flashattn", s.c.name.c_str(), s.m.seconds, s.m.per_sequence_seconds,
                 s.m.per_sequence_seconds / s.m.seconds, s.m.decode_gbps, 100.0 * s.m.decode_gbps / r.copy_gbps.value_or(0.0));
+    std::printf("%-10s serve %-5s %lld sequences sharing a %lld-token prefix, %lld own: shared %.4f s, unshared %.4f s "
+                "(%.2fx)\n",
+                "flashattn", s.c.name.c_str(), static_cast<long long>(s.c.shared_sequences),
+                static_cast<long long>(s.c.shared_prefix), static_cast<long long>(s.c.shared_own),
+                s.m.shared_prefix_seconds, s.m.unshared_prefix_seconds,
+                s.m.unshared_prefix_seconds / s.m.shared_prefix_seconds);
+  }
   for (const MasksRun& k : r.masks) {
     std::printf("masks %s: %lld documents of %lld tokens, %lld heads, D %lld, %s; create_block_mask %.4f s\n",
                 k.c.name.c_str(), static_cast<long long>(k.c.documents), static_cast<long long>(k.c.document_tokens),

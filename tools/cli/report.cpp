@@ -131,7 +131,13 @@ std::string bench_json(const BenchReport& r) {
                           {"speedup_vs_per_sequence", s.m.per_sequence_seconds / s.m.seconds},
                           {"decode_seconds", s.m.decode_seconds},
                           {"decode_gbps", s.m.decode_gbps},
-                          {"pool_bytes", s.m.pool_bytes}});
+                          {"pool_bytes", s.m.pool_bytes},
+                          {"shared_sequences", s.c.shared_sequences},
+                          {"shared_prefix", s.c.shared_prefix},
+                          {"shared_own", s.c.shared_own},
+                          {"shared_prefix_seconds", s.m.shared_prefix_seconds},
+                          {"unshared_prefix_seconds", s.m.unshared_prefix_seconds},
+                          {"shared_prefix_speedup", s.m.unshared_prefix_seconds / s.m.shared_prefix_seconds}});
   for (const MasksRun& k : r.masks) {
     for (const MaskRun& run : k.m.runs) {
       Measurement m{Impl::flashattn};

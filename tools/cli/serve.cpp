@@ -1,7 +1,11 @@
 #include "tools/cli/serve.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
+#include <string>
+#include <tuple>
+#include <utility>
 
 #include "tools/cli/measure.hpp"
 
@@ -24,6 +28,9 @@ ServeCase ServeCase::smoke() {
   c.heads = 8;
   c.heads_kv = 2;
   c.dim = 64;
+  c.shared_sequences = 4;
+  c.shared_prefix = 320;
+  c.shared_own = 20;
   return c;
 }
 
@@ -72,6 +79,61 @@ void fill(Tensor& t) {
   }
 }
 
+// One decode step of c.shared_sequences sequences that continue one prefix of
+// c.shared_prefix keys with c.shared_own keys each: (shared, unshared) median seconds of
+// `repeats` runs, the unshared call's table rows being the prefix's pages followed by the
+// sequence's own.
+std::pair<double, double> time_shared_prefix(const ServeCase& c, int repeats) {
+  const std::int64_t n = c.shared_sequences, prefix_pages = (c.shared_prefix + c.page_size - 1) / c.page_size;
+  const std::int64_t own_pages = (c.shared_own + c.page_size - 1) / c.page_size;
+  const std::int64_t pages = prefix_pages + n * own_pages;
+  Tensor k_pool(c.dtype, {pages, c.page_size, c.heads_kv, c.dim}), v_pool(c.dtype, {pages, c.page_size, c.heads_kv, c.dim});
+  fill(k_pool);
+  fill(v_pool);
+  // The prefix fills whole pages, so that the unshared call reads the same pages.
+  if (c.shared_prefix % c.page_size != 0)
+    throw Error("serve case " + c.name + ": shared_prefix " + std::to_string(c.shared_prefix) +
+                " is not a multiple of page_size " + std::to_string(c.page_size));
+  const std::int64_t prefix_keys = c.shared_prefix;
+  std::vector<std::pair<std::int64_t, std::int64_t>> own(static_cast<std::size_t>(n), {1, c.shared_own});
+  std::vector<std::int64_t> first_page;
+  for (std::int64_t b = 0; b < n; ++b) first_page.push_back(prefix_pages + b * own_pages);
+  const Batch shared = make_batch(c, own, first_page, own_pages);
+  Tensor unshared_table(DType::i32, {n, prefix_pages + own_pages}), unshared_keys(DType::i32, {n});
+  Tensor prefix_table(DType::i32, {1, prefix_pages}), prefix_keys_t(DType::i32, {1}), prefix_idx(DType::i32, {n});
+  for (std::int64_t pg = 0; pg < prefix_pages; ++pg) prefix_table.data_as<std::int32_t>()[pg] = static_cast<std::int32_t>(pg);
+  prefix_keys_t.data_as<std::int32_t>()[0] = static_cast<std::int32_t>(prefix_keys);
+  for (std::int64_t b = 0; b < n; ++b) {
+    prefix_idx.data_as<std::int32_t>()[b] = 0;
+    unshared_keys.data_as<std::int32_t>()[b] = static_cast<std::int32_t>(prefix_keys + c.shared_own);
+    for (std::int64_t pg = 0; pg < prefix_pages + own_pages; ++pg)
+      unshared_table.data_as<std::int32_t>()[b * (prefix_pages + own_pages) + pg] =
+          pg < prefix_pages ? static_cast<std::int32_t>(pg) : shared.table.data_as<std::int32_t>()[b * own_pages + pg - prefix_pages];
+  }
+  AttentionOptions options;
+  options.causal = true;
+  options.num_threads = c.threads;
+  PagedKvBatch with{k_pool.view(), v_pool.view(), shared.table.view(), shared.seqused.view(), {}, {}, {}, {}, {}};
+  with.prefix_block_table = prefix_table.view();
+  with.prefix_seqused_k = prefix_keys_t.view();
+  with.prefix_idx = prefix_idx.view();
+  const PagedKvBatch without{k_pool.view(), v_pool.view(), unshared_table.view(), unshared_keys.view(), {}, {}, {}, {}, {}};
+  // Timed alternately, a warm-up pair first, so that a load that changes during the run (a
+  // shared machine) weighs on both alike.
+  std::vector<double> s, u;
+  for (int r = 0; r <= repeats; ++r) {
+    for (auto [kv, times] : {std::pair<const PagedKvBatch*, std::vector<double>*>{&with, &s}, {&without, &u}}) {
+      const auto t0 = std::chrono::steady_clock::now();
+      forward_varlen_paged(shared.q.view(), shared.cu_q.view(), 1, *kv, options);
+      if (r > 0) times->push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+  }
+  let_worker_threads_sleep();
+  std::sort(s.begin(), s.end());
+  std::sort(u.begin(), u.end());
+  return {s[s.size() / 2], u[u.size() / 2]};
+}
+
 }  // namespace
 
 ServeMeasurement measure_serve(const ServeCase& c, int repeats) {
@@ -95,7 +157,7 @@ ServeMeasurement measure_serve(const ServeCase& c, int repeats) {
   options.causal = true;
   options.num_threads = c.threads;
   auto call = [&](const Batch& b) {
-    const PagedKvBatch kv{k_pool.view(), v_pool.view(), b.table.view(), b.seqused.view(), {}, {}};
+    const PagedKvBatch kv{k_pool.view(), v_pool.view(), b.table.view(), b.seqused.view(), {}, {}, {}, {}, {}};
     forward_varlen_paged(b.q.view(), b.cu_q.view(), b.max_q, kv, options);
   };
   const Batch all = make_batch(c, seqs, first_page, width);
@@ -116,6 +178,7 @@ ServeMeasurement measure_serve(const ServeCase& c, int repeats) {
   const double bytes = static_cast<double>(decode_keys) * static_cast<double>(2 * c.heads_kv * c.dim) *
                        static_cast<double>(dtype_size(c.dtype));
   m.decode_gbps = bytes / m.decode_seconds / 1e9;
+  std::tie(m.shared_prefix_seconds, m.unshared_prefix_seconds) = time_shared_prefix(c, repeats);
   return m;
 }
 
