@@ -303,36 +303,30 @@ void check_append_run(const Formats& f, std::int64_t page_size) {
     if (n * (kHq / kHkv) <= 16) o.kernel = ForwardKernel::decode;
     const ForwardResult got = forward_with_kvcache(q.view(), c, o);
 
+    // Row `row` (kDim values) of x rotated at `pos` (interleaved pairs, rotary_dim 8).
+    auto rotated = [&](const Tensor& x, std::int64_t row, std::int64_t pos) {
+      std::vector<float> r(kDim);
+      for (std::int64_t e = 0; e < kDim; ++e) r[e] = x.get(row * kDim + e);
+      const std::int64_t half = cos.shape()[1];
+      for (std::int64_t i = 0; i < half; ++i) {
+        const float cs = cos.get(pos * half + i), sn = sin.get(pos * half + i), xa = r[2 * i], xb = r[2 * i + 1];
+        r[2 * i] = xa * cs - xb * sn;
+        r[2 * i + 1] = xa * sn + xb * cs;
+      }
+      return r;
+    };
     Tensor q_rot(DType::f32, {kBatch, n, kHq, kDim});
     for (std::int64_t b = 0; b < kBatch; ++b) {
       const std::int64_t at = start[b] + seqlen;  // slot (rotary position) of the first new token
       for (std::int64_t t = 0; t < n; ++t)
         for (std::int64_t h = 0; h < kHkv; ++h) {
-          std::vector<float> kr(kDim);
-          for (std::int64_t e = 0; e < kDim; ++e) kr[e] = k_new.get(((b * n + t) * kHkv + h) * kDim + e);
-          const std::int64_t half = cos.shape()[1];
-          for (std::int64_t i = 0; i < half; ++i) {
-            const float cs = cos.get((at + t) * half + i), sn = sin.get((at + t) * half + i);
-            const float xa = kr[2 * i], xb = kr[2 * i + 1];
-            kr[2 * i] = xa * cs - xb * sn;
-            kr[2 * i + 1] = xa * sn + xb * cs;
-          }
-          for (std::int64_t e = 0; e < kDim; ++e) {
-            k_logical[b].push_back(kr[e]);
-            v_logical[b].push_back(v_new.get(((b * n + t) * kHkv + h) * kDim + e));
-          }
+          const std::vector<float> kr = rotated(k_new, (b * n + t) * kHkv + h, at + t);
+          k_logical[b].insert(k_logical[b].end(), kr.begin(), kr.end());
+          for (std::int64_t e = 0; e < kDim; ++e) v_logical[b].push_back(v_new.get(((b * n + t) * kHkv + h) * kDim + e));
         }
       for (std::int64_t i = 0; i < n; ++i)
         for (std::int64_t h = 0; h < kHq; ++h) {
-          std::vector<float> qr(kDim);
-          for (std::int64_t e = 0; e < kDim; ++e) qr[e] = q.get(((b * n + i) * kHq + h) * kDim + e);
-          const std::int64_t half = cos.shape()[1];
-          for (std::int64_t j = 0; j < half; ++j) {
-            const float cs = cos.get((at + i) * half + j), sn = sin.get((at + i) * half + j);
-            const float xa = qr[2 * j], xb = qr[2 * j + 1];
-            qr[2 * j] = xa * cs - xb * sn;
-            qr[2 * j + 1] = xa * sn + xb * cs;
-          }
+          const std::vector<float> qr = rotated(q, (b * n + i) * kHq + h, at + i);
           for (std::int64_t e = 0; e < kDim; ++e) q_rot.set(((b * n + i) * kHq + h) * kDim + e, qr[e]);
         }
     }

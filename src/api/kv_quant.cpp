@@ -1,5 +1,6 @@
 #include "src/api/kv_quant.hpp"
 
+#include <cfloat>
 #include <cmath>
 
 #include "flashattn/error.hpp"
@@ -51,27 +52,35 @@ void check_pool_scales(const PoolScales& p, const TensorView& pool) {
 }
 
 void check_scale_values(const PoolScales& p, std::int64_t page, std::int64_t slot_begin, std::int64_t slot_end,
-                        std::int64_t heads, const std::string& why) {
+                        std::int64_t heads, const std::function<std::string()>& why) {
   const auto* scale = static_cast<const float*>(p.scale.data);
   const auto* zero = static_cast<const float*>(p.zero_point.data);
+  if (slot_end <= slot_begin) return;
+  if (!p.per_token()) slot_end = slot_begin + 1;  // one scale for every slot
+  bool ok = true;  // NaN fails both comparisons
+  for (std::int64_t slot = slot_begin; slot < slot_end; ++slot)
+    for (std::int64_t h = 0; h < heads; ++h) {
+      const std::int64_t at = p.offset(page, slot, h);
+      ok &= (scale[at] > 0.0f) & (scale[at] <= FLT_MAX);
+      if (zero != nullptr) ok &= std::fabs(zero[at]) <= FLT_MAX;
+    }
+  if (ok) return;
   auto entry = [&](std::int64_t slot, std::int64_t h) {
     std::string e(1, '[');  // appended to, not "[" + string: GCC 12 warns (-Wrestrict) on that here
     e += str(page) + ", ";
     if (p.per_token()) e += str(slot) + ", ";
     return e + str(h) + "]";
   };
-  if (slot_end <= slot_begin) return;
-  if (!p.per_token()) slot_end = slot_begin + 1;  // one scale for every slot
   for (std::int64_t slot = slot_begin; slot < slot_end; ++slot)
     for (std::int64_t h = 0; h < heads; ++h) {
       const std::int64_t at = p.offset(page, slot, h);
       if (!(std::isfinite(scale[at]) && scale[at] > 0.0f))
         throw Error(std::string(p.scale_name) + ": " + entry(slot, h) + " = " + std::to_string(scale[at]) +
                     " is not a finite positive " + (p.quant.codes == KvCodes::e4m3 ? "descale" : "scale") + " (" +
-                    why + ")");
+                    why() + ")");
       if (zero != nullptr && !std::isfinite(zero[at]))
         throw Error(std::string(p.zero_name) + ": " + entry(slot, h) + " = " + std::to_string(zero[at]) +
-                    " is not a finite zero point (" + why + ")");
+                    " is not a finite zero point (" + why() + ")");
     }
 }
 

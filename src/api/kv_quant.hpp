@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "flashattn/kv_quant.hpp"
@@ -41,9 +42,11 @@ void reject_pool_scales(const PoolScales& p, DType cache_dtype);
 void check_pool_scales(const PoolScales& p, const TensorView& pool);
 
 // Every scale that reads slots [slot_begin, slot_end) of `page` (kv heads [0, heads)) finite
-// and > 0, every zero point finite; `why` ends the message (which sequence reads the page).
+// and > 0, every zero point finite; `why()` ends the message (which sequence reads the page).
+// A decode step checks every per-token scale of its sequence: one branch-free pass over them,
+// the message made only for a failure.
 void check_scale_values(const PoolScales& p, std::int64_t page, std::int64_t slot_begin, std::int64_t slot_end,
-                        std::int64_t heads, const std::string& why);
+                        std::int64_t heads, const std::function<std::string()>& why);
 
 // The KvScales a kernel reads the pool with: from (page, slot) = (row, first_slot) on
 // (a contiguous cache's sequence: one page, its slots from first_slot), or the whole pool

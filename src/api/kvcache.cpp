@@ -346,8 +346,10 @@ void check_scales(const TensorView& q, const KvCache& c, const CacheCall& r) {
       for (std::int64_t pos = first / step * step; pos < end; pos += step) {
         const auto [page, slot] = layout.locate(b, std::max(pos, first));
         detail::check_scale_values(pool, page, slot, slot + std::min(end, pos + step) - std::max(pos, first), r.hkv,
-                                   "sequence " + str(b) + " has tokens there" +
-                                       (append_reads && pos + step > n ? " or appends to it" : ""));
+                                   [&, pos = pos] {
+                                     return "sequence " + str(b) + " has tokens there" +
+                                            (append_reads && pos + step > n ? " or appends to it" : "");
+                                   });
       }
     }
   }

@@ -74,7 +74,7 @@ void check_tables(const PagedKvBatch& kv, PagedCall& r) {
       const std::int64_t slots = std::min(r.page_size, n - pg * r.page_size);
       for (const detail::PoolScales& pool : {k_scales(kv), v_scales(kv)})
         detail::check_scale_values(pool, page, 0, slots, kv.k_cache.shape[2],
-                                   "sequence " + str(b) + " reads page " + str(page));
+                                   [&] { return "sequence " + str(b) + " reads page " + str(page); });
     }
   }
 }
