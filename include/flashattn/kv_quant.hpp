@@ -23,7 +23,8 @@
 //              seqlen_cache, heads_kv): the slot's own. An append computes them from the token's
 //              row (its head_dim or head_dim_v values x): u8 scale = (max x − min x)/255,
 //              zero_point = −min x / scale; s8 scale = max|x| / 127. A constant row (u8) or an
-//              all-zero row (s8) gets scale 1 (and zero_point −min x), and is stored exactly.
+//              all-zero row (s8) gets scale 1 (and zero_point −min x), and is stored exactly;
+//              a row whose step would underflow float32 gets scale 1 too (within the bound).
 //
 // Error bound (tests/test_int8_cache.cpp): every appended x reads back as x̂ with
 //   |x̂ − x| ≤ (1/2 + 2^-23·(1 + |zero_point|))·scale
@@ -31,10 +32,11 @@
 // and, per token, the zero point's rounding to float32) — per token always, per page for x
 // within the page's range [(lo − zero_point)·scale, (hi − zero_point)·scale], lo..hi the
 // codes an append writes. Per token that is about (max x − min x)/510 (u8) or max|x|/254 (s8).
-// Every kernel (decode and tiled) reads the values (code − zero_point)·scale in float32:
-// Q·(code − zero_point)·scale is computed as scale·(Q·code) − scale·zero_point·ΣQ, so rows
-// whose zero point is far above 255 (values far from 0 next to their spread) lose float32
-// precision in that difference.
+// Every kernel reads the values (code − zero_point)·scale in float32. The tiled kernel
+// dequantizes each element as it packs (int8_code_value exactly); the decode kernel applies
+// scales and zero points to what its products give, (Q·(code − 128) − ΣQ·(zero_point −
+// 128))·scale for a u8 key (likewise for P·V), so zero points far from 128 — values far from
+// 0 next to their spread — lose float32 precision in that difference.
 #pragma once
 
 #include <cstdint>
