@@ -348,10 +348,12 @@ TEST(SharedPrefix, Fp8PoolEqualsTheUnsharedCall) {
     o.causal = causal;
     o.num_threads = 2;
     o.kernel = ForwardKernel::tiled;
-    PagedKvBatch kv{f.k_codes.view(), f.v_codes.view(), table.view(), seqused.view(), f.k_scale.view(), f.v_scale.view(),
-                    prefix_table.view(), prefix_seqused.view(), prefix_idx.view()};
+    PagedKvBatch kv{f.k_codes.view(), f.v_codes.view(), table.view(), seqused.view(), f.k_scale.view(), f.v_scale.view()};
+    kv.prefix_block_table = prefix_table.view();
+    kv.prefix_seqused_k = prefix_seqused.view();
+    kv.prefix_idx = prefix_idx.view();
     const PagedKvBatch unshared{f.k_codes.view(), f.v_codes.view(), flat.view(), flat_seqused.view(), f.k_scale.view(),
-                                f.v_scale.view(), {}, {}, {}};
+                                f.v_scale.view()};
     expect_within_merge_rounding(forward_varlen_paged(q.view(), cu_q.view(), 4, kv, o),
                                  forward_varlen_paged(q.view(), cu_q.view(), 4, unshared, o));
   }
@@ -428,8 +430,10 @@ TEST(SharedPrefix, RejectsBadFp8PrefixDescales) {
   prefix_seqused.set(0, 20.0f), prefix_idx.set(0, 0.0f), cu_q.set(0, 0.0f), cu_q.set(1, 1.0f);
   f.v_scale.set(6 * kHkv + 1, 0.0f);
   const Tensor q = random_tensor(DType::bf16, {1, kHq, kDim}, 1);
-  const PagedKvBatch kv{f.k_codes.view(), f.v_codes.view(), table.view(), seqused.view(), f.k_scale.view(),
-                        f.v_scale.view(), prefix_table.view(), prefix_seqused.view(), prefix_idx.view()};
+  PagedKvBatch kv{f.k_codes.view(), f.v_codes.view(), table.view(), seqused.view(), f.k_scale.view(), f.v_scale.view()};
+  kv.prefix_block_table = prefix_table.view();
+  kv.prefix_seqused_k = prefix_seqused.view();
+  kv.prefix_idx = prefix_idx.view();
   expect_error([&] { forward_varlen_paged(q.view(), cu_q.view(), 1, kv); },
                {"v_scale: [6, 1]", "finite positive descale", "prefix_block_table row 0 reads page 6"});
 }

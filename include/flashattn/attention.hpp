@@ -9,6 +9,7 @@
 #include <string>
 
 #include "flashattn/fp8.hpp"
+#include "flashattn/kv_quant.hpp"
 #include "flashattn/options.hpp"
 #include "flashattn/tensor.hpp"
 
@@ -93,8 +94,11 @@ BackwardResult backward_varlen(const TensorView& dout, const TensorView& q, cons
 // sequence: query row i of a sequence with q_len rows and k_len keys sees keys
 // j <= i + k_len − q_len. ALiBi slopes may be (heads_q) or (batch, heads_q).
 //   q (total_q, heads_q, head_dim), out (total_q, heads_q, head_dim_v), lse (heads_q, total_q)
-// The pools hold q's dtype, or (u8) FP8 e4m3 codes with descales as KvCache's k_scale and
-// v_scale: float32 (num_pages, heads_kv), finite and positive for every page read.
+// The pools hold q's dtype, or u8 codes read as k_quant and v_quant say (kv_quant.hpp): FP8
+// e4m3 codes with descales as KvCache's k_scale and v_scale, float32 (num_pages, heads_kv),
+// or int8 codes (u8 with k_zero_point / v_zero_point, or s8) with scales per (page, kv head)
+// or per token, (num_pages, page_size, heads_kv); every scale read finite and positive,
+// every zero point read finite.
 // The whole batch runs in one parallel region (docs/algorithm.md §3, work partitioning),
 // and a sequence's plan — kernel, tiles, key splits — depends on its own lengths and the
 // options alone: its out and lse are bit-identical alone, in any batch, on any number of
@@ -123,7 +127,9 @@ struct PagedKvBatch {
   TensorView k_cache, v_cache;  // (num_pages, page_size, heads_kv, head_dim / head_dim_v)
   TensorView block_table;       // int32 (batch, max_pages): each sequence's pages in order
   TensorView seqused_k;         // int32 (batch): keys of each sequence, <= max_pages · page_size
-  TensorView k_scale, v_scale;  // FP8 pools only
+  TensorView k_scale, v_scale;  // quantized (u8) pools only
+  KvQuant k_quant, v_quant;     // how each u8 pool reads: e4m3 (default), u8 or s8 codes
+  TensorView k_zero_point, v_zero_point;  // u8 codes only: the scales' shape and strides
   // Shared prefixes: all three, or none.
   TensorView prefix_block_table;  // int32 (num_prefixes, max_prefix_pages): each prefix's pages in order
   TensorView prefix_seqused_k;    // int32 (num_prefixes): keys of each prefix, <= max_prefix_pages · page_size
@@ -174,6 +180,15 @@ struct KvCache {
   // read exactly whatever the CPU's denormals-are-zero mode (MXCSR DAZ, e.g.
   // torch.set_flush_denormal(True)): subnormal codes (|value| < 2^-6·descale) included.
   MutableTensorView k_scale, v_scale;
+  // int8 caches (include/flashattn/kv_quant.hpp: the formats, what an append does, the error
+  // bound): k_quant and v_quant, chosen independently, say how each u8 pool reads — e4m3 as
+  // above (the default), u8 codes with zero points, value = (code − zero_point)·scale, or s8
+  // codes, value = code·scale — with scales (and zero points) per (page, kv head), which the
+  // caller sets and appends only read, or per token, (pages or batch_cache, page_size or
+  // seqlen_cache, heads_kv), which appends compute and write for the new tokens' slots. The
+  // zero points (u8 only) have their scales' shape and strides.
+  KvQuant k_quant, v_quant;
+  MutableTensorView k_zero_point, v_zero_point;
   // A packed batch (FA3's cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q), paged caches only:
   // q (total_q, heads_q, head_dim) with int32 offsets cu_seqlens_q (batch + 1) — any number
   // of query rows per sequence, decode rows and prefill chunks mixed — and new k, v

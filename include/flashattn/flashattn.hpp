@@ -11,6 +11,7 @@
 #include "flashattn/flex.hpp"
 #include "flashattn/fp8.hpp"
 #include "flashattn/hadamard.hpp"
+#include "flashattn/kv_quant.hpp"
 #include "flashattn/online_softmax.hpp"
 #include "flashattn/options.hpp"
 #include "flashattn/plan.hpp"

@@ -44,8 +44,10 @@ def flash_attn_varlen_func(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu
                            num_splits: int = 0, seqused_k: Optional[Array] = None,
                            k_scale: Optional[Array] = None, v_scale: Optional[Array] = None,
                            learnable_sink: Optional[Array] = None, prefix_block_table: Optional[Array] = None,
-                           prefix_seqused_k: Optional[Array] = None,
-                           prefix_idx: Optional[Array] = None) -> Union[Array, Tuple[Array, Array, Array]]: ...
+                           prefix_seqused_k: Optional[Array] = None, prefix_idx: Optional[Array] = None,
+                           k_zero_point: Optional[Array] = None, v_zero_point: Optional[Array] = None,
+                           k_quant: Optional[str] = None,
+                           v_quant: Optional[str] = None) -> Union[Array, Tuple[Array, Array, Array]]: ...
 def flash_attn_varlen_qkvpacked_func(qkv: Array, cu_seqlens: Array, max_seqlen: int, dropout_p: float = 0.0,
                                      softmax_scale: Optional[float] = None, causal: bool = False,
                                      window_size: Window = (-1, -1), softcap: float = 0.0,
@@ -73,7 +75,10 @@ def flash_attn_with_kvcache(q: Array, k_cache: Array, v_cache: Array, k: Optiona
                             num_splits: int = 0, return_softmax_lse: bool = False, *,
                             k_scale: Optional[Array] = None, v_scale: Optional[Array] = None,
                             kernel: str = "auto", num_threads: Optional[int] = None,
-    learnable_sink: Optional[Array] = None) -> Any: ...
+    learnable_sink: Optional[Array] = None, cu_seqlens_q: Optional[Array] = None,
+    cu_seqlens_k_new: Optional[Array] = None, max_seqlen_q: Optional[int] = None,
+    k_zero_point: Optional[Array] = None, v_zero_point: Optional[Array] = None,
+    k_quant: Optional[str] = None, v_quant: Optional[str] = None) -> Any: ...
 def flash_attn_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, softmax_lse: Array,
                         dropout_p: float = 0.0, softmax_scale: Optional[float] = None, causal: bool = False,
                         window_size: Window = (-1, -1), softcap: float = 0.0, alibi_slopes: Optional[Array] = None,

@@ -538,7 +538,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None, *,
                            seed=None, kernel="auto", backward_kernel="auto", num_threads=None, num_splits=0,
                            seqused_k=None, k_scale=None, v_scale=None, learnable_sink=None, prefix_block_table=None,
-                           prefix_seqused_k=None, prefix_idx=None):
+                           prefix_seqused_k=None, prefix_idx=None, k_zero_point=None, v_zero_point=None,
+                           k_quant=None, v_quant=None):
     """Packed variable-length batch: q (total_q, Hq, D), k/v (total_k, Hkv, D), int32 cu_seqlens (B + 1).
 
     Each sequence attends only within itself; softmax_lse is (Hq, total_q). kernel /
@@ -549,7 +550,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     seqused_k[b] (FA3's argument; default cu_seqlens_k[b + 1] - cu_seqlens_k[b]) slots of
     pages block_table[b, :], and its queries any number of rows — decode rows and prefill
     chunks mixed, causal aligned bottom-right. uint8 (or float8_e4m3fn) pools are FP8 e4m3
-    codes with float32 k_scale/v_scale (num_pages, Hkv) descales. The whole batch runs in
+    codes with float32 k_scale/v_scale (num_pages, Hkv) descales; int8 pools as
+    flash_attn_with_kvcache's (k_quant, v_quant, k_zero_point, v_zero_point). The whole batch runs in
     one parallel region and each sequence's result is bit-identical alone, in any batch, on
     any number of threads. Inference only: no dropout, no gradients. Returns out, or
     (out, softmax_lse, None) with return_attn_probs. learnable_sink as flash_attn_func's,
@@ -566,10 +568,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if block_table is not None:
         return _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, dropout_p, softmax_scale, causal,
                              window_size, softcap, alibi_slopes, return_attn_probs, block_table, seqused_k,
-                             k_scale, v_scale, kernel, num_threads, num_splits, learnable_sink, prefixes)
+                             k_scale, v_scale, kernel, num_threads, num_splits, learnable_sink, prefixes,
+                             (k_zero_point, v_zero_point, k_quant, v_quant))
     for name, x in (("seqused_k", seqused_k), ("k_scale", k_scale), ("v_scale", v_scale),
                     ("prefix_block_table", prefix_block_table), ("prefix_seqused_k", prefix_seqused_k),
-                    ("prefix_idx", prefix_idx)):
+                    ("prefix_idx", prefix_idx), ("k_zero_point", k_zero_point), ("v_zero_point", v_zero_point),
+                    ("k_quant", k_quant), ("v_quant", v_quant)):
         if x is not None:
             raise ValueError(f"{name}: belongs to a paged batch (block_table)")
     return _attention(q, k, v, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), dropout_p, softmax_scale,
@@ -579,9 +583,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, dropout_p, softmax_scale, causal,
                   window_size, softcap, alibi_slopes, return_attn_probs, block_table, seqused_k, k_scale, v_scale,
-                  kernel, num_threads, num_splits, learnable_sink=None, prefixes=(None, None, None)):
+                  kernel, num_threads, num_splits, learnable_sink=None, prefixes=(None, None, None),
+                  int8=(None, None, None, None)):
     """flash_attn_varlen_func over page pools (forward_varlen_paged in include/flashattn/attention.hpp);
-    prefixes: (prefix_block_table, prefix_seqused_k, prefix_idx) or Nones."""
+    prefixes: (prefix_block_table, prefix_seqused_k, prefix_idx) or Nones; int8: (k_zero_point,
+    v_zero_point, k_quant, v_quant)."""
+    k_zero_point, v_zero_point, k_quant, v_quant = int8
+    k_quant, v_quant = _quant_name(k_cache, k_scale, k_quant, "k_quant"), _quant_name(v_cache, v_scale, v_quant, "v_quant")
     if dropout_p != 0.0:
         raise ValueError(f"dropout_p: a paged batch is inference only, got {dropout_p}")
     if _is_tensor(q) and torch.is_grad_enabled() and any(
@@ -602,11 +610,13 @@ def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
             alibi_slopes = torch.as_tensor(alibi_slopes)
         if num_threads is not None and num_threads != 0:
             num_threads = _resolve_threads(num_threads, True)
-        tables = [_as_tensor(x) for x in (cu_seqlens_q, block_table, seqused_k, k_scale, v_scale, *prefixes)]
+        tables = [_as_tensor(x) for x in (cu_seqlens_q, block_table, seqused_k, k_scale, v_scale, *prefixes,
+                                          k_zero_point, v_zero_point)]
         args = (q, k_cache, v_cache, tables[0], int(max_seqlen_q), tables[1], tables[2], tables[3], tables[4],
                 None if softmax_scale is None else float(softmax_scale), bool(causal), int(window_size[0]),
                 int(window_size[1]), float(softcap), alibi_slopes, str(kernel), int(num_threads or 0),
-                _int_arg("num_splits", num_splits, 0), _learnable_sink(learnable_sink, q), *tables[5:])
+                _int_arg("num_splits", num_splits, 0), _learnable_sink(learnable_sink, q), *tables[5:],
+                k_quant, v_quant)
         direct = _torch_ops.direct(*(a for a in args if isinstance(a, torch.Tensor)))
         out, lse = (_torch_ops._varlen_paged_fwd if direct else torch.ops.flashattn.varlen_paged_fwd)(*args)
     else:
@@ -614,24 +624,26 @@ def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                         num_splits=num_splits, sinks=_learnable_sink(learnable_sink, q))
         opts.num_threads = _resolve_threads(num_threads, False)
         out, lse = _paged_varlen_forward(q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, block_table, seqused_k,
-                                         k_scale, v_scale, opts, prefixes)
+                                         k_scale, v_scale, opts, prefixes, k_zero_point, v_zero_point, k_quant,
+                                         v_quant)
     return (out, lse, None) if return_attn_probs else out
 
 
 def _paged_varlen_forward(q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, block_table, seqused_k, k_scale, v_scale,
-                          opts, prefixes=(None, None, None)):
+                          opts, prefixes=(None, None, None), k_zero_point=None, v_zero_point=None, k_quant="",
+                          v_quant=""):
     """The paged variable-length call on raw views: (out, softmax_lse)."""
-    if _is_fp8_codes(k_cache):
+    if _is_codes(k_cache):
         raws, dts = _inputs(q=q)
-        raws["k_cache"], raws["v_cache"] = _fp8_codes(k_cache, "k_cache"), _fp8_codes(v_cache, "v_cache")
+        raws["k_cache"], raws["v_cache"] = _codes(k_cache, "k_cache"), _codes(v_cache, "v_cache")
         dts["k_cache"] = dts["v_cache"] = "u8"
-        scales = [None if x is None else _raw(x, name)[0] for name, x in (("k_scale", k_scale), ("v_scale", v_scale))]
+        scales = [None if x is None else _raw(x, name)[0]
+                  for name, x in (("k_scale", k_scale), ("v_scale", v_scale), ("k_zero_point", k_zero_point),
+                                  ("v_zero_point", v_zero_point))]
     else:
-        if k_scale is not None or v_scale is not None:
-            raise TypeError("k_scale, v_scale: descales belong to an FP8 cache (uint8 e4m3 codes), "
-                            f"not a {_dtype_name(k_cache)} cache")
+        _reject_scales(k_cache, k_scale, v_scale, k_zero_point, v_zero_point)
         raws, dts = _inputs(q=q, k_cache=k_cache, v_cache=v_cache)
-        scales = [None, None]
+        scales = [None, None, None, None]
     total, hq, _ = raws["q"].shape
     dt = dts["q"]
     out, out_raw = _empty((total, hq, raws["v_cache"].shape[-1]), dt, q)
@@ -641,7 +653,8 @@ def _paged_varlen_forward(q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, block
                             _raw(seqused_k, "seqused_k", int32=True)[0], scales[0], scales[1],
                             *(None if x is None else _raw(x, name, int32=True)[0] for name, x in
                               zip(("prefix_block_table", "prefix_seqused_k", "prefix_idx"), prefixes)),
-                            out_raw, lse_raw, {**dts, "out": dt}, opts)
+                            out_raw, lse_raw, {**dts, "out": dt}, opts, scales[2], scales[3],
+                            _quants(k_quant, v_quant))
     return out, lse
 
 
@@ -676,18 +689,51 @@ def _dtype_name(x):
     return str(x.dtype)
 
 
-def _is_fp8_codes(x) -> bool:
-    """Whether a KV cache holds FP8 e4m3 codes: uint8, or float8_e4m3fn (the same codes)."""
+def _is_codes(x) -> bool:
+    """Whether a KV cache holds codes: uint8 (FP8 e4m3, or u8 with k_quant="u8"), int8 (s8),
+    or float8_e4m3fn (e4m3 codes)."""
     if _is_tensor(x):
-        return x.dtype == torch.uint8 or x.dtype == getattr(torch, "float8_e4m3fn", None)
-    return isinstance(x, np.ndarray) and x.dtype in (np.dtype(np.uint8), np.dtype(ml_dtypes.float8_e4m3fn))
+        return x.dtype in (torch.uint8, torch.int8) or x.dtype == getattr(torch, "float8_e4m3fn", None)
+    return isinstance(x, np.ndarray) and x.dtype in (np.dtype(np.uint8), np.dtype(np.int8),
+                                                     np.dtype(ml_dtypes.float8_e4m3fn))
 
 
-def _fp8_codes(x, name):
-    """A zero-copy uint8 view of an FP8 cache (written in place, so never copied)."""
-    if not _is_fp8_codes(x):
-        raise TypeError(f"{name}: dtype {_dtype_name(x)} but the cache is FP8: expected uint8 e4m3 codes "
-                        "(or float8_e4m3fn)")
+def _quant_name(cache, scale, quant, name):
+    """A quantized pool's format as the extension takes it, "codes/granularity" (kv_quant.hpp):
+    the codes named by `quant` ("e4m3", "u8", "s8"), else s8 for an int8 cache and e4m3 for
+    the others; per token when the scales have rank 3 (pages, page_size, Hkv), else per page.
+    Empty for a cache of values."""
+    if not _is_codes(cache):
+        if quant is not None:
+            raise TypeError(f"{name}: {quant!r} describes a cache of codes, not a {_dtype_name(cache)} cache")
+        return ""
+    is_int8 = cache.dtype == (torch.int8 if _is_tensor(cache) else np.dtype(np.int8))
+    codes = quant if quant is not None else ("s8" if is_int8 else "e4m3")
+    if codes not in ("e4m3", "u8", "s8"):
+        raise ValueError(f"{name}: expected 'e4m3', 'u8' or 's8', got {codes!r}")
+    if is_int8 != (codes == "s8"):
+        raise TypeError(f"{name}: {codes} codes but the cache is {_dtype_name(cache)}: s8 codes are int8, the others uint8")
+    per_token = scale is not None and len(scale.shape) == 3
+    return codes + ("/per_token" if per_token else "/per_page")
+
+
+def _quants(k_quant, v_quant):
+    return {name: q for name, q in (("k_quant", k_quant), ("v_quant", v_quant)) if q}
+
+
+def _reject_scales(cache, k_scale, v_scale, k_zero_point, v_zero_point):
+    if k_scale is not None or v_scale is not None:
+        raise TypeError("k_scale, v_scale: descales belong to an FP8 cache (uint8 e4m3 codes), "
+                        f"not a {_dtype_name(cache)} cache")
+    if k_zero_point is not None or v_zero_point is not None:
+        raise TypeError(f"k_zero_point, v_zero_point: zero points belong to a u8 cache, not a {_dtype_name(cache)} cache")
+
+
+def _codes(x, name):
+    """A zero-copy uint8 view of a cache of codes (written in place, so never copied)."""
+    if not _is_codes(x):
+        raise TypeError(f"{name}: dtype {_dtype_name(x)} but the cache holds codes: expected uint8 (e4m3 or u8), "
+                        "int8 (s8) or float8_e4m3fn")
     if _is_tensor(x):
         if x.device.type != "cpu":
             raise ValueError(f"{name}: only CPU tensors are supported, got device {x.device}")
@@ -695,9 +741,12 @@ def _fp8_codes(x, name):
     return x.view(np.uint8)
 
 
-def _f32_in_place(x, name):
-    """A zero-copy float32 view of an array the call updates in place (FP8 descales)."""
+def _f32_in_place(x, name, required=True):
+    """A zero-copy float32 view of an array the call updates in place (descales, per-token
+    scales and zero points); None where not required and not given."""
     if x is None:
+        if not required:
+            return None
         raise ValueError(f"{name}: an FP8 cache (uint8 e4m3 codes) needs its float32 descales "
                          "(num_pages or batch_cache, heads_kv)")
     if _is_tensor(x):
@@ -715,20 +764,21 @@ def _f32_in_place(x, name):
 
 def _kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                      cache_leftpad, block_table, rotary_interleaved, k_scale, v_scale, opts, cu_seqlens_q=None,
-                     cu_seqlens_k_new=None, max_seqlen_q=0):
-    """The KV-cache call on raw views: (out, softmax_lse); the caches are written in place."""
-    fp8 = _is_fp8_codes(k_cache)
-    if fp8:
+                     cu_seqlens_k_new=None, max_seqlen_q=0, k_zero_point=None, v_zero_point=None, k_quant="",
+                     v_quant=""):
+    """The KV-cache call on raw views: (out, softmax_lse); the caches (and a quantized cache's
+    scales and zero points, as appends need) are written in place."""
+    if _is_codes(k_cache):
         raws, dts = _inputs(q=q)
-        raws["k_cache"], raws["v_cache"] = _fp8_codes(k_cache, "k_cache"), _fp8_codes(v_cache, "v_cache")
+        raws["k_cache"], raws["v_cache"] = _codes(k_cache, "k_cache"), _codes(v_cache, "v_cache")
         dts["k_cache"] = dts["v_cache"] = "u8"
         scales = {name: _f32_in_place(x, name) for name, x in (("k_scale", k_scale), ("v_scale", v_scale))}
+        scales.update({name: _f32_in_place(x, name, False)
+                       for name, x in (("k_zero_point", k_zero_point), ("v_zero_point", v_zero_point))})
     else:
-        if k_scale is not None or v_scale is not None:
-            raise TypeError("k_scale, v_scale: descales belong to an FP8 cache (uint8 e4m3 codes), "
-                            f"not a {_dtype_name(k_cache)} cache")
+        _reject_scales(k_cache, k_scale, v_scale, k_zero_point, v_zero_point)
         raws, dts = _inputs(q=q, k_cache=k_cache, v_cache=v_cache)
-        scales = {"k_scale": None, "v_scale": None}
+        scales = {"k_scale": None, "v_scale": None, "k_zero_point": None, "v_zero_point": None}
     new, new_dts = _inputs(q=q, **{name: x for name, x in (("k", k), ("v", v)) if x is not None})
     dt = dts["q"]
 
@@ -756,7 +806,8 @@ def _kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
                             ints(cache_leftpad, "cache_leftpad"), ints(block_table, "block_table"),
                             bool(rotary_interleaved), out_raw, lse_raw, {**dts, **new_dts, "out": dt},
                             scales["k_scale"], scales["v_scale"], opts, ints(cu_seqlens_q, "cu_seqlens_q"),
-                            ints(cu_seqlens_k_new, "cu_seqlens_k_new"), int(max_seqlen_q or 0))
+                            ints(cu_seqlens_k_new, "cu_seqlens_k_new"), int(max_seqlen_q or 0),
+                            scales["k_zero_point"], scales["v_zero_point"], _quants(k_quant, v_quant))
     return out, lse
 
 
@@ -766,7 +817,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
                             return_softmax_lse=False, *, k_scale=None, v_scale=None, kernel="auto",
                             num_threads=None, learnable_sink=None, cu_seqlens_q=None, cu_seqlens_k_new=None,
-                            max_seqlen_q=None):
+                            max_seqlen_q=None, k_zero_point=None, v_zero_point=None, k_quant=None, v_quant=None):
     """Attention over a KV cache, as upstream: k_cache/v_cache (B_cache, S_cache, Hkv, D) or paged
     (num_pages, page_size, Hkv, D) with block_table (B, max_pages); new k, v (B, S_new, Hkv, D)
     are written into the cache in place at cache_seqlens before attending; rotary_cos/sin
@@ -778,6 +829,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     e4m3 codes and k_scale/v_scale float32 (num_pages or B_cache, Hkv) their descales, one per
     (page, kv head): value = code * descale. Appends quantize the new tokens and grow a page's
     descale in place when they need it (see KvCache in include/flashattn/attention.hpp).
+
+    int8 cache (include/flashattn/kv_quant.hpp), K and V each in its own format: k_quant /
+    v_quant "u8" — uint8 codes, value = (code - zero_point) * scale, with float32
+    k_zero_point / v_zero_point of the scales' shape — or "s8" — int8 codes (the default for
+    an int8 cache), value = code * scale ("e4m3", the default for uint8, is the FP8 cache
+    above). k_scale / v_scale float32 (num_pages or B_cache, Hkv) are per (page, kv head): the
+    caller's, appends saturate beyond them; (num_pages or B_cache, page_size or S_cache, Hkv)
+    are per token: appends compute and write them (and the zero points) for the new tokens,
+    each value within half a step, (1/2 + 2^-23 (1 + |zero_point|)) * scale.
 
     kernel: the CPU forward kernel by name — "auto" (the planner's choice), "decode",
     "decode_fp16" (an FP8 cache on AVX512-FP16: half-precision products), "tiled" or
@@ -817,7 +877,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 None if softmax_scale is None else float(softmax_scale), bool(causal), int(window_size[0]),
                 int(window_size[1]), float(softcap), bool(rotary_interleaved), alibi_slopes, int(num_splits),
                 tensor(k_scale), tensor(v_scale), str(kernel), int(num_threads or 0), sinks, tensor(cu_seqlens_q),
-                tensor(cu_seqlens_k_new), int(max_seqlen_q or 0))
+                tensor(cu_seqlens_k_new), int(max_seqlen_q or 0), tensor(k_zero_point), tensor(v_zero_point),
+                _quant_name(k_cache, k_scale, k_quant, "k_quant"), _quant_name(v_cache, v_scale, v_quant, "v_quant"))
         direct = _torch_ops.direct(*(a for a in args if isinstance(a, torch.Tensor)))
         out, lse = (_torch_ops.fwd_kvcache_direct if direct else torch.ops.flashattn.fwd_kvcache)(*args)
         return (out, lse) if return_softmax_lse else out
@@ -828,7 +889,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     opts.num_threads = _resolve_threads(num_threads, False)
     out, lse = _kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                                 cache_leftpad, block_table, rotary_interleaved, k_scale, v_scale, opts, cu_seqlens_q,
-                                cu_seqlens_k_new, max_seqlen_q)
+                                cu_seqlens_k_new, max_seqlen_q, k_zero_point, v_zero_point,
+                                _quant_name(k_cache, k_scale, k_quant, "k_quant"),
+                                _quant_name(v_cache, v_scale, v_quant, "v_quant"))
     return (out, lse) if return_softmax_lse else out
 
 

@@ -165,14 +165,17 @@ def _varlen_paged_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q:
                       softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int,
                       softcap: float, alibi_slopes: Optional[Tensor], kernel: str, num_threads: int,
                       num_splits: int, sinks: Optional[Tensor] = None, prefix_block_table: Optional[Tensor] = None,
-                      prefix_seqused_k: Optional[Tensor] = None,
-                      prefix_idx: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                      prefix_seqused_k: Optional[Tensor] = None, prefix_idx: Optional[Tensor] = None,
+                      k_zero_point: Optional[Tensor] = None, v_zero_point: Optional[Tensor] = None, k_quant: str = "",
+                      v_quant: str = "") -> tuple[Tensor, Tensor]:
     """out (total_q, Hq, Dv) and softmax_lse (Hq, total_q) float32 of a paged batch, with shared
-    prefixes or not; the pools are only read. Forward only (inference, no gradient for sinks either)."""
+    prefixes or not; the pools are only read. Forward only (inference, no gradient for sinks either).
+    k_quant, v_quant: a quantized pool's format, "codes/granularity" (_interface._quant_name)."""
     o = _opts(0.0, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, False, None, kernel,
               "auto", num_threads, num_splits, sinks=sinks)
     return _impl._paged_varlen_forward(q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, block_table, seqused_k,
-                                       k_scale, v_scale, o, (prefix_block_table, prefix_seqused_k, prefix_idx))
+                                       k_scale, v_scale, o, (prefix_block_table, prefix_seqused_k, prefix_idx),
+                                       k_zero_point, v_zero_point, k_quant, v_quant)
 
 
 varlen_paged_fwd = torch.library.custom_op("flashattn::varlen_paged_fwd", _varlen_paged_fwd, mutates_args=())
@@ -201,8 +204,8 @@ def fwd_kvcache_direct(q, k_cache, v_cache, *args):
     """_fwd_kvcache outside the dispatcher; bumps the version counters of what it writes,
     as the op does, so that autograd still notices a cache saved for a backward."""
     result = _fwd_kvcache(q, k_cache, v_cache, *args)
-    k_scale, v_scale = args[16], args[17]
-    torch.autograd.graph.increment_version([t for t in (k_cache, v_cache, k_scale, v_scale) if t is not None])
+    written = (k_cache, v_cache, args[16], args[17], *args[24:26])  # the scales, the zero points
+    torch.autograd.graph.increment_version([t for t in written if t is not None])
     return result
 
 
@@ -298,20 +301,24 @@ def _fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor
                  rotary_interleaved: bool, alibi_slopes: Optional[Tensor], num_splits: int, k_scale: Optional[Tensor],
                  v_scale: Optional[Tensor], kernel: str, num_threads: int, sinks: Optional[Tensor] = None,
                  cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k_new: Optional[Tensor] = None,
-                 max_seqlen_q: int = 0) -> tuple[Tensor, Tensor]:
+                 max_seqlen_q: int = 0, k_zero_point: Optional[Tensor] = None, v_zero_point: Optional[Tensor] = None,
+                 k_quant: str = "", v_quant: str = "") -> tuple[Tensor, Tensor]:
     """out (B, Sq, Hq, Dv) and softmax_lse (B, Hq, Sq) — (total_q, Hq, Dv) and (Hq, total_q)
     with cu_seqlens_q (a packed batch); new k, v are written into the cache (and an FP8
-    cache's descales grown) in place."""
+    cache's descales grown, an int8 cache's per-token scales and zero points set) in place.
+    k_quant, v_quant: a quantized pool's format, "codes/granularity" (_interface._quant_name)."""
     o = _opts(0.0, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, False, None, kernel,
               "auto", num_threads, sinks=sinks)
     o.num_splits = int(num_splits)
     return _impl._kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                   cache_batch_idx, cache_leftpad, block_table, rotary_interleaved, k_scale, v_scale,
-                                  o, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q)
+                                  o, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, k_zero_point, v_zero_point, k_quant,
+                                  v_quant)
 
 
 fwd_kvcache = torch.library.custom_op("flashattn::fwd_kvcache", _fwd_kvcache,
-                                      mutates_args=("k_cache", "v_cache", "k_scale", "v_scale"))
+                                      mutates_args=("k_cache", "v_cache", "k_scale", "v_scale", "k_zero_point",
+                                                    "v_zero_point"))
 
 
 @fwd_kvcache.register_fake

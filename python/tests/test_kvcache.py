@@ -213,7 +213,7 @@ def test_fp8_kvcache_rejects_bad_descales():
     with pytest.raises(TypeError, match="k_scale, v_scale: descales belong to an FP8 cache"):
         flashattn.flash_attn_with_kvcache(q, k_cache.astype(np.float32), v_cache.astype(np.float32), k_scale=k_scale,
                                           v_scale=v_scale)
-    with pytest.raises(TypeError, match="v_cache: dtype float32 but the cache is FP8"):
+    with pytest.raises(TypeError, match="v_cache: dtype float32 but the cache holds codes"):
         flashattn.flash_attn_with_kvcache(q, k_cache, v_cache.astype(np.float32), k_scale=k_scale, v_scale=v_scale)
     bad = k_scale.copy()
     bad[0, 1] = 0.0

@@ -101,6 +101,26 @@ def _kvcache_args(gen, dtype, cache_seqlens):
             True, None, 0, None, None, "auto", 0)
 
 
+def test_opcheck_int8_kvcache():
+    """An int8 cache with per-token scales: the op writes the codes, the scales and (u8) the
+    zero points of the appended slot, all declared mutated."""
+    gen = torch.Generator().manual_seed(seed_for("opcheck_int8_kvcache"))
+    seqlens = torch.tensor([3, 8], dtype=torch.int32)
+    args = list(_kvcache_args(gen, torch.float32, seqlens))
+    args[1], args[2] = torch.zeros((2, 12, 2, 16), dtype=torch.uint8), torch.zeros((2, 12, 2, 16), dtype=torch.int8)
+    args[19], args[20] = torch.ones((2, 12, 2)), torch.ones((2, 12, 2))  # k_scale, v_scale
+    kwargs = dict(k_zero_point=torch.zeros((2, 12, 2)), k_quant="u8/per_token", v_quant="s8/per_token")
+    torch.library.opcheck(OPS.fwd_kvcache, tuple(args), kwargs)
+    OPS.fwd_kvcache(*args, **kwargs)
+    for b in range(2):
+        slot = int(seqlens[b])
+        k_new, scale, zero = args[3][b, 0], args[19][b, slot], kwargs["k_zero_point"][b, slot]
+        want = (k_new.amax(-1) - k_new.amin(-1)) / 255
+        torch.testing.assert_close(scale, want, msg=f"k_scale of the appended slot (batch {b})")
+        got = (args[1][b, slot].float() - zero[:, None]) * scale[:, None]
+        assert (got - k_new).abs().le(0.5 * scale[:, None] * (1 + 1e-5)).all(), f"k_new within half a step (batch {b})"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_opcheck_kvcache(dtype):
     """The cache is declared mutated (opcheck checks that the schema says so), and the
@@ -111,7 +131,7 @@ def test_opcheck_kvcache(dtype):
     torch.library.opcheck(OPS.fwd_kvcache, args)
     schema = OPS.fwd_kvcache.default._schema
     mutated = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
-    assert mutated == {"k_cache", "v_cache", "k_scale", "v_scale"}, mutated
+    assert mutated == {"k_cache", "v_cache", "k_scale", "v_scale", "k_zero_point", "v_zero_point"}, mutated
     q, k_cache, v_cache, k_new, v_new = args[:5]
     OPS.fwd_kvcache(*args)
     for b in range(2):

@@ -104,25 +104,30 @@ AttentionProblem check_forward_fp8_call(const Fp8View& q, const Fp8View& k, cons
 }
 
 bool check_cache_pools(const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
-                       const TensorView& k_scale, const TensorView& v_scale, const char* k_layout,
-                       const char* v_layout) {
+                       const PoolScales& k, const PoolScales& v, const char* k_layout, const char* v_layout) {
   if (!is_floating(q.dtype)) throw Error("q: dtype " + to_string(q.dtype) + " is not a floating dtype (f32, bf16, f16)");
   check_view("k_cache", k_cache, 4, k_layout);
   check_view("v_cache", v_cache, 4, v_layout);
-  const bool fp8 = k_cache.dtype == DType::u8;
-  if (fp8) {
-    check_dtype("v_cache", v_cache, DType::u8, "an FP8 cache holds e4m3 codes in both pools");
+  const bool quantized = k_cache.dtype == DType::u8;
+  if (quantized) {
+    check_dtype("v_cache", v_cache, DType::u8, "a quantized cache holds codes (e4m3, u8 or s8) in both pools");
   } else {
-    check_dtype("k_cache", k_cache, q.dtype, "the cache has q's dtype, or u8 for FP8 e4m3 codes");
+    check_dtype("k_cache", k_cache, q.dtype, "the cache has q's dtype, or u8 for quantized codes");
     check_dtype("v_cache", v_cache, q.dtype, "the cache has q's dtype");
-    if (k_scale.data != nullptr || k_scale.rank != 0 || v_scale.data != nullptr || v_scale.rank != 0)
+    if (k.scale.data != nullptr || k.scale.rank != 0 || v.scale.data != nullptr || v.scale.rank != 0)
       throw Error("k_scale, v_scale: descales belong to an FP8 cache (u8 codes), not a " + to_string(q.dtype) + " cache");
+    reject_pool_scales(k, q.dtype);
+    reject_pool_scales(v, q.dtype);
   }
   for (int d : {0, 1, 2})
     if (v_cache.shape[d] != k_cache.shape[d])
       throw Error("v_cache: shape " + shape_string(v_cache) + " does not match k_cache " + shape_string(k_cache) +
                   " in dim " + std::to_string(d));
-  return fp8;
+  if (quantized) {
+    check_pool_scales(k, k_cache);
+    check_pool_scales(v, v_cache);
+  }
+  return quantized;
 }
 
 }  // namespace flashattn::detail

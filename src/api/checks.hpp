@@ -7,6 +7,7 @@
 #include "flashattn/options.hpp"
 #include "flashattn/problem.hpp"
 #include "flashattn/tensor.hpp"
+#include "src/api/kv_quant.hpp"
 
 namespace flashattn::detail {
 
@@ -29,11 +30,11 @@ AttentionProblem check_forward_fp8_call(const Fp8View& q, const Fp8View& k, cons
 
 // The page pools (or cache rows) of forward_with_kvcache and forward_varlen_paged: q of a
 // floating dtype; k_cache and v_cache 4-d views (k_layout, v_layout name their dims) of q's
-// dtype, or both u8 (FP8 e4m3 codes, true is returned) — a cache of q's dtype takes no
-// k_scale or v_scale —; v_cache's first three dims those of k_cache. The descales of an FP8
-// cache are the caller's to check (their shapes differ between the entry points).
+// dtype, or both u8 (quantized codes, true is returned; then each pool's scales and zero
+// points are checked, check_pool_scales) — a cache of q's dtype takes no scales, zero points
+// or formats —; v_cache's first three dims those of k_cache. The values of the scales are
+// the caller's to check (which of them are read differs between the entry points).
 bool check_cache_pools(const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
-                       const TensorView& k_scale, const TensorView& v_scale, const char* k_layout,
-                       const char* v_layout);
+                       const PoolScales& k, const PoolScales& v, const char* k_layout, const char* v_layout);
 
 }  // namespace flashattn::detail

@@ -1,12 +1,13 @@
 // forward_with_kvcache in its steps: check the call, resolve its sequences (each checked,
 // the backend's checks included), append the new tokens (rotated) into their cache slots,
 // rotate q, then attend every sequence through the backend — a view of the cache when it
-// is contiguous, the page pools read through the block table when it is paged. An FP8
-// cache quantizes on append (fp8_append below) and the kernels dequantize per row.
+// is contiguous, the page pools read through the block table when it is paged. A quantized
+// cache quantizes on append (fp8_append, int8_append below) and the kernels dequantize.
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <map>
+#include <tuple>
 #include <vector>
 
 #include "flashattn/attention.hpp"
@@ -15,6 +16,7 @@
 #include "src/core/element.hpp"
 #include "src/api/backend.hpp"
 #include "src/api/checks.hpp"
+#include "src/api/kv_quant.hpp"
 #include "src/api/route.hpp"
 #include "src/api/sequences.hpp"
 #include "src/core/validate.hpp"
@@ -112,6 +114,25 @@ void fp8_append(const MutableTensorView& pool, const MutableTensorView& scale, c
   }
 }
 
+// Appends `count` rows (width floats each, already rotated) of kv head h of sequence b at
+// positions seqlen.. into a pool of int8 codes (kv_quant.hpp): per token, each row's scale
+// (and zero point) computed from it and written to its slot's; per page, read from the page's.
+void int8_append(const MutableTensorView& pool, const detail::PoolScales& scales, const MutableTensorView& scale,
+                 const MutableTensorView& zero_point, const Layout& layout, std::int64_t b, std::int64_t h,
+                 std::int64_t seqlen, const float* rows, std::int64_t count, std::int64_t width) {
+  for (std::int64_t t = 0; t < count; ++t) {
+    const auto [page, slot] = layout.locate(b, seqlen + t);
+    const std::int64_t at = scales.offset(page, slot, h);
+    float row_scale = static_cast<const float*>(scale.data)[at];
+    float row_zero = zero_point.data != nullptr ? static_cast<const float*>(zero_point.data)[at] : 0.0f;
+    quantize_int8(scales.quant.codes, rows + t * width, width, scales.per_token(), &row_scale, &row_zero,
+                  static_cast<std::uint8_t*>(pool.data) + detail::offset4(pool, page, slot, h, 0));
+    if (!scales.per_token()) continue;
+    static_cast<float*>(scale.data)[at] = row_scale;
+    if (zero_point.data != nullptr) static_cast<float*>(zero_point.data)[at] = row_zero;
+  }
+}
+
 // The append writes each new token to one slot: no two sequences may write one cache row
 // (contiguous) or page, and a page that receives tokens may not also be read through another
 // entry of the block table — the write would change what that entry holds.
@@ -152,7 +173,7 @@ void check_append_targets(const Layout& layout, const std::vector<std::int64_t>&
 
 // A KV cache call, checked: its sizes, where each sequence's tokens are and how many it has.
 struct CacheCall {
-  bool fp8 = false;     // e4m3 codes with descales
+  bool quantized = false;  // u8 codes, read as k_scales and v_scales say
   bool varlen = false;  // q, k, v packed, sequences cut by cu_seqlens_q and cu_seqlens_k_new
   std::int64_t batch = 0, hq = 0, hkv = 0, d = 0, dv = 0;
   std::vector<std::int64_t> cu_q, cu_new;  // varlen: the offsets of query rows and new tokens
@@ -178,6 +199,13 @@ struct CacheCall {
   }
 };
 
+detail::PoolScales k_scales(const KvCache& c) {
+  return {"k_cache", "k_scale", "k_zero_point", "k_quant", c.k_quant, c.k_scale, c.k_zero_point};
+}
+detail::PoolScales v_scales(const KvCache& c) {
+  return {"v_cache", "v_scale", "v_zero_point", "v_quant", c.v_quant, c.v_scale, c.v_zero_point};
+}
+
 // Step 1, the call's own arguments, checked in this order; nothing is written.
 // The views and dtypes of q and the cache pools, and the call's sizes.
 CacheCall check_cache_views(const TensorView& q, const KvCache& c, const AttentionOptions& options) {
@@ -191,8 +219,8 @@ CacheCall check_cache_views(const TensorView& q, const KvCache& c, const Attenti
     detail::check_view("q", q, 3, "(total_q, heads_q, head_dim)");
   else
     detail::check_view("q", q, 4, "(batch, seqlen_q, heads_q, head_dim)");
-  r.fp8 = detail::check_cache_pools(
-      q, c.k_cache, c.v_cache, c.k_scale, c.v_scale, "(batch_cache or pages, seqlen_cache or page_size, heads_kv, head_dim)",
+  r.quantized = detail::check_cache_pools(
+      q, c.k_cache, c.v_cache, k_scales(c), v_scales(c), "(batch_cache or pages, seqlen_cache or page_size, heads_kv, head_dim)",
       "(batch_cache or pages, seqlen_cache or page_size, heads_kv, head_dim_v)");
   r.hq = q.shape[r.varlen ? 1 : 2], r.hkv = c.k_cache.shape[2], r.d = c.k_cache.shape[3], r.dv = c.v_cache.shape[3];
   if (!r.varlen) {
@@ -294,42 +322,42 @@ void resolve_sequences(const KvCache& c, CacheCall& r) {
   }
 }
 
-// An FP8 cache's descales: views, and finite positive values wherever tokens are read.
-void check_descales(const TensorView& q, const KvCache& c, const CacheCall& r) {
-  const std::int64_t batch = r.batch, hkv = r.hkv;
+// A quantized cache's scales (and zero points): apart from the cache, q and the new tokens,
+// and finite (scales positive) wherever they are read: the slots that hold tokens, and — int8
+// codes per page, which appends read — the pages that receive them.
+void check_scales(const TensorView& q, const KvCache& c, const CacheCall& r) {
   const Layout& layout = r.layout;
-  const std::vector<std::int64_t>& seqlens = r.seqlens;
-  const std::vector<std::int64_t>& leftpad = r.leftpad;
-  for (const auto& [name, scale] : {std::pair{"k_scale", c.k_scale}, {"v_scale", c.v_scale}}) {
-    detail::check_view(name, scale, 2, "(pages or batch_cache, heads_kv)");
-    detail::check_dtype(name, scale, DType::f32, "float32 descales");
-    detail::check_shape(name, scale, {c.k_cache.shape[0], hkv}, "(pages or batch_cache, heads_kv)");
+  const detail::NamedView views[] = {{"k_scale", c.k_scale}, {"v_scale", c.v_scale}, {"k_zero_point", c.k_zero_point},
+                                     {"v_zero_point", c.v_zero_point}};
+  for (std::size_t i = 0; i < std::size(views); ++i) {
+    if (!is_set(views[i].view)) continue;
     for (const auto& [other, view] : {std::pair{"k_cache", TensorView(c.k_cache)}, {"v_cache", c.v_cache}, {"q", q},
                                       {"k", c.k}, {"v", c.v}})
-      detail::check_no_overlap(name, scale, other, view);
+      detail::check_no_overlap(views[i].name, views[i].view, other, view);
+    for (std::size_t o = 0; o < i; ++o)
+      if (is_set(views[o].view)) detail::check_no_overlap(views[i].name, views[i].view, views[o].name, views[o].view);
   }
-  detail::check_no_overlap("k_scale", c.k_scale, "v_scale", c.v_scale);
-  if (c.v_scale.strides[0] != c.k_scale.strides[0] || c.v_scale.strides[1] != c.k_scale.strides[1])
-    throw Error("v_scale: strides differ from k_scale's; give both the same layout");
-  // Pages (cache rows) that already hold tokens are read with their descales.
-  for (std::int64_t b = 0; b < batch; ++b) {
-    const std::int64_t first = leftpad[static_cast<std::size_t>(b)], n = seqlens[static_cast<std::size_t>(b)];
-    const std::int64_t step = layout.paged ? layout.page_size : std::max<std::int64_t>(n, 1);
-    for (std::int64_t pos = first / step * step; pos < n; pos += step)
-      for (std::int64_t h = 0; h < hkv; ++h)
-        for (const auto& [name, scale] : {std::pair{"k_scale", c.k_scale}, {"v_scale", c.v_scale}}) {
-          const std::int64_t page = layout.locate(b, pos).first;
-          const float value = descale_at(scale, page, h);
-          if (!(std::isfinite(value) && value > 0.0f))
-            throw Error(std::string(name) + ": [" + str(page) + ", " + str(h) + "] = " + std::to_string(value) +
-                        " is not a finite positive descale (sequence " + str(b) + " has tokens there)");
-        }
+  for (const detail::PoolScales& pool : {k_scales(c), v_scales(c)}) {
+    const bool append_reads = pool.quant.codes != KvCodes::e4m3 && !pool.per_token();
+    for (std::int64_t b = 0; b < r.batch; ++b) {
+      const std::int64_t first = r.leftpad[r.at(b)], n = r.seqlens[r.at(b)];
+      const std::int64_t end = n + (append_reads ? r.added[r.at(b)] : 0);
+      const std::int64_t step = layout.paged ? layout.page_size : std::max<std::int64_t>(end, 1);
+      for (std::int64_t pos = first / step * step; pos < end; pos += step) {
+        const auto [page, slot] = layout.locate(b, std::max(pos, first));
+        detail::check_scale_values(pool, page, slot, slot + std::min(end, pos + step) - std::max(pos, first), r.hkv,
+                                   [&, pos = pos] {
+                                     return "sequence " + str(b) + " has tokens there" +
+                                            (append_reads && pos + step > n ? " or appends to it" : "");
+                                   });
+      }
+    }
   }
 }
 
 // The new tokens to append.
 void check_new_tokens(const TensorView& q, const KvCache& c, const CacheCall& r) {
-  const bool fp8 = r.fp8;
+  const bool quantized = r.quantized;
   const std::int64_t batch = r.batch, hkv = r.hkv, d = r.d, dv = r.dv;
   if (is_set(c.k) != is_set(c.v)) throw Error("k, v: the new keys and values come together");
   if (is_set(c.k)) {
@@ -353,7 +381,7 @@ void check_new_tokens(const TensorView& q, const KvCache& c, const CacheCall& r)
       detail::check_no_overlap("k_cache", c.k_cache, name, input);
       detail::check_no_overlap("v_cache", c.v_cache, name, input);
     }
-    if (fp8)  // e4m3 has no infinity, and a NaN code would read back as a number
+    if (quantized)  // no finite scale represents ±∞, and a NaN code would read back as a number
       for (const auto& [name, input] : {std::pair{"k", c.k}, {"v", c.v}})
         for (std::int64_t b = 0; b < batch; ++b) {
           const TensorView rows = r.new_tokens(input, b);
@@ -362,7 +390,7 @@ void check_new_tokens(const TensorView& q, const KvCache& c, const CacheCall& r)
               for (std::int64_t e = 0; e < rows.shape[3]; ++e)
                 if (!std::isfinite(detail::load_element(rows, detail::offset4(rows, 0, t, h, e))))
                   throw Error(std::string(name) + ": [" + str(b) + ", " + str(t) + ", " + str(h) + ", " + str(e) +
-                              "] is not finite; an FP8 cache stores finite values only");
+                              "] is not finite; a quantized cache stores finite values only");
         }
   }
 }
@@ -394,7 +422,6 @@ void check_rotary(const TensorView& q, const KvCache& c, const AttentionOptions&
 // append writes, and the options per sequence.
 void check_outputs_and_targets(const TensorView& q, const KvCache& c, const MutableTensorView& out,
                                const MutableTensorView& lse, const AttentionOptions& options, const CacheCall& r) {
-  const bool fp8 = r.fp8;
   const std::int64_t batch = r.batch, dv = r.dv;
   const Layout& layout = r.layout;
   const std::vector<std::int64_t>& seqlens = r.seqlens;
@@ -415,15 +442,17 @@ void check_outputs_and_targets(const TensorView& q, const KvCache& c, const Muta
       {"cu_seqlens_q", c.cu_seqlens_q},   {"cu_seqlens_k_new", c.cu_seqlens_k_new}};
   detail::check_outputs_apart({{"out", out}, {"lse", lse}},
                               {{"q", q}, {"k_cache", c.k_cache}, {"v_cache", c.v_cache}, {"k", c.k}, {"v", c.v},
-                               {"k_scale", c.k_scale}, {"v_scale", c.v_scale}});
+                               {"k_scale", c.k_scale}, {"v_scale", c.v_scale}, {"k_zero_point", c.k_zero_point},
+                               {"v_zero_point", c.v_zero_point}});
   for (const detail::NamedView& table : tables) {
     detail::check_no_overlap("out", out, table.name, table.view);
     detail::check_no_overlap("lse", lse, table.name, table.view);
   }
-  if (is_set(c.k)) {  // the append writes the pools (and an FP8 cache's descales)
+  if (is_set(c.k)) {  // the append writes the pools (and a quantized cache's descales or per-token scales)
     detail::check_outputs_apart({{"k_cache", c.k_cache}, {"v_cache", c.v_cache}}, tables);
-    if (fp8)
-      for (const auto& [name, scale] : {std::pair{"k_scale", c.k_scale}, {"v_scale", c.v_scale}})
+    for (const auto& [name, scale] : {std::pair{"k_scale", c.k_scale}, {"v_scale", c.v_scale},
+                                      {"k_zero_point", c.k_zero_point}, {"v_zero_point", c.v_zero_point}})
+      if (is_set(scale))
         for (const detail::NamedView& table : tables) detail::check_no_overlap(name, scale, table.name, table.view);
     check_append_targets(layout, seqlens, r.added, batch);
   }
@@ -435,7 +464,7 @@ CacheCall check_cache_call(const TensorView& q, const KvCache& c, const MutableT
   CacheCall r = check_cache_views(q, c, options);
   resolve_layout(c, r);
   resolve_sequences(c, r);
-  if (r.fp8) check_descales(q, c, r);
+  if (r.quantized) check_scales(q, c, r);
   check_new_tokens(q, c, r);
   check_rotary(q, c, options, r);
   check_outputs_and_targets(q, c, out, lse, options, r);
@@ -454,7 +483,7 @@ std::vector<detail::ForwardJob> sequence_jobs(const CacheCall& r, const TensorVi
     const std::int64_t first = r.leftpad[static_cast<std::size_t>(b)];
     const std::int64_t keys = r.seqlens[r.at(b)] + r.added[r.at(b)] - first;
     detail::ForwardJob job{{},
-                           {.batch_offset = b, .fp8_kv_cache = r.fp8},
+                           detail::cache_internals(b, r.quantized, c.k_quant, c.v_quant),
                            r.queries(q_used, b),
                            c.k_cache,
                            c.v_cache,
@@ -472,11 +501,9 @@ std::vector<detail::ForwardJob> sequence_jobs(const CacheCall& r, const TensorVi
       job.k = detail::cache_rows(TensorView(c.k_cache), scale_row, first, keys);
       job.v = detail::cache_rows(TensorView(c.v_cache), scale_row, first, keys);
     }
-    if (r.fp8) {
-      job.paged.k_descale = &descale_at(c.k_scale, r.layout.paged ? 0 : scale_row, 0);
-      job.paged.v_descale = &descale_at(c.v_scale, r.layout.paged ? 0 : scale_row, 0);
-      job.paged.descale_page_stride = r.layout.paged ? c.k_scale.strides[0] : 0;
-      job.paged.descale_head_stride = c.k_scale.strides[1];
+    if (r.quantized) {
+      job.paged.k = detail::kv_scales(k_scales(c), r.layout.paged, scale_row, first);
+      job.paged.v = detail::kv_scales(v_scales(c), r.layout.paged, scale_row, first);
     }
     job.problem = AttentionProblem::from_sizes(1, job.q.shape[1], keys, job.q.shape[2], job.k.shape[2],
                                                job.q.shape[3], job.v.shape[3], job.q.dtype, job.options);
@@ -487,9 +514,9 @@ std::vector<detail::ForwardJob> sequence_jobs(const CacheCall& r, const TensorVi
 }
 
 // Step 3: the new tokens (keys rotated) into their slots, and nowhere else (an FP8 page
-// whose descale must grow also re-encodes its earlier tokens, see fp8_append).
+// whose descale must grow also re-encodes its earlier tokens, see fp8_append; per-token
+// int8 scales are written for the new slots, see int8_append).
 void append(const KvCache& c, const CacheCall& r) {
-  const bool fp8 = r.fp8;
   const std::int64_t batch = r.batch, hkv = r.hkv, d = r.d, dv = r.dv;
   const Layout& layout = r.layout;
   const std::vector<std::int64_t>& seqlens = r.seqlens;
@@ -506,10 +533,16 @@ void append(const KvCache& c, const CacheCall& r) {
         rotate(c, seqlen + t, row.data(), k_rows.data() + t * d, d);
         for (std::int64_t e = 0; e < dv; ++e) v_rows[t * dv + e] = detail::load_element(v, detail::offset4(v, 0, t, h, e));
       }
-      if (fp8) {
+      if (r.quantized) {
         const std::int64_t first = leftpad[static_cast<std::size_t>(b)];
-        fp8_append(c.k_cache, c.k_scale, layout, b, h, first, seqlen, k_rows.data(), s_new, d);
-        fp8_append(c.v_cache, c.v_scale, layout, b, h, first, seqlen, v_rows.data(), s_new, dv);
+        for (const auto& [pool, scales, scale, zero_point, rows, width] :
+             {std::tuple{c.k_cache, k_scales(c), c.k_scale, c.k_zero_point, k_rows.data(), d},
+              {c.v_cache, v_scales(c), c.v_scale, c.v_zero_point, v_rows.data(), dv}}) {
+          if (scales.quant.codes == KvCodes::e4m3)
+            fp8_append(pool, scale, layout, b, h, first, seqlen, rows, s_new, width);
+          else
+            int8_append(pool, scales, scale, zero_point, layout, b, h, seqlen, rows, s_new, width);
+        }
         continue;
       }
       for (std::int64_t t = 0; t < s_new; ++t) {
@@ -560,6 +593,8 @@ const detail::Backend& cache_backend(const TensorView& q, const KvCache& c, cons
                         {"cu_seqlens_k_new", c.cu_seqlens_k_new},
                         {"k_scale", c.k_scale},
                         {"v_scale", c.v_scale},
+                        {"k_zero_point", c.k_zero_point},
+                        {"v_zero_point", c.v_zero_point},
                         {"out", out},
                         {"lse", lse}});
 }

@@ -1,12 +1,11 @@
 // Paged variable-length batches (forward_varlen_paged): check the call — offsets, the page
-// pools, the block table, the key counts, the descales of an FP8 pool, the shared prefixes,
+// pools, the block table, the key counts, the scales of quantized pools, the shared prefixes,
 // the outputs — then make each sequence a batch-1 problem on views of q and the outputs that
 // reads the pools in place through its row of the block table (the PagedKv of a KV cache),
 // and each shared prefix one problem on its sequences' query rows, every one checked before
 // the backend runs them all together and merges each prefix's partial result with its
 // sequences' own.
 #include <algorithm>
-#include <cmath>
 #include <string>
 #include <vector>
 
@@ -27,22 +26,25 @@ bool is_set(const TensorView& t) { return t.data != nullptr || t.rank != 0; }
 // The call's sizes and each sequence's query offsets and key count, checked; with shared
 // prefixes, each prefix's key count and its sequences [first, end) (first == end: none).
 struct PagedCall {
-  bool fp8 = false;
+  bool quantized = false;  // u8 codes, read as each pool's PoolScales say
   std::int64_t batch = 0, page_size = 0;
   std::vector<std::int64_t> cu_q, keys;
   std::vector<std::int64_t> prefix_keys, prefix_first, prefix_end;
 };
 
-// The pools: q's dtype, or u8 e4m3 codes in both with descales; one page layout.
+detail::PoolScales k_scales(const PagedKvBatch& kv) {
+  return {"k_cache", "k_scale", "k_zero_point", "k_quant", kv.k_quant, kv.k_scale, kv.k_zero_point};
+}
+detail::PoolScales v_scales(const PagedKvBatch& kv) {
+  return {"v_cache", "v_scale", "v_zero_point", "v_quant", kv.v_quant, kv.v_scale, kv.v_zero_point};
+}
+
+// The pools: q's dtype, or u8 codes in both with their scales; one page layout.
 void check_pools(const TensorView& q, const PagedKvBatch& kv, PagedCall& r) {
   detail::check_view("q", q, 3, "(total_q, heads_q, head_dim)");
-  r.fp8 = detail::check_cache_pools(q, kv.k_cache, kv.v_cache, kv.k_scale, kv.v_scale,
-                                    "(num_pages, page_size, heads_kv, head_dim)",
-                                    "(num_pages, page_size, heads_kv, head_dim_v)");
-  if (r.fp8)
-    for (const auto& [name, scale] : {std::pair{"k_scale", kv.k_scale}, {"v_scale", kv.v_scale}})
-      detail::check_tensor(name, scale, DType::f32, "float32 descales", {kv.k_cache.shape[0], kv.k_cache.shape[2]},
-                           "(num_pages, heads_kv)");
+  r.quantized = detail::check_cache_pools(q, kv.k_cache, kv.v_cache, k_scales(kv), v_scales(kv),
+                                          "(num_pages, page_size, heads_kv, head_dim)",
+                                          "(num_pages, page_size, heads_kv, head_dim_v)");
   if (kv.k_cache.shape[2] < 1 || q.shape[1] % kv.k_cache.shape[2] != 0)
     throw Error("k_cache: heads_kv " + str(kv.k_cache.shape[2]) + " does not divide q's heads_q " + str(q.shape[1]));
   if (kv.k_cache.shape[3] != q.shape[2])
@@ -62,7 +64,8 @@ std::int64_t table_page(const TensorView& table, std::int64_t row, std::int64_t 
 
 // The key counts `counts` (int32 (rows)) of the rows of a block table `table_name` (int32
 // (rows, max_pages)): each within the row's pages, every page it reads a page of the pools
-// and, in an FP8 pool, with finite positive descales. Returns the counts.
+// and, in a quantized pool, with finite positive scales (and finite zero points) for the
+// slots read. Returns the counts.
 std::vector<std::int64_t> check_table(const PagedKvBatch& kv, const PagedCall& r, const char* table_name,
                                       const TensorView& table, const char* counts_name, const TensorView& counts) {
   const std::int64_t rows = table.shape[0];
@@ -80,30 +83,25 @@ std::vector<std::int64_t> check_table(const PagedKvBatch& kv, const PagedCall& r
       if (page < 0 || page >= pages)
         throw Error(std::string(table_name) + ": [" + str(b) + ", " + str(pg) + "] = " + str(page) +
                     " outside the cache's " + str(pages) + " pages");
-      if (!r.fp8) continue;
-      for (const auto& [name, scale] : {std::pair{"k_scale", kv.k_scale}, {"v_scale", kv.v_scale}})
-        for (std::int64_t h = 0; h < kv.k_cache.shape[2]; ++h) {
-          const float value = static_cast<const float*>(scale.data)[page * scale.strides[0] + h * scale.strides[1]];
-          if (!(std::isfinite(value) && value > 0.0f))
-            throw Error(std::string(name) + ": [" + str(page) + ", " + str(h) + "] = " + std::to_string(value) +
-                        " is not a finite positive descale (" + table_name + " row " + str(b) + " reads page " +
-                        str(page) + ")");
-        }
+      if (!r.quantized) continue;
+      const std::int64_t slots = std::min(r.page_size, n - pg * r.page_size);
+      for (const detail::PoolScales& pool : {k_scales(kv), v_scales(kv)})
+        detail::check_scale_values(pool, page, 0, slots, kv.k_cache.shape[2], [&] {
+          return std::string(table_name) + " row " + str(b) + " reads page " + str(page);
+        });
     }
   }
   return keys;
 }
 
 // The block table and key counts: every page a sequence reads is a page of the pools and,
-// in an FP8 pool, has finite positive descales.
+// in a quantized pool, has finite positive scales (and finite zero points) for the slots read.
 void check_tables(const PagedKvBatch& kv, PagedCall& r) {
   detail::check_view("block_table", kv.block_table, 2, "(batch, max_pages)");
   detail::check_dtype("block_table", kv.block_table, DType::i32, "int32 page numbers");
   if (kv.block_table.shape[0] != r.batch)
     throw Error("block_table: " + str(kv.block_table.shape[0]) + " rows but cu_seqlens_q has batch " + str(r.batch));
   r.keys = check_table(kv, r, "block_table", kv.block_table, "seqused_k", kv.seqused_k);
-  if (r.fp8 && (kv.v_scale.strides[0] != kv.k_scale.strides[0] || kv.v_scale.strides[1] != kv.k_scale.strides[1]))
-    throw Error("v_scale: strides differ from k_scale's; give both the same layout");
 }
 
 bool has_prefixes(const PagedKvBatch& kv) {
@@ -209,6 +207,8 @@ const detail::Backend& paged_backend(const TensorView& q, const TensorView& cu_s
                         {"prefix_block_table", kv.prefix_block_table},
                         {"prefix_seqused_k", kv.prefix_seqused_k},
                         {"prefix_idx", kv.prefix_idx},
+                        {"k_zero_point", kv.k_zero_point},
+                        {"v_zero_point", kv.v_zero_point},
                         {"out", out},
                         {"lse", lse}});
 }
@@ -219,17 +219,21 @@ detail::ForwardJob paged_job(const TensorView& q, const PagedKvBatch& kv, const 
                              std::int64_t row, std::int64_t keys, std::int64_t q0, std::int64_t rows,
                              const MutableTensorView& out, const MutableTensorView& lse, const AttentionOptions& options,
                              std::int64_t batch_offset) {
-  detail::ForwardJob job{{},      {.batch_offset = batch_offset, .fp8_kv_cache = r.fp8},
+  detail::ForwardJob job{{},
+                         detail::cache_internals(batch_offset, r.quantized, kv.k_quant, kv.v_quant),
                          detail::packed_sequence(q, q0, rows),
-                         kv.k_cache, kv.v_cache, out, lse, options, {}};
+                         kv.k_cache,
+                         kv.v_cache,
+                         out,
+                         lse,
+                         options,
+                         {}};
   job.paged.block_table = static_cast<const std::int32_t*>(table.data) + row * table.strides[0];
   job.paged.table_stride = table.strides[1];
   job.paged.page_size = r.page_size;
-  if (r.fp8) {
-    job.paged.k_descale = static_cast<const float*>(kv.k_scale.data);
-    job.paged.v_descale = static_cast<const float*>(kv.v_scale.data);
-    job.paged.descale_page_stride = kv.k_scale.strides[0];
-    job.paged.descale_head_stride = kv.k_scale.strides[1];
+  if (r.quantized) {
+    job.paged.k = detail::kv_scales(k_scales(kv), true, 0, 0);
+    job.paged.v = detail::kv_scales(v_scales(kv), true, 0, 0);
   }
   job.problem = AttentionProblem::from_sizes(1, rows, keys, q.shape[1], kv.k_cache.shape[2], q.shape[2],
                                              kv.v_cache.shape[3], q.dtype, job.options);
@@ -282,8 +286,8 @@ void forward_varlen_paged(const TensorView& q, const TensorView& cu_seqlens_q, s
   detail::check_outputs_apart({{"out", out}, {"lse", lse}},
                               {{"q", q}, {"cu_seqlens_q", cu_seqlens_q}, {"k_cache", kv.k_cache},
                                {"v_cache", kv.v_cache}, {"block_table", kv.block_table}, {"seqused_k", kv.seqused_k},
-                               {"k_scale", kv.k_scale}, {"v_scale", kv.v_scale},
-                               {"prefix_block_table", kv.prefix_block_table},
+                               {"k_scale", kv.k_scale}, {"v_scale", kv.v_scale}, {"k_zero_point", kv.k_zero_point},
+                               {"v_zero_point", kv.v_zero_point}, {"prefix_block_table", kv.prefix_block_table},
                                {"prefix_seqused_k", kv.prefix_seqused_k}, {"prefix_idx", kv.prefix_idx}});
   // Each prefix's sequences' rows in the partials start at row partial_row[p].
   const std::size_t prefixes = r.prefix_keys.size();

@@ -20,12 +20,18 @@ struct ProblemInternals {
   // k and v are an FP8 e4m3 KV cache: codes (u8) with per-block descales, not values in
   // the problem's dtype. The planner's decode_fp16 kernel reads only such caches.
   bool fp8_kv_cache = false;
+  // k and v are a quantized KV cache (u8 codes) of which at least one pool holds int8 codes
+  // (u8 or s8, include/flashattn/kv_quant.hpp; the other may be e4m3): PagedKv says how each
+  // reads. Not fp8_kv_cache: decode_fp16 reads e4m3 only.
+  bool int8_kv_cache = false;
   // Set by forward_fp8 only: P is rounded to FP8 e4m3 before P·V, as an FP8 tensor core
   // multiplies it (ℓ sums the unrounded P).
   bool fp8_probabilities = false;
 
-  // The dtype k and v are stored in: the problem's, or u8 for an FP8 cache.
-  DType kv_dtype(const AttentionProblem& problem) const { return fp8_kv_cache ? DType::u8 : problem.dtype; }
+  // The dtype k and v are stored in: the problem's, or u8 for a quantized cache.
+  DType kv_dtype(const AttentionProblem& problem) const {
+    return fp8_kv_cache || int8_kv_cache ? DType::u8 : problem.dtype;
+  }
 };
 
 }  // namespace flashattn::detail

@@ -72,12 +72,13 @@ namespace {
 // into micro-tiles that would be mostly padding.
 constexpr std::int64_t kDecodeRows = 16;
 
-// The kernel that runs `p` with k and v stored in `kv_dtype`: the requested one, or
+// The kernel that runs `p` with k and v stored as `internals` say: the requested one, or
 // (automatic) decode for few rows per kv head, tiled_bf16 where it can run and is the faster
 // one (CpuHardware::bf16_dot_fast), tiled otherwise. A request the inputs or the hardware
 // rule out is an Error that names the kernel and why.
-ForwardKernel choose_kernel(const AttentionProblem& p, DType kv_dtype, const CpuHardware& hw,
+ForwardKernel choose_kernel(const AttentionProblem& p, const detail::ProblemInternals& internals, const CpuHardware& hw,
                             ForwardKernel requested) {
+  const DType kv_dtype = internals.kv_dtype(p);
   // FP8 caches (kv_dtype u8) and forward_fp8 (float32 values of FP8 codes) are not bf16.
   const bool bf16_inputs = p.dtype == DType::bf16 && kv_dtype == DType::bf16;
   if (requested == ForwardKernel::tiled_bf16) {
@@ -97,9 +98,10 @@ ForwardKernel choose_kernel(const AttentionProblem& p, DType kv_dtype, const Cpu
     throw Error("kernel decode_fp16: head_dim " + std::to_string(p.head_dim) + " above its limit " +
                 std::to_string(cpu::fp16dot::kMaxHeadDim) + " (half-precision partial sums); use kernel decode or auto");
   const bool fp16_decode =
-      kv_dtype == DType::u8 && rows <= kDecodeRows && p.head_dim <= cpu::fp16dot::kMaxHeadDim && hw.decode_fp16;
+      internals.fp8_kv_cache && rows <= kDecodeRows && p.head_dim <= cpu::fp16dot::kMaxHeadDim && hw.decode_fp16;
   if (requested == ForwardKernel::decode_fp16 && !fp16_decode)
-    throw Error("kernel decode_fp16: needs an FP8 (e4m3) KV cache (k/v: " + std::string(to_string(kv_dtype)) +
+    throw Error("kernel decode_fp16: needs an FP8 (e4m3) KV cache (k/v: " +
+                std::string(internals.int8_kv_cache ? "int8 codes" : to_string(kv_dtype)) +
                 "), at most " + std::to_string(kDecodeRows) + " query rows per kv head (heads_q / heads_kv · seqlen_q: " +
                 std::to_string(rows) + ") and a CPU with AVX512-FP16 (this one: " + (hw.decode_fp16 ? "yes" : "no") +
                 "); use kernel decode or auto");
@@ -137,7 +139,7 @@ std::vector<CpuForwardPlan> cpu::plan_forward_together(std::span<const Attention
   AttentionOptions call = options;
   bool shared = problems.size() > 1;
   for (std::size_t i = 0; i < problems.size() && shared; ++i)
-    shared = is_decode(choose_kernel(problems[i], internals[i].kv_dtype(problems[i]), hw, options.kernel));
+    shared = is_decode(choose_kernel(problems[i], internals[i], hw, options.kernel));
   if (shared && options.num_splits == 0 && options.switches.q_tile_parallelism) {
     const auto sequences = static_cast<std::int64_t>(problems.size());
     call.num_splits = static_cast<int>((2 * hw.threads + sequences - 1) / sequences);
@@ -188,7 +190,7 @@ CpuForwardPlan cpu::plan_forward(const AttentionProblem& p, const detail::Proble
                                  const CpuHardware& hw, int num_splits, std::int64_t block_q, ForwardKernel kernel) {
   CpuForwardPlan plan;
   plan.hardware = hw;
-  plan.kernel = choose_kernel(p, internals.kv_dtype(p), hw, kernel);
+  plan.kernel = choose_kernel(p, internals, hw, kernel);
   const std::int64_t mr = hw.micro_rows, mc = hw.micro_cols;
   plan.head_dim_v_padded = round_up(p.head_dim_v, mc);
 

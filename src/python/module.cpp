@@ -217,6 +217,19 @@ struct FlexHook {
     return h;
   }
 };
+// A quantized cache's pool formats by argument name ("k_quant", "v_quant"), each "codes" or
+// "codes/granularity" as Python resolved it (kv_quant.hpp: "u8/per_token"); absent: e4m3 per page.
+using Quants = std::map<std::string, std::string>;
+flashattn::KvQuant kv_quant(const Quants& quants, const char* arg) {
+  const auto it = quants.find(arg);
+  if (it == quants.end()) return {};
+  const std::string& s = it->second;
+  const std::size_t slash = s.find('/');
+  flashattn::KvQuant q;
+  q.codes = flashattn::parse_kv_codes(s.substr(0, slash));
+  if (slash != std::string::npos) q.granularity = flashattn::parse_kv_scale_granularity(s.substr(slash + 1));
+  return q;
+}
 
 struct Options {
   std::optional<float> softmax_scale;
@@ -451,17 +464,22 @@ NB_MODULE(_C, m) {
       [](Array q, Array cu_q, std::int64_t max_q, Array k_cache, Array v_cache, Array block_table, Array seqused_k,
          std::optional<Array> k_scale, std::optional<Array> v_scale, std::optional<Array> prefix_block_table,
          std::optional<Array> prefix_seqused_k, std::optional<Array> prefix_idx, Array o, Array lse,
-         const Dtypes& dtypes, const Options& opt) {
+         const Dtypes& dtypes, const Options& opt, std::optional<Array> k_zero, std::optional<Array> v_zero,
+         const Quants& quants) {
         const flashattn::AttentionOptions options = opt.get();
         flashattn::PagedKvBatch kv{in(k_cache, dtypes, "k_cache"),
                                    in(v_cache, dtypes, "v_cache"),
                                    in(block_table, "i32", "block_table"),
                                    in(seqused_k, "i32", "seqused_k"),
                                    optional_in(k_scale, "f32", "k_scale"),
-                                   optional_in(v_scale, "f32", "v_scale"),
-                                   optional_in(prefix_block_table, "i32", "prefix_block_table"),
-                                   optional_in(prefix_seqused_k, "i32", "prefix_seqused_k"),
-                                   optional_in(prefix_idx, "i32", "prefix_idx")};
+                                   optional_in(v_scale, "f32", "v_scale")};
+        kv.prefix_block_table = optional_in(prefix_block_table, "i32", "prefix_block_table");
+        kv.prefix_seqused_k = optional_in(prefix_seqused_k, "i32", "prefix_seqused_k");
+        kv.prefix_idx = optional_in(prefix_idx, "i32", "prefix_idx");
+        kv.k_quant = kv_quant(quants, "k_quant");
+        kv.v_quant = kv_quant(quants, "v_quant");
+        kv.k_zero_point = optional_in(k_zero, "f32", "k_zero_point");
+        kv.v_zero_point = optional_in(v_zero, "f32", "v_zero_point");
         nb::gil_scoped_release release;
         flashattn::forward_varlen_paged(in(q, dtypes, "q"), in(cu_q, "i32", "cu_seqlens_q"), max_q, kv,
                                         out(o, dtypes, "out"), out(lse, "f32", "softmax_lse"), options);
@@ -489,13 +507,18 @@ NB_MODULE(_C, m) {
          std::optional<Array> cache_batch_idx, std::optional<Array> cache_leftpad, std::optional<Array> block_table,
          bool interleaved, Array o, Array lse, const Dtypes& dtypes,
          std::optional<Array> k_scale, std::optional<Array> v_scale, const Options& opt, std::optional<Array> cu_q,
-         std::optional<Array> cu_new, std::int64_t max_q) {
+         std::optional<Array> cu_new, std::int64_t max_q, std::optional<Array> k_zero, std::optional<Array> v_zero,
+         const Quants& quants) {
         const flashattn::AttentionOptions options = opt.get();
         flashattn::KvCache c;
         c.k_cache = out(k_cache, dtypes, "k_cache");
         c.v_cache = out(v_cache, dtypes, "v_cache");
         if (k_scale) c.k_scale = out(*k_scale, "f32", "k_scale");
         if (v_scale) c.v_scale = out(*v_scale, "f32", "v_scale");
+        if (k_zero) c.k_zero_point = out(*k_zero, "f32", "k_zero_point");
+        if (v_zero) c.v_zero_point = out(*v_zero, "f32", "v_zero_point");
+        c.k_quant = kv_quant(quants, "k_quant");
+        c.v_quant = kv_quant(quants, "v_quant");
         c.k = optional_in(k, dtypes, "k");
         c.v = optional_in(v, dtypes, "v");
         c.rotary_cos = optional_in(cos, "f32", "rotary_cos");
@@ -512,8 +535,8 @@ NB_MODULE(_C, m) {
         flashattn::forward_with_kvcache(in(q, dtypes, "q"), c, out(o, dtypes, "out"), out(lse, "f32", "softmax_lse"),
                                         options);
       },
-      "attention over a KV cache (of q's dtype or u8 FP8 e4m3 codes with k_scale, v_scale descales), appending k, v "
-      "in place");
+      "attention over a KV cache (of q's dtype, or u8 codes — FP8 e4m3, u8 or s8 as k_quant, v_quant say — with "
+      "k_scale, v_scale and for u8 k_zero_point, v_zero_point), appending k, v in place");
 
   m.def(
       "forward_fp8",

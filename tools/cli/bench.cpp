@@ -109,30 +109,31 @@ void bench_cases(const BenchFlags& f) {
     add(measure_forward(Impl::flashattn, p, options, in, f.repeats), p,
         static_cast<double>(kept_blocks) / static_cast<double>(mask.numel()));
   }
-  // Decoding: one token over a 32k-token cache, bf16 or FP8 e4m3, contiguous and paged,
+  // Decoding: one token over a 32k-token cache, bf16, FP8 e4m3 or int8 (u8, s8; per-token
+  // scales), contiguous and paged,
   // beside the machine's copy bandwidth (the bound a memory-bound decode step approaches);
   // then a batch of 32 sequences of 1024 tokens (the same bytes) decoding in one call, as an
   // inference engine's step does, paged by 16.
   if (std::find(f.ops.begin(), f.ops.end(), "decode") != f.ops.end()) {
     r.copy_gbps = copy_gbps(f.repeats);
-    auto time_decode = [&](std::int64_t batch, std::int64_t cached, bool fp8, std::int64_t page_size) {
+    auto time_decode = [&](std::int64_t batch, std::int64_t cached, const std::string& format, std::int64_t page_size) {
       DecodeCase c;
       c.threads = f.shape.threads;
       c.batch = batch;
       c.cached = cached;
       c.page_size = page_size;
-      c.fp8_cache = fp8;
+      c.cache_format = format;
       // --kernel decode applies to every decode case, decode_fp16 to the FP8 ones; others (the
       // forward's kernels) leave the planner's choice here.
       const ForwardKernel k = parse_forward_kernel(f.shape.kernel);
-      if (k == ForwardKernel::decode || (k == ForwardKernel::decode_fp16 && fp8)) c.kernel = k;
-      std::cerr << "decode case: " << batch << " x " << cached << " tokens, " << (fp8 ? "e4m3" : "bf16")
+      if (k == ForwardKernel::decode || (k == ForwardKernel::decode_fp16 && format == "e4m3")) c.kernel = k;
+      std::cerr << "decode case: " << batch << " x " << cached << " tokens, " << c.cache_name()
                 << " cache, page size " << page_size << "\n";
       r.decode.push_back({c, measure_decode(c, f.repeats)});
     };
-    for (bool fp8 : {false, true}) {
-      for (std::int64_t page_size : {0, 16, 256}) time_decode(1, 32768, fp8, page_size);
-      time_decode(32, 1024, fp8, 16);
+    for (const char* format : {"", "e4m3", "u8", "s8"}) {
+      for (std::int64_t page_size : {0, 16, 256}) time_decode(1, 32768, format, page_size);
+      time_decode(32, 1024, format, 16);
     }
   }
   // Serving: issue 23's batch of prefill chunks and decode rows (serve), or a small one of
@@ -230,7 +231,7 @@ void bench_cases(const BenchFlags& f) {
   }
   for (const DecodeRun& d : r.decode)
     std::printf("%-10s %-4s %-6s %2lld x %-5lld tokens, page size %-5lld %6.2f GB/s (%3.0f%% of copy) %12.4f  %s\n",
-                "flashattn", "dec", d.c.fp8_cache ? "e4m3" : to_string(d.c.dtype).c_str(),
+                "flashattn", "dec", d.c.cache_name().c_str(),
                 static_cast<long long>(d.c.batch), static_cast<long long>(d.c.cached),
                 static_cast<long long>(d.c.page_size), d.m.gbps, 100.0 * d.m.gbps / r.copy_gbps.value_or(0.0),
                 d.m.seconds, d.m.kernel.c_str());

@@ -99,8 +99,9 @@ void add_run(CLI::App& app) {
   cmd->add_option("--page-size", flags->page_size, "paged cache with pages of this many tokens (0 = contiguous)")
       ->capture_default_str();
   cmd->add_option("--cache-dtype", flags->cache_dtype,
-                  "cache storage (--decode): e4m3 (FP8, one descale per page and kv head); default: the --dtype")
-      ->check(CLI::IsMember({"e4m3"}));
+                  "cache storage (--decode): e4m3 (FP8, one descale per page and kv head), u8 or s8 (int8, one "
+                  "scale, and for u8 one zero point, per token and kv head); default: the --dtype")
+      ->check(CLI::IsMember({"e4m3", "u8", "s8"}));
   cmd->callback([flags, cmd] {
     flags->given = given_options(*cmd);
     run(*flags);

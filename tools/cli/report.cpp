@@ -46,7 +46,7 @@ nlohmann::json decode_json(const DecodeCase& c, const DecodeMeasurement& m) {
   return {{"impl", "flashattn"}, {"op", "decode"},        {"dtype", to_string(c.dtype)},
           {"batch", c.batch},    {"heads", c.heads},      {"heads_kv", c.heads_kv},
           {"dim", c.dim},        {"cached", c.cached},    {"page_size", c.page_size},
-          {"cache_dtype", c.fp8_cache ? "e4m3" : to_string(c.dtype)},
+          {"cache_dtype", c.cache_name()},
           {"seconds", m.seconds}, {"gbps", m.gbps},       {"cache_bytes", m.cache_bytes},
           {"max_error", m.max_error}, {"kernel", m.kernel}};
 }

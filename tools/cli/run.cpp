@@ -29,7 +29,7 @@ void run_decode(const RunFlags& f) {
   c.threads = f.shape.threads;
   c.cached = f.cached;
   c.page_size = f.page_size;
-  c.fp8_cache = f.cache_dtype == "e4m3";
+  c.cache_format = f.cache_dtype;
   c.kernel = parse_forward_kernel(f.shape.kernel);
   const DecodeMeasurement m = measure_decode(c, f.repeats);
   if (f.json) {
@@ -38,7 +38,7 @@ void run_decode(const RunFlags& f) {
   }
   std::printf("flashattn run --decode: batch %lld, %lld q heads, %lld kv heads, dim %lld, %s cache of %lld tokens%s, causal=false\n",
               static_cast<long long>(c.batch), static_cast<long long>(c.heads), static_cast<long long>(c.heads_kv),
-              static_cast<long long>(c.dim), c.fp8_cache ? "e4m3" : to_string(c.dtype).c_str(), static_cast<long long>(c.cached),
+              static_cast<long long>(c.dim), c.cache_name().c_str(), static_cast<long long>(c.cached),
               c.page_size > 0 ? (", pages of " + std::to_string(c.page_size)).c_str() : " (contiguous)");
   std::printf("one token: %.3f ms, %.2f GB/s of K and V (%.1f MiB), max |err| vs float64 %.2e, kernel %s\n",
               m.seconds * 1e3, m.gbps, static_cast<double>(m.cache_bytes) / (1 << 20), m.max_error, m.kernel.c_str());

@@ -12,8 +12,11 @@
 //                            → õ += P·V with four rows and a pair of õ vectors in registers
 //   epilogue: o = õ / ℓ, lse
 //
-// decode reads every K/V storage format (one instantiation each); decode_fp16 (FP8 caches
-// on AVX512-FP16) runs the same steps with the products in half precision (fp16_decode.hpp).
+// decode reads every K/V storage format (one instantiation each of the products); a cache
+// with int8 codes (u8 or s8, kv_quant.hpp) reads each of K and V in its own format, the
+// scales and zero points applied to scores and probabilities (DecodeQuantItem); decode_fp16
+// (FP8 caches on AVX512-FP16) runs the same steps with the products in half precision
+// (fp16_decode.hpp).
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "src/cpu/kernels/decode_forward.cpp"
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
@@ -24,6 +27,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "flashattn/error.hpp"
 #include "flashattn/online_softmax.hpp"
@@ -39,7 +43,14 @@ namespace hn = hwy::HWY_NAMESPACE;
 
 // Storage formats the decode kernel reads K and V rows in, one instantiation each: the
 // format is resolved once per call, not per row.
-enum class KvFormat { f32, bf16, f16, e4m3 };
+enum class KvFormat { f32, bf16, f16, e4m3, u8, s8 };
+template <KvFormat F>
+constexpr bool kInt8 = F == KvFormat::u8 || F == KvFormat::s8;
+// u8 codes are read as code − 128 (exact) and their zero points z as z − 128: the value
+// (code − z)·scale is the same, but for values centred in their range (z near 128, the
+// per-token choice for centred data) the zero-point terms ΣQ·(z − 128) and Σ P·scale·(z − 128)
+// nearly vanish instead of cancelling most of the products' magnitude.
+constexpr std::int32_t kU8Centre = 128;
 
 // The decode kernel reads K and V rows a pair of vectors (2·kLanes values) at a time.
 // bf16 splits a pair into its even and its odd elements — one load and two integer
@@ -59,12 +70,14 @@ constexpr std::int64_t PairIndex(std::int64_t half, std::int64_t i) {
 
 // What LoadKv's and LoadKvPair's values are short of the stored ones by: e4m3 codes are
 // read as halves 2^-8 times their values, so scores and probabilities are multiplied by
-// 2^8 — exactly, before their descales. 1 for the other formats.
+// 2^8 — exactly, before their descales. 1 for the other formats (int8 codes read as the
+// integers they are, their scales and zero points applied to scores and probabilities).
 template <KvFormat F>
 constexpr float kKvUnit = F == KvFormat::e4m3 ? kE4m3HalfUnit : 1.0f;
 
 // kLanes values of a K/V row from element e on, as float32, times 1/kKvUnit (FP8 codes
-// without their descale, which is applied to the score or the probability instead).
+// without their descale, int8 codes without scale and zero point: those are applied to
+// the score or the probability instead).
 template <KvFormat F>
 HWY_INLINE VF LoadKv(const unsigned char* HWY_RESTRICT row, std::int64_t e) {
   const DF df;
@@ -76,6 +89,14 @@ HWY_INLINE VF LoadKv(const unsigned char* HWY_RESTRICT row, std::int64_t e) {
   } else if constexpr (F == KvFormat::f16) {
     const hn::Rebind<hwy::float16_t, DF> dh;
     return hn::PromoteTo(df, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(row) + e));
+  } else if constexpr (F == KvFormat::s8) {  // the codes as integers, −128..127
+    const hn::Rebind<std::int8_t, DF> d8;
+    return hn::ConvertTo(df, hn::PromoteTo(hn::RebindToSigned<DF>(), hn::LoadU(d8, reinterpret_cast<const std::int8_t*>(row) + e)));
+  } else if constexpr (F == KvFormat::u8) {  // code − kU8Centre, −128..127 (its zero point is read likewise)
+    const hn::Rebind<std::uint8_t, DF> d8;
+    const hn::RebindToSigned<DF> di;
+    const auto codes = hn::BitCast(di, hn::PromoteTo(hn::RebindToUnsigned<DF>(), hn::LoadU(d8, row + e)));
+    return hn::ConvertTo(df, hn::Sub(codes, hn::Set(di, kU8Centre)));
   } else {  // e4m3: 2^-8 times the values (E4m3HalfBits)
     const hn::Rebind<std::int8_t, DF> d8;
     const hn::Rebind<std::int16_t, DF> d16;
@@ -117,6 +138,12 @@ HWY_INLINE void LoadKvPair(const unsigned char* HWY_RESTRICT row, std::int64_t e
 template <KvFormat F>
 HWY_INLINE void LoadKvTailPair(const unsigned char* HWY_RESTRICT row, std::int64_t e, std::int64_t n, DType dtype,
                                VF& lo, VF& hi) {
+  if constexpr (kInt8<F>) {  // codes 0 past the row: Q is zero there, and õ's padding is never stored
+    HWY_ALIGN unsigned char codes[kPair] = {};
+    std::memcpy(codes, row + e, static_cast<std::size_t>(std::min(n, kPair)));
+    LoadKvPair<F>(codes, 0, lo, hi);
+    return;
+  }
   HWY_ALIGN float part[kPair] = {};
   LoadRow(row + e * static_cast<std::int64_t>(dtype_size(dtype)), dtype, std::min(n, kPair), 1.0f / kKvUnit<F>, part);
   lo = hn::Load(DF(), part);
@@ -158,13 +185,16 @@ void ResolveKeys(const ForwardParams& prm, std::int64_t b, std::int64_t j0, std:
   const std::int64_t page_size = pg.block_table != nullptr ? pg.page_size : j0 + count;  // contiguous: one page
   for (std::int64_t c = 0; c < count;) {
     const std::int64_t page = kv.page(j0 + c);
-    const float* kd = pg.k_descale != nullptr ? pg.k_descale + page * pg.descale_page_stride : nullptr;
-    const float* vd = pg.v_descale != nullptr ? pg.v_descale + page * pg.descale_page_stride : nullptr;
+    auto at = [&](const float* table, const KvScales& scales, std::int64_t slot) {
+      return table != nullptr ? table + scales.offset(page, slot, 0) : nullptr;
+    };
     for (std::int64_t slot = (j0 + c) % page_size; c < count && slot < page_size; ++c, ++slot) {
       keys.k[c] = static_cast<const unsigned char*>(RowPointer(prm.k, page, slot, 0));
       keys.v[c] = static_cast<const unsigned char*>(RowPointer(prm.v, page, slot, 0));
-      keys.k_descale[c] = kd;
-      keys.v_descale[c] = vd;
+      keys.k_descale[c] = at(pg.k.scale, pg.k, slot);
+      keys.v_descale[c] = at(pg.v.scale, pg.v, slot);
+      keys.k_zero_point[c] = at(pg.k.zero_point, pg.k, slot);
+      keys.v_zero_point[c] = at(pg.v.zero_point, pg.v, slot);
     }
   }
 }
@@ -397,7 +427,7 @@ void ScoreBlockFp16(ForwardWorkspace& ws, const DecodeShape& sh, std::int64_t n,
 HWY_INLINE void DescaleScores(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeShape& sh, std::int64_t g,
                    std::int64_t n, std::int64_t cols, const float* q_units) {
   constexpr float kUnit = kKvUnit<KvFormat::e4m3>;
-  const std::int64_t descale_head = prm.paged.descale_head_stride;
+  const std::int64_t descale_head = prm.paged.k.head_stride;
   float* factor = ws.descales.get();
   const DecodeKeys& keys = ws.decode_keys;
   for (std::int64_t c = 0; c < cols; ++c) factor[c] = c < n ? kUnit * keys.k_descale[c][g * descale_head] : 0.0f;
@@ -411,7 +441,7 @@ HWY_INLINE void DescaleScores(const ForwardParams& prm, ForwardWorkspace& ws, co
 
 // FP8: the block's V descales of kv head g (0 past n) into ws.descales.
 HWY_INLINE void LoadVDescales(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t g, std::int64_t n, std::int64_t cols) {
-  const std::int64_t descale_head = prm.paged.descale_head_stride;
+  const std::int64_t descale_head = prm.paged.v.head_stride;
   float* factor = ws.descales.get();
   for (std::int64_t c = 0; c < cols; ++c) factor[c] = c < n ? ws.decode_keys.v_descale[c][g * descale_head] : 0.0f;
 }
@@ -526,6 +556,103 @@ void DecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t ite
   StoreRows<F>(prm, ws, sh);
 }
 
+// A quantized pool's codes as the KvFormat that reads them: fn(integral_constant<F>).
+template <class Fn>
+HWY_INLINE void WithCodes(KvCodes codes, Fn fn) {
+  switch (codes) {
+    case KvCodes::e4m3: return fn(std::integral_constant<KvFormat, KvFormat::e4m3>());
+    case KvCodes::u8: return fn(std::integral_constant<KvFormat, KvFormat::u8>());
+    case KvCodes::s8: return fn(std::integral_constant<KvFormat, KvFormat::s8>());
+  }
+}
+
+// ΣQ of every real row as its panel holds it (times softmax_scale·log2e) into q_units: a
+// zero point z of K costs a score scale·z·ΣQ.
+void LoadQSums(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeShape& sh) {
+  float* row = ws.q_rows.get();
+  for (std::int64_t g = 0; g < sh.hkv; ++g)
+    for (std::int64_t r = 0; r < sh.rows; ++r) {
+      LoadQRow(prm, sh, g, r, row);
+      float sum = 0.0f;
+      for (std::int64_t e = 0; e < sh.d; ++e) sum += row[e];
+      ws.q_units[g * sh.rows4 + r] = sum;
+    }
+}
+
+// Each of the block's keys' factor and zero point for kv head g: factor[c] = unit·scale,
+// zero[c] = its zero point as LoadKv reads u8 codes, z − kU8Centre (0 without zero points;
+// both 0 past n). (Q·codes read − ΣQ·zero)·factor is the key's score, and P·factor what
+// multiplies its codes in P·V.
+HWY_INLINE void LoadKeyFactors(const float* const* scales, const float* const* zero_points, std::int64_t head_stride,
+                               float unit, std::int64_t g, std::int64_t n, std::int64_t cols, float* factor, float* zero) {
+  for (std::int64_t c = 0; c < cols; ++c) {
+    factor[c] = c < n ? unit * scales[c][g * head_stride] : 0.0f;
+    zero[c] = c < n && zero_points[c] != nullptr ? zero_points[c][g * head_stride] - kU8Centre : 0.0f;
+  }
+}
+
+// One decode work item on a cache with int8 codes in K or V (the other pool may be e4m3), each
+// read in its own format (ScoreBlock and AccumulateBlock of its KvFormat), then:
+//   S = Q·((code − z)·scale)    = (Q·code − ΣQ·z)·scale                (per key: LoadKeyFactors)
+//   õ += P·((code − z)·scale)  = (P·scale)·code − Σ_keys (P·scale)·z   (per row: one term)
+// with kKvUnit in the factors of an e4m3 pool, whose z is 0.
+void DecodeQuantItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item) {
+  const KvScales& ks = prm.paged.k;
+  const KvScales& vs = prm.paged.v;
+  const float k_unit = ks.codes == KvCodes::e4m3 ? kKvUnit<KvFormat::e4m3> : 1.0f;
+  const float v_unit = vs.codes == KvCodes::e4m3 ? kKvUnit<KvFormat::e4m3> : 1.0f;
+  const DecodeShape sh(prm, item);
+  LoadQPanels<KvFormat::u8>(prm, ws, sh);  // row order, as every byte format reads
+  if (ks.zero_point != nullptr) LoadQSums(prm, ws, sh);
+  float* v_terms = ws.q_units.get() + sh.all_rows;  // (all_rows): what V's zero points take from õ
+  float* k_factor = ws.descales.get();  // (block_k) each
+  float* k_zero = k_factor + sh.bc;
+  float* v_factor = k_zero + sh.bc;
+  float* v_zero = v_factor + sh.bc;
+  ResetRows(ws, sh.all_rows, sh.dv_pad);
+  ws.counters.q_read += sh.hkv * sh.rows * sh.d;
+  const std::int64_t key_end = sh.item.key_end;
+  const DecodeKeys& keys = ws.decode_keys;
+  for (std::int64_t j0 = sh.item.first_block; j0 < key_end; j0 += sh.bc) {
+    const std::int64_t n = std::min(sh.bc, key_end - j0), cols = (n + kLanes - 1) / kLanes * kLanes;
+    const std::int64_t ahead = std::min(n + kDecodePrefetchKeys, key_end - j0);  // keys resolved
+    ResolveKeys(prm, sh.item.batch, j0, ahead, ws.decode_keys);
+    CountTiles(ws.counters, sh.hkv, sh.rows, n, sh.d, sh.dv);
+    WithCodes(ks.codes, [&](auto f) { ScoreBlock<decltype(f)::value>(prm, ws, sh, n, ahead); });
+    for (std::int64_t g = 0; g < sh.hkv; ++g) {
+      LoadKeyFactors(keys.k_descale.data(), keys.k_zero_point.data(), ks.head_stride, k_unit, g, n, cols, k_factor,
+                     k_zero);
+      for (std::int64_t r = 0; r < sh.rows; ++r) {
+        float* srow = ws.s_tile.get() + (g * sh.rows4 + r) * sh.bc;
+        const VF q_sum = hn::Set(DF(), ks.zero_point != nullptr ? ws.q_units[g * sh.rows4 + r] : 0.0f);
+        for (std::int64_t c = 0; c < cols; c += kLanes) {
+          const VF centred = hn::NegMulAdd(q_sum, hn::Load(DF(), k_zero + c), hn::Load(DF(), srow + c));
+          hn::Store(hn::Mul(centred, hn::Load(DF(), k_factor + c)), DF(), srow + c);
+        }
+      }
+      LoadKeyFactors(keys.v_descale.data(), keys.v_zero_point.data(), vs.head_stride, v_unit, g, n, cols, v_factor,
+                     v_zero);
+      SoftmaxRows(prm, ws, sh, g, j0, n, cols, [&](float* srow) {
+        MulRow(srow, v_factor, cols);
+        if (vs.zero_point == nullptr) return;
+        VF sum = hn::Zero(DF());
+        for (std::int64_t c = 0; c < cols; c += kLanes)
+          sum = hn::MulAdd(hn::Load(DF(), srow + c), hn::Load(DF(), v_zero + c), sum);
+        v_terms[(srow - ws.s_tile.get()) / sh.bc] = hn::GetLane(hn::SumOfLanes(DF(), sum));
+      });
+    }
+    WithCodes(vs.codes, [&](auto f) { AccumulateBlock<decltype(f)::value>(prm, ws, sh, n); });
+    if (vs.zero_point != nullptr)
+      for (std::int64_t g = 0; g < sh.hkv; ++g)
+        for (std::int64_t r = g * sh.rows4; r < g * sh.rows4 + sh.rows; ++r) {
+          float* orow = ws.o_acc.get() + r * sh.dv_pad;
+          const float term = v_terms[r];
+          for (std::int64_t e = 0; e < sh.dv; ++e) orow[e] -= term;
+        }
+  }
+  StoreRows<KvFormat::u8>(prm, ws, sh);
+}
+
 // The power of two that P·descale is multiplied by (decode_fp16): it brings the largest of
 // the block's `cols` descales below 2^8, so P is at most 256 in half precision.
 float Fp16VScale(const float* descales, std::int64_t cols) {
@@ -574,7 +701,9 @@ void ForwardDecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int6
     case DType::f32: return DecodeItem<KvFormat::f32>(prm, ws, item);
     case DType::bf16: return DecodeItem<KvFormat::bf16>(prm, ws, item);
     case DType::f16: return DecodeItem<KvFormat::f16>(prm, ws, item);
-    case DType::u8: return DecodeItem<KvFormat::e4m3>(prm, ws, item);
+    case DType::u8:
+      if (prm.internals.int8_kv_cache) return DecodeQuantItem(prm, ws, item);
+      return DecodeItem<KvFormat::e4m3>(prm, ws, item);
     case DType::i32: return;  // never an attention operand: rejected by validation
   }
 }
@@ -582,7 +711,7 @@ void ForwardDecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int6
 // decode_fp16 reads FP8 caches only (the plan checks); a hand-made plan on another cache
 // runs decode.
 void ForwardDecodeFp16Item(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item) {
-  if (prm.k.dtype != DType::u8) return ForwardDecodeItem(prm, ws, item);
+  if (prm.k.dtype != DType::u8 || prm.internals.int8_kv_cache) return ForwardDecodeItem(prm, ws, item);
   DecodeFp16Item(prm, ws, item);
 }
 

@@ -25,7 +25,8 @@
 
 namespace flashattn::cpu {
 
-using detail::PagedKv;  // the paged-KV source (src/core/paged_kv.hpp)
+using detail::KvScales;  // how a quantized pool reads (src/core/paged_kv.hpp)
+using detail::PagedKv;   // the paged-KV source (src/core/paged_kv.hpp)
 
 constexpr std::int64_t kCacheLineBytes = 64;  // x86: one prefetch per line
 

@@ -43,13 +43,23 @@ struct KvRows {
   }
   const void* k_row(std::int64_t j) const { return row(*k, j); }
   const void* v_row(std::int64_t j) const { return row(*v, j); }
-  // The factor that turns key j's row of an FP8 pool into values; 1 otherwise.
-  float descale(const float* table, std::int64_t j) const {
-    if (table == nullptr) return 1.0f;
-    return table[page(j) * paged->descale_page_stride + kv_head * paged->descale_head_stride];
+  // The slot (row within its page) of key j: j itself in an ordinary view.
+  std::int64_t slot(std::int64_t j) const { return paged->block_table == nullptr ? j : j % paged->page_size; }
+  // n values of key j's row `src` of a pool in `dtype` read with `scales` into dst: a
+  // quantized pool's codes dequantized with the key's scale (and zero point).
+  void load(const void* src, DType dtype, const KvScales& scales, std::int64_t j, std::int64_t n, float* dst) const {
+    if (scales.scale == nullptr) return LoadRow(src, dtype, n, 1.0f, dst);
+    const std::int64_t at = scales.offset(page(j), slot(j), kv_head);
+    if (!scales.int8()) return LoadRow(src, dtype, n, scales.scale[at], dst);
+    LoadInt8Row(src, scales.codes, n, scales.scale[at], scales.zero_point != nullptr ? scales.zero_point[at] : 0.0f,
+                dst);
   }
-  float k_descale(std::int64_t j) const { return descale(paged->k_descale, j); }
-  float v_descale(std::int64_t j) const { return descale(paged->v_descale, j); }
+  void load_k(std::int64_t j, const void* src, std::int64_t n, float* dst) const {
+    load(src, k->dtype, paged->k, j, n, dst);
+  }
+  void load_v(std::int64_t j, const void* src, std::int64_t n, float* dst) const {
+    load(src, v->dtype, paged->v, j, n, dst);
+  }
 };
 
 // Prefetches the cache lines of the `bytes` bytes from `row` on: a row that is read

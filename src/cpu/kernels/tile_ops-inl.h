@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "flashattn/fp8.hpp"
+#include "flashattn/kv_quant.hpp"
 #include "flashattn/tensor.hpp"
 #include "src/core/element.hpp"
 
@@ -143,6 +144,30 @@ HWY_INLINE void LoadRow(const void* src, DType dtype, std::int64_t n, float scal
     }
     case DType::i32: break;  // never an attention operand: rejected by validation
   }
+}
+
+// dst[0, n) = the values of n int8 KV-cache codes (u8, or s8 read as two's complement):
+// (code − zero_point)·scale, as int8_code_value (kv_quant.hpp) defines them.
+HWY_INLINE void LoadInt8Row(const void* src, KvCodes codes, std::int64_t n, float scale, float zero_point,
+                            float* HWY_RESTRICT dst) {
+  const DF df;
+  const hn::RebindToSigned<DF> di;
+  const VF vscale = hn::Set(df, scale);
+  const auto* bytes = static_cast<const std::uint8_t*>(src);
+  std::int64_t i = 0;
+  if (codes == KvCodes::s8) {
+    const hn::Rebind<std::int8_t, DF> d8;
+    const auto* s = static_cast<const std::int8_t*>(src);
+    for (; i + kLanes <= n; i += kLanes)
+      hn::StoreU(hn::Mul(hn::ConvertTo(df, hn::PromoteTo(di, hn::LoadU(d8, s + i))), vscale), df, dst + i);
+  } else {
+    const hn::Rebind<std::uint8_t, DF> d8;
+    const VF vzero = hn::Set(df, zero_point);
+    for (; i + kLanes <= n; i += kLanes)
+      hn::StoreU(hn::Mul(hn::Sub(hn::ConvertTo(df, hn::PromoteTo(di, hn::LoadU(d8, bytes + i))), vzero), vscale), df,
+                 dst + i);
+  }
+  for (; i < n; ++i) dst[i] = int8_code_value(codes, bytes[i], scale, zero_point);
 }
 
 HWY_INLINE const void* RowPointer(const TensorView& t, std::int64_t b, std::int64_t s, std::int64_t h) {

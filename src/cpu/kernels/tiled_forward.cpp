@@ -99,7 +99,7 @@ HWY_INLINE void AccumulateTile(const StripKeys* HWY_RESTRICT keys, std::int64_t 
 }
 
 // The tiled kernel's two products on float32 FMAs (MicroTile): K and V converted to float32
-// at packing (FP8 codes dequantized), Q pre-scaled by softmax_scale·log2e as it is loaded.
+// at packing (quantized caches' codes dequantized), Q pre-scaled by softmax_scale·log2e as it is loaded.
 struct Fp32Products {
   // K tiles as panels of kMicroCols keys, each (head_dim, kMicroCols) — Kᵀ; V tiles as panels
   // of kMicroCols columns, each (block_k, kMicroCols).
@@ -113,8 +113,8 @@ struct Fp32Products {
     PackHead(prm, ws, b, kv_head, from, to, [&](std::int64_t j, const void* k_row, const void* v_row) {
       const bool zero = k_row == nullptr;
       if (!zero) {
-        LoadRow(k_row, prm.k.dtype, d, kv.k_descale(j), krow);
-        LoadRow(v_row, prm.v.dtype, dv, kv.v_descale(j), vrow);
+        kv.load_k(j, k_row, d, krow);
+        kv.load_v(j, v_row, dv, vrow);
       }
       float* kt = ws.k_packed.get() + (j / bc) * d * bc + (j % bc) / kMicroCols * d * kMicroCols + j % kMicroCols;
       float* vt = ws.v_packed.get() + (j / bc) * bc * dv_pad + (j % bc) * kMicroCols;

@@ -28,9 +28,9 @@ ForwardLayout::ForwardLayout(const CpuForwardPlan& plan, const AttentionProblem&
   o_acc = rows * dv_pad;
   if (decode) {
     q_rows = 4 * d_pad;
-    q_units = rows;
+    q_units = 2 * rows;
     v_units = tiles_held;
-    descales = bc;
+    descales = 4 * bc;
     decode_keys = bc + static_cast<std::size_t>(kDecodePrefetchKeys);
   } else if (bf16) {
     q_bf16 = rows * d_even;

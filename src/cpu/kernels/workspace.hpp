@@ -19,19 +19,22 @@
 namespace flashattn::cpu {
 
 // The decode kernel's view of a block of keys: key c's K and V rows of kv head 0 (the
-// other heads follow at the views' head strides) and, for FP8 pools, its page's descales
-// of kv head 0 (null otherwise). Resolved once per key for every kv head; one array per
-// field, so that a loop over keys reads each with an 8-byte stride.
+// other heads follow at the views' head strides) and, for quantized pools, its scales and
+// (u8 codes) zero points of kv head 0 (null otherwise; the other heads follow at the
+// scales' head strides). Resolved once per key for every kv head; one array per field, so
+// that a loop over keys reads each with an 8-byte stride.
 struct DecodeKeys {
   std::vector<const unsigned char*> k, v;
-  std::vector<const float*> k_descale, v_descale;
+  std::vector<const float*> k_descale, v_descale, k_zero_point, v_zero_point;
   void resize(std::size_t n) {
     k.resize(n);
     v.resize(n);
     k_descale.resize(n);
     v_descale.resize(n);
+    k_zero_point.resize(n);
+    v_zero_point.resize(n);
   }
-  static constexpr std::size_t kBytesPerKey = 2 * sizeof(const unsigned char*) + 2 * sizeof(const float*);
+  static constexpr std::size_t kBytesPerKey = 2 * sizeof(const unsigned char*) + 4 * sizeof(const float*);
 };
 
 // Keys whose K and V rows (every kv head: 2 KiB each at 8 heads × D 128 bf16) the decode
@@ -89,7 +92,10 @@ struct ForwardWorkspace {
   hwy::AlignedFreeUniquePtr<float[]> v_packed;  // k_tiles · block_k · head_dim_v_padded floats
   // (decode) Q rows in row order as loaded, before they go into panels (four: decode_fp16);
   // (decode_fp16) what each row's scores are multiplied by (rows) and each kv head's P·V
-  // sums (heads_kv); (decode, FP8) a key block's descales, K's then V's (block_k).
+  // sums (heads_kv); (decode, int8 cache) q_units holds each row's ΣQ (rows) and then what
+  // V's zero points take from each row's õ (rows); (decode, quantized cache) a key block's
+  // per-key factors (block_k each): FP8 descales, K's then V's; int8: K's scales and
+  // zero-point terms, then V's scales and zero points.
   hwy::AlignedFreeUniquePtr<float[]> q_rows, q_units, v_units, descales;
   std::vector<OnlineSoftmaxState> states;  // (rows): m and ℓ of each row
   std::vector<std::int32_t> rescales;      // (rows): rescales of each row (counters, rescale_counts)

@@ -1,0 +1,131 @@
+"""int8 KV caches (include/flashattn/kv_quant.hpp) through flash_attn_with_kvcache and
+flash_attn_varlen_func(block_table=...): appends within the stated bound, attention against a
+NumPy float64 reference on the dequantized cache, NumPy and torch alike, errors by name."""
+
+import numpy as np
+import pytest
+
+import flashattn
+from reference import attention_ref
+
+FORMATS = [("u8", "u8"), ("s8", "s8"), ("u8", "s8"), ("s8", "e4m3")]
+
+
+def empty_cache(fmt, per_token, pages, slots, hkv, d):
+    """Codes, scales and zero points (None but for u8) of an empty pool of `fmt`: per-token
+    scales (pages, slots, Hkv) for int8, which appends set; e4m3 descales per page."""
+    codes = np.zeros((pages, slots, hkv, d), np.int8 if fmt == "s8" else np.uint8)
+    if fmt == "e4m3":
+        return codes, np.zeros((pages, hkv), np.float32), None
+    shape = (pages, slots, hkv) if per_token else (pages, hkv)
+    scale = np.full(shape, 0.25 if fmt == "u8" else 0.0625, np.float32)  # per page: ±8 and ±32 covered
+    zero = np.full(shape, 127.5, np.float32) if fmt == "u8" else None
+    return codes, scale, zero
+
+
+def values(fmt, codes, scale, zero):
+    """The float64 values of a pool, (pages, slots, Hkv, D)."""
+    if fmt == "e4m3":
+        import ml_dtypes
+        return codes.view(ml_dtypes.float8_e4m3fn).astype(np.float64) * scale[:, None, :, None]
+    s = scale[..., None] if scale.ndim == 3 else scale[:, None, :, None]
+    if fmt == "s8":
+        return codes.astype(np.float64) * s
+    z = zero[..., None] if zero.ndim == 3 else zero[:, None, :, None]
+    return (codes.astype(np.float64) - z) * s
+
+
+@pytest.mark.parametrize("per_token", [True, False])
+@pytest.mark.parametrize("k_fmt,v_fmt", FORMATS)
+@pytest.mark.parametrize("page_size", [None, 3, 16])
+def test_int8_kvcache_appends_then_attends(page_size, k_fmt, v_fmt, per_token):
+    rng = np.random.default_rng(31)
+    batch, hq, hkv, d, cap = 2, 6, 2, 40, 48
+    per_seq = 1 if page_size is None else -(-cap // page_size)
+    pages, slots = batch * per_seq, cap if page_size is None else page_size
+    table = None if page_size is None else rng.permutation(pages).astype(np.int32).reshape(batch, per_seq)
+    k_cache, k_scale, k_zero = empty_cache(k_fmt, per_token, pages, slots, hkv, d)
+    v_cache, v_scale, v_zero = empty_cache(v_fmt, per_token, pages, slots, hkv, d)
+    quant = {"k_quant": k_fmt, "v_quant": v_fmt}
+    seqlens = np.zeros(batch, np.int32)
+    logical_k, logical_v = np.zeros((batch, 0, hkv, d)), np.zeros((batch, 0, hkv, d))
+    for step, (n, magnitude) in enumerate([(29, 2.0), (1, 4.0), (1, 0.5)]):  # a prefill chunk, then decode steps
+        k_new = (magnitude * rng.standard_normal((batch, n, hkv, d))).astype(np.float32)
+        v_new = (magnitude * rng.standard_normal((batch, n, hkv, d))).astype(np.float32)
+        q = rng.standard_normal((batch, n, hq, d), dtype=np.float32)
+        out = flashattn.flash_attn_with_kvcache(
+            q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=seqlens, block_table=table, causal=True,
+            k_scale=k_scale, v_scale=v_scale, k_zero_point=k_zero, v_zero_point=v_zero, num_threads=1 + step, **quant)
+        seqlens += n
+        logical_k = np.concatenate([logical_k, k_new], axis=1)
+        logical_v = np.concatenate([logical_v, v_new], axis=1)
+        kv = [values(k_fmt, k_cache, k_scale, k_zero), values(v_fmt, v_cache, v_scale, v_zero)]
+        for b in range(batch):
+            rows = [b] if table is None else table[b]
+            keys, vals = (np.concatenate([x[p] for p in rows])[:seqlens[b]] for x in kv)
+            for fmt, stored, x, scale, zero in ((k_fmt, keys, logical_k[b], k_scale, k_zero),
+                                                (v_fmt, vals, logical_v[b], v_scale, v_zero)):
+                if fmt == "e4m3" or not per_token:
+                    continue  # the FP8 bound: tests/test_kvcache.py; per page: tests/test_int8_cache.cpp
+                pos = np.arange(seqlens[b])
+                page = np.full_like(pos, b) if table is None else table[b, pos // slots]
+                step_scale = scale[page, pos % slots][..., None]
+                step_zero = np.abs(zero[page, pos % slots][..., None]) if zero is not None else 0.0
+                bound = (0.5 + 2.0**-23 * (1.0 + step_zero)) * step_scale
+                assert (np.abs(stored - x) <= bound).all(), f"{fmt} of sequence {b} after step {step}"
+            want = attention_ref(q[b][None], keys[None], vals[None], causal=True)[0][0]
+            np.testing.assert_allclose(out[b], want, atol=1e-4 * np.abs(vals).max(), err_msg=f"sequence {b}")
+        if table is None:
+            continue
+        # The pools after the append, read by flash_attn_varlen_func: the same result, bit for bit.
+        cu_q = np.arange(0, (batch + 1) * n, n, dtype=np.int32)
+        again = flashattn.flash_attn_varlen_func(
+            q.reshape(batch * n, hq, d), k_cache, v_cache, cu_q, None, n, None, causal=True, block_table=table,
+            seqused_k=seqlens, k_scale=k_scale, v_scale=v_scale, k_zero_point=k_zero, v_zero_point=v_zero,
+            num_threads=1 + step, **quant)
+        np.testing.assert_array_equal(again.reshape(out.shape), out)
+
+
+def test_int8_kvcache_from_torch():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(32)
+    k_cache, k_scale, k_zero = empty_cache("u8", True, 4, 16, 2, 16)
+    v_cache, v_scale, _ = empty_cache("s8", True, 4, 16, 2, 16)
+    table = np.array([[2, 0], [1, 3]], np.int32)
+    seqlens = np.array([0, 5], np.int32)
+    q = rng.standard_normal((2, 3, 4, 16), dtype=np.float32)
+    k_new, v_new = (rng.standard_normal((2, 3, 2, 16), dtype=np.float32) for _ in range(2))
+    t = {name: torch.from_numpy(x.copy()) for name, x in (("k_cache", k_cache), ("v_cache", v_cache),
+                                                          ("k_scale", k_scale), ("k_zero", k_zero),
+                                                          ("v_scale", v_scale))}
+    args = dict(k=k_new, v=v_new, cache_seqlens=seqlens, block_table=table, causal=True, k_quant="u8")
+    want = flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, k_scale=k_scale, v_scale=v_scale,
+                                             k_zero_point=k_zero, **args)
+    got = flashattn.flash_attn_with_kvcache(
+        torch.from_numpy(q), t["k_cache"], t["v_cache"], k_scale=t["k_scale"], v_scale=t["v_scale"],
+        k_zero_point=t["k_zero"], **{**args, **{name: torch.from_numpy(args[name]) for name in
+                                                 ("k", "v", "cache_seqlens", "block_table")}})
+    np.testing.assert_array_equal(got.numpy(), want)
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("k_scale", k_scale), ("k_zero", k_zero),
+                    ("v_scale", v_scale)):
+        np.testing.assert_array_equal(t[name].numpy(), x, err_msg=f"{name} written as the NumPy call wrote it")
+
+
+def test_int8_kvcache_rejects_bad_formats():
+    rng = np.random.default_rng(33)
+    k_cache, k_scale, k_zero = empty_cache("u8", True, 2, 8, 2, 16)
+    q = rng.standard_normal((1, 1, 2, 16), dtype=np.float32)
+    with pytest.raises(ValueError, match="k_zero_point: u8 codes read as"):
+        flashattn.flash_attn_with_kvcache(q, k_cache, k_cache.copy(), k_scale=k_scale, v_scale=k_scale.copy(),
+                                          k_quant="u8", v_quant="u8", v_zero_point=k_zero)
+    with pytest.raises(TypeError, match="k_quant: u8 codes but the cache is int8"):
+        flashattn.flash_attn_with_kvcache(q, k_cache.view(np.int8), k_cache.view(np.int8), k_scale=k_scale,
+                                          v_scale=k_scale, k_quant="u8")
+    with pytest.raises(TypeError, match="k_quant: 's8' describes a cache of codes, not a float32 cache"):
+        flashattn.flash_attn_with_kvcache(q, k_cache.astype(np.float32), k_cache.astype(np.float32), k_quant="s8")
+    with pytest.raises(TypeError, match="k_zero_point, v_zero_point: zero points belong to a u8 cache"):
+        flashattn.flash_attn_with_kvcache(q, k_cache.astype(np.float32), k_cache.astype(np.float32),
+                                          k_zero_point=k_zero)
+    with pytest.raises(ValueError, match="v_quant: expected 'e4m3', 'u8' or 's8', got 'int4'"):
+        flashattn.flash_attn_with_kvcache(q, k_cache, k_cache.copy(), k_scale=k_scale, v_scale=k_scale.copy(),
+                                          k_quant="u8", k_zero_point=k_zero, v_quant="int4")

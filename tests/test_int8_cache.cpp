@@ -1,0 +1,518 @@
+// int8 KV caches (include/flashattn/kv_quant.hpp): u8 codes with scales and zero points and
+// s8 codes with scales, per (page, kv head) or per token, K and V in formats of their own.
+// The quantization an append applies within its stated bound; every kernel (decode, tiled)
+// and both entry points (forward_with_kvcache, forward_varlen_paged) against the float64
+// reference on the dequantized values; appends that write nothing beyond their slots; bad
+// scales, zero points and formats rejected by name before anything is written.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "src/cpu/planner.hpp"
+#include "tests/support/support.hpp"
+
+namespace flashattn::test {
+namespace {
+
+constexpr KvQuant kU8Token{KvCodes::u8, KvScaleGranularity::per_token};
+constexpr KvQuant kU8Page{KvCodes::u8, KvScaleGranularity::per_page};
+constexpr KvQuant kS8Token{KvCodes::s8, KvScaleGranularity::per_token};
+constexpr KvQuant kS8Page{KvCodes::s8, KvScaleGranularity::per_page};
+constexpr KvQuant kE4m3{};
+
+std::string name(const KvQuant& q) { return std::string(to_string(q.codes)) + " " + to_string(q.granularity); }
+
+// The bound kv_quant.hpp states for an appended x: (1/2 + 2^-23·(1 + |zero_point|))·scale.
+double stated_bound(float scale, float zero_point) {
+  return (0.5 + 0x1p-23 * (1.0 + std::fabs(static_cast<double>(zero_point)))) * static_cast<double>(scale);
+}
+
+// One quantized pool: codes (pages, slots, heads, dim), its scales and zero points as its
+// format shapes them.
+struct Pool {
+  KvQuant quant;
+  Tensor codes, scale, zero;
+  static constexpr std::uint8_t kGuard = 0x55;
+  static constexpr float kScaleGuard = -3.0f;
+
+  Pool(KvQuant q, std::int64_t pages, std::int64_t slots, std::int64_t heads, std::int64_t dim) : quant(q) {
+    codes = Tensor(DType::u8, {pages, slots, heads, dim});
+    std::memset(codes.data(), kGuard, static_cast<std::size_t>(codes.numel()));
+    const bool token = q.granularity == KvScaleGranularity::per_token;
+    scale = token ? Tensor(DType::f32, {pages, slots, heads}) : Tensor(DType::f32, {pages, heads});
+    for (std::int64_t i = 0; i < scale.numel(); ++i) scale.set(i, kScaleGuard);
+    if (q.codes == KvCodes::u8) {
+      zero = token ? Tensor(DType::f32, {pages, slots, heads}) : Tensor(DType::f32, {pages, heads});
+      for (std::int64_t i = 0; i < zero.numel(); ++i) zero.set(i, kScaleGuard);
+    }
+  }
+  std::int64_t heads() const { return codes.shape()[2]; }
+  std::int64_t dim() const { return codes.shape()[3]; }
+  std::int64_t at(std::int64_t page, std::int64_t slot, std::int64_t h) const {
+    return quant.granularity == KvScaleGranularity::per_token ? (page * codes.shape()[1] + slot) * heads() + h
+                                                              : page * heads() + h;
+  }
+  std::uint8_t& code(std::int64_t page, std::int64_t slot, std::int64_t h, std::int64_t e) {
+    return codes.data_as<std::uint8_t>()[((page * codes.shape()[1] + slot) * heads() + h) * dim() + e];
+  }
+  float scale_of(std::int64_t page, std::int64_t slot, std::int64_t h) const { return scale.get(at(page, slot, h)); }
+  float zero_of(std::int64_t page, std::int64_t slot, std::int64_t h) const {
+    return quant.codes == KvCodes::u8 ? zero.get(at(page, slot, h)) : 0.0f;
+  }
+  float value(std::int64_t page, std::int64_t slot, std::int64_t h, std::int64_t e) {
+    const std::uint8_t c = code(page, slot, h, e);
+    if (quant.codes == KvCodes::e4m3) return fp8_to_float(c, Fp8Format::e4m3) * scale_of(page, slot, h);
+    return int8_code_value(quant.codes, c, scale_of(page, slot, h), zero_of(page, slot, h));
+  }
+  // Random codes (every byte; no e4m3 NaN) and random scales and zero points everywhere:
+  // values of a few units at most, as a cache's keys and values are.
+  void fill_random(std::mt19937_64& rng) {
+    for (std::int64_t i = 0; i < codes.numel(); ++i) {
+      std::uint8_t c;
+      do c = static_cast<std::uint8_t>(rng()); while (quant.codes == KvCodes::e4m3 && (c & 0x7F) == 0x7F);
+      codes.data_as<std::uint8_t>()[i] = c;
+    }
+    std::uniform_real_distribution<float> unit(0.5f, 2.0f), zero_points(90.0f, 160.0f);
+    constexpr float base = 0x1p-7f;
+    for (std::int64_t i = 0; i < scale.numel(); ++i) scale.set(i, base * unit(rng));
+    if (quant.codes == KvCodes::u8)
+      for (std::int64_t i = 0; i < zero.numel(); ++i) zero.set(i, zero_points(rng));
+  }
+  void attach(KvCache& c, bool is_k) {
+    (is_k ? c.k_cache : c.v_cache) = codes.view();
+    (is_k ? c.k_scale : c.v_scale) = scale.view();
+    (is_k ? c.k_quant : c.v_quant) = quant;
+    if (quant.codes == KvCodes::u8) (is_k ? c.k_zero_point : c.v_zero_point) = zero.view();
+  }
+};
+
+// quantize_int8 (what an append does) stays within the stated bound: per token on rows of
+// every kind — centred, offset far from 0, constant, all zero, tiny, huge — and per page on
+// values within the page's range, while values beyond it saturate to the end codes.
+TEST(Int8Cache, QuantizationWithinTheStatedBound) {
+  std::mt19937_64 rng(7);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const float offsets[] = {0.0f, 3.0f, -1000.0f, 1e-30f};
+  const float spreads[] = {1.0f, 1e-3f, 0.0f, 1e20f, 1e-30f};
+  for (KvCodes codes : {KvCodes::u8, KvCodes::s8})
+    for (float offset : offsets)
+      for (float spread : spreads) {
+        SCOPED_TRACE(std::string(to_string(codes)) + " offset " + std::to_string(offset) + " spread " +
+                     std::to_string(spread));
+        std::vector<float> x(37);
+        for (float& e : x) e = offset + spread * normal(rng);
+        std::vector<std::uint8_t> out(x.size());
+        float scale = 0.0f, zero = 0.0f;
+        quantize_int8(codes, x.data(), static_cast<std::int64_t>(x.size()), true, &scale, &zero, out.data());
+        ASSERT_TRUE(std::isfinite(scale) && scale > 0.0f) << scale;
+        ASSERT_TRUE(std::isfinite(zero)) << zero;
+        double lo = x[0], hi = x[0], amax = 0.0;
+        for (float e : x) lo = std::min<double>(lo, e), hi = std::max<double>(hi, e), amax = std::max<double>(amax, std::fabs(e));
+        // The scale is the one the header states (to float32 rounding), or 1 for a row it cannot step.
+        const double step = codes == KvCodes::u8 ? (hi - lo) / 255.0 : amax / 127.0;
+        if (static_cast<float>(step) > 0.0f) EXPECT_NEAR(scale, step, step * 0x1p-23);
+        else EXPECT_EQ(scale, 1.0f);
+        for (std::size_t i = 0; i < x.size(); ++i) {
+          if (codes == KvCodes::s8) ASSERT_GE(static_cast<std::int8_t>(out[i]), -127);
+          const double got = (static_cast<double>(codes == KvCodes::u8 ? out[i] : static_cast<std::int8_t>(out[i])) -
+                              (codes == KvCodes::u8 ? zero : 0.0)) * scale;
+          ASSERT_LE(std::fabs(got - x[i]), stated_bound(scale, codes == KvCodes::u8 ? zero : 0.0f)) << "element " << i;
+        }
+      }
+  // Per page: the caller's scale and zero point; x within [(lo − z)·s, (hi − z)·s] is held
+  // to the bound, x beyond saturates.
+  for (KvCodes codes : {KvCodes::u8, KvCodes::s8}) {
+    SCOPED_TRACE(to_string(codes));
+    float scale = 0.03f, zero = codes == KvCodes::u8 ? 100.25f : 0.0f;
+    const double lo = codes == KvCodes::u8 ? (0.0 - zero) * scale : -127.0 * scale;
+    const double hi = codes == KvCodes::u8 ? (255.0 - zero) * scale : 127.0 * scale;
+    std::vector<float> x;
+    for (int i = 0; i <= 1000; ++i) x.push_back(static_cast<float>(lo + (hi - lo) * i / 1000.0));
+    x.push_back(static_cast<float>(lo - 1.0)), x.push_back(static_cast<float>(hi + 5.0));
+    std::vector<std::uint8_t> out(x.size());
+    quantize_int8(codes, x.data(), static_cast<std::int64_t>(x.size()), false, &scale, &zero, out.data());
+    EXPECT_EQ(scale, 0.03f) << "a per-page scale is the caller's";
+    for (std::size_t i = 0; i + 2 < x.size(); ++i)
+      ASSERT_LE(std::fabs(int8_code_value(codes, out[i], scale, zero) - static_cast<double>(x[i])),
+                stated_bound(scale, zero))
+          << "element " << i;
+    EXPECT_EQ(int8_code_value(codes, out[x.size() - 2], scale, zero), int8_code_value(codes, codes == KvCodes::u8 ? 0 : 0x81, scale, zero));
+    EXPECT_EQ(int8_code_value(codes, out[x.size() - 1], scale, zero), int8_code_value(codes, codes == KvCodes::u8 ? 255 : 127, scale, zero));
+  }
+  expect_error([] { float s = 1, z = 0; std::uint8_t o; quantize_int8(KvCodes::e4m3, &s, 1, true, &s, &z, &o); },
+               {"quantize_int8", "e4m3", "not int8"});
+}
+
+// The formats of K and V a test runs: both int8 of each kind, and int8 beside e4m3.
+struct Formats {
+  KvQuant k, v;
+};
+const Formats kFormats[] = {{kU8Token, kU8Token}, {kS8Page, kS8Page}, {kU8Page, kS8Token}, {kS8Token, kU8Page},
+                            {kE4m3, kU8Token}, {kS8Page, kE4m3}};
+
+// Every kernel reads every code: caches of random codes (every byte) with random scales and
+// zero points, K and V of each pair of formats, contiguous and paged (pages in reverse order)
+// with 339 keys, head dims with ragged vector tails (D 40, Dv 24; D 3, Dv 5), GQA groups
+// with padding rows; one query (decode) and seven (tiled), splits 1 and 4, 1, 2 and 3
+// threads, every compiled SIMD target; against the float64 reference on the dequantized
+// values within upstream's rule (twice a naive float32 implementation's error). Paged caches
+// are also read through forward_varlen_paged, which must agree bit for bit.
+TEST(Int8Cache, KernelsReadEveryCodeOnEveryLayout) {
+  struct Shape {
+    std::int64_t hq, hkv, d, dv;
+  };
+  const Shape shapes[] = {{6, 2, 40, 24}, {16, 2, 128, 128}, {2, 2, 3, 5}};
+  constexpr std::int64_t keys = 339;
+  for_each_simd_target([&](const std::string&) {
+    for (const Formats& f : kFormats)
+      for (const Shape& s : shapes)
+        for (std::int64_t ps : {0, 3, 16}) {
+          SCOPED_TRACE("K " + name(f.k) + ", V " + name(f.v) + ", Hq " + std::to_string(s.hq) + " Hkv " +
+                       std::to_string(s.hkv) + " D " + std::to_string(s.d) + " Dv " + std::to_string(s.dv) +
+                       (ps == 0 ? std::string(", contiguous") : ", page size " + std::to_string(ps)));
+          const std::int64_t pages = ps > 0 ? (keys + ps - 1) / ps : 1, slots = ps > 0 ? ps : keys;
+          Pool kp(f.k, pages, slots, s.hkv, s.d), vp(f.v, pages, slots, s.hkv, s.dv);
+          std::mt19937_64 rng(90 + static_cast<std::uint64_t>(ps + s.d));
+          kp.fill_random(rng);
+          vp.fill_random(rng);
+          Tensor table(DType::i32, {1, pages}), seqlens(DType::i32, {1});
+          for (std::int64_t pg = 0; pg < pages; ++pg) table.set(pg, static_cast<float>(pages - 1 - pg));  // reversed
+          seqlens.set(0, static_cast<float>(keys));
+          Tensor k(DType::f32, {1, keys, s.hkv, s.d}), v(DType::f32, {1, keys, s.hkv, s.dv});  // dequantized
+          for (std::int64_t pos = 0; pos < keys; ++pos) {
+            const std::int64_t page = ps > 0 ? pages - 1 - pos / ps : 0, slot = ps > 0 ? pos % ps : pos;
+            for (std::int64_t h = 0; h < s.hkv; ++h) {
+              for (std::int64_t e = 0; e < s.d; ++e) k.set((pos * s.hkv + h) * s.d + e, kp.value(page, slot, h, e));
+              for (std::int64_t e = 0; e < s.dv; ++e) v.set((pos * s.hkv + h) * s.dv + e, vp.value(page, slot, h, e));
+            }
+          }
+          for (std::int64_t sq : {1, 7}) {
+            const Tensor q = random_tensor(DType::f32, {1, sq, s.hq, s.d}, 91);
+            AttentionOptions o;
+            const AttentionProblem p = AttentionProblem::from_sizes(1, sq, keys, s.hq, s.hkv, s.d, s.dv, DType::f32, o);
+            const reference::Result want = reference::attention(q.view(), k.view(), v.view(), o);
+            const double tolerance = std::max(1e-5, 2.0 * max_abs_error(naive_same_precision(p, o, q, k, v), want.out));
+            for (int splits : {1, 4})
+              for (int threads : {1, 2, 3}) {
+                o.kernel = sq == 1 ? ForwardKernel::decode : ForwardKernel::tiled;
+                o.num_splits = splits;
+                o.num_threads = threads;
+                SCOPED_TRACE(std::string(to_string(o.kernel)) + ", splits " + std::to_string(splits) + ", threads " +
+                             std::to_string(threads));
+                KvCache c;
+                kp.attach(c, true);
+                vp.attach(c, false);
+                if (ps > 0) c.block_table = table.view();
+                c.cache_seqlens = seqlens.view();
+                const ForwardResult got = forward_with_kvcache(q.view(), c, o);
+                EXPECT_LE(max_abs_error(got.out, want.out), tolerance);
+                for (std::int64_t i = 0; i < got.lse.numel(); ++i)
+                  ASSERT_NEAR(got.lse.get(i), want.lse[static_cast<std::size_t>(i)], 1e-4) << "lse " << i;
+                if (ps == 0) continue;
+                Tensor cu_q(DType::i32, {2});
+                cu_q.set(1, static_cast<float>(sq));
+                const TensorView packed_q(q.data(), DType::f32, {sq, s.hq, s.d});
+                PagedKvBatch kv{kp.codes.view(), vp.codes.view(), table.view(), seqlens.view(), kp.scale.view(),
+                                vp.scale.view(), f.k, f.v, {}, {}};
+                if (f.k.codes == KvCodes::u8) kv.k_zero_point = kp.zero.view();
+                if (f.v.codes == KvCodes::u8) kv.v_zero_point = vp.zero.view();
+                const ForwardResult paged = forward_varlen_paged(packed_q, cu_q.view(), sq, kv, o);
+                ASSERT_EQ(std::memcmp(paged.out.data(), got.out.data(), static_cast<std::size_t>(got.out.numel()) * 4), 0)
+                    << "forward_varlen_paged reads the pools as forward_with_kvcache";
+              }
+          }
+        }
+  });
+}
+
+// Appends quantize: chunks of new tokens (rotated keys, magnitudes from 0.01 to 8) into
+// contiguous and paged caches of each pair of formats, one sequence empty at first and one
+// left-padded (contiguous); every stored value within the stated bound of the logical one
+// (per page: values beyond the page's range saturate to its ends), the attention on the
+// cache against the float64 reference on the dequantized values (decode, for few rows) or
+// forward on them (tiled, for many: it reads exactly those values), and
+// nothing written — codes, per-token scales, zero points — beyond the appended slots.
+void check_append_run(const Formats& f, std::int64_t page_size) {
+  constexpr std::int64_t kBatch = 2, kHq = 4, kHkv = 2, kDim = 24, kCap = 64;
+  const std::int64_t per_seq = page_size > 0 ? (kCap + page_size - 1) / page_size : 0;
+  const std::int64_t pages = page_size > 0 ? kBatch * per_seq : kBatch, slots = page_size > 0 ? page_size : kCap;
+  Pool kp(f.k, pages, slots, kHkv, kDim), vp(f.v, pages, slots, kHkv, kDim);
+  for (Pool* p : {&kp, &vp})  // per page: the caller's scales, covering ±12 (beyond: saturation)
+    if (p->quant.granularity == KvScaleGranularity::per_page && p->quant.codes != KvCodes::e4m3)
+      for (std::int64_t i = 0; i < p->scale.numel(); ++i) {
+        p->scale.set(i, p->quant.codes == KvCodes::u8 ? 24.0f / 255.0f : 12.0f / 127.0f);
+        if (p->quant.codes == KvCodes::u8) p->zero.set(i, 127.5f + static_cast<float>(i % 3) * 0.25f);
+      }
+  const Pool k_before = kp, v_before = vp;  // the guards
+  Tensor table(DType::i32, {kBatch, std::max<std::int64_t>(per_seq, 1)});
+  for (std::int64_t b = 0; b < kBatch; ++b)
+    for (std::int64_t pg = 0; pg < per_seq; ++pg) table.set(b * per_seq + pg, static_cast<float>((pg * kBatch + b + 1) % pages));
+  auto locate = [&](std::int64_t b, std::int64_t pos) -> std::pair<std::int64_t, std::int64_t> {
+    if (page_size == 0) return {b, pos};
+    return {static_cast<std::int64_t>(table.get(b * per_seq + pos / page_size)), pos % page_size};
+  };
+  // rotary_dim 8 of 24 by quarter turns: rotations exact in float32 however the library's
+  // and this test's products are contracted, so q's rotation here is the library's (scores of
+  // large keys would show a one-ulp difference in q above the tolerance).
+  Tensor cos{DType::f32, {kCap, 4}}, sin{DType::f32, {kCap, 4}};
+  const float quarter_cos[] = {1.0f, 0.0f, -1.0f, 0.0f};
+  for (std::int64_t p = 0; p < kCap; ++p)
+    for (std::int64_t i = 0; i < 4; ++i) {
+      cos.set(p * 4 + i, quarter_cos[(p * (i + 1)) % 4]);
+      sin.set(p * 4 + i, quarter_cos[(p * (i + 1) + 3) % 4]);
+    }
+  const std::int64_t leftpad[kBatch] = {0, page_size == 0 ? 2 : 0};
+  std::vector<std::vector<float>> k_logical(kBatch), v_logical(kBatch);
+  std::int64_t seqlen = 0;  // tokens of each sequence, from slot start[b] on
+  const std::int64_t chunks[] = {5, 1, 20, 13, 1};
+  const float magnitudes[] = {0.5f, 4.0f, 1.0f, 8.0f, 0.01f};
+  std::uint64_t seed = 140;
+  const std::int64_t start[kBatch] = {0, leftpad[1]};  // sequence 1's slots [0, 2) are padding (contiguous)
+  for (std::size_t step = 0; step < std::size(chunks); ++step) {
+    const std::int64_t n = chunks[step];
+    SCOPED_TRACE("append " + std::to_string(step) + " of " + std::to_string(n) + " tokens");
+    Tensor k_new = random_tensor(DType::f32, {kBatch, n, kHkv, kDim}, seed++);
+    Tensor v_new = random_tensor(DType::f32, {kBatch, n, kHkv, kDim}, seed++);
+    for (std::int64_t i = 0; i < k_new.numel(); ++i)
+      k_new.set(i, k_new.get(i) * magnitudes[step]), v_new.set(i, v_new.get(i) * magnitudes[step]);
+    const Tensor q = random_tensor(DType::f32, {kBatch, n, kHq, kDim}, seed++);
+    Tensor seqlens(DType::i32, {kBatch}), pad(DType::i32, {kBatch});
+    for (std::int64_t b = 0; b < kBatch; ++b) {
+      seqlens.set(b, static_cast<float>(start[b] + seqlen));
+      pad.set(b, static_cast<float>(leftpad[b]));
+    }
+    KvCache c;
+    kp.attach(c, true);
+    vp.attach(c, false);
+    if (page_size > 0) c.block_table = table.view();
+    else c.cache_leftpad = pad.view();
+    c.cache_seqlens = seqlens.view();
+    c.k = k_new.view();
+    c.v = v_new.view();
+    c.rotary_cos = cos.view();
+    c.rotary_sin = sin.view();
+    AttentionOptions o;
+    o.causal = true;
+    o.num_threads = static_cast<int>(1 + step % 3);
+    if (n * (kHq / kHkv) <= 16) o.kernel = ForwardKernel::decode;
+    const ForwardResult got = forward_with_kvcache(q.view(), c, o);
+
+    // Row `row` (kDim values) of x rotated at `pos` (interleaved pairs, rotary_dim 8).
+    auto rotated = [&](const Tensor& x, std::int64_t row, std::int64_t pos) {
+      std::vector<float> r(kDim);
+      for (std::int64_t e = 0; e < kDim; ++e) r[e] = x.get(row * kDim + e);
+      const std::int64_t half = cos.shape()[1];
+      for (std::int64_t i = 0; i < half; ++i) {
+        const float cs = cos.get(pos * half + i), sn = sin.get(pos * half + i), xa = r[2 * i], xb = r[2 * i + 1];
+        r[2 * i] = xa * cs - xb * sn;
+        r[2 * i + 1] = xa * sn + xb * cs;
+      }
+      return r;
+    };
+    Tensor q_rot(DType::f32, {kBatch, n, kHq, kDim});
+    for (std::int64_t b = 0; b < kBatch; ++b) {
+      const std::int64_t at = start[b] + seqlen;  // slot (rotary position) of the first new token
+      for (std::int64_t t = 0; t < n; ++t)
+        for (std::int64_t h = 0; h < kHkv; ++h) {
+          const std::vector<float> kr = rotated(k_new, (b * n + t) * kHkv + h, at + t);
+          k_logical[b].insert(k_logical[b].end(), kr.begin(), kr.end());
+          for (std::int64_t e = 0; e < kDim; ++e) v_logical[b].push_back(v_new.get(((b * n + t) * kHkv + h) * kDim + e));
+        }
+      for (std::int64_t i = 0; i < n; ++i)
+        for (std::int64_t h = 0; h < kHq; ++h) {
+          const std::vector<float> qr = rotated(q, (b * n + i) * kHq + h, at + i);
+          for (std::int64_t e = 0; e < kDim; ++e) q_rot.set(((b * n + i) * kHq + h) * kDim + e, qr[e]);
+        }
+    }
+    seqlen += n;
+    for (std::int64_t b = 0; b < kBatch; ++b) {
+      SCOPED_TRACE("sequence " + std::to_string(b));
+      Tensor k_hat(DType::f32, {1, seqlen, kHkv, kDim}), v_hat(DType::f32, {1, seqlen, kHkv, kDim});
+      for (std::int64_t pos = 0; pos < seqlen; ++pos)
+        for (std::int64_t h = 0; h < kHkv; ++h) {
+          const auto [page, slot] = locate(b, start[b] + pos);
+          for (std::int64_t e = 0; e < kDim; ++e) {
+            const std::int64_t i = (pos * kHkv + h) * kDim + e;
+            for (auto [pool, logical, hat] : {std::tuple{&kp, &k_logical[b], &k_hat}, {&vp, &v_logical[b], &v_hat}}) {
+              float x = (*logical)[static_cast<std::size_t>(i)];
+              const float xq = pool->value(page, slot, h, e), scale = pool->scale_of(page, slot, h);
+              const float zero = pool->zero_of(page, slot, h);
+              if (pool->quant.codes != KvCodes::e4m3 && pool->quant.granularity == KvScaleGranularity::per_page) {
+                // Per page, values beyond the page's range saturate to its ends.
+                const bool u8 = pool->quant.codes == KvCodes::u8;
+                x = std::clamp(x, int8_code_value(pool->quant.codes, u8 ? 0 : 0x81, scale, zero),
+                               int8_code_value(pool->quant.codes, u8 ? 255 : 127, scale, zero));
+              }
+              const double bound = pool->quant.codes == KvCodes::e4m3
+                                       ? 0x1p-4 * std::fabs(x) + 0x1p-9 * scale  // attention.hpp's FP8 cache bound
+                                       : stated_bound(scale, zero);
+              ASSERT_LE(std::fabs(static_cast<double>(xq) - x), bound)
+                  << (pool == &kp ? "k" : "v") << " pos " << pos << " h " << h << " e " << e;
+              hat->set(i, xq);
+            }
+          }
+        }
+      Tensor qb(DType::f32, {1, n, kHq, kDim});
+      std::memcpy(qb.data(), q_rot.data_as<float>() + b * n * kHq * kDim, static_cast<std::size_t>(qb.numel()) * 4);
+      const reference::Result want = reference::attention(qb.view(), k_hat.view(), v_hat.view(), o);
+      const AttentionProblem p = AttentionProblem::from_sizes(1, n, seqlen, kHq, kHkv, kDim, kDim, DType::f32, o);
+      const double naive = max_abs_error(naive_same_precision(p, o, qb, k_hat, v_hat), want.out);
+      double err = 0.0;
+      for (std::int64_t i = 0; i < qb.numel(); ++i)
+        err = std::max(err, std::fabs(got.out.get(b * qb.numel() + i) - want.out[static_cast<std::size_t>(i)]));
+      if (o.kernel == ForwardKernel::decode) {
+        EXPECT_LE(err, std::max(1e-5, 2.0 * naive));
+        continue;
+      }
+      // The tiled kernel dequantizes as it packs, to exactly the values of k_hat and v_hat:
+      // the result is forward's on them, bit for bit (whose own accuracy the forward tests
+      // judge: on the SCALAR target, with these scores, it can exceed twice the naive error).
+      const ForwardResult plain = forward(qb.view(), k_hat.view(), v_hat.view(), o);
+      for (std::int64_t i = 0; i < qb.numel(); ++i)
+        ASSERT_EQ(got.out.get(b * qb.numel() + i), plain.out.get(i)) << "element " << i;
+    }
+  }
+  // Nothing written beyond the appended slots: their codes, per-token scales and zero points.
+  std::vector<char> used(static_cast<std::size_t>(pages * slots), 0);
+  for (std::int64_t b = 0; b < kBatch; ++b)
+    for (std::int64_t pos = start[b]; pos < start[b] + seqlen; ++pos) {
+      const auto [page, slot] = locate(b, pos);
+      used[static_cast<std::size_t>(page * slots + slot)] = 1;
+    }
+  for (const auto& [pool, before] : {std::pair{&kp, &k_before}, {&vp, &v_before}})
+    for (std::int64_t i = 0; i < pages * slots; ++i) {
+      if (used[static_cast<std::size_t>(i)] != 0) continue;
+      for (std::int64_t e = 0; e < kHkv * kDim; ++e)
+        ASSERT_EQ(pool->codes.data_as<std::uint8_t>()[i * kHkv * kDim + e], Pool::kGuard) << "slot " << i;
+      if (pool->quant.granularity != KvScaleGranularity::per_token) continue;
+      for (std::int64_t h = 0; h < kHkv; ++h) {
+        ASSERT_EQ(pool->scale.get(i * kHkv + h), Pool::kScaleGuard) << "scale of slot " << i;
+        if (pool->quant.codes == KvCodes::u8) ASSERT_EQ(pool->zero.get(i * kHkv + h), Pool::kScaleGuard) << "slot " << i;
+      }
+    }
+  for (const auto& [pool, before] : {std::pair{&kp, &k_before}, {&vp, &v_before}})
+    if (pool->quant.granularity == KvScaleGranularity::per_page && pool->quant.codes != KvCodes::e4m3)
+      EXPECT_EQ(std::memcmp(pool->scale.data(), before->scale.data(), static_cast<std::size_t>(pool->scale.numel()) * 4), 0)
+          << "per-page scales are the caller's: appends only read them";
+}
+
+TEST(Int8Cache, AppendsQuantizeWithinTheStatedBound) {
+  for_each_simd_target([](const std::string&) {
+    for (const Formats& f : kFormats)
+      for (std::int64_t ps : {0, 1, 3, 16}) {
+        SCOPED_TRACE("K " + name(f.k) + ", V " + name(f.v) +
+                     (ps == 0 ? std::string(", contiguous") : ", page size " + std::to_string(ps)));
+        check_append_run(f, ps);
+      }
+  });
+}
+
+// Bad scales, zero points and formats: an Error naming the argument and the value, raised
+// before the append writes anything.
+TEST(Int8Cache, BadInputNamesTheArgument) {
+  constexpr std::int64_t kPages = 4, kPage = 16, kHkv = 2, kDim = 8;
+  Pool kp(kU8Token, kPages, kPage, kHkv, kDim), vp(kS8Page, kPages, kPage, kHkv, kDim);
+  for (std::int64_t i = 0; i < kp.scale.numel(); ++i) kp.scale.set(i, 1.0f), kp.zero.set(i, 128.0f);
+  for (std::int64_t i = 0; i < vp.scale.numel(); ++i) vp.scale.set(i, 0.5f);
+  Tensor table(DType::i32, {1, 2}), seqlens(DType::i32, {1});
+  table.set(0, 2.0f), table.set(1, 1.0f);
+  seqlens.set(0, 15.0f);  // the next token goes to page 1, slot 0
+  const Tensor q = random_tensor(DType::f32, {1, 2, 4, kDim}, 1);
+  Tensor k_new = random_tensor(DType::f32, {1, 2, kHkv, kDim}, 2);
+  const Tensor v_new = random_tensor(DType::f32, {1, 2, kHkv, kDim}, 3);
+  auto cache = [&] {
+    KvCache c;
+    kp.attach(c, true);
+    vp.attach(c, false);
+    c.block_table = table.view();
+    c.cache_seqlens = seqlens.view();
+    c.k = k_new.view();
+    c.v = v_new.view();
+    return c;
+  };
+  const Pool k_before = kp, v_before = vp;
+  auto unchanged = [&] {
+    for (const auto& [now, before] : {std::pair{&kp, &k_before}, {&vp, &v_before}}) {
+      EXPECT_EQ(std::memcmp(now->codes.data(), before->codes.data(), static_cast<std::size_t>(now->codes.numel())), 0);
+      EXPECT_EQ(std::memcmp(now->scale.data(), before->scale.data(), static_cast<std::size_t>(now->scale.numel()) * 4), 0);
+    }
+  };
+  KvCache c = cache();
+  c.k_zero_point = {};
+  expect_error([&] { forward_with_kvcache(q.view(), c); }, {"k_zero_point", "need their zero points"});
+  c = cache();
+  c.v_zero_point = kp.zero.view();
+  expect_error([&] { forward_with_kvcache(q.view(), c); }, {"v_zero_point", "s8 codes have no zero point"});
+  c = cache();
+  c.k_scale = vp.scale.view();  // per-page shape for per-token scales
+  expect_error([&] { forward_with_kvcache(q.view(), c); }, {"k_scale", "(pages or batch_cache, page_size or seqlen_cache, heads_kv)"});
+  c = cache();
+  Tensor half_zero(DType::f16, {kPages, kPage, kHkv});
+  c.k_zero_point = half_zero.view();
+  expect_error([&] { forward_with_kvcache(q.view(), c); }, {"k_zero_point", "float32 zero points"});
+  c = cache();
+  const Tensor transposed(DType::f32, {kPages, kPage, kHkv});
+  c.k_zero_point = MutableTensorView(const_cast<void*>(transposed.data()), DType::f32, {kPages, kPage, kHkv},
+                                     {kHkv, kPages * kHkv, 1});
+  expect_error([&] { forward_with_kvcache(q.view(), c); }, {"k_zero_point", "strides differ from k_scale's"});
+  c = cache();
+  c.k_quant = {KvCodes::e4m3, KvScaleGranularity::per_token};
+  expect_error([&] { forward_with_kvcache(q.view(), c); }, {"k_quant", "e4m3 codes take per_page"});
+  c = cache();
+  vp.scale.set(1 * kHkv + 1, 0.0f);  // page 1, head 1: the append writes there
+  expect_error([&] { forward_with_kvcache(q.view(), c); },
+               {"v_scale: [1, 1] = 0", "not a finite positive scale", "sequence 0", "appends to it"});
+  vp.scale.set(1 * kHkv + 1, 0.5f);
+  kp.zero.set((2 * kPage + 14) * kHkv + 0, INFINITY);  // page 2, slot 14: a token read
+  expect_error([&] { forward_with_kvcache(q.view(), c); }, {"k_zero_point: [2, 14, 0] = inf", "not a finite zero point"});
+  kp.zero.set((2 * kPage + 14) * kHkv + 0, 128.0f);
+  kp.scale.set((2 * kPage + 3) * kHkv + 1, NAN);
+  expect_error([&] { forward_with_kvcache(q.view(), c); }, {"k_scale: [2, 3, 1] = nan", "sequence 0 has tokens there"});
+  kp.scale.set((2 * kPage + 3) * kHkv + 1, 1.0f);
+  k_new.set(3, INFINITY);
+  expect_error([&] { forward_with_kvcache(q.view(), c); }, {"k: [0, 0, 0, 3] is not finite", "quantized cache"});
+  k_new.set(3, 0.0f);
+  unchanged();
+  // forward_varlen_paged: the slots each sequence reads.
+  Tensor cu_q(DType::i32, {2});
+  cu_q.set(1, 2.0f);
+  const TensorView packed_q(q.data(), DType::f32, {2, 4, kDim});
+  PagedKvBatch kv{kp.codes.view(), vp.codes.view(), table.view(), seqlens.view(), kp.scale.view(),
+                  vp.scale.view(), kU8Token, kS8Page, kp.zero.view(), {}};
+  kp.scale.set((1 * kPage + 0) * kHkv + 0, -1.0f);  // page 1 slot 0: not read with 15 keys
+  EXPECT_NO_THROW(forward_varlen_paged(packed_q, cu_q.view(), 2, kv));
+  seqlens.set(0, 17.0f);
+  expect_error([&] { forward_varlen_paged(packed_q, cu_q.view(), 2, kv); },
+               {"k_scale: [1, 0, 0] = -1", "sequence 0 reads page 1"});
+  // Formats, zero points on a cache of values.
+  const Tensor bf16_cache(DType::bf16, {kPages, kPage, kHkv, kDim});
+  const Tensor qb = random_tensor(DType::bf16, {1, 1, 4, kDim}, 3);
+  KvCache plain{MutableTensorView(const_cast<void*>(bf16_cache.data()), DType::bf16, {kPages, kPage, kHkv, kDim}),
+                MutableTensorView(const_cast<void*>(bf16_cache.data()), DType::bf16, {kPages, kPage, kHkv, kDim})};
+  plain.v_quant = kS8Page;
+  expect_error([&] { forward_with_kvcache(qb.view(), plain); }, {"v_quant: s8 per_page describes u8 codes", "bf16"});
+  plain.v_quant = {};
+  plain.k_zero_point = kp.zero.view();
+  expect_error([&] { forward_with_kvcache(qb.view(), plain); }, {"k_zero_point: zero points belong to a cache of u8 codes"});
+}
+
+// decode_fp16 reads e4m3 codes only: a cache with int8 codes is planned on decode, and asking
+// for decode_fp16 is an Error that says why.
+TEST(Int8Cache, NeverPlannedOnDecodeFp16) {
+  const AttentionProblem p = AttentionProblem::from_sizes(1, 1, 4096, 8, 2, 128, 128, DType::f32, {});
+  CpuHardware with = CpuHardware::detect(0);
+  with.decode_fp16 = true;
+  const detail::ProblemInternals int8{.int8_kv_cache = true};
+  EXPECT_EQ(cpu::plan_forward(p, int8, with).kernel, ForwardKernel::decode);
+  expect_error([&] { cpu::plan_forward(p, int8, with, 0, 0, ForwardKernel::decode_fp16); },
+               {"kernel decode_fp16", "needs an FP8 (e4m3) KV cache (k/v: int8 codes"});
+}
+
+}  // namespace
+}  // namespace flashattn::test
