@@ -87,7 +87,8 @@ std::vector<std::int64_t> check_table(const PagedKvBatch& kv, const PagedCall& r
       const std::int64_t slots = std::min(r.page_size, n - pg * r.page_size);
       for (const detail::PoolScales& pool : {k_scales(kv), v_scales(kv)})
         detail::check_scale_values(pool, page, 0, slots, kv.k_cache.shape[2], [&] {
-          return std::string(table_name) + " row " + str(b) + " reads page " + str(page);
+          const std::string row = &table == &kv.block_table ? "sequence " : std::string(table_name) + " row ";
+          return row + str(b) + " reads page " + str(page);
         });
     }
   }
