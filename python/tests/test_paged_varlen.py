@@ -325,3 +325,31 @@ def test_shared_prefix_bad_calls_raise():
         call(window_size=(8, 0))
     with pytest.raises(ValueError, match="prefix_idx: belongs to a paged batch"):
         flashattn.flash_attn_varlen_func(q, q, q, cu_q, cu_q, 5, 5, prefix_idx=prefix["prefix_idx"])
+
+
+@pytest.mark.parametrize("per_token", [True, False], ids=["per_token", "per_page"])
+def test_shared_prefix_over_int8_pools_equals_unshared(per_token):
+    """Shared prefixes over int8 pools (u8 K codes with zero points, s8 V codes): the prefix
+    pass reads the codes and their scales through the prefix table's pages as the unshared call
+    reads them through each sequence's, equal within the merge's rounding."""
+    q, k_cache, v_cache, cu_q, table, seqused, prefix, flat, flat_seqused = shared_batch(torch.float32, 11)
+    g = torch.Generator().manual_seed(12)
+    k_codes = torch.randint(0, 256, k_cache.shape, dtype=torch.uint8, generator=g)
+    v_codes = torch.randint(-128, 128, v_cache.shape, dtype=torch.int8, generator=g)
+    shape = (k_cache.shape[0], PAGE, HKV) if per_token else (k_cache.shape[0], HKV)
+    k_scale = torch.rand(shape, generator=g) * 0.02 + 0.005
+    k_zero = torch.rand(shape, generator=g) * 255
+    v_scale = torch.rand(shape, generator=g) * 0.02 + 0.005
+
+    def call(table, seqused, **prefix):
+        return flashattn.flash_attn_varlen_func(q, k_codes, v_codes, cu_q, None, 5, 104, causal=True,
+                                                block_table=table, seqused_k=seqused, return_attn_probs=True,
+                                                k_scale=k_scale, v_scale=v_scale, k_zero_point=k_zero, k_quant="u8",
+                                                v_quant="s8", **prefix)
+
+    out, lse, _ = call(table, seqused, **prefix)
+    want_out, want_lse, _ = call(flat, flat_seqused)
+    assert want_out.abs().max().item() > 0.1 and torch.isfinite(want_lse).any()
+    eps = torch.finfo(torch.float32).eps
+    assert (out.double() - want_out.double()).abs().max().item() <= 1e-5 + eps * want_out.double().abs().max().item()
+    assert (lse - want_lse).abs().max().item() < 1e-4
