@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <tuple>
 #include <vector>
 
 #include "flashattn/flashattn.hpp"
@@ -57,15 +58,20 @@ TEST(PlansRun, ARejectedCallLeavesTheReportAsItWas) {
 }
 
 TEST(PlansRun, VarlenReportsOnePlanPerSequenceWithRows) {
-  // Three sequences, the middle one without queries: two plans, in batch order.
+  // Three sequences, the middle one without queries: two plans, in batch order, each the plan
+  // the sequence runs alone (a batch's sequences are planned alone, one parallel region).
   const std::vector<std::int64_t> q_lens = {40, 0, 200}, k_lens = {60, 10, 200};
-  Tensor cu_q(DType::i32, {4}), cu_k(DType::i32, {4});
-  std::int64_t tq = 0, tk = 0;
-  for (std::size_t b = 0; b <= q_lens.size(); ++b) {
-    cu_q.set(static_cast<std::int64_t>(b), static_cast<double>(tq));
-    cu_k.set(static_cast<std::int64_t>(b), static_cast<double>(tk));
-    if (b < q_lens.size()) tq += q_lens[b], tk += k_lens[b];
-  }
+  auto offsets = [](const std::vector<std::int64_t>& lens) {
+    Tensor cu(DType::i32, {static_cast<std::int64_t>(lens.size()) + 1});
+    std::int64_t total = 0;
+    for (std::size_t b = 0; b <= lens.size(); ++b) {
+      cu.set(static_cast<std::int64_t>(b), static_cast<double>(total));
+      if (b < lens.size()) total += lens[b];
+    }
+    return cu;
+  };
+  const Tensor cu_q = offsets(q_lens), cu_k = offsets(k_lens);
+  const std::int64_t tq = 240, tk = 270;
   const Tensor q = support::random_tensor(DType::f32, {tq, 4, 32}, 1);
   const Tensor k = support::random_tensor(DType::f32, {tk, 2, 32}, 2);
   const Tensor v = support::random_tensor(DType::f32, {tk, 2, 32}, 3);
@@ -75,13 +81,18 @@ TEST(PlansRun, VarlenReportsOnePlanPerSequenceWithRows) {
   options.plans_run = &plans;
   forward_varlen(q.view(), k.view(), v.view(), {cu_q.view(), cu_k.view(), 200, 200}, options);
   ASSERT_EQ(plans.forward.size(), 2u);
-  const CpuHardware hw = CpuHardware::detect(2);
-  EXPECT_EQ(plans.forward[0].describe(),
-            plan_forward(AttentionProblem::from_sizes(1, 40, 60, 4, 2, 32, 32, DType::f32, options), hw, options)
-                .describe());
-  EXPECT_EQ(plans.forward[1].describe(),
-            plan_forward(AttentionProblem::from_sizes(1, 200, 200, 4, 2, 32, 32, DType::f32, options), hw, options)
-                .describe());
+  const std::vector<CpuForwardPlan> batched = plans.forward;
+  for (const auto& [index, q0, k0] : {std::tuple<std::size_t, std::int64_t, std::int64_t>{0, 0, 0}, {1, 40, 70}}) {
+    const std::int64_t sq = q_lens[index * 2], sk = k_lens[index * 2];
+    const Tensor one_q = offsets({sq}), one_k = offsets({sk});
+    forward_varlen(TensorView(static_cast<const float*>(q.data()) + q0 * 4 * 32, DType::f32, {sq, 4, 32}),
+                   TensorView(static_cast<const float*>(k.data()) + k0 * 2 * 32, DType::f32, {sk, 2, 32}),
+                   TensorView(static_cast<const float*>(v.data()) + k0 * 2 * 32, DType::f32, {sk, 2, 32}),
+                   {one_q.view(), one_k.view(), sq, sk}, options);
+    ASSERT_EQ(plans.forward.size(), 1u);
+    EXPECT_EQ(batched[index].describe(), plans.forward[0].describe()) << "sequence " << index * 2;
+    EXPECT_EQ(batched[index].threads, std::min(2, static_cast<int>(batched[index].work_items)));
+  }
 }
 
 // Decode rows of several sequences share one parallel region, so each splits its keys less

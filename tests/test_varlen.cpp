@@ -50,6 +50,7 @@ void check_varlen(const std::vector<std::int32_t>& lq, const std::vector<std::in
   VarlenSeqlens s{cu_q.view(), cu_k.view(), *std::max_element(lq.begin(), lq.end()),
                   *std::max_element(lk.begin(), lk.end())};
   o.deterministic = true;  // per-sequence results then compare bit for bit
+  o.num_splits = 1;        // as forward() plans it: a sequence alone in a varlen batch plans its own key splits
   Tensor sinks(DType::f32, {hq}), dsinks(DType::f32, {hq}), dsinks_b(DType::f32, {hq});
   for (std::int64_t h = 0; h < hq; ++h) sinks.set(h, 0.75f * static_cast<float>(h) - 1.0f);
   const bool with_sinks = o.sinks.rank != 0;  // a marker: filled here, with dsinks
@@ -98,6 +99,42 @@ TEST(Varlen, EqualsEachSequenceOnItsOwn) {
   sinks.causal = true;
   sinks.sinks.rank = 1;  // filled per call with (heads_q) sink logits
   check_varlen(lq, lk, sinks, 4);
+}
+
+// Batch invariance: a sequence's out and lse are bit-identical whether it runs alone (a batch
+// of one) or in a batch, on any thread count, with the key splits the library chooses — long
+// decode rows split, short prefill chunks, empty sequences.
+TEST(Varlen, EachSequenceIsBitIdenticalAloneOrInABatchOnAnyThreads) {
+  const std::vector<std::int32_t> lq{1, 37, 0, 129, 1, 3}, lk{3000, 50, 7, 129, 300, 2100};
+  const std::int64_t hq = 4, hkv = 2, d = 24, batch = static_cast<std::int64_t>(lq.size());
+  const Tensor cu_q = offsets(lq), cu_k = offsets(lk);
+  const std::int64_t tq = cu_q.get(batch), tk = cu_k.get(batch);
+  const Tensor q = random_tensor(DType::f32, {tq, hq, d}, 11);
+  const Tensor k = random_tensor(DType::f32, {tk, hkv, d}, 12);
+  const Tensor v = random_tensor(DType::f32, {tk, hkv, d}, 13);
+  const VarlenSeqlens s{cu_q.view(), cu_k.view(), 129, 3000};
+  for (const int threads : {1, 2, 3}) {
+    SCOPED_TRACE("threads " + std::to_string(threads));
+    AttentionOptions o;
+    o.causal = true;
+    o.num_threads = threads;
+    const ForwardResult f = forward_varlen(q.view(), k.view(), v.view(), s, o);
+    for (std::int64_t b = 0; b < batch; ++b) {
+      SCOPED_TRACE("sequence " + std::to_string(b));
+      const std::int64_t q0 = cu_q.get(b), sq = lq[b], k0 = cu_k.get(b), sk = lk[b];
+      const Tensor qb = slice(q, q0, sq), kb = slice(k, k0, sk), vb = slice(v, k0, sk);
+      const Tensor cu_qb = offsets({lq[b]}), cu_kb = offsets({lk[b]});
+      AttentionOptions alone = o;
+      alone.num_threads = 1;
+      const ForwardResult fb = forward_varlen(TensorView(qb.data(), DType::f32, {sq, hq, d}),
+                                              TensorView(kb.data(), DType::f32, {sk, hkv, d}),
+                                              TensorView(vb.data(), DType::f32, {sk, hkv, d}),
+                                              {cu_qb.view(), cu_kb.view(), sq, sk}, alone);
+      expect_bitwise_equal_rows(f.out, q0, fb.out, "out");
+      for (std::int64_t h = 0; h < hq; ++h)
+        for (std::int64_t i = 0; i < sq; ++i) ASSERT_EQ(f.lse.get(h * tq + q0 + i), fb.lse.get(h * sq + i));
+    }
+  }
 }
 
 TEST(Varlen, DropoutIsKeyedByTheSequenceIndexAsInABatch) {

@@ -61,7 +61,10 @@ BackwardResult backward(const TensorView& dout, const TensorView& q, const Tenso
 
 // Variable-length packed batches (upstream's flash_attn_varlen_func): the sequences of a
 // batch are concatenated along the token dimension and sequence b holds tokens
-// [cu_seqlens[b], cu_seqlens[b + 1]); it attends only within itself.
+// [cu_seqlens[b], cu_seqlens[b + 1]); it attends only within itself. The forward runs the
+// whole batch in one parallel region — every (sequence, Q tile, key split) one work item, the
+// longest first — with each sequence planned on its own, so a sequence's out and lse are
+// bit-identical alone, in any batch and on any thread count.
 //   q (total_q, heads_q, head_dim), k (total_k, heads_kv, head_dim),
 //   v (total_k, heads_kv, head_dim_v), out (total_q, heads_q, head_dim_v), lse (heads_q, total_q)
 struct VarlenSeqlens {

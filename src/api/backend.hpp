@@ -67,7 +67,8 @@ struct Backend {
   // the backend lacks the entry point.
   void (*forward)(const ForwardJob&);
   void (*backward)(const BackwardJob&);
-  // forward_varlen, backward_varlen: the sequences of a packed batch, one after the other.
+  // forward_varlen: the sequences of a packed batch, all together, each computed as it would
+  // be on its own (as forward_varlen_paged's). backward_varlen: one after the other.
   void (*forward_varlen)(std::span<const ForwardJob>);
   void (*backward_varlen)(std::span<const BackwardJob>);
   // forward_with_kvcache: the sequences of a KV cache after the append, all together.

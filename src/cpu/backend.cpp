@@ -11,10 +11,10 @@ namespace {
 
 void forward_one(const detail::ForwardJob& job) { cpu::run_forward_jobs({&job, 1}); }
 
-// Sequences of a packed batch have no kernel in common to share: each runs on its own.
-void forward_each(std::span<const detail::ForwardJob> jobs) {
-  for (const detail::ForwardJob& job : jobs) forward_one(job);
-}
+// The sequences of a packed batch are one schedule (cpu::run_forward_batch): every
+// (sequence, Q tile, key split) an item of one parallel region, each sequence planned alone, so
+// its output and lse do not depend on the rest of the batch or on the thread count.
+void forward_batch(std::span<const detail::ForwardJob> jobs) { cpu::run_forward_batch(jobs, {}); }
 
 // cpu::run_backward adds its sequence's share to options.dsinks: zeroed once per call.
 void zero_dsinks(const AttentionOptions& options) {
@@ -62,7 +62,7 @@ const detail::Backend& detail::cpu_backend() {
       .check_backward = cpu::check_backward,
       .forward = forward_one,
       .backward = backward_one,
-      .forward_varlen = forward_each,
+      .forward_varlen = forward_batch,
       .backward_varlen = backward_each,
       .forward_with_kvcache = cpu::run_forward_jobs,
       .forward_varlen_paged = cpu::run_forward_batch,
