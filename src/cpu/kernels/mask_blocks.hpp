@@ -1,7 +1,9 @@
 // The per-call summary of a boolean attn_mask (docs/algorithm.md §6): one ScoreBlock —
-// empty, partial or full — per (mask plane, Q tile, K/V tile), built once by the driver in
-// one pass over the mask. The kernels skip an empty tile without reading the mask, apply
-// nothing on a full one and read the mask only in partial ones.
+// empty, partial or full — per (mask plane, block of rows, block of keys), built once by the
+// driver in one pass over the mask; the forward's blocks are its micro-tile's row strips and
+// key panels, the backward's its tiles. The kernels skip empty tiles and narrow each strip's
+// keys to its non-empty blocks without reading the mask, apply nothing on full blocks and
+// read the mask only in partial ones.
 #pragma once
 
 #include <cstdint>
@@ -31,8 +33,8 @@ struct DenseMaskBlocks {
 };
 
 // The summary's storage, owned by the driver for the call. `mask` is options.attn_mask (no
-// summary unless it is boolean), of a problem of seqlen_q × seqlen_k; the tiles are the
-// plan's block_rows × block_cols; the pass over the mask runs on `threads` threads.
+// summary unless it is boolean), of a problem of seqlen_q × seqlen_k; the blocks are
+// block_rows × block_cols; the pass over the mask runs on `threads` threads.
 class DenseMaskSummary {
  public:
   DenseMaskSummary() = default;

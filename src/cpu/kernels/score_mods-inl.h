@@ -114,6 +114,43 @@ struct RowMods {
     return false;
   }
 
+  // Narrows columns [lo, hi) of a tile (keys j0 + c) for the queries [first, last] to those
+  // between the first and the last block that a block mask keeps for any of them — the
+  // boolean attn_mask's summary, the score hook's block mask, the block-sparse block_mask:
+  // every key outside is hidden from every one of those queries, so a strip of rows on a
+  // mask's diagonal computes about its visible blocks, as FindStripKeys does for causal.
+  void narrow_span(std::int64_t first, std::int64_t last, std::int64_t j0, std::int64_t& lo, std::int64_t& hi) const {
+    // Drops whole blocks of `width` keys from both ends while `hidden(block's first key)`.
+    const auto trim = [&](std::int64_t width, auto hidden) {
+      while (lo < hi && hidden(j0 + lo)) lo = ((j0 + lo) / width + 1) * width - j0;
+      while (hi > lo && hidden(j0 + hi - 1)) hi = std::max(lo, (j0 + hi - 1) / width * width - j0);
+    };
+    if (mask_blocks != nullptr) {
+      const DenseMaskBlocks& m = *mask_blocks;
+      trim(m.block_cols, [&](std::int64_t j) {
+        for (std::int64_t i = first / m.block_rows * m.block_rows; i <= last; i += m.block_rows)
+          if (m.at(mask_blocks_plane, i, j) != ScoreBlock::empty) return false;
+        return true;
+      });
+    }
+    if (hook != nullptr && hook->block_size > 0) {
+      const std::int64_t bs = hook->block_size;
+      trim(bs, [&](std::int64_t j) {
+        for (std::int64_t i = first / bs * bs; i <= last; i += bs)
+          if (hook_block(i, j) != ScoreBlock::empty) return false;
+        return true;
+      });
+    }
+    if (block_mask != nullptr) {
+      const std::int64_t bs = problem->block_mask_block_size;
+      trim(bs, [&](std::int64_t j) {
+        for (std::int64_t i = first / bs * bs; i <= last; i += bs)
+          if (block_kept(i, j)) return false;
+        return true;
+      });
+    }
+  }
+
   // Does a backward pass need d(score)/d(scaled score) from apply()? (softcap's tanh, score_mod)
   bool needs_grad() const { return softcap2 > 0.0f || (hook != nullptr && hook->score != nullptr); }
 
@@ -135,7 +172,7 @@ struct RowMods {
 
   // Is any block of the boolean attn_mask's summary that meets the tile not empty? True
   // without one (a bias hides nothing it would be worth scanning for). The summary's blocks
-  // are the plan's tiles: one lookup per tile.
+  // are the forward's strips and panels or the backward's tiles.
   bool dense_mask_keeps_any(std::int64_t i0, std::int64_t rows, std::int64_t j0, std::int64_t n) const {
     if (mask_blocks == nullptr) return true;
     const DenseMaskBlocks& m = *mask_blocks;

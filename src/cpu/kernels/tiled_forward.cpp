@@ -46,18 +46,21 @@ void PackHead(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t b, st
 // The keys of tile [j0, j0 + n) that each row strip of the Q tile starting at query i0
 // computes. Key ranges are non-decreasing in the row, so strip s (queries i0 + s·kMicroRows
 // on; padding rows count as the last query) sees at most [its first row's begin, its last
-// row's end); rounded out to whole panels of kMicroCols keys, that is its span. Outside it
-// every score of the strip is masked (causal, window): no S micro-tile, no exponential and
-// no P·V depth is spent there, so a diagonal tile costs about its visible triangle, not its
-// square. A strip that sees none of the tile's keys gets an empty span and is skipped: its
-// softmax state and õ stay as they are, exactly what an all-masked row would leave.
-void FindStripKeys(const AttentionProblem& p, std::int64_t i0, std::int64_t strips, std::int64_t j0, std::int64_t n,
-                   StripKeys* HWY_RESTRICT keys) {
+// row's end); within that, only the blocks some row of the strip may see under the block
+// masks (RowMods::narrow_span); rounded out to whole panels of kMicroCols keys, that is its
+// span. Outside it every score of the strip is masked (causal, window, the masks' empty
+// blocks): no S micro-tile, no exponential and no P·V depth is spent there, so a diagonal
+// tile costs about its visible triangle, not its square. A strip that sees none of the
+// tile's keys gets an empty span and is skipped: its softmax state and õ stay as they are,
+// exactly what an all-masked row would leave.
+void FindStripKeys(const AttentionProblem& p, const RowMods& mods, std::int64_t i0, std::int64_t strips,
+                   std::int64_t j0, std::int64_t n, StripKeys* HWY_RESTRICT keys) {
   for (std::int64_t s = 0; s < strips; ++s) {
     const std::int64_t first = std::min(i0 + s * kMicroRows, p.seqlen_q - 1);
     const std::int64_t last = std::min(i0 + (s + 1) * kMicroRows - 1, p.seqlen_q - 1);
-    const std::int64_t lo = std::max<std::int64_t>(p.key_range(first).begin - j0, 0);
-    const std::int64_t hi = std::min(p.key_range(last).end - j0, n);
+    std::int64_t lo = std::max<std::int64_t>(p.key_range(first).begin - j0, 0);
+    std::int64_t hi = std::min(p.key_range(last).end - j0, n);
+    mods.narrow_span(first, last, j0, lo, hi);
     keys[s] = lo < hi ? StripKeys{lo / kMicroCols * kMicroCols, (hi + kMicroCols - 1) / kMicroCols * kMicroCols}
                       : StripKeys{};
   }
@@ -288,7 +291,7 @@ void TiledItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item
     CountTiles(ws.counters, 1, rows, n, d, p.head_dim_v);
 
     StripKeys* keys = ws.strip_keys.data();  // (strips)
-    FindStripKeys(p, i0, strips, j0, n, keys);
+    FindStripKeys(p, mods, i0, strips, j0, n, keys);
     Products::Scores(prm, ws, j0, keys, strips, n_pad);
     // Row by row, while the row is in L1: the mask step, then the online-softmax update.
     ForEachSpanRow(p, i0, rows_pad, j0, n, keys, [&](std::int64_t r, std::int64_t i, std::int64_t j, std::int64_t n_r,
