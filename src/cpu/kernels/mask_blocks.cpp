@@ -18,35 +18,35 @@ DenseMaskSummary::DenseMaskSummary(const TensorView& mask, std::int64_t seqlen_q
   const std::int64_t planes = b.mask_batch * b.mask_heads;
   states_.resize(static_cast<std::size_t>(planes * b.row_blocks * b.col_blocks));
   const auto* m = static_cast<const std::uint8_t*>(mask.data);
-  // One (plane, row block) per iteration, its rows in storage order: the smallest and the
-  // largest entry of each row's span of each column block, byte min / max reductions the
-  // compiler vectorises (the last dim is contiguous where it is longer than 1). A block is
+  // One (plane, row block) per iteration: the element-wise smallest and largest entry of its
+  // rows (byte min / max over whole rows, which the compiler vectorises: the last dim is
+  // contiguous where it is longer than 1), then one reduction per column block. A block is
   // empty where its largest entry is 0, full where its smallest is not.
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
   for (std::int64_t item = 0; item < planes * b.row_blocks; ++item) {
     const std::int64_t plane = item / b.row_blocks, rb = item % b.row_blocks;
     const std::int64_t base = plane / b.mask_heads * mask.strides[0] + plane % b.mask_heads * mask.strides[1];
     const std::int64_t row_end = std::min(rows, (rb + 1) * b.block_rows);
-    std::vector<std::uint8_t> lowest(static_cast<std::size_t>(b.col_blocks), 0xFF), highest(lowest.size(), 0);
+    std::vector<std::uint8_t> lowest(static_cast<std::size_t>(cols), 0xFF), highest(lowest.size(), 0);
+    // Locals and restrict: a byte store may alias anything, the loop's bound included.
+    std::uint8_t* __restrict low = lowest.data();
+    std::uint8_t* __restrict high = highest.data();
+    const std::int64_t n = cols, row_stride = mask.strides[2];
     for (std::int64_t i = rb * b.block_rows; i < row_end; ++i) {
-      const std::uint8_t* row = m + base + i * mask.strides[2];
-      for (std::int64_t cb = 0; cb < b.col_blocks; ++cb) {
-        const std::int64_t c0 = cb * b.block_cols, c1 = std::min(cols, c0 + b.block_cols);
-        std::uint8_t lo = 0xFF, hi = 0;
-        for (std::int64_t c = c0; c < c1; ++c) {
-          lo = std::min(lo, row[c]);
-          hi = std::max(hi, row[c]);
-        }
-        const auto at = static_cast<std::size_t>(cb);
-        lowest[at] = std::min(lowest[at], lo);
-        highest[at] = std::max(highest[at], hi);
+      const std::uint8_t* __restrict row = m + base + i * row_stride;
+      for (std::int64_t c = 0; c < n; ++c) {
+        low[c] = std::min(low[c], row[c]);
+        high[c] = std::max(high[c], row[c]);
       }
     }
     std::uint8_t* states = states_.data() + item * b.col_blocks;
-    for (std::size_t cb = 0; cb < lowest.size(); ++cb)
-      states[cb] = static_cast<std::uint8_t>(highest[cb] == 0  ? ScoreBlock::empty
-                                             : lowest[cb] != 0 ? ScoreBlock::full
-                                                               : ScoreBlock::partial);
+    for (std::int64_t cb = 0; cb < b.col_blocks; ++cb) {
+      const auto c0 = static_cast<std::ptrdiff_t>(cb * b.block_cols);
+      const auto c1 = static_cast<std::ptrdiff_t>(std::min(cols, (cb + 1) * b.block_cols));
+      const std::uint8_t lo = *std::min_element(lowest.begin() + c0, lowest.begin() + c1);
+      const std::uint8_t hi = *std::max_element(highest.begin() + c0, highest.begin() + c1);
+      states[cb] = static_cast<std::uint8_t>(hi == 0 ? ScoreBlock::empty : lo != 0 ? ScoreBlock::full : ScoreBlock::partial);
+    }
   }
   b.states = states_.data();
 }

@@ -27,9 +27,6 @@ struct DenseMaskBlocks {
   std::int64_t plane(std::int64_t batch, std::int64_t head) const {
     return ((mask_batch > 1 ? batch : 0) * mask_heads + (mask_heads > 1 ? head : 0)) * row_blocks * col_blocks;
   }
-  ScoreBlock at(std::int64_t plane_offset, std::int64_t i, std::int64_t j) const {
-    return static_cast<ScoreBlock>(states[plane_offset + i / block_rows * col_blocks + j / block_cols]);
-  }
 };
 
 // The summary's storage, owned by the driver for the call. `mask` is options.attn_mask (no

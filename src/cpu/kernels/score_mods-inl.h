@@ -127,9 +127,12 @@ struct RowMods {
     };
     if (mask_blocks != nullptr) {
       const DenseMaskBlocks& m = *mask_blocks;
+      const std::uint8_t* plane = m.states + mask_blocks_plane;
+      const std::int64_t bi0 = first / m.block_rows, bi1 = last / m.block_rows;
       trim(m.block_cols, [&](std::int64_t j) {
-        for (std::int64_t i = first / m.block_rows * m.block_rows; i <= last; i += m.block_rows)
-          if (m.at(mask_blocks_plane, i, j) != ScoreBlock::empty) return false;
+        const std::int64_t bj = j / m.block_cols;
+        for (std::int64_t bi = bi0; bi <= bi1; ++bi)
+          if (static_cast<ScoreBlock>(plane[bi * m.col_blocks + bj]) != ScoreBlock::empty) return false;
         return true;
       });
     }
@@ -176,11 +179,14 @@ struct RowMods {
   bool dense_mask_keeps_any(std::int64_t i0, std::int64_t rows, std::int64_t j0, std::int64_t n) const {
     if (mask_blocks == nullptr) return true;
     const DenseMaskBlocks& m = *mask_blocks;
-    for (std::int64_t i = i0 / m.block_rows * m.block_rows; i < i0 + rows; i += m.block_rows)
-      for (std::int64_t j = j0 / m.block_cols * m.block_cols; j < j0 + n; j += m.block_cols)
-        if (m.at(mask_blocks_plane, i, j) != ScoreBlock::empty) return true;
+    const std::int64_t bj0 = j0 / m.block_cols, bj1 = (j0 + n - 1) / m.block_cols;
+    const std::uint8_t* plane = m.states + mask_blocks_plane;
+    for (std::int64_t bi = i0 / m.block_rows; bi <= (i0 + rows - 1) / m.block_rows; ++bi)
+      for (std::int64_t bj = bj0; bj <= bj1; ++bj)
+        if (static_cast<ScoreBlock>(plane[bi * m.col_blocks + bj]) != ScoreBlock::empty) return true;
     return false;
   }
+
 
   // A boolean attn_mask on columns [lo, hi) of row i (keys j0 + c), one span per block of
   // its summary: an empty block's keys hidden without reading the mask, a full block's
@@ -189,9 +195,13 @@ struct RowMods {
                           std::int64_t hi) const {
     constexpr float kNegInf = -std::numeric_limits<float>::infinity();
     const DenseMaskBlocks& m = *mask_blocks;
-    for (std::int64_t c = lo; c < hi;) {
-      const std::int64_t end = std::min(hi, ((j0 + c) / m.block_cols + 1) * m.block_cols - j0);
-      const ScoreBlock state = m.at(mask_blocks_plane, i, j0 + c);
+    if (lo >= hi) return;
+    // The row's states, walked block by block (one division per row, not two per block).
+    std::int64_t block = (j0 + lo) / m.block_cols;
+    const std::uint8_t* states = m.states + mask_blocks_plane + i / m.block_rows * m.col_blocks;
+    for (std::int64_t c = lo; c < hi; ++block) {
+      const std::int64_t end = std::min(hi, (block + 1) * m.block_cols - j0);
+      const auto state = static_cast<ScoreBlock>(states[block]);
       if (state == ScoreBlock::empty) std::fill(s + c, s + end, kNegInf);
       else if (state == ScoreBlock::partial) apply_dense_mask(s, i, j0, c, end);
       c = end;
