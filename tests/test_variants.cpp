@@ -70,19 +70,25 @@ Variant make_variant(const Shape& s, const std::string& name, std::uint64_t seed
   // full / partial): keys in bands of 256 — band 0 kept, band 1 hidden, the rest random —
   // swapped for rows from 150 on and in odd (batch, head) planes. "bmasktiles" (B, Hq, Sq, Sk),
   // "bmasktiles11" (1, 1, Sq, Sk), "bmaskkeys" (1, Hq, 1, Sk), "bmaskrows" (B, 1, Sq, 1).
-  if (has("bmasktiles") || has("bmaskkeys") || has("bmaskrows")) {
+  // "biastiles" (B, Hq, Sq, Sk) float32, "biastilesbf16" (1, 1, Sq, Sk) bf16: the same bands as
+  // a bias, hidden keys −∞ (the forward's summary: empty blocks), kept ones a value in [−2, 2).
+  if (has("bmasktiles") || has("bmaskkeys") || has("bmaskrows") || has("biastiles")) {
+    const bool bias = has("biastiles");
     const std::vector<std::int64_t> shape =
-        has("bmasktiles11") ? std::vector<std::int64_t>{1, 1, s.seqlen_q, s.seqlen_k}
-        : has("bmasktiles") ? std::vector<std::int64_t>{s.batch, s.heads_q, s.seqlen_q, s.seqlen_k}
+        has("bmasktiles11") || has("biastilesbf16") ? std::vector<std::int64_t>{1, 1, s.seqlen_q, s.seqlen_k}
+        : has("bmasktiles") || bias ? std::vector<std::int64_t>{s.batch, s.heads_q, s.seqlen_q, s.seqlen_k}
         : has("bmaskkeys")  ? std::vector<std::int64_t>{1, s.heads_q, 1, s.seqlen_k}
                             : std::vector<std::int64_t>{s.batch, 1, s.seqlen_q, 1};
-    v.attn_mask = Tensor(DType::u8, shape);
+    v.attn_mask = Tensor(!bias ? DType::u8 : has("biastilesbf16") ? DType::bf16 : DType::f32, shape);
     const std::int64_t rows = shape[2], cols = shape[3];
     for (std::int64_t e = 0; e < v.attn_mask.numel(); ++e) {
       const std::int64_t plane = e / (rows * cols), i = e / cols % rows, j = e % cols;
       const bool swap = (i >= 150) != (plane % 2 == 1);
-      const bool kept = j / 256 == 0 ? !swap : j / 256 == 1 ? swap : rng() % 3 != 0;
-      v.attn_mask.set(e, (has("bmaskrows") ? i % 5 != 2 : kept) ? 1.0f : 0.0f);
+      const bool kept = has("bmaskrows") ? i % 5 != 2 : j / 256 == 0 ? !swap : j / 256 == 1 ? swap : rng() % 3 != 0;
+      if (bias)
+        v.attn_mask.set(e, kept ? static_cast<float>(rng() % 400) / 100.0f - 2.0f : -std::numeric_limits<float>::infinity());
+      else
+        v.attn_mask.set(e, kept ? 1.0f : 0.0f);
     }
     v.options.attn_mask = v.attn_mask.view();
   } else if (has("bmask") || has("bias")) {
@@ -309,8 +315,8 @@ TEST(Variants, TopLeftRejectedByName) {
 // forward shape of kShapes, 1–3 threads, every SIMD target; from one forward's out and lse, the
 // same dbias bits for 1, 2 and 3 threads.
 // A boolean attn_mask whose tiles are kept whole, hidden whole or mixed (the kernels read
-// only the mixed ones, skip the hidden ones): odd sizes, every forward kernel, broadcast
-// planes, 1–3 threads; hidden tiles are skipped.
+// only the mixed ones, skip the hidden ones), and a bias whose tiles are −∞ whole or not:
+// odd sizes, every forward kernel, broadcast planes, 1–3 threads; hidden tiles are skipped.
 TEST(Variants, AttnMaskTiles) {
   std::uint64_t seed = 900;
   const Shape shapes[] = {{2, 203, 700, 4, 2, 40, 40}, {1, 301, 555, 2, 1, 24, 24}, {2, 3, 700, 4, 2, 40, 40}};
@@ -318,21 +324,23 @@ TEST(Variants, AttnMaskTiles) {
   // 268 s of the ASan stage).
   int count = 0;
   for (const Shape& s : shapes)
-    for (const char* v : {"bmasktiles", "bmasktiles11", "bmaskkeys", "bmaskrows", "causal+bmasktiles"}) {
+    for (const char* v : {"bmasktiles", "bmasktiles11", "bmaskkeys", "bmaskrows", "causal+bmasktiles", "biastiles",
+                          "causal+biastilesbf16"}) {
       count = count % 3 + 1;
       check_variant(s, v, DType::f32, seed++, count == 3, count);
     }
   const Shape s = shapes[0];
-  for (int threads : {1, 2, 3}) {
-    Variant var = make_variant(s, "bmasktiles", seed);
-    KernelCounters counters;
-    var.options.counters = &counters;
-    var.options.num_threads = threads;
-    const Tensor q = random_tensor(DType::f32, {s.batch, s.seqlen_q, s.heads_q, s.head_dim}, seed);
-    const Tensor k = random_tensor(DType::f32, {s.batch, s.seqlen_k, s.heads_kv, s.head_dim}, seed + 1);
-    forward(q.view(), k.view(), k.view(), var.options);
-    EXPECT_GT(counters.tiles_skipped, 0) << threads << " threads: no tile of band 1 (hidden) skipped";
-  }
+  for (const char* v : {"bmasktiles", "biastiles"})
+    for (int threads : {1, 2, 3}) {
+      Variant var = make_variant(s, v, seed);
+      KernelCounters counters;
+      var.options.counters = &counters;
+      var.options.num_threads = threads;
+      const Tensor q = random_tensor(DType::f32, {s.batch, s.seqlen_q, s.heads_q, s.head_dim}, seed);
+      const Tensor k = random_tensor(DType::f32, {s.batch, s.seqlen_k, s.heads_kv, s.head_dim}, seed + 1);
+      forward(q.view(), k.view(), k.view(), var.options);
+      EXPECT_GT(counters.tiles_skipped, 0) << v << ", " << threads << " threads: no tile of band 1 (hidden) skipped";
+    }
 }
 
 TEST(Variants, AttnMaskBiasGradient) {

@@ -49,7 +49,7 @@ void add_counters(std::int64_t grid, const std::vector<cpu::ForwardWorkspace>& w
 struct PlannedJob {
   CpuForwardPlan plan;
   hwy::AlignedFreeUniquePtr<float[]> split_out, split_lse;  // checked allocations: an Error when memory runs out
-  cpu::DenseMaskSummary mask_blocks;  // a boolean attn_mask's, by the micro-tile's strips and panels
+  cpu::DenseMaskSummary mask_blocks;  // attn_mask's, by the micro-tile's strips and panels
   cpu::ForwardParams params;
 };
 
@@ -61,7 +61,7 @@ PlannedJob planned_job(const detail::ForwardJob& job, const CpuForwardPlan& plan
   pj.split_out = cpu::allocate_floats(static_cast<std::size_t>(split_rows * p.head_dim_v));
   pj.split_lse = cpu::allocate_floats(static_cast<std::size_t>(split_rows));
   pj.mask_blocks = cpu::DenseMaskSummary(job.options.attn_mask, p.seqlen_q, p.seqlen_k, plan.hardware.micro_rows,
-                                         plan.hardware.micro_cols, plan.threads);
+                                         plan.hardware.micro_cols, plan.threads, /*bias_blocks=*/true);
   pj.params = {p, job.internals, plan, job.q, job.k, job.v, job.out, job.lse,
                job.options.alibi_slopes, job.options.block_mask, job.options.sinks, job.options.attn_mask,
                pj.mask_blocks.blocks(), job.options.score_hook, pj.split_out.get(), pj.split_lse.get(), job.paged,

@@ -4,9 +4,21 @@
 
 namespace flashattn::cpu {
 
+namespace {
+
+// visible[c] |= (entry c of the row is not −∞), from the entries' bits (−∞ has one pattern).
+template <class Bits>
+void OrNotMinusInfinity(const void* row_data, std::int64_t n, Bits minus_infinity, std::uint8_t* __restrict visible) {
+  const auto* __restrict row = static_cast<const Bits*>(row_data);
+  for (std::int64_t c = 0; c < n; ++c) visible[c] |= static_cast<std::uint8_t>(row[c] != minus_infinity);
+}
+
+}  // namespace
+
 DenseMaskSummary::DenseMaskSummary(const TensorView& mask, std::int64_t seqlen_q, std::int64_t seqlen_k,
-                                   std::int64_t block_rows, std::int64_t block_cols, int threads) {
-  if (mask.data == nullptr || mask.dtype != DType::u8) return;
+                                   std::int64_t block_rows, std::int64_t block_cols, int threads, bool bias_blocks) {
+  if (mask.data == nullptr || (mask.dtype != DType::u8 && !bias_blocks)) return;
+  const bool boolean = mask.dtype == DType::u8;
   const std::int64_t rows = mask.shape[2], cols = mask.shape[3];
   DenseMaskBlocks& b = blocks_;
   b.block_rows = rows > 1 ? block_rows : std::max<std::int64_t>(seqlen_q, 1);
@@ -18,10 +30,12 @@ DenseMaskSummary::DenseMaskSummary(const TensorView& mask, std::int64_t seqlen_q
   const std::int64_t planes = b.mask_batch * b.mask_heads;
   states_.resize(static_cast<std::size_t>(planes * b.row_blocks * b.col_blocks));
   const auto* m = static_cast<const std::uint8_t*>(mask.data);
-  // One (plane, row block) per iteration: the element-wise smallest and largest entry of its
-  // rows (byte min / max over whole rows, which the compiler vectorises: the last dim is
-  // contiguous where it is longer than 1), then one reduction per column block. A block is
-  // empty where its largest entry is 0, full where its smallest is not.
+  const std::int64_t element = static_cast<std::int64_t>(dtype_size(mask.dtype));
+  // One (plane, row block) per iteration: element-wise over its rows (whole rows, which the
+  // compiler vectorises: the last dim is contiguous where it is longer than 1), then one
+  // reduction per column block. A boolean mask's block is empty where its largest entry is
+  // 0, full where its smallest is not; a bias's is empty where every entry is −∞, else
+  // partial (its values are still to be added).
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
   for (std::int64_t item = 0; item < planes * b.row_blocks; ++item) {
     const std::int64_t plane = item / b.row_blocks, rb = item % b.row_blocks;
@@ -33,19 +47,26 @@ DenseMaskSummary::DenseMaskSummary(const TensorView& mask, std::int64_t seqlen_q
     std::uint8_t* __restrict high = highest.data();
     const std::int64_t n = cols, row_stride = mask.strides[2];
     for (std::int64_t i = rb * b.block_rows; i < row_end; ++i) {
-      const std::uint8_t* __restrict row = m + base + i * row_stride;
-      for (std::int64_t c = 0; c < n; ++c) {
-        low[c] = std::min(low[c], row[c]);
-        high[c] = std::max(high[c], row[c]);
+      const std::uint8_t* row = m + (base + i * row_stride) * element;
+      switch (mask.dtype) {
+        case DType::u8:
+          for (std::int64_t c = 0; c < n; ++c) {
+            low[c] = std::min(low[c], row[c]);
+            high[c] = std::max(high[c], row[c]);
+          }
+          break;
+        case DType::f32: OrNotMinusInfinity<std::uint32_t>(row, n, 0xFF800000u, high); break;
+        case DType::bf16: OrNotMinusInfinity<std::uint16_t>(row, n, 0xFF80u, high); break;
+        default: OrNotMinusInfinity<std::uint16_t>(row, n, 0xFC00u, high); break;  // f16
       }
     }
     std::uint8_t* states = states_.data() + item * b.col_blocks;
     for (std::int64_t cb = 0; cb < b.col_blocks; ++cb) {
       const auto c0 = static_cast<std::ptrdiff_t>(cb * b.block_cols);
       const auto c1 = static_cast<std::ptrdiff_t>(std::min(cols, (cb + 1) * b.block_cols));
-      const std::uint8_t lo = *std::min_element(lowest.begin() + c0, lowest.begin() + c1);
       const std::uint8_t hi = *std::max_element(highest.begin() + c0, highest.begin() + c1);
-      states[cb] = static_cast<std::uint8_t>(hi == 0 ? ScoreBlock::empty : lo != 0 ? ScoreBlock::full : ScoreBlock::partial);
+      const bool full = boolean && *std::min_element(lowest.begin() + c0, lowest.begin() + c1) != 0;
+      states[cb] = static_cast<std::uint8_t>(hi == 0 ? ScoreBlock::empty : full ? ScoreBlock::full : ScoreBlock::partial);
     }
   }
   b.states = states_.data();

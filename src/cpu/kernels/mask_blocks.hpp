@@ -1,6 +1,6 @@
-// The per-call summary of a boolean attn_mask (docs/algorithm.md §6): one ScoreBlock —
-// empty, partial or full — per (mask plane, block of rows, block of keys), built once by the
-// driver in one pass over the mask; the forward's blocks are its micro-tile's row strips and
+// The per-call summary of a boolean attn_mask, or of a float one (a bias) where the caller
+// asks (docs/algorithm.md §6): one ScoreBlock — empty, partial or full (boolean only) — per
+// (mask plane, block of rows, block of keys), built once by the driver in one pass over the mask; the forward's blocks are its micro-tile's row strips and
 // key panels, the backward's its tiles. The kernels skip empty tiles and narrow each strip's
 // keys to its non-empty blocks without reading the mask, apply nothing on full blocks and
 // read the mask only in partial ones.
@@ -29,14 +29,16 @@ struct DenseMaskBlocks {
   }
 };
 
-// The summary's storage, owned by the driver for the call. `mask` is options.attn_mask (no
-// summary unless it is boolean), of a problem of seqlen_q × seqlen_k; the blocks are
-// block_rows × block_cols; the pass over the mask runs on `threads` threads.
+// The summary's storage, owned by the driver for the call. `mask` is options.attn_mask, of a
+// problem of seqlen_q × seqlen_k: summarised when boolean, and when a bias with
+// `bias_blocks` (its all −∞ blocks empty, the others partial; the backward, whose dbias
+// covers every entry, does not ask); the blocks are block_rows × block_cols; the pass over
+// the mask runs on `threads` threads.
 class DenseMaskSummary {
  public:
   DenseMaskSummary() = default;
   DenseMaskSummary(const TensorView& mask, std::int64_t seqlen_q, std::int64_t seqlen_k, std::int64_t block_rows,
-                   std::int64_t block_cols, int threads);
+                   std::int64_t block_cols, int threads, bool bias_blocks = false);
   const DenseMaskBlocks& blocks() const { return blocks_; }
 
  private:

@@ -43,7 +43,8 @@ struct RowMods {
   // head)'s plane and its row and column strides (0 along a size-1 dim).
   const TensorView* attn_mask = nullptr;
   std::int64_t mask_base = 0, mask_row_stride = 0, mask_col_stride = 0;
-  // A boolean attn_mask's tile summary (null otherwise) and this (batch, head)'s plane in it.
+  // attn_mask's block summary (null without one: a bias in the backward) and this (batch,
+  // head)'s plane in it.
   const DenseMaskBlocks* mask_blocks = nullptr;
   std::int64_t mask_blocks_plane = 0;
   // options.score_hook (null when there is none) and, where it has a block mask, the
@@ -116,7 +117,7 @@ struct RowMods {
 
   // Narrows columns [lo, hi) of a tile (keys j0 + c) for the queries [first, last] to those
   // between the first and the last block that a block mask keeps for any of them — the
-  // boolean attn_mask's summary, the score hook's block mask, the block-sparse block_mask:
+  // attn_mask's summary, the score hook's block mask, the block-sparse block_mask:
   // every key outside is hidden from every one of those queries, so a strip of rows on a
   // mask's diagonal computes about its visible blocks, as FindStripKeys does for causal.
   void narrow_span(std::int64_t first, std::int64_t last, std::int64_t j0, std::int64_t& lo, std::int64_t& hi) const {
@@ -158,7 +159,7 @@ struct RowMods {
   bool needs_grad() const { return softcap2 > 0.0f || (hook != nullptr && hook->score != nullptr); }
 
   // Does any row of [i0, i0 + rows) keep any key of [j0, j0 + n)? Tiles that fail are
-  // skipped entirely (window, causal, block mask, a boolean attn_mask's and the score
+  // skipped entirely (window, causal, block mask, attn_mask's summary's and the score
   // hook's empty blocks).
   bool tile_has_work(std::int64_t i0, std::int64_t rows, std::int64_t j0, std::int64_t n) const {
     const AttentionProblem& p = *problem;
@@ -173,8 +174,8 @@ struct RowMods {
     return false;
   }
 
-  // Is any block of the boolean attn_mask's summary that meets the tile not empty? True
-  // without one (a bias hides nothing it would be worth scanning for). The summary's blocks
+  // Is any block of attn_mask's summary that meets the tile not empty? True without one
+  // (the backward does not summarise a bias: its dbias covers every entry). The summary's blocks
   // are the forward's strips and panels or the backward's tiles.
   bool dense_mask_keeps_any(std::int64_t i0, std::int64_t rows, std::int64_t j0, std::int64_t n) const {
     if (mask_blocks == nullptr) return true;
@@ -187,12 +188,11 @@ struct RowMods {
     return false;
   }
 
-
-  // A boolean attn_mask on columns [lo, hi) of row i (keys j0 + c), one span per block of
+  // attn_mask on columns [lo, hi) of row i (keys j0 + c), one span per block of
   // its summary: an empty block's keys hidden without reading the mask, a full block's
   // left as they are, a partial block's read (apply_dense_mask).
-  void apply_boolean_mask(float* HWY_RESTRICT s, std::int64_t i, std::int64_t j0, std::int64_t lo,
-                          std::int64_t hi) const {
+  void apply_mask_blocks(float* HWY_RESTRICT s, std::int64_t i, std::int64_t j0, std::int64_t lo,
+                         std::int64_t hi) const {
     constexpr float kNegInf = -std::numeric_limits<float>::infinity();
     const DenseMaskBlocks& m = *mask_blocks;
     if (lo >= hi) return;
@@ -304,7 +304,7 @@ struct RowMods {
     const std::int64_t hi = std::clamp<std::int64_t>(r.end - j0, lo, n);
     std::fill(s, s + lo, kNegInf);
     std::fill(s + hi, s + cols, kNegInf);
-    if (mask_blocks != nullptr) apply_boolean_mask(s, i, j0, lo, hi);
+    if (mask_blocks != nullptr) apply_mask_blocks(s, i, j0, lo, hi);
     else if (attn_mask != nullptr) apply_dense_mask(s, i, j0, lo, hi);
     if (block_mask != nullptr) {
       const std::int64_t bs = p.block_mask_block_size;
