@@ -473,13 +473,15 @@ def _check_mods(q, k, partial_index, partial_blocks, score_a, score_c):
         raise ValueError(f"partial_index: slot {int(partial_index.max())} of {partial_blocks.shape[0]} partial blocks")
 
 
-def _opts(scale, block_states, partial_index, partial_blocks, block_size, score_a, score_c, num_threads):
+def _opts(q, k, scale, block_states, partial_index, partial_blocks, block_size, score_a, score_c, num_threads):
     o = _impl._options(0.0, scale, False, (-1, -1), 0.0, None, False, None)
     if block_states is not None:
         o.flex_block_states = block_states.numpy()
         o.flex_partial_index = partial_index.numpy()
         o.flex_partial_blocks = partial_blocks.view(torch.uint8).numpy()
         o.flex_block_size = int(block_size)
+        # The native side refines the blocks for the kernels over this call's (Sq, Sk).
+        o.flex_seqlen_q, o.flex_seqlen_k = int(q.shape[1]), int(k.shape[1])
     if score_a is not None:
         o.flex_score_a = score_a.numpy()
     if score_c is not None:
@@ -493,7 +495,7 @@ def _flex_fwd(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], block_sta
               score_a: Optional[Tensor], score_c: Optional[Tensor], num_threads: int) -> tuple[Tensor, Tensor]:
     """out (B, Sq, Hq, Dv) and softmax_lse (B, Hq, Sq) float32 of (B, S, H, D) views."""
     _check_mods(q, k, partial_index, partial_blocks, score_a, score_c)
-    o = _opts(scale, block_states, partial_index, partial_blocks, block_size, score_a, score_c, num_threads)
+    o = _opts(q, k, scale, block_states, partial_index, partial_blocks, block_size, score_a, score_c, num_threads)
     out, lse, _ = _impl._forward(q, k, v, o, False)
     return out, lse
 
@@ -504,7 +506,7 @@ def _flex_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softma
               score_c: Optional[Tensor], num_threads: int) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv (B, S, H, D) of sum(dout * out); P is recomputed from softmax_lse."""
     _check_mods(q, k, partial_index, partial_blocks, score_a, score_c)
-    o = _opts(scale, block_states, partial_index, partial_blocks, block_size, score_a, score_c, num_threads)
+    o = _opts(q, k, scale, block_states, partial_index, partial_blocks, block_size, score_a, score_c, num_threads)
     return _impl._backward(dout, q, k, v, out, softmax_lse, o)
 
 

@@ -120,9 +120,9 @@ def torch_flex(q, k, v, score_mod=None, mask_mod=None, scale=None, enable_gqa=Fa
         return fa.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, scale=scale, enable_gqa=enable_gqa)
 
 
-def ours(q, k, v, score_mod=None, mask_mod=None, scale=None, enable_gqa=False, mask_bh=(None, None)):
+def ours(q, k, v, score_mod=None, mask_mod=None, scale=None, enable_gqa=False, mask_bh=(None, None), block=BLOCK):
     bm = None if mask_mod is None else flashattn.create_block_mask(mask_mod, *mask_bh, q.shape[2], k.shape[2],
-                                                                   BLOCK_SIZE=BLOCK)
+                                                                   BLOCK_SIZE=block)
     return flashattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, scale=scale, enable_gqa=enable_gqa)
 
 
@@ -138,7 +138,7 @@ def torch_cpu_backward(monkeypatch):
     monkeypatch.setattr(fa, "_validate_device", lambda *args: None)
 
 
-def check_case(case, seqlens, gqa, dtype, threads, reference):
+def check_case(case, seqlens, gqa, dtype, threads, reference, block=BLOCK):
     sq, sk = seqlens
     dt = DTYPES[dtype]
     seed = seed_for("flex", case, seqlens, gqa, dtype, threads)
@@ -147,7 +147,7 @@ def check_case(case, seqlens, gqa, dtype, threads, reference):
     kw = dict(score_mod=score_mod, mask_mod=mask_mod, enable_gqa=gqa)
     flashattn.set_num_threads(threads)
     try:
-        got = run(ours, q, k, v, dout, mask_bh=mask_bh or (None, None), **kw)
+        got = run(ours, q, k, v, dout, mask_bh=mask_bh or (None, None), block=block, **kw)
         assert flashattn.last_num_threads() == threads
     finally:
         flashattn._interface._num_threads = 0
@@ -165,6 +165,15 @@ def check_case(case, seqlens, gqa, dtype, threads, reference):
 def test_matches_float64_reference(case, seqlens, threads, gqa, dtype):
     """Each case on 1, 2 and 3 threads, one thread count per pair of lengths."""
     check_case(case, seqlens, gqa, dtype, threads, dense_flex)
+
+
+@pytest.mark.parametrize("block", [64, 128])
+@pytest.mark.parametrize("case", ["causal", "sliding_window", "prefix_lm", "document", "hidden_rows", "rel_bias_document"])
+def test_large_blocks_are_refined_for_the_kernels(case, block):
+    """Blocks of 64 and 128 reach the kernels as blocks of 32 (each partial block's sub-blocks
+    classified from its content): ragged lengths, per-batch and per-head masks, forward and
+    backward against the float64 reference."""
+    check_case(case, (203, 290), True, "f32", 2, dense_flex, block)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -210,7 +219,7 @@ def test_native_reference_applies_the_same_mods(case):
     bm = None if mask_mod is None else flashattn.create_block_mask(mask_mod, *mask_bh, 29, 41, BLOCK_SIZE=8)
     mods = _flex._mods(score_mod, bm, (B, HQ, 29, 41))
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-    probs = flashattn._interface._probs(qt, kt, vt, _flex._opts(None, *mods, 1))
+    probs = flashattn._interface._probs(qt, kt, vt, _flex._opts(qt, kt, None, *mods, 1))
     want = dense_flex(q.double(), k.double(), torch.eye(41, dtype=torch.float64).expand(B, 2, 41, 41),
                       score_mod=score_mod, mask_mod=mask_mod, enable_gqa=True)
     torch.testing.assert_close(probs.double(), want, atol=1e-6, rtol=0)

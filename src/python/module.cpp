@@ -15,6 +15,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "flashattn/flashattn.hpp"
 
@@ -192,6 +193,60 @@ struct FlexHook {
     }
   }
 
+  // The block states the kernels read (ScoreHook::block_mask): where block_size is a larger
+  // multiple of kFineBlock (the CPU kernels' key panel), a copy in blocks of kFineBlock, each
+  // inside a partial block classified from its content — so that the kernels narrow a row
+  // strip on a mask's diagonal to the sub-blocks it sees and run apply() only on the partial
+  // ones (docs/algorithm.md §6). apply() keeps reading the caller's blocks.
+  static constexpr std::int64_t kFineBlock = 32;
+  std::vector<std::uint8_t> fine_states;
+  flashattn::TensorView fine_view;
+
+  // For a call of seqlen_q × seqlen_k (not refined where the caller's blocks do not cover it:
+  // the library's check of their shape then names the mismatch).
+  void refine(std::int64_t seqlen_q, std::int64_t seqlen_k) {
+    const flashattn::TensorView& st = block_states;
+    const std::int64_t r = block_size / kFineBlock;
+    if (!has_mask() || block_size % kFineBlock != 0 || r < 2) return;
+    const std::int64_t planes_b = st.shape[0], planes_h = st.shape[1], qb = st.shape[2], kb = st.shape[3];
+    const std::int64_t fq = (seqlen_q + kFineBlock - 1) / kFineBlock, fk = (seqlen_k + kFineBlock - 1) / kFineBlock;
+    if (seqlen_q < 1 || seqlen_k < 1 || fq > qb * r || fk > kb * r) return;
+    fine_states.assign(static_cast<std::size_t>(planes_b * planes_h * fq * fk), 0);
+    const auto* pb = static_cast<const std::uint8_t*>(partial_blocks.data);
+    for (std::int64_t b = 0; b < planes_b; ++b)
+      for (std::int64_t h = 0; h < planes_h; ++h)
+        for (std::int64_t bi = 0; bi < qb; ++bi)
+          for (std::int64_t bj = 0; bj < kb; ++bj) {
+            const flashattn::ScoreBlock s = state(b, h, bi, bj);
+            std::int64_t slot = -1;
+            if (s == flashattn::ScoreBlock::partial) {
+              slot = static_cast<const std::int32_t*>(partial_index.data)[offset(partial_index, b, h, bi, bj)];
+              if (slot < 0 || slot >= partial_blocks.shape[0])
+                throw flashattn::Error("block_mask: partial index " + std::to_string(slot) + " of block (" +
+                                       std::to_string(bi) + ", " + std::to_string(bj) + ") is outside its " +
+                                       std::to_string(partial_blocks.shape[0]) + " partial blocks");
+            }
+            for (std::int64_t fi = 0; fi < r && bi * r + fi < fq; ++fi)
+              for (std::int64_t fj = 0; fj < r && bj * r + fj < fk; ++fj) {
+                flashattn::ScoreBlock f = s;
+                if (slot >= 0) {
+                  bool any_kept = false, any_hidden = false;
+                  for (std::int64_t y = fi * kFineBlock; y < (fi + 1) * kFineBlock; ++y) {
+                    const std::uint8_t* row = pb + slot * partial_blocks.strides[0] + y * partial_blocks.strides[1];
+                    for (std::int64_t x = fj * kFineBlock; x < (fj + 1) * kFineBlock; ++x)
+                      (row[x * partial_blocks.strides[2]] != 0 ? any_kept : any_hidden) = true;
+                  }
+                  f = !any_kept ? flashattn::ScoreBlock::empty
+                      : any_hidden ? flashattn::ScoreBlock::partial
+                                   : flashattn::ScoreBlock::full;
+                }
+                fine_states[static_cast<std::size_t>(((b * planes_h + h) * fq + bi * r + fi) * fk + bj * r + fj)] =
+                    static_cast<std::uint8_t>(f);
+              }
+          }
+    fine_view = flashattn::TensorView(fine_states.data(), flashattn::DType::u8, {planes_b, planes_h, fq, fk});
+  }
+
   // The hook for AttentionOptions::score_hook, with the float64 reference's per-score forms.
   flashattn::ScoreHook hook() const {
     flashattn::ScoreHook h;
@@ -211,8 +266,9 @@ struct FlexHook {
       h.mask = [](const void* self, std::int64_t b, std::int64_t hd, std::int64_t i, std::int64_t j) {
         return static_cast<const FlexHook*>(self)->keeps(b, hd, i, j);
       };
-      h.block_mask = block_states;
-      h.block_size = block_size;
+      const bool fine = fine_view.data != nullptr;
+      h.block_mask = fine ? fine_view : block_states;
+      h.block_size = fine ? kFineBlock : block_size;
     }
     return h;
   }
@@ -258,6 +314,7 @@ struct Options {
   // FlexAttention's evaluated mods (FlexHook): block mask and partial blocks, score_mod's a, c.
   std::optional<Array> flex_block_states, flex_partial_index, flex_partial_blocks, flex_score_a, flex_score_c;
   std::int64_t flex_block_size = 0;
+  std::int64_t flex_seqlen_q = 0, flex_seqlen_k = 0;  // the call's, for FlexHook::refine (0: not refined)
   // The hook's views, rebuilt by get(): AttentionOptions::score_hook points at it, so these
   // Options must outlive the call they configure (the bindings hold them through it).
   mutable FlexHook flex;
@@ -299,6 +356,7 @@ struct Options {
         throw flashattn::Error("block_mask: its partial index must have the block states' shape and its partial "
                                "blocks shape (n, block_size, block_size) with block_size >= 1, got block_size " +
                                std::to_string(flex_block_size));
+      flex.refine(flex_seqlen_q, flex_seqlen_k);
     }
     if (flex.has_mask() || flex.has_score()) o.score_hook = flex.hook();
     record_threads(o.num_threads);
@@ -406,6 +464,8 @@ NB_MODULE(_C, m) {
       .def_rw("flex_partial_index", &Options::flex_partial_index)
       .def_rw("flex_partial_blocks", &Options::flex_partial_blocks)
       .def_rw("flex_block_size", &Options::flex_block_size)
+      .def_rw("flex_seqlen_q", &Options::flex_seqlen_q)
+      .def_rw("flex_seqlen_k", &Options::flex_seqlen_k)
       .def_rw("flex_score_a", &Options::flex_score_a)
       .def_rw("flex_score_c", &Options::flex_score_c);
 
