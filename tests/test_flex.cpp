@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
 #include <sstream>
 #include <vector>
 
@@ -279,6 +280,57 @@ TEST(Flex, BlockMaskSkipsEmptyTilesAndFullBlocks) {
   f.score_hook = all_mods.hook(&full);
   forward(in.q.view(), in.k.view(), in.v.view(), f);
   EXPECT_EQ(calls.load(), 0) << "mask_mod called inside full blocks";
+}
+
+// Blocks of 64 and 128 hand the kernels blocks of 32 (BlockMask::kernel_blocks): the states
+// create_block_mask gives at 32 (ragged lengths, per-head masks), each coarse block the
+// combination of its sub-blocks, and the forward's and backward's bits those of block 32.
+TEST(Flex, LargeBlocksHandTheKernelsBlocksOf32) {
+  const Shape s{2, 203, 290, 4, 2, 24};
+  const Inputs in = make_inputs(s, 960);
+  const auto docs = [](std::int64_t, std::int64_t h, std::int64_t q, std::int64_t kv) {
+    return q / (50 + 10 * h) == kv / (50 + 10 * h) && kv <= q + 87;
+  };
+  const FlexMods mods(flex::NoScoreMod{}, docs);
+  const BlockMask at32 = create_block_mask(docs, 1, s.heads_q, s.seqlen_q, s.seqlen_k, 32);
+  ASSERT_EQ(at32.kernel_block_size, 0);
+  AttentionOptions o32;
+  o32.score_hook = mods.hook(&at32);
+  o32.num_threads = 2;
+  o32.deterministic = true;  // dq's bits then do not depend on the threads' timing
+  const ForwardResult f32 = forward(in.q.view(), in.k.view(), in.v.view(), o32);
+  const BackwardResult g32 =
+      backward(in.dout.view(), in.q.view(), in.k.view(), in.v.view(), f32.out.view(), f32.lse.view(), o32);
+  for (std::int64_t block : {64, 128}) {
+    SCOPED_TRACE("block " + std::to_string(block));
+    const BlockMask m = create_block_mask(docs, 1, s.heads_q, s.seqlen_q, s.seqlen_k, block);
+    ASSERT_EQ(m.kernel_block_size, 32);
+    ASSERT_EQ(m.kernel_blocks.shape(), at32.blocks.shape());
+    for (std::int64_t e = 0; e < at32.blocks.numel(); ++e) ASSERT_EQ(m.kernel_blocks.get(e), at32.blocks.get(e)) << e;
+    const std::int64_t r = block / 32, uq = at32.blocks.shape()[2], uk = at32.blocks.shape()[3];
+    const std::int64_t qb = m.blocks.shape()[2], kb = m.blocks.shape()[3];
+    for (std::int64_t h = 0; h < s.heads_q; ++h)
+      for (std::int64_t bi = 0; bi < qb; ++bi)
+        for (std::int64_t bj = 0; bj < kb; ++bj) {
+          bool empty = true, full = true;
+          for (std::int64_t fi = bi * r; fi < std::min(uq, (bi + 1) * r); ++fi)
+            for (std::int64_t fj = bj * r; fj < std::min(uk, (bj + 1) * r); ++fj) {
+              const float state = at32.blocks.get((h * uq + fi) * uk + fj);
+              empty = empty && state == 0.0f;
+              full = full && state == 2.0f;
+            }
+          ASSERT_EQ(m.blocks.get((h * qb + bi) * kb + bj), empty ? 0.0f : full ? 2.0f : 1.0f) << h << " " << bi << " " << bj;
+        }
+    AttentionOptions o = o32;
+    o.score_hook = mods.hook(&m);
+    const ForwardResult f = forward(in.q.view(), in.k.view(), in.v.view(), o);
+    ASSERT_EQ(std::memcmp(f.out.data(), f32.out.data(), static_cast<std::size_t>(f.out.numel()) * 4), 0);
+    ASSERT_EQ(std::memcmp(f.lse.data(), f32.lse.data(), static_cast<std::size_t>(f.lse.numel()) * 4), 0);
+    const BackwardResult g =
+        backward(in.dout.view(), in.q.view(), in.k.view(), in.v.view(), f.out.view(), f.lse.view(), o);
+    for (const auto& [got, want] : {std::pair{&g.dq, &g32.dq}, {&g.dk, &g32.dk}, {&g.dv, &g32.dv}})
+      ASSERT_EQ(std::memcmp(got->data(), want->data(), static_cast<std::size_t>(got->numel()) * 4), 0);
+  }
 }
 
 // Bad input names the argument; paths without the hook reject it by name.

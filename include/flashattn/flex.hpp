@@ -147,6 +147,13 @@ Dual<T> call_with_derivative(const F& f, T s, std::int64_t b, std::int64_t h, st
 struct BlockMask {
   Tensor blocks;  // u8 ScoreBlock values, (batch or 1, heads or 1, q blocks, kv blocks)
   std::int64_t block_size = 0;
+  // What the hook hands the kernels where block_size is a larger multiple of kKernelBlock (the
+  // CPU kernels' key panel): the same mask in blocks of kKernelBlock, so that a row strip on
+  // the mask's diagonal is narrowed to the sub-blocks it sees and mask_mod runs only on the
+  // partial ones (docs/algorithm.md §6). Empty (kernel_block_size 0) otherwise.
+  static constexpr std::int64_t kKernelBlock = 32;
+  Tensor kernel_blocks;
+  std::int64_t kernel_block_size = 0;
 };
 
 // Evaluates mask_mod(b, h, q_idx, kv_idx) over every (b < batch, h < heads, q_idx < seqlen_q,
@@ -161,20 +168,44 @@ BlockMask create_block_mask(const MaskMod& mask_mod, std::int64_t batch, std::in
                 std::to_string(batch) + ", " + std::to_string(heads) + ", " + std::to_string(seqlen_q) + ", " +
                 std::to_string(seqlen_k) + ")");
   if (block_size < 1) throw Error("create_block_mask: block_size must be >= 1, got " + std::to_string(block_size));
-  const std::int64_t qb = (seqlen_q + block_size - 1) / block_size, kb = (seqlen_k + block_size - 1) / block_size;
-  BlockMask m{Tensor(DType::u8, {batch, heads, qb, kb}), block_size};
-  std::uint8_t* out = m.blocks.data_as<std::uint8_t>();
+  // Each element is evaluated once, into blocks of `unit` (kKernelBlock where it divides
+  // block_size, else block_size itself); a block's state is its units' combined.
+  const std::int64_t unit =
+      block_size % BlockMask::kKernelBlock == 0 && block_size > BlockMask::kKernelBlock ? BlockMask::kKernelBlock
+                                                                                          : block_size;
+  const auto blocks_of = [](std::int64_t n, std::int64_t size) { return (n + size - 1) / size; };
+  const std::int64_t uq = blocks_of(seqlen_q, unit), uk = blocks_of(seqlen_k, unit);
+  Tensor units(DType::u8, {batch, heads, uq, uk});
+  std::uint8_t* u = units.data_as<std::uint8_t>();
   for (std::int64_t b = 0; b < batch; ++b)
     for (std::int64_t h = 0; h < heads; ++h)
-      for (std::int64_t bi = 0; bi < qb; ++bi)
-        for (std::int64_t bj = 0; bj < kb; ++bj) {
+      for (std::int64_t bi = 0; bi < uq; ++bi)
+        for (std::int64_t bj = 0; bj < uk; ++bj) {
           bool any_kept = false, any_hidden = false;
-          for (std::int64_t i = bi * block_size; i < std::min(seqlen_q, (bi + 1) * block_size); ++i)
-            for (std::int64_t j = bj * block_size; j < std::min(seqlen_k, (bj + 1) * block_size); ++j)
+          for (std::int64_t i = bi * unit; i < std::min(seqlen_q, (bi + 1) * unit); ++i)
+            for (std::int64_t j = bj * unit; j < std::min(seqlen_k, (bj + 1) * unit); ++j)
               (mask_mod(b, h, i, j) ? any_kept : any_hidden) = true;
           const ScoreBlock state = !any_kept ? ScoreBlock::empty : any_hidden ? ScoreBlock::partial : ScoreBlock::full;
-          out[((b * heads + h) * qb + bi) * kb + bj] = static_cast<std::uint8_t>(state);
+          u[((b * heads + h) * uq + bi) * uk + bj] = static_cast<std::uint8_t>(state);
         }
+  if (unit == block_size) return BlockMask{std::move(units), block_size, {}, 0};
+  const std::int64_t r = block_size / unit, qb = blocks_of(seqlen_q, block_size), kb = blocks_of(seqlen_k, block_size);
+  BlockMask m{Tensor(DType::u8, {batch, heads, qb, kb}), block_size, std::move(units), unit};
+  const std::uint8_t* fine = m.kernel_blocks.data_as<std::uint8_t>();
+  std::uint8_t* out = m.blocks.data_as<std::uint8_t>();
+  for (std::int64_t p = 0; p < batch * heads; ++p)
+    for (std::int64_t bi = 0; bi < qb; ++bi)
+      for (std::int64_t bj = 0; bj < kb; ++bj) {
+        bool all_empty = true, all_full = true;
+        for (std::int64_t fi = bi * r; fi < std::min(uq, (bi + 1) * r); ++fi)
+          for (std::int64_t fj = bj * r; fj < std::min(uk, (bj + 1) * r); ++fj) {
+            const auto state = static_cast<ScoreBlock>(fine[(p * uq + fi) * uk + fj]);
+            all_empty = all_empty && state == ScoreBlock::empty;
+            all_full = all_full && state == ScoreBlock::full;
+          }
+        const ScoreBlock state = all_empty ? ScoreBlock::empty : all_full ? ScoreBlock::full : ScoreBlock::partial;
+        out[(p * qb + bi) * kb + bj] = static_cast<std::uint8_t>(state);
+      }
   return m;
 }
 
@@ -207,8 +238,9 @@ class FlexMods {
         return static_cast<bool>(static_cast<const FlexMods*>(self)->mask_mod_(b, hd, q, kv));
       };
     if (block_mask != nullptr) {
-      h.block_mask = block_mask->blocks.view();
-      h.block_size = block_mask->block_size;
+      const bool kernel = block_mask->kernel_block_size > 0;
+      h.block_mask = kernel ? block_mask->kernel_blocks.view() : block_mask->blocks.view();
+      h.block_size = kernel ? block_mask->kernel_block_size : block_mask->block_size;
     }
     return h;
   }
