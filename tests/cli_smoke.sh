@@ -218,8 +218,7 @@ python3 - "$work/masks.json" <<'PY'
 import json, sys
 j = json.load(open(sys.argv[1]))
 cases = {c["form"]: c for c in j["cases"] if c["op"] == "masks"}
-assert sorted(cases) == sorted(["unmasked", "causal", "varlen", "mask_mod", "mask_mod_block128", "dense_bool",
-                               "score_mod"]), cases
+assert sorted(cases) == sorted(["unmasked", "causal", "varlen", "mask_mod", "dense_bool", "score_mod"]), cases
 tokens, length, heads = 4 * 40, 40, 2
 pairs = {"unmasked": tokens * tokens * heads, "causal": tokens * (tokens + 1) // 2 * heads,
          "score_mod": tokens * (tokens + 1) // 2 * heads}
@@ -228,11 +227,10 @@ for form, c in cases.items():
     assert c["visible_pairs"] == pairs.get(form, 4 * length * (length + 1) // 2 * heads), c
     assert abs(c["gflops"] - 4 * c["dim"] * c["visible_pairs"] / c["seconds"] * 1e-9) <= 1e-6 * c["gflops"], c
     assert 0 < c["fraction_of_peak"] < 1, c
-for form in ("mask_mod", "mask_mod_block128", "dense_bool"):
+for form in ("mask_mod", "dense_bool"):
     assert cases[form]["max_diff_vs_varlen"] < 1e-5, cases[form]
 (r,) = j["mask_ratios"]
-for key, a, b in [("mask_mod_vs_varlen", "mask_mod", "varlen"), ("mask_mod_block128_vs_varlen", "mask_mod_block128", "varlen"),
-                  ("dense_bool_vs_unmasked", "dense_bool", "unmasked"),
+for key, a, b in [("mask_mod_vs_varlen", "mask_mod", "varlen"), ("dense_bool_vs_unmasked", "dense_bool", "unmasked"),
                   ("score_mod_vs_causal", "score_mod", "causal")]:
     assert abs(r[key] - cases[a]["gflops"] / cases[b]["gflops"]) <= 1e-9 * r[key], (key, r)
 assert r["create_block_mask_seconds"] > 0 and r["block_size"] == 16, r

@@ -104,10 +104,6 @@ MaskMeasurement measure_masks(const MaskCase& c, int repeats) {
   AttentionOptions mask_mod;
   mask_mod.score_hook = document_mods.hook(&blocks);
   add("mask_mod", document_pairs, mask_mod);
-  const BlockMask blocks128 = create_block_mask(document, 1, 1, tokens, tokens, 128);
-  AttentionOptions mask_mod128;
-  mask_mod128.score_hook = document_mods.hook(&blocks128);
-  add("mask_mod_block128", document_pairs, mask_mod128);
 
   Tensor dense(DType::u8, {1, 1, tokens, tokens});
   auto* m = dense.data_as<std::uint8_t>();

@@ -16,11 +16,9 @@ struct MaskCase {
   std::string name;
   std::int64_t documents = 8, document_tokens = 512;  // packed into one sequence of their sum
   std::int64_t heads = 8, dim = 64;
-  // create_block_mask's block: 32, the CPU kernels' key panel, so that a block on a mask's
-  // diagonal narrows each row strip to the blocks it sees (as causal does) and mask_mod runs
-  // only on the diagonal's 32-key blocks. The form mask_mod_block128 times FlexAttention's
-  // default block (128) too, whose diagonal blocks are partial whole.
-  std::int64_t block = 32;
+  // create_block_mask's block (FlexAttention's default): the kernels get it as blocks of 32
+  // (BlockMask::kernel_blocks).
+  std::int64_t block = 128;
   DType dtype = DType::f32;
   int threads = 0;
 
@@ -33,7 +31,7 @@ struct MaskCase {
 
 // One form, timed (forward, median of the repeats).
 struct MaskRun {
-  std::string form;  // unmasked, causal, varlen, mask_mod, mask_mod_block128, dense_bool, score_mod
+  std::string form;  // unmasked, causal, mask_mod, varlen, dense_bool, score_mod
   double seconds = 0.0;
   double visible_pairs = 0.0;  // (query, key) pairs the form keeps, over every head
   double gflops = 0.0;         // 4·D·visible_pairs / seconds

@@ -156,8 +156,7 @@ std::string bench_json(const BenchReport& r) {
                           {"visible_pairs", run.visible_pairs},
                           {"gflops", run.gflops},
                           {"kernel", run.kernel}};
-      if (run.form == "mask_mod" || run.form == "mask_mod_block128" || run.form == "dense_bool")
-        c["max_diff_vs_varlen"] = run.max_diff;
+      if (run.form == "mask_mod" || run.form == "dense_bool") c["max_diff_vs_varlen"] = run.max_diff;
       add_bound_json(c, m, r.peaks);
       j["cases"].push_back(std::move(c));
     }
@@ -166,7 +165,6 @@ std::string bench_json(const BenchReport& r) {
                                 {"create_block_mask_seconds", k.m.create_block_mask_seconds},
                                 {"block_size", k.c.block},
                                 {"mask_mod_vs_varlen", ratio("mask_mod", "varlen")},
-                                {"mask_mod_block128_vs_varlen", ratio("mask_mod_block128", "varlen")},
                                 {"dense_bool_vs_unmasked", ratio("dense_bool", "unmasked")},
                                 {"score_mod_vs_causal", ratio("score_mod", "causal")}});
   }
