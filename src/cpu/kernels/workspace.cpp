@@ -38,7 +38,7 @@ ForwardLayout::ForwardLayout(const CpuForwardPlan& plan, const AttentionProblem&
     k_pairs = keys_pad * d_even;
     v_pairs = keys_pad * dv_pad;
   } else {
-    k_row = d_pad;
+    k_rows = static_cast<std::size_t>(plan.hardware.micro_cols) * d_pad;
     v_row = dv_pad;
     k_packed = keys_pad * d;
     v_packed = keys_pad * dv_pad;
@@ -47,7 +47,7 @@ ForwardLayout::ForwardLayout(const CpuForwardPlan& plan, const AttentionProblem&
 }
 
 std::size_t ForwardLayout::bytes() const {
-  const std::size_t floats = q_tile + k_row + v_row + s_tile + o_acc + k_packed + v_packed + q_rows + q_units +
+  const std::size_t floats = q_tile + k_rows + v_row + s_tile + o_acc + k_packed + v_packed + q_rows + q_units +
                              v_units + descales;
   const std::size_t halves = q_bf16 + p_bf16 + k_pairs + v_pairs;
   return floats * sizeof(float) + halves * sizeof(std::uint16_t) +
@@ -57,7 +57,7 @@ std::size_t ForwardLayout::bytes() const {
 
 void ForwardLayout::widen(const ForwardLayout& o) {
   for (auto [mine, theirs] :
-       {std::pair{&rows, o.rows}, {&q_tile, o.q_tile}, {&k_row, o.k_row}, {&v_row, o.v_row}, {&s_tile, o.s_tile},
+       {std::pair{&rows, o.rows}, {&q_tile, o.q_tile}, {&k_rows, o.k_rows}, {&v_row, o.v_row}, {&s_tile, o.s_tile},
         {&o_acc, o.o_acc}, {&k_packed, o.k_packed}, {&v_packed, o.v_packed}, {&q_rows, o.q_rows},
         {&q_units, o.q_units}, {&v_units, o.v_units}, {&descales, o.descales}, {&q_bf16, o.q_bf16},
         {&p_bf16, o.p_bf16}, {&k_pairs, o.k_pairs}, {&v_pairs, o.v_pairs}, {&strips, o.strips},
@@ -78,7 +78,7 @@ ForwardWorkspace::ForwardWorkspace(const ForwardLayout& l) {
   o_acc = allocate_floats(l.o_acc);
   k_packed = allocate_floats(l.k_packed);
   v_packed = allocate_floats(l.v_packed);
-  k_row = allocate_floats(l.k_row);
+  k_rows = allocate_floats(l.k_rows);
   v_row = allocate_floats(l.v_row);
   q_rows = allocate_floats(l.q_rows);
   q_units = allocate_floats(l.q_units);

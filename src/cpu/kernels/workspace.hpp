@@ -64,7 +64,7 @@ struct ForwardLayout {
 
   std::size_t rows = 0;
   // float32
-  std::size_t q_tile = 0, k_row = 0, v_row = 0, s_tile = 0, o_acc = 0, k_packed = 0, v_packed = 0;
+  std::size_t q_tile = 0, k_rows = 0, v_row = 0, s_tile = 0, o_acc = 0, k_packed = 0, v_packed = 0;
   std::size_t q_rows = 0, q_units = 0, v_units = 0, descales = 0;  // decode
   // bf16 (tiled_bf16)
   std::size_t q_bf16 = 0, p_bf16 = 0, k_pairs = 0, v_pairs = 0;
@@ -82,7 +82,9 @@ struct ForwardWorkspace {
   // The Q tile: (tiled) (block_q, head_dim), pre-scaled; (decode) the Q panels, (heads_kv ·
   // block_q, head_dim rounded to two vectors) — decode_fp16: the same panels in halves.
   hwy::AlignedFreeUniquePtr<float[]> q_tile;
-  hwy::AlignedFreeUniquePtr<float[]> k_row, v_row;  // (tiled) one K and one V row, converted, while packing
+  // (tiled) while packing, converted: the K rows of one panel, (micro_cols, head_dim rounded up
+  // to 32), and one V row, (head_dim_v_padded)
+  hwy::AlignedFreeUniquePtr<float[]> k_rows, v_row;
   hwy::AlignedFreeUniquePtr<float[]> s_tile;        // (rows, block_k): S, then P in place
   hwy::AlignedFreeUniquePtr<float[]> o_acc;         // (rows, head_dim_v_padded): õ
   // (tiled) k tiles of Kᵀ, each as contiguous panels of kMicroCols keys, (head_dim, kMicroCols)
