@@ -3,6 +3,7 @@
 #include "src/cpu/kernels/workspace.hpp"
 
 #include <algorithm>
+#include <mutex>
 
 #include "src/cpu/allocate.hpp"
 #include "src/cpu/kernels/backward_kernel.hpp"
@@ -72,7 +73,7 @@ std::size_t forward_workspace_bytes(const CpuForwardPlan& plan, const AttentionP
 ForwardWorkspace::ForwardWorkspace(const CpuForwardPlan& plan, const AttentionProblem& p)
     : ForwardWorkspace(ForwardLayout(plan, p)) {}
 
-ForwardWorkspace::ForwardWorkspace(const ForwardLayout& l) {
+ForwardWorkspace::ForwardWorkspace(const ForwardLayout& l) : layout(l) {
   q_tile = allocate_floats(l.q_tile);
   s_tile = allocate_floats(l.s_tile);
   o_acc = allocate_floats(l.o_acc);
@@ -94,6 +95,65 @@ ForwardWorkspace::ForwardWorkspace(const ForwardLayout& l) {
     v_pairs = allocate_array<std::uint16_t>(l.v_pairs);
   }
   decode_keys.resize(l.decode_keys);
+}
+
+namespace {
+
+// Every buffer of `have` at least as large as `need`'s.
+bool has_room(const ForwardLayout& have, const ForwardLayout& need) {
+  ForwardLayout both = have;
+  both.widen(need);
+  return both.bytes() == have.bytes();
+}
+
+// The workspaces given back, for later calls (ForwardWorkspaces).
+struct KeptWorkspaces {
+  std::mutex mutex;
+  std::vector<std::unique_ptr<ForwardWorkspace>> kept;
+  std::size_t bytes = 0;
+};
+KeptWorkspaces& kept_workspaces() {
+  static KeptWorkspaces k;
+  return k;
+}
+
+}  // namespace
+
+ForwardWorkspaces::ForwardWorkspaces(const ForwardLayout& layout, int count) {
+  std::vector<std::unique_ptr<ForwardWorkspace>> taken;
+  {
+    KeptWorkspaces& k = kept_workspaces();
+    const std::lock_guard<std::mutex> lock(k.mutex);
+    while (!k.kept.empty() && static_cast<int>(taken.size()) < count) {
+      k.bytes -= k.kept.back()->layout.bytes();
+      taken.push_back(std::move(k.kept.back()));
+      k.kept.pop_back();
+    }
+  }
+  held_.reserve(static_cast<std::size_t>(count));
+  for (std::unique_ptr<ForwardWorkspace>& ws : taken) {
+    if (!has_room(ws->layout, layout)) {
+      ForwardLayout both = ws->layout;
+      both.widen(layout);
+      ws.reset();  // its memory back before the larger one is allocated
+      ws = std::make_unique<ForwardWorkspace>(both);
+    }
+    ws->counters = {};
+    ws->packed = {};
+    held_.push_back(std::move(ws));
+  }
+  while (static_cast<int>(held_.size()) < count) held_.push_back(std::make_unique<ForwardWorkspace>(layout));
+}
+
+ForwardWorkspaces::~ForwardWorkspaces() {
+  KeptWorkspaces& k = kept_workspaces();
+  const std::lock_guard<std::mutex> lock(k.mutex);
+  for (std::unique_ptr<ForwardWorkspace>& ws : held_) {
+    const std::size_t bytes = ws->layout.bytes();
+    if (bytes > kKeptBytes || k.bytes + bytes > kKeptTotalBytes) continue;
+    k.bytes += bytes;
+    k.kept.push_back(std::move(ws));
+  }
 }
 
 namespace {
