@@ -195,21 +195,34 @@ struct Bf16Products {
   static std::int64_t EvenHeadDim(const ForwardParams& prm) { return (prm.problem.head_dim + 1) / 2 * 2; }
 
   // K tiles as panels of kMicroCols keys, each (head_dim_pairs, kMicroCols, 2): step p holds
-  // every key's elements 2p and 2p + 1 side by side (an odd head_dim ends with a zero); V
+  // every key's elements 2p and 2p + 1 side by side (an odd head_dim ends with a zero) — the
+  // float32 kernel's Kᵀ panel with a pair of bf16 for each float, so a panel's K rows, copied
+  // into k_pair_rows, are transposed as 32-bit pairs at its last key (TransposeKeys); V
   // tiles as panels of kMicroCols columns, each (block_k / 2, kMicroCols, 2): step p holds
   // every column's values of keys 2p and 2p + 1.
   static void Pack(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t b, std::int64_t kv_head,
                    std::int64_t from, std::int64_t to) {
     const std::int64_t bc = prm.plan.block_k, d = prm.problem.head_dim, dv = prm.problem.head_dim_v;
     const std::int64_t dv_pad = prm.plan.head_dim_v_padded, d_even = EvenHeadDim(prm);
+    const std::int64_t ld_pairs = (d_even / 2 + kLanes - 1) / kLanes * kLanes;
     constexpr std::int64_t kStep = bf16dot::kPairStep;
+    const hn::ScalableTag<std::uint32_t> du32;
+    std::uint16_t* k_rows = ws.k_pair_rows.get();  // (kMicroCols, 2·ld_pairs): the keys of one panel
+    for (std::int64_t e = 0; e < kMicroCols; ++e)
+      std::fill(k_rows + e * 2 * ld_pairs + d, k_rows + (e + 1) * 2 * ld_pairs, std::uint16_t{0});
     PackHead(prm, ws, b, kv_head, from, to, [&](std::int64_t j, const void* k_row, const void* v_row) {
-      const auto* k = static_cast<const std::uint16_t*>(k_row);
       const auto* v = static_cast<const std::uint16_t*>(v_row);
-      std::uint16_t* kt =
-          ws.k_pairs.get() + (j / bc) * d_even * bc + (j % bc) / kMicroCols * d_even * kMicroCols + j % kMicroCols * 2;
-      for (std::int64_t e = 0; e < d; ++e) kt[e / 2 * kStep + e % 2] = k != nullptr ? k[e] : 0;
-      if (d < d_even) kt[d / 2 * kStep + 1] = 0;
+      const std::int64_t e = j % kMicroCols;
+      std::uint16_t* k_dst = k_rows + e * 2 * ld_pairs;
+      if (k_row != nullptr)
+        std::memcpy(k_dst, k_row, static_cast<std::size_t>(d) * sizeof(std::uint16_t));
+      else
+        std::fill(k_dst, k_dst + d, std::uint16_t{0});
+      if (e == kMicroCols - 1)
+        TransposeKeys(du32, reinterpret_cast<const std::uint32_t*>(k_rows), ld_pairs, d_even / 2,
+                      reinterpret_cast<std::uint32_t*>(ws.k_pairs.get() + (j / bc) * d_even * bc +
+                                                       (j % bc) / kMicroCols * d_even * kMicroCols),
+                      kMicroCols);
       std::uint16_t* vt = ws.v_pairs.get() + (j / bc) * bc * dv_pad + (j % bc) / 2 * kStep + j % 2;
       for (std::int64_t c = 0; c < dv_pad; ++c)
         vt[c / kMicroCols * bc * kMicroCols + c % kMicroCols * 2] = v != nullptr && c < dv ? v[c] : 0;
