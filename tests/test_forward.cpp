@@ -172,6 +172,45 @@ TEST(Forward, ExplicitSoftmaxScale) {
   }
 }
 
+// A call's workspaces may be the ones an earlier call gave back (ForwardWorkspaces), with
+// that call's packed K/V, counters and larger or smaller buffers: calls of other layouts in
+// between — the tiled kernel's packing, decode's, more threads, longer keys — leave a
+// repeated call's output, lse and counters exactly as the first time (not kv_packed: which
+// thread packs a kv head whose items go out one by one depends on timing).
+TEST(Forward, KeptWorkspacesChangeNothing) {
+  struct Call {
+    Tensor q, k, v;
+    AttentionOptions options;
+  };
+  auto make = [](std::int64_t sq, std::int64_t sk, std::int64_t d, DType dtype, bool causal, int threads,
+                 std::uint64_t seed) {
+    Call c{random_tensor(dtype, {2, sq, 4, d}, seed), random_tensor(dtype, {2, sk, 2, d}, seed + 1),
+           random_tensor(dtype, {2, sk, 2, d}, seed + 2), {}};
+    c.options.causal = causal;
+    c.options.num_threads = threads;
+    return c;
+  };
+  const Call calls[] = {make(37, 501, 72, DType::f32, true, 3, 1), make(1, 2000, 64, DType::bf16, false, 2, 4),
+                        make(130, 1500, 40, DType::f32, false, 2, 7), make(5, 301, 72, DType::f32, false, 1, 10)};
+  auto run = [](const Call& c, KernelCounters& counters) {
+    AttentionOptions o = c.options;
+    o.counters = &counters;
+    return forward(c.q.view(), c.k.view(), c.v.view(), o);
+  };
+  std::vector<ForwardResult> first;
+  std::vector<KernelCounters> first_counts(std::size(calls));
+  for (std::size_t i = 0; i < std::size(calls); ++i) first.push_back(run(calls[i], first_counts[i]));
+  for (std::size_t i : {2u, 0u, 3u, 1u, 0u}) {
+    KernelCounters counts;
+    const ForwardResult again = run(calls[i], counts);
+    EXPECT_TRUE(bitwise_equal(again.out, first[i].out)) << "call " << i;
+    EXPECT_TRUE(bitwise_equal(again.lse, first[i].lse)) << "call " << i;
+    EXPECT_EQ(counts.tiles_computed, first_counts[i].tiles_computed) << "call " << i;
+    EXPECT_EQ(counts.scores, first_counts[i].scores) << "call " << i;
+    EXPECT_EQ(counts.rescales, first_counts[i].rescales) << "call " << i;
+  }
+}
+
 }  // namespace
 }  // namespace flashattn::test
 

@@ -38,9 +38,9 @@ std::int64_t grid_tiles(const AttentionProblem& p, const CpuForwardPlan& plan) {
 
 // Adds the threads' counts to the caller's counters; skipped tiles are the rest of `grid`
 // (summed over the jobs that ran in the threads' region).
-void add_counters(std::int64_t grid, const std::vector<cpu::ForwardWorkspace>& workspaces, KernelCounters& counters) {
+void add_counters(std::int64_t grid, const cpu::ForwardWorkspaces& workspaces, KernelCounters& counters) {
   KernelCounters sum;
-  for (const cpu::ForwardWorkspace& ws : workspaces) sum += ws.counters;
+  for (const auto& ws : workspaces.all()) sum += ws->counters;
   sum.tiles_skipped = std::max<std::int64_t>(0, grid - sum.tiles_computed);
   counters += sum;
 }
@@ -104,11 +104,10 @@ void run_region(std::span<const detail::ForwardJob> live, std::span<PlannedJob> 
     ends.push_back((ends.empty() ? 0 : ends.back()) + whole_groups + (plan.work_items - whole_groups * group_items));
   }
   const int threads = static_cast<int>(std::clamp<std::int64_t>(ends.back(), 1, hw.threads));
-  // Workspaces are allocated here, before the threads start, so that running out of memory
-  // is an exception for the caller rather than a termination inside an OpenMP region.
-  std::vector<cpu::ForwardWorkspace> workspaces;
-  workspaces.reserve(static_cast<std::size_t>(threads));
-  for (int t = 0; t < threads; ++t) workspaces.emplace_back(layout);
+  // Workspaces are taken (kept from earlier calls, or allocated) here, before the threads
+  // start, so that running out of memory is an exception for the caller rather than a
+  // termination inside an OpenMP region.
+  cpu::ForwardWorkspaces workspaces(layout, threads);
   std::vector<cpu::ForwardWorkItemFn> kernels;
   for (const PlannedJob& pj : planned) kernels.push_back(cpu::forward_work_item_kernel(pj.plan.kernel));
   // The first write to the caller's memory: planning and allocation, which may throw, are done.

@@ -62,6 +62,44 @@ struct KvRows {
   }
 };
 
+// Transposes the kLanes × kLanes block of 32-bit values held in v (rows in, columns out),
+// in registers: log2(kLanes) rounds of a perfect unshuffle across each pair of vectors
+// (ConcatEven, ConcatOdd). Element (r, c) — index bits r·kLanes + c — moves to the place
+// whose bits are those rotated right by one, so after log2(kLanes) rounds row and column
+// have swapped. AVX-512: 4 rounds of 16 two-source permutes for 256 values, where a
+// strided scalar store per value costs 256 stores. HWY_SCALAR's one lane is its own transpose.
+template <class D>
+HWY_INLINE void TransposeLanes([[maybe_unused]] D d, [[maybe_unused]] hn::Vec<D>* HWY_RESTRICT v) {
+#if HWY_TARGET != HWY_SCALAR
+  constexpr std::int64_t kHalf = kLanes / 2;
+  for (std::int64_t round = 1; round < kLanes; round *= 2) {
+    hn::Vec<D> t[kLanes];
+    for (std::int64_t i = 0; i < kHalf; ++i) {
+      t[i] = hn::ConcatEven(d, v[2 * i + 1], v[2 * i]);
+      t[kHalf + i] = hn::ConcatOdd(d, v[2 * i + 1], v[2 * i]);
+    }
+    for (std::int64_t i = 0; i < kLanes; ++i) v[i] = t[i];
+  }
+#endif
+}
+
+// panel[c·panel_stride + e] = rows[e·ld + c] for the kMicroCols rows e and columns c < cols
+// (32-bit values: float, or a pair of bf16): the transpose of a block of kMicroCols keys.
+// rows are vector-aligned, ld a multiple of kLanes (the values from cols to ld are read and
+// dropped); panel and panel_stride keep every store vector-aligned.
+template <class D>
+HWY_INLINE void TransposeKeys(D d, const hn::TFromD<D>* HWY_RESTRICT rows, std::int64_t ld, std::int64_t cols,
+                              hn::TFromD<D>* HWY_RESTRICT panel, std::int64_t panel_stride) {
+  for (std::int64_t c0 = 0; c0 < cols; c0 += kLanes)
+    for (std::int64_t half = 0; half < kMicroVecs; ++half) {
+      hn::Vec<D> v[kLanes];  // keys half·kLanes.., columns c0..
+      for (std::int64_t r = 0; r < kLanes; ++r) v[r] = hn::Load(d, rows + (half * kLanes + r) * ld + c0);
+      TransposeLanes(d, v);
+      for (std::int64_t c = 0; c < std::min(kLanes, cols - c0); ++c)
+        hn::Store(v[c], d, panel + (c0 + c) * panel_stride + half * kLanes);
+    }
+}
+
 // Prefetches the cache lines of the `bytes` bytes from `row` on: a row that is read
 // kRowPrefetchDistance rows later.
 HWY_INLINE void PrefetchRow(const void* row, std::int64_t bytes) {
@@ -76,7 +114,9 @@ HWY_INLINE void PrefetchRow(const void* row, std::int64_t bytes) {
 // same few L1 sets, which hold too few of them for the panel to stay in L1 while the row
 // strips reuse it.) `place(j, k_row, v_row)` puts key j's rows, as stored, into its panels;
 // null rows are the keys that pad the last tile, which must be zeros: masked scores must
-// meet finite K and V. With `prefetch`, the rows kRowPrefetchDistance keys ahead are fetched.
+// meet finite K and V. Keys come in order, whole tiles from a tile's first key to its last
+// (padding included), so a place that gathers a panel's keys may write the panel at its
+// last key. With `prefetch`, the rows kRowPrefetchDistance keys ahead are fetched.
 template <class PlaceFn>
 void PackKeys(const KvRows& rows, std::int64_t seqlen_k, std::int64_t block_k, std::int64_t from, std::int64_t to,
               bool prefetch, PackedHead& packed, KernelCounters& counters, PlaceFn place) {

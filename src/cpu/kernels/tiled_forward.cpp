@@ -105,25 +105,38 @@ HWY_INLINE void AccumulateTile(const StripKeys* HWY_RESTRICT keys, std::int64_t 
 // at packing (quantized caches' codes dequantized), Q pre-scaled by softmax_scale·log2e as it is loaded.
 struct Fp32Products {
   // K tiles as panels of kMicroCols keys, each (head_dim, kMicroCols) — Kᵀ; V tiles as panels
-  // of kMicroCols columns, each (block_k, kMicroCols).
+  // of kMicroCols columns, each (block_k, kMicroCols). A panel's K rows are converted into
+  // k_rows and transposed in registers at its last key (TransposeKeys); each V row is
+  // converted into v_row and copied a vector at a time into its panels. Packing only moves
+  // the converted values: padding keys and the columns from head_dim_v to head_dim_v_padded
+  // are zeros.
   static void Pack(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t b, std::int64_t kv_head,
                    std::int64_t from, std::int64_t to) {
     const std::int64_t bc = prm.plan.block_k, d = prm.problem.head_dim, dv = prm.problem.head_dim_v;
     const std::int64_t dv_pad = prm.plan.head_dim_v_padded;
-    float* krow = ws.k_row.get();
-    float* vrow = ws.v_row.get();
+    const std::int64_t ld = (d + kLanes - 1) / kLanes * kLanes;
+    const DF df;
+    float* k_rows = ws.k_rows.get();  // (kMicroCols, ld): the keys of one panel
+    float* v_row = ws.v_row.get();    // (dv_pad)
+    for (std::int64_t e = 0; e < kMicroCols; ++e) std::fill(k_rows + e * ld + d, k_rows + (e + 1) * ld, 0.0f);
+    std::fill(v_row + dv, v_row + dv_pad, 0.0f);
     const KvRows kv{&prm.k, &prm.v, &prm.paged, b, kv_head};
-    PackHead(prm, ws, b, kv_head, from, to, [&](std::int64_t j, const void* k_row, const void* v_row) {
-      const bool zero = k_row == nullptr;
-      if (!zero) {
-        kv.load_k(j, k_row, d, krow);
-        kv.load_v(j, v_row, dv, vrow);
+    PackHead(prm, ws, b, kv_head, from, to, [&](std::int64_t j, const void* k_row, const void* v_row_src) {
+      const std::int64_t e = j % kMicroCols;
+      if (k_row != nullptr) {
+        kv.load_k(j, k_row, d, k_rows + e * ld);
+        kv.load_v(j, v_row_src, dv, v_row);
+      } else {
+        std::fill(k_rows + e * ld, k_rows + e * ld + d, 0.0f);
+        std::fill(v_row, v_row + dv, 0.0f);
       }
-      float* kt = ws.k_packed.get() + (j / bc) * d * bc + (j % bc) / kMicroCols * d * kMicroCols + j % kMicroCols;
       float* vt = ws.v_packed.get() + (j / bc) * bc * dv_pad + (j % bc) * kMicroCols;
-      for (std::int64_t c = 0; c < d; ++c) kt[c * kMicroCols] = zero ? 0.0f : krow[c];
       for (std::int64_t c = 0; c < dv_pad; c += kMicroCols)
-        for (std::int64_t e = 0; e < kMicroCols; ++e) vt[c * bc + e] = zero || c + e >= dv ? 0.0f : vrow[c + e];
+        for (std::int64_t v = 0; v < kMicroVecs; ++v)
+          hn::Store(hn::Load(df, v_row + c + v * kLanes), df, vt + c * bc + v * kLanes);
+      if (e == kMicroCols - 1)
+        TransposeKeys(df, k_rows, ld, d, ws.k_packed.get() + (j / bc) * d * bc + (j % bc) / kMicroCols * d * kMicroCols,
+                      kMicroCols);
     });
   }
 
@@ -185,21 +198,34 @@ struct Bf16Products {
   static std::int64_t EvenHeadDim(const ForwardParams& prm) { return (prm.problem.head_dim + 1) / 2 * 2; }
 
   // K tiles as panels of kMicroCols keys, each (head_dim_pairs, kMicroCols, 2): step p holds
-  // every key's elements 2p and 2p + 1 side by side (an odd head_dim ends with a zero); V
+  // every key's elements 2p and 2p + 1 side by side (an odd head_dim ends with a zero) — the
+  // float32 kernel's Kᵀ panel with a pair of bf16 for each float, so a panel's K rows, copied
+  // into k_pair_rows, are transposed as 32-bit pairs at its last key (TransposeKeys); V
   // tiles as panels of kMicroCols columns, each (block_k / 2, kMicroCols, 2): step p holds
   // every column's values of keys 2p and 2p + 1.
   static void Pack(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t b, std::int64_t kv_head,
                    std::int64_t from, std::int64_t to) {
     const std::int64_t bc = prm.plan.block_k, d = prm.problem.head_dim, dv = prm.problem.head_dim_v;
     const std::int64_t dv_pad = prm.plan.head_dim_v_padded, d_even = EvenHeadDim(prm);
+    const std::int64_t ld_pairs = (d_even / 2 + kLanes - 1) / kLanes * kLanes;
     constexpr std::int64_t kStep = bf16dot::kPairStep;
+    const hn::ScalableTag<std::uint32_t> du32;
+    std::uint16_t* k_rows = ws.k_pair_rows.get();  // (kMicroCols, 2·ld_pairs): the keys of one panel
+    for (std::int64_t e = 0; e < kMicroCols; ++e)
+      std::fill(k_rows + e * 2 * ld_pairs + d, k_rows + (e + 1) * 2 * ld_pairs, std::uint16_t{0});
     PackHead(prm, ws, b, kv_head, from, to, [&](std::int64_t j, const void* k_row, const void* v_row) {
-      const auto* k = static_cast<const std::uint16_t*>(k_row);
       const auto* v = static_cast<const std::uint16_t*>(v_row);
-      std::uint16_t* kt =
-          ws.k_pairs.get() + (j / bc) * d_even * bc + (j % bc) / kMicroCols * d_even * kMicroCols + j % kMicroCols * 2;
-      for (std::int64_t e = 0; e < d; ++e) kt[e / 2 * kStep + e % 2] = k != nullptr ? k[e] : 0;
-      if (d < d_even) kt[d / 2 * kStep + 1] = 0;
+      const std::int64_t e = j % kMicroCols;
+      std::uint16_t* k_dst = k_rows + e * 2 * ld_pairs;
+      if (k_row != nullptr)
+        std::memcpy(k_dst, k_row, static_cast<std::size_t>(d) * sizeof(std::uint16_t));
+      else
+        std::fill(k_dst, k_dst + d, std::uint16_t{0});
+      if (e == kMicroCols - 1)
+        TransposeKeys(du32, reinterpret_cast<const std::uint32_t*>(k_rows), ld_pairs, d_even / 2,
+                      reinterpret_cast<std::uint32_t*>(ws.k_pairs.get() + (j / bc) * d_even * bc +
+                                                       (j % bc) / kMicroCols * d_even * kMicroCols),
+                      kMicroCols);
       std::uint16_t* vt = ws.v_pairs.get() + (j / bc) * bc * dv_pad + (j % bc) / 2 * kStep + j % 2;
       for (std::int64_t c = 0; c < dv_pad; ++c)
         vt[c / kMicroCols * bc * kMicroCols + c % kMicroCols * 2] = v != nullptr && c < dv ? v[c] : 0;

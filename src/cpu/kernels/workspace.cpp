@@ -3,6 +3,7 @@
 #include "src/cpu/kernels/workspace.hpp"
 
 #include <algorithm>
+#include <mutex>
 
 #include "src/cpu/allocate.hpp"
 #include "src/cpu/kernels/backward_kernel.hpp"
@@ -36,9 +37,10 @@ ForwardLayout::ForwardLayout(const CpuForwardPlan& plan, const AttentionProblem&
     q_bf16 = rows * d_even;
     p_bf16 = rows * bc;
     k_pairs = keys_pad * d_even;
+    k_pair_rows = static_cast<std::size_t>(plan.hardware.micro_cols) * d_pad;
     v_pairs = keys_pad * dv_pad;
   } else {
-    k_row = d_pad;
+    k_rows = static_cast<std::size_t>(plan.hardware.micro_cols) * d_pad;
     v_row = dv_pad;
     k_packed = keys_pad * d;
     v_packed = keys_pad * dv_pad;
@@ -47,9 +49,9 @@ ForwardLayout::ForwardLayout(const CpuForwardPlan& plan, const AttentionProblem&
 }
 
 std::size_t ForwardLayout::bytes() const {
-  const std::size_t floats = q_tile + k_row + v_row + s_tile + o_acc + k_packed + v_packed + q_rows + q_units +
+  const std::size_t floats = q_tile + k_rows + v_row + s_tile + o_acc + k_packed + v_packed + q_rows + q_units +
                              v_units + descales;
-  const std::size_t halves = q_bf16 + p_bf16 + k_pairs + v_pairs;
+  const std::size_t halves = q_bf16 + p_bf16 + k_pairs + v_pairs + k_pair_rows;
   return floats * sizeof(float) + halves * sizeof(std::uint16_t) +
          rows * (sizeof(OnlineSoftmaxState) + sizeof(std::int32_t)) + decode_keys * DecodeKeys::kBytesPerKey +
          strips * sizeof(StripKeys);
@@ -57,10 +59,10 @@ std::size_t ForwardLayout::bytes() const {
 
 void ForwardLayout::widen(const ForwardLayout& o) {
   for (auto [mine, theirs] :
-       {std::pair{&rows, o.rows}, {&q_tile, o.q_tile}, {&k_row, o.k_row}, {&v_row, o.v_row}, {&s_tile, o.s_tile},
+       {std::pair{&rows, o.rows}, {&q_tile, o.q_tile}, {&k_rows, o.k_rows}, {&v_row, o.v_row}, {&s_tile, o.s_tile},
         {&o_acc, o.o_acc}, {&k_packed, o.k_packed}, {&v_packed, o.v_packed}, {&q_rows, o.q_rows},
         {&q_units, o.q_units}, {&v_units, o.v_units}, {&descales, o.descales}, {&q_bf16, o.q_bf16},
-        {&p_bf16, o.p_bf16}, {&k_pairs, o.k_pairs}, {&v_pairs, o.v_pairs}, {&strips, o.strips},
+        {&p_bf16, o.p_bf16}, {&k_pairs, o.k_pairs}, {&v_pairs, o.v_pairs}, {&k_pair_rows, o.k_pair_rows}, {&strips, o.strips},
         {&decode_keys, o.decode_keys}})
     *mine = std::max(*mine, theirs);
 }
@@ -72,13 +74,13 @@ std::size_t forward_workspace_bytes(const CpuForwardPlan& plan, const AttentionP
 ForwardWorkspace::ForwardWorkspace(const CpuForwardPlan& plan, const AttentionProblem& p)
     : ForwardWorkspace(ForwardLayout(plan, p)) {}
 
-ForwardWorkspace::ForwardWorkspace(const ForwardLayout& l) {
+ForwardWorkspace::ForwardWorkspace(const ForwardLayout& l) : layout(l) {
   q_tile = allocate_floats(l.q_tile);
   s_tile = allocate_floats(l.s_tile);
   o_acc = allocate_floats(l.o_acc);
   k_packed = allocate_floats(l.k_packed);
   v_packed = allocate_floats(l.v_packed);
-  k_row = allocate_floats(l.k_row);
+  k_rows = allocate_floats(l.k_rows);
   v_row = allocate_floats(l.v_row);
   q_rows = allocate_floats(l.q_rows);
   q_units = allocate_floats(l.q_units);
@@ -91,9 +93,69 @@ ForwardWorkspace::ForwardWorkspace(const ForwardLayout& l) {
     q_bf16 = allocate_array<std::uint16_t>(l.q_bf16);
     p_bf16 = allocate_array<std::uint16_t>(l.p_bf16);
     k_pairs = allocate_array<std::uint16_t>(l.k_pairs);
+    k_pair_rows = allocate_array<std::uint16_t>(l.k_pair_rows);
     v_pairs = allocate_array<std::uint16_t>(l.v_pairs);
   }
   decode_keys.resize(l.decode_keys);
+}
+
+namespace {
+
+// Every buffer of `have` at least as large as `need`'s.
+bool has_room(const ForwardLayout& have, const ForwardLayout& need) {
+  ForwardLayout both = have;
+  both.widen(need);
+  return both.bytes() == have.bytes();
+}
+
+// The workspaces given back, for later calls (ForwardWorkspaces).
+struct KeptWorkspaces {
+  std::mutex mutex;
+  std::vector<std::unique_ptr<ForwardWorkspace>> kept;
+  std::size_t bytes = 0;
+};
+KeptWorkspaces& kept_workspaces() {
+  static KeptWorkspaces k;
+  return k;
+}
+
+}  // namespace
+
+ForwardWorkspaces::ForwardWorkspaces(const ForwardLayout& layout, int count) {
+  std::vector<std::unique_ptr<ForwardWorkspace>> taken;
+  {
+    KeptWorkspaces& k = kept_workspaces();
+    const std::lock_guard<std::mutex> lock(k.mutex);
+    while (!k.kept.empty() && static_cast<int>(taken.size()) < count) {
+      k.bytes -= k.kept.back()->layout.bytes();
+      taken.push_back(std::move(k.kept.back()));
+      k.kept.pop_back();
+    }
+  }
+  held_.reserve(static_cast<std::size_t>(count));
+  for (std::unique_ptr<ForwardWorkspace>& ws : taken) {
+    if (!has_room(ws->layout, layout)) {
+      ForwardLayout both = ws->layout;
+      both.widen(layout);
+      ws.reset();  // its memory back before the larger one is allocated
+      ws = std::make_unique<ForwardWorkspace>(both);
+    }
+    ws->counters = {};
+    ws->packed = {};
+    held_.push_back(std::move(ws));
+  }
+  while (static_cast<int>(held_.size()) < count) held_.push_back(std::make_unique<ForwardWorkspace>(layout));
+}
+
+ForwardWorkspaces::~ForwardWorkspaces() {
+  KeptWorkspaces& k = kept_workspaces();
+  const std::lock_guard<std::mutex> lock(k.mutex);
+  for (std::unique_ptr<ForwardWorkspace>& ws : held_) {
+    const std::size_t bytes = ws->layout.bytes();
+    if (bytes > kKeptBytes || k.bytes + bytes > kKeptTotalBytes) continue;
+    k.bytes += bytes;
+    k.kept.push_back(std::move(ws));
+  }
 }
 
 namespace {

@@ -1,11 +1,13 @@
 // The forward kernels' per-thread workspace as a named layout: ForwardLayout sizes every
-// buffer from the plan, ForwardWorkspace allocates them, and the plan reports their bytes
-// (forward_workspace_bytes). Each buffer has one role; the kernels never carve one buffer
-// out of another.
+// buffer from the plan, ForwardWorkspace allocates them, the plan reports their bytes
+// (forward_workspace_bytes), and ForwardWorkspaces hands a call its threads' workspaces,
+// kept from earlier calls where it can. Each buffer has one role; the kernels never carve
+// one buffer out of another.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include <hwy/aligned_allocator.h>
@@ -64,10 +66,10 @@ struct ForwardLayout {
 
   std::size_t rows = 0;
   // float32
-  std::size_t q_tile = 0, k_row = 0, v_row = 0, s_tile = 0, o_acc = 0, k_packed = 0, v_packed = 0;
+  std::size_t q_tile = 0, k_rows = 0, v_row = 0, s_tile = 0, o_acc = 0, k_packed = 0, v_packed = 0;
   std::size_t q_rows = 0, q_units = 0, v_units = 0, descales = 0;  // decode
   // bf16 (tiled_bf16)
-  std::size_t q_bf16 = 0, p_bf16 = 0, k_pairs = 0, v_pairs = 0;
+  std::size_t q_bf16 = 0, p_bf16 = 0, k_pairs = 0, v_pairs = 0, k_pair_rows = 0;
   std::size_t strips = 0;       // StripKeys (tiled)
   std::size_t decode_keys = 0;  // DecodeKeys entries (decode)
 };
@@ -79,10 +81,14 @@ struct ForwardWorkspace {
   explicit ForwardWorkspace(const CpuForwardPlan& plan, const AttentionProblem& problem);
   explicit ForwardWorkspace(const ForwardLayout& layout);
 
+  ForwardLayout layout;  // what the buffers hold room for
+
   // The Q tile: (tiled) (block_q, head_dim), pre-scaled; (decode) the Q panels, (heads_kv ·
   // block_q, head_dim rounded to two vectors) — decode_fp16: the same panels in halves.
   hwy::AlignedFreeUniquePtr<float[]> q_tile;
-  hwy::AlignedFreeUniquePtr<float[]> k_row, v_row;  // (tiled) one K and one V row, converted, while packing
+  // (tiled) while packing, converted: the K rows of one panel, (micro_cols, head_dim rounded up
+  // to 32), and one V row, (head_dim_v_padded)
+  hwy::AlignedFreeUniquePtr<float[]> k_rows, v_row;
   hwy::AlignedFreeUniquePtr<float[]> s_tile;        // (rows, block_k): S, then P in place
   hwy::AlignedFreeUniquePtr<float[]> o_acc;         // (rows, head_dim_v_padded): õ
   // (tiled) k tiles of Kᵀ, each as contiguous panels of kMicroCols keys, (head_dim, kMicroCols)
@@ -105,7 +111,9 @@ struct ForwardWorkspace {
   // rows); P rounded, (block_q, block_k); k tiles of K, each as panels of kMicroCols keys,
   // (head_dim_pairs, kMicroCols, 2) each; k tiles of V, each as panels of kMicroCols columns,
   // (block_k / 2, kMicroCols, 2) each. The float32 Q tile and packed K/V are unused then.
-  hwy::AlignedFreeUniquePtr<std::uint16_t[]> q_bf16, p_bf16, k_pairs, v_pairs;
+  // k_pair_rows: while packing, the K rows of one panel as stored, (micro_cols, head_dim
+  // rounded up to 32).
+  hwy::AlignedFreeUniquePtr<std::uint16_t[]> q_bf16, p_bf16, k_pairs, v_pairs, k_pair_rows;
   DecodeKeys decode_keys;  // (block_k + kDecodePrefetchKeys): a key block's rows (decode)
   PackedHead packed;       // which head k/v buffers hold, and how much of it
   KernelCounters counters;  // this thread's share of the call's counts (counters.hpp)
@@ -113,5 +121,37 @@ struct ForwardWorkspace {
 
 // Bytes ForwardWorkspace allocates for this plan (the plan reports it).
 std::size_t forward_workspace_bytes(const CpuForwardPlan& plan, const AttentionProblem& problem);
+
+// Forward workspaces kept from one call for the next. A new workspace's buffers are fresh
+// pages, each faulted in and zeroed by the kernel on its first touch: the packed K/V alone
+// are keys · (head_dim + head_dim_v_padded) floats a thread, 4 MiB at 4096 keys and D = 128,
+// and issue 23's shared-prefix step faulted 2,300 pages a call, ~3 ms of CPU beside ~48 of
+// attention (perf, Xeon of docs/performance.md, 2026-12-03). A call takes its workspaces
+// before its threads start (so running out of memory is the caller's Error) and gives them
+// back when it ends, even by an exception; concurrent calls take different ones. A kept
+// workspace may be larger than the plan's workspace_bytes_per_thread: up to the largest
+// layout its earlier calls needed, within kKeptBytes.
+class ForwardWorkspaces {
+ public:
+  // `count` workspaces, each with room for `layout`: kept ones first (one too small is
+  // replaced by one with room for both layouts, so that calls that alternate two layouts
+  // stop allocating), then new ones. Counters zeroed, nothing packed.
+  ForwardWorkspaces(const ForwardLayout& layout, int count);
+  ~ForwardWorkspaces();
+  ForwardWorkspaces(const ForwardWorkspaces&) = delete;
+  ForwardWorkspaces& operator=(const ForwardWorkspaces&) = delete;
+
+  ForwardWorkspace& operator[](std::size_t i) { return *held_[i]; }
+  const std::vector<std::unique_ptr<ForwardWorkspace>>& all() const { return held_; }
+
+  // What is kept at most: workspaces beyond kKeptBytes each (their calls' work dwarfs their
+  // page faults: 8192 keys at D = 128 is 8 MiB) or beyond kKeptTotalBytes together (8 of
+  // those: two per core on a 4-core machine) are freed when given back.
+  static constexpr std::size_t kKeptBytes = std::size_t{16} << 20;
+  static constexpr std::size_t kKeptTotalBytes = std::size_t{128} << 20;
+
+ private:
+  std::vector<std::unique_ptr<ForwardWorkspace>> held_;
+};
 
 }  // namespace flashattn::cpu
