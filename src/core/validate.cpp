@@ -67,8 +67,7 @@ void check_view(const char* name, const TensorView& view, int rank, const char* 
          __builtin_add_overflow(extent, term, &extent) ||
          __builtin_mul_overflow(count, view.shape[d], &count) ||
          __builtin_mul_overflow(extent + 1, static_cast<std::int64_t>(dtype_size(view.dtype)), &bytes)))
-      throw Error(std::string(name) + ": shape " + shape_string(view) +
-                  " with its strides overflows 64-bit indexing");
+      throw Error(std::string(name) + ": shape " + shape_string(view) + " with its strides overflows 64-bit indexing");
   }
   if (view.data == nullptr && view.numel() > 0)
     throw Error(std::string(name) + ": null data with " + std::to_string(view.numel()) + " elements");

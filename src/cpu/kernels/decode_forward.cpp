@@ -190,7 +190,8 @@ void ResolveKeys(const ForwardParams& prm, std::int64_t b, std::int64_t j0, std:
   // The entries of a scale or zero-point table (null: none) for `run` slots from `slot` on.
   auto fill = [](const float* table, const KvScales& scales, std::int64_t page, std::int64_t slot, std::int64_t run,
                  const float** dst) {
-    for (std::int64_t i = 0; i < run; ++i) dst[i] = table != nullptr ? table + scales.offset(page, slot + i, 0) : nullptr;
+    for (std::int64_t i = 0; i < run; ++i)
+      dst[i] = table != nullptr ? table + scales.offset(page, slot + i, 0) : nullptr;
   };
   for (std::int64_t c = 0; c < count;) {
     const std::int64_t page = kv.page(j0 + c), slot = (j0 + c) % page_size;
