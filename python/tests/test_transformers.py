@@ -411,6 +411,21 @@ def test_bench_smoke():
         assert 0 < best <= median and tokens_per_s > 0 and 0 < share < 1
 
 
+def test_decode_call_bench_smoke():
+    """bench/decode_call.py times a decode step's call at each layer (the integration's direct
+    route taken: the bench reads the options it cached)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "decode_call.py")
+    spec = importlib.util.spec_from_file_location("decode_call", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.main(["--keys", "16,40", "--dtypes", "f32,bf16", "--threads", "1", "--seconds", "0.01", "--cpu-time"])
+    assert [row[:3] for row in rows] == [("f32", 1, 16), ("f32", 1, 40), ("bf16", 1, 16), ("bf16", 1, 40)]
+    for *_, layer, direct, native in rows:
+        assert layer > 0 and direct > 0 and native > 0
+
+
 def test_sentence_transformers_encode_equals_sdpa():
     """The same model through sentence-transformers (its own pooling and normalization), the way
     its users load it: model_kwargs={"attn_implementation": ATTN_IMPLEMENTATION}."""

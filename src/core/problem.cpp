@@ -14,8 +14,12 @@ constexpr const char* kQLayout = "(batch, seqlen_q, heads_q, head_dim)";
 constexpr const char* kKLayout = "(batch, seqlen_k, heads_kv, head_dim)";
 constexpr const char* kVLayout = "(batch, seqlen_k, heads_kv, head_dim_v)";
 
-void require(bool ok, const std::string& message) {
-  if (!ok) throw Error(message);
+// Throws Error(message()) unless ok: the message is built only when it is thrown (formatting
+// the floats and sizes of ~20 messages was ~1 µs of every call).
+template <class Message>
+void require(bool ok, const Message& message) {
+  if (!ok) [[unlikely]]
+    throw Error(message());
 }
 
 std::string str(std::int64_t v) { return std::to_string(v); }
@@ -27,43 +31,46 @@ AttentionProblem AttentionProblem::from_sizes(std::int64_t batch, std::int64_t s
                                               std::int64_t heads_kv, std::int64_t head_dim,
                                               std::int64_t head_dim_v, DType dtype,
                                               const AttentionOptions& options) {
-  require(batch >= 0, "batch: must be >= 0, got " + str(batch));
-  require(seqlen_q >= 0, "seqlen_q: must be >= 0, got " + str(seqlen_q));
-  require(seqlen_k >= 0, "seqlen_k: must be >= 0, got " + str(seqlen_k));
-  require(heads_q >= 1, "heads_q: must be >= 1, got " + str(heads_q));
-  require(heads_kv >= 1, "heads_kv: must be >= 1, got " + str(heads_kv));
-  require(heads_q % heads_kv == 0, "heads: q has " + str(heads_q) +
-                                       " heads, not a multiple of k/v's " + str(heads_kv) +
-                                       " heads (grouped-query attention needs heads_q = "
-                                       "g · heads_kv)");
+  require(batch >= 0, [&] { return "batch: must be >= 0, got " + str(batch); });
+  require(seqlen_q >= 0, [&] { return "seqlen_q: must be >= 0, got " + str(seqlen_q); });
+  require(seqlen_k >= 0, [&] { return "seqlen_k: must be >= 0, got " + str(seqlen_k); });
+  require(heads_q >= 1, [&] { return "heads_q: must be >= 1, got " + str(heads_q); });
+  require(heads_kv >= 1, [&] { return "heads_kv: must be >= 1, got " + str(heads_kv); });
+  require(heads_q % heads_kv == 0, [&] {
+    return "heads: q has " + str(heads_q) + " heads, not a multiple of k/v's " + str(heads_kv) +
+           " heads (grouped-query attention needs heads_q = "
+           "g · heads_kv)";
+  });
   require(head_dim >= 1 && head_dim <= kMaxHeadDim,
-          "head_dim: " + str(head_dim) + " out of range [1, " + str(kMaxHeadDim) + "]");
+          [&] { return "head_dim: " + str(head_dim) + " out of range [1, " + str(kMaxHeadDim) + "]"; });
   require(head_dim_v >= 1 && head_dim_v <= kMaxHeadDim,
-          "head_dim_v: " + str(head_dim_v) + " out of range [1, " + str(kMaxHeadDim) + "]");
+          [&] { return "head_dim_v: " + str(head_dim_v) + " out of range [1, " + str(kMaxHeadDim) + "]"; });
   if (options.softmax_scale)
     require(std::isfinite(*options.softmax_scale),
-            "softmax_scale: must be finite, got " + std::to_string(*options.softmax_scale));
-  require(options.window_size.left >= -1 && options.window_size.right >= -1,
-          "window_size: (" + str(options.window_size.left) + ", " + str(options.window_size.right) +
-              ") but each side must be >= -1 (-1 = unbounded)");
+            [&] { return "softmax_scale: must be finite, got " + std::to_string(*options.softmax_scale); });
+  require(options.window_size.left >= -1 && options.window_size.right >= -1, [&] {
+    return "window_size: (" + str(options.window_size.left) + ", " + str(options.window_size.right) +
+           ") but each side must be >= -1 (-1 = unbounded)";
+  });
   require(std::isfinite(options.softcap) && options.softcap >= 0.0f,
-          "softcap: must be >= 0 (0 disables it), got " + std::to_string(options.softcap));
+          [&] { return "softcap: must be >= 0 (0 disables it), got " + std::to_string(options.softcap); });
   require(options.dropout_p >= 0.0f && options.dropout_p < 1.0f,
-          "dropout_p: must be in [0, 1), got " + std::to_string(options.dropout_p));
+          [&] { return "dropout_p: must be in [0, 1), got " + std::to_string(options.dropout_p); });
   require(options.num_splits >= 0,
-          "num_splits: must be >= 0 (0 = automatic), got " + str(options.num_splits));
+          [&] { return "num_splits: must be >= 0 (0 = automatic), got " + str(options.num_splits); });
   require(options.exp2_poly3_fraction >= 0.0f && options.exp2_poly3_fraction <= 1.0f,
-          "exp2_poly3_fraction: must be in [0, 1], got " + std::to_string(options.exp2_poly3_fraction));
+          [&] { return "exp2_poly3_fraction: must be in [0, 1], got " + std::to_string(options.exp2_poly3_fraction); });
   if (options.rescale_threshold) {
     const float t = *options.rescale_threshold;
-    require(t >= 0.0f && t <= kMaxRescaleThreshold,
-            "rescale_threshold: must be in [0, " + std::to_string(kMaxRescaleThreshold) +
-                "] (log2 units; 0 = rescale whenever the maximum grows), got " + std::to_string(t));
+    require(t >= 0.0f && t <= kMaxRescaleThreshold, [&] {
+      return "rescale_threshold: must be in [0, " + std::to_string(kMaxRescaleThreshold) +
+             "] (log2 units; 0 = rescale whenever the maximum grows), got " + std::to_string(t);
+    });
   }
   require(options.block_q >= 0,
-          "block_q: must be >= 0 (0 = the planner's choice), got " + str(options.block_q));
+          [&] { return "block_q: must be >= 0 (0 = the planner's choice), got " + str(options.block_q); });
   require(options.num_threads >= 0,
-          "num_threads: must be >= 0 (0 = all cores), got " + str(options.num_threads));
+          [&] { return "num_threads: must be >= 0 (0 = all cores), got " + str(options.num_threads); });
 
   AttentionProblem p;
   p.batch = batch;
@@ -97,7 +104,8 @@ AttentionProblem AttentionProblem::from_sizes(std::int64_t batch, std::int64_t s
     detail::check_shape("sinks", s, {heads_q}, "(heads_q)");
     for (std::int64_t h = 0; s.device == Device::cpu && h < heads_q; ++h) {
       const float x = static_cast<const float*>(s.data)[h * s.strides[0]];
-      require(std::isfinite(x), "sinks: sink logit of head " + str(h) + " is " + std::to_string(x) + ", expected finite");
+      require(std::isfinite(x),
+              [&] { return "sinks: sink logit of head " + str(h) + " is " + std::to_string(x) + ", expected finite"; });
     }
   }
   p.block_mask_block_size = options.block_mask.data != nullptr || options.block_mask.rank != 0
@@ -115,7 +123,7 @@ AttentionProblem AttentionProblem::from_sizes(std::int64_t batch, std::int64_t s
   if (p.alibi) {
     const TensorView& a = options.alibi_slopes;
     require(a.rank == 1 || a.rank == 2,
-            "alibi_slopes: expected rank 1 (heads_q) or 2 (batch, heads_q), got rank " + str(a.rank));
+            [&] { return "alibi_slopes: expected rank 1 (heads_q) or 2 (batch, heads_q), got rank " + str(a.rank); });
     detail::check_view("alibi_slopes", a, a.rank, a.rank == 1 ? "(heads_q)" : "(batch, heads_q)");
     detail::check_dtype("alibi_slopes", a, DType::f32, "slopes are float32");
     if (a.rank == 1)
@@ -125,7 +133,7 @@ AttentionProblem AttentionProblem::from_sizes(std::int64_t batch, std::int64_t s
   }
   if (options.block_mask.data != nullptr || options.block_mask.rank != 0) {
     const std::int64_t bs = options.block_mask_block_size;
-    require(bs >= 1, "block_mask_block_size: must be >= 1 with a block_mask, got " + str(bs));
+    require(bs >= 1, [&] { return "block_mask_block_size: must be >= 1 with a block_mask, got " + str(bs); });
     const TensorView& m = options.block_mask;
     detail::check_view("block_mask", m, 2, "(q blocks, k blocks)");
     detail::check_dtype("block_mask", m, DType::u8, "a boolean mask, one byte per block");
@@ -136,35 +144,40 @@ AttentionProblem AttentionProblem::from_sizes(std::int64_t batch, std::int64_t s
     const TensorView& m = options.attn_mask;
     // Checked as on the host whatever its device (the CUDA backend rejects it by name).
     detail::check_view("attn_mask", m.on(Device::cpu), 4, "broadcastable to (batch, heads_q, seqlen_q, seqlen_k)");
-    require(m.dtype == DType::u8 || is_floating(m.dtype),
-            "attn_mask: dtype " + to_string(m.dtype) + " is neither u8 (a boolean mask) nor f32, bf16, f16 (a bias)");
+    require(m.dtype == DType::u8 || is_floating(m.dtype), [&] {
+      return "attn_mask: dtype " + to_string(m.dtype) + " is neither u8 (a boolean mask) nor f32, bf16, f16 (a bias)";
+    });
     const std::int64_t full[4] = {batch, heads_q, seqlen_q, seqlen_k};
     for (int d = 0; d < 4; ++d)
-      require(m.shape[d] == full[d] || m.shape[d] == 1,
-              "attn_mask: shape " + detail::shape_string(m) + " does not broadcast to (batch, heads_q, seqlen_q, seqlen_k) = (" +
-                  str(batch) + ", " + str(heads_q) + ", " + str(seqlen_q) + ", " + str(seqlen_k) + "): dim " + str(d) +
-                  " must be " + str(full[d]) + " or 1");
+      require(m.shape[d] == full[d] || m.shape[d] == 1, [&] {
+        return "attn_mask: shape " + detail::shape_string(m) +
+               " does not broadcast to (batch, heads_q, seqlen_q, seqlen_k) = (" + str(batch) + ", " + str(heads_q) +
+               ", " + str(seqlen_q) + ", " + str(seqlen_k) + "): dim " + str(d) + " must be " + str(full[d]) + " or 1";
+      });
     p.attn_mask = m.dtype == DType::u8 ? MaskKind::boolean : MaskKind::bias;
   }
   if (const ScoreHook& hook = options.score_hook; hook.apply != nullptr) {
-    require(hook.score != nullptr || hook.mask != nullptr,
-            "score_hook: has neither a score_mod nor a mask_mod (ScoreHook::score and ::mask are both null)");
+    require(hook.score != nullptr || hook.mask != nullptr, [&] {
+      return "score_hook: has neither a score_mod nor a mask_mod (ScoreHook::score and ::mask are both null)";
+    });
     if (hook.block_size != 0 || hook.block_mask.data != nullptr || hook.block_mask.rank != 0) {
       const std::int64_t bs = hook.block_size;
-      require(bs >= 1, "score_hook.block_size: must be >= 1 with a block mask, got " + str(bs));
+      require(bs >= 1, [&] { return "score_hook.block_size: must be >= 1 with a block mask, got " + str(bs); });
       const TensorView& m = hook.block_mask;
       detail::check_view("score_hook.block_mask", m, 4, "(batch or 1, heads_q or 1, q blocks, kv blocks)");
       detail::check_dtype("score_hook.block_mask", m, DType::u8, "ScoreBlock values, one byte per block");
       const std::int64_t want[4] = {batch, heads_q, (seqlen_q + bs - 1) / bs, (seqlen_k + bs - 1) / bs};
       for (int d = 0; d < 4; ++d)
-        require(m.shape[d] == want[d] || (d < 2 && m.shape[d] == 1),
-                "score_hook.block_mask: shape " + detail::shape_string(m) + " is not (batch or 1, heads_q or 1, " +
-                    "ceil(seqlen_q / block), ceil(seqlen_k / block)) = (" + str(batch) + ", " + str(heads_q) + ", " +
-                    str(want[2]) + ", " + str(want[3]) + ") for block_size " + str(bs));
+        require(m.shape[d] == want[d] || (d < 2 && m.shape[d] == 1), [&] {
+          return "score_hook.block_mask: shape " + detail::shape_string(m) + " is not (batch or 1, heads_q or 1, " +
+                 "ceil(seqlen_q / block), ceil(seqlen_k / block)) = (" + str(batch) + ", " + str(heads_q) + ", " +
+                 str(want[2]) + ", " + str(want[3]) + ") for block_size " + str(bs);
+        });
     }
   } else {
-    require(hook.score == nullptr && hook.mask == nullptr && hook.block_mask.data == nullptr,
-            "score_hook: apply is null but score, mask or block_mask is set (build it with FlexMods::hook)");
+    require(hook.score == nullptr && hook.mask == nullptr && hook.block_mask.data == nullptr, [&] {
+      return "score_hook: apply is null but score, mask or block_mask is set (build it with FlexMods::hook)";
+    });
   }
   return p;
 }
@@ -179,16 +192,16 @@ AttentionProblem AttentionProblem::from_inputs(const TensorView& q, const Tensor
     throw Error("q: dtype " + to_string(q.dtype) + " is not a floating dtype (f32, bf16, f16)");
   detail::check_dtype("k", k, q.dtype, "k must have q's dtype");
   detail::check_dtype("v", v, q.dtype, "v must have q's dtype");
-  require(k.shape[0] == q.shape[0], "k: batch " + str(k.shape[0]) +
-                                        " does not match q batch " + str(q.shape[0]));
-  require(v.shape[0] == q.shape[0], "v: batch " + str(v.shape[0]) +
-                                        " does not match q batch " + str(q.shape[0]));
-  require(v.shape[1] == k.shape[1], "v: seqlen " + str(v.shape[1]) +
-                                        " does not match k seqlen " + str(k.shape[1]));
-  require(v.shape[2] == k.shape[2], "v: heads " + str(v.shape[2]) +
-                                        " does not match k heads " + str(k.shape[2]));
-  require(k.shape[3] == q.shape[3], "k: head_dim " + str(k.shape[3]) +
-                                        " does not match q head_dim " + str(q.shape[3]));
+  require(k.shape[0] == q.shape[0],
+          [&] { return "k: batch " + str(k.shape[0]) + " does not match q batch " + str(q.shape[0]); });
+  require(v.shape[0] == q.shape[0],
+          [&] { return "v: batch " + str(v.shape[0]) + " does not match q batch " + str(q.shape[0]); });
+  require(v.shape[1] == k.shape[1],
+          [&] { return "v: seqlen " + str(v.shape[1]) + " does not match k seqlen " + str(k.shape[1]); });
+  require(v.shape[2] == k.shape[2],
+          [&] { return "v: heads " + str(v.shape[2]) + " does not match k heads " + str(k.shape[2]); });
+  require(k.shape[3] == q.shape[3],
+          [&] { return "k: head_dim " + str(k.shape[3]) + " does not match q head_dim " + str(q.shape[3]); });
   return from_sizes(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3],
                     v.shape[3], q.dtype, options);
 }

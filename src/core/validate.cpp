@@ -40,23 +40,22 @@ std::string shape_string(const TensorView& view) {
 }
 
 void check_view(const char* name, const TensorView& view, int rank, const char* layout) {
-  const std::string n = name;
   if (view.device != Device::cpu)
-    throw Error(n + ": on " + to_string(view.device) + ", but this entry point runs on the cpu only");
+    throw Error(std::string(name) + ": on " + to_string(view.device) + ", but this entry point runs on the cpu only");
   if (view.rank != rank)
-    throw Error(n + ": expected rank " + std::to_string(rank) + " " + layout + ", got rank " +
+    throw Error(std::string(name) + ": expected rank " + std::to_string(rank) + " " + layout + ", got rank " +
                 std::to_string(view.rank));
   for (int d = 0; d < rank; ++d)
     if (view.shape[d] < 0)
-      throw Error(n + ": negative size " + std::to_string(view.shape[d]) + " in dim " +
+      throw Error(std::string(name) + ": negative size " + std::to_string(view.shape[d]) + " in dim " +
                   std::to_string(d) + " of shape " + shape_string(view));
   for (int d = 0; d < rank; ++d) {
     if (view.strides[d] < 0)
-      throw Error(n + ": negative stride " + std::to_string(view.strides[d]) + " in dim " +
+      throw Error(std::string(name) + ": negative stride " + std::to_string(view.strides[d]) + " in dim " +
                   std::to_string(d) + " (only non-negative strides are supported)");
   }
   if (view.shape[rank - 1] > 1 && view.strides[rank - 1] != 1 && view.numel() > 0)
-    throw Error(n + ": last dimension must be contiguous (stride 1), got stride " +
+    throw Error(std::string(name) + ": last dimension must be contiguous (stride 1), got stride " +
                 std::to_string(view.strides[rank - 1]));
   // Extent must be addressable: Σ (size − 1)·stride in bytes and the element count fit
   // in int64.
@@ -68,11 +67,10 @@ void check_view(const char* name, const TensorView& view, int rank, const char* 
          __builtin_add_overflow(extent, term, &extent) ||
          __builtin_mul_overflow(count, view.shape[d], &count) ||
          __builtin_mul_overflow(extent + 1, static_cast<std::int64_t>(dtype_size(view.dtype)), &bytes)))
-      throw Error(n + ": shape " + shape_string(view) +
-                  " with its strides overflows 64-bit indexing");
+      throw Error(std::string(name) + ": shape " + shape_string(view) + " with its strides overflows 64-bit indexing");
   }
   if (view.data == nullptr && view.numel() > 0)
-    throw Error(n + ": null data with " + std::to_string(view.numel()) + " elements");
+    throw Error(std::string(name) + ": null data with " + std::to_string(view.numel()) + " elements");
 }
 
 void check_dtype(const char* name, const TensorView& view, DType expected, const char* why) {

@@ -50,11 +50,12 @@ ATTN_IMPLEMENTATION = "fa_cpu"
 # flashattn does not take (an additive bias, sinks of unknown semantics, packed sequences, head masks).
 _REFUSED = ("position_bias", "sinks", "head_mask", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
             "max_length_k", "indices", "block_indices", "block_table")
+_REFUSED_SET = frozenset(_REFUSED)
 
 # The dtype names of the native core, for the direct route of _dense_inference.
 _DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
-# Native options of the direct route by (scale, causal, window, softcap, threads): a model's
-# layers share one entry, so a decode step builds none.
+# The native options and dtype names of the direct route by (scale, causal, window, softcap,
+# threads, q, k and v's dtypes): a model's layers share one entry, so a decode step builds none.
 _OPTIONS = {}
 
 
@@ -65,25 +66,25 @@ def _dense_inference(q, k, v, scaling, causal, window, softcap):
     The same kernel and options as flash_attn_func: this saves the Python layers' 20-30 µs a
     call, as much as the kernel takes on a decode step over a short cache. The caller holds
     q, k, v (and this function out and lse) while the native call reads them."""
-    names = (_DTYPE_NAMES.get(q.dtype), _DTYPE_NAMES.get(k.dtype), _DTYPE_NAMES.get(v.dtype))
-    if None in names or q.dim() != 4 or not _torch_ops.direct(q, k, v) or 1 not in (
+    if q.dim() != 4 or not _torch_ops.direct(q, k, v) or 1 not in (
             q.stride(-1), q.shape[-1]) or k.stride(-1) != 1 or v.stride(-1) != 1:
         return None
-    threads = _impl._resolve_threads(None, True)
-    key = (scaling, causal, window, softcap, threads)
-    options = _OPTIONS.get(key)
-    if options is None:
+    key = (scaling, causal, window, softcap, _impl._resolve_threads(None, True), q.dtype, k.dtype, v.dtype)
+    entry = _OPTIONS.get(key)
+    if entry is None:
+        names = (_DTYPE_NAMES.get(q.dtype), _DTYPE_NAMES.get(k.dtype), _DTYPE_NAMES.get(v.dtype))
+        if None in names:
+            return None
         options = _impl._options(0.0, scaling, causal, window, softcap, None, False, None)
-        options.num_threads = threads
-        _OPTIONS[key] = options
+        options.num_threads = key[4]
+        entry = _OPTIONS[key] = (options, {"q": names[0], "k": names[1], "v": names[2], "out": names[0]})
     b, sq, hq, _ = q.shape
     out = q.new_empty((b, sq, hq, v.shape[-1]))
     lse = q.new_empty((b, hq, sq), dtype=torch.float32)
     # DLPack capsules made by torch's C function: handing the tensors themselves makes the
     # binding call each one's Python-level __dlpack__, 13 µs of a decode call's 66 (f32,
     # 1025 keys, 1 thread, on the Xeon of docs/performance.md).
-    _C.forward(*map(to_dlpack, (q, k, v, out, lse)), {"q": names[0], "k": names[1], "v": names[2], "out": names[0]},
-               options)
+    _C.forward(to_dlpack(q), to_dlpack(k), to_dlpack(v), to_dlpack(out), to_dlpack(lse), entry[1], entry[0])
     return out
 
 
@@ -293,9 +294,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if kwargs.get("output_attentions"):
         raise ValueError(f"output_attentions=True: attn_implementation={ATTN_IMPLEMENTATION!r} never forms the "
                          "attention probabilities; load the model with attn_implementation='eager' to get them")
-    for name in _REFUSED:
-        if kwargs.get(name) is not None:
-            raise ValueError(f"{name}: not supported by attn_implementation={ATTN_IMPLEMENTATION!r}")
+    if not _REFUSED_SET.isdisjoint(kwargs):
+        for name in _REFUSED:
+            if kwargs.get(name) is not None:
+                raise ValueError(f"{name}: not supported by attn_implementation={ATTN_IMPLEMENTATION!r}")
     batch, _, q_length, _ = query.shape
     kv_length = key.shape[2]
     if isinstance(attention_mask, _Plan):
@@ -318,23 +320,28 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         plan = _Plan(batch, q_length, kv_length, causal, window)
 
     sinks = kwargs.get("s_aux")  # gpt-oss: (Hq) unscaled logits, as learnable_sink
-    options = dict(dropout_p=float(dropout), softmax_scale=scaling, causal=plan.causal, window_size=plan.window,
-                   softcap=0.0 if softcap is None else float(softcap), learnable_sink=sinks)
+    dropout, softcap = float(dropout), 0.0 if softcap is None else float(softcap)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
+    needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad or (
+        sinks is not None and sinks.requires_grad))
     if plan.varlen is None:
         k0, k1 = plan.keys
         if (k0, k1) != (0, kv_length):
             k, v = k[:, k0:k1], v[:, k0:k1]
-        out = None if needs_grad or options["dropout_p"] != 0.0 or sinks is not None else _dense_inference(
-            q, k, v, scaling, plan.causal, plan.window, options["softcap"])
-        return (flash_attn_func(q, k, v, **options) if out is None else out), None
-    if plan.cache is not None and not needs_grad and options["dropout_p"] == 0.0:
+        if not needs_grad and dropout == 0.0 and sinks is None:  # a decode step's route
+            out = _dense_inference(q, k, v, scaling, plan.causal, plan.window, softcap)
+            if out is not None:
+                return out, None
+        return flash_attn_func(q, k, v, dropout_p=dropout, softmax_scale=scaling, causal=plan.causal,
+                               window_size=plan.window, softcap=softcap, learnable_sink=sinks), None
+    if plan.cache is not None and not needs_grad and dropout == 0.0:
         leftpad, seqlens = plan.cache  # the keys stay where the model's cache holds them
         out = flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, cache_leftpad=leftpad, softmax_scale=scaling,
-                                      causal=plan.causal, window_size=plan.window, softcap=options["softcap"],
+                                      causal=plan.causal, window_size=plan.window, softcap=softcap,
                                       learnable_sink=sinks)
         return out, None
+    options = dict(dropout_p=dropout, softmax_scale=scaling, causal=plan.causal, window_size=plan.window,
+                   softcap=softcap, learnable_sink=sinks)
     q_index, k_index, cu_q, cu_k, max_q, max_k = plan.varlen
     heads, heads_kv = q.shape[2], k.shape[2]
     out = flash_attn_varlen_func(q.reshape(batch * q_length, heads, -1).index_select(0, q_index),
