@@ -7,6 +7,7 @@
 #include <functional>
 #include <iostream>
 #include <utility>
+#include <vector>
 
 #include "flashattn/flex.hpp"
 #include "tools/cli/measure.hpp"
@@ -94,8 +95,11 @@ MaskMeasurement measure_masks(const MaskCase& c, int repeats) {
   };
 
   MaskMeasurement r;
-  const auto document = [length](std::int64_t, std::int64_t, std::int64_t q_idx, std::int64_t kv_idx) {
-    return q_idx / length == kv_idx / length && kv_idx <= q_idx;
+  // FlexAttention's document mask: a document id per token, looked up (no division per score).
+  std::vector<std::int32_t> document_id(static_cast<std::size_t>(tokens));
+  for (std::int64_t t = 0; t < tokens; ++t) document_id[static_cast<std::size_t>(t)] = static_cast<std::int32_t>(t / length);
+  const auto document = [ids = document_id.data()](std::int64_t, std::int64_t, std::int64_t q_idx, std::int64_t kv_idx) {
+    return ids[q_idx] == ids[kv_idx] && kv_idx <= q_idx;
   };
   const FlexMods document_mods(flex::NoScoreMod{}, document);
   BlockMask blocks;
