@@ -721,9 +721,14 @@ TEST(Variants, BadDbiasAndOverlappingMaskNameTheArgumentBeforeAnythingIsWritten)
   Tensor dbias(DType::f32, {2, 1, 10, 12}), wrong_shape(DType::f32, {1, 1, 10, 12}), wrong_dtype(DType::bf16, {2, 1, 10, 12});
   Tensor big(DType::f32, {2 * 10 * 4 * 8 + 2 * 10 * 12});  // dq and dbias in one buffer
   dq.set(0, 7.0f), dbias.set(0, 7.0f), wrong_shape.set(0, 7.0f), big.set(0, 7.0f);
+  // lse inside a buffer of dbias's size: a dbias over that buffer overlaps lse and nothing else
+  // (over f.lse's own memory it would run into whatever the heap put after it).
+  Tensor lse_buffer(DType::f32, {2 * 1 * 10 * 12});
+  for (std::int64_t e = 0; e < f.lse.numel(); ++e) lse_buffer.set(e, f.lse.get(e));
+  const TensorView lse_in_buffer(lse_buffer.data(), DType::f32, {2, 4, 10});
   auto expect_backward = [&](const AttentionOptions& ob, const MutableTensorView& dq_view, const std::string& fragment) {
     try {
-      backward(f.out.view(), q.view(), k.view(), k.view(), f.out.view(), f.lse.view(), dq_view, dk.view(), dv.view(),
+      backward(f.out.view(), q.view(), k.view(), k.view(), f.out.view(), lse_in_buffer, dq_view, dk.view(), dv.view(),
                ob);
       ADD_FAILURE() << "expected flashattn::Error containing " << fragment;
     } catch (const Error& e) {
@@ -747,7 +752,7 @@ TEST(Variants, BadDbiasAndOverlappingMaskNameTheArgumentBeforeAnythingIsWritten)
   ob.dbias = MutableTensorView(big.data_as<float>() + 2 * 10 * 4 * 8 - 1, DType::f32, {2, 1, 10, 12});
   const MutableTensorView dq_in_big(big.data_as<float>(), DType::f32, {2, 10, 4, 8});
   expect_backward(ob, dq_in_big, "dbias: output memory overlaps input dq");
-  ob.dbias = MutableTensorView(const_cast<float*>(f.lse.data_as<float>()), DType::f32, {2, 1, 10, 12});
+  ob.dbias = MutableTensorView(lse_buffer.data_as<float>(), DType::f32, {2, 1, 10, 12});
   expect_backward(ob, dq.view(), "dbias: output memory overlaps input lse");
   // attn_mask inside an output's memory.
   ob.dbias = dbias.view();
