@@ -185,8 +185,7 @@ BlockMask create_block_mask(const MaskMod& mask_mod, std::int64_t batch, std::in
           for (std::int64_t i = bi * unit; i < std::min(seqlen_q, (bi + 1) * unit); ++i)
             for (std::int64_t j = bj * unit; j < std::min(seqlen_k, (bj + 1) * unit); ++j)
               (mask_mod(b, h, i, j) ? any_kept : any_hidden) = true;
-          const ScoreBlock state = !any_kept ? ScoreBlock::empty : any_hidden ? ScoreBlock::partial : ScoreBlock::full;
-          u[((b * heads + h) * uq + bi) * uk + bj] = static_cast<std::uint8_t>(state);
+          u[((b * heads + h) * uq + bi) * uk + bj] = static_cast<std::uint8_t>(classify_block(any_kept, any_hidden));
         }
   if (unit == block_size) return BlockMask{std::move(units), block_size, {}, 0};
   const std::int64_t r = block_size / unit, qb = blocks_of(seqlen_q, block_size), kb = blocks_of(seqlen_k, block_size);
@@ -196,15 +195,14 @@ BlockMask create_block_mask(const MaskMod& mask_mod, std::int64_t batch, std::in
   for (std::int64_t p = 0; p < batch * heads; ++p)
     for (std::int64_t bi = 0; bi < qb; ++bi)
       for (std::int64_t bj = 0; bj < kb; ++bj) {
-        bool all_empty = true, all_full = true;
+        bool any_kept = false, any_hidden = false;
         for (std::int64_t fi = bi * r; fi < std::min(uq, (bi + 1) * r); ++fi)
           for (std::int64_t fj = bj * r; fj < std::min(uk, (bj + 1) * r); ++fj) {
             const auto state = static_cast<ScoreBlock>(fine[(p * uq + fi) * uk + fj]);
-            all_empty = all_empty && state == ScoreBlock::empty;
-            all_full = all_full && state == ScoreBlock::full;
+            any_kept = any_kept || state != ScoreBlock::empty;
+            any_hidden = any_hidden || state != ScoreBlock::full;
           }
-        const ScoreBlock state = all_empty ? ScoreBlock::empty : all_full ? ScoreBlock::full : ScoreBlock::partial;
-        out[(p * qb + bi) * kb + bj] = static_cast<std::uint8_t>(state);
+        out[(p * qb + bi) * kb + bj] = static_cast<std::uint8_t>(classify_block(any_kept, any_hidden));
       }
   return m;
 }

@@ -91,6 +91,11 @@ struct ScoreSpan {
 // A block of ScoreHook::block_mask: every key of it hidden (the tile is skipped), some, or
 // none (mask_mod is not evaluated).
 enum class ScoreBlock : std::uint8_t { empty = 0, partial = 1, full = 2 };
+// A block's state from whether some of its keys are kept and some hidden (a block of
+// smaller blocks: kept = some is not empty, hidden = some is not full).
+constexpr ScoreBlock classify_block(bool any_kept, bool any_hidden) {
+  return !any_kept ? ScoreBlock::empty : any_hidden ? ScoreBlock::partial : ScoreBlock::full;
+}
 struct ScoreHook {
   // The kernels' call (null: no hook). `mods` is passed back to every function.
   void (*apply)(const void* mods, const ScoreSpan& span) = nullptr;

@@ -236,9 +236,7 @@ struct FlexHook {
                     for (std::int64_t x = fj * kFineBlock; x < (fj + 1) * kFineBlock; ++x)
                       (row[x * partial_blocks.strides[2]] != 0 ? any_kept : any_hidden) = true;
                   }
-                  f = !any_kept ? flashattn::ScoreBlock::empty
-                      : any_hidden ? flashattn::ScoreBlock::partial
-                                   : flashattn::ScoreBlock::full;
+                  f = flashattn::classify_block(any_kept, any_hidden);
                 }
                 fine_states[static_cast<std::size_t>(((b * planes_h + h) * fq + bi * r + fi) * fk + bj * r + fj)] =
                     static_cast<std::uint8_t>(f);

@@ -66,7 +66,7 @@ DenseMaskSummary::DenseMaskSummary(const TensorView& mask, std::int64_t seqlen_q
       const auto c1 = static_cast<std::ptrdiff_t>(std::min(cols, (cb + 1) * b.block_cols));
       const std::uint8_t hi = *std::max_element(highest.begin() + c0, highest.begin() + c1);
       const bool full = boolean && *std::min_element(lowest.begin() + c0, lowest.begin() + c1) != 0;
-      states[cb] = static_cast<std::uint8_t>(hi == 0 ? ScoreBlock::empty : full ? ScoreBlock::full : ScoreBlock::partial);
+      states[cb] = static_cast<std::uint8_t>(classify_block(hi != 0, !full));
     }
   }
   b.states = states_.data();

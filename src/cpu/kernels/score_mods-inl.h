@@ -126,33 +126,13 @@ struct RowMods {
       while (lo < hi && hidden(j0 + lo)) lo = ((j0 + lo) / width + 1) * width - j0;
       while (hi > lo && hidden(j0 + hi - 1)) hi = std::max(lo, (j0 + hi - 1) / width * width - j0);
     };
-    if (mask_blocks != nullptr) {
-      const DenseMaskBlocks& m = *mask_blocks;
-      const std::uint8_t* plane = m.states + mask_blocks_plane;
-      const std::int64_t bi0 = first / m.block_rows, bi1 = last / m.block_rows;
-      trim(m.block_cols, [&](std::int64_t j) {
-        const std::int64_t bj = j / m.block_cols;
-        for (std::int64_t bi = bi0; bi <= bi1; ++bi)
-          if (static_cast<ScoreBlock>(plane[bi * m.col_blocks + bj]) != ScoreBlock::empty) return false;
-        return true;
-      });
-    }
-    if (hook != nullptr && hook->block_size > 0) {
-      const std::int64_t bs = hook->block_size;
-      trim(bs, [&](std::int64_t j) {
-        for (std::int64_t i = first / bs * bs; i <= last; i += bs)
-          if (hook_block(i, j) != ScoreBlock::empty) return false;
-        return true;
-      });
-    }
-    if (block_mask != nullptr) {
-      const std::int64_t bs = problem->block_mask_block_size;
-      trim(bs, [&](std::int64_t j) {
-        for (std::int64_t i = first / bs * bs; i <= last; i += bs)
-          if (block_kept(i, j)) return false;
-        return true;
-      });
-    }
+    const std::int64_t rows = last - first + 1;
+    if (mask_blocks != nullptr)
+      trim(mask_blocks->block_cols, [&](std::int64_t j) { return !dense_mask_keeps_any(first, rows, j, 1); });
+    if (hook != nullptr && hook->block_size > 0)
+      trim(hook->block_size, [&](std::int64_t j) { return !hook_keeps_any(first, rows, j, 1); });
+    if (block_mask != nullptr)
+      trim(problem->block_mask_block_size, [&](std::int64_t j) { return !block_mask_keeps_any(first, rows, j, 1); });
   }
 
   // Does a backward pass need d(score)/d(scaled score) from apply()? (softcap's tanh, score_mod)
@@ -165,9 +145,14 @@ struct RowMods {
     const AttentionProblem& p = *problem;
     // key_range bounds are non-decreasing in the row, so the first and last rows bound it.
     if (p.key_range(i0 + rows - 1).end <= j0 || p.key_range(i0).begin >= j0 + n) return false;
-    if (!hook_keeps_any(i0, rows, j0, n) || !dense_mask_keeps_any(i0, rows, j0, n)) return false;
+    return hook_keeps_any(i0, rows, j0, n) && dense_mask_keeps_any(i0, rows, j0, n) &&
+           block_mask_keeps_any(i0, rows, j0, n);
+  }
+
+  // Does the block-sparse block_mask keep any block that meets the tile? True without one.
+  bool block_mask_keeps_any(std::int64_t i0, std::int64_t rows, std::int64_t j0, std::int64_t n) const {
     if (block_mask == nullptr) return true;
-    const std::int64_t bs = p.block_mask_block_size;
+    const std::int64_t bs = problem->block_mask_block_size;
     for (std::int64_t bi = i0 / bs; bi <= (i0 + rows - 1) / bs; ++bi)
       for (std::int64_t bj = j0 / bs; bj <= (j0 + n - 1) / bs; ++bj)
         if (block_kept(bi * bs, bj * bs)) return true;
