@@ -11,8 +11,10 @@ vectorised (torch.vmap over index tensors, as torch evaluates them), before the 
   affine (add, subtract, multiply or divide by what does not depend on the score, where and
   masked_fill on conditions that do not, floating casts) by running it once under a dispatch
   mode, then it is evaluated at scores 0 and 1 to give f(s) = a*s + c per score, a and c each
-  stored only along the dims (b, h, q_idx, kv_idx) it depends on, and only where not
-  constant. The derivative of f is a: the backward needs nothing else. Other score_mods
+  stored only along the dims (b, h, q_idx, kv_idx) it depends on, only where not constant,
+  and once per diagonal where it reads q_idx and kv_idx only through kv_idx - q_idx (relative
+  position biases, ALiBi: Sq + Sk - 1 values, not Sq x Sk). The derivative of f is a: the
+  backward needs nothing else. Other score_mods
   (tanh soft-capping, ...) raise NotImplementedError naming the operation.
 
 The native hook (src/python/module.cpp, FlexHook) applies both per span of a score row, with
@@ -344,12 +346,68 @@ def _check_values(name, f0, f1, q0):
     return slope
 
 
+class _Coefficient:
+    """One coefficient of f(s) = a*s + c over the (B, Hq, Sq, Sk) scores, along the dims score_mod
+    reads (`shape`), stored a chunk of q rows at a time. Where score_mod reads q_idx and kv_idx
+    only through kv_idx - q_idx (relative position biases, ALiBi), one value per diagonal,
+    shape (., ., 1, Sq + Sk - 1) with index kv_idx - q_idx + Sq - 1 — memory linear in the
+    lengths; each chunk is checked to be so, and at the first one that is not, the whole
+    (., ., Sq, Sk) is stored from there on (the rows before rebuilt from the diagonals)."""
+
+    def __init__(self, shape, rows_before=0, value_before=None):
+        self.shape = shape
+        sq, sk = shape[2], shape[3]
+        self.diagonal = shape[2] > 1 and shape[3] > 1  # Sq == 1 or Sk == 1: a plain broadcast already
+        if self.diagonal:
+            self.data = torch.empty(shape[0], shape[1], 1, sq + sk - 1, dtype=torch.float64)
+        else:
+            self.data = torch.empty(shape, dtype=torch.float32)
+        self.first = sq + sk - 1  # the diagonals held so far: [first, Sq + Sk - 1)
+        if rows_before:
+            self._constant(rows_before, value_before)
+
+    def _constant(self, rows, value):
+        if self.diagonal:
+            self.first = self.shape[2] - rows
+            self.data[..., self.first:] = value
+        else:
+            self.data[:, :, :rows] = value
+
+    def put(self, q0, x):
+        """Rows q0.. (every row before them put already) of float64 x, (., ., n, Sk)."""
+        n, sk = x.shape[2], x.shape[3]
+        if self.diagonal:
+            # The chunk's diagonals from its first column (bottom row up) and its first row.
+            d = torch.cat([x[:, :, :, 0].flip(-1), x[:, :, 0, 1:]], dim=-1)
+            at = torch.arange(sk).view(1, sk) - torch.arange(n).view(n, 1) + (n - 1)
+            lo = self.shape[2] - q0 - n  # the chunk's first diagonal
+            seen = self.data[:, :, 0, self.first:lo + d.shape[-1]]
+            if torch.equal(d[..., at], x) and torch.equal(d[..., self.first - lo:], seen):
+                self.data[:, :, 0, lo:lo + d.shape[-1]] = d
+                self.first = lo
+                return
+            self._to_full(q0)
+        self.data[:, :, q0:q0 + n] = x
+
+    def _to_full(self, rows):
+        sq, sk = self.shape[2], self.shape[3]
+        full = torch.empty(self.shape, dtype=torch.float32)
+        at = torch.arange(sk).view(1, sk) - torch.arange(rows).view(rows, 1) + (sq - 1)
+        full[:, :, :rows] = self.data[:, :, 0][..., at]
+        self.data, self.diagonal = full, False
+
+    def result(self):
+        return _compact(self.data.to(torch.float32))
+
+
 def _score_coefficients(score_mod, sizes):
-    """(a, c), float32 tensors of rank 4 broadcastable to (B, Hq, Sq, Sk), with score_mod(s) =
-    a*s + c at every score; a None where it is 1 everywhere, c None where it is 0. Raises
-    NotImplementedError for a score_mod that is not affine in the score. A score_mod that only
-    adds to the score (biases, ALiBi, where/masked_fill with -inf) is evaluated once, at score
-    0; others also at 1, for a = f(1) − f(0)."""
+    """(a, c), float32 tensors of rank 4 broadcastable to (B, Hq, Sq, Sk) — or, where score_mod
+    reads q_idx and kv_idx only through their difference, of shape (., ., 1, Sq + Sk - 1) holding
+    the value at kv_idx - q_idx + Sq - 1 (_Coefficient) — with score_mod(s) = a*s + c at every
+    score; a None where it is 1 everywhere, c None where it is 0. Raises NotImplementedError
+    for a score_mod that is not affine in the score. A score_mod that only adds to the score
+    (biases, ALiBi, where/masked_fill with -inf) is evaluated once, at score 0; others also at
+    1, for a = f(1) − f(0)."""
     name = f"score_mod {getattr(score_mod, '__name__', type(score_mod).__name__)}"
     dep, why, unit = _trace(score_mod, 1, name)
     if why is not None:
@@ -358,8 +416,8 @@ def _score_coefficients(score_mod, sizes):
             "so it takes sums, differences, products and quotients with score-independent values, where and "
             "masked_fill on score-independent conditions (for soft-capping use flash_attn_func's softcap=)")
     shape = tuple(s if dep & (1 << d) else 1 for d, s in enumerate(sizes))
-    c = torch.empty(shape, dtype=torch.float32)
-    a, a_value = None, (1.0 if unit else None)  # a is allocated once some slope differs from the first one
+    c = _Coefficient(shape)
+    a, a_value = None, (1.0 if unit else None)  # a is stored once some slope differs from the first one
     rows = _row_chunk(sizes, dep, 1 if unit else 2) if dep & 4 else 1
     for q0 in range(0, shape[2], rows):
         n = min(rows, shape[2] - q0)
@@ -371,7 +429,7 @@ def _score_coefficients(score_mod, sizes):
 
         f0, f1 = at_score(0.0), (None if unit else at_score(1.0))
         slope = _check_values(name, f0, f1, q0)
-        c[:, :, q0:q0 + n] = f0
+        c.put(q0, f0)
         if slope is None:
             continue
         if a is None:
@@ -379,13 +437,31 @@ def _score_coefficients(score_mod, sizes):
             lo, hi = torch.aminmax(slope)
             if lo.item() == a_value and hi.item() == a_value:
                 continue
-            a = torch.full(shape, a_value, dtype=torch.float32)
-        a[:, :, q0:q0 + n] = slope
+            a = _Coefficient(shape, q0, a_value)
+        a.put(q0, slope)
     if a is None:
         a = None if a_value == 1.0 else torch.full((1, 1, 1, 1), a_value, dtype=torch.float32)
     else:
-        a = _compact(a)
+        a = a.result()
+    c = c.result()
     return a, (None if c.numel() == 1 and c.item() == 0.0 else c)
+
+
+def _is_diagonal(x, sq, sk):
+    """Whether coefficient x holds one value per diagonal (_Coefficient), not a broadcast."""
+    return sq > 1 and sk > 1 and x.shape[2] == 1 and x.shape[3] == sq + sk - 1
+
+
+def _native_coefficient(x, sq, sk):
+    """x as the native hook reads it, a float32 array broadcastable to (B, Hq, Sq, Sk): one
+    held per diagonal is viewed so, (q_idx, kv_idx) at element kv_idx - q_idx + Sq - 1 (a
+    negative stride along q_idx), nothing copied."""
+    a = x.numpy()
+    if not _is_diagonal(x, sq, sk):
+        return a
+    step = a.strides[3]
+    return np.lib.stride_tricks.as_strided(a[..., sq - 1:], shape=(a.shape[0], a.shape[1], sq, sk),
+                                           strides=(a.strides[0], a.strides[1], -step, step))
 
 
 # ---- flex_attention --------------------------------------------------------------------------
@@ -466,8 +542,11 @@ def _check_mods(q, k, partial_index, partial_blocks, score_a, score_c):
     full = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
     for name, x in (("score_a", score_a), ("score_c", score_c)):
         if x is not None and (x.dtype != torch.float32 or x.dim() != 4
-                              or any(n not in (1, f) for n, f in zip(x.shape, full))):
-            raise ValueError(f"{name}: expected float32 broadcastable to (B, Hq, Sq, Sk) = {full}, got "
+                              or any(n not in (1, f) for n, f in zip(x.shape[:2], full))
+                              or not (_is_diagonal(x, *full[2:])
+                                      or all(n in (1, f) for n, f in zip(x.shape[2:], full[2:])))):
+            raise ValueError(f"{name}: expected float32 broadcastable to (B, Hq, Sq, Sk) = {full} or of shape "
+                             f"(B or 1, Hq or 1, 1, Sq + Sk - 1) = one value per diagonal, got "
                              f"{x.dtype} {tuple(x.shape)}")
     if partial_index is not None and partial_index.numel() and int(partial_index.max()) >= partial_blocks.shape[0]:
         raise ValueError(f"partial_index: slot {int(partial_index.max())} of {partial_blocks.shape[0]} partial blocks")
@@ -482,10 +561,11 @@ def _opts(q, k, scale, block_states, partial_index, partial_blocks, block_size, 
         o.flex_block_size = int(block_size)
         # The native side refines the blocks for the kernels over this call's (Sq, Sk).
         o.flex_seqlen_q, o.flex_seqlen_k = int(q.shape[1]), int(k.shape[1])
+    sq, sk = int(q.shape[1]), int(k.shape[1])
     if score_a is not None:
-        o.flex_score_a = score_a.numpy()
+        o.flex_score_a = _native_coefficient(score_a, sq, sk)
     if score_c is not None:
-        o.flex_score_c = score_c.numpy()
+        o.flex_score_c = _native_coefficient(score_c, sq, sk)
     o.num_threads = _impl._resolve_threads(num_threads, True)
     return o
 

@@ -273,10 +273,59 @@ def test_storage_follows_what_the_mods_read():
     assert bm._states.shape == (2, 1, 5, 5) and bm.shape == (2, 8, 40, 40) and bm.to_dense().shape == (2, 8, 5, 5)
     slopes = torch.rand(8)
     a, c = _flex._score_coefficients(lambda s, b, h, q, kv: s - slopes[h] * (q - kv).abs(), (2, 8, 40, 50))
-    assert a is None and c.shape == (1, 8, 40, 50)
+    assert a is None and c.shape == (1, 8, 1, 40 + 50 - 1)  # one value per diagonal
+    a, c = _flex._score_coefficients(lambda s, b, h, q, kv: s - slopes[h] * (q - kv).abs(), (1, 8, 2048, 2048))
+    assert a is None and c.shape == (1, 8, 1, 4095)  # 128 KiB, where (Sq, Sk) per head would be 128 MiB
     a, c = _flex._score_coefficients(lambda s, b, h, q, kv: s * 2.0, (2, 8, 40, 50))
     assert a.shape == (1, 1, 1, 1) and a.item() == 2.0 and c is None
     assert _flex._score_coefficients(lambda s, b, h, q, kv: s, (2, 8, 40, 50)) == (None, None)
+
+
+def expanded(x, sizes):
+    """A coefficient from _score_coefficients over the whole (B, H, Sq, Sk): one held per
+    diagonal (shape (., ., 1, Sq + Sk - 1)) gathered at kv_idx - q_idx + Sq - 1."""
+    b, h, sq, sk = sizes
+    if x.shape[2] == 1 and x.shape[3] == sq + sk - 1 and sq > 1 and sk > 1:
+        x = x[:, :, 0][..., torch.arange(sk).view(1, sk) - torch.arange(sq).view(sq, 1) + sq - 1]
+    return x.expand(sizes)
+
+
+@pytest.mark.parametrize("rows", [64, 5, 1], ids=["one-chunk", "chunks-of-5", "row-by-row"])
+def test_relative_coefficients_are_held_per_diagonal(rows):
+    """A score_mod that reads q_idx and kv_idx only through kv_idx - q_idx keeps Sq + Sk - 1
+    values per (b, h); one that does so for its first rows only, or not at all, the whole
+    (Sq, Sk) — each equal to the score_mod itself at every score, evaluated over any chunks of
+    rows (the switch to the whole matrix midway rebuilds the rows before it)."""
+    sizes = (2, 3, 23, 31)
+    table, slopes = torch.randn(60), torch.rand(3)
+    mods = {  # name: (score_mod, per diagonal: a, c)
+        "rel_bias": (lambda s, b, h, q, kv: s + table[q - kv + 30], (None, True)),
+        "alibi_scaled": (lambda s, b, h, q, kv: s * (1.0 + h) - slopes[h] * (q - kv).abs(), (False, True)),
+        "slope_per_diagonal": (lambda s, b, h, q, kv: torch.where(kv - q > 4, 2.0 * s, s) + (kv - q) * 0.25,
+                               (True, True)),
+        "slope_from_row_19": (lambda s, b, h, q, kv: torch.where(kv - q < -18, 3.0 * s, s), (True, None)),
+        "relative_until_row_12": (lambda s, b, h, q, kv: s + table[q - kv + 30] + torch.where(q > 11, kv * 0.5, 0.0),
+                                  (None, False)),
+        "product": (lambda s, b, h, q, kv: s + q * kv * 0.01, (None, False)),
+    }
+    idx = (torch.arange(sizes[0]).view(-1, 1, 1, 1), torch.arange(sizes[1]).view(1, -1, 1, 1),
+           torch.arange(sizes[2]).view(1, 1, -1, 1), torch.arange(sizes[3]).view(1, 1, 1, -1))
+    saved, _flex._EVAL_ELEMENTS = _flex._EVAL_ELEMENTS, rows * sizes[3]  # rows per chunk for a mod of (q, kv)
+    try:
+        for name, (mod, diagonal) in mods.items():
+            a, c = _flex._score_coefficients(mod, sizes)
+            f0 = mod(torch.zeros((), dtype=torch.float64), *idx).expand(sizes)
+            f1 = mod(torch.ones((), dtype=torch.float64), *idx).expand(sizes)
+            for x, want, per_diagonal, label in ((a, f1 - f0, diagonal[0], "a"), (c, f0, diagonal[1], "c")):
+                if per_diagonal is None:
+                    assert x is None or x.numel() == 1, (name, label)
+                    continue
+                assert (x.shape[2:] == (1, sizes[2] + sizes[3] - 1)) == per_diagonal, (name, label, x.shape)
+                assert not per_diagonal or x.shape[2:] != sizes[2:]
+                torch.testing.assert_close(expanded(x, sizes).double(), want.float().double(), atol=0, rtol=0,
+                                           msg=f"{name} {label}")
+    finally:
+        _flex._EVAL_ELEMENTS = saved
 
 
 @pytest.mark.parametrize("score_mod, op", [
@@ -382,6 +431,8 @@ def test_ops_check_what_the_hook_reads():
     mods = (bm._states, bm._partial_index, bm._partial_blocks, 4)
     with pytest.raises(ValueError, match="score_c: expected float32 broadcastable"):
         torch.ops.flashattn.flex_fwd(q, k, v, None, *mods, None, torch.zeros(1, 2, 10, 9), 1)
+    with pytest.raises(ValueError, match=r"or of shape \(B or 1, Hq or 1, 1, Sq \+ Sk - 1\).*\(1, 1, 1, 18\)"):
+        torch.ops.flashattn.flex_fwd(q, k, v, None, *mods, None, torch.zeros(1, 1, 1, 18), 1)  # 17 diagonals
     with pytest.raises(ValueError, match="score_a: expected float32"):
         torch.ops.flashattn.flex_fwd(q, k, v, None, *mods, torch.zeros(1, 1, 1, 1, dtype=torch.float64), None, 1)
     with pytest.raises(ValueError, match="partial_index: slot"):
