@@ -2,7 +2,7 @@
 
 Times, best of 3 in one process, against flash_attn_func with the same variant built in:
 create_block_mask of a causal mask, flex_attention with it (mask only; with a relative-position
-bias; with ALiBi), the same with the score_mod's coefficients evaluated beforehand (the hook's
+bias; with ALiBi; with soft-capping), the same with the score_mod's coefficients evaluated beforehand (the hook's
 own cost), and the evaluation alone.
 
     PYTHONPATH=python:build/python python3 bench/flex_python.py [--seqlen 2048] [--heads 8]
@@ -47,16 +47,21 @@ def main():
     def alibi(score, b, hd, i, j):
         return score - slopes[hd] * (i - j).abs()
 
+    def softcap(score, b, hd, i, j):
+        return 30.0 * torch.tanh(score / 30.0)
+
     bm = flashattn.create_block_mask(causal, None, None, s, s)
     base = best(lambda: flashattn.flash_attn_func(qt, kt, vt, causal=True))
     rows = [("flash_attn_func(causal=True)", base),
             ("flash_attn_func(causal=True, alibi_slopes)",
              best(lambda: flashattn.flash_attn_func(qt, kt, vt, causal=True, alibi_slopes=slopes))),
+            ("flash_attn_func(causal=True, softcap=30)",
+             best(lambda: flashattn.flash_attn_func(qt, kt, vt, causal=True, softcap=30.0))),
             ("create_block_mask(causal)", best(lambda: flashattn.create_block_mask(causal, None, None, s, s))),
             ("flex_attention(block_mask)", best(lambda: flashattn.flex_attention(q, k, v, block_mask=bm)))]
-    for name, mod in (("rel_bias", rel_bias), ("alibi", alibi)):
-        a, c = _flex._score_coefficients(mod, (1, h, s, s))
-        mods = (bm._states, bm._partial_index, bm._partial_blocks, bm.BLOCK_SIZE[0], a, c)
+    for name, mod in (("rel_bias", rel_bias), ("alibi", alibi), ("softcap", softcap)):
+        a, c, cap = _flex._score_coefficients(mod, (1, h, s, s))
+        mods = (bm._states, bm._partial_index, bm._partial_blocks, bm.BLOCK_SIZE[0], a, c, cap)
         rows += [(f"flex_attention(block_mask, {name})",
                   best(lambda: flashattn.flex_attention(q, k, v, score_mod=mod, block_mask=bm))),
                  (f"  its op, coefficients evaluated", best(lambda: _flex._flex_fwd(qt, kt, vt, None, *mods, 0))),

@@ -14,8 +14,10 @@ vectorised (torch.vmap over index tensors, as torch evaluates them), before the 
   stored only along the dims (b, h, q_idx, kv_idx) it depends on, only where not constant,
   and once per diagonal where it reads q_idx and kv_idx only through kv_idx - q_idx (relative
   position biases, ALiBi: Sq + Sk - 1 values, not Sq x Sk). The derivative of f is a: the
-  backward needs nothing else. Other score_mods
-  (tanh soft-capping, ...) raise NotImplementedError naming the operation.
+  backward needs nothing else. Soft-capping first — cap * tanh(score / cap), one constant
+  cap — becomes the kernels' softcap, and what follows must be affine in it: f(s) =
+  a*cap*tanh(s/cap) + c, evaluated at scores 0 and cap*atanh(1/2). Other score_mods raise
+  NotImplementedError naming the operation.
 
 The native hook (src/python/module.cpp, FlexHook) applies both per span of a score row, with
 the GIL released. The ops flashattn::flex_fwd / flashattn::flex_bwd take the evaluated tensors,
@@ -57,6 +59,8 @@ def _need_torch(name):
 _INDEX_NAMES = ("b", "h", "q_idx", "kv_idx")
 _SCORE = 1 << 4  # the score's bit; bit d (0..3) is index d's
 _UNIT = 1 << 5  # a score-dependent value that is score + (what does not depend on it), or -inf
+_RAW = 1 << 6  # depends on the score other than through a soft-capping tanh
+_CAPPED = 1 << 7  # depends on the score through tanh(score / cap)
 
 # aten operations through which a value stays affine in the score (by their overload packet).
 _AFFINE_UNARY = {"neg", "positive", "clone", "alias", "view", "_unsafe_view", "reshape", "expand", "squeeze",
@@ -118,20 +122,34 @@ def _keeps_unit(name, args, kwargs, bits_of):
     return False
 
 
-def _trace(fn, n_scores, mod_name):
-    """Runs fn once on (1,)-shaped tensors — n_scores float64 scores, then b, h, q_idx, kv_idx as
-    int64 — and returns (the bits of what its result depends on, why it is not affine in the
-    score or None, whether its d/d score is 1 wherever it does not hide the key). Tensors are
-    followed by identity through a dispatch mode (every tensor made is kept alive meanwhile,
-    so no id is reused); a result that is no tensor depends on nothing."""
+def _trace(fn, n_scores, mod_name, score=0.0):
+    """Runs fn once on (1,)-shaped tensors — n_scores float64 scores of value `score`, then b, h,
+    q_idx, kv_idx as int64 zeros — and returns (the bits of what its result depends on, why it
+    is not affine in the score or None, whether its d/d score is 1 wherever it does not hide
+    the key, the inputs of its tanh on the score). Tensors are followed by identity through a
+    dispatch mode (every tensor made is kept alive meanwhile, so no id is reused); a result
+    that is no tensor depends on nothing. tanh of the score times a constant (soft-capping)
+    is taken as a new score: what follows must be affine in it, and the result may not depend
+    on the score otherwise (_score_coefficients checks that the constant is one)."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
-    bits, alive, reasons = {}, [], []
+    bits, alive, reasons, tanh_inputs = {}, [], [], []
 
     def bits_of(x):
         return functools.reduce(operator.or_, (bits.get(id(t), 0) for t in tree_leaves(x)
                                                if isinstance(t, torch.Tensor)), 0)
+
+    def capping(x):
+        """Why tanh(x) is not soft-capping of the raw score, or None (x's value recorded)."""
+        got = bits_of(x)
+        if got & _CAPPED:
+            return "tanh of a soft-capped score"
+        if got & 0b1111:
+            return ("tanh of a value that depends on " +
+                    ", ".join(n for d, n in enumerate(_INDEX_NAMES) if got & (1 << d)) + " besides the score")
+        tanh_inputs.append(float(x.item()))
+        return None
 
     class Follow(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -140,10 +158,14 @@ def _trace(fn, n_scores, mod_name):
             dep = bits_of((args, kwargs)) & ~_UNIT
             if dep & _SCORE:
                 name = func.overloadpacket.__name__.rstrip("_")
-                why = _affine_step(name, args, kwargs, lambda a: bool(bits_of(a) & _SCORE))
+                if name == "tanh":
+                    why = capping(args[0])
+                    dep = dep & ~_RAW | _CAPPED
+                else:
+                    why = _affine_step(name, args, kwargs, lambda a: bool(bits_of(a) & _SCORE))
                 if why is not None:
                     reasons.append(why)
-                elif _keeps_unit(name, args, kwargs, bits_of):
+                elif name != "tanh" and _keeps_unit(name, args, kwargs, bits_of):
                     dep |= _UNIT
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):
@@ -151,10 +173,10 @@ def _trace(fn, n_scores, mod_name):
                     alive.append(t)
             return out
 
-    inputs = [torch.zeros(1, dtype=torch.float64) for _ in range(n_scores)]
+    inputs = [torch.full((1,), score, dtype=torch.float64) for _ in range(n_scores)]
     inputs += [torch.zeros(1, dtype=torch.int64) for _ in _INDEX_NAMES]
     for i, t in enumerate(inputs):
-        bits[id(t)] = _SCORE | _UNIT if i < n_scores else 1 << (i - n_scores)
+        bits[id(t)] = _SCORE | _UNIT | _RAW if i < n_scores else 1 << (i - n_scores)
     with Follow():
         result = fn(*inputs)
     if isinstance(result, torch.Tensor) and result.requires_grad:
@@ -162,7 +184,28 @@ def _trace(fn, n_scores, mod_name):
                                   "evaluates the mods outside autograd, so only query, key and value get gradients; "
                                   "detach the tensor or run under torch.no_grad()")
     dep = bits_of(result)
-    return dep & ~_UNIT, (reasons[0] if reasons else None), bool(dep & _UNIT)
+    if dep & _RAW and dep & _CAPPED:
+        reasons.append("the soft-capped score (tanh) combined with the score itself")
+    return dep & 0b11111, (reasons[0] if reasons else None), bool(dep & _UNIT), tanh_inputs
+
+
+def _soft_cap(score_mod, name, inputs_at_zero):
+    """The cap of score_mod's tanh(score / cap), or None without a tanh; NotImplementedError
+    unless every tanh takes the score times one constant: its inputs are 0 at score 0 (no
+    offset) and all equal at score 1 (1 / cap, the same cap, positive)."""
+    if not inputs_at_zero:
+        return None
+    at_one = _trace(score_mod, 1, name, 1.0)[3]
+    if any(x != 0.0 for x in inputs_at_zero):
+        why = "tanh of the score plus an offset"
+    elif len(set(at_one)) != 1:
+        why = "tanh of the score scaled differently in two places"
+    elif not 0.0 < at_one[0] < math.inf:
+        why = f"tanh of the score times {at_one[0]!r} (soft-capping takes score / cap with cap > 0)"
+    else:
+        return 1.0 / at_one[0]
+    raise NotImplementedError(f"{name}: not soft-capping ({why}); flashattn takes tanh only as "
+                              "cap * tanh(score / cap) with one constant cap > 0, then operations affine in it")
 
 
 def _evaluate(fn, prefix, sizes, dep, rows, q0, mod_name):
@@ -277,7 +320,7 @@ def _create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE):
     bs = _block_size_arg(BLOCK_SIZE)
     name = f"mask_mod {getattr(mask_mod, '__name__', type(mask_mod).__name__)}"
     sizes = (b, h, q_len, kv_len)
-    dep, _, _ = _trace(mask_mod, 0, name)
+    dep = _trace(mask_mod, 0, name)[0]
     kv_blocks = -(-kv_len // bs)
     sb, sh = (b if dep & 1 else 1), (h if dep & 2 else 1)
     rows = max(1, _EVAL_ELEMENTS // (sb * sh * kv_blocks * bs * bs)) * bs
@@ -401,20 +444,27 @@ class _Coefficient:
 
 
 def _score_coefficients(score_mod, sizes):
-    """(a, c), float32 tensors of rank 4 broadcastable to (B, Hq, Sq, Sk) — or, where score_mod
-    reads q_idx and kv_idx only through their difference, of shape (., ., 1, Sq + Sk - 1) holding
-    the value at kv_idx - q_idx + Sq - 1 (_Coefficient) — with score_mod(s) = a*s + c at every
-    score; a None where it is 1 everywhere, c None where it is 0. Raises NotImplementedError
-    for a score_mod that is not affine in the score. A score_mod that only adds to the score
-    (biases, ALiBi, where/masked_fill with -inf) is evaluated once, at score 0; others also at
-    1, for a = f(1) − f(0)."""
+    """(a, c, softcap) with score_mod(s) = a*s + c at every score — or, where score_mod
+    soft-caps the score first (cap * tanh(score / cap), then operations affine in that),
+    score_mod(s) = a*cap*tanh(s/cap) + c and softcap = cap (0.0 without). a and c are float32
+    tensors of rank 4 broadcastable to (B, Hq, Sq, Sk) — or, where score_mod reads q_idx and
+    kv_idx only through their difference, of shape (., ., 1, Sq + Sk - 1) holding the value at
+    kv_idx - q_idx + Sq - 1 (_Coefficient); a None where it is 1 everywhere, c None where it is
+    0. Raises NotImplementedError for a score_mod that is neither. A score_mod that only adds
+    to the score (biases, ALiBi, where/masked_fill with -inf) is evaluated once, at score 0;
+    others also at a second score (1, or cap * atanh(1/2) with soft-capping) for a."""
     name = f"score_mod {getattr(score_mod, '__name__', type(score_mod).__name__)}"
-    dep, why, unit = _trace(score_mod, 1, name)
+    dep, why, unit, tanh_inputs = _trace(score_mod, 1, name)
     if why is not None:
         raise NotImplementedError(
             f"{name}: not affine in the score ({why}); flashattn evaluates score_mod per block as a*score + c, "
             "so it takes sums, differences, products and quotients with score-independent values, where and "
-            "masked_fill on score-independent conditions (for soft-capping use flash_attn_func's softcap=)")
+            "masked_fill on score-independent conditions, and soft-capping cap * tanh(score / cap) before them")
+    cap = _soft_cap(score_mod, name, tanh_inputs)
+    # The second score f is evaluated at, and what f(probe) - f(0) is a times: with soft-capping
+    # the kernel applies a * (cap * tanh(score / cap)) + c.
+    probe = 1.0 if cap is None else cap * math.atanh(0.5)
+    per_slope = 1.0 if cap is None else cap * math.tanh(probe / cap)
     shape = tuple(s if dep & (1 << d) else 1 for d, s in enumerate(sizes))
     c = _Coefficient(shape)
     a, a_value = None, (1.0 if unit else None)  # a is stored once some slope differs from the first one
@@ -427,8 +477,10 @@ def _score_coefficients(score_mod, sizes):
                 raise TypeError(f"{name}: expected a floating result, got dtype {f.dtype}")
             return f.to(torch.float64).reshape(shape[0], shape[1], n, shape[3])
 
-        f0, f1 = at_score(0.0), (None if unit else at_score(1.0))
+        f0, f1 = at_score(0.0), (None if unit else at_score(probe))
         slope = _check_values(name, f0, f1, q0)
+        if slope is not None and cap is not None:
+            slope /= per_slope
         c.put(q0, f0)
         if slope is None:
             continue
@@ -444,7 +496,7 @@ def _score_coefficients(score_mod, sizes):
     else:
         a = a.result()
     c = c.result()
-    return a, (None if c.numel() == 1 and c.item() == 0.0 else c)
+    return a, (None if c.numel() == 1 and c.item() == 0.0 else c), (0.0 if cap is None else cap)
 
 
 def _is_diagonal(x, sq, sk):
@@ -501,12 +553,12 @@ def _check(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_o
 
 def _mods(score_mod, block_mask, sizes):
     """The op arguments that carry the evaluated mods: block states, partial index, partial
-    blocks, block size, a, c."""
-    a, c = (None, None) if score_mod is None else _score_coefficients(score_mod, sizes)
+    blocks, block size, a, c, softcap."""
+    a, c, softcap = (None, None, 0.0) if score_mod is None else _score_coefficients(score_mod, sizes)
     if block_mask is None:
-        return None, None, None, 0, a, c
+        return None, None, None, 0, a, c, softcap
     return (block_mask._states, block_mask._partial_index, block_mask._partial_blocks, block_mask.BLOCK_SIZE[0],
-            a, c)
+            a, c, softcap)
 
 
 def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
@@ -515,7 +567,8 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
 
     query (B, Hq, Sq, D), key (B, Hkv, Sk, D), value (B, Hkv, Sk, Dv) -> (B, Hq, Sq, Dv), torch
     CPU tensors (float32, float16, bfloat16). score_mod(score, b, h, q_idx, kv_idx) must be
-    affine in the score (NotImplementedError otherwise); block_mask from
+    affine in the score, or in cap * tanh(score / cap) (soft-capping; NotImplementedError
+    otherwise); block_mask from
     flashattn.create_block_mask. scale: default 1/sqrt(D). enable_gqa: Hq a multiple of Hkv.
     return_lse: also the log-sum-exp (B, Hq, Sq), float32, natural log (not differentiable).
     Gradients of query, key and value through autograd."""
@@ -552,8 +605,9 @@ def _check_mods(q, k, partial_index, partial_blocks, score_a, score_c):
         raise ValueError(f"partial_index: slot {int(partial_index.max())} of {partial_blocks.shape[0]} partial blocks")
 
 
-def _opts(q, k, scale, block_states, partial_index, partial_blocks, block_size, score_a, score_c, num_threads):
-    o = _impl._options(0.0, scale, False, (-1, -1), 0.0, None, False, None)
+def _opts(q, k, scale, block_states, partial_index, partial_blocks, block_size, score_a, score_c, softcap,
+          num_threads):
+    o = _impl._options(0.0, scale, False, (-1, -1), softcap, None, False, None)
     if block_states is not None:
         o.flex_block_states = block_states.numpy()
         o.flex_partial_index = partial_index.numpy()
@@ -572,10 +626,12 @@ def _opts(q, k, scale, block_states, partial_index, partial_blocks, block_size, 
 
 def _flex_fwd(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], block_states: Optional[Tensor],
               partial_index: Optional[Tensor], partial_blocks: Optional[Tensor], block_size: int,
-              score_a: Optional[Tensor], score_c: Optional[Tensor], num_threads: int) -> tuple[Tensor, Tensor]:
+              score_a: Optional[Tensor], score_c: Optional[Tensor], softcap: float,
+              num_threads: int) -> tuple[Tensor, Tensor]:
     """out (B, Sq, Hq, Dv) and softmax_lse (B, Hq, Sq) float32 of (B, S, H, D) views."""
     _check_mods(q, k, partial_index, partial_blocks, score_a, score_c)
-    o = _opts(q, k, scale, block_states, partial_index, partial_blocks, block_size, score_a, score_c, num_threads)
+    o = _opts(q, k, scale, block_states, partial_index, partial_blocks, block_size, score_a, score_c, softcap,
+              num_threads)
     out, lse, _ = _impl._forward(q, k, v, o, False)
     return out, lse
 
@@ -583,10 +639,11 @@ def _flex_fwd(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], block_sta
 def _flex_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse: Tensor,
               scale: Optional[float], block_states: Optional[Tensor], partial_index: Optional[Tensor],
               partial_blocks: Optional[Tensor], block_size: int, score_a: Optional[Tensor],
-              score_c: Optional[Tensor], num_threads: int) -> tuple[Tensor, Tensor, Tensor]:
+              score_c: Optional[Tensor], softcap: float, num_threads: int) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv (B, S, H, D) of sum(dout * out); P is recomputed from softmax_lse."""
     _check_mods(q, k, partial_index, partial_blocks, score_a, score_c)
-    o = _opts(q, k, scale, block_states, partial_index, partial_blocks, block_size, score_a, score_c, num_threads)
+    o = _opts(q, k, scale, block_states, partial_index, partial_blocks, block_size, score_a, score_c, softcap,
+              num_threads)
     return _impl._backward(dout, q, k, v, out, softmax_lse, o)
 
 
@@ -606,10 +663,10 @@ if torch is not None:
     _MOD_ARGS = ("block_states", "partial_index", "partial_blocks", "score_a", "score_c")
 
     def _setup(ctx, inputs, output):
-        q, k, v, scale, states, index, blocks, block_size, a, c, num_threads = inputs
+        q, k, v, scale, states, index, blocks, block_size, a, c, softcap, num_threads = inputs
         mods = dict(zip(_MOD_ARGS, (states, index, blocks, a, c)))
         ctx.present = tuple(n for n in _MOD_ARGS if mods[n] is not None)
-        ctx.options = (scale, block_size, num_threads)
+        ctx.options = (scale, block_size, softcap, num_threads)
         ctx.save_for_backward(q, k, v, *output, *(mods[n] for n in ctx.present))
         ctx.mark_non_differentiable(output[1])
 
@@ -617,10 +674,10 @@ if torch is not None:
         q, k, v, out, lse, *rest = ctx.saved_tensors
         mods = dict.fromkeys(_MOD_ARGS)
         mods.update(zip(ctx.present, rest))
-        scale, block_size, num_threads = ctx.options
+        scale, block_size, softcap, num_threads = ctx.options
         dq, dk, dv = torch.ops.flashattn.flex_bwd(dout.to(q.dtype), q, k, v, out, lse, scale, mods["block_states"],
                                                   mods["partial_index"], mods["partial_blocks"], block_size,
-                                                  mods["score_a"], mods["score_c"], num_threads)
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+                                                  mods["score_a"], mods["score_c"], softcap, num_threads)
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
     torch.library.register_autograd("flashattn::flex_fwd", _backward, setup_context=_setup)

@@ -70,6 +70,17 @@ def make_case(name, sq, sk, gen):
     def where_const(score, b, h, q, kv):  # slope 1 below the diagonal, 0 above: a differs per score
         return torch.where(q >= kv, score + 1.0, 0.5)
 
+    def softcap(score, b, h, q, kv):  # Gemma-2's, as FlexAttention's examples write it
+        score = score / 1.5
+        score = torch.tanh(score)
+        return score * 1.5
+
+    def softcap_rel(score, b, h, q, kv):  # capped, then scaled per (b, h) and a relative bias added
+        return 1.5 * torch.tanh(score * (1 / 1.5)) * bh_scale[b, h] + table[q - kv + sk - 1]
+
+    def softcap_causal(score, b, h, q, kv):
+        return torch.where(q >= kv, 2.0 * torch.tanh(score / 2.0), NEG_INF)
+
     return {
         "causal": (None, causal, (None, None)),
         "sliding_window": (None, sliding_window, (None, None)),
@@ -83,11 +94,15 @@ def make_case(name, sq, sk, gen):
         "scale_bias": (scale_bias, None, None),
         "where_causal": (where_causal, None, None),
         "where_const": (where_const, None, None),
+        "softcap": (softcap, None, None),
+        "softcap_rel_document": (softcap_rel, document, (B, HQ)),
+        "softcap_causal": (softcap_causal, None, None),
     }[name]
 
 
 CASES = ["causal", "sliding_window", "prefix_lm", "document", "hidden_rows", "rel_bias", "alibi", "alibi_causal",
-         "rel_bias_document", "scale_bias", "where_causal", "where_const"]
+         "rel_bias_document", "scale_bias", "where_causal", "where_const", "softcap", "softcap_rel_document",
+         "softcap_causal"]
 
 
 def dense_flex(q, k, v, score_mod=None, mask_mod=None, scale=None, enable_gqa=False):
@@ -272,13 +287,15 @@ def test_storage_follows_what_the_mods_read():
     bm = flashattn.create_block_mask(lambda b, h, q, kv: doc[b, q] == doc[b, kv], 2, 8, 40, 40, BLOCK_SIZE=8)
     assert bm._states.shape == (2, 1, 5, 5) and bm.shape == (2, 8, 40, 40) and bm.to_dense().shape == (2, 8, 5, 5)
     slopes = torch.rand(8)
-    a, c = _flex._score_coefficients(lambda s, b, h, q, kv: s - slopes[h] * (q - kv).abs(), (2, 8, 40, 50))
-    assert a is None and c.shape == (1, 8, 1, 40 + 50 - 1)  # one value per diagonal
-    a, c = _flex._score_coefficients(lambda s, b, h, q, kv: s - slopes[h] * (q - kv).abs(), (1, 8, 2048, 2048))
+    a, c, cap = _flex._score_coefficients(lambda s, b, h, q, kv: s - slopes[h] * (q - kv).abs(), (2, 8, 40, 50))
+    assert a is None and c.shape == (1, 8, 1, 40 + 50 - 1) and cap == 0.0  # one value per diagonal
+    a, c, _ = _flex._score_coefficients(lambda s, b, h, q, kv: s - slopes[h] * (q - kv).abs(), (1, 8, 2048, 2048))
     assert a is None and c.shape == (1, 8, 1, 4095)  # 128 KiB, where (Sq, Sk) per head would be 128 MiB
-    a, c = _flex._score_coefficients(lambda s, b, h, q, kv: s * 2.0, (2, 8, 40, 50))
+    a, c, _ = _flex._score_coefficients(lambda s, b, h, q, kv: s * 2.0, (2, 8, 40, 50))
     assert a.shape == (1, 1, 1, 1) and a.item() == 2.0 and c is None
-    assert _flex._score_coefficients(lambda s, b, h, q, kv: s, (2, 8, 40, 50)) == (None, None)
+    assert _flex._score_coefficients(lambda s, b, h, q, kv: s, (2, 8, 40, 50)) == (None, None, 0.0)
+    a, c, cap = _flex._score_coefficients(lambda s, b, h, q, kv: 30.0 * torch.tanh(s / 30.0), (2, 8, 40, 50))
+    assert a is None and c is None and cap == 30.0
 
 
 def expanded(x, sizes):
@@ -298,7 +315,7 @@ def test_relative_coefficients_are_held_per_diagonal(rows):
     rows (the switch to the whole matrix midway rebuilds the rows before it)."""
     sizes = (2, 3, 23, 31)
     table, slopes = torch.randn(60), torch.rand(3)
-    mods = {  # name: (score_mod, per diagonal: a, c)
+    mods = {  # name: (score_mod, per diagonal: a, c; None: not stored)
         "rel_bias": (lambda s, b, h, q, kv: s + table[q - kv + 30], (None, True)),
         "alibi_scaled": (lambda s, b, h, q, kv: s * (1.0 + h) - slopes[h] * (q - kv).abs(), (False, True)),
         "slope_per_diagonal": (lambda s, b, h, q, kv: torch.where(kv - q > 4, 2.0 * s, s) + (kv - q) * 0.25,
@@ -307,16 +324,22 @@ def test_relative_coefficients_are_held_per_diagonal(rows):
         "relative_until_row_12": (lambda s, b, h, q, kv: s + table[q - kv + 30] + torch.where(q > 11, kv * 0.5, 0.0),
                                   (None, False)),
         "product": (lambda s, b, h, q, kv: s + q * kv * 0.01, (None, False)),
+        "softcap_alibi": (lambda s, b, h, q, kv: (1.0 + h) * 4.0 * torch.tanh(s / 4.0) - slopes[h] * (q - kv).abs(),
+                          (False, True)),
     }
     idx = (torch.arange(sizes[0]).view(-1, 1, 1, 1), torch.arange(sizes[1]).view(1, -1, 1, 1),
            torch.arange(sizes[2]).view(1, 1, -1, 1), torch.arange(sizes[3]).view(1, 1, 1, -1))
     saved, _flex._EVAL_ELEMENTS = _flex._EVAL_ELEMENTS, rows * sizes[3]  # rows per chunk for a mod of (q, kv)
     try:
         for name, (mod, diagonal) in mods.items():
-            a, c = _flex._score_coefficients(mod, sizes)
+            a, c, cap = _flex._score_coefficients(mod, sizes)
+            assert cap == (4.0 if name.startswith("softcap") else 0.0), name
+            # f(s) = a * t(s) + c, t the score or cap * tanh(score / cap): a from one more score
+            probe = 1.0 if cap == 0.0 else cap * math.atanh(0.5)
+            t = probe if cap == 0.0 else cap * math.tanh(probe / cap)
             f0 = mod(torch.zeros((), dtype=torch.float64), *idx).expand(sizes)
-            f1 = mod(torch.ones((), dtype=torch.float64), *idx).expand(sizes)
-            for x, want, per_diagonal, label in ((a, f1 - f0, diagonal[0], "a"), (c, f0, diagonal[1], "c")):
+            f1 = mod(torch.tensor(probe, dtype=torch.float64), *idx).expand(sizes)
+            for x, want, per_diagonal, label in ((a, (f1 - f0) / t, diagonal[0], "a"), (c, f0, diagonal[1], "c")):
                 if per_diagonal is None:
                     assert x is None or x.numel() == 1, (name, label)
                     continue
@@ -329,7 +352,13 @@ def test_relative_coefficients_are_held_per_diagonal(rows):
 
 
 @pytest.mark.parametrize("score_mod, op", [
-    (lambda s, b, h, q, kv: 20.0 * torch.tanh(s / 20.0), "tanh"),
+    (lambda s, b, h, q, kv: 20.0 * torch.tanh(s / 20.0 + 1.0), "tanh of the score plus an offset"),
+    (lambda s, b, h, q, kv: torch.tanh(s / (h + 1.0)), "tanh of a value that depends on h besides the score"),
+    (lambda s, b, h, q, kv: 20.0 * torch.tanh(s / 20.0) + s, r"soft-capped score \(tanh\) combined with the score"),
+    (lambda s, b, h, q, kv: torch.tanh(torch.tanh(s)), "tanh of a soft-capped score"),
+    (lambda s, b, h, q, kv: torch.tanh(s / 2.0) + torch.tanh(s / 3.0), "scaled differently in two places"),
+    (lambda s, b, h, q, kv: torch.tanh(-s / 2.0), r"times -0.5 \(soft-capping takes score / cap with cap > 0\)"),
+    (lambda s, b, h, q, kv: torch.tanh(s) * torch.tanh(s), "product of two score-dependent"),
     (lambda s, b, h, q, kv: s * s, "product of two score-dependent"),
     (lambda s, b, h, q, kv: torch.where(s > 0, s, 0.5 * s), r"\(gt\)"),
     (lambda s, b, h, q, kv: s.abs() + q, "abs"),
@@ -337,10 +366,11 @@ def test_relative_coefficients_are_held_per_diagonal(rows):
     (lambda s, b, h, q, kv: 1.0 / s, "reciprocal"),
     (lambda s, b, h, q, kv: (q + 1) / s, "division by a score-dependent value"),
     (lambda s, b, h, q, kv: s.int().float(), "cast of the score to torch.int32"),
-], ids=["tanh", "square", "where", "abs", "clamp", "reciprocal", "divisor", "int"])
-def test_score_mod_not_affine_is_refused_by_name(score_mod, op):
+], ids=["tanh-offset", "tanh-per-head", "tanh-and-score", "tanh-tanh", "two-caps", "negative-cap", "tanh-squared",
+        "square", "where", "abs", "clamp", "reciprocal", "divisor", "int"])
+def test_score_mod_neither_affine_nor_soft_capping_is_refused_by_name(score_mod, op):
     q, k, v = (torch.randn(1, 2, 9, 8) for _ in range(3))
-    with pytest.raises(NotImplementedError, match=f"score_mod <lambda>: not affine in the score.*{op}"):
+    with pytest.raises(NotImplementedError, match=f"score_mod <lambda>: not (affine in the score|soft-capping).*{op}"):
         flashattn.flex_attention(q, k, v, score_mod=score_mod)
 
 
@@ -410,12 +440,13 @@ def test_default_block_size_and_scale():
 
 def test_opcheck():
     gen, q, k, v, _ = inputs(seed_for("opcheck"), 2, 19, 23, torch.float32)
-    score_mod, mask_mod, _ = make_case("rel_bias_document", 19, 23, gen)
+    score_mod, mask_mod, _ = make_case("softcap_rel_document", 19, 23, gen)
     bm = flashattn.create_block_mask(mask_mod, B, None, 19, 23, BLOCK_SIZE=8)
-    a, c = _flex._score_coefficients(score_mod, (B, HQ, 19, 23))
+    a, c, cap = _flex._score_coefficients(score_mod, (B, HQ, 19, 23))
+    assert cap > 0.0 and c is not None
     t = lambda x: x.transpose(1, 2).requires_grad_(True)  # noqa: E731
-    mods = (bm._states, bm._partial_index, bm._partial_blocks, 8, a, c)
-    for args in ((None, None, None, 0, a, c), mods, (*mods[:4], None, None)):
+    mods = (bm._states, bm._partial_index, bm._partial_blocks, 8, a, c, cap)
+    for args in ((None, None, None, 0, a, c, cap), mods, (*mods[:4], None, None, 0.0)):
         torch.library.opcheck(torch.ops.flashattn.flex_fwd, (t(q), t(k), t(v), 0.4, *args, 1))
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
     out, lse = torch.ops.flashattn.flex_fwd(qt, kt, vt, None, *mods, 1)
@@ -430,17 +461,17 @@ def test_ops_check_what_the_hook_reads():
     bm = flashattn.create_block_mask(lambda b, h, i, j: i >= j, None, None, 9, 9, BLOCK_SIZE=4)
     mods = (bm._states, bm._partial_index, bm._partial_blocks, 4)
     with pytest.raises(ValueError, match="score_c: expected float32 broadcastable"):
-        torch.ops.flashattn.flex_fwd(q, k, v, None, *mods, None, torch.zeros(1, 2, 10, 9), 1)
+        torch.ops.flashattn.flex_fwd(q, k, v, None, *mods, None, torch.zeros(1, 2, 10, 9), 0.0, 1)
     with pytest.raises(ValueError, match=r"or of shape \(B or 1, Hq or 1, 1, Sq \+ Sk - 1\).*\(1, 1, 1, 18\)"):
-        torch.ops.flashattn.flex_fwd(q, k, v, None, *mods, None, torch.zeros(1, 1, 1, 18), 1)  # 17 diagonals
+        torch.ops.flashattn.flex_fwd(q, k, v, None, *mods, None, torch.zeros(1, 1, 1, 18), 0.0, 1)  # 17 diagonals
     with pytest.raises(ValueError, match="score_a: expected float32"):
-        torch.ops.flashattn.flex_fwd(q, k, v, None, *mods, torch.zeros(1, 1, 1, 1, dtype=torch.float64), None, 1)
+        torch.ops.flashattn.flex_fwd(q, k, v, None, *mods, torch.zeros(1, 1, 1, 1, dtype=torch.float64), None, 0.0, 1)
     with pytest.raises(ValueError, match="partial_index: slot"):
         torch.ops.flashattn.flex_fwd(q, k, v, None, bm._states, bm._partial_index, bm._partial_blocks[:1], 4, None,
-                                     None, 1)
+                                     None, 0.0, 1)
     with pytest.raises(ValueError, match="score_hook.block_mask: shape"):
         torch.ops.flashattn.flex_fwd(q, k, v, None, bm._states[:, :, :2], bm._partial_index[:, :, :2],
-                                     bm._partial_blocks, 4, None, None, 1)
+                                     bm._partial_blocks, 4, None, None, 0.0, 1)
 
 
 def test_compile_matches_eager():
