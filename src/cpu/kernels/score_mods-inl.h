@@ -309,9 +309,16 @@ struct RowMods {
                   std::int64_t hi) const {
     constexpr float kNegInf = -std::numeric_limits<float>::infinity();
     const std::int64_t bs = hook->block_size;
-    for (std::int64_t c = lo; c < hi;) {
-      const std::int64_t end = bs > 0 ? std::min(hi, ((j0 + c) / bs + 1) * bs - j0) : hi;
-      const ScoreBlock state = hook_block(i, j0 + c);
+    if (lo >= hi) return;
+    // The row's states, walked block by block (one division per row, not two per block).
+    const TensorView& m = hook->block_mask;
+    const std::uint8_t* states = bs > 0 ? static_cast<const std::uint8_t*>(m.data) + hook_blocks_base +
+                                              (i / bs) * m.strides[2]
+                                        : nullptr;
+    std::int64_t block = bs > 0 ? (j0 + lo) / bs : 0;
+    for (std::int64_t c = lo; c < hi; ++block) {
+      const std::int64_t end = bs > 0 ? std::min(hi, (block + 1) * bs - j0) : hi;
+      const ScoreBlock state = bs > 0 ? static_cast<ScoreBlock>(states[block * m.strides[3]]) : ScoreBlock::partial;
       if (state == ScoreBlock::empty) {
         std::fill(s + c, s + end, kNegInf);
       } else if (state == ScoreBlock::partial || hook->score != nullptr) {
