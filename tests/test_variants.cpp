@@ -786,5 +786,101 @@ TEST(Variants, BadDbiasAndOverlappingMaskNameTheArgumentBeforeAnythingIsWritten)
   }
 }
 
+// A side input — alibi_slopes, sinks, the block-sparse block_mask, the score hook's block mask
+// — inside an output's memory (out, lse, dq; forward_varlen's out, forward_with_kvcache's
+// out and the cache its append writes, forward_varlen_paged's out): an Error naming both, raised
+// before anything is written.
+TEST(Variants, SideInputsInsideAnOutputAreRefusedBeforeAnythingIsWritten) {
+  const Tensor q = random_tensor(DType::f32, {1, 8, 4, 16}, 1);
+  const Tensor k = random_tensor(DType::f32, {1, 8, 2, 16}, 2);
+  Tensor out(DType::f32, {1, 8, 4, 16}), lse(DType::f32, {1, 4, 8});
+  Tensor dq(DType::f32, {1, 8, 4, 16}), dk(DType::f32, {1, 8, 2, 16}), dv(DType::f32, {1, 8, 2, 16});
+  const auto sentinels = [&] {
+    for (Tensor* t : {&out, &lse, &dq}) t->set(0, 7.0f);
+  };
+  const auto untouched = [&](const std::string& what) {
+    for (Tensor* t : {&out, &lse, &dq}) EXPECT_EQ(t->get(0), 7.0f) << what;
+  };
+  const auto expect = [&](const std::string& what, const std::function<void()>& call, const std::string& fragment) {
+    sentinels();
+    try {
+      call();
+      ADD_FAILURE() << what << ": expected flashattn::Error containing " << fragment;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << what << ": " << e.what();
+    }
+    untouched(what);
+  };
+  // Each side input as a view of the first bytes of an output.
+  const auto place = [](AttentionOptions& o, const std::string& input, void* at) {
+    if (input == "alibi_slopes") o.alibi_slopes = TensorView(at, DType::f32, {4});
+    if (input == "sinks") o.sinks = TensorView(at, DType::f32, {4});
+    if (input == "block_mask") {
+      o.block_mask = TensorView(at, DType::u8, {1, 1});
+      o.block_mask_block_size = 8;
+    }
+  };
+  const FlexMods keep_all(flex::NoScoreMod{}, [](std::int64_t, std::int64_t, std::int64_t, std::int64_t) { return true; });
+  const BlockMask blocks = create_block_mask([](std::int64_t, std::int64_t, std::int64_t, std::int64_t) { return true; },
+                                             1, 1, 8, 8, 8);
+  const ForwardResult f = forward(q.view(), k.view(), k.view());
+  for (const std::string input : {"alibi_slopes", "sinks", "block_mask", "score_hook.block_mask"}) {
+    const auto with = [&](void* at) {
+      AttentionOptions o;
+      if (input == "score_hook.block_mask") {
+        o.score_hook = keep_all.hook(&blocks);
+        o.score_hook.block_mask = TensorView(at, DType::u8, {1, 1, 1, 1});
+      } else {
+        place(o, input, at);
+      }
+      return o;
+    };
+    const std::string overlaps = ": output memory overlaps input " + input;
+    expect(input + " in out", [&] { forward(q.view(), k.view(), k.view(), out.view(), lse.view(), with(out.data())); },
+           "out" + overlaps);
+    expect(input + " in lse", [&] { forward(q.view(), k.view(), k.view(), out.view(), lse.view(), with(lse.data())); },
+           "lse" + overlaps);
+    expect(input + " in dq", [&] {
+      backward(f.out.view(), q.view(), k.view(), k.view(), f.out.view(), f.lse.view(), dq.view(), dk.view(),
+               dv.view(), with(dq.data()));
+    }, "dq" + overlaps);
+    if (input == "score_hook.block_mask" || input == "block_mask") continue;
+    Tensor cu(DType::i32, {2});
+    cu.data_as<std::int32_t>()[0] = 0, cu.data_as<std::int32_t>()[1] = 8;
+    const TensorView q3(q.data(), DType::f32, {8, 4, 16}), k3(k.data(), DType::f32, {8, 2, 16});
+    const MutableTensorView out3(out.data(), DType::f32, {8, 4, 16}), lse2(lse.data(), DType::f32, {4, 8});
+    expect(input + " in forward_varlen's out",
+           [&] { forward_varlen(q3, k3, k3, {cu.view(), cu.view(), 8, 8}, out3, lse2, with(out.data())); },
+           "out" + overlaps);
+    Tensor cache = random_tensor(DType::f32, {1, 12, 2, 16}, 4), new_k = random_tensor(DType::f32, {1, 8, 2, 16}, 5);
+    Tensor seqlens(DType::i32, {1});
+    seqlens.data_as<std::int32_t>()[0] = 2;
+    KvCache kv;
+    kv.k_cache = kv.v_cache = cache.view();
+    kv.cache_seqlens = seqlens.view();
+    expect(input + " in forward_with_kvcache's out",
+           [&] { forward_with_kvcache(q.view(), kv, out.view(), lse.view(), with(out.data())); }, "out" + overlaps);
+    Tensor k_cache = random_tensor(DType::f32, {1, 12, 2, 16}, 6), v_cache = random_tensor(DType::f32, {1, 12, 2, 16}, 7);
+    const float first = k_cache.get(0);
+    kv.k_cache = k_cache.view();
+    kv.v_cache = v_cache.view();
+    kv.k = kv.v = new_k.view();
+    expect(input + " in the appended k_cache",
+           [&] { forward_with_kvcache(q.view(), kv, out.view(), lse.view(), with(k_cache.data())); },
+           "k_cache" + overlaps);
+    EXPECT_EQ(k_cache.get(0), first);
+    Tensor table(DType::i32, {1, 1});
+    table.data_as<std::int32_t>()[0] = 0;
+    Tensor used(DType::i32, {1});
+    used.data_as<std::int32_t>()[0] = 8;
+    PagedKvBatch paged;
+    paged.k_cache = paged.v_cache = TensorView(k.data(), DType::f32, {1, 8, 2, 16});
+    paged.block_table = table.view();
+    paged.seqused_k = used.view();
+    expect(input + " in forward_varlen_paged's out",
+           [&] { forward_varlen_paged(q3, cu.view(), 8, paged, out3, lse2, with(out.data())); }, "out" + overlaps);
+  }
+}
+
 }  // namespace
 }  // namespace flashattn::test

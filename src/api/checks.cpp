@@ -9,14 +9,22 @@
 
 namespace flashattn::detail {
 
+void check_apart_from_options(const char* name, const TensorView& output, const AttentionOptions& options) {
+  if (output.data == nullptr) return;
+  for (const auto& [in_name, input] :
+       {std::pair{"attn_mask", options.attn_mask}, {"alibi_slopes", options.alibi_slopes},
+        {"block_mask", options.block_mask}, {"sinks", options.sinks},
+        {"score_hook.block_mask", options.score_hook.block_mask}})
+    if (input.data != nullptr) check_no_overlap(name, output, in_name, input);
+}
+
 AttentionProblem check_forward_call(const TensorView& q, const TensorView& k, const TensorView& v,
                                     const TensorView& out, const TensorView& lse, const AttentionOptions& options) {
   AttentionProblem problem = AttentionProblem::from_inputs(q, k, v, options);
   check_forward_outputs(problem, q, k, v, out, lse);
   check_rescale_counts(problem, options, q, k, v, out, lse);
-  if (options.attn_mask.data != nullptr)
-    for (const auto& [name, output] : {std::pair{"out", out}, {"lse", lse}, {"rescale_counts", options.rescale_counts}})
-      if (output.data != nullptr) check_no_overlap(name, output, "attn_mask", options.attn_mask);
+  for (const auto& [name, output] : {std::pair{"out", out}, {"lse", lse}, {"rescale_counts", options.rescale_counts}})
+    check_apart_from_options(name, output, options);
   return problem;
 }
 
@@ -44,18 +52,20 @@ AttentionProblem check_backward_call(const TensorView& dout, const TensorView& q
     check_tensor(name, *grad, ref.dtype, "gradients have their input's dtype",
                  {ref.shape[0], ref.shape[1], ref.shape[2], ref.shape[3]}, "(the shape of its input)");
     check_output_layout(name, *grad);
-    for (const auto& [in_name, input] : {std::pair{"dout", dout}, {"q", q}, {"k", k}, {"v", v}, {"out", out},
-                                         {"lse", lse}, {"attn_mask", options.attn_mask}})
+    for (const auto& [in_name, input] :
+         {std::pair{"dout", dout}, {"q", q}, {"k", k}, {"v", v}, {"out", out}, {"lse", lse}})
       check_no_overlap(name, *grad, in_name, input);
+    check_apart_from_options(name, *grad, options);
     for (int o = 0; o < g; ++o) check_no_overlap(name, *grad, grads[o].first, *grads[o].second);
   }
   if (options.dsinks.data != nullptr || options.dsinks.rank != 0) {
     if (!p.sinks) throw Error("dsinks: set without sinks");
     check_tensor("dsinks", options.dsinks.on(Device::cpu), DType::f32, "dsinks is float32", {p.heads_q}, "(heads_q)");
     check_output_layout("dsinks", options.dsinks);
-    for (const auto& [in_name, input] : {std::pair{"dout", dout}, {"out", out}, {"lse", lse}, {"dq", dq}, {"dk", dk},
-                                         {"dv", dv}, {"sinks", options.sinks}, {"attn_mask", options.attn_mask}})
+    for (const auto& [in_name, input] :
+         {std::pair{"dout", dout}, {"out", out}, {"lse", lse}, {"dq", dq}, {"dk", dk}, {"dv", dv}})
       check_no_overlap("dsinks", options.dsinks, in_name, input);
+    check_apart_from_options("dsinks", options.dsinks, options);
   }
   if (options.dbias.data != nullptr || options.dbias.rank != 0) {
     const TensorView& bias = options.attn_mask;
@@ -71,8 +81,9 @@ AttentionProblem check_backward_call(const TensorView& dout, const TensorView& q
     check_output_layout("dbias", options.dbias);
     for (const auto& [in_name, input] :
          {std::pair{"dout", dout}, {"q", q}, {"k", k}, {"v", v}, {"out", out}, {"lse", lse}, {"dq", dq}, {"dk", dk},
-          {"dv", dv}, {"attn_mask", bias}, {"dsinks", options.dsinks}})
+          {"dv", dv}, {"dsinks", options.dsinks}})
       check_no_overlap("dbias", options.dbias, in_name, input);
+    check_apart_from_options("dbias", options.dbias, options);
   }
   return p;
 }

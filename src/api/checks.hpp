@@ -15,6 +15,10 @@ namespace flashattn::detail {
 AttentionProblem check_forward_call(const TensorView& q, const TensorView& k, const TensorView& v,
                                     const TensorView& out, const TensorView& lse, const AttentionOptions& options);
 
+// An output apart from the options' side inputs: attn_mask, alibi_slopes, the block-sparse
+// block_mask, sinks and the score hook's block mask (unset views and null outputs pass).
+void check_apart_from_options(const char* name, const TensorView& output, const AttentionOptions& options);
+
 // backward(): dout, out and lse as the forward returned them, dq, dk, dv like their inputs
 // and apart from every input and from each other.
 AttentionProblem check_backward_call(const TensorView& dout, const TensorView& q, const TensorView& k,

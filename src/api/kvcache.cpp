@@ -448,12 +448,18 @@ void check_outputs_and_targets(const TensorView& q, const KvCache& c, const Muta
     detail::check_no_overlap("out", out, table.name, table.view);
     detail::check_no_overlap("lse", lse, table.name, table.view);
   }
+  detail::check_apart_from_options("out", out, options);
+  detail::check_apart_from_options("lse", lse, options);
   if (is_set(c.k)) {  // the append writes the pools (and a quantized cache's descales or per-token scales)
     detail::check_outputs_apart({{"k_cache", c.k_cache}, {"v_cache", c.v_cache}}, tables);
+    detail::check_apart_from_options("k_cache", c.k_cache, options);
+    detail::check_apart_from_options("v_cache", c.v_cache, options);
     for (const auto& [name, scale] : {std::pair{"k_scale", c.k_scale}, {"v_scale", c.v_scale},
                                       {"k_zero_point", c.k_zero_point}, {"v_zero_point", c.v_zero_point}})
-      if (is_set(scale))
+      if (is_set(scale)) {
         for (const detail::NamedView& table : tables) detail::check_no_overlap(name, scale, table.name, table.view);
+        detail::check_apart_from_options(name, scale, options);
+      }
     check_append_targets(layout, seqlens, r.added, batch);
   }
   detail::check_sequence_options(options, batch, r.hq);

@@ -290,6 +290,8 @@ void forward_varlen_paged(const TensorView& q, const TensorView& cu_seqlens_q, s
                                {"k_scale", kv.k_scale}, {"v_scale", kv.v_scale}, {"k_zero_point", kv.k_zero_point},
                                {"v_zero_point", kv.v_zero_point}, {"prefix_block_table", kv.prefix_block_table},
                                {"prefix_seqused_k", kv.prefix_seqused_k}, {"prefix_idx", kv.prefix_idx}});
+  detail::check_apart_from_options("out", out, options);
+  detail::check_apart_from_options("lse", lse, options);
   // Each prefix's sequences' rows in the partials start at row partial_row[p].
   const std::size_t prefixes = r.prefix_keys.size();
   std::vector<std::int64_t> partial_row(prefixes + 1, 0);

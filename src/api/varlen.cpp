@@ -65,6 +65,8 @@ void forward_varlen(const TensorView& q, const TensorView& k, const TensorView& 
   detail::check_outputs_apart({{"out", out}, {"lse", lse}},
                               {{"q", q}, {"k", k}, {"v", v}, {"cu_seqlens_q", seqlens.cu_seqlens_q},
                                {"cu_seqlens_k", seqlens.cu_seqlens_k}});
+  detail::check_apart_from_options("out", out, options);
+  detail::check_apart_from_options("lse", lse, options);
   detail::check_sequence_options(options, o.batch(), q.shape[1]);
   detail::reject_rescale_counts("forward_varlen", options);
   std::vector<detail::ForwardJob> jobs;
@@ -121,6 +123,8 @@ void backward_varlen(const TensorView& dout, const TensorView& q, const TensorVi
   detail::check_outputs_apart({{"dq", dq}, {"dk", dk}, {"dv", dv}},
                               {{"dout", dout}, {"q", q}, {"k", k}, {"v", v}, {"out", out}, {"lse", lse},
                                {"cu_seqlens_q", seqlens.cu_seqlens_q}, {"cu_seqlens_k", seqlens.cu_seqlens_k}});
+  for (const auto& [name, grad] : {std::pair{"dq", dq}, {"dk", dk}, {"dv", dv}})
+    detail::check_apart_from_options(name, grad, options);
   std::vector<detail::BackwardJob> jobs;
   for (std::int64_t b = 0; b < o.batch(); ++b) {
     const std::int64_t q0 = o.q[b], sq = o.q[b + 1] - q0, k0 = o.k[b], sk = o.k[b + 1] - k0;
