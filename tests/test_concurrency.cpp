@@ -2,7 +2,6 @@
 // shared read-only inputs — get exactly the results of serial calls.
 #include <gtest/gtest.h>
 
-#include <cstring>
 #include <thread>
 #include <vector>
 
@@ -10,10 +9,6 @@
 
 namespace flashattn::test {
 namespace {
-
-bool same_bits(const Tensor& a, const Tensor& b) {
-  return std::memcmp(a.data(), b.data(), static_cast<std::size_t>(a.numel()) * dtype_size(a.dtype())) == 0;
-}
 
 TEST(Concurrency, ParallelCallersMatchSerialCalls) {
   constexpr int kCallers = 6;
@@ -42,9 +37,9 @@ TEST(Concurrency, ParallelCallersMatchSerialCalls) {
         const ForwardResult f = forward(qs[c].view(), shared_k.view(), shared_k.view(), o);
         const BackwardResult g = backward(douts[c].view(), qs[c].view(), shared_k.view(), shared_k.view(),
                                           f.out.view(), f.lse.view(), o);
-        mismatches[c] += !same_bits(f.out, serial_fwd[c].out) + !same_bits(f.lse, serial_fwd[c].lse) +
-                         !same_bits(g.dq, serial_bwd[c].dq) + !same_bits(g.dk, serial_bwd[c].dk) +
-                         !same_bits(g.dv, serial_bwd[c].dv);
+        mismatches[c] += !bitwise_equal(f.out, serial_fwd[c].out) + !bitwise_equal(f.lse, serial_fwd[c].lse) +
+                         !bitwise_equal(g.dq, serial_bwd[c].dq) + !bitwise_equal(g.dk, serial_bwd[c].dk) +
+                         !bitwise_equal(g.dv, serial_bwd[c].dv);
       }
     });
   for (std::thread& t : callers) t.join();
