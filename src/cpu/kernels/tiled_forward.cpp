@@ -202,7 +202,9 @@ struct Bf16Products {
   // float32 kernel's Kᵀ panel with a pair of bf16 for each float, so a panel's K rows, copied
   // into k_pair_rows, are transposed as 32-bit pairs at its last key (TransposeKeys); V
   // tiles as panels of kMicroCols columns, each (block_k / 2, kMicroCols, 2): step p holds
-  // every column's values of keys 2p and 2p + 1.
+  // every column's values of keys 2p and 2p + 1, the two V rows (copied into v_pair_rows, zero
+  // past head_dim_v) interleaved a vector at a time at the pair's second key (InterleavePairs).
+  // Keys arrive in order and in whole panels (PackHead), so every pair is completed.
   static void Pack(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t b, std::int64_t kv_head,
                    std::int64_t from, std::int64_t to) {
     const std::int64_t bc = prm.plan.block_k, d = prm.problem.head_dim, dv = prm.problem.head_dim_v;
@@ -213,6 +215,8 @@ struct Bf16Products {
     std::uint16_t* k_rows = ws.k_pair_rows.get();  // (kMicroCols, 2·ld_pairs): the keys of one panel
     for (std::int64_t e = 0; e < kMicroCols; ++e)
       std::fill(k_rows + e * 2 * ld_pairs + d, k_rows + (e + 1) * 2 * ld_pairs, std::uint16_t{0});
+    std::uint16_t* v_rows = ws.v_pair_rows.get();  // (2, dv_pad): keys 2p and 2p + 1
+    for (std::uint16_t* row : {v_rows, v_rows + dv_pad}) std::fill(row + dv, row + dv_pad, std::uint16_t{0});
     PackHead(prm, ws, b, kv_head, from, to, [&](std::int64_t j, const void* k_row, const void* v_row) {
       const auto* v = static_cast<const std::uint16_t*>(v_row);
       const std::int64_t e = j % kMicroCols;
@@ -226,10 +230,31 @@ struct Bf16Products {
                       reinterpret_cast<std::uint32_t*>(ws.k_pairs.get() + (j / bc) * d_even * bc +
                                                        (j % bc) / kMicroCols * d_even * kMicroCols),
                       kMicroCols);
-      std::uint16_t* vt = ws.v_pairs.get() + (j / bc) * bc * dv_pad + (j % bc) / 2 * kStep + j % 2;
-      for (std::int64_t c = 0; c < dv_pad; ++c)
-        vt[c / kMicroCols * bc * kMicroCols + c % kMicroCols * 2] = v != nullptr && c < dv ? v[c] : 0;
+      std::uint16_t* v_dst = v_rows + (j % 2) * dv_pad;
+      if (v != nullptr)
+        std::memcpy(v_dst, v, static_cast<std::size_t>(dv) * sizeof(std::uint16_t));
+      else
+        std::fill(v_dst, v_dst + dv, std::uint16_t{0});
+      if (j % 2 == 1)
+        InterleavePairs(v_rows, v_rows + dv_pad, dv_pad,
+                        ws.v_pairs.get() + (j / bc) * bc * dv_pad + (j % bc) / 2 * kStep, bc * kMicroCols);
     });
+  }
+
+  // Rows a and b as the pairs (a[c], b[c]): column c at dst + (c / kMicroCols)·panel_stride +
+  // 2·(c % kMicroCols), a vector of columns at a time (each widened to 32 bits, b's half on top).
+  static void InterleavePairs(const std::uint16_t* HWY_RESTRICT a, const std::uint16_t* HWY_RESTRICT b,
+                              std::int64_t cols, std::uint16_t* HWY_RESTRICT dst, std::int64_t panel_stride) {
+    const hn::ScalableTag<std::uint32_t> du32;
+    const hn::Rebind<std::uint16_t, decltype(du32)> du16;
+    const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(du32));
+    static_assert(kMicroCols % HWY_LANES(std::uint32_t) == 0, "whole vectors of columns in a panel");
+    for (std::int64_t c = 0; c < cols; c += lanes) {
+      const auto pairs = hn::Or(hn::PromoteTo(du32, hn::LoadU(du16, a + c)),
+                                hn::ShiftLeft<16>(hn::PromoteTo(du32, hn::LoadU(du16, b + c))));
+      hn::StoreU(pairs, du32,
+                 reinterpret_cast<std::uint32_t*>(dst + c / kMicroCols * panel_stride + 2 * (c % kMicroCols)));
+    }
   }
 
   // Rows [0, rows) of the bf16 Q tile from queries i0.., as stored (head_dim padded to even

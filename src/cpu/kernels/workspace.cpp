@@ -39,6 +39,7 @@ ForwardLayout::ForwardLayout(const CpuForwardPlan& plan, const AttentionProblem&
     k_pairs = keys_pad * d_even;
     k_pair_rows = static_cast<std::size_t>(plan.hardware.micro_cols) * d_pad;
     v_pairs = keys_pad * dv_pad;
+    v_pair_rows = 2 * dv_pad;
   } else {
     k_rows = static_cast<std::size_t>(plan.hardware.micro_cols) * d_pad;
     v_row = dv_pad;
@@ -51,7 +52,7 @@ ForwardLayout::ForwardLayout(const CpuForwardPlan& plan, const AttentionProblem&
 std::size_t ForwardLayout::bytes() const {
   const std::size_t floats = q_tile + k_rows + v_row + s_tile + o_acc + k_packed + v_packed + q_rows + q_units +
                              v_units + descales;
-  const std::size_t halves = q_bf16 + p_bf16 + k_pairs + v_pairs + k_pair_rows;
+  const std::size_t halves = q_bf16 + p_bf16 + k_pairs + v_pairs + k_pair_rows + v_pair_rows;
   return floats * sizeof(float) + halves * sizeof(std::uint16_t) +
          rows * (sizeof(OnlineSoftmaxState) + sizeof(std::int32_t)) + decode_keys * DecodeKeys::kBytesPerKey +
          strips * sizeof(StripKeys);
@@ -62,7 +63,8 @@ void ForwardLayout::widen(const ForwardLayout& o) {
        {std::pair{&rows, o.rows}, {&q_tile, o.q_tile}, {&k_rows, o.k_rows}, {&v_row, o.v_row}, {&s_tile, o.s_tile},
         {&o_acc, o.o_acc}, {&k_packed, o.k_packed}, {&v_packed, o.v_packed}, {&q_rows, o.q_rows},
         {&q_units, o.q_units}, {&v_units, o.v_units}, {&descales, o.descales}, {&q_bf16, o.q_bf16},
-        {&p_bf16, o.p_bf16}, {&k_pairs, o.k_pairs}, {&v_pairs, o.v_pairs}, {&k_pair_rows, o.k_pair_rows}, {&strips, o.strips},
+        {&p_bf16, o.p_bf16}, {&k_pairs, o.k_pairs}, {&v_pairs, o.v_pairs}, {&k_pair_rows, o.k_pair_rows},
+        {&v_pair_rows, o.v_pair_rows}, {&strips, o.strips},
         {&decode_keys, o.decode_keys}})
     *mine = std::max(*mine, theirs);
 }
@@ -95,6 +97,7 @@ ForwardWorkspace::ForwardWorkspace(const ForwardLayout& l) : layout(l) {
     k_pairs = allocate_array<std::uint16_t>(l.k_pairs);
     k_pair_rows = allocate_array<std::uint16_t>(l.k_pair_rows);
     v_pairs = allocate_array<std::uint16_t>(l.v_pairs);
+    v_pair_rows = allocate_array<std::uint16_t>(l.v_pair_rows);
   }
   decode_keys.resize(l.decode_keys);
 }

@@ -69,7 +69,7 @@ struct ForwardLayout {
   std::size_t q_tile = 0, k_rows = 0, v_row = 0, s_tile = 0, o_acc = 0, k_packed = 0, v_packed = 0;
   std::size_t q_rows = 0, q_units = 0, v_units = 0, descales = 0;  // decode
   // bf16 (tiled_bf16)
-  std::size_t q_bf16 = 0, p_bf16 = 0, k_pairs = 0, v_pairs = 0, k_pair_rows = 0;
+  std::size_t q_bf16 = 0, p_bf16 = 0, k_pairs = 0, v_pairs = 0, k_pair_rows = 0, v_pair_rows = 0;
   std::size_t strips = 0;       // StripKeys (tiled)
   std::size_t decode_keys = 0;  // DecodeKeys entries (decode)
 };
@@ -112,8 +112,8 @@ struct ForwardWorkspace {
   // (head_dim_pairs, kMicroCols, 2) each; k tiles of V, each as panels of kMicroCols columns,
   // (block_k / 2, kMicroCols, 2) each. The float32 Q tile and packed K/V are unused then.
   // k_pair_rows: while packing, the K rows of one panel as stored, (micro_cols, head_dim
-  // rounded up to 32).
-  hwy::AlignedFreeUniquePtr<std::uint16_t[]> q_bf16, p_bf16, k_pairs, v_pairs, k_pair_rows;
+  // rounded up to 32); v_pair_rows: the V rows of one pair of keys, (2, head_dim_v_padded).
+  hwy::AlignedFreeUniquePtr<std::uint16_t[]> q_bf16, p_bf16, k_pairs, v_pairs, k_pair_rows, v_pair_rows;
   DecodeKeys decode_keys;  // (block_k + kDecodePrefetchKeys): a key block's rows (decode)
   PackedHead packed;       // which head k/v buffers hold, and how much of it
   KernelCounters counters;  // this thread's share of the call's counts (counters.hpp)
