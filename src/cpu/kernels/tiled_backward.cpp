@@ -119,23 +119,30 @@ struct Fp32BackwardProducts {
   }
 
   // Packs Kᵀ and Vᵀ (one (dim, block_k) panel per tile) and K (rows padded to D_pad) of one
-  // (batch, kv head) for keys [from, to), whole tiles at a time, reusing what is packed.
+  // (batch, kv head) for keys [from, to), whole tiles at a time, reusing what is packed: each
+  // key's K row converted into k_packed and its V row into row_scratch, then every
+  // kMicroCols keys (block_k is a multiple) their rows transposed in registers into the
+  // tile's columns (TransposeKeys, as the forward packs).
   static void Pack(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t b, std::int64_t kv_head,
                    std::int64_t from, std::int64_t to) {
     const AttentionProblem& p = prm.problem;
     const std::int64_t bc = prm.plan.block_k, d = p.head_dim, dv = p.head_dim_v;
-    const std::int64_t d_pad = prm.plan.head_dim_padded;
-    float* row = ws.row_scratch.get();
+    const std::int64_t d_pad = prm.plan.head_dim_padded, dv_pad = prm.plan.head_dim_v_padded;
+    float* v_rows = ws.row_scratch.get();  // (kMicroCols, dv_pad): the V rows of one block of keys
     PackHead(prm, ws, b, kv_head, from, to, [&](std::int64_t j, const void* k_row, const void* v_row) {
-      const std::int64_t tile = j / bc, col = j % bc;
+      const std::int64_t tile = j / bc, col = j % bc, e = j % kMicroCols;
       float* krow = ws.k_packed.get() + j * d_pad;
       if (k_row != nullptr) LoadRow(k_row, prm.k.dtype, d, 1.0f, krow);
       std::fill(krow + (k_row != nullptr ? d : 0), krow + d_pad, 0.0f);  // padding keys: zeros
-      float* kt = ws.kt_packed.get() + tile * d * bc + col;
-      for (std::int64_t c = 0; c < d; ++c) kt[c * bc] = krow[c];
-      if (v_row != nullptr) LoadRow(v_row, prm.v.dtype, dv, 1.0f, row);
-      float* vt = ws.vt_packed.get() + tile * dv * bc + col;
-      for (std::int64_t c = 0; c < dv; ++c) vt[c * bc] = v_row != nullptr ? row[c] : 0.0f;
+      float* vrow = v_rows + e * dv_pad;
+      if (v_row != nullptr) LoadRow(v_row, prm.v.dtype, dv, 1.0f, vrow);
+      std::fill(vrow + (v_row != nullptr ? dv : 0), vrow + dv_pad, 0.0f);
+      if (e == kMicroCols - 1) {
+        const DF df;
+        TransposeKeys(df, ws.k_packed.get() + (j - e) * d_pad, d_pad, d,
+                      ws.kt_packed.get() + tile * d * bc + col - e, bc);
+        TransposeKeys(df, v_rows, dv_pad, dv, ws.vt_packed.get() + tile * dv * bc + col - e, bc);
+      }
     });
   }
 

@@ -165,17 +165,18 @@ namespace {
 // Buffer sizes of one workspace: the float32 kernel's packed K/V are float32, tiled_bf16's
 // bf16 (and its per-tile operands come on top of the float32 tiles both kernels use).
 struct BackwardSizes {
-  std::size_t bq, bc, d, dv, d_pad, dv_pad, keys_pad;
+  std::size_t bq, bc, d, dv, d_pad, dv_pad, keys_pad, mc;
   bool bf16;
   BackwardSizes(const CpuBackwardPlan& plan, const AttentionProblem& p)
       : bq(static_cast<std::size_t>(plan.block_q)), bc(static_cast<std::size_t>(plan.block_k)),
         d(static_cast<std::size_t>(p.head_dim)), dv(static_cast<std::size_t>(p.head_dim_v)),
         d_pad(static_cast<std::size_t>(plan.head_dim_padded)),
         dv_pad(static_cast<std::size_t>(plan.head_dim_v_padded)),
-        keys_pad(round_up(static_cast<std::size_t>(p.seqlen_k), bc)), bf16(plan.kernel == BackwardKernel::tiled_bf16) {}
+        keys_pad(round_up(static_cast<std::size_t>(p.seqlen_k), bc)),
+        mc(static_cast<std::size_t>(plan.hardware.micro_cols)), bf16(plan.kernel == BackwardKernel::tiled_bf16) {}
   std::size_t floats() const {
     return bq * (d_pad + dv_pad + 4 * bc + d_pad) + bc * (d_pad + dv_pad) +
-           (bf16 ? 0 : keys_pad * (d + dv + d_pad)) + std::max(d_pad, dv_pad);
+           (bf16 ? 0 : keys_pad * (d + dv + d_pad)) + mc * std::max(d_pad, dv_pad);
   }
   std::size_t bf16_elements() const {
     return bf16 ? 2 * bq * (d_pad + dv_pad) + bq * std::max(d_pad, dv_pad) + 3 * bq * bc +
@@ -203,7 +204,7 @@ BackwardWorkspace::BackwardWorkspace(const CpuBackwardPlan& plan, const Attentio
   dq_tile = allocate_floats(s.bq * s.d_pad);
   dk_acc = allocate_floats(s.bc * s.d_pad);
   dv_acc = allocate_floats(s.bc * s.dv_pad);
-  row_scratch = allocate_floats(std::max(s.d_pad, s.dv_pad));
+  row_scratch = allocate_floats(s.mc * std::max(s.d_pad, s.dv_pad));
   if (!s.bf16) {
     kt_packed = allocate_floats(s.keys_pad * s.d + 1);
     vt_packed = allocate_floats(s.keys_pad * s.dv + 1);
