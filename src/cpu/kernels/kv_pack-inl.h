@@ -100,6 +100,23 @@ HWY_INLINE void TransposeKeys(D d, const hn::TFromD<D>* HWY_RESTRICT rows, std::
     }
 }
 
+// Rows a and b (16-bit values, bf16) as the pairs (a[c], b[c]) for c < cols, a multiple of
+// the vector: column c at dst + (c / kMicroCols)·panel_stride + 2·(c % kMicroCols) — two keys'
+// rows as one step of panels of kMicroCols columns with pairs of keys along the depth. A
+// vector of columns at a time: each widened to 32 bits, b's half on top.
+HWY_INLINE void InterleavePairs(const std::uint16_t* HWY_RESTRICT a, const std::uint16_t* HWY_RESTRICT b,
+                                std::int64_t cols, std::uint16_t* HWY_RESTRICT dst, std::int64_t panel_stride) {
+  const hn::ScalableTag<std::uint32_t> du32;
+  const hn::Rebind<std::uint16_t, decltype(du32)> du16;
+  const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(du32));
+  static_assert(kMicroCols % HWY_LANES(std::uint32_t) == 0, "whole vectors of columns in a panel");
+  for (std::int64_t c = 0; c < cols; c += lanes) {
+    const auto pairs = hn::Or(hn::PromoteTo(du32, hn::LoadU(du16, a + c)),
+                              hn::ShiftLeft<16>(hn::PromoteTo(du32, hn::LoadU(du16, b + c))));
+    hn::StoreU(pairs, du32, reinterpret_cast<std::uint32_t*>(dst + c / kMicroCols * panel_stride + 2 * (c % kMicroCols)));
+  }
+}
+
 // Prefetches the cache lines of the `bytes` bytes from `row` on: a row that is read
 // kRowPrefetchDistance rows later.
 HWY_INLINE void PrefetchRow(const void* row, std::int64_t bytes) {

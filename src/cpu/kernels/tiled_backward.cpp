@@ -358,25 +358,47 @@ struct Bf16BackwardProducts {
   // packed: kt_pairs and vt_pairs as panels of kMicroCols keys, step p holding each key's
   // elements 2p and 2p + 1 (S's and dP's B); k_pairs as panels of kMicroCols columns of K,
   // step p holding each column's values of keys 2p and 2p + 1 (dQ's B). The last tile's
-  // padding keys are zeros, odd head dims end with a zero.
+  // padding keys are zeros, odd head dims end with a zero. Each key's rows are copied into
+  // pack_rows (zero past the head dims): a panel's K and V rows transposed as 32-bit pairs at
+  // its last key (TransposeKeys), a pair's K rows interleaved at its second (InterleavePairs),
+  // as the forward packs.
   static void Pack(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t b, std::int64_t kv_head,
                    std::int64_t from, std::int64_t to) {
     const AttentionProblem& p = prm.problem;
-    const std::int64_t bc = prm.plan.block_k, d = p.head_dim, dv = p.head_dim_v, d_pad = prm.plan.head_dim_padded;
+    const std::int64_t bc = prm.plan.block_k, d = p.head_dim, dv = p.head_dim_v;
+    const std::int64_t d_pad = prm.plan.head_dim_padded, dv_pad = prm.plan.head_dim_v_padded;
     const std::int64_t d_even = Even(d), dv_even = Even(dv);
+    std::uint16_t* k_rows = ws.pack_rows.get();                // (kMicroCols, d_pad)
+    std::uint16_t* v_rows = k_rows + kMicroCols * d_pad;       // (kMicroCols, dv_pad)
+    std::uint16_t* k_pair = v_rows + kMicroCols * dv_pad;      // (2, d_pad)
+    for (std::int64_t e = 0; e < kMicroCols; ++e) {
+      std::fill(k_rows + e * d_pad + d, k_rows + (e + 1) * d_pad, std::uint16_t{0});
+      std::fill(v_rows + e * dv_pad + dv, v_rows + (e + 1) * dv_pad, std::uint16_t{0});
+    }
+    for (std::uint16_t* row : {k_pair, k_pair + d_pad}) std::fill(row + d, row + d_pad, std::uint16_t{0});
+    const hn::ScalableTag<std::uint32_t> du32;
+    const auto as_pairs = [](std::uint16_t* x) { return reinterpret_cast<std::uint32_t*>(x); };
     PackHead(prm, ws, b, kv_head, from, to, [&](std::int64_t j, const void* k_row, const void* v_row) {
-      const auto* k = static_cast<const std::uint16_t*>(k_row);
-      const auto* v = static_cast<const std::uint16_t*>(v_row);
-      const bool real = k != nullptr;
-      const std::int64_t tile = j / bc, col = j % bc;
-      std::uint16_t* kt = ws.kt_pairs.get() + tile * bc * d_even + col / kMicroCols * d_even * kMicroCols +
-                          col % kMicroCols * 2;
-      for (std::int64_t e = 0; e < d_even; ++e) kt[e / 2 * kStep + e % 2] = real && e < d ? k[e] : 0;
-      std::uint16_t* vt = ws.vt_pairs.get() + tile * bc * dv_even + col / kMicroCols * dv_even * kMicroCols +
-                          col % kMicroCols * 2;
-      for (std::int64_t e = 0; e < dv_even; ++e) vt[e / 2 * kStep + e % 2] = real && e < dv ? v[e] : 0;
-      std::uint16_t* kp = ws.k_pairs.get() + tile * bc * d_pad + col / 2 * kStep + col % 2;
-      for (std::int64_t c = 0; c < d_pad; ++c) kp[c / kMicroCols * bc * kMicroCols + c % kMicroCols * 2] = real && c < d ? k[c] : 0;
+      const std::int64_t tile = j / bc, col = j % bc, e = j % kMicroCols;
+      const auto copy = [](const void* src, std::int64_t n, std::uint16_t* dst) {
+        if (src != nullptr)
+          std::memcpy(dst, src, static_cast<std::size_t>(n) * sizeof(std::uint16_t));
+        else
+          std::fill(dst, dst + n, std::uint16_t{0});
+      };
+      copy(k_row, d, k_rows + e * d_pad);
+      copy(v_row, dv, v_rows + e * dv_pad);
+      copy(k_row, d, k_pair + (j % 2) * d_pad);
+      if (e == kMicroCols - 1) {
+        const std::int64_t panel = col / kMicroCols * kMicroCols;  // the panel's first key in the tile
+        TransposeKeys(du32, as_pairs(k_rows), d_pad / 2, d_even / 2,
+                      as_pairs(ws.kt_pairs.get() + tile * bc * d_even + panel * d_even), kMicroCols);
+        TransposeKeys(du32, as_pairs(v_rows), dv_pad / 2, dv_even / 2,
+                      as_pairs(ws.vt_pairs.get() + tile * bc * dv_even + panel * dv_even), kMicroCols);
+      }
+      if (j % 2 == 1)
+        InterleavePairs(k_pair, k_pair + d_pad, d_pad, ws.k_pairs.get() + tile * bc * d_pad + col / 2 * kStep,
+                        bc * kMicroCols);
     });
   }
 

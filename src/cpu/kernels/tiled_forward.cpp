@@ -241,22 +241,6 @@ struct Bf16Products {
     });
   }
 
-  // Rows a and b as the pairs (a[c], b[c]): column c at dst + (c / kMicroCols)·panel_stride +
-  // 2·(c % kMicroCols), a vector of columns at a time (each widened to 32 bits, b's half on top).
-  static void InterleavePairs(const std::uint16_t* HWY_RESTRICT a, const std::uint16_t* HWY_RESTRICT b,
-                              std::int64_t cols, std::uint16_t* HWY_RESTRICT dst, std::int64_t panel_stride) {
-    const hn::ScalableTag<std::uint32_t> du32;
-    const hn::Rebind<std::uint16_t, decltype(du32)> du16;
-    const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(du32));
-    static_assert(kMicroCols % HWY_LANES(std::uint32_t) == 0, "whole vectors of columns in a panel");
-    for (std::int64_t c = 0; c < cols; c += lanes) {
-      const auto pairs = hn::Or(hn::PromoteTo(du32, hn::LoadU(du16, a + c)),
-                                hn::ShiftLeft<16>(hn::PromoteTo(du32, hn::LoadU(du16, b + c))));
-      hn::StoreU(pairs, du32,
-                 reinterpret_cast<std::uint32_t*>(dst + c / kMicroCols * panel_stride + 2 * (c % kMicroCols)));
-    }
-  }
-
   // Rows [0, rows) of the bf16 Q tile from queries i0.., as stored (head_dim padded to even
   // with a zero); rows up to rows_pad zero.
   static void LoadQ(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t b, std::int64_t h, std::int64_t i0,
