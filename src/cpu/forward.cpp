@@ -224,7 +224,7 @@ void cpu::run_forward_batch(std::span<const detail::ForwardJob> jobs, std::span<
 }
 
 void cpu::check_forward(const detail::ForwardJob& job) {
-  cpu::plan_forward(job.problem, job.internals, CpuHardware::detect(job.options.num_threads), job.options);
+  cpu::forward_kernel(job.problem, job.internals, CpuHardware::detect(job.options.num_threads), job.options.kernel);
 }
 
 }  // namespace flashattn
