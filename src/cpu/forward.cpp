@@ -8,6 +8,7 @@
 
 #include "flashattn/attention.hpp"
 #include "flashattn/problem.hpp"
+#include "src/core/merge.hpp"
 #include "src/cpu/allocate.hpp"
 #include "src/cpu/drivers.hpp"
 #include "src/cpu/kernels/forward_kernel.hpp"
@@ -140,15 +141,15 @@ void run_region(std::span<const detail::ForwardJob> live, std::span<PlannedJob> 
       const AttentionProblem& p = live[j].problem;
       const CpuForwardPlan& plan = planned[j].plan;
       if (plan.splits > 1)
-        merge_attention_states(
+        detail::merge_states(
             TensorView(planned[j].split_out.get(), DType::f32, {plan.splits, p.batch, p.seqlen_q, p.heads_q, p.head_dim_v}),
             TensorView(planned[j].split_lse.get(), DType::f32, {plan.splits, p.batch, p.heads_q, p.seqlen_q}),
-            live[j].out, live[j].lse, 1);
+            live[j].out, live[j].lse);
     }
     // Third phase, after the split merges wrote the jobs' outputs: the caller's merges.
 #pragma omp for schedule(dynamic, 1)
     for (std::size_t m = 0; m < merges.size(); ++m)
-      merge_attention_states(merges[m].outs, merges[m].lses, merges[m].out, merges[m].lse, 1);
+      detail::merge_states(merges[m].outs, merges[m].lses, merges[m].out, merges[m].lse);
   }
   if (options.counters != nullptr) {
     std::int64_t grid = 0;
