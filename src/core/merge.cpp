@@ -40,8 +40,8 @@ void merge_row(const TensorView& outs, const TensorView& lses, const MutableTens
     }
   }
   const double inv = state.inverse_sum();
-  for (std::int64_t c = 0; c < dv; ++c)
-    detail::store_element(out, detail::offset4(out, b, i, h, c), static_cast<float>(acc[c] * inv));
+  const std::int64_t at = detail::offset4(out, b, i, h, 0), step_out = out.strides[3];
+  for (std::int64_t c = 0; c < dv; ++c) detail::store_element(out, at + c * step_out, static_cast<float>(acc[c] * inv));
   static_cast<float*>(lse.data)[b * lse.strides[0] + h * lse.strides[1] + i * lse.strides[2]] = state.lse();
 }
 
