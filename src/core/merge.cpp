@@ -82,11 +82,11 @@ void merge_attention_states(const TensorView& outs, const TensorView& lses,
 }
 
 void detail::merge_states(const TensorView& outs, const TensorView& lses, const MutableTensorView& out,
-                          const MutableTensorView& lse) {
+                          const MutableTensorView& lse, std::int64_t row_begin, std::int64_t row_end) {
   std::vector<double> acc(static_cast<std::size_t>(outs.shape[4]));
-  for (std::int64_t b = 0; b < outs.shape[1]; ++b)
-    for (std::int64_t i = 0; i < outs.shape[2]; ++i)
-      for (std::int64_t h = 0; h < outs.shape[3]; ++h) merge_row(outs, lses, out, lse, b, i, h, acc.data());
+  const std::int64_t sq = outs.shape[2], heads = outs.shape[3];
+  for (std::int64_t r = row_begin; r < row_end; ++r)
+    merge_row(outs, lses, out, lse, r / (sq * heads), r / heads % sq, r % heads, acc.data());
 }
 
 }  // namespace flashattn
