@@ -185,7 +185,8 @@ struct AttentionOptions {
   // Forward only, split-KV ("flash-decoding"): the keys of every (batch, head, Q tile) are
   // split into this many parts that run in parallel and are merged exactly through their
   // log-sum-exps (merge_attention_states). 0 chooses from the problem and the thread
-  // count (splits only when there are fewer Q tiles than threads, as in decoding); 1 never.
+  // count (splits only when there are fewer Q tiles than threads, as in decoding, and never
+  // on one thread); 1 never.
   // When the decode kernel runs (few query rows per kv head: plan.kernel == decode), a split
   // is a chunk of one batch element's keys read for every kv head, so this counts key chunks
   // per batch element.

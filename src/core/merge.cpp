@@ -9,9 +9,43 @@
 #include "flashattn/attention.hpp"
 #include "flashattn/error.hpp"
 #include "flashattn/online_softmax.hpp"
+#include "merge.hpp"
 #include "validate.hpp"
 
 namespace flashattn {
+
+namespace {
+
+// Row (b, i, h) of the merge: out's row and its lse from every split's; acc holds
+// head_dim_v doubles.
+void merge_row(const TensorView& outs, const TensorView& lses, const MutableTensorView& out,
+               const MutableTensorView& lse, std::int64_t b, std::int64_t i, std::int64_t h, double* acc) {
+  const auto* o = static_cast<const float*>(outs.data);
+  const auto* l = static_cast<const float*>(lses.data);
+  const std::int64_t splits = outs.shape[0], dv = outs.shape[4];
+  std::fill(acc, acc + dv, 0.0);
+  OnlineSoftmaxState state;
+  for (std::int64_t s = 0; s < splits; ++s) {
+    const float split_lse = l[s * lses.strides[0] + b * lses.strides[1] + h * lses.strides[2] + i * lses.strides[3]];
+    // A normalized partial output is its state with ℓ = 1 at m = lse (log2 units).
+    const bool empty = split_lse == -std::numeric_limits<float>::infinity();
+    const OnlineSoftmaxState partial{empty ? split_lse : split_lse * OnlineSoftmaxState::kLog2e, empty ? 0.0f : 1.0f};
+    const OnlineSoftmaxState::MergeFactors f = state.merge(partial);
+    const float* row = o + s * outs.strides[0] + b * outs.strides[1] + i * outs.strides[2] + h * outs.strides[3];
+    const std::int64_t step = outs.strides[4];
+    if (step == 1) {  // the drivers' partial rows: the same sums, vectorised
+      for (std::int64_t c = 0; c < dv; ++c) acc[c] = acc[c] * f.self + static_cast<double>(row[c]) * f.other;
+    } else {
+      for (std::int64_t c = 0; c < dv; ++c) acc[c] = acc[c] * f.self + static_cast<double>(row[c * step]) * f.other;
+    }
+  }
+  const double inv = state.inverse_sum();
+  const std::int64_t at = detail::offset4(out, b, i, h, 0), step_out = out.strides[3];
+  for (std::int64_t c = 0; c < dv; ++c) detail::store_element(out, at + c * step_out, static_cast<float>(acc[c] * inv));
+  static_cast<float*>(lse.data)[b * lse.strides[0] + h * lse.strides[1] + i * lse.strides[2]] = state.lse();
+}
+
+}  // namespace
 
 void merge_attention_states(const TensorView& outs, const TensorView& lses,
                             const MutableTensorView& out, const MutableTensorView& lse, int num_threads) {
@@ -36,8 +70,6 @@ void merge_attention_states(const TensorView& outs, const TensorView& lses,
   }
   detail::check_no_overlap("lse", lse, "out", out);
 
-  const auto* o = static_cast<const float*>(outs.data);
-  const auto* l = static_cast<const float*>(lses.data);
   const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
 #pragma omp parallel num_threads(threads)
   {
@@ -45,30 +77,16 @@ void merge_attention_states(const TensorView& outs, const TensorView& lses,
 #pragma omp for collapse(3) schedule(static)
     for (std::int64_t b = 0; b < batch; ++b)
       for (std::int64_t i = 0; i < sq; ++i)
-        for (std::int64_t h = 0; h < heads; ++h) {
-          std::fill(acc.begin(), acc.end(), 0.0);
-          OnlineSoftmaxState state;
-          for (std::int64_t s = 0; s < splits; ++s) {
-            const float split_lse = l[s * lses.strides[0] + b * lses.strides[1] + h * lses.strides[2] +
-                                      i * lses.strides[3]];
-            // A normalized partial output is its state with ℓ = 1 at m = lse (log2 units).
-            const bool empty = split_lse == -std::numeric_limits<float>::infinity();
-            const OnlineSoftmaxState partial{empty ? split_lse : split_lse * OnlineSoftmaxState::kLog2e,
-                                             empty ? 0.0f : 1.0f};
-            const OnlineSoftmaxState::MergeFactors f = state.merge(partial);
-            const float* row = o + s * outs.strides[0] + b * outs.strides[1] + i * outs.strides[2] +
-                               h * outs.strides[3];
-            for (std::int64_t c = 0; c < dv; ++c)
-              acc[static_cast<std::size_t>(c)] = acc[static_cast<std::size_t>(c)] * f.self +
-                                                 static_cast<double>(row[c * outs.strides[4]]) * f.other;
-          }
-          const double inv = state.inverse_sum();
-          for (std::int64_t c = 0; c < dv; ++c)
-            detail::store_element(out, detail::offset4(out, b, i, h, c),
-                                  static_cast<float>(acc[static_cast<std::size_t>(c)] * inv));
-          static_cast<float*>(lse.data)[b * lse.strides[0] + h * lse.strides[1] + i * lse.strides[2]] = state.lse();
-        }
+        for (std::int64_t h = 0; h < heads; ++h) merge_row(outs, lses, out, lse, b, i, h, acc.data());
   }
+}
+
+void detail::merge_states(const TensorView& outs, const TensorView& lses, const MutableTensorView& out,
+                          const MutableTensorView& lse, std::int64_t row_begin, std::int64_t row_end) {
+  std::vector<double> acc(static_cast<std::size_t>(outs.shape[4]));
+  const std::int64_t sq = outs.shape[2], heads = outs.shape[3];
+  for (std::int64_t r = row_begin; r < row_end; ++r)
+    merge_row(outs, lses, out, lse, r / (sq * heads), r / heads % sq, r % heads, acc.data());
 }
 
 }  // namespace flashattn

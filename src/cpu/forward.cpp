@@ -8,6 +8,7 @@
 
 #include "flashattn/attention.hpp"
 #include "flashattn/problem.hpp"
+#include "src/core/merge.hpp"
 #include "src/cpu/allocate.hpp"
 #include "src/cpu/drivers.hpp"
 #include "src/cpu/kernels/forward_kernel.hpp"
@@ -104,6 +105,13 @@ void run_region(std::span<const detail::ForwardJob> live, std::span<PlannedJob> 
     ends.push_back((ends.empty() ? 0 : ends.back()) + whole_groups + (plan.work_items - whole_groups * group_items));
   }
   const int threads = static_cast<int>(std::clamp<std::int64_t>(ends.back(), 1, hw.threads));
+  std::vector<std::int64_t> merge_ends{0};  // prefix sums of the split jobs' merge shares (0 for the others)
+  for (std::size_t j = 0; j < live.size(); ++j) {
+    const AttentionProblem& p = live[j].problem;
+    const std::int64_t rows = p.batch * p.seqlen_q * p.heads_q;
+    merge_ends.push_back(merge_ends.back() + (planned[j].plan.splits > 1 ? std::min<std::int64_t>(rows, threads) : 0));
+  }
+  merge_ends.erase(merge_ends.begin());
   // Workspaces are taken (kept from earlier calls, or allocated) here, before the threads
   // start, so that running out of memory is an exception for the caller rather than a
   // termination inside an OpenMP region.
@@ -133,22 +141,28 @@ void run_region(std::span<const detail::ForwardJob> live, std::span<PlannedJob> 
         kernels[j](params, workspace, g.whole_groups * g.group_items + (u - g.whole_groups));
       }
     }
-    // Second phase, after the barrier that ends the loop above: the split jobs' merges, a
-    // job per thread at a time (a row's merge does not depend on the thread count).
+    // Second phase, after the barrier that ends the loop above: the split jobs' merges, each
+    // job's rows in as many shares as threads (a row's merge does not depend on the thread
+    // count or on which thread runs it), so that a single decode row's merge is not one
+    // thread's while the others wait.
 #pragma omp for schedule(dynamic, 1)
-    for (std::size_t j = 0; j < live.size(); ++j) {
+    for (std::int64_t share = 0; share < merge_ends.back(); ++share) {
+      const auto j = static_cast<std::size_t>(std::upper_bound(merge_ends.begin(), merge_ends.end(), share) -
+                                              merge_ends.begin());
       const AttentionProblem& p = live[j].problem;
       const CpuForwardPlan& plan = planned[j].plan;
-      if (plan.splits > 1)
-        merge_attention_states(
-            TensorView(planned[j].split_out.get(), DType::f32, {plan.splits, p.batch, p.seqlen_q, p.heads_q, p.head_dim_v}),
-            TensorView(planned[j].split_lse.get(), DType::f32, {plan.splits, p.batch, p.heads_q, p.seqlen_q}),
-            live[j].out, live[j].lse, 1);
+      const std::int64_t shares = merge_ends[j] - (j > 0 ? merge_ends[j - 1] : 0);
+      const std::int64_t rows = p.batch * p.seqlen_q * p.heads_q, s = share - (merge_ends[j] - shares);
+      detail::merge_states(
+          TensorView(planned[j].split_out.get(), DType::f32, {plan.splits, p.batch, p.seqlen_q, p.heads_q, p.head_dim_v}),
+          TensorView(planned[j].split_lse.get(), DType::f32, {plan.splits, p.batch, p.heads_q, p.seqlen_q}),
+          live[j].out, live[j].lse, rows * s / shares, rows * (s + 1) / shares);
     }
     // Third phase, after the split merges wrote the jobs' outputs: the caller's merges.
 #pragma omp for schedule(dynamic, 1)
     for (std::size_t m = 0; m < merges.size(); ++m)
-      merge_attention_states(merges[m].outs, merges[m].lses, merges[m].out, merges[m].lse, 1);
+      detail::merge_states(merges[m].outs, merges[m].lses, merges[m].out, merges[m].lse, 0,
+                           merges[m].outs.shape[1] * merges[m].outs.shape[2] * merges[m].outs.shape[3]);
   }
   if (options.counters != nullptr) {
     std::int64_t grid = 0;
@@ -224,7 +238,7 @@ void cpu::run_forward_batch(std::span<const detail::ForwardJob> jobs, std::span<
 }
 
 void cpu::check_forward(const detail::ForwardJob& job) {
-  cpu::plan_forward(job.problem, job.internals, CpuHardware::detect(job.options.num_threads), job.options);
+  cpu::forward_kernel(job.problem, job.internals, CpuHardware::detect(job.options.num_threads), job.options.kernel);
 }
 
 }  // namespace flashattn

@@ -112,12 +112,19 @@ ForwardKernel choose_kernel(const AttentionProblem& p, const detail::ProblemInte
 
 std::int64_t choose_splits(int requested, std::int64_t items, std::int64_t k_tiles, int threads) {
   std::int64_t splits = requested;
-  if (splits == 0)  // split the keys only when items would leave threads idle
-    splits = items >= 2 * threads ? 1 : (2 * threads + items - 1) / std::max<std::int64_t>(items, 1);
+  // Split the keys only when items would leave threads idle: never on one thread, where a
+  // split only adds partial results and their merge.
+  if (splits == 0)
+    splits = items >= 2 * threads || threads == 1 ? 1 : (2 * threads + items - 1) / std::max<std::int64_t>(items, 1);
   return std::clamp<std::int64_t>(splits, 1, std::max<std::int64_t>(k_tiles, 1));
 }
 
 }  // namespace
+
+ForwardKernel cpu::forward_kernel(const AttentionProblem& p, const detail::ProblemInternals& internals,
+                                  const CpuHardware& hw, ForwardKernel requested) {
+  return choose_kernel(p, internals, hw, requested);
+}
 
 CpuForwardPlan cpu::plan_forward(const AttentionProblem& p, const detail::ProblemInternals& internals,
                                  const CpuHardware& hw, const AttentionOptions& options) {
@@ -163,14 +170,15 @@ CpuForwardPlan cpu::plan_forward_alone(const AttentionProblem& p, const detail::
   const bool q_tiles = options.switches.q_tile_parallelism;
   const std::int64_t block_q = q_tiles ? options.block_q : std::max<std::int64_t>(p.seqlen_q, 1);
   const int requested = q_tiles ? options.num_splits : 1;
-  CpuForwardPlan plan = plan_forward(p, internals, one, requested == 0 ? 1 : requested, block_q, options.kernel);
+  const ForwardKernel kernel = choose_kernel(p, internals, one, options.kernel);
+  int splits = requested == 0 ? 1 : requested;
   // An item of kSplitKeys keys of every kv head reads 2048 · 8 · (128 + 128) · 2 B = 8 MiB of
   // a bf16 cache at 8 kv heads, D = 128: long enough that its start and its share of the
   // merge (heads_q · head_dim_v floats per query row) are small beside it, short enough that
   // a 16k-token row is 8 items to balance among the threads.
-  if (requested == 0 && is_decode(plan.kernel) && p.seqlen_k > kSplitKeys)
-    plan = plan_forward(p, internals, one, static_cast<int>((p.seqlen_k + kSplitKeys - 1) / kSplitKeys), block_q,
-                        options.kernel);
+  if (requested == 0 && is_decode(kernel) && p.seqlen_k > kSplitKeys)
+    splits = static_cast<int>((p.seqlen_k + kSplitKeys - 1) / kSplitKeys);
+  CpuForwardPlan plan = plan_forward(p, internals, one, splits, block_q, kernel);  // the kernel chosen once
   plan.hardware = hw;
   plan.threads = static_cast<int>(std::clamp<std::int64_t>(plan.work_items, 1, hw.threads));
   return plan;

@@ -17,6 +17,12 @@ namespace flashattn::cpu {
 CpuForwardPlan plan_forward(const AttentionProblem& problem, const detail::ProblemInternals& internals,
                             const CpuHardware& hardware, const AttentionOptions& options);
 
+// The kernel plan_forward would choose for `requested` (automatic: the planner's choice), k
+// and v stored as `internals` says: an Error naming a kernel the inputs or the hardware rule
+// out. The checks of a plan, without the rest of it.
+ForwardKernel forward_kernel(const AttentionProblem& problem, const detail::ProblemInternals& internals,
+                             const CpuHardware& hardware, ForwardKernel requested);
+
 // plan_forward(problem, hardware, num_splits, block_q, kernel) of flashattn/plan.hpp, k and v
 // stored as `internals` says.
 CpuForwardPlan plan_forward(const AttentionProblem& problem, const detail::ProblemInternals& internals,

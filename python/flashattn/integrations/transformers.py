@@ -36,6 +36,8 @@ utilities (transformers.masking_utils) of transformers 5.24.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 from torch.utils.dlpack import to_dlpack
@@ -57,6 +59,17 @@ _DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf1
 # The native options and dtype names of the direct route by (scale, causal, window, softcap,
 # threads, q, k and v's dtypes): a model's layers share one entry, so a decode step builds none.
 _OPTIONS = {}
+# Each thread's last lse of the direct route, which returns out alone: a decode step's calls
+# (one shape) write the same buffer instead of allocating one each. Per thread, since the
+# native call runs without the GIL.
+_LSE = threading.local()
+
+
+def _lse_scratch(shape):
+    lse = getattr(_LSE, "buffer", None)
+    if lse is None or lse.shape != shape:
+        lse = _LSE.buffer = torch.empty(shape, dtype=torch.float32)
+    return lse
 
 
 def _dense_inference(q, k, v, scaling, causal, window, softcap):
@@ -65,7 +78,8 @@ def _dense_inference(q, k, v, scaling, causal, window, softcap):
     where the general route must take it (tracing, modes, strided last dimensions, other dtypes).
     The same kernel and options as flash_attn_func: this saves the Python layers' 20-30 µs a
     call, as much as the kernel takes on a decode step over a short cache. The caller holds
-    q, k, v (and this function out and lse) while the native call reads them."""
+    q, k, v (and this function out, and the thread's lse scratch) while the native call reads
+    them."""
     if q.dim() != 4 or not _torch_ops.direct(q, k, v) or 1 not in (
             q.stride(-1), q.shape[-1]) or k.stride(-1) != 1 or v.stride(-1) != 1:
         return None
@@ -80,7 +94,7 @@ def _dense_inference(q, k, v, scaling, causal, window, softcap):
         entry = _OPTIONS[key] = (options, {"q": names[0], "k": names[1], "v": names[2], "out": names[0]})
     b, sq, hq, _ = q.shape
     out = q.new_empty((b, sq, hq, v.shape[-1]))
-    lse = q.new_empty((b, hq, sq), dtype=torch.float32)
+    lse = _lse_scratch((b, hq, sq))
     # DLPack capsules made by torch's C function: handing the tensors themselves makes the
     # binding call each one's Python-level __dlpack__, 13 µs of a decode call's 66 (f32,
     # 1025 keys, 1 thread, on the Xeon of docs/performance.md).

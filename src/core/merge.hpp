@@ -1,0 +1,17 @@
+// The split-KV merge as the library's drivers run it (merge.cpp).
+#pragma once
+
+#include <cstdint>
+
+#include "flashattn/tensor.hpp"
+
+namespace flashattn::detail {
+
+// merge_attention_states(outs, lses, out, lse) of rows [row_begin, row_end) — (batch, seqlen_q,
+// heads_q) rows in that order — on the calling thread, without its checks: for views the
+// library built itself, in a parallel region that is already running (where an exception
+// could not leave it). The same arithmetic row by row, so the same bits.
+void merge_states(const TensorView& outs, const TensorView& lses, const MutableTensorView& out,
+                  const MutableTensorView& lse, std::int64_t row_begin, std::int64_t row_end);
+
+}  // namespace flashattn::detail
