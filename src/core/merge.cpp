@@ -83,10 +83,10 @@ void merge_attention_states(const TensorView& outs, const TensorView& lses,
 
 void detail::merge_states(const TensorView& outs, const TensorView& lses, const MutableTensorView& out,
                           const MutableTensorView& lse, std::int64_t row_begin, std::int64_t row_end) {
-  std::vector<double> acc(static_cast<std::size_t>(outs.shape[4]));
+  double acc[AttentionProblem::kMaxHeadDim];  // on the stack: no allocation inside a running region
   const std::int64_t sq = outs.shape[2], heads = outs.shape[3];
   for (std::int64_t r = row_begin; r < row_end; ++r)
-    merge_row(outs, lses, out, lse, r / (sq * heads), r / heads % sq, r % heads, acc.data());
+    merge_row(outs, lses, out, lse, r / (sq * heads), r / heads % sq, r % heads, acc);
 }
 
 }  // namespace flashattn

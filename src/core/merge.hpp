@@ -10,7 +10,8 @@ namespace flashattn::detail {
 // merge_attention_states(outs, lses, out, lse) of rows [row_begin, row_end) — (batch, seqlen_q,
 // heads_q) rows in that order — on the calling thread, without its checks: for views the
 // library built itself, in a parallel region that is already running (where an exception
-// could not leave it). The same arithmetic row by row, so the same bits.
+// could not leave it), head_dim_v at most AttentionProblem::kMaxHeadDim. The same arithmetic
+// row by row, so the same bits.
 void merge_states(const TensorView& outs, const TensorView& lses, const MutableTensorView& out,
                   const MutableTensorView& lse, std::int64_t row_begin, std::int64_t row_end);
 

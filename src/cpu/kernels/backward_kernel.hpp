@@ -99,7 +99,7 @@ struct BackwardWorkspace {
   // (block_k / 2, micro_cols, 2) each).
   hwy::AlignedFreeUniquePtr<std::uint16_t[]> kt_pairs, vt_pairs, k_pairs;
   // While packing: the K and V rows of one panel of micro_cols keys, as stored ((micro_cols,
-  // D_pad), then (micro_cols, Dv_pad)), and the K rows of one pair of keys ((2, D_pad)).
+  // D_pad), then (micro_cols, Dv_pad)).
   hwy::AlignedFreeUniquePtr<std::uint16_t[]> pack_rows;
   hwy::AlignedFreeUniquePtr<float[]> dbias_tile;  // (DbiasTileShape) with a shared dbias, else empty
   std::vector<float> row_lse2;   // (block_q): lse·log2e, the exp2 offset of each row

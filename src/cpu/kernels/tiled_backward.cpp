@@ -360,8 +360,8 @@ struct Bf16BackwardProducts {
   // step p holding each column's values of keys 2p and 2p + 1 (dQ's B). The last tile's
   // padding keys are zeros, odd head dims end with a zero. Each key's rows are copied into
   // pack_rows (zero past the head dims): a panel's K and V rows transposed as 32-bit pairs at
-  // its last key (TransposeKeys), a pair's K rows interleaved at its second (InterleavePairs),
-  // as the forward packs.
+  // its last key (TransposeKeys), a pair's K rows — neighbours in the panel, which starts at
+  // an even key — interleaved at its second (InterleavePairs), as the forward packs.
   static void Pack(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t b, std::int64_t kv_head,
                    std::int64_t from, std::int64_t to) {
     const AttentionProblem& p = prm.problem;
@@ -370,12 +370,10 @@ struct Bf16BackwardProducts {
     const std::int64_t d_even = Even(d), dv_even = Even(dv);
     std::uint16_t* k_rows = ws.pack_rows.get();                // (kMicroCols, d_pad)
     std::uint16_t* v_rows = k_rows + kMicroCols * d_pad;       // (kMicroCols, dv_pad)
-    std::uint16_t* k_pair = v_rows + kMicroCols * dv_pad;      // (2, d_pad)
     for (std::int64_t e = 0; e < kMicroCols; ++e) {
       std::fill(k_rows + e * d_pad + d, k_rows + (e + 1) * d_pad, std::uint16_t{0});
       std::fill(v_rows + e * dv_pad + dv, v_rows + (e + 1) * dv_pad, std::uint16_t{0});
     }
-    for (std::uint16_t* row : {k_pair, k_pair + d_pad}) std::fill(row + d, row + d_pad, std::uint16_t{0});
     const hn::ScalableTag<std::uint32_t> du32;
     const auto as_pairs = [](std::uint16_t* x) { return reinterpret_cast<std::uint32_t*>(x); };
     PackHead(prm, ws, b, kv_head, from, to, [&](std::int64_t j, const void* k_row, const void* v_row) {
@@ -388,7 +386,6 @@ struct Bf16BackwardProducts {
       };
       copy(k_row, d, k_rows + e * d_pad);
       copy(v_row, dv, v_rows + e * dv_pad);
-      copy(k_row, d, k_pair + (j % 2) * d_pad);
       if (e == kMicroCols - 1) {
         const std::int64_t panel = col / kMicroCols * kMicroCols;  // the panel's first key in the tile
         TransposeKeys(du32, as_pairs(k_rows), d_pad / 2, d_even / 2,
@@ -397,8 +394,8 @@ struct Bf16BackwardProducts {
                       as_pairs(ws.vt_pairs.get() + tile * bc * dv_even + panel * dv_even), kMicroCols);
       }
       if (j % 2 == 1)
-        InterleavePairs(k_pair, k_pair + d_pad, d_pad, ws.k_pairs.get() + tile * bc * d_pad + col / 2 * kStep,
-                        bc * kMicroCols);
+        InterleavePairs(k_rows + (e - 1) * d_pad, k_rows + e * d_pad, d_pad,
+                        ws.k_pairs.get() + tile * bc * d_pad + col / 2 * kStep, bc * kMicroCols);
     });
   }
 

@@ -180,7 +180,7 @@ struct BackwardSizes {
   }
   std::size_t bf16_elements() const {
     return bf16 ? 2 * bq * (d_pad + dv_pad) + bq * std::max(d_pad, dv_pad) + 3 * bq * bc +
-                      keys_pad * (round_up(d, 2) + round_up(dv, 2) + d_pad) + mc * (d_pad + dv_pad) + 2 * d_pad
+                      keys_pad * (round_up(d, 2) + round_up(dv, 2) + d_pad) + mc * (d_pad + dv_pad)
                 : 0;
   }
 };
@@ -222,7 +222,7 @@ BackwardWorkspace::BackwardWorkspace(const CpuBackwardPlan& plan, const Attentio
   kt_pairs = allocate_array<std::uint16_t>(s.keys_pad * round_up(s.d, 2));
   vt_pairs = allocate_array<std::uint16_t>(s.keys_pad * round_up(s.dv, 2));
   k_pairs = allocate_array<std::uint16_t>(s.keys_pad * s.d_pad);
-  pack_rows = allocate_array<std::uint16_t>(s.mc * (s.d_pad + s.dv_pad) + 2 * s.d_pad);
+  pack_rows = allocate_array<std::uint16_t>(s.mc * (s.d_pad + s.dv_pad));
 }
 
 }  // namespace flashattn::cpu
