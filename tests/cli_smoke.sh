@@ -177,26 +177,28 @@ c = json.load(open(sys.argv[1]))["cases"][0]
 assert c["op"] == "decode" and c["cached"] == 300 and c["max_error"] < 2e-2 and c["gbps"] > 0, c
 PY
 done
-# An FP8 cache by kernel name: decode always; decode_fp16 where the CPU has AVX512-FP16, else
-# rejected with the reason; the plan's kernel is reported.
-for kernel in decode decode_fp16; do
-  if "$cli" run --decode --cache-seqlen 300 --heads 4 --heads-kv 2 --dim 32 --cache-dtype e4m3 --kernel $kernel \
-      --repeats 1 --json > "$work/decode.json" 2> "$work/err.txt"; then
-    python3 - "$work/decode.json" "$kernel" <<'PY'
+# FP8 and int8 caches by kernel name: decode always; decode_fp16 where the CPU has
+# AVX512-FP16, else rejected with the reason; the plan's kernel is reported.
+for cache in e4m3 u8 s8; do
+  for kernel in decode decode_fp16; do
+    if "$cli" run --decode --cache-seqlen 300 --heads 4 --heads-kv 2 --dim 32 --cache-dtype $cache --kernel $kernel \
+        --repeats 1 --json > "$work/decode.json" 2> "$work/err.txt"; then
+      python3 - "$work/decode.json" "$kernel" "$cache" <<'PY'
 import json, sys
 c = json.load(open(sys.argv[1]))["cases"][0]
-assert c["kernel"] == sys.argv[2] and c["cache_dtype"] == "e4m3" and c["max_error"] < 2e-2, c
+assert c["kernel"] == sys.argv[2] and c["cache_dtype"] == sys.argv[3] and c["max_error"] < 2e-2, c
 PY
-  else
-    test "$kernel" = decode_fp16 && grep -q "AVX512-FP16" "$work/err.txt"
-  fi
+    else
+      test "$kernel" = decode_fp16 && grep -q "AVX512-FP16" "$work/err.txt"
+    fi
+  done
 done
 if "$cli" run --decode --cache-seqlen 300 --heads 4 --heads-kv 2 --dim 32 --kernel decode_fp16 --repeats 1 \
     2> "$work/err.txt"; then
   echo "--kernel decode_fp16 was accepted for a bf16 cache" >&2
   exit 1
 fi
-grep -q "FP8 (e4m3) KV cache" "$work/err.txt"
+grep -q "a quantized KV cache, FP8 (e4m3) or int8 codes" "$work/err.txt"
 echo "cli smoke (decode): ok"
 
 # The serving batch, small: one forward_varlen_paged call against one call per sequence, and

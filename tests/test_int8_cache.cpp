@@ -65,6 +65,16 @@ struct Pool {
   float zero_of(std::int64_t page, std::int64_t slot, std::int64_t h) const {
     return quant.codes == KvCodes::u8 ? zero.get(at(page, slot, h)) : 0.0f;
   }
+  // A code as decode_fp16 reads it: the e4m3 value, s8 as the integer, u8 as code − 128;
+  // and the zero point likewise (z − 128 for u8, else 0).
+  float code_read(std::int64_t page, std::int64_t slot, std::int64_t h, std::int64_t e) {
+    const std::uint8_t c = code(page, slot, h, e);
+    if (quant.codes == KvCodes::e4m3) return fp8_to_float(c, Fp8Format::e4m3);
+    return quant.codes == KvCodes::s8 ? static_cast<float>(static_cast<std::int8_t>(c)) : static_cast<float>(c) - 128.0f;
+  }
+  float zero_read(std::int64_t page, std::int64_t slot, std::int64_t h) const {
+    return quant.codes == KvCodes::u8 ? zero_of(page, slot, h) - 128.0f : 0.0f;
+  }
   float value(std::int64_t page, std::int64_t slot, std::int64_t h, std::int64_t e) {
     const std::uint8_t c = code(page, slot, h, e);
     if (quant.codes == KvCodes::e4m3) return fp8_to_float(c, Fp8Format::e4m3) * scale_of(page, slot, h);
@@ -161,8 +171,11 @@ const Formats kFormats[] = {{kU8Token, kU8Token}, {kS8Page, kS8Page}, {kU8Page, 
 // with 339 keys, head dims with ragged vector tails (D 40, Dv 24; D 3, Dv 5), GQA groups
 // with padding rows; one query (decode) and seven (tiled), (splits, threads) (1, 1), (4, 2),
 // (4, 3) and (1, 3), every compiled SIMD target; against the float64 reference on the dequantized
-// values within upstream's rule (twice a naive float32 implementation's error). Paged caches
-// are also read through forward_varlen_paged, which must agree bit for bit.
+// values within upstream's rule: decode and tiled within twice a naive float32
+// implementation's error, decode_fp16 (one query, where the CPU has AVX512-FP16) within twice
+// the error of the half-precision yardstick (half_precision_attention) or of one
+// half-precision rounding of the largest value. Paged caches are also read through
+// forward_varlen_paged, which must agree bit for bit.
 TEST(Int8Cache, KernelsReadEveryCodeOnEveryLayout) {
   struct Shape {
     std::int64_t hq, hkv, d, dv;
@@ -185,11 +198,27 @@ TEST(Int8Cache, KernelsReadEveryCodeOnEveryLayout) {
           for (std::int64_t pg = 0; pg < pages; ++pg) table.set(pg, static_cast<float>(pages - 1 - pg));  // reversed
           seqlens.set(0, static_cast<float>(keys));
           Tensor k(DType::f32, {1, keys, s.hkv, s.d}), v(DType::f32, {1, keys, s.hkv, s.dv});  // dequantized
+          // As decode_fp16 reads them (half_precision_attention): codes, factors, zero points.
+          Tensor kc(DType::f32, {1, keys, s.hkv, s.d}), vc(DType::f32, {1, keys, s.hkv, s.dv});
+          Tensor kd(DType::f32, {1, keys, s.hkv}), vd(DType::f32, {1, keys, s.hkv});
+          Tensor kz(DType::f32, {1, keys, s.hkv}), vz(DType::f32, {1, keys, s.hkv});
+          double v_max = 0.0;
           for (std::int64_t pos = 0; pos < keys; ++pos) {
             const std::int64_t page = ps > 0 ? pages - 1 - pos / ps : 0, slot = ps > 0 ? pos % ps : pos;
             for (std::int64_t h = 0; h < s.hkv; ++h) {
-              for (std::int64_t e = 0; e < s.d; ++e) k.set((pos * s.hkv + h) * s.d + e, kp.value(page, slot, h, e));
-              for (std::int64_t e = 0; e < s.dv; ++e) v.set((pos * s.hkv + h) * s.dv + e, vp.value(page, slot, h, e));
+              for (std::int64_t e = 0; e < s.d; ++e) {
+                k.set((pos * s.hkv + h) * s.d + e, kp.value(page, slot, h, e));
+                kc.set((pos * s.hkv + h) * s.d + e, kp.code_read(page, slot, h, e));
+              }
+              for (std::int64_t e = 0; e < s.dv; ++e) {
+                v.set((pos * s.hkv + h) * s.dv + e, vp.value(page, slot, h, e));
+                vc.set((pos * s.hkv + h) * s.dv + e, vp.code_read(page, slot, h, e));
+                v_max = std::max(v_max, std::fabs(static_cast<double>(vp.value(page, slot, h, e))));
+              }
+              kd.set(pos * s.hkv + h, kp.scale_of(page, slot, h));
+              vd.set(pos * s.hkv + h, vp.scale_of(page, slot, h));
+              kz.set(pos * s.hkv + h, kp.zero_read(page, slot, h));
+              vz.set(pos * s.hkv + h, vp.zero_read(page, slot, h));
             }
           }
           for (std::int64_t sq : {1, 7}) {
@@ -197,9 +226,16 @@ TEST(Int8Cache, KernelsReadEveryCodeOnEveryLayout) {
             AttentionOptions o;
             const AttentionProblem p = AttentionProblem::from_sizes(1, sq, keys, s.hq, s.hkv, s.d, s.dv, DType::f32, o);
             const reference::Result want = reference::attention(q.view(), k.view(), v.view(), o);
-            const double tolerance = std::max(1e-5, 2.0 * max_abs_error(naive_same_precision(p, o, q, k, v), want.out));
+            const double naive_float = max_abs_error(naive_same_precision(p, o, q, k, v), want.out);
+            std::vector<ForwardKernel> kernels{sq == 1 ? ForwardKernel::decode : ForwardKernel::tiled};
+            reference::Result yardstick;
+            if (sq == 1 && CpuHardware::detect(0).decode_fp16) {
+              kernels.push_back(ForwardKernel::decode_fp16);
+              yardstick = half_precision_attention(q, kc, kd, vc, vd, o, &kz, &vz);
+            }
+            for (const ForwardKernel kernel : kernels)
             for (const auto& [splits, threads] : {std::pair{1, 1}, {4, 2}, {4, 3}, {1, 3}}) {
-              o.kernel = sq == 1 ? ForwardKernel::decode : ForwardKernel::tiled;
+              o.kernel = kernel;
               o.num_splits = splits;
               o.num_threads = threads;
               SCOPED_TRACE(std::string(to_string(o.kernel)) + ", splits " + std::to_string(splits) + ", threads " +
@@ -210,9 +246,15 @@ TEST(Int8Cache, KernelsReadEveryCodeOnEveryLayout) {
               if (ps > 0) c.block_table = table.view();
               c.cache_seqlens = seqlens.view();
               const ForwardResult got = forward_with_kvcache(q.view(), c, o);
+              const bool half = kernel == ForwardKernel::decode_fp16;
+              const double tolerance = std::max(
+                  1e-5, 2.0 * (half ? std::max(max_abs_error(yardstick.out, want.out), 0x1p-11 * v_max) : naive_float));
               EXPECT_LE(max_abs_error(got.out, want.out), tolerance);
+              const double lse_tolerance = half ? 1e-4 + 2.0 * max_abs_error(yardstick.lse, want.lse) : 1e-4;
               for (std::int64_t i = 0; i < got.lse.numel(); ++i)
-                ASSERT_NEAR(got.lse.get(i), want.lse[static_cast<std::size_t>(i)], 1e-4) << "lse " << i;
+                ASSERT_NEAR(got.lse.get(i), want.lse[static_cast<std::size_t>(i)],
+                            lse_tolerance * (half ? std::max(1.0, std::fabs(want.lse[static_cast<std::size_t>(i)])) : 1.0))
+                    << "lse " << i;
               if (ps == 0) continue;
               Tensor cu_q(DType::i32, {2});
               cu_q.set(1, static_cast<float>(sq));
@@ -499,18 +541,6 @@ TEST(Int8Cache, BadInputNamesTheArgument) {
   plain.v_quant = {};
   plain.k_zero_point = kp.zero.view();
   expect_error([&] { forward_with_kvcache(qb.view(), plain); }, {"k_zero_point: zero points belong to a cache of u8 codes"});
-}
-
-// decode_fp16 reads e4m3 codes only: a cache with int8 codes is planned on decode, and asking
-// for decode_fp16 is an Error that says why.
-TEST(Int8Cache, NeverPlannedOnDecodeFp16) {
-  const AttentionProblem p = AttentionProblem::from_sizes(1, 1, 4096, 8, 2, 128, 128, DType::f32, {});
-  CpuHardware with = CpuHardware::detect(0);
-  with.decode_fp16 = true;
-  const detail::ProblemInternals int8{.int8_kv_cache = true};
-  EXPECT_EQ(cpu::plan_forward(p, int8, with).kernel, ForwardKernel::decode);
-  expect_error([&] { cpu::plan_forward(p, int8, with, 0, 0, ForwardKernel::decode_fp16); },
-               {"kernel decode_fp16", "needs an FP8 (e4m3) KV cache (k/v: int8 codes"});
 }
 
 }  // namespace

@@ -33,96 +33,6 @@ void rotate(std::vector<float>& x, std::int64_t pos, const Tensor& cos, const Te
   }
 }
 
-// x rounded to the nearest half-precision value, ties to even (±∞ beyond half's range).
-float half(float x) {
-  if (!std::isfinite(x) || x == 0.0f) return x;
-  int exponent = 0;
-  std::frexp(x, &exponent);  // |x| in [2^(exponent - 1), 2^exponent)
-  const float quantum = std::ldexp(1.0f, std::max(exponent - 1, -14) - 10);  // half's ulp there (subnormals: 2^-24)
-  const float rounded = std::nearbyint(x / quantum) * quantum;  // ties to even in the default rounding mode
-  return std::fabs(rounded) > 65504.0f ? std::copysign(INFINITY, x) : rounded;
-}
-
-// The power of two that brings the largest finite |x| into [1, 2).
-double unit_scale(const std::vector<double>& x) {
-  double largest = 0.0;
-  for (double e : x)
-    if (std::isfinite(e)) largest = std::max(largest, std::fabs(e));
-  int exponent = 0;
-  if (largest > 0.0) std::frexp(largest, &exponent);
-  return std::ldexp(1.0, 1 - exponent);
-}
-
-// The yardstick of decode_fp16's precision (upstream's rule: a naive implementation in the
-// same precision) for an FP8 cache: codes kc, vc (their e4m3 values, exact in half) with
-// descales kd, vd per (batch, key, kv head). Scores: q rounded to half after a power of two
-// brings its row into [1, 2), times the codes, summed in half over runs of 8 products (an
-// FMA: one rounding each), the runs in double, then times the K descale. P·V: each
-// probability times its V descale, scaled by a power of two into [1, 2) per row and rounded
-// to half, times the codes, summed in half over runs of 16 keys. Softmax in double; causal
-// (bottom-right) or full, GQA, no other option. Returns out and lse like reference::attention.
-reference::Result half_precision_attention(const Tensor& q, const Tensor& kc, const Tensor& kd, const Tensor& vc,
-                                           const Tensor& vd, const AttentionOptions& o) {
-  const std::int64_t batch = q.shape()[0], sq = q.shape()[1], hq = q.shape()[2], d = q.shape()[3];
-  const std::int64_t sk = kc.shape()[1], hkv = kc.shape()[2], dv = vc.shape()[3];
-  // q times softmax_scale·log2(e) in float, as a kernel scales it before rounding.
-  const float scale = AttentionProblem::from_sizes(batch, sq, sk, hq, hkv, d, dv, DType::f32, o).softmax_scale *
-                      OnlineSoftmaxState::kLog2e;
-  reference::Result r;
-  r.out.assign(static_cast<std::size_t>(batch * sq * hq * dv), 0.0);
-  r.lse.assign(static_cast<std::size_t>(batch * hq * sq), 0.0);
-  for (std::int64_t b = 0; b < batch; ++b)
-    for (std::int64_t h = 0; h < hq; ++h)
-      for (std::int64_t i = 0; i < sq; ++i) {
-        const std::int64_t g = h / (hq / hkv), end = o.causal ? std::min(sk, sk - sq + i + 1) : sk;
-        std::vector<double> qi(static_cast<std::size_t>(d));
-        for (std::int64_t e = 0; e < d; ++e) qi[e] = q.get(((b * sq + i) * hq + h) * d + e) * scale;  // in float
-        const double q_unit = unit_scale(qi);
-        std::vector<float> qh(static_cast<std::size_t>(d));
-        for (std::int64_t e = 0; e < d; ++e) qh[e] = half(static_cast<float>(qi[e] * q_unit));
-        std::vector<double> s(static_cast<std::size_t>(end));
-        double m = -INFINITY;
-        for (std::int64_t j = 0; j < end; ++j) {
-          double total = 0.0;
-          for (std::int64_t e0 = 0; e0 < d; e0 += 8) {
-            float run = 0.0f;
-            for (std::int64_t e = e0; e < std::min(e0 + 8, d); ++e)
-              run = half(qh[e] * kc.get(((b * sk + j) * hkv + g) * d + e) + run);
-            total += run;
-          }
-          s[j] = total / q_unit * kd.get((b * sk + j) * hkv + g);
-          m = std::max(m, s[j]);
-        }
-        double sum = 0.0;
-        std::vector<double> weight(static_cast<std::size_t>(end));  // p · V descale
-        for (std::int64_t j = 0; j < end; ++j) {
-          const double p = std::exp2(s[j] - m);
-          sum += p;
-          weight[j] = p * vd.get((b * sk + j) * hkv + g);
-        }
-        const double w_unit = unit_scale(weight);
-        for (double& w : weight) w = half(static_cast<float>(w * w_unit));
-        for (std::int64_t e = 0; e < dv; ++e) {
-          double total = 0.0;
-          for (std::int64_t j0 = 0; j0 < end; j0 += 16) {
-            float run = 0.0f;
-            for (std::int64_t j = j0; j < std::min(j0 + 16, end); ++j)
-              run = half(static_cast<float>(weight[j]) * vc.get(((b * sk + j) * hkv + g) * dv + e) + run);
-            total += run;
-          }
-          r.out[static_cast<std::size_t>(((b * sq + i) * hq + h) * dv + e)] = total / (w_unit * sum);
-        }
-        r.lse[static_cast<std::size_t>((b * hq + h) * sq + i)] = (m + std::log2(sum)) * std::log(2.0);
-      }
-  return r;
-}
-
-double max_abs_difference(const std::vector<double>& a, const std::vector<double>& b) {
-  double worst = 0.0;
-  for (std::size_t i = 0; i < a.size(); ++i) worst = std::max(worst, abs_difference(a[i], b[i]));
-  return worst;
-}
-
 struct Inputs {
   Tensor q = random_tensor(DType::f32, {kBatch, kSq, kHq, kDim}, 1);
   Tensor old_k = random_tensor(DType::f32, {kBatch, kCapacity, kHkv, kDim}, 2);  // logical cache contents
@@ -601,9 +511,9 @@ void expect_fp8_codes_read_on_every_layout(ForwardKernel kernel) {
             // of the largest value where that is more — the error any half-precision P·V
             // carries, which the yardstick's few outputs of a tiny head dim can undershoot.
             const double tolerance = std::max(
-                1e-5, 2.0 * (half ? std::max(max_abs_difference(yardstick.out, want.out), 0x1p-11 * v_max) : naive_float));
+                1e-5, 2.0 * (half ? std::max(max_abs_error(yardstick.out, want.out), 0x1p-11 * v_max) : naive_float));
             EXPECT_LE(max_abs_error(got.out, want.out), tolerance);
-            const double lse_tolerance = half ? 1e-4 + 2.0 * max_abs_difference(yardstick.lse, want.lse) : 1e-4;
+            const double lse_tolerance = half ? 1e-4 + 2.0 * max_abs_error(yardstick.lse, want.lse) : 1e-4;
             for (std::int64_t i = 0; i < got.lse.numel(); ++i)
               ASSERT_NEAR(got.lse.get(i), want.lse[static_cast<std::size_t>(i)],
                           lse_tolerance * std::max(1.0, std::fabs(want.lse[static_cast<std::size_t>(i)])))
@@ -676,7 +586,7 @@ void expect_fp8_codes_read_with_daz(ForwardKernel kernel) {
           double v_max = 0.0;
           for (std::int64_t i = 0; i < v.numel(); ++i) v_max = std::max(v_max, static_cast<double>(std::fabs(v.get(i))));
           const reference::Result yardstick = half_precision_attention(q, k, ones, v, ones, o);
-          bound = 2.0 * std::max(max_abs_difference(yardstick.out, want.out), 0x1p-11 * v_max);
+          bound = 2.0 * std::max(max_abs_error(yardstick.out, want.out), 0x1p-11 * v_max);
         }
         KvCache c{codes_k.view(), codes_v.view(), TensorView{}, seqlens.view()};
         c.k_scale = k_scale.view();
@@ -744,7 +654,7 @@ void expect_fp8_decode_rescales(ForwardKernel kernel) {
       const reference::Result want = reference::attention(q.view(), k.view(), v.view(), o);
       const double bound =
           kernel == ForwardKernel::decode_fp16
-              ? 2.0 * std::max(max_abs_difference(half_precision_attention(q, k, ones, v, ones, o).out, want.out),
+              ? 2.0 * std::max(max_abs_error(half_precision_attention(q, k, ones, v, ones, o).out, want.out),
                                0x1p-11 * v_max)
               : std::max(1e-5, 2.0 * max_abs_error(naive_same_precision(p, o, q, k, v), want.out));
       KvCache c{codes_k.view(), codes_v.view(), TensorView{}, seqlens.view()};
@@ -997,21 +907,26 @@ namespace {
 // hardware with and without it is simulated through the library's internal planner (the
 // one forward_with_kvcache calls, src/cpu/planner.hpp); the plan a real call ran on this
 // CPU is read from its report (plans_run).
-TEST(KvCache, DecodeFp16IsPlannedForFp8CachesOnly) {
+TEST(KvCache, DecodeFp16IsPlannedForQuantizedCachesOnly) {
   CpuHardware with = CpuHardware::detect(1), without = with;
   with.decode_fp16 = true;
   without.decode_fp16 = false;
   constexpr detail::ProblemInternals kFp8Cache{.fp8_kv_cache = true};
+  constexpr detail::ProblemInternals kInt8Cache{.int8_kv_cache = true};
   const AttentionProblem p = AttentionProblem::from_sizes(1, 1, 500, 32, 8, 128, 128, DType::bf16, {});
   EXPECT_EQ(cpu::plan_forward(p, kFp8Cache, with).kernel, ForwardKernel::decode_fp16);
   EXPECT_EQ(cpu::plan_forward(p, kFp8Cache, without).kernel, ForwardKernel::decode);
+  EXPECT_EQ(cpu::plan_forward(p, kInt8Cache, with).kernel, ForwardKernel::decode_fp16);
+  EXPECT_EQ(cpu::plan_forward(p, kInt8Cache, without).kernel, ForwardKernel::decode);
+  expect_error([&] { cpu::plan_forward(p, kInt8Cache, without, 0, 0, ForwardKernel::decode_fp16); },
+               {"kernel decode_fp16", "AVX512-FP16 (this one: no)"});
   expect_error([&] { cpu::plan_forward(p, kFp8Cache, without, 0, 0, ForwardKernel::decode_fp16); },
                {"kernel decode_fp16", "AVX512-FP16 (this one: no)"});
   // A bf16 cache: the problem as given, as the public planner plans it.
   EXPECT_EQ(plan_forward(p, with).kernel, ForwardKernel::decode);
   EXPECT_EQ(cpu::plan_forward(p, {}, with).kernel, ForwardKernel::decode);
   expect_error([&] { plan_forward(p, with, 0, 0, ForwardKernel::decode_fp16); },
-               {"kernel decode_fp16", "FP8 (e4m3) KV cache (k/v: bf16)"});
+               {"kernel decode_fp16", "a quantized KV cache, FP8 (e4m3) or int8 codes (k/v: bf16)"});
   const AttentionProblem many_rows = AttentionProblem::from_sizes(1, 8, 500, 32, 8, 128, 128, DType::f32, {});
   expect_error([&] { cpu::plan_forward(many_rows, kFp8Cache, with, 0, 0, ForwardKernel::decode_fp16); },
                {"at most 16 query rows per kv head", "seqlen_q: 32"});

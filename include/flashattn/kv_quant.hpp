@@ -32,11 +32,16 @@
 // and, per token, the zero point's rounding to float32) — per token always, per page for x
 // within the page's range [(lo − zero_point)·scale, (hi − zero_point)·scale], lo..hi the
 // codes an append writes. Per token that is about (max x − min x)/510 (u8) or max|x|/254 (s8).
-// Every kernel reads the values (code − zero_point)·scale in float32. The tiled kernel
-// dequantizes each element as it packs (int8_code_value exactly); the decode kernel applies
-// scales and zero points to what its products give, (Q·(code − 128) − ΣQ·(zero_point −
-// 128))·scale for a u8 key (likewise for P·V), so zero points far from 128 — values far from
-// 0 next to their spread — lose float32 precision in that difference.
+// The tiled and decode kernels read the values (code − zero_point)·scale in float32. The
+// tiled kernel dequantizes each element as it packs (int8_code_value exactly); the decode
+// kernel applies scales and zero points to what its products give, (Q·(code − 128) −
+// ΣQ·(zero_point − 128))·scale for a u8 key (likewise for P·V), so zero points far from 128
+// — values far from 0 next to their spread — lose float32 precision in that difference.
+// decode_fp16 (AVX512-FP16; the planner's choice for a decode there) takes the same steps
+// with Q·(code − 128) and (P·scale)·(code − 128) in half precision (codes exact, Q and P·scale
+// rounded to half, partial sums of a few terms): roundings of 2^-11 relative, a small part of
+// the half step above (src/cpu/kernels/fp16_decode.hpp; tests/test_int8_cache.cpp holds it
+// to twice a half-precision yardstick's error).
 #pragma once
 
 #include <cstdint>

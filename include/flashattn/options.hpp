@@ -30,10 +30,11 @@ Exp2Impl parse_exp2_impl(const std::string& name);
 // v — AMX tiles (TDPBF16PS) where the CPU has them, else AVX512-BF16's VDPBF16PS — P
 // rounded to bf16 before P·V as upstream does; "decode" — a few query rows per kv head
 // (every q head of a GQA group and every query token together) read against K and V in
-// place; "decode_fp16" — decode from an FP8 (e4m3) KV cache on AVX512-FP16: half-precision
-// products and short half-precision partial sums, moved to float32 every few terms (errors
-// a few percent of the codes' own quantization error; src/cpu/kernels/fp16_decode.hpp). `automatic`
-// lets the planner choose: for at most 16 rows per kv head decode_fp16 where the cache is FP8,
+// place; "decode_fp16" — decode from a quantized KV cache (FP8 e4m3 or int8 codes,
+// kv_quant.hpp) on AVX512-FP16: half-precision products and short half-precision partial
+// sums, moved to float32 every few terms (errors a few percent of the codes' own quantization
+// error; src/cpu/kernels/fp16_decode.hpp). `automatic` lets the planner choose: for at most
+// 16 rows per kv head decode_fp16 where the cache is quantized,
 // head_dim ≤ 512 (its half-precision bound) and the CPU has AVX512-FP16, else decode; for more rows
 // tiled_bf16 where the inputs are bf16, the CPU and SIMD target have AVX512-BF16 and its
 // products outpace float32 FMA (AMX; AMD Zen 5's VDPBF16PS; not VDPBF16PS alone on Intel,

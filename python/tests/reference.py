@@ -359,13 +359,14 @@ def attention_bruteforce(q, k, v, softmax_scale=None, causal=False, window_size=
     return out, lse
 
 
-# --------------------------------------------------------------------------- FP8 cache kernels
+# --------------------------------------------------------------------------- quantized cache kernels
 
 
-def fp8_tolerance(kernel):
-    """Of max|v|: float32 rounding (decode), or four half-precision roundings (decode_fp16:
-    half-precision products, short half-precision sums; tests/test_kvcache.cpp holds it to a
-    half-precision yardstick)."""
+def quantized_cache_tolerance(kernel):
+    """Of max|v|, on an FP8 or int8 cache: float32 rounding (decode), or four half-precision
+    roundings (decode_fp16: half-precision products, short half-precision sums;
+    tests/test_kvcache.cpp and tests/test_int8_cache.cpp hold it to a half-precision
+    yardstick)."""
     return 2.0**-9 if kernel == "decode_fp16" else 1e-4
 
 

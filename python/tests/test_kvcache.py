@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import flashattn
-from reference import fp8_tolerance, run_kernel
+from reference import quantized_cache_tolerance, run_kernel
 
 
 def rotary_tables(positions, half):
@@ -153,7 +153,7 @@ def test_fp8_kvcache_matches_reference(page_size, kernel):
         vals = logical(v_cache, v_scale, table, b, seqlens[b], page_size)
         want = attention(q[b].astype(np.float64), keys, vals, causal=False)
         scale = np.abs(vals).max()  # outputs are convex combinations of the values
-        np.testing.assert_allclose(out[b], want, atol=fp8_tolerance(kernel) * scale, err_msg=f"sequence {b}")
+        np.testing.assert_allclose(out[b], want, atol=quantized_cache_tolerance(kernel) * scale, err_msg=f"sequence {b}")
         assert np.isfinite(lse[b]).all()
     for x, y in zip(before, (k_cache, v_cache, k_scale, v_scale)):  # nothing appended, nothing written
         np.testing.assert_array_equal(x, y)
@@ -182,7 +182,7 @@ def test_fp8_kvcache_appends_within_the_documented_bound(page_size, kernel):
             bound = 2.0**-4 * np.abs(x[b]) + 2.0**-9 * descale
             assert (np.abs(stored[seqlens[b]:] - x[b]) <= bound).all(), f"{name} of sequence {b}"
         want = attention(q[b].astype(np.float64), keys, vals, causal=True)
-        np.testing.assert_allclose(out[b], want, atol=fp8_tolerance(kernel) * np.abs(vals).max(),
+        np.testing.assert_allclose(out[b], want, atol=quantized_cache_tolerance(kernel) * np.abs(vals).max(),
                                    err_msg=f"sequence {b}")
 
 

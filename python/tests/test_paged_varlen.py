@@ -6,7 +6,7 @@ import torch
 
 import flashattn
 from flashattn import flash_attn_interface
-from reference import fp8_tolerance
+from reference import quantized_cache_tolerance
 
 HQ, HKV, D, PAGE = 4, 2, 32, 16
 LENGTHS = [(1, 300), (0, 20), (40, 100), (1, 0), (3, 17), (70, 50), (16, 2100)]  # (query rows, keys)
@@ -117,7 +117,7 @@ def test_fp8_pool_matches_its_dequantized_values(kernel):
     # where the CPU has AVX512-FP16 (half-precision products, bounded relative to max|v|: outputs
     # are convex combinations of the values), decode elsewhere.
     fp16 = kernel == "auto" and flashattn._C.cpu_hardware()["decode_fp16"] == "1"
-    tolerance = fp8_tolerance("decode_fp16") * values(v_codes, v_scale).abs().max().item() if fp16 else 1e-5
+    tolerance = quantized_cache_tolerance("decode_fp16") * values(v_codes, v_scale).abs().max().item() if fp16 else 1e-5
     assert (out.double() - want).abs().max().item() <= tolerance
 
 
@@ -331,7 +331,9 @@ def test_shared_prefix_bad_calls_raise():
 def test_shared_prefix_over_int8_pools_equals_unshared(per_token):
     """Shared prefixes over int8 pools (u8 K codes with zero points, s8 V codes): the prefix
     pass reads the codes and their scales through the prefix table's pages as the unshared call
-    reads them through each sequence's, equal within the merge's rounding."""
+    reads them through each sequence's, equal within the merge's rounding. Both calls on the
+    float32 decode kernel: decode_fp16's half-precision products would differ between them by
+    more than the merge's rounding."""
     q, k_cache, v_cache, cu_q, table, seqused, prefix, flat, flat_seqused = shared_batch(torch.float32, 11)
     g = torch.Generator().manual_seed(12)
     k_codes = torch.randint(0, 256, k_cache.shape, dtype=torch.uint8, generator=g)
@@ -345,7 +347,7 @@ def test_shared_prefix_over_int8_pools_equals_unshared(per_token):
         return flashattn.flash_attn_varlen_func(q, k_codes, v_codes, cu_q, None, 5, 104, causal=True,
                                                 block_table=table, seqused_k=seqused, return_attn_probs=True,
                                                 k_scale=k_scale, v_scale=v_scale, k_zero_point=k_zero, k_quant="u8",
-                                                v_quant="s8", **prefix)
+                                                v_quant="s8", kernel="decode", **prefix)
 
     out, lse, _ = call(table, seqused, **prefix)
     want_out, want_lse, _ = call(flat, flat_seqused)

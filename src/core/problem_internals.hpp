@@ -18,11 +18,12 @@ struct ProblemInternals {
   // heads) ALiBi slopes with batch index b.
   std::int64_t batch_offset = 0;
   // k and v are an FP8 e4m3 KV cache: codes (u8) with per-block descales, not values in
-  // the problem's dtype. The planner's decode_fp16 kernel reads only such caches.
+  // the problem's dtype. The planner's decode_fp16 kernel reads only such caches and
+  // int8_kv_cache's.
   bool fp8_kv_cache = false;
   // k and v are a quantized KV cache (u8 codes) of which at least one pool holds int8 codes
   // (u8 or s8, include/flashattn/kv_quant.hpp; the other may be e4m3): PagedKv says how each
-  // reads. Not fp8_kv_cache: decode_fp16 reads e4m3 only.
+  // reads. Not fp8_kv_cache: only e4m3 pools take an FP8 kernel's paths.
   bool int8_kv_cache = false;
   // Set by forward_fp8 only: P is rounded to FP8 e4m3 before P·V, as an FP8 tensor core
   // multiplies it (ℓ sums the unrounded P).

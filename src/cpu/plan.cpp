@@ -97,11 +97,12 @@ ForwardKernel choose_kernel(const AttentionProblem& p, const detail::ProblemInte
   if (requested == ForwardKernel::decode_fp16 && p.head_dim > cpu::fp16dot::kMaxHeadDim)
     throw Error("kernel decode_fp16: head_dim " + std::to_string(p.head_dim) + " above its limit " +
                 std::to_string(cpu::fp16dot::kMaxHeadDim) + " (half-precision partial sums); use kernel decode or auto");
+  const bool quantized = internals.fp8_kv_cache || internals.int8_kv_cache;
   const bool fp16_decode =
-      internals.fp8_kv_cache && rows <= kDecodeRows && p.head_dim <= cpu::fp16dot::kMaxHeadDim && hw.decode_fp16;
+      quantized && rows <= kDecodeRows && p.head_dim <= cpu::fp16dot::kMaxHeadDim && hw.decode_fp16;
   if (requested == ForwardKernel::decode_fp16 && !fp16_decode)
-    throw Error("kernel decode_fp16: needs an FP8 (e4m3) KV cache (k/v: " +
-                std::string(internals.int8_kv_cache ? "int8 codes" : to_string(kv_dtype)) +
+    throw Error("kernel decode_fp16: needs a quantized KV cache, FP8 (e4m3) or int8 codes (k/v: " +
+                std::string(to_string(kv_dtype)) +
                 "), at most " + std::to_string(kDecodeRows) + " query rows per kv head (heads_q / heads_kv · seqlen_q: " +
                 std::to_string(rows) + ") and a CPU with AVX512-FP16 (this one: " + (hw.decode_fp16 ? "yes" : "no") +
                 "); use kernel decode or auto");

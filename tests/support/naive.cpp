@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "flashattn/exp2.hpp"
+#include "flashattn/online_softmax.hpp"
 #include "flashattn/reference.hpp"
 
 namespace flashattn::test {
@@ -182,6 +183,87 @@ NaiveGradients naive_backward_same_precision(const AttentionProblem& p, const At
   for (float x : dk) r.dk.push_back(round_to(p.dtype, x));
   for (float x : dvv) r.dv.push_back(round_to(p.dtype, x));
   for (float x : dbias) r.dbias.push_back(x);
+  return r;
+}
+
+// x rounded to the nearest half-precision value, ties to even (±∞ beyond half's range).
+float half(float x) {
+  if (!std::isfinite(x) || x == 0.0f) return x;
+  int exponent = 0;
+  std::frexp(x, &exponent);  // |x| in [2^(exponent - 1), 2^exponent)
+  const float quantum = std::ldexp(1.0f, std::max(exponent - 1, -14) - 10);  // half's ulp there (subnormals: 2^-24)
+  const float rounded = std::nearbyint(x / quantum) * quantum;  // ties to even in the default rounding mode
+  return std::fabs(rounded) > 65504.0f ? std::copysign(INFINITY, x) : rounded;
+}
+
+// The power of two that brings the largest finite |x| into [1, 2).
+double unit_scale(const std::vector<double>& x) {
+  double largest = 0.0;
+  for (double e : x)
+    if (std::isfinite(e)) largest = std::max(largest, std::fabs(e));
+  int exponent = 0;
+  if (largest > 0.0) std::frexp(largest, &exponent);
+  return std::ldexp(1.0, 1 - exponent);
+}
+
+reference::Result half_precision_attention(const Tensor& q, const Tensor& kc, const Tensor& kd, const Tensor& vc,
+                                           const Tensor& vd, const AttentionOptions& o, const Tensor* kz,
+                                           const Tensor* vz) {
+  const std::int64_t batch = q.shape()[0], sq = q.shape()[1], hq = q.shape()[2], d = q.shape()[3];
+  const std::int64_t sk = kc.shape()[1], hkv = kc.shape()[2], dv = vc.shape()[3];
+  // q times softmax_scale·log2(e) in float, as a kernel scales it before rounding.
+  const float scale = AttentionProblem::from_sizes(batch, sq, sk, hq, hkv, d, dv, DType::f32, o).softmax_scale *
+                      OnlineSoftmaxState::kLog2e;
+  reference::Result r;
+  r.out.assign(static_cast<std::size_t>(batch * sq * hq * dv), 0.0);
+  r.lse.assign(static_cast<std::size_t>(batch * hq * sq), 0.0);
+  for (std::int64_t b = 0; b < batch; ++b)
+    for (std::int64_t h = 0; h < hq; ++h)
+      for (std::int64_t i = 0; i < sq; ++i) {
+        const std::int64_t g = h / (hq / hkv), end = o.causal ? std::min(sk, sk - sq + i + 1) : sk;
+        std::vector<double> qi(static_cast<std::size_t>(d));
+        for (std::int64_t e = 0; e < d; ++e) qi[e] = q.get(((b * sq + i) * hq + h) * d + e) * scale;  // in float
+        const double q_unit = unit_scale(qi);
+        std::vector<float> qh(static_cast<std::size_t>(d));
+        for (std::int64_t e = 0; e < d; ++e) qh[e] = half(static_cast<float>(qi[e] * q_unit));
+        std::vector<double> s(static_cast<std::size_t>(end));
+        double m = -INFINITY;
+        for (std::int64_t j = 0; j < end; ++j) {
+          double total = 0.0;
+          for (std::int64_t e0 = 0; e0 < d; e0 += 8) {
+            float run = 0.0f;
+            for (std::int64_t e = e0; e < std::min(e0 + 8, d); ++e)
+              run = half(qh[e] * kc.get(((b * sk + j) * hkv + g) * d + e) + run);
+            total += run;
+          }
+          double centre = 0.0;  // Σq · K's zero point
+          if (kz != nullptr)
+            for (std::int64_t e = 0; e < d; ++e) centre += qi[e] * kz->get((b * sk + j) * hkv + g);
+          s[j] = (total / q_unit - centre) * kd.get((b * sk + j) * hkv + g);
+          m = std::max(m, s[j]);
+        }
+        double sum = 0.0, centre = 0.0;  // centre: Σ p · V descale · V's zero point
+        std::vector<double> weight(static_cast<std::size_t>(end));  // p · V descale
+        for (std::int64_t j = 0; j < end; ++j) {
+          const double p = std::exp2(s[j] - m);
+          sum += p;
+          weight[j] = p * vd.get((b * sk + j) * hkv + g);
+          if (vz != nullptr) centre += weight[j] * vz->get((b * sk + j) * hkv + g);
+        }
+        const double w_unit = unit_scale(weight);
+        for (double& w : weight) w = half(static_cast<float>(w * w_unit));
+        for (std::int64_t e = 0; e < dv; ++e) {
+          double total = 0.0;
+          for (std::int64_t j0 = 0; j0 < end; j0 += 16) {
+            float run = 0.0f;
+            for (std::int64_t j = j0; j < std::min(j0 + 16, end); ++j)
+              run = half(static_cast<float>(weight[j]) * vc.get(((b * sk + j) * hkv + g) * dv + e) + run);
+            total += run;
+          }
+          r.out[static_cast<std::size_t>(((b * sq + i) * hq + h) * dv + e)] = (total / w_unit - centre) / sum;
+        }
+        r.lse[static_cast<std::size_t>((b * hq + h) * sq + i)] = (m + std::log2(sum)) * std::log(2.0);
+      }
   return r;
 }
 

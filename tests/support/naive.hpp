@@ -10,6 +10,7 @@
 
 #include "flashattn/options.hpp"
 #include "flashattn/problem.hpp"
+#include "flashattn/reference.hpp"
 #include "flashattn/tensor.hpp"
 
 namespace flashattn::test {
@@ -48,5 +49,27 @@ struct NaiveGradients {
 NaiveGradients naive_backward_same_precision(const AttentionProblem& p, const AttentionOptions& options,
                                              const Tensor& dout, const Tensor& q, const Tensor& k,
                                              const Tensor& v);
+
+// x rounded to the nearest half-precision value, ties to even (±∞ beyond half's range).
+float half(float x);
+
+// The power of two that brings the largest finite |x| into [1, 2).
+double unit_scale(const std::vector<double>& x);
+
+// The yardstick of decode_fp16's precision (upstream's rule: a naive implementation in the
+// same precision) for a quantized cache: the values the kernel reads of the codes kc, vc —
+// e4m3 values, int8 codes as integers (u8 as code − 128) — exact in half, with factors kd,
+// vd (descales, scales) per (batch, key, kv head) and, for int8 codes with zero points, kz,
+// vz (null: none) of the same shape: the zero points as the kernel reads them (z − 128 for
+// u8); a value is (code − zero)·factor. Scores: q rounded to half after a power of two
+// brings its row into [1, 2), times the codes, summed in half over runs of 8 products (an
+// FMA: one rounding each), the runs in double, less Σq·zero, then times the K factor. P·V:
+// each probability times its V factor, scaled by a power of two into [1, 2) per row and
+// rounded to half, times the codes, summed in half over runs of 16 keys, less Σ p·factor·zero
+// in double. Softmax in double; causal (bottom-right) or full, GQA, no other option. Returns
+// out and lse like reference::attention.
+reference::Result half_precision_attention(const Tensor& q, const Tensor& kc, const Tensor& kd, const Tensor& vc,
+                                           const Tensor& vd, const AttentionOptions& o, const Tensor* kz = nullptr,
+                                           const Tensor* vz = nullptr);
 
 }  // namespace flashattn::test

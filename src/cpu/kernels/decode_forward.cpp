@@ -15,8 +15,8 @@
 // decode reads every K/V storage format (one instantiation each of the products); a cache
 // with int8 codes (u8 or s8, kv_quant.hpp) reads each of K and V in its own format, the
 // scales and zero points applied to scores and probabilities (DecodeQuantItem); decode_fp16
-// (FP8 caches on AVX512-FP16) runs the same steps with the products in half precision
-// (fp16_decode.hpp).
+// (FP8 and int8 caches on AVX512-FP16) runs the same steps with the products in half
+// precision (fp16_decode.hpp).
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "src/cpu/kernels/decode_forward.cpp"
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
@@ -370,8 +370,8 @@ void LoadQPanels(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeSha
 }
 
 // The Q panels (decode_fp16): each four rows packed to halves in the q tile (fp16dot::PackQ4),
-// each row scaled by a power of two that its q unit undoes on the scores.
-void PackQHalves(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeShape& sh) {
+// each row scaled by a power of two below 2^top that its q unit undoes on the scores.
+void PackQHalves(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeShape& sh, int top) {
   const std::int64_t d = sh.d;
   const std::int64_t panel_halves = 4 * ((d + fp16dot::kHalves - 1) / fp16dot::kHalves) * fp16dot::kHalves;
   auto* q_halves = reinterpret_cast<std::uint16_t*>(ws.q_tile.get());  // (panels, panel_halves)
@@ -380,7 +380,7 @@ void PackQHalves(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeSha
     const std::int64_t g = 4 * i / sh.rows4, r0 = 4 * i % sh.rows4;
     const std::int64_t live = std::clamp<std::int64_t>(sh.rows - r0, 0, 4);
     for (std::int64_t r = r0; r < r0 + live; ++r) LoadQRow(prm, sh, g, r, q_rows + (r - r0) * d);
-    fp16dot::PackQ4(q_rows, d, live, d, q_halves + i * panel_halves, ws.q_units.get() + 4 * i);
+    fp16dot::PackQ4(q_rows, d, live, d, top, q_halves + i * panel_halves, ws.q_units.get() + 4 * i);
   }
 }
 
@@ -416,8 +416,9 @@ void ScoreBlock(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeShap
   }
 }
 
-// ScoreBlock in half precision (decode_fp16): fp16dot prefetches as ScoreBlock does.
-void ScoreBlockFp16(ForwardWorkspace& ws, const DecodeShape& sh, std::int64_t n, std::int64_t ahead) {
+// ScoreBlock in half precision (decode_fp16) on K codes of format `codes`: fp16dot prefetches
+// as ScoreBlock does.
+void ScoreBlockFp16(ForwardWorkspace& ws, const DecodeShape& sh, KvCodes codes, std::int64_t n, std::int64_t ahead) {
   const DecodeKeys& keys = ws.decode_keys;
   const auto* q_halves = reinterpret_cast<const std::uint16_t*>(ws.q_tile.get());
   for (std::int64_t c = 0; c < n; c += 4) {
@@ -428,7 +429,7 @@ void ScoreBlockFp16(ForwardWorkspace& ws, const DecodeShape& sh, std::int64_t n,
     const fp16dot::Fetch fetch{keys.k.data() + c + kDecodePrefetchKeys, keys.v.data() + c + kDecodePrefetchKeys,
                                std::max<std::int64_t>(0, fetch_end - c - kDecodePrefetchKeys), sh.k_row, sh.v_row,
                                sh.v_head};
-    fp16dot::ScoreKeys4(q_halves, sh.all_rows / 4, sh.rows4 / 4, krows, sh.k_head, count, sh.d,
+    fp16dot::ScoreKeys4(codes, q_halves, sh.all_rows / 4, sh.rows4 / 4, krows, sh.k_head, count, sh.d,
                         ws.s_tile.get() + c, sh.bc, fetch);
   }
 }
@@ -507,11 +508,12 @@ void AccumulateBlock(const ForwardParams& prm, ForwardWorkspace& ws, const Decod
                            dv_pad);
 }
 
-// AccumulateBlock in half precision (decode_fp16), P as PairHalves left it.
-void AccumulateBlockFp16(ForwardWorkspace& ws, const DecodeShape& sh, std::int64_t n) {
+// AccumulateBlock in half precision (decode_fp16) on V codes of format `codes`, P as
+// PairHalves left it.
+void AccumulateBlockFp16(ForwardWorkspace& ws, const DecodeShape& sh, KvCodes codes, std::int64_t n) {
   for (std::int64_t g = 0; g < sh.hkv; ++g)
     for (std::int64_t r = g * sh.rows4; r < (g + 1) * sh.rows4; r += 4)
-      fp16dot::AccumulateRows4(reinterpret_cast<const std::uint32_t*>(ws.s_tile.get() + r * sh.bc), sh.bc,
+      fp16dot::AccumulateRows4(codes, reinterpret_cast<const std::uint32_t*>(ws.s_tile.get() + r * sh.bc), sh.bc,
                                ws.decode_keys.v.data(), g * sh.v_head, n, sh.dv, ws.v_units[g],
                                ws.o_acc.get() + r * sh.dv_pad, sh.dv_pad);
 }
@@ -577,16 +579,16 @@ HWY_INLINE void WithCodes(KvCodes codes, Fn fn) {
   }
 }
 
-// ΣQ of every real row as its panel holds it (times softmax_scale·log2e) into q_units: a
-// zero point z of K costs a score scale·z·ΣQ.
-void LoadQSums(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeShape& sh) {
+// ΣQ of every real row (times softmax_scale·log2e, before any rounding to half) into
+// sums[row]: a zero point z of K costs a score scale·z·ΣQ.
+void LoadQSums(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeShape& sh, float* sums) {
   float* row = ws.q_rows.get();
   for (std::int64_t g = 0; g < sh.hkv; ++g)
     for (std::int64_t r = 0; r < sh.rows; ++r) {
       LoadQRow(prm, sh, g, r, row);
       float sum = 0.0f;
       for (std::int64_t e = 0; e < sh.d; ++e) sum += row[e];
-      ws.q_units[g * sh.rows4 + r] = sum;
+      sums[g * sh.rows4 + r] = sum;
     }
 }
 
@@ -602,20 +604,40 @@ HWY_INLINE void LoadKeyFactors(const float* const* scales, const float* const* z
   }
 }
 
+// The power of two that P·factor is multiplied by (decode_fp16): it brings the largest of
+// the block's `cols` factors (V descales or scales) to at most 2^top, so P·factor is at most
+// 2^top in half precision.
+float Fp16VScale(const float* factors, std::int64_t cols, int top) {
+  VF largest = hn::Zero(DF());
+  for (std::int64_t c = 0; c < cols; c += kLanes) largest = hn::Max(largest, hn::Load(DF(), factors + c));
+  int exponent = 0;
+  const float most = hn::GetLane(hn::MaxOfLanes(DF(), largest));
+  if (most > 0.0f && std::isfinite(most)) std::frexp(most, &exponent);  // most < 2^exponent
+  return std::ldexp(1.0f, std::clamp(top - exponent, -100, 100));
+}
+
 // One decode work item on a cache with int8 codes in K or V (the other pool may be e4m3), each
-// read in its own format (ScoreBlock and AccumulateBlock of its KvFormat), then:
+// read in its own format (ScoreBlock and AccumulateBlock of its KvFormat; with `fp16`, the
+// decode_fp16 products of its codes), then:
 //   S = Q·((code − z)·scale)    = (Q·code − ΣQ·z)·scale                (per key: LoadKeyFactors)
 //   õ += P·((code − z)·scale)  = (P·scale)·code − Σ_keys (P·scale)·z   (per row: one term)
-// with kKvUnit in the factors of an e4m3 pool, whose z is 0.
-void DecodeQuantItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item) {
+// with kKvUnit in the factors of an e4m3 pool, whose z is 0. decode_fp16 also undoes each Q
+// row's power of two on its scores (q units) and P·scale's on the P·V sums (v units), as
+// DecodeFp16Item does.
+void DecodeQuantItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item, bool fp16) {
   const KvScales& ks = prm.paged.k;
   const KvScales& vs = prm.paged.v;
   const float k_unit = ks.codes == KvCodes::e4m3 ? kKvUnit<KvFormat::e4m3> : 1.0f;
   const float v_unit = vs.codes == KvCodes::e4m3 ? kKvUnit<KvFormat::e4m3> : 1.0f;
   const DecodeShape sh(prm, item);
-  LoadQPanels<KvFormat::u8>(prm, ws, sh);  // row order, as every byte format reads
-  if (ks.zero_point != nullptr) LoadQSums(prm, ws, sh);
-  float* v_terms = ws.q_units.get() + sh.all_rows;  // (all_rows): what V's zero points take from õ
+  if (fp16)
+    PackQHalves(prm, ws, sh, fp16dot::q_exponent(ks.codes));
+  else
+    LoadQPanels<KvFormat::u8>(prm, ws, sh);  // row order, as every byte format reads
+  const float* q_units = fp16 ? ws.q_units.get() : nullptr;  // (all_rows): PackQHalves'
+  float* q_sums = ws.q_units.get() + sh.all_rows;            // (all_rows): ΣQ of each row
+  float* v_terms = q_sums + sh.all_rows;                     // (all_rows): what V's zero points take from õ
+  if (ks.zero_point != nullptr) LoadQSums(prm, ws, sh, q_sums);
   float* k_factor = ws.descales.get();  // (block_k) each
   float* k_zero = k_factor + sh.bc;
   float* v_factor = k_zero + sh.bc;
@@ -629,30 +651,47 @@ void DecodeQuantItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_
     const std::int64_t ahead = std::min(n + kDecodePrefetchKeys, key_end - j0);  // keys resolved
     ResolveKeys(prm, sh.item.batch, j0, ahead, ws.decode_keys);
     CountTiles(ws.counters, sh.hkv, sh.rows, n, sh.d, sh.dv);
-    WithCodes(ks.codes, [&](auto f) { ScoreBlock<decltype(f)::value>(prm, ws, sh, n, ahead); });
+    if (fp16)
+      ScoreBlockFp16(ws, sh, ks.codes, n, ahead);
+    else
+      WithCodes(ks.codes, [&](auto f) { ScoreBlock<decltype(f)::value>(prm, ws, sh, n, ahead); });
     for (std::int64_t g = 0; g < sh.hkv; ++g) {
       LoadKeyFactors(keys.k_descale.data(), keys.k_zero_point.data(), ks.head_stride, k_unit, g, n, cols, k_factor,
                      k_zero);
       for (std::int64_t r = 0; r < sh.rows; ++r) {
-        float* srow = ws.s_tile.get() + (g * sh.rows4 + r) * sh.bc;
-        const VF q_sum = hn::Set(DF(), ks.zero_point != nullptr ? ws.q_units[g * sh.rows4 + r] : 0.0f);
+        const std::int64_t row = g * sh.rows4 + r;
+        float* srow = ws.s_tile.get() + row * sh.bc;
+        const VF q_sum = hn::Set(DF(), ks.zero_point != nullptr ? q_sums[row] : 0.0f);
+        const VF q_unit = hn::Set(DF(), q_units != nullptr ? q_units[row] : 1.0f);
         for (std::int64_t c = 0; c < cols; c += kLanes) {
-          const VF centred = hn::NegMulAdd(q_sum, hn::Load(DF(), k_zero + c), hn::Load(DF(), srow + c));
+          const VF centred =
+              hn::NegMulAdd(q_sum, hn::Load(DF(), k_zero + c), hn::Mul(hn::Load(DF(), srow + c), q_unit));
           hn::Store(hn::Mul(centred, hn::Load(DF(), k_factor + c)), DF(), srow + c);
         }
       }
       LoadKeyFactors(keys.v_descale.data(), keys.v_zero_point.data(), vs.head_stride, v_unit, g, n, cols, v_factor,
                      v_zero);
+      // decode_fp16: P·factor·2^u ≤ 2^p_exponent in half; the sums are multiplied back by 2^-u.
+      const float v_scale = fp16 ? Fp16VScale(v_factor, cols, fp16dot::p_exponent(vs.codes)) : 1.0f;
+      if (fp16) {
+        ScaleRow(v_factor, v_scale, cols);
+        ws.v_units[g] = 1.0f / v_scale;
+      }
       SoftmaxRows(prm, ws, sh, g, j0, n, cols, [&](float* srow) {
         MulRow(srow, v_factor, cols);
-        if (vs.zero_point == nullptr) return;
-        VF sum = hn::Zero(DF());
-        for (std::int64_t c = 0; c < cols; c += kLanes)
-          sum = hn::MulAdd(hn::Load(DF(), srow + c), hn::Load(DF(), v_zero + c), sum);
-        v_terms[(srow - ws.s_tile.get()) / sh.bc] = hn::GetLane(hn::SumOfLanes(DF(), sum));
+        if (vs.zero_point != nullptr) {
+          VF sum = hn::Zero(DF());
+          for (std::int64_t c = 0; c < cols; c += kLanes)
+            sum = hn::MulAdd(hn::Load(DF(), srow + c), hn::Load(DF(), v_zero + c), sum);
+          v_terms[(srow - ws.s_tile.get()) / sh.bc] = hn::GetLane(hn::SumOfLanes(DF(), sum)) / v_scale;
+        }
+        if (fp16) fp16dot::PairHalves(srow, reinterpret_cast<std::uint32_t*>(srow), cols);  // in place
       });
     }
-    WithCodes(vs.codes, [&](auto f) { AccumulateBlock<decltype(f)::value>(prm, ws, sh, n); });
+    if (fp16)
+      AccumulateBlockFp16(ws, sh, vs.codes, n);
+    else
+      WithCodes(vs.codes, [&](auto f) { AccumulateBlock<decltype(f)::value>(prm, ws, sh, n); });
     if (vs.zero_point != nullptr)
       for (std::int64_t g = 0; g < sh.hkv; ++g)
         for (std::int64_t r = g * sh.rows4; r < g * sh.rows4 + sh.rows; ++r) {
@@ -664,24 +703,13 @@ void DecodeQuantItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_
   StoreRows<KvFormat::u8>(prm, ws, sh);
 }
 
-// The power of two that P·descale is multiplied by (decode_fp16): it brings the largest of
-// the block's `cols` descales below 2^8, so P is at most 256 in half precision.
-float Fp16VScale(const float* descales, std::int64_t cols) {
-  VF largest = hn::Zero(DF());
-  for (std::int64_t c = 0; c < cols; c += kLanes) largest = hn::Max(largest, hn::Load(DF(), descales + c));
-  int exponent = 0;
-  const float most = hn::GetLane(hn::MaxOfLanes(DF(), largest));
-  if (most > 0.0f && std::isfinite(most)) std::frexp(most, &exponent);  // most < 2^exponent
-  return std::ldexp(1.0f, std::clamp(8 - exponent, -100, 100));
-}
-
 // One decode_fp16 work item: DecodeItem's steps on an FP8 cache with the products in half
 // precision. P·(values·descale) = (P·descale·2^u)·(values read) with 2^u from Fp16VScale,
 // and kKvUnit·2^-u applied to the float32 sums (v_units).
 void DecodeFp16Item(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item) {
   constexpr KvFormat F = KvFormat::e4m3;
   const DecodeShape sh(prm, item);
-  PackQHalves(prm, ws, sh);
+  PackQHalves(prm, ws, sh, fp16dot::q_exponent(KvCodes::e4m3));
   ResetRows(ws, sh.all_rows, sh.dv_pad);
   ws.counters.q_read += sh.hkv * sh.rows * sh.d;
   const std::int64_t key_end = sh.item.key_end;
@@ -690,11 +718,11 @@ void DecodeFp16Item(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t
     const std::int64_t ahead = std::min(n + kDecodePrefetchKeys, key_end - j0);  // keys resolved
     ResolveKeys(prm, sh.item.batch, j0, ahead, ws.decode_keys);
     CountTiles(ws.counters, sh.hkv, sh.rows, n, sh.d, sh.dv);
-    ScoreBlockFp16(ws, sh, n, ahead);
+    ScoreBlockFp16(ws, sh, KvCodes::e4m3, n, ahead);
     for (std::int64_t g = 0; g < sh.hkv; ++g) {
       DescaleScores(prm, ws, sh, g, n, cols, ws.q_units.get());
       LoadVDescales(prm, ws, g, n, cols);
-      const float v_scale = Fp16VScale(ws.descales.get(), cols);
+      const float v_scale = Fp16VScale(ws.descales.get(), cols, fp16dot::p_exponent(KvCodes::e4m3));
       ws.v_units[g] = kKvUnit<F> / v_scale;
       ScaleRow(ws.descales.get(), v_scale, cols);
       SoftmaxRows(prm, ws, sh, g, j0, n, cols, [&](float* srow) {
@@ -702,7 +730,7 @@ void DecodeFp16Item(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t
         fp16dot::PairHalves(srow, reinterpret_cast<std::uint32_t*>(srow), cols);  // in place
       });
     }
-    AccumulateBlockFp16(ws, sh, n);
+    AccumulateBlockFp16(ws, sh, KvCodes::e4m3, n);
   }
   StoreRows<F>(prm, ws, sh);
 }
@@ -713,16 +741,17 @@ void ForwardDecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int6
     case DType::bf16: return DecodeItem<KvFormat::bf16>(prm, ws, item);
     case DType::f16: return DecodeItem<KvFormat::f16>(prm, ws, item);
     case DType::u8:
-      if (prm.internals.int8_kv_cache) return DecodeQuantItem(prm, ws, item);
+      if (prm.internals.int8_kv_cache) return DecodeQuantItem(prm, ws, item, false);
       return DecodeItem<KvFormat::e4m3>(prm, ws, item);
     case DType::i32: return;  // never an attention operand: rejected by validation
   }
 }
 
-// decode_fp16 reads FP8 caches only (the plan checks); a hand-made plan on another cache
-// runs decode.
+// decode_fp16 reads quantized caches only (the plan checks); a hand-made plan on another
+// cache runs decode.
 void ForwardDecodeFp16Item(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item) {
-  if (prm.k.dtype != DType::u8 || prm.internals.int8_kv_cache) return ForwardDecodeItem(prm, ws, item);
+  if (prm.k.dtype != DType::u8) return ForwardDecodeItem(prm, ws, item);
+  if (prm.internals.int8_kv_cache) return DecodeQuantItem(prm, ws, item, true);
   DecodeFp16Item(prm, ws, item);
 }
 

@@ -8,18 +8,25 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 namespace flashattn::cpu::fp16dot {
 namespace {
 
-// The first min(n, 32) e4m3 codes from p as halves 2^-8 times their values (subnormal codes
-// to subnormal halves, exactly): sign-extended to 16 bits, the sign, exponent and mantissa
-// move up by 7 and the sign's copy at bit 14 is cleared.
+// The first min(n, 32) codes from p as halves (fp16_decode.hpp), zeros past n. e4m3: 2^-8
+// times their values (subnormal codes to subnormal halves, exactly) — sign-extended to 16
+// bits, the sign, exponent and mantissa move up by 7 and the sign's copy at bit 14 is
+// cleared; s8: the integers; u8: code − 128, the bytes' top bit flipped and read as s8.
+template <KvCodes C>
 inline __attribute__((always_inline)) __m512h LoadCodes(const unsigned char* p, std::int64_t n) {
-  const __m256i bytes = n >= kHalves ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
-                                     : _mm256_maskz_loadu_epi8((1u << n) - 1u, p);
+  __m256i bytes = n >= kHalves ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                               : _mm256_maskz_loadu_epi8((1u << n) - 1u, p);
+  if constexpr (C == KvCodes::u8) bytes = _mm256_xor_si256(bytes, _mm256_set1_epi8(static_cast<char>(0x80)));
   const __m512i words = _mm512_cvtepi8_epi16(bytes);
-  return _mm512_castsi512_ph(_mm512_and_si512(_mm512_slli_epi16(words, 7), _mm512_set1_epi16(static_cast<short>(0xBFFF))));
+  if constexpr (C == KvCodes::e4m3)
+    return _mm512_castsi512_ph(_mm512_and_si512(_mm512_slli_epi16(words, 7), _mm512_set1_epi16(static_cast<short>(0xBFFF))));
+  else
+    return _mm512_cvtepi16_ph(words);
 }
 
 // Lane 4·block + k holds block `block`'s part of Σ a_k, in float: within every 128-bit block
@@ -45,8 +52,8 @@ inline __attribute__((always_inline)) __m128 FoldBlocks(__m512 v) {
 
 }  // namespace
 
-void PackQ4(const float* q, std::int64_t ldq, std::int64_t rows, std::int64_t d,
-                                  std::uint16_t* panel, float* unit) {
+void PackQ4(const float* q, std::int64_t ldq, std::int64_t rows, std::int64_t d, int top, std::uint16_t* panel,
+            float* unit) {
   const std::int64_t vectors = (d + kHalves - 1) / kHalves;
   for (std::int64_t r = 0; r < 4; ++r) {
     float largest = 0.0f;
@@ -55,7 +62,7 @@ void PackQ4(const float* q, std::int64_t ldq, std::int64_t rows, std::int64_t d,
         if (std::isfinite(q[r * ldq + e])) largest = std::max(largest, std::fabs(q[r * ldq + e]));
     int exponent = 0;
     if (largest > 0.0f) std::frexp(largest, &exponent);  // largest in [2^(exponent - 1), 2^exponent)
-    const int shift = std::clamp(8 - exponent, -100, 100);  // largest · 2^shift in [128, 256)
+    const int shift = std::clamp(top - exponent, -100, 100);  // largest · 2^shift in [2^(top − 1), 2^top)
     unit[r] = std::ldexp(1.0f, -shift);
     const __m512 scale = _mm512_set1_ps(std::ldexp(1.0f, shift));
     for (std::int64_t j = 0; j < vectors; ++j)
@@ -71,16 +78,15 @@ void PackQ4(const float* q, std::int64_t ldq, std::int64_t rows, std::int64_t d,
 namespace {
 
 // The scores of one panel (four rows) and four K rows: s[r·lds + k] for k < count.
-inline __attribute__((always_inline)) void ScorePanel(const std::uint16_t* panel,
-                                                                           const unsigned char* const* row,
-                                                                           std::int64_t count, std::int64_t d, float* s,
-                                                                           std::int64_t lds) {
+template <KvCodes C>
+inline __attribute__((always_inline)) void ScorePanel(const std::uint16_t* panel, const unsigned char* const* row,
+                                                      std::int64_t count, std::int64_t d, float* s, std::int64_t lds) {
   __m512h acc[4][4];  // [key][row]
   for (auto& key : acc)
     for (__m512h& a : key) a = _mm512_setzero_ph();
   for (std::int64_t e = 0; e < d; e += kHalves, panel += 4 * kHalves)
     for (std::int64_t k = 0; k < 4; ++k) {
-      const __m512h v = LoadCodes(row[k] + e, d - e);
+      const __m512h v = LoadCodes<C>(row[k] + e, d - e);
       for (std::int64_t r = 0; r < 4; ++r) acc[k][r] = _mm512_fmadd_ph(_mm512_loadu_ph(panel + r * kHalves), v, acc[k][r]);
     }
   alignas(16) float sums[4][4];  // [row][key]
@@ -89,11 +95,10 @@ inline __attribute__((always_inline)) void ScorePanel(const std::uint16_t* panel
     for (std::int64_t k = 0; k < count; ++k) s[r * lds + k] = sums[r][k];
 }
 
-}  // namespace
-
-void ScoreKeys4(const std::uint16_t* panels, std::int64_t panel_count, std::int64_t head_panels,
-                                      const unsigned char* const* krows, std::int64_t k_head, std::int64_t count,
-                                      std::int64_t d, float* s, std::int64_t lds, const Fetch& fetch) {
+template <KvCodes C>
+void ScoreCodes4(const std::uint16_t* panels, std::int64_t panel_count, std::int64_t head_panels,
+                 const unsigned char* const* krows, std::int64_t k_head, std::int64_t count, std::int64_t d, float* s,
+                 std::int64_t lds, const Fetch& fetch) {
   const std::int64_t panel_halves = 4 * ((d + kHalves - 1) / kHalves) * kHalves;
   const unsigned char* row[4];
   for (std::int64_t i = 0; i < panel_count; ++i) {
@@ -105,8 +110,28 @@ void ScoreKeys4(const std::uint16_t* panels, std::int64_t panel_count, std::int6
       }
       for (std::int64_t k = 0; k < 4; ++k) row[k] = krows[std::min<std::int64_t>(k, count - 1)] + g * k_head;  // a short group repeats its last key
     }
-    ScorePanel(panels + i * panel_halves, row, count, d, s + i * 4 * lds, lds);
+    ScorePanel<C>(panels + i * panel_halves, row, count, d, s + i * 4 * lds, lds);
   }
+}
+
+// The code format as a template argument: fn(integral_constant<C>).
+template <class Fn>
+inline __attribute__((always_inline)) void WithCodes(KvCodes codes, Fn fn) {
+  switch (codes) {
+    case KvCodes::e4m3: return fn(std::integral_constant<KvCodes, KvCodes::e4m3>());
+    case KvCodes::u8: return fn(std::integral_constant<KvCodes, KvCodes::u8>());
+    case KvCodes::s8: return fn(std::integral_constant<KvCodes, KvCodes::s8>());
+  }
+}
+
+}  // namespace
+
+void ScoreKeys4(KvCodes codes, const std::uint16_t* panels, std::int64_t panel_count, std::int64_t head_panels,
+                const unsigned char* const* krows, std::int64_t k_head, std::int64_t count, std::int64_t d, float* s,
+                std::int64_t lds, const Fetch& fetch) {
+  WithCodes(codes, [&](auto c) {
+    ScoreCodes4<decltype(c)::value>(panels, panel_count, head_panels, krows, k_head, count, d, s, lds, fetch);
+  });
 }
 
 void PairHalves(const float* src, std::uint32_t* dst, std::int64_t n) {
@@ -117,9 +142,11 @@ void PairHalves(const float* src, std::uint32_t* dst, std::int64_t n) {
   }
 }
 
-void AccumulateRows4(const std::uint32_t* p, std::int64_t ldp, const unsigned char* const* vrows,
-                                           std::int64_t offset, std::int64_t n, std::int64_t dv, float unit, float* o,
-                                           std::int64_t ldo) {
+namespace {
+
+template <KvCodes C>
+void AccumulateCodes4(const std::uint32_t* p, std::int64_t ldp, const unsigned char* const* vrows, std::int64_t offset,
+                      std::int64_t n, std::int64_t dv, float unit, float* o, std::int64_t ldo) {
   const __m512 vunit = _mm512_set1_ps(unit);
   for (std::int64_t e = 0; e < dv; e += kHalves) {
     const std::int64_t left = std::min<std::int64_t>(kHalves, dv - e);
@@ -138,7 +165,7 @@ void AccumulateRows4(const std::uint32_t* p, std::int64_t ldp, const unsigned ch
       for (auto& run : acc)
         for (__m512h& a : run) a = _mm512_setzero_ph();
       auto step = [&](__m512h(&a)[4], std::int64_t c) {
-        const __m512h v = LoadCodes(vrows[c] + offset + e, left);
+        const __m512h v = LoadCodes<C>(vrows[c] + offset + e, left);
         for (std::int64_t r = 0; r < 4; ++r)
           a[r] = _mm512_fmadd_ph(_mm512_castsi512_ph(_mm512_set1_epi32(static_cast<int>(p[r * ldp + c]))), v, a[r]);
       };
@@ -164,16 +191,23 @@ void AccumulateRows4(const std::uint32_t* p, std::int64_t ldp, const unsigned ch
   }
 }
 
+}  // namespace
+
+void AccumulateRows4(KvCodes codes, const std::uint32_t* p, std::int64_t ldp, const unsigned char* const* vrows,
+                     std::int64_t offset, std::int64_t n, std::int64_t dv, float unit, float* o, std::int64_t ldo) {
+  WithCodes(codes, [&](auto c) { AccumulateCodes4<decltype(c)::value>(p, ldp, vrows, offset, n, dv, unit, o, ldo); });
+}
+
 }  // namespace flashattn::cpu::fp16dot
 
 #else  // a compiler without -mavx512fp16, or not x86: decode_fp16 is never planned (available())
 
 namespace flashattn::cpu::fp16dot {
-void PackQ4(const float*, std::int64_t, std::int64_t, std::int64_t, std::uint16_t*, float*) {}
-void ScoreKeys4(const std::uint16_t*, std::int64_t, std::int64_t, const unsigned char* const*, std::int64_t, std::int64_t,
+void PackQ4(const float*, std::int64_t, std::int64_t, std::int64_t, int, std::uint16_t*, float*) {}
+void ScoreKeys4(KvCodes, const std::uint16_t*, std::int64_t, std::int64_t, const unsigned char* const*, std::int64_t, std::int64_t,
                 std::int64_t, float*, std::int64_t, const Fetch&) {}
 void PairHalves(const float*, std::uint32_t*, std::int64_t) {}
-void AccumulateRows4(const std::uint32_t*, std::int64_t, const unsigned char* const*, std::int64_t, std::int64_t,
+void AccumulateRows4(KvCodes, const std::uint32_t*, std::int64_t, const unsigned char* const*, std::int64_t, std::int64_t,
                      std::int64_t, float, float*, std::int64_t) {}
 }  // namespace flashattn::cpu::fp16dot
 

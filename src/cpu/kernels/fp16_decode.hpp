@@ -1,22 +1,29 @@
-// The FP8 decode products on AVX512-FP16 (the decode_fp16 kernel, options.hpp): e4m3 codes
-// widen to half precision exactly in three integer operations, and half-precision FMAs take
-// 32 lanes where float32's take 16 — the conversions and the products of the float32 decode
-// kernel, halved. Partial sums stay short in half precision and move to float32 soon:
-//   S = Q·Kᵀ: q rows are scaled by a power of two to a largest magnitude in [128, 256) and
-//     rounded to half; each lane sums D/32 products in order, then four lanes add in a
-//     two-level tree, then the sums go on in float32. A product is at most 256 · 1.875 (codes
-//     read as halves 2^-8 times their values), so for D ≤ kMaxHeadDim nothing overflows; the
+// The products of a quantized decode on AVX512-FP16 (the decode_fp16 kernel, options.hpp):
+// one-byte codes widen to half precision exactly in a few integer operations — e4m3 codes as
+// halves 2^-8 times their values, int8 codes (kv_quant.hpp) as the integers they are, u8 read
+// as code − 128 and s8 as is — and half-precision FMAs take 32 lanes where float32's take 16:
+// the conversions and the products of the float32 decode kernel, halved. Partial sums stay
+// short in half precision and move to float32 soon:
+//   S = Q·Kᵀ: q rows are scaled by a power of two to a largest magnitude in
+//     [2^(e−1), 2^e), e = q_exponent(codes), and rounded to half; each lane sums D/32
+//     products in order, then four lanes add in a two-level tree, then the sums go on in
+//     float32. A product is at most 2^e times the largest code read (1.875 for e4m3, 128 for
+//     int8), so for D ≤ kMaxHeadDim nothing overflows (a sum of 4·16 products ≤ 2^15); the
 //     planner never chooses the kernel above it, and asking for it there is an Error.
-//   õ += P·V: P, times the V descale and a power of two that keeps it ≤ 256, is rounded to
-//     half; two runs of kAccumulateKeys keys are each summed in order and then added in half
-//     (≤ 16 · 256 · 1.875), then added to the float32 õ.
-// Each half-precision rounding is 2^-11 relative, against the e4m3 codes' own 2^-4: the
-// kernel's error is the quantization's and a few percent of it more (tests/test_kvcache.cpp
-// holds the kernel to twice the error of a scalar half-precision yardstick). Compiled once,
-// not per Highway target, for AVX512-FP16; callers reach it only where available() says so.
+//   õ += P·V: P, times the V factor and a power of two that keeps it ≤ 2^p_exponent(codes),
+//     is rounded to half; two runs of kAccumulateKeys keys are each summed in order and then
+//     added in half (≤ 16 · 2^p · the largest code ≤ 2^15), then added to the float32 õ.
+// Each half-precision rounding is 2^-11 relative, against the codes' own quantization —
+// 2^-4 relative for e4m3, half a step (1/256 of a u8 row's range, 1/254 of an s8 row's
+// largest value) for int8: the kernel's error is the quantization's and a few percent of it
+// more (tests/test_kvcache.cpp and tests/test_int8_cache.cpp hold the kernel to twice the
+// error of a scalar half-precision yardstick). Compiled once, not per Highway target, for
+// AVX512-FP16; callers reach it only where available() says so.
 #pragma once
 
 #include <cstdint>
+
+#include "flashattn/kv_quant.hpp"
 
 namespace flashattn::cpu::fp16dot {
 
@@ -24,14 +31,21 @@ constexpr std::int64_t kMaxHeadDim = 512;
 constexpr std::int64_t kAccumulateKeys = 8;
 constexpr std::int64_t kHalves = 32;  // half lanes per vector; a panel's vectors are this wide
 
+// The exponents above, per code format: q rows are brought below 2^q_exponent, the P·V
+// weights to at most 2^p_exponent.
+constexpr int q_exponent(KvCodes codes) { return codes == KvCodes::e4m3 ? 8 : 3; }
+constexpr int p_exponent(KvCodes codes) { return codes == KvCodes::e4m3 ? 8 : 4; }
+
 // True when the CPU has AVX512-FP16 (checked once) and the compiler built the kernels.
 bool available();
 
 // Halves of the Q panel of four rows (row r at q + r·ldq, d floats; rows ≥ `rows` zero):
 // vector j of row r at panel + (4j + r)·kHalves, elements [32j, 32j + 32), zeros past d;
-// each row times 2^k_r, its largest finite magnitude brought into [128, 256). unit[r] =
-// 2^-k_r: what the row's scores are to be multiplied by. panel: 4 · ceil(d / 32) vectors.
-void PackQ4(const float* q, std::int64_t ldq, std::int64_t rows, std::int64_t d, std::uint16_t* panel, float* unit);
+// each row times 2^k_r, its largest finite magnitude brought into [2^(top − 1), 2^top).
+// unit[r] = 2^-k_r: what the row's scores are to be multiplied by. panel: 4 · ceil(d / 32)
+// vectors.
+void PackQ4(const float* q, std::int64_t ldq, std::int64_t rows, std::int64_t d, int top, std::uint16_t* panel,
+            float* unit);
 
 // Rows to prefetch: of keys c < count, kv head g's k_bytes at k[c] + g·k_head and v_bytes at
 // v[c] + g·v_head.
@@ -41,10 +55,10 @@ struct Fetch {
   std::int64_t count, k_bytes, v_bytes, v_head;
 };
 // The scores of `count` ≤ 4 keys for every panel i < panel_count (PackQ4's, one after the
-// other), head_panels to a kv head: s[(4i + r)·lds + k] = (row r of panel i)·(the d e4m3
-// codes at krows[k] + g·k_head, g = i / head_panels, read as halves 2^-8 times their values).
-// Before a kv head's panels, its rows of `fetch` are prefetched.
-void ScoreKeys4(const std::uint16_t* panels, std::int64_t panel_count, std::int64_t head_panels,
+// other), head_panels to a kv head: s[(4i + r)·lds + k] = (row r of panel i)·(the d codes
+// at krows[k] + g·k_head, g = i / head_panels, read as the header says). Before a kv head's
+// panels, its rows of `fetch` are prefetched.
+void ScoreKeys4(KvCodes codes, const std::uint16_t* panels, std::int64_t panel_count, std::int64_t head_panels,
                 const unsigned char* const* krows, std::int64_t k_head, std::int64_t count, std::int64_t d, float* s,
                 std::int64_t lds, const Fetch& fetch);
 
@@ -52,9 +66,9 @@ void ScoreKeys4(const std::uint16_t* panels, std::int64_t panel_count, std::int6
 // broadcasts it. In place (dst == src) is allowed.
 void PairHalves(const float* src, std::uint32_t* dst, std::int64_t n);
 
-// o[r·ldo + e] += unit · Σ_{c < n} p[r·ldp + c] · (code e of vrows[c] + offset, read as a
-// half 2^-8 times its value) for r < 4, e < dv; p as PairHalves wrote it (|p| ≤ 256).
-void AccumulateRows4(const std::uint32_t* p, std::int64_t ldp, const unsigned char* const* vrows, std::int64_t offset,
+// o[r·ldo + e] += unit · Σ_{c < n} p[r·ldp + c] · (code e of vrows[c] + offset, read as the
+// header says) for r < 4, e < dv; p as PairHalves wrote it (|p| ≤ 2^p_exponent(codes)).
+void AccumulateRows4(KvCodes codes, const std::uint32_t* p, std::int64_t ldp, const unsigned char* const* vrows, std::int64_t offset,
                      std::int64_t n, std::int64_t dv, float unit, float* o, std::int64_t ldo);
 
 }  // namespace flashattn::cpu::fp16dot

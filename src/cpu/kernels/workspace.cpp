@@ -29,7 +29,7 @@ ForwardLayout::ForwardLayout(const CpuForwardPlan& plan, const AttentionProblem&
   o_acc = rows * dv_pad;
   if (decode) {
     q_rows = 4 * d_pad;
-    q_units = 2 * rows;
+    q_units = 3 * rows;
     v_units = tiles_held;
     descales = 4 * bc;
     decode_keys = bc + static_cast<std::size_t>(kDecodePrefetchKeys);

@@ -98,7 +98,7 @@ struct ForwardWorkspace {
   hwy::AlignedFreeUniquePtr<float[]> v_packed;  // k_tiles · block_k · head_dim_v_padded floats
   // (decode) Q rows in row order as loaded, before they go into panels (four: decode_fp16);
   // (decode_fp16) what each row's scores are multiplied by (rows) and each kv head's P·V
-  // sums (heads_kv); (decode, int8 cache) q_units holds each row's ΣQ (rows) and then what
+  // sums (heads_kv); (decode, int8 cache) q_units then holds each row's ΣQ (rows) and what
   // V's zero points take from each row's õ (rows); (decode, quantized cache) a key block's
   // per-key factors (block_k each): FP8 descales, K's then V's; int8: K's scales and
   // zero-point terms, then V's scales and zero points.
