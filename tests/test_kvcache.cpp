@@ -916,7 +916,9 @@ TEST(KvCache, DecodeFp16IsPlannedForQuantizedCachesOnly) {
   const AttentionProblem p = AttentionProblem::from_sizes(1, 1, 500, 32, 8, 128, 128, DType::bf16, {});
   EXPECT_EQ(cpu::plan_forward(p, kFp8Cache, with).kernel, ForwardKernel::decode_fp16);
   EXPECT_EQ(cpu::plan_forward(p, kFp8Cache, without).kernel, ForwardKernel::decode);
-  EXPECT_EQ(cpu::plan_forward(p, kInt8Cache, with).kernel, ForwardKernel::decode_fp16);
+  // int8 codes: decode_fp16 by name only (the planner keeps the float32 decode kernel).
+  EXPECT_EQ(cpu::plan_forward(p, kInt8Cache, with).kernel, ForwardKernel::decode);
+  EXPECT_EQ(cpu::plan_forward(p, kInt8Cache, with, 0, 0, ForwardKernel::decode_fp16).kernel, ForwardKernel::decode_fp16);
   EXPECT_EQ(cpu::plan_forward(p, kInt8Cache, without).kernel, ForwardKernel::decode);
   expect_error([&] { cpu::plan_forward(p, kInt8Cache, without, 0, 0, ForwardKernel::decode_fp16); },
                {"kernel decode_fp16", "AVX512-FP16 (this one: no)"});
