@@ -272,6 +272,68 @@ TEST(Int8Cache, KernelsReadEveryCodeOnEveryLayout) {
   });
 }
 
+// decode_fp16's half-precision sums cannot overflow over int8 codes at its largest head dim
+// (512, fp16_decode.hpp): every code at an end of its range (u8 0 and 255, s8 −128 and 127:
+// magnitude 128 read) and q rows of equal elements of one sign just below a power of two, so
+// that every product of a score adds up with the same sign at the largest magnitude the
+// kernel lets in; every key alike, so that every probability is 1 and P·V's half sums are
+// the largest a block can give. Against the float64 reference within the half-precision
+// yardstick's rule (as KernelsReadEveryCodeOnEveryLayout).
+TEST(Int8Cache, DecodeFp16SumsStayFiniteAtItsLargestHeadDim) {
+  if (!CpuHardware::detect(0).decode_fp16) GTEST_SKIP() << "no AVX512-FP16 on this CPU: decode_fp16 cannot run here";
+  constexpr std::int64_t keys = 40, hq = 4, hkv = 1, d = 512;
+  for (const KvQuant quant : {kU8Token, kS8Token})
+    for (const std::uint8_t end : {std::uint8_t{0}, std::uint8_t{0x80}, std::uint8_t{0x7F}, std::uint8_t{0xFF}}) {
+      if (quant.codes == KvCodes::u8 && (end == 0x80 || end == 0x7F)) continue;  // u8's ends: 0 and 255
+      SCOPED_TRACE(name(quant) + ", every code " + std::to_string(end));
+      Pool kp(quant, 1, keys, hkv, d), vp(quant, 1, keys, hkv, d);
+      Tensor k(DType::f32, {1, keys, hkv, d}), v(DType::f32, {1, keys, hkv, d});
+      Tensor kc(DType::f32, {1, keys, hkv, d}), vc(DType::f32, {1, keys, hkv, d});
+      Tensor kd(DType::f32, {1, keys, hkv}), vd(DType::f32, {1, keys, hkv});
+      Tensor kz(DType::f32, {1, keys, hkv}), vz(DType::f32, {1, keys, hkv});
+      for (std::int64_t j = 0; j < keys; ++j) {
+        for (Pool* pool : {&kp, &vp}) {
+          pool->scale.set(j, 0x1.fcp-13f);  // just below a power of two: P·scale brought closest to its bound
+          if (quant.codes == KvCodes::u8) pool->zero.set(j, 127.5f);
+          for (std::int64_t e = 0; e < d; ++e) pool->code(0, j, 0, e) = end;
+        }
+        for (std::int64_t e = 0; e < d; ++e) {
+          k.set(j * d + e, kp.value(0, j, 0, e));
+          v.set(j * d + e, vp.value(0, j, 0, e));
+          kc.set(j * d + e, kp.code_read(0, j, 0, e));
+          vc.set(j * d + e, vp.code_read(0, j, 0, e));
+        }
+        kd.set(j, kp.scale_of(0, j, 0));
+        vd.set(j, vp.scale_of(0, j, 0));
+        kz.set(j, kp.zero_read(0, j, 0));
+        vz.set(j, vp.zero_read(0, j, 0));
+      }
+      Tensor q(DType::f32, {1, 1, hq, d});
+      for (std::int64_t i = 0; i < q.numel(); ++i) q.set(i, i / d % 2 == 0 ? 3.99f : -0.0312f);  // rows of one sign
+      AttentionOptions o;
+      const reference::Result want = reference::attention(q.view(), k.view(), v.view(), o);
+      const reference::Result yardstick = half_precision_attention(q, kc, kd, vc, vd, o, &kz, &vz);
+      double v_max = 0.0;
+      for (std::int64_t i = 0; i < v.numel(); ++i) v_max = std::max(v_max, std::fabs(static_cast<double>(v.get(i))));
+      o.kernel = ForwardKernel::decode_fp16;
+      KvCache c;
+      kp.attach(c, true);
+      vp.attach(c, false);
+      Tensor seqlens(DType::i32, {1});
+      seqlens.set(0, static_cast<float>(keys));
+      c.cache_seqlens = seqlens.view();
+      const ForwardResult got = forward_with_kvcache(q.view(), c, o);
+      for (std::int64_t i = 0; i < got.out.numel(); ++i) ASSERT_TRUE(std::isfinite(got.out.get(i))) << "out " << i;
+      const double tolerance = 2.0 * std::max(max_abs_error(yardstick.out, want.out), 0x1p-11 * v_max);
+      EXPECT_LE(max_abs_error(got.out, want.out), std::max(1e-5, tolerance));
+      for (std::int64_t i = 0; i < got.lse.numel(); ++i)
+        ASSERT_NEAR(got.lse.get(i), want.lse[static_cast<std::size_t>(i)],
+                    (1e-4 + 2.0 * max_abs_error(yardstick.lse, want.lse)) *
+                        std::max(1.0, std::fabs(want.lse[static_cast<std::size_t>(i)])))
+            << "lse " << i;
+    }
+}
+
 // Appends quantize: chunks of new tokens (rotated keys, magnitudes from 0.01 to 8) into
 // contiguous and paged caches of each pair of formats, one sequence empty at first and one
 // left-padded (contiguous); every stored value within the stated bound of the logical one

@@ -8,7 +8,8 @@
 //     [2^(e−1), 2^e), e = q_exponent(codes), and rounded to half; each lane sums D/32
 //     products in order, then four lanes add in a two-level tree, then the sums go on in
 //     float32. A product is at most 2^e times the largest code read (1.875 for e4m3, 128 for
-//     int8), so for D ≤ kMaxHeadDim nothing overflows (a sum of 4·16 products ≤ 2^15); the
+//     int8), so for D ≤ kMaxHeadDim a half sum of 4·16 products stays below half's largest
+//     finite 65504 (e4m3: 64 · 2^8 · 1.875 = 30720; int8: 64 · 2^2 · 128 = 32768); the
 //     planner never chooses the kernel above it, and asking for it there is an Error.
 //   õ += P·V: P, times the V factor and a power of two that keeps it ≤ 2^p_exponent(codes),
 //     is rounded to half; two runs of kAccumulateKeys keys are each summed in order and then
@@ -33,7 +34,7 @@ constexpr std::int64_t kHalves = 32;  // half lanes per vector; a panel's vector
 
 // The exponents above, per code format: q rows are brought below 2^q_exponent, the P·V
 // weights to at most 2^p_exponent.
-constexpr int q_exponent(KvCodes codes) { return codes == KvCodes::e4m3 ? 8 : 3; }
+constexpr int q_exponent(KvCodes codes) { return codes == KvCodes::e4m3 ? 8 : 2; }
 constexpr int p_exponent(KvCodes codes) { return codes == KvCodes::e4m3 ? 8 : 4; }
 
 // True when the CPU has AVX512-FP16 (checked once) and the compiler built the kernels.
