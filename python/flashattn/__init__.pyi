@@ -14,7 +14,8 @@ def flash_attn_func(q: Array, k: Array, v: Array, dropout_p: float = 0.0, softma
                     block_mask_block_size: int = 0, q_descale: Optional[Array] = None,
                     k_descale: Optional[Array] = None,
                     v_descale: Optional[Array] = None,
-    learnable_sink: Optional[Array] = None) -> Union[Array, Tuple[Array, Array, Array]]: ...
+    learnable_sink: Optional[Array] = None,
+    sinks: Optional[Array] = None) -> Union[Array, Tuple[Array, Array, Array]]: ...
 def flash_attn_qkvpacked_func(qkv: Array, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
                               causal: bool = False, window_size: Window = (-1, -1), softcap: float = 0.0,
                               alibi_slopes: Optional[Array] = None, deterministic: bool = False,
@@ -23,7 +24,8 @@ def flash_attn_qkvpacked_func(qkv: Array, dropout_p: float = 0.0, softmax_scale:
                               num_threads: Optional[int] = None, num_splits: int = 0,
                               block_mask: Optional[Array] = None,
                               block_mask_block_size: int = 0,
-    learnable_sink: Optional[Array] = None) -> Union[Array, Tuple[Array, Array, Array]]: ...
+    learnable_sink: Optional[Array] = None,
+    sinks: Optional[Array] = None) -> Union[Array, Tuple[Array, Array, Array]]: ...
 def flash_attn_kvpacked_func(q: Array, kv: Array, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
                              causal: bool = False, window_size: Window = (-1, -1), softcap: float = 0.0,
                              alibi_slopes: Optional[Array] = None, deterministic: bool = False,
@@ -32,7 +34,8 @@ def flash_attn_kvpacked_func(q: Array, kv: Array, dropout_p: float = 0.0, softma
                              num_threads: Optional[int] = None, num_splits: int = 0,
                              block_mask: Optional[Array] = None,
                              block_mask_block_size: int = 0,
-    learnable_sink: Optional[Array] = None) -> Union[Array, Tuple[Array, Array, Array]]: ...
+    learnable_sink: Optional[Array] = None,
+    sinks: Optional[Array] = None) -> Union[Array, Tuple[Array, Array, Array]]: ...
 def flash_attn_varlen_func(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqlens_k: Array,
                            max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
                            softmax_scale: Optional[float] = None, causal: bool = False,
@@ -43,7 +46,8 @@ def flash_attn_varlen_func(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu
                            num_threads: Optional[int] = None,
                            num_splits: int = 0, seqused_k: Optional[Array] = None,
                            k_scale: Optional[Array] = None, v_scale: Optional[Array] = None,
-                           learnable_sink: Optional[Array] = None, prefix_block_table: Optional[Array] = None,
+                           learnable_sink: Optional[Array] = None,
+                           sinks: Optional[Array] = None, prefix_block_table: Optional[Array] = None,
                            prefix_seqused_k: Optional[Array] = None, prefix_idx: Optional[Array] = None,
                            k_zero_point: Optional[Array] = None, v_zero_point: Optional[Array] = None,
                            k_quant: Optional[str] = None,
@@ -55,7 +59,8 @@ def flash_attn_varlen_qkvpacked_func(qkv: Array, cu_seqlens: Array, max_seqlen: 
                                      return_attn_probs: bool = False, *, seed: Optional[int] = None,
                     kernel: str = "auto", backward_kernel: str = "auto",
                                      num_threads: Optional[int] = None,
-    learnable_sink: Optional[Array] = None) -> Union[Array, Tuple[Array, Array, Array]]: ...
+    learnable_sink: Optional[Array] = None,
+    sinks: Optional[Array] = None) -> Union[Array, Tuple[Array, Array, Array]]: ...
 def flash_attn_varlen_kvpacked_func(q: Array, kv: Array, cu_seqlens_q: Array, cu_seqlens_k: Array,
                                     max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
                                     softmax_scale: Optional[float] = None, causal: bool = False,
@@ -64,7 +69,8 @@ def flash_attn_varlen_kvpacked_func(q: Array, kv: Array, cu_seqlens_q: Array, cu
                                     return_attn_probs: bool = False, *, seed: Optional[int] = None,
                     kernel: str = "auto", backward_kernel: str = "auto",
                                     num_threads: Optional[int] = None,
-    learnable_sink: Optional[Array] = None) -> Union[Array, Tuple[Array, Array, Array]]: ...
+    learnable_sink: Optional[Array] = None,
+    sinks: Optional[Array] = None) -> Union[Array, Tuple[Array, Array, Array]]: ...
 def flash_attn_with_kvcache(q: Array, k_cache: Array, v_cache: Array, k: Optional[Array] = None,
                             v: Optional[Array] = None, rotary_cos: Optional[Array] = None,
                             rotary_sin: Optional[Array] = None, cache_seqlens: Optional[Array] = None,
@@ -75,7 +81,7 @@ def flash_attn_with_kvcache(q: Array, k_cache: Array, v_cache: Array, k: Optiona
                             num_splits: int = 0, return_softmax_lse: bool = False, *,
                             k_scale: Optional[Array] = None, v_scale: Optional[Array] = None,
                             kernel: str = "auto", num_threads: Optional[int] = None,
-    learnable_sink: Optional[Array] = None, cu_seqlens_q: Optional[Array] = None,
+    learnable_sink: Optional[Array] = None, sinks: Optional[Array] = None, cu_seqlens_q: Optional[Array] = None,
     cu_seqlens_k_new: Optional[Array] = None, max_seqlen_q: Optional[int] = None,
     k_zero_point: Optional[Array] = None, v_zero_point: Optional[Array] = None,
     k_quant: Optional[str] = None, v_quant: Optional[str] = None) -> Any: ...
@@ -86,7 +92,7 @@ def flash_attn_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, s
                         backward_kernel: str = "auto", num_threads: Optional[int] = None,
                         block_mask: Optional[Array] = None,
                         block_mask_block_size: int = 0,
-    learnable_sink: Optional[Array] = None) -> Tuple[Array, Array, Array]: ...
+    learnable_sink: Optional[Array] = None, sinks: Optional[Array] = None) -> Tuple[Array, Array, Array]: ...
 def flash_attn_varlen_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, softmax_lse: Array,
                                cu_seqlens_q: Array, cu_seqlens_k: Array, max_seqlen_q: int, max_seqlen_k: int,
                                dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
@@ -94,7 +100,7 @@ def flash_attn_varlen_backward(dout: Array, q: Array, k: Array, v: Array, out: A
                                alibi_slopes: Optional[Array] = None, deterministic: bool = False, *,
                                seed: Optional[int] = None, backward_kernel: str = "auto",
                                num_threads: Optional[int] = None,
-    learnable_sink: Optional[Array] = None) -> Tuple[Array, Array, Array]: ...
+    learnable_sink: Optional[Array] = None, sinks: Optional[Array] = None) -> Tuple[Array, Array, Array]: ...
 def flash_attn_combine(out_partial: Array, lse_partial: Array, out: Optional[Array] = None,
                        out_dtype: Any = None, *, num_threads: Optional[int] = None) -> Tuple[Array, Array]: ...
 def hadamard_dim(head_dim: int) -> int: ...

@@ -150,6 +150,17 @@ def _int_arg(name, value, minimum):
     return int(value)
 
 
+def _sink_alias(learnable_sink, sinks):
+    """`sinks=` (gpt-oss's name, and the native library's AttentionOptions::sinks) is another
+    name for upstream FA4's `learnable_sink=`: the same tensor, autograd included."""
+    if sinks is None:
+        return learnable_sink
+    if learnable_sink is not None:
+        raise TypeError("learnable_sink, sinks: one argument under two names (sinks is an alias of learnable_sink); "
+                        "pass one of them")
+    return sinks
+
+
 def _learnable_sink(learnable_sink, q):
     """Upstream FA4's learnable_sink: one sink logit per q head, shape (heads_q,), float32,
     float16 or bfloat16 (widened exactly to the float32 the native library takes; a tensor
@@ -479,7 +490,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                     softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
                     seed=None, kernel="auto", backward_kernel="auto", num_threads=None, num_splits=0,
                     block_mask=None, block_mask_block_size=0, q_descale=None, k_descale=None, v_descale=None,
-                    learnable_sink=None):
+                    learnable_sink=None, sinks=None):
     """Exact attention. q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) -> out (B, Sq, Hq, Dv).
 
     With return_attn_probs: (out, softmax_lse (B, Hq, Sq) float32, S_dmask), as upstream: S_dmask
@@ -502,6 +513,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     (float16 and bfloat16 are widened) joining every row's softmax denominator without a
     value, neither scaled nor softcapped; softmax_lse includes it, and autograd gives its
     gradient (docs/python.md, "Attention sinks")."""
+    learnable_sink = _sink_alias(learnable_sink, sinks)
     return _attention(q, k, v, None, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                       deterministic, return_attn_probs, seed, kernel, backward_kernel, num_threads, num_splits,
                       block_mask, block_mask_block_size, (q_descale, k_descale, v_descale), learnable_sink)
@@ -510,8 +522,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                               softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
                               seed=None, kernel="auto", backward_kernel="auto", num_threads=None, num_splits=0,
-                              block_mask=None, block_mask_block_size=0, learnable_sink=None):
+                              block_mask=None, block_mask_block_size=0, learnable_sink=None, sinks=None):
     """flash_attn_func on qkv (B, S, 3, H, D), sliced without copies."""
+    learnable_sink = _sink_alias(learnable_sink, sinks)
     _check_packed("qkv", qkv, 5, 2, 3, "(batch, seqlen, 3, heads, head_dim)")
     return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal,
                            window_size, softcap, alibi_slopes, deterministic, return_attn_probs, seed=seed,
@@ -523,8 +536,9 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
                              seed=None, kernel="auto", backward_kernel="auto", num_threads=None, num_splits=0,
-                             block_mask=None, block_mask_block_size=0, learnable_sink=None):
+                             block_mask=None, block_mask_block_size=0, learnable_sink=None, sinks=None):
     """flash_attn_func on q and kv (B, Sk, 2, Hkv, D), sliced without copies."""
+    learnable_sink = _sink_alias(learnable_sink, sinks)
     _check_packed("kv", kv, 5, 2, 2, "(batch, seqlen_k, 2, heads_kv, head_dim)", q)
     return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
                            alibi_slopes, deterministic, return_attn_probs, seed=seed, kernel=kernel,
@@ -537,9 +551,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                            alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None, *,
                            seed=None, kernel="auto", backward_kernel="auto", num_threads=None, num_splits=0,
-                           seqused_k=None, k_scale=None, v_scale=None, learnable_sink=None, prefix_block_table=None,
-                           prefix_seqused_k=None, prefix_idx=None, k_zero_point=None, v_zero_point=None,
-                           k_quant=None, v_quant=None):
+                           seqused_k=None, k_scale=None, v_scale=None, learnable_sink=None, sinks=None,
+                           prefix_block_table=None, prefix_seqused_k=None, prefix_idx=None, k_zero_point=None,
+                           v_zero_point=None, k_quant=None, v_quant=None):
     """Packed variable-length batch: q (total_q, Hq, D), k/v (total_k, Hkv, D), int32 cu_seqlens (B + 1).
 
     Each sequence attends only within itself; softmax_lse is (Hq, total_q). kernel /
@@ -564,6 +578,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     its sequences, which must be consecutive in the batch. Under causal every query row sees the
     whole prefix (seqused_k[b] >= its rows - 1); window_size and alibi_slopes are rejected.
     Equal to the unshared call over the concatenated keys within float32 rounding."""
+    learnable_sink = _sink_alias(learnable_sink, sinks)
     prefixes = (prefix_block_table, prefix_seqused_k, prefix_idx)
     if block_table is not None:
         return _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, dropout_p, softmax_scale, causal,
@@ -661,8 +676,9 @@ def _paged_varlen_forward(q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, block
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
                                      causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                                      deterministic=False, return_attn_probs=False, *, seed=None, kernel="auto",
-                                     backward_kernel="auto", num_threads=None, learnable_sink=None):
+                                     backward_kernel="auto", num_threads=None, learnable_sink=None, sinks=None):
     """flash_attn_varlen_func on qkv (total, 3, H, D)."""
+    learnable_sink = _sink_alias(learnable_sink, sinks)
     _check_packed("qkv", qkv, 4, 1, 3, "(total, 3, heads, head_dim)")
     return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen,
                                   max_seqlen, dropout_p, softmax_scale, causal, window_size, softcap,
@@ -675,8 +691,9 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                     dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                                     softcap=0.0, alibi_slopes=None, deterministic=False,
                                     return_attn_probs=False, *, seed=None, kernel="auto", backward_kernel="auto",
-                                    num_threads=None, learnable_sink=None):
+                                    num_threads=None, learnable_sink=None, sinks=None):
     """flash_attn_varlen_func on q and kv (total_k, 2, Hkv, D)."""
+    learnable_sink = _sink_alias(learnable_sink, sinks)
     _check_packed("kv", kv, 4, 1, 2, "(total_k, 2, heads_kv, head_dim)", q)
     return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
@@ -816,7 +833,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
                             return_softmax_lse=False, *, k_scale=None, v_scale=None, kernel="auto",
-                            num_threads=None, learnable_sink=None, cu_seqlens_q=None, cu_seqlens_k_new=None,
+                            num_threads=None, learnable_sink=None, sinks=None, cu_seqlens_q=None, cu_seqlens_k_new=None,
                             max_seqlen_q=None, k_zero_point=None, v_zero_point=None, k_quant=None, v_quant=None):
     """Attention over a KV cache, as upstream: k_cache/v_cache (B_cache, S_cache, Hkv, D) or paged
     (num_pages, page_size, Hkv, D) with block_table (B, max_pages); new k, v (B, S_new, Hkv, D)
@@ -850,6 +867,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     rows at cache_seqlens[b] (rotated), then attends to all its keys; out (total_q, Hq, Dv),
     softmax_lse (Hq, total_q). Each sequence's result is that of flash_attn_varlen_func over
     the pools after the append, bit for bit."""
+    learnable_sink = _sink_alias(learnable_sink, sinks)
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         step = cache.stride(-1) if _is_tensor(cache) else cache.strides[-1] // cache.itemsize
         if step != 1:  # written in place: a contiguous copy would lose the appended tokens
@@ -910,12 +928,13 @@ def _backward_options(dropout_p, softmax_scale, causal, window_size, softcap, al
 def flash_attn_backward(dout, q, k, v, out, softmax_lse, dropout_p=0.0, softmax_scale=None, causal=False,
                         window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, *,
                         seed=None, backward_kernel="auto", num_threads=None, block_mask=None,
-                        block_mask_block_size=0, learnable_sink=None):
+                        block_mask_block_size=0, learnable_sink=None, sinks=None):
     """Gradients (dq, dk, dv) of sum(dout * out) for NumPy users; P is recomputed from softmax_lse.
 
     With dropout, pass the seed the forward used; a forward's block_mask and learnable_sink
     come here too (with learnable_sink: (dq, dk, dv, dsinks), dsinks float32 (Hq,)).
     backward_kernel: the CPU kernel by name ("auto", "tiled", "tiled_bf16")."""
+    learnable_sink = _sink_alias(learnable_sink, sinks)
     sinks = _learnable_sink(learnable_sink, q)
     opts = _backward_options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                              seed, backward_kernel, num_threads, _is_tensor(q), block_mask, block_mask_block_size,
@@ -928,9 +947,10 @@ def flash_attn_backward(dout, q, k, v, out, softmax_lse, dropout_p=0.0, softmax_
 def flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                max_seqlen_k, dropout_p=0.0, softmax_scale=None, causal=False,
                                window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, *,
-                               seed=None, backward_kernel="auto", num_threads=None, learnable_sink=None):
+                               seed=None, backward_kernel="auto", num_threads=None, learnable_sink=None, sinks=None):
     """Gradients (dq, dk, dv) of a packed variable-length batch (with learnable_sink, and dsinks,
     as flash_attn_backward's)."""
+    learnable_sink = _sink_alias(learnable_sink, sinks)
     sinks = _learnable_sink(learnable_sink, q)
     opts = _backward_options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                              seed, backward_kernel, num_threads, _is_tensor(q), sinks=sinks)

@@ -360,3 +360,39 @@ def test_numpy_backward_with_learnable_sink():
                                                learnable_sink=sinks.detach().numpy(), num_threads=2)
     np.testing.assert_allclose(got[3], sinks.grad.numpy(), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got[0].reshape(2, 19, 4, 16), q.grad.numpy(), rtol=0, atol=1e-5)
+
+
+def test_sinks_is_an_alias_of_learnable_sink_on_every_function():
+    """`sinks=` (gpt-oss's name) on each public function that takes learnable_sink: the same
+    outputs and the same gradient (bit for bit) as `learnable_sink=`; both at once, or a bad
+    `sinks`, is refused before anything runs."""
+    import inspect
+
+    for fn in (flashattn.flash_attn_func, flashattn.flash_attn_qkvpacked_func, flashattn.flash_attn_kvpacked_func,
+               flashattn.flash_attn_varlen_func, flashattn.flash_attn_varlen_qkvpacked_func,
+               flashattn.flash_attn_varlen_kvpacked_func, flashattn.flash_attn_with_kvcache,
+               flashattn.flash_attn_backward, flashattn.flash_attn_varlen_backward):
+        params = inspect.signature(fn).parameters
+        assert params["sinks"].kind == inspect.Parameter.KEYWORD_ONLY and params["sinks"].default is None, fn.__name__
+    gen = torch.Generator().manual_seed(21)
+    q, k, v = (torch.randn(2, 11, 4, 16, generator=gen) for _ in range(3))
+    logits = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    results = []
+    for name in ("learnable_sink", "sinks"):
+        a = [x.clone().requires_grad_() for x in (q, k, v, logits)]
+        out = flashattn.flash_attn_func(*a[:3], causal=True, **{name: a[3]})
+        out.sum().backward()
+        results.append([out] + [x.grad for x in a])
+    for want, got in zip(*results):
+        assert torch.equal(want, got)
+    cu = torch.tensor([0, 5, 22], dtype=torch.int32)
+    flat = [x.reshape(22, 4, 16) for x in (q, k, v)]
+    assert torch.equal(flashattn.flash_attn_varlen_func(*flat, cu, cu, 17, 17, sinks=logits),
+                       flashattn.flash_attn_varlen_func(*flat, cu, cu, 17, 17, learnable_sink=logits))
+    seqlens = torch.tensor([11, 7], dtype=torch.int32)
+    assert torch.equal(flashattn.flash_attn_with_kvcache(q[:, :1], k, v, cache_seqlens=seqlens, sinks=logits),
+                       flashattn.flash_attn_with_kvcache(q[:, :1], k, v, cache_seqlens=seqlens, learnable_sink=logits))
+    with pytest.raises(TypeError, match="learnable_sink, sinks: one argument under two names"):
+        flashattn.flash_attn_func(q, k, v, learnable_sink=logits, sinks=logits)
+    with pytest.raises(ValueError, match=r"learnable_sink: expected shape \(heads_q,\) = \(4,\), got \(3,\)"):
+        flashattn.flash_attn_func(q, k, v, sinks=torch.zeros(3))
