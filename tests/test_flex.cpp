@@ -283,6 +283,40 @@ TEST(Flex, BlockMaskSkipsEmptyTilesAndFullBlocks) {
 }
 
 // Blocks of 64 and 128 hand the kernels blocks of 32 (BlockMask::kernel_blocks): the states
+// create_block_mask's states against every element of mask_mod, classified here one block at
+// a time (batch and heads of their own, ragged lengths, blocks of 32 and of 20); and an
+// exception mask_mod throws on one of the library's threads reaches the caller.
+TEST(Flex, CreateBlockMaskClassifiesEveryBlockFromItsElements) {
+  const auto mod = [](std::int64_t b, std::int64_t h, std::int64_t q, std::int64_t kv) {
+    return (q + 3 * b) / (90 + 7 * h) == kv / (90 + 7 * h) && kv <= q + 5 * b + h;
+  };
+  constexpr std::int64_t batch = 2, heads = 3, sq = 157, sk = 211;
+  for (std::int64_t block : {32, 20}) {
+    SCOPED_TRACE("block " + std::to_string(block));
+    const BlockMask m = create_block_mask(mod, batch, heads, sq, sk, block);
+    const std::int64_t qb = (sq + block - 1) / block, kb = (sk + block - 1) / block;
+    ASSERT_EQ(m.blocks.shape(), (std::vector<std::int64_t>{batch, heads, qb, kb}));
+    std::int64_t seen[3] = {};
+    for (std::int64_t b = 0; b < batch; ++b)
+      for (std::int64_t h = 0; h < heads; ++h)
+        for (std::int64_t bi = 0; bi < qb; ++bi)
+          for (std::int64_t bj = 0; bj < kb; ++bj) {
+            std::int64_t kept = 0, all = 0;
+            for (std::int64_t i = bi * block; i < std::min(sq, (bi + 1) * block); ++i)
+              for (std::int64_t j = bj * block; j < std::min(sk, (bj + 1) * block); ++j, ++all) kept += mod(b, h, i, j);
+            const float want = kept == 0 ? 0.0f : kept == all ? 2.0f : 1.0f;
+            ++seen[static_cast<int>(want)];
+            ASSERT_EQ(m.blocks.get(((b * heads + h) * qb + bi) * kb + bj), want) << b << " " << h << " " << bi << " " << bj;
+          }
+    EXPECT_GT(seen[0] * seen[1] * seen[2], 0) << "every state occurs";
+  }
+  const auto throws = [](std::int64_t, std::int64_t, std::int64_t q, std::int64_t) {
+    if (q == 150) throw Error("mask_mod: row 150");
+    return true;
+  };
+  expect_error([&] { create_block_mask(throws, 1, 2, sq, sk, 32); }, {"mask_mod: row 150"});
+}
+
 // create_block_mask gives at 32 (ragged lengths, per-head masks), each coarse block the
 // combination of its sub-blocks, and the forward's and backward's bits those of block 32.
 TEST(Flex, LargeBlocksHandTheKernelsBlocksOf32) {

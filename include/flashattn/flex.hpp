@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <type_traits>
 
@@ -140,6 +141,11 @@ Dual<T> call_with_derivative(const F& f, T s, std::int64_t b, std::int64_t h, st
   }
 }
 
+// Runs row(item) for every item < count on the library's threads (OpenMP, dynamic schedule;
+// src/core/flex.cpp), then rethrows the first exception a call threw. create_block_mask's
+// rows of blocks: one indirect call per row, mask_mod inlined inside it.
+void parallel_rows(std::int64_t count, const std::function<void(std::int64_t)>& row);
+
 }  // namespace detail
 }  // namespace flex
 
@@ -156,9 +162,12 @@ struct BlockMask {
   std::int64_t kernel_block_size = 0;
 };
 
-// Evaluates mask_mod(b, h, q_idx, kv_idx) over every (b < batch, h < heads, q_idx < seqlen_q,
-// kv_idx < seqlen_k) once and classifies each block_size × block_size block as empty,
-// partial or full (FlexAttention's create_block_mask). batch = 1 (heads = 1) when mask_mod
+// Evaluates mask_mod(b, h, q_idx, kv_idx) over (b < batch, h < heads, q_idx < seqlen_q,
+// kv_idx < seqlen_k), each element at most once, and classifies each block_size × block_size
+// block as empty, partial or full (FlexAttention's create_block_mask); a block stops being
+// evaluated after the row that showed it partial. The rows of blocks run on the library's
+// threads, so mask_mod is called from several threads at once — as the kernels call it: a
+// pure function of its arguments, as FlexAttention's are. batch = 1 (heads = 1) when mask_mod
 // does not depend on b (h): the block mask is then shared by every batch element (head).
 template <class MaskMod>
 BlockMask create_block_mask(const MaskMod& mask_mod, std::int64_t batch, std::int64_t heads, std::int64_t seqlen_q,
@@ -177,16 +186,21 @@ BlockMask create_block_mask(const MaskMod& mask_mod, std::int64_t batch, std::in
   const std::int64_t uq = blocks_of(seqlen_q, unit), uk = blocks_of(seqlen_k, unit);
   Tensor units(DType::u8, {batch, heads, uq, uk});
   std::uint8_t* u = units.data_as<std::uint8_t>();
-  for (std::int64_t b = 0; b < batch; ++b)
-    for (std::int64_t h = 0; h < heads; ++h)
-      for (std::int64_t bi = 0; bi < uq; ++bi)
-        for (std::int64_t bj = 0; bj < uk; ++bj) {
-          bool any_kept = false, any_hidden = false;
-          for (std::int64_t i = bi * unit; i < std::min(seqlen_q, (bi + 1) * unit); ++i)
-            for (std::int64_t j = bj * unit; j < std::min(seqlen_k, (bj + 1) * unit); ++j)
-              (mask_mod(b, h, i, j) ? any_kept : any_hidden) = true;
-          u[((b * heads + h) * uq + bi) * uk + bj] = static_cast<std::uint8_t>(classify_block(any_kept, any_hidden));
+  flex::detail::parallel_rows(batch * heads * uq, [&](std::int64_t item) {
+    const std::int64_t plane = item / uq, bi = item % uq, b = plane / heads, h = plane % heads;
+    const std::int64_t i_end = std::min(seqlen_q, (bi + 1) * unit);
+    for (std::int64_t bj = 0; bj < uk; ++bj) {
+      const std::int64_t j_end = std::min(seqlen_k, (bj + 1) * unit);
+      bool any_kept = false, any_hidden = false;
+      for (std::int64_t i = bi * unit; i < i_end && !(any_kept && any_hidden); ++i)
+        for (std::int64_t j = bj * unit; j < j_end; ++j) {
+          const bool kept = mask_mod(b, h, i, j);
+          any_kept = any_kept || kept;
+          any_hidden = any_hidden || !kept;
         }
+      u[item * uk + bj] = static_cast<std::uint8_t>(classify_block(any_kept, any_hidden));
+    }
+  });
   if (unit == block_size) return BlockMask{std::move(units), block_size, {}, 0};
   const std::int64_t r = block_size / unit, qb = blocks_of(seqlen_q, block_size), kb = blocks_of(seqlen_k, block_size);
   BlockMask m{Tensor(DType::u8, {batch, heads, qb, kb}), block_size, std::move(units), unit};
