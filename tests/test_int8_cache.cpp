@@ -578,6 +578,24 @@ TEST(Int8Cache, BadInputNamesTheArgument) {
   kp.scale.set((2 * kPage + 3) * kHkv + 1, NAN);
   expect_error([&] { forward_with_kvcache(q.view(), c); }, {"k_scale: [2, 3, 1] = nan", "sequence 0 has tokens there"});
   kp.scale.set((2 * kPage + 3) * kHkv + 1, 1.0f);
+  {  // scales and zero points as views of wider buffers (slots kHkv floats apart, NaN
+     // between): the check reads the view's elements, not the run of floats around them
+    Tensor wide_scale(DType::f32, {kPages, kPage, 2 * kHkv}), wide_zero(DType::f32, {kPages, kPage, 2 * kHkv});
+    for (std::int64_t i = 0; i < wide_scale.numel(); ++i)
+      wide_scale.set(i, i % (2 * kHkv) < kHkv ? 1.0f : NAN), wide_zero.set(i, i % (2 * kHkv) < kHkv ? 128.0f : NAN);
+    c = cache();
+    c.k = {};  // no append: the pools stay as they were
+    c.v = {};
+    c.k_scale = MutableTensorView(wide_scale.data(), DType::f32, {kPages, kPage, kHkv},
+                                  {kPage * 2 * kHkv, 2 * kHkv, 1});
+    c.k_zero_point = MutableTensorView(wide_zero.data(), DType::f32, {kPages, kPage, kHkv},
+                                       {kPage * 2 * kHkv, 2 * kHkv, 1});
+    const ForwardResult strided = forward_with_kvcache(q.view(), c);
+    for (std::int64_t i = 0; i < strided.out.numel(); ++i) ASSERT_TRUE(std::isfinite(strided.out.get(i))) << i;
+    wide_scale.set((2 * kPage + 3) * 2 * kHkv + 1, NAN);  // page 2, slot 3, head 1: a token read
+    expect_error([&] { forward_with_kvcache(q.view(), c); }, {"k_scale: [2, 3, 1] = nan", "sequence 0 has tokens there"});
+  }
+  c = cache();
   k_new.set(3, INFINITY);
   expect_error([&] { forward_with_kvcache(q.view(), c); }, {"k: [0, 0, 0, 3] is not finite", "quantized cache"});
   k_new.set(3, 0.0f);
