@@ -268,7 +268,8 @@ class FlexMods {
       const float s = sp.scores[c];
       const std::int64_t kv = sp.kv_begin + c;
       bool keep = s != kNegInf;
-      if constexpr (Mask) keep = keep && static_cast<bool>(m.mask_mod_(sp.batch, sp.head, sp.q_idx, kv));
+      // `&`, not `&&`: no branch per score, so an inlined mask_mod vectorises over the span.
+      if constexpr (Mask) keep = keep & static_cast<bool>(m.mask_mod_(sp.batch, sp.head, sp.q_idx, kv));
       float out = s;
       if constexpr (kHasScore) {
         if constexpr (Grad) {
