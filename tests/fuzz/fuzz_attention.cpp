@@ -30,6 +30,7 @@
 
 #include "flashattn/flashattn.hpp"
 #include "flashattn/fp8.hpp"
+#include "flashattn/kv_quant.hpp"
 #include "tests/support/support.hpp"
 
 namespace flashattn::fuzz {
@@ -1183,6 +1184,316 @@ std::vector<unsigned char> bytes_of(const Tensor& t) {
 // dtype and layout, against the merge computed in float64. Faults: 1 out of the wrong shape,
 // 2 out of a non-floating dtype, 3 lse of the wrong dtype, 4 out inside outs' memory, 5 lses
 // of another split count, 6 out overlapping itself.
+// ---- paged variable-length batches: decode rows and prefill chunks over paged pools -------
+
+// The faults of run_paged; kPagedNone is a valid call.
+enum PagedFault : int {
+  kPagedNone,
+  kPageOutOfRange,     // a page a sequence reads is outside the pools (or −1)
+  kSequsedTooLong,     // seqused_k beyond its block-table row's pages
+  kBadScale,           // a scale read is 0, negative or NaN (quantized pools)
+  kCuSeqlensQ,         // cu_seqlens_q not ending at total_q
+  kPagedOutDtype,      // out's dtype differs from q's
+  kPagedLseShape,      // lse has one row too many
+  kPoolHeadDim,        // k_cache's head_dim differs from q's
+  kWindowWithPrefix,   // window_size with shared prefixes
+  kPagedFaultCount
+};
+
+// One pool of `pages` pages: q's dtype (plain) or u8 codes read as `codes`, with scales (and
+// u8 zero points) per page or per token; values() gives each element's value as the
+// kernels read it (the definition: fp8_to_float(code)·scale, int8_code_value). Scales of
+// pages and slots no sequence reads are NaN: a kernel that read them would show it.
+struct FuzzPool {
+  bool plain = true;
+  KvQuant quant;
+  Placed data;
+  Tensor scale, zero_point;  // f32 (pages, heads) or (pages, page_size, heads)
+  bool has_zero_point = false;
+  Tensor values;             // f32 (pages, page_size, heads, dim)
+
+  FuzzPool(FuzzedDataProvider& fdp, DType dtype, bool quantized, std::int64_t pages, std::int64_t page_size,
+           std::int64_t heads, std::int64_t dim, std::mt19937_64& rng) : plain(!quantized) {
+    if (quantized) {
+      static constexpr std::array<KvCodes, 3> kCodes{KvCodes::e4m3, KvCodes::u8, KvCodes::s8};
+      quant.codes = kCodes[fdp.ConsumeIntegralInRange<std::size_t>(0, 2)];
+      if (quant.codes != KvCodes::e4m3 && fdp.ConsumeBool()) quant.granularity = KvScaleGranularity::per_token;
+    }
+    const std::array<std::int64_t, 4> shape{pages, page_size, heads, dim};
+    values = Tensor(DType::f32, {pages, page_size, heads, dim});
+    if (plain) {
+      const Tensor logical_values = test::random_tensor(dtype, {pages, page_size, heads, dim}, rng());
+      data = place(dtype, shape, fuzz_layout(fdp), &logical_values);
+      for (std::int64_t i = 0; i < values.numel(); ++i) values.set(i, data.get(i));
+      return;
+    }
+    data = place(DType::u8, shape, fuzz_layout(fdp));
+    const bool per_token = quant.granularity == KvScaleGranularity::per_token;
+    scale = per_token ? Tensor(DType::f32, {pages, page_size, heads}) : Tensor(DType::f32, {pages, heads});
+    has_zero_point = quant.codes == KvCodes::u8;
+    if (has_zero_point) zero_point = per_token ? Tensor(DType::f32, {pages, page_size, heads}) : Tensor(DType::f32, {pages, heads});
+    std::normal_distribution<float> normal;
+    for (std::int64_t i = 0; i < scale.numel(); ++i) {
+      scale.set(i, 0.01f + 0.04f * static_cast<float>(rng() % 1000) / 1000.0f);
+      if (has_zero_point) zero_point.set(i, static_cast<float>(108 + rng() % 41));
+    }
+    for (std::int64_t i = 0; i < values.numel(); ++i) {
+      const std::uint8_t code = quant.codes == KvCodes::e4m3 ? float_to_fp8(normal(rng), Fp8Format::e4m3)
+                                                             : static_cast<std::uint8_t>(rng() % 256);
+      data.bytes[data.element_offset(i)] = code;
+    }
+    refresh();
+  }
+  // The scale index of element i of `values` (row-major (pages, page_size, heads, dim)).
+  std::int64_t scale_index(std::int64_t i, std::int64_t page_size, std::int64_t heads, std::int64_t dim) const {
+    const std::int64_t head = i / dim % heads, slot = i / (dim * heads) % page_size, page = i / (dim * heads * page_size);
+    return quant.granularity == KvScaleGranularity::per_token ? (page * page_size + slot) * heads + head : page * heads + head;
+  }
+  void refresh() {  // values from codes and scales
+    if (plain) return;
+    const std::int64_t page_size = values.shape()[1], heads = values.shape()[2], dim = values.shape()[3];
+    for (std::int64_t i = 0; i < values.numel(); ++i) {
+      const std::int64_t at = scale_index(i, page_size, heads, dim);
+      const auto code = static_cast<std::uint8_t>(data.get(i));
+      values.set(i, quant.codes == KvCodes::e4m3
+                        ? fp8_to_float(code, Fp8Format::e4m3) * scale.get(at)
+                        : int8_code_value(quant.codes, code, scale.get(at), has_zero_point ? zero_point.get(at) : 0.0f));
+    }
+  }
+  // NaN scales for every (page, slot) not in `read` (page_size entries per page).
+  void poison_unread(const std::vector<bool>& read) {
+    if (plain) return;
+    const std::int64_t page_size = values.shape()[1], heads = values.shape()[2];
+    const bool per_token = quant.granularity == KvScaleGranularity::per_token;
+    for (std::int64_t i = 0; i < scale.numel(); ++i) {
+      const std::int64_t page = per_token ? i / (page_size * heads) : i / heads;
+      bool any = false;
+      for (std::int64_t slot = 0; slot < page_size; ++slot)
+        if (per_token ? slot == i / heads % page_size && read[static_cast<std::size_t>(page * page_size + slot)]
+                      : read[static_cast<std::size_t>(page * page_size + slot)])
+          any = true;
+      if (!any) {
+        scale.set(i, NAN);
+        if (has_zero_point) zero_point.set(i, NAN);
+      }
+    }
+  }
+  void attach(PagedKvBatch& kv, bool k) const {
+    (k ? kv.k_cache : kv.v_cache) = data.view();
+    if (plain) return;
+    (k ? kv.k_scale : kv.v_scale) = scale.view();
+    (k ? kv.k_quant : kv.v_quant) = quant;
+    if (has_zero_point) (k ? kv.k_zero_point : kv.v_zero_point) = zero_point.view();
+  }
+};
+
+void run_paged(FuzzedDataProvider& fdp) {
+  static constexpr std::array<DType, 3> kDtypes{DType::f32, DType::bf16, DType::f16};
+  const DType dtype = kDtypes[fdp.ConsumeIntegralInRange<std::size_t>(0, 2)];
+  const std::int64_t sequences = fdp.ConsumeIntegralInRange<std::int64_t>(0, 4);
+  const std::int64_t hkv = fdp.ConsumeIntegralInRange<std::int64_t>(1, 2), hq = hkv * fdp.ConsumeIntegralInRange<std::int64_t>(1, 4);
+  const std::int64_t d = fdp.ConsumeIntegralInRange<std::int64_t>(1, 40);
+  const std::int64_t dv = fdp.ConsumeBool() ? d : fdp.ConsumeIntegralInRange<std::int64_t>(1, 40);
+  const std::int64_t page_size = fdp.ConsumeIntegralInRange<std::int64_t>(1, 16);
+  const bool quantized = fdp.ConsumeBool();
+  int fault = fdp.ConsumeBool() ? fdp.ConsumeIntegralInRange<int>(1, kPagedFaultCount - 1) : kPagedNone;
+  if (fault == kBadScale && !quantized) fault = kPagedNone;
+  AttentionOptions o;
+  o.causal = fdp.ConsumeBool();
+  if (fdp.ConsumeBool()) o.softcap = fdp.ConsumeFloatingPointInRange<float>(0.5f, 30.0f);
+  if (fdp.ConsumeBool()) o.softmax_scale = fdp.ConsumeFloatingPointInRange<float>(-0.6f, 0.6f);
+  o.num_threads = fdp.ConsumeIntegralInRange<int>(0, 3);
+  o.num_splits = fdp.ConsumeIntegralInRange<int>(0, 3);
+  // Shared prefixes: sequences [0, prefixed) continue prefix 0 (and, with two, [split, prefixed)
+  // prefix 1); every sequence's own pages and keys follow.
+  const std::int64_t prefixed = sequences > 0 && fdp.ConsumeBool() ? fdp.ConsumeIntegralInRange<std::int64_t>(1, sequences) : 0;
+  const std::int64_t split = prefixed > 1 && fdp.ConsumeBool() ? fdp.ConsumeIntegralInRange<std::int64_t>(1, prefixed - 1) : prefixed;
+  const std::int64_t prefixes = prefixed == 0 ? 0 : split < prefixed ? 2 : 1;
+  if (fault == kWindowWithPrefix && prefixes == 0) fault = kPagedNone;
+  if (prefixes == 0 && fdp.ConsumeBool()) {
+    o.window_size.left = fdp.ConsumeIntegralInRange<std::int64_t>(-1, 40);
+    o.window_size.right = o.causal ? 0 : fdp.ConsumeIntegralInRange<std::int64_t>(-1, 40);
+  }
+  if (fault == kWindowWithPrefix) o.window_size.left = 3;
+  Tensor sinks;
+  if (fdp.ConsumeBool()) {
+    sinks = Tensor(DType::f32, {hq});
+    for (std::int64_t h = 0; h < hq; ++h) sinks.set(h, fdp.ConsumeFloatingPointInRange<float>(-3.0f, 3.0f));
+    o.sinks = sinks.view();
+  }
+  std::vector<std::int64_t> q_len(static_cast<std::size_t>(sequences)), own(static_cast<std::size_t>(sequences));
+  std::vector<std::int64_t> prefix_keys(static_cast<std::size_t>(prefixes));
+  for (auto& n : prefix_keys) n = fdp.ConsumeIntegralInRange<std::int64_t>(0, 40);
+  for (std::int64_t b = 0; b < sequences; ++b) {
+    // Mostly decode rows (one query), some prefill chunks; a prefixed causal sequence keeps
+    // seqused_k >= its rows − 1 (every row sees the whole prefix), as the API requires.
+    q_len[static_cast<std::size_t>(b)] = fdp.ConsumeBool() ? 1 : fdp.ConsumeIntegralInRange<std::int64_t>(0, 6);
+    own[static_cast<std::size_t>(b)] = fdp.ConsumeIntegralInRange<std::int64_t>(0, 40);
+    if (b < prefixed && o.causal)
+      own[static_cast<std::size_t>(b)] = std::max(own[static_cast<std::size_t>(b)], q_len[static_cast<std::size_t>(b)] - 1);
+  }
+  const Layout lq = fuzz_layout(fdp), lo = fuzz_layout(fdp);
+  const std::uint64_t seed = fdp.ConsumeIntegral<std::uint32_t>();
+  std::mt19937_64 rng(seed);
+
+  // Pages: every sequence's own and every prefix's, a spare or two, in a shuffled order.
+  const auto pages_for = [&](std::int64_t keys) { return (keys + page_size - 1) / page_size + static_cast<std::int64_t>(rng() % 2); };
+  std::vector<std::int64_t> own_pages(static_cast<std::size_t>(sequences)), prefix_pages(static_cast<std::size_t>(prefixes));
+  std::int64_t total_pages = 1 + static_cast<std::int64_t>(rng() % 2);
+  for (std::int64_t b = 0; b < sequences; ++b) total_pages += own_pages[static_cast<std::size_t>(b)] = pages_for(own[static_cast<std::size_t>(b)]);
+  for (std::int64_t pi = 0; pi < prefixes; ++pi) total_pages += prefix_pages[static_cast<std::size_t>(pi)] = pages_for(prefix_keys[static_cast<std::size_t>(pi)]);
+  std::vector<std::int32_t> order(static_cast<std::size_t>(total_pages));
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = static_cast<std::int32_t>(i);
+  std::shuffle(order.begin(), order.end(), rng);
+  std::size_t next_page = 0;
+  const auto table_of = [&](const std::vector<std::int64_t>& rows_pages, std::int64_t width) {
+    Tensor t(DType::i32, {static_cast<std::int64_t>(rows_pages.size()), std::max<std::int64_t>(width, 1)});
+    for (std::int64_t r = 0; r < t.shape()[0]; ++r)
+      for (std::int64_t c = 0; c < t.shape()[1]; ++c)
+        t.set(r * t.shape()[1] + c, c < rows_pages[static_cast<std::size_t>(r)] ? static_cast<float>(order[next_page++])
+                                                                               : static_cast<float>(-1 - static_cast<int>(rng() % 3)));
+    return t;
+  };
+  const std::int64_t own_width = own_pages.empty() ? 1 : *std::max_element(own_pages.begin(), own_pages.end());
+  const std::int64_t prefix_width = prefix_pages.empty() ? 1 : *std::max_element(prefix_pages.begin(), prefix_pages.end());
+  Tensor block_table = table_of(own_pages, own_width);
+  Tensor prefix_table = table_of(prefix_pages, prefix_width);
+
+  const bool pool_d_fault = fault == kPoolHeadDim;
+  FuzzPool kpool(fdp, dtype, quantized, total_pages, page_size, hkv, pool_d_fault ? d + 1 : d, rng);
+  FuzzPool vpool(fdp, dtype, quantized, total_pages, page_size, hkv, dv, rng);
+  // Which (page, slot) some sequence or prefix reads; every other scale is NaN.
+  std::vector<bool> read(static_cast<std::size_t>(total_pages * page_size), false);
+  const auto mark = [&](const Tensor& table, std::int64_t row, std::int64_t keys) {
+    for (std::int64_t j = 0; j < keys; ++j)
+      read[static_cast<std::size_t>(static_cast<std::int64_t>(table.get(row * table.shape()[1] + j / page_size)) * page_size + j % page_size)] = true;
+  };
+  for (std::int64_t b = 0; b < sequences; ++b) mark(block_table, b, own[static_cast<std::size_t>(b)]);
+  for (std::int64_t pi = 0; pi < prefixes; ++pi) mark(prefix_table, pi, prefix_keys[static_cast<std::size_t>(pi)]);
+  kpool.poison_unread(read);
+  vpool.poison_unread(read);
+  kpool.refresh();
+  vpool.refresh();
+
+  Tensor cu(DType::i32, {sequences + 1}), used(DType::i32, {std::max<std::int64_t>(sequences, 0)});
+  std::int64_t total_q = 0, max_q = 0;
+  for (std::int64_t b = 0; b < sequences; ++b) {
+    cu.set(b, static_cast<float>(total_q));
+    total_q += q_len[static_cast<std::size_t>(b)];
+    max_q = std::max(max_q, q_len[static_cast<std::size_t>(b)]);
+    used.set(b, static_cast<float>(own[static_cast<std::size_t>(b)]));
+  }
+  cu.set(sequences, static_cast<float>(total_q));
+  Tensor prefix_used(DType::i32, {prefixes}), prefix_idx(DType::i32, {sequences});
+  for (std::int64_t pi = 0; pi < prefixes; ++pi) prefix_used.set(pi, static_cast<float>(prefix_keys[static_cast<std::size_t>(pi)]));
+  for (std::int64_t b = 0; b < sequences; ++b) prefix_idx.set(b, static_cast<float>(b < split ? 0 : b < prefixed ? 1 : -1));
+
+  // Faults that need a sequence reading a page: the first such sequence.
+  std::int64_t reader = -1;
+  for (std::int64_t b = 0; b < sequences && reader < 0; ++b)
+    if (own[static_cast<std::size_t>(b)] > 0) reader = b;
+  if ((fault == kPageOutOfRange || fault == kBadScale) && reader < 0) fault = kPagedNone;
+  if (fault == kPageOutOfRange) block_table.set(reader * block_table.shape()[1], (rng() & 1) != 0 ? static_cast<float>(total_pages) : -1.0f);
+  if (fault == kBadScale) {
+    FuzzPool& pool = (rng() & 1) != 0 ? kpool : vpool;
+    const std::int64_t page = static_cast<std::int64_t>(block_table.get(reader * block_table.shape()[1]));
+    const std::int64_t at = pool.quant.granularity == KvScaleGranularity::per_token ? page * page_size * hkv : page * hkv;
+    static constexpr std::array<float, 3> kBad{0.0f, -1.0f, NAN};
+    pool.scale.set(at, kBad[rng() % 3]);
+  }
+  if (fault == kSequsedTooLong && sequences == 0) fault = kPagedNone;
+  if (fault == kSequsedTooLong) used.set(0, static_cast<float>(block_table.shape()[1] * page_size + 1));
+  if (fault == kCuSeqlensQ) cu.set(sequences, static_cast<float>(total_q + 1));
+
+  std::ostringstream describe;
+  describe << "paged dtype=" << to_string(dtype) << " sequences=" << sequences << " Hq=" << hq << " Hkv=" << hkv
+           << " D=" << d << " Dv=" << dv << " page_size=" << page_size << " pages=" << total_pages << " k="
+           << (kpool.plain ? "plain" : to_string(kpool.quant.codes)) << "/" << to_string(kpool.quant.granularity)
+           << " v=" << (vpool.plain ? "plain" : to_string(vpool.quant.codes)) << "/" << to_string(vpool.quant.granularity)
+           << " fault=" << fault << " causal=" << o.causal << " window=(" << o.window_size.left << ","
+           << o.window_size.right << ") softcap=" << o.softcap << " sinks=" << (o.sinks.data != nullptr)
+           << " threads=" << o.num_threads << " splits=" << o.num_splits << " prefixes=" << prefixes << " prefixed="
+           << prefixed << " split=" << split << " q_len/own:";
+  for (std::int64_t b = 0; b < sequences; ++b) describe << " " << q_len[static_cast<std::size_t>(b)] << "/" << own[static_cast<std::size_t>(b)];
+  describe << " seed=" << seed;
+  current_case = describe.str();
+
+  // FP8 pools run the tiled kernel, exact on their values (the planner's decode_fp16 for FP8
+  // decode rows computes in half precision, which tests/test_kvcache.cpp holds to its own rule).
+  if (quantized && (kpool.quant.codes == KvCodes::e4m3 || vpool.quant.codes == KvCodes::e4m3))
+    o.kernel = ForwardKernel::tiled;
+
+  const Tensor q = logical(dtype, {1, total_q, hq, d}, seed + 1, false);
+  const Placed pq = place(dtype, {1, total_q, hq, d}, lq, &q);
+  Placed pout = place(fault == kPagedOutDtype ? (dtype == DType::f32 ? DType::bf16 : DType::f32) : dtype,
+                      {1, total_q, hq, dv}, lo);
+  Placed plse = place(DType::f32, {1, 1, fault == kPagedLseShape ? hq + 1 : hq, total_q}, Layout{});
+  PagedKvBatch kv;
+  kpool.attach(kv, true);
+  vpool.attach(kv, false);
+  kv.block_table = block_table.view();
+  kv.seqused_k = used.view();
+  if (prefixes > 0) {
+    kv.prefix_block_table = prefix_table.view();
+    kv.prefix_seqused_k = prefix_used.view();
+    kv.prefix_idx = prefix_idx.view();
+  }
+  const std::vector<unsigned char> q_before = pq.bytes, k_before = kpool.data.bytes, v_before = vpool.data.bytes;
+  try {
+    forward_varlen_paged(drop_leading(pq.view()), cu.view(), max_q, kv, drop_leading(pout.mutable_view()),
+                         drop_leading(drop_leading(plse.mutable_view())), o);
+    check(fault == kPagedNone, "forward_varlen_paged accepted fault " + std::to_string(fault));
+  } catch (const Error& e) {
+    check(fault != kPagedNone, std::string("forward_varlen_paged rejected a valid call: ") + e.what());
+    check(pout.untouched() && plse.untouched(), "a rejected forward_varlen_paged wrote its outputs");
+    check(pq.bytes == q_before && kpool.data.bytes == k_before && vpool.data.bytes == v_before,
+          "a rejected forward_varlen_paged changed an input");
+    return;
+  }
+  check(pq.bytes == q_before && kpool.data.bytes == k_before && vpool.data.bytes == v_before,
+        "forward_varlen_paged modified an input");
+  pout.check_gaps("out");
+  plse.check_gaps("lse");
+
+  // Each sequence against the reference over its keys (its prefix's, then its own), in f32
+  // where the pools are quantized (q's values are exact in f32): its rows of out and lse.
+  const DType ref_dtype = quantized ? DType::f32 : dtype;
+  const double unit = !quantized || dtype == DType::f32 ? 0.0 : dtype == DType::bf16 ? 0x1p-8 : 0x1p-11;
+  for (std::int64_t b = 0; b < sequences; ++b) {
+    const std::int64_t rows = q_len[static_cast<std::size_t>(b)], q0 = static_cast<std::int64_t>(cu.get(b));
+    const std::int64_t pi = b < split ? 0 : b < prefixed ? 1 : -1;
+    const std::int64_t pre = pi >= 0 ? prefix_keys[static_cast<std::size_t>(pi)] : 0, keys = pre + own[static_cast<std::size_t>(b)];
+    Tensor qb(ref_dtype, {1, rows, hq, d}), kb(ref_dtype, {1, keys, hkv, d}), vb(ref_dtype, {1, keys, hkv, dv});
+    for (std::int64_t i = 0; i < qb.numel(); ++i) qb.set(i, q.get(q0 * hq * d + i));
+    for (std::int64_t j = 0; j < keys; ++j) {
+      const bool from_prefix = j < pre;
+      const Tensor& table = from_prefix ? prefix_table : block_table;
+      const std::int64_t row = from_prefix ? pi : b, key = from_prefix ? j : j - pre;
+      const std::int64_t page = static_cast<std::int64_t>(table.get(row * table.shape()[1] + key / page_size));
+      const std::int64_t slot = (page * page_size + key % page_size) * hkv;
+      for (std::int64_t e = 0; e < hkv * d; ++e) kb.set(j * hkv * d + e, kpool.values.get(slot * d + e));
+      for (std::int64_t e = 0; e < hkv * dv; ++e) vb.set(j * hkv * dv + e, vpool.values.get(slot * dv + e));
+    }
+    const AttentionProblem p = AttentionProblem::from_inputs(qb.view(), kb.view(), vb.view(), o);
+    const reference::Result want = reference::attention(qb.view(), kb.view(), vb.view(), o);
+    const double naive = test::max_abs_error(test::naive_same_precision(p, o, qb, kb, vb), want.out);
+    const double tol = 1e-5 * (1.0 + max_abs(want.out)) + 2.0 * naive + unit * max_abs(want.out);
+    double error = 0.0;
+    for (std::int64_t e = 0; e < rows * hq * dv; ++e) {
+      const double diff = std::fabs(static_cast<double>(pout.get(q0 * hq * dv + e)) - want.out[static_cast<std::size_t>(e)]);
+      error = std::isnan(diff) ? INFINITY : std::max(error, diff);
+    }
+    check(error <= tol, "paged sequence " + std::to_string(b) + ": out differs from the reference: error " +
+                            std::to_string(error) + ", tolerance " + std::to_string(tol));
+    for (std::int64_t h = 0; h < hq; ++h)
+      for (std::int64_t i = 0; i < rows; ++i) {
+        const double e = want.lse[static_cast<std::size_t>(h * rows + i)], g = plse.get(h * total_q + q0 + i);
+        check(std::isinf(e) ? g == e : std::fabs(g - e) <= 1e-5 * (1.0 + std::fabs(e)),
+              "paged sequence " + std::to_string(b) + ": lse differs from the reference");
+      }
+  }
+}
+
 void run_merge(FuzzedDataProvider& fdp) {
   static constexpr std::array<DType, 3> kDtypes{DType::f32, DType::bf16, DType::f16};
   const DType dtype = kDtypes[fdp.ConsumeIntegralInRange<std::size_t>(0, 2)];
@@ -1321,11 +1632,15 @@ void run_fp8(FuzzedDataProvider& fdp) {
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   FuzzedDataProvider fdp(data, size);
   // The entry point: the last byte, as ConsumeIntegralInRange<int>(0, 5) read it before the
-  // masked entry existed (byte % 6), except 252–254 — so the corpus and the regression inputs
-  // keep decoding to the calls they were saved for.
+  // masked and paged entries existed (byte % 6), except 252 (masked) and 253–254 (paged) — so
+  // the corpus and the regression inputs keep decoding to the calls they were saved for.
   const std::uint8_t entry = fdp.ConsumeIntegral<std::uint8_t>();
-  if (entry >= 252 && entry <= 254) {
+  if (entry == 252) {
     flashattn::fuzz::run_masked(fdp);
+    return 0;
+  }
+  if (entry == 253 || entry == 254) {
+    flashattn::fuzz::run_paged(fdp);
     return 0;
   }
   switch (entry % 6) {
