@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "flashattn/flashattn.hpp"
+#include "flashattn/flex.hpp"
 #include "flashattn/fp8.hpp"
 #include "flashattn/kv_quant.hpp"
 #include "tests/support/support.hpp"
@@ -542,9 +543,24 @@ void run_masked(FuzzedDataProvider& fdp) {
   const int quarters = fdp.ConsumeIntegralInRange<int>(0, 4);
   const bool sinks_on = fault == kSinksShape || fault == kSinksNotFinite || (fault != kDsinksWithoutSinks && fdp.ConsumeBool());
   const bool want_dsinks = sinks_on && fdp.ConsumeBool();
-  const bool want_dbias = mask_kind >= 2 && fdp.ConsumeBool();
+  bool want_dbias = mask_kind >= 2 && fdp.ConsumeBool();
   const Layout lq = fuzz_layout(fdp), lk = fuzz_layout(fdp), lv = fuzz_layout(fdp), lo = fuzz_layout(fdp);
   const std::uint64_t seed = fdp.ConsumeIntegral<std::uint32_t>();
+  // A C++ score_mod and/or mask_mod (FlexMods, compiled into the kernels' loop) on top: none,
+  // mask_mod, score_mod or both, and for a mask_mod a block mask from create_block_mask (block
+  // sizes past 32 reach the kernels as blocks of 32). dbias is not taken with a hook (an Error,
+  // checked in tests/test_flex.cpp), so it is not asked for then.
+  const int hook_kind = fdp.ConsumeIntegralInRange<int>(0, 3);
+  const bool hook_mask = hook_kind & 1, hook_score = hook_kind & 2;
+  const std::int64_t doc_q = fdp.ConsumeIntegralInRange<std::int64_t>(1, 20), doc_k = fdp.ConsumeIntegralInRange<std::int64_t>(1, 20);
+  const std::int64_t period = fdp.ConsumeIntegralInRange<std::int64_t>(1, 9);
+  const float score_scale = fdp.ConsumeFloatingPointInRange<float>(-2.0f, 2.0f);
+  const float slope = fdp.ConsumeFloatingPointInRange<float>(-0.3f, 0.3f);
+  const float cap = fdp.ConsumeBool() ? fdp.ConsumeFloatingPointInRange<float>(1.0f, 20.0f) : 0.0f;
+  const std::int64_t hook_block = hook_mask && fdp.ConsumeBool()
+                                      ? (fdp.ConsumeBool() ? fdp.ConsumeIntegralInRange<std::int64_t>(1, 40) : 32 * fdp.ConsumeIntegralInRange<std::int64_t>(2, 3))
+                                      : 0;
+  if (hook_kind != 0) want_dbias = false;
 
   std::ostringstream describe;
   describe << "masked dtype=" << to_string(dtype) << " B=" << batch << " Sq=" << sq << " Sk=" << sk << " Hq=" << hq
@@ -555,6 +571,8 @@ void run_masked(FuzzedDataProvider& fdp) {
            << " deterministic=" << o.deterministic << " mask=" << (mask_kind == 0 ? "none" : to_string(kMaskDtypes[static_cast<std::size_t>(mask_kind)]))
            << " mask_shape=(" << mask_shape[0] << "," << mask_shape[1] << "," << mask_shape[2] << "," << mask_shape[3]
            << ") quarters=" << quarters << " sinks=" << sinks_on << " dsinks=" << want_dsinks << " dbias=" << want_dbias
+           << " hook=" << hook_kind << " doc=(" << doc_q << "," << doc_k << ") period=" << period
+           << " score_scale=" << score_scale << " slope=" << slope << " cap=" << cap << " hook_block=" << hook_block
            << " seed=" << seed;
   current_case = describe.str();
 
@@ -583,6 +601,28 @@ void run_masked(FuzzedDataProvider& fdp) {
     if (fault == kSinksNotFinite) sinks.set(0, (rng() & 1) != 0 ? NAN : INFINITY);
     o.sinks = sinks.view();
   }
+
+  // mask_mod: query and key "documents" of doc_q and doc_k tokens, plus a sparse diagonal
+  // pattern; score_mod: an affine function of the score (its scale, a relative-position slope,
+  // a per-(b, h) offset), soft-capped by `cap` when set — generic, so the library differentiates it.
+  const auto mask_mod = [=](std::int64_t b, std::int64_t h, std::int64_t q_idx, std::int64_t kv_idx) {
+    return q_idx / doc_q == kv_idx / doc_k || (q_idx + 2 * kv_idx + 3 * h + 5 * b) % period == 0;
+  };
+  const auto score_mod = [=](auto score, std::int64_t b, std::int64_t h, std::int64_t q_idx, std::int64_t kv_idx) {
+    const auto affine = score * score_scale + (slope * static_cast<float>(q_idx - kv_idx) + 0.1f * static_cast<float>(h) -
+                                               0.2f * static_cast<float>(b));
+    return cap > 0.0f ? cap * flex::tanh(affine / cap) : affine;
+  };
+  const FlexMods<flex::NoScoreMod, decltype(mask_mod)> masking(flex::NoScoreMod{}, mask_mod);
+  const FlexMods<decltype(score_mod)> scoring(score_mod);
+  const FlexMods<decltype(score_mod), decltype(mask_mod)> both(score_mod, mask_mod);
+  BlockMask hook_blocks;
+  if (hook_block > 0)
+    hook_blocks = create_block_mask(mask_mod, std::max<std::int64_t>(batch, 1), hq, sq, sk, hook_block);
+  const BlockMask* blocks = hook_block > 0 ? &hook_blocks : nullptr;
+  if (hook_kind == 1) o.score_hook = masking.hook(blocks);
+  if (hook_kind == 2) o.score_hook = scoring.hook();
+  if (hook_kind == 3) o.score_hook = both.hook(blocks);
 
   const std::array<std::int64_t, 4> q_shape{batch, sq, hq, d}, k_shape{batch, sk, hkv, d}, v_shape{batch, sk, hkv, dv},
       o_shape{batch, sq, hq, dv};
