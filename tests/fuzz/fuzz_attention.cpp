@@ -551,7 +551,7 @@ void run_masked(FuzzedDataProvider& fdp) {
   // sizes past 32 reach the kernels as blocks of 32). dbias is not taken with a hook (an Error,
   // checked in tests/test_flex.cpp), so it is not asked for then.
   const int hook_kind = fdp.ConsumeIntegralInRange<int>(0, 3);
-  const bool hook_mask = hook_kind & 1, hook_score = hook_kind & 2;
+  const bool hook_mask = (hook_kind & 1) != 0;
   const std::int64_t doc_q = fdp.ConsumeIntegralInRange<std::int64_t>(1, 20), doc_k = fdp.ConsumeIntegralInRange<std::int64_t>(1, 20);
   const std::int64_t period = fdp.ConsumeIntegralInRange<std::int64_t>(1, 9);
   const float score_scale = fdp.ConsumeFloatingPointInRange<float>(-2.0f, 2.0f);
@@ -1282,14 +1282,13 @@ struct FuzzPool {
                                                              : static_cast<std::uint8_t>(rng() % 256);
       data.bytes[data.element_offset(i)] = code;
     }
-    refresh();
   }
   // The scale index of element i of `values` (row-major (pages, page_size, heads, dim)).
   std::int64_t scale_index(std::int64_t i, std::int64_t page_size, std::int64_t heads, std::int64_t dim) const {
     const std::int64_t head = i / dim % heads, slot = i / (dim * heads) % page_size, page = i / (dim * heads * page_size);
     return quant.granularity == KvScaleGranularity::per_token ? (page * page_size + slot) * heads + head : page * heads + head;
   }
-  void refresh() {  // values from codes and scales
+  void refresh() {  // values from codes and scales (poison_unread calls it)
     if (plain) return;
     const std::int64_t page_size = values.shape()[1], heads = values.shape()[2], dim = values.shape()[3];
     for (std::int64_t i = 0; i < values.numel(); ++i) {
@@ -1300,23 +1299,21 @@ struct FuzzPool {
                         : int8_code_value(quant.codes, code, scale.get(at), has_zero_point ? zero_point.get(at) : 0.0f));
     }
   }
-  // NaN scales for every (page, slot) not in `read` (page_size entries per page).
+  // NaN scales (and zero points) for every (page, slot) not in `read` (page_size entries per
+  // page): a per-page scale where none of its page's slots is read, a per-token one where its
+  // slot is not; then the values from the final scales.
   void poison_unread(const std::vector<bool>& read) {
     if (plain) return;
     const std::int64_t page_size = values.shape()[1], heads = values.shape()[2];
     const bool per_token = quant.granularity == KvScaleGranularity::per_token;
     for (std::int64_t i = 0; i < scale.numel(); ++i) {
-      const std::int64_t page = per_token ? i / (page_size * heads) : i / heads;
-      bool any = false;
-      for (std::int64_t slot = 0; slot < page_size; ++slot)
-        if (per_token ? slot == i / heads % page_size && read[static_cast<std::size_t>(page * page_size + slot)]
-                      : read[static_cast<std::size_t>(page * page_size + slot)])
-          any = true;
-      if (!any) {
+      const auto first = read.begin() + (per_token ? i / heads : i / heads * page_size);
+      if (std::none_of(first, first + (per_token ? 1 : page_size), [](bool r) { return r; })) {
         scale.set(i, NAN);
         if (has_zero_point) zero_point.set(i, NAN);
       }
     }
+    refresh();
   }
   void attach(PagedKvBatch& kv, bool k) const {
     (k ? kv.k_cache : kv.v_cache) = data.view();
@@ -1412,8 +1409,6 @@ void run_paged(FuzzedDataProvider& fdp) {
   for (std::int64_t pi = 0; pi < prefixes; ++pi) mark(prefix_table, pi, prefix_keys[static_cast<std::size_t>(pi)]);
   kpool.poison_unread(read);
   vpool.poison_unread(read);
-  kpool.refresh();
-  vpool.refresh();
 
   Tensor cu(DType::i32, {sequences + 1}), used(DType::i32, {std::max<std::int64_t>(sequences, 0)});
   std::int64_t total_q = 0, max_q = 0;
