@@ -322,6 +322,10 @@ constexpr CounterCase kCounterCases[] = {
     {"block_q 8", 1, 200, 300, 1, 1, 16, 16, DType::f32, true, -1, -1, 0, 8},
     {"split-kv", 1, 20, 700, 2, 1, 32, 32, DType::f32, false, -1, -1, 3, 0},
     {"decode", 2, 1, 450, 8, 2, 64, 64, DType::bf16, false, -1, -1, 0, 0},
+    // Few rows per q head of a GQA group: the planner packs them (pack_gqa), each K/V tile
+    // counted once for the group's stacked rows.
+    {"pack_gqa", 2, 9, 700, 8, 2, 32, 32, DType::f32, false, -1, -1, 0, 0},
+    {"pack_gqa causal split", 1, 21, 450, 6, 2, 64, 40, DType::bf16, true, -1, -1, 2, 0},
 };
 
 AttentionOptions counter_options(const CounterCase& c, int threads) {
@@ -349,6 +353,7 @@ TEST(CostModel, ForwardCountersEqualModel) {
       const CpuForwardPlan plan = plan_forward(p, CpuHardware::detect(threads), c.num_splits, c.block_q);
       const cost::TiledAccount a = cost::flash_forward(p, cost::tiling_of(plan));
       const bool split = plan.splits > 1;
+      if (std::string(c.name).starts_with("pack_gqa")) EXPECT_GT(plan.heads_per_item, 1) << plan.describe();
       EXPECT_EQ(counters.q_read, a.traffic.elements_of("Q", false));
       EXPECT_EQ(counters.k_read, a.traffic.elements_of("K", false));
       EXPECT_EQ(counters.v_read, a.traffic.elements_of("V", false));
@@ -671,7 +676,8 @@ TEST(CostModel, PredictionIsConsistent) {
 }
 
 // The forward's schedule, which the kernels walk and the cost model counts: its items cover
-// every query row of every (batch, head) once, and the splits of a Q tile cut the keys its
+// every query row of every (batch, head) once — one head's rows an item, every head's of a
+// kv head (pack_gqa), or every head's (decode) — and the splits of a Q tile cut the keys its
 // rows see into consecutive shares of whole tiles, in order, without overlap or gap.
 TEST(CostModel, ForwardScheduleCoversEveryRowAndKeyOnce) {
   struct Shape {
@@ -683,18 +689,21 @@ TEST(CostModel, ForwardScheduleCoversEveryRowAndKeyOnce) {
                           {1, 5, 1000, 2, 2, false, 100, 0}, {3, 1, 257, 8, 2, false, -1, -1},
                           {1, 64, 700, 1, 1, true, 37, -1}};
   for (const Shape& sh : shapes)
-    for (const bool decode : {false, true})
+    for (const int mode : {0, 1, 2})  // tiled, tiled under pack_gqa, decode
       for (const std::int64_t splits : {1, 2, 3, 7}) {
+        const bool decode = mode == 2;
+        const std::int64_t heads_per_item = mode == 1 ? sh.heads_q / sh.heads_kv : 1;
         AttentionOptions o;
         o.causal = sh.causal;
         o.window_size = {sh.left, sh.right};
         const AttentionProblem p = AttentionProblem::from_sizes(sh.batch, sh.seqlen_q, sh.seqlen_k, sh.heads_q,
                                                                 sh.heads_kv, 16, 16, DType::f32, o);
         const std::int64_t bq = 32, bc = 64;
-        const ForwardSchedule s{bq, bc, decode ? 1 : (p.seqlen_q + bq - 1) / bq, splits, decode};
-        SCOPED_TRACE(p.describe() + (decode ? " decode" : " tiled") + " splits " + std::to_string(splits));
+        const ForwardSchedule s{bq, bc, decode ? 1 : (p.seqlen_q + bq - 1) / bq, splits, decode, heads_per_item};
+        SCOPED_TRACE(p.describe() + (decode ? " decode" : " tiled") + " heads_per_item " +
+                     std::to_string(heads_per_item) + " splits " + std::to_string(splits));
         const std::int64_t items = forward_work_items(p, s);
-        ASSERT_EQ(items, decode ? p.batch * splits : p.batch * p.heads_q * s.q_blocks * splits);
+        ASSERT_EQ(items, decode ? p.batch * splits : p.batch * p.heads_q / heads_per_item * s.q_blocks * splits);
         // The items of one (batch, kv head) group are consecutive (the driver hands them out whole).
         const std::int64_t per_group = forward_items_per_kv_head(p, s);
         ASSERT_EQ(items % per_group, 0);
@@ -705,6 +714,9 @@ TEST(CostModel, ForwardScheduleCoversEveryRowAndKeyOnce) {
             EXPECT_EQ(w.batch, group);
           } else {
             EXPECT_EQ(w.batch * p.heads_kv + w.head / (p.heads_q / p.heads_kv), group) << "item " << item;
+            EXPECT_EQ(w.heads, heads_per_item);
+            EXPECT_EQ((w.head + w.heads - 1) / (p.heads_q / p.heads_kv), w.head / (p.heads_q / p.heads_kv))
+                << "item " << item << ": its heads share one kv head";
           }
         }
         // (batch, head, row) → how often an item computes it; (batch, head, q block) → next key
@@ -727,7 +739,7 @@ TEST(CostModel, ForwardScheduleCoversEveryRowAndKeyOnce) {
             next = w.key_end;
           }
           EXPECT_EQ(next, std::max(lo.begin, hi.end)) << "the shares end where the rows' keys end";
-          const std::int64_t heads = decode ? p.heads_q : 1;
+          const std::int64_t heads = decode ? p.heads_q : first.heads;
           for (std::int64_t h = 0; h < heads; ++h)
             for (std::int64_t i = first.row_begin; i < first.row_begin + first.rows; ++i)
               ++rows_seen[static_cast<std::size_t>((first.batch * p.heads_q + first.head + h) * p.seqlen_q + i)];

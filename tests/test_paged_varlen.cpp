@@ -261,6 +261,26 @@ TEST(PagedVarlen, PlansDependOnTheSequenceAlone) {
   }
 }
 
+// pack_gqa changes no bit of a paged batch: its prefill chunks (2 q heads a kv head) stack
+// their heads' rows in one Q tile or not, its decode rows take the decode kernel either way.
+TEST(PagedVarlen, PackGqaChangesNoBit) {
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    AttentionOptions o;
+    o.causal = true;
+    o.num_threads = 2;
+    const Batch batch = make_batch(kMix, dtype, 16, o, 5);
+    AttentionOptions packed = o, unpacked = o;
+    packed.pack_gqa = true;
+    unpacked.pack_gqa = false;
+    PlansRun plans;
+    packed.plans_run = &plans;
+    const ForwardResult got = batch.run(packed), want = batch.run(unpacked);
+    EXPECT_EQ(plans.forward[1].heads_per_item, kHq / kHkv) << plans.forward[1].describe();  // (40, 100)
+    EXPECT_TRUE(bitwise_equal(got.out, want.out)) << to_string(dtype);
+    EXPECT_TRUE(bitwise_equal(got.lse, want.lse)) << to_string(dtype);
+  }
+}
+
 // An FP8 pool read by forward_varlen_paged equals forward_with_kvcache's read of the same
 // pages (tested against the reference in test_kvcache.cpp) bit for bit: one thread and one
 // key share plan both calls alike.

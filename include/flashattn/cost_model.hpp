@@ -27,6 +27,9 @@ struct Tiling {
   // group · seqlen_q rows, K/V read in place in chunks of block_k keys (the kernel runs
   // every kv head of a key chunk in one work item; the traffic and tiles are the same).
   bool decode = false;
+  // Forward, tiled: q heads stacked in one Q tile (pack_gqa: every q head of a kv head,
+  // block_q rows each), so an item streams its K/V tiles once for all of them.
+  std::int64_t heads_per_item = 1;
 };
 Tiling tiling_of(const CpuForwardPlan& plan);
 Tiling tiling_of(const CpuBackwardPlan& plan);

@@ -227,6 +227,15 @@ struct AttentionOptions {
   // planner choose from the L2 size. For experiments such as the cost model's sweep of
   // traffic against tile size (flashattn tour); the result does not depend on it.
   std::int64_t block_q = 0;
+  // Forward only (CPU tiled kernels), FlashAttention-3's pack_gqa: one Q tile holds block_q
+  // query rows of every q head that shares a kv head (GQA/MQA), so each K/V tile is streamed
+  // once for the group instead of once per q head — what calls with few query rows per head
+  // (chunked prefill, speculative decoding, a shared prefix's pass) are bound by. Unset: the
+  // planner packs where heads_q > heads_kv and a head's rows fill less than half a Q tile;
+  // true: wherever heads_q > heads_kv; false: never. Not with alibi_slopes, dropout,
+  // attn_mask or a score_hook, which differ per q head (true with one is an Error; unset
+  // does not pack). The result does not depend on it (bit for bit at num_splits 1).
+  std::optional<bool> pack_gqa;
   // Forward only (CPU): the kernel to run (see ForwardKernel); a kernel the inputs or this
   // CPU cannot run is an Error naming it. `tiled` forces the float32 products on bf16
   // inputs, e.g. to compare the two tiled kernels.

@@ -43,15 +43,21 @@ struct ForwardSchedule {
   std::int64_t q_blocks = 1;  // Q tiles per (batch, head); decode: 1
   std::int64_t splits = 1;    // split-KV: key shares per Q tile, merged by lse
   bool decode = false;        // an item is (batch, split) over every head and query (decode kernels)
+  // Tiled: q heads whose rows one item computes together — 1, or every q head of a kv head
+  // (pack_gqa: the item's Q tile holds block_q rows of each, so each K/V tile is streamed
+  // once for the group instead of once per q head).
+  std::int64_t heads_per_item = 1;
 };
 
-// One work item: query rows [row_begin, row_begin + rows) of (batch, head) against its
+// One work item: query rows [row_begin, row_begin + rows) of (batch, head) — of heads
+// [head, head + heads) under pack_gqa — against its
 // share [key_begin, key_end) of the keys those rows see. Its key blocks start at
 // first_block and are block_k apart: K/V tiles (tiled, key_begin rounded down to a tile) or
 // blocks from key_begin on (decode).
 struct ForwardWorkItem {
   std::int64_t batch = 0;
-  std::int64_t head = 0;  // q head; decode: 0, the item covers every head
+  std::int64_t head = 0;   // q head (pack_gqa: the first); decode: 0, the item covers every head
+  std::int64_t heads = 1;  // q heads of the item's rows (tiled: schedule.heads_per_item)
   std::int64_t q_block = 0;
   std::int64_t split = 0;
   std::int64_t row_begin = 0, rows = 0;  // decode: every query, 0 and seqlen_q
@@ -59,8 +65,8 @@ struct ForwardWorkItem {
   std::int64_t first_block = 0;
 };
 
-// Work items of a problem under a schedule: batch · heads_q · q_blocks · splits, or
-// (decode) batch · splits.
+// Work items of a problem under a schedule: batch · heads_q / heads_per_item · q_blocks ·
+// splits, or (decode) batch · splits.
 std::int64_t forward_work_items(const AttentionProblem& problem, const ForwardSchedule& schedule);
 
 // Items are grouped by (batch, kv head): the q heads of one kv head are consecutive, so
@@ -80,7 +86,8 @@ struct CpuForwardPlan {
   std::int64_t block_k = 0;          // keys per K/V tile (Bc), a multiple of micro_cols
   std::int64_t head_dim_v_padded = 0;  // Dv rounded up to micro_cols
   std::int64_t q_blocks = 0;         // per (batch, head)
-  std::int64_t work_items = 0;       // batch · heads_q · q_blocks · splits (decode: batch · splits)
+  std::int64_t work_items = 0;       // batch · heads_q / heads_per_item · q_blocks · splits (decode: batch · splits)
+  std::int64_t heads_per_item = 1;   // tiled: 1, or heads_q / heads_kv under pack_gqa (block_q rows each)
   std::int64_t splits = 1;           // split-KV: key ranges per Q tile, merged by lse
   int threads = 1;
   std::size_t workspace_bytes_per_thread = 0;
@@ -89,7 +96,7 @@ struct CpuForwardPlan {
 
   std::size_t workspace_bytes() const { return workspace_bytes_per_thread * threads + shared_bytes; }
   std::string describe() const;
-  ForwardSchedule schedule() const { return {block_q, block_k, q_blocks, splits, is_decode(kernel)}; }
+  ForwardSchedule schedule() const { return {block_q, block_k, q_blocks, splits, is_decode(kernel), heads_per_item}; }
   ForwardWorkItem work_item(const AttentionProblem& problem, std::int64_t item) const {
     return forward_work_item(problem, schedule(), item);
   }

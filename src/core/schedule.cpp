@@ -7,11 +7,11 @@
 namespace flashattn {
 
 std::int64_t forward_work_items(const AttentionProblem& p, const ForwardSchedule& s) {
-  return s.decode ? p.batch * s.splits : p.batch * p.heads_q * s.q_blocks * s.splits;
+  return s.decode ? p.batch * s.splits : p.batch * (p.heads_q / s.heads_per_item) * s.q_blocks * s.splits;
 }
 
 std::int64_t forward_items_per_kv_head(const AttentionProblem& p, const ForwardSchedule& s) {
-  return s.decode ? s.splits : p.heads_q / p.heads_kv * s.q_blocks * s.splits;
+  return s.decode ? s.splits : p.heads_q / p.heads_kv / s.heads_per_item * s.q_blocks * s.splits;
 }
 
 ForwardWorkItem forward_work_item(const AttentionProblem& p, const ForwardSchedule& s, std::int64_t item) {
@@ -23,8 +23,10 @@ ForwardWorkItem forward_work_item(const AttentionProblem& p, const ForwardSchedu
     w.rows = p.seqlen_q;
   } else {
     const std::int64_t t = item / s.splits % s.q_blocks, bh = item / s.splits / s.q_blocks;
-    w.head = bh % p.heads_q;
-    w.batch = bh / p.heads_q;
+    const std::int64_t head_groups = p.heads_q / s.heads_per_item;
+    w.head = bh % head_groups * s.heads_per_item;
+    w.heads = s.heads_per_item;
+    w.batch = bh / head_groups;
     w.q_block = p.causal ? s.q_blocks - 1 - t : t;
     w.row_begin = w.q_block * s.block_q;
     w.rows = std::min(s.block_q, p.seqlen_q - w.row_begin);

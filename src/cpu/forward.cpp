@@ -33,7 +33,7 @@ void zero_rescale_counts(const AttentionOptions& options) {
 std::int64_t grid_tiles(const AttentionProblem& p, const CpuForwardPlan& plan) {
   const std::int64_t k_tiles = (p.seqlen_k + plan.block_k - 1) / plan.block_k;
   const std::int64_t row_tiles =
-      is_decode(plan.kernel) ? p.batch * p.heads_kv : p.batch * p.heads_q * plan.q_blocks;
+      is_decode(plan.kernel) ? p.batch * p.heads_kv : p.batch * p.heads_q / plan.heads_per_item * plan.q_blocks;
   return row_tiles * k_tiles;
 }
 
@@ -176,10 +176,11 @@ void record_plans(const AttentionOptions& options, const std::vector<CpuForwardP
 }
 
 // The cost of a job's longest work item: the (row, key) pairs of its first item (causal Q
-// tiles run longest first), every head's for the decode kernel.
+// tiles run longest first), every head's for the decode kernel, its heads' under pack_gqa.
 std::int64_t longest_item(const detail::ForwardJob& job, const CpuForwardPlan& plan) {
   const ForwardWorkItem w = plan.work_item(job.problem, 0);
-  return w.rows * std::max<std::int64_t>(1, w.key_end - w.key_begin) * (is_decode(plan.kernel) ? job.problem.heads_q : 1);
+  return w.rows * std::max<std::int64_t>(1, w.key_end - w.key_begin) *
+         (is_decode(plan.kernel) ? job.problem.heads_q : w.heads);
 }
 
 }  // namespace

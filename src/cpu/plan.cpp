@@ -130,11 +130,35 @@ ForwardKernel cpu::forward_kernel(const AttentionProblem& p, const detail::Probl
   return choose_kernel(p, internals, hw, requested);
 }
 
+namespace {
+
+// The variant of `p` (or the options' score hook) whose values differ per q head, which a
+// packed Q tile — one set of row variants for every head of a kv head — cannot apply; null
+// when there is none.
+const char* per_head_variant(const AttentionProblem& p, bool score_hook) {
+  if (p.alibi) return "alibi_slopes";
+  if (p.dropout_p > 0.0f) return "dropout_p";
+  if (p.attn_mask != AttentionProblem::MaskKind::none) return "attn_mask";
+  return score_hook ? "score_hook" : nullptr;
+}
+
+}  // namespace
+
+std::optional<bool> cpu::pack_gqa_request(const AttentionProblem& p, const AttentionOptions& options) {
+  const char* variant = per_head_variant(p, options.score_hook.apply != nullptr);
+  if (variant == nullptr) return options.pack_gqa;
+  if (options.pack_gqa.value_or(false) && p.heads_q > p.heads_kv)
+    throw Error(std::string("pack_gqa: true is not supported with ") + variant +
+                ", whose values differ per q head (unset or false runs one Q tile per head)");
+  return false;
+}
+
 CpuForwardPlan cpu::plan_forward(const AttentionProblem& p, const detail::ProblemInternals& internals,
                                  const CpuHardware& hw, const AttentionOptions& options) {
+  const std::optional<bool> pack = pack_gqa_request(p, options);
   if (options.switches.q_tile_parallelism)
-    return plan_forward(p, internals, hw, options.num_splits, options.block_q, options.kernel);
-  return plan_forward(p, internals, hw, 1, std::max<std::int64_t>(p.seqlen_q, 1), options.kernel);
+    return plan_forward(p, internals, hw, options.num_splits, options.block_q, options.kernel, pack);
+  return plan_forward(p, internals, hw, 1, std::max<std::int64_t>(p.seqlen_q, 1), options.kernel, false);
 }
 
 CpuForwardPlan plan_forward(const AttentionProblem& p, const CpuHardware& hw, const AttentionOptions& options) {
@@ -182,7 +206,8 @@ CpuForwardPlan cpu::plan_forward_alone(const AttentionProblem& p, const detail::
   // a 16k-token row is 8 items to balance among the threads.
   if (requested == 0 && is_decode(kernel) && p.seqlen_k > kSplitKeys)
     splits = static_cast<int>((p.seqlen_k + kSplitKeys - 1) / kSplitKeys);
-  CpuForwardPlan plan = plan_forward(p, internals, one, splits, block_q, kernel);  // the kernel chosen once
+  const std::optional<bool> pack = q_tiles ? pack_gqa_request(p, options) : false;
+  CpuForwardPlan plan = plan_forward(p, internals, one, splits, block_q, kernel, pack);  // the kernel chosen once
   plan.hardware = hw;
   plan.threads = static_cast<int>(std::clamp<std::int64_t>(plan.work_items, 1, hw.threads));
   return plan;
@@ -199,7 +224,8 @@ CpuForwardPlan plan_forward(const AttentionProblem& p, const CpuHardware& hw, in
 }
 
 CpuForwardPlan cpu::plan_forward(const AttentionProblem& p, const detail::ProblemInternals& internals,
-                                 const CpuHardware& hw, int num_splits, std::int64_t block_q, ForwardKernel kernel) {
+                                 const CpuHardware& hw, int num_splits, std::int64_t block_q, ForwardKernel kernel,
+                                 std::optional<bool> pack_gqa) {
   CpuForwardPlan plan;
   plan.hardware = hw;
   plan.kernel = choose_kernel(p, internals, hw, kernel);
@@ -219,9 +245,20 @@ CpuForwardPlan cpu::plan_forward(const AttentionProblem& p, const detail::Proble
       (p.head_dim + plan.head_dim_v_padded + plan.block_k) * static_cast<std::int64_t>(sizeof(float));
   std::int64_t bq = static_cast<std::int64_t>(hw.l2_bytes / 2) / bytes_per_row;
   bq = std::clamp(bq, mr, kMaxBlockQ) / mr * mr;  // a whole number of micro-tiles
-  bq = std::min(bq, round_up(std::max<std::int64_t>(p.seqlen_q, 1), mr));
+  const std::int64_t head_rows = round_up(std::max<std::int64_t>(p.seqlen_q, 1), mr);
+  // pack_gqa (AttentionOptions::pack_gqa): the q heads of a kv head share each Q tile, every
+  // K/V tile streamed once for them all. Unset, where a head's rows fill less than half a Q
+  // tile: the tile is then mostly one head's padding-free rows of several heads instead of
+  // a few rows that each pass over the whole of K and V. Its rows are split among the heads.
+  const std::int64_t group = p.heads_q / p.heads_kv;
+  const bool variant_per_head = per_head_variant(p, false) != nullptr;
+  const bool pack = !is_decode(plan.kernel) && group > 1 && !variant_per_head &&
+                    pack_gqa.value_or(2 * head_rows <= bq);
+  plan.heads_per_item = pack ? group : 1;
+  if (pack) bq = std::max(mr, bq / group / mr * mr);
+  bq = std::min(bq, head_rows);
   // Enough work items to keep every thread busy (docs/algorithm.md §3: parallelize over the sequence).
-  const std::int64_t heads = p.batch * p.heads_q;
+  const std::int64_t heads = p.batch * p.heads_q / plan.heads_per_item;
   while (bq > 2 * mr && heads * ((p.seqlen_q + bq - 1) / bq) < 4 * hw.threads)
     bq = std::max(mr, bq / 2 / mr * mr);
   if (block_q > 0) bq = round_up(std::min(block_q, std::max<std::int64_t>(p.seqlen_q, 1)), mr);
@@ -230,7 +267,6 @@ CpuForwardPlan cpu::plan_forward(const AttentionProblem& p, const detail::Proble
   // Split-KV (flash-decoding): with fewer Q tiles than 2 per thread, split the keys so
   // that every thread has work; never more splits than K/V tiles.
   const std::int64_t k_tiles = (p.seqlen_k + plan.block_k - 1) / plan.block_k;
-  const std::int64_t group = p.heads_q / p.heads_kv;
   if (is_decode(plan.kernel)) {
     // One work item = (batch, contiguous key chunk) over every kv head: a thread streams
     // whole token rows (the kv heads of a key are adjacent), which the hardware prefetcher
@@ -320,7 +356,8 @@ std::string CpuForwardPlan::describe() const {
   std::ostringstream s;
   s << "kernel=" << to_string(kernel) << " simd=" << hardware.simd_target << " micro_tile="
     << hardware.micro_rows << "x" << hardware.micro_cols << " block_q=" << block_q << " block_k=" << block_k
-    << " q_blocks=" << q_blocks << " splits=" << splits << " work_items=" << work_items
+    << " q_blocks=" << q_blocks << " heads_per_item=" << heads_per_item << " splits=" << splits
+    << " work_items=" << work_items
     << " threads=" << threads
     << " workspace_bytes=" << workspace_bytes();
   return s.str();

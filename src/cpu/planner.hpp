@@ -4,6 +4,7 @@
 // in its dtype — which is these with default internals.
 #pragma once
 
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -24,10 +25,16 @@ ForwardKernel forward_kernel(const AttentionProblem& problem, const detail::Prob
                              const CpuHardware& hardware, ForwardKernel requested);
 
 // plan_forward(problem, hardware, num_splits, block_q, kernel) of flashattn/plan.hpp, k and v
-// stored as `internals` says.
+// stored as `internals` says; pack_gqa as AttentionOptions::pack_gqa (a problem whose
+// variants differ per q head is never packed: pack_gqa_request turns a request into an Error).
 CpuForwardPlan plan_forward(const AttentionProblem& problem, const detail::ProblemInternals& internals,
                             const CpuHardware& hardware, int num_splits = 0, std::int64_t block_q = 0,
-                            ForwardKernel kernel = ForwardKernel::automatic);
+                            ForwardKernel kernel = ForwardKernel::automatic,
+                            std::optional<bool> pack_gqa = std::nullopt);
+
+// options.pack_gqa for this problem: false where a variant differs per q head (alibi_slopes,
+// dropout, attn_mask, score_hook) and pack_gqa is unset, an Error naming it where it is true.
+std::optional<bool> pack_gqa_request(const AttentionProblem& problem, const AttentionOptions& options);
 
 // The plan of one sequence of a batch that runs together (forward_varlen_paged): from the
 // problem and the options alone, never the thread count or the rest of the batch, so that

@@ -66,6 +66,8 @@ MutableOperand operand(const MutableTensorView& v) { return {v.data, v.strides[0
 
 void check_forward(const detail::ForwardJob& job) {
   check_supported(job.problem, job.options);
+  if (job.options.pack_gqa.value_or(false) && job.problem.heads_q > job.problem.heads_kv)
+    throw Error("pack_gqa: true is not supported on cuda (a thread block computes one q head's rows)");
   for (const auto& [name, view] : {std::pair{"q", job.q}, {"k", job.k}, {"v", job.v}, {"out", TensorView(job.out)}})
     check_operand(name, view);
   plan_cuda_forward(job.problem);

@@ -39,7 +39,7 @@ bool tile_has_work(const AttentionProblem& p, std::int64_t i0, std::int64_t rows
 }  // namespace
 
 Tiling tiling_of(const CpuForwardPlan& plan) {
-  return {plan.block_q, plan.block_k, plan.splits, is_decode(plan.kernel)};
+  return {plan.block_q, plan.block_k, plan.splits, is_decode(plan.kernel), plan.heads_per_item};
 }
 
 Tiling tiling_of(const CpuBackwardPlan& plan) { return {plan.block_q, plan.block_k, 1, false}; }
@@ -200,10 +200,14 @@ TiledAccount flash_forward(const AttentionProblem& p, const Tiling& tiling) {
   std::int64_t once_keys = 0;
   // The work items of the first (batch, head) — (batch, kv head) for decode, whose items
   // hold every head's rows — as the kernels run them.
-  const ForwardSchedule schedule{bq, bc, tiling.decode ? 1 : ceil_div(p.seqlen_q, bq), splits, tiling.decode};
+  const std::int64_t hpi = tiling.decode ? 1 : tiling.heads_per_item;
+  if (hpi < 1 || p.heads_q / p.heads_kv % hpi != 0)
+    throw Error("tiling: heads_per_item " + std::to_string(hpi) + " does not divide the " +
+                std::to_string(p.heads_q / p.heads_kv) + " q heads of a kv head");
+  const ForwardSchedule schedule{bq, bc, tiling.decode ? 1 : ceil_div(p.seqlen_q, bq), splits, tiling.decode, hpi};
   const std::int64_t items = schedule.q_blocks * splits;
-  const std::int64_t group = tiling.decode ? p.heads_q / p.heads_kv : 1;  // q heads per item's rows
-  copies = tiling.decode ? p.batch * p.heads_kv : p.batch * p.heads_q;
+  const std::int64_t group = tiling.decode ? p.heads_q / p.heads_kv : hpi;  // q heads per item's rows
+  copies = tiling.decode ? p.batch * p.heads_kv : p.batch * p.heads_q / hpi;
   grid = schedule.q_blocks * k_tiles;
   for (std::int64_t item = 0; item < items; ++item) {
     const ForwardWorkItem w = forward_work_item(p, schedule, item);
@@ -548,7 +552,9 @@ Prediction predict_standard(const AttentionProblem& p, const Architecture& arch,
 
 Prediction predict_forward(const AttentionProblem& p, const Architecture& arch, const Tiling& tiling,
                            const TileOptions& options) {
-  const UnitCycles tile = forward_tile_cycles(arch, tiling.block_q, tiling.block_k, p.head_dim, p.head_dim_v, options);
+  // A tile holds block_q rows of each of its heads (pack_gqa).
+  const std::int64_t rows = tiling.block_q * (tiling.decode ? 1 : tiling.heads_per_item);
+  const UnitCycles tile = forward_tile_cycles(arch, rows, tiling.block_k, p.head_dim, p.head_dim_v, options);
   return predict(p, arch, flash_forward(p, tiling), tile, work(p).forward, "forward");
 }
 

@@ -12,6 +12,7 @@ AttentionOptions ShapeFlags::options() const {
   o.num_splits = num_splits;
   o.kernel = parse_forward_kernel(kernel);
   o.backward_kernel = parse_backward_kernel(backward_kernel);
+  if (pack_gqa != "auto") o.pack_gqa = pack_gqa == "on";
   return o;
 }
 

@@ -27,6 +27,7 @@ struct ShapeFlags {
   int num_splits = 0;
   std::string kernel = "auto";  // AttentionOptions::kernel by name
   std::string backward_kernel = "auto";  // AttentionOptions::backward_kernel by name
+  std::string pack_gqa = "auto";         // AttentionOptions::pack_gqa: auto (unset), on, off
 
   // A benchmark case's dtype: a --kernel tiled_bf16 request applies to its bf16 cases, the
   // others (f32) keep the planner's choice, so that one run times both.

@@ -27,7 +27,7 @@ std::set<std::string> given_options(const CLI::App& cmd) {
   return given;
 }
 
-// Sizes, --threads, --kernel and --backward-kernel; with_mode adds --dtype, --causal,
+// Sizes, --threads, --kernel, --backward-kernel and --pack-gqa; with_mode adds --dtype, --causal,
 // --softmax-scale and --num-splits too.
 void add_shape(CLI::App& app, ShapeFlags& s, bool with_mode = true) {
   app.add_option("--batch", s.batch, "batch size")->capture_default_str();
@@ -45,6 +45,10 @@ void add_shape(CLI::App& app, ShapeFlags& s, bool with_mode = true) {
       ->capture_default_str()->check(CLI::IsMember({"auto", "tiled", "tiled_bf16", "decode", "decode_fp16"}));
   app.add_option("--backward-kernel", s.backward_kernel, "CPU backward kernel: auto, tiled or tiled_bf16 (bf16 on AVX512-BF16)")
       ->capture_default_str()->check(CLI::IsMember({"auto", "tiled", "tiled_bf16"}));
+  app.add_option("--pack-gqa", s.pack_gqa,
+                 "tiled forward: stack the q heads of a kv head in one Q tile (FlashAttention-3's pack_gqa): auto "
+                 "(the planner's choice), on or off")
+      ->capture_default_str()->check(CLI::IsMember({"auto", "on", "off"}));
   if (!with_mode) return;
   app.add_option("--dtype", s.dtype, "f32, bf16 or f16")->capture_default_str();
   app.add_flag("--causal,!--no-causal", s.causal, "bottom-right aligned causal mask")

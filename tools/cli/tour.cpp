@@ -250,6 +250,30 @@ void chapter_partitioning(const TourFlags& f) {
               "  'sequence' has ceil(N/Br) items and scales until the cores run out.\n");
   figure(f, "gflops_vs_threads.svg",
          svg::line_chart({"Forward GFLOP/s at batch 1, one head", "threads", "GFLOP/s", false, false}, series));
+
+  // Grouped-query heads with few rows each (a prefill chunk, speculative decoding): a Q tile
+  // per head streams the whole K/V for its rows alone; pack_gqa stacks the group's heads.
+  constexpr std::int64_t kHeadsQ = 16, kGroup = 8;
+  std::printf("\n  GQA: %lld q heads over %lld kv heads, %lld keys, f32, %d threads: a Q tile per q head, or one\n"
+              "  per kv head holding its %lld q heads' rows (pack_gqa, FlashAttention-3); K+V elements read\n"
+              "  counted by the kernels.\n",
+              static_cast<long long>(kHeadsQ), static_cast<long long>(kHeadsQ / kGroup), static_cast<long long>(n),
+              max_threads, static_cast<long long>(kGroup));
+  std::printf("  %9s %16s %16s %14s %14s %7s\n", "rows/head", "K+V per head", "K+V packed", "per head GF/s",
+              "packed GF/s", "ratio");
+  for (const std::int64_t rows : {8, 32}) {
+    AttentionOptions per_head = options_of(f), packed = per_head;
+    per_head.pack_gqa = false;
+    packed.pack_gqa = true;
+    const AttentionProblem p = AttentionProblem::from_sizes(1, rows, n, kHeadsQ, kHeadsQ / kGroup, f.dim, f.dim,
+                                                            DType::f32, per_head);
+    const CountedRun a = counted_run(p, per_head, f.repeats, false), b = counted_run(p, packed, f.repeats, false);
+    const double flops = p.visible_forward_flops();
+    std::printf("  %9lld %16lld %16lld %14.2f %14.2f %6.2fx\n", static_cast<long long>(rows),
+                static_cast<long long>(a.forward.k_read + a.forward.v_read),
+                static_cast<long long>(b.forward.k_read + b.forward.v_read), flops / a.forward_seconds / 1e9,
+                flops / b.forward_seconds / 1e9, a.forward_seconds / b.forward_seconds);
+  }
 }
 
 // ---- 4: asynchrony and low precision ------------------------------------------------

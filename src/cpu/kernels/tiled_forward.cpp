@@ -78,15 +78,15 @@ HWY_INLINE void ScoreTile(const StripKeys* HWY_RESTRICT keys, std::int64_t strip
 
 // row(r, i, j, n_r, cols): each row r of the tile over its strip's span — query i, keys j..
 // of which n_r are real, cols with padding, at column j − j0 of the row; rows of an empty
-// span are left alone. The tile's rows are consecutive queries of one head; padded rows
-// copy the last query.
+// span are left alone. The tile's rows are consecutive queries from i0 of one head, in
+// blocks of head_rows per head under pack_gqa; padded rows copy the last query.
 template <class RowFn>
-HWY_INLINE void ForEachSpanRow(const AttentionProblem& p, std::int64_t i0, std::int64_t rows, std::int64_t j0,
-                               std::int64_t n, const StripKeys* HWY_RESTRICT keys, RowFn row) {
+HWY_INLINE void ForEachSpanRow(const AttentionProblem& p, std::int64_t i0, std::int64_t rows, std::int64_t head_rows,
+                               std::int64_t j0, std::int64_t n, const StripKeys* HWY_RESTRICT keys, RowFn row) {
   for (std::int64_t r = 0; r < rows; ++r) {
     const StripKeys k = keys[r / kMicroRows];
     if (k.begin == k.end) continue;
-    row(r, std::min(i0 + r, p.seqlen_q - 1), j0 + k.begin, std::min(n, k.end) - k.begin, k.end - k.begin);
+    row(r, std::min(i0 + r % head_rows, p.seqlen_q - 1), j0 + k.begin, std::min(n, k.end) - k.begin, k.end - k.begin);
   }
 }
 
@@ -140,13 +140,13 @@ struct Fp32Products {
     });
   }
 
-  // Rows [0, rows) of the Q tile from queries i0.., times softmax_scale·log2e; rows up to
-  // rows_pad zero.
+  // Rows [at, at + rows) of the Q tile from queries i0.. of head h, times
+  // softmax_scale·log2e; rows up to at + rows_pad zero.
   static void LoadQ(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t b, std::int64_t h, std::int64_t i0,
-                    std::int64_t rows, std::int64_t rows_pad) {
+                    std::int64_t rows, std::int64_t rows_pad, std::int64_t at) {
     const AttentionProblem& p = prm.problem;
     const std::int64_t d = p.head_dim;
-    float* q_tile = ws.q_tile.get();  // (rows_pad, d)
+    float* q_tile = ws.q_tile.get() + at * d;  // (rows_pad, d)
     const float q_scale = p.softmax_scale * OnlineSoftmaxState::kLog2e;
     const std::int64_t q_bytes = d * static_cast<std::int64_t>(dtype_size(p.dtype));
     for (std::int64_t r = 0; r < rows; ++r) {
@@ -241,12 +241,12 @@ struct Bf16Products {
     });
   }
 
-  // Rows [0, rows) of the bf16 Q tile from queries i0.., as stored (head_dim padded to even
-  // with a zero); rows up to rows_pad zero.
+  // Rows [at, at + rows) of the bf16 Q tile from queries i0.. of head h, as stored
+  // (head_dim padded to even with a zero); rows up to at + rows_pad zero.
   static void LoadQ(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t b, std::int64_t h, std::int64_t i0,
-                    std::int64_t rows, std::int64_t rows_pad) {
+                    std::int64_t rows, std::int64_t rows_pad, std::int64_t at) {
     const std::int64_t d = prm.problem.head_dim, d_even = EvenHeadDim(prm);
-    std::uint16_t* q = ws.q_bf16.get();  // (rows_pad, d_even)
+    std::uint16_t* q = ws.q_bf16.get() + at * d_even;  // (rows_pad, d_even)
     const std::int64_t q_bytes = d * static_cast<std::int64_t>(sizeof(std::uint16_t));
     for (std::int64_t r = 0; r < rows; ++r) {
       if (prm.switches.software_prefetch && r + kRowPrefetchDistance < rows)
@@ -291,8 +291,9 @@ struct Bf16Products {
 };
 #endif
 
-// One work item of the tiled kernels: a Q tile of one (batch, head) against its visible K/V
-// tiles; Products (Fp32Products, Bf16Products) computes the two matrix products.
+// One work item of the tiled kernels: a Q tile of one (batch, head) — or, under pack_gqa,
+// of every q head of one kv head, their rows stacked head after head — against its visible
+// K/V tiles; Products (Fp32Products, Bf16Products) computes the two matrix products.
 template <class Products>
 void TiledItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item) {
   const AttentionProblem& p = prm.problem;
@@ -300,17 +301,21 @@ void TiledItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item
   const std::int64_t d = p.head_dim, dv_pad = plan.head_dim_v_padded, bc = plan.block_k;
 
   const ForwardWorkItem w = plan.work_item(p, item);
-  const std::int64_t b = w.batch, h = w.head, split = w.split, i0 = w.row_begin, rows = w.rows;
-  const std::int64_t kv_head = h / (p.heads_q / p.heads_kv);
-  const std::int64_t rows_pad = (rows + kMicroRows - 1) / kMicroRows * kMicroRows;
-  const std::int64_t strips = rows_pad / kMicroRows;
+  const std::int64_t b = w.batch, h0 = w.head, heads = w.heads, split = w.split, i0 = w.row_begin, rows = w.rows;
+  const std::int64_t kv_head = h0 / (p.heads_q / p.heads_kv);
+  // Each head's rows padded to whole strips: a strip never mixes heads, and every head's
+  // strips see the same keys (the same queries, the same variants).
+  const std::int64_t head_rows_pad = (rows + kMicroRows - 1) / kMicroRows * kMicroRows;
+  const std::int64_t head_strips = head_rows_pad / kMicroRows;
+  const std::int64_t rows_pad = heads * head_rows_pad, strips = heads * head_strips;
   const std::int64_t key_begin = w.key_begin, key_end = w.key_end;
+  // The planner packs no variant that differs per q head, so head h0's serve every head.
   const RowMods mods(p, prm.internals, prm.alibi_slopes, prm.block_mask, prm.attn_mask, prm.attn_mask_blocks,
-                     prm.score_hook, b, h);
+                     prm.score_hook, b, h0);
 
   Products::Pack(prm, ws, b, kv_head, key_begin, key_end);
-  Products::LoadQ(prm, ws, b, h, i0, rows, rows_pad);
-  ws.counters.q_read += rows * d;
+  for (std::int64_t e = 0; e < heads; ++e) Products::LoadQ(prm, ws, b, h0 + e, i0, rows, head_rows_pad, e * head_rows_pad);
+  ws.counters.q_read += heads * rows * d;
 
   ResetRows(ws, rows_pad, dv_pad);  // õ (rows_pad, dv_pad), softmax state and rescales
   float* s_tile = ws.s_tile.get();  // (rows_pad, bc)
@@ -323,14 +328,15 @@ void TiledItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item
     const std::int64_t n = std::min(bc, key_end - j0);
     const std::int64_t n_pad = (n + kMicroCols - 1) / kMicroCols * kMicroCols;
     if (!mods.tile_has_work(i0, rows, j0, n)) continue;  // block-sparse: skip it entirely
-    CountTiles(ws.counters, 1, rows, n, d, p.head_dim_v);
+    CountTiles(ws.counters, 1, heads * rows, n, d, p.head_dim_v);
 
     StripKeys* keys = ws.strip_keys.data();  // (strips)
-    FindStripKeys(p, mods, i0, strips, j0, n, keys);
+    FindStripKeys(p, mods, i0, head_strips, j0, n, keys);
+    for (std::int64_t e = 1; e < heads; ++e) std::copy(keys, keys + head_strips, keys + e * head_strips);
     Products::Scores(prm, ws, j0, keys, strips, n_pad);
     // Row by row, while the row is in L1: the mask step, then the online-softmax update.
-    ForEachSpanRow(p, i0, rows_pad, j0, n, keys, [&](std::int64_t r, std::int64_t i, std::int64_t j, std::int64_t n_r,
-                                                     std::int64_t cols) {
+    ForEachSpanRow(p, i0, rows_pad, head_rows_pad, j0, n, keys, [&](std::int64_t r, std::int64_t i, std::int64_t j,
+                                                                    std::int64_t n_r, std::int64_t cols) {
       float* srow = s_tile + r * bc + (j - j0);
       MaskRow(mods, srow, i, j, n_r, cols);
       SoftmaxRow(mods, srow, i, j, cols, state[r], o_acc + r * dv_pad, dv_pad, rescales[r], deferred);
@@ -341,13 +347,16 @@ void TiledItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item
   // Epilogue: normalize once (deferred normalization) and store lse — a split's partial
   // result goes to the float32 buffers that merge_attention_states combines.
   const std::int64_t out_bytes = p.head_dim_v * static_cast<std::int64_t>(dtype_size(prm.out.dtype));
-  for (std::int64_t r = 0; r < rows; ++r) {
-    if (prm.switches.software_prefetch && plan.splits == 1 && r + kRowPrefetchDistance < rows)
-      PrefetchRow(OutputRow(prm, b, i0 + r + kRowPrefetchDistance, h), out_bytes);
-    StoreOutputRow(prm, ws, split, b, h, i0 + r, o_acc + r * dv_pad, state[r], rescales[r]);
+  for (std::int64_t e = 0; e < heads; ++e) {
+    for (std::int64_t r = 0; r < rows; ++r) {
+      if (prm.switches.software_prefetch && plan.splits == 1 && r + kRowPrefetchDistance < rows)
+        PrefetchRow(OutputRow(prm, b, i0 + r + kRowPrefetchDistance, h0 + e), out_bytes);
+      const std::int64_t t = e * head_rows_pad + r;  // the row in the tile
+      StoreOutputRow(prm, ws, split, b, h0 + e, i0 + r, o_acc + t * dv_pad, state[t], rescales[t]);
+    }
   }
-  ws.counters.o_written += rows * p.head_dim_v;
-  ws.counters.lse_written += rows;
+  ws.counters.o_written += heads * rows * p.head_dim_v;
+  ws.counters.lse_written += heads * rows;
 }
 
 void TiledWorkItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item) {

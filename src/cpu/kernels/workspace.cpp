@@ -15,8 +15,9 @@ std::size_t round_up(std::size_t n, std::size_t m) { return (n + m - 1) / m * m;
 
 ForwardLayout::ForwardLayout(const CpuForwardPlan& plan, const AttentionProblem& p) {
   const bool decode = is_decode(plan.kernel), bf16 = plan.kernel == ForwardKernel::tiled_bf16;
-  // Tiles held at once: one, or (decode) one per kv head — Q rows and a block of V rows each.
-  const auto tiles_held = static_cast<std::size_t>(decode ? p.heads_kv : 1);
+  // Tiles held at once: one, (decode) one per kv head — Q rows and a block of V rows each —
+  // or (pack_gqa) one per q head of the kv head, stacked into one Q tile.
+  const auto tiles_held = static_cast<std::size_t>(decode ? p.heads_kv : plan.heads_per_item);
   rows = static_cast<std::size_t>(plan.block_q) * tiles_held;
   const auto bc = static_cast<std::size_t>(plan.block_k);
   const auto d = static_cast<std::size_t>(p.head_dim);
@@ -46,7 +47,7 @@ ForwardLayout::ForwardLayout(const CpuForwardPlan& plan, const AttentionProblem&
     k_packed = keys_pad * d;
     v_packed = keys_pad * dv_pad;
   }
-  strips = static_cast<std::size_t>(plan.block_q / plan.hardware.micro_rows);
+  strips = (decode ? static_cast<std::size_t>(plan.block_q) : rows) / static_cast<std::size_t>(plan.hardware.micro_rows);
 }
 
 std::size_t ForwardLayout::bytes() const {
