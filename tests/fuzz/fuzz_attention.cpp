@@ -320,6 +320,10 @@ void run_case(FuzzedDataProvider& fdp) {
   lk.broadcast_batch = lv.broadcast_batch = broadcast_kv;
   const bool v_aliases_k = in.head_dim == in.head_dim_v && fdp.ConsumeBool() && fdp.ConsumeBool();
   const std::uint64_t seed = fdp.ConsumeIntegral<std::uint32_t>();
+  // pack_gqa from the seed's residue (no byte of its own, so that saved inputs keep their
+  // cases): unset, forced on (without a variant that differs per q head) or forced off.
+  if (seed % 3 == 1 && o.alibi_slopes.data == nullptr && o.dropout_p == 0.0f) o.pack_gqa = true;
+  if (seed % 3 == 2) o.pack_gqa = false;
 
   std::ostringstream describe;
   describe << "dtype=" << to_string(in.dtype) << " B=" << in.batch << " Sq=" << in.seqlen_q << " Sk=" << in.seqlen_k
@@ -332,7 +336,8 @@ void run_case(FuzzedDataProvider& fdp) {
            << " deterministic=" << o.deterministic << " block_q=" << o.block_q << " exp2=" << to_string(o.exp2)
            << " rescale_threshold=" << o.rescale_threshold.value_or(-1.0f)
            << " counters=" << (o.counters != nullptr) << " broadcast_kv=" << broadcast_kv
-           << " v_aliases_k=" << v_aliases_k << " seed=" << seed;
+           << " v_aliases_k=" << v_aliases_k << " pack_gqa=" << (o.pack_gqa ? (*o.pack_gqa ? "on" : "off") : "auto")
+           << " seed=" << seed;
   current_case = describe.str();
 
   // Faults that change shapes or dtypes act on what is built next.
