@@ -324,7 +324,7 @@ constexpr CounterCase kCounterCases[] = {
     {"decode", 2, 1, 450, 8, 2, 64, 64, DType::bf16, false, -1, -1, 0, 0},
     // Few rows per q head of a GQA group: the planner packs them (pack_gqa), each K/V tile
     // counted once for the group's stacked rows.
-    {"pack_gqa", 2, 9, 700, 8, 2, 32, 32, DType::f32, false, -1, -1, 0, 0},
+    {"pack_gqa", 2, 13, 700, 8, 2, 32, 32, DType::f32, false, -1, -1, 0, 0},
     {"pack_gqa causal split", 1, 21, 450, 6, 2, 64, 40, DType::bf16, true, -1, -1, 2, 0},
 };
 
