@@ -247,9 +247,10 @@ CpuForwardPlan cpu::plan_forward(const AttentionProblem& p, const detail::Proble
   bq = std::clamp(bq, mr, kMaxBlockQ) / mr * mr;  // a whole number of micro-tiles
   const std::int64_t head_rows = round_up(std::max<std::int64_t>(p.seqlen_q, 1), mr);
   // pack_gqa (AttentionOptions::pack_gqa): the q heads of a kv head share each Q tile, every
-  // K/V tile streamed once for them all. Unset, where a head's rows fill less than half a Q
-  // tile: the tile is then mostly one head's padding-free rows of several heads instead of
-  // a few rows that each pass over the whole of K and V. Its rows are split among the heads.
+  // K/V tile streamed once for them all. Unset, it packs where a head's rows fill at most
+  // half a Q tile: the tile then holds rows of every head of the group, instead of a few rows
+  // of one head per pass over the whole of K and V. The tile's rows are shared among the
+  // heads, block_q each.
   const std::int64_t group = p.heads_q / p.heads_kv;
   const bool variant_per_head = per_head_variant(p, false) != nullptr;
   const bool pack = !is_decode(plan.kernel) && group > 1 && !variant_per_head &&
