@@ -113,6 +113,18 @@ if "$cli" run --seqlen 16 --heads 2 --dim 8 --backward-kernel fast --repeats 1 2
   exit 1
 fi
 grep -q "backward-kernel" "$work/err.txt"
+# --pack-gqa: the plan stacks the 4 q heads of a kv head in one Q tile, or does not.
+"$cli" run --seqlen-q 9 --seqlen-k 300 --heads 8 --heads-kv 2 --dim 32 --dtype f32 --repeats 1 --pack-gqa on \
+  > "$work/packed.txt"
+grep -q "forward plan: .*heads_per_item=4" "$work/packed.txt"
+"$cli" run --seqlen-q 9 --seqlen-k 300 --heads 8 --heads-kv 2 --dim 32 --dtype f32 --repeats 1 --pack-gqa off \
+  > "$work/unpacked.txt"
+grep -q "forward plan: .*heads_per_item=1" "$work/unpacked.txt"
+if "$cli" run --seqlen 16 --heads 2 --dim 8 --pack-gqa yes --repeats 1 2> "$work/err.txt"; then
+  echo "--pack-gqa yes was accepted" >&2
+  exit 1
+fi
+grep -q "pack-gqa" "$work/err.txt"
 echo "cli smoke (gradients, kernels): ok"
 
 # Variants and a packed variable-length batch in file mode: two sequences (3 and 6 queries,

@@ -301,6 +301,11 @@ TEST(CostModel, TiledMovesLessThanStandard) {
   EXPECT_LT(cost::flash_forward(p, Tiling{128, 128}).traffic.bytes(), cost::standard_forward(p).traffic.bytes());
   EXPECT_LT(cost::flash_backward(p, Tiling{64, 128}).traffic.bytes(), cost::standard_backward(p).traffic.bytes());
   EXPECT_THROW(cost::flash_forward(p, Tiling{0, 128}), Error);
+  // pack_gqa's heads per item must divide the q heads of a kv head.
+  const AttentionProblem gqa = AttentionProblem::from_sizes(1, 64, 512, 6, 2, 64, 64, DType::f32, {});
+  EXPECT_EQ(cost::flash_forward(gqa, Tiling{16, 128, 1, false, 3}).tiles_computed, 2 * 4 * 4);
+  expect_error([&] { cost::flash_forward(gqa, Tiling{16, 128, 1, false, 2}); },
+               {"heads_per_item 2", "does not divide the 3 q heads of a kv head"});
 }
 
 // ---- measured counters equal the model -----------------------------------------------
