@@ -15,7 +15,7 @@ def flash_attn_func(q: Array, k: Array, v: Array, dropout_p: float = 0.0, softma
                     k_descale: Optional[Array] = None,
                     v_descale: Optional[Array] = None,
     learnable_sink: Optional[Array] = None,
-    sinks: Optional[Array] = None) -> Union[Array, Tuple[Array, Array, Array]]: ...
+    sinks: Optional[Array] = None, pack_gqa: Optional[bool] = None) -> Union[Array, Tuple[Array, Array, Array]]: ...
 def flash_attn_qkvpacked_func(qkv: Array, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
                               causal: bool = False, window_size: Window = (-1, -1), softcap: float = 0.0,
                               alibi_slopes: Optional[Array] = None, deterministic: bool = False,
@@ -25,7 +25,7 @@ def flash_attn_qkvpacked_func(qkv: Array, dropout_p: float = 0.0, softmax_scale:
                               block_mask: Optional[Array] = None,
                               block_mask_block_size: int = 0,
     learnable_sink: Optional[Array] = None,
-    sinks: Optional[Array] = None) -> Union[Array, Tuple[Array, Array, Array]]: ...
+    sinks: Optional[Array] = None, pack_gqa: Optional[bool] = None) -> Union[Array, Tuple[Array, Array, Array]]: ...
 def flash_attn_kvpacked_func(q: Array, kv: Array, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
                              causal: bool = False, window_size: Window = (-1, -1), softcap: float = 0.0,
                              alibi_slopes: Optional[Array] = None, deterministic: bool = False,
@@ -35,7 +35,7 @@ def flash_attn_kvpacked_func(q: Array, kv: Array, dropout_p: float = 0.0, softma
                              block_mask: Optional[Array] = None,
                              block_mask_block_size: int = 0,
     learnable_sink: Optional[Array] = None,
-    sinks: Optional[Array] = None) -> Union[Array, Tuple[Array, Array, Array]]: ...
+    sinks: Optional[Array] = None, pack_gqa: Optional[bool] = None) -> Union[Array, Tuple[Array, Array, Array]]: ...
 def flash_attn_varlen_func(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqlens_k: Array,
                            max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
                            softmax_scale: Optional[float] = None, causal: bool = False,
@@ -51,7 +51,8 @@ def flash_attn_varlen_func(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu
                            prefix_seqused_k: Optional[Array] = None, prefix_idx: Optional[Array] = None,
                            k_zero_point: Optional[Array] = None, v_zero_point: Optional[Array] = None,
                            k_quant: Optional[str] = None,
-                           v_quant: Optional[str] = None) -> Union[Array, Tuple[Array, Array, Array]]: ...
+                           v_quant: Optional[str] = None,
+                           pack_gqa: Optional[bool] = None) -> Union[Array, Tuple[Array, Array, Array]]: ...
 def flash_attn_varlen_qkvpacked_func(qkv: Array, cu_seqlens: Array, max_seqlen: int, dropout_p: float = 0.0,
                                      softmax_scale: Optional[float] = None, causal: bool = False,
                                      window_size: Window = (-1, -1), softcap: float = 0.0,
@@ -84,7 +85,7 @@ def flash_attn_with_kvcache(q: Array, k_cache: Array, v_cache: Array, k: Optiona
     learnable_sink: Optional[Array] = None, sinks: Optional[Array] = None, cu_seqlens_q: Optional[Array] = None,
     cu_seqlens_k_new: Optional[Array] = None, max_seqlen_q: Optional[int] = None,
     k_zero_point: Optional[Array] = None, v_zero_point: Optional[Array] = None,
-    k_quant: Optional[str] = None, v_quant: Optional[str] = None) -> Any: ...
+    k_quant: Optional[str] = None, v_quant: Optional[str] = None, pack_gqa: Optional[bool] = None) -> Any: ...
 def flash_attn_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, softmax_lse: Array,
                         dropout_p: float = 0.0, softmax_scale: Optional[float] = None, causal: bool = False,
                         window_size: Window = (-1, -1), softcap: float = 0.0, alibi_slopes: Optional[Array] = None,
@@ -109,7 +110,8 @@ def plan(q: Array, k: Array, v: Array, dropout_p: float = 0.0, softmax_scale: Op
          causal: bool = False, window_size: Window = (-1, -1), softcap: float = 0.0,
          alibi_slopes: Optional[Array] = None, deterministic: bool = False, *, kernel: str = "auto",
          backward_kernel: str = "auto", num_threads: Optional[int] = None, num_splits: int = 0,
-         block_mask: Optional[Array] = None, block_mask_block_size: int = 0) -> Dict[str, Any]: ...
+         block_mask: Optional[Array] = None, block_mask_block_size: int = 0,
+         pack_gqa: Optional[bool] = None) -> Dict[str, Any]: ...
 def scaled_dot_product_attention(query: Array, key: Array, value: Array, attn_mask: Optional[Array] = None,
                                  dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
                                  enable_gqa: bool = False) -> Array: ...

@@ -150,6 +150,13 @@ def _int_arg(name, value, minimum):
     return int(value)
 
 
+def _pack_gqa_arg(pack_gqa):
+    """FA3's pack_gqa: None (the planner's choice), True or False (AttentionOptions::pack_gqa)."""
+    if pack_gqa is None or isinstance(pack_gqa, (bool, np.bool_)):
+        return None if pack_gqa is None else bool(pack_gqa)
+    raise TypeError(f"pack_gqa: expected None, True or False, got {pack_gqa!r}")
+
+
 def _sink_alias(learnable_sink, sinks):
     """`sinks=` (gpt-oss's name, and the native library's AttentionOptions::sinks) is another
     name for upstream FA4's `learnable_sink=`: the same tensor, autograd included."""
@@ -191,8 +198,9 @@ def _learnable_sink(learnable_sink, q):
 
 def _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, seed,
              kernel="auto", backward_kernel="auto", num_splits=0, block_mask=None, block_mask_block_size=0,
-             sinks=None, *, attn_mask=None, causal_alignment="bottom_right"):
+             sinks=None, *, attn_mask=None, causal_alignment="bottom_right", pack_gqa=None):
     o = _C.Options()
+    o.pack_gqa = _pack_gqa_arg(pack_gqa)
     if attn_mask is not None:
         o.attn_mask, o.attn_mask_dtype = _attn_mask_raw(attn_mask)
     o.causal_alignment = causal_alignment
@@ -385,7 +393,7 @@ def _varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, opts):
 
 def _attention(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                return_attn_probs, seed, kernel, backward_kernel, num_threads, num_splits=0, block_mask=None,
-               block_mask_block_size=0, descales=(None, None, None), learnable_sink=None):
+               block_mask_block_size=0, descales=(None, None, None), learnable_sink=None, pack_gqa=None):
     if len({_is_tensor(x) for x in (q, k, v)}) > 1:
         raise TypeError("inputs mix numpy arrays and torch tensors: q, k, v")
     sinks = _learnable_sink(learnable_sink, q)
@@ -396,7 +404,7 @@ def _attention(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, s
             raise NotImplementedError("q: FP8 inputs are supported by flash_attn_func only, not the varlen functions")
         return _fp8_attention(q, k, v, descales, dropout_p, softmax_scale, causal, window_size, softcap,
                               alibi_slopes, return_attn_probs, seed, kernel, num_threads, num_splits, block_mask,
-                              block_mask_block_size, sinks)
+                              block_mask_block_size, sinks, pack_gqa)
     for name, d in zip(("q_descale", "k_descale", "v_descale"), descales):
         if d is not None:
             raise TypeError(f"{name}: descales belong to FP8 inputs (float8_e4m3fn or float8_e5m2), "
@@ -404,10 +412,11 @@ def _attention(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, s
     if _is_tensor(q):
         return _torch_attention(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, softcap,
                                 alibi_slopes, deterministic, return_attn_probs, seed, kernel, backward_kernel,
-                                num_threads, num_splits, block_mask, block_mask_block_size, sinks)
+                                num_threads, num_splits, block_mask, block_mask_block_size, sinks, pack_gqa)
     seed = _numpy_seed(dropout_p, seed)
     opts = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, seed,
-                    kernel, backward_kernel, num_splits, block_mask, block_mask_block_size, sinks)
+                    kernel, backward_kernel, num_splits, block_mask, block_mask_block_size, sinks,
+                    pack_gqa=pack_gqa)
     opts.num_threads = _resolve_threads(num_threads, False)
     if varlen is None:
         out, lse, probs = _forward(q, k, v, opts, return_attn_probs)
@@ -418,8 +427,9 @@ def _attention(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, s
 
 def _torch_attention(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                      deterministic, return_attn_probs, seed, kernel, backward_kernel, num_threads, num_splits,
-                     block_mask, block_mask_block_size, sinks=None):
+                     block_mask, block_mask_block_size, sinks=None, pack_gqa=None):
     _check_block_mask(block_mask, block_mask_block_size)  # its errors before the generator is drawn from
+    pack_gqa = _pack_gqa_arg(pack_gqa)
     block_mask = _as_tensor(block_mask)
     rng_state = _torch_rng_state(dropout_p, seed)
     if alibi_slopes is not None and not _is_tensor(alibi_slopes):
@@ -429,7 +439,7 @@ def _torch_attention(q, k, v, varlen, dropout_p, softmax_scale, causal, window_s
     scalars = (float(dropout_p), None if softmax_scale is None else float(softmax_scale), bool(causal),
                int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes, bool(deterministic),
                rng_state, str(kernel), str(backward_kernel), int(num_threads or 0),
-               _int_arg("num_splits", num_splits, 0), block_mask, int(block_mask_block_size), sinks)
+               _int_arg("num_splits", num_splits, 0), block_mask, int(block_mask_block_size), sinks, pack_gqa)
     ops = _torch_ops
     if varlen is None:
         fwd = ops._fwd if ops.direct(q, k, v, alibi_slopes, block_mask, sinks) else torch.ops.flashattn.fwd
@@ -490,7 +500,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                     softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
                     seed=None, kernel="auto", backward_kernel="auto", num_threads=None, num_splits=0,
                     block_mask=None, block_mask_block_size=0, q_descale=None, k_descale=None, v_descale=None,
-                    learnable_sink=None, sinks=None):
+                    learnable_sink=None, sinks=None, pack_gqa=None):
     """Exact attention. q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) -> out (B, Sq, Hq, Dv).
 
     With return_attn_probs: (out, softmax_lse (B, Hq, Sq) float32, S_dmask), as upstream: S_dmask
@@ -508,6 +518,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     block_mask[i // block, j // block] is set. FP8: q, k, v of dtype float8_e4m3fn (or
     float8_e5m2) with q_descale, k_descale, v_descale float32 (B, Hkv), value = code *
     descale (None: 1), as upstream FA3; out is bfloat16, and there is no backward.
+    pack_gqa: FA3's — stack the q heads of a kv head in one Q tile so each K/V tile is read
+    once for the group (None: the planner's choice; True with alibi_slopes, dropout or an
+    attn_mask raises ValueError); the result is the same bits either way.
 
     learnable_sink: upstream FA4's (gpt-oss's `sinks`), one logit per q head (Hq,) float32
     (float16 and bfloat16 are widened) joining every row's softmax denominator without a
@@ -516,13 +529,15 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     learnable_sink = _sink_alias(learnable_sink, sinks)
     return _attention(q, k, v, None, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                       deterministic, return_attn_probs, seed, kernel, backward_kernel, num_threads, num_splits,
-                      block_mask, block_mask_block_size, (q_descale, k_descale, v_descale), learnable_sink)
+                      block_mask, block_mask_block_size, (q_descale, k_descale, v_descale), learnable_sink,
+                      pack_gqa)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                               softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
                               seed=None, kernel="auto", backward_kernel="auto", num_threads=None, num_splits=0,
-                              block_mask=None, block_mask_block_size=0, learnable_sink=None, sinks=None):
+                              block_mask=None, block_mask_block_size=0, learnable_sink=None, sinks=None,
+                              pack_gqa=None):
     """flash_attn_func on qkv (B, S, 3, H, D), sliced without copies."""
     learnable_sink = _sink_alias(learnable_sink, sinks)
     _check_packed("qkv", qkv, 5, 2, 3, "(batch, seqlen, 3, heads, head_dim)")
@@ -530,13 +545,15 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
                            window_size, softcap, alibi_slopes, deterministic, return_attn_probs, seed=seed,
                            kernel=kernel, backward_kernel=backward_kernel, num_threads=num_threads,
                            num_splits=num_splits, block_mask=block_mask,
-                           block_mask_block_size=block_mask_block_size, learnable_sink=learnable_sink)
+                           block_mask_block_size=block_mask_block_size, learnable_sink=learnable_sink,
+                           pack_gqa=pack_gqa)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
                              seed=None, kernel="auto", backward_kernel="auto", num_threads=None, num_splits=0,
-                             block_mask=None, block_mask_block_size=0, learnable_sink=None, sinks=None):
+                             block_mask=None, block_mask_block_size=0, learnable_sink=None, sinks=None,
+                             pack_gqa=None):
     """flash_attn_func on q and kv (B, Sk, 2, Hkv, D), sliced without copies."""
     learnable_sink = _sink_alias(learnable_sink, sinks)
     _check_packed("kv", kv, 5, 2, 2, "(batch, seqlen_k, 2, heads_kv, head_dim)", q)
@@ -544,7 +561,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
                            alibi_slopes, deterministic, return_attn_probs, seed=seed, kernel=kernel,
                            backward_kernel=backward_kernel, num_threads=num_threads, num_splits=num_splits,
                            block_mask=block_mask, block_mask_block_size=block_mask_block_size,
-                           learnable_sink=learnable_sink)
+                           learnable_sink=learnable_sink, pack_gqa=pack_gqa)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
@@ -553,11 +570,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            seed=None, kernel="auto", backward_kernel="auto", num_threads=None, num_splits=0,
                            seqused_k=None, k_scale=None, v_scale=None, learnable_sink=None, sinks=None,
                            prefix_block_table=None, prefix_seqused_k=None, prefix_idx=None, k_zero_point=None,
-                           v_zero_point=None, k_quant=None, v_quant=None):
+                           v_zero_point=None, k_quant=None, v_quant=None, pack_gqa=None):
     """Packed variable-length batch: q (total_q, Hq, D), k/v (total_k, Hkv, D), int32 cu_seqlens (B + 1).
 
     Each sequence attends only within itself; softmax_lse is (Hq, total_q). kernel /
-    backward_kernel, seed, num_threads and num_splits as flash_attn_func's.
+    backward_kernel, seed, num_threads, num_splits and pack_gqa as flash_attn_func's.
 
     Paged (block_table int32 (B, max_pages), as upstream): k and v are page pools
     (num_pages, page_size, Hkv, D), read in place; sequence b's keys are its first
@@ -584,7 +601,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         return _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, dropout_p, softmax_scale, causal,
                              window_size, softcap, alibi_slopes, return_attn_probs, block_table, seqused_k,
                              k_scale, v_scale, kernel, num_threads, num_splits, learnable_sink, prefixes,
-                             (k_zero_point, v_zero_point, k_quant, v_quant))
+                             (k_zero_point, v_zero_point, k_quant, v_quant), pack_gqa)
     for name, x in (("seqused_k", seqused_k), ("k_scale", k_scale), ("v_scale", v_scale),
                     ("prefix_block_table", prefix_block_table), ("prefix_seqused_k", prefix_seqused_k),
                     ("prefix_idx", prefix_idx), ("k_zero_point", k_zero_point), ("v_zero_point", v_zero_point),
@@ -593,13 +610,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             raise ValueError(f"{name}: belongs to a paged batch (block_table)")
     return _attention(q, k, v, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), dropout_p, softmax_scale,
                       causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, seed, kernel,
-                      backward_kernel, num_threads, num_splits, learnable_sink=learnable_sink)
+                      backward_kernel, num_threads, num_splits, learnable_sink=learnable_sink, pack_gqa=pack_gqa)
 
 
 def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, dropout_p, softmax_scale, causal,
                   window_size, softcap, alibi_slopes, return_attn_probs, block_table, seqused_k, k_scale, v_scale,
                   kernel, num_threads, num_splits, learnable_sink=None, prefixes=(None, None, None),
-                  int8=(None, None, None, None)):
+                  int8=(None, None, None, None), pack_gqa=None):
     """flash_attn_varlen_func over page pools (forward_varlen_paged in include/flashattn/attention.hpp);
     prefixes: (prefix_block_table, prefix_seqused_k, prefix_idx) or Nones; int8: (k_zero_point,
     v_zero_point, k_quant, v_quant)."""
@@ -631,12 +648,12 @@ def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                 None if softmax_scale is None else float(softmax_scale), bool(causal), int(window_size[0]),
                 int(window_size[1]), float(softcap), alibi_slopes, str(kernel), int(num_threads or 0),
                 _int_arg("num_splits", num_splits, 0), _learnable_sink(learnable_sink, q), *tables[5:],
-                k_quant, v_quant)
+                k_quant, v_quant, _pack_gqa_arg(pack_gqa))
         direct = _torch_ops.direct(*(a for a in args if isinstance(a, torch.Tensor)))
         out, lse = (_torch_ops._varlen_paged_fwd if direct else torch.ops.flashattn.varlen_paged_fwd)(*args)
     else:
         opts = _options(0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, False, None, kernel,
-                        num_splits=num_splits, sinks=_learnable_sink(learnable_sink, q))
+                        num_splits=num_splits, sinks=_learnable_sink(learnable_sink, q), pack_gqa=pack_gqa)
         opts.num_threads = _resolve_threads(num_threads, False)
         out, lse = _paged_varlen_forward(q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, block_table, seqused_k,
                                          k_scale, v_scale, opts, prefixes, k_zero_point, v_zero_point, k_quant,
@@ -834,7 +851,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
                             return_softmax_lse=False, *, k_scale=None, v_scale=None, kernel="auto",
                             num_threads=None, learnable_sink=None, sinks=None, cu_seqlens_q=None, cu_seqlens_k_new=None,
-                            max_seqlen_q=None, k_zero_point=None, v_zero_point=None, k_quant=None, v_quant=None):
+                            max_seqlen_q=None, k_zero_point=None, v_zero_point=None, k_quant=None, v_quant=None,
+                            pack_gqa=None):
     """Attention over a KV cache, as upstream: k_cache/v_cache (B_cache, S_cache, Hkv, D) or paged
     (num_pages, page_size, Hkv, D) with block_table (B, max_pages); new k, v (B, S_new, Hkv, D)
     are written into the cache in place at cache_seqlens before attending; rotary_cos/sin
@@ -858,8 +876,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     kernel: the CPU forward kernel by name — "auto" (the planner's choice), "decode",
     "decode_fp16" (an FP8 or int8 cache on AVX512-FP16: half-precision products), "tiled" or
-    "tiled_bf16" (see ForwardKernel in include/flashattn/options.hpp). num_threads and
-    learnable_sink as flash_attn_func's.
+    "tiled_bf16" (see ForwardKernel in include/flashattn/options.hpp). num_threads,
+    learnable_sink and pack_gqa as flash_attn_func's.
 
     Packed batch (FA3's cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q; paged caches only):
     q (total_q, Hq, D) with int32 cu_seqlens_q (B + 1), any number of query rows per sequence;
@@ -896,13 +914,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 int(window_size[1]), float(softcap), bool(rotary_interleaved), alibi_slopes, int(num_splits),
                 tensor(k_scale), tensor(v_scale), str(kernel), int(num_threads or 0), sinks, tensor(cu_seqlens_q),
                 tensor(cu_seqlens_k_new), int(max_seqlen_q or 0), tensor(k_zero_point), tensor(v_zero_point),
-                _quant_name(k_cache, k_scale, k_quant, "k_quant"), _quant_name(v_cache, v_scale, v_quant, "v_quant"))
+                _quant_name(k_cache, k_scale, k_quant, "k_quant"), _quant_name(v_cache, v_scale, v_quant, "v_quant"),
+                _pack_gqa_arg(pack_gqa))
         direct = _torch_ops.direct(*(a for a in args if isinstance(a, torch.Tensor)))
         out, lse = (_torch_ops.fwd_kvcache_direct if direct else torch.ops.flashattn.fwd_kvcache)(*args)
         return (out, lse) if return_softmax_lse else out
     if cache_seqlens is not None and not hasattr(cache_seqlens, "shape"):
         cache_seqlens = np.full((batch,), int(cache_seqlens), dtype=np.int32)
-    opts = _options(0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, False, None, kernel, sinks=sinks)
+    opts = _options(0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, False, None, kernel, sinks=sinks,
+                    pack_gqa=pack_gqa)
     opts.num_splits = int(num_splits)
     opts.num_threads = _resolve_threads(num_threads, False)
     out, lse = _kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
@@ -1051,7 +1071,7 @@ def _fp8_forward(q, k, v, descales, opts):
 
 def _fp8_attention(q, k, v, descales, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                    return_attn_probs, seed, kernel, num_threads, num_splits, block_mask, block_mask_block_size,
-                   sinks=None):
+                   sinks=None, pack_gqa=None):
     if return_attn_probs and dropout_p > 0.0:
         raise NotImplementedError("return_attn_probs: S_dmask under dropout is not available for FP8 inputs")
     if _is_tensor(q):
@@ -1061,12 +1081,13 @@ def _fp8_attention(q, k, v, descales, dropout_p, softmax_scale, causal, window_s
                 None if softmax_scale is None else float(softmax_scale), bool(causal), int(window_size[0]),
                 int(window_size[1]), float(softcap), _as_tensor(alibi_slopes), rng_state, str(kernel),
                 int(_resolve_threads(num_threads, True) if num_threads else 0), _int_arg("num_splits", num_splits, 0),
-                _as_tensor(block_mask), int(block_mask_block_size), sinks)
+                _as_tensor(block_mask), int(block_mask_block_size), sinks, _pack_gqa_arg(pack_gqa))
         direct = _torch_ops.direct(*(a for a in args if isinstance(a, torch.Tensor)))
         out, lse = (_torch_ops._fwd_fp8 if direct else torch.ops.flashattn.fwd_fp8)(*args)
         return (out, lse, out.new_empty((0,))) if return_attn_probs else out
     opts = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, False,
-                    _numpy_seed(dropout_p, seed), kernel, "auto", num_splits, block_mask, block_mask_block_size, sinks)
+                    _numpy_seed(dropout_p, seed), kernel, "auto", num_splits, block_mask, block_mask_block_size, sinks,
+                    pack_gqa=pack_gqa)
     opts.num_threads = _resolve_threads(num_threads, False)
     out, lse = _fp8_forward(q, k, v, descales, opts)
     return (out, lse, np.empty((0,), dtype=out.dtype)) if return_attn_probs else out
@@ -1185,10 +1206,11 @@ def hadamard_rotate(x, seed=0):
 
 def plan(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
          alibi_slopes=None, deterministic=False, *, kernel="auto", backward_kernel="auto", num_threads=None,
-         num_splits=0, block_mask=None, block_mask_block_size=0):
+         num_splits=0, block_mask=None, block_mask_block_size=0, pack_gqa=None):
     """The plans flash_attn_func and its backward run for these inputs and options, from the
     planner the library calls (plan_forward, plan_backward on CpuHardware::detect): a dict with
-    "forward" (kernel, block_q, block_k, splits, work_items, threads, workspace bytes, ...),
+    "forward" (kernel, block_q, block_k, splits, heads_per_item (pack_gqa), work_items, threads,
+    workspace bytes, ...),
     "backward" (kernel, block_q, block_k, kv_work_items, threads, workspace bytes, ...) and
     "problem" (the validated problem, described). Nothing is computed; inputs are validated as
     a call validates them (a kernel this CPU cannot run raises ValueError)."""
@@ -1196,7 +1218,7 @@ def plan(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(
         raise ValueError(f"window_size: expected (left, right), got {window_size!r}")
     raws, dts = _inputs(q=q, k=k, v=v)
     opts = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, None,
-                    kernel, backward_kernel, num_splits, block_mask, block_mask_block_size)
+                    kernel, backward_kernel, num_splits, block_mask, block_mask_block_size, pack_gqa=pack_gqa)
     opts.num_threads = _resolve_threads(num_threads, _is_tensor(q))
     return _C.plan(raws["q"], raws["k"], raws["v"], dts, opts)
 

@@ -29,10 +29,10 @@ _MASK64 = (1 << 64) - 1
 
 def _opts(dropout_p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, deterministic,
           rng_state, kernel, backward_kernel, num_threads, num_splits=0, block_mask=None, block_mask_block_size=0,
-          sinks=None):
+          sinks=None, pack_gqa=None):
     o = _impl._options(dropout_p, softmax_scale, causal, (window_left, window_right), softcap, alibi_slopes,
                        deterministic, None, kernel, backward_kernel, num_splits, block_mask, block_mask_block_size,
-                       sinks)
+                       sinks, pack_gqa=pack_gqa)
     if rng_state is not None:
         seed, offset = (int(x) & _MASK64 for x in rng_state.tolist())
         o.seed, o.offset = seed, offset
@@ -47,10 +47,11 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, softmax_scale: Optio
          window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[Tensor], deterministic: bool,
          rng_state: Optional[Tensor], kernel: str, backward_kernel: str, num_threads: int, num_splits: int = 0,
          block_mask: Optional[Tensor] = None, block_mask_block_size: int = 0,
-         sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+         sinks: Optional[Tensor] = None, pack_gqa: Optional[bool] = None) -> tuple[Tensor, Tensor]:
     """out (B, Sq, Hq, Dv) and softmax_lse (B, Hq, Sq) float32 (including the float32 (Hq) sinks)."""
     o = _opts(dropout_p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, deterministic,
-              rng_state, kernel, backward_kernel, num_threads, num_splits, block_mask, block_mask_block_size, sinks)
+              rng_state, kernel, backward_kernel, num_threads, num_splits, block_mask, block_mask_block_size, sinks,
+              pack_gqa)
     out, lse, _ = _impl._forward(q, k, v, o, False)
     return out, lse
 
@@ -116,11 +117,12 @@ def _varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
                 window_right: int, softcap: float, alibi_slopes: Optional[Tensor], deterministic: bool,
                 rng_state: Optional[Tensor], kernel: str, backward_kernel: str, num_threads: int,
                 num_splits: int = 0, block_mask: Optional[Tensor] = None, block_mask_block_size: int = 0,
-                sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                sinks: Optional[Tensor] = None, pack_gqa: Optional[bool] = None) -> tuple[Tensor, Tensor]:
     """out (total_q, Hq, Dv) and softmax_lse (Hq, total_q) float32 (the native library refuses
     a block_mask with variable-length batches)."""
     o = _opts(dropout_p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, deterministic,
-              rng_state, kernel, backward_kernel, num_threads, num_splits, block_mask, block_mask_block_size, sinks)
+              rng_state, kernel, backward_kernel, num_threads, num_splits, block_mask, block_mask_block_size, sinks,
+              pack_gqa)
     out, lse, _ = _impl._varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, o, False)
     return out, lse
 
@@ -167,12 +169,12 @@ def _varlen_paged_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q:
                       num_splits: int, sinks: Optional[Tensor] = None, prefix_block_table: Optional[Tensor] = None,
                       prefix_seqused_k: Optional[Tensor] = None, prefix_idx: Optional[Tensor] = None,
                       k_zero_point: Optional[Tensor] = None, v_zero_point: Optional[Tensor] = None, k_quant: str = "",
-                      v_quant: str = "") -> tuple[Tensor, Tensor]:
+                      v_quant: str = "", pack_gqa: Optional[bool] = None) -> tuple[Tensor, Tensor]:
     """out (total_q, Hq, Dv) and softmax_lse (Hq, total_q) float32 of a paged batch, with shared
     prefixes or not; the pools are only read. Forward only (inference, no gradient for sinks either).
     k_quant, v_quant: a quantized pool's format, "codes/granularity" (_interface._quant_name)."""
     o = _opts(0.0, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, False, None, kernel,
-              "auto", num_threads, num_splits, sinks=sinks)
+              "auto", num_threads, num_splits, sinks=sinks, pack_gqa=pack_gqa)
     return _impl._paged_varlen_forward(q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, block_table, seqused_k,
                                        k_scale, v_scale, o, (prefix_block_table, prefix_seqused_k, prefix_idx),
                                        k_zero_point, v_zero_point, k_quant, v_quant)
@@ -222,8 +224,8 @@ def _check_rank(name, x, rank, layout):
 # max_seqlen_k (varlen_fwd), in the order of the schema.
 _FWD_OPTIONS = ("dropout_p", "softmax_scale", "causal", "window_left", "window_right", "softcap", "alibi_slopes",
                 "deterministic", "rng_state", "kernel", "backward_kernel", "num_threads", "num_splits", "block_mask",
-                "block_mask_block_size", "sinks")
-_NOT_FOR_BACKWARD = ("kernel", "alibi_slopes", "rng_state", "num_splits", "block_mask", "sinks")
+                "block_mask_block_size", "sinks", "pack_gqa")
+_NOT_FOR_BACKWARD = ("kernel", "alibi_slopes", "rng_state", "num_splits", "block_mask", "sinks", "pack_gqa")
 
 
 def _setup(ctx, inputs, output, varlen):
@@ -272,7 +274,7 @@ def _fwd_setup(ctx, inputs, output):
 
 def _option_grads(ctx, dsinks):
     """The gradients of the options, in _FWD_OPTIONS order: None but the sinks'."""
-    return (None,) * (len(_FWD_OPTIONS) - 1) + (dsinks if ctx.has_sinks else None,)
+    return tuple(dsinks if name == "sinks" and ctx.has_sinks else None for name in _FWD_OPTIONS)
 
 
 def _fwd_backward(ctx, dout, _dlse):
@@ -304,13 +306,13 @@ def _fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor
                  v_scale: Optional[Tensor], kernel: str, num_threads: int, sinks: Optional[Tensor] = None,
                  cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k_new: Optional[Tensor] = None,
                  max_seqlen_q: int = 0, k_zero_point: Optional[Tensor] = None, v_zero_point: Optional[Tensor] = None,
-                 k_quant: str = "", v_quant: str = "") -> tuple[Tensor, Tensor]:
+                 k_quant: str = "", v_quant: str = "", pack_gqa: Optional[bool] = None) -> tuple[Tensor, Tensor]:
     """out (B, Sq, Hq, Dv) and softmax_lse (B, Hq, Sq) — (total_q, Hq, Dv) and (Hq, total_q)
     with cu_seqlens_q (a packed batch); new k, v are written into the cache (and an FP8
     cache's descales grown, an int8 cache's per-token scales and zero points set) in place.
     k_quant, v_quant: a quantized pool's format, "codes/granularity" (_interface._quant_name)."""
     o = _opts(0.0, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, False, None, kernel,
-              "auto", num_threads, sinks=sinks)
+              "auto", num_threads, sinks=sinks, pack_gqa=pack_gqa)
     o.num_splits = int(num_splits)
     return _impl._kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                   cache_batch_idx, cache_leftpad, block_table, rotary_interleaved, k_scale, v_scale,
@@ -344,11 +346,11 @@ def _fwd_fp8(q: Tensor, k: Tensor, v: Tensor, q_descale: Optional[Tensor], k_des
              window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
              rng_state: Optional[Tensor], kernel: str, num_threads: int, num_splits: int,
              block_mask: Optional[Tensor], block_mask_block_size: int,
-             sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+             sinks: Optional[Tensor] = None, pack_gqa: Optional[bool] = None) -> tuple[Tensor, Tensor]:
     """FP8 q, k, v (float8_e4m3fn or float8_e5m2) with FA3's (B, Hkv) descales: out (B, Sq, Hq, Dv)
     bfloat16 and softmax_lse (B, Hq, Sq) float32. Forward only (no gradient for sinks either)."""
     o = _opts(dropout_p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, False, rng_state,
-              kernel, "auto", num_threads, num_splits, block_mask, block_mask_block_size, sinks)
+              kernel, "auto", num_threads, num_splits, block_mask, block_mask_block_size, sinks, pack_gqa)
     return _impl._fp8_forward(q, k, v, (q_descale, k_descale, v_descale), o)
 
 

@@ -135,6 +135,82 @@ def test_num_splits_errors():
             flashattn.flash_attn_func(q, k, v, num_splits=bad)
 
 
+# ---- pack_gqa ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_pack_gqa(causal):
+    """FA3's pack_gqa: the q heads of a kv head share a Q tile. Every function takes it, the plan
+    shows it (heads_per_item), and packed or not the result is the same bits (one key split, so
+    that both plans read the keys in the same order), close to the float64 reference."""
+    seed = seed_for("pack_gqa", causal)
+    q, k, v = make_qkv(seed, 2, 7, 301, 8, 2, 32)  # 7 rows a head, 4 q heads a kv head
+    ref = attention_ref(q, k, v, causal=causal)[0]
+    assert flashattn.plan(q, k, v, causal=causal, pack_gqa=True)["forward"]["heads_per_item"] == 4
+    assert flashattn.plan(q, k, v, causal=causal, pack_gqa=False)["forward"]["heads_per_item"] == 1
+    outs = {pack: flashattn.flash_attn_func(q, k, v, causal=causal, num_splits=1, pack_gqa=pack, return_attn_probs=True)
+            for pack in (None, True, False)}
+    check_close("out", outs[True][0], ref, attention_naive(q, k, v, causal=causal), np.float32,
+                context=f"seed={seed}")
+    for pack in (None, False):
+        for i, name in enumerate(("out", "softmax_lse")):
+            assert np.array_equal(outs[pack][i], outs[True][i]), f"{name}, pack_gqa={pack}, seed={seed}"
+
+    tq, tk, tv = (torch.from_numpy(x).requires_grad_() for x in (q, k, v))
+    tout = flashattn.flash_attn_func(tq, tk, tv, causal=causal, num_splits=1, pack_gqa=True)
+    assert torch.equal(tout.detach(), torch.from_numpy(outs[True][0]))
+    tout.sum().backward()  # the backward is not packed: the option stops at the forward
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (tq, tk, tv))
+    compiled = torch.compile(lambda a, b, c: flashattn.flash_attn_func(a, b, c, causal=causal, num_splits=1,
+                                                                       pack_gqa=False),
+                             fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        assert torch.equal(compiled(*(t.detach() for t in (tq, tk, tv))), tout.detach())
+    scalars = (0.0, None, causal, -1, -1, 0.0, None, False, None, "auto", "auto", 1, 1, None, 0, None, True)
+    torch.library.opcheck(torch.ops.flashattn.fwd, tuple(t.detach() for t in (tq, tk, tv)) + scalars)
+
+    qv, kv, vv = (x.reshape(-1, *x.shape[2:]) for x in (q, k, v))
+    cu_q, cu_k = np.array([0, 7, 14], np.int32), np.array([0, 301, 602], np.int32)
+    varlen = {pack: flashattn.flash_attn_varlen_func(qv, kv, vv, cu_q, cu_k, 7, 301, causal=causal, num_splits=1,
+                                                     pack_gqa=pack) for pack in (True, False)}
+    assert np.array_equal(varlen[True], varlen[False])
+    check_close("varlen out", varlen[True].reshape(ref.shape), ref, None, np.float32)
+
+    # A KV cache (the first 301 of 320 slots) and a paged pool of 16-token pages, as tensors.
+    cache = {n: torch.zeros(2, 320, 2, 32) for n in "kv"}
+    for n, x in (("k", k), ("v", v)):
+        cache[n][:, :301] = torch.from_numpy(x)
+    seqlens = torch.tensor([301, 301], dtype=torch.int32)
+    pages = {n: c.reshape(40, 16, 2, 32) for n, c in cache.items()}
+    table = torch.arange(40, dtype=torch.int32).reshape(2, 20)
+    got = {}
+    for pack in (True, False):
+        got[pack] = (flashattn.flash_attn_with_kvcache(torch.from_numpy(q), cache["k"], cache["v"],
+                                                       cache_seqlens=seqlens, causal=causal, num_splits=1,
+                                                       pack_gqa=pack),
+                     flashattn.flash_attn_varlen_func(torch.from_numpy(qv), pages["k"], pages["v"],
+                                                      torch.from_numpy(cu_q), None, 7, None, causal=causal,
+                                                      block_table=table, seqused_k=seqlens, num_splits=1,
+                                                      pack_gqa=pack))
+    for i, name in enumerate(("kvcache out", "paged out")):
+        assert torch.equal(got[True][i], got[False][i]), name
+        check_close(name, got[True][i].reshape(ref.shape).numpy(), ref, None, np.float32)
+
+
+def test_pack_gqa_errors():
+    q, k, v = make_qkv(1, 1, 4, 20, 4, 2, 8)
+    for bad in (1, "on", 0.0):
+        with pytest.raises(TypeError, match="pack_gqa: expected None, True or False"):
+            flashattn.flash_attn_func(q, k, v, pack_gqa=bad)
+    with pytest.raises(ValueError, match="pack_gqa: true is not supported with alibi_slopes"):
+        flashattn.flash_attn_func(q, k, v, alibi_slopes=np.ones(4, np.float32), pack_gqa=True)
+    with pytest.raises(ValueError, match="pack_gqa: true is not supported with dropout_p"):
+        flashattn.flash_attn_func(*(torch.from_numpy(x) for x in (q, k, v)), dropout_p=0.5, pack_gqa=True)
+    # A per-head variant without a request runs unpacked; False always runs.
+    assert flashattn.plan(q, k, v, alibi_slopes=np.ones(4, np.float32))["forward"]["heads_per_item"] == 1
+    flashattn.flash_attn_func(q, k, v, alibi_slopes=np.ones(4, np.float32), pack_gqa=False)
+
+
 # ---- FP8 --------------------------------------------------------------------------------------
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)

@@ -301,6 +301,7 @@ struct Options {
   bool deterministic = false;
   int num_threads = 0;
   int num_splits = 0;
+  std::optional<bool> pack_gqa;     // AttentionOptions::pack_gqa (None: the planner's choice)
   std::optional<Array> block_mask;  // u8 (q blocks, k blocks)
   std::int64_t block_mask_block_size = 0;
   std::optional<Array> attn_mask;         // rank 4, broadcastable to (batch, heads_q, seqlen_q, seqlen_k)
@@ -332,6 +333,7 @@ struct Options {
     o.deterministic = deterministic;
     o.num_threads = num_threads;
     o.num_splits = num_splits;
+    o.pack_gqa = pack_gqa;
     o.block_mask = optional_in(block_mask, "u8", "block_mask");
     o.block_mask_block_size = block_mask_block_size;
     o.attn_mask = optional_in(attn_mask, attn_mask_dtype, "attn_mask");
@@ -385,6 +387,7 @@ nb::dict forward_plan_dict(const flashattn::CpuForwardPlan& p) {
   d["q_blocks"] = p.q_blocks;
   d["work_items"] = p.work_items;
   d["splits"] = p.splits;
+  d["heads_per_item"] = p.heads_per_item;
   d["threads"] = p.threads;
   d["workspace_bytes_per_thread"] = p.workspace_bytes_per_thread;
   d["shared_bytes"] = p.shared_bytes;
@@ -450,6 +453,7 @@ NB_MODULE(_C, m) {
       .def_rw("deterministic", &Options::deterministic)
       .def_rw("num_threads", &Options::num_threads)
       .def_rw("num_splits", &Options::num_splits)
+      .def_rw("pack_gqa", &Options::pack_gqa)
       .def_rw("block_mask", &Options::block_mask)
       .def_rw("block_mask_block_size", &Options::block_mask_block_size)
       .def_rw("attn_mask", &Options::attn_mask)
