@@ -956,13 +956,38 @@ void run_kvcache(FuzzedDataProvider& fdp) {
   // FP8: the float32 decode kernel for odd seeds, else the planner's choice (decode_fp16 where
   // the CPU has AVX512-FP16), so that both run wherever both can.
   if (fp8 && seed % 2 == 1) o.kernel = ForwardKernel::decode;
+  // A packed batch (cu_seqlens_q, cu_seqlens_k_new; paged caches only) for a third of the
+  // paged seeds: sequence b has q_rows[b] <= seqlen_q query rows and news[b] <= s_new new
+  // tokens, drawn from the seed (so that the bytes of older corpus entries keep their meaning).
+  const bool packed = paged && seed / 2 % 3 == 0;
+  std::vector<std::int64_t> q_rows(static_cast<std::size_t>(batch), seqlen_q), news(static_cast<std::size_t>(batch), s_new);
+  std::vector<std::int64_t> q_at(static_cast<std::size_t>(batch) + 1, 0), new_at(static_cast<std::size_t>(batch) + 1, 0);
+  std::mt19937_64 lengths(seed);
+  for (std::size_t b = 0; b < q_rows.size(); ++b) {
+    if (packed) {
+      q_rows[b] = static_cast<std::int64_t>(lengths() % static_cast<std::uint64_t>(seqlen_q + 1));
+      news[b] = static_cast<std::int64_t>(lengths() % static_cast<std::uint64_t>(s_new + 1));
+    }
+    q_at[b + 1] = q_at[b] + q_rows[b];
+    new_at[b + 1] = new_at[b] + news[b];
+  }
+  const std::int64_t total_q = q_at.back(), total_new = new_at.back();
+  if (fault == 10 && total_new == 0) fault = 0;
+  if (fault == 11 && (news[0] == 0 || news[1] == 0)) fault = 0;
+  if (fault == 9 && total_q == 0) fault = 0;  // an empty out overlaps nothing
   std::ostringstream describe;
   describe << "kvcache dtype=" << to_string(dtype) << " batch=" << batch << " Sq=" << seqlen_q << " new=" << s_new
            << " Hq=" << hq << " Hkv=" << hkv << " D=" << d << " Dv=" << dv << " paged=" << paged
            << " leftpad=" << leftpad << " fp8=" << fp8 << " page_size=" << page_size << " capacity=" << capacity << " fault=" << fault
            << " causal=" << o.causal << " window_left=" << o.window_size.left << " softcap=" << o.softcap
            << " threads=" << o.num_threads << " splits=" << o.num_splits << " kernel=" << to_string(o.kernel)
-           << " rotary_dim=" << rotary_dim << " interleaved=" << interleaved << " seed=" << seed;
+           << " rotary_dim=" << rotary_dim << " interleaved=" << interleaved << " seed=" << seed << " packed=" << packed;
+  if (packed) {
+    describe << " q_rows=";
+    for (std::int64_t n : q_rows) describe << n << ",";
+    describe << " news=";
+    for (std::int64_t n : news) describe << n << ",";
+  }
   current_case = describe.str();
 
   // The pool: a spare page (or row) nobody names, so stray writes have somewhere to land.
@@ -1006,24 +1031,33 @@ void run_kvcache(FuzzedDataProvider& fdp) {
   std::memcpy(lens.data(), seqlens.data(), seqlens.size() * 4);
   // Only the pages that hold tokens are read (as upstream: the rest of a table row may be
   // garbage), so an out-of-range page is a fault only where sequence 0 has a token.
-  if (fault == 1 && paged && seqlens[0] + s_new == 0) fault = 0;
+  if (fault == 1 && paged && seqlens[0] + news[0] == 0) fault = 0;
   if (fault == 1) (paged ? table : batch_idx).data_as<std::int32_t>()[0] = static_cast<std::int32_t>(pool_rows);
-  if (fault == 12 && paged && seqlens[0] + s_new == 0) fault = 0;
+  if (fault == 12 && paged && seqlens[0] + news[0] == 0) fault = 0;
   if (fault == 12) (paged ? table : batch_idx).data_as<std::int32_t>()[0] = -1;
   if (fault == 11) {  // sequence 1 appends into the page (cache row) sequence 0 appends into
     auto* t = (paged ? table : batch_idx).data_as<std::int32_t>();
     const std::int64_t column0 = paged ? seqlens[0] / page_size : 0, column1 = paged ? seqlens[1] / page_size : 0;
     t[paged ? pages_per_seq + column1 : 1] = t[column0];
   }
-  if (fault == 2) lens.data_as<std::int32_t>()[batch - 1] = static_cast<std::int32_t>(capacity - s_new + 1);
+  if (fault == 2) lens.data_as<std::int32_t>()[batch - 1] = static_cast<std::int32_t>(capacity - news.back() + 1);
   Tensor pad_t(DType::i32, {batch});
   std::memcpy(pad_t.data(), pads.data(), pads.size() * 4);
   if (fault == 4) pad_t.data_as<std::int32_t>()[0] = seqlens[0] + 1;
   if (fault == 5) k_scale.set(rows[0] * hkv, 0.0f);
 
-  const Tensor q = logical(dtype, {batch, seqlen_q, hq, d}, seed + 2, false);
-  const Tensor knew = logical(dtype, {batch, s_new, hkv, d}, seed + 3, false);
-  const Tensor vnew = logical(dtype, {batch, s_new, hkv, dv}, seed + 4, false);
+  // Packed: q (total_q, hq, d) and new k, v (total_new, hkv, dim) as (1, total, ...) tensors.
+  const Tensor q = packed ? logical(dtype, {1, total_q, hq, d}, seed + 2, false)
+                          : logical(dtype, {batch, seqlen_q, hq, d}, seed + 2, false);
+  const Tensor knew = packed ? logical(dtype, {1, total_new, hkv, d}, seed + 3, false)
+                             : logical(dtype, {batch, s_new, hkv, d}, seed + 3, false);
+  const Tensor vnew = packed ? logical(dtype, {1, total_new, hkv, dv}, seed + 4, false)
+                             : logical(dtype, {batch, s_new, hkv, dv}, seed + 4, false);
+  Tensor cu_q(DType::i32, {batch + 1}), cu_new(DType::i32, {batch + 1});
+  for (std::int64_t b = 0; b <= batch; ++b) {
+    cu_q.data_as<std::int32_t>()[b] = static_cast<std::int32_t>(q_at[static_cast<std::size_t>(b)]);
+    cu_new.data_as<std::int32_t>()[b] = static_cast<std::int32_t>(new_at[static_cast<std::size_t>(b)]);
+  }
   // Angles pos·θ_i with θ_i = 10000^(-i/half), as a model's tables hold them.
   const std::int64_t positions = capacity + seqlen_q, half = rotary_dim / 2;
   Tensor cos_t(DType::f32, {positions, std::max<std::int64_t>(half, 1)}), sin_t = cos_t;
@@ -1065,26 +1099,38 @@ void run_kvcache(FuzzedDataProvider& fdp) {
   }
   const std::vector<unsigned char> k_scale_before(static_cast<const unsigned char*>(k_scale.data()),
                                                   static_cast<const unsigned char*>(k_scale.data()) + k_scale.numel() * 4);
-  if (s_new > 0 || fault == 3) cache.k = knew.view();
-  if (s_new > 0 && fault != 3) cache.v = vnew.view();
+  const auto new_view = [&](const Tensor& t) { return packed ? drop_leading(t.view()) : t.view(); };
+  if (s_new > 0 || fault == 3) cache.k = new_view(knew);
+  if (s_new > 0 && fault != 3) cache.v = new_view(vnew);
+  if (packed) {
+    cache.cu_seqlens_q = cu_q.view();
+    cache.max_seqlen_q = *std::max_element(q_rows.begin(), q_rows.end());
+    if (s_new > 0 || fault == 3) cache.cu_seqlens_k_new = cu_new.view();
+  }
   const std::vector<unsigned char> kc_before = pkc.bytes, vc_before = pvc.bytes;
   const DType out_dtype = fault == 7 ? (dtype == DType::f32 ? DType::bf16 : DType::f32) : dtype;
+  // Packed: out (total_q, hq, dv) and lse (hq, total_q), placed with leading dimensions of 1.
   const std::array<std::int64_t, 4> out_shape =
-      fault == 6 ? std::array<std::int64_t, 4>{batch > 1 ? 1 : batch, batch > 1 ? seqlen_q : seqlen_q + 1, hq, dv}
-                 : std::array<std::int64_t, 4>{batch, seqlen_q, hq, dv};
+      packed ? std::array<std::int64_t, 4>{1, fault == 6 ? total_q + 1 : total_q, hq, dv}
+      : fault == 6 ? std::array<std::int64_t, 4>{batch > 1 ? 1 : batch, batch > 1 ? seqlen_q : seqlen_q + 1, hq, dv}
+                   : std::array<std::int64_t, 4>{batch, seqlen_q, hq, dv};
   Placed pout = place(out_dtype, out_shape, fuzz_layout(fdp)),
-         plse = place(DType::f32, {1, fault == 8 ? batch + 1 : batch, hq, seqlen_q}, Layout{});
-  MutableTensorView out_view = pout.mutable_view();
+         plse = packed ? place(DType::f32, {1, 1, hq, fault == 8 ? total_q + 1 : total_q}, Layout{})
+                       : place(DType::f32, {1, fault == 8 ? batch + 1 : batch, hq, seqlen_q}, Layout{});
+  MutableTensorView out_view = packed ? drop_leading(pout.mutable_view()) : pout.mutable_view();
   if (fault == 9) {  // out over the first bytes of the k_cache (a shorter view where it does not fit)
     const std::int64_t fits = static_cast<std::int64_t>(pkc.bytes.size() - pkc.origin) / static_cast<std::int64_t>(dtype_size(dtype));
-    out_view = MutableTensorView(pkc.bytes.data() + pkc.origin, dtype, {1, 1, 1, 1});
-    if (batch * seqlen_q * hq * dv <= fits) out_view = MutableTensorView(pkc.bytes.data() + pkc.origin, dtype, {batch, seqlen_q, hq, dv});
+    void* at = pkc.bytes.data() + pkc.origin;
+    out_view = packed ? MutableTensorView(at, dtype, {1, 1, 1}) : MutableTensorView(at, dtype, {1, 1, 1, 1});
+    if (total_q * hq * dv <= fits)
+      out_view = packed ? MutableTensorView(at, dtype, {total_q, hq, dv}) : MutableTensorView(at, dtype, {batch, seqlen_q, hq, dv});
   }
+  const MutableTensorView lse_view = packed ? drop_leading(drop_leading(plse.mutable_view())) : drop_leading(plse.mutable_view());
   PlansRun plans;  // one per sequence (when there are query rows): the kernel each one ran
   AttentionOptions run = o;
   run.plans_run = &plans;
   try {
-    forward_with_kvcache(q.view(), cache, out_view, drop_leading(plse.mutable_view()), run);
+    forward_with_kvcache(packed ? drop_leading(q.view()) : q.view(), cache, out_view, lse_view, run);
     check(fault == 0, "forward_with_kvcache accepted fault " + std::to_string(fault));
   } catch (const Error& e) {
     check(fault != 0, std::string("forward_with_kvcache rejected a valid call: ") + e.what());
@@ -1104,13 +1150,14 @@ void run_kvcache(FuzzedDataProvider& fdp) {
   // The cache after the call: the old pool with exactly the new tokens written in.
   Tensor kc_after = kc, vc_after = vc;
   for (std::int64_t b = 0; b < batch; ++b)
-    for (std::int64_t t = 0; t < s_new; ++t) {
+    for (std::int64_t t = 0; t < news[static_cast<std::size_t>(b)]; ++t) {
       const auto [row, r] = slot(b, seqlens[static_cast<std::size_t>(b)] + t);
+      const std::int64_t token = new_at[static_cast<std::size_t>(b)] + t;  // in knew, vnew
       for (std::int64_t h = 0; h < hkv; ++h) {
-        const std::vector<float> k_row = rotated(knew, (b * s_new + t) * hkv + h, d, seqlens[static_cast<std::size_t>(b)] + t);
+        const std::vector<float> k_row = rotated(knew, token * hkv + h, d, seqlens[static_cast<std::size_t>(b)] + t);
         for (std::int64_t c = 0; c < d; ++c) kc_after.set(((row * kc_shape[1] + r) * hkv + h) * d + c, k_row[static_cast<std::size_t>(c)]);
         for (std::int64_t c = 0; c < dv; ++c)
-          vc_after.set(((row * vc_shape[1] + r) * hkv + h) * dv + c, vnew.get(((b * s_new + t) * hkv + h) * dv + c));
+          vc_after.set(((row * vc_shape[1] + r) * hkv + h) * dv + c, vnew.get((token * hkv + h) * dv + c));
       }
     }
   // What the pool holds now: values, or FP8 codes times their (possibly grown) descales.
@@ -1127,7 +1174,7 @@ void run_kvcache(FuzzedDataProvider& fdp) {
   // were never part of a sequence (0).
   std::vector<std::uint8_t> role(static_cast<std::size_t>(pool_rows * kc_shape[1]), 0);
   for (std::int64_t b = 0; b < batch; ++b)
-    for (std::int64_t pos = 0; pos < seqlens[static_cast<std::size_t>(b)] + s_new; ++pos) {
+    for (std::int64_t pos = 0; pos < seqlens[static_cast<std::size_t>(b)] + news[static_cast<std::size_t>(b)]; ++pos) {
       const auto [row, r] = slot(b, pos);
       role[static_cast<std::size_t>(row * kc_shape[1] + r)] = pos < pads[static_cast<std::size_t>(b)] ? 2 : 1;
     }
@@ -1165,22 +1212,25 @@ void run_kvcache(FuzzedDataProvider& fdp) {
   check(v_wrong.empty(), "v_cache: wrong value after the append: " + v_wrong);
   pkc.check_gaps("k_cache");
   pvc.check_gaps("v_cache");
-  check(plans.forward.size() == static_cast<std::size_t>(seqlen_q > 0 ? batch : 0),
-        "forward_with_kvcache reported " + std::to_string(plans.forward.size()) + " plans for " +
-            std::to_string(batch) + " sequences");
+  // One plan per sequence with query rows, in batch order.
+  const auto live = static_cast<std::size_t>(std::count_if(q_rows.begin(), q_rows.end(), [](std::int64_t n) { return n > 0; }));
+  check(plans.forward.size() == live, "forward_with_kvcache reported " + std::to_string(plans.forward.size()) +
+                                          " plans for " + std::to_string(live) + " sequences with query rows");
   // Each sequence against the reference over its gathered keys.
+  std::size_t plan_of = 0;
   for (std::int64_t b = 0; b < batch; ++b) {
     const std::int64_t first = pads[static_cast<std::size_t>(b)];  // slots before it are padding
-    const std::int64_t sk = seqlens[static_cast<std::size_t>(b)] + s_new - first;
-    Tensor kb(dtype, {1, sk, hkv, d}), vb(dtype, {1, sk, hkv, dv}), qb(dtype, {1, seqlen_q, hq, d});
+    const std::int64_t sk = seqlens[static_cast<std::size_t>(b)] + news[static_cast<std::size_t>(b)] - first;
+    const std::int64_t rows_b = q_rows[static_cast<std::size_t>(b)], q0 = q_at[static_cast<std::size_t>(b)];
+    Tensor kb(dtype, {1, sk, hkv, d}), vb(dtype, {1, sk, hkv, dv}), qb(dtype, {1, rows_b, hq, d});
     for (std::int64_t j = 0; j < sk; ++j) {
       const auto [row, r] = slot(b, first + j);
       for (std::int64_t e = 0; e < hkv * d; ++e) kb.set(j * hkv * d + e, k_stored.get((row * kc_shape[1] + r) * hkv * d + e));
       for (std::int64_t e = 0; e < hkv * dv; ++e) vb.set(j * hkv * dv + e, v_stored.get((row * vc_shape[1] + r) * hkv * dv + e));
     }
-    for (std::int64_t i = 0; i < seqlen_q; ++i)
+    for (std::int64_t i = 0; i < rows_b; ++i)
       for (std::int64_t h = 0; h < hq; ++h) {
-        const std::int64_t row = (b * seqlen_q + i) * hq + h;
+        const std::int64_t row = (q0 + i) * hq + h;
         const std::vector<float> q_row =
             rotated(q, row, d, seqlens[static_cast<std::size_t>(b)] + (positions_per_query ? i : 0));
         for (std::int64_t e = 0; e < d; ++e) qb.set((i * hq + h) * d + e, q_row[static_cast<std::size_t>(e)]);
@@ -1191,9 +1241,9 @@ void run_kvcache(FuzzedDataProvider& fdp) {
     // its roundings can do — scores move by at most γ_s·A (A the largest Σ|q·k| in log2
     // units), which moves the weights by at most e^(2·ln2·γ_s·A) in ratio; P·V adds γ_v·max|v|.
     double half_out = 0.0, half_lse = 0.0;
-    if (seqlen_q > 0 && plans.forward[static_cast<std::size_t>(b)].kernel == ForwardKernel::decode_fp16) {
+    if (rows_b > 0 && plans.forward[plan_of++].kernel == ForwardKernel::decode_fp16) {
       double a = 0.0, v_max = 0.0;
-      for (std::int64_t i = 0; i < seqlen_q * hq; ++i)
+      for (std::int64_t i = 0; i < rows_b * hq; ++i)
         for (std::int64_t j = 0; j < sk; ++j) {
           double sum = 0.0;
           for (std::int64_t e = 0; e < d; ++e)
@@ -1208,11 +1258,12 @@ void run_kvcache(FuzzedDataProvider& fdp) {
     const double tol = 1e-5 * (1.0 + max_abs(want.out)) + half_out +
                        2.0 * test::max_abs_error(test::naive_same_precision(p, o, qb, kb, vb), want.out);
     for (std::int64_t e = 0; e < qb.numel() / d * dv; ++e)
-      check(std::fabs(pout.get(b * seqlen_q * hq * dv + e) - want.out[static_cast<std::size_t>(e)]) <= tol,
+      check(std::fabs(pout.get(q0 * hq * dv + e) - want.out[static_cast<std::size_t>(e)]) <= tol,
             "kvcache out of sequence " + std::to_string(b) + " differs from the reference");
     for (std::int64_t h = 0; h < hq; ++h)
-      for (std::int64_t i = 0; i < seqlen_q; ++i) {
-        const double e = want.lse[static_cast<std::size_t>(h * seqlen_q + i)], g = plse.get((b * hq + h) * seqlen_q + i);
+      for (std::int64_t i = 0; i < rows_b; ++i) {
+        const double e = want.lse[static_cast<std::size_t>(h * rows_b + i)],
+                     g = plse.get(packed ? h * total_q + q0 + i : (b * hq + h) * seqlen_q + i);
         check(std::isinf(e) ? g == e : std::fabs(g - e) <= 1e-5 + 1e-5 * std::fabs(e) + half_lse,
               "kvcache lse differs from the reference");
       }
