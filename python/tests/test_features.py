@@ -195,6 +195,16 @@ def test_pack_gqa(causal):
     for i, name in enumerate(("kvcache out", "paged out")):
         assert torch.equal(got[True][i], got[False][i]), name
         check_close(name, got[True][i].reshape(ref.shape).numpy(), ref, None, np.float32)
+    # The NumPy KV cache and FP8 inputs take it too.
+    caches = [c.numpy() for c in (cache["k"], cache["v"])]
+    numpy_cache = {pack: flashattn.flash_attn_with_kvcache(q, *caches, cache_seqlens=seqlens.numpy(), causal=causal,
+                                                           num_splits=1, pack_gqa=pack) for pack in (True, False)}
+    assert np.array_equal(numpy_cache[True], numpy_cache[False])
+    assert np.array_equal(numpy_cache[True], got[True][0].numpy())
+    (q8, k8, v8), (dq, dk, dv) = _fp8_case(seed, 2, 7, 301, 8, 2, 32)
+    fp8 = {pack: flashattn.flash_attn_func(q8, k8, v8, causal=causal, q_descale=dq, k_descale=dk, v_descale=dv,
+                                           num_splits=1, pack_gqa=pack) for pack in (True, False)}
+    assert np.array_equal(fp8[True].astype(np.float32), fp8[False].astype(np.float32))
 
 
 def test_pack_gqa_errors():
