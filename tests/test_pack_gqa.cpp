@@ -116,9 +116,12 @@ TEST(PackGqa, PlannerPacksFewRowsPerHeadOfAGroup) {
     const AttentionProblem p = AttentionProblem::from_sizes(1, sq, 4096, hq, hkv, 128, 128, DType::f32, o);
     return plan_forward(p, hw, o);
   };
-  // A chunk of 8 new tokens of 32 q heads over 4 kv heads: one Q tile of the group's 64 rows.
-  EXPECT_EQ(plan(8, 32, 4).heads_per_item, 8);
-  EXPECT_EQ(plan(8, 32, 4).block_q, 8);
+  // A chunk of 8 new tokens of 32 q heads over 4 kv heads: one Q tile of the group's rows,
+  // each head's 8 rows padded to whole micro-tiles (4 or 8 rows on AVX-512, 6 on AVX2).
+  const CpuForwardPlan chunk = plan(8, 32, 4);
+  EXPECT_EQ(chunk.heads_per_item, 8);
+  EXPECT_EQ(chunk.block_q, (8 + hw.micro_rows - 1) / hw.micro_rows * hw.micro_rows) << "micro_rows " << hw.micro_rows;
+  EXPECT_EQ(chunk.q_blocks, 1);
   // A long prefill fills its tiles alone; MHA has nothing to pack; decode kernels hold every
   // head's rows already.
   EXPECT_EQ(plan(4096, 32, 4).heads_per_item, 1);
