@@ -1,7 +1,8 @@
 // The bf16 micro-kernel (src/cpu/kernels/bf16_dot.hpp) against float64 products of the same bf16
 // values, on AMX tiles and on VDPBF16PS (AMX switched off) where the CPU has them: every
 // entry point, depths that are and are not whole AMX chunks, strided operands; and the
-// exact layout helpers (pairing rows, transposing words, rounding).
+// exact layout helpers (pairing rows, transposing words, rounding); and the kernels' use of
+// the thread's AMX tile state, which other libraries in the process share.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -10,6 +11,11 @@
 #include <vector>
 
 #include <hwy/aligned_allocator.h>
+#include <omp.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "src/core/element.hpp"
 #include "src/cpu/kernels/bf16_dot.hpp"
@@ -207,6 +213,71 @@ TEST(Bf16Dot, KernelsOnAmxMatchTheReference) {
   if (const std::string why = Missing(true); !why.empty()) GTEST_SKIP() << why;
   KernelsMatchTheReference(true);
 }
+
+#if defined(__x86_64__)
+// A thread's tile configuration as another library in the process leaves it: 64 bytes of
+// LDTILECFG's format, all zeros when the thread holds no tiles.
+struct alignas(64) TileState {
+  unsigned char bytes[64] = {};
+  bool operator==(const TileState&) const = default;
+};
+__attribute__((target("amx-tile"))) TileState ReadTileState() {
+  TileState s;
+  _tile_storeconfig(s.bytes);
+  return s;
+}
+__attribute__((target("amx-tile"))) void SetTileState(const TileState& s) {
+  if (s.bytes[0] == 0)
+    _tile_release();
+  else
+    _tile_loadconfig(s.bytes);
+}
+
+// oneDNN under PyTorch configures AMX tiles of its own shapes on the same OpenMP threads and
+// releases them after its products. Between calls of the tiled_bf16 kernels, every thread is
+// left as such a library leaves it: released, or configured with other shapes (8 tiles of 4
+// rows × 32 bytes). The kernels give the same bits as after their own calls, and hand every
+// thread back the state it had (a library that caches its configuration keeps working).
+TEST(Bf16Dot, KernelsOnAmxLoadTheirTilesAndGiveBackTheThreadsState) {
+  if (const std::string why = Missing(true); !why.empty()) GTEST_SKIP() << why;
+  const Tensor q = random_tensor(DType::bf16, {1, 96, 2, 64}, 40);
+  const Tensor k = random_tensor(DType::bf16, {1, 160, 2, 64}, 41);
+  const Tensor v = random_tensor(DType::bf16, {1, 160, 2, 64}, 42);
+  const Tensor dout = random_tensor(DType::bf16, {1, 96, 2, 64}, 43);
+  AttentionOptions o;
+  o.kernel = ForwardKernel::tiled_bf16;
+  o.backward_kernel = BackwardKernel::tiled_bf16;
+  o.num_threads = 2;
+  const ForwardResult want = forward(q.view(), k.view(), v.view(), o);
+  const BackwardResult want_g = backward(dout.view(), q.view(), k.view(), v.view(), want.out.view(), want.lse.view(), o);
+  TileState other;
+  other.bytes[0] = 1;  // palette 1
+  for (int t = 0; t < 8; ++t) {
+    other.bytes[16 + 2 * t] = 32;  // bytes per row
+    other.bytes[48 + t] = 4;       // rows
+  }
+  for (const TileState& state : {TileState{}, other}) {
+    SCOPED_TRACE(state.bytes[0] == 0 ? "released" : "another configuration");
+    for (int threads : {1, 2}) {
+      o.num_threads = threads;
+#pragma omp parallel num_threads(2)
+      SetTileState(state);
+      const ForwardResult got = forward(q.view(), k.view(), v.view(), o);
+#pragma omp parallel num_threads(2)
+      SetTileState(state);
+      const BackwardResult g = backward(dout.view(), q.view(), k.view(), v.view(), got.out.view(), got.lse.view(), o);
+      EXPECT_TRUE(bitwise_equal(got.out, want.out)) << threads << " threads";
+      EXPECT_TRUE(bitwise_equal(got.lse, want.lse)) << threads << " threads";
+      EXPECT_TRUE(bitwise_equal(g.dq, want_g.dq) && bitwise_equal(g.dk, want_g.dk) && bitwise_equal(g.dv, want_g.dv))
+          << threads << " threads";
+      int changed = 0;
+#pragma omp parallel num_threads(2) reduction(+ : changed)
+      changed += ReadTileState() == state ? 0 : 1;
+      EXPECT_EQ(changed, 0) << "threads whose tile state the kernels changed, after a call on " << threads;
+    }
+  }
+}
+#endif
 
 }  // namespace
 }  // namespace flashattn::test

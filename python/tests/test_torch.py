@@ -260,3 +260,54 @@ def test_against_sdpa(case, tdtype):
         torch.testing.assert_close(a.grad.float(), b.grad.float(), atol=tol_grad,
                                    rtol=0 if tdtype == torch.float32 else 2e-2,
                                    msg=lambda m, name=name: f"{name} vs SDPA {ctx}\n{m}")
+
+
+# --------------------------------------------------------------------------- shared threads
+
+_INTERLEAVED_SCRIPT = """
+import sys
+for name in sys.argv[1].split(","):
+    __import__(name)
+import torch, flashattn
+gen = torch.Generator().manual_seed(5)
+q, k, v = (torch.randn(1, 200, h, 64, generator=gen).to(torch.bfloat16).requires_grad_() for h in (4, 2, 2))
+dout = torch.randn(1, 200, 4, 64, generator=gen).to(torch.bfloat16)
+a, b = (torch.randn(512, 512, generator=gen).to(torch.bfloat16) for _ in range(2))
+product = a @ b
+want = flashattn.flash_attn_func(q, k, v, causal=True)
+want_grads = torch.autograd.grad(want, (q, k, v), dout)
+def check(what, step):
+    assert torch.equal(a @ b, product), f"torch's product changed after flashattn's {what} (step {step})"
+for step in range(10):  # each of flashattn's calls right after one of torch's and vice versa
+    check("calls", step)
+    assert torch.equal(flashattn.flash_attn_func(q.detach(), k.detach(), v.detach(), causal=True), want), step
+    check("forward", step)
+    out = flashattn.flash_attn_func(q, k, v, causal=True)
+    assert torch.equal(out, want), f"forward after torch's bf16 products (step {step})"
+    for _ in range(2):
+        grads = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        for name, g, w in zip("qkv", grads, want_grads):
+            assert torch.equal(g, w), f"d{name} after torch's bf16 products (step {step})"
+        check("backward", step)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("first", ["torch,flashattn", "flashattn,torch"])
+def test_bf16_kernels_interleaved_with_torch_bf16_products(first):
+    """torch's bf16 matrix products run on the same threads as flashattn's kernels, and on a
+    CPU with AMX both use the thread's tile state (oneDNN configures tiles of its own shapes
+    and releases them after its products): calls interleaved with torch's products give the
+    bits of the first call, and torch's products are unchanged by ours. In a fresh process
+    for each import order (which decides the threads the two libraries share). Meaningful
+    where both run on AMX (Sapphire Rapids and later); elsewhere the same checks hold
+    trivially."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="2")
+    res = subprocess.run([sys.executable, "-c", _INTERLEAVED_SCRIPT, first], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", (
+        f"import order {first}: exit {res.returncode} {res.stdout[-500:]!r} {res.stderr[-2000:]}")

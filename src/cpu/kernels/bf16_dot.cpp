@@ -78,8 +78,8 @@ std::atomic<bool> amx_enabled{true};  // set_amx_enabled: tests reach the VDPBF1
 
 bool UseAmx() { return AmxUsable() && amx_enabled.load(std::memory_order_relaxed); }
 
-// The tile configuration of this file, loaded once per thread (it is part of the thread's
-// saved state; nothing else in the library uses tiles).
+// The tile configuration of this file (part of the thread's saved state, which other
+// libraries in the process change too: TileScope).
 struct alignas(64) TileConfig {
   std::uint8_t palette = 1;
   std::uint8_t start_row = 0;
@@ -90,12 +90,14 @@ struct alignas(64) TileConfig {
 
 // Two configurations: kMicro for the 8-row micro-tile (tiles 0, 1: C; 2: A; 3, 4: B) and
 // kBlock for 32 × 32 blocks (tiles 0–3: C; 4, 5: A; 6, 7: B), all 16 columns (64 bytes)
-// wide. Loaded when a thread first uses one or switches between them.
+// wide. Within a TileScope loaded when its first product needs one or switches between them;
+// outside any scope by every product.
 enum class Tiles { kNone, kMicro, kBlock };
+thread_local int scope_depth = 0;
+thread_local Tiles loaded = Tiles::kNone;  // valid only while scope_depth > 0
 
 FLASHATTN_AMX_TARGET void ConfigureTiles(Tiles tiles) {
-  thread_local Tiles loaded = Tiles::kNone;
-  if (loaded == tiles) return;
+  if (scope_depth > 0 && loaded == tiles) return;
   TileConfig config;
   for (int t = 0; t < 8; ++t) {
     config.bytes_per_row[t] = 64;
@@ -107,7 +109,7 @@ FLASHATTN_AMX_TARGET void ConfigureTiles(Tiles tiles) {
   if (tiles == Tiles::kMicro)
     for (int t = 5; t < 8; ++t) config.bytes_per_row[t] = 0;
   _tile_loadconfig(&config);
-  loaded = tiles;
+  loaded = scope_depth > 0 ? tiles : Tiles::kNone;
 }
 
 // C(32 × 32) (+)= A·B over `chunks` · kAmxPairs depth pairs.
@@ -309,6 +311,29 @@ bool outpaces_fma() {
 
 bool uses_amx() { return available() && UseAmx(); }
 
+namespace {
+FLASHATTN_AMX_TARGET void SaveTiles(unsigned char* config) { _tile_storeconfig(config); }
+FLASHATTN_AMX_TARGET void LoadTiles(const unsigned char* config) { _tile_loadconfig(config); }
+FLASHATTN_AMX_TARGET void ReleaseTiles() { _tile_release(); }
+}  // namespace
+
+TileScope::TileScope() : saved_{}, active_(available() && UseAmx()) {
+  if (!active_) return;
+  SaveTiles(saved_);  // all zeros (palette 0) when the thread holds no tiles
+  ++scope_depth;
+  loaded = Tiles::kNone;  // whatever ran before may have changed the configuration
+}
+
+TileScope::~TileScope() {
+  if (!active_) return;
+  loaded = Tiles::kNone;
+  // The enclosing scope's configuration, or the one the thread came in with.
+  if (--scope_depth > 0 || saved_[0] != 0)
+    LoadTiles(saved_);
+  else
+    ReleaseTiles();
+}
+
 void set_amx_enabled(bool enabled) { amx_enabled.store(enabled, std::memory_order_relaxed); }
 
 #undef FLASHATTN_BF16_TARGET
@@ -322,6 +347,8 @@ bool available() { return false; }
 bool outpaces_fma() { return false; }
 bool uses_amx() { return false; }
 void set_amx_enabled(bool) {}
+TileScope::TileScope() : saved_{}, active_(false) {}
+TileScope::~TileScope() = default;
 }  // namespace flashattn::cpu::bf16dot
 
 #endif

@@ -47,6 +47,25 @@ bool uses_amx();
 // a CPU with AMX. Not while a product runs.
 void set_amx_enabled(bool enabled);
 
+// AMX tile state belongs to the thread, and every library in the process shares it: oneDNN
+// under PyTorch or OpenVINO configures tiles of its own shapes on the same OpenMP threads
+// and releases them after its products. A TileScope around a work item's products makes this
+// file's configuration valid for that span: the first product in it loads the configuration
+// (whatever ran on the thread before), later ones reuse it, and on leaving the thread gets
+// back the state it came in with — released, or the other library's configuration. Outside
+// any scope every product loads the configuration itself. Without AMX it does nothing.
+class TileScope {
+ public:
+  TileScope();
+  ~TileScope();
+  TileScope(const TileScope&) = delete;
+  TileScope& operator=(const TileScope&) = delete;
+
+ private:
+  alignas(64) unsigned char saved_[64];  // the thread's configuration on entry (STTILECFG)
+  bool active_;
+};
+
 // C = scale · A(kRows × 2·pairs)·B(2·pairs × kCols): a product stored, scaled in float32.
 // C rows are ldc floats apart and 64-byte aligned.
 void DotStore(const std::uint16_t* a, std::int64_t lda, const std::uint16_t* b, std::int64_t pairs, float scale,

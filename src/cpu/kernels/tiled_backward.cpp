@@ -546,11 +546,18 @@ void BackwardKvItem(const BackwardParams& prm, BackwardWorkspace& ws, std::int64
   KvItem<Fp32BackwardProducts>(prm, ws, item);
 }
 
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+void Bf16KvItem(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t item) {
+  const bf16dot::TileScope tiles;  // the thread's AMX state handed back when the item ends
+  KvItem<Bf16BackwardProducts>(prm, ws, item);
+}
+#endif
+
 // The tiled_bf16 item where this target has one (AVX-512, whose micro-tile the bf16
 // micro-kernel shares), else null.
 BackwardKvItemFn TiledBf16KvItem() {
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
-  return &KvItem<Bf16BackwardProducts>;
+  return &Bf16KvItem;
 #else
   return nullptr;
 #endif

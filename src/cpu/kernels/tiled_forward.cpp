@@ -363,11 +363,18 @@ void TiledWorkItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t 
   TiledItem<Fp32Products>(prm, ws, item);
 }
 
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+void TiledBf16Item(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item) {
+  const bf16dot::TileScope tiles;  // the thread's AMX state handed back when the item ends
+  TiledItem<Bf16Products>(prm, ws, item);
+}
+#endif
+
 // The tiled_bf16 work item where this target has one (AVX-512, whose micro-tile the bf16
 // micro-kernel shares), else null.
 ForwardWorkItemFn TiledBf16WorkItem() {
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
-  return &TiledItem<Bf16Products>;
+  return &TiledBf16Item;
 #else
   return nullptr;
 #endif
