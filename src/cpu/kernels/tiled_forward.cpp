@@ -257,17 +257,39 @@ struct Bf16Products {
     std::fill(q + rows * d_even, q + rows_pad * d_even, std::uint16_t{0});
   }
 
+  // With AMX, kBlockStrips strips (32 rows) that share their span — every strip of a tile
+  // that no causal diagonal, window or mask cuts — run as one product of 32 × 32 blocks
+  // (bf16dot::DotBlock: four 16-row tiles in flight, where a micro-tile keeps two of 8 rows);
+  // other strips, and every strip without AMX, one micro-tile at a time. Each element's
+  // products are summed in the same order either way.
+  static constexpr std::int64_t kBlockStrips = 32 / kMicroRows;
+  static bool SharedSpan(const StripKeys* keys, std::int64_t strips) {
+    if (strips != kBlockStrips || keys[0].begin == keys[0].end || !bf16dot::uses_amx()) return false;
+    for (std::int64_t s = 1; s < kBlockStrips; ++s)
+      if (keys[s].begin != keys[0].begin || keys[s].end != keys[0].end) return false;
+    return true;
+  }
+
   static void Scores(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t j0, const StripKeys* keys,
                      std::int64_t strips, std::int64_t n_pad) {
-    const std::int64_t d_even = EvenHeadDim(prm), bc = prm.plan.block_k;
+    const std::int64_t d_even = EvenHeadDim(prm), bc = prm.plan.block_k, panel_stride = d_even * kMicroCols;
     const float scale = prm.problem.softmax_scale * OnlineSoftmaxState::kLog2e;
-    const std::uint16_t* q = ws.q_bf16.get();
     const std::uint16_t* k_tile = ws.k_pairs.get() + (j0 / bc) * d_even * bc;
-    float* s_tile = ws.s_tile.get();  // (rows_pad, bc)
-    ScoreTile(keys, strips, n_pad, [&](std::int64_t s, std::int64_t j) {
-      bf16dot::DotStore(q + s * kMicroRows * d_even, d_even, k_tile + j / kMicroCols * d_even * kMicroCols, d_even / 2,
-                        scale, s_tile + s * kMicroRows * bc + j, bc);
-    });
+    for (std::int64_t s0 = 0; s0 < strips; s0 += kBlockStrips) {
+      const std::int64_t group = std::min(kBlockStrips, strips - s0);
+      const std::uint16_t* q = ws.q_bf16.get() + s0 * kMicroRows * d_even;
+      float* s_tile = ws.s_tile.get() + s0 * kMicroRows * bc;  // (rows_pad, bc)
+      if (SharedSpan(keys + s0, group)) {
+        const StripKeys k = keys[s0];
+        bf16dot::DotBlock(q, d_even, k_tile + k.begin / kMicroCols * panel_stride, panel_stride, bf16dot::kPairStep,
+                          d_even / 2, scale, false, s_tile + k.begin, bc, kBlockStrips * kMicroRows, k.end - k.begin);
+        continue;
+      }
+      ScoreTile(keys + s0, group, n_pad, [&](std::int64_t s, std::int64_t j) {
+        bf16dot::DotStore(q + s * kMicroRows * d_even, d_even, k_tile + j / kMicroCols * panel_stride, d_even / 2,
+                          scale, s_tile + s * kMicroRows * bc + j, bc);
+      });
+    }
   }
 
   // P of each strip's span rounded into the bf16 P tile, then õ += P·V(keys j0..).
@@ -281,12 +303,23 @@ struct Bf16Products {
         bf16dot::RoundToBf16(s_tile + r * bc + keys[s].begin, p_tile + r * bc + keys[s].begin,
                              keys[s].end - keys[s].begin);
     const std::uint16_t* v_tile = ws.v_pairs.get() + j0 * dv_pad;
-    float* o_acc = ws.o_acc.get();
-    AccumulateTile(keys, strips, dv_pad, [&](std::int64_t s, std::int64_t c, StripKeys k) {
-      bf16dot::DotAccumulate(p_tile + s * kMicroRows * bc + k.begin, bc,
-                             v_tile + c / kMicroCols * bc * kMicroCols + k.begin * kMicroCols, (k.end - k.begin) / 2,
-                             o_acc + s * kMicroRows * dv_pad + c, dv_pad);
-    });
+    const std::int64_t panel_stride = bc * kMicroCols;
+    for (std::int64_t s0 = 0; s0 < strips; s0 += kBlockStrips) {  // as in Scores
+      const std::int64_t group = std::min(kBlockStrips, strips - s0);
+      const std::uint16_t* p_rows = p_tile + s0 * kMicroRows * bc;
+      float* o_acc = ws.o_acc.get() + s0 * kMicroRows * dv_pad;
+      if (SharedSpan(keys + s0, group)) {
+        const StripKeys k = keys[s0];
+        bf16dot::DotBlock(p_rows + k.begin, bc, v_tile + k.begin * kMicroCols, panel_stride, bf16dot::kPairStep,
+                          (k.end - k.begin) / 2, 1.0f, true, o_acc, dv_pad, kBlockStrips * kMicroRows, dv_pad);
+        continue;
+      }
+      AccumulateTile(keys + s0, group, dv_pad, [&](std::int64_t s, std::int64_t c, StripKeys k) {
+        bf16dot::DotAccumulate(p_rows + s * kMicroRows * bc + k.begin, bc,
+                               v_tile + c / kMicroCols * panel_stride + k.begin * kMicroCols, (k.end - k.begin) / 2,
+                               o_acc + s * kMicroRows * dv_pad + c, dv_pad);
+      });
+    }
   }
 };
 #endif
