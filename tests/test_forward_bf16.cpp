@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "tests/support/support.hpp"
@@ -74,6 +75,34 @@ void check_all(ForwardKernel kernel) {
   for (int splits : {2, 3, 5}) check({1, 40, 700, 4, 2, 64, 64}, "splits" + std::to_string(splits), kernel, seed++);
   check({1, 40, 700, 4, 2, 64, 64}, "causal splits3 threads3", kernel, seed++);
   for (int bq : {6, 16, 48, 128}) check({1, 203, 157, 3, 3, 40, 24}, "causal bq" + std::to_string(bq), kernel, seed++);
+}
+
+// The output's rounding to bf16, exactly: two keys with equal scores (q = 0) make every out
+// element (v0 + v1)/2 exact in float32 (P = 1 for both, ℓ = 2), of which bf16 keeps 8
+// significant bits — many elements are ties, which go to the even neighbour; a NaN in v0
+// gives a quiet NaN with v0's high bits. Rows of the decode and the tiled kernels (and
+// tiled_bf16 where it runs), head dims with and without a vector tail, every target.
+TEST(ForwardBf16Dot, OutputsRoundToNearestEvenOnEveryTarget) {
+  for_each_simd_target([&](const std::string& target) {
+    for (std::int64_t rows : {1, 40})
+      for (std::int64_t dim : {64, 67}) {
+        SCOPED_TRACE(target + ", " + std::to_string(rows) + " rows, head dim " + std::to_string(dim));
+        Tensor q(DType::bf16, {1, rows, 2, dim});  // zeros
+        Tensor v = random_tensor(DType::bf16, {1, 2, 2, dim}, static_cast<std::uint64_t>(rows + dim));
+        const Tensor k = random_tensor(DType::bf16, {1, 2, 2, dim}, 7);
+        v.set(0, std::numeric_limits<float>::quiet_NaN());  // head 0, column 0: NaN from v0
+        const ForwardResult r = forward(q.view(), k.view(), v.view(), AttentionOptions{});
+        for (std::int64_t i = 0; i < rows; ++i)
+          for (std::int64_t h = 0; h < 2; ++h)
+            for (std::int64_t c = 0; c < dim; ++c) {
+              const float v0 = v.get((0 * 2 + h) * dim + c), v1 = v.get((1 * 2 + h) * dim + c);
+              const std::uint16_t want = float_to_bf16((v0 + v1) * 0.5f);
+              std::uint16_t got;
+              std::memcpy(&got, static_cast<const std::uint16_t*>(r.out.data()) + (i * 2 + h) * dim + c, sizeof got);
+              ASSERT_EQ(got, want) << "row " << i << " head " << h << " column " << c << ": v " << v0 << ", " << v1;
+            }
+      }
+  });
 }
 
 TEST(ForwardBf16Dot, RunsWhereTheCpuAndTargetHaveIt) {

@@ -182,10 +182,28 @@ HWY_INLINE void StoreRow(const float* HWY_RESTRICT src, std::int64_t n, float sc
       for (std::int64_t i = 0; i < n; ++i) d[i] = src[i] * scale;
       break;
     }
-    case DType::bf16:
-      for (std::int64_t i = 0; i < n; ++i)
-        static_cast<std::uint16_t*>(dst)[i] = float_to_bf16(src[i] * scale);
+    case DType::bf16: {
+      // float_to_bf16 a vector at a time: round to nearest even by adding 0x7FFF plus the
+      // lowest kept bit; a NaN keeps its high half, quieted.
+      const DF df;
+      const hn::RebindToUnsigned<DF> du;
+      const hn::RebindToSigned<DF> di;
+      const hn::Rebind<std::uint16_t, DF> du16;
+      const VF vscale = hn::Set(df, scale);
+      auto* d = static_cast<std::uint16_t*>(dst);
+      std::int64_t i = 0;
+      for (; i + kLanes <= n; i += kLanes) {
+        const VF x = hn::Mul(hn::LoadU(df, src + i), vscale);
+        const auto bits = hn::BitCast(du, x);
+        const auto high = hn::ShiftRight<16>(bits);
+        const auto rounded = hn::ShiftRight<16>(hn::Add(bits, hn::Add(hn::And(high, hn::Set(du, 1u)), hn::Set(du, 0x7FFFu))));
+        const auto quiet = hn::Or(high, hn::Set(du, 0x40u));
+        const auto result = hn::IfThenElse(hn::RebindMask(du, hn::IsNaN(x)), quiet, rounded);
+        hn::StoreU(hn::DemoteTo(du16, hn::BitCast(di, result)), du16, d + i);  // values below 2^16: exact
+      }
+      for (; i < n; ++i) d[i] = float_to_bf16(src[i] * scale);
       break;
+    }
     case DType::f16:
       for (std::int64_t i = 0; i < n; ++i)
         static_cast<std::uint16_t*>(dst)[i] = float_to_f16(src[i] * scale);
