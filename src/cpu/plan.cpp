@@ -234,8 +234,11 @@ CpuForwardPlan cpu::plan_forward(const AttentionProblem& p, const detail::Proble
 
   // K/V tile: 128 keys amortize the per-tile softmax bookkeeping (row max, rescale of õ)
   // over 128·(D + Dv) FMAs per row, while a B panel of the micro-kernel — 128 rows of V
-  // or D rows of Kᵀ, micro_cols floats wide — stays within L1.
-  constexpr std::int64_t kBlockK = 128;
+  // or D rows of Kᵀ, micro_cols floats wide — stays within L1. On AMX tiles 256: õ's C tiles
+  // are loaded and stored once per K/V tile of P·V, and from L2 they cost as much as the
+  // products they hold; twice the depth halves that (docs/performance.md, 2026-12-04
+  // eighteenth session: 3–10% on the Sapphire Rapids; 512 was no faster than 128).
+  const std::int64_t kBlockK = plan.kernel == ForwardKernel::tiled_bf16 && hw.amx_bf16 ? 256 : 128;
   plan.block_k = std::min(round_up(kBlockK, mc), round_up(std::max<std::int64_t>(p.seqlen_k, 1), mc));
 
   // Q tile: the Q rows, their õ accumulators and the S tile should fill at most half of
