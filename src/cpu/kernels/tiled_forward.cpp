@@ -170,6 +170,10 @@ struct Fp32Products {
     });
   }
 
+  // Row r's P, columns [at, at + cols) of the S tile, is final: the float32 product reads it
+  // in place.
+  static void FinishRow(ForwardWorkspace&, std::int64_t, std::int64_t, std::int64_t, std::int64_t) {}
+
   // õ += P·V(keys j0..), P in place in the S tile.
   static void Accumulate(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t j0, const StripKeys* keys,
                          std::int64_t strips) {
@@ -292,16 +296,17 @@ struct Bf16Products {
     }
   }
 
-  // P of each strip's span rounded into the bf16 P tile, then õ += P·V(keys j0..).
+  // Row r's P (columns [at, at + cols) of the S tile, rows bc apart) rounded into the bf16 P
+  // tile as soon as the softmax has written it, while the row is in L1.
+  static void FinishRow(ForwardWorkspace& ws, std::int64_t bc, std::int64_t r, std::int64_t at, std::int64_t cols) {
+    bf16dot::RoundToBf16(ws.s_tile.get() + r * bc + at, ws.p_bf16.get() + r * bc + at, cols);
+  }
+
+  // õ += P·V(keys j0..), P in the bf16 P tile (FinishRow).
   static void Accumulate(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t j0, const StripKeys* keys,
                          std::int64_t strips) {
     const std::int64_t bc = prm.plan.block_k, dv_pad = prm.plan.head_dim_v_padded;
-    const float* s_tile = ws.s_tile.get();
-    std::uint16_t* p_tile = ws.p_bf16.get();  // (rows_pad, bc)
-    for (std::int64_t s = 0; s < strips; ++s)
-      for (std::int64_t r = s * kMicroRows; r < (s + 1) * kMicroRows && keys[s].begin != keys[s].end; ++r)
-        bf16dot::RoundToBf16(s_tile + r * bc + keys[s].begin, p_tile + r * bc + keys[s].begin,
-                             keys[s].end - keys[s].begin);
+    const std::uint16_t* p_tile = ws.p_bf16.get();  // (rows_pad, bc)
     const std::uint16_t* v_tile = ws.v_pairs.get() + j0 * dv_pad;
     const std::int64_t panel_stride = bc * kMicroCols;
     for (std::int64_t s0 = 0; s0 < strips; s0 += kBlockStrips) {  // as in Scores
@@ -373,6 +378,7 @@ void TiledItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item
       float* srow = s_tile + r * bc + (j - j0);
       MaskRow(mods, srow, i, j, n_r, cols);
       SoftmaxRow(mods, srow, i, j, cols, state[r], o_acc + r * dv_pad, dv_pad, rescales[r], deferred);
+      Products::FinishRow(ws, bc, r, j - j0, cols);
     });
     Products::Accumulate(prm, ws, j0, keys, strips);
   }
