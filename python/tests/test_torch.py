@@ -2,6 +2,10 @@
 and agreement with torch.nn.functional.scaled_dot_product_attention where the
 semantics agree (non-causal, or causal with Sq == Sk). Skipped without torch."""
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -302,10 +306,6 @@ def test_bf16_kernels_interleaved_with_torch_bf16_products(first):
     for each import order (which decides the threads the two libraries share). Meaningful
     where both run on AMX (Sapphire Rapids and later); elsewhere the same checks hold
     trivially."""
-    import os
-    import subprocess
-    import sys
-
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="2")
     res = subprocess.run([sys.executable, "-c", _INTERLEAVED_SCRIPT, first], capture_output=True, text=True,
                          env=env, timeout=300)
