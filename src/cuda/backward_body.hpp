@@ -111,7 +111,7 @@ FLASHATTN_HD void backward_block(Block& block, const BackwardParams& p, int n_bl
   constexpr int kDqUnits = kBM / kMmaM * (kD / kDqCols);
   constexpr int kDsChunks = kBN / kChunkElements;
   static_assert(kTile.n_tiles() == 1, "one m16 tile of keys per warp");
-  static_assert(kBM % kMmaK == 0 && kD % kDqCols == 0 && kDqUnits % kTile.warps == 0);
+  static_assert(kBM % kMmaK == 0 && kD % kDqCols == 0 && (kDqUnits % kTile.warps == 0 || kTile.warps % kDqUnits == 0));
   static_assert(kTile.warps <= Block::kLocalWarps || Block::kLocalWarps == 1);
 
   const int tile_bytes_n = kBN * kD * 2, tile_bytes_m = kBM * kD * 2;

@@ -275,7 +275,7 @@ class HostBlock {
   template <class Body> void each_warp(Body body) {
     for (HostWarp& w : warps_) body(w, w.warp());
   }
-  static constexpr int kLocalWarps = 4;  // warp states a block body keeps: all its warps
+  static constexpr int kLocalWarps = 8;  // warp states a block body keeps: all its warps
   static int smem_base() { return 0; }
   void barrier() {}
   // Deterministic dQ: blocks run here in the order of their K/V tile, so the turn must have

@@ -128,13 +128,16 @@ struct ForwardTile {
 };
 
 // A thread holds m_tiles · (D + block_n) / 2 f32 accumulators (O and S) within the 255
-// registers of sm_80/sm_90: 128 rows per block for D <= 128 (32 rows per warp, so each K/V
-// fragment read from shared memory feeds two mma: 64 + 32 resp. 128 + 32 accumulators), 64
-// rows for D = 256 (16 rows per warp: O alone takes 128). Two stages of 64-key K/V tiles
-// fit the 163 KiB of shared memory an sm_80 block may opt into: 48, 96 and 160 KiB.
+// registers of sm_80/sm_90, and ptxas must neither spill nor use a stack frame (the
+// cuda_gates test). D = 64: 128 rows, 32 per warp (each K/V fragment read from shared memory
+// feeds two mma). D = 128: 128 rows over 8 warps, 16 each, so that each K/V tile in shared
+// memory serves twice the rows of a 64-row block; on the H200 (docs/cuda.md) 8–9% faster than
+// 64 rows over 4 warps at S ≥ 4096, 5% slower causal at S = 1024; 32 rows per warp spills.
+// D = 256: 64 rows (O alone takes 128 accumulators). Two stages of K/V tiles: 48, 96 and
+// 160 KiB of shared memory, within the 163 KiB an sm_80 block may opt into.
 inline constexpr ForwardTile kForwardTiles[] = {
     {64, 128, 64, 4, 2},
-    {128, 64, 64, 4, 2},
+    {128, 128, 64, 8, 2},
     {256, 64, 16, 4, 2},
 };
 
@@ -155,9 +158,14 @@ struct BackwardTile {
     return (2 * block_n + 2 * block_m) * head_dim * 2 + block_m * block_n * 2 + 2 * block_m * 4;
   }
 };
+// 128 keys over 8 warps: each Q/dO tile brought into shared memory serves twice the keys of
+// a 64-key block, and half as many dQ atomics reach the accumulator per FLOP; on the H200 1–20%
+// faster than 64 keys over 4 warps (docs/cuda.md). Q tiles of 32 rows for D = 64, 16 for
+// D = 128: twice that spills (dK and dV alone take D accumulators a thread). With 16 rows
+// the dQ pass has 4 units of (16 rows, 32 columns) for 8 warps: half the warps idle there.
 inline constexpr BackwardTile kBackwardTiles[] = {
-    {64, 32, 64, 4},
-    {128, 16, 64, 4},
+    {64, 32, 128, 8},
+    {128, 16, 128, 8},
 };
 
 // ---- which tiles a Q tile visits (causal bottom-right aligned, ragged seqlen_k) ------------
