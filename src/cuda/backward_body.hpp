@@ -102,16 +102,17 @@ FLASHATTN_HD void backward_block(Block& block, const BackwardParams& p, int n_bl
   constexpr int kD = kTile.head_dim;
   constexpr int kBM = kTile.block_m, kBN = kTile.block_n;
   constexpr int kRowChunks = kTile.row_chunks();
-  constexpr int kQTiles = kBM / kMmaN;   // n8 tiles of Sᵀ (columns: Q rows)
+  constexpr int kStepM = kTile.step_m;    // Q rows of one step of a visit (the Sᵀ, dPᵀ registers)
+  constexpr int kQTiles = kStepM / kMmaN;  // n8 tiles of Sᵀ (columns: Q rows)
   constexpr int kDTiles = kD / kMmaN;    // n8 tiles of dK, dV
   constexpr int kDSteps = kD / kMmaK;
-  constexpr int kRowSteps = kBM / kMmaK;  // k16 steps over Q rows (dV, dK)
+  constexpr int kRowSteps = kStepM / kMmaK;  // k16 steps over a step's Q rows (dV, dK)
   constexpr int kKeySteps = kBN / kMmaK;  // k16 steps over keys (dQ)
   constexpr int kDqCols = 32;             // dQ columns per pass: 16 accumulators a thread
   constexpr int kDqUnits = kBM / kMmaM * (kD / kDqCols);
   constexpr int kDsChunks = kBN / kChunkElements;
   static_assert(kTile.n_tiles() == 1, "one m16 tile of keys per warp");
-  static_assert(kBM % kMmaK == 0 && kD % kDqCols == 0 && (kDqUnits % kTile.warps == 0 || kTile.warps % kDqUnits == 0));
+  static_assert(kBM % kStepM == 0 && kStepM % kMmaK == 0 && kD % kDqCols == 0 && (kDqUnits % kTile.warps == 0 || kTile.warps % kDqUnits == 0));
   static_assert(kTile.warps <= Block::kLocalWarps || Block::kLocalWarps == 1);
 
   const int tile_bytes_n = kBN * kD * 2, tile_bytes_m = kBM * kD * 2;
@@ -183,86 +184,92 @@ FLASHATTN_HD void backward_block(Block& block, const BackwardParams& p, int n_bl
         const auto col_fastest = x4_block_col_fastest(ld_matrix);
         const int warp_key0 = w.warp() * kMmaM;
 
-        // ---- Sᵀ = K Qᵀ and dPᵀ = V dOᵀ for the warp's 16 keys                 // (16, block_m) each
-        F s[kQTiles][4], dp[kQTiles][4];
-        FLASHATTN_UNROLL
-        for (int nt = 0; nt < kQTiles; ++nt)
+        // The visit's Q rows in steps of step_m: the Sᵀ and dPᵀ registers hold one step.
+#if defined(__CUDA_ARCH__)
+#pragma unroll 1
+#endif
+        for (int step0 = 0; step0 < kBM; step0 += kStepM) {
+          // ---- Sᵀ = K Qᵀ and dPᵀ = V dOᵀ for the warp's 16 keys                 // (16, step_m) each
+          F s[kQTiles][4], dp[kQTiles][4];
           FLASHATTN_UNROLL
-          for (int e = 0; e < 4; ++e) s[nt][e] = dp[nt][e] = F(0.0f);
-        for (int ks = 0; ks < kDSteps; ++ks) {
-          U a_k[4], a_v[4];
-          const auto a_offset = tile_offset(warp_key0 + row_fastest.row * 8 + ld_row, ks * kMmaK + row_fastest.col * 8,
-                                            kRowChunks);
-          w.template ldmatrix_x4<false>(a_k, smem_k + a_offset);
-          w.template ldmatrix_x4<false>(a_v, smem_v + a_offset);
-          FLASHATTN_UNROLL
-          for (int nt = 0; nt < kQTiles; nt += 2) {
-            U b[4];
-            const auto b_offset = tile_offset(nt * kMmaN + col_fastest.row * 8 + ld_row,
-                                              ks * kMmaK + col_fastest.col * 8, kRowChunks);
-            w.template ldmatrix_x4<false>(b, smem_q + b_offset);
-            W::template mma<E>(s[nt], a_k, b[0], b[1]);
-            W::template mma<E>(s[nt + 1], a_k, b[2], b[3]);
-            w.template ldmatrix_x4<false>(b, smem_do + b_offset);
-            W::template mma<E>(dp[nt], a_v, b[0], b[1]);
-            W::template mma<E>(dp[nt + 1], a_v, b[2], b[3]);
-          }
-        }
-
-        // ---- Pᵀ = exp2(Sᵀ·scale·log2e − lse·log2e), causal mask; dSᵀ = Pᵀ ∘ (dPᵀ − delta)
-        const bool diagonal = p.causal && key0 + kBN - 1 > row0 + (p.seqlen_k - p.seqlen_q);
-        FLASHATTN_UNROLL
-        for (int nt = 0; nt < kQTiles; ++nt)
-          FLASHATTN_UNROLL
-          for (int e = 0; e < 4; ++e) {
-            const auto rc = mma_c_element(lane, e);
-            const auto col = rc.col + nt * kMmaN;  // Q row within the tile
-            const F lse_log2 = w.lds_f32(smem_lse + col * 4);
-            const F delta = w.lds_f32(smem_delta + col * 4);
-            F prob = W::exp2(s[nt][e] * p.scale_log2 - lse_log2);
-            if (diagonal) {
-              const auto key = rc.row + (static_cast<int>(key0) + warp_key0);
-              prob = w.select(key_visible(col + static_cast<int>(row0), key, p.seqlen_q, p.seqlen_k, true), prob, 0.0f);
-            }
-            s[nt][e] = prob;
-            dp[nt][e] = prob * (dp[nt][e] - delta);
-          }
-
-        // ---- dV += Pᵀ dO and dK += dSᵀ Q: the accumulators are the A fragments  // (16, D) each
-        FLASHATTN_UNROLL
-        for (int ks = 0; ks < kRowSteps; ++ks) {
-          U a_p[4], a_ds[4];
-          FLASHATTN_UNROLL
-          for (int r = 0; r < 4; ++r) {
-            const int t = 2 * ks + c_tile_of_a_register(r), c = c_first_of_a_register(r);
-            a_p[r] = W::template pack<E>(s[t][c], s[t][c + 1]);
-            a_ds[r] = W::template pack<E>(dp[t][c], dp[t][c + 1]);
-          }
-          FLASHATTN_UNROLL
-          for (int dt = 0; dt < kDTiles; dt += 2) {
-            U b[4];
-            const auto b_offset = tile_offset(ks * kMmaK + row_fastest.row * 8 + ld_row, dt * kMmaN + row_fastest.col * 8,
+          for (int nt = 0; nt < kQTiles; ++nt)
+            FLASHATTN_UNROLL
+            for (int e = 0; e < 4; ++e) s[nt][e] = dp[nt][e] = F(0.0f);
+          for (int ks = 0; ks < kDSteps; ++ks) {
+            U a_k[4], a_v[4];
+            const auto a_offset = tile_offset(warp_key0 + row_fastest.row * 8 + ld_row, ks * kMmaK + row_fastest.col * 8,
                                               kRowChunks);
-            w.template ldmatrix_x4<true>(b, smem_do + b_offset);
-            W::template mma<E>(st.dv[dt], a_p, b[0], b[1]);
-            W::template mma<E>(st.dv[dt + 1], a_p, b[2], b[3]);
-            w.template ldmatrix_x4<true>(b, smem_q + b_offset);
-            W::template mma<E>(st.dk[dt], a_ds, b[0], b[1]);
-            W::template mma<E>(st.dk[dt + 1], a_ds, b[2], b[3]);
+            w.template ldmatrix_x4<false>(a_k, smem_k + a_offset);
+            w.template ldmatrix_x4<false>(a_v, smem_v + a_offset);
+            FLASHATTN_UNROLL
+            for (int nt = 0; nt < kQTiles; nt += 2) {
+              U b[4];
+              const auto b_offset = tile_offset(step0 + nt * kMmaN + col_fastest.row * 8 + ld_row,
+                                                ks * kMmaK + col_fastest.col * 8, kRowChunks);
+              w.template ldmatrix_x4<false>(b, smem_q + b_offset);
+              W::template mma<E>(s[nt], a_k, b[0], b[1]);
+              W::template mma<E>(s[nt + 1], a_k, b[2], b[3]);
+              w.template ldmatrix_x4<false>(b, smem_do + b_offset);
+              W::template mma<E>(dp[nt], a_v, b[0], b[1]);
+              W::template mma<E>(dp[nt + 1], a_v, b[2], b[3]);
+            }
           }
-        }
 
-        // ---- dS (block_m, block_n) to shared memory for dQ: element (Q row, key)
-        FLASHATTN_UNROLL
-        for (int nt = 0; nt < kQTiles; ++nt)
+          // ---- Pᵀ = exp2(Sᵀ·scale·log2e − lse·log2e), causal mask; dSᵀ = Pᵀ ∘ (dPᵀ − delta)
+          const bool diagonal = p.causal && key0 + kBN - 1 > row0 + (p.seqlen_k - p.seqlen_q);
           FLASHATTN_UNROLL
-          for (int e = 0; e < 4; e += 2) {
-            const auto rc = mma_c_element(lane, e);
-            const U pair = W::template pack<E>(dp[nt][e], dp[nt][e + 1]);
-            const auto key = rc.row + warp_key0;
-            w.sts_u16(smem_ds + tile_offset(rc.col + nt * kMmaN, key, kDsChunks), pair & 0xFFFFu);
-            w.sts_u16(smem_ds + tile_offset(rc.col + nt * kMmaN + 1, key, kDsChunks), pair >> 16);
+          for (int nt = 0; nt < kQTiles; ++nt)
+            FLASHATTN_UNROLL
+            for (int e = 0; e < 4; ++e) {
+              const auto rc = mma_c_element(lane, e);
+              const auto col = step0 + rc.col + nt * kMmaN;  // Q row within the tile
+              const F lse_log2 = w.lds_f32(smem_lse + col * 4);
+              const F delta = w.lds_f32(smem_delta + col * 4);
+              F prob = W::exp2(s[nt][e] * p.scale_log2 - lse_log2);
+              if (diagonal) {
+                const auto key = rc.row + (static_cast<int>(key0) + warp_key0);
+                prob = w.select(key_visible(col + static_cast<int>(row0), key, p.seqlen_q, p.seqlen_k, true), prob, 0.0f);
+              }
+              s[nt][e] = prob;
+              dp[nt][e] = prob * (dp[nt][e] - delta);
+            }
+
+          // ---- dV += Pᵀ dO and dK += dSᵀ Q: the accumulators are the A fragments  // (16, D) each
+          FLASHATTN_UNROLL
+          for (int ks = 0; ks < kRowSteps; ++ks) {
+            U a_p[4], a_ds[4];
+            FLASHATTN_UNROLL
+            for (int r = 0; r < 4; ++r) {
+              const int t = 2 * ks + c_tile_of_a_register(r), c = c_first_of_a_register(r);
+              a_p[r] = W::template pack<E>(s[t][c], s[t][c + 1]);
+              a_ds[r] = W::template pack<E>(dp[t][c], dp[t][c + 1]);
+            }
+            FLASHATTN_UNROLL
+            for (int dt = 0; dt < kDTiles; dt += 2) {
+              U b[4];
+              const auto b_offset = tile_offset(step0 + ks * kMmaK + row_fastest.row * 8 + ld_row,
+                                                dt * kMmaN + row_fastest.col * 8, kRowChunks);
+              w.template ldmatrix_x4<true>(b, smem_do + b_offset);
+              W::template mma<E>(st.dv[dt], a_p, b[0], b[1]);
+              W::template mma<E>(st.dv[dt + 1], a_p, b[2], b[3]);
+              w.template ldmatrix_x4<true>(b, smem_q + b_offset);
+              W::template mma<E>(st.dk[dt], a_ds, b[0], b[1]);
+              W::template mma<E>(st.dk[dt + 1], a_ds, b[2], b[3]);
+            }
           }
+
+          // ---- dS (block_m, block_n) to shared memory for dQ: element (Q row, key)
+          FLASHATTN_UNROLL
+          for (int nt = 0; nt < kQTiles; ++nt)
+            FLASHATTN_UNROLL
+            for (int e = 0; e < 4; e += 2) {
+              const auto rc = mma_c_element(lane, e);
+              const U pair = W::template pack<E>(dp[nt][e], dp[nt][e + 1]);
+              const auto key = rc.row + warp_key0;
+              w.sts_u16(smem_ds + tile_offset(step0 + rc.col + nt * kMmaN, key, kDsChunks), pair & 0xFFFFu);
+              w.sts_u16(smem_ds + tile_offset(step0 + rc.col + nt * kMmaN + 1, key, kDsChunks), pair >> 16);
+            }
+        }
       });
       block.barrier();
 

@@ -149,6 +149,7 @@ struct BackwardTile {
   int block_m;  // Q rows per visited tile
   int block_n;  // keys per thread block
   int warps;
+  int step_m;   // Q rows per step within a visit: the Sᵀ and dPᵀ registers hold one step
   FLASHATTN_HD constexpr int warp_keys() const { return block_n / warps; }
   FLASHATTN_HD constexpr int n_tiles() const { return warp_keys() / kMmaM; }
   FLASHATTN_HD constexpr int threads() const { return warps * kWarpSize; }
@@ -159,13 +160,15 @@ struct BackwardTile {
   }
 };
 // 128 keys over 8 warps: each Q/dO tile brought into shared memory serves twice the keys of
-// a 64-key block, and half as many dQ atomics reach the accumulator per FLOP; on the H200 1–20%
-// faster than 64 keys over 4 warps (docs/cuda.md). Q tiles of 32 rows for D = 64, 16 for
-// D = 128: twice that spills (dK and dV alone take D accumulators a thread). With 16 rows
-// the dQ pass has 4 units of (16 rows, 32 columns) for 8 warps: half the warps idle there.
+// a 64-key block, and half as many dQ atomics reach the accumulator per FLOP. A visit's Q tile
+// is worked through in steps of step_m rows, so that it can be larger than what the Sᵀ and dPᵀ
+// registers hold (dK and dV alone take D accumulators a thread; 32 rows at D = 128 spill):
+// fewer barriers and atomics per FLOP, and more dQ units for the warps. On the H200
+// (docs/cuda.md) 64 rows in steps of 32 were best at D = 64, 32 rows in steps of 16 at D = 128
+// (64 rows there: 0–12% slower). The lse/delta copy takes block_m ≤ 64.
 inline constexpr BackwardTile kBackwardTiles[] = {
-    {64, 32, 128, 8},
-    {128, 16, 128, 8},
+    {64, 64, 128, 8, 32},
+    {128, 32, 128, 8, 16},
 };
 
 // ---- which tiles a Q tile visits (causal bottom-right aligned, ragged seqlen_k) ------------
