@@ -901,7 +901,7 @@ TEST(KvCache, Fp8CacheBadInputNamesTheArgument) {
 namespace flashattn::test {
 namespace {
 
-// decode_fp16 is planned by default for an FP8 cache (k/v u8) with few rows per kv head
+// decode_fp16 is planned by default for an FP8 or int8 cache with few rows per kv head
 // where the CPU has AVX512-FP16; asked for where it cannot run, it is an Error
 // that names the kernel and the reason, raised before an append writes the cache. The
 // hardware with and without it is simulated through the library's internal planner (the
@@ -916,8 +916,8 @@ TEST(KvCache, DecodeFp16IsPlannedForQuantizedCachesOnly) {
   const AttentionProblem p = AttentionProblem::from_sizes(1, 1, 500, 32, 8, 128, 128, DType::bf16, {});
   EXPECT_EQ(cpu::plan_forward(p, kFp8Cache, with).kernel, ForwardKernel::decode_fp16);
   EXPECT_EQ(cpu::plan_forward(p, kFp8Cache, without).kernel, ForwardKernel::decode);
-  // int8 codes: decode_fp16 by name only (the planner keeps the float32 decode kernel).
-  EXPECT_EQ(cpu::plan_forward(p, kInt8Cache, with).kernel, ForwardKernel::decode);
+  // int8 codes: decode_fp16 where it runs, as for FP8.
+  EXPECT_EQ(cpu::plan_forward(p, kInt8Cache, with).kernel, ForwardKernel::decode_fp16);
   EXPECT_EQ(cpu::plan_forward(p, kInt8Cache, with, 0, 0, ForwardKernel::decode_fp16).kernel, ForwardKernel::decode_fp16);
   EXPECT_EQ(cpu::plan_forward(p, kInt8Cache, without).kernel, ForwardKernel::decode);
   expect_error([&] { cpu::plan_forward(p, kInt8Cache, without, 0, 0, ForwardKernel::decode_fp16); },

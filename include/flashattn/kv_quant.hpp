@@ -37,7 +37,7 @@
 // kernel applies scales and zero points to what its products give, (Q·(code − 128) −
 // ΣQ·(zero_point − 128))·scale for a u8 key (likewise for P·V), so zero points far from 128
 // — values far from 0 next to their spread — lose float32 precision in that difference.
-// decode_fp16 (AVX512-FP16; by name — the planner keeps decode for int8 codes) takes the same steps
+// decode_fp16 (AVX512-FP16, where the planner takes it for int8 codes as for FP8) takes the same steps
 // with Q·(code − 128) and (P·scale)·(code − 128) in half precision (codes exact, Q and P·scale
 // rounded to half, partial sums of a few terms): roundings of 2^-11 relative, a small part of
 // the half step above (src/cpu/kernels/fp16_decode.hpp; tests/test_int8_cache.cpp holds it

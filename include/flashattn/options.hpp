@@ -34,7 +34,7 @@ Exp2Impl parse_exp2_impl(const std::string& name);
 // kv_quant.hpp) on AVX512-FP16: half-precision products and short half-precision partial
 // sums, moved to float32 every few terms (errors a few percent of the codes' own quantization
 // error; src/cpu/kernels/fp16_decode.hpp). `automatic` lets the planner choose: for at most
-// 16 rows per kv head decode_fp16 where the cache is FP8 (int8 caches: by name only),
+// 16 rows per kv head decode_fp16 where the cache is quantized (FP8 or int8 codes),
 // head_dim ≤ 512 (its half-precision bound) and the CPU has AVX512-FP16, else decode; for more rows
 // tiled_bf16 where the inputs are bf16, the CPU and SIMD target have AVX512-BF16 and its
 // products outpace float32 FMA (AMX; AMD Zen 5's VDPBF16PS; not VDPBF16PS alone on Intel,

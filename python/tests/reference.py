@@ -370,6 +370,14 @@ def quantized_cache_tolerance(kernel):
     return 2.0**-9 if kernel == "decode_fp16" else 1e-4
 
 
+def planned_quantized_decode():
+    """The kernel the planner takes for a few decode rows over an FP8 or int8 cache here:
+    decode_fp16 where the CPU has AVX512-FP16, else decode."""
+    import flashattn
+
+    return "decode_fp16" if flashattn._C.cpu_hardware()["decode_fp16"] == "1" else "decode"
+
+
 def run_kernel(kernel, call):
     """call()'s result; a visible skip where this CPU lacks the kernel (decode_fp16 without
     AVX512-FP16), which must be the only reason the call fails."""

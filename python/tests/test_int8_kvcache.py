@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import flashattn
-from reference import attention_ref, quantized_cache_tolerance
+from reference import attention_ref, planned_quantized_decode, quantized_cache_tolerance
 
 FORMATS = [("u8", "u8"), ("s8", "s8"), ("u8", "s8"), ("s8", "e4m3")]
 
@@ -74,7 +74,9 @@ def test_int8_kvcache_appends_then_attends(page_size, k_fmt, v_fmt, per_token):
                 bound = (0.5 + 2.0**-23 * (1.0 + step_zero)) * step_scale
                 assert (np.abs(stored - x) <= bound).all(), f"{fmt} of sequence {b} after step {step}"
             want = attention_ref(q[b][None], keys[None], vals[None], causal=True)[0][0]
-            atol = quantized_cache_tolerance("decode") * np.abs(vals).max()
+            # the prefill chunk runs the tiled kernel (float32 on the values); the decode steps the
+            # planner's quantized decode kernel, whose bound is the wider
+            atol = quantized_cache_tolerance(planned_quantized_decode()) * np.abs(vals).max()
             np.testing.assert_allclose(out[b], want, atol=atol, err_msg=f"sequence {b}")
         if table is None:
             continue

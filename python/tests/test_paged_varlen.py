@@ -6,7 +6,7 @@ import torch
 
 import flashattn
 from flashattn import flash_attn_interface
-from reference import quantized_cache_tolerance
+from reference import planned_quantized_decode, quantized_cache_tolerance
 
 HQ, HKV, D, PAGE = 4, 2, 32, 16
 LENGTHS = [(1, 300), (0, 20), (40, 100), (1, 0), (3, 17), (70, 50), (16, 2100)]  # (query rows, keys)
@@ -116,7 +116,7 @@ def test_fp8_pool_matches_its_dequantized_values(kernel):
     # decode: float32 arithmetic on the dequantized values. auto: the decode rows run decode_fp16
     # where the CPU has AVX512-FP16 (half-precision products, bounded relative to max|v|: outputs
     # are convex combinations of the values), decode elsewhere.
-    fp16 = kernel == "auto" and flashattn._C.cpu_hardware()["decode_fp16"] == "1"
+    fp16 = kernel == "auto" and planned_quantized_decode() == "decode_fp16"
     tolerance = quantized_cache_tolerance("decode_fp16") * values(v_codes, v_scale).abs().max().item() if fp16 else 1e-5
     assert (out.double() - want).abs().max().item() <= tolerance
 
