@@ -109,8 +109,8 @@ GradientRule gradient_rule(DType dtype, Exp2Impl exp2, const std::vector<double>
   GradientRule rule;
   if (!judged_by_yardstick(dtype, exp2)) return rule;
   const double naive_error = max_abs_error(naive, want);
-  rule.tolerance = 3.0 * naive_error + kGradientFloor;
   const double largest = largest_magnitude(want);
+  rule.tolerance = 3.0 * naive_error + kGradientFloor + 0.5 * ulp(dtype, largest);
   const double bound = kGradientYardstickUlps * ulp_of_bits(yardstick_bits(dtype, exp2),
                                                             dtype == DType::f16 ? -14 : -126, largest);
   if (naive_error > bound)
