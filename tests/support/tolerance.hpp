@@ -81,7 +81,7 @@ bool judged_by_yardstick(DType dtype, Exp2Impl exp2);
 // Upstream's rule for gradients: a gradient within 3× the naive same-precision backward's
 // largest error (naive_backward_same_precision) plus kGradientFloor and half an ulp of the
 // largest |gradient| (both round their gradients to dtype: the outputs' reason, above; the
-// fuzzer met 3.1–4× on bf16 gradients of 16–52 elements with dropout) where
+// fuzzer met 3.1–5× on bf16 gradients of 6–52 elements with dropout) where
 // judged_by_yardstick, else within kGradientFloor. `naive`: that naive backward's gradient
 // (read only where judged_by_yardstick).
 struct GradientRule {
