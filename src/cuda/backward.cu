@@ -4,7 +4,10 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <memory>
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <mutex>
 
 #include "src/cuda/backward_body.hpp"
 #include "src/cuda/device_warp.cuh"
@@ -52,8 +55,61 @@ template <class E>
 constexpr BackwardKernel kBackwardKernels[] = {backward_kernel<0, E>, backward_kernel<1, E>};
 static_assert(std::size(kBackwardKernels<Bf16>) == std::size(kBackwardTiles));
 
-struct DeviceFree {
-  void operator()(void* p) const { cudaFree(p); }
+// The backward's float32 workspace (row statistics, dQ accumulator, turn counters), in the
+// order of the default stream: from a memory pool of the library's own per device where the
+// device has memory pools, allocated and released with the kernels (nothing waits for the
+// device; the pool keeps its memory between calls, so a training loop's backward takes memory
+// from the driver once); else cudaMalloc, and the release waits for the kernels.
+class Workspace {
+ public:
+  explicit Workspace(std::size_t bytes) {
+    if (bytes == 0) return;  // none without queries
+    pool_ = device_pool();
+    if (pool_ != nullptr)
+      check_cuda(cudaMallocFromPoolAsync(&data_, bytes, pool_, cudaStreamLegacy), "backward: workspace allocation");
+    else
+      check_cuda(cudaMalloc(&data_, bytes), "backward: workspace allocation");
+  }
+  Workspace(const Workspace&) = delete;
+  Workspace& operator=(const Workspace&) = delete;
+  ~Workspace() {
+    if (data_ == nullptr) return;
+    if (pool_ != nullptr) {
+      cudaFreeAsync(data_, cudaStreamLegacy);
+    } else {
+      cudaDeviceSynchronize();
+      cudaFree(data_);
+    }
+  }
+  void* data() const { return data_; }
+
+ private:
+  // The current device's pool (created at its first use, never trimmed), or null where the
+  // device has no memory pools.
+  static cudaMemPool_t device_pool() {
+    int device = 0, supported = 0;
+    check_cuda(cudaGetDevice(&device), "backward: current device");
+    check_cuda(cudaDeviceGetAttribute(&supported, cudaDevAttrMemoryPoolsSupported, device),
+               "backward: memory pool support");
+    if (supported == 0) return nullptr;
+    static std::mutex mutex;
+    static std::map<int, cudaMemPool_t> pools;
+    const std::lock_guard lock(mutex);
+    if (const auto it = pools.find(device); it != pools.end()) return it->second;
+    cudaMemPoolProps props{};
+    props.allocType = cudaMemAllocationTypePinned;
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = device;
+    cudaMemPool_t pool = nullptr;
+    check_cuda(cudaMemPoolCreate(&pool, &props), "backward: workspace pool");
+    std::uint64_t keep = std::numeric_limits<std::uint64_t>::max();
+    check_cuda(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep), "backward: workspace pool");
+    pools.emplace(device, pool);
+    return pool;
+  }
+
+  void* data_ = nullptr;
+  cudaMemPool_t pool_ = nullptr;
 };
 
 dim3 dims(const Grid& g) { return dim3(static_cast<unsigned>(g.x), static_cast<unsigned>(g.y), static_cast<unsigned>(g.z)); }
@@ -65,11 +121,8 @@ void launch_backward(const BackwardParams& params, const CudaBackwardPlan& plan,
   const std::int64_t rows = p.stats_rows;
   const std::size_t accum_bytes = static_cast<std::size_t>(rows) * plan.head_dim_padded * sizeof(float);
   const std::size_t turn_bytes = static_cast<std::size_t>(plan.batch * p.heads_q * plan.m_blocks) * sizeof(int);
-  void* workspace = nullptr;
-  if (plan.workspace_bytes > 0)  // none without queries
-    check_cuda(cudaMalloc(&workspace, plan.workspace_bytes), "backward: workspace allocation");
-  const std::unique_ptr<void, DeviceFree> owner(workspace);
-  p.row_stats = static_cast<float*>(workspace);
+  const Workspace workspace(plan.workspace_bytes);
+  p.row_stats = static_cast<float*>(workspace.data());
   p.dq_accum = p.row_stats + 2 * rows;
   p.dq_turn = reinterpret_cast<int*>(p.dq_accum + rows * plan.head_dim_padded);
   if (accum_bytes + turn_bytes > 0)
@@ -91,7 +144,6 @@ void launch_backward(const BackwardParams& params, const CudaBackwardPlan& plan,
         return check_cuda(cudaGetLastError(), "backward: dQ conversion launch");
     }
   });
-  check_cuda(cudaDeviceSynchronize(), "backward");  // the workspace is freed on return
 }
 
 }  // namespace flashattn::cuda

@@ -26,6 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 LIB = ctypes.CDLL(sys.argv[1])
 QUICK = "--quick" in sys.argv[2:]
+STRESS = int(sys.argv[sys.argv.index("--stress") + 1]) if "--stress" in sys.argv[2:] else 0
 OUT = os.environ.get("OUT", ".")
 P = ctypes.c_void_p
 I64 = ctypes.c_int64
@@ -84,6 +85,52 @@ def math_attention(q, k, v, causal):
     return (p @ vt).transpose(1, 2), lse
 
 
+def check_case(dtype, b, sq, sk, hq, hkv, d, causal, deterministic=False, rows=None):
+    """Forward (and backward, D <= 128) of one case against the float64 reference, by
+    upstream's rule; with deterministic, the deterministic backward run twice, bit-identical."""
+    name = f"{str(dtype)[6:]} B={b} Sq={sq} Sk={sk} Hq={hq} Hkv={hkv} D={d} causal={causal}"
+    torch.manual_seed(sq * 7 + sk)
+    q = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype)
+    k = torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype)
+    v = torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype)
+    dout = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype)
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    want, want_lse = math_attention(q64, k64, v64, causal)
+    g64 = torch.autograd.grad(want, (q64, k64, v64), dout.double())
+    ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
+    naive, _ = math_attention(ql, kl, vl, causal)
+    gl = torch.autograd.grad(naive, (ql, kl, vl), dout)
+    try:
+        out, lse = ours_forward(q, k, v, causal)
+    except RuntimeError as e:
+        return check(False, f"forward {name}: {e}", "forward")
+    err = (out.double() - want).abs().max().item()
+    tol = 2 * (naive.double() - want).abs().max().item() + 1e-5
+    check(err <= tol, f"forward {name}: error {err:.2e} <= {tol:.2e}", "forward")
+    finite = torch.isfinite(want_lse)
+    lse_ok = torch.equal(finite, torch.isfinite(lse)) and torch.allclose(lse[finite], want_lse[finite].float(), atol=1e-3)
+    check(lse_ok, f"forward {name}: lse", "forward")
+    if rows is not None:
+        rows.append(["forward", name, err, tol])
+    if d > 128:
+        return
+    try:
+        grads = ours_backward(dout, q, k, v, out, lse, causal)
+    except RuntimeError as e:
+        return check(False, f"backward {name}: {e}", "backward")
+    for label, got, w, nv in zip(("dq", "dk", "dv"), grads, g64, gl):
+        err = (got.double() - w).abs().max().item()
+        tol = 3 * (nv.double() - w).abs().max().item() + 1e-4
+        check(err <= tol, f"backward {name}: {label} error {err:.2e} <= {tol:.2e}", "backward")
+        if rows is not None:
+            rows.append([f"backward {label}", name, err, tol])
+    if deterministic:
+        a = ours_backward(dout, q, k, v, out, lse, causal, deterministic=True)
+        b2 = ours_backward(dout, q, k, v, out, lse, causal, deterministic=True)
+        check(all(torch.equal(x, y) for x, y in zip(a, b2)), f"deterministic backward {name}: bit-identical",
+              "backward")
+
+
 def correctness():
     rows = []
     cases = [(1, 1, 1, 1, 1, 64), (2, 113, 203, 4, 2, 64), (1, 257, 129, 6, 1, 128), (1, 200, 50, 2, 2, 96),
@@ -93,49 +140,26 @@ def correctness():
     for dtype in (torch.bfloat16,) if QUICK else (torch.bfloat16, torch.float16):
         for b, sq, sk, hq, hkv, d in cases:
             for causal in (False, True):
-                name = f"{str(dtype)[6:]} B={b} Sq={sq} Sk={sk} Hq={hq} Hkv={hkv} D={d} causal={causal}"
-                torch.manual_seed(sq * 7 + sk)
-                q = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype)
-                k = torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype)
-                v = torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype)
-                dout = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype)
-                q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
-                want, want_lse = math_attention(q64, k64, v64, causal)
-                g64 = torch.autograd.grad(want, (q64, k64, v64), dout.double())
-                ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
-                naive, _ = math_attention(ql, kl, vl, causal)
-                gl = torch.autograd.grad(naive, (ql, kl, vl), dout)
-                try:
-                    out, lse = ours_forward(q, k, v, causal)
-                except RuntimeError as e:
-                    check(False, f"forward {name}: {e}", "forward")
-                    continue
-                err = (out.double() - want).abs().max().item()
-                tol = 2 * (naive.double() - want).abs().max().item() + 1e-5
-                check(err <= tol, f"forward {name}: error {err:.2e} <= {tol:.2e}", "forward")
-                finite = torch.isfinite(want_lse)
-                lse_ok = torch.equal(finite, torch.isfinite(lse)) and torch.allclose(lse[finite], want_lse[finite].float(), atol=1e-3)
-                check(lse_ok, f"forward {name}: lse", "forward")
-                rows.append(["forward", name, err, tol])
-                if d > 128:
-                    continue
-                try:
-                    grads = ours_backward(dout, q, k, v, out, lse, causal)
-                except RuntimeError as e:
-                    check(False, f"backward {name}: {e}", "backward")
-                    continue
-                for label, got, w, nv in zip(("dq", "dk", "dv"), grads, g64, gl):
-                    err = (got.double() - w).abs().max().item()
-                    tol = 3 * (nv.double() - w).abs().max().item() + 1e-4
-                    check(err <= tol, f"backward {name}: {label} error {err:.2e} <= {tol:.2e}", "backward")
-                    rows.append([f"backward {label}", name, err, tol])
-                if causal and (sq == 1000 or (QUICK and sq == 70)):
-                    a = ours_backward(dout, q, k, v, out, lse, causal, deterministic=True)
-                    b2 = ours_backward(dout, q, k, v, out, lse, causal, deterministic=True)
-                    check(all(torch.equal(x, y) for x, y in zip(a, b2)), f"deterministic backward {name}: bit-identical",
-                          "backward")
+                check_case(dtype, b, sq, sk, hq, hkv, d, causal,
+                           deterministic=causal and (sq == 1000 or (QUICK and sq == 70)), rows=rows)
     with open(os.path.join(OUT, "correctness.csv"), "w", newline="") as f:
         csv.writer(f).writerows([["pass", "case", "max_abs_error", "tolerance"]] + rows)
+
+
+def stress(count):
+    """count random small cases (seeded): batch 1-3, lengths 1-600 each, GQA groups of 1-4,
+    head_dim a multiple of 8 up to 128, causal or not, both dtypes, every fifth also
+    deterministic; each one allocates its own tensors, so the kernels meet shifted addresses."""
+    gen = torch.Generator().manual_seed(2026)
+
+    def pick(lo, hi):
+        return int(torch.randint(lo, hi + 1, (1,), generator=gen))
+
+    for i in range(count):
+        hkv = pick(1, 3)
+        d = 8 * pick(1, 16)
+        check_case((torch.bfloat16, torch.float16)[i % 2], pick(1, 3), pick(1, 600), pick(1, 600), hkv * pick(1, 4),
+                   hkv, d, bool(pick(0, 1)), deterministic=i % 5 == 0)
 
 
 def edges():
@@ -176,50 +200,55 @@ def median_ms(fn, warmup=3, repeats=10):
 
 def timing():
     rows = []
-    for d in (64, 128):
-        for s in (1024, 4096, 8192, 16384):
-            for causal in (False, True):
-                b, h = 16384 // s, 2048 // d
-                q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-                flops = 4 * b * h * s * s * d / (2 if causal else 1)
-                out, lse = ours_forward(q, k, v, causal)
-                with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-                    ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=causal)
-                gap = (out.float() - ref.transpose(1, 2).float()).abs().max().item()
-                bound = 0.02 * ref.float().abs().max().item() + 1e-3
-                check(gap <= bound, f"agreement with torch flash D={d} S={s} causal={causal}: {gap:.2e} <= {bound:.2e}",
-                      "forward")
-                nan = float("nan")
-                results = {"ours": (median_ms(lambda: ours_forward(q, k, v, causal)),
-                                    nan if "backward" in failed_kinds else
-                                    median_ms(lambda: ours_backward(dout, q, k, v, out, lse, causal)))}
-                for label, backend in (("torch flash", SDPBackend.FLASH_ATTENTION), ("torch cudnn", SDPBackend.CUDNN_ATTENTION)):
-                    qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
-                    try:
-                        with sdpa_kernel([backend]):
-                            fwd = median_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
-                            o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-                            g = dout.transpose(1, 2)
-                            bwd = median_ms(lambda: torch.autograd.grad(o, (qt, kt, vt), g, retain_graph=True))
-                        results[label] = (fwd, bwd)
-                    except RuntimeError as e:
-                        print(f"  {label} unavailable for D={d} S={s}: {str(e).splitlines()[0]}")
-                for label, (fwd, bwd) in results.items():
-                    rows.append([label, d, s, causal, fwd, bwd, flops / fwd / 1e9, 2.5 * flops / bwd / 1e9])
+    # FlashAttention's benchmark shapes, then small calls (one sequence of 128 or 512 tokens),
+    # where what a call costs besides its kernels shows.
+    shapes = [(d, s, 16384 // s, 2048 // d) for d in (64, 128) for s in (1024, 4096, 8192, 16384)]
+    shapes += [(64, 128, 1, 16), (64, 512, 1, 16), (128, 512, 1, 16)]
+    for d, s, b, h in shapes:
+        for causal in (False, True):
+            q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+            flops = 4 * b * h * s * s * d / (2 if causal else 1)
+            out, lse = ours_forward(q, k, v, causal)
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=causal)
+            gap = (out.float() - ref.transpose(1, 2).float()).abs().max().item()
+            bound = 0.02 * ref.float().abs().max().item() + 1e-3
+            check(gap <= bound, f"agreement with torch flash D={d} S={s} B={b} causal={causal}: {gap:.2e} <= {bound:.2e}",
+                  "forward")
+            nan = float("nan")
+            results = {"ours": (median_ms(lambda: ours_forward(q, k, v, causal)),
+                                nan if "backward" in failed_kinds else
+                                median_ms(lambda: ours_backward(dout, q, k, v, out, lse, causal)))}
+            for label, backend in (("torch flash", SDPBackend.FLASH_ATTENTION), ("torch cudnn", SDPBackend.CUDNN_ATTENTION)):
+                qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
+                try:
+                    with sdpa_kernel([backend]):
+                        fwd = median_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
+                        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                        g = dout.transpose(1, 2)
+                        bwd = median_ms(lambda: torch.autograd.grad(o, (qt, kt, vt), g, retain_graph=True))
+                    results[label] = (fwd, bwd)
+                except RuntimeError as e:
+                    print(f"  {label} unavailable for D={d} S={s}: {str(e).splitlines()[0]}")
+            for label, (fwd, bwd) in results.items():
+                rows.append([label, d, s, causal, fwd, bwd, flops / fwd / 1e9, 2.5 * flops / bwd / 1e9])
     with open(os.path.join(OUT, "timing.csv"), "w", newline="") as f:
         csv.writer(f).writerows([["kernel", "head_dim", "seqlen", "causal", "fwd_ms", "bwd_ms", "fwd_tflops", "bwd_tflops"]] + rows)
-    print("\nTFLOP/s (bf16, B*S = 16k, Hq*D = 2048), forward / backward")
-    print(f"{'kernel':<12} {'D':>4} {'S':>6} {'causal':>6} {'fwd':>7} {'bwd':>7}")
+    print("\nbf16, forward / backward: TFLOP/s and milliseconds (B*S = 16k, Hq*D = 2048; then B = 1, Hq = 16)")
+    print(f"{'kernel':<12} {'D':>4} {'S':>6} {'causal':>6} {'fwd':>7} {'bwd':>7} {'fwd ms':>8} {'bwd ms':>8}")
     for r in rows:
-        print(f"{r[0]:<12} {r[1]:>4} {r[2]:>6} {str(r[3]):>6} {r[6]:>7.1f} {r[7]:>7.1f}")
+        print(f"{r[0]:<12} {r[1]:>4} {r[2]:>6} {str(r[3]):>6} {r[6]:>7.1f} {r[7]:>7.1f} {r[4]:>8.3f} {r[5]:>8.3f}")
 
 
 if __name__ == "__main__":
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     try:
-        correctness()
-        edges()
-        if QUICK:
+        if STRESS:
+            stress(STRESS)
+        else:
+            correctness()
+            edges()
+        if QUICK or STRESS:
             pass
         elif "forward" not in failed_kinds:
             timing()
