@@ -177,30 +177,54 @@ TEST(Bf16Dot, LayoutHelpersAreExact) {
     for (std::int64_t i = rows; i < dst_stride; ++i) ASSERT_EQ(dst[j * dst_stride + i], 0xFFFFFFFFu);
 }
 
-// The tiled_bf16 kernels end to end, forward and backward, with AMX on or off.
+// The tiled_bf16 kernels end to end, forward and backward, with AMX on or off, under
+// variants that let the softmax take softmax_scale·log2e in its exponent (causal, a boolean
+// attn_mask: they only hide scores) and under those that need the products to apply it
+// (softcap, an additive bias, a negative scale).
 void KernelsMatchTheReference(bool amx) {
-  dot::set_amx_enabled(amx);
   struct {
     Tensor q, k, v;
   } in{random_tensor(DType::bf16, {1, 77, 2, 64}, 30), random_tensor(DType::bf16, {1, 150, 2, 64}, 31),
        random_tensor(DType::bf16, {1, 150, 2, 64}, 32)};
-  AttentionOptions o;
-  o.causal = true;
-  o.kernel = ForwardKernel::tiled_bf16;
-  o.backward_kernel = BackwardKernel::tiled_bf16;
-  const ForwardResult got = forward(in.q.view(), in.k.view(), in.v.view(), o);
   const Tensor dout = random_tensor(DType::bf16, {1, 77, 2, 64}, 33);
-  const BackwardResult g = backward(dout.view(), in.q.view(), in.k.view(), in.v.view(), got.out.view(), got.lse.view(), o);
-  dot::set_amx_enabled(true);
-  const reference::Result want = reference::attention(in.q.view(), in.k.view(), in.v.view(), o);
-  const AttentionProblem p = AttentionProblem::from_inputs(in.q.view(), in.k.view(), in.v.view(), o);
-  EXPECT_LE(max_abs_error(got.out, want.out),
-            2.0 * max_abs_error(naive_same_precision(p, o, in.q, in.k, in.v), want.out) + 1e-5);
-  const reference::Gradients wg = reference::attention_backward(dout.view(), in.q.view(), in.k.view(), in.v.view(), o);
-  const NaiveGradients n = naive_backward_same_precision(p, o, dout, in.q, in.k, in.v);
-  EXPECT_LE(max_abs_error(g.dq, wg.dq), 3.0 * max_abs_error(n.dq, wg.dq) + 1e-4);
-  EXPECT_LE(max_abs_error(g.dk, wg.dk), 3.0 * max_abs_error(n.dk, wg.dk) + 1e-4);
-  EXPECT_LE(max_abs_error(g.dv, wg.dv), 3.0 * max_abs_error(n.dv, wg.dv) + 1e-4);
+  Tensor hidden(DType::u8, {1, 1, 77, 150}), bias = random_tensor(DType::f32, {1, 2, 77, 150}, 34);
+  for (std::int64_t e = 0; e < hidden.numel(); ++e)  // every row keeps its first key and about 2 in 3 others
+    hidden.data_as<std::uint8_t>()[e] = e % 150 == 0 || (e * 7919) % 3 != 0 ? 1 : 0;
+  struct Variant {
+    const char* name;
+    AttentionOptions options;
+  };
+  std::vector<Variant> variants(5);
+  variants[0] = {"causal", {}};
+  variants[0].options.causal = true;
+  variants[1] = {"boolean attn_mask", {}};
+  variants[1].options.attn_mask = hidden.view();
+  variants[2] = {"softcap", {}};
+  variants[2].options.softcap = 2.0f;
+  variants[3] = {"additive bias", {}};
+  variants[3].options.attn_mask = bias.view();
+  variants[4] = {"negative softmax_scale", {}};
+  variants[4].options.softmax_scale = -0.125f;
+  for (Variant& variant : variants) {
+    SCOPED_TRACE(variant.name);
+    AttentionOptions& o = variant.options;
+    o.kernel = ForwardKernel::tiled_bf16;
+    o.backward_kernel = BackwardKernel::tiled_bf16;
+    dot::set_amx_enabled(amx);
+    const ForwardResult got = forward(in.q.view(), in.k.view(), in.v.view(), o);
+    const BackwardResult g =
+        backward(dout.view(), in.q.view(), in.k.view(), in.v.view(), got.out.view(), got.lse.view(), o);
+    dot::set_amx_enabled(true);
+    const reference::Result want = reference::attention(in.q.view(), in.k.view(), in.v.view(), o);
+    const AttentionProblem p = AttentionProblem::from_inputs(in.q.view(), in.k.view(), in.v.view(), o);
+    EXPECT_LE(max_abs_error(got.out, want.out),
+              2.0 * max_abs_error(naive_same_precision(p, o, in.q, in.k, in.v), want.out) + 1e-5);
+    const reference::Gradients wg = reference::attention_backward(dout.view(), in.q.view(), in.k.view(), in.v.view(), o);
+    const NaiveGradients n = naive_backward_same_precision(p, o, dout, in.q, in.k, in.v);
+    EXPECT_LE(max_abs_error(g.dq, wg.dq), 3.0 * max_abs_error(n.dq, wg.dq) + 1e-4);
+    EXPECT_LE(max_abs_error(g.dk, wg.dk), 3.0 * max_abs_error(n.dk, wg.dk) + 1e-4);
+    EXPECT_LE(max_abs_error(g.dv, wg.dv), 3.0 * max_abs_error(n.dv, wg.dv) + 1e-4);
+  }
 }
 
 // On the VDPBF16PS path where AMX would otherwise take the products.

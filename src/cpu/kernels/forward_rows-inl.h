@@ -36,12 +36,14 @@ HWY_INLINE void MaskRow(const RowMods& mods, float* HWY_RESTRICT srow, std::int6
   mods.apply(srow, nullptr, i, j0, n, cols);
 }
 
-// P = 2^(S − m) of columns [from, to) with one of the exp2 implementations; returns Σ P.
+// P = 2^(c·S − m) of columns [from, to) with one of the exp2 implementations, one rounding
+// for c·S − m (with c = 1 exactly S − m); returns Σ P.
 template <class Exp2Fn>
-HWY_INLINE VF ExpRange(Exp2Fn exp2, float* HWY_RESTRICT srow, std::int64_t from, std::int64_t to, VF vm, VF vsum) {
+HWY_INLINE VF ExpRange(Exp2Fn exp2, float* HWY_RESTRICT srow, std::int64_t from, std::int64_t to, VF vc, VF vm,
+                       VF vsum) {
   const DF df;
   for (std::int64_t j = from; j < to; j += kLanes) {
-    const VF pj = exp2(df, hn::Sub(hn::Load(df, srow + j), vm));
+    const VF pj = exp2(df, hn::MulSub(hn::Load(df, srow + j), vc, vm));
     hn::Store(pj, df, srow + j);
     vsum = hn::Add(vsum, pj);
   }
@@ -59,7 +61,10 @@ HWY_INLINE std::int64_t Poly3Columns(const AttentionProblem& p, std::int64_t col
 
 // The online-softmax update of one score row of query i, in place, after its variants and
 // mask (MaskRow): S(cols) of keys j0.. → P (dropout applied after the row sum, which must
-// not see it).
+// not see it). The row holds the scores over `score_scale` (> 0; 1 where the products
+// scaled them): the maximum and the exponent take the factor, so a kernel whose products
+// store unscaled scores (tiled_bf16 on AMX tiles) needs no pass to scale them — valid
+// where the mask step only hides scores (RowMods::only_hides).
 // õ (orow, ldo floats) is rescaled when the reference maximum moves by more than the
 // problem's rescale threshold; `rescales` counts those moves.
 // `deferred` false (a measurement switch): the output is kept normalized at every tile, as
@@ -67,12 +72,12 @@ HWY_INLINE std::int64_t Poly3Columns(const AttentionProblem& p, std::int64_t col
 // ℓ_new — instead of dividing õ by ℓ once at the end.
 static void SoftmaxRow(const RowMods& mods, float* HWY_RESTRICT srow, std::int64_t i, std::int64_t j0,
                 std::int64_t cols, OnlineSoftmaxState& state, float* HWY_RESTRICT orow,
-                std::int64_t ldo, std::int32_t& rescales, bool deferred) {
+                std::int64_t ldo, std::int32_t& rescales, bool deferred, float score_scale = 1.0f) {
   const DF df;
   const AttentionProblem& p = *mods.problem;
   VF vmax = hn::Set(df, kNegInf);
   for (std::int64_t j = 0; j < cols; j += kLanes) vmax = hn::Max(vmax, hn::Load(df, srow + j));
-  float tile_max = hn::GetLane(hn::MaxOfLanes(df, vmax));
+  float tile_max = hn::GetLane(hn::MaxOfLanes(df, vmax)) * score_scale;
   // Max may drop a NaN (x86 returns its second operand when either is NaN): a row whose
   // visible scores are all NaN could read as a row without visible keys. It must be NaN.
   if (tile_max == kNegInf && std::any_of(srow, srow + cols, [](float s) { return std::isnan(s); }))
@@ -89,9 +94,9 @@ static void SoftmaxRow(const RowMods& mods, float* HWY_RESTRICT srow, std::int64
     return;
   }
   const std::int64_t poly_cols = Poly3Columns(p, cols);
-  const VF vm = hn::Set(df, state.max);
-  VF vsum = ExpRange([](DF d, VF x) { return Exp2Poly3(d, x); }, srow, 0, poly_cols, vm, hn::Zero(df));
-  vsum = ExpRange([](DF d, VF x) { return Exp2(d, x); }, srow, poly_cols, cols, vm, vsum);
+  const VF vm = hn::Set(df, state.max), vc = hn::Set(df, score_scale);
+  VF vsum = ExpRange([](DF d, VF x) { return Exp2Poly3(d, x); }, srow, 0, poly_cols, vc, vm, hn::Zero(df));
+  vsum = ExpRange([](DF d, VF x) { return Exp2(d, x); }, srow, poly_cols, cols, vc, vm, vsum);
   const float scaled_sum = state.sum;  // ℓ_old · factor
   state.add(hn::GetLane(hn::SumOfLanes(df, vsum)));
   if (mods.fp8_probabilities)

@@ -135,6 +135,13 @@ struct RowMods {
       trim(problem->block_mask_block_size, [&](std::int64_t j) { return !block_mask_keeps_any(first, rows, j, 1); });
   }
 
+  // Does apply() only hide scores (set them to −∞), never change a visible one? Then a
+  // positive factor on the scores commutes with it (the softmax may take unscaled scores).
+  bool only_hides() const {
+    return softcap2 == 0.0f && !alibi && hook == nullptr &&
+           (attn_mask == nullptr || problem->attn_mask == AttentionProblem::MaskKind::boolean);
+  }
+
   // Does a backward pass need d(score)/d(scaled score) from apply()? (softcap's tanh, score_mod)
   bool needs_grad() const { return softcap2 > 0.0f || (hook != nullptr && hook->score != nullptr); }
 

@@ -170,8 +170,10 @@ struct Fp32BackwardProducts {
   }
 
   // S' = Q'·Kᵀ into p_tile and dP = dO·Vᵀ into ds_tile, for K/V tile `tile`.
+  // S' from the pre-scaled Q (`scale` is always 1 here: kMayLeaveScoresUnscaled).
+  static constexpr bool kMayLeaveScoresUnscaled = false;
   static void ScoresAndDp(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t tile,
-                          std::int64_t rows_pad, std::int64_t n_pad) {
+                          std::int64_t rows_pad, std::int64_t n_pad, float /*scale*/) {
     const std::int64_t bc = prm.plan.block_k, d = prm.problem.head_dim, dv = prm.problem.head_dim_v;
     TileGemm<false>({ws.q_tile.get(), prm.plan.head_dim_padded}, ws.kt_packed.get() + tile * d * bc, bc,
                     ws.p_tile.get(), bc, rows_pad, n_pad, d);
@@ -269,9 +271,11 @@ void AddDbiasTile(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t
 // with the variants of `mods` applied exactly as in the forward. Hidden scores become −∞,
 // so P = 0 there. With `dbias`, each row's dS before the chain rule through softcap (the
 // gradient of the score after the mask step; dbias excludes a score_hook) is added there.
+// p_tile holds S' over `score_scale` (> 0; 1 where the products scaled it; other factors only
+// where the mask step only hides scores): P = 2^(score_scale·S − lse), one rounding.
 void ComputePAndDS(BackwardWorkspace& ws, const RowMods& mods, const DbiasRows& dbias, std::int64_t bc,
                    std::int64_t i0, std::int64_t rows, std::int64_t rows_pad, std::int64_t j0, std::int64_t n,
-                   std::int64_t n_pad) {
+                   std::int64_t n_pad, float score_scale) {
   const bool grad = mods.needs_grad(), dropout = mods.dropout_threshold != 0;
   const DF df;
   for (std::int64_t r = 0; r < rows_pad; ++r) {
@@ -290,10 +294,10 @@ void ComputePAndDS(BackwardWorkspace& ws, const RowMods& mods, const DbiasRows& 
       std::fill(wrow, wrow + n_pad, 1.0f);
       mods.apply_dropout(wrow, i, j0, n_pad);
     }
-    const VF lse2 = hn::Set(df, ws.row_lse2[r]);
+    const VF lse2 = hn::Set(df, ws.row_lse2[r]), vc = hn::Set(df, score_scale);
     const VF delta = hn::Set(df, ws.row_delta[r]);
     for (std::int64_t j = 0; j < n_pad; j += kLanes) {
-      const VF pj = Exp2(df, hn::Sub(hn::Load(df, prow + j), lse2));
+      const VF pj = Exp2(df, hn::MulSub(hn::Load(df, prow + j), vc, lse2));
       VF dp = hn::Load(df, dsrow + j);
       VF pw = pj;
       if (dropout) {  // dP of the undropped P is w·dP of the dropped one
@@ -424,12 +428,14 @@ struct Bf16BackwardProducts {
     }
   }
 
+  // S times `scale` (softmax_scale·log2e, or 1 where ComputePAndDS takes the factor: see
+  // KvItem) and dP. On AMX tiles a factor other than 1 is a pass over the stored scores.
+  static constexpr bool kMayLeaveScoresUnscaled = true;
   static void ScoresAndDp(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t tile,
-                          std::int64_t rows_pad, std::int64_t n_pad) {
+                          std::int64_t rows_pad, std::int64_t n_pad, float scale) {
     const AttentionProblem& p = prm.problem;
     const std::int64_t bc = prm.plan.block_k, d_pad = prm.plan.head_dim_padded, dv_pad = prm.plan.head_dim_v_padded;
     const std::int64_t d_even = Even(p.head_dim), dv_even = Even(p.head_dim_v);
-    const float scale = p.softmax_scale * OnlineSoftmaxState::kLog2e;
     const std::uint16_t* kt = ws.kt_pairs.get() + tile * bc * d_even;
     const std::uint16_t* vt = ws.vt_pairs.get() + tile * bc * dv_even;
     bf16dot::DotBlock(ws.q_bf16.get(), d_pad, kt, kMicroCols * d_even, kStep, d_even / 2, scale, false,
@@ -495,6 +501,10 @@ void KvItem(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t item)
   for (std::int64_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
     const RowMods mods(p, prm.internals, prm.alibi_slopes, prm.block_mask, prm.attn_mask, prm.attn_mask_blocks,
                        prm.score_hook, b, h);
+    // softmax_scale·log2e: applied by the products, or, where they may leave S' unscaled and
+    // the mask step only hides scores, in P's exponent (as the forward's TiledItem).
+    const float scale = p.softmax_scale * OnlineSoftmaxState::kLog2e;
+    const bool exponent_scales = Products::kMayLeaveScoresUnscaled && mods.only_hides() && scale > 0.0f;
     const DbiasRows dbias = DbiasTarget(prm, ws, b, h, kv_head, j0);
     for (std::int64_t qb = 0; qb < plan.q_blocks; ++qb) {
       const std::int64_t i0 = qb * bq, rows = std::min(bq, p.seqlen_q - i0);
@@ -509,8 +519,8 @@ void KvItem(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t item)
       ws.counters.dq_accum_written += rows * p.head_dim;
       LoadRowStats(prm, ws, b, h, i0, rows, rows_pad);
       Products::LoadQ(prm, ws, b, h, i0, rows, rows_pad);
-      Products::ScoresAndDp(prm, ws, kb, rows_pad, n_pad);
-      ComputePAndDS(ws, mods, dbias, bc, i0, rows, rows_pad, j0, n, n_pad);
+      Products::ScoresAndDp(prm, ws, kb, rows_pad, n_pad, exponent_scales ? 1.0f : scale);
+      ComputePAndDS(ws, mods, dbias, bc, i0, rows, rows_pad, j0, n, n_pad, exponent_scales ? scale : 1.0f);
       // dV, dK and this K/V tile's dQ share, added to the shared float32 accumulator.
       Products::Gradients(prm, ws, j0, rows_pad, n_pad);
       const float* dq_tile = ws.dq_tile.get();

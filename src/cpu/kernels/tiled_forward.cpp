@@ -158,8 +158,10 @@ struct Fp32Products {
   }
 
   // The S tile of keys j0.. (n_pad of them) over each strip's span.
+  // S = Q·Kᵀ, scaled: LoadQ scaled Q (`scale` is always 1 here: kMayLeaveScoresUnscaled).
+  static constexpr bool kMayLeaveScoresUnscaled = false;
   static void Scores(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t j0, const StripKeys* keys,
-                     std::int64_t strips, std::int64_t n_pad) {
+                     std::int64_t strips, std::int64_t n_pad, float /*scale*/) {
     const std::int64_t d = prm.problem.head_dim, bc = prm.plan.block_k;
     const float* q_tile = ws.q_tile.get();
     const float* k_tile = ws.k_packed.get() + (j0 / bc) * d * bc;
@@ -191,8 +193,9 @@ struct Fp32Products {
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
 // The tiled kernel's two products on AVX512-BF16 dot products (bf16_dot.hpp), for bf16 q, k
 // and v: every operand is bf16 with pairs along the product's depth, read as stored. S =
-// Q·Kᵀ takes Q unscaled — exact inputs — and applies softmax_scale·log2e to S in float32 as
-// the micro-tile is stored, so nothing is rounded that upstream does not round; P is rounded
+// Q·Kᵀ takes Q unscaled — exact inputs — and softmax_scale·log2e multiplies S in float32, as
+// the micro-tile is stored or, where the mask step only hides scores, in the softmax's
+// exponent (TiledItem), so nothing is rounded that upstream does not round; P is rounded
 // to bf16 (nearest even) before P·V, as upstream rounds it, while ℓ sums the float32 P.
 // The bf16 micro-tile is this target's micro-tile, so strips, spans and panels are the
 // float32 kernel's.
@@ -274,10 +277,12 @@ struct Bf16Products {
     return true;
   }
 
+  // S times `scale` (softmax_scale·log2e, or 1 where the softmax takes the factor: see
+  // TiledItem). On AMX tiles a factor other than 1 is a pass over the stored scores.
+  static constexpr bool kMayLeaveScoresUnscaled = true;
   static void Scores(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t j0, const StripKeys* keys,
-                     std::int64_t strips, std::int64_t n_pad) {
+                     std::int64_t strips, std::int64_t n_pad, float scale) {
     const std::int64_t d_even = EvenHeadDim(prm), bc = prm.plan.block_k, panel_stride = d_even * kMicroCols;
-    const float scale = prm.problem.softmax_scale * OnlineSoftmaxState::kLog2e;
     const std::uint16_t* k_tile = ws.k_pairs.get() + (j0 / bc) * d_even * bc;
     for (std::int64_t s0 = 0; s0 < strips; s0 += kBlockStrips) {
       const std::int64_t group = std::min(kBlockStrips, strips - s0);
@@ -350,6 +355,11 @@ void TiledItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item
   // The planner packs no variant that differs per q head, so head h0's serve every head.
   const RowMods mods(p, prm.internals, prm.alibi_slopes, prm.block_mask, prm.attn_mask, prm.attn_mask_blocks,
                      prm.score_hook, b, h0);
+  // softmax_scale·log2e: applied by the products, or, where they may leave S unscaled and the
+  // mask step only hides scores, by the softmax with its exponent's subtraction
+  // (score_scale of SoftmaxRow) — one multiply-add where a pass over S would be.
+  const float scale = p.softmax_scale * OnlineSoftmaxState::kLog2e;
+  const bool softmax_scales = Products::kMayLeaveScoresUnscaled && mods.only_hides() && scale > 0.0f;
 
   Products::Pack(prm, ws, b, kv_head, key_begin, key_end);
   for (std::int64_t e = 0; e < heads; ++e) Products::LoadQ(prm, ws, b, h0 + e, i0, rows, head_rows_pad, e * head_rows_pad);
@@ -371,13 +381,14 @@ void TiledItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item
     StripKeys* keys = ws.strip_keys.data();  // (strips)
     FindStripKeys(p, mods, i0, head_strips, j0, n, keys);
     for (std::int64_t e = 1; e < heads; ++e) std::copy(keys, keys + head_strips, keys + e * head_strips);
-    Products::Scores(prm, ws, j0, keys, strips, n_pad);
+    Products::Scores(prm, ws, j0, keys, strips, n_pad, softmax_scales ? 1.0f : scale);
     // Row by row, while the row is in L1: the mask step, then the online-softmax update.
     ForEachSpanRow(p, i0, rows_pad, head_rows_pad, j0, n, keys, [&](std::int64_t r, std::int64_t i, std::int64_t j,
                                                                     std::int64_t n_r, std::int64_t cols) {
       float* srow = s_tile + r * bc + (j - j0);
       MaskRow(mods, srow, i, j, n_r, cols);
-      SoftmaxRow(mods, srow, i, j, cols, state[r], o_acc + r * dv_pad, dv_pad, rescales[r], deferred);
+      SoftmaxRow(mods, srow, i, j, cols, state[r], o_acc + r * dv_pad, dv_pad, rescales[r], deferred,
+                 softmax_scales ? scale : 1.0f);
       Products::FinishRow(ws, bc, r, j - j0, cols);
     });
     Products::Accumulate(prm, ws, j0, keys, strips);
