@@ -9,6 +9,7 @@ from . import _C
 
 try:  # PyTorch is optional: tensors in, tensors out, autograd when it is importable.
     import torch
+    from torch.utils.dlpack import to_dlpack
 except ImportError:  # pragma: no cover - exercised on machines without torch
     torch = None
 
@@ -20,21 +21,29 @@ _NUMPY_DTYPES = {
 _NUMPY_OF = {name: dtype for dtype, name in _NUMPY_DTYPES.items()}
 
 
+_TORCH_DTYPES = {} if torch is None else {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+_TORCH_OF = {name: dtype for dtype, name in _TORCH_DTYPES.items()}
+
+
 def _torch_dtypes():
-    return {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+    return _TORCH_DTYPES
+
+
+_TENSOR = () if torch is None else torch.Tensor  # isinstance(x, ()) is False
 
 
 def _is_tensor(x) -> bool:
-    return torch is not None and isinstance(x, torch.Tensor)
+    return isinstance(x, _TENSOR)
 
 
-def _raw(x, name, int32=False):
-    """A zero-copy NumPy view of `x` for the native core, and its dtype name.
+def _raw(x, name, int32=False, tensor=False):
+    """A zero-copy NumPy view of `x` for the native core, and its dtype name; with `tensor`,
+    a torch tensor stays a (detached) tensor, for _native to hand over.
 
     float16 and bfloat16 travel as uint16 views (NumPy has no bfloat16 of its own). Like
     upstream, an array whose last dimension is not contiguous is copied first."""
     if _is_tensor(x):
-        if x.device.type != "cpu":
+        if not x.is_cpu:  # not device.type: a torch.device made per call costs 0.5 µs
             raise ValueError(f"{name}: only CPU tensors are supported, got device {x.device}")
         t = x.detach()
         if t.dim() > 0 and t.stride(-1) != 1 and t.shape[-1] > 1:  # as upstream's maybe_contiguous
@@ -42,10 +51,12 @@ def _raw(x, name, int32=False):
         if int32:
             if t.dtype != torch.int32:
                 raise TypeError(f"{name}: dtype {t.dtype} but expected torch.int32")
-            return t.numpy(), "i32"
+            return t if tensor else t.numpy(), "i32"
         dt = _torch_dtypes().get(t.dtype)
         if dt is None:
             raise TypeError(f"{name}: dtype {t.dtype} is not supported (float32, float16, bfloat16)")
+        if tensor:
+            return t, dt
         return (t.numpy() if dt == "f32" else t.view(torch.int16).numpy().view(np.uint16)), dt
     if isinstance(x, np.ndarray):
         if x.ndim > 0 and x.strides[-1] != x.itemsize and x.shape[-1] > 1:  # upstream's maybe_contiguous
@@ -61,26 +72,37 @@ def _raw(x, name, int32=False):
     raise TypeError(f"{name}: expected a numpy.ndarray or a torch.Tensor, got {type(x).__name__}")
 
 
-def _empty(shape, dt, like):
-    """An output of the same kind as `like` (NumPy or torch) and its raw view."""
+def _empty(shape, dt, like, tensor=False):
+    """An output of the same kind as `like` (NumPy or torch) and its raw view (with `tensor`,
+    a torch output is its own, for _native)."""
     if _is_tensor(like):
-        tdt = {v: k for k, v in _torch_dtypes().items()}[dt]
-        t = torch.empty(shape, dtype=tdt)
+        t = torch.empty(shape, dtype=_TORCH_OF[dt])
+        if tensor:
+            return t, t
         return t, (t.numpy() if dt == "f32" else t.view(torch.int16).numpy().view(np.uint16))
     a = np.empty(shape, dtype=_NUMPY_OF[dt])
     return a, (a if dt == "f32" else a.view(np.uint16))
 
 
-def _inputs(**named):
+def _inputs(tensors=False, **named):
     """Raw views of the named arrays, all of one kind (NumPy or torch), and each one's dtype
-    name by its argument name: whether the dtypes agree is the native library's check."""
+    name by its argument name: whether the dtypes agree is the native library's check. With
+    `tensors`, torch tensors stay tensors (_raw)."""
     kinds = {_is_tensor(x) for x in named.values()}
     if len(kinds) > 1:
         raise TypeError("inputs mix numpy arrays and torch tensors: " + ", ".join(named))
     raws, dtypes = {}, {}
     for name, x in named.items():
-        raws[name], dtypes[name] = _raw(x, name)
+        raws[name], dtypes[name] = _raw(x, name, tensor=tensors)
     return raws, dtypes
+
+
+def _native(*raws):
+    """Raw views for the native core, each torch tensor among them (from _raw or _empty with
+    `tensor`) as a DLPack capsule made by torch's C function: the binding reads it as it reads
+    a NumPy view, which costs about 3 µs a tensor more to make (a tensor itself would make the
+    binding call its Python-level __dlpack__)."""
+    return tuple(to_dlpack(x) if isinstance(x, _TENSOR) else x for x in raws)
 
 
 def _check_block_mask(block_mask, block_mask_block_size):
@@ -289,14 +311,14 @@ def _resolve_threads(num_threads, torch_inputs):
 
 
 def _forward(q, k, v, opts, return_attn_probs):
-    raws, dts = _inputs(q=q, k=k, v=v)
+    raws, dts = _inputs(q=q, k=k, v=v, tensors=True)
     dt = dts["q"]
     if raws["q"].ndim != 4:
         raise ValueError(f"q: expected rank 4 (batch, seqlen_q, heads_q, head_dim), got rank {raws['q'].ndim}")
     b, sq, hq, _ = raws["q"].shape
-    out, out_raw = _empty((b, sq, hq, raws["v"].shape[-1]), dt, q)
-    lse, lse_raw = _empty((b, hq, sq), "f32", q)
-    _C.forward(raws["q"], raws["k"], raws["v"], out_raw, lse_raw, {**dts, "out": dt}, opts)
+    out, out_raw = _empty((b, sq, hq, raws["v"].shape[-1]), dt, q, tensor=True)
+    lse, lse_raw = _empty((b, hq, sq), "f32", q, tensor=True)
+    _C.forward(*_native(raws["q"], raws["k"], raws["v"], out_raw, lse_raw), {**dts, "out": dt}, opts)
     return out, lse, (_s_dmask(q, lambda o: _probs(q, k, v, o), opts) if return_attn_probs else None)
 
 
@@ -330,14 +352,14 @@ def _probs(q, k, v, opts):
 
 
 def _backward(dout, q, k, v, out, lse, opts):
-    raws, dts = _inputs(dout=dout, q=q, k=k, v=v, out=out)
-    raws["softmax_lse"], dts["softmax_lse"] = _raw(lse, "softmax_lse")
+    raws, dts = _inputs(dout=dout, q=q, k=k, v=v, out=out, tensors=True)
+    raws["softmax_lse"], dts["softmax_lse"] = _raw(lse, "softmax_lse", tensor=True)
     dt = dts["q"]
-    dq, dq_raw = _empty(raws["q"].shape, dt, q)
-    dk, dk_raw = _empty(raws["k"].shape, dt, q)
-    dv, dv_raw = _empty(raws["v"].shape, dt, q)
-    _C.backward(raws["dout"], raws["q"], raws["k"], raws["v"], raws["out"], raws["softmax_lse"], dq_raw, dk_raw,
-                dv_raw, {**dts, "dq": dt, "dk": dt, "dv": dt}, opts)
+    dq, dq_raw = _empty(raws["q"].shape, dt, q, tensor=True)
+    dk, dk_raw = _empty(raws["k"].shape, dt, q, tensor=True)
+    dv, dv_raw = _empty(raws["v"].shape, dt, q, tensor=True)
+    _C.backward(*_native(raws["dout"], raws["q"], raws["k"], raws["v"], raws["out"], raws["softmax_lse"], dq_raw,
+                         dk_raw, dv_raw), {**dts, "dq": dt, "dk": dt, "dv": dt}, opts)
     return dq, dk, dv
 
 
@@ -803,7 +825,7 @@ def _kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
     """The KV-cache call on raw views: (out, softmax_lse); the caches (and a quantized cache's
     scales and zero points, as appends need) are written in place."""
     if _is_codes(k_cache):
-        raws, dts = _inputs(q=q)
+        raws, dts = _inputs(q=q, tensors=True)
         raws["k_cache"], raws["v_cache"] = _codes(k_cache, "k_cache"), _codes(v_cache, "v_cache")
         dts["k_cache"] = dts["v_cache"] = "u8"
         scales = {name: _f32_in_place(x, name) for name, x in (("k_scale", k_scale), ("v_scale", v_scale))}
@@ -811,37 +833,38 @@ def _kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
                        for name, x in (("k_zero_point", k_zero_point), ("v_zero_point", v_zero_point))})
     else:
         _reject_scales(k_cache, k_scale, v_scale, k_zero_point, v_zero_point)
-        raws, dts = _inputs(q=q, k_cache=k_cache, v_cache=v_cache)
+        raws, dts = _inputs(q=q, k_cache=k_cache, v_cache=v_cache, tensors=True)
         scales = {"k_scale": None, "v_scale": None, "k_zero_point": None, "v_zero_point": None}
-    new, new_dts = _inputs(q=q, **{name: x for name, x in (("k", k), ("v", v)) if x is not None})
+    new, new_dts = _inputs(q=q, **{name: x for name, x in (("k", k), ("v", v)) if x is not None}, tensors=True)
     dt = dts["q"]
 
     def ints(x, name):
-        return None if x is None else _raw(x, name, int32=True)[0]
+        return None if x is None else _raw(x, name, int32=True, tensor=True)[0]
 
     def floats(x, name):
         if x is None:
             return None
-        raw, xdt = _raw(x, name)
+        raw, xdt = _raw(x, name, tensor=True)
         if xdt != "f32":  # the tables are small: convert instead of refusing
-            raw = np.asarray(x.float().numpy() if _is_tensor(x) else np.asarray(x, dtype=np.float32))
+            raw = raw.float() if _is_tensor(raw) else np.asarray(x, dtype=np.float32)
         return raw
 
     dv = raws["v_cache"].shape[-1]
     if cu_seqlens_q is not None:  # packed (FA3): q (total_q, Hq, D)
         total, hq, _ = raws["q"].shape
-        (out, out_raw), (lse, lse_raw) = _empty((total, hq, dv), dt, q), _empty((hq, total), "f32", q)
+        (out, out_raw), (lse, lse_raw) = _empty((total, hq, dv), dt, q, True), _empty((hq, total), "f32", q, True)
     else:
         batch, sq, hq, _ = raws["q"].shape
-        (out, out_raw), (lse, lse_raw) = _empty((batch, sq, hq, dv), dt, q), _empty((batch, hq, sq), "f32", q)
-    _C.forward_with_kvcache(raws["q"], raws["k_cache"], raws["v_cache"], new.get("k"), new.get("v"),
-                            floats(rotary_cos, "rotary_cos"), floats(rotary_sin, "rotary_sin"),
-                            ints(cache_seqlens, "cache_seqlens"), ints(cache_batch_idx, "cache_batch_idx"),
-                            ints(cache_leftpad, "cache_leftpad"), ints(block_table, "block_table"),
-                            bool(rotary_interleaved), out_raw, lse_raw, {**dts, **new_dts, "out": dt},
-                            scales["k_scale"], scales["v_scale"], opts, ints(cu_seqlens_q, "cu_seqlens_q"),
-                            ints(cu_seqlens_k_new, "cu_seqlens_k_new"), int(max_seqlen_q or 0),
-                            scales["k_zero_point"], scales["v_zero_point"], _quants(k_quant, v_quant))
+        (out, out_raw), (lse, lse_raw) = (_empty((batch, sq, hq, dv), dt, q, True),
+                                          _empty((batch, hq, sq), "f32", q, True))
+    _C.forward_with_kvcache(*_native(raws["q"], raws["k_cache"], raws["v_cache"], new.get("k"), new.get("v"),
+                                     floats(rotary_cos, "rotary_cos"), floats(rotary_sin, "rotary_sin"),
+                                     ints(cache_seqlens, "cache_seqlens"), ints(cache_batch_idx, "cache_batch_idx"),
+                                     ints(cache_leftpad, "cache_leftpad"), ints(block_table, "block_table"),
+                                     bool(rotary_interleaved), out_raw, lse_raw, {**dts, **new_dts, "out": dt},
+                                     scales["k_scale"], scales["v_scale"], opts, ints(cu_seqlens_q, "cu_seqlens_q"),
+                                     ints(cu_seqlens_k_new, "cu_seqlens_k_new"), int(max_seqlen_q or 0),
+                                     scales["k_zero_point"], scales["v_zero_point"], _quants(k_quant, v_quant)))
     return out, lse
 
 
