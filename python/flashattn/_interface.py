@@ -351,29 +351,36 @@ def _probs(q, k, v, opts):
     return probs
 
 
-def _backward(dout, q, k, v, out, lse, opts):
+def _backward_operands(dout, q, k, v, out, lse):
+    """A backward's operands for the native core — dout, q, k, v, out, softmax_lse, then the new
+    dq, dk, dv (_native hands the tensors over) — its dtype names, and dq, dk, dv."""
     raws, dts = _inputs(dout=dout, q=q, k=k, v=v, out=out, tensors=True)
     raws["softmax_lse"], dts["softmax_lse"] = _raw(lse, "softmax_lse", tensor=True)
     dt = dts["q"]
-    dq, dq_raw = _empty(raws["q"].shape, dt, q, tensor=True)
-    dk, dk_raw = _empty(raws["k"].shape, dt, q, tensor=True)
-    dv, dv_raw = _empty(raws["v"].shape, dt, q, tensor=True)
-    _C.backward(*_native(raws["dout"], raws["q"], raws["k"], raws["v"], raws["out"], raws["softmax_lse"], dq_raw,
-                         dk_raw, dv_raw), {**dts, "dq": dt, "dk": dt, "dv": dt}, opts)
-    return dq, dk, dv
+    grads = [_empty(raws[name].shape, dt, q, tensor=True) for name in ("q", "k", "v")]
+    operands = _native(*(raws[name] for name in ("dout", "q", "k", "v", "out", "softmax_lse")),
+                       *(raw for _, raw in grads))
+    return operands, {**dts, "dq": dt, "dk": dt, "dv": dt}, tuple(g for g, _ in grads)
+
+
+def _backward(dout, q, k, v, out, lse, opts):
+    operands, dts, grads = _backward_operands(dout, q, k, v, out, lse)
+    _C.backward(*operands, dts, opts)
+    return grads
 
 
 def _varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, opts, return_attn_probs):
-    raws, dts = _inputs(q=q, k=k, v=v)
+    raws, dts = _inputs(q=q, k=k, v=v, tensors=True)
     dt = dts["q"]
     if raws["q"].ndim != 3:
         raise ValueError(f"q: expected rank 3 (total_q, heads_q, head_dim), got rank {raws['q'].ndim}")
     total_q, hq, _ = raws["q"].shape
-    out, out_raw = _empty((total_q, hq, raws["v"].shape[-1]), dt, q)
-    lse, lse_raw = _empty((hq, total_q), "f32", q)
-    cq, ck = _raw(cu_q, "cu_seqlens_q", int32=True)[0], _raw(cu_k, "cu_seqlens_k", int32=True)[0]
-    _C.forward_varlen(raws["q"], raws["k"], raws["v"], cq, ck, int(max_q), int(max_k), out_raw, lse_raw,
-                      {**dts, "out": dt}, opts)
+    out, out_raw = _empty((total_q, hq, raws["v"].shape[-1]), dt, q, tensor=True)
+    lse, lse_raw = _empty((hq, total_q), "f32", q, tensor=True)
+    cq = _raw(cu_q, "cu_seqlens_q", int32=True, tensor=True)[0]
+    ck = _raw(cu_k, "cu_seqlens_k", int32=True, tensor=True)[0]
+    _C.forward_varlen(*_native(raws["q"], raws["k"], raws["v"], cq, ck), int(max_q), int(max_k),
+                      *_native(out_raw, lse_raw), {**dts, "out": dt}, opts)
     return out, lse, (_s_dmask(q, lambda o: _varlen_probs(q, k, v, cu_q, cu_k, max_q, max_k, o), opts)
                       if return_attn_probs else None)
 
@@ -398,16 +405,11 @@ def _varlen_probs(q, k, v, cu_q, cu_k, max_q, max_k, opts):
 
 
 def _varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, opts):
-    raws, dts = _inputs(dout=dout, q=q, k=k, v=v, out=out)
-    raws["softmax_lse"], dts["softmax_lse"] = _raw(lse, "softmax_lse")
-    dt = dts["q"]
-    dq, dq_raw = _empty(raws["q"].shape, dt, q)
-    dk, dk_raw = _empty(raws["k"].shape, dt, q)
-    dv, dv_raw = _empty(raws["v"].shape, dt, q)
-    _C.backward_varlen(raws["dout"], raws["q"], raws["k"], raws["v"], raws["out"], raws["softmax_lse"],
-                       _raw(cu_q, "cu_seqlens_q", int32=True)[0], _raw(cu_k, "cu_seqlens_k", int32=True)[0],
-                       int(max_q), int(max_k), dq_raw, dk_raw, dv_raw, {**dts, "dq": dt, "dk": dt, "dv": dt}, opts)
-    return dq, dk, dv
+    operands, dts, grads = _backward_operands(dout, q, k, v, out, lse)
+    cq = _raw(cu_q, "cu_seqlens_q", int32=True, tensor=True)[0]
+    ck = _raw(cu_k, "cu_seqlens_k", int32=True, tensor=True)[0]
+    _C.backward_varlen(*operands[:6], *_native(cq, ck), int(max_q), int(max_k), *operands[6:], dts, opts)
+    return grads
 
 
 # ---- dispatch: NumPy directly, torch through the custom ops (_torch_ops) ---------------------------
@@ -688,7 +690,7 @@ def _paged_varlen_forward(q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, block
                           v_quant=""):
     """The paged variable-length call on raw views: (out, softmax_lse)."""
     if _is_codes(k_cache):
-        raws, dts = _inputs(q=q)
+        raws, dts = _inputs(q=q, tensors=True)
         raws["k_cache"], raws["v_cache"] = _codes(k_cache, "k_cache"), _codes(v_cache, "v_cache")
         dts["k_cache"] = dts["v_cache"] = "u8"
         scales = [None if x is None else _raw(x, name)[0]
@@ -696,19 +698,23 @@ def _paged_varlen_forward(q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, block
                                   ("v_zero_point", v_zero_point))]
     else:
         _reject_scales(k_cache, k_scale, v_scale, k_zero_point, v_zero_point)
-        raws, dts = _inputs(q=q, k_cache=k_cache, v_cache=v_cache)
+        raws, dts = _inputs(q=q, k_cache=k_cache, v_cache=v_cache, tensors=True)
         scales = [None, None, None, None]
     total, hq, _ = raws["q"].shape
     dt = dts["q"]
-    out, out_raw = _empty((total, hq, raws["v_cache"].shape[-1]), dt, q)
-    lse, lse_raw = _empty((hq, total), "f32", q)
-    _C.forward_varlen_paged(raws["q"], _raw(cu_seqlens_q, "cu_seqlens_q", int32=True)[0], int(max_seqlen_q),
-                            raws["k_cache"], raws["v_cache"], _raw(block_table, "block_table", int32=True)[0],
-                            _raw(seqused_k, "seqused_k", int32=True)[0], scales[0], scales[1],
-                            *(None if x is None else _raw(x, name, int32=True)[0] for name, x in
-                              zip(("prefix_block_table", "prefix_seqused_k", "prefix_idx"), prefixes)),
-                            out_raw, lse_raw, {**dts, "out": dt}, opts, scales[2], scales[3],
-                            _quants(k_quant, v_quant))
+    out, out_raw = _empty((total, hq, raws["v_cache"].shape[-1]), dt, q, tensor=True)
+    lse, lse_raw = _empty((hq, total), "f32", q, tensor=True)
+
+    def ints(x, name):
+        return None if x is None else _raw(x, name, int32=True, tensor=True)[0]
+
+    _C.forward_varlen_paged(*_native(raws["q"], ints(cu_seqlens_q, "cu_seqlens_q"), int(max_seqlen_q),
+                                     raws["k_cache"], raws["v_cache"], ints(block_table, "block_table"),
+                                     ints(seqused_k, "seqused_k"), scales[0], scales[1],
+                                     *(ints(x, name) for name, x in
+                                       zip(("prefix_block_table", "prefix_seqused_k", "prefix_idx"), prefixes)),
+                                     out_raw, lse_raw, {**dts, "out": dt}, opts, scales[2], scales[3],
+                                     _quants(k_quant, v_quant)))
     return out, lse
 
 
