@@ -99,6 +99,52 @@ def test_torch_non_contiguous_inputs():
     assert_same(out, expected, f"(seed={seed})")
 
 
+@DTYPE_PARAM
+def test_torch_route_matches_numpy_route(tdtype):
+    """Tensors reach the native core as DLPack capsules, NumPy arrays as views: the same bits
+    out of the KV-cache call (with an append and rotary embeddings, the cache written in place),
+    the varlen forward and backward, and a forward whose key rows are strided (copied first)."""
+    seed = seed_for("torch_route", str(tdtype))
+    gen = torch.Generator().manual_seed(seed)
+    q = randn(gen, (2, 3, 4, 32), tdtype)
+    cache_k, cache_v = randn(gen, (2, 40, 2, 32), tdtype), randn(gen, (2, 40, 2, 32), tdtype)
+    new_k, new_v = randn(gen, (2, 3, 2, 32), tdtype), randn(gen, (2, 3, 2, 32), tdtype)
+    cos, sin = torch.rand(40, 8, generator=gen), torch.rand(40, 8, generator=gen)
+    seqlens = torch.tensor([17, 30], dtype=torch.int32)
+    np_k, np_v = to_numpy(cache_k), to_numpy(cache_v)
+    out, lse = flashattn.flash_attn_with_kvcache(q, cache_k, cache_v, new_k, new_v, cos, sin, seqlens, causal=True,
+                                                 return_softmax_lse=True)
+    np_out, np_lse = flashattn.flash_attn_with_kvcache(to_numpy(q), np_k, np_v, to_numpy(new_k), to_numpy(new_v),
+                                                       cos.numpy(), sin.numpy(), seqlens.numpy(), causal=True,
+                                                       return_softmax_lse=True)
+    assert_same(out, np_out, f"kvcache out (seed={seed})")
+    assert_same(lse, np_lse, f"kvcache lse (seed={seed})")
+    assert_same(cache_k, np_k, f"appended k cache (seed={seed})")
+    assert_same(cache_v, np_v, f"appended v cache (seed={seed})")
+    assert not torch.equal(cache_k[0, 17:20], torch.zeros_like(cache_k[0, 17:20]))
+
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    vq, vk, vv = (randn(gen, (12, 4 if i == 0 else 2, 32), tdtype, requires_grad=True) for i in range(3))
+    out = flashattn.flash_attn_varlen_func(vq, vk, vv, cu, cu, 7, 7, causal=True)
+    out.backward(torch.ones_like(out))
+    np_out = flashattn.flash_attn_varlen_func(to_numpy(vq), to_numpy(vk), to_numpy(vv), cu.numpy(), cu.numpy(), 7, 7,
+                                              causal=True)
+    assert_same(out, np_out, f"varlen out (seed={seed})")
+    _, np_lse, _ = flashattn.flash_attn_varlen_func(to_numpy(vq), to_numpy(vk), to_numpy(vv), cu.numpy(), cu.numpy(),
+                                                    7, 7, causal=True, return_attn_probs=True)
+    grads = flashattn.flash_attn_varlen_backward(np.ones(np_out.shape, np_out.dtype), to_numpy(vq), to_numpy(vk),
+                                                 to_numpy(vv), np_out, np_lse, cu.numpy(), cu.numpy(), 7, 7,
+                                                 causal=True)
+    for name, t, g in zip(("dq", "dk", "dv"), (vq, vk, vv), grads):
+        assert_same(t.grad, g, f"varlen {name} (seed={seed})")
+
+    k_rows = randn(gen, (2, 40, 2, 64), tdtype)[..., ::2]  # last dim strided: copied before the call
+    assert k_rows.stride(-1) == 2
+    out = flashattn.flash_attn_func(q, k_rows, cache_v)
+    assert_same(out, flashattn.flash_attn_func(to_numpy(q), to_numpy(k_rows), to_numpy(cache_v)),
+                f"strided key rows (seed={seed})")
+
+
 def test_torch_errors():
     q, k, v = make(1, 1, 8, 8, 2, 2, 8, 8, torch.float32)
     with pytest.raises(TypeError):
