@@ -2,8 +2,11 @@
 """One decode step's attention call, layer by layer: where its fixed cost goes.
 
 Times, per call, the transformers integration's attention function (``attention_forward``
-with the mask plan of a decode step), its direct route alone (``_dense_inference``) and the
-native call alone (``_C.forward`` on DLPack capsules, options built once), for one query
+with the mask plan of a decode step), its direct route alone (``_dense_inference``), the
+native call alone (``_C.forward`` on DLPack capsules, options built once), the public
+functions a caller without the integration uses (``flash_attn_func`` on (B, S, H, D) views,
+``flash_attn_with_kvcache`` over a cache of --keys filled tokens and as many empty ones) and
+torch's ``scaled_dot_product_attention`` on the same tensors (GQA), for one query
 token of 8 q heads over 2 kv heads (D 64, the model of bench/transformers_e2e.py) and
 caches of --keys tokens. Each figure is the best of 5 rounds of the mean per call over a
 round of --seconds / 5; the difference between columns is what each layer adds, and the
@@ -54,8 +57,10 @@ def main(argv=None):
         p.error(f"--cpu-time counts the calling thread only: needs --threads 1, got {a.threads}")
 
     import torch
+    import torch.nn.functional as F
     from torch.utils.dlpack import to_dlpack
 
+    import flashattn
     from flashattn import _C
     from flashattn.integrations import transformers as fa_hf
 
@@ -68,7 +73,7 @@ def main(argv=None):
     threads_before = torch.get_num_threads()
     try:
         print(f"{'dtype':5} {'threads':>7} {'keys':>6} {'attention_forward µs':>21} {'_dense_inference µs':>20} "
-              f"{'_C.forward µs':>14}")
+              f"{'_C.forward µs':>14} {'flash_attn_func µs':>19} {'with_kvcache µs':>16} {'torch SDPA µs':>14}")
         for dname in a.dtypes:
             for threads in a.threads:
                 torch.set_num_threads(threads)
@@ -84,9 +89,17 @@ def main(argv=None):
                     out, lse = torch.empty(1, 1, 8, 64, dtype=q.dtype), torch.empty(1, 8, 1)
                     native = lambda: _C.forward(to_dlpack(qt), to_dlpack(kt), to_dlpack(vt), to_dlpack(out),
                                                 to_dlpack(lse), names, options)
-                    times = [per_call(fn, a.seconds, clock) for fn in (layer, direct, native)]
+                    public = lambda: flashattn.flash_attn_func(qt, kt, vt, softmax_scale=0.125, causal=True)
+                    cache_k, cache_v = (torch.cat([t, torch.zeros_like(t)], 1) for t in (kt, vt))
+                    filled = torch.tensor([n], dtype=torch.int32)
+                    kvcache = lambda: flashattn.flash_attn_with_kvcache(qt, cache_k, cache_v, cache_seqlens=filled,
+                                                                        softmax_scale=0.125, causal=True)
+                    sdpa = lambda: F.scaled_dot_product_attention(q, k, v, scale=0.125, enable_gqa=True)
+                    fns = (layer, direct, native, public, kvcache, sdpa)
+                    times = [per_call(fn, a.seconds, clock) for fn in fns]
                     rows.append((dname, threads, n, *times))
-                    print(f"{dname:5} {threads:7} {n:6} {times[0]:21.1f} {times[1]:20.1f} {times[2]:14.1f}", flush=True)
+                    print(f"{dname:5} {threads:7} {n:6} {times[0]:21.1f} {times[1]:20.1f} {times[2]:14.1f} "
+                          f"{times[3]:19.1f} {times[4]:16.1f} {times[5]:14.1f}", flush=True)
     finally:  # the caller's (a test process's) thread count back
         torch.set_num_threads(threads_before)
     return rows

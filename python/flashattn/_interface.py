@@ -25,10 +25,6 @@ _TORCH_DTYPES = {} if torch is None else {torch.float32: "f32", torch.float16: "
 _TORCH_OF = {name: dtype for dtype, name in _TORCH_DTYPES.items()}
 
 
-def _torch_dtypes():
-    return _TORCH_DTYPES
-
-
 _TENSOR = () if torch is None else torch.Tensor  # isinstance(x, ()) is False
 
 
@@ -52,7 +48,7 @@ def _raw(x, name, int32=False, tensor=False):
             if t.dtype != torch.int32:
                 raise TypeError(f"{name}: dtype {t.dtype} but expected torch.int32")
             return t if tensor else t.numpy(), "i32"
-        dt = _torch_dtypes().get(t.dtype)
+        dt = _TORCH_DTYPES.get(t.dtype)
         if dt is None:
             raise TypeError(f"{name}: dtype {t.dtype} is not supported (float32, float16, bfloat16)")
         if tensor:
@@ -202,7 +198,7 @@ def _learnable_sink(learnable_sink, q):
     if _is_tensor(learnable_sink):
         if learnable_sink.device.type != "cpu":
             raise ValueError(f"learnable_sink: only CPU tensors are supported, got device {learnable_sink.device}")
-        if learnable_sink.dtype not in _torch_dtypes():
+        if learnable_sink.dtype not in _TORCH_DTYPES:
             raise TypeError(f"learnable_sink: dtype {learnable_sink.dtype} is not supported (float32, float16, "
                             "bfloat16)")
     elif not isinstance(learnable_sink, np.ndarray):
@@ -503,7 +499,7 @@ def _torch_s_dmask(q, k, v, varlen, dropout_p, softmax_scale, causal, window_siz
 def _dtype_of(x, name):
     """The dtype name of an input; tensors by their torch dtype (fake tensors included)."""
     if _is_tensor(x):
-        dt = _torch_dtypes().get(x.dtype)
+        dt = _TORCH_DTYPES.get(x.dtype)
         if dt is None:
             raise TypeError(f"{name}: dtype {x.dtype} is not supported (float32, float16, bfloat16)")
         return dt
@@ -1128,7 +1124,7 @@ def _fp8_attention(q, k, v, descales, dropout_p, softmax_scale, causal, window_s
 def _dtype_code(dtype, tensors, name):
     """The native dtype name of a requested output dtype (torch's for tensors, NumPy's otherwise)."""
     if tensors:
-        code = _torch_dtypes().get(dtype)
+        code = _TORCH_DTYPES.get(dtype)
     else:
         try:
             code = _NUMPY_DTYPES.get(np.dtype(dtype))
