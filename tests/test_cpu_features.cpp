@@ -21,6 +21,7 @@
 #endif
 
 #include "src/cpu/kernels/bf16_dot.hpp"
+#include "src/cpu/kernels/bf16_decode.hpp"
 #include "src/cpu/kernels/fp16_decode.hpp"
 #include "tests/support/support.hpp"
 
@@ -145,6 +146,13 @@ TEST(CpuFeatures, DecodeFp16ExactlyWhereTheCpuHasAvx512Fp16) {
   // fails here rather than skipping decode_fp16's tests.
   EXPECT_EQ(cpu::fp16dot::available(), cpu) << "/proc/cpuinfo avx512_fp16: " << cpu;
   EXPECT_EQ(CpuHardware::detect(0).decode_fp16, cpu);
+}
+
+TEST(CpuFeatures, DecodeBf16ExactlyWhereTheCpuHasAvx512Bf16) {
+  FLASHATTN_REQUIRE_CPUINFO(info);
+  const bool cpu = info.has("avx512_bf16");
+  EXPECT_EQ(cpu::bf16decode::available(), cpu) << "/proc/cpuinfo avx512_bf16: " << cpu;
+  EXPECT_EQ(CpuHardware::detect(0).decode_bf16, cpu);
 }
 
 }  // namespace

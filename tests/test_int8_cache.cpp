@@ -172,9 +172,9 @@ const Formats kFormats[] = {{kU8Token, kU8Token}, {kS8Page, kS8Page}, {kU8Page, 
 // with padding rows; one query (decode) and seven (tiled), (splits, threads) (1, 1), (4, 2),
 // (4, 3) and (1, 3), every compiled SIMD target; against the float64 reference on the dequantized
 // values within upstream's rule: decode and tiled within twice a naive float32
-// implementation's error, decode_fp16 (one query, where the CPU has AVX512-FP16) within twice
-// the error of the half-precision yardstick (half_precision_attention) or of one
-// half-precision rounding of the largest value. Paged caches are also read through
+// implementation's error, decode_fp16 and decode_bf16 (one query, where the CPU has
+// AVX512-FP16, AVX512-BF16) within twice the error of their yardstick
+// (narrow_precision_attention) or of one rounding of the largest value in half (bf16). Paged caches are also read through
 // forward_varlen_paged, which must agree bit for bit.
 TEST(Int8Cache, KernelsReadEveryCodeOnEveryLayout) {
   struct Shape {
@@ -198,7 +198,7 @@ TEST(Int8Cache, KernelsReadEveryCodeOnEveryLayout) {
           for (std::int64_t pg = 0; pg < pages; ++pg) table.set(pg, static_cast<float>(pages - 1 - pg));  // reversed
           seqlens.set(0, static_cast<float>(keys));
           Tensor k(DType::f32, {1, keys, s.hkv, s.d}), v(DType::f32, {1, keys, s.hkv, s.dv});  // dequantized
-          // As decode_fp16 reads them (half_precision_attention): codes, factors, zero points.
+          // As the narrow kernels read them (narrow_precision_attention): codes, factors, zero points.
           Tensor kc(DType::f32, {1, keys, s.hkv, s.d}), vc(DType::f32, {1, keys, s.hkv, s.dv});
           Tensor kd(DType::f32, {1, keys, s.hkv}), vd(DType::f32, {1, keys, s.hkv});
           Tensor kz(DType::f32, {1, keys, s.hkv}), vz(DType::f32, {1, keys, s.hkv});
@@ -228,12 +228,12 @@ TEST(Int8Cache, KernelsReadEveryCodeOnEveryLayout) {
             const reference::Result want = reference::attention(q.view(), k.view(), v.view(), o);
             const double naive_float = max_abs_error(naive_same_precision(p, o, q, k, v), want.out);
             std::vector<ForwardKernel> kernels{sq == 1 ? ForwardKernel::decode : ForwardKernel::tiled};
-            reference::Result yardstick;
-            if (sq == 1 && CpuHardware::detect(0).decode_fp16) {
-              kernels.push_back(ForwardKernel::decode_fp16);
-              yardstick = half_precision_attention(q, kc, kd, vc, vd, o, &kz, &vz);
-            }
-            for (const ForwardKernel kernel : kernels)
+            if (sq == 1)
+              for (const ForwardKernel narrow : narrow_decode_kernels()) kernels.push_back(narrow);
+            for (const ForwardKernel kernel : kernels) {
+            const bool narrow = kernel != ForwardKernel::decode && kernel != ForwardKernel::tiled;
+            const reference::Result yardstick =
+                narrow ? narrow_precision_attention(kernel, q, kc, kd, vc, vd, o, &kz, &vz) : reference::Result{};
             for (const auto& [splits, threads] : {std::pair{1, 1}, {4, 2}, {4, 3}, {1, 3}}) {
               o.kernel = kernel;
               o.num_splits = splits;
@@ -246,14 +246,14 @@ TEST(Int8Cache, KernelsReadEveryCodeOnEveryLayout) {
               if (ps > 0) c.block_table = table.view();
               c.cache_seqlens = seqlens.view();
               const ForwardResult got = forward_with_kvcache(q.view(), c, o);
-              const bool half = kernel == ForwardKernel::decode_fp16;
               const double tolerance = std::max(
-                  1e-5, 2.0 * (half ? std::max(max_abs_error(yardstick.out, want.out), 0x1p-11 * v_max) : naive_float));
+                  1e-5, 2.0 * (narrow ? std::max(max_abs_error(yardstick.out, want.out), narrow_rounding(kernel) * v_max)
+                                      : naive_float));
               EXPECT_LE(max_abs_error(got.out, want.out), tolerance);
-              const double lse_tolerance = half ? 1e-4 + 2.0 * max_abs_error(yardstick.lse, want.lse) : 1e-4;
+              const double lse_tolerance = narrow ? 1e-4 + 2.0 * max_abs_error(yardstick.lse, want.lse) : 1e-4;
               for (std::int64_t i = 0; i < got.lse.numel(); ++i)
                 ASSERT_NEAR(got.lse.get(i), want.lse[static_cast<std::size_t>(i)],
-                            lse_tolerance * (half ? std::max(1.0, std::fabs(want.lse[static_cast<std::size_t>(i)])) : 1.0))
+                            lse_tolerance * (narrow ? std::max(1.0, std::fabs(want.lse[static_cast<std::size_t>(i)])) : 1.0))
                     << "lse " << i;
               if (ps == 0) continue;
               Tensor cu_q(DType::i32, {2});
@@ -266,6 +266,7 @@ TEST(Int8Cache, KernelsReadEveryCodeOnEveryLayout) {
               const ForwardResult paged = forward_varlen_paged(packed_q, cu_q.view(), sq, kv, o);
               ASSERT_EQ(std::memcmp(paged.out.data(), got.out.data(), static_cast<std::size_t>(got.out.numel()) * 4), 0)
                   << "forward_varlen_paged reads the pools as forward_with_kvcache";
+            }
             }
           }
         }
@@ -312,7 +313,8 @@ TEST(Int8Cache, DecodeFp16SumsStayFiniteAtItsLargestHeadDim) {
       for (std::int64_t i = 0; i < q.numel(); ++i) q.set(i, i / d % 2 == 0 ? 3.99f : -0.0312f);  // rows of one sign
       AttentionOptions o;
       const reference::Result want = reference::attention(q.view(), k.view(), v.view(), o);
-      const reference::Result yardstick = half_precision_attention(q, kc, kd, vc, vd, o, &kz, &vz);
+      const reference::Result yardstick =
+          narrow_precision_attention(ForwardKernel::decode_fp16, q, kc, kd, vc, vd, o, &kz, &vz);
       double v_max = 0.0;
       for (std::int64_t i = 0; i < v.numel(); ++i) v_max = std::max(v_max, std::fabs(static_cast<double>(v.get(i))));
       o.kernel = ForwardKernel::decode_fp16;

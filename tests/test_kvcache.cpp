@@ -440,8 +440,9 @@ TEST(KvCache, DecodeKernelMatchesTheReferenceOnEveryLayout) {
 // to 2^12, against the float64 reference on the dequantized values, on every compiled SIMD
 // target, for the layouts and shapes above and one of D 256 with q rows scaled by 2^±20.
 // decode is held to upstream's rule in float32 (twice a naive float32 implementation's
-// error); decode_fp16, where the CPU has AVX512-FP16, to twice the error of the half
-// precision yardstick (half_precision_attention), at least 2^-10·max|v|.
+// error); decode_fp16 and decode_bf16, where the CPU has AVX512-FP16 (AVX512-BF16), to twice
+// the error of their yardstick (narrow_precision_attention), at least twice one rounding of
+// max|v| in half (bf16).
 void expect_fp8_codes_read_on_every_layout(ForwardKernel kernel) {
   struct Shape {
     std::int64_t hq, hkv, d, dv;
@@ -495,7 +496,9 @@ void expect_fp8_codes_read_on_every_layout(ForwardKernel kernel) {
         }
         const reference::Result want = reference::attention(q.view(), k.view(), v.view(), o);
         const double naive_float = max_abs_error(naive_same_precision(p, o, q, k, v), want.out);
-        const reference::Result yardstick = half_precision_attention(q, kc, kd, vc, vd, o);
+        const bool narrow = kernel != ForwardKernel::decode;
+        const reference::Result yardstick =
+            narrow ? narrow_precision_attention(kernel, q, kc, kd, vc, vd, o) : reference::Result{};
         double v_max = 0.0;
         for (std::int64_t i = 0; i < v.numel(); ++i) v_max = std::max(v_max, static_cast<double>(std::fabs(v.get(i))));
         for (int splits : {1, 4}) {
@@ -506,14 +509,13 @@ void expect_fp8_codes_read_on_every_layout(ForwardKernel kernel) {
             c.k_scale = k_scale.view();
             c.v_scale = v_scale.view();
             const ForwardResult got = forward_with_kvcache(q.view(), c, o);
-            const bool half = kernel == ForwardKernel::decode_fp16;
-            // decode_fp16: twice the yardstick's error, or twice one half-precision rounding
-            // of the largest value where that is more — the error any half-precision P·V
-            // carries, which the yardstick's few outputs of a tiny head dim can undershoot.
+            // The narrow kernels: twice the yardstick's error, or twice one rounding of the
+            // largest value where that is more (narrow_rounding).
             const double tolerance = std::max(
-                1e-5, 2.0 * (half ? std::max(max_abs_error(yardstick.out, want.out), 0x1p-11 * v_max) : naive_float));
+                1e-5, 2.0 * (narrow ? std::max(max_abs_error(yardstick.out, want.out), narrow_rounding(kernel) * v_max)
+                                    : naive_float));
             EXPECT_LE(max_abs_error(got.out, want.out), tolerance);
-            const double lse_tolerance = half ? 1e-4 + 2.0 * max_abs_error(yardstick.lse, want.lse) : 1e-4;
+            const double lse_tolerance = narrow ? 1e-4 + 2.0 * max_abs_error(yardstick.lse, want.lse) : 1e-4;
             for (std::int64_t i = 0; i < got.lse.numel(); ++i)
               ASSERT_NEAR(got.lse.get(i), want.lse[static_cast<std::size_t>(i)],
                           lse_tolerance * std::max(1.0, std::fabs(want.lse[static_cast<std::size_t>(i)])))
@@ -533,17 +535,23 @@ TEST(KvCache, DecodeFp16KernelReadsEveryFp8CodeOnEveryLayout) {
   expect_fp8_codes_read_on_every_layout(ForwardKernel::decode_fp16);
 }
 
+TEST(KvCache, DecodeBf16KernelReadsEveryFp8CodeOnEveryLayout) {
+  if (!CpuHardware::detect(0).decode_bf16) GTEST_SKIP() << "no AVX512-BF16 on this CPU: decode_bf16 cannot run here";
+  expect_fp8_codes_read_on_every_layout(ForwardKernel::decode_bf16);
+}
+
 #if defined(__x86_64__) || defined(__i386__)
 // Reading FP8 codes must not depend on the CPU's denormals-are-zero mode (set by e.g.
 // torch.set_flush_denormal(True)): subnormal e4m3 codes are |values| below 2^-6, which a
 // float32 2^-120 times the value — the obvious bit trick — would hold as a subnormal that
 // DAZ reads as 0. A cache of random codes (subnormal ones included, descale 1) through the
-// decode kernels (one query: decode, and decode_fp16 where the CPU has AVX512-FP16, whose
-// halves hold subnormal codes as subnormals) and the tiled kernel (20 queries), one thread
+// decode kernels (one query: decode, decode_fp16 where the CPU has AVX512-FP16, whose
+// halves hold subnormal codes as subnormals, and decode_bf16 where it has AVX512-BF16, whose
+// bf16 values of them are normal) and the tiled kernel (20 queries), one thread
 // so that the mode set here is the kernel's, on every compiled SIMD target: with DAZ and
 // flush-to-zero on, the outputs still match the float64 reference on the dequantized
-// values within twice the naive float32 error (decode_fp16: its yardstick's, as above).
-// kernel: decode or decode_fp16, for the one query.
+// values within twice the naive float32 error (the narrow kernels: their yardstick's, as
+// above). kernel: decode, decode_fp16 or decode_bf16, for the one query.
 void expect_fp8_codes_read_with_daz(ForwardKernel kernel) {
   constexpr std::int64_t kHq = 8, kHkv = 2, kDim = 40, kKeys = 300;
   constexpr unsigned kDazFtz = 0x8040;  // MXCSR: flush-to-zero (bit 15), denormals-are-zero (bit 6)
@@ -580,13 +588,13 @@ void expect_fp8_codes_read_with_daz(ForwardKernel kernel) {
         const AttentionProblem p = AttentionProblem::from_sizes(1, sq, kKeys, kHq, kHkv, kDim, kDim, DType::f32, o);
         const reference::Result want = reference::attention(q.view(), k.view(), v.view(), o);
         double bound = std::max(1e-5, 2.0 * max_abs_error(naive_same_precision(p, o, q, k, v), want.out));
-        if (o.kernel == ForwardKernel::decode_fp16) {  // as in DecodeKernelReadsEveryFp8CodeOnEveryLayout
+        if (o.kernel != ForwardKernel::decode && o.kernel != ForwardKernel::automatic) {  // as in DecodeKernelReadsEveryFp8CodeOnEveryLayout
           Tensor ones(DType::f32, {1, kKeys, kHkv});
           for (std::int64_t i = 0; i < ones.numel(); ++i) ones.set(i, 1.0f);
           double v_max = 0.0;
           for (std::int64_t i = 0; i < v.numel(); ++i) v_max = std::max(v_max, static_cast<double>(std::fabs(v.get(i))));
-          const reference::Result yardstick = half_precision_attention(q, k, ones, v, ones, o);
-          bound = 2.0 * std::max(max_abs_error(yardstick.out, want.out), 0x1p-11 * v_max);
+          const reference::Result yardstick = narrow_precision_attention(o.kernel, q, k, ones, v, ones, o);
+          bound = 2.0 * std::max(max_abs_error(yardstick.out, want.out), narrow_rounding(o.kernel) * v_max);
         }
         KvCache c{codes_k.view(), codes_v.view(), TensorView{}, seqlens.view()};
         c.k_scale = k_scale.view();
@@ -607,6 +615,11 @@ TEST(KvCache, Fp8CodesReadTheSameWithDenormalsAreZeroInDecodeFp16) {
   if (!CpuHardware::detect(1).decode_fp16) GTEST_SKIP() << "no AVX512-FP16 on this CPU: decode_fp16 cannot run here";
   expect_fp8_codes_read_with_daz(ForwardKernel::decode_fp16);
 }
+
+TEST(KvCache, Fp8CodesReadTheSameWithDenormalsAreZeroInDecodeBf16) {
+  if (!CpuHardware::detect(1).decode_bf16) GTEST_SKIP() << "no AVX512-BF16 on this CPU: decode_bf16 cannot run here";
+  expect_fp8_codes_read_with_daz(ForwardKernel::decode_bf16);
+}
 #endif
 
 // The online softmax's rescale branch in the decode kernels' FP8 paths, on every compiled
@@ -615,8 +628,8 @@ TEST(KvCache, Fp8CodesReadTheSameWithDenormalsAreZeroInDecodeFp16) {
 // units a key, rounded to e4m3 — still non-decreasing), at thresholds 0 and 8. The cache
 // entry point does not report rescale_counts; KernelCounters::rescales, counted by every
 // forward kernel, must show the branch ran, and the output must match the float64
-// reference on the dequantized cache (decode: twice the naive float32 error; decode_fp16:
-// twice its half-precision yardstick's, as above).
+// reference on the dequantized cache (decode: twice the naive float32 error; the narrow
+// kernels: twice their yardstick's, as above).
 void expect_fp8_decode_rescales(ForwardKernel kernel) {
   constexpr std::int64_t kKeys = 1000, kHq = 4, kHkv = 2, kDim = 32;
   const float scale = 1.0f / std::sqrt(static_cast<float>(kDim));
@@ -653,9 +666,9 @@ void expect_fp8_decode_rescales(ForwardKernel kernel) {
       const AttentionProblem p = AttentionProblem::from_sizes(1, 1, kKeys, kHq, kHkv, kDim, kDim, DType::f32, o);
       const reference::Result want = reference::attention(q.view(), k.view(), v.view(), o);
       const double bound =
-          kernel == ForwardKernel::decode_fp16
-              ? 2.0 * std::max(max_abs_error(half_precision_attention(q, k, ones, v, ones, o).out, want.out),
-                               0x1p-11 * v_max)
+          kernel != ForwardKernel::decode
+              ? 2.0 * std::max(max_abs_error(narrow_precision_attention(kernel, q, k, ones, v, ones, o).out, want.out),
+                               narrow_rounding(kernel) * v_max)
               : std::max(1e-5, 2.0 * max_abs_error(naive_same_precision(p, o, q, k, v), want.out));
       KvCache c{codes_k.view(), codes_v.view(), TensorView{}, seqlens.view()};
       c.k_scale = k_scale.view();
@@ -675,6 +688,12 @@ TEST(KvCache, Fp8DecodeFp16KernelRescalesOnRisingScores) {
   if (!CpuHardware::detect(0).decode_fp16)
     GTEST_SKIP() << "no AVX512-FP16 on this CPU: decode_fp16 cannot run here";
   expect_fp8_decode_rescales(ForwardKernel::decode_fp16);
+}
+
+TEST(KvCache, Fp8DecodeBf16KernelRescalesOnRisingScores) {
+  if (!CpuHardware::detect(0).decode_bf16)
+    GTEST_SKIP() << "no AVX512-BF16 on this CPU: decode_bf16 cannot run here";
+  expect_fp8_decode_rescales(ForwardKernel::decode_bf16);
 }
 
 }  // namespace
@@ -902,7 +921,8 @@ namespace flashattn::test {
 namespace {
 
 // decode_fp16 is planned by default for an FP8 or int8 cache with few rows per kv head
-// where the CPU has AVX512-FP16; asked for where it cannot run, it is an Error
+// where the CPU has AVX512-FP16, else decode_bf16 where VDPBF16PS outpaces FMA; asked for
+// where it cannot run, either is an Error
 // that names the kernel and the reason, raised before an append writes the cache. The
 // hardware with and without it is simulated through the library's internal planner (the
 // one forward_with_kvcache calls, src/cpu/planner.hpp); the plan a real call ran on this
@@ -911,6 +931,7 @@ TEST(KvCache, DecodeFp16IsPlannedForQuantizedCachesOnly) {
   CpuHardware with = CpuHardware::detect(1), without = with;
   with.decode_fp16 = true;
   without.decode_fp16 = false;
+  without.decode_bf16 = false;
   constexpr detail::ProblemInternals kFp8Cache{.fp8_kv_cache = true};
   constexpr detail::ProblemInternals kInt8Cache{.int8_kv_cache = true};
   const AttentionProblem p = AttentionProblem::from_sizes(1, 1, 500, 32, 8, 128, 128, DType::bf16, {});
@@ -924,6 +945,27 @@ TEST(KvCache, DecodeFp16IsPlannedForQuantizedCachesOnly) {
                {"kernel decode_fp16", "AVX512-FP16 (this one: no)"});
   expect_error([&] { cpu::plan_forward(p, kFp8Cache, without, 0, 0, ForwardKernel::decode_fp16); },
                {"kernel decode_fp16", "AVX512-FP16 (this one: no)"});
+  // Without AVX512-FP16: decode_bf16 where VDPBF16PS outpaces FMA (AMD Zen 4: bf16_dot_fast
+  // without AMX), decode where it does not (Intel's VDPBF16PS, or AMX's tiles, which decode
+  // does not use); asked for without AVX512-BF16, an Error.
+  CpuHardware zen4 = without, intel = without;
+  zen4.decode_bf16 = intel.decode_bf16 = true;
+  zen4.bf16_dot_fast = true;
+  zen4.amx_bf16 = false;
+  intel.bf16_dot_fast = true;
+  intel.amx_bf16 = true;
+  for (const detail::ProblemInternals& cache : {kFp8Cache, kInt8Cache}) {
+    EXPECT_EQ(cpu::plan_forward(p, cache, zen4).kernel, ForwardKernel::decode_bf16);
+    EXPECT_EQ(cpu::plan_forward(p, cache, intel).kernel, ForwardKernel::decode);
+    EXPECT_EQ(cpu::plan_forward(p, cache, intel, 0, 0, ForwardKernel::decode_bf16).kernel, ForwardKernel::decode_bf16);
+    expect_error([&] { cpu::plan_forward(p, cache, without, 0, 0, ForwardKernel::decode_bf16); },
+                 {"kernel decode_bf16", "AVX512-BF16 (this one: no)"});
+  }
+  // No head-dim bound of its own: DeepSeek's MLA decode (head_dim 576) too.
+  const AttentionProblem mla = AttentionProblem::from_sizes(1, 1, 500, 16, 1, 576, 512, DType::bf16, {});
+  EXPECT_EQ(cpu::plan_forward(mla, kFp8Cache, zen4).kernel, ForwardKernel::decode_bf16);
+  expect_error([&] { plan_forward(p, zen4, 0, 0, ForwardKernel::decode_bf16); },
+               {"kernel decode_bf16", "a quantized KV cache, FP8 (e4m3) or int8 codes (k/v: bf16)"});
   // A bf16 cache: the problem as given, as the public planner plans it.
   EXPECT_EQ(plan_forward(p, with).kernel, ForwardKernel::decode);
   EXPECT_EQ(cpu::plan_forward(p, {}, with).kernel, ForwardKernel::decode);
@@ -933,8 +975,8 @@ TEST(KvCache, DecodeFp16IsPlannedForQuantizedCachesOnly) {
   expect_error([&] { cpu::plan_forward(many_rows, kFp8Cache, with, 0, 0, ForwardKernel::decode_fp16); },
                {"at most 16 query rows per kv head", "seqlen_q: 32"});
 
-  // For real: an FP8 cache runs decode_fp16 where this CPU has AVX512-FP16, decode where it
-  // has not; a bf16 cache of the same shape runs decode.
+  // For real: an FP8 cache runs the kernel the planner chose for this CPU; a bf16 cache of
+  // the same shape runs decode.
   const Tensor q16 = random_tensor(DType::bf16, {1, 1, 4, 32}, 7);
   Tensor cached(DType::i32, {1});
   cached.set(0, 24.0f);
@@ -947,14 +989,18 @@ TEST(KvCache, DecodeFp16IsPlannedForQuantizedCachesOnly) {
   reporting.plans_run = &ran;
   forward_with_kvcache(q16.view(), fp8_kv, reporting);
   ASSERT_EQ(ran.forward.size(), 1u);
-  EXPECT_EQ(ran.forward[0].kernel,
-            CpuHardware::detect(1).decode_fp16 ? ForwardKernel::decode_fp16 : ForwardKernel::decode);
+  EXPECT_EQ(ran.forward[0].kernel, cpu::plan_forward(AttentionProblem::from_sizes(1, 1, 24, 4, 2, 32, 32, DType::bf16, {}),
+                                                     kFp8Cache, CpuHardware::detect(1))
+                                       .kernel);
+  EXPECT_TRUE(is_decode(ran.forward[0].kernel));
   Tensor k_bf16 = random_tensor(DType::bf16, {1, 24, 2, 32}, 8), v_bf16 = random_tensor(DType::bf16, {1, 24, 2, 32}, 9);
   forward_with_kvcache(q16.view(), KvCache{k_bf16.view(), v_bf16.view(), TensorView{}, cached.view()}, reporting);
   ASSERT_EQ(ran.forward.size(), 1u);
   EXPECT_EQ(ran.forward[0].kernel, ForwardKernel::decode);
-  EXPECT_EQ(parse_forward_kernel("decode_fp16"), ForwardKernel::decode_fp16);
+  for (const ForwardKernel k : {ForwardKernel::decode_fp16, ForwardKernel::decode_bf16})
+    EXPECT_EQ(parse_forward_kernel(to_string(k)), k);
   EXPECT_STREQ(to_string(ForwardKernel::decode_fp16), "decode_fp16");
+  EXPECT_STREQ(to_string(ForwardKernel::decode_bf16), "decode_bf16");
 
   // A request the call rules out (here a bf16 cache) leaves an appending call's cache as it was.
   Tensor k_cache(DType::bf16, {1, 8, 2, 16}), v_cache(DType::bf16, {1, 8, 2, 16}), seqlens(DType::i32, {1});
@@ -964,9 +1010,11 @@ TEST(KvCache, DecodeFp16IsPlannedForQuantizedCachesOnly) {
   c.k = k_new.view();
   c.v = k_new.view();
   AttentionOptions o;
-  o.kernel = ForwardKernel::decode_fp16;
-  expect_error([&] { forward_with_kvcache(q.view(), c, o); }, {"kernel decode_fp16", "k/v: bf16"});
-  for (std::int64_t i = 0; i < k_cache.numel(); ++i) ASSERT_EQ(k_cache.get(i), 0.0f) << "slot " << i;
+  for (const ForwardKernel k : {ForwardKernel::decode_fp16, ForwardKernel::decode_bf16}) {
+    o.kernel = k;
+    expect_error([&] { forward_with_kvcache(q.view(), c, o); }, {"kernel " + std::string(to_string(k)), "k/v: bf16"});
+    for (std::int64_t i = 0; i < k_cache.numel(); ++i) ASSERT_EQ(k_cache.get(i), 0.0f) << "slot " << i;
+  }
 }
 
 }  // namespace

@@ -456,7 +456,8 @@ TEST(Variants, SinksDecodeKernelSplitKv) {
 // What a sink does to a row's (out, lse) follows from the row's (out, lse) without it
 // (docs/algorithm.md §6.1): lse' = log(e^lse + e^σ), out' = out · e^(lse − lse'). Checked on
 // the kernels whose rounding the float64 reference does not model — tiled_bf16 (AVX512-BF16)
-// and decode_fp16 (AVX512-FP16, over an FP8 cache), split and not — where the CPU has them.
+// and decode_fp16 (AVX512-FP16) and decode_bf16 (AVX512-BF16), over an FP8 cache, split and
+// not — where the CPU has them.
 void expect_sink_applied(const ForwardResult& plain, const ForwardResult& sunk, const Tensor& sinks,
                          std::int64_t heads_q, std::int64_t seqlen_q) {
   for (std::int64_t i = 0; i < plain.lse.numel(); ++i) {
@@ -493,8 +494,7 @@ TEST(Variants, SinksTiledBf16Kernel) {
   }
 }
 
-TEST(Variants, SinksDecodeFp16Kernel) {
-  if (!CpuHardware::detect(0).decode_fp16) GTEST_SKIP() << "no AVX512-FP16 on this CPU: decode_fp16 cannot run here";
+void expect_sinks_on_fp8_decode(ForwardKernel kernel) {
   Fp8CacheTensors fp8 = fp8_cache({2, 300, 2, 64});
   Tensor q = random_tensor(DType::f32, {2, 1, 8, 64}, 450);
   for (std::int64_t i = 0; i < q.numel(); ++i) q.set(i, q.get(i) * 0x1p-6f);  // scores near the sinks' range
@@ -507,13 +507,23 @@ TEST(Variants, SinksDecodeFp16Kernel) {
     KvCache c = fp8.cache();
     c.cache_seqlens = seqlens.view();
     AttentionOptions o;
-    o.kernel = ForwardKernel::decode_fp16;
+    o.kernel = kernel;
     o.num_splits = splits;
     o.num_threads = 2;
     const ForwardResult plain = forward_with_kvcache(q.view(), c, o);
     o.sinks = sinks.view();
     expect_sink_applied(plain, forward_with_kvcache(q.view(), c, o), sinks, 8, 1);
   }
+}
+
+TEST(Variants, SinksDecodeFp16Kernel) {
+  if (!CpuHardware::detect(0).decode_fp16) GTEST_SKIP() << "no AVX512-FP16 on this CPU: decode_fp16 cannot run here";
+  expect_sinks_on_fp8_decode(ForwardKernel::decode_fp16);
+}
+
+TEST(Variants, SinksDecodeBf16Kernel) {
+  if (!CpuHardware::detect(0).decode_bf16) GTEST_SKIP() << "no AVX512-BF16 on this CPU: decode_bf16 cannot run here";
+  expect_sinks_on_fp8_decode(ForwardKernel::decode_bf16);
 }
 
 TEST(Variants, LowPrecisionAndEveryTarget) {

@@ -33,19 +33,25 @@ Exp2Impl parse_exp2_impl(const std::string& name);
 // place; "decode_fp16" — decode from a quantized KV cache (FP8 e4m3 or int8 codes,
 // kv_quant.hpp) on AVX512-FP16: half-precision products and short half-precision partial
 // sums, moved to float32 every few terms (errors a few percent of the codes' own quantization
-// error; src/cpu/kernels/fp16_decode.hpp). `automatic` lets the planner choose: for at most
-// 16 rows per kv head decode_fp16 where the cache is quantized (FP8 or int8 codes),
-// head_dim ≤ 512 (its half-precision bound) and the CPU has AVX512-FP16, else decode; for more rows
+// error; src/cpu/kernels/fp16_decode.hpp); "decode_bf16" — the same on AVX512-BF16 dot
+// products (codes widened exactly to bf16, q and P rounded to bf16, sums in float32;
+// src/cpu/kernels/bf16_decode.hpp), for CPUs without AVX512-FP16 such as AMD Zen 4.
+// `automatic` lets the planner choose: for at most 16 rows per kv head where the cache is
+// quantized (FP8 or int8 codes), decode_fp16 where head_dim ≤ 512 (its half-precision bound)
+// and the CPU has AVX512-FP16, else decode_bf16 where the CPU has AVX512-BF16, else decode
+// (decode for unquantized caches); for more rows
 // tiled_bf16 where the inputs are bf16, the CPU and SIMD target have AVX512-BF16 and its
 // products outpace float32 FMA (AMX; AMD Zen 5's VDPBF16PS; not VDPBF16PS alone on Intel,
 // where it has half FMA's FLOP rate), else tiled.
-enum class ForwardKernel : std::uint8_t { automatic, tiled, tiled_bf16, decode, decode_fp16 };
+enum class ForwardKernel : std::uint8_t { automatic, tiled, tiled_bf16, decode, decode_fp16, decode_bf16 };
 const char* to_string(ForwardKernel kernel);
-// Parses "auto", "tiled", "tiled_bf16", "decode", "decode_fp16"; throws Error otherwise.
+// Parses "auto", "tiled", "tiled_bf16", "decode", "decode_fp16", "decode_bf16"; throws Error otherwise.
 ForwardKernel parse_forward_kernel(const std::string& name);
-// decode or decode_fp16: the kernels whose work item is (batch, key split) over every kv head.
+// decode, decode_fp16 or decode_bf16: the kernels whose work item is (batch, key split) over
+// every kv head.
 constexpr bool is_decode(ForwardKernel kernel) {
-  return kernel == ForwardKernel::decode || kernel == ForwardKernel::decode_fp16;
+  return kernel == ForwardKernel::decode || kernel == ForwardKernel::decode_fp16 ||
+         kernel == ForwardKernel::decode_bf16;
 }
 
 // The CPU backward kernels, selectable by name (CpuBackwardPlan::kernel, plan.hpp): "tiled"

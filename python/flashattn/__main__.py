@@ -8,7 +8,7 @@ from . import __version__, _C, get_num_threads
 
 def report() -> str:
     hw = _C.cpu_hardware()
-    forward = ["tiled", "decode"] + [k for k in ("tiled_bf16", "decode_fp16") if hw[k] == "1"]
+    forward = ["tiled", "decode"] + [k for k in ("tiled_bf16", "decode_fp16", "decode_bf16") if hw[k] == "1"]
     backward = ["tiled"] + (["tiled_bf16"] if hw["tiled_bf16"] == "1" else [])
     bf16 = "tiled_bf16" if hw["tiled_bf16_default"] == "1" else "tiled"
     lines = [

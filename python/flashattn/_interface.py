@@ -900,7 +900,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     each value within half a step, (1/2 + 2^-23 (1 + |zero_point|)) * scale.
 
     kernel: the CPU forward kernel by name — "auto" (the planner's choice), "decode",
-    "decode_fp16" (an FP8 or int8 cache on AVX512-FP16: half-precision products), "tiled" or
+    "decode_fp16" (an FP8 or int8 cache on AVX512-FP16: half-precision products), "decode_bf16"
+    (the same on AVX512-BF16 dot products), "tiled" or
     "tiled_bf16" (see ForwardKernel in include/flashattn/options.hpp). num_threads,
     learnable_sink and pack_gqa as flash_attn_func's.
 

@@ -363,28 +363,35 @@ def attention_bruteforce(q, k, v, softmax_scale=None, causal=False, window_size=
 
 
 def quantized_cache_tolerance(kernel):
-    """Of max|v|, on an FP8 or int8 cache: float32 rounding (decode), or four half-precision
-    roundings (decode_fp16: half-precision products, short half-precision sums;
-    tests/test_kvcache.cpp and tests/test_int8_cache.cpp hold it to a half-precision
-    yardstick)."""
-    return 2.0**-9 if kernel == "decode_fp16" else 1e-4
+    """Of max|v|, on an FP8 or int8 cache: float32 rounding (decode), four half-precision
+    roundings (decode_fp16: half-precision products, short half-precision sums) or four bf16
+    roundings (decode_bf16: q and P·factor rounded to bf16; tests/test_kvcache.cpp and
+    tests/test_int8_cache.cpp hold both to a yardstick in their precision)."""
+    return {"decode_fp16": 2.0**-9, "decode_bf16": 2.0**-7}.get(kernel, 1e-4)
 
 
 def planned_quantized_decode():
     """The kernel the planner takes for a few decode rows over an FP8 or int8 cache here:
-    decode_fp16 where the CPU has AVX512-FP16, else decode."""
+    decode_fp16 where the CPU has AVX512-FP16, else decode_bf16 where VDPBF16PS outpaces FMA
+    (AMD's AVX512-BF16 cores), else decode (src/cpu/plan.cpp)."""
     import flashattn
 
-    return "decode_fp16" if flashattn._C.cpu_hardware()["decode_fp16"] == "1" else "decode"
+    hw = flashattn._C.cpu_hardware()
+    if hw["decode_fp16"] == "1":
+        return "decode_fp16"
+    if hw["decode_bf16"] == "1" and hw["tiled_bf16_default"] == "1" and hw["amx_bf16"] == "0":
+        return "decode_bf16"
+    return "decode"
 
 
 def run_kernel(kernel, call):
     """call()'s result; a visible skip where this CPU lacks the kernel (decode_fp16 without
-    AVX512-FP16), which must be the only reason the call fails."""
+    AVX512-FP16, decode_bf16 without AVX512-BF16), which must be the only reason the call fails."""
     import pytest
 
+    isa = {"decode_fp16": "AVX512-FP16", "decode_bf16": "AVX512-BF16"}
     try:
         return call()
     except ValueError as e:
-        assert kernel == "decode_fp16" and "AVX512-FP16 (this one: no)" in str(e), str(e)
-        pytest.skip(f"no AVX512-FP16 on this CPU: {kernel} cannot run here")
+        assert kernel in isa and f"{isa[kernel]} (this one: no)" in str(e), str(e)
+        pytest.skip(f"no {isa[kernel]} on this CPU: {kernel} cannot run here")

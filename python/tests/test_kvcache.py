@@ -136,7 +136,7 @@ def logical(cache, scale, table, b, n, page_size):
     return np.concatenate(pages)[:n]
 
 
-@pytest.mark.parametrize("kernel", ["decode", "decode_fp16"])
+@pytest.mark.parametrize("kernel", ["decode", "decode_fp16", "decode_bf16"])
 @pytest.mark.parametrize("page_size", [None, 1, 3, 16, 256])
 def test_fp8_kvcache_matches_reference(page_size, kernel):
     rng = np.random.default_rng(11)
@@ -159,7 +159,7 @@ def test_fp8_kvcache_matches_reference(page_size, kernel):
         np.testing.assert_array_equal(x, y)
 
 
-@pytest.mark.parametrize("kernel", ["decode", "decode_fp16"])
+@pytest.mark.parametrize("kernel", ["decode", "decode_fp16", "decode_bf16"])
 @pytest.mark.parametrize("page_size", [None, 16])
 def test_fp8_kvcache_appends_within_the_documented_bound(page_size, kernel):
     rng = np.random.default_rng(12)

@@ -113,11 +113,12 @@ def test_fp8_pool_matches_its_dequantized_values(kernel):
     want = reference(q, values(k_codes, k_scale), values(v_codes, v_scale), table, cu_q, seqused, causal=True)
     out = flashattn.flash_attn_varlen_func(q, k_codes, v_codes, cu_q, None, 70, 2100, causal=True, block_table=table,
                                            seqused_k=seqused, k_scale=k_scale, v_scale=v_scale, kernel=kernel)
-    # decode: float32 arithmetic on the dequantized values. auto: the decode rows run decode_fp16
-    # where the CPU has AVX512-FP16 (half-precision products, bounded relative to max|v|: outputs
-    # are convex combinations of the values), decode elsewhere.
-    fp16 = kernel == "auto" and planned_quantized_decode() == "decode_fp16"
-    tolerance = quantized_cache_tolerance("decode_fp16") * values(v_codes, v_scale).abs().max().item() if fp16 else 1e-5
+    # decode: float32 arithmetic on the dequantized values. auto: the decode rows run the
+    # planner's choice here, decode_fp16 or decode_bf16 on narrow products (bounded relative to
+    # max|v|: outputs are convex combinations of the values) or decode.
+    narrow = planned_quantized_decode() if kernel == "auto" else kernel
+    tolerance = (quantized_cache_tolerance(narrow) * values(v_codes, v_scale).abs().max().item()
+                 if narrow != "decode" else 1e-5)
     assert (out.double() - want).abs().max().item() <= tolerance
 
 

@@ -247,15 +247,17 @@ const char* to_string(ForwardKernel kernel) {
     case ForwardKernel::tiled_bf16: return "tiled_bf16";
     case ForwardKernel::decode: return "decode";
     case ForwardKernel::decode_fp16: return "decode_fp16";
+    case ForwardKernel::decode_bf16: return "decode_bf16";
   }
   return "unknown";
 }
 
 ForwardKernel parse_forward_kernel(const std::string& name) {
   for (ForwardKernel k : {ForwardKernel::automatic, ForwardKernel::tiled, ForwardKernel::tiled_bf16, ForwardKernel::decode,
-                          ForwardKernel::decode_fp16})
+                          ForwardKernel::decode_fp16, ForwardKernel::decode_bf16})
     if (name == to_string(k)) return k;
-  throw Error("kernel: unknown forward kernel '" + name + "' (expected auto, tiled, tiled_bf16, decode or decode_fp16)");
+  throw Error("kernel: unknown forward kernel '" + name +
+              "' (expected auto, tiled, tiled_bf16, decode, decode_fp16 or decode_bf16)");
 }
 
 const char* to_string(BackwardKernel kernel) {

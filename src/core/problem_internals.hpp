@@ -18,7 +18,7 @@ struct ProblemInternals {
   // heads) ALiBi slopes with batch index b.
   std::int64_t batch_offset = 0;
   // k and v are an FP8 e4m3 KV cache: codes (u8) with per-block descales, not values in
-  // the problem's dtype. The planner's decode_fp16 kernel reads only such caches and
+  // the problem's dtype. The planner's decode_fp16 and decode_bf16 kernels read only such caches and
   // int8_kv_cache's.
   bool fp8_kv_cache = false;
   // k and v are a quantized KV cache (u8 codes) of which at least one pool holds int8 codes

@@ -9,10 +9,12 @@
 #include <algorithm>
 #include <numeric>
 #include <sstream>
+#include <tuple>
 
 #include "flashattn/error.hpp"
 #include "src/cpu/kernels/backward_kernel.hpp"
 #include "src/cpu/kernels/bf16_dot.hpp"
+#include "src/cpu/kernels/bf16_decode.hpp"
 #include "src/cpu/kernels/fp16_decode.hpp"
 #include "src/cpu/kernels/forward_kernel.hpp"
 #include "src/cpu/planner.hpp"
@@ -62,6 +64,7 @@ CpuHardware CpuHardware::detect(int num_threads) {
   hw.bf16_dot_fast = hw.bf16_dot && cpu::bf16dot::outpaces_fma();
   hw.amx_bf16 = hw.bf16_dot && cpu::bf16dot::uses_amx();
   hw.decode_fp16 = cpu::fp16dot::available();
+  hw.decode_bf16 = cpu::bf16decode::available();
   return hw;
 }
 
@@ -100,18 +103,29 @@ ForwardKernel choose_kernel(const AttentionProblem& p, const detail::ProblemInte
   const bool quantized = internals.fp8_kv_cache || internals.int8_kv_cache;
   const bool fp16_decode =
       quantized && rows <= kDecodeRows && p.head_dim <= cpu::fp16dot::kMaxHeadDim && hw.decode_fp16;
-  if (requested == ForwardKernel::decode_fp16 && !fp16_decode)
-    throw Error("kernel decode_fp16: needs a quantized KV cache, FP8 (e4m3) or int8 codes (k/v: " +
-                std::string(to_string(kv_dtype)) +
-                "), at most " + std::to_string(kDecodeRows) + " query rows per kv head (heads_q / heads_kv · seqlen_q: " +
-                std::to_string(rows) + ") and a CPU with AVX512-FP16 (this one: " + (hw.decode_fp16 ? "yes" : "no") +
-                "); use kernel decode or auto");
+  const bool bf16_decode = quantized && rows <= kDecodeRows && hw.decode_bf16;
+  for (const auto& [kernel, runs, isa, has] :
+       {std::tuple{ForwardKernel::decode_fp16, fp16_decode, "AVX512-FP16", hw.decode_fp16},
+        std::tuple{ForwardKernel::decode_bf16, bf16_decode, "AVX512-BF16", hw.decode_bf16}})
+    if (requested == kernel && !runs)
+      throw Error("kernel " + std::string(to_string(kernel)) +
+                  ": needs a quantized KV cache, FP8 (e4m3) or int8 codes (k/v: " + to_string(kv_dtype) + "), at most " +
+                  std::to_string(kDecodeRows) + " query rows per kv head (heads_q / heads_kv · seqlen_q: " +
+                  std::to_string(rows) + ") and a CPU with " + isa + " (this one: " + (has ? "yes" : "no") +
+                  "); use kernel decode or auto");
   if (requested != ForwardKernel::automatic) return requested;
   // decode_fp16 for FP8 and int8 caches alike where it runs: over int8 codes it was within ±8%
   // of the float32 decode kernel on a Xeon without AMX and 15–40% faster on a Sapphire Rapids
   // (docs/performance.md, 2026-12-03 evening and nineteenth session); its half-precision
   // roundings stay a small part of the codes' own quantization error (kv_quant.hpp).
-  if (rows <= kDecodeRows) return fp16_decode ? ForwardKernel::decode_fp16 : ForwardKernel::decode;
+  // decode_bf16 only where VDPBF16PS itself outpaces float32 FMA (AMD's cores: bf16_dot_fast
+  // without AMX). On the Sapphire Rapids of docs/performance.md, whose VDPBF16PS has half
+  // FMA's FLOP rate, it ran at half decode's speed (twenty-first session).
+  const bool bf16_decode_fast = bf16_decode && hw.bf16_dot_fast && !hw.amx_bf16;
+  if (rows <= kDecodeRows)
+    return fp16_decode        ? ForwardKernel::decode_fp16
+           : bf16_decode_fast ? ForwardKernel::decode_bf16
+                              : ForwardKernel::decode;
   return bf16_inputs && hw.bf16_dot && hw.bf16_dot_fast ? ForwardKernel::tiled_bf16 : ForwardKernel::tiled;
 }
 

@@ -670,6 +670,8 @@ NB_MODULE(_C, m) {
             {"tiled_bf16", hw.bf16_dot ? "1" : "0"},
             {"tiled_bf16_default", hw.bf16_dot_fast ? "1" : "0"},
             {"decode_fp16", hw.decode_fp16 ? "1" : "0"},
+            {"decode_bf16", hw.decode_bf16 ? "1" : "0"},
+            {"amx_bf16", hw.amx_bf16 ? "1" : "0"},
         };
       },
       "what the planner knows of this CPU (CpuHardware::detect), as strings");

@@ -931,15 +931,18 @@ void run_varlen(FuzzedDataProvider& fdp) {
 
 // ---- KV cache: append new tokens in place, then attend over the whole cache -------------
 
-// decode_fp16 (half-precision products and short sums, fp16_decode.hpp): a bound on what its
-// roundings can do to one problem's out and lse — scores move by at most γ_s·A (A the largest
-// Σ|q·k| in log2 units), which moves the weights by at most e^(2·ln2·γ_s·A) in ratio; P·V adds
-// γ_v·max|v|. q (1, rows, hq, d), k (1, keys, hkv, d) and v as the reference reads them.
-struct HalfPrecisionBound {
+// The decode kernels on narrow products — decode_fp16 (half-precision products and short
+// sums, fp16_decode.hpp) and decode_bf16 (q and P·factor rounded to bf16, float32 sums,
+// bf16_decode.hpp): a bound on what their roundings can do to one problem's out and lse —
+// scores move by at most γ_s·A (A the largest Σ|q·k| in log2 units), which moves the weights
+// by at most e^(2·ln2·γ_s·A) in ratio; P·V adds γ_v·max|v|. q (1, rows, hq, d), k (1, keys,
+// hkv, d) and v as the reference reads them; any other kernel: no term.
+struct NarrowBound {
   double out = 0.0, lse = 0.0;
 };
-HalfPrecisionBound half_precision_bound(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t hq,
-                                        std::int64_t hkv, double softmax_scale) {
+NarrowBound narrow_bound(ForwardKernel kernel, const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t hq,
+                         std::int64_t hkv, double softmax_scale) {
+  if (kernel != ForwardKernel::decode_fp16 && kernel != ForwardKernel::decode_bf16) return {};
   const std::int64_t d = q.shape()[3], rows = q.numel() / d, keys = k.numel() / (hkv * d);
   double a = 0.0, v_max = 0.0;
   for (std::int64_t i = 0; i < rows; ++i)
@@ -949,7 +952,10 @@ HalfPrecisionBound half_precision_bound(const Tensor& q, const Tensor& k, const 
       a = std::max(a, sum * std::fabs(softmax_scale) * std::log2(std::exp(1.0)));  // the fuzzer draws negative scales too
     }
   for (std::int64_t i = 0; i < v.numel(); ++i) v_max = std::max(v_max, std::fabs(static_cast<double>(v.get(i))));
-  const double gamma_s = static_cast<double>((d + 31) / 32 + 4) * 0x1p-11, gamma_v = 20 * 0x1p-11;
+  // bf16: one rounding of each q element and of each weight (2^-9), the float32 sums' far less.
+  const bool bf16 = kernel == ForwardKernel::decode_bf16;
+  const double gamma_s = bf16 ? 2 * 0x1p-9 : static_cast<double>((d + 31) / 32 + 4) * 0x1p-11;
+  const double gamma_v = bf16 ? 4 * 0x1p-9 : 20 * 0x1p-11;
   return {std::expm1(2.0 * std::log(2.0) * gamma_s * a) * v_max + gamma_v * v_max,
           std::log(2.0) * gamma_s * a + 0x1p-10};
 }
@@ -1000,8 +1006,12 @@ void run_kvcache(FuzzedDataProvider& fdp) {
   if (fault == 5 && seqlens[0] == pads[0]) fault = 0;  // only a page that holds tokens needs its descale
   const std::uint64_t seed = fdp.ConsumeIntegral<std::uint32_t>();
   // FP8: the float32 decode kernel for odd seeds, else the planner's choice (decode_fp16 where
-  // the CPU has AVX512-FP16), so that both run wherever both can.
+  // the CPU has AVX512-FP16, decode_bf16 on AMD's AVX512-BF16), so that both run wherever both
+  // can; decode_bf16 by name for a quarter of the seeds where the CPU has it (and the rows per
+  // kv head are few enough for a decode kernel), so that it runs where it is not the choice.
   if (fp8 && seed % 2 == 1) o.kernel = ForwardKernel::decode;
+  if (fp8 && seed % 4 == 2 && hq / hkv * seqlen_q <= 16 && CpuHardware::detect(1).decode_bf16)
+    o.kernel = ForwardKernel::decode_bf16;
   // A packed batch (cu_seqlens_q, cu_seqlens_k_new; paged caches only) for a third of the
   // paged seeds: sequence b has q_rows[b] <= seqlen_q query rows and news[b] <= s_new new
   // tokens, drawn from the seed (so that the bytes of older corpus entries keep their meaning).
@@ -1283,9 +1293,8 @@ void run_kvcache(FuzzedDataProvider& fdp) {
       }
     const reference::Result want = reference::attention(qb.view(), kb.view(), vb.view(), o);
     const AttentionProblem p = AttentionProblem::from_inputs(qb.view(), kb.view(), vb.view(), o);
-    HalfPrecisionBound half;
-    if (rows_b > 0 && plans.forward[plan_of++].kernel == ForwardKernel::decode_fp16)
-      half = half_precision_bound(qb, kb, vb, hq, hkv, p.softmax_scale);
+    NarrowBound half;
+    if (rows_b > 0) half = narrow_bound(plans.forward[plan_of++].kernel, qb, kb, vb, hq, hkv, p.softmax_scale);
     const double tol = 1e-5 * (1.0 + max_abs(want.out)) + half.out +
                        2.0 * test::max_abs_error(test::naive_same_precision(p, o, qb, kb, vb), want.out);
     for (std::int64_t e = 0; e < qb.numel() / d * dv; ++e)
@@ -1540,10 +1549,10 @@ void run_paged(FuzzedDataProvider& fdp) {
   describe << " seed=" << seed;
   current_case = describe.str();
 
-  // FP8 pools run the tiled kernel, exact on their values (the planner's decode_fp16 for FP8
-  // decode rows computes in half precision, which tests/test_kvcache.cpp holds to its own rule).
-  // Over int8 pools the planner may take decode_fp16 too (where the CPU has AVX512-FP16):
-  // where any pass ran it, every sequence's bound adds its half-precision term.
+  // FP8 pools run the tiled kernel, exact on their values (the planner's decode_fp16 or
+  // decode_bf16 for FP8 decode rows computes on narrow products, which tests/test_kvcache.cpp
+  // holds to its own rule). Over int8 pools the planner may take either too: where any pass
+  // ran one, every sequence's bound adds its term.
   if (quantized && (kpool.quant.codes == KvCodes::e4m3 || vpool.quant.codes == KvCodes::e4m3))
     o.kernel = ForwardKernel::tiled;
   PlansRun plans;
@@ -1581,8 +1590,9 @@ void run_paged(FuzzedDataProvider& fdp) {
   pout.check_gaps("out");
   plse.check_gaps("lse");
 
-  const bool half_ran = std::any_of(plans.forward.begin(), plans.forward.end(),
-                                    [](const CpuForwardPlan& plan) { return plan.kernel == ForwardKernel::decode_fp16; });
+  ForwardKernel narrow_ran = ForwardKernel::decode;
+  for (const CpuForwardPlan& plan : plans.forward)
+    if (plan.kernel == ForwardKernel::decode_fp16 || plan.kernel == ForwardKernel::decode_bf16) narrow_ran = plan.kernel;
   // Each sequence against the reference over its keys (its prefix's, then its own), in f32
   // where the pools are quantized (q's values are exact in f32): its rows of out and lse.
   const DType ref_dtype = quantized ? DType::f32 : dtype;
@@ -1605,7 +1615,7 @@ void run_paged(FuzzedDataProvider& fdp) {
     const AttentionProblem p = AttentionProblem::from_inputs(qb.view(), kb.view(), vb.view(), o);
     const reference::Result want = reference::attention(qb.view(), kb.view(), vb.view(), o);
     const double naive = test::max_abs_error(test::naive_same_precision(p, o, qb, kb, vb), want.out);
-    const HalfPrecisionBound half = half_ran ? half_precision_bound(qb, kb, vb, hq, hkv, p.softmax_scale) : HalfPrecisionBound{};
+    const NarrowBound half = narrow_bound(narrow_ran, qb, kb, vb, hq, hkv, p.softmax_scale);
     const double tol = 1e-5 * (1.0 + max_abs(want.out)) + 2.0 * naive + unit * max_abs(want.out) + half.out;
     double error = 0.0;
     for (std::int64_t e = 0; e < rows * hq * dv; ++e) {

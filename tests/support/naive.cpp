@@ -7,6 +7,7 @@
 
 #include "flashattn/exp2.hpp"
 #include "flashattn/online_softmax.hpp"
+#include "flashattn/plan.hpp"
 #include "flashattn/reference.hpp"
 
 namespace flashattn::test {
@@ -206,9 +207,23 @@ double unit_scale(const std::vector<double>& x) {
   return std::ldexp(1.0, 1 - exponent);
 }
 
-reference::Result half_precision_attention(const Tensor& q, const Tensor& kc, const Tensor& kd, const Tensor& vc,
-                                           const Tensor& vd, const AttentionOptions& o, const Tensor* kz,
-                                           const Tensor* vz) {
+double narrow_rounding(ForwardKernel kernel) { return kernel == ForwardKernel::decode_bf16 ? 0x1p-9 : 0x1p-11; }
+
+std::vector<ForwardKernel> narrow_decode_kernels() {
+  const CpuHardware hw = CpuHardware::detect(1);
+  std::vector<ForwardKernel> kernels;
+  if (hw.decode_fp16) kernels.push_back(ForwardKernel::decode_fp16);
+  if (hw.decode_bf16) kernels.push_back(ForwardKernel::decode_bf16);
+  return kernels;
+}
+
+reference::Result narrow_precision_attention(ForwardKernel kernel, const Tensor& q, const Tensor& kc, const Tensor& kd,
+                                             const Tensor& vc, const Tensor& vd, const AttentionOptions& o,
+                                             const Tensor* kz, const Tensor* vz) {
+  // The operands' rounding, and that of a run's partial sum: half and half, or bf16 and float32.
+  const bool bf16 = kernel == ForwardKernel::decode_bf16;
+  auto narrow = [bf16](float x) { return bf16 ? round_to(DType::bf16, x) : half(x); };
+  auto sum = [bf16](float x) { return bf16 ? x : half(x); };
   const std::int64_t batch = q.shape()[0], sq = q.shape()[1], hq = q.shape()[2], d = q.shape()[3];
   const std::int64_t sk = kc.shape()[1], hkv = kc.shape()[2], dv = vc.shape()[3];
   // q times softmax_scale·log2(e) in float, as a kernel scales it before rounding.
@@ -225,7 +240,7 @@ reference::Result half_precision_attention(const Tensor& q, const Tensor& kc, co
         for (std::int64_t e = 0; e < d; ++e) qi[e] = q.get(((b * sq + i) * hq + h) * d + e) * scale;  // in float
         const double q_unit = unit_scale(qi);
         std::vector<float> qh(static_cast<std::size_t>(d));
-        for (std::int64_t e = 0; e < d; ++e) qh[e] = half(static_cast<float>(qi[e] * q_unit));
+        for (std::int64_t e = 0; e < d; ++e) qh[e] = narrow(static_cast<float>(qi[e] * q_unit));
         std::vector<double> s(static_cast<std::size_t>(end));
         double m = -INFINITY;
         for (std::int64_t j = 0; j < end; ++j) {
@@ -233,7 +248,7 @@ reference::Result half_precision_attention(const Tensor& q, const Tensor& kc, co
           for (std::int64_t e0 = 0; e0 < d; e0 += 8) {
             float run = 0.0f;
             for (std::int64_t e = e0; e < std::min(e0 + 8, d); ++e)
-              run = half(qh[e] * kc.get(((b * sk + j) * hkv + g) * d + e) + run);
+              run = sum(std::fma(qh[e], kc.get(((b * sk + j) * hkv + g) * d + e), run));
             total += run;
           }
           double centre = 0.0;  // Σq · K's zero point
@@ -242,27 +257,27 @@ reference::Result half_precision_attention(const Tensor& q, const Tensor& kc, co
           s[j] = (total / q_unit - centre) * kd.get((b * sk + j) * hkv + g);
           m = std::max(m, s[j]);
         }
-        double sum = 0.0, centre = 0.0;  // centre: Σ p · V descale · V's zero point
+        double total_p = 0.0, centre = 0.0;  // centre: Σ p · V descale · V's zero point
         std::vector<double> weight(static_cast<std::size_t>(end));  // p · V descale
         for (std::int64_t j = 0; j < end; ++j) {
           const double p = std::exp2(s[j] - m);
-          sum += p;
+          total_p += p;
           weight[j] = p * vd.get((b * sk + j) * hkv + g);
           if (vz != nullptr) centre += weight[j] * vz->get((b * sk + j) * hkv + g);
         }
         const double w_unit = unit_scale(weight);
-        for (double& w : weight) w = half(static_cast<float>(w * w_unit));
+        for (double& w : weight) w = narrow(static_cast<float>(w * w_unit));
         for (std::int64_t e = 0; e < dv; ++e) {
           double total = 0.0;
           for (std::int64_t j0 = 0; j0 < end; j0 += 16) {
             float run = 0.0f;
             for (std::int64_t j = j0; j < std::min(j0 + 16, end); ++j)
-              run = half(static_cast<float>(weight[j]) * vc.get(((b * sk + j) * hkv + g) * dv + e) + run);
+              run = sum(std::fma(static_cast<float>(weight[j]), vc.get(((b * sk + j) * hkv + g) * dv + e), run));
             total += run;
           }
-          r.out[static_cast<std::size_t>(((b * sq + i) * hq + h) * dv + e)] = (total / w_unit - centre) / sum;
+          r.out[static_cast<std::size_t>(((b * sq + i) * hq + h) * dv + e)] = (total / w_unit - centre) / total_p;
         }
-        r.lse[static_cast<std::size_t>((b * hq + h) * sq + i)] = (m + std::log2(sum)) * std::log(2.0);
+        r.lse[static_cast<std::size_t>((b * hq + h) * sq + i)] = (m + std::log2(total_p)) * std::log(2.0);
       }
   return r;
 }

@@ -56,20 +56,30 @@ float half(float x);
 // The power of two that brings the largest finite |x| into [1, 2).
 double unit_scale(const std::vector<double>& x);
 
-// The yardstick of decode_fp16's precision (upstream's rule: a naive implementation in the
-// same precision) for a quantized cache: the values the kernel reads of the codes kc, vc —
-// e4m3 values, int8 codes as integers (u8 as code − 128) — exact in half, with factors kd,
-// vd (descales, scales) per (batch, key, kv head) and, for int8 codes with zero points, kz,
-// vz (null: none) of the same shape: the zero points as the kernel reads them (z − 128 for
-// u8); a value is (code − zero)·factor. Scores: q rounded to half after a power of two
-// brings its row into [1, 2), times the codes, summed in half over runs of 8 products (an
-// FMA: one rounding each), the runs in double, less Σq·zero, then times the K factor. P·V:
-// each probability times its V factor, scaled by a power of two into [1, 2) per row and
-// rounded to half, times the codes, summed in half over runs of 16 keys, less Σ p·factor·zero
-// in double. Softmax in double; causal (bottom-right) or full, GQA, no other option. Returns
-// out and lse like reference::attention.
-reference::Result half_precision_attention(const Tensor& q, const Tensor& kc, const Tensor& kd, const Tensor& vc,
-                                           const Tensor& vd, const AttentionOptions& o, const Tensor* kz = nullptr,
-                                           const Tensor* vz = nullptr);
+// The yardstick of the decode kernels on narrow products (upstream's rule: a naive
+// implementation in the same precision) for a quantized cache: decode_fp16 (half precision)
+// or decode_bf16 (bf16 operands, float32 sums). The values the kernel reads of the codes kc,
+// vc — e4m3 values, int8 codes as integers (u8 as code − 128) — exact in either, with factors
+// kd, vd (descales, scales) per (batch, key, kv head) and, for int8 codes with zero points,
+// kz, vz (null: none) of the same shape: the zero points as the kernel reads them (z − 128
+// for u8); a value is (code − zero)·factor. Scores: q rounded to half (bf16) after a power of
+// two brings its row into [1, 2), times the codes, summed over runs of 8 products (an FMA:
+// one rounding each, in half; in float32 for bf16), the runs in double, less Σq·zero, then
+// times the K factor. P·V: each probability times its V factor, scaled by a power of two
+// into [1, 2) per row and rounded to half (bf16), times the codes, summed over runs of 16
+// keys likewise, less Σ p·factor·zero in double. Softmax in double; causal (bottom-right) or
+// full, GQA, no other option. Returns out and lse like reference::attention.
+reference::Result narrow_precision_attention(ForwardKernel kernel, const Tensor& q, const Tensor& kc, const Tensor& kd,
+                                             const Tensor& vc, const Tensor& vd, const AttentionOptions& o,
+                                             const Tensor* kz = nullptr, const Tensor* vz = nullptr);
+
+// One rounding of the narrow products' type relative to a value: 2^-11 for decode_fp16's
+// half, 2^-9 for decode_bf16's bf16 — the error any P·V on them carries, which the
+// yardstick's few outputs of a tiny head dim can undershoot.
+double narrow_rounding(ForwardKernel kernel);
+
+// The narrow decode kernels this CPU runs: decode_fp16 with AVX512-FP16, decode_bf16 with
+// AVX512-BF16 (tests/test_cpu_features.cpp checks both flags against the CPU's own).
+std::vector<ForwardKernel> narrow_decode_kernels();
 
 }  // namespace flashattn::test

@@ -123,10 +123,12 @@ void bench_cases(const BenchFlags& f) {
       c.cached = cached;
       c.page_size = page_size;
       c.cache_format = format;
-      // --kernel decode applies to every decode case, decode_fp16 to the quantized ones (format
-      // "" is the bf16 cache); others (the forward's kernels) leave the planner's choice here.
+      // --kernel decode applies to every decode case, decode_fp16 and decode_bf16 to the
+      // quantized ones (format "" is the bf16 cache); others (the forward's kernels) leave the
+      // planner's choice here.
       const ForwardKernel k = parse_forward_kernel(f.shape.kernel);
-      if (k == ForwardKernel::decode || (k == ForwardKernel::decode_fp16 && !format.empty())) c.kernel = k;
+      const bool narrow = k == ForwardKernel::decode_fp16 || k == ForwardKernel::decode_bf16;
+      if (k == ForwardKernel::decode || (narrow && !format.empty())) c.kernel = k;
       std::cerr << "decode case: " << batch << " x " << cached << " tokens, " << c.cache_name()
                 << " cache, page size " << page_size << "\n";
       r.decode.push_back({c, measure_decode(c, f.repeats)});

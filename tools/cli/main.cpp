@@ -40,9 +40,11 @@ void add_shape(CLI::App& app, ShapeFlags& s, bool with_mode = true) {
   app.add_option("--dim-v", s.dim_v, "head dimension of v (default: --dim)");
   app.add_option("--threads", s.threads, "worker threads (0 = all cores)")->capture_default_str();
   app.add_option("--kernel", s.kernel,
-                 "CPU forward kernel: auto, tiled, tiled_bf16 (bf16 on AVX512-BF16; bench: its bf16 cases), decode or "
-                 "decode_fp16 (FP8 or int8 cache on AVX512-FP16; bench: its e4m3, u8 and s8 decode cases)")
-      ->capture_default_str()->check(CLI::IsMember({"auto", "tiled", "tiled_bf16", "decode", "decode_fp16"}));
+                 "CPU forward kernel: auto, tiled, tiled_bf16 (bf16 on AVX512-BF16; bench: its bf16 cases), decode, "
+                 "decode_fp16 (FP8 or int8 cache on AVX512-FP16; bench: its e4m3, u8 and s8 decode cases) or "
+                 "decode_bf16 (the same on AVX512-BF16)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"auto", "tiled", "tiled_bf16", "decode", "decode_fp16", "decode_bf16"}));
   app.add_option("--backward-kernel", s.backward_kernel, "CPU backward kernel: auto, tiled or tiled_bf16 (bf16 on AVX512-BF16)")
       ->capture_default_str()->check(CLI::IsMember({"auto", "tiled", "tiled_bf16"}));
   app.add_option("--pack-gqa", s.pack_gqa,

@@ -15,8 +15,9 @@
 // decode reads every K/V storage format (one instantiation each of the products); a cache
 // with int8 codes (u8 or s8, kv_quant.hpp) reads each of K and V in its own format, the
 // scales and zero points applied to scores and probabilities (DecodeQuantItem); decode_fp16
-// (FP8 and int8 caches on AVX512-FP16) runs the same steps with the products in half
-// precision (fp16_decode.hpp).
+// (FP8 and int8 caches on AVX512-FP16) and decode_bf16 (the same on AVX512-BF16) run the same
+// steps with the products in half precision (fp16_decode.hpp) or on bf16 dot products
+// (bf16_decode.hpp): the narrow products, NarrowProducts.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "src/cpu/kernels/decode_forward.cpp"
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
@@ -33,6 +34,7 @@
 #include "flashattn/online_softmax.hpp"
 #include "src/core/element.hpp"
 #include "src/cpu/kernels/forward_kernel.hpp"
+#include "src/cpu/kernels/bf16_decode.hpp"
 #include "src/cpu/kernels/fp16_decode.hpp"
 #include "src/cpu/kernels/forward_rows-inl.h"
 #include "src/cpu/kernels/kv_pack-inl.h"
@@ -369,9 +371,30 @@ void LoadQPanels(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeSha
     }
 }
 
-// The Q panels (decode_fp16): each four rows packed to halves in the q tile (fp16dot::PackQ4),
-// each row scaled by a power of two below 2^top that its q unit undoes on the scores.
-void PackQHalves(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeShape& sh, int top) {
+// The products of decode_fp16 (half precision) and decode_bf16 (bf16 dot products): the same
+// interface, each over 16-bit Q panels of four rows (fp16_decode.hpp, bf16_decode.hpp).
+struct NarrowProducts {
+  int (*q_exponent)(KvCodes);  // Q rows are brought below 2^q_exponent
+  int (*p_exponent)(KvCodes);  // P·factor to at most 2^p_exponent
+  void (*pack_q4)(const float*, std::int64_t, std::int64_t, std::int64_t, int, std::uint16_t*, float*);
+  void (*score_keys4)(KvCodes, const std::uint16_t*, std::int64_t, std::int64_t, const unsigned char* const*,
+                      std::int64_t, std::int64_t, std::int64_t, float*, std::int64_t, const fp16dot::Fetch&);
+  void (*pair)(const float*, std::uint32_t*, std::int64_t);  // P as accumulate_rows4 reads it, in place
+  void (*accumulate_rows4)(KvCodes, const std::uint32_t*, std::int64_t, const unsigned char* const*, std::int64_t,
+                           std::int64_t, std::int64_t, float, float*, std::int64_t);
+};
+static_assert(fp16dot::kHalves == bf16decode::kPanelLanes, "one panel layout for both");
+constexpr NarrowProducts kFp16Products{
+    [](KvCodes c) { return fp16dot::q_exponent(c); }, [](KvCodes c) { return fp16dot::p_exponent(c); },
+    &fp16dot::PackQ4, &fp16dot::ScoreKeys4, &fp16dot::PairHalves, &fp16dot::AccumulateRows4};
+constexpr NarrowProducts kBf16Products{
+    [](KvCodes) { return bf16decode::kTop; }, [](KvCodes) { return bf16decode::kTop; },
+    &bf16decode::PackQ4, &bf16decode::ScoreKeys4, &bf16decode::PairKeys, &bf16decode::AccumulateRows4};
+
+// The Q panels (decode_fp16, decode_bf16): each four rows packed to 16 bits in the q tile
+// (pack_q4), each row scaled by a power of two below 2^top that its q unit undoes on the scores.
+void PackQNarrow(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeShape& sh, const NarrowProducts& np,
+                 int top) {
   const std::int64_t d = sh.d;
   const std::int64_t panel_halves = 4 * ((d + fp16dot::kHalves - 1) / fp16dot::kHalves) * fp16dot::kHalves;
   auto* q_halves = reinterpret_cast<std::uint16_t*>(ws.q_tile.get());  // (panels, panel_halves)
@@ -380,7 +403,7 @@ void PackQHalves(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeSha
     const std::int64_t g = 4 * i / sh.rows4, r0 = 4 * i % sh.rows4;
     const std::int64_t live = std::clamp<std::int64_t>(sh.rows - r0, 0, 4);
     for (std::int64_t r = r0; r < r0 + live; ++r) LoadQRow(prm, sh, g, r, q_rows + (r - r0) * d);
-    fp16dot::PackQ4(q_rows, d, live, d, top, q_halves + i * panel_halves, ws.q_units.get() + 4 * i);
+    np.pack_q4(q_rows, d, live, d, top, q_halves + i * panel_halves, ws.q_units.get() + 4 * i);
   }
 }
 
@@ -418,9 +441,10 @@ void ScoreBlock(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeShap
   }
 }
 
-// ScoreBlock in half precision (decode_fp16) on K codes of format `codes`: fp16dot prefetches
-// as ScoreBlock does.
-void ScoreBlockFp16(ForwardWorkspace& ws, const DecodeShape& sh, KvCodes codes, std::int64_t n, std::int64_t ahead) {
+// ScoreBlock on the narrow products on K codes of format `codes`: they prefetch as ScoreBlock
+// does.
+void ScoreBlockNarrow(ForwardWorkspace& ws, const DecodeShape& sh, const NarrowProducts& np, KvCodes codes,
+                      std::int64_t n, std::int64_t ahead) {
   const DecodeKeys& keys = ws.decode_keys;
   const auto* q_halves = reinterpret_cast<const std::uint16_t*>(ws.q_tile.get());
   for (std::int64_t c = 0; c < n; c += 4) {
@@ -431,13 +455,13 @@ void ScoreBlockFp16(ForwardWorkspace& ws, const DecodeShape& sh, KvCodes codes, 
     const fp16dot::Fetch fetch{keys.k.data() + c + kDecodePrefetchKeys, keys.v.data() + c + kDecodePrefetchKeys,
                                std::max<std::int64_t>(0, fetch_end - c - kDecodePrefetchKeys), sh.k_row, sh.v_row,
                                sh.v_head};
-    fp16dot::ScoreKeys4(codes, q_halves, sh.all_rows / 4, sh.rows4 / 4, krows, sh.k_head, count, sh.d,
+    np.score_keys4(codes, q_halves, sh.all_rows / 4, sh.rows4 / 4, krows, sh.k_head, count, sh.d,
                         ws.s_tile.get() + c, sh.bc, fetch);
   }
 }
 
 // FP8: Q·(values·descale) = (Q·values read)·(kKvUnit·descale), on kv head g's real rows;
-// q_units (decode_fp16, else null) also undoes each row's Q scaling.
+// q_units (the narrow products', else null) also undoes each row's Q scaling.
 HWY_INLINE void DescaleScores(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeShape& sh, std::int64_t g,
                    std::int64_t n, std::int64_t cols, const float* q_units) {
   constexpr float kUnit = kKvUnit<KvFormat::e4m3>;
@@ -510,12 +534,13 @@ void AccumulateBlock(const ForwardParams& prm, ForwardWorkspace& ws, const Decod
                            dv_pad);
 }
 
-// AccumulateBlock in half precision (decode_fp16) on V codes of format `codes`, P as
-// PairHalves left it.
-void AccumulateBlockFp16(ForwardWorkspace& ws, const DecodeShape& sh, KvCodes codes, std::int64_t n) {
+// AccumulateBlock on the narrow products on V codes of format `codes`, P as their pair step
+// left it.
+void AccumulateBlockNarrow(ForwardWorkspace& ws, const DecodeShape& sh, const NarrowProducts& np, KvCodes codes,
+                           std::int64_t n) {
   for (std::int64_t g = 0; g < sh.hkv; ++g)
     for (std::int64_t r = g * sh.rows4; r < (g + 1) * sh.rows4; r += 4)
-      fp16dot::AccumulateRows4(codes, reinterpret_cast<const std::uint32_t*>(ws.s_tile.get() + r * sh.bc), sh.bc,
+      np.accumulate_rows4(codes, reinterpret_cast<const std::uint32_t*>(ws.s_tile.get() + r * sh.bc), sh.bc,
                                ws.decode_keys.v.data(), g * sh.v_head, n, sh.dv, ws.v_units[g],
                                ws.o_acc.get() + r * sh.dv_pad, sh.dv_pad);
 }
@@ -606,10 +631,10 @@ HWY_INLINE void LoadKeyFactors(const float* const* scales, const float* const* z
   }
 }
 
-// The power of two that P·factor is multiplied by (decode_fp16): it brings the largest of
-// the block's `cols` factors (V descales or scales) to at most 2^top, so P·factor is at most
-// 2^top in half precision.
-float Fp16VScale(const float* factors, std::int64_t cols, int top) {
+// The power of two that P·factor is multiplied by (the narrow products): it brings the largest
+// of the block's `cols` factors (V descales or scales) to at most 2^top, so P·factor is at
+// most 2^top in half precision or bf16.
+float NarrowVScale(const float* factors, std::int64_t cols, int top) {
   VF largest = hn::Zero(DF());
   for (std::int64_t c = 0; c < cols; c += kLanes) largest = hn::Max(largest, hn::Load(DF(), factors + c));
   int exponent = 0;
@@ -619,24 +644,24 @@ float Fp16VScale(const float* factors, std::int64_t cols, int top) {
 }
 
 // One decode work item on a cache with int8 codes in K or V (the other pool may be e4m3), each
-// read in its own format (ScoreBlock and AccumulateBlock of its KvFormat; with `fp16`, the
-// decode_fp16 products of its codes), then:
+// read in its own format (ScoreBlock and AccumulateBlock of its KvFormat; with `narrow`, the
+// narrow products of its codes), then:
 //   S = Q·((code − z)·scale)    = (Q·code − ΣQ·z)·scale                (per key: LoadKeyFactors)
 //   õ += P·((code − z)·scale)  = (P·scale)·code − Σ_keys (P·scale)·z   (per row: one term)
-// with kKvUnit in the factors of an e4m3 pool, whose z is 0. decode_fp16 also undoes each Q
-// row's power of two on its scores (q units) and P·scale's on the P·V sums (v units), as
-// DecodeFp16Item does.
-void DecodeQuantItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item, bool fp16) {
+// with kKvUnit in the factors of an e4m3 pool, whose z is 0. The narrow products also undo
+// each Q row's power of two on its scores (q units) and P·scale's on the P·V sums (v units),
+// as DecodeNarrowItem does.
+void DecodeQuantItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item, const NarrowProducts* narrow) {
   const KvScales& ks = prm.paged.k;
   const KvScales& vs = prm.paged.v;
   const float k_unit = ks.codes == KvCodes::e4m3 ? kKvUnit<KvFormat::e4m3> : 1.0f;
   const float v_unit = vs.codes == KvCodes::e4m3 ? kKvUnit<KvFormat::e4m3> : 1.0f;
   const DecodeShape sh(prm, item);
-  if (fp16)
-    PackQHalves(prm, ws, sh, fp16dot::q_exponent(ks.codes));
+  if (narrow != nullptr)
+    PackQNarrow(prm, ws, sh, *narrow, narrow->q_exponent(ks.codes));
   else
     LoadQPanels<KvFormat::u8>(prm, ws, sh);  // row order, as every byte format reads
-  const float* q_units = fp16 ? ws.q_units.get() : nullptr;  // (all_rows): PackQHalves'
+  const float* q_units = narrow != nullptr ? ws.q_units.get() : nullptr;  // (all_rows): PackQNarrow's
   float* q_sums = ws.q_units.get() + sh.all_rows;            // (all_rows): ΣQ of each row
   float* v_terms = q_sums + sh.all_rows;                     // (all_rows): what V's zero points take from õ
   if (ks.zero_point != nullptr) LoadQSums(prm, ws, sh, q_sums);
@@ -653,8 +678,8 @@ void DecodeQuantItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_
     const std::int64_t ahead = std::min(n + kDecodePrefetchKeys, key_end - j0);  // keys resolved
     ResolveKeys(prm, sh.item.batch, j0, ahead, ws.decode_keys);
     CountTiles(ws.counters, sh.hkv, sh.rows, n, sh.d, sh.dv);
-    if (fp16)
-      ScoreBlockFp16(ws, sh, ks.codes, n, ahead);
+    if (narrow != nullptr)
+      ScoreBlockNarrow(ws, sh, *narrow, ks.codes, n, ahead);
     else
       WithCodes(ks.codes, [&](auto f) { ScoreBlock<decltype(f)::value>(prm, ws, sh, n, ahead); });
     for (std::int64_t g = 0; g < sh.hkv; ++g) {
@@ -673,9 +698,9 @@ void DecodeQuantItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_
       }
       LoadKeyFactors(keys.v_descale.data(), keys.v_zero_point.data(), vs.head_stride, v_unit, g, n, cols, v_factor,
                      v_zero);
-      // decode_fp16: P·factor·2^u ≤ 2^p_exponent in half; the sums are multiplied back by 2^-u.
-      const float v_scale = fp16 ? Fp16VScale(v_factor, cols, fp16dot::p_exponent(vs.codes)) : 1.0f;
-      if (fp16) {
+      // Narrow products: P·factor·2^u ≤ 2^p_exponent; the sums are multiplied back by 2^-u.
+      const float v_scale = narrow != nullptr ? NarrowVScale(v_factor, cols, narrow->p_exponent(vs.codes)) : 1.0f;
+      if (narrow != nullptr) {
         ScaleRow(v_factor, v_scale, cols);
         ws.v_units[g] = 1.0f / v_scale;
       }
@@ -687,11 +712,11 @@ void DecodeQuantItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_
             sum = hn::MulAdd(hn::Load(DF(), srow + c), hn::Load(DF(), v_zero + c), sum);
           v_terms[(srow - ws.s_tile.get()) / sh.bc] = hn::GetLane(hn::SumOfLanes(DF(), sum)) / v_scale;
         }
-        if (fp16) fp16dot::PairHalves(srow, reinterpret_cast<std::uint32_t*>(srow), cols);  // in place
+        if (narrow != nullptr) narrow->pair(srow, reinterpret_cast<std::uint32_t*>(srow), cols);  // in place
       });
     }
-    if (fp16)
-      AccumulateBlockFp16(ws, sh, vs.codes, n);
+    if (narrow != nullptr)
+      AccumulateBlockNarrow(ws, sh, *narrow, vs.codes, n);
     else
       WithCodes(vs.codes, [&](auto f) { AccumulateBlock<decltype(f)::value>(prm, ws, sh, n); });
     if (vs.zero_point != nullptr)
@@ -705,13 +730,13 @@ void DecodeQuantItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_
   StoreRows<KvFormat::u8>(prm, ws, sh);
 }
 
-// One decode_fp16 work item: DecodeItem's steps on an FP8 cache with the products in half
-// precision. P·(values·descale) = (P·descale·2^u)·(values read) with 2^u from Fp16VScale,
-// and kKvUnit·2^-u applied to the float32 sums (v_units).
-void DecodeFp16Item(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item) {
+// One decode_fp16 or decode_bf16 work item: DecodeItem's steps on an FP8 cache with the
+// narrow products. P·(values·descale) = (P·descale·2^u)·(values read) with 2^u from
+// NarrowVScale, and kKvUnit·2^-u applied to the float32 sums (v_units).
+void DecodeNarrowItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item, const NarrowProducts& np) {
   constexpr KvFormat F = KvFormat::e4m3;
   const DecodeShape sh(prm, item);
-  PackQHalves(prm, ws, sh, fp16dot::q_exponent(KvCodes::e4m3));
+  PackQNarrow(prm, ws, sh, np, np.q_exponent(KvCodes::e4m3));
   ResetRows(ws, sh.all_rows, sh.dv_pad);
   ws.counters.q_read += sh.hkv * sh.rows * sh.d;
   const std::int64_t key_end = sh.item.key_end;
@@ -720,19 +745,19 @@ void DecodeFp16Item(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t
     const std::int64_t ahead = std::min(n + kDecodePrefetchKeys, key_end - j0);  // keys resolved
     ResolveKeys(prm, sh.item.batch, j0, ahead, ws.decode_keys);
     CountTiles(ws.counters, sh.hkv, sh.rows, n, sh.d, sh.dv);
-    ScoreBlockFp16(ws, sh, KvCodes::e4m3, n, ahead);
+    ScoreBlockNarrow(ws, sh, np, KvCodes::e4m3, n, ahead);
     for (std::int64_t g = 0; g < sh.hkv; ++g) {
       DescaleScores(prm, ws, sh, g, n, cols, ws.q_units.get());
       LoadVDescales(prm, ws, g, n, cols);
-      const float v_scale = Fp16VScale(ws.descales.get(), cols, fp16dot::p_exponent(KvCodes::e4m3));
+      const float v_scale = NarrowVScale(ws.descales.get(), cols, np.p_exponent(KvCodes::e4m3));
       ws.v_units[g] = kKvUnit<F> / v_scale;
       ScaleRow(ws.descales.get(), v_scale, cols);
       SoftmaxRows(prm, ws, sh, g, j0, n, cols, [&](float* srow) {
         MulRow(srow, ws.descales.get(), cols);
-        fp16dot::PairHalves(srow, reinterpret_cast<std::uint32_t*>(srow), cols);  // in place
+        np.pair(srow, reinterpret_cast<std::uint32_t*>(srow), cols);  // in place
       });
     }
-    AccumulateBlockFp16(ws, sh, KvCodes::e4m3, n);
+    AccumulateBlockNarrow(ws, sh, np, KvCodes::e4m3, n);
   }
   StoreRows<F>(prm, ws, sh);
 }
@@ -743,18 +768,27 @@ void ForwardDecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int6
     case DType::bf16: return DecodeItem<KvFormat::bf16>(prm, ws, item);
     case DType::f16: return DecodeItem<KvFormat::f16>(prm, ws, item);
     case DType::u8:
-      if (prm.internals.int8_kv_cache) return DecodeQuantItem(prm, ws, item, false);
+      if (prm.internals.int8_kv_cache) return DecodeQuantItem(prm, ws, item, nullptr);
       return DecodeItem<KvFormat::e4m3>(prm, ws, item);
     case DType::i32: return;  // never an attention operand: rejected by validation
   }
 }
 
-// decode_fp16 reads quantized caches only (the plan checks); a hand-made plan on another
-// cache runs decode.
-void ForwardDecodeFp16Item(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item) {
+// decode_fp16 and decode_bf16 read quantized caches only (the plan checks); a hand-made plan
+// on another cache runs decode.
+void ForwardDecodeNarrowItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item,
+                             const NarrowProducts& np) {
   if (prm.k.dtype != DType::u8) return ForwardDecodeItem(prm, ws, item);
-  if (prm.internals.int8_kv_cache) return DecodeQuantItem(prm, ws, item, true);
-  DecodeFp16Item(prm, ws, item);
+  if (prm.internals.int8_kv_cache) return DecodeQuantItem(prm, ws, item, &np);
+  DecodeNarrowItem(prm, ws, item, np);
+}
+
+void ForwardDecodeFp16Item(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item) {
+  ForwardDecodeNarrowItem(prm, ws, item, kFp16Products);
+}
+
+void ForwardDecodeBf16Item(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item) {
+  ForwardDecodeNarrowItem(prm, ws, item, kBf16Products);
 }
 
 }  // namespace flashattn::cpu::HWY_NAMESPACE
@@ -765,13 +799,21 @@ namespace flashattn::cpu {
 
 HWY_EXPORT(ForwardDecodeItem);
 HWY_EXPORT(ForwardDecodeFp16Item);
+HWY_EXPORT(ForwardDecodeBf16Item);
 
-ForwardWorkItemFn decode_work_item_kernel(bool fp16) {
+ForwardWorkItemFn decode_work_item_kernel(ForwardKernel kernel) {
   kernel_geometry();  // the first dispatched call picks the target; then the table is direct
-  if (!fp16) return &HWY_DYNAMIC_DISPATCH(ForwardDecodeItem);
-  if (!fp16dot::available())  // as for tiled_bf16: never an illegal instruction
-    throw Error("kernel decode_fp16: this CPU (AVX512-FP16) cannot run it");
-  return &HWY_DYNAMIC_DISPATCH(ForwardDecodeFp16Item);
+  if (kernel == ForwardKernel::decode_fp16) {
+    if (!fp16dot::available())  // as for tiled_bf16: never an illegal instruction
+      throw Error("kernel decode_fp16: this CPU (AVX512-FP16) cannot run it");
+    return &HWY_DYNAMIC_DISPATCH(ForwardDecodeFp16Item);
+  }
+  if (kernel == ForwardKernel::decode_bf16) {
+    if (!bf16decode::available())
+      throw Error("kernel decode_bf16: this CPU (AVX512-BF16) cannot run it");
+    return &HWY_DYNAMIC_DISPATCH(ForwardDecodeBf16Item);
+  }
+  return &HWY_DYNAMIC_DISPATCH(ForwardDecodeItem);
 }
 
 }  // namespace flashattn::cpu

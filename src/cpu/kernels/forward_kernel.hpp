@@ -73,9 +73,10 @@ KernelGeometry kernel_geometry();
 // tiled_bf16 where tiled_bf16_available() is false.
 using ForwardWorkItemFn = void (*)(const ForwardParams&, ForwardWorkspace&, std::int64_t item);
 ForwardWorkItemFn forward_work_item_kernel(ForwardKernel kernel);
-// The decode kernel's (decode_fp16's with fp16) work item, resolved once per call
-// (decode_forward.cpp); Error for decode_fp16 where the CPU lacks AVX512-FP16.
-ForwardWorkItemFn decode_work_item_kernel(bool fp16);
+// The work item of decode, decode_fp16 or decode_bf16, resolved once per call
+// (decode_forward.cpp); Error for decode_fp16 (decode_bf16) where the CPU lacks AVX512-FP16
+// (AVX512-BF16).
+ForwardWorkItemFn decode_work_item_kernel(ForwardKernel kernel);
 
 // The CPU has AVX512-BF16 and the SIMD target chosen at run time has the tiled_bf16 kernel.
 bool tiled_bf16_available();

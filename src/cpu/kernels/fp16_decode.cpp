@@ -104,10 +104,7 @@ void ScoreCodes4(const std::uint16_t* panels, std::int64_t panel_count, std::int
   for (std::int64_t i = 0; i < panel_count; ++i) {
     if (i % head_panels == 0) {  // a kv head's first panel: its rows of the keys ahead (into L2, as ScoreBlock)
       const std::int64_t g = i / head_panels;
-      for (std::int64_t c = 0; c < fetch.count; ++c) {
-        for (std::int64_t off = 0; off < fetch.k_bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(fetch.k[c] + g * k_head + off), _MM_HINT_T1);
-        for (std::int64_t off = 0; off < fetch.v_bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(fetch.v[c] + g * fetch.v_head + off), _MM_HINT_T1);
-      }
+      PrefetchHead(fetch, g, k_head);
       for (std::int64_t k = 0; k < 4; ++k) row[k] = krows[std::min<std::int64_t>(k, count - 1)] + g * k_head;  // a short group repeats its last key
     }
     ScorePanel<C>(panels + i * panel_halves, row, count, d, s + i * 4 * lds, lds);

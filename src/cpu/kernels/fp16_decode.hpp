@@ -55,6 +55,14 @@ struct Fetch {
   const unsigned char* const* v;
   std::int64_t count, k_bytes, v_bytes, v_head;
 };
+
+// Prefetches kv head g's rows of `fetch` into L2 (k rows k_head apart per kv head).
+inline void PrefetchHead(const Fetch& fetch, std::int64_t g, std::int64_t k_head) {
+  for (std::int64_t c = 0; c < fetch.count; ++c) {
+    for (std::int64_t off = 0; off < fetch.k_bytes; off += 64) __builtin_prefetch(fetch.k[c] + g * k_head + off, 0, 2);
+    for (std::int64_t off = 0; off < fetch.v_bytes; off += 64) __builtin_prefetch(fetch.v[c] + g * fetch.v_head + off, 0, 2);
+  }
+}
 // The scores of `count` ≤ 4 keys for every panel i < panel_count (PackQ4's, one after the
 // other), head_panels to a kv head: s[(4i + r)·lds + k] = (row r of panel i)·(the d codes
 // at krows[k] + g·k_head, g = i / head_panels, read as the header says). Before a kv head's

@@ -455,8 +455,9 @@ ForwardWorkItemFn forward_work_item_kernel(ForwardKernel kernel) {
   kernel_geometry();  // the first dispatched call picks the target; then the table is direct
   switch (kernel) {
     case ForwardKernel::tiled: return &HWY_DYNAMIC_DISPATCH(TiledWorkItem);
-    case ForwardKernel::decode: return decode_work_item_kernel(false);
-    case ForwardKernel::decode_fp16: return decode_work_item_kernel(true);
+    case ForwardKernel::decode:
+    case ForwardKernel::decode_fp16:
+    case ForwardKernel::decode_bf16: return decode_work_item_kernel(kernel);
     case ForwardKernel::tiled_bf16:
       // The plan checked this; the check here keeps a hand-made plan from an illegal instruction.
       if (!tiled_bf16_available())

@@ -1,0 +1,217 @@
+// AVX512-BF16 products of the quantized decode (bf16_decode.hpp). This file is compiled for
+// the baseline ISA; every function that uses the instructions carries them in its target
+// attribute, and nothing here runs before available() (plan.cpp) has said the CPU has them.
+#include "src/cpu/kernels/bf16_decode.hpp"
+
+#include "src/cpu/kernels/bf16_dot.hpp"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace flashattn::cpu::bf16decode {
+namespace {
+
+#define FLASHATTN_BF16_DECODE_TARGET __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl,avx512dq")))
+#define FLASHATTN_BF16_DECODE_INLINE FLASHATTN_BF16_DECODE_TARGET inline __attribute__((always_inline))
+
+// The first min(n, 32) codes from p as bf16 (bf16_decode.hpp), zeros past n. e4m3: the
+// half-precision bits of fp16_decode.cpp's LoadCodes (2^-8 times the value, subnormal codes
+// as subnormal halves), widened to float32 and narrowed to bf16 — both exact, a code having
+// at most four significant bits and 2^-17 ≤ |value·2^-8| ≤ 1.75, inside bf16's normal range;
+// int8: the integers (u8: code − 128) through float32, exact in bf16's eight bits.
+template <KvCodes C>
+FLASHATTN_BF16_DECODE_INLINE __m512bh LoadCodes(const unsigned char* p, std::int64_t n) {
+  __m256i bytes = n >= kPanelLanes ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                   : _mm256_maskz_loadu_epi8(static_cast<__mmask32>((1ull << n) - 1u), p);
+  __m512 lo, hi;
+  if constexpr (C == KvCodes::e4m3) {
+    const __m512i words = _mm512_cvtepi8_epi16(bytes);
+    const __m512i halves = _mm512_and_si512(_mm512_slli_epi16(words, 7), _mm512_set1_epi16(static_cast<short>(0xBFFF)));
+    lo = _mm512_cvtph_ps(_mm512_castsi512_si256(halves));
+    hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(halves, 1));
+  } else {
+    if constexpr (C == KvCodes::u8) bytes = _mm256_xor_si256(bytes, _mm256_set1_epi8(static_cast<char>(0x80)));
+    lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes)));
+    hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));
+  }
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+// Lane 4·block + k holds block `block`'s part of Σ lanes of a_k: within every 128-bit block
+// the four vectors' lanes interleave and add down.
+FLASHATTN_BF16_DECODE_INLINE __m512 KeySums4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 t01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const __m512 t23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  const __m512d u01 = _mm512_castps_pd(t01), u23 = _mm512_castps_pd(t23);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(u01, u23)), _mm512_castpd_ps(_mm512_unpackhi_pd(u01, u23)));
+}
+
+// The four blocks of v added: [Σ lane 4b + i over blocks b], i < 4.
+FLASHATTN_BF16_DECODE_INLINE __m128 FoldBlocks(__m512 v) {
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// The scores of one panel (four rows) and four K rows: s[r·lds + k] for k < count.
+template <KvCodes C>
+FLASHATTN_BF16_DECODE_INLINE void ScorePanel(const std::uint16_t* panel, const unsigned char* const* row,
+                                             std::int64_t count, std::int64_t d, float* s, std::int64_t lds) {
+  __m512 acc[4][4];  // [key][row]
+  for (auto& key : acc)
+    for (__m512& a : key) a = _mm512_setzero_ps();
+  for (std::int64_t e = 0; e < d; e += kPanelLanes, panel += 4 * kPanelLanes)
+    for (std::int64_t k = 0; k < 4; ++k) {
+      const __m512bh v = LoadCodes<C>(row[k] + e, d - e);
+      for (std::int64_t r = 0; r < 4; ++r)
+        acc[k][r] = _mm512_dpbf16_ps(acc[k][r], (__m512bh)_mm512_loadu_si512(panel + r * kPanelLanes), v);
+    }
+  alignas(16) float sums[4][4];  // [row][key]
+  for (std::int64_t r = 0; r < 4; ++r) _mm_store_ps(sums[r], FoldBlocks(KeySums4(acc[0][r], acc[1][r], acc[2][r], acc[3][r])));
+  for (std::int64_t r = 0; r < 4; ++r)
+    for (std::int64_t k = 0; k < count; ++k) s[r * lds + k] = sums[r][k];
+}
+
+template <KvCodes C>
+FLASHATTN_BF16_DECODE_TARGET void ScoreCodes4(const std::uint16_t* panels, std::int64_t panel_count,
+                                              std::int64_t head_panels, const unsigned char* const* krows,
+                                              std::int64_t k_head, std::int64_t count, std::int64_t d, float* s,
+                                              std::int64_t lds, const fp16dot::Fetch& fetch) {
+  const std::int64_t panel_lanes = 4 * ((d + kPanelLanes - 1) / kPanelLanes) * kPanelLanes;
+  const unsigned char* row[4];
+  for (std::int64_t i = 0; i < panel_count; ++i) {
+    if (i % head_panels == 0) {  // a kv head's first panel: its rows of the keys ahead
+      const std::int64_t g = i / head_panels;
+      fp16dot::PrefetchHead(fetch, g, k_head);
+      for (std::int64_t k = 0; k < 4; ++k) row[k] = krows[std::min<std::int64_t>(k, count - 1)] + g * k_head;  // a short group repeats its last key
+    }
+    ScorePanel<C>(panels + i * panel_lanes, row, count, d, s + i * 4 * lds, lds);
+  }
+}
+
+// Columns [0, 16) and [16, 32) of a pair of keys' sums: AccumulateCodes4's lo vector holds
+// columns 8b..8b+3 in block b, its hi vector 8b+4..8b+7 (unpacklo/hi of 16-bit words).
+FLASHATTN_BF16_DECODE_INLINE void InOrder(__m512 lo, __m512 hi, __m512& first, __m512& second) {
+  const __m512i first_index = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second_index = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  first = _mm512_permutex2var_ps(lo, first_index, hi);
+  second = _mm512_permutex2var_ps(lo, second_index, hi);
+}
+
+template <KvCodes C>
+FLASHATTN_BF16_DECODE_TARGET void AccumulateCodes4(const std::uint32_t* p, std::int64_t ldp,
+                                                   const unsigned char* const* vrows, std::int64_t offset,
+                                                   std::int64_t n, std::int64_t dv, float unit, float* o,
+                                                   std::int64_t ldo) {
+  const __m512 vunit = _mm512_set1_ps(unit);
+  for (std::int64_t e = 0; e < dv; e += kPanelLanes) {
+    const std::int64_t left = std::min<std::int64_t>(kPanelLanes, dv - e);
+    const auto m0 = static_cast<__mmask16>(left >= 16 ? 0xFFFF : (1u << left) - 1u);
+    const auto m1 = static_cast<__mmask16>(left >= 32 ? 0xFFFF : left <= 16 ? 0 : (1u << (left - 16)) - 1u);
+    __m512 lo[4], hi[4];  // [row]: the columns as InOrder takes them
+    for (std::int64_t r = 0; r < 4; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
+    for (std::int64_t c = 0; c < n; c += 2) {
+      const __m512i a = (__m512i)LoadCodes<C>(vrows[c] + offset + e, left);
+      const __m512i b = c + 1 < n ? (__m512i)LoadCodes<C>(vrows[c + 1] + offset + e, left) : _mm512_setzero_si512();
+      const __m512bh pairs_lo = (__m512bh)_mm512_unpacklo_epi16(a, b), pairs_hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+      for (std::int64_t r = 0; r < 4; ++r) {
+        const __m512bh weights = (__m512bh)_mm512_set1_epi32(static_cast<int>(p[r * ldp + c / 2]));
+        lo[r] = _mm512_dpbf16_ps(lo[r], weights, pairs_lo);
+        hi[r] = _mm512_dpbf16_ps(hi[r], weights, pairs_hi);
+      }
+    }
+    for (std::int64_t r = 0; r < 4; ++r) {
+      __m512 first, second;
+      InOrder(lo[r], hi[r], first, second);
+      _mm512_mask_storeu_ps(o + r * ldo + e, m0, _mm512_fmadd_ps(first, vunit, _mm512_maskz_loadu_ps(m0, o + r * ldo + e)));
+      _mm512_mask_storeu_ps(o + r * ldo + e + 16, m1,
+                            _mm512_fmadd_ps(second, vunit, _mm512_maskz_loadu_ps(m1, o + r * ldo + e + 16)));
+    }
+  }
+}
+
+FLASHATTN_BF16_DECODE_TARGET void PackRows(const float* q, std::int64_t ldq, std::int64_t rows, std::int64_t d,
+                                           int top, std::uint16_t* panel, float* unit) {
+  const std::int64_t vectors = (d + kPanelLanes - 1) / kPanelLanes;
+  for (std::int64_t r = 0; r < 4; ++r) {
+    float largest = 0.0f;
+    if (r < rows)
+      for (std::int64_t e = 0; e < d; ++e)
+        if (std::isfinite(q[r * ldq + e])) largest = std::max(largest, std::fabs(q[r * ldq + e]));
+    int exponent = 0;
+    if (largest > 0.0f) std::frexp(largest, &exponent);  // largest in [2^(exponent - 1), 2^exponent)
+    const int shift = std::clamp(top - exponent, -100, 100);
+    unit[r] = std::ldexp(1.0f, -shift);
+    const __m512 scale = _mm512_set1_ps(std::ldexp(1.0f, shift));
+    for (std::int64_t j = 0; j < vectors; ++j) {
+      __m512 x[2];
+      for (std::int64_t half = 0; half < 2; ++half) {
+        const std::int64_t e = j * kPanelLanes + 16 * half, left = r < rows ? std::clamp<std::int64_t>(d - e, 0, 16) : 0;
+        x[half] = _mm512_mul_ps(_mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << left) - 1u), q + r * ldq + e), scale);
+      }
+      _mm512_storeu_si512(panel + (4 * j + r) * kPanelLanes, (__m512i)_mm512_cvtne2ps_pbh(x[1], x[0]));
+    }
+  }
+}
+
+FLASHATTN_BF16_DECODE_TARGET void PairRows(const float* src, std::uint32_t* dst, std::int64_t n) {
+  for (std::int64_t c = 0; c < n; c += 32) {
+    const std::int64_t left = std::min<std::int64_t>(32, n - c);
+    const auto m0 = static_cast<__mmask16>(left >= 16 ? 0xFFFF : (1u << left) - 1u);
+    const auto m1 = static_cast<__mmask16>(left >= 32 ? 0xFFFF : left <= 16 ? 0 : (1u << (left - 16)) - 1u);
+    const __m512 lo = _mm512_maskz_loadu_ps(m0, src + c), hi = _mm512_maskz_loadu_ps(m1, src + c + 16);
+    const auto words = static_cast<__mmask16>(left >= 32 ? 0xFFFF : (1u << ((left + 1) / 2)) - 1u);
+    _mm512_mask_storeu_epi32(dst + c / 2, words, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+}
+
+}  // namespace
+
+bool available() { return bf16dot::available(); }
+
+void PackQ4(const float* q, std::int64_t ldq, std::int64_t rows, std::int64_t d, int top, std::uint16_t* panel,
+            float* unit) {
+  PackRows(q, ldq, rows, d, top, panel, unit);
+}
+
+void ScoreKeys4(KvCodes codes, const std::uint16_t* panels, std::int64_t panel_count, std::int64_t head_panels,
+                const unsigned char* const* krows, std::int64_t k_head, std::int64_t count, std::int64_t d, float* s,
+                std::int64_t lds, const fp16dot::Fetch& fetch) {
+  switch (codes) {
+    case KvCodes::e4m3:
+      return ScoreCodes4<KvCodes::e4m3>(panels, panel_count, head_panels, krows, k_head, count, d, s, lds, fetch);
+    case KvCodes::u8:
+      return ScoreCodes4<KvCodes::u8>(panels, panel_count, head_panels, krows, k_head, count, d, s, lds, fetch);
+    case KvCodes::s8:
+      return ScoreCodes4<KvCodes::s8>(panels, panel_count, head_panels, krows, k_head, count, d, s, lds, fetch);
+  }
+}
+
+void PairKeys(const float* src, std::uint32_t* dst, std::int64_t n) { PairRows(src, dst, n); }
+
+void AccumulateRows4(KvCodes codes, const std::uint32_t* p, std::int64_t ldp, const unsigned char* const* vrows,
+                     std::int64_t offset, std::int64_t n, std::int64_t dv, float unit, float* o, std::int64_t ldo) {
+  switch (codes) {
+    case KvCodes::e4m3: return AccumulateCodes4<KvCodes::e4m3>(p, ldp, vrows, offset, n, dv, unit, o, ldo);
+    case KvCodes::u8: return AccumulateCodes4<KvCodes::u8>(p, ldp, vrows, offset, n, dv, unit, o, ldo);
+    case KvCodes::s8: return AccumulateCodes4<KvCodes::s8>(p, ldp, vrows, offset, n, dv, unit, o, ldo);
+  }
+}
+
+}  // namespace flashattn::cpu::bf16decode
+
+#else  // not x86: decode_bf16 is never planned (available())
+
+namespace flashattn::cpu::bf16decode {
+bool available() { return false; }
+void PackQ4(const float*, std::int64_t, std::int64_t, std::int64_t, int, std::uint16_t*, float*) {}
+void ScoreKeys4(KvCodes, const std::uint16_t*, std::int64_t, std::int64_t, const unsigned char* const*, std::int64_t,
+                std::int64_t, std::int64_t, float*, std::int64_t, const fp16dot::Fetch&) {}
+void PairKeys(const float*, std::uint32_t*, std::int64_t) {}
+void AccumulateRows4(KvCodes, const std::uint32_t*, std::int64_t, const unsigned char* const*, std::int64_t,
+                     std::int64_t, std::int64_t, float, float*, std::int64_t) {}
+}  // namespace flashattn::cpu::bf16decode
+
+#endif
