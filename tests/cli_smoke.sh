@@ -189,10 +189,10 @@ c = json.load(open(sys.argv[1]))["cases"][0]
 assert c["op"] == "decode" and c["cached"] == 300 and c["max_error"] < 2e-2 and c["gbps"] > 0, c
 PY
 done
-# FP8 and int8 caches by kernel name: decode always; decode_fp16 where the CPU has
-# AVX512-FP16, else rejected with the reason; the plan's kernel is reported.
+# FP8 and int8 caches by kernel name: decode always; decode_fp16 (decode_bf16) where the CPU
+# has AVX512-FP16 (AVX512-BF16), else rejected with the reason; the plan's kernel is reported.
 for cache in e4m3 u8 s8; do
-  for kernel in decode decode_fp16; do
+  for kernel in decode decode_fp16 decode_bf16; do
     if "$cli" run --decode --cache-seqlen 300 --heads 4 --heads-kv 2 --dim 32 --cache-dtype $cache --kernel $kernel \
         --repeats 1 --json > "$work/decode.json" 2> "$work/err.txt"; then
       python3 - "$work/decode.json" "$kernel" "$cache" <<'PY'
@@ -201,7 +201,11 @@ c = json.load(open(sys.argv[1]))["cases"][0]
 assert c["kernel"] == sys.argv[2] and c["cache_dtype"] == sys.argv[3] and c["max_error"] < 2e-2, c
 PY
     else
-      test "$kernel" = decode_fp16 && grep -q "AVX512-FP16" "$work/err.txt"
+      case $kernel in
+        decode_fp16) grep -q "AVX512-FP16 (this one: no)" "$work/err.txt" ;;
+        decode_bf16) grep -q "AVX512-BF16 (this one: no)" "$work/err.txt" ;;
+        *) cat "$work/err.txt" >&2; exit 1 ;;
+      esac
     fi
   done
 done

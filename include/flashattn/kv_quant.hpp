@@ -41,7 +41,9 @@
 // with Q·(code − 128) and (P·scale)·(code − 128) in half precision (codes exact, Q and P·scale
 // rounded to half, partial sums of a few terms): roundings of 2^-11 relative, a small part of
 // the half step above (src/cpu/kernels/fp16_decode.hpp; tests/test_int8_cache.cpp holds it
-// to twice a half-precision yardstick's error).
+// to twice a half-precision yardstick's error). decode_bf16 (AVX512-BF16 without AVX512-FP16,
+// planned on AMD's cores) rounds Q and P·scale to bf16 (2^-9 relative) and sums in float32
+// (src/cpu/kernels/bf16_decode.hpp; held to twice a bf16 yardstick's error).
 #pragma once
 
 #include <cstdint>
