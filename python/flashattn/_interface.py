@@ -41,7 +41,7 @@ def _raw(x, name, int32=False, tensor=False):
     if _is_tensor(x):
         if not x.is_cpu:  # not device.type: a torch.device made per call costs 0.5 µs
             raise ValueError(f"{name}: only CPU tensors are supported, got device {x.device}")
-        t = x.detach()
+        t = x.detach() if x.requires_grad else x  # a new tensor object costs about 0.5 µs
         if t.dim() > 0 and t.stride(-1) != 1 and t.shape[-1] > 1:  # as upstream's maybe_contiguous
             t = t.contiguous()
         if int32:
@@ -1018,12 +1018,17 @@ def _dsinks_output(opts, sinks, like):
 # ---- FP8 inputs (upstream FA3's q_descale, k_descale, v_descale) ------------------------------------
 
 
+_FP8_NUMPY = {np.dtype(ml_dtypes.float8_e4m3fn): "e4m3", np.dtype(ml_dtypes.float8_e5m2): "e5m2"}
+_FP8_TORCH = {} if torch is None else {getattr(torch, name): fmt for name, fmt in
+                                       (("float8_e4m3fn", "e4m3"), ("float8_e5m2", "e5m2")) if hasattr(torch, name)}
+
+
 def _fp8_format(x):
     """"e4m3" or "e5m2" for an FP8 array or tensor, else None."""
     if _is_tensor(x):
-        return {getattr(torch, "float8_e4m3fn", None): "e4m3", getattr(torch, "float8_e5m2", None): "e5m2"}.get(x.dtype)
+        return _FP8_TORCH.get(x.dtype)
     if isinstance(x, np.ndarray):
-        return {np.dtype(ml_dtypes.float8_e4m3fn): "e4m3", np.dtype(ml_dtypes.float8_e5m2): "e5m2"}.get(x.dtype)
+        return _FP8_NUMPY.get(x.dtype)
     return None
 
 
