@@ -2,7 +2,8 @@
 """One decode step's attention call, layer by layer: where its fixed cost goes.
 
 Times, per call, the transformers integration's attention function (``attention_forward``
-with the mask plan of a decode step), its direct route alone (``_dense_inference``), the
+with the mask plan of a decode step), its direct route alone (``_direct_forward``, which
+``flash_attn_func`` takes too for such calls), the
 native call alone (``_C.forward`` on DLPack capsules, options built once), the public
 functions a caller without the integration uses (``flash_attn_func`` on (B, S, H, D) views,
 ``flash_attn_with_kvcache`` over a cache of --keys filled tokens and as many empty ones) and
@@ -62,6 +63,7 @@ def main(argv=None):
 
     import flashattn
     from flashattn import _C
+    from flashattn import _interface as _impl
     from flashattn.integrations import transformers as fa_hf
 
     clock = time.thread_time if a.cpu_time else time.perf_counter
@@ -72,7 +74,7 @@ def main(argv=None):
     rows = []
     threads_before = torch.get_num_threads()
     try:
-        print(f"{'dtype':5} {'threads':>7} {'keys':>6} {'attention_forward µs':>21} {'_dense_inference µs':>20} "
+        print(f"{'dtype':5} {'threads':>7} {'keys':>6} {'attention_forward µs':>21} {'_direct_forward µs':>20} "
               f"{'_C.forward µs':>14} {'flash_attn_func µs':>19} {'with_kvcache µs':>16} {'torch SDPA µs':>14}")
         for dname in a.dtypes:
             for threads in a.threads:
@@ -83,9 +85,10 @@ def main(argv=None):
                     plan = fa_hf._Plan(1, 1, n, True, (-1, 0))
                     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
                     layer = lambda: fa_hf.attention_forward(module, q, k, v, plan, scaling=0.125)
-                    direct = lambda: fa_hf._dense_inference(qt, kt, vt, 0.125, True, (-1, 0), 0.0)
+                    direct = lambda: _impl._direct_forward(qt, kt, vt, 0.125, True, (-1, 0), 0.0)
                     direct()
-                    options, names = fa_hf._OPTIONS[(0.125, True, (-1, 0), 0.0, threads, q.dtype, q.dtype, q.dtype)]
+                    options, names = _impl._DIRECT_OPTIONS[(0.125, True, (-1, 0), 0.0, "auto", threads, q.dtype,
+                                                            q.dtype, q.dtype)]
                     out, lse = torch.empty(1, 1, 8, 64, dtype=q.dtype), torch.empty(1, 8, 1)
                     native = lambda: _C.forward(to_dlpack(qt), to_dlpack(kt), to_dlpack(vt), to_dlpack(out),
                                                 to_dlpack(lse), names, options)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import ml_dtypes
 import numpy as np
 
@@ -475,6 +477,57 @@ def _torch_attention(q, k, v, varlen, dropout_p, softmax_scale, causal, window_s
                                     alibi_slopes, rng_state, block_mask, block_mask_block_size, sinks)
 
 
+# The native options and dtype names of _direct_forward by (scale, causal, window, softcap,
+# kernel, threads, q, k and v's dtypes): a model's layers share one entry, so a decode step
+# builds none.
+_DIRECT_OPTIONS = {}
+# Each thread's last lse of _direct_forward, which returns out alone: a decode step's calls
+# (one shape) write the same buffer instead of allocating one each. Per thread, since the
+# native call runs without the GIL.
+_LSE = threading.local()
+
+
+def _lse_scratch(shape):
+    lse = getattr(_LSE, "buffer", None)
+    if lse is None or lse.shape != shape:
+        lse = _LSE.buffer = torch.empty(shape, dtype=torch.float32)
+    return lse
+
+
+def _direct_forward(q, k, v, softmax_scale, causal, window_size, softcap, kernel="auto", num_threads=None):
+    """out of a dense torch call without dropout or gradient, computed by the native forward on
+    the tensors themselves (no dispatcher, no NumPy views, options built once per set of
+    arguments), or None where the general route must take it (tracing, modes, gradients,
+    strided last dimensions, other dtypes, arguments it would reject). The same kernel and
+    options as that route: this saves its Python layers' 10-20 µs a call, as much as the
+    kernel takes on a decode step over a short cache (flash_attn_func and the transformers
+    integration take it). The caller holds q, k, v (and this function out, and the thread's
+    lse scratch) while the native call reads them."""
+    if (not _is_tensor(q) or q.dim() != 4 or not _torch_ops.direct(q, k, v) or 1 not in (q.stride(-1), q.shape[-1])
+            or k.stride(-1) != 1 or v.stride(-1) != 1 or not isinstance(window_size, (tuple, list))
+            or len(window_size) != 2):
+        return None
+    key = (softmax_scale, causal, tuple(window_size), softcap, kernel, _resolve_threads(num_threads, True), q.dtype,
+           k.dtype, v.dtype)
+    entry = _DIRECT_OPTIONS.get(key)
+    if entry is None:
+        names = (_TORCH_DTYPES.get(q.dtype), _TORCH_DTYPES.get(k.dtype), _TORCH_DTYPES.get(v.dtype))
+        if None in names:
+            return None
+        options = _options(0.0, softmax_scale, causal, window_size, softcap, None, False, None, kernel)
+        options.num_threads = key[5]
+        if len(_DIRECT_OPTIONS) >= 256:  # a caller cycling through arguments: start over, never grow without bound
+            _DIRECT_OPTIONS.clear()
+        entry = _DIRECT_OPTIONS[key] = (options, {"q": names[0], "k": names[1], "v": names[2], "out": names[0]})
+    b, sq, hq, _ = q.shape
+    out = q.new_empty((b, sq, hq, v.shape[-1]))
+    lse = _lse_scratch((b, hq, sq))
+    # DLPack capsules made by torch's C function (_native): handing the tensors themselves
+    # makes the binding call each one's Python-level __dlpack__.
+    _C.forward(to_dlpack(q), to_dlpack(k), to_dlpack(v), to_dlpack(out), to_dlpack(lse), entry[1], entry[0])
+    return out
+
+
 def _as_tensor(x):
     """Small tables (masks, slopes) beside tensors: NumPy ones taken as tensors."""
     return torch.from_numpy(np.ascontiguousarray(x)) if isinstance(x, np.ndarray) else x
@@ -546,6 +599,13 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     (float16 and bfloat16 are widened) joining every row's softmax denominator without a
     value, neither scaled nor softcapped; softmax_lse includes it, and autograd gives its
     gradient (docs/python.md, "Attention sinks")."""
+    if (dropout_p == 0.0 and alibi_slopes is None and not return_attn_probs and num_splits == 0 and block_mask is None
+            and not block_mask_block_size and learnable_sink is None and sinks is None and pack_gqa is None
+            and q_descale is None and k_descale is None and v_descale is None and seed is None
+            and not deterministic and backward_kernel == "auto"):
+        out = _direct_forward(q, k, v, softmax_scale, causal, window_size, softcap, kernel, num_threads)
+        if out is not None:  # an inference call on plain tensors: the general route's result, without its layers
+            return out
     learnable_sink = _sink_alias(learnable_sink, sinks)
     return _attention(q, k, v, None, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                       deterministic, return_attn_probs, seed, kernel, backward_kernel, num_threads, num_splits,

@@ -286,6 +286,36 @@ def test_eager_inference_skips_the_dispatcher_only_where_nothing_watches():
     assert "flashattn.fwd_kvcache.default" in seen.ops, seen.ops
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_direct_route_of_flash_attn_func_equals_the_op(dtype):
+    """An inference call with only the arguments _direct_forward takes (scale, causal, window,
+    softcap, kernel, threads) runs there — its options cached — and gives the op's bits;
+    what it cannot take (a strided last dimension, a rejected shape) goes the general way,
+    with the same error."""
+    from flashattn import _interface
+
+    gen = torch.Generator().manual_seed(seed_for("direct route"))
+    q, k, v = rand(gen, (2, 7, 6, 24), dtype), rand(gen, (2, 13, 2, 24), dtype), rand(gen, (2, 13, 2, 40), dtype)
+    for kwargs in (dict(), dict(causal=True), dict(window_size=[3, 1], softcap=5.0), dict(softmax_scale=0.3),
+                   dict(causal=True, num_threads=1, kernel="tiled")):
+        _interface._DIRECT_OPTIONS.clear()
+        got = flashattn.flash_attn_func(q, k, v, **kwargs)
+        assert len(_interface._DIRECT_OPTIONS) == 1, f"{kwargs}: not the direct route"
+        window = tuple(kwargs.get("window_size", (-1, -1)))
+        want, _ = OPS.fwd(q, k, v, 0.0, kwargs.get("softmax_scale"), kwargs.get("causal", False), window[0], window[1],
+                          kwargs.get("softcap", 0.0), None, False, None, kwargs.get("kernel", "auto"), "auto",
+                          kwargs.get("num_threads", 0))
+        assert torch.equal(got, want), kwargs
+    _interface._DIRECT_OPTIONS.clear()
+    strided = torch.randn(2, 7, 6, 48, generator=gen).to(dtype)[..., ::2]
+    assert torch.equal(flashattn.flash_attn_func(strided, k, v), flashattn.flash_attn_func(strided.contiguous(), k, v))
+    with pytest.raises(ValueError) as direct:
+        flashattn.flash_attn_func(q, k[..., :20], v)
+    with pytest.raises(ValueError) as general:
+        flashattn.flash_attn_func(q, k[..., :20], v, pack_gqa=False)
+    assert str(direct.value) == str(general.value)
+
+
 def test_compile_kvcache_step_writes_the_cache():
     """A decode step compiled whole: the functionalized op's cache writes land in the
     caller's cache tensors, as eager's do."""

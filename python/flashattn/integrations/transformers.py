@@ -36,15 +36,11 @@ utilities (transformers.masking_utils) of transformers 5.24.
 
 from __future__ import annotations
 
-import threading
-
 import torch
 import torch.nn.functional as F
-from torch.utils.dlpack import to_dlpack
 
-from .. import _C, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from .. import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from .. import _interface as _impl
-from .. import _torch_ops
 
 ATTN_IMPLEMENTATION = "fa_cpu"
 
@@ -53,54 +49,6 @@ ATTN_IMPLEMENTATION = "fa_cpu"
 _REFUSED = ("position_bias", "sinks", "head_mask", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
             "max_length_k", "indices", "block_indices", "block_table")
 _REFUSED_SET = frozenset(_REFUSED)
-
-# The dtype names of the native core, for the direct route of _dense_inference.
-_DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
-# The native options and dtype names of the direct route by (scale, causal, window, softcap,
-# threads, q, k and v's dtypes): a model's layers share one entry, so a decode step builds none.
-_OPTIONS = {}
-# Each thread's last lse of the direct route, which returns out alone: a decode step's calls
-# (one shape) write the same buffer instead of allocating one each. Per thread, since the
-# native call runs without the GIL.
-_LSE = threading.local()
-
-
-def _lse_scratch(shape):
-    lse = getattr(_LSE, "buffer", None)
-    if lse is None or lse.shape != shape:
-        lse = _LSE.buffer = torch.empty(shape, dtype=torch.float32)
-    return lse
-
-
-def _dense_inference(q, k, v, scaling, causal, window, softcap):
-    """out of a dense call without dropout or gradient, computed by the native forward on the
-    tensors themselves (no dispatcher, no NumPy views, options built once per model), or None
-    where the general route must take it (tracing, modes, strided last dimensions, other dtypes).
-    The same kernel and options as flash_attn_func: this saves the Python layers' 20-30 µs a
-    call, as much as the kernel takes on a decode step over a short cache. The caller holds
-    q, k, v (and this function out, and the thread's lse scratch) while the native call reads
-    them."""
-    if q.dim() != 4 or not _torch_ops.direct(q, k, v) or 1 not in (
-            q.stride(-1), q.shape[-1]) or k.stride(-1) != 1 or v.stride(-1) != 1:
-        return None
-    key = (scaling, causal, window, softcap, _impl._resolve_threads(None, True), q.dtype, k.dtype, v.dtype)
-    entry = _OPTIONS.get(key)
-    if entry is None:
-        names = (_DTYPE_NAMES.get(q.dtype), _DTYPE_NAMES.get(k.dtype), _DTYPE_NAMES.get(v.dtype))
-        if None in names:
-            return None
-        options = _impl._options(0.0, scaling, causal, window, softcap, None, False, None)
-        options.num_threads = key[4]
-        entry = _OPTIONS[key] = (options, {"q": names[0], "k": names[1], "v": names[2], "out": names[0]})
-    b, sq, hq, _ = q.shape
-    out = q.new_empty((b, sq, hq, v.shape[-1]))
-    lse = _lse_scratch((b, hq, sq))
-    # DLPack capsules made by torch's C function: handing the tensors themselves makes the
-    # binding call each one's Python-level __dlpack__, 13 µs of a decode call's 66 (f32,
-    # 1025 keys, 1 thread, on the Xeon of docs/performance.md).
-    _C.forward(to_dlpack(q), to_dlpack(k), to_dlpack(v), to_dlpack(out), to_dlpack(lse), entry[1], entry[0])
-    return out
-
 
 # Rows of a materialized mask checked at a time (bounds the checker's memory at long lengths).
 _ROW_CHUNK = 1024
@@ -343,7 +291,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         if (k0, k1) != (0, kv_length):
             k, v = k[:, k0:k1], v[:, k0:k1]
         if not needs_grad and dropout == 0.0 and sinks is None:  # a decode step's route
-            out = _dense_inference(q, k, v, scaling, plan.causal, plan.window, softcap)
+            out = _impl._direct_forward(q, k, v, scaling, plan.causal, plan.window, softcap)
             if out is not None:
                 return out, None
         return flash_attn_func(q, k, v, dropout_p=dropout, softmax_scale=scaling, causal=plan.causal,
