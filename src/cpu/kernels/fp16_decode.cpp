@@ -56,13 +56,7 @@ void PackQ4(const float* q, std::int64_t ldq, std::int64_t rows, std::int64_t d,
             float* unit) {
   const std::int64_t vectors = (d + kHalves - 1) / kHalves;
   for (std::int64_t r = 0; r < 4; ++r) {
-    float largest = 0.0f;
-    if (r < rows)
-      for (std::int64_t e = 0; e < d; ++e)
-        if (std::isfinite(q[r * ldq + e])) largest = std::max(largest, std::fabs(q[r * ldq + e]));
-    int exponent = 0;
-    if (largest > 0.0f) std::frexp(largest, &exponent);  // largest in [2^(exponent - 1), 2^exponent)
-    const int shift = std::clamp(top - exponent, -100, 100);  // largest · 2^shift in [2^(top − 1), 2^top)
+    const int shift = RowShift(q + r * ldq, d, r < rows, top);
     unit[r] = std::ldexp(1.0f, -shift);
     const __m512 scale = _mm512_set1_ps(std::ldexp(1.0f, shift));
     for (std::int64_t j = 0; j < vectors; ++j)

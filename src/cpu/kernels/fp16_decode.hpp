@@ -22,6 +22,8 @@
 // AVX512-FP16; callers reach it only where available() says so.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 #include "flashattn/kv_quant.hpp"
@@ -47,6 +49,19 @@ bool available();
 // vectors.
 void PackQ4(const float* q, std::int64_t ldq, std::int64_t rows, std::int64_t d, int top, std::uint16_t* panel,
             float* unit);
+
+// The power of two 2^shift that brings the largest finite |x| of the d values at row into
+// [2^(top − 1), 2^top) (shift within ±100; 0 for a row of zeros, or when !live): PackQ4's
+// scaling of each Q row, in either narrow type.
+inline int RowShift(const float* row, std::int64_t d, bool live, int top) {
+  float largest = 0.0f;
+  if (live)
+    for (std::int64_t e = 0; e < d; ++e)
+      if (std::isfinite(row[e])) largest = std::max(largest, std::fabs(row[e]));
+  int exponent = 0;
+  if (largest > 0.0f) std::frexp(largest, &exponent);  // largest in [2^(exponent - 1), 2^exponent)
+  return std::clamp(top - exponent, -100, 100);
+}
 
 // Rows to prefetch: of keys c < count, kv head g's k_bytes at k[c] + g·k_head and v_bytes at
 // v[c] + g·v_head.
