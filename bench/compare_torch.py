@@ -60,14 +60,20 @@ def parse_args(argv):
     return a
 
 
-def median_seconds(fn, repeats):
-    fn()  # warm-up
-    times = []
+def median_seconds(fns, repeats):
+    """Each named function's median time, the functions taking turns within every repeat: on a
+    machine whose speed drifts (a VM, a neighbour's job), timing one library's repeats and then
+    the other's can put minutes of drift between them (docs/performance.md, twenty-first
+    session)."""
+    for fn in fns.values():
+        fn()  # warm-up
+    times = {name: [] for name in fns}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def relative_diff(ours, theirs):
@@ -117,12 +123,13 @@ def compare(torch, flashattn, a, op, dtype, causal, s, d, mask_kind="none"):
                                           ours_dout, drop_in)
         variants["torch compiled"] = (torch.compile(theirs, backend=a.compile), (tq, tk, tv), tdout, True)
 
-    results, seconds = {}, {}
+    results, steps = {}, {}
     if op == "fwd":
         with torch.no_grad():
             for name, (fn, inputs, _, _) in variants.items():
                 results[name] = [fn(*inputs)]
-                seconds[name] = median_seconds(lambda: fn(*inputs), a.repeats)
+                steps[name] = lambda fn=fn, inputs=inputs: fn(*inputs)
+            seconds = median_seconds(steps, a.repeats)
     else:
         # Backward: through autograd, timing only the gradient of an already computed output.
         flops *= 2.5
@@ -130,10 +137,11 @@ def compare(torch, flashattn, a, op, dtype, causal, s, d, mask_kind="none"):
             leaves = [x.detach().requires_grad_(True) for x in inputs]
             out = fn(*leaves)
 
-            def step():
+            def step(name=name, out=out, leaves=leaves, grad_out=grad_out):
                 results[name] = torch.autograd.grad(out, leaves, grad_out, retain_graph=True)
 
-            seconds[name] = median_seconds(step, a.repeats)
+            steps[name] = step
+        seconds = median_seconds(steps, a.repeats)
     reference = results["torch"]
     diff = 0.0
     for name, (_, _, _, sdpa_layout) in variants.items():
@@ -159,7 +167,7 @@ def main(argv):
     torch.set_num_threads(a.threads)
     compiled = a.compile != "none"
     print(f"torch {torch.__version__}, flashattn simd {flashattn.simd_target()}, {a.threads} threads, "
-          f"B={a.batch}, H={a.heads}, median of {a.repeats}, GFLOP/s"
+          f"B={a.batch}, H={a.heads}, median of {a.repeats} (the variants taking turns), GFLOP/s"
           + (f"; compiled: torch.compile(backend={a.compile!r})" if compiled else ""))
     print(f"{'op':4} {'dtype':5} {'mask':6} {'attn_mask':9} {'D':>4} {'S':>6} {'flashattn':>10} {'torch':>10} {'ratio':>7}"
           + (f" {'fa comp.':>10} {'torch comp.':>11} {'ratio':>7} {'fa comp./eager':>14}" if compiled else "")
