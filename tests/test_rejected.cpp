@@ -84,6 +84,16 @@ TEST(Rejected, KvCacheOutOfBatchOneForBatchFour) {
                   {"lse: shape (1, 4, 1)", "expected (4, 4, 1)"}, guarded);
 }
 
+// q's head_dim against the cache's: forward_with_kvcache took q of head_dim 8 over a cache of
+// 16 (and appended new keys of 16) and read each key's first 8 values — a silently wrong
+// result, found in the twenty-first session; forward_varlen_paged refused it already.
+TEST(Rejected, KvCacheHeadDimOtherThanQs) {
+  CacheCall call;
+  Tensor narrow_q = filled(DType::f32, {CacheCall::kBatch, 1, CacheCall::kHeadsQ, CacheCall::kDim / 2}, 0.5f);
+  expect_rejected([&] { forward_with_kvcache(narrow_q.view(), call.cache(), call.out.view(), call.lse.view()); },
+                  {"k_cache: head_dim 8", "does not match q's 4"}, call.guarded());
+}
+
 TEST(Rejected, KvCacheBadOutputsAndOptionsLeaveTheCacheAsItWas) {
   CacheCall call;
   Tensor wrong_dtype = filled(DType::bf16, {CacheCall::kBatch, 1, CacheCall::kHeadsQ, CacheCall::kDim}, 7.0f);

@@ -528,6 +528,45 @@ def _direct_forward(q, k, v, softmax_scale, causal, window_size, softcap, kernel
     return out
 
 
+def _direct_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad, block_table, softmax_scale, causal,
+                    window_size, softcap, kernel, num_threads, return_lse):
+    """(out, lse or None) of a torch KV-cache call on a cache of values — appends allowed; no
+    rotary, batch index, ALiBi, splits, sinks, scales or packed queries — computed by the
+    native call directly as _direct_forward does, or None where the general route must take
+    it. Bumps the caches' version counters as the op does."""
+    if (q.dim() != 4 or (k is None) != (v is None) or not isinstance(window_size, (tuple, list))
+            or len(window_size) != 2 or not _torch_ops.direct(q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad,
+                                                              block_table)):
+        return None
+    values = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v}
+    names = {}
+    for name, x in values.items():
+        if x is not None:
+            names[name] = _TORCH_DTYPES.get(x.dtype)
+            if names[name] is None or (x.stride(-1) != 1 and x.shape[-1] != 1):
+                return None
+    if any(x is not None and x.dtype != torch.int32 for x in (cache_seqlens, cache_leftpad, block_table)):
+        return None
+    key = ("kvcache", softmax_scale, causal, tuple(window_size), softcap, kernel, _resolve_threads(num_threads, True))
+    options = _DIRECT_OPTIONS.get(key)
+    if options is None:
+        options = _options(0.0, softmax_scale, causal, window_size, softcap, None, False, None, kernel)
+        options.num_threads = key[6]
+        if len(_DIRECT_OPTIONS) >= 256:
+            _DIRECT_OPTIONS.clear()
+        _DIRECT_OPTIONS[key] = options
+    names["out"] = names["q"]
+    b, sq, hq, _ = q.shape
+    out = q.new_empty((b, sq, hq, v_cache.shape[-1]))
+    lse = torch.empty((b, hq, sq), dtype=torch.float32) if return_lse else _lse_scratch((b, hq, sq))
+    dl = [None if x is None else to_dlpack(x) for x in (q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad,
+                                                         block_table, out, lse)]
+    _C.forward_with_kvcache(dl[0], dl[1], dl[2], dl[3], dl[4], None, None, dl[5], None, dl[6], dl[7], True, dl[8],
+                            dl[9], names, None, None, options, None, None, 0, None, None, {})
+    torch.autograd.graph.increment_version([k_cache, v_cache])
+    return out, (lse if return_lse else None)
+
+
 def _as_tensor(x):
     """Small tables (masks, slopes) beside tensors: NumPy ones taken as tensors."""
     return torch.from_numpy(np.ascontiguousarray(x)) if isinstance(x, np.ndarray) else x
@@ -986,6 +1025,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 raise TypeError(f"inputs mix numpy arrays and torch tensors: q, {name}")
         if cache_seqlens is not None and not hasattr(cache_seqlens, "shape"):
             cache_seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32)
+        if (rotary_cos is None and rotary_sin is None and cache_batch_idx is None and alibi_slopes is None
+                and num_splits == 0 and k_scale is None and v_scale is None and sinks is None and cu_seqlens_q is None
+                and cu_seqlens_k_new is None and max_seqlen_q is None and k_zero_point is None and v_zero_point is None
+                and k_quant is None
+                and v_quant is None and pack_gqa is None and all(_is_tensor(x) or x is None for x in (
+                    cache_seqlens, cache_leftpad, block_table))):
+            result = _direct_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad, block_table,
+                                     softmax_scale, causal, window_size, softcap, kernel, num_threads,
+                                     return_softmax_lse)
+            if result is not None:  # an inference call: the general route's result, without its layers
+                return result if return_softmax_lse else result[0]
 
         def tensor(x):  # small NumPy tables beside tensors are taken without a copy
             return torch.from_numpy(np.ascontiguousarray(x)) if isinstance(x, np.ndarray) else x

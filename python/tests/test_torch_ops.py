@@ -316,6 +316,54 @@ def test_direct_route_of_flash_attn_func_equals_the_op(dtype):
     assert str(direct.value) == str(general.value)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_direct_route_of_flash_attn_with_kvcache_equals_the_op(dtype):
+    """An inference KV-cache call on a cache of values — appends, paged or contiguous, left
+    padding, lse or not — runs on _direct_kvcache (its options cached) and gives the op's bits
+    and cache contents, bumping the caches' versions; a call it cannot take (rotary) goes the
+    general way; a rejected one raises the general route's error."""
+    from flashattn import _interface
+
+    gen = torch.Generator().manual_seed(seed_for("direct kvcache"))
+    q, k_new, v_new = rand(gen, (2, 3, 4, 16), dtype), rand(gen, (2, 3, 2, 16), dtype), rand(gen, (2, 3, 2, 24), dtype)
+    for paged in (False, True):
+        for append in (False, True):
+            shape_k, shape_v = ((6, 8, 2, 16), (6, 8, 2, 24)) if paged else ((2, 24, 2, 16), (2, 24, 2, 24))
+            k_cache, v_cache = rand(gen, shape_k, dtype), rand(gen, shape_v, dtype)
+            table = torch.tensor([[5, 0, 2], [1, 4, 3]], dtype=torch.int32) if paged else None
+            seqlens = torch.tensor([7, 13], dtype=torch.int32)
+            leftpad = None if paged else torch.tensor([0, 2], dtype=torch.int32)
+            kv = dict(k=k_new, v=v_new) if append else {}
+            caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
+            _interface._DIRECT_OPTIONS.clear()
+            version = caches[0][0]._version
+            out, lse = flashattn.flash_attn_with_kvcache(
+                q, *caches[0], **kv, cache_seqlens=seqlens, cache_leftpad=leftpad, block_table=table, causal=True,
+                window_size=(5, 0), softcap=3.0, return_softmax_lse=True)
+            assert len(_interface._DIRECT_OPTIONS) == 1, "not the direct route"
+            assert caches[0][0]._version > version
+            want_out, want_lse = OPS.fwd_kvcache(
+                q, *caches[1], k_new if append else None, v_new if append else None, None, None, seqlens, None,
+                leftpad, table, None, True, 5, 0, 3.0, True, None, 0, None, None, "auto", 0)
+            assert torch.equal(out, want_out) and torch.equal(lse, want_lse), (paged, append)
+            assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+            alone = flashattn.flash_attn_with_kvcache(q, *caches[0], cache_seqlens=seqlens + (3 if append else 0),
+                                                      cache_leftpad=leftpad, block_table=table, causal=True,
+                                                      window_size=(5, 0), softcap=3.0)
+            assert torch.equal(alone, out), "the appended cache read again"
+    _interface._DIRECT_OPTIONS.clear()
+    cos = sin = torch.ones(32, 8)
+    flashattn.flash_attn_with_kvcache(q, *caches[0], cache_seqlens=seqlens, block_table=table, rotary_cos=cos,
+                                      rotary_sin=sin)
+    assert not _interface._DIRECT_OPTIONS, "rotary taken by the direct route"
+    with pytest.raises(ValueError) as direct:
+        flashattn.flash_attn_with_kvcache(q[..., :8], *caches[0], cache_seqlens=seqlens, block_table=table)
+    with pytest.raises(ValueError) as general:
+        flashattn.flash_attn_with_kvcache(q[..., :8], *caches[0], cache_seqlens=seqlens, block_table=table,
+                                          pack_gqa=False)
+    assert str(direct.value) == str(general.value)
+
+
 def test_compile_kvcache_step_writes_the_cache():
     """A decode step compiled whole: the functionalized op's cache writes land in the
     caller's cache tensors, as eager's do."""

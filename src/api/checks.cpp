@@ -134,6 +134,9 @@ bool check_cache_pools(const TensorView& q, const TensorView& k_cache, const Ten
     if (v_cache.shape[d] != k_cache.shape[d])
       throw Error("v_cache: shape " + shape_string(v_cache) + " does not match k_cache " + shape_string(k_cache) +
                   " in dim " + std::to_string(d));
+  if (k_cache.shape[3] != q.shape[q.rank - 1])
+    throw Error("k_cache: head_dim " + std::to_string(k_cache.shape[3]) + " does not match q's " +
+                std::to_string(q.shape[q.rank - 1]));
   if (quantized) {
     check_pool_scales(k, k_cache);
     check_pool_scales(v, v_cache);

@@ -36,8 +36,9 @@ AttentionProblem check_forward_fp8_call(const Fp8View& q, const Fp8View& k, cons
 // floating dtype; k_cache and v_cache 4-d views (k_layout, v_layout name their dims) of q's
 // dtype, or both u8 (quantized codes, true is returned; then each pool's scales and zero
 // points are checked, check_pool_scales) — a cache of q's dtype takes no scales, zero points
-// or formats —; v_cache's first three dims those of k_cache. The values of the scales are
-// the caller's to check (which of them are read differs between the entry points).
+// or formats —; v_cache's first three dims those of k_cache, k_cache's head_dim q's (its last
+// dim). The values of the scales are the caller's to check (which of them are read differs
+// between the entry points).
 bool check_cache_pools(const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
                        const PoolScales& k, const PoolScales& v, const char* k_layout, const char* v_layout);
 

@@ -47,8 +47,6 @@ void check_pools(const TensorView& q, const PagedKvBatch& kv, PagedCall& r) {
                                           "(num_pages, page_size, heads_kv, head_dim_v)");
   if (kv.k_cache.shape[2] < 1 || q.shape[1] % kv.k_cache.shape[2] != 0)
     throw Error("k_cache: heads_kv " + str(kv.k_cache.shape[2]) + " does not divide q's heads_q " + str(q.shape[1]));
-  if (kv.k_cache.shape[3] != q.shape[2])
-    throw Error("k_cache: head_dim " + str(kv.k_cache.shape[3]) + " does not match q's " + str(q.shape[2]));
   r.page_size = kv.k_cache.shape[1];
   if (r.page_size < 1) throw Error("k_cache: page size " + str(r.page_size) + " must be >= 1");
 }
