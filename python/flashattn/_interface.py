@@ -1028,9 +1028,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if (rotary_cos is None and rotary_sin is None and cache_batch_idx is None and alibi_slopes is None
                 and num_splits == 0 and k_scale is None and v_scale is None and sinks is None and cu_seqlens_q is None
                 and cu_seqlens_k_new is None and max_seqlen_q is None and k_zero_point is None and v_zero_point is None
-                and k_quant is None
-                and v_quant is None and pack_gqa is None and all(_is_tensor(x) or x is None for x in (
-                    cache_seqlens, cache_leftpad, block_table))):
+                and k_quant is None and v_quant is None and pack_gqa is None
+                and all(_is_tensor(x) or x is None for x in (cache_seqlens, cache_leftpad, block_table))):
             result = _direct_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad, block_table,
                                      softmax_scale, causal, window_size, softcap, kernel, num_threads,
                                      return_softmax_lse)
