@@ -1013,7 +1013,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     learnable_sink = _sink_alias(learnable_sink, sinks)
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         step = cache.stride(-1) if _is_tensor(cache) else cache.strides[-1] // cache.itemsize
-        if step != 1:  # written in place: a contiguous copy would lose the appended tokens
+        # Written in place: a contiguous copy would lose the appended tokens. (An empty cache,
+        # whose NumPy strides are 0, is left to the native shape checks.)
+        if step != 1 and 0 not in cache.shape:
             raise ValueError(f"{name}: last dimension must be contiguous (stride 1), got stride {step}")
     if len(window_size) != 2:
         raise ValueError(f"window_size: expected (left, right), got {window_size!r}")

@@ -290,8 +290,15 @@ def test_kvcache_errors():
     with pytest.raises(ValueError, match="block_table"):
         flashattn.flash_attn_with_kvcache(q, np.zeros((4, 4, 2, 8), np.float32), np.zeros((4, 4, 2, 8), np.float32),
                                           cache_seqlens=3, block_table=np.array([[9]], np.int32))
-    with pytest.raises(ValueError, match="k_cache"):
+    with pytest.raises(ValueError, match="k_cache: last dimension must be contiguous"):
         flashattn.flash_attn_with_kvcache(q, np.zeros((1, 16, 2, 16), np.float32)[..., ::2], v_cache)
+    # An empty cache (NumPy gives it zero strides) is named for what it lacks, not its strides.
+    with pytest.raises(ValueError, match="heads_kv: must be >= 1, got 0"):
+        flashattn.flash_attn_with_kvcache(q, np.zeros((1, 16, 0, 8), np.float32), np.zeros((1, 16, 0, 8), np.float32),
+                                          cache_seqlens=4)
+    # q's head_dim must be the cache's (it was read as the first head_dim values of each key).
+    with pytest.raises(ValueError, match="k_cache: head_dim 8 does not match q's 4"):
+        flashattn.flash_attn_with_kvcache(q[..., :4], k_cache, v_cache, cache_seqlens=4)
 
 
 def test_errors_do_not_modify_inputs():
