@@ -120,7 +120,7 @@ ForwardKernel choose_kernel(const AttentionProblem& p, const detail::ProblemInte
   // roundings stay a small part of the codes' own quantization error (kv_quant.hpp).
   // decode_bf16 only where VDPBF16PS itself outpaces float32 FMA (AMD's cores: bf16_dot_fast
   // without AMX). On the Sapphire Rapids of docs/performance.md, whose VDPBF16PS has half
-  // FMA's FLOP rate, it ran at half decode's speed (twenty-first session).
+  // FMA's FLOP rate, it ran at about 0.7× decode's speed (twenty-first session).
   const bool bf16_decode_fast = bf16_decode && hw.bf16_dot_fast && !hw.amx_bf16;
   if (rows <= kDecodeRows)
     return fp16_decode        ? ForwardKernel::decode_fp16
