@@ -21,7 +21,17 @@ std::string to_string(DType dtype);
 // Parses "f32" / "float32", "bf16" / "bfloat16", "f16" / "float16" (the floating dtypes);
 // throws Error otherwise.
 DType parse_dtype(const std::string& name);
-std::size_t dtype_size(DType dtype);
+// Bytes of one element. Inline: the kernels compute row addresses with it per row.
+constexpr std::size_t dtype_size(DType dtype) {
+  switch (dtype) {
+    case DType::f32:
+    case DType::i32: return 4;
+    case DType::bf16:
+    case DType::f16: return 2;
+    case DType::u8: return 1;
+  }
+  return 1;
+}
 // Unit roundoff of a floating dtype, half the distance from 1 to the next value: 2^-24
 // (f32, 23 stored mantissa bits), 2^-8 (bf16, 7), 2^-11 (f16, 10). Throws Error for the
 // integer dtypes.

@@ -28,17 +28,6 @@ DType parse_dtype(const std::string& name) {
   throw Error("dtype: unknown dtype '" + name + "' (expected f32, bf16 or f16)");
 }
 
-std::size_t dtype_size(DType dtype) {
-  switch (dtype) {
-    case DType::f32:
-    case DType::i32: return 4;
-    case DType::bf16:
-    case DType::f16: return 2;
-    case DType::u8: return 1;
-  }
-  return 1;
-}
-
 double unit_roundoff(DType dtype) {
   switch (dtype) {
     case DType::f32: return std::ldexp(1.0, -24);

@@ -85,7 +85,9 @@ static void SoftmaxRow(const RowMods& mods, float* HWY_RESTRICT srow, std::int64
   const float old_max = state.max;
   const float factor = state.rescale_to(tile_max, p.rescale_threshold);
   if (state.max != old_max && old_max != kNegInf) ++rescales;
-  if (deferred && factor != 1.0f) {
+  // A row's first visible tile (old_max −∞) finds õ zero — or NaN from a V that P = 0
+  // multiplied — which the factor 0 would leave as it is.
+  if (deferred && factor != 1.0f && old_max != kNegInf) {
     const VF vf = hn::Set(df, factor);
     for (std::int64_t c = 0; c < ldo; c += kLanes) hn::Store(hn::Mul(hn::Load(df, orow + c), vf), df, orow + c);
   }

@@ -27,6 +27,21 @@ HWY_INLINE V Pow2FromRounded(D d, V y) {
   return hn::BitCast(d, hn::ShiftLeft<23>(hn::Add(hn::BitCast(di, y), hn::Set(di, 127))));
 }
 
+// x clamped to [−127, 127] for Exp2 and Exp2Poly3. On x86 MAXPS and MINPS return their
+// second operand when either is NaN, so with x second a NaN comes through the clamp and
+// through the polynomial (NaN times 2^n is NaN): no test-and-blend per vector, two of the
+// exponential's sixteen instructions. Elsewhere the clamp may turn a NaN into a number,
+// and the caller puts it back (kClampKeepsNaN false).
+#if HWY_ARCH_X86 && HWY_TARGET != HWY_EMU128 && HWY_TARGET != HWY_SCALAR
+constexpr bool kClampKeepsNaN = true;
+#else
+constexpr bool kClampKeepsNaN = false;
+#endif
+template <class D, class V = hn::Vec<D>>
+HWY_INLINE V ClampExponent(D d, V x) {
+  return hn::Min(hn::Set(d, 127.0f), hn::Max(hn::Set(d, -127.0f), x));
+}
+
 // 2^x on the FMA units (docs/algorithm.md §5): x = n + f with n = round(x), |f| ≤ 1/2; 2^n goes
 // straight into the exponent bits, 2^f = e^(f·ln2) comes from its degree-6 Taylor
 // polynomial by Horner's rule. Truncation error (ln2/2)^7/7! ≈ 1.2e-7 relative, i.e.
@@ -43,7 +58,7 @@ HWY_INLINE V Exp2(D d, V x) {
   constexpr float kC2 = 2.4022650695910071e-1f;
   constexpr float kC1 = kLn2;
   const V input = x;
-  x = hn::Min(hn::Max(x, hn::Set(d, -127.0f)), hn::Set(d, 127.0f));
+  x = ClampExponent(d, x);
   const V y = hn::Add(x, hn::Set(d, kRoundingBias));  // n = round(x) in its low bits
   const V f = hn::Sub(x, hn::Sub(y, hn::Set(d, kRoundingBias)));
   V p = hn::MulAdd(hn::Set(d, kC6), f, hn::Set(d, kC5));
@@ -52,8 +67,9 @@ HWY_INLINE V Exp2(D d, V x) {
   p = hn::MulAdd(p, f, hn::Set(d, kC2));
   p = hn::MulAdd(p, f, hn::Set(d, kC1));
   p = hn::MulAdd(p, f, hn::Set(d, 1.0f));
-  // The clamp may have turned a NaN into a number: a NaN score must poison its row.
-  return hn::IfThenElse(hn::IsNaN(input), input, hn::Mul(p, Pow2FromRounded(d, y)));
+  const V result = hn::Mul(p, Pow2FromRounded(d, y));
+  // A NaN score must poison its row.
+  return kClampKeepsNaN ? result : hn::IfThenElse(hn::IsNaN(input), input, result);
 }
 
 // 2^x by Cody–Waite range reduction with a cubic (docs/algorithm.md §5, FlashAttention-4's software
@@ -70,7 +86,7 @@ HWY_INLINE V Exp2Poly3(D d, V x) {
   constexpr float kC1 = 0.6958335638046265f;
   constexpr float kC0 = 0.9999251961708069f;
   const V input = x;
-  x = hn::Min(hn::Max(x, hn::Set(d, -127.0f)), hn::Set(d, 127.0f));
+  x = ClampExponent(d, x);
   const V n = hn::Floor(x);
   const V f = hn::Sub(x, n);
   V p = hn::MulAdd(hn::Set(d, kC3), f, hn::Set(d, kC2));
@@ -78,7 +94,8 @@ HWY_INLINE V Exp2Poly3(D d, V x) {
   p = hn::MulAdd(p, f, hn::Set(d, kC0));
   // 2^n; n = −127 (x < −126) gives +0.0f.
   const V pow2 = Pow2FromRounded(d, hn::Add(n, hn::Set(d, kRoundingBias)));
-  return hn::IfThenElse(hn::IsNaN(input), input, hn::Mul(p, pow2));
+  const V result = hn::Mul(p, pow2);
+  return kClampKeepsNaN ? result : hn::IfThenElse(hn::IsNaN(input), input, result);
 }
 
 }  // namespace flashattn::cpu::HWY_NAMESPACE
