@@ -61,6 +61,7 @@ _SCORE = 1 << 4  # the score's bit; bit d (0..3) is index d's
 _UNIT = 1 << 5  # a score-dependent value that is score + (what does not depend on it), or -inf
 _RAW = 1 << 6  # depends on the score other than through a soft-capping tanh
 _CAPPED = 1 << 7  # depends on the score through tanh(score / cap)
+_DIRECT = 1 << 8  # reads q_idx or kv_idx other than through their difference kv_idx - q_idx
 
 # aten operations through which a value stays affine in the score (by their overload packet).
 _AFFINE_UNARY = {"neg", "positive", "clone", "alias", "view", "_unsafe_view", "reshape", "expand", "squeeze",
@@ -122,15 +123,29 @@ def _keeps_unit(name, args, kwargs, bits_of):
     return False
 
 
+def _is_difference(name, args, kwargs, pristine):
+    """Whether the aten operation `name` subtracts the untouched q_idx and kv_idx inputs (ids in
+    `pristine`) from each other, in either order, with no alpha: its result is a function of
+    kv_idx - q_idx alone."""
+    if name not in ("sub", "rsub") or len(args) < 2 or any(k != "alpha" for k in kwargs):
+        return False
+    alpha = args[2] if len(args) > 2 else kwargs.get("alpha", 1)
+    return alpha == 1 and {id(args[0]), id(args[1])} == set(pristine)
+
+
 def _trace(fn, n_scores, mod_name, score=0.0):
     """Runs fn once on (1,)-shaped tensors — n_scores float64 scores of value `score`, then b, h,
     q_idx, kv_idx as int64 zeros — and returns (the bits of what its result depends on, why it
     is not affine in the score or None, whether its d/d score is 1 wherever it does not hide
-    the key, the inputs of its tanh on the score). Tensors are followed by identity through a
+    the key, the inputs of its tanh on the score, whether it reads q_idx and kv_idx only through
+    kv_idx - q_idx). Tensors are followed by identity through a
     dispatch mode (every tensor made is kept alive meanwhile, so no id is reused); a result
     that is no tensor depends on nothing. tanh of the score times a constant (soft-capping)
     is taken as a new score: what follows must be affine in it, and the result may not depend
-    on the score otherwise (_score_coefficients checks that the constant is one)."""
+    on the score otherwise (_score_coefficients checks that the constant is one). q_idx and
+    kv_idx are read "only through their difference" when every use of them is q_idx - kv_idx
+    or kv_idx - q_idx on the inputs themselves (no view, no in-place change before): anything
+    else marks the result _DIRECT, and the caller evaluates it over every (q_idx, kv_idx)."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
@@ -156,8 +171,13 @@ def _trace(fn, n_scores, mod_name, score=0.0):
             kwargs = kwargs or {}
             out = func(*args, **kwargs)
             dep = bits_of((args, kwargs)) & ~_UNIT
+            name = func.overloadpacket.__name__.rstrip("_")
+            if func._schema.is_mutable:  # an index changed in place is no longer the index
+                for t in tree_leaves((args, kwargs)):
+                    pristine.pop(id(t), None)
+            elif _is_difference(name, args, kwargs, pristine):
+                dep &= ~_DIRECT
             if dep & _SCORE:
-                name = func.overloadpacket.__name__.rstrip("_")
                 if name == "tanh":
                     why = capping(args[0])
                     dep = dep & ~_RAW | _CAPPED
@@ -177,6 +197,9 @@ def _trace(fn, n_scores, mod_name, score=0.0):
     inputs += [torch.zeros(1, dtype=torch.int64) for _ in _INDEX_NAMES]
     for i, t in enumerate(inputs):
         bits[id(t)] = _SCORE | _UNIT | _RAW if i < n_scores else 1 << (i - n_scores)
+    pristine = {id(t): t for t in inputs[n_scores + 2:]}  # q_idx and kv_idx, while untouched
+    for t in pristine.values():
+        bits[id(t)] |= _DIRECT
     with Follow():
         result = fn(*inputs)
     if isinstance(result, torch.Tensor) and result.requires_grad:
@@ -186,7 +209,8 @@ def _trace(fn, n_scores, mod_name, score=0.0):
     dep = bits_of(result)
     if dep & _RAW and dep & _CAPPED:
         reasons.append("the soft-capped score (tanh) combined with the score itself")
-    return dep & 0b11111, (reasons[0] if reasons else None), bool(dep & _UNIT), tanh_inputs
+    relative = dep & 0b1100 == 0b1100 and not dep & _DIRECT
+    return dep & 0b11111, (reasons[0] if reasons else None), bool(dep & _UNIT), tanh_inputs, relative
 
 
 def _soft_cap(score_mod, name, inputs_at_zero):
@@ -367,10 +391,11 @@ def _compact(x):
     return x.contiguous()
 
 
-def _check_values(name, f0, f1, q0):
+def _check_values(name, f0, f1, position):
     """The slope f1 − f0 (None for None), 0 where f0 is -inf (a key hidden at every score);
-    ValueError unless every f0 is finite or -inf and every slope finite. One reduction per
-    tensor when all is well."""
+    ValueError unless every f0 is finite or -inf and every slope finite, naming the (b, h,
+    q_idx, kv_idx) that position(index into f0) gives. One reduction per tensor when all is
+    well."""
     slope = None if f1 is None else f1 - f0
     total = f0.sum().item()  # -inf: no nan, no +inf
     if (math.isfinite(total) or total == -math.inf) and (slope is None or math.isfinite(slope.sum().item())):
@@ -384,7 +409,7 @@ def _check_values(name, f0, f1, q0):
         at = tuple(int(i) for i in bad.nonzero()[0])
         got = f0[at].item() if f1 is None else (f0[at].item(), f1[at].item())
         raise ValueError(f"{name}: returned {got!r} at score {'0' if f1 is None else '(0, 1)'} for "
-                         f"(b, h, q_idx, kv_idx) = {(at[0], at[1], at[2] + q0, at[3])} (each 0 where score_mod "
+                         f"(b, h, q_idx, kv_idx) = {position(at)} (each 0 where score_mod "
                          "does not read it): only finite values and -inf are taken")
     return slope
 
@@ -454,7 +479,7 @@ def _score_coefficients(score_mod, sizes):
     to the score (biases, ALiBi, where/masked_fill with -inf) is evaluated once, at score 0;
     others also at a second score (1, or cap * atanh(1/2) with soft-capping) for a."""
     name = f"score_mod {getattr(score_mod, '__name__', type(score_mod).__name__)}"
-    dep, why, unit, tanh_inputs = _trace(score_mod, 1, name)
+    dep, why, unit, tanh_inputs, relative = _trace(score_mod, 1, name)
     if why is not None:
         raise NotImplementedError(
             f"{name}: not affine in the score ({why}); flashattn evaluates score_mod per block as a*score + c, "
@@ -466,6 +491,8 @@ def _score_coefficients(score_mod, sizes):
     probe = 1.0 if cap is None else cap * math.atanh(0.5)
     per_slope = 1.0 if cap is None else cap * math.tanh(probe / cap)
     shape = tuple(s if dep & (1 << d) else 1 for d, s in enumerate(sizes))
+    if relative and shape[2] > 1 and shape[3] > 1:
+        return _relative_coefficients(score_mod, name, shape, unit, cap, probe, per_slope)
     c = _Coefficient(shape)
     a, a_value = None, (1.0 if unit else None)  # a is stored once some slope differs from the first one
     rows = _row_chunk(sizes, dep, 1 if unit else 2) if dep & 4 else 1
@@ -478,7 +505,7 @@ def _score_coefficients(score_mod, sizes):
             return f.to(torch.float64).reshape(shape[0], shape[1], n, shape[3])
 
         f0, f1 = at_score(0.0), (None if unit else at_score(probe))
-        slope = _check_values(name, f0, f1, q0)
+        slope = _check_values(name, f0, f1, lambda at, q0=q0: (at[0], at[1], at[2] + q0, at[3]))
         if slope is not None and cap is not None:
             slope /= per_slope
         c.put(q0, f0)
@@ -497,6 +524,62 @@ def _score_coefficients(score_mod, sizes):
         a = a.result()
     c = c.result()
     return a, (None if c.numel() == 1 and c.item() == 0.0 else c), (0.0 if cap is None else cap)
+
+
+def _relative_coefficients(score_mod, name, shape, unit, cap, probe, per_slope):
+    """_score_coefficients for a score_mod that _trace showed to read q_idx and kv_idx only
+    through kv_idx - q_idx: evaluated once per diagonal (Sq + Sk - 1 of them per (b, h) it
+    reads), not per element, and held per diagonal."""
+    sq, sk = shape[2], shape[3]
+    diagonals = sq + sk - 1
+    planes = shape[0] * shape[1]
+    c = torch.empty(shape[0], shape[1], 1, diagonals, dtype=torch.float64)
+    a = None if unit else torch.empty_like(c)
+    chunk = max(1, _EVAL_ELEMENTS // (planes * (1 if unit else 2)))
+    for t0 in range(0, diagonals, chunk):
+        n = min(chunk, diagonals - t0)
+        t = torch.arange(t0, t0 + n, dtype=torch.int64)
+        q_idx, kv_idx = (sq - 1 - t).clamp(min=0), (t - (sq - 1)).clamp(min=0)  # each diagonal's first element
+
+        def at_score(x):
+            f = _evaluate_diagonals(score_mod, (torch.tensor(x, dtype=torch.float64),), shape, q_idx, kv_idx, name)
+            if not f.dtype.is_floating_point:
+                raise TypeError(f"{name}: expected a floating result, got dtype {f.dtype}")
+            return f.to(torch.float64).reshape(shape[0], shape[1], 1, n)
+
+        f0, f1 = at_score(0.0), (None if unit else at_score(probe))
+
+        def position(at):
+            return at[0], at[1], int(q_idx[at[3]]), int(kv_idx[at[3]])
+
+        slope = _check_values(name, f0, f1, position)
+        c[..., t0:t0 + n] = f0
+        if slope is not None:
+            a[..., t0:t0 + n] = slope / per_slope if cap is not None else slope
+    if a is not None:
+        lo, hi = torch.aminmax(a)
+        if lo.item() == hi.item():
+            a = None if lo.item() == 1.0 else torch.full((1, 1, 1, 1), lo.item(), dtype=torch.float32)
+        else:
+            a = _compact(a.to(torch.float32))
+    c = _compact(c.to(torch.float32))
+    return a, (None if c.numel() == 1 and c.item() == 0.0 else c), (0.0 if cap is None else cap)
+
+
+def _evaluate_diagonals(fn, prefix, shape, q_idx, kv_idx, mod_name):
+    """fn vmapped over (b, h) — each read one of its size, each unread one of size 1 — and over
+    the pairs (q_idx[t], kv_idx[t]) together, with `prefix` the unbatched leading arguments: a
+    tensor of shape (1 or B, 1 or H, len(q_idx))."""
+    b, h = (torch.arange(n, dtype=torch.int64) if n > 1 else torch.zeros(1, dtype=torch.int64) for n in shape[:2])
+    none = (None,) * len(prefix)
+    f = torch.vmap(fn, in_dims=none + (None, None, 0, 0))
+    f = torch.vmap(f, in_dims=none + (None, 0, None, None))
+    f = torch.vmap(f, in_dims=none + (0, None, None, None))
+    with torch.no_grad():
+        out = f(*prefix, b, h, q_idx, kv_idx)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{mod_name}: expected a tensor result, got {type(out).__name__}")
+    return out
 
 
 def _is_diagonal(x, sq, sk):

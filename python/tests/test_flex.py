@@ -242,8 +242,9 @@ def test_native_reference_applies_the_same_mods(case):
 
 def test_mods_evaluated_per_chunk_of_blocks():
     """Each mod is called a few times per call (once to follow its operations, then once per
-    vmapped chunk of q rows, a score_mod that only adds to the score at score 0, others at 0
-    and 1), never per block or per element."""
+    vmapped chunk of q rows — of diagonals where score_mod reads q_idx and kv_idx only through
+    kv_idx - q_idx —, a score_mod that only adds to the score at score 0, others at 0 and 1),
+    never per block or per element."""
     calls = {"mask": 0, "score": 0}
     bias = torch.randn(600)
 
@@ -265,8 +266,18 @@ def test_mods_evaluated_per_chunk_of_blocks():
         out = flashattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=chunked)
     finally:
         _flex._EVAL_ELEMENTS = _flex_elements
-    assert calls == {"mask": 2 + 1 + 10, "score": 2 + 1 + 5}  # 10 chunks of 32 rows (blocks); 5 of 64
+    # 10 chunks of 32 rows (blocks); the 599 diagonals of score_mod in one chunk of 300 * 64
+    assert calls == {"mask": 2 + 1 + 10, "score": 2 + 1 + 1}
     assert torch.equal(chunked.to_states(), bm.to_states())
+    torch.testing.assert_close(out, flashattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm),
+                               atol=0, rtol=0)
+    _flex._EVAL_ELEMENTS = 100
+    try:
+        calls["score"] = 0
+        out = flashattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm)
+    finally:
+        _flex._EVAL_ELEMENTS = _flex_elements
+    assert calls["score"] == 1 + 6  # the diagonals in 6 chunks of 100
     torch.testing.assert_close(out, flashattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm),
                                atol=0, rtol=0)
     scales = torch.rand(300) + 0.5
@@ -349,6 +360,43 @@ def test_relative_coefficients_are_held_per_diagonal(rows):
                                            msg=f"{name} {label}")
     finally:
         _flex._EVAL_ELEMENTS = saved
+
+
+def test_difference_only_score_mods_are_evaluated_per_diagonal():
+    """_trace takes a score_mod as reading q_idx and kv_idx only through kv_idx - q_idx when every
+    use of them is that difference of the inputs themselves — then it is evaluated once per
+    diagonal, so a wrong "yes" would silently give every element its diagonal's first value —
+    and says no to anything else (a scaled difference, an index changed in place, a view, a
+    second use), which the element-wise evaluation then handles."""
+    table, slopes = torch.randn(80), torch.rand(4)
+
+    def in_place(s, b, h, q, kv):
+        q.mul_(2)
+        return s + (q - kv) * 0.5
+
+    relative = {
+        "table": lambda s, b, h, q, kv: s + table[q - kv + 40],
+        "alibi": lambda s, b, h, q, kv: s - slopes[h] * (q - kv).abs(),
+        "rsub": lambda s, b, h, q, kv: s + torch.rsub(q, kv).float() * 0.1,
+        "two_differences": lambda s, b, h, q, kv: torch.where(kv - q > 4, 2.0 * s, s) + (q - kv) * 0.25,
+    }
+    direct = {
+        "alpha": lambda s, b, h, q, kv: s + torch.sub(kv, q, alpha=2) * 0.5,
+        "in_place": in_place,
+        "view": lambda s, b, h, q, kv: s + (q.view(-1) - kv) * 0.5,
+        "difference_and_q": lambda s, b, h, q, kv: s + (q - kv) * 0.5 + q,
+        "shifted": lambda s, b, h, q, kv: s + ((q + 1) - kv) * 0.5,
+        "q_only": lambda s, b, h, q, kv: s + (q - q) * 0.5 + q,
+        "product": lambda s, b, h, q, kv: s + q * kv * 0.01,
+    }
+    for name, mod in {**relative, **direct}.items():
+        assert _flex._trace(mod, 1, name)[4] == (name in relative), name
+    # An inf on one diagonal is named at that diagonal's first element.
+    with pytest.raises(ValueError, match=r"returned inf .*\(b, h, q_idx, kv_idx\) = \(0, 0, 0, 3\)"):
+        _flex._score_coefficients(lambda s, b, h, q, kv: s + torch.where(kv - q == 3, math.inf, 0.0), (1, 2, 9, 11))
+    with pytest.raises(ValueError, match=r"returned inf .*\(b, h, q_idx, kv_idx\) = \(0, 1, 5, 0\)"):
+        _flex._score_coefficients(lambda s, b, h, q, kv: s + torch.where((kv - q == -5) & (h == 1), math.inf, 0.0),
+                                  (1, 2, 9, 11))
 
 
 @pytest.mark.parametrize("score_mod, op", [
