@@ -8,6 +8,9 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <cmath>
+#include <limits>
+#include <string>
 #include <sstream>
 #include <vector>
 
@@ -419,6 +422,53 @@ TEST(Flex, BadInputNamesTheArgument) {
   o.dbias = dbias.view();
   expect_error([&] { backward(in.dout.view(), in.q.view(), in.k.view(), in.v.view(), fwd.out.view(), fwd.lse.view(), o); },
                {"dbias: not supported with a score_hook"});
+}
+
+// flex::detail::affine_span, the Python FlexAttention hook's step, on every SIMD target against
+// its formula: operands contiguous, broadcast (step 0) and strided (a step of 2, one score at
+// a time), with keep bytes, −∞ scores and spans of every length up to three vectors.
+TEST(Flex, AffineSpanAppliesItsFormulaOnEveryTarget) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const float c_scale = 1.4426950408889634f;
+  std::vector<float> a(96), c(96);
+  std::vector<std::uint8_t> keep(96);
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    a[i] = 0.5f + 0.01f * static_cast<float>(i);
+    c[i] = -1.0f + 0.03f * static_cast<float>(i);
+    keep[i] = static_cast<std::uint8_t>(i % 3 != 1);
+  }
+  test::for_each_simd_target([&](const std::string&) {
+    for (std::int64_t n : {1, 7, 16, 17, 33, 48}) {
+      for (std::int64_t step : {0, 1, 2}) {
+        for (bool with_keep : {false, true}) {
+          std::vector<float> s(static_cast<std::size_t>(n)), grad(s.size());
+          for (std::int64_t k = 0; k < n; ++k) {
+            s[k] = k % 5 == 2 ? kNegInf : 0.25f * static_cast<float>(k) - 3.0f;
+            grad[k] = 1.0f + 0.125f * static_cast<float>(k);
+          }
+          const std::vector<float> s0 = s, grad0 = grad;
+          flex::detail::affine_span(s.data(), grad.data(), n, a.data(), step, c.data(), step, c_scale,
+                                    with_keep ? keep.data() : nullptr, with_keep ? step : 0);
+          for (std::int64_t k = 0; k < n; ++k) {
+            SCOPED_TRACE("n " + std::to_string(n) + " step " + std::to_string(step) + " keep " +
+                         std::to_string(with_keep) + " k " + std::to_string(k));
+            const bool kept = s0[k] != kNegInf && (!with_keep || keep[k * step] != 0);
+            if (!kept) {
+              EXPECT_EQ(s[k], kNegInf);
+              EXPECT_EQ(grad[k], 0.0f);
+              continue;
+            }
+            const double want = static_cast<double>(a[k * step]) * s0[k] + static_cast<double>(c[k * step]) * c_scale;
+            EXPECT_NEAR(s[k], want, 4e-7 * (1.0 + std::fabs(want)));
+            EXPECT_EQ(grad[k], grad0[k] * a[k * step]);
+          }
+        }
+      }
+    }
+    std::vector<float> s{1.0f, kNegInf, 2.0f};  // no coefficients, no bytes: unchanged
+    flex::detail::affine_span(s.data(), nullptr, 3, nullptr, 0, nullptr, 0, c_scale, nullptr, 0);
+    EXPECT_EQ(s, (std::vector<float>{1.0f, kNegInf, 2.0f}));
+  });
 }
 
 }  // namespace

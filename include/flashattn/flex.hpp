@@ -146,6 +146,16 @@ Dual<T> call_with_derivative(const F& f, T s, std::int64_t b, std::int64_t h, st
 // rows of blocks: one indirect call per row, mask_mod inlined inside it.
 void parallel_rows(std::int64_t count, const std::function<void(std::int64_t)>& row);
 
+// A score hook's span for a score_mod evaluated as coefficients, f(s) = a·s + c, and a mask
+// held as bytes (the Python FlexAttention's hook, src/python/module.cpp), on the CPU's widest
+// SIMD target (src/cpu/flex_span.cpp): for k < n, where scores[k] is not −∞ and keep is null
+// or keep[k·keep_step] is non-zero,
+//   scores[k] = a[k·a_step]·scores[k] + c[k·c_step]·c_scale   (a null: 1; c null: 0)
+//   grad[k]  *= a[k·a_step]                                    (grad null: none)
+// and elsewhere scores[k] = −∞, grad[k] = 0. Steps of 0 broadcast one value.
+void affine_span(float* scores, float* grad, std::int64_t n, const float* a, std::int64_t a_step, const float* c,
+                 std::int64_t c_step, float c_scale, const std::uint8_t* keep, std::int64_t keep_step);
+
 }  // namespace detail
 }  // namespace flex
 

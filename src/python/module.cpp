@@ -129,19 +129,9 @@ struct FlexHook {
     return partial_row(b, h, i, j / block_size)[(j % block_size) * partial_blocks.strides[2]] != 0;
   }
 
-  // s[i] += f·c[i·step] for i < n, with the two strides the coefficients have as their own loops.
-  static void add_scaled(float* s, const float* c, std::int64_t step, std::int64_t n, float f) {
-    if (step == 1) {
-      for (std::int64_t i = 0; i < n; ++i) s[i] += f * c[i];
-    } else if (step == 0) {
-      const float v = f * c[0];
-      for (std::int64_t i = 0; i < n; ++i) s[i] += v;
-    } else {
-      for (std::int64_t i = 0; i < n; ++i) s[i] += f * c[i * step];
-    }
-  }
-
-  // ScoreHook::apply: scores in log2 units, so f(s·ln 2)·log2 e = a·s + c·log2 e.
+  // ScoreHook::apply: scores in log2 units, so f(s·ln 2)·log2 e = a·s + c·log2 e; one mask
+  // block at a time (its content row looked up once), each through the library's vectorised
+  // flex::detail::affine_span.
   static void apply(const void* self, const flashattn::ScoreSpan& sp) {
     constexpr float kLog2e = 1.442695040888963407f;
     constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -157,39 +147,28 @@ struct FlexHook {
     const float* c = row(m.score_c);
     const std::int64_t a_step = a != nullptr && m.score_a.shape[3] > 1 ? m.score_a.strides[3] : 0;
     const std::int64_t c_step = c != nullptr && m.score_c.shape[3] > 1 ? m.score_c.strides[3] : 0;
+    float* grad = score ? sp.grad : nullptr;  // mask_mod alone leaves the factors as they are
     for (std::int64_t k = 0; k < sp.n;) {
       const std::int64_t j0 = sp.kv_begin + k;
-      // One block of the mask at a time: its content row is looked up once.
       const std::int64_t end = mask ? std::min(sp.n, k + m.block_size - j0 % m.block_size) : sp.n;
       const std::uint8_t* bits = nullptr;  // a partial block's content row; null: the block's state decides
-      bool block_keeps = true;
+      const std::int64_t bits_step = m.partial_blocks.strides[2];
       if (mask) {
-        const flashattn::ScoreBlock s = m.state(sp.batch, sp.head, sp.q_idx / m.block_size, j0 / m.block_size);
-        block_keeps = s == flashattn::ScoreBlock::full;
-        if (s == flashattn::ScoreBlock::partial) bits = m.partial_row(sp.batch, sp.head, sp.q_idx, j0 / m.block_size);
-      }
-      if (bits == nullptr && block_keeps && a == nullptr) {
-        // Every key kept and d/d score = 1 (biases, ALiBi): c added, vectorisable; −∞ + c stays −∞.
-        if (c != nullptr) add_scaled(sp.scores + k, c + k * c_step, c_step, end - k, kLog2e);
-        k = end;
-        continue;
-      }
-      for (; k < end; ++k) {
-        bool keep = sp.scores[k] != kNegInf;
-        if (mask)
-          keep = keep && (bits != nullptr ? bits[((sp.kv_begin + k) % m.block_size) * m.partial_blocks.strides[2]] != 0
-                                          : block_keeps);
-        if (!keep) {
-          sp.scores[k] = kNegInf;
-          if (sp.grad != nullptr && score) sp.grad[k] = 0.0f;
+        const flashattn::ScoreBlock state = m.state(sp.batch, sp.head, sp.q_idx / m.block_size, j0 / m.block_size);
+        if (state == flashattn::ScoreBlock::empty) {
+          std::fill(sp.scores + k, sp.scores + end, kNegInf);
+          if (grad != nullptr) std::fill(grad + k, grad + end, 0.0f);
+          k = end;
           continue;
         }
-        if (score) {
-          const float ak = a != nullptr ? a[k * a_step] : 1.0f;
-          sp.scores[k] = ak * sp.scores[k] + (c != nullptr ? c[k * c_step] * kLog2e : 0.0f);
-          if (sp.grad != nullptr) sp.grad[k] *= ak;
-        }
+        if (state == flashattn::ScoreBlock::partial)
+          bits = m.partial_row(sp.batch, sp.head, sp.q_idx, j0 / m.block_size) + (j0 % m.block_size) * bits_step;
       }
+      if (score || bits != nullptr)
+        flashattn::flex::detail::affine_span(sp.scores + k, grad != nullptr ? grad + k : nullptr, end - k,
+                                             a != nullptr ? a + k * a_step : nullptr, a_step,
+                                             c != nullptr ? c + k * c_step : nullptr, c_step, kLog2e, bits, bits_step);
+      k = end;
     }
   }
 
