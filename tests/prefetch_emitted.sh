@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The narrow decode kernels' L2 prefetches are in the machine code: GCC 12 emitted none for
-# __builtin_prefetch (nor, reached through an inline function, for _mm_prefetch) in these
-# baseline-ISA files, which halved decode_fp16 once without any test noticing
-# (docs/performance.md, twenty-first session). Arguments: the flashattn_cpu objects.
+# The kernels' software prefetches are in the machine code. GCC drops a call to a function
+# whose only effect is a prefetch (its IPA sees no side effect) unless it was inlined first:
+# that halved decode_fp16 once, and left the tiled forward's attn_mask prefetch out, without
+# any test noticing (docs/performance.md, twenty-first and twenty-second sessions). Checked:
+# the narrow decode kernels' prefetcht1 per code format, and in the tiled forward, on every
+# SIMD target, the five row prefetches (K, V, Q, output, attn_mask) of each kernel.
+# Arguments: the flashattn_cpu objects.
 set -euo pipefail
 case "$(uname -m)" in x86_64 | i?86) ;; *) echo "not x86: the prefetch is __builtin_prefetch there"; exit 0 ;; esac
 command -v objdump > /dev/null || { echo "objdump missing (binutils)" >&2; exit 1; }
@@ -23,6 +26,21 @@ for object in "$@"; do
         exit 1
       fi
       checked=$((checked + 1)) ;;
+    *tiled_forward.cpp.o)
+      # Prefetch instructions per SIMD target (N_<target> namespaces); AVX3 has both kernels.
+      counts=$(objdump -dC --no-show-raw-insn "$object" |
+        awk '/^[0-9a-f]+ </ { t = $0; sub(/.*flashattn::cpu::N_/, "", t); sub(/::.*/, "", t) }
+             /prefetch/ { n[t]++ } END { for (t in n) print t, n[t] }')
+      echo "$(basename "$object"):" $counts
+      while read -r target count; do
+        want=5
+        case "$target" in AVX3*) want=10 ;; esac
+        if [ "$count" -lt "$want" ]; then
+          echo "$(basename "$object"): $target has $count prefetches, expected $want (K, V, Q, output, attn_mask rows)" >&2
+          exit 1
+        fi
+      done <<< "$counts"
+      checked=$((checked + 1)) ;;
   esac
 done
-[ "$checked" -eq 2 ] || { echo "found $checked of the two narrow decode objects in: $*" >&2; exit 1; }
+[ "$checked" -eq 3 ] || { echo "found $checked of the three checked objects in: $*" >&2; exit 1; }

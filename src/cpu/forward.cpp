@@ -85,8 +85,8 @@ void run_region(std::span<const detail::ForwardJob> live, std::span<PlannedJob> 
                 const AttentionOptions& options, std::span<const detail::StateMerge> merges = {}) {
   cpu::ForwardLayout layout(planned[0].plan, live[0].problem);
   for (std::size_t j = 1; j < live.size(); ++j) layout.widen(cpu::ForwardLayout(planned[j].plan, live[j].problem));
-  // The items of one (batch, kv head) are consecutive and share its packed K/V (tiled
-  // kernel). A thread that takes single items packs every kv head it touches (with 2
+  // The items of one (batch, kv head) are consecutive and share its packed K/V (the tiled
+  // kernels). A thread that takes single items packs every kv head it touches (with 2
   // threads, each head twice); so the groups that divide evenly among the threads go out
   // whole, each packed once, and only the remaining groups go out item by item, which
   // keeps the threads balanced.
@@ -98,7 +98,7 @@ void run_region(std::span<const detail::ForwardJob> live, std::span<PlannedJob> 
   for (std::size_t j = 0; j < live.size(); ++j) {
     const AttentionProblem& p = live[j].problem;
     const CpuForwardPlan& plan = planned[j].plan;
-    const std::int64_t groups = plan.kernel == ForwardKernel::tiled ? p.batch * p.heads_kv : 0;
+    const std::int64_t groups = is_decode(plan.kernel) ? 0 : p.batch * p.heads_kv;
     const std::int64_t whole_groups = groups / plan.threads * plan.threads;
     const std::int64_t group_items = groups > 0 ? forward_items_per_kv_head(p, plan.schedule()) : 1;
     units.push_back({whole_groups, group_items});

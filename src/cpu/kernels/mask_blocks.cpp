@@ -46,6 +46,17 @@ DenseMaskSummary::DenseMaskSummary(const TensorView& mask, std::int64_t seqlen_q
     std::uint8_t* __restrict low = lowest.data();
     std::uint8_t* __restrict high = highest.data();
     const std::int64_t n = cols, row_stride = mask.strides[2];
+    // Every column block partial after the block's first row — a bias with a finite value in
+    // each, a boolean mask with both values in each (a random mask's usual case) — settles
+    // the row block: its other rows are not read.
+    const auto all_partial = [&] {
+      for (std::int64_t c0 = 0; c0 < cols; c0 += b.block_cols) {
+        const std::int64_t c1 = std::min(cols, c0 + b.block_cols);
+        if (*std::max_element(high + c0, high + c1) == 0) return false;
+        if (boolean && *std::min_element(low + c0, low + c1) != 0) return false;
+      }
+      return true;
+    };
     for (std::int64_t i = rb * b.block_rows; i < row_end; ++i) {
       const std::uint8_t* row = m + (base + i * row_stride) * element;
       switch (mask.dtype) {
@@ -59,6 +70,7 @@ DenseMaskSummary::DenseMaskSummary(const TensorView& mask, std::int64_t seqlen_q
         case DType::bf16: OrNotMinusInfinity<std::uint16_t>(row, n, 0xFF80u, high); break;
         default: OrNotMinusInfinity<std::uint16_t>(row, n, 0xFC00u, high); break;  // f16
       }
+      if (i == rb * b.block_rows && i + 1 < row_end && all_partial()) break;
     }
     std::uint8_t* states = states_.data() + item * b.col_blocks;
     for (std::int64_t cb = 0; cb < b.col_blocks; ++cb) {
