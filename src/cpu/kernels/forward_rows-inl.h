@@ -30,10 +30,11 @@ namespace hn = hwy::HWY_NAMESPACE;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // The mask step: the variants (softcap, ALiBi) of one score row of query i, keys j0.. (n of
-// them, cols with padding), and −∞ at every key the row may not see (score_mods-inl.h).
+// them, cols with padding), and −∞ at every key the row may not see (score_mods-inl.h);
+// score_scale ≠ 1: the row is unscaled and its bias step scales it (RowMods::only_adds_bias).
 HWY_INLINE void MaskRow(const RowMods& mods, float* HWY_RESTRICT srow, std::int64_t i, std::int64_t j0, std::int64_t n,
-                        std::int64_t cols) {
-  mods.apply(srow, nullptr, i, j0, n, cols);
+                        std::int64_t cols, float score_scale = 1.0f) {
+  mods.apply(srow, nullptr, i, j0, n, cols, score_scale);
 }
 
 // P = 2^(c·S − m) of columns [from, to) with one of the exp2 implementations, one rounding

@@ -143,6 +143,14 @@ struct RowMods {
            (attn_mask == nullptr || problem->attn_mask == AttentionProblem::MaskKind::boolean);
   }
 
+  // Is the only change apply() makes to a visible score the addition of a bias read per key
+  // (a float attn_mask whose summary makes every block it does not hide partial)? Then the
+  // products may leave S unscaled and apply() scale it as it adds the bias (score_scale).
+  bool only_adds_bias() const {
+    return softcap2 == 0.0f && !alibi && hook == nullptr && problem->attn_mask == AttentionProblem::MaskKind::bias &&
+           mask_col_stride != 0 && mask_blocks != nullptr;
+  }
+
   // Does a backward pass need d(score)/d(scaled score) from apply()? (softcap's tanh, score_mod)
   bool needs_grad() const { return softcap2 > 0.0f || (hook != nullptr && hook->score != nullptr); }
 
@@ -184,19 +192,23 @@ struct RowMods {
   // attn_mask on columns [lo, hi) of row i (keys j0 + c), one span per block of
   // its summary: an empty block's keys hidden without reading the mask, a full block's
   // left as they are, a partial block's read (apply_dense_mask).
-  void apply_mask_blocks(float* HWY_RESTRICT s, std::int64_t i, std::int64_t j0, std::int64_t lo,
-                         std::int64_t hi) const {
+  void apply_mask_blocks(float* HWY_RESTRICT s, std::int64_t i, std::int64_t j0, std::int64_t lo, std::int64_t hi,
+                         float score_scale = 1.0f) const {
     constexpr float kNegInf = -std::numeric_limits<float>::infinity();
     const DenseMaskBlocks& m = *mask_blocks;
     if (lo >= hi) return;
     // The row's states, walked block by block (one division per row, not two per block).
     std::int64_t block = (j0 + lo) / m.block_cols;
     const std::uint8_t* states = m.states + mask_blocks_plane + i / m.block_rows * m.col_blocks;
-    for (std::int64_t c = lo; c < hi; ++block) {
-      const std::int64_t end = std::min(hi, (block + 1) * m.block_cols - j0);
+    for (std::int64_t c = lo; c < hi;) {
+      // A run of blocks in one state at a time: one read of the mask for consecutive partial
+      // blocks (a bias's are all partial).
       const auto state = static_cast<ScoreBlock>(states[block]);
+      std::int64_t end = std::min(hi, (block + 1) * m.block_cols - j0);
+      for (++block; end < hi && static_cast<ScoreBlock>(states[block]) == state; ++block)
+        end = std::min(hi, (block + 1) * m.block_cols - j0);
       if (state == ScoreBlock::empty) std::fill(s + c, s + end, kNegInf);
-      else if (state == ScoreBlock::partial) apply_dense_mask(s, i, j0, c, end);
+      else if (state == ScoreBlock::partial) apply_dense_mask(s, i, j0, c, end, score_scale);
       c = end;
     }
   }
@@ -227,7 +239,10 @@ struct RowMods {
   // bias (in log2 units, as the scores) or sets the hidden scores to −∞. The row's entries
   // are contiguous (attn_mask's last dim is) or one value (a size-1 key dim): whole vectors
   // are loaded and widened to float32 (u8 to u32, bf16 and f16 promoted), the tail by element.
-  void apply_dense_mask(float* HWY_RESTRICT s, std::int64_t i, std::int64_t j0, std::int64_t lo, std::int64_t hi) const {
+  // A bias with score_scale ≠ 1 (only_adds_bias) takes scores not yet scaled: s·score_scale +
+  // bias·log2e.
+  void apply_dense_mask(float* HWY_RESTRICT s, std::int64_t i, std::int64_t j0, std::int64_t lo, std::int64_t hi,
+                        float score_scale = 1.0f) const {
     using DF = hn::ScalableTag<float>;
     const DF df;
     const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(df));
@@ -248,6 +263,12 @@ struct RowMods {
     // s += bias·log2e over whole vectors; load(c) gives the bias of columns c.. as float32.
     const auto bias_loop = [&](auto load) {
       const auto log2e = hn::Set(df, kLog2e);
+      if (score_scale != 1.0f) {
+        const auto scale = hn::Set(df, score_scale);
+        for (; c + lanes <= hi; c += lanes)
+          hn::StoreU(hn::MulAdd(hn::LoadU(df, s + c), scale, hn::Mul(load(c), log2e)), df, s + c);
+        return;
+      }
       for (; c + lanes <= hi; c += lanes) hn::StoreU(hn::MulAdd(load(c), log2e, hn::LoadU(df, s + c)), df, s + c);
     };
     switch (attn_mask->dtype) {
@@ -282,14 +303,22 @@ struct RowMods {
         break;
       }
     }
-    for (; c < hi; ++c) s[c] += detail::load_element(*attn_mask, first + c) * kLog2e;
+    const hn::CappedTag<float, 1> d1;  // the tail by the vectors' formula
+    for (; c < hi; ++c) {
+      const float bias = detail::load_element(*attn_mask, first + c);
+      s[c] = score_scale != 1.0f
+                 ? hn::GetLane(hn::MulAdd(hn::Set(d1, s[c]), hn::Set(d1, score_scale), hn::Set(d1, bias * kLog2e)))
+                 : hn::GetLane(hn::MulAdd(hn::Set(d1, bias), hn::Set(d1, kLog2e), hn::Set(d1, s[c])));
+    }
   }
 
   // One score row of a tile: columns [0, cols) hold keys j0 + c. Applies softcap and
   // ALiBi in place and sets every score that row i may not see to −∞. With `grad`, also
   // stores d(capped)/d(raw) = 1 − tanh² for the backward pass.
+  // score_scale ≠ 1 only where only_adds_bias(): the scores come unscaled, and the bias step
+  // scales them.
   void apply(float* HWY_RESTRICT s, float* HWY_RESTRICT grad, std::int64_t i, std::int64_t j0,
-             std::int64_t n, std::int64_t cols) const {
+             std::int64_t n, std::int64_t cols, float score_scale = 1.0f) const {
     const AttentionProblem& p = *problem;
     using DF = hn::ScalableTag<float>;
     const DF df;
@@ -319,8 +348,8 @@ struct RowMods {
     const std::int64_t hi = std::clamp<std::int64_t>(r.end - j0, lo, n);
     std::fill(s, s + lo, kNegInf);
     std::fill(s + hi, s + cols, kNegInf);
-    if (mask_blocks != nullptr) apply_mask_blocks(s, i, j0, lo, hi);
-    else if (attn_mask != nullptr) apply_dense_mask(s, i, j0, lo, hi);
+    if (mask_blocks != nullptr) apply_mask_blocks(s, i, j0, lo, hi, score_scale);
+    else if (attn_mask != nullptr) apply_dense_mask(s, i, j0, lo, hi, score_scale);
     if (block_mask != nullptr) {
       const std::int64_t bs = p.block_mask_block_size;
       for (std::int64_t c = lo; c < hi;) {

@@ -360,6 +360,9 @@ void TiledItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item
   // (score_scale of SoftmaxRow) — one multiply-add where a pass over S would be.
   const float scale = p.softmax_scale * OnlineSoftmaxState::kLog2e;
   const bool softmax_scales = Products::kMayLeaveScoresUnscaled && mods.only_hides() && scale > 0.0f;
+  // Or, where the mask step's only change to a score is a bias it reads per key, by the mask
+  // step as it adds the bias (RowMods::only_adds_bias): s·scale + bias·log2e, one pass.
+  const bool mask_scales = Products::kMayLeaveScoresUnscaled && !softmax_scales && mods.only_adds_bias();
 
   Products::Pack(prm, ws, b, kv_head, key_begin, key_end);
   for (std::int64_t e = 0; e < heads; ++e) Products::LoadQ(prm, ws, b, h0 + e, i0, rows, head_rows_pad, e * head_rows_pad);
@@ -381,12 +384,12 @@ void TiledItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item
     StripKeys* keys = ws.strip_keys.data();  // (strips)
     FindStripKeys(p, mods, i0, head_strips, j0, n, keys);
     for (std::int64_t e = 1; e < heads; ++e) std::copy(keys, keys + head_strips, keys + e * head_strips);
-    Products::Scores(prm, ws, j0, keys, strips, n_pad, softmax_scales ? 1.0f : scale);
+    Products::Scores(prm, ws, j0, keys, strips, n_pad, softmax_scales || mask_scales ? 1.0f : scale);
     // Row by row, while the row is in L1: the mask step, then the online-softmax update.
     ForEachSpanRow(p, i0, rows_pad, head_rows_pad, j0, n, keys, [&](std::int64_t r, std::int64_t i, std::int64_t j,
                                                                     std::int64_t n_r, std::int64_t cols) {
       float* srow = s_tile + r * bc + (j - j0);
-      MaskRow(mods, srow, i, j, n_r, cols);
+      MaskRow(mods, srow, i, j, n_r, cols, mask_scales ? scale : 1.0f);
       if (prm.switches.software_prefetch) mods.prefetch_dense_mask(i, j0 + bc, std::min(j0 + 2 * bc, key_end));
       SoftmaxRow(mods, srow, i, j, cols, state[r], o_acc + r * dv_pad, dv_pad, rescales[r], deferred,
                  softmax_scales ? scale : 1.0f);
