@@ -1,8 +1,44 @@
-#include "src/cpu/kernels/mask_blocks.hpp"
+// DenseMaskSummary (mask_blocks.hpp): one pass over attn_mask, its boolean rows' running
+// minimum and maximum on the CPU's widest SIMD target (foreach_target, dispatched once per call).
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "src/cpu/kernels/mask_blocks.cpp"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+
+#include <hwy/highway.h>
 
 #include <algorithm>
+#include <cstdint>
+
+HWY_BEFORE_NAMESPACE();
+namespace flashattn::cpu::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+// low[c] = min(low[c], row[c]), high[c] = max(high[c], row[c]) for c < n.
+void MinMaxBytes(const std::uint8_t* HWY_RESTRICT row, std::int64_t n, std::uint8_t* HWY_RESTRICT low,
+                 std::uint8_t* HWY_RESTRICT high) {
+  const hn::ScalableTag<std::uint8_t> d;
+  const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
+  std::int64_t c = 0;
+  for (; c + lanes <= n; c += lanes) {
+    const auto v = hn::LoadU(d, row + c);
+    hn::StoreU(hn::Min(hn::LoadU(d, low + c), v), d, low + c);
+    hn::StoreU(hn::Max(hn::LoadU(d, high + c), v), d, high + c);
+  }
+  for (; c < n; ++c) {
+    low[c] = std::min(low[c], row[c]);
+    high[c] = std::max(high[c], row[c]);
+  }
+}
+
+}  // namespace flashattn::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+#include "src/cpu/kernels/mask_blocks.hpp"
 
 namespace flashattn::cpu {
+
+HWY_EXPORT(MinMaxBytes);
 
 namespace {
 
@@ -31,8 +67,10 @@ DenseMaskSummary::DenseMaskSummary(const TensorView& mask, std::int64_t seqlen_q
   states_.resize(static_cast<std::size_t>(planes * b.row_blocks * b.col_blocks));
   const auto* m = static_cast<const std::uint8_t*>(mask.data);
   const std::int64_t element = static_cast<std::int64_t>(dtype_size(mask.dtype));
-  // One (plane, row block) per iteration: element-wise over its rows (whole rows, which the
-  // compiler vectorises: the last dim is contiguous where it is longer than 1), then one
+  const auto min_max = HWY_DYNAMIC_DISPATCH(MinMaxBytes);
+  // One (plane, row block) per iteration: element-wise over its rows (whole rows, the last
+  // dim contiguous where it is longer than 1; a boolean mask's on the widest SIMD target,
+  // a bias's vectorised by the compiler), then one
   // reduction per column block. A boolean mask's block is empty where its largest entry is
   // 0, full where its smallest is not; a bias's is empty where every entry is −∞, else
   // partial (its values are still to be added).
@@ -60,12 +98,7 @@ DenseMaskSummary::DenseMaskSummary(const TensorView& mask, std::int64_t seqlen_q
     for (std::int64_t i = rb * b.block_rows; i < row_end; ++i) {
       const std::uint8_t* row = m + (base + i * row_stride) * element;
       switch (mask.dtype) {
-        case DType::u8:
-          for (std::int64_t c = 0; c < n; ++c) {
-            low[c] = std::min(low[c], row[c]);
-            high[c] = std::max(high[c], row[c]);
-          }
-          break;
+        case DType::u8: min_max(row, n, low, high); break;
         case DType::f32: OrNotMinusInfinity<std::uint32_t>(row, n, 0xFF800000u, high); break;
         case DType::bf16: OrNotMinusInfinity<std::uint16_t>(row, n, 0xFF80u, high); break;
         default: OrNotMinusInfinity<std::uint16_t>(row, n, 0xFC00u, high); break;  // f16
@@ -85,3 +118,4 @@ DenseMaskSummary::DenseMaskSummary(const TensorView& mask, std::int64_t seqlen_q
 }
 
 }  // namespace flashattn::cpu
+#endif  // HWY_ONCE
