@@ -71,9 +71,11 @@ struct Fetch {
   std::int64_t count, k_bytes, v_bytes, v_head;
 };
 
-// The cache line at p into L2: the instruction itself on x86, because GCC 12 silently emits
-// nothing for __builtin_prefetch — and here for _mm_prefetch too — in code compiled for the
-// baseline x86-64 ISA, as these files are (it cost decode_fp16 half its speed once).
+// The cache line at p into L2: the instruction itself on x86 (asm volatile, an effect the
+// compiler keeps), because GCC drops a call to a function whose only effect is
+// __builtin_prefetch or _mm_prefetch — its IPA sees no side effect — unless it inlined the
+// call first, and PrefetchHead below is such a function (it cost decode_fp16 half its speed
+// once; tests/prefetch_emitted.sh checks the objects).
 inline void FetchLineToL2(const unsigned char* p) {
 #if defined(__x86_64__) || defined(__i386__)
   asm volatile("prefetcht1 %0" : : "m"(*p));
