@@ -153,12 +153,16 @@ static void StoreOutputRow(const ForwardParams& prm, ForwardWorkspace& ws, std::
       final_state.lse();
 }
 
-// A work item's rows start over: õ zero, softmax state empty, no rescales; `rows` rows of
-// ldo floats.
-HWY_INLINE void ResetRows(ForwardWorkspace& ws, std::int64_t rows, std::int64_t ldo) {
-  std::fill(ws.o_acc.get(), ws.o_acc.get() + rows * ldo, 0.0f);
+// A work item's rows start over: softmax state empty, no rescales.
+HWY_INLINE void ResetStates(ForwardWorkspace& ws, std::int64_t rows) {
   std::fill(ws.states.data(), ws.states.data() + rows, OnlineSoftmaxState{});
   std::fill(ws.rescales.data(), ws.rescales.data() + rows, 0);
+}
+
+// ResetStates and õ zero; `rows` rows of ldo floats.
+HWY_INLINE void ResetRows(ForwardWorkspace& ws, std::int64_t rows, std::int64_t ldo) {
+  std::fill(ws.o_acc.get(), ws.o_acc.get() + rows * ldo, 0.0f);
+  ResetStates(ws, rows);
 }
 
 // The counts of `tiles` computed tiles of `rows` query rows against n keys (counters.hpp):

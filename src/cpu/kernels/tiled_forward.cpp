@@ -101,6 +101,14 @@ HWY_INLINE void AccumulateTile(const StripKeys* HWY_RESTRICT keys, std::int64_t 
       if (keys[s].begin != keys[s].end) micro(s, c, keys[s]);
 }
 
+// A work item's õ is not zeroed first: each row strip's first P·V stores its product, and
+// later ones add to it (ws.strip_fresh, set per item by TiledItem). The strips of this tile
+// with keys to compute have been written.
+HWY_INLINE void StripsWritten(ForwardWorkspace& ws, const StripKeys* HWY_RESTRICT keys, std::int64_t strips) {
+  for (std::int64_t s = 0; s < strips; ++s)
+    if (keys[s].begin != keys[s].end) ws.strip_fresh[static_cast<std::size_t>(s)] = 0;
+}
+
 // The tiled kernel's two products on float32 FMAs (MicroTile): K and V converted to float32
 // at packing (quantized caches' codes dequantized), Q pre-scaled by softmax_scale·log2e as it is loaded.
 struct Fp32Products {
@@ -176,17 +184,24 @@ struct Fp32Products {
   // in place.
   static void FinishRow(ForwardWorkspace&, std::int64_t, std::int64_t, std::int64_t, std::int64_t) {}
 
-  // õ += P·V(keys j0..), P in place in the S tile.
+  // õ += P·V(keys j0..), P in place in the S tile; a fresh strip's õ = P·V (StripFresh).
   static void Accumulate(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t j0, const StripKeys* keys,
                          std::int64_t strips) {
     const std::int64_t bc = prm.plan.block_k, dv_pad = prm.plan.head_dim_v_padded;
     const float* s_tile = ws.s_tile.get();
     const float* v_tile = ws.v_packed.get() + j0 * dv_pad;
     float* o_acc = ws.o_acc.get();
+    const std::uint8_t* fresh = ws.strip_fresh.data();
     AccumulateTile(keys, strips, dv_pad, [&](std::int64_t s, std::int64_t c, StripKeys k) {
-      MicroTile<true>({s_tile + s * kMicroRows * bc + k.begin, bc}, v_tile + c / kMicroCols * bc * kMicroCols + k.begin * kMicroCols,
-                      kMicroCols, o_acc + s * kMicroRows * dv_pad + c, dv_pad, k.end - k.begin);
+      const MatA p_rows{s_tile + s * kMicroRows * bc + k.begin, bc};
+      const float* v_panel = v_tile + c / kMicroCols * bc * kMicroCols + k.begin * kMicroCols;
+      float* o = o_acc + s * kMicroRows * dv_pad + c;
+      if (fresh[s])
+        MicroTile<false>(p_rows, v_panel, kMicroCols, o, dv_pad, k.end - k.begin);
+      else
+        MicroTile<true>(p_rows, v_panel, kMicroCols, o, dv_pad, k.end - k.begin);
     });
+    StripsWritten(ws, keys, strips);
   }
 };
 
@@ -249,7 +264,9 @@ struct Bf16Products {
   }
 
   // Rows [at, at + rows) of the bf16 Q tile from queries i0.. of head h, as stored
-  // (head_dim padded to even with a zero); rows up to at + rows_pad zero.
+  // (head_dim padded to even with a zero); rows up to at + rows_pad zero. (Read in place
+  // instead, from the caller's rows, the products ran 5% slower at S = 128: each tile load
+  // then gathers 16 rows from 16 pages, once per key panel.)
   static void LoadQ(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t b, std::int64_t h, std::int64_t i0,
                     std::int64_t rows, std::int64_t rows_pad, std::int64_t at) {
     const std::int64_t d = prm.problem.head_dim, d_even = EvenHeadDim(prm);
@@ -307,29 +324,40 @@ struct Bf16Products {
     bf16dot::RoundToBf16(ws.s_tile.get() + r * bc + at, ws.p_bf16.get() + r * bc + at, cols);
   }
 
-  // õ += P·V(keys j0..), P in the bf16 P tile (FinishRow).
+  // õ += P·V(keys j0..), P in the bf16 P tile (FinishRow); a fresh strip's õ = P·V
+  // (StripFresh): on AMX blocks of four strips, stored where all four are fresh.
   static void Accumulate(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t j0, const StripKeys* keys,
                          std::int64_t strips) {
     const std::int64_t bc = prm.plan.block_k, dv_pad = prm.plan.head_dim_v_padded;
     const std::uint16_t* p_tile = ws.p_bf16.get();  // (rows_pad, bc)
     const std::uint16_t* v_tile = ws.v_pairs.get() + j0 * dv_pad;
     const std::int64_t panel_stride = bc * kMicroCols;
+    const std::uint8_t* fresh = ws.strip_fresh.data();
     for (std::int64_t s0 = 0; s0 < strips; s0 += kBlockStrips) {  // as in Scores
       const std::int64_t group = std::min(kBlockStrips, strips - s0);
       const std::uint16_t* p_rows = p_tile + s0 * kMicroRows * bc;
       float* o_acc = ws.o_acc.get() + s0 * kMicroRows * dv_pad;
       if (SharedSpan(keys + s0, group)) {
         const StripKeys k = keys[s0];
+        const bool store = std::all_of(fresh + s0, fresh + s0 + group, [](std::uint8_t f) { return f != 0; });
+        if (!store)  // some strips fresh, some not: the fresh ones' õ zeroed, then all added to
+          for (std::int64_t s = s0; s < s0 + group; ++s)
+            if (fresh[s]) std::fill(o_acc + (s - s0) * kMicroRows * dv_pad, o_acc + (s - s0 + 1) * kMicroRows * dv_pad, 0.0f);
         bf16dot::DotBlock(p_rows + k.begin, bc, v_tile + k.begin * kMicroCols, panel_stride, bf16dot::kPairStep,
-                          (k.end - k.begin) / 2, 1.0f, true, o_acc, dv_pad, kBlockStrips * kMicroRows, dv_pad);
+                          (k.end - k.begin) / 2, 1.0f, !store, o_acc, dv_pad, kBlockStrips * kMicroRows, dv_pad);
         continue;
       }
       AccumulateTile(keys + s0, group, dv_pad, [&](std::int64_t s, std::int64_t c, StripKeys k) {
-        bf16dot::DotAccumulate(p_rows + s * kMicroRows * bc + k.begin, bc,
-                               v_tile + c / kMicroCols * panel_stride + k.begin * kMicroCols, (k.end - k.begin) / 2,
-                               o_acc + s * kMicroRows * dv_pad + c, dv_pad);
+        const std::uint16_t* p = p_rows + s * kMicroRows * bc + k.begin;
+        const std::uint16_t* v = v_tile + c / kMicroCols * panel_stride + k.begin * kMicroCols;
+        float* o = o_acc + s * kMicroRows * dv_pad + c;
+        if (fresh[s0 + s])
+          bf16dot::DotStore(p, bc, v, (k.end - k.begin) / 2, 1.0f, o, dv_pad);
+        else
+          bf16dot::DotAccumulate(p, bc, v, (k.end - k.begin) / 2, o, dv_pad);
       });
     }
+    StripsWritten(ws, keys, strips);
   }
 };
 #endif
@@ -368,12 +396,16 @@ void TiledItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item
   for (std::int64_t e = 0; e < heads; ++e) Products::LoadQ(prm, ws, b, h0 + e, i0, rows, head_rows_pad, e * head_rows_pad);
   ws.counters.q_read += heads * rows * d;
 
-  ResetRows(ws, rows_pad, dv_pad);  // õ (rows_pad, dv_pad), softmax state and rescales
   float* s_tile = ws.s_tile.get();  // (rows_pad, bc)
-  float* o_acc = ws.o_acc.get();
+  float* o_acc = ws.o_acc.get();      // (rows_pad, dv_pad)
   OnlineSoftmaxState* state = ws.states.data();
   std::int32_t* rescales = ws.rescales.data();
   const bool deferred = prm.switches.deferred_normalization;
+  // õ written by each strip's first P·V (StripsWritten) — except where the softmax rescales
+  // it at every tile (FlashAttention-1's normalization, the switch off): zeroed.
+  ResetStates(ws, rows_pad);
+  std::fill(ws.strip_fresh.begin(), ws.strip_fresh.begin() + strips, static_cast<std::uint8_t>(deferred));
+  if (!deferred) std::fill(o_acc, o_acc + rows_pad * dv_pad, 0.0f);
 
   for (std::int64_t j0 = w.first_block; j0 < key_end; j0 += bc) {
     const std::int64_t n = std::min(bc, key_end - j0);
@@ -399,7 +431,11 @@ void TiledItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item
   }
 
   // Epilogue: normalize once (deferred normalization) and store lse — a split's partial
-  // result goes to the float32 buffers that merge_attention_states combines.
+  // result goes to the float32 buffers that merge_attention_states combines. Strips that saw
+  // no key have õ zero.
+  for (std::int64_t s = 0; s < strips; ++s)
+    if (ws.strip_fresh[static_cast<std::size_t>(s)])
+      std::fill(o_acc + s * kMicroRows * dv_pad, o_acc + (s + 1) * kMicroRows * dv_pad, 0.0f);
   const std::int64_t out_bytes = p.head_dim_v * static_cast<std::int64_t>(dtype_size(prm.out.dtype));
   for (std::int64_t e = 0; e < heads; ++e) {
     for (std::int64_t r = 0; r < rows; ++r) {

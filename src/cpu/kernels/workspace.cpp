@@ -92,6 +92,7 @@ ForwardWorkspace::ForwardWorkspace(const ForwardLayout& l) : layout(l) {
   states.resize(l.rows);
   rescales.resize(l.rows);
   strip_keys.resize(l.strips);
+  strip_fresh.resize(l.strips);
   if (l.q_bf16 > 0) {
     q_bf16 = allocate_array<std::uint16_t>(l.q_bf16);
     p_bf16 = allocate_array<std::uint16_t>(l.p_bf16);

@@ -106,6 +106,9 @@ struct ForwardWorkspace {
   std::vector<OnlineSoftmaxState> states;  // (rows): m and ℓ of each row
   std::vector<std::int32_t> rescales;      // (rows): rescales of each row (counters, rescale_counts)
   std::vector<StripKeys> strip_keys;       // (block_q / micro_rows): each row strip's span of the current tile
+  // (tiled) per row strip, whether no product has written its õ rows yet: its first P·V
+  // stores instead of adding to zeros (no fill of õ per work item).
+  std::vector<std::uint8_t> strip_fresh;
   // (tiled_bf16) bf16 operands of the VDPBF16PS micro-kernel (bf16_dot.hpp), all with pairs
   // along the products' depth: Q rows unscaled, head_dim rounded up to even (q_bf16, block_q
   // rows); P rounded, (block_q, block_k); k tiles of K, each as panels of kMicroCols keys,
