@@ -108,15 +108,21 @@ FLASHATTN_AMX_TARGET void ConfigureTiles(Tiles tiles) {
   }
   if (tiles == Tiles::kMicro)
     for (int t = 5; t < 8; ++t) config.bytes_per_row[t] = 0;
+  // GCC 12 takes LDTILECFG to read only the first byte of its operand: where the stores
+  // above are constants (ConfigureTiles inlined with its argument known), it drops all but
+  // the palette's, and the tiles come out unconfigured (SIGILL at the first tile
+  // instruction). The empty asm reads the whole configuration first.
+  asm volatile("" : : "m"(config));
   _tile_loadconfig(&config);
   loaded = scope_depth > 0 ? tiles : Tiles::kNone;
 }
 
-// C(32 × 32) (+)= A·B over `chunks` · kAmxPairs depth pairs.
+// C(32 × 32) (+)= A·B over `chunks` · kAmxPairs depth pairs, the tiles configured as
+// Tiles::kBlock by the caller (once per DotBlock: the configuration's check reads two
+// thread-locals, a __tls_get_addr call each in the Python module).
 template <bool kAccumulate>
 FLASHATTN_AMX_TARGET void AmxBlock(const std::uint16_t* a, std::int64_t lda, const std::uint16_t* b,
                                    std::int64_t b_step, std::int64_t chunks, float* c, std::int64_t ldc) {
-  ConfigureTiles(Tiles::kBlock);
   const long c_stride = static_cast<long>(ldc * sizeof(float));
   float* c16 = c + 16 * ldc;
   if (kAccumulate) {
@@ -174,6 +180,10 @@ FLASHATTN_AMX_TARGET void AmxTile(const std::uint16_t* a, std::int64_t lda, cons
   _tile_stored(0, c, c_stride);
   _tile_stored(1, c + 16, c_stride);
 }
+
+// ConfigureTiles(Tiles::kBlock) for DotBlock, whose target has no AMX (the AMX function
+// cannot be inlined into it).
+FLASHATTN_AMX_TARGET void ConfigureBlockTiles() { ConfigureTiles(Tiles::kBlock); }
 
 FLASHATTN_BF16_TARGET void Scale(float* c, std::int64_t ldc, float scale) {
   const __m512 vscale = _mm512_set1_ps(scale);
@@ -250,6 +260,7 @@ FLASHATTN_BF16_TARGET void DotBlock(const std::uint16_t* a, std::int64_t lda, co
                                     bool accumulate, float* c, std::int64_t ldc, std::int64_t rows, std::int64_t cols) {
   const std::int64_t chunks = UseAmx() && rows % 32 == 0 ? pairs / kAmxPairs : 0;
   const std::int64_t done = chunks * kAmxPairs, rest = pairs - done;
+  if (chunks > 0) ConfigureBlockTiles();
   for (std::int64_t j = 0; j < cols; j += kCols) {
     const std::uint16_t* panel = b + j / kCols * b_panel_stride;
     if (chunks > 0)
