@@ -64,13 +64,21 @@ struct DbiasTileShape {
 // threads rarely meet, few enough to cost nothing to create.
 inline constexpr std::int64_t kDqLockStripes = 1024;
 
+// The float32 backward's B operands — the Q and dO tiles (dK += dSᵀ·Q', dV += Pᵀ·dO), the
+// packed K rows (dQ += dS·K), Kᵀ and Vᵀ (S' = Q'·Kᵀ, dP = dO·Vᵀ) — are read a row per depth
+// step: rows of 128 floats (D_pad or block_k), 512 B, 8 lines, fall in 8 of L1's 64 sets
+// and evict each other within a micro-tile's panel. One vector more per row (an odd number
+// of lines for every multiple of 32 floats) spreads them over the sets.
+inline constexpr std::int64_t kRowLdPad = 16;
+inline constexpr std::int64_t RowLd(std::int64_t padded) { return padded + kRowLdPad; }
+
 // Per-thread scratch, sized by the plan. Like the forward, K and V of one (batch, kv
 // head) are packed once per thread and reused by that head's work items.
 struct BackwardWorkspace {
   BackwardWorkspace(const CpuBackwardPlan& plan, const AttentionProblem& problem);
 
-  hwy::AlignedFreeUniquePtr<float[]> q_tile;   // (block_q, D_pad): Q·scale·log2e
-  hwy::AlignedFreeUniquePtr<float[]> do_tile;  // (block_q, Dv_pad): dO
+  hwy::AlignedFreeUniquePtr<float[]> q_tile;   // (block_q, RowLd(D_pad)): Q·scale·log2e
+  hwy::AlignedFreeUniquePtr<float[]> do_tile;  // (block_q, RowLd(Dv_pad)): dO
   hwy::AlignedFreeUniquePtr<float[]> p_tile;   // (block_q, block_k): P
   hwy::AlignedFreeUniquePtr<float[]> ds_tile;  // (block_q, block_k): dP, then dS in place
   hwy::AlignedFreeUniquePtr<float[]> g_tile;   // (block_q, block_k): softcap's 1 − tanh²
@@ -78,9 +86,9 @@ struct BackwardWorkspace {
   hwy::AlignedFreeUniquePtr<float[]> dq_tile;  // (block_q, D_pad)
   hwy::AlignedFreeUniquePtr<float[]> dk_acc;   // (block_k, D_pad); tiled_bf16: dKᵀ, (D_pad, block_k)
   hwy::AlignedFreeUniquePtr<float[]> dv_acc;   // (block_k, Dv_pad); tiled_bf16: dVᵀ, (Dv_pad, block_k)
-  hwy::AlignedFreeUniquePtr<float[]> kt_packed;  // per tile (D, block_k): Kᵀ
-  hwy::AlignedFreeUniquePtr<float[]> vt_packed;  // per tile (Dv, block_k): Vᵀ
-  hwy::AlignedFreeUniquePtr<float[]> k_packed;   // (k tiles · block_k, D_pad): K
+  hwy::AlignedFreeUniquePtr<float[]> kt_packed;  // per tile (D, RowLd(block_k)): Kᵀ
+  hwy::AlignedFreeUniquePtr<float[]> vt_packed;  // per tile (Dv, RowLd(block_k)): Vᵀ
+  hwy::AlignedFreeUniquePtr<float[]> k_packed;   // (k tiles · block_k, RowLd(D_pad)): K
   // (micro_cols, max(D_pad, Dv_pad)): the float32 kernel's converted V rows of one block of
   // micro_cols keys while packing; tiled_bf16's one row of dK or dV as it is stored
   hwy::AlignedFreeUniquePtr<float[]> row_scratch;

@@ -131,7 +131,7 @@ struct Fp32BackwardProducts {
     float* v_rows = ws.row_scratch.get();  // (kMicroCols, dv_pad): the V rows of one block of keys
     PackHead(prm, ws, b, kv_head, from, to, [&](std::int64_t j, const void* k_row, const void* v_row) {
       const std::int64_t tile = j / bc, col = j % bc, e = j % kMicroCols;
-      float* krow = ws.k_packed.get() + j * d_pad;
+      float* krow = ws.k_packed.get() + j * RowLd(d_pad);
       if (k_row != nullptr) LoadRow(k_row, prm.k.dtype, d, 1.0f, krow);
       std::fill(krow + (k_row != nullptr ? d : 0), krow + d_pad, 0.0f);  // padding keys: zeros
       float* vrow = v_rows + e * dv_pad;
@@ -139,9 +139,9 @@ struct Fp32BackwardProducts {
       std::fill(vrow + (v_row != nullptr ? dv : 0), vrow + dv_pad, 0.0f);
       if (e == kMicroCols - 1) {
         const DF df;
-        TransposeKeys(df, ws.k_packed.get() + (j - e) * d_pad, d_pad, d,
-                      ws.kt_packed.get() + tile * d * bc + col - e, bc);
-        TransposeKeys(df, v_rows, dv_pad, dv, ws.vt_packed.get() + tile * dv * bc + col - e, bc);
+        TransposeKeys(df, ws.k_packed.get() + (j - e) * RowLd(d_pad), RowLd(d_pad), d,
+                      ws.kt_packed.get() + tile * d * RowLd(bc) + col - e, RowLd(bc));
+        TransposeKeys(df, v_rows, dv_pad, dv, ws.vt_packed.get() + tile * dv * RowLd(bc) + col - e, RowLd(bc));
       }
     });
   }
@@ -155,8 +155,8 @@ struct Fp32BackwardProducts {
     const std::int64_t d_pad = prm.plan.head_dim_padded, dv_pad = prm.plan.head_dim_v_padded;
     const float q_scale = p.softmax_scale * OnlineSoftmaxState::kLog2e;
     for (std::int64_t r = 0; r < rows_pad; ++r) {
-      float* qrow = ws.q_tile.get() + r * d_pad;
-      float* dorow = ws.do_tile.get() + r * dv_pad;
+      float* qrow = ws.q_tile.get() + r * RowLd(d_pad);
+      float* dorow = ws.do_tile.get() + r * RowLd(dv_pad);
       if (r < rows) {
         LoadRow(RowPointer(prm.q, b, i0 + r, h), p.dtype, d, q_scale, qrow);
         LoadRow(RowPointer(prm.dout, b, i0 + r, h), p.dtype, dv, 1.0f, dorow);
@@ -175,9 +175,9 @@ struct Fp32BackwardProducts {
   static void ScoresAndDp(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t tile,
                           std::int64_t rows_pad, std::int64_t n_pad, float /*scale*/) {
     const std::int64_t bc = prm.plan.block_k, d = prm.problem.head_dim, dv = prm.problem.head_dim_v;
-    TileGemm<false>({ws.q_tile.get(), prm.plan.head_dim_padded}, ws.kt_packed.get() + tile * d * bc, bc,
+    TileGemm<false>({ws.q_tile.get(), RowLd(prm.plan.head_dim_padded)}, ws.kt_packed.get() + tile * d * RowLd(bc), RowLd(bc),
                     ws.p_tile.get(), bc, rows_pad, n_pad, d);
-    TileGemm<false>({ws.do_tile.get(), prm.plan.head_dim_v_padded}, ws.vt_packed.get() + tile * dv * bc, bc,
+    TileGemm<false>({ws.do_tile.get(), RowLd(prm.plan.head_dim_v_padded)}, ws.vt_packed.get() + tile * dv * RowLd(bc), RowLd(bc),
                     ws.ds_tile.get(), bc, rows_pad, n_pad, dv);
   }
 
@@ -187,11 +187,11 @@ struct Fp32BackwardProducts {
                         std::int64_t n_pad) {
     const std::int64_t bc = prm.plan.block_k;
     const std::int64_t d_pad = prm.plan.head_dim_padded, dv_pad = prm.plan.head_dim_v_padded;
-    TileGemm<true>({ws.p_tile.get(), 1, bc}, ws.do_tile.get(), dv_pad, ws.dv_acc.get(), dv_pad, n_pad, dv_pad,
+    TileGemm<true>({ws.p_tile.get(), 1, bc}, ws.do_tile.get(), RowLd(dv_pad), ws.dv_acc.get(), dv_pad, n_pad, dv_pad,
                    rows_pad);
-    TileGemm<true>({ws.ds_tile.get(), 1, bc}, ws.q_tile.get(), d_pad, ws.dk_acc.get(), d_pad, n_pad, d_pad,
+    TileGemm<true>({ws.ds_tile.get(), 1, bc}, ws.q_tile.get(), RowLd(d_pad), ws.dk_acc.get(), d_pad, n_pad, d_pad,
                    rows_pad);
-    TileGemm<false>({ws.ds_tile.get(), bc}, ws.k_packed.get() + j0 * d_pad, d_pad, ws.dq_tile.get(), d_pad,
+    TileGemm<false>({ws.ds_tile.get(), bc}, ws.k_packed.get() + j0 * RowLd(d_pad), RowLd(d_pad), ws.dq_tile.get(), d_pad,
                     rows_pad, d_pad, n_pad);
   }
 };

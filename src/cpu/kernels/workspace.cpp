@@ -177,8 +177,9 @@ struct BackwardSizes {
         keys_pad(round_up(static_cast<std::size_t>(p.seqlen_k), bc)),
         mc(static_cast<std::size_t>(plan.hardware.micro_cols)), bf16(plan.kernel == BackwardKernel::tiled_bf16) {}
   std::size_t floats() const {
-    return bq * (d_pad + dv_pad + 4 * bc + d_pad) + bc * (d_pad + dv_pad) +
-           (bf16 ? 0 : keys_pad * (d + dv + d_pad)) + mc * std::max(d_pad, dv_pad);
+    return bq * (d_pad + dv_pad + 2 * kRowLdPad + 4 * bc + d_pad) + bc * (d_pad + dv_pad) +
+           (bf16 ? 0 : keys_pad / bc * (d + dv) * (bc + kRowLdPad) + keys_pad * (d_pad + kRowLdPad)) +
+           mc * std::max(d_pad, dv_pad);
   }
   std::size_t bf16_elements() const {
     return bf16 ? 2 * bq * (d_pad + dv_pad) + bq * std::max(d_pad, dv_pad) + 3 * bq * bc +
@@ -197,8 +198,8 @@ BackwardWorkspace::BackwardWorkspace(const CpuBackwardPlan& plan, const Attentio
     : row_lse2(static_cast<std::size_t>(plan.block_q)),
       row_delta(static_cast<std::size_t>(plan.block_q)) {
   const BackwardSizes s(plan, p);
-  q_tile = allocate_floats(s.bq * s.d_pad);
-  do_tile = allocate_floats(s.bq * s.dv_pad);
+  q_tile = allocate_floats(s.bq * (s.d_pad + kRowLdPad));
+  do_tile = allocate_floats(s.bq * (s.dv_pad + kRowLdPad));
   p_tile = allocate_floats(s.bq * s.bc);
   ds_tile = allocate_floats(s.bq * s.bc);
   g_tile = allocate_floats(s.bq * s.bc);
@@ -208,9 +209,9 @@ BackwardWorkspace::BackwardWorkspace(const CpuBackwardPlan& plan, const Attentio
   dv_acc = allocate_floats(s.bc * s.dv_pad);
   row_scratch = allocate_floats(s.mc * std::max(s.d_pad, s.dv_pad));
   if (!s.bf16) {
-    kt_packed = allocate_floats(s.keys_pad * s.d + 1);
-    vt_packed = allocate_floats(s.keys_pad * s.dv + 1);
-    k_packed = allocate_floats(s.keys_pad * s.d_pad + 1);
+    kt_packed = allocate_floats(s.keys_pad / s.bc * s.d * (s.bc + kRowLdPad) + 1);
+    vt_packed = allocate_floats(s.keys_pad / s.bc * s.dv * (s.bc + kRowLdPad) + 1);
+    k_packed = allocate_floats(s.keys_pad * (s.d_pad + kRowLdPad) + 1);
     return;
   }
   q_bf16 = allocate_array<std::uint16_t>(s.bq * s.d_pad);
