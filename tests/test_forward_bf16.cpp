@@ -147,6 +147,29 @@ TEST(ForwardBf16Dot, MatchesTheReferenceOnEveryTargetThatHasIt) {
                  << ", an AVX-512 target " << (avx512_supported ? "supported" : "not supported") << ")";
 }
 
+// The output accumulator is not zeroed per work item: each row strip's first P·V stores. On
+// AMX four strips share one product where their spans agree; here they agree in the second
+// key tile (keys 256..511, seen by all 32 rows) while only strip 0 has a product from the
+// first (keys 0..255 hidden from rows 8..31 by the mask): the three others must start from
+// zero, not from what the workspace held (one Q tile of 32 rows: bq32). Without AMX the
+// strips go one by one.
+TEST(ForwardBf16Dot, StripsSharingAProductAfterDifferentFirstTilesStartFromZero) {
+  Tensor mask(DType::u8, {1, 1, 32, 512});
+  for (std::int64_t i = 0; i < 32; ++i)
+    for (std::int64_t j = 0; j < 512; ++j) mask.set(i * 512 + j, i < 8 || j >= 256 ? 1.0f : 0.0f);
+  int ran = 0;
+  for_each_simd_target([&](const std::string&) {
+    if (!CpuHardware::detect(0).bf16_dot) return;
+    ++ran;
+    for (std::uint64_t seed : {1300, 1301})  // the second call finds the first one's workspace
+      check_forward(variant_case({1, 32, 512, 1, 1, 32, 32}, "threads1 bq32", seed).with([&](AttentionOptions& o) {
+        o.attn_mask = mask.view();
+        o.kernel = ForwardKernel::tiled_bf16;
+      }));
+  });
+  if (ran == 0) GTEST_SKIP() << "no SIMD target here runs tiled_bf16 (AVX512-BF16 and an AVX-512 target needed)";
+}
+
 TEST(ForwardBf16Dot, Float32TiledKernelStaysReachableAndCorrectOnBf16) {
   for_each_simd_target([](const std::string&) {
     std::uint64_t seed = 1000;

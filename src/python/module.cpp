@@ -148,11 +148,11 @@ struct FlexHook {
     const std::int64_t a_step = a != nullptr && m.score_a.shape[3] > 1 ? m.score_a.strides[3] : 0;
     const std::int64_t c_step = c != nullptr && m.score_c.shape[3] > 1 ? m.score_c.strides[3] : 0;
     float* grad = score ? sp.grad : nullptr;  // mask_mod alone leaves the factors as they are
+    const std::int64_t bits_step = m.partial_blocks.strides[2];
     for (std::int64_t k = 0; k < sp.n;) {
       const std::int64_t j0 = sp.kv_begin + k;
       const std::int64_t end = mask ? std::min(sp.n, k + m.block_size - j0 % m.block_size) : sp.n;
       const std::uint8_t* bits = nullptr;  // a partial block's content row; null: the block's state decides
-      const std::int64_t bits_step = m.partial_blocks.strides[2];
       if (mask) {
         const flashattn::ScoreBlock state = m.state(sp.batch, sp.head, sp.q_idx / m.block_size, j0 / m.block_size);
         if (state == flashattn::ScoreBlock::empty) {

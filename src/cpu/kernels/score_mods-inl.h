@@ -214,24 +214,22 @@ struct RowMods {
   }
 
   // Fetches toward the caches the attn_mask entries of row i over keys [j_begin, j_end) that
-  // the mask step will read: every entry of a bias without a summary, else those of the
-  // summary's partial blocks. The tiled forward asks for the next key tile's while it masks
-  // this one: a row's entries lie a row of the mask apart from the next row's, each on a page
-  // of its own, where the hardware prefetchers do not follow.
+  // the mask step will read: those of the summary's partial blocks (the forward summarises
+  // every mask; a bias's blocks are all partial or empty). The tiled forward asks for the
+  // next key tile's while it masks this one: consecutive rows of the mask lie a row apart,
+  // each on a page of its own, where the hardware prefetchers do not follow.
   // (Inlined where it is called: a call to a function whose only effect is prefetching is
   // dropped by GCC's IPA, which sees no side effect; tests/prefetch_emitted.sh checks.)
   HWY_INLINE void prefetch_dense_mask(std::int64_t i, std::int64_t j_begin, std::int64_t j_end) const {
-    if (attn_mask == nullptr || mask_col_stride == 0 || j_begin >= j_end) return;
+    if (mask_blocks == nullptr || mask_col_stride == 0) return;
+    const DenseMaskBlocks& m = *mask_blocks;
     const std::int64_t element = static_cast<std::int64_t>(dtype_size(attn_mask->dtype));
     const auto* row = static_cast<const unsigned char*>(attn_mask->data) + (mask_base + i * mask_row_stride) * element;
-    const std::uint8_t* states =
-        mask_blocks != nullptr ? mask_blocks->states + mask_blocks_plane + i / mask_blocks->block_rows * mask_blocks->col_blocks
-                               : nullptr;
-    const std::int64_t width = mask_blocks != nullptr ? mask_blocks->block_cols : j_end - j_begin;
-    for (std::int64_t block = j_begin / width; block * width < j_end; ++block) {
-      if (states != nullptr && static_cast<ScoreBlock>(states[block]) != ScoreBlock::partial) continue;
-      const std::int64_t to = std::min(j_end, (block + 1) * width) * element;
-      for (std::int64_t at = std::max(j_begin, block * width) * element; at < to; at += 64) hwy::Prefetch(row + at);
+    const std::uint8_t* states = m.states + mask_blocks_plane + i / m.block_rows * m.col_blocks;
+    for (std::int64_t block = j_begin / m.block_cols; block * m.block_cols < j_end; ++block) {
+      if (static_cast<ScoreBlock>(states[block]) != ScoreBlock::partial) continue;
+      const std::int64_t to = std::min(j_end, (block + 1) * m.block_cols) * element;
+      for (std::int64_t at = std::max(j_begin, block * m.block_cols) * element; at < to; at += 64) hwy::Prefetch(row + at);
     }
   }
 

@@ -184,7 +184,7 @@ struct Fp32Products {
   // in place.
   static void FinishRow(ForwardWorkspace&, std::int64_t, std::int64_t, std::int64_t, std::int64_t) {}
 
-  // õ += P·V(keys j0..), P in place in the S tile; a fresh strip's õ = P·V (StripFresh).
+  // õ += P·V(keys j0..), P in place in the S tile; a fresh strip's õ = P·V (StripsWritten).
   static void Accumulate(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t j0, const StripKeys* keys,
                          std::int64_t strips) {
     const std::int64_t bc = prm.plan.block_k, dv_pad = prm.plan.head_dim_v_padded;
@@ -325,7 +325,7 @@ struct Bf16Products {
   }
 
   // õ += P·V(keys j0..), P in the bf16 P tile (FinishRow); a fresh strip's õ = P·V
-  // (StripFresh): on AMX blocks of four strips, stored where all four are fresh.
+  // (StripsWritten): on AMX blocks of four strips, stored where all four are fresh.
   static void Accumulate(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t j0, const StripKeys* keys,
                          std::int64_t strips) {
     const std::int64_t bc = prm.plan.block_k, dv_pad = prm.plan.head_dim_v_padded;
