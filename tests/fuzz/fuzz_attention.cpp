@@ -169,10 +169,11 @@ double max_abs(const std::vector<double>& x) {
   return m;
 }
 
-double max_error(const Placed& got, const std::vector<double>& want) {
+// The largest |got - want| over want's elements, got read from its element `first` on.
+double max_error(const Placed& got, const std::vector<double>& want, std::int64_t first = 0) {
   double e = 0.0;
-  for (std::int64_t i = 0; i < got.numel(); ++i) {
-    const double d = std::fabs(static_cast<double>(got.get(i)) - want[static_cast<std::size_t>(i)]);
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    const double d = std::fabs(static_cast<double>(got.get(first + static_cast<std::int64_t>(i))) - want[i]);
     e = std::isnan(d) ? INFINITY : std::fmax(e, d);
   }
   return e;
@@ -212,15 +213,17 @@ struct Inputs {
 };
 
 // |δD| of each output row: how far the forward's out, which the backward reads, moves
-// D_i = Σ_c dO_ic·O_ic from its exact value; rows in out's logical order (b, i, h).
-std::vector<double> out_moves_d(const Placed& pout, const std::vector<double>& want_out, const Tensor& dout) {
+// D_i = Σ_c dO_ic·O_ic from its exact value; rows in out's logical order (b, i, h), from
+// element `first` of pout and dout (a varlen sequence's rows) for as many rows as want_out has.
+std::vector<double> out_moves_d(const Placed& pout, const std::vector<double>& want_out, const Tensor& dout,
+                                std::int64_t first = 0) {
   const std::int64_t dv = pout.shape[3];
-  std::vector<double> moved(static_cast<std::size_t>(dv > 0 ? pout.numel() / dv : 0));
+  std::vector<double> moved(static_cast<std::size_t>(dv > 0 ? static_cast<std::int64_t>(want_out.size()) / dv : 0));
   for (std::size_t row = 0; row < moved.size(); ++row) {
     double sum = 0.0;
     for (std::int64_t c = 0; c < dv; ++c) {
       const std::int64_t e = static_cast<std::int64_t>(row) * dv + c;
-      sum += static_cast<double>(dout.get(e)) * (pout.get(e) - want_out[static_cast<std::size_t>(e)]);
+      sum += static_cast<double>(dout.get(first + e)) * (pout.get(first + e) - want_out[static_cast<std::size_t>(e)]);
     }
     moved[row] = std::fabs(sum);
   }
@@ -243,27 +246,30 @@ double yardstick(double naive_error, DType dtype, double largest) {
 // most |scale|·Σ_i|δD_i|·max|q| (P_ij ≤ 1). Plus half an ulp of the largest |gradient| in
 // the gradients' dtype, as test::gradient_rule: both round their gradients; the naive error
 // as yardstick() counts it. Regressions dq-reads-the-forwards-out and
-// dk-reads-the-forwards-out: f16, one key; bf16-dropout-dv-*.
+// dk-reads-the-forwards-out: f16, one key; bf16-dropout-dv-*; varlen-dk-reads-the-forwards-out
+// (each varlen sequence is held to this rule, from_out included).
 void check_input_gradients(const AttentionProblem& p, const Placed& pdq, const Placed& pdk, const Placed& pdv,
                            const reference::Gradients& g, const test::NaiveGradients& n,
-                           const std::vector<double>& delta_d, const Tensor& q, const Tensor& k) {
+                           const std::vector<double>& delta_d, const Tensor& q, const Tensor& k,
+                           const std::string& what = "", std::int64_t dq_first = 0, std::int64_t dk_first = 0,
+                           std::int64_t dv_first = 0) {
   double delta_d_max = 0.0, delta_d_sum = 0.0, k_max = 0.0, q_max = 0.0;
   for (double x : delta_d) delta_d_max = std::max(delta_d_max, x), delta_d_sum += x;
   for (std::int64_t i = 0; i < k.numel(); ++i) k_max = std::max(k_max, std::fabs(static_cast<double>(k.get(i))));
   for (std::int64_t i = 0; i < q.numel(); ++i) q_max = std::max(q_max, std::fabs(static_cast<double>(q.get(i))));
   const double dq_from_out = std::fabs(p.softmax_scale) * delta_d_max * k_max;
   const double dk_from_out = std::fabs(p.softmax_scale) * delta_d_sum * q_max;
-  const auto gradient = [&](const char* name, const Placed& got, const std::vector<double>& want,
+  const auto gradient = [&](const char* name, const Placed& got, std::int64_t first, const std::vector<double>& want,
                             const std::vector<double>& naive, double from_out) {
-    const double error = max_error(got, want), naive_error = test::max_abs_error(naive, want);
+    const double error = max_error(got, want, first), naive_error = test::max_abs_error(naive, want);
     const double tol = 1e-4 * (1.0 + max_abs(want)) + 3.0 * yardstick(naive_error, p.dtype, max_abs(want)) + from_out +
                        0.5 * test::ulp(p.dtype, max_abs(want));
-    check(error <= tol, std::string(name) + " differs from the reference: error " + std::to_string(error) +
-                            ", tolerance " + std::to_string(tol) + " (naive " + std::to_string(naive_error) + ")");
+    check(error <= tol, what + name + " differs from the reference: error " + std::to_string(error) + ", tolerance " +
+                            std::to_string(tol) + " (naive " + std::to_string(naive_error) + ")");
   };
-  gradient("dq", pdq, g.dq, n.dq, dq_from_out);
-  gradient("dk", pdk, g.dk, n.dk, dk_from_out);
-  gradient("dv", pdv, g.dv, n.dv, 0.0);
+  gradient("dq", pdq, dq_first, g.dq, n.dq, dq_from_out);
+  gradient("dk", pdk, dk_first, g.dk, n.dk, dk_from_out);
+  gradient("dv", pdv, dv_first, g.dv, n.dv, 0.0);
 }
 
 void run_case(FuzzedDataProvider& fdp) {
@@ -912,15 +918,8 @@ void run_varlen(FuzzedDataProvider& fdp) {
     const Tensor doutb = slice_tokens(dout, q0, sq);
     const reference::Gradients g = reference::attention_backward(doutb.view(), qb.view(), kb.view(), vb.view(), ob);
     const test::NaiveGradients n = test::naive_backward_same_precision(p, ob, doutb, qb, kb, vb);
-    const auto within = [](const Placed& got, std::int64_t first, const std::vector<double>& want, const std::vector<double>& naive) {
-      const double tol = 1e-4 * (1.0 + max_abs(want)) + 3.0 * test::max_abs_error(naive, want);
-      for (std::size_t i = 0; i < want.size(); ++i)
-        if (!(std::fabs(got.get(first + static_cast<std::int64_t>(i)) - want[i]) <= tol)) return false;
-      return true;
-    };
-    check(within(pdq, q0 * hq * d, g.dq, n.dq), "varlen dq differs from the reference");
-    check(within(pdk, k0 * hkv * d, g.dk, n.dk), "varlen dk differs from the reference");
-    check(within(pdv, k0 * hkv * dv, g.dv, n.dv), "varlen dv differs from the reference");
+    check_input_gradients(p, pdq, pdk, pdv, g, n, out_moves_d(pout, want, dout, q0 * hq * dv), qb, kb,
+                          "varlen sequence " + std::to_string(b) + ": ", q0 * hq * d, k0 * hkv * d, k0 * hkv * dv);
   }
   if (with_backward) {
     pdq.check_gaps("dq");
