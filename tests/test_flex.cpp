@@ -11,6 +11,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <sstream>
 #include <vector>
 
@@ -285,6 +286,87 @@ TEST(Flex, BlockMaskSkipsEmptyTilesAndFullBlocks) {
   EXPECT_EQ(calls.load(), 0) << "mask_mod called inside full blocks";
 }
 
+// The partial blocks handed to the kernels carry mask_mod's values (BlockMask::partial_keep):
+// each byte is mask_mod's, each partial block has its slot; the kernels read the bytes and
+// never call mask_mod (counted), forward and backward, and give bit for bit what calling it
+// gives (the same BlockMask without its bytes), with and without a score_mod, per-(batch,
+// head) planes, ragged blocks (20) and blocks of 128 (kernel blocks of 32). A mask whose
+// partial blocks exceed the budget (a random one) keeps none.
+TEST(Flex, PartialBlocksAreReadAsBytes) {
+  const Shape s{2, 150, 203, 4, 2, 40};
+  const Inputs in = make_inputs(s, 930);
+  std::atomic<std::int64_t> calls{0};
+  const auto docs = [&](std::int64_t b, std::int64_t h, std::int64_t q, std::int64_t kv) {
+    calls.fetch_add(1, std::memory_order_relaxed);
+    const std::int64_t len = 50 + 13 * b + 7 * h;
+    return q / len == kv / len && kv <= q + h;
+  };
+  const auto bias = [](auto score, std::int64_t, std::int64_t h, std::int64_t q, std::int64_t kv) {
+    return score + 0.01f * static_cast<float>((h + 1) * (kv - q));
+  };
+  const FlexMods mask_only(flex::NoScoreMod{}, docs);
+  const FlexMods both(bias, docs);
+  for (std::int64_t block : {20, 32, 128}) {
+    SCOPED_TRACE("block " + std::to_string(block));
+    const BlockMask m = create_block_mask(docs, s.batch, s.heads_q, s.seqlen_q, s.seqlen_k, block);
+    ASSERT_FALSE(m.partial_slots.shape().empty()) << "a document mask's diagonal blocks fit the budget";
+    const bool kernel = m.kernel_block_size > 0;
+    const Tensor& grid = kernel ? m.kernel_blocks : m.blocks;
+    const std::int64_t unit = kernel ? m.kernel_block_size : m.block_size;
+    const std::int64_t uq = grid.shape()[2], uk = grid.shape()[3];
+    for (std::int64_t e = 0; e < grid.numel(); ++e) {
+      const std::int32_t slot = m.partial_slots.data_as<std::int32_t>()[e];
+      ASSERT_EQ(slot >= 0, grid.get(e) == 1.0f) << "unit " << e << ": a slot for each partial block, none elsewhere";
+      if (slot < 0) continue;
+      const std::int64_t bj = e % uk, bi = e / uk % uq, plane = e / (uk * uq);
+      for (std::int64_t r = 0; r < unit; ++r)
+        for (std::int64_t c = 0; c < unit; ++c) {
+          const std::int64_t i = bi * unit + r, j = bj * unit + c;
+          const bool want = i < s.seqlen_q && j < s.seqlen_k && docs(plane / s.heads_q, plane % s.heads_q, i, j);
+          ASSERT_EQ(m.partial_keep.data_as<std::uint8_t>()[(slot * unit + r) * unit + c] != 0, want)
+              << "slot " << slot << " (" << r << ", " << c << ")";
+        }
+    }
+    BlockMask bare = m;
+    bare.partial_slots = Tensor();
+    bare.partial_keep = Tensor();
+    for (const auto* mods : {static_cast<const void*>(&mask_only), static_cast<const void*>(&both)}) {
+      const bool with_score = mods == &both;
+      SCOPED_TRACE(with_score ? "score_mod and mask_mod" : "mask_mod");
+      AttentionOptions o, o_bare;
+      o.num_threads = o_bare.num_threads = 2;
+      o.deterministic = o_bare.deterministic = true;
+      o.score_hook = with_score ? both.hook(&m) : mask_only.hook(&m);
+      o_bare.score_hook = with_score ? both.hook(&bare) : mask_only.hook(&bare);
+      EXPECT_NE(o.score_hook.partial_slots.data, nullptr);
+      EXPECT_EQ(o_bare.score_hook.partial_slots.data, nullptr);
+      calls = 0;
+      const ForwardResult fwd = forward(in.q.view(), in.k.view(), in.v.view(), o);
+      const BackwardResult grads =
+          backward(in.dout.view(), in.q.view(), in.k.view(), in.v.view(), fwd.out.view(), fwd.lse.view(), o);
+      EXPECT_EQ(calls.load(), 0) << "mask_mod called where the block mask holds its bytes";
+      const ForwardResult fwd_bare = forward(in.q.view(), in.k.view(), in.v.view(), o_bare);
+      const BackwardResult grads_bare = backward(in.dout.view(), in.q.view(), in.k.view(), in.v.view(),
+                                                 fwd_bare.out.view(), fwd_bare.lse.view(), o_bare);
+      EXPECT_GT(calls.load(), 0) << "without the bytes the kernels call mask_mod";
+      for (const auto& [name, got, want] : {std::tuple{"out", &fwd.out, &fwd_bare.out},
+                                            std::tuple{"lse", &fwd.lse, &fwd_bare.lse},
+                                            std::tuple{"dq", &grads.dq, &grads_bare.dq},
+                                            std::tuple{"dk", &grads.dk, &grads_bare.dk},
+                                            std::tuple{"dv", &grads.dv, &grads_bare.dv}})
+        EXPECT_EQ(std::memcmp(got->data(), want->data(), static_cast<std::size_t>(got->numel()) * 4), 0)
+            << name << " differs from mask_mod's";
+      check_against_reference(in, o, 2);
+    }
+  }
+  const auto noise = [](std::int64_t, std::int64_t, std::int64_t q, std::int64_t kv) {
+    return ((q * 2654435761u) ^ (kv * 40503u)) % 3 != 0;
+  };
+  const BlockMask random = create_block_mask(noise, 1, 1, 512, 512, 32);
+  EXPECT_TRUE(random.partial_slots.shape().empty()) << "256 partial blocks of 1 KiB exceed 128 B per query and key";
+  EXPECT_TRUE(random.partial_keep.shape().empty());
+}
+
 // Blocks of 64 and 128 hand the kernels blocks of 32 (BlockMask::kernel_blocks): the states
 // create_block_mask's states against every element of mask_mod, classified here one block at
 // a time (batch and heads of their own, ragged lengths, blocks of 32 and of 20); and an
@@ -389,6 +471,22 @@ TEST(Flex, BadInputNamesTheArgument) {
   o.score_hook = masks.hook();
   o.score_hook.block_size = 4;
   expect_error([&] { forward(in.q.view(), in.k.view(), in.v.view(), o); }, {"score_hook.block_mask"});
+  const BlockMask with_bytes = create_block_mask(causal, 1, 1, s.seqlen_q, s.seqlen_k, 8);
+  ASSERT_FALSE(with_bytes.partial_slots.shape().empty());
+  Tensor slots = with_bytes.partial_slots;
+  o.score_hook = masks.hook(&with_bytes);
+  o.score_hook.partial_slots = with_bytes.partial_keep.view();
+  expect_error([&] { forward(in.q.view(), in.k.view(), in.v.view(), o); }, {"score_hook.partial_slots"});
+  slots.data_as<std::int32_t>()[5] = static_cast<std::int32_t>(with_bytes.partial_keep.shape()[0]);
+  o.score_hook.partial_slots = slots.view();
+  expect_error([&] { forward(in.q.view(), in.k.view(), in.v.view(), o); },
+               {"score_hook.partial_slots: slot " + std::to_string(with_bytes.partial_keep.shape()[0]), "(0, 0, 1, 2)"});
+  o.score_hook = masks.hook(&with_bytes);
+  o.score_hook.partial_keep = with_bytes.partial_slots.view();
+  expect_error([&] { forward(in.q.view(), in.k.view(), in.v.view(), o); }, {"score_hook.partial_keep"});
+  o.score_hook = masks.hook();
+  o.score_hook.partial_slots = with_bytes.partial_slots.view();
+  expect_error([&] { forward(in.q.view(), in.k.view(), in.v.view(), o); }, {"score_hook.partial_slots", "without a block_mask"});
   o.score_hook = masks.hook();
   o.score_hook.mask = nullptr;
   expect_error([&] { forward(in.q.view(), in.k.view(), in.v.view(), o); }, {"score_hook", "neither"});

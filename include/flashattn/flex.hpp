@@ -29,6 +29,7 @@
 #include <functional>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 #include "flashattn/error.hpp"
 #include "flashattn/options.hpp"
@@ -170,12 +171,23 @@ struct BlockMask {
   static constexpr std::int64_t kKernelBlock = 32;
   Tensor kernel_blocks;
   std::int64_t kernel_block_size = 0;
+  // mask_mod's values on the partial blocks that the hook hands the kernels (kernel_blocks
+  // where set, else blocks), so that the kernels read a byte per score there instead of calling
+  // mask_mod (ScoreHook::partial_slots, partial_keep): i32 slots of that block grid's shape
+  // (−1: none) and u8 (slots, size, size). Kept where they take at most kPartialBytesPerKey
+  // bytes per (query + key) of a (batch, head) plane — the partial blocks along a mask's
+  // diagonals (causal, windows, documents, prefixes) — so memory stays linear in the sequence
+  // lengths; a mask with more partial blocks (random-looking ones) has none and calls mask_mod.
+  static constexpr std::int64_t kPartialBytesPerKey = 128;
+  Tensor partial_slots, partial_keep;
 };
 
 // Evaluates mask_mod(b, h, q_idx, kv_idx) over (b < batch, h < heads, q_idx < seqlen_q,
 // kv_idx < seqlen_k), each element at most once, and classifies each block_size × block_size
 // block as empty, partial or full (FlexAttention's create_block_mask); a block stops being
-// evaluated after the row that showed it partial. The rows of blocks run on the library's
+// evaluated after the row that showed it partial. The partial blocks handed to the kernels
+// are then evaluated once more, whole, for their bytes (BlockMask::partial_keep) where those
+// fit the budget. The rows of blocks run on the library's
 // threads, so mask_mod is called from several threads at once — as the kernels call it: a
 // pure function of its arguments, as FlexAttention's are. batch = 1 (heads = 1) when mask_mod
 // does not depend on b (h): the block mask is then shared by every batch element (head).
@@ -211,9 +223,38 @@ BlockMask create_block_mask(const MaskMod& mask_mod, std::int64_t batch, std::in
       u[item * uk + bj] = static_cast<std::uint8_t>(classify_block(any_kept, any_hidden));
     }
   });
-  if (unit == block_size) return BlockMask{std::move(units), block_size, {}, 0};
+  // The partial units' bytes, within the budget: each evaluated again, whole.
+  Tensor partial_slots, partial_keep;
+  std::int64_t partial = 0;
+  for (std::int64_t e = 0; e < units.numel(); ++e) partial += u[e] == static_cast<std::uint8_t>(ScoreBlock::partial);
+  if (partial > 0 && partial * unit * unit <= BlockMask::kPartialBytesPerKey * batch * heads * (seqlen_q + seqlen_k)) {
+    partial_slots = Tensor(DType::i32, {batch, heads, uq, uk});
+    partial_keep = Tensor(DType::u8, {partial, unit, unit});
+    std::int32_t* slots = partial_slots.data_as<std::int32_t>();
+    std::vector<std::int64_t> at;  // the unit of each slot
+    at.reserve(static_cast<std::size_t>(partial));
+    for (std::int64_t e = 0; e < units.numel(); ++e) {
+      const bool is_partial = u[e] == static_cast<std::uint8_t>(ScoreBlock::partial);
+      slots[e] = is_partial ? static_cast<std::int32_t>(at.size()) : -1;
+      if (is_partial) at.push_back(e);
+    }
+    std::uint8_t* keep = partial_keep.data_as<std::uint8_t>();
+    flex::detail::parallel_rows(partial, [&](std::int64_t slot) {
+      const std::int64_t e = at[static_cast<std::size_t>(slot)], bj = e % uk, bi = e / uk % uq, plane = e / (uk * uq);
+      const std::int64_t b = plane / heads, h = plane % heads;
+      std::uint8_t* bytes = keep + slot * unit * unit;
+      for (std::int64_t r = 0; r < unit; ++r)
+        for (std::int64_t c = 0; c < unit; ++c) {
+          const std::int64_t i = bi * unit + r, j = bj * unit + c;
+          bytes[r * unit + c] = i < seqlen_q && j < seqlen_k && mask_mod(b, h, i, j) ? 1 : 0;
+        }
+    });
+  }
+  if (unit == block_size)
+    return BlockMask{std::move(units), block_size, {}, 0, std::move(partial_slots), std::move(partial_keep)};
   const std::int64_t r = block_size / unit, qb = blocks_of(seqlen_q, block_size), kb = blocks_of(seqlen_k, block_size);
-  BlockMask m{Tensor(DType::u8, {batch, heads, qb, kb}), block_size, std::move(units), unit};
+  BlockMask m{Tensor(DType::u8, {batch, heads, qb, kb}), block_size, std::move(units), unit, std::move(partial_slots),
+              std::move(partial_keep)};
   const std::uint8_t* fine = m.kernel_blocks.data_as<std::uint8_t>();
   std::uint8_t* out = m.blocks.data_as<std::uint8_t>();
   for (std::int64_t p = 0; p < batch * heads; ++p)
@@ -263,6 +304,11 @@ class FlexMods {
       const bool kernel = block_mask->kernel_block_size > 0;
       h.block_mask = kernel ? block_mask->kernel_blocks.view() : block_mask->blocks.view();
       h.block_size = kernel ? block_mask->kernel_block_size : block_mask->block_size;
+      if constexpr (kHasMask)
+        if (!block_mask->partial_slots.shape().empty()) {
+          h.partial_slots = block_mask->partial_slots.view();
+          h.partial_keep = block_mask->partial_keep.view();
+        }
     }
     return h;
   }

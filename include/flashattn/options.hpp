@@ -122,6 +122,15 @@ struct ScoreHook {
   // kept without asking it. Unset: every block partial.
   TensorView block_mask;
   std::int64_t block_size = 0;
+  // Optional, with block_mask (create_block_mask keeps them within a budget linear in the
+  // sequence lengths): mask_mod's values on block_mask's partial blocks, so that the kernels
+  // read one byte per score there instead of calling mask_mod. partial_slots: i32 of
+  // block_mask's shape, each block's slot in partial_keep (−1: none, mask_mod is called);
+  // partial_keep: u8 (slots, block_size, block_size), contiguous, row-major within a block
+  // (query, key), non-zero where mask_mod keeps the key. A promise about mask_mod, as
+  // block_mask is.
+  TensorView partial_slots;
+  TensorView partial_keep;
 };
 
 struct AttentionOptions {

@@ -24,6 +24,41 @@ void require(bool ok, const Message& message) {
 
 std::string str(std::int64_t v) { return std::to_string(v); }
 
+// score_hook.partial_slots and partial_keep (options.hpp), when set: slots of block_mask's
+// shape, each −1 or a slot of partial_keep (slots, bs, bs) — every value read, so that no
+// slot the kernels follow lies outside partial_keep.
+void check_partial_blocks(const ScoreHook& hook, const TensorView& blocks, std::int64_t bs) {
+  const TensorView &slots = hook.partial_slots, &keep = hook.partial_keep;
+  if (slots.data == nullptr && slots.rank == 0 && keep.data == nullptr && keep.rank == 0) return;
+  detail::check_view("score_hook.partial_slots", slots, 4, "(block_mask's shape)");
+  detail::check_dtype("score_hook.partial_slots", slots, DType::i32, "a slot of partial_keep per block, or -1");
+  for (int d = 0; d < 4; ++d)
+    require(slots.shape[d] == blocks.shape[d], [&] {
+      return "score_hook.partial_slots: shape " + detail::shape_string(slots) + " is not block_mask's " +
+             detail::shape_string(blocks);
+    });
+  detail::check_view("score_hook.partial_keep", keep, 3, "(slots, block_size, block_size)");
+  detail::check_dtype("score_hook.partial_keep", keep, DType::u8, "one byte per score, non-zero keeps the key");
+  require(keep.shape[1] == bs && keep.shape[2] == bs && keep.strides[2] == 1 && keep.strides[1] == bs &&
+              keep.strides[0] == bs * bs,
+          [&] {
+            return "score_hook.partial_keep: shape " + detail::shape_string(keep) +
+                   " is not a contiguous (slots, " + str(bs) + ", " + str(bs) + ") for block_size " + str(bs);
+          });
+  const auto* data = static_cast<const std::int32_t*>(slots.data);
+  for (std::int64_t a = 0; a < slots.shape[0]; ++a)
+    for (std::int64_t b = 0; b < slots.shape[1]; ++b)
+      for (std::int64_t c = 0; c < slots.shape[2]; ++c)
+        for (std::int64_t d = 0; d < slots.shape[3]; ++d) {
+          const std::int32_t slot =
+              data[a * slots.strides[0] + b * slots.strides[1] + c * slots.strides[2] + d * slots.strides[3]];
+          require(slot >= -1 && slot < keep.shape[0], [&] {
+            return "score_hook.partial_slots: slot " + str(slot) + " at (" + str(a) + ", " + str(b) + ", " + str(c) +
+                   ", " + str(d) + ") is not -1 or below partial_keep's " + str(keep.shape[0]) + " slots";
+          });
+        }
+}
+
 }  // namespace
 
 AttentionProblem AttentionProblem::from_sizes(std::int64_t batch, std::int64_t seqlen_q,
@@ -173,6 +208,11 @@ AttentionProblem AttentionProblem::from_sizes(std::int64_t batch, std::int64_t s
                  "ceil(seqlen_q / block), ceil(seqlen_k / block)) = (" + str(batch) + ", " + str(heads_q) + ", " +
                  str(want[2]) + ", " + str(want[3]) + ") for block_size " + str(bs);
         });
+      check_partial_blocks(hook, m, bs);
+    } else {
+      require(hook.partial_slots.data == nullptr && hook.partial_keep.data == nullptr, [&] {
+        return std::string("score_hook.partial_slots: set without a block_mask (they index its partial blocks)");
+      });
     }
   } else {
     require(hook.score == nullptr && hook.mask == nullptr && hook.block_mask.data == nullptr, [&] {

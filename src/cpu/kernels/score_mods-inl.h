@@ -52,6 +52,10 @@ struct RowMods {
   // offset of this (batch, head)'s plane in it (docs/algorithm.md §6.2).
   const ScoreHook* hook = nullptr;
   std::int64_t hook_blocks_base = 0;
+  // Its partial blocks' kept bytes (ScoreHook::partial_slots, null without them) and this
+  // (batch, head)'s plane in the slots.
+  const std::int32_t* hook_slots = nullptr;
+  std::int64_t hook_slots_base = 0;
 
   RowMods(const AttentionProblem& p, const detail::ProblemInternals& internals, const TensorView& alibi_slopes,
           const TensorView& mask, const TensorView& dense_mask, const DenseMaskBlocks& dense_blocks,
@@ -63,6 +67,11 @@ struct RowMods {
       const TensorView& m = score_hook.block_mask;
       if (score_hook.block_size > 0)
         hook_blocks_base = (m.shape[0] > 1 ? batch * m.strides[0] : 0) + (m.shape[1] > 1 ? h * m.strides[1] : 0);
+      if (const TensorView& slots = score_hook.partial_slots; slots.data != nullptr) {
+        hook_slots = static_cast<const std::int32_t*>(slots.data);
+        hook_slots_base =
+            (slots.shape[0] > 1 ? batch * slots.strides[0] : 0) + (slots.shape[1] > 1 ? h * slots.strides[1] : 0);
+      }
     }
     if (p.attn_mask != AttentionProblem::MaskKind::none) {
       attn_mask = &dense_mask;
@@ -270,19 +279,9 @@ struct RowMods {
       for (; c + lanes <= hi; c += lanes) hn::StoreU(hn::MulAdd(load(c), log2e, hn::LoadU(df, s + c)), df, s + c);
     };
     switch (attn_mask->dtype) {
-      case DType::u8: {
-        const auto* m = static_cast<const std::uint8_t*>(attn_mask->data) + first;
-        const hn::Rebind<std::uint8_t, DF> d8;
-        const hn::RebindToUnsigned<DF> du;
-        const auto hidden = hn::Set(df, kNegInf);
-        for (; c + lanes <= hi; c += lanes) {
-          const auto zero = hn::Eq(hn::PromoteTo(du, hn::LoadU(d8, m + c)), hn::Zero(du));
-          hn::StoreU(hn::IfThenElse(hn::RebindMask(df, zero), hidden, hn::LoadU(df, s + c)), df, s + c);
-        }
-        for (; c < hi; ++c)
-          if (m[c] == 0) s[c] = kNegInf;
+      case DType::u8:
+        hide_unkept(s + c, nullptr, static_cast<const std::uint8_t*>(attn_mask->data) + first + c, hi - c);
         return;
-      }
       case DType::f32: {
         const auto* m = static_cast<const float*>(attn_mask->data) + first;
         bias_loop([&](std::int64_t at) { return hn::LoadU(df, m + at); });
@@ -379,11 +378,46 @@ struct RowMods {
       if (state == ScoreBlock::empty) {
         std::fill(s + c, s + end, kNegInf);
       } else if (state == ScoreBlock::partial || hook->score != nullptr) {
-        hook->apply(hook->mods, ScoreSpan{s + c, grad != nullptr ? grad + c : nullptr, batch, head, i, j0 + c,
-                                          end - c, state == ScoreBlock::partial});
+        // A partial block whose bytes the hook holds: the score_mod alone, then the bytes.
+        const std::int32_t slot = state == ScoreBlock::partial && hook_slots != nullptr
+                                      ? hook_slots[hook_slots_base + (i / bs) * hook->partial_slots.strides[2] +
+                                                   block * hook->partial_slots.strides[3]]
+                                      : -1;
+        float* g = grad != nullptr ? grad + c : nullptr;
+        if (slot < 0 || hook->score != nullptr)
+          hook->apply(hook->mods, ScoreSpan{s + c, g, batch, head, i, j0 + c, end - c, slot < 0 && state == ScoreBlock::partial});
+        if (slot >= 0) {
+          const auto* keep = static_cast<const std::uint8_t*>(hook->partial_keep.data) + slot * bs * bs + (i % bs) * bs +
+                             (j0 + c - block * bs);
+          // The hook's mask_mod zeroes a hidden key's factor where it has a score_mod.
+          hide_unkept(s + c, hook->score != nullptr ? g : nullptr, keep, end - c);
+        }
       }
       c = end;
     }
+  }
+
+  // s[c] = −∞ (and grad[c] = 0, grad non-null) where keep[c] is 0, for c < n.
+  static void hide_unkept(float* HWY_RESTRICT s, float* HWY_RESTRICT grad, const std::uint8_t* HWY_RESTRICT keep,
+                          std::int64_t n) {
+    using DF = hn::ScalableTag<float>;
+    const DF df;
+    const hn::Rebind<std::uint8_t, DF> d8;
+    const hn::RebindToUnsigned<DF> du;
+    const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(df));
+    constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+    const auto hidden = hn::Set(df, kNegInf);
+    std::int64_t c = 0;
+    for (; c + lanes <= n; c += lanes) {
+      const auto zero = hn::RebindMask(df, hn::Eq(hn::PromoteTo(du, hn::LoadU(d8, keep + c)), hn::Zero(du)));
+      hn::StoreU(hn::IfThenElse(zero, hidden, hn::LoadU(df, s + c)), df, s + c);
+      if (grad != nullptr) hn::StoreU(hn::IfThenZeroElse(zero, hn::LoadU(df, grad + c)), df, grad + c);
+    }
+    for (; c < n; ++c)
+      if (keep[c] == 0) {
+        s[c] = kNegInf;
+        if (grad != nullptr) grad[c] = 0.0f;
+      }
   }
 
   // Multiplies P row (keys j0 + c, c < cols) by the dropout weights: 0 where dropped,

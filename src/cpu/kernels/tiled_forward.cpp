@@ -392,7 +392,18 @@ void TiledItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item
   // step as it adds the bias (RowMods::only_adds_bias): s·scale + bias·log2e, one pass.
   const bool mask_scales = Products::kMayLeaveScoresUnscaled && !softmax_scales && mods.only_adds_bias();
 
-  Products::Pack(prm, ws, b, kv_head, key_begin, key_end);
+  // The tiles at either end of the item's keys that the masks leave no work in (block masks,
+  // a dense mask's summary: a document mask's other documents) are neither packed nor
+  // visited.
+  std::int64_t work_begin = w.first_block, work_end = key_end;
+  const auto has_work = [&](std::int64_t j0) { return mods.tile_has_work(i0, rows, j0, std::min(bc, key_end - j0)); };
+  while (work_begin < work_end && !has_work(work_begin)) work_begin += bc;
+  while (work_end > work_begin) {
+    const std::int64_t last = work_begin + (work_end - 1 - work_begin) / bc * bc;  // the last tile's first key
+    if (has_work(last)) break;
+    work_end = last;
+  }
+  if (work_begin < work_end) Products::Pack(prm, ws, b, kv_head, std::max(key_begin, work_begin), work_end);
   for (std::int64_t e = 0; e < heads; ++e) Products::LoadQ(prm, ws, b, h0 + e, i0, rows, head_rows_pad, e * head_rows_pad);
   ws.counters.q_read += heads * rows * d;
 
@@ -407,7 +418,7 @@ void TiledItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item
   std::fill(ws.strip_fresh.begin(), ws.strip_fresh.begin() + strips, static_cast<std::uint8_t>(deferred));
   if (!deferred) std::fill(o_acc, o_acc + rows_pad * dv_pad, 0.0f);
 
-  for (std::int64_t j0 = w.first_block; j0 < key_end; j0 += bc) {
+  for (std::int64_t j0 = work_begin; j0 < work_end; j0 += bc) {
     const std::int64_t n = std::min(bc, key_end - j0);
     const std::int64_t n_pad = (n + kMicroCols - 1) / kMicroCols * kMicroCols;
     if (!mods.tile_has_work(i0, rows, j0, n)) continue;  // block-sparse: skip it entirely
