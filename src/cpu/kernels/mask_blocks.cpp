@@ -115,6 +115,35 @@ DenseMaskSummary::DenseMaskSummary(const TensorView& mask, std::int64_t seqlen_q
     }
   }
   b.states = states_.data();
+  if (boolean && rows > 1 && cols > 1) copy_partial_blocks(m, mask, threads);
+}
+
+void DenseMaskSummary::copy_partial_blocks(const std::uint8_t* m, const TensorView& mask, int threads) {
+  DenseMaskBlocks& b = blocks_;
+  const auto partial = static_cast<std::uint8_t>(ScoreBlock::partial);
+  const std::int64_t count = std::count(states_.begin(), states_.end(), partial);
+  const std::int64_t size = b.block_rows * b.block_cols, rows = mask.shape[2], cols = mask.shape[3];
+  if (count == 0 || count * size > kPartialBytesPerKey * b.mask_batch * b.mask_heads * (rows + cols)) return;
+  slots_.resize(states_.size());
+  std::vector<std::int64_t> at;  // the block of each slot
+  at.reserve(static_cast<std::size_t>(count));
+  for (std::size_t e = 0; e < states_.size(); ++e) {
+    slots_[e] = states_[e] == partial ? static_cast<std::int32_t>(at.size()) : -1;
+    if (states_[e] == partial) at.push_back(static_cast<std::int64_t>(e));
+  }
+  keep_.assign(static_cast<std::size_t>(count * size), 0);
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (std::int64_t slot = 0; slot < count; ++slot) {
+    const std::int64_t e = at[static_cast<std::size_t>(slot)], cb = e % b.col_blocks;
+    const std::int64_t rb = e / b.col_blocks % b.row_blocks, plane = e / (b.col_blocks * b.row_blocks);
+    const std::int64_t base = plane / b.mask_heads * mask.strides[0] + plane % b.mask_heads * mask.strides[1];
+    const std::int64_t c0 = cb * b.block_cols, width = std::min(cols, c0 + b.block_cols) - c0;
+    for (std::int64_t r = 0; r < b.block_rows && rb * b.block_rows + r < rows; ++r)
+      std::copy_n(m + base + (rb * b.block_rows + r) * mask.strides[2] + c0, width,
+                  keep_.data() + slot * size + r * b.block_cols);
+  }
+  b.slots = slots_.data();
+  b.keep = keep_.data();
 }
 
 }  // namespace flashattn::cpu

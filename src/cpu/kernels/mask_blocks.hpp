@@ -22,6 +22,12 @@ struct DenseMaskBlocks {
   std::int64_t block_rows = 1, block_cols = 1;
   std::int64_t row_blocks = 0, col_blocks = 0;
   std::int64_t mask_batch = 1, mask_heads = 1;  // the mask's dims 0 and 1 (1 or batch, heads_q)
+  // A boolean mask's partial blocks, copied out (null without them): slots as `states` (−1
+  // where a block is not partial), bytes (slots, block_rows, block_cols), row-major within a
+  // block, non-zero keeps the key — the kernels read these, contiguous and shared by the heads,
+  // instead of rows of the mask a row apart (DenseMaskSummary keeps them within a budget).
+  const std::int32_t* slots = nullptr;
+  const std::uint8_t* keep = nullptr;
 
   // The offset of (batch, head)'s plane in `states`.
   std::int64_t plane(std::int64_t batch, std::int64_t head) const {
@@ -33,16 +39,25 @@ struct DenseMaskBlocks {
 // problem of seqlen_q × seqlen_k: summarised when boolean, and when a bias with
 // `bias_blocks` (its all −∞ blocks empty, the others partial; the backward, whose dbias
 // covers every entry, does not ask); the blocks are block_rows × block_cols; the pass over
-// the mask runs on `threads` threads.
+// the mask runs on `threads` threads. A boolean mask of full rows and columns (no size-1
+// query or key dim) also has its partial blocks' bytes copied out where they take at most
+// kPartialBytesPerKey bytes per (query + key) of a plane — the partial blocks along the
+// diagonals of causal, window, document and prefix masks; a random mask has none.
 class DenseMaskSummary {
  public:
   DenseMaskSummary() = default;
   DenseMaskSummary(const TensorView& mask, std::int64_t seqlen_q, std::int64_t seqlen_k, std::int64_t block_rows,
                    std::int64_t block_cols, int threads, bool bias_blocks = false);
   const DenseMaskBlocks& blocks() const { return blocks_; }
+  static constexpr std::int64_t kPartialBytesPerKey = 128;
 
  private:
+  // The boolean mask m's partial blocks into keep_, indexed by slots_, within the budget.
+  void copy_partial_blocks(const std::uint8_t* m, const TensorView& mask, int threads);
+
   std::vector<std::uint8_t> states_;
+  std::vector<std::int32_t> slots_;
+  std::vector<std::uint8_t> keep_;
   DenseMaskBlocks blocks_;
 };
 

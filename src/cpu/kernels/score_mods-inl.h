@@ -216,8 +216,20 @@ struct RowMods {
       std::int64_t end = std::min(hi, (block + 1) * m.block_cols - j0);
       for (++block; end < hi && static_cast<ScoreBlock>(states[block]) == state; ++block)
         end = std::min(hi, (block + 1) * m.block_cols - j0);
-      if (state == ScoreBlock::empty) std::fill(s + c, s + end, kNegInf);
-      else if (state == ScoreBlock::partial) apply_dense_mask(s, i, j0, c, end, score_scale);
+      if (state == ScoreBlock::empty) {
+        std::fill(s + c, s + end, kNegInf);
+      } else if (state == ScoreBlock::partial && m.slots != nullptr) {  // each block's bytes, copied out
+        const std::int64_t row = mask_blocks_plane + i / m.block_rows * m.col_blocks;
+        for (std::int64_t at = c; at < end;) {
+          const std::int64_t bj = (j0 + at) / m.block_cols, to = std::min(end, (bj + 1) * m.block_cols - j0);
+          const std::uint8_t* keep = m.keep + m.slots[row + bj] * m.block_rows * m.block_cols +
+                                     i % m.block_rows * m.block_cols + (j0 + at - bj * m.block_cols);
+          hide_unkept(s + at, nullptr, keep, to - at);
+          at = to;
+        }
+      } else if (state == ScoreBlock::partial) {
+        apply_dense_mask(s, i, j0, c, end, score_scale);
+      }
       c = end;
     }
   }
@@ -226,11 +238,12 @@ struct RowMods {
   // the mask step will read: those of the summary's partial blocks (the forward summarises
   // every mask; a bias's blocks are all partial or empty). The tiled forward asks for the
   // next key tile's while it masks this one: consecutive rows of the mask lie a row apart,
-  // each on a page of its own, where the hardware prefetchers do not follow.
+  // each on a page of its own, where the hardware prefetchers do not follow. Nothing where the
+  // summary copied its partial blocks out (DenseMaskBlocks::keep, read instead of the mask).
   // (Inlined where it is called: a call to a function whose only effect is prefetching is
   // dropped by GCC's IPA, which sees no side effect; tests/prefetch_emitted.sh checks.)
   HWY_INLINE void prefetch_dense_mask(std::int64_t i, std::int64_t j_begin, std::int64_t j_end) const {
-    if (mask_blocks == nullptr || mask_col_stride == 0) return;
+    if (mask_blocks == nullptr || mask_col_stride == 0 || mask_blocks->slots != nullptr) return;
     const DenseMaskBlocks& m = *mask_blocks;
     const std::int64_t element = static_cast<std::int64_t>(dtype_size(attn_mask->dtype));
     const auto* row = static_cast<const unsigned char*>(attn_mask->data) + (mask_base + i * mask_row_stride) * element;
