@@ -480,13 +480,15 @@ TEST(Flex, BadInputNamesTheArgument) {
   slots.data_as<std::int32_t>()[5] = static_cast<std::int32_t>(with_bytes.partial_keep.shape()[0]);
   o.score_hook.partial_slots = slots.view();
   expect_error([&] { forward(in.q.view(), in.k.view(), in.v.view(), o); },
-               {"score_hook.partial_slots: slot " + std::to_string(with_bytes.partial_keep.shape()[0]), "(0, 0, 1, 2)"});
+               {"score_hook.partial_slots: slot " + std::to_string(with_bytes.partial_keep.shape()[0]),
+                "(0, 0, 1, 2)"});
   o.score_hook = masks.hook(&with_bytes);
   o.score_hook.partial_keep = with_bytes.partial_slots.view();
   expect_error([&] { forward(in.q.view(), in.k.view(), in.v.view(), o); }, {"score_hook.partial_keep"});
   o.score_hook = masks.hook();
   o.score_hook.partial_slots = with_bytes.partial_slots.view();
-  expect_error([&] { forward(in.q.view(), in.k.view(), in.v.view(), o); }, {"score_hook.partial_slots", "without a block_mask"});
+  expect_error([&] { forward(in.q.view(), in.k.view(), in.v.view(), o); },
+               {"score_hook.partial_slots", "without a block_mask"});
   o.score_hook = masks.hook();
   o.score_hook.mask = nullptr;
   expect_error([&] { forward(in.q.view(), in.k.view(), in.v.view(), o); }, {"score_hook", "neither"});

@@ -398,10 +398,11 @@ struct RowMods {
                                       : -1;
         float* g = grad != nullptr ? grad + c : nullptr;
         if (slot < 0 || hook->score != nullptr)
-          hook->apply(hook->mods, ScoreSpan{s + c, g, batch, head, i, j0 + c, end - c, slot < 0 && state == ScoreBlock::partial});
+          hook->apply(hook->mods,
+                      ScoreSpan{s + c, g, batch, head, i, j0 + c, end - c, slot < 0 && state == ScoreBlock::partial});
         if (slot >= 0) {
-          const auto* keep = static_cast<const std::uint8_t*>(hook->partial_keep.data) + slot * bs * bs + (i % bs) * bs +
-                             (j0 + c - block * bs);
+          const auto* keep = static_cast<const std::uint8_t*>(hook->partial_keep.data) + slot * bs * bs +
+                             (i % bs) * bs + (j0 + c - block * bs);
           // The hook's mask_mod zeroes a hidden key's factor where it has a score_mod.
           hide_unkept(s + c, hook->score != nullptr ? g : nullptr, keep, end - c);
         }
