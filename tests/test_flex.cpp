@@ -286,6 +286,25 @@ TEST(Flex, BlockMaskSkipsEmptyTilesAndFullBlocks) {
   EXPECT_EQ(calls.load(), 0) << "mask_mod called inside full blocks";
 }
 
+// A work item packs only the keys between its first and last tiles with work: keys that the
+// block mask hides from every query are never converted (counted: kv_packed), whatever the
+// planner's key tile.
+TEST(Flex, KeysHiddenFromEveryQueryAreNotPacked) {
+  const Shape s{1, 64, 700, 2, 2, 32};
+  const Inputs in = make_inputs(s, 960);
+  const auto first_keys = [](std::int64_t, std::int64_t, std::int64_t, std::int64_t kv) { return kv < 128; };
+  const FlexMods mods(flex::NoScoreMod{}, first_keys);
+  const BlockMask blocks = create_block_mask(first_keys, 1, 1, s.seqlen_q, s.seqlen_k, 128);
+  KernelCounters counters;
+  AttentionOptions o;
+  o.score_hook = mods.hook(&blocks);
+  o.counters = &counters;
+  check_against_reference(in, o, 1, false);
+  EXPECT_GT(counters.kv_packed, 0);
+  EXPECT_LT(counters.kv_packed, s.heads_kv * s.seqlen_k * 2 * s.head_dim / 2)
+      << "keys past 128 (and their tiles) hidden from every query were packed";
+}
+
 // The partial blocks handed to the kernels carry mask_mod's values (BlockMask::partial_keep):
 // each byte is mask_mod's, each partial block has its slot; the kernels read the bytes and
 // never call mask_mod (counted), forward and backward, and give bit for bit what calling it
