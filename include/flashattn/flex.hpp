@@ -157,6 +157,19 @@ void parallel_rows(std::int64_t count, const std::function<void(std::int64_t)>& 
 void affine_span(float* scores, float* grad, std::int64_t n, const float* a, std::int64_t a_step, const float* c,
                  std::int64_t c_step, float c_scale, const std::uint8_t* keep, std::int64_t keep_step);
 
+// Partial blocks kept as bytes (BlockMask::partial_keep; the dense attn_mask summary's copy):
+// where `count` blocks of `block_bytes` take at most 128 bytes per (query + key) of each of
+// `planes` (batch, head) planes — the diagonals of causal, window, document and prefix masks;
+// a random-looking mask, partial everywhere, keeps none, so memory stays linear.
+constexpr std::int64_t kPartialBytesPerKey = 128;
+constexpr bool partial_blocks_fit(std::int64_t count, std::int64_t block_bytes, std::int64_t planes,
+                                  std::int64_t seqlen_q, std::int64_t seqlen_k) {
+  return count > 0 && count * block_bytes <= kPartialBytesPerKey * planes * (seqlen_q + seqlen_k);
+}
+// Numbers the partial blocks among states[0, n) (ScoreBlock values) in order: slots[e] is
+// block e's slot, −1 where it is not partial; returns each slot's block.
+std::vector<std::int64_t> number_partial_blocks(const std::uint8_t* states, std::int64_t n, std::int32_t* slots);
+
 }  // namespace detail
 }  // namespace flex
 
@@ -174,11 +187,9 @@ struct BlockMask {
   // mask_mod's values on the partial blocks that the hook hands the kernels (kernel_blocks
   // where set, else blocks), so that the kernels read a byte per score there instead of calling
   // mask_mod (ScoreHook::partial_slots, partial_keep): i32 slots of that block grid's shape
-  // (−1: none) and u8 (slots, size, size). Kept where they take at most kPartialBytesPerKey
-  // bytes per (query + key) of a (batch, head) plane — the partial blocks along a mask's
-  // diagonals (causal, windows, documents, prefixes) — so memory stays linear in the sequence
-  // lengths; a mask with more partial blocks (random-looking ones) has none and calls mask_mod.
-  static constexpr std::int64_t kPartialBytesPerKey = 128;
+  // (−1: none) and u8 (slots, size, size). Kept where they fit flex::detail::partial_blocks_fit
+  // (a budget linear in the sequence lengths); a mask with more partial blocks (random-looking
+  // ones) has none and calls mask_mod.
   Tensor partial_slots, partial_keep;
 };
 
@@ -225,19 +236,12 @@ BlockMask create_block_mask(const MaskMod& mask_mod, std::int64_t batch, std::in
   });
   // The partial units' bytes, within the budget: each evaluated again, whole.
   Tensor partial_slots, partial_keep;
-  std::int64_t partial = 0;
-  for (std::int64_t e = 0; e < units.numel(); ++e) partial += u[e] == static_cast<std::uint8_t>(ScoreBlock::partial);
-  if (partial > 0 && partial * unit * unit <= BlockMask::kPartialBytesPerKey * batch * heads * (seqlen_q + seqlen_k)) {
+  const std::int64_t partial = std::count(u, u + units.numel(), static_cast<std::uint8_t>(ScoreBlock::partial));
+  if (flex::detail::partial_blocks_fit(partial, unit * unit, batch * heads, seqlen_q, seqlen_k)) {
     partial_slots = Tensor(DType::i32, {batch, heads, uq, uk});
     partial_keep = Tensor(DType::u8, {partial, unit, unit});
-    std::int32_t* slots = partial_slots.data_as<std::int32_t>();
-    std::vector<std::int64_t> at;  // the unit of each slot
-    at.reserve(static_cast<std::size_t>(partial));
-    for (std::int64_t e = 0; e < units.numel(); ++e) {
-      const bool is_partial = u[e] == static_cast<std::uint8_t>(ScoreBlock::partial);
-      slots[e] = is_partial ? static_cast<std::int32_t>(at.size()) : -1;
-      if (is_partial) at.push_back(e);
-    }
+    const std::vector<std::int64_t> at =
+        flex::detail::number_partial_blocks(u, units.numel(), partial_slots.data_as<std::int32_t>());
     std::uint8_t* keep = partial_keep.data_as<std::uint8_t>();
     flex::detail::parallel_rows(partial, [&](std::int64_t slot) {
       const std::int64_t e = at[static_cast<std::size_t>(slot)], bj = e % uk, bi = e / uk % uq, plane = e / (uk * uq);

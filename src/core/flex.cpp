@@ -2,6 +2,7 @@
 // on the library's threads.
 #include <exception>
 #include <mutex>
+#include <vector>
 
 #include "flashattn/flex.hpp"
 
@@ -20,6 +21,16 @@ void parallel_rows(std::int64_t count, const std::function<void(std::int64_t)>& 
     }
   }
   if (first) std::rethrow_exception(first);
+}
+
+std::vector<std::int64_t> number_partial_blocks(const std::uint8_t* states, std::int64_t n, std::int32_t* slots) {
+  std::vector<std::int64_t> at;
+  for (std::int64_t e = 0; e < n; ++e) {
+    const bool partial = states[e] == static_cast<std::uint8_t>(ScoreBlock::partial);
+    slots[e] = partial ? static_cast<std::int32_t>(at.size()) : -1;
+    if (partial) at.push_back(e);
+  }
+  return at;
 }
 
 }  // namespace flashattn::flex::detail

@@ -62,6 +62,7 @@ void BlockExtremes(const std::uint8_t* HWY_RESTRICT low, const std::uint8_t* HWY
 HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
+#include "flashattn/flex.hpp"
 #include "src/cpu/kernels/mask_blocks.hpp"
 
 namespace flashattn::cpu {
@@ -146,17 +147,12 @@ DenseMaskSummary::DenseMaskSummary(const TensorView& mask, std::int64_t seqlen_q
 
 void DenseMaskSummary::copy_partial_blocks(const std::uint8_t* m, const TensorView& mask, int threads) {
   DenseMaskBlocks& b = blocks_;
-  const auto partial = static_cast<std::uint8_t>(ScoreBlock::partial);
-  const std::int64_t count = std::count(states_.begin(), states_.end(), partial);
+  const std::int64_t count = std::count(states_.begin(), states_.end(), static_cast<std::uint8_t>(ScoreBlock::partial));
   const std::int64_t size = b.block_rows * b.block_cols, rows = mask.shape[2], cols = mask.shape[3];
-  if (count == 0 || count * size > kPartialBytesPerKey * b.mask_batch * b.mask_heads * (rows + cols)) return;
+  if (!flex::detail::partial_blocks_fit(count, size, b.mask_batch * b.mask_heads, rows, cols)) return;
   slots_.resize(states_.size());
-  std::vector<std::int64_t> at;  // the block of each slot
-  at.reserve(static_cast<std::size_t>(count));
-  for (std::size_t e = 0; e < states_.size(); ++e) {
-    slots_[e] = states_[e] == partial ? static_cast<std::int32_t>(at.size()) : -1;
-    if (states_[e] == partial) at.push_back(static_cast<std::int64_t>(e));
-  }
+  const std::vector<std::int64_t> at =
+      flex::detail::number_partial_blocks(states_.data(), static_cast<std::int64_t>(states_.size()), slots_.data());
   keep_.assign(static_cast<std::size_t>(count * size), 0);
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (std::int64_t slot = 0; slot < count; ++slot) {

@@ -40,16 +40,14 @@ struct DenseMaskBlocks {
 // `bias_blocks` (its all −∞ blocks empty, the others partial; the backward, whose dbias
 // covers every entry, does not ask); the blocks are block_rows × block_cols; the pass over
 // the mask runs on `threads` threads. A boolean mask of full rows and columns (no size-1
-// query or key dim) also has its partial blocks' bytes copied out where they take at most
-// kPartialBytesPerKey bytes per (query + key) of a plane — the partial blocks along the
-// diagonals of causal, window, document and prefix masks; a random mask has none.
+// query or key dim) also has its partial blocks' bytes copied out where they fit
+// create_block_mask's budget (flex::detail::partial_blocks_fit); a random mask has none.
 class DenseMaskSummary {
  public:
   DenseMaskSummary() = default;
   DenseMaskSummary(const TensorView& mask, std::int64_t seqlen_q, std::int64_t seqlen_k, std::int64_t block_rows,
                    std::int64_t block_cols, int threads, bool bias_blocks = false);
   const DenseMaskBlocks& blocks() const { return blocks_; }
-  static constexpr std::int64_t kPartialBytesPerKey = 128;
 
  private:
   // The boolean mask m's partial blocks into keep_, indexed by slots_, within the budget.
