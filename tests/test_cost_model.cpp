@@ -637,28 +637,28 @@ TEST(CostModel, CpuArchitectureDerivedByHand) {
   const cost::Architecture cpu = cost::cpu_architecture(hw, {3.0, 96.0, 20.0});
   EXPECT_DOUBLE_EQ(cpu.mma_tf32, 16.0);  // 96 GFLOP/s / (2 cores · 3 GHz)
   EXPECT_DOUBLE_EQ(cpu.fp32_lanes, 16.0);  // 8 lanes · 2 FMA pipes
-  // Exp2 and Exp2Poly3 on AVX2: 10 shared vector instructions plus 6 and 3 FMAs.
-  EXPECT_DOUBLE_EQ(cpu.exp_per_clock, 16.0 / 16.0);
+  // Exp2 and Exp2Poly3 on AVX2: 10 shared vector instructions plus 5 and 3 FMAs.
+  EXPECT_DOUBLE_EQ(cpu.exp_per_clock, 16.0 / 15.0);
   EXPECT_DOUBLE_EQ(cpu.poly_exp_ops, 13.0);
   EXPECT_DOUBLE_EQ(cpu.smem_bytes_per_clock, 64.0);  // 2 loads of 32 bytes
   EXPECT_DOUBLE_EQ(cpu.hbm_bytes_per_second, 20e9);
   // Forward tile 64×128×64 on the shared FMA pipes: MMA 2·64·128·128 / 16 = 131072,
-  // exp 8192 / (16/16) = 8192, softmax (4·8192 + 64·64) / 16 = 2304; L1 4 bytes·(64·64 +
+  // exp 8192 / (16/15) = 7680, softmax (4·8192 + 64·64) / 16 = 2304; L1 4 bytes·(64·64 +
   // 2·128·64) / 64 = 1280. The pipes' sum bounds the tile.
   const cost::UnitCycles c = cost::forward_tile_cycles(cpu, 64, 128, 64, 64, {DType::f32});
   EXPECT_DOUBLE_EQ(c.mma, 131072);
-  EXPECT_DOUBLE_EQ(c.exp, 8192);
+  EXPECT_DOUBLE_EQ(c.exp, 7680);
   EXPECT_DOUBLE_EQ(c.fma, 2304);
   EXPECT_DOUBLE_EQ(c.smem, 1280);
-  EXPECT_DOUBLE_EQ(c.time(), 131072 + 8192 + 2304);
+  EXPECT_DOUBLE_EQ(c.time(), 131072 + 7680 + 2304);
   EXPECT_EQ(c.bottleneck(), "fma pipes");
   // Every exponential by Exp2Poly3: 8192 · 13 / 16 = 6656 cycles on the pipes instead of
-  // 8192; a quarter of them: exp 6144, fma 2304 + 1664.
+  // 7680; a quarter of them: exp 7680 · 3/4 = 5760, fma 2304 + 1664.
   const cost::UnitCycles poly = cost::forward_tile_cycles(cpu, 64, 128, 64, 64, {DType::f32, 1.0});
   EXPECT_DOUBLE_EQ(poly.exp, 0);
   EXPECT_DOUBLE_EQ(poly.fma, 2304 + 6656);
   const cost::UnitCycles quarter = cost::forward_tile_cycles(cpu, 64, 128, 64, 64, {DType::f32, 0.25});
-  EXPECT_DOUBLE_EQ(quarter.exp, 6144);
+  EXPECT_DOUBLE_EQ(quarter.exp, 5760);
   EXPECT_DOUBLE_EQ(quarter.fma, 2304 + 1664);
   EXPECT_THROW(cost::cpu_architecture(hw, {0.0, 96.0, 20.0}), Error);
 }

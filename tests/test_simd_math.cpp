@@ -6,7 +6,10 @@
 #include <hwy/aligned_allocator.h>
 #include <hwy/highway.h>
 
+#include <algorithm>
+#include <bit>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <vector>
 
@@ -86,6 +89,39 @@ TEST(SimdMath, Exp2KeepsNaN) {
       } else {
         EXPECT_TRUE(std::isnan(y[i])) << "lane " << i << " = " << y[i];
       }
+    }
+  });
+}
+
+TEST(SimdMath, Exp2IsBitIdenticalOnTheFmaTargetsAndExactAtIntegers) {
+  // Every x from below the underflow to past the overflow clamp, the integers (2^n exactly:
+  // p(0) = 1) and the points either side of the rounding boundaries ±1/2, where AVX-512's
+  // VSCALEFPS path and AVX2's exponent bits must agree bit for bit. (The 128-bit and scalar
+  // targets have no FMA: their Horner steps round twice, so they agree only to the bound of
+  // Exp2IsWithinTwoUlpOnTheKernelsDomain.)
+  const float inf = std::numeric_limits<float>::infinity();
+  std::vector<float> x = {-inf, inf, std::nanf(""), -1e30f, 1e30f, -126.5f, -127.0f, 127.0f, 127.49f};
+  for (float v = -140.0f; v < 140.0f; v += 0.00377f) x.push_back(v);
+  for (int n = -130; n <= 130; ++n)
+    for (float v : {static_cast<float>(n), static_cast<float>(n) + 0.5f})
+      for (float e : {std::nextafter(v, -inf), v, std::nextafter(v, inf)}) x.push_back(e);
+  x = padded(x, 0.0f);
+  std::vector<float> first, y(x.size());
+  test::for_each_simd_target([&](const std::string& target) {
+    HWY_DYNAMIC_DISPATCH(Exp2Array)(x.data(), y.data(), x.size());
+    for (int n = -126; n <= 127; ++n) {  // normal powers of two
+      const float v = static_cast<float>(n);
+      const auto at = static_cast<std::size_t>(std::find(x.begin(), x.end(), v) - x.begin());
+      EXPECT_EQ(y[at], std::ldexp(1.0f, n)) << "2^" << n << " on " << target;
+    }
+    if (target.rfind("AVX", 0) != 0) return;
+    if (first.empty()) {
+      first = y;
+      return;
+    }
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      if (std::isnan(first[i]) && std::isnan(y[i])) continue;
+      ASSERT_EQ(std::bit_cast<std::uint32_t>(y[i]), std::bit_cast<std::uint32_t>(first[i])) << "x = " << x[i] << " on " << target;
     }
   });
 }

@@ -409,13 +409,13 @@ void chapter_exp_unit(const TourFlags& f, const cost::Architecture& cpu) {
   std::printf("\n  Polynomial exp2 on this CPU, one thread, L1-resident array (median, interleaved):\n"
               "    %-7s model %5.2f per clock = %5.2f G/s at %.2f GHz   measured %5.2f G/s\n"
               "    %-7s model %5.2f per clock = %5.2f G/s               measured %5.2f G/s\n"
-              "    poly3 / exact: model %.2f (20 against 17 vector instructions), measured %.2f. The model issues\n"
+              "    poly3 / exact: model %.2f (%.0f against %.0f vector instructions), measured %.2f. The model issues\n"
               "    every instruction on the 2 FMA pipes; integer and compare instructions can also take other\n"
               "    vector ports, so an idle core may beat it (and a shared one lag it). The exponentials are a\n"
               "    few %% of a forward's instructions: the choice barely moves a forward here (docs/numerics.md §5).\n",
               "exact", cpu.exp_per_clock, cpu.exp_per_clock * cpu.clock_ghz, cpu.clock_ghz, exact, "poly3",
               poly3_per_clock, poly3_per_clock * cpu.clock_ghz, poly3, poly3_per_clock / cpu.exp_per_clock,
-              poly3 / exact);
+              cpu.fp32_lanes / cpu.exp_per_clock, cpu.poly_exp_ops, poly3 / exact);
 
   // Forward passes only, so the sweep's largest N: more key tiles per row for the rules to differ.
   const AttentionProblem p = square(f, f.max_seqlen, f.heads);
