@@ -6,6 +6,7 @@
 
 #include <cmath>
 
+#include "src/cpu/kernels/mask_blocks.hpp"
 #include "tests/support/support.hpp"
 
 namespace flashattn::test {
@@ -66,6 +67,22 @@ TEST(BackwardBf16, MatchesTheReferenceOnEveryTargetThatRunsIt) {
       o.seed = seed;
     });
     check(windowed, BackwardKernel::tiled_bf16);
+    // A boolean attn_mask of documents (causal within each, bottom-right): its partial blocks
+    // are copied out by the mask summary at the backward's tile sizes, and the kernel reads
+    // them there (RowMods::apply_mask_blocks), not the caller's rows.
+    constexpr std::int64_t sq = 140, sk = 190, len = 45;
+    Tensor docs(DType::u8, {1, 1, sq, sk});
+    for (std::int64_t i = 0; i < sq; ++i)
+      for (std::int64_t j = 0; j < sk; ++j) {
+        const std::int64_t qi = i + sk - sq;
+        docs.set(i * sk + j, qi / len == j / len && j <= qi ? 1.0f : 0.0f);
+      }
+    const Case masked = bf16_case({1, sq, sk, 4, 2, 64, 64}, false, seed + 1).with([&](AttentionOptions& o) {
+      o.attn_mask = docs.view();
+    });
+    const CpuBackwardPlan plan = plan_backward(masked.problem(), CpuHardware::detect(2), false);
+    EXPECT_NE(cpu::DenseMaskSummary(docs.view(), sq, sk, plan.block_q, plan.block_k, 2).blocks().slots, nullptr);
+    check(masked, BackwardKernel::tiled_bf16);
   });
   if (cpu_has_avx512bf16())
     EXPECT_GT(ran, 0) << "this CPU has AVX512-BF16: the kernel must have run on its AVX-512 target";
