@@ -154,6 +154,53 @@ TEST(Backward, DeterministicModeIsBitIdenticalAcrossRunsAndThreadCounts) {
   }
 }
 
+// The kept Q/dO tiles (CpuBackwardPlan::keep_q_rows): each thread converts a Q tile once per
+// kv head and reads it there for every K/V tile after — the same values as building it anew
+// per K/V tile (switches.reuse_packed_kv off), so the same gradients bit for bit: GQA groups
+// (the copy holds every q head of the kv head), ragged last Q tiles, causal and windowed
+// skips, f32 and f16 inputs on the float32 kernel and bf16 on tiled_bf16 where it runs,
+// deterministic mode, 1–3 threads, every SIMD target. The plan keeps them within its budgets
+// and not past them.
+TEST(Backward, KeptQRowsAreTheGatheredOnes) {
+  const CpuHardware hw = CpuHardware::detect(2);
+  std::uint64_t seed = 1100;
+  for_each_simd_target([&](const std::string& target) {
+    for (int threads : {1, 2, 3}) {
+      for (const Shape& shape : {Shape{2, 201, 333, 6, 2, 40, 24}, Shape{1, 77, 130, 8, 1, 64, 64}}) {
+        for (DType dtype : {DType::f32, DType::f16, DType::bf16}) {
+          const BackwardKernel kernel = dtype == DType::bf16 ? BackwardKernel::tiled_bf16 : BackwardKernel::tiled;
+          if (kernel == BackwardKernel::tiled_bf16 && !CpuHardware::detect(threads).bf16_dot) continue;
+          Case c = backward_case(shape, threads != 2, dtype, threads, threads == 3, seed++);
+          if (threads == 2) c = c.with([](AttentionOptions& o) { o.window_size = {40, 7}; });
+          SCOPED_TRACE(target + ", " + c.describe());
+          Problem p = make_problem(c);
+          ASSERT_TRUE(plan_backward(c.problem(), hw, false, kernel).keep_q_rows);
+          p.options.backward_kernel = kernel;
+          const BackwardResult kept = run_backward(p);
+          p.options.switches.reuse_packed_kv = false;
+          const BackwardResult gathered = run_backward(p);
+          EXPECT_TRUE(bitwise_equal(kept.dq, gathered.dq));
+          EXPECT_TRUE(bitwise_equal(kept.dk, gathered.dk));
+          EXPECT_TRUE(bitwise_equal(kept.dv, gathered.dv));
+        }
+      }
+    }
+  });
+  // 8 q heads of one kv head at 16384 queries, D = 256: 8 · 16384 · 2 · (256 + 16) floats
+  // = 272 MiB per thread, past the per-thread budget: gathered per tile.
+  const AttentionProblem big = AttentionProblem::from_sizes(1, 16384, 16384, 8, 1, 256, 256, DType::f32, {});
+  EXPECT_FALSE(plan_backward(big, hw, false, BackwardKernel::tiled).keep_q_rows);
+  // One head of 65536 queries, D = 64: 40 MiB a thread, more than q and dout (32 MiB) — the
+  // copies would add more than they copy (tests/memory_cap.cpp's problem). 32 heads: kept.
+  const AttentionProblem one_head = AttentionProblem::from_sizes(1, 65536, 65536, 1, 1, 64, 64, DType::f32, {});
+  EXPECT_FALSE(plan_backward(one_head, hw, false, BackwardKernel::tiled).keep_q_rows);
+  const AttentionProblem heads = AttentionProblem::from_sizes(1, 65536, 65536, 32, 32, 64, 64, DType::f32, {});
+  EXPECT_TRUE(plan_backward(heads, hw, false, BackwardKernel::tiled).keep_q_rows);
+  const AttentionProblem small = AttentionProblem::from_sizes(1, 512, 512, 8, 1, 64, 64, DType::bf16, {});
+  if (hw.bf16_dot) EXPECT_TRUE(plan_backward(small, hw, false, BackwardKernel::tiled_bf16).keep_q_rows);
+  EXPECT_TRUE(plan_backward(small, hw, false, BackwardKernel::tiled).keep_q_rows);
+}
+
 TEST(Backward, RowsWithoutVisibleKeysContributeNothing) {
   Problem p = make_problem(backward_case({1, 40, 25, 2, 1, 16, 16}, true, DType::f32, 2, false, 1100));
   for (bool det : {false, true}) {

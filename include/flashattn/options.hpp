@@ -264,12 +264,14 @@ struct AttentionOptions {
   // are replaced once the call's checks have passed (a rejected call leaves it as it was).
   // The CPU backend's plans; a CUDA call with it set is an Error.
   PlansRun* plans_run = nullptr;
-  // For measurement only (flashattn tour): turn one technique of the CPU forward kernels
+  // For measurement only (flashattn tour): turn one technique of the CPU kernels
   // off to time what it is worth (packing and prefetch: the tiled kernels); the result does
   // not change beyond float32 rounding.
   struct KernelSwitches {
     // Off: every Q tile packs the K/V tiles it streams again, instead of reusing the
-    // thread's packed head (counted: kv_packed = k_read + v_read for whole tiles).
+    // thread's packed head (counted: kv_packed = k_read + v_read for whole tiles); and the
+    // backward converts the Q and dO tiles of every K/V tile again, instead of reading the
+    // thread's converted tiles of its kv head (CpuBackwardPlan::keep_q_rows).
     bool reuse_packed_kv = true;
     // Off: no software prefetch of the K/V rows being packed, the Q rows being loaded and
     // the output rows being stored.

@@ -138,6 +138,13 @@ struct CpuBackwardPlan {
   std::int64_t k_blocks = 0;           // per (batch, kv head)
   std::int64_t kv_work_items = 0;      // batch · heads_kv · k_blocks
   bool deterministic = false;
+  // Each thread keeps the Q and dO tiles of its current kv head's q heads as its products
+  // read them (float32, Q times softmax_scale·log2e; tiled_bf16: paired and transposed too),
+  // built once for all of that head's K/V tiles it runs, instead of gathering and converting
+  // every Q tile again per K/V tile — where each copy
+  // is within 64 MiB and all threads' together within the bytes of q and dout (or 16 MiB).
+  // Off with AttentionOptions::switches.reuse_packed_kv.
+  bool keep_q_rows = false;
   int threads = 1;
   std::size_t workspace_bytes_per_thread = 0;
   std::size_t shared_bytes = 0;        // rowsum(dO∘O), the float32 dQ accumulator, tickets

@@ -26,8 +26,12 @@ void cpu::run_backward(const detail::BackwardJob& job) {
   const AttentionOptions& options = job.options;
   if (p.batch == 0) return;
   const std::int64_t heads = p.batch * p.heads_q;
-  const CpuBackwardPlan plan =
+  CpuBackwardPlan plan =
       plan_backward(p, CpuHardware::detect(options.num_threads), options.deterministic, options.backward_kernel);
+  if (!options.switches.reuse_packed_kv && plan.keep_q_rows) {  // measurement: gather Q tiles again
+    plan.keep_q_rows = false;
+    plan.workspace_bytes_per_thread = cpu::backward_workspace_bytes(plan, p);
+  }
   const cpu::BackwardKernels kernels = cpu::backward_kernels(plan.kernel);
 
   const std::size_t d_pad = static_cast<std::size_t>(plan.head_dim_padded);

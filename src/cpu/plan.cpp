@@ -352,6 +352,15 @@ CpuBackwardPlan plan_backward(const AttentionProblem& p, const CpuHardware& hw,
   plan.kv_work_items = p.batch * p.heads_kv * plan.k_blocks;
   plan.threads = static_cast<int>(std::clamp<std::int64_t>(
       std::max(plan.kv_work_items, p.batch * p.heads_q), 1, hw.threads));
+  // The threads' Q/dO copies (BackwardWorkspace::q_kept): each within kQCacheBytes, and
+  // together within what they copy from (q and dout) unless that is under kQCacheFreeBytes —
+  // what they save is gathering rows H·D apart, so few heads (rows close together) and long
+  // sequences gain least from them and pay most.
+  const std::size_t copy = cpu::backward_q_rows_bytes(plan, p), copies = copy * static_cast<std::size_t>(plan.threads);
+  const std::size_t copied = static_cast<std::size_t>(p.batch * p.heads_q * p.seqlen_q * (p.head_dim + p.head_dim_v)) *
+                             dtype_size(p.dtype);
+  plan.keep_q_rows = copy <= cpu::kQCacheBytes &&
+                     (copies <= copied || copies <= cpu::kQCacheFreeBytes);
   plan.workspace_bytes_per_thread = cpu::backward_workspace_bytes(plan, p);
   const std::size_t rows = static_cast<std::size_t>(p.batch * p.heads_q * p.seqlen_q);
   plan.shared_bytes = rows * sizeof(float) * (1 + static_cast<std::size_t>(plan.head_dim_padded)) +
@@ -366,7 +375,8 @@ std::string CpuBackwardPlan::describe() const {
   s << "kernel=" << to_string(kernel) << " simd=" << hardware.simd_target << " micro_tile=" << hardware.micro_rows
     << "x" << hardware.micro_cols << " block_q=" << block_q << " block_k=" << block_k
     << " work_items=" << kv_work_items
-    << " deterministic=" << (deterministic ? "true" : "false") << " threads=" << threads
+    << " deterministic=" << (deterministic ? "true" : "false") << " keep_q_rows=" << (keep_q_rows ? "true" : "false")
+    << " threads=" << threads
     << " workspace_bytes=" << workspace_bytes();
   return s.str();
 }

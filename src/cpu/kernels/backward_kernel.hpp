@@ -72,6 +72,13 @@ inline constexpr std::int64_t kDqLockStripes = 1024;
 inline constexpr std::int64_t kRowLdPad = 16;
 inline constexpr std::int64_t RowLd(std::int64_t padded) { return padded + kRowLdPad; }
 
+// The most a thread's Q/dO copy (BackwardWorkspace::q_kept, CpuBackwardPlan::keep_q_rows)
+// may take; past it the float32 kernel gathers each Q tile's rows anew for every K/V tile.
+// Beyond kQCacheFreeBytes for all threads together, the copies are kept only where they take
+// no more than the q and dout they copy (plan_backward).
+inline constexpr std::size_t kQCacheBytes = std::size_t{64} << 20;
+inline constexpr std::size_t kQCacheFreeBytes = std::size_t{16} << 20;
+
 // Per-thread scratch, sized by the plan. Like the forward, K and V of one (batch, kv
 // head) are packed once per thread and reused by that head's work items.
 struct BackwardWorkspace {
@@ -79,6 +86,25 @@ struct BackwardWorkspace {
 
   hwy::AlignedFreeUniquePtr<float[]> q_tile;   // (block_q, RowLd(D_pad)): Q·scale·log2e
   hwy::AlignedFreeUniquePtr<float[]> do_tile;  // (block_q, RowLd(Dv_pad)): dO
+  // The Q and dO tiles of the q heads of one (batch, kv head) as the products read them,
+  // kept across the thread's work items of that kv head (CpuBackwardPlan::keep_q_rows): each
+  // K/V tile reads every Q tile of its heads, and tiles converted once into this contiguous
+  // copy are read from it by the next items (each converted at its first use) instead of
+  // gathered again from the caller's rows, H·D apart. Tile t of the group · q_blocks tiles
+  // (q head h % group, Q tile i0 / block_q) at t · block_q rows: the float32 kernel's
+  // Q·scale·log2e (rows of RowLd(D_pad)) and dO (RowLd(Dv_pad)) in q_kept and do_kept,
+  // tiled_bf16's LoadQ tiles (rows, then transposed) in q_kept16 and do_kept16. Empty unless
+  // the plan keeps them (then LoadQ builds each tile in q_tile, do_tile or q_bf16, do_bf16).
+  hwy::AlignedFreeUniquePtr<float[]> q_kept, do_kept;
+  hwy::AlignedFreeUniquePtr<std::uint16_t[]> q_kept16, do_kept16;
+  std::int64_t kept_kv = -1;                  // the (batch · heads_kv + kv head) kept, −1: none
+  std::vector<std::uint8_t> kept_converted;   // (group · q_blocks): tile converted already
+  // The current tiles, where LoadQ put them: the float32 kernel's Q' and dO rows; tiled_bf16's
+  // Q and dO, each followed by its transpose at block_q · D_pad (Dv_pad).
+  const float* q_rows = nullptr;
+  const float* do_rows = nullptr;
+  const std::uint16_t* q_pairs = nullptr;
+  const std::uint16_t* do_pairs = nullptr;
   hwy::AlignedFreeUniquePtr<float[]> p_tile;   // (block_q, block_k): P
   hwy::AlignedFreeUniquePtr<float[]> ds_tile;  // (block_q, block_k): dP, then dS in place
   hwy::AlignedFreeUniquePtr<float[]> g_tile;   // (block_q, block_k): softcap's 1 − tanh²
@@ -94,11 +120,11 @@ struct BackwardWorkspace {
   hwy::AlignedFreeUniquePtr<float[]> row_scratch;
   // (tiled_bf16) operands of the bf16 micro-kernel (bf16_dot.hpp), pairs along each
   // product's depth; empty otherwise. Per Q tile: Q and dO as stored (rows of D_pad, Dv_pad:
-  // the A operands of S and dP) and transposed (Qᵀ, dOᵀ: the A operands of dKᵀ and dVᵀ, whose
-  // depth is the tile's rows), with a scratch for pairing rows; P and dS paired two rows at a
-  // time (row-pair p's words of every key, 2·block_k apart: B of dVᵀ and dKᵀ); dS rows (dQ's A).
-  hwy::AlignedFreeUniquePtr<std::uint16_t[]> q_bf16, do_bf16;      // (block_q, D_pad), (block_q, Dv_pad)
-  hwy::AlignedFreeUniquePtr<std::uint16_t[]> qt_bf16, dot_bf16;    // (D_pad, block_q), (Dv_pad, block_q)
+  // the A operands of S and dP), each followed by its transpose (Qᵀ, dOᵀ: the A operands of
+  // dKᵀ and dVᵀ, whose depth is the tile's rows), with a scratch for pairing rows; P and dS
+  // paired two rows at a time (row-pair p's words of every key, 2·block_k apart: B of dVᵀ
+  // and dKᵀ); dS rows (dQ's A).
+  hwy::AlignedFreeUniquePtr<std::uint16_t[]> q_bf16, do_bf16;      // (2 · block_q, D_pad), (2 · block_q, Dv_pad)
   hwy::AlignedFreeUniquePtr<std::uint16_t[]> pair_scratch;         // (block_q, max(D_pad, Dv_pad))
   hwy::AlignedFreeUniquePtr<std::uint16_t[]> pt_bf16, dst_bf16;    // (block_q / 2, block_k, 2)
   hwy::AlignedFreeUniquePtr<std::uint16_t[]> ds_bf16;              // (block_q, block_k)
@@ -117,6 +143,8 @@ struct BackwardWorkspace {
 };
 
 std::size_t backward_workspace_bytes(const CpuBackwardPlan& plan, const AttentionProblem& problem);
+// The bytes of one thread's Q/dO copy (BackwardWorkspace::q_kept) were the plan to keep it.
+std::size_t backward_q_rows_bytes(const CpuBackwardPlan& plan, const AttentionProblem& problem);
 
 // One (batch, head) row range of D = rowsum(dO ∘ O).
 using BackwardDeltaFn = void (*)(const BackwardParams&, BackwardWorkspace&, std::int64_t batch_head);

@@ -95,6 +95,30 @@ void LoadRowStats(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t
   }
 }
 
+// Where the Q and dO tile of rows [i0, ..) of (b, h) is kept in the thread's copy of its kv
+// head's tiles (BackwardWorkspace::q_kept): its index among the group · q_blocks tiles of the
+// copy, −1 where the plan keeps none; and whether it was converted there by an earlier K/V
+// tile. A tile not yet converted is marked converted: the caller converts it now. A new kv
+// head starts the copy over.
+struct KeptTile {
+  std::int64_t index = -1;
+  bool converted = false;
+};
+KeptTile KeepTile(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t b, std::int64_t h, std::int64_t i0) {
+  if (ws.kept_converted.empty()) return {};
+  const AttentionProblem& p = prm.problem;
+  const std::int64_t group = p.heads_q / p.heads_kv, kv = b * p.heads_kv + h / group;
+  if (ws.kept_kv != kv) {
+    ws.kept_kv = kv;
+    std::fill(ws.kept_converted.begin(), ws.kept_converted.end(), std::uint8_t{0});
+  }
+  const std::int64_t index = h % group * prm.plan.q_blocks + i0 / prm.plan.block_q;
+  std::uint8_t& converted = ws.kept_converted[static_cast<std::size_t>(index)];
+  const KeptTile kept{index, converted != 0};
+  converted = 1;
+  return kept;
+}
+
 // The backward's five products on float32 FMAs (the forward's micro-kernel), K and V
 // widened at packing, Q pre-scaled by scale·log2e as it is loaded.
 struct Fp32BackwardProducts {
@@ -146,17 +170,34 @@ struct Fp32BackwardProducts {
     });
   }
 
-  // The Q tile (scaled by scale·log2e) and the dO tile of rows [i0, i0 + rows) of (b, h);
-  // rows up to rows_pad are zero.
+  // The Q tile (scaled by scale·log2e) and the dO tile of rows [i0, i0 + rows) of (b, h),
+  // rows up to rows_pad zero, at ws.q_rows and ws.do_rows: in the thread's copy of its kv
+  // head's tiles (BackwardWorkspace::q_kept), converted there at the tile's first use, or,
+  // without the copy, converted into q_tile and do_tile.
   static void LoadQ(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t b, std::int64_t h,
                     std::int64_t i0, std::int64_t rows, std::int64_t rows_pad) {
+    const std::int64_t bq = prm.plan.block_q;
+    const std::int64_t d_ld = RowLd(prm.plan.head_dim_padded), dv_ld = RowLd(prm.plan.head_dim_v_padded);
+    const KeptTile kept = KeepTile(prm, ws, b, h, i0);
+    float* q = kept.index < 0 ? ws.q_tile.get() : ws.q_kept.get() + kept.index * bq * d_ld;
+    float* dout = kept.index < 0 ? ws.do_tile.get() : ws.do_kept.get() + kept.index * bq * dv_ld;
+    ws.q_rows = q;
+    ws.do_rows = dout;
+    if (!kept.converted) ConvertQ(prm, b, h, i0, rows, rows_pad, q, dout);
+  }
+
+  // Rows [i0, i0 + rows) of Q·scale·log2e and of dO of (b, h) into q and dout (rows
+  // RowLd(D_pad) and RowLd(Dv_pad) floats apart); rows up to rows_pad and columns past D, Dv
+  // zero.
+  static void ConvertQ(const BackwardParams& prm, std::int64_t b, std::int64_t h, std::int64_t i0, std::int64_t rows,
+                       std::int64_t rows_pad, float* HWY_RESTRICT q, float* HWY_RESTRICT dout) {
     const AttentionProblem& p = prm.problem;
     const std::int64_t d = p.head_dim, dv = p.head_dim_v;
     const std::int64_t d_pad = prm.plan.head_dim_padded, dv_pad = prm.plan.head_dim_v_padded;
     const float q_scale = p.softmax_scale * OnlineSoftmaxState::kLog2e;
     for (std::int64_t r = 0; r < rows_pad; ++r) {
-      float* qrow = ws.q_tile.get() + r * RowLd(d_pad);
-      float* dorow = ws.do_tile.get() + r * RowLd(dv_pad);
+      float* qrow = q + r * RowLd(d_pad);
+      float* dorow = dout + r * RowLd(dv_pad);
       if (r < rows) {
         LoadRow(RowPointer(prm.q, b, i0 + r, h), p.dtype, d, q_scale, qrow);
         LoadRow(RowPointer(prm.dout, b, i0 + r, h), p.dtype, dv, 1.0f, dorow);
@@ -175,9 +216,9 @@ struct Fp32BackwardProducts {
   static void ScoresAndDp(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t tile,
                           std::int64_t rows_pad, std::int64_t n_pad, float /*scale*/) {
     const std::int64_t bc = prm.plan.block_k, d = prm.problem.head_dim, dv = prm.problem.head_dim_v;
-    TileGemm<false>({ws.q_tile.get(), RowLd(prm.plan.head_dim_padded)}, ws.kt_packed.get() + tile * d * RowLd(bc), RowLd(bc),
+    TileGemm<false>({ws.q_rows, RowLd(prm.plan.head_dim_padded)}, ws.kt_packed.get() + tile * d * RowLd(bc), RowLd(bc),
                     ws.p_tile.get(), bc, rows_pad, n_pad, d);
-    TileGemm<false>({ws.do_tile.get(), RowLd(prm.plan.head_dim_v_padded)}, ws.vt_packed.get() + tile * dv * RowLd(bc), RowLd(bc),
+    TileGemm<false>({ws.do_rows, RowLd(prm.plan.head_dim_v_padded)}, ws.vt_packed.get() + tile * dv * RowLd(bc), RowLd(bc),
                     ws.ds_tile.get(), bc, rows_pad, n_pad, dv);
   }
 
@@ -187,9 +228,9 @@ struct Fp32BackwardProducts {
                         std::int64_t n_pad) {
     const std::int64_t bc = prm.plan.block_k;
     const std::int64_t d_pad = prm.plan.head_dim_padded, dv_pad = prm.plan.head_dim_v_padded;
-    TileGemm<true>({ws.p_tile.get(), 1, bc}, ws.do_tile.get(), RowLd(dv_pad), ws.dv_acc.get(), dv_pad, n_pad, dv_pad,
+    TileGemm<true>({ws.p_tile.get(), 1, bc}, ws.do_rows, RowLd(dv_pad), ws.dv_acc.get(), dv_pad, n_pad, dv_pad,
                    rows_pad);
-    TileGemm<true>({ws.ds_tile.get(), 1, bc}, ws.q_tile.get(), RowLd(d_pad), ws.dk_acc.get(), d_pad, n_pad, d_pad,
+    TileGemm<true>({ws.ds_tile.get(), 1, bc}, ws.q_rows, RowLd(d_pad), ws.dk_acc.get(), d_pad, n_pad, d_pad,
                    rows_pad);
     TileGemm<false>({ws.ds_tile.get(), bc}, ws.k_packed.get() + j0 * RowLd(d_pad), RowLd(d_pad), ws.dq_tile.get(), d_pad,
                     rows_pad, d_pad, n_pad);
@@ -406,14 +447,34 @@ struct Bf16BackwardProducts {
   // Q and dO rows of [i0, i0 + rows) as stored, zero-padded to D_pad, Dv_pad and to rows_pad
   // rows (S's and dP's A operands), and Qᵀ, dOᵀ: each column's values of the tile's rows, in
   // order (dKᵀ's and dVᵀ's A operands) — the rows paired, then the pairs transposed.
+  // They are at ws.q_pairs (Q, then Qᵀ at block_q · D_pad) and ws.do_pairs (dO, then dOᵀ): in
+  // the thread's copy of its kv head's tiles (BackwardWorkspace::q_kept16), built there at
+  // the tile's first use, or, without the copy, built into q_bf16 and do_bf16.
   static void LoadQ(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t b, std::int64_t h,
                     std::int64_t i0, std::int64_t rows, std::int64_t rows_pad) {
+    const std::int64_t bq = prm.plan.block_q, d_pad = prm.plan.head_dim_padded, dv_pad = prm.plan.head_dim_v_padded;
+    const KeptTile kept = KeepTile(prm, ws, b, h, i0);
+    std::uint16_t* q = ws.q_bf16.get();
+    std::uint16_t* dout = ws.do_bf16.get();
+    if (kept.index >= 0) {
+      q = ws.q_kept16.get() + kept.index * bq * 2 * d_pad;
+      dout = ws.do_kept16.get() + kept.index * bq * 2 * dv_pad;
+    }
+    ws.q_pairs = q;
+    ws.do_pairs = dout;
+    if (!kept.converted) PairQ(prm, ws, b, h, i0, rows, rows_pad, q, dout);
+  }
+
+  // LoadQ's tiles of rows [i0, i0 + rows) of (b, h) built into q and dout: each the rows,
+  // (block_q, width_pad), then the transposed, from block_q · width_pad on.
+  static void PairQ(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t b, std::int64_t h, std::int64_t i0,
+                    std::int64_t rows, std::int64_t rows_pad, std::uint16_t* q, std::uint16_t* dout) {
     const AttentionProblem& p = prm.problem;
-    const std::int64_t d_pad = prm.plan.head_dim_padded, dv_pad = prm.plan.head_dim_v_padded;
+    const std::int64_t bq = prm.plan.block_q, d_pad = prm.plan.head_dim_padded, dv_pad = prm.plan.head_dim_v_padded;
     auto* paired = reinterpret_cast<std::uint32_t*>(ws.pair_scratch.get());  // (rows_pad / 2, width_pad) words
     for (const auto& [src, dst, transposed, width, width_pad] :
-         {std::tuple{&prm.q, ws.q_bf16.get(), ws.qt_bf16.get(), p.head_dim, d_pad},
-          std::tuple{&prm.dout, ws.do_bf16.get(), ws.dot_bf16.get(), p.head_dim_v, dv_pad}}) {
+         {std::tuple{&prm.q, q, q + bq * d_pad, p.head_dim, d_pad},
+          std::tuple{&prm.dout, dout, dout + bq * dv_pad, p.head_dim_v, dv_pad}}) {
       for (std::int64_t r = 0; r < rows_pad; ++r) {
         std::uint16_t* row = dst + r * width_pad;
         if (r < rows)
@@ -438,15 +499,16 @@ struct Bf16BackwardProducts {
     const std::int64_t d_even = Even(p.head_dim), dv_even = Even(p.head_dim_v);
     const std::uint16_t* kt = ws.kt_pairs.get() + tile * bc * d_even;
     const std::uint16_t* vt = ws.vt_pairs.get() + tile * bc * dv_even;
-    bf16dot::DotBlock(ws.q_bf16.get(), d_pad, kt, kMicroCols * d_even, kStep, d_even / 2, scale, false,
+    bf16dot::DotBlock(ws.q_pairs, d_pad, kt, kMicroCols * d_even, kStep, d_even / 2, scale, false,
                       ws.p_tile.get(), bc, rows_pad, n_pad);
-    bf16dot::DotBlock(ws.do_bf16.get(), dv_pad, vt, kMicroCols * dv_even, kStep, dv_even / 2, 1.0f, false,
+    bf16dot::DotBlock(ws.do_pairs, dv_pad, vt, kMicroCols * dv_even, kStep, dv_even / 2, 1.0f, false,
                       ws.ds_tile.get(), bc, rows_pad, n_pad);
   }
 
   static void Gradients(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t j0, std::int64_t rows_pad,
                         std::int64_t n_pad) {
-    const std::int64_t bc = prm.plan.block_k, d_pad = prm.plan.head_dim_padded, dv_pad = prm.plan.head_dim_v_padded;
+    const std::int64_t bq = prm.plan.block_q, bc = prm.plan.block_k;
+    const std::int64_t d_pad = prm.plan.head_dim_padded, dv_pad = prm.plan.head_dim_v_padded;
     // P and dS paired two rows at a time — word (row pair p, key j) at 2·(p·bc + j): the B
     // operands of dVᵀ and dKᵀ, kCols keys per panel, steps 2·bc apart; dS rows rounded as
     // they are for dQ.
@@ -457,9 +519,9 @@ struct Bf16BackwardProducts {
     for (std::int64_t r = 0; r < rows_pad; ++r)
       bf16dot::RoundToBf16(ws.ds_tile.get() + r * bc, ws.ds_bf16.get() + r * bc, n_pad);
     // dVᵀ += dOᵀ·P, dKᵀ += Qᵀ·dS: rows are head-dim columns, the depth is the Q tile's rows.
-    bf16dot::DotBlock(ws.dot_bf16.get(), rows_pad, ws.pt_bf16.get(), 2 * kMicroCols, 2 * bc, rows_pad / 2, 1.0f, true,
+    bf16dot::DotBlock(ws.do_pairs + bq * dv_pad, rows_pad, ws.pt_bf16.get(), 2 * kMicroCols, 2 * bc, rows_pad / 2, 1.0f, true,
                       ws.dv_acc.get(), bc, dv_pad, n_pad);
-    bf16dot::DotBlock(ws.qt_bf16.get(), rows_pad, ws.dst_bf16.get(), 2 * kMicroCols, 2 * bc, rows_pad / 2, 1.0f, true,
+    bf16dot::DotBlock(ws.q_pairs + bq * d_pad, rows_pad, ws.dst_bf16.get(), 2 * kMicroCols, 2 * bc, rows_pad / 2, 1.0f, true,
                       ws.dk_acc.get(), bc, d_pad, n_pad);
     // dQ share = dS·K: the depth is the tile's keys.
     bf16dot::DotBlock(ws.ds_bf16.get(), bc, ws.k_pairs.get() + j0 / bc * bc * d_pad, kMicroCols * bc, kStep, n_pad / 2,

@@ -167,19 +167,28 @@ namespace {
 // Buffer sizes of one workspace: the float32 kernel's packed K/V are float32, tiled_bf16's
 // bf16 (and its per-tile operands come on top of the float32 tiles both kernels use).
 struct BackwardSizes {
-  std::size_t bq, bc, d, dv, d_pad, dv_pad, keys_pad, mc;
-  bool bf16;
+  std::size_t bq, bc, d, dv, d_pad, dv_pad, keys_pad, mc, seqlen_q, group;
+  bool bf16, keep_q;
   BackwardSizes(const CpuBackwardPlan& plan, const AttentionProblem& p)
       : bq(static_cast<std::size_t>(plan.block_q)), bc(static_cast<std::size_t>(plan.block_k)),
         d(static_cast<std::size_t>(p.head_dim)), dv(static_cast<std::size_t>(p.head_dim_v)),
         d_pad(static_cast<std::size_t>(plan.head_dim_padded)),
         dv_pad(static_cast<std::size_t>(plan.head_dim_v_padded)),
         keys_pad(round_up(static_cast<std::size_t>(p.seqlen_k), bc)),
-        mc(static_cast<std::size_t>(plan.hardware.micro_cols)), bf16(plan.kernel == BackwardKernel::tiled_bf16) {}
+        mc(static_cast<std::size_t>(plan.hardware.micro_cols)), seqlen_q(static_cast<std::size_t>(p.seqlen_q)),
+        group(static_cast<std::size_t>(p.heads_q / p.heads_kv)), bf16(plan.kernel == BackwardKernel::tiled_bf16),
+        keep_q(plan.keep_q_rows) {}
   std::size_t floats() const {
     return bq * (d_pad + dv_pad + 2 * kRowLdPad + 4 * bc + d_pad) + bc * (d_pad + dv_pad) +
            (bf16 ? 0 : keys_pad / bc * (d + dv) * (bc + kRowLdPad) + keys_pad * (d_pad + kRowLdPad)) +
            mc * std::max(d_pad, dv_pad);
+  }
+  // The kept Q/dO tiles (BackwardWorkspace::q_kept): rows of group · q_blocks tiles, float32
+  // or (tiled_bf16) bf16 twice over (rows and transposed); their bytes whether kept or not.
+  std::size_t kept_rows() const { return group * round_up(seqlen_q, bq); }
+  std::size_t kept_q_bytes() const {
+    return bf16 ? kept_rows() * 2 * (d_pad + dv_pad) * sizeof(std::uint16_t)
+                : kept_rows() * (d_pad + dv_pad + 2 * kRowLdPad) * sizeof(float);
   }
   std::size_t bf16_elements() const {
     return bf16 ? 2 * bq * (d_pad + dv_pad) + bq * std::max(d_pad, dv_pad) + 3 * bq * bc +
@@ -191,7 +200,12 @@ struct BackwardSizes {
 
 std::size_t backward_workspace_bytes(const CpuBackwardPlan& plan, const AttentionProblem& p) {
   const BackwardSizes s(plan, p);
-  return s.floats() * sizeof(float) + s.bf16_elements() * sizeof(std::uint16_t) + s.bq * 2 * sizeof(float);
+  return s.floats() * sizeof(float) + s.bf16_elements() * sizeof(std::uint16_t) + s.bq * 2 * sizeof(float) +
+         (s.keep_q ? s.kept_q_bytes() + s.kept_rows() / s.bq : 0);
+}
+
+std::size_t backward_q_rows_bytes(const CpuBackwardPlan& plan, const AttentionProblem& p) {
+  return BackwardSizes(plan, p).kept_q_bytes();
 }
 
 BackwardWorkspace::BackwardWorkspace(const CpuBackwardPlan& plan, const AttentionProblem& p)
@@ -208,16 +222,24 @@ BackwardWorkspace::BackwardWorkspace(const CpuBackwardPlan& plan, const Attentio
   dk_acc = allocate_floats(s.bc * s.d_pad);
   dv_acc = allocate_floats(s.bc * s.dv_pad);
   row_scratch = allocate_floats(s.mc * std::max(s.d_pad, s.dv_pad));
+  if (s.keep_q) {
+    kept_converted.assign(s.kept_rows() / s.bq, 0);
+    if (s.bf16) {
+      q_kept16 = allocate_array<std::uint16_t>(s.kept_rows() * 2 * s.d_pad);
+      do_kept16 = allocate_array<std::uint16_t>(s.kept_rows() * 2 * s.dv_pad);
+    } else {
+      q_kept = allocate_floats(s.kept_rows() * (s.d_pad + kRowLdPad));
+      do_kept = allocate_floats(s.kept_rows() * (s.dv_pad + kRowLdPad));
+    }
+  }
   if (!s.bf16) {
     kt_packed = allocate_floats(s.keys_pad / s.bc * s.d * (s.bc + kRowLdPad) + 1);
     vt_packed = allocate_floats(s.keys_pad / s.bc * s.dv * (s.bc + kRowLdPad) + 1);
     k_packed = allocate_floats(s.keys_pad * (s.d_pad + kRowLdPad) + 1);
     return;
   }
-  q_bf16 = allocate_array<std::uint16_t>(s.bq * s.d_pad);
-  do_bf16 = allocate_array<std::uint16_t>(s.bq * s.dv_pad);
-  qt_bf16 = allocate_array<std::uint16_t>(s.bq * s.d_pad);
-  dot_bf16 = allocate_array<std::uint16_t>(s.bq * s.dv_pad);
+  q_bf16 = allocate_array<std::uint16_t>(2 * s.bq * s.d_pad);
+  do_bf16 = allocate_array<std::uint16_t>(2 * s.bq * s.dv_pad);
   pair_scratch = allocate_array<std::uint16_t>(s.bq * std::max(s.d_pad, s.dv_pad));
   pt_bf16 = allocate_array<std::uint16_t>(s.bq * s.bc);
   dst_bf16 = allocate_array<std::uint16_t>(s.bq * s.bc);
