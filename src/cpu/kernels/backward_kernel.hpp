@@ -128,6 +128,7 @@ struct BackwardWorkspace {
   hwy::AlignedFreeUniquePtr<std::uint16_t[]> pair_scratch;         // (block_q, max(D_pad, Dv_pad))
   hwy::AlignedFreeUniquePtr<std::uint16_t[]> pt_bf16, dst_bf16;    // (block_q / 2, block_k, 2)
   hwy::AlignedFreeUniquePtr<std::uint16_t[]> ds_bf16;              // (block_q, block_k)
+  hwy::AlignedFreeUniquePtr<float[]> kv_rows;  // (block_k, max(D_pad, Dv_pad)): dK or dV, key rows of dKᵀ, dVᵀ
   // Per K/V tile, as panels: K and V with pairs along the head dims (S's and dP's B: micro_cols
   // keys, (D_even / 2, micro_cols, 2) each), K with pairs of keys (dQ's B: micro_cols columns,
   // (block_k / 2, micro_cols, 2) each).

@@ -385,17 +385,20 @@ struct Bf16BackwardProducts {
     std::fill(ws.dv_acc.get(), ws.dv_acc.get() + prm.plan.head_dim_v_padded * bc, 0.0f);
   }
 
-  // dK = scale·dSᵀ·Q (Q unscaled) and dV, each key's row gathered from its column.
+  // dK = scale·dSᵀ·Q (Q unscaled) and dV: dKᵀ and dVᵀ transposed 16 × 16 words at a time
+  // into key rows (ws.kv_rows), each stored from there.
   static void StoreDkDv(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t b, std::int64_t kv_head,
                         std::int64_t j0, std::int64_t n) {
     const AttentionProblem& p = prm.problem;
     const std::int64_t bc = prm.plan.block_k;
-    float* row = ws.row_scratch.get();
-    for (std::int64_t r = 0; r < n; ++r) {
-      for (std::int64_t c = 0; c < p.head_dim; ++c) row[c] = ws.dk_acc[c * bc + r];
-      StoreRow(row, p.head_dim, p.softmax_scale, OutRowPointer(prm.dk, b, j0 + r, kv_head), prm.dk.dtype);
-      for (std::int64_t c = 0; c < p.head_dim_v; ++c) row[c] = ws.dv_acc[c * bc + r];
-      StoreRow(row, p.head_dim_v, 1.0f, OutRowPointer(prm.dv, b, j0 + r, kv_head), prm.dv.dtype);
+    float* rows = ws.kv_rows.get();  // (block_k, width_pad)
+    for (const auto& [acc, width, width_pad, scale, out] :
+         {std::tuple{ws.dk_acc.get(), p.head_dim, prm.plan.head_dim_padded, p.softmax_scale, &prm.dk},
+          std::tuple{ws.dv_acc.get(), p.head_dim_v, prm.plan.head_dim_v_padded, 1.0f, &prm.dv}}) {
+      bf16dot::TransposeWords(reinterpret_cast<const std::uint32_t*>(acc), bc, reinterpret_cast<std::uint32_t*>(rows),
+                              width_pad, width_pad, bc);
+      for (std::int64_t r = 0; r < n; ++r)
+        StoreRow(rows + r * width_pad, width, scale, OutRowPointer(*out, b, j0 + r, kv_head), out->dtype);
     }
   }
 

@@ -180,7 +180,7 @@ struct BackwardSizes {
         keep_q(plan.keep_q_rows) {}
   std::size_t floats() const {
     return bq * (d_pad + dv_pad + 2 * kRowLdPad + 4 * bc + d_pad) + bc * (d_pad + dv_pad) +
-           (bf16 ? 0 : keys_pad / bc * (d + dv) * (bc + kRowLdPad) + keys_pad * (d_pad + kRowLdPad)) +
+           (bf16 ? bc * std::max(d_pad, dv_pad) : keys_pad / bc * (d + dv) * (bc + kRowLdPad) + keys_pad * (d_pad + kRowLdPad)) +
            mc * std::max(d_pad, dv_pad);
   }
   // The kept Q/dO tiles (BackwardWorkspace::q_kept): rows of group · q_blocks tiles, float32
@@ -244,6 +244,7 @@ BackwardWorkspace::BackwardWorkspace(const CpuBackwardPlan& plan, const Attentio
   pt_bf16 = allocate_array<std::uint16_t>(s.bq * s.bc);
   dst_bf16 = allocate_array<std::uint16_t>(s.bq * s.bc);
   ds_bf16 = allocate_array<std::uint16_t>(s.bq * s.bc);
+  kv_rows = allocate_floats(s.bc * std::max(s.d_pad, s.dv_pad));
   kt_pairs = allocate_array<std::uint16_t>(s.keys_pad * round_up(s.d, 2));
   vt_pairs = allocate_array<std::uint16_t>(s.keys_pad * round_up(s.dv, 2));
   k_pairs = allocate_array<std::uint16_t>(s.keys_pad * s.d_pad);
