@@ -37,7 +37,7 @@ void cpu::run_backward(const detail::BackwardJob& job) {
   const std::size_t d_pad = static_cast<std::size_t>(plan.head_dim_padded);
   const std::size_t rows = static_cast<std::size_t>(heads * p.seqlen_q);
   auto delta = cpu::allocate_floats(rows + 1);
-  auto dq_accum = cpu::allocate_floats(rows * d_pad + 1);
+  auto dq_accum = cpu::allocate_floats_written(rows * d_pad + 1);
   std::fill(dq_accum.get(), dq_accum.get() + rows * d_pad, 0.0f);
   std::unique_ptr<std::mutex[]> dq_locks;
   std::unique_ptr<std::atomic<std::int64_t>[]> dq_tickets;
