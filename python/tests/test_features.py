@@ -471,6 +471,7 @@ def test_plan_is_the_plan_that_runs():
     assert flashattn.plan(q[:, :1], k, v)["forward"]["kernel"] == "decode"
     assert flashattn.plan(q[:, :1], k, v, kernel="tiled")["forward"]["kernel"] == "tiled"
     assert flashattn.plan(q, k, v, deterministic=True)["backward"]["deterministic"] is True
+    assert flashattn.plan(q, k, v)["backward"]["keep_q_rows"] is True  # small: within every budget
     tp = flashattn.plan(*(torch.from_numpy(x) for x in (q, k, v)), causal=True, num_threads=1)
     assert tp == p
 

@@ -386,6 +386,7 @@ nb::dict backward_plan_dict(const flashattn::CpuBackwardPlan& p) {
   d["k_blocks"] = p.k_blocks;
   d["kv_work_items"] = p.kv_work_items;
   d["deterministic"] = p.deterministic;
+  d["keep_q_rows"] = p.keep_q_rows;
   d["threads"] = p.threads;
   d["workspace_bytes_per_thread"] = p.workspace_bytes_per_thread;
   d["shared_bytes"] = p.shared_bytes;
