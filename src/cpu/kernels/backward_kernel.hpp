@@ -116,7 +116,7 @@ struct BackwardWorkspace {
   hwy::AlignedFreeUniquePtr<float[]> vt_packed;  // per tile (Dv, RowLd(block_k)): Vᵀ
   hwy::AlignedFreeUniquePtr<float[]> k_packed;   // (k tiles · block_k, RowLd(D_pad)): K
   // (micro_cols, max(D_pad, Dv_pad)): the float32 kernel's converted V rows of one block of
-  // micro_cols keys while packing; tiled_bf16's one row of dK or dV as it is stored
+  // micro_cols keys while packing (tiled_bf16: empty)
   hwy::AlignedFreeUniquePtr<float[]> row_scratch;
   // (tiled_bf16) operands of the bf16 micro-kernel (bf16_dot.hpp), pairs along each
   // product's depth; empty otherwise. Per Q tile: Q and dO as stored (rows of D_pad, Dv_pad:

@@ -180,8 +180,9 @@ struct BackwardSizes {
         keep_q(plan.keep_q_rows) {}
   std::size_t floats() const {
     return bq * (d_pad + dv_pad + 2 * kRowLdPad + 4 * bc + d_pad) + bc * (d_pad + dv_pad) +
-           (bf16 ? bc * std::max(d_pad, dv_pad) : keys_pad / bc * (d + dv) * (bc + kRowLdPad) + keys_pad * (d_pad + kRowLdPad)) +
-           mc * std::max(d_pad, dv_pad);
+           (bf16 ? bc * std::max(d_pad, dv_pad)
+                 : keys_pad / bc * (d + dv) * (bc + kRowLdPad) + keys_pad * (d_pad + kRowLdPad) +
+                       mc * std::max(d_pad, dv_pad));
   }
   // The kept Q/dO tiles (BackwardWorkspace::q_kept): rows of group · q_blocks tiles, float32
   // or (tiled_bf16) bf16 twice over (rows and transposed); their bytes whether kept or not.
@@ -221,7 +222,6 @@ BackwardWorkspace::BackwardWorkspace(const CpuBackwardPlan& plan, const Attentio
   dq_tile = allocate_floats(s.bq * s.d_pad);
   dk_acc = allocate_floats(s.bc * s.d_pad);
   dv_acc = allocate_floats(s.bc * s.dv_pad);
-  row_scratch = allocate_floats(s.mc * std::max(s.d_pad, s.dv_pad));
   if (s.keep_q) {
     kept_converted.assign(s.kept_rows() / s.bq, 0);
     if (s.bf16) {
@@ -233,6 +233,7 @@ BackwardWorkspace::BackwardWorkspace(const CpuBackwardPlan& plan, const Attentio
     }
   }
   if (!s.bf16) {
+    row_scratch = allocate_floats(s.mc * std::max(s.d_pad, s.dv_pad));
     kt_packed = allocate_floats(s.keys_pad / s.bc * s.d * (s.bc + kRowLdPad) + 1);
     vt_packed = allocate_floats(s.keys_pad / s.bc * s.dv * (s.bc + kRowLdPad) + 1);
     k_packed = allocate_floats(s.keys_pad * (s.d_pad + kRowLdPad) + 1);
