@@ -2,8 +2,8 @@
 """flashattn beside OpenVINO's CPU ScaledDotProductAttention, forward, in one process.
 
 Times both on the same inputs, shapes and thread count (issue 25's quick shapes by default:
-B=1, Hq=16, S=4096, D=64/128/256, 2 threads, f32/bf16, causal or not), alternating one run of
-each per round so that drift in the machine's speed lands on both, and prints per case each
+B=1, Hq=16, S=4096, D=64/128/256, 2 threads, f32/bf16, causal or not), the two taking turns
+round by round so that drift in the machine's speed lands on both, and prints per case each
 one's GFLOP/s (the visible pairs' FLOPs, as `flashattn bench` counts them: 4·D per pair per
 (batch, head)), their ratio and the largest difference between the outputs relative to
 OpenVINO's largest value. OpenVINO runs a one-op model (opset13 scaled_dot_product_attention,
@@ -11,6 +11,14 @@ OpenVINO's largest value. OpenVINO runs a one-op model (opset13 scaled_dot_produ
 cases give it the same bf16 values in float32 with the bf16 inference precision hint, and the
 precision its CPU plugin chose is printed (float32 on CPUs without bf16 arithmetic). OpenVINO
 is optional (`pip install openvino`): without it the script says so and exits 0.
+
+Each library's turn is one untimed call, then --burst timed calls. The two run separate
+thread pools (libgomp's, OpenVINO's TBB): after a call, one library's idle workers still spin
+on a core for milliseconds, and its workers that went to sleep take milliseconds to wake on a
+VM's halted vCPUs, so a call timed right after the other library's measures the other's idle
+threads and its own wake-up (on a 2-core VM, S = 128 calls of 3 ms took 8-10 ms that way). The
+untimed call takes those costs; the timed ones run the way a model's layers call attention,
+back to back.
 
     python3 bench/compare_openvino.py [--threads 2] [--seqlens 4096] [--dims 64,128,256] ...
 """
@@ -33,10 +41,13 @@ def parse_args(argv):
     p.add_argument("--dims", type=csv(int), default=[64, 128, 256])
     p.add_argument("--dtypes", type=csv(str), default=["f32", "bf16"])
     p.add_argument("--causal", type=csv(str), default=["no", "yes"])
-    p.add_argument("--repeats", type=int, default=MIN_REPEATS, help=f"timed runs, median (>= {MIN_REPEATS})")
+    p.add_argument("--repeats", type=int, default=MIN_REPEATS, help=f"rounds, median (>= {MIN_REPEATS})")
+    p.add_argument("--burst", type=int, default=3, help="timed calls of each library per round, after one untimed")
     a = p.parse_args(argv)
     if a.repeats < MIN_REPEATS:
         p.error(f"--repeats: {a.repeats} is below {MIN_REPEATS}")
+    if a.burst < 1:
+        p.error(f"--burst: {a.burst} is below 1")
     for name, values, allowed in [("--dtypes", a.dtypes, {"f32", "bf16"}), ("--causal", a.causal, {"no", "yes"})]:
         if not set(values) <= allowed:
             p.error(f"{name}: {values} not all in {sorted(allowed)}")
@@ -81,10 +92,12 @@ def compare(ov, np, ml_dtypes, flashattn, a, dtype, causal, s, d):
     times = {"flashattn": [], "openvino": []}
     for r in range(a.repeats + 1):  # the first round warms both up
         for name, fn in (("flashattn", ours), ("openvino", request.infer)):
-            t0 = time.perf_counter()
-            fn()
-            if r > 0:
-                times[name].append(time.perf_counter() - t0)
+            fn()  # the switch from the other library: its idle workers, this one's wake-up
+            for _ in range(a.burst):
+                t0 = time.perf_counter()
+                fn()
+                if r > 0:
+                    times[name].append(time.perf_counter() - t0)
     theirs = request.get_output_tensor(0).data.transpose(0, 2, 1, 3).astype(np.float32)
     diff = float(np.abs(ours().astype(np.float32) - theirs).max() / np.abs(theirs).max())
     flops = 4.0 * d * a.batch * a.heads * visible_pairs(s, causal)
@@ -108,7 +121,8 @@ def main(argv):
         print(f"compare_openvino: {e.name} is not importable (flashattn: pip install . first)", file=sys.stderr)
         return 2
     print(f"openvino {ov.get_version()}, flashattn simd {flashattn.simd_target()}, {a.threads} threads, "
-          f"B={a.batch}, H={a.heads}, median of {a.repeats} alternating runs, forward GFLOP/s of the visible pairs")
+          f"B={a.batch}, H={a.heads}, median of {a.repeats} rounds × {a.burst} calls, taking turns, forward GFLOP/s "
+          "of the visible pairs")
     print(f"{'dtype':5} {'mask':6} {'D':>4} {'S':>6} {'flashattn':>10} {'openvino':>10} {'ratio':>7} "
           f"{'ov precision':>12} {'rel. diff':>10}")
     failed = False
