@@ -305,6 +305,46 @@ TEST(Flex, KeysHiddenFromEveryQueryAreNotPacked) {
       << "keys past 128 (and their tiles) hidden from every query were packed";
 }
 
+// A work item whose keys start where the thread's packed ones end — the next document of a
+// packed batch — packs over the places of the keys before it (src/cpu/kernels/packed_head.hpp):
+// the same outputs bit for bit as packing every item's keys anew (switches.reuse_packed_kv
+// off), near the reference: documents of 150, 200 and 94 tokens (tiles and documents out of
+// step), GQA, the float32 kernel and tiled_bf16 where the CPU has AVX512-BF16, 1–3 threads,
+// every SIMD target.
+TEST(Flex, DocumentsPackedOverTheSamePlacesGiveTheSameOutputs) {
+  const Shape s{1, 444, 444, 4, 2, 40};
+  const auto docs = [](std::int64_t, std::int64_t, std::int64_t q, std::int64_t kv) {
+    const auto doc = [](std::int64_t t) { return t < 150 ? 0 : t < 350 ? 1 : 2; };
+    return doc(q) == doc(kv) && kv <= q;
+  };
+  const FlexMods mods(flex::NoScoreMod{}, docs);
+  const BlockMask blocks = create_block_mask(docs, 1, 1, s.seqlen_q, s.seqlen_k, 32);
+  int bf16_runs = 0;
+  for_each_simd_target([&](const std::string& target) {
+    for (DType dtype : {DType::f32, DType::bf16}) {
+      if (dtype == DType::bf16 && !CpuHardware::detect(1).bf16_dot) continue;  // counted below
+      const Inputs in = make_inputs(s, 1300, dtype);
+      for (int threads : {1, 2, 3}) {
+        SCOPED_TRACE(target + ", " + to_string(dtype) + ", " + std::to_string(threads) + " threads");
+        AttentionOptions o;
+        o.block_q = 64;
+        o.score_hook = mods.hook(&blocks);
+        if (dtype == DType::bf16) {
+          o.kernel = ForwardKernel::tiled_bf16;
+          ++bf16_runs;
+        }
+        const ForwardResult reused = check_against_reference(in, o, threads, false);
+        o.switches.reuse_packed_kv = false;
+        o.num_threads = threads;
+        const ForwardResult packed = forward(in.q.view(), in.k.view(), in.v.view(), o);
+        EXPECT_TRUE(bitwise_equal(reused.out, packed.out));
+        EXPECT_TRUE(bitwise_equal(reused.lse, packed.lse));
+      }
+    }
+  });
+  if (cpu_has_avx512bf16()) EXPECT_GT(bf16_runs, 0) << "this CPU has AVX512-BF16: tiled_bf16 must have run";
+}
+
 // The partial blocks handed to the kernels carry mask_mod's values (BlockMask::partial_keep):
 // each byte is mask_mod's, each partial block has its slot; the kernels read the bytes and
 // never call mask_mod (counted), forward and backward, and give bit for bit what calling it

@@ -130,7 +130,7 @@ struct Fp32Products {
     std::fill(v_row + dv, v_row + dv_pad, 0.0f);
     const KvRows kv{&prm.k, &prm.v, &prm.paged, b, kv_head};
     PackHead(prm, ws, b, kv_head, from, to, [&](std::int64_t j, const void* k_row, const void* v_row_src) {
-      const std::int64_t e = j % kMicroCols;
+      const std::int64_t e = j % kMicroCols, at = j - ws.packed.begin;  // at: its place (packed_head.hpp)
       if (k_row != nullptr) {
         kv.load_k(j, k_row, d, k_rows + e * ld);
         kv.load_v(j, v_row_src, dv, v_row);
@@ -138,13 +138,13 @@ struct Fp32Products {
         std::fill(k_rows + e * ld, k_rows + e * ld + d, 0.0f);
         std::fill(v_row, v_row + dv, 0.0f);
       }
-      float* vt = ws.v_packed.get() + (j / bc) * bc * dv_pad + (j % bc) * kMicroCols;
+      float* vt = ws.v_packed.get() + (at / bc) * bc * dv_pad + (at % bc) * kMicroCols;
       for (std::int64_t c = 0; c < dv_pad; c += kMicroCols)
         for (std::int64_t v = 0; v < kMicroVecs; ++v)
           hn::Store(hn::Load(df, v_row + c + v * kLanes), df, vt + c * bc + v * kLanes);
       if (e == kMicroCols - 1)
-        TransposeKeys(df, k_rows, ld, d, ws.k_packed.get() + (j / bc) * d * bc + (j % bc) / kMicroCols * d * kMicroCols,
-                      kMicroCols);
+        TransposeKeys(df, k_rows, ld, d,
+                      ws.k_packed.get() + (at / bc) * d * bc + (at % bc) / kMicroCols * d * kMicroCols, kMicroCols);
     });
   }
 
@@ -172,7 +172,7 @@ struct Fp32Products {
                      std::int64_t strips, std::int64_t n_pad, float /*scale*/) {
     const std::int64_t d = prm.problem.head_dim, bc = prm.plan.block_k;
     const float* q_tile = ws.q_tile.get();
-    const float* k_tile = ws.k_packed.get() + (j0 / bc) * d * bc;
+    const float* k_tile = ws.k_packed.get() + ((j0 - ws.packed.begin) / bc) * d * bc;
     float* s_tile = ws.s_tile.get();  // (rows_pad, bc)
     ScoreTile(keys, strips, n_pad, [&](std::int64_t s, std::int64_t j) {
       MicroTile<false>({q_tile + s * kMicroRows * d, d}, k_tile + j / kMicroCols * d * kMicroCols, kMicroCols,
@@ -189,7 +189,7 @@ struct Fp32Products {
                          std::int64_t strips) {
     const std::int64_t bc = prm.plan.block_k, dv_pad = prm.plan.head_dim_v_padded;
     const float* s_tile = ws.s_tile.get();
-    const float* v_tile = ws.v_packed.get() + j0 * dv_pad;
+    const float* v_tile = ws.v_packed.get() + (j0 - ws.packed.begin) * dv_pad;
     float* o_acc = ws.o_acc.get();
     const std::uint8_t* fresh = ws.strip_fresh.data();
     AccumulateTile(keys, strips, dv_pad, [&](std::int64_t s, std::int64_t c, StripKeys k) {
@@ -241,7 +241,7 @@ struct Bf16Products {
     for (std::uint16_t* row : {v_rows, v_rows + dv_pad}) std::fill(row + dv, row + dv_pad, std::uint16_t{0});
     PackHead(prm, ws, b, kv_head, from, to, [&](std::int64_t j, const void* k_row, const void* v_row) {
       const auto* v = static_cast<const std::uint16_t*>(v_row);
-      const std::int64_t e = j % kMicroCols;
+      const std::int64_t e = j % kMicroCols, at = j - ws.packed.begin;  // at: its place (packed_head.hpp)
       std::uint16_t* k_dst = k_rows + e * 2 * ld_pairs;
       if (k_row != nullptr)
         std::memcpy(k_dst, k_row, static_cast<std::size_t>(d) * sizeof(std::uint16_t));
@@ -249,8 +249,8 @@ struct Bf16Products {
         std::fill(k_dst, k_dst + d, std::uint16_t{0});
       if (e == kMicroCols - 1)
         TransposeKeys(du32, reinterpret_cast<const std::uint32_t*>(k_rows), ld_pairs, d_even / 2,
-                      reinterpret_cast<std::uint32_t*>(ws.k_pairs.get() + (j / bc) * d_even * bc +
-                                                       (j % bc) / kMicroCols * d_even * kMicroCols),
+                      reinterpret_cast<std::uint32_t*>(ws.k_pairs.get() + (at / bc) * d_even * bc +
+                                                       (at % bc) / kMicroCols * d_even * kMicroCols),
                       kMicroCols);
       std::uint16_t* v_dst = v_rows + (j % 2) * dv_pad;
       if (v != nullptr)
@@ -259,7 +259,7 @@ struct Bf16Products {
         std::fill(v_dst, v_dst + dv, std::uint16_t{0});
       if (j % 2 == 1)
         InterleavePairs(v_rows, v_rows + dv_pad, dv_pad,
-                        ws.v_pairs.get() + (j / bc) * bc * dv_pad + (j % bc) / 2 * kStep, bc * kMicroCols);
+                        ws.v_pairs.get() + (at / bc) * bc * dv_pad + (at % bc) / 2 * kStep, bc * kMicroCols);
     });
   }
 
@@ -300,7 +300,7 @@ struct Bf16Products {
   static void Scores(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t j0, const StripKeys* keys,
                      std::int64_t strips, std::int64_t n_pad, float scale) {
     const std::int64_t d_even = EvenHeadDim(prm), bc = prm.plan.block_k, panel_stride = d_even * kMicroCols;
-    const std::uint16_t* k_tile = ws.k_pairs.get() + (j0 / bc) * d_even * bc;
+    const std::uint16_t* k_tile = ws.k_pairs.get() + ((j0 - ws.packed.begin) / bc) * d_even * bc;
     for (std::int64_t s0 = 0; s0 < strips; s0 += kBlockStrips) {
       const std::int64_t group = std::min(kBlockStrips, strips - s0);
       const std::uint16_t* q = ws.q_bf16.get() + s0 * kMicroRows * d_even;
@@ -330,7 +330,7 @@ struct Bf16Products {
                          std::int64_t strips) {
     const std::int64_t bc = prm.plan.block_k, dv_pad = prm.plan.head_dim_v_padded;
     const std::uint16_t* p_tile = ws.p_bf16.get();  // (rows_pad, bc)
-    const std::uint16_t* v_tile = ws.v_pairs.get() + j0 * dv_pad;
+    const std::uint16_t* v_tile = ws.v_pairs.get() + (j0 - ws.packed.begin) * dv_pad;
     const std::int64_t panel_stride = bc * kMicroCols;
     const std::uint8_t* fresh = ws.strip_fresh.data();
     for (std::int64_t s0 = 0; s0 < strips; s0 += kBlockStrips) {  // as in Scores
