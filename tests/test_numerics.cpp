@@ -124,11 +124,21 @@ TEST(ConditionalRescaling, CountsAddUpOverSplitsAndInTheDecodeKernel) {
   AttentionOptions options;
   options.rescale_threshold = 0.0f;
   options.num_threads = 2;
+  const AttentionProblem p = AttentionProblem::from_inputs(in.q.view(), in.k.view(), in.v.view(), options);
   for (int splits : {1, 3}) {
     options.num_splits = splits;
     const CountedRun r = run_counted(in, options);
-    // The first tile of each split sets its reference from −∞: not a rescale.
-    EXPECT_EQ(r.counts[0], key_tiles(in, options) - splits) << splits << " splits";
+    // Each block of keys after a split's first rescales: the first sets the split's
+    // reference from −∞. (The decode kernel's splits are equal shares of the keys, each in
+    // blocks of block_k from its first key.)
+    const CpuForwardPlan plan = plan_forward(p, CpuHardware::detect(options.num_threads), splits);
+    ASSERT_TRUE(is_decode(plan.kernel));
+    std::int64_t rescales = 0;
+    for (std::int64_t item = 0; item < plan.work_items; ++item) {
+      const ForwardWorkItem w = plan.work_item(p, item);
+      rescales += std::max<std::int64_t>(0, (w.key_end - w.key_begin + plan.block_k - 1) / plan.block_k - 1);
+    }
+    EXPECT_EQ(r.counts[0], rescales) << splits << " splits";
     expect_matches_reference(in, options, r.result.out, 1e-5);
   }
 }

@@ -78,7 +78,9 @@ std::int64_t forward_items_per_kv_head(const AttentionProblem& problem, const Fo
 // Item `item` < forward_work_items. Items run head-major; within a head, causal Q tiles
 // run longest first; the splits of one Q tile are consecutive items. Key ranges are
 // non-decreasing in the row, so the rows see [first row's begin, last row's end); split s
-// of S takes tiles [T·s/S, T·(s + 1)/S) of the T tiles that span it, clipped to it.
+// of S takes tiles [T·s/S, T·(s + 1)/S) of the T tiles that span it, clipped to it — or
+// (decode, whose blocks start anywhere) keys [n·s/S, n·(s + 1)/S) of the n keys of it:
+// shares equal to a key, so that no thread waits on a share of one tile more.
 ForwardWorkItem forward_work_item(const AttentionProblem& problem, const ForwardSchedule& schedule, std::int64_t item);
 
 struct CpuForwardPlan {

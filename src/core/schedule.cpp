@@ -32,11 +32,18 @@ ForwardWorkItem forward_work_item(const AttentionProblem& p, const ForwardSchedu
     w.rows = std::min(s.block_q, p.seqlen_q - w.row_begin);
   }
   const AttentionProblem::KeyRange first = p.key_range(w.row_begin), last = p.key_range(w.row_begin + w.rows - 1);
+  if (s.decode) {  // equal shares of the keys (decode blocks start at an item's first key)
+    const std::int64_t keys = std::max<std::int64_t>(0, last.end - first.begin);
+    w.key_begin = first.begin + keys * w.split / s.splits;
+    w.key_end = first.begin + keys * (w.split + 1) / s.splits;
+    w.first_block = w.key_begin;
+    return w;
+  }
   const std::int64_t first_tile = first.begin / bc;
   const std::int64_t tiles = std::max<std::int64_t>(0, (last.end + bc - 1) / bc - first_tile);
   w.key_begin = std::max(first.begin, (first_tile + tiles * w.split / s.splits) * bc);
   w.key_end = std::min(last.end, (first_tile + tiles * (w.split + 1) / s.splits) * bc);
-  w.first_block = s.decode ? w.key_begin : w.key_begin / bc * bc;
+  w.first_block = w.key_begin / bc * bc;
   return w;
 }
 
