@@ -249,7 +249,7 @@ for form in ("mask_mod", "dense_bool"):
     assert cases[form]["max_diff_vs_varlen"] < 1e-5, cases[form]
 (r,) = j["mask_ratios"]
 for key, a, b in [("mask_mod_vs_varlen", "mask_mod", "varlen"), ("dense_bool_vs_unmasked", "dense_bool", "unmasked"),
-                  ("score_mod_vs_causal", "score_mod", "causal")]:
+                  ("dense_bool_vs_varlen", "dense_bool", "varlen"), ("score_mod_vs_causal", "score_mod", "causal")]:
     assert abs(r[key] - cases[a]["gflops"] / cases[b]["gflops"]) <= 1e-9 * r[key], (key, r)
 assert r["create_block_mask_seconds"] > 0 and r["block_size"] == 16, r
 PY

@@ -226,10 +226,11 @@ void bench_cases(const BenchFlags& f) {
       std::printf("%-10s masks %-10s %9.1f GFLOP/s %8s %12.4f  %s\n", "flashattn", run.form.c_str(), run.gflops,
                   percent_of_peak(run.gflops, *r.peaks.bound_of(run.kernel).peak).c_str(), run.seconds,
                   run.kernel.c_str());
-    std::printf("masks %s: mask_mod / varlen %.2f (block %lld), dense_bool / unmasked %.2f, score_mod / causal %.2f "
-                "(GFLOP/s)\n",
+    std::printf("masks %s: mask_mod / varlen %.2f (block %lld), dense_bool / unmasked %.2f (dense_bool / varlen %.2f), "
+                "score_mod / causal %.2f (GFLOP/s)\n",
                 k.c.name.c_str(), k.m.run("mask_mod").gflops / k.m.run("varlen").gflops, static_cast<long long>(k.c.block),
                 k.m.run("dense_bool").gflops / k.m.run("unmasked").gflops,
+                k.m.run("dense_bool").gflops / k.m.run("varlen").gflops,
                 k.m.run("score_mod").gflops / k.m.run("causal").gflops);
   }
   for (const DecodeRun& d : r.decode)

@@ -166,6 +166,7 @@ std::string bench_json(const BenchReport& r) {
                                 {"block_size", k.c.block},
                                 {"mask_mod_vs_varlen", ratio("mask_mod", "varlen")},
                                 {"dense_bool_vs_unmasked", ratio("dense_bool", "unmasked")},
+                                {"dense_bool_vs_varlen", ratio("dense_bool", "varlen")},
                                 {"score_mod_vs_causal", ratio("score_mod", "causal")}});
   }
   if (r.copy_gbps) j["copy_gbps"] = *r.copy_gbps;
