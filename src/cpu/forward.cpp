@@ -144,25 +144,31 @@ void run_region(std::span<const detail::ForwardJob> live, std::span<PlannedJob> 
     // Second phase, after the barrier that ends the loop above: the split jobs' merges, each
     // job's rows in as many shares as threads (a row's merge does not depend on the thread
     // count or on which thread runs it), so that a single decode row's merge is not one
-    // thread's while the others wait.
+    // thread's while the others wait. A phase without work is not entered: its loop's closing
+    // barrier would cost a call of a few µs (decode over a short cache) a µs or two. (Every
+    // thread takes the same branch: the counts are shared.)
+    if (merge_ends.back() > 0) {
 #pragma omp for schedule(dynamic, 1)
-    for (std::int64_t share = 0; share < merge_ends.back(); ++share) {
-      const auto j = static_cast<std::size_t>(std::upper_bound(merge_ends.begin(), merge_ends.end(), share) -
-                                              merge_ends.begin());
-      const AttentionProblem& p = live[j].problem;
-      const CpuForwardPlan& plan = planned[j].plan;
-      const std::int64_t shares = merge_ends[j] - (j > 0 ? merge_ends[j - 1] : 0);
-      const std::int64_t rows = p.batch * p.seqlen_q * p.heads_q, s = share - (merge_ends[j] - shares);
-      detail::merge_states(
-          TensorView(planned[j].split_out.get(), DType::f32, {plan.splits, p.batch, p.seqlen_q, p.heads_q, p.head_dim_v}),
-          TensorView(planned[j].split_lse.get(), DType::f32, {plan.splits, p.batch, p.heads_q, p.seqlen_q}),
-          live[j].out, live[j].lse, rows * s / shares, rows * (s + 1) / shares);
+      for (std::int64_t share = 0; share < merge_ends.back(); ++share) {
+        const auto j = static_cast<std::size_t>(std::upper_bound(merge_ends.begin(), merge_ends.end(), share) -
+                                                merge_ends.begin());
+        const AttentionProblem& p = live[j].problem;
+        const CpuForwardPlan& plan = planned[j].plan;
+        const std::int64_t shares = merge_ends[j] - (j > 0 ? merge_ends[j - 1] : 0);
+        const std::int64_t rows = p.batch * p.seqlen_q * p.heads_q, s = share - (merge_ends[j] - shares);
+        const TensorView outs(planned[j].split_out.get(), DType::f32,
+                              {plan.splits, p.batch, p.seqlen_q, p.heads_q, p.head_dim_v});
+        const TensorView lses(planned[j].split_lse.get(), DType::f32, {plan.splits, p.batch, p.heads_q, p.seqlen_q});
+        detail::merge_states(outs, lses, live[j].out, live[j].lse, rows * s / shares, rows * (s + 1) / shares);
+      }
     }
     // Third phase, after the split merges wrote the jobs' outputs: the caller's merges.
+    if (!merges.empty()) {
 #pragma omp for schedule(dynamic, 1)
-    for (std::size_t m = 0; m < merges.size(); ++m)
-      detail::merge_states(merges[m].outs, merges[m].lses, merges[m].out, merges[m].lse, 0,
-                           merges[m].outs.shape[1] * merges[m].outs.shape[2] * merges[m].outs.shape[3]);
+      for (std::size_t m = 0; m < merges.size(); ++m)
+        detail::merge_states(merges[m].outs, merges[m].lses, merges[m].out, merges[m].lse, 0,
+                             merges[m].outs.shape[1] * merges[m].outs.shape[2] * merges[m].outs.shape[3]);
+    }
   }
   if (options.counters != nullptr) {
     std::int64_t grid = 0;
