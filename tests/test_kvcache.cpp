@@ -389,7 +389,9 @@ TEST(KvCache, DecodeKernelMatchesTheReferenceOnEveryLayout) {
   struct Shape {
     std::int64_t hq, hkv, d, dv;
   };
-  const Shape shapes[] = {{6, 2, 40, 24}, {16, 2, 128, 128}, {2, 2, 3, 5}};
+  // The last two: one row per kv head (multi-head attention), which the kernel takes a row
+  // at a time (DecodeSingleRowsEqualTheirRowsInFours).
+  const Shape shapes[] = {{6, 2, 40, 24}, {16, 2, 128, 128}, {2, 2, 3, 5}, {5, 5, 64, 72}};
   constexpr std::int64_t keys = 339;
   const float nan = std::numeric_limits<float>::quiet_NaN();
   for_each_simd_target([&](const std::string&) {
@@ -429,6 +431,43 @@ TEST(KvCache, DecodeKernelMatchesTheReferenceOnEveryLayout) {
             for (std::int64_t i = 0; i < got.lse.numel(); ++i)
               ASSERT_NEAR(got.lse.get(i), want.lse[static_cast<std::size_t>(i)], 1e-4) << "lse " << i;
           }
+        }
+      }
+  });
+}
+
+// A kv head with a single query row (multi-head attention's decode) is planned as one row
+// (block_q 1), not padded to four, and the decode kernel's products then take it alone: its
+// output and lse are bit for bit those of the same row among four of a kv head (three copies
+// beside it), on every compiled SIMD target, in every K/V dtype, with and without the ragged
+// last pair of a row.
+TEST(KvCache, DecodeSingleRowsEqualTheirRowsInFours) {
+  const CpuHardware hw = CpuHardware::detect(2);
+  for (DType dtype : {DType::f32, DType::bf16, DType::f16}) {
+    EXPECT_EQ(plan_forward(AttentionProblem::from_sizes(1, 1, 339, 8, 8, 64, 64, dtype, {}), hw).block_q, 1);
+    EXPECT_EQ(plan_forward(AttentionProblem::from_sizes(1, 1, 339, 8, 4, 64, 64, dtype, {}), hw).block_q, 4);
+    EXPECT_EQ(plan_forward(AttentionProblem::from_sizes(1, 2, 339, 8, 8, 64, 64, dtype, {}), hw).block_q, 4);
+  }
+  constexpr std::int64_t keys = 339;
+  for_each_simd_target([&](const std::string&) {
+    for (DType dtype : {DType::f32, DType::bf16, DType::f16})
+      for (std::int64_t d : {40, 128}) {
+        SCOPED_TRACE(to_string(dtype) + " D " + std::to_string(d));
+        const Tensor q1 = random_tensor(dtype, {1, 1, 3, d}, 90);
+        const Tensor k = random_tensor(dtype, {1, keys, 3, d}, 91);
+        const Tensor v = random_tensor(dtype, {1, keys, 3, d}, 92);
+        Tensor q4(dtype, {1, 1, 12, d});  // q head 4h + i is q1's head h
+        for (std::int64_t h = 0; h < 12; ++h)
+          for (std::int64_t e = 0; e < d; ++e) q4.set(h * d + e, q1.get(h / 4 * d + e));
+        AttentionOptions o;
+        o.num_splits = 1;
+        o.num_threads = 1;
+        const ForwardResult alone = forward(q1.view(), k.view(), v.view(), o);
+        const ForwardResult fours = forward(q4.view(), k.view(), v.view(), o);
+        for (std::int64_t h = 0; h < 3; ++h) {
+          for (std::int64_t e = 0; e < d; ++e)
+            ASSERT_EQ(alone.out.get(h * d + e), fours.out.get(4 * h * d + e)) << "head " << h << ", element " << e;
+          ASSERT_EQ(alone.lse.get(h), fours.lse.get(4 * h)) << "head " << h;
         }
       }
   });

@@ -212,41 +212,44 @@ void ResolveKeys(const ForwardParams& prm, std::int64_t b, std::int64_t j0, std:
   }
 }
 
-// The scores of four rows and `count` ≤ 4 keys: s[r·lds + k] = (row r of the panel)·krows[k]
-// for r < 4, k < count, with K's values as LoadKvPair reads them (kKvUnit and the FP8
-// descale are applied later, per column). The panel holds, per pair of K vectors, the four
+// The products take a kv head's rows R at a time: in fours (R = 4, padded), or R = 1 where
+// each kv head has a single row (multi-head attention's decode; the plan's block_q is 1
+// then): padded to four, three of its four rows were computed and dropped. A row's sums are
+// the same either way, bit for bit.
+//
+// The scores of R rows and `count` ≤ 4 keys: s[r·lds + k] = (row r of the panel)·krows[k]
+// for r < R, k < count, with K's values as LoadKvPair reads them (kKvUnit and the FP8
+// descale are applied later, per column). The panel holds, per pair of K vectors, the R
 // rows' values of the first vector, then of the second, in LoadKvPair's order (row order in
-// the ragged last pair). Sixteen FMA chains, one per (key, row), and one reduction for
-// their sixteen sums: the reduction, not the products, is what one key at a time paid for.
-template <KvFormat F>
-HWY_INLINE void ScoreKeys4(const float* HWY_RESTRICT panel, const unsigned char* const* krows, std::int64_t count,
-                           std::int64_t d, DType dtype, float* HWY_RESTRICT s, std::int64_t lds) {
+// the ragged last pair). 4·R FMA chains, one per (key, row), and one reduction per row for
+// its four sums: the reduction, not the products, is what one key at a time paid for.
+template <KvFormat F, int R>
+HWY_INLINE void ScoreKeys(const float* HWY_RESTRICT panel, const unsigned char* const* krows, std::int64_t count,
+                          std::int64_t d, DType dtype, float* HWY_RESTRICT s, std::int64_t lds) {
   const DF df;
   const unsigned char* row[4];
   for (std::int64_t k = 0; k < 4; ++k) row[k] = krows[std::min(k, count - 1)];  // a short group repeats its last key
-  VF acc[4][4];  // [key][row]
+  VF acc[4][R];  // [key][row]
   for (auto& key : acc)
     for (VF& a : key) a = hn::Zero(df);
-  auto step = [&](std::int64_t k, VF lo, VF hi, const float* HWY_RESTRICT q) {
-    for (std::int64_t r = 0; r < 4; ++r) {
-      acc[k][r] = hn::MulAdd(hn::Load(df, q + r * kLanes), lo, acc[k][r]);
-      acc[k][r] = hn::MulAdd(hn::Load(df, q + (4 + r) * kLanes), hi, acc[k][r]);
-    }
+  auto madd = [&](std::int64_t k, std::int64_t r, VF lo, VF hi, const float* HWY_RESTRICT q) {
+    acc[k][r] = hn::MulAdd(hn::Load(df, q + r * kLanes), lo, acc[k][r]);
+    acc[k][r] = hn::MulAdd(hn::Load(df, q + (R + r) * kLanes), hi, acc[k][r]);
   };
   VF lo, hi;
   std::int64_t e = 0;
-  for (; e + kPair <= d; e += kPair, panel += 4 * kPair)
+  for (; e + kPair <= d; e += kPair, panel += R * kPair)
     for (std::int64_t k = 0; k < 4; ++k) {
       LoadKvPair<F>(row[k], e, lo, hi);
-      step(k, lo, hi, panel);
+      for (std::int64_t r = 0; r < R; ++r) madd(k, r, lo, hi, panel);
     }
   if (e < d)
     for (std::int64_t k = 0; k < 4; ++k) {
       LoadKvTailPair<F>(row[k], e, d - e, dtype, lo, hi);
-      step(k, lo, hi, panel);
+      for (std::int64_t r = 0; r < R; ++r) madd(k, r, lo, hi, panel);
     }
-  HWY_ALIGN float sums[4][4];  // [row][key]
-  for (std::int64_t r = 0; r < 4; ++r) {
+  HWY_ALIGN float sums[R][4];  // [row][key]
+  for (std::int64_t r = 0; r < R; ++r) {
 #if HWY_TARGET == HWY_SCALAR
     for (std::int64_t k = 0; k < 4; ++k) sums[r][k] = hn::GetLane(acc[k][r]);
 #else
@@ -261,55 +264,47 @@ HWY_INLINE void ScoreKeys4(const float* HWY_RESTRICT panel, const unsigned char*
   }
 }
 
-// õ rows [0, 4) (row stride ldo), pair e, += P rows [0, 4) (row stride ldp) · the kv head's
-// V rows of keys [0, n) (at `offset` bytes from keys.v): eight FMA chains, õ in registers.
-template <KvFormat F>
-HWY_INLINE void AccumulatePair4(const float* HWY_RESTRICT p0, std::int64_t ldp, const DecodeKeys& keys,
-                                std::int64_t offset, std::int64_t n, std::int64_t e, std::int64_t dv, DType dtype,
-                                float* HWY_RESTRICT o0, std::int64_t ldo) {
+// õ rows [0, R) (row stride ldo), pair e, += P rows [0, R) (row stride ldp) · the kv head's
+// V rows of keys [0, n) (at `offset` bytes from keys.v): 2·R FMA chains, õ in registers.
+template <KvFormat F, int R>
+HWY_INLINE void AccumulatePair(const float* HWY_RESTRICT p0, std::int64_t ldp, const DecodeKeys& keys,
+                               std::int64_t offset, std::int64_t n, std::int64_t e, std::int64_t dv, DType dtype,
+                               float* HWY_RESTRICT o0, std::int64_t ldo) {
   const DF df;
-  VF a0 = hn::Load(df, o0), a1 = hn::Load(df, o0 + ldo), a2 = hn::Load(df, o0 + 2 * ldo), a3 = hn::Load(df, o0 + 3 * ldo);
-  VF b0 = hn::Load(df, o0 + kLanes), b1 = hn::Load(df, o0 + ldo + kLanes);
-  VF b2 = hn::Load(df, o0 + 2 * ldo + kLanes), b3 = hn::Load(df, o0 + 3 * ldo + kLanes);
-  auto step = [&](VF lo, VF hi, std::int64_t c) {
-    const VF w0 = hn::Set(df, p0[c]), w1 = hn::Set(df, p0[ldp + c]);
-    const VF w2 = hn::Set(df, p0[2 * ldp + c]), w3 = hn::Set(df, p0[3 * ldp + c]);
-    a0 = hn::MulAdd(w0, lo, a0);
-    b0 = hn::MulAdd(w0, hi, b0);
-    a1 = hn::MulAdd(w1, lo, a1);
-    b1 = hn::MulAdd(w1, hi, b1);
-    a2 = hn::MulAdd(w2, lo, a2);
-    b2 = hn::MulAdd(w2, hi, b2);
-    a3 = hn::MulAdd(w3, lo, a3);
-    b3 = hn::MulAdd(w3, hi, b3);
+  VF a[R], b[R];  // õ's two vectors of each row
+  for (std::int64_t r = 0; r < R; ++r) {
+    a[r] = hn::Load(df, o0 + r * ldo);
+    b[r] = hn::Load(df, o0 + r * ldo + kLanes);
+  }
+  auto madd = [&](std::int64_t r, VF lo, VF hi, std::int64_t c) {
+    const VF w = hn::Set(df, p0[r * ldp + c]);
+    a[r] = hn::MulAdd(w, lo, a[r]);
+    b[r] = hn::MulAdd(w, hi, b[r]);
   };
-  VF lo, hi;
+  // Key c's V pair into every row's chains.
+  auto step = [&](std::int64_t c) {
+    VF lo, hi;
+    LoadKvPair<F>(keys.v[c] + offset, e, lo, hi);
+    for (std::int64_t r = 0; r < R; ++r) madd(r, lo, hi, c);
+  };
   if (e + kPair <= dv) {
     std::int64_t c = 0;
     for (; c + 2 <= n; c += 2) {  // two keys per pass: half the loop overhead
-      LoadKvPair<F>(keys.v[c] + offset, e, lo, hi);
-      step(lo, hi, c);
-      LoadKvPair<F>(keys.v[c + 1] + offset, e, lo, hi);
-      step(lo, hi, c + 1);
+      step(c);
+      step(c + 1);
     }
-    if (c < n) {
-      LoadKvPair<F>(keys.v[c] + offset, e, lo, hi);
-      step(lo, hi, c);
-    }
+    if (c < n) step(c);
   } else {  // the ragged end of the row: values past Dv read as zeros
+    VF lo, hi;
     for (std::int64_t c = 0; c < n; ++c) {
       LoadKvTailPair<F>(keys.v[c] + offset, e, dv - e, dtype, lo, hi);
-      step(lo, hi, c);
+      for (std::int64_t r = 0; r < R; ++r) madd(r, lo, hi, c);
     }
   }
-  hn::Store(a0, df, o0);
-  hn::Store(a1, df, o0 + ldo);
-  hn::Store(a2, df, o0 + 2 * ldo);
-  hn::Store(a3, df, o0 + 3 * ldo);
-  hn::Store(b0, df, o0 + kLanes);
-  hn::Store(b1, df, o0 + ldo + kLanes);
-  hn::Store(b2, df, o0 + 2 * ldo + kLanes);
-  hn::Store(b3, df, o0 + 3 * ldo + kLanes);
+  for (std::int64_t r = 0; r < R; ++r) {
+    hn::Store(a[r], df, o0 + r * ldo);
+    hn::Store(b[r], df, o0 + r * ldo + kLanes);
+  }
 }
 
 // The shape of one decode work item. Row g·rows4 + r (r < rows) is query r % Sq of q head
@@ -318,7 +313,7 @@ struct DecodeShape {
   std::int64_t d, dv, bc, dv_pad;
   std::int64_t d_span;            // a Q row in a panel: whole pairs
   std::int64_t hkv, group, rows;  // rows: a kv head's real rows, group · seqlen_q
-  std::int64_t rows4, all_rows;   // a kv head's rows in fours; every kv head's
+  std::int64_t rows4, all_rows;   // a kv head's rows in fours (or its one row); every kv head's
   std::int64_t k_head, v_head;    // bytes from one kv head's row of a key to the next's
   std::int64_t k_row, v_row;      // bytes of a K and a V row
   ForwardWorkItem item;
@@ -350,23 +345,24 @@ HWY_INLINE void LoadQRow(const ForwardParams& prm, const DecodeShape& sh, std::i
           p.softmax_scale * OnlineSoftmaxState::kLog2e, dst);
 }
 
-// The Q panels (decode): each four rows form a ScoreKeys4 panel (4 · d_span floats) in the
-// q tile, (heads_kv · rows4, d_span), zeros past d and in the padding rows.
+// The Q panels (decode): each four rows of a kv head (or its one row: ScoreKeys) form a
+// ScoreKeys panel (4 · d_span floats, or d_span) in the q tile, (heads_kv · rows4, d_span),
+// zeros past d and in the padding rows.
 template <KvFormat F>
 void LoadQPanels(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeShape& sh) {
-  const std::int64_t d = sh.d, d_span = sh.d_span;
+  const std::int64_t d = sh.d, d_span = sh.d_span, pr = sh.rows4 == 1 ? 1 : 4;  // a panel's rows
   float* q_panels = ws.q_tile.get();
   float* q_row = ws.q_rows.get();  // one row in row order, loaded
   std::fill(q_panels, q_panels + sh.all_rows * d_span, 0.0f);
   for (std::int64_t g = 0; g < sh.hkv; ++g)
     for (std::int64_t r = 0; r < sh.rows; ++r) {
       LoadQRow(prm, sh, g, r, q_row);
-      float* panel = q_panels + (g * sh.rows4 + r / 4 * 4) * d_span + r % 4 * kLanes;
+      float* panel = q_panels + (g * sh.rows4 + r / pr * pr) * d_span + r % pr * kLanes;
       for (std::int64_t e = 0; e < d; e += kPair)
         for (std::int64_t half = 0; half < 2; ++half)
           for (std::int64_t i = 0; i < kLanes; ++i) {
             const std::int64_t x = e + (e + kPair <= d ? PairIndex<F>(half, i) : half * kLanes + i);
-            panel[4 * e + half * 4 * kLanes + i] = x < d ? q_row[x] : 0.0f;
+            panel[pr * e + half * pr * kLanes + i] = x < d ? q_row[x] : 0.0f;
           }
     }
 }
@@ -434,8 +430,14 @@ void ScoreBlock(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeShap
         for (std::int64_t off = 0; off < k_row; off += kCacheLineBytes) __builtin_prefetch(keys.k[i] + g * k_head + off, 0, 2);
         for (std::int64_t off = 0; off < v_row; off += kCacheLineBytes) __builtin_prefetch(keys.v[i] + g * v_head + off, 0, 2);
       }
-      for (std::int64_t r = 0; r < rows4; r += 4, panel += 4 * d_span, s += 4 * bc)
-        ScoreKeys4<F>(panel, krows, count, d, dtype, s, bc);
+      if (rows4 == 1) {
+        ScoreKeys<F, 1>(panel, krows, count, d, dtype, s, bc);
+        panel += d_span;
+        s += bc;
+      } else {
+        for (std::int64_t r = 0; r < rows4; r += 4, panel += 4 * d_span, s += 4 * bc)
+          ScoreKeys<F, 4>(panel, krows, count, d, dtype, s, bc);
+      }
       for (std::int64_t i = 0; i < count; ++i) krows[i] += k_head;
     }
   }
@@ -520,18 +522,24 @@ HWY_INLINE void SoftmaxRows(const ForwardParams& prm, ForwardWorkspace& ws, cons
   }
 }
 
-// õ += P·V of the block's n keys, every kv head's rows four at a time.
-template <KvFormat F>
-void AccumulateBlock(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeShape& sh, std::int64_t n) {
+// õ += P·V of the block's n keys, every kv head's rows R at a time (ScoreKeys).
+template <KvFormat F, int R>
+void AccumulateRows(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeShape& sh, std::int64_t n) {
   const std::int64_t hkv = sh.hkv, rows4 = sh.rows4, bc = sh.bc, dv = sh.dv, dv_pad = sh.dv_pad, v_head = sh.v_head;
   const DType dtype = prm.v.dtype;
   const float* s_tile = ws.s_tile.get();
   float* o_acc = ws.o_acc.get();
   for (std::int64_t g = 0; g < hkv; ++g)
-    for (std::int64_t r = g * rows4; r < (g + 1) * rows4; r += 4)
+    for (std::int64_t r = g * rows4; r < (g + 1) * rows4; r += R)
       for (std::int64_t e = 0; e < dv_pad; e += kPair)
-        AccumulatePair4<F>(s_tile + r * bc, bc, ws.decode_keys, g * v_head, n, e, dv, dtype, o_acc + r * dv_pad + e,
-                           dv_pad);
+        AccumulatePair<F, R>(s_tile + r * bc, bc, ws.decode_keys, g * v_head, n, e, dv, dtype,
+                             o_acc + r * dv_pad + e, dv_pad);
+}
+
+template <KvFormat F>
+void AccumulateBlock(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeShape& sh, std::int64_t n) {
+  if (sh.rows4 == 1) return AccumulateRows<F, 1>(prm, ws, sh, n);
+  AccumulateRows<F, 4>(prm, ws, sh, n);
 }
 
 // AccumulateBlock on the narrow products on V codes of format `codes`, P as their pair step
