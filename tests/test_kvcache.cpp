@@ -389,9 +389,9 @@ TEST(KvCache, DecodeKernelMatchesTheReferenceOnEveryLayout) {
   struct Shape {
     std::int64_t hq, hkv, d, dv;
   };
-  // The last two: one row per kv head (multi-head attention), which the kernel takes a row
-  // at a time (DecodeSingleRowsEqualTheirRowsInFours).
-  const Shape shapes[] = {{6, 2, 40, 24}, {16, 2, 128, 128}, {2, 2, 3, 5}, {5, 5, 64, 72}};
+  // One row per kv head (multi-head attention: {2, 2, 3, 5}, {5, 5, 64, 72}) and two ({6, 3,
+  // 96, 33}), which the kernel takes as they are (DecodeSingleRowsEqualTheirRowsInFours).
+  const Shape shapes[] = {{6, 2, 40, 24}, {16, 2, 128, 128}, {2, 2, 3, 5}, {5, 5, 64, 72}, {6, 3, 96, 33}};
   constexpr std::int64_t keys = 339;
   const float nan = std::numeric_limits<float>::quiet_NaN();
   for_each_simd_target([&](const std::string&) {
@@ -436,17 +436,19 @@ TEST(KvCache, DecodeKernelMatchesTheReferenceOnEveryLayout) {
   });
 }
 
-// A kv head with a single query row (multi-head attention's decode) is planned as one row
-// (block_q 1), not padded to four, and the decode kernel's products then take it alone: its
-// output and lse are bit for bit those of the same row among four of a kv head (three copies
-// beside it), on every compiled SIMD target, in every K/V dtype, with and without the ragged
-// last pair of a row.
+// A kv head with one or two query rows (multi-head attention's decode, a group of two q heads)
+// is planned as those rows (block_q 1 or 2), not padded to four, and the decode kernel's
+// products then take them alone: their outputs and lse are bit for bit those of the same rows
+// among four of a kv head (copies beside them), on every compiled SIMD target, in every K/V
+// dtype, with and without the ragged last pair of a row.
 TEST(KvCache, DecodeSingleRowsEqualTheirRowsInFours) {
   const CpuHardware hw = CpuHardware::detect(2);
   for (DType dtype : {DType::f32, DType::bf16, DType::f16}) {
     EXPECT_EQ(plan_forward(AttentionProblem::from_sizes(1, 1, 339, 8, 8, 64, 64, dtype, {}), hw).block_q, 1);
-    EXPECT_EQ(plan_forward(AttentionProblem::from_sizes(1, 1, 339, 8, 4, 64, 64, dtype, {}), hw).block_q, 4);
-    EXPECT_EQ(plan_forward(AttentionProblem::from_sizes(1, 2, 339, 8, 8, 64, 64, dtype, {}), hw).block_q, 4);
+    EXPECT_EQ(plan_forward(AttentionProblem::from_sizes(1, 1, 339, 8, 4, 64, 64, dtype, {}), hw).block_q, 2);
+    EXPECT_EQ(plan_forward(AttentionProblem::from_sizes(1, 2, 339, 8, 8, 64, 64, dtype, {}), hw).block_q, 2);
+    EXPECT_EQ(plan_forward(AttentionProblem::from_sizes(1, 1, 339, 6, 2, 64, 64, dtype, {}), hw).block_q, 4);
+    EXPECT_EQ(plan_forward(AttentionProblem::from_sizes(1, 1, 339, 10, 2, 64, 64, dtype, {}), hw).block_q, 8);
   }
   constexpr std::int64_t keys = 339;
   for_each_simd_target([&](const std::string&) {
@@ -459,15 +461,24 @@ TEST(KvCache, DecodeSingleRowsEqualTheirRowsInFours) {
         Tensor q4(dtype, {1, 1, 12, d});  // q head 4h + i is q1's head h
         for (std::int64_t h = 0; h < 12; ++h)
           for (std::int64_t e = 0; e < d; ++e) q4.set(h * d + e, q1.get(h / 4 * d + e));
+        Tensor q2(dtype, {1, 1, 6, d});  // q head 2h + i is q1's head h, i < 2
+        for (std::int64_t h = 0; h < 6; ++h)
+          for (std::int64_t e = 0; e < d; ++e) q2.set(h * d + e, q1.get(h / 2 * d + e));
         AttentionOptions o;
         o.num_splits = 1;
         o.num_threads = 1;
         const ForwardResult alone = forward(q1.view(), k.view(), v.view(), o);
+        const ForwardResult twos = forward(q2.view(), k.view(), v.view(), o);
         const ForwardResult fours = forward(q4.view(), k.view(), v.view(), o);
         for (std::int64_t h = 0; h < 3; ++h) {
-          for (std::int64_t e = 0; e < d; ++e)
+          for (std::int64_t e = 0; e < d; ++e) {
             ASSERT_EQ(alone.out.get(h * d + e), fours.out.get(4 * h * d + e)) << "head " << h << ", element " << e;
+            for (std::int64_t i = 0; i < 2; ++i)
+              ASSERT_EQ(twos.out.get((2 * h + i) * d + e), fours.out.get((4 * h + i) * d + e))
+                  << "head " << h << ", row " << i << ", element " << e;
+          }
           ASSERT_EQ(alone.lse.get(h), fours.lse.get(4 * h)) << "head " << h;
+          for (std::int64_t i = 0; i < 2; ++i) ASSERT_EQ(twos.lse.get(2 * h + i), fours.lse.get(4 * h + i)) << "head " << h;
         }
       }
   });

@@ -85,7 +85,7 @@ ForwardWorkItem forward_work_item(const AttentionProblem& problem, const Forward
 
 struct CpuForwardPlan {
   ForwardKernel kernel = ForwardKernel::tiled;  // never automatic (options.hpp: ForwardKernel)
-  std::int64_t block_q = 0;          // Q rows per work item (Br); decode: group · seqlen_q in fours (a single row: 1), per kv head
+  std::int64_t block_q = 0;          // Q rows per work item (Br); decode: group · seqlen_q in fours (one or two: as they are), per kv head
   std::int64_t block_k = 0;          // keys per K/V tile (Bc), a multiple of micro_cols
   std::int64_t head_dim_v_padded = 0;  // Dv rounded up to micro_cols
   std::int64_t q_blocks = 0;         // per (batch, head)

@@ -212,10 +212,10 @@ void ResolveKeys(const ForwardParams& prm, std::int64_t b, std::int64_t j0, std:
   }
 }
 
-// The products take a kv head's rows R at a time: in fours (R = 4, padded), or R = 1 where
-// each kv head has a single row (multi-head attention's decode; the plan's block_q is 1
-// then): padded to four, three of its four rows were computed and dropped. A row's sums are
-// the same either way, bit for bit.
+// The products take a kv head's rows R at a time: in fours (R = 4, padded), or all at once
+// where a kv head has one or two (R = 1: multi-head attention's decode; R = 2: a group of
+// two q heads; the plan's block_q is 1 or 2 then): padded to four, three or two of their
+// four rows were computed and dropped. A row's sums are the same either way, bit for bit.
 //
 // The scores of R rows and `count` ≤ 4 keys: s[r·lds + k] = (row r of the panel)·krows[k]
 // for r < R, k < count, with K's values as LoadKvPair reads them (kKvUnit and the FP8
@@ -313,7 +313,7 @@ struct DecodeShape {
   std::int64_t d, dv, bc, dv_pad;
   std::int64_t d_span;            // a Q row in a panel: whole pairs
   std::int64_t hkv, group, rows;  // rows: a kv head's real rows, group · seqlen_q
-  std::int64_t rows4, all_rows;   // a kv head's rows in fours (or its one row); every kv head's
+  std::int64_t rows4, all_rows;   // a kv head's rows in fours (or its one or two); every kv head's
   std::int64_t k_head, v_head;    // bytes from one kv head's row of a key to the next's
   std::int64_t k_row, v_row;      // bytes of a K and a V row
   ForwardWorkItem item;
@@ -345,12 +345,12 @@ HWY_INLINE void LoadQRow(const ForwardParams& prm, const DecodeShape& sh, std::i
           p.softmax_scale * OnlineSoftmaxState::kLog2e, dst);
 }
 
-// The Q panels (decode): each four rows of a kv head (or its one row: ScoreKeys) form a
-// ScoreKeys panel (4 · d_span floats, or d_span) in the q tile, (heads_kv · rows4, d_span),
-// zeros past d and in the padding rows.
+// The Q panels (decode): each four rows of a kv head (or its one or two: ScoreKeys) form a
+// ScoreKeys panel (4 · d_span floats, or rows4 · d_span) in the q tile, (heads_kv · rows4,
+// d_span), zeros past d and in the padding rows.
 template <KvFormat F>
 void LoadQPanels(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeShape& sh) {
-  const std::int64_t d = sh.d, d_span = sh.d_span, pr = sh.rows4 == 1 ? 1 : 4;  // a panel's rows
+  const std::int64_t d = sh.d, d_span = sh.d_span, pr = std::min<std::int64_t>(sh.rows4, 4);  // a panel's rows
   float* q_panels = ws.q_tile.get();
   float* q_row = ws.q_rows.get();  // one row in row order, loaded
   std::fill(q_panels, q_panels + sh.all_rows * d_span, 0.0f);
@@ -430,10 +430,13 @@ void ScoreBlock(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeShap
         for (std::int64_t off = 0; off < k_row; off += kCacheLineBytes) __builtin_prefetch(keys.k[i] + g * k_head + off, 0, 2);
         for (std::int64_t off = 0; off < v_row; off += kCacheLineBytes) __builtin_prefetch(keys.v[i] + g * v_head + off, 0, 2);
       }
-      if (rows4 == 1) {
-        ScoreKeys<F, 1>(panel, krows, count, d, dtype, s, bc);
-        panel += d_span;
-        s += bc;
+      if (rows4 < 4) {  // one or two rows, a panel of their own
+        if (rows4 == 1)
+          ScoreKeys<F, 1>(panel, krows, count, d, dtype, s, bc);
+        else
+          ScoreKeys<F, 2>(panel, krows, count, d, dtype, s, bc);
+        panel += rows4 * d_span;
+        s += rows4 * bc;
       } else {
         for (std::int64_t r = 0; r < rows4; r += 4, panel += 4 * d_span, s += 4 * bc)
           ScoreKeys<F, 4>(panel, krows, count, d, dtype, s, bc);
@@ -539,6 +542,7 @@ void AccumulateRows(const ForwardParams& prm, ForwardWorkspace& ws, const Decode
 template <KvFormat F>
 void AccumulateBlock(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeShape& sh, std::int64_t n) {
   if (sh.rows4 == 1) return AccumulateRows<F, 1>(prm, ws, sh, n);
+  if (sh.rows4 == 2) return AccumulateRows<F, 2>(prm, ws, sh, n);
   AccumulateRows<F, 4>(prm, ws, sh, n);
 }
 
