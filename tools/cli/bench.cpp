@@ -109,15 +109,21 @@ void bench_cases(const BenchFlags& f) {
     add(measure_forward(Impl::flashattn, p, options, in, f.repeats), p,
         static_cast<double>(kept_blocks) / static_cast<double>(mask.numel()));
   }
-  // Decoding: one token over a 32k-token cache, bf16, FP8 e4m3 or int8 (u8, s8; per-token
-  // scales), contiguous and paged,
-  // beside the machine's copy bandwidth (the bound a memory-bound decode step approaches);
-  // then a batch of 32 sequences of 1024 tokens (the same bytes) decoding in one call, as an
-  // inference engine's step does, paged by 16.
+  // Decoding (32 q / 8 kv heads, D 128): one token over a 32k-token cache, bf16, FP8 e4m3 or
+  // int8 (u8, s8; per-token scales), contiguous and paged, beside the machine's copy bandwidth
+  // (the bound a memory-bound decode step approaches); then a batch of 32 sequences of 1024
+  // tokens (the same bytes) decoding in one call, as an inference engine's step does, paged by
+  // 16. Then two bf16 shapes of their own: multi-head attention (32 / 32 heads, D 128, one row
+  // per kv head) over 4096 tokens, and a small model's step (8 / 2 heads, D 64: the model of
+  // bench/transformers_e2e.py) over 1024 tokens, where the call's fixed cost shows.
   if (std::find(f.ops.begin(), f.ops.end(), "decode") != f.ops.end()) {
     r.copy_gbps = copy_gbps(f.repeats);
-    auto time_decode = [&](std::int64_t batch, std::int64_t cached, const std::string& format, std::int64_t page_size) {
+    auto time_decode = [&](std::int64_t batch, std::int64_t cached, const std::string& format, std::int64_t page_size,
+                           std::int64_t heads = 32, std::int64_t heads_kv = 8, std::int64_t dim = 128) {
       DecodeCase c;
+      c.heads = heads;
+      c.heads_kv = heads_kv;
+      c.dim = dim;
       c.threads = f.shape.threads;
       c.batch = batch;
       c.cached = cached;
@@ -129,14 +135,16 @@ void bench_cases(const BenchFlags& f) {
       const ForwardKernel k = parse_forward_kernel(f.shape.kernel);
       const bool narrow = k == ForwardKernel::decode_fp16 || k == ForwardKernel::decode_bf16;
       if (k == ForwardKernel::decode || (narrow && !format.empty())) c.kernel = k;
-      std::cerr << "decode case: " << batch << " x " << cached << " tokens, " << c.cache_name()
-                << " cache, page size " << page_size << "\n";
+      std::cerr << "decode case: " << batch << " x " << cached << " tokens, " << heads << " / " << heads_kv
+                << " heads, D " << dim << ", " << c.cache_name() << " cache, page size " << page_size << "\n";
       r.decode.push_back({c, measure_decode(c, f.repeats)});
     };
     for (const char* format : {"", "e4m3", "u8", "s8"}) {
       for (std::int64_t page_size : {0, 16, 256}) time_decode(1, 32768, format, page_size);
       time_decode(32, 1024, format, 16);
     }
+    time_decode(1, 4096, "", 0, 32, 32, 128);
+    time_decode(1, 1024, "", 0, 8, 2, 64);
   }
   // Serving: issue 23's batch of prefill chunks and decode rows (serve), or a small one of
   // the same kinds (serve_smoke), in one call against one call per sequence.
@@ -234,8 +242,9 @@ void bench_cases(const BenchFlags& f) {
                 k.m.run("score_mod").gflops / k.m.run("causal").gflops);
   }
   for (const DecodeRun& d : r.decode)
-    std::printf("%-10s %-4s %-6s %2lld x %-5lld tokens, page size %-5lld %6.2f GB/s (%3.0f%% of copy) %12.4f  %s\n",
-                "flashattn", "dec", d.c.cache_name().c_str(),
+    std::printf("%-10s %-4s %-6s %2lld/%-2lld heads D %-3lld %2lld x %-5lld tokens, page size %-5lld %6.2f GB/s (%3.0f%% of copy) %12.6f  %s\n",
+                "flashattn", "dec", d.c.cache_name().c_str(), static_cast<long long>(d.c.heads),
+                static_cast<long long>(d.c.heads_kv), static_cast<long long>(d.c.dim),
                 static_cast<long long>(d.c.batch), static_cast<long long>(d.c.cached),
                 static_cast<long long>(d.c.page_size), d.m.gbps, 100.0 * d.m.gbps / r.copy_gbps.value_or(0.0),
                 d.m.seconds, d.m.kernel.c_str());
