@@ -225,6 +225,7 @@ import json, sys
 j = json.load(open(sys.argv[1]))
 (c,) = [c for c in j["cases"] if c["op"] == "serve"]
 assert c["case"] == "smoke" and c["speedup_vs_per_sequence"] > 0 and c["decode_gbps"] > 0 and j["copy_gbps"] > 0, c
+assert j["read_gbps"] > 0, j["read_gbps"]
 assert c["shared_sequences"] == 4 and c["shared_prefix"] == 320 and c["shared_prefix_speedup"] > 0, c
 PY
 echo "cli smoke (serve): ok"

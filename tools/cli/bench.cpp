@@ -111,13 +111,14 @@ void bench_cases(const BenchFlags& f) {
   }
   // Decoding (32 q / 8 kv heads, D 128): one token over a 32k-token cache, bf16, FP8 e4m3 or
   // int8 (u8, s8; per-token scales), contiguous and paged, beside the machine's copy bandwidth
-  // (the bound a memory-bound decode step approaches); then a batch of 32 sequences of 1024
-  // tokens (the same bytes) decoding in one call, as an inference engine's step does, paged by
-  // 16. Then two bf16 shapes of their own: multi-head attention (32 / 32 heads, D 128, one row
+  // and its read bandwidth on the bench's threads (read_gbps: what a decode step, which only
+  // reads, approaches); then a batch of 32 sequences of 1024 tokens (the same bytes) decoding
+  // in one call, as an inference engine's step does, paged by 16. Then two bf16 shapes of their own: multi-head attention (32 / 32 heads, D 128, one row
   // per kv head) over 4096 tokens, and a small model's step (8 / 2 heads, D 64: the model of
   // bench/transformers_e2e.py) over 1024 tokens, where the call's fixed cost shows.
   if (std::find(f.ops.begin(), f.ops.end(), "decode") != f.ops.end()) {
     r.copy_gbps = copy_gbps(f.repeats);
+    r.read_gbps = read_gbps(f.repeats, f.shape.threads);
     auto time_decode = [&](std::int64_t batch, std::int64_t cached, const std::string& format, std::int64_t page_size,
                            std::int64_t heads = 32, std::int64_t heads_kv = 8, std::int64_t dim = 128) {
       DecodeCase c;
@@ -151,6 +152,7 @@ void bench_cases(const BenchFlags& f) {
   for (const char* op : {"serve", "serve_smoke"}) {
     if (std::find(f.ops.begin(), f.ops.end(), op) == f.ops.end()) continue;
     if (!r.copy_gbps) r.copy_gbps = copy_gbps(f.repeats);
+    if (!r.read_gbps) r.read_gbps = read_gbps(f.repeats, f.shape.threads);
     ServeCase c = std::string(op) == "serve" ? ServeCase::issue() : ServeCase::smoke();
     c.threads = f.shape.threads;
     std::cerr << "serve case: " << c.name << "\n";
@@ -215,9 +217,11 @@ void bench_cases(const BenchFlags& f) {
                 m.kernel.empty() ? "-" : m.kernel.c_str());
   }
   for (const ServeRun& s : r.serve) {
-    std::printf("%-10s serve %-5s one call %.4f s, per sequence %.4f s (%.2fx); decode rows %.2f GB/s (%3.0f%% of copy)\n",
+    std::printf("%-10s serve %-5s one call %.4f s, per sequence %.4f s (%.2fx); decode rows %.2f GB/s (%3.0f%% of copy, "
+                "%3.0f%% of read)\n",
                 "flashattn", s.c.name.c_str(), s.m.seconds, s.m.per_sequence_seconds,
-                s.m.per_sequence_seconds / s.m.seconds, s.m.decode_gbps, 100.0 * s.m.decode_gbps / r.copy_gbps.value_or(0.0));
+                s.m.per_sequence_seconds / s.m.seconds, s.m.decode_gbps, 100.0 * s.m.decode_gbps / r.copy_gbps.value_or(0.0),
+                100.0 * s.m.decode_gbps / r.read_gbps.value_or(0.0));
     std::printf("%-10s serve %-5s %lld sequences sharing a %lld-token prefix, %lld own: shared %.4f s, unshared %.4f s "
                 "(%.2fx)\n",
                 "flashattn", s.c.name.c_str(), static_cast<long long>(s.c.shared_sequences),
@@ -242,11 +246,12 @@ void bench_cases(const BenchFlags& f) {
                 k.m.run("score_mod").gflops / k.m.run("causal").gflops);
   }
   for (const DecodeRun& d : r.decode)
-    std::printf("%-10s %-4s %-6s %2lld/%-2lld heads D %-3lld %2lld x %-5lld tokens, page size %-5lld %6.2f GB/s (%3.0f%% of copy) %12.6f  %s\n",
+    std::printf("%-10s %-4s %-6s %2lld/%-2lld heads D %-3lld %2lld x %-5lld tokens, page size %-5lld %6.2f GB/s (%3.0f%% of copy, %3.0f%% of read) %12.6f  %s\n",
                 "flashattn", "dec", d.c.cache_name().c_str(), static_cast<long long>(d.c.heads),
                 static_cast<long long>(d.c.heads_kv), static_cast<long long>(d.c.dim),
                 static_cast<long long>(d.c.batch), static_cast<long long>(d.c.cached),
                 static_cast<long long>(d.c.page_size), d.m.gbps, 100.0 * d.m.gbps / r.copy_gbps.value_or(0.0),
+                100.0 * d.m.gbps / r.read_gbps.value_or(0.0),
                 d.m.seconds, d.m.kernel.c_str());
 }
 

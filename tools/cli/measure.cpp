@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -10,6 +11,9 @@
 #include <utility>
 #include <vector>
 
+#include <omp.h>
+
+#include "flashattn/error.hpp"
 #include "tools/baseline/standard_attention.hpp"
 #include "tools/support/random_inputs.hpp"
 
@@ -164,6 +168,25 @@ double copy_gbps(int repeats) {
     if (r > 0) best = std::min(best, sec);
   }
   return 2.0 * static_cast<double>(kBytes) / best * 1e-9;
+}
+
+double read_gbps(int repeats, int threads) {
+  constexpr std::size_t kWords = (std::size_t{256} << 20) / sizeof(std::uint64_t);
+  std::vector<std::uint64_t> src(kWords, 1);
+  const int team = threads > 0 ? threads : omp_get_max_threads();
+  double best = 1e30;
+  std::uint64_t sum = 0;
+  for (int r = 0; r < repeats + 1; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    std::uint64_t part = 0;
+#pragma omp parallel for num_threads(team) reduction(+ : part) schedule(static)
+    for (std::size_t i = 0; i < kWords; ++i) part += src[i];
+    const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    sum += part;
+    if (r > 0) best = std::min(best, sec);
+  }
+  if (sum != static_cast<std::uint64_t>(repeats + 1) * kWords) throw Error("read_gbps: the sum of ones is wrong");
+  return static_cast<double>(kWords * sizeof(std::uint64_t)) / best * 1e-9;
 }
 
 }  // namespace flashattn::cli

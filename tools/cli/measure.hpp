@@ -63,5 +63,10 @@ Measurement measure_backward(Impl impl, const AttentionProblem& problem,
 
 // Memory bandwidth of a large copy (bytes read + written per second), best of `repeats`.
 double copy_gbps(int repeats);
+// Memory read bandwidth on `threads` threads (0: OpenMP's default), each summing its share of a
+// buffer far beyond the caches (bytes read per second), best of `repeats`: the bound of a call
+// that only reads, as a decode step reads K and V, on the threads it runs on (one memcpy
+// thread's copy_gbps is not: a two-thread decode can read faster than that).
+double read_gbps(int repeats, int threads);
 
 }  // namespace flashattn::cli

@@ -170,6 +170,7 @@ std::string bench_json(const BenchReport& r) {
                                 {"score_mod_vs_causal", ratio("score_mod", "causal")}});
   }
   if (r.copy_gbps) j["copy_gbps"] = *r.copy_gbps;
+  if (r.read_gbps) j["read_gbps"] = *r.read_gbps;
   for (const MemoryRow& m : r.memory_scaling)
     j["memory_scaling"].push_back({{"seqlen", m.seqlen},
                                    {"flashattn_fwd_bytes", m.flashattn_fwd_bytes},

@@ -72,6 +72,7 @@ struct BenchReport {
   double sgemm_gflops = 0.0;
   Peaks peaks;  // measured before the cases, at the run's threads
   std::optional<double> copy_gbps;  // with decode or serve cases
+  std::optional<double> read_gbps;  // with decode or serve cases: read_gbps at the bench's threads
   std::vector<TimedCase> cases;
   std::vector<DecodeRun> decode;
   std::vector<ServeRun> serve;
