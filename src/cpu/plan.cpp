@@ -294,11 +294,14 @@ CpuForwardPlan cpu::plan_forward(const AttentionProblem& p, const detail::Proble
     // dtype) once per pair of õ vectors: one kv head's should fill at most half of L1d,
     // and every kv head's at most a quarter of L2, where they wait from their prefetch
     // during S = Q·Kᵀ until P·V. Larger blocks amortize the per-block softmax bookkeeping.
-    // Rows in fours, but one or two alone: padded to four (multi-head attention's decode, a
-    // group of two q heads) they cost four rows' products. The narrow products (decode_fp16,
-    // decode_bf16) take panels of four.
+    // Rows in fours, but one or two alone on a cache of values: padded to four (multi-head
+    // attention's decode, a group of two q heads) they cost four rows' products. The narrow
+    // products (decode_fp16, decode_bf16) and quantized caches keep panels of four (fewer
+    // instantiations of the kernel's products).
     const std::int64_t rows = std::max<std::int64_t>(1, group * p.seqlen_q);
-    const std::int64_t rows4 = rows <= 2 && plan.kernel == ForwardKernel::decode ? rows : (rows + 3) / 4 * 4;
+    const bool values = !internals.fp8_kv_cache && !internals.int8_kv_cache;
+    const std::int64_t rows4 =
+        rows <= 2 && values && plan.kernel == ForwardKernel::decode ? rows : (rows + 3) / 4 * 4;
     plan.block_q = rows4;  // the rows of one (kv head, key block) tile, as the cost model counts
     plan.q_blocks = 1;
     const std::int64_t v_row_bytes = std::max<std::int64_t>(1, p.head_dim_v * static_cast<std::int64_t>(dtype_size(p.dtype)));

@@ -61,6 +61,10 @@ constexpr std::int32_t kU8Centre = 128;
 // the other formats, and the scalar target's one-lane pairs, keep the order.
 template <KvFormat F>
 constexpr bool kEvenOdd = F == KvFormat::bf16 && HWY_TARGET != HWY_SCALAR;
+// The formats whose kv heads may have one or two rows (ScoreKeys): the caches of values (the
+// plan keeps FP8 and int8 caches in fours).
+template <KvFormat F>
+constexpr bool kFewRows = F == KvFormat::f32 || F == KvFormat::bf16 || F == KvFormat::f16;
 constexpr std::int64_t kPair = 2 * kLanes;
 static_assert(kMicroCols % kPair == 0, "a padded õ row is a whole number of pairs");
 
@@ -213,9 +217,10 @@ void ResolveKeys(const ForwardParams& prm, std::int64_t b, std::int64_t j0, std:
 }
 
 // The products take a kv head's rows R at a time: in fours (R = 4, padded), or all at once
-// where a kv head has one or two (R = 1: multi-head attention's decode; R = 2: a group of
-// two q heads; the plan's block_q is 1 or 2 then): padded to four, three or two of their
-// four rows were computed and dropped. A row's sums are the same either way, bit for bit.
+// where a kv head has one or two over a cache of values (R = 1: multi-head attention's
+// decode; R = 2: a group of two q heads; the plan's block_q is 1 or 2 then, kFewRows):
+// padded to four, three or two of their four rows were computed and dropped. A row's sums
+// are the same either way, bit for bit.
 //
 // The scores of R rows and `count` ≤ 4 keys: s[r·lds + k] = (row r of the panel)·krows[k]
 // for r < R, k < count, with K's values as LoadKvPair reads them (kKvUnit and the FP8
@@ -430,11 +435,13 @@ void ScoreBlock(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeShap
         for (std::int64_t off = 0; off < k_row; off += kCacheLineBytes) __builtin_prefetch(keys.k[i] + g * k_head + off, 0, 2);
         for (std::int64_t off = 0; off < v_row; off += kCacheLineBytes) __builtin_prefetch(keys.v[i] + g * v_head + off, 0, 2);
       }
-      if (rows4 < 4) {  // one or two rows, a panel of their own
-        if (rows4 == 1)
-          ScoreKeys<F, 1>(panel, krows, count, d, dtype, s, bc);
-        else
-          ScoreKeys<F, 2>(panel, krows, count, d, dtype, s, bc);
+      if (kFewRows<F> && rows4 < 4) {  // one or two rows, a panel of their own
+        if constexpr (kFewRows<F>) {
+          if (rows4 == 1)
+            ScoreKeys<F, 1>(panel, krows, count, d, dtype, s, bc);
+          else
+            ScoreKeys<F, 2>(panel, krows, count, d, dtype, s, bc);
+        }
         panel += rows4 * d_span;
         s += rows4 * bc;
       } else {
@@ -541,8 +548,10 @@ void AccumulateRows(const ForwardParams& prm, ForwardWorkspace& ws, const Decode
 
 template <KvFormat F>
 void AccumulateBlock(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeShape& sh, std::int64_t n) {
-  if (sh.rows4 == 1) return AccumulateRows<F, 1>(prm, ws, sh, n);
-  if (sh.rows4 == 2) return AccumulateRows<F, 2>(prm, ws, sh, n);
+  if constexpr (kFewRows<F>) {
+    if (sh.rows4 == 1) return AccumulateRows<F, 1>(prm, ws, sh, n);
+    if (sh.rows4 == 2) return AccumulateRows<F, 2>(prm, ws, sh, n);
+  }
   AccumulateRows<F, 4>(prm, ws, sh, n);
 }
 
