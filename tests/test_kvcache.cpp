@@ -437,7 +437,7 @@ TEST(KvCache, DecodeKernelMatchesTheReferenceOnEveryLayout) {
 }
 
 // A kv head with one or two query rows (multi-head attention's decode, a group of two q heads)
-// is planned as those rows (block_q 1 or 2), not padded to four, and the decode kernel's
+// over a cache of values is planned as those rows (block_q 1 or 2), not padded to four, and the decode kernel's
 // products then take them alone: their outputs and lse are bit for bit those of the same rows
 // among four of a kv head (copies beside them), on every compiled SIMD target, in every K/V
 // dtype, with and without the ragged last pair of a row.
@@ -449,6 +449,13 @@ TEST(KvCache, DecodeSingleRowsEqualTheirRowsInFours) {
     EXPECT_EQ(plan_forward(AttentionProblem::from_sizes(1, 2, 339, 8, 8, 64, 64, dtype, {}), hw).block_q, 2);
     EXPECT_EQ(plan_forward(AttentionProblem::from_sizes(1, 1, 339, 6, 2, 64, 64, dtype, {}), hw).block_q, 4);
     EXPECT_EQ(plan_forward(AttentionProblem::from_sizes(1, 1, 339, 10, 2, 64, 64, dtype, {}), hw).block_q, 8);
+  }
+  // FP8 and int8 caches keep their rows in fours.
+  const AttentionProblem mha = AttentionProblem::from_sizes(1, 1, 339, 8, 8, 64, 64, DType::f32, {});
+  for (bool fp8 : {true, false}) {
+    detail::ProblemInternals quantized;
+    (fp8 ? quantized.fp8_kv_cache : quantized.int8_kv_cache) = true;
+    EXPECT_EQ(cpu::plan_forward(mha, quantized, hw, 0, 0, ForwardKernel::decode, std::nullopt).block_q, 4);
   }
   constexpr std::int64_t keys = 339;
   for_each_simd_target([&](const std::string&) {
