@@ -11,8 +11,6 @@
 #include <xmmintrin.h>
 #endif
 
-#include "src/cpu/kernels/amx_decode.hpp"
-#include "src/cpu/kernels/bf16_dot.hpp"
 #include "src/cpu/planner.hpp"
 #include "tests/support/support.hpp"
 
@@ -387,25 +385,6 @@ TEST(KvCache, DecodingPairsThroughAPagedCacheMatchTheReference) {
 // SIMD target and floating cache dtype, one and several splits, against the float64
 // reference within twice the naive same-precision error; slots past the sequence hold
 // NaN, so reading one would show.
-// x (1, keys, heads, d) of one sequence in a pool of pages of ps slots (0: one contiguous
-// page with 5 spare slots), its pages in reverse order, NaN in every slot past the sequence;
-// table (1, pages) maps them (empty for ps 0).
-struct PagedCopy {
-  Tensor pool, table;
-};
-PagedCopy paged_copy(const Tensor& x, std::int64_t ps) {
-  const std::int64_t keys = x.shape()[1], row = x.shape()[2] * x.shape()[3];
-  const std::int64_t pages = ps > 0 ? (keys + ps - 1) / ps : 1, slots = ps > 0 ? ps : keys + 5;
-  PagedCopy c{Tensor(x.dtype(), {pages, slots, x.shape()[2], x.shape()[3]}), Tensor(DType::i32, {1, pages})};
-  for (std::int64_t i = 0; i < c.pool.numel(); ++i) c.pool.set(i, std::numeric_limits<float>::quiet_NaN());
-  for (std::int64_t pg = 0; pg < pages; ++pg) c.table.set(pg, static_cast<float>(pages - 1 - pg));  // reversed
-  for (std::int64_t pos = 0; pos < keys; ++pos) {
-    const std::int64_t slot = ps > 0 ? (pages - 1 - pos / ps) * ps + pos % ps : pos;
-    for (std::int64_t e = 0; e < row; ++e) c.pool.set(slot * row + e, x.get(pos * row + e));
-  }
-  return c;
-}
-
 TEST(KvCache, DecodeKernelMatchesTheReferenceOnEveryLayout) {
   struct Shape {
     std::int64_t hq, hkv, d, dv;
@@ -414,6 +393,7 @@ TEST(KvCache, DecodeKernelMatchesTheReferenceOnEveryLayout) {
   // 96, 33}), which the kernel takes as they are (DecodeSingleRowsEqualTheirRowsInFours).
   const Shape shapes[] = {{6, 2, 40, 24}, {16, 2, 128, 128}, {2, 2, 3, 5}, {5, 5, 64, 72}, {6, 3, 96, 33}};
   constexpr std::int64_t keys = 339;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
   for_each_simd_target([&](const std::string&) {
     for (DType dtype : {DType::f32, DType::bf16, DType::f16})
       for (const Shape& s : shapes) {
@@ -427,15 +407,25 @@ TEST(KvCache, DecodeKernelMatchesTheReferenceOnEveryLayout) {
         ASSERT_EQ(plan_forward(p, CpuHardware::detect(0)).kernel, ForwardKernel::decode);
         const reference::Result want = reference::attention(q.view(), k.view(), v.view(), o);
         const double tolerance = std::max(1e-5, 2.0 * max_abs_error(naive_same_precision(p, o, q, k, v), want.out));
-        Tensor seqlens(DType::i32, {1});
-        seqlens.set(0, static_cast<float>(keys));
         for (std::int64_t ps : {0, 1, 3, 16, 256}) {
           SCOPED_TRACE(ps == 0 ? std::string("contiguous") : "page size " + std::to_string(ps));
-          PagedCopy kc = paged_copy(k, ps), vc = paged_copy(v, ps);  // KvCache takes its pools writable
+          const std::int64_t pages = ps > 0 ? (keys + ps - 1) / ps : 1, slots = ps > 0 ? ps : keys + 5;
+          Tensor k_cache(dtype, {pages, slots, s.hkv, s.d}), v_cache(dtype, {pages, slots, s.hkv, s.dv});
+          Tensor table(DType::i32, {1, pages}), seqlens(DType::i32, {1});
+          for (std::int64_t i = 0; i < k_cache.numel(); ++i) k_cache.set(i, nan);
+          for (std::int64_t i = 0; i < v_cache.numel(); ++i) v_cache.set(i, nan);
+          for (std::int64_t pg = 0; pg < pages; ++pg) table.set(pg, static_cast<float>(pages - 1 - pg));  // reversed
+          seqlens.set(0, static_cast<float>(keys));
+          for (std::int64_t pos = 0; pos < keys; ++pos) {
+            const std::int64_t row = ps > 0 ? (pages - 1 - pos / ps) * ps + pos % ps : pos;
+            for (std::int64_t e = 0; e < s.hkv * s.d; ++e) k_cache.set(row * s.hkv * s.d + e, k.get(pos * s.hkv * s.d + e));
+            for (std::int64_t e = 0; e < s.hkv * s.dv; ++e)
+              v_cache.set(row * s.hkv * s.dv + e, v.get(pos * s.hkv * s.dv + e));
+          }
           for (int splits : {1, 4}) {
             SCOPED_TRACE("splits " + std::to_string(splits));
             o.num_splits = splits;
-            KvCache c{kc.pool.view(), vc.pool.view(), ps > 0 ? kc.table.view() : TensorView{}, seqlens.view()};
+            KvCache c{k_cache.view(), v_cache.view(), ps > 0 ? table.view() : TensorView{}, seqlens.view()};
             const ForwardResult got = forward_with_kvcache(q.view(), c, o);
             EXPECT_LE(max_abs_error(got.out, want.out), tolerance);
             for (std::int64_t i = 0; i < got.lse.numel(); ++i)
@@ -499,82 +489,6 @@ TEST(KvCache, DecodeSingleRowsEqualTheirRowsInFours) {
         }
       }
   });
-}
-
-// Where the CPU has AMX-BF16, the decode kernel computes the scores of bf16 queries against a
-// cache of bf16 values on AMX tiles (amx_decode.hpp): every row count a kv head can have (1
-// and 2 as they are, 3 to 16 in fours: GQA groups, multi-head attention, speculative query
-// rows under bottom-right causal), head dims of one to four 32-value chunks (the K tiles)
-// and Dv of any width (P·V is the FMA path's), tiles read in place and from copies (pages of
-// 1, 3, 16 and 256 slots in reverse order, a contiguous cache; 339 keys leave a ragged last
-// tile; NaN in every slot past the sequence), one and four splits, 1 and 3 threads, plain
-// and with softcap, a window, ALiBi and sinks, on every compiled SIMD target (the item around
-// the tiles is Highway code) — against the float64 reference within the yardstick that
-// fails a key dropped or a scale 0.5% off (tolerance.hpp). With the tiles switched off the
-// same calls take the FMA path: within the yardstick too, and most not bit for bit the same
-// (Q is scaled after its product on the tiles, before it on the FMA path), so the tiles ran.
-TEST(KvCache, DecodeScoresOnAmxTilesMatchTheReference) {
-  if (!cpu::amxdecode::available())
-    GTEST_SKIP() << "no AMX-BF16 on this CPU (or Linux withheld the tile state): decode's scores run on FMA only";
-  struct Shape {
-    std::int64_t hq, hkv, sq, d, dv;
-  };
-  const Shape shapes[] = {{8, 2, 1, 64, 64},  {4, 4, 1, 128, 40}, {6, 3, 1, 32, 96},  {12, 4, 1, 64, 64},
-                          {7, 1, 1, 96, 64},  {9, 1, 1, 32, 33},  {16, 1, 1, 64, 128}, {4, 2, 3, 64, 64},
-                          {4, 1, 4, 128, 128}};
-  constexpr std::int64_t keys = 339;
-  const Tensor slopes = random_tensor(DType::f32, {16}, 83);
-  const Tensor sinks = random_tensor(DType::f32, {16}, 84);
-  Tensor seqlens(DType::i32, {1});
-  seqlens.set(0, static_cast<float>(keys));
-  int compared = 0, differed = 0;  // calls with the tiles off, and those whose lse moved
-  for_each_simd_target([&](const std::string&) {
-    for (const Shape& s : shapes)
-      for (bool variants : {false, true}) {
-        SCOPED_TRACE("Hq " + std::to_string(s.hq) + " Hkv " + std::to_string(s.hkv) + " Sq " + std::to_string(s.sq) +
-                     " D " + std::to_string(s.d) + " Dv " + std::to_string(s.dv) + (variants ? " variants" : ""));
-        const Tensor q = random_tensor(DType::bf16, {1, s.sq, s.hq, s.d}, 80);
-        const Tensor k = random_tensor(DType::bf16, {1, keys, s.hkv, s.d}, 81);
-        const Tensor v = random_tensor(DType::bf16, {1, keys, s.hkv, s.dv}, 82);
-        AttentionOptions o;
-        o.causal = s.sq > 1;
-        if (variants) {
-          o.softcap = 4.0f;
-          o.window_size = {200, -1};
-          o.alibi_slopes = TensorView(slopes.data(), DType::f32, {s.hq});
-          o.sinks = TensorView(sinks.data(), DType::f32, {s.hq});
-        }
-        const AttentionProblem p = AttentionProblem::from_inputs(q.view(), k.view(), v.view(), o);
-        ASSERT_EQ(plan_forward(p, CpuHardware::detect(0)).kernel, ForwardKernel::decode);
-        const reference::Result want = reference::attention(q.view(), k.view(), v.view(), o);
-        const std::vector<double> yardstick = rounded_where_the_kernel_rounds(p, o, q, k, v);
-        for (std::int64_t ps : {0, 1, 3, 16, 256}) {
-          SCOPED_TRACE(ps == 0 ? std::string("contiguous") : "page size " + std::to_string(ps));
-          PagedCopy kc = paged_copy(k, ps), vc = paged_copy(v, ps);  // KvCache takes its pools writable
-          const KvCache c{kc.pool.view(), vc.pool.view(), ps > 0 ? kc.table.view() : TensorView{}, seqlens.view()};
-          for (int splits : {1, 4})
-            for (int threads : {1, 3}) {
-              SCOPED_TRACE("splits " + std::to_string(splits) + ", threads " + std::to_string(threads));
-              o.num_splits = splits;
-              o.num_threads = threads;
-              const ForwardResult got = forward_with_kvcache(q.view(), c, o);
-              EXPECT_EQ(yardstick_verdict(got.out, want.out, yardstick, DType::bf16), "");
-              for (std::int64_t i = 0; i < got.lse.numel(); ++i)
-                ASSERT_NEAR(got.lse.get(i), want.lse[static_cast<std::size_t>(i)], 1e-4) << "lse " << i;
-              if (splits == 1 && threads == 1) {
-                cpu::bf16dot::set_amx_enabled(false);
-                const ForwardResult fma = forward_with_kvcache(q.view(), c, o);
-                cpu::bf16dot::set_amx_enabled(true);
-                EXPECT_EQ(yardstick_verdict(fma.out, want.out, yardstick, DType::bf16), "");
-                ++compared;
-                if (!bitwise_equal(got.lse, fma.lse)) ++differed;
-              }
-            }
-        }
-      }
-  });
-  // An lse rounds the two paths' few-ulp differences away now and then (here 150 of 540).
-  EXPECT_GT(differed, compared / 2) << "the scores did not change path: " << differed << " of " << compared << " differ";
 }
 
 // The decode kernels' FP8 paths widen e4m3 codes in registers and apply each (page, kv

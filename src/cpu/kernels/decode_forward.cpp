@@ -17,9 +17,7 @@
 // scales and zero points applied to scores and probabilities (DecodeQuantItem); decode_fp16
 // (FP8 and int8 caches on AVX512-FP16) and decode_bf16 (the same on AVX512-BF16) run the same
 // steps with the products in half precision (fp16_decode.hpp) or on bf16 dot products
-// (bf16_decode.hpp): the narrow products, NarrowProducts. Where the CPU has AMX-BF16, decode
-// computes the scores of bf16 queries against a cache of bf16 values on AMX tiles
-// (amx_decode.hpp, ScoreBlockAmx); the rest of its steps stay as they are.
+// (bf16_decode.hpp): the narrow products, NarrowProducts.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "src/cpu/kernels/decode_forward.cpp"
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
@@ -30,14 +28,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <optional>
 #include <type_traits>
 
 #include "flashattn/error.hpp"
 #include "flashattn/online_softmax.hpp"
 #include "src/core/element.hpp"
 #include "src/cpu/kernels/forward_kernel.hpp"
-#include "src/cpu/kernels/amx_decode.hpp"
 #include "src/cpu/kernels/bf16_decode.hpp"
 #include "src/cpu/kernels/fp16_decode.hpp"
 #include "src/cpu/kernels/forward_rows-inl.h"
@@ -592,100 +588,20 @@ void StoreRows(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeShape
   ws.counters.lse_written += sh.hkv * sh.rows;
 }
 
-// The 16-key tiles of a block's n keys for the kv head at `offset` bytes into each row of
-// `rows` (keys.k or keys.v), `bytes` each: a tile whose rows are all keys of the block and lie
-// one stride apart in memory (within a page, or pages that follow each other) is read in
-// place; any other — a page boundary inside it, the block's last keys — is copied to `stage`,
-// zeros past n, so that no tile reads past the cache.
-void AmxKeyTiles(const std::vector<const unsigned char*>& rows, std::int64_t offset, std::int64_t n,
-                 std::int64_t bytes, unsigned char* stage, amxdecode::KeyTile* tiles) {
-  constexpr std::int64_t kKeys = amxdecode::kKeys;
-  for (std::int64_t t = 0; t * kKeys < n; ++t) {
-    const std::int64_t first = t * kKeys, count = std::min(kKeys, n - first);
-    const unsigned char* const* r = rows.data() + first;
-    if (count == kKeys) {
-      const std::ptrdiff_t stride = r[1] - r[0];
-      bool even = true;
-      for (std::int64_t i = 2; i < kKeys && even; ++i) even = r[i] - r[0] == i * stride;
-      if (even) {
-        tiles[t] = {r[0] + offset, stride};
-        continue;
-      }
-    }
-    unsigned char* copy = stage + first * bytes;
-    for (std::int64_t i = 0; i < count; ++i) std::memcpy(copy + i * bytes, r[i] + offset, static_cast<std::size_t>(bytes));
-    std::memset(copy + count * bytes, 0, static_cast<std::size_t>((kKeys - count) * bytes));
-    tiles[t] = {copy, bytes};
-  }
-}
-
-// Whether the item's scores run on AMX tiles (amx_decode.hpp): bf16 queries against a cache
-// of bf16 values, whole 32-value chunks of the head dim, where the CPU has AMX-BF16.
-bool AmxScores(const ForwardParams& prm, const DecodeShape& sh) {
-  return prm.q.dtype == DType::bf16 && prm.k.dtype == DType::bf16 && sh.d % amxdecode::kChunk == 0 &&
-         sh.rows4 <= amxdecode::kMaxRows && amxdecode::available();
-}
-
-// Q of every kv head for amxdecode::Scores, unscaled, into the q tile (padding rows zero).
-void PackQTiles(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeShape& sh) {
-  const AttentionProblem& p = prm.problem;
-  auto* qt = reinterpret_cast<std::uint32_t*>(ws.q_tile.get());
-  for (std::int64_t g = 0; g < sh.hkv; ++g) {
-    const std::uint16_t* rows[amxdecode::kMaxRows] = {};
-    for (std::int64_t r = 0; r < sh.rows; ++r)
-      rows[r] = static_cast<const std::uint16_t*>(
-          RowPointer(prm.q, sh.item.batch, r % p.seqlen_q, g * sh.group + r / p.seqlen_q));
-    amxdecode::PackQ(rows, sh.rows4, sh.d, qt + g * sh.rows4 * sh.d / 2);
-  }
-}
-
-// ScoreBlock on AMX tiles: S of every kv head's rows for the block's n keys, times
-// softmax_scale·log2e. While a kv head's products run, the next one's K rows (after the
-// last, the next block's first kv head's: `ahead` keys are resolved) and this one's V rows
-// come into L2 — kv heads' rows lie heads_kv rows apart, a stride the hardware prefetcher
-// does not follow across pages.
-void ScoreBlockAmx(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeShape& sh, std::int64_t n,
-                   std::int64_t ahead) {
-  DecodeKeys& keys = ws.decode_keys;
-  const float scale = prm.problem.softmax_scale * OnlineSoftmaxState::kLog2e;
-  const auto* qt = reinterpret_cast<const std::uint32_t*>(ws.q_tile.get());
-  for (std::int64_t g = 0; g < sh.hkv; ++g) {
-    const bool last = g + 1 == sh.hkv;
-    const std::int64_t first = last ? n : 0;
-    amxdecode::Fetch fetch{keys.k.data() + first, keys.v.data(), last ? ahead - n : n, n,
-                           (last ? 0 : g + 1) * sh.k_head, g * sh.v_head, sh.k_row, sh.v_row};
-    AmxKeyTiles(keys.k, g * sh.k_head, n, sh.k_row, reinterpret_cast<unsigned char*>(ws.k_pairs.get()),
-                keys.k_tiles.data());
-    amxdecode::Scores(qt + g * sh.rows4 * sh.d / 2, sh.rows4, sh.d, keys.k_tiles.data(), n, scale,
-                      ws.s_tile.get() + g * sh.rows4 * sh.bc, sh.bc, fetch);
-  }
-}
-
 // One decode work item, K and V in storage format F.
 template <KvFormat F>
 void DecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item) {
   const DecodeShape sh(prm, item);
-  const bool amx = F == KvFormat::bf16 && AmxScores(prm, sh);
-  std::optional<amxdecode::ItemTiles> tiles;
-  if (amx) {
-    tiles.emplace(sh.rows4);
-    PackQTiles(prm, ws, sh);
-  } else {
-    LoadQPanels<F>(prm, ws, sh);
-  }
+  LoadQPanels<F>(prm, ws, sh);
   ResetRows(ws, sh.all_rows, sh.dv_pad);
   ws.counters.q_read += sh.hkv * sh.rows * sh.d;
   const std::int64_t key_end = sh.item.key_end;
   for (std::int64_t j0 = sh.item.first_block; j0 < key_end; j0 += sh.bc) {
     const std::int64_t n = std::min(sh.bc, key_end - j0), cols = (n + kLanes - 1) / kLanes * kLanes;
-    // Keys resolved: the block's and those fetched ahead (AMX: the next block's, for its first kv head).
-    const std::int64_t ahead = std::min(n + (amx ? sh.bc : kDecodePrefetchKeys), key_end - j0);
+    const std::int64_t ahead = std::min(n + kDecodePrefetchKeys, key_end - j0);  // keys resolved
     ResolveKeys(prm, sh.item.batch, j0, ahead, ws.decode_keys);
     CountTiles(ws.counters, sh.hkv, sh.rows, n, sh.d, sh.dv);  // one (kv head, key block) tile each
-    if (amx)
-      ScoreBlockAmx(prm, ws, sh, n, ahead);
-    else
-      ScoreBlock<F>(prm, ws, sh, n, ahead);
+    ScoreBlock<F>(prm, ws, sh, n, ahead);
     for (std::int64_t g = 0; g < sh.hkv; ++g) {
       if constexpr (F == KvFormat::e4m3) {  // P·(values·descale) = (P·kKvUnit·descale)·(values read)
         DescaleScores(prm, ws, sh, g, n, cols, nullptr);

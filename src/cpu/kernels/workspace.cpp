@@ -6,7 +6,6 @@
 #include <mutex>
 
 #include "src/cpu/allocate.hpp"
-#include "src/cpu/kernels/amx_decode.hpp"
 #include "src/cpu/kernels/backward_kernel.hpp"
 
 namespace flashattn::cpu {
@@ -35,10 +34,6 @@ ForwardLayout::ForwardLayout(const CpuForwardPlan& plan, const AttentionProblem&
     v_units = tiles_held;
     descales = 4 * bc;
     decode_keys = bc + static_cast<std::size_t>(kDecodePrefetchKeys);
-    if (p.dtype == DType::bf16 && amxdecode::available()) {  // scores on AMX tiles (amx_decode.hpp)
-      decode_keys = 2 * bc;  // the next block's rows resolved too, to fetch them
-      k_pairs = round_up(bc, static_cast<std::size_t>(amxdecode::kKeys)) * d_pad;
-    }
   } else if (bf16) {
     q_bf16 = rows * d_even;
     p_bf16 = rows * bc;
@@ -98,7 +93,7 @@ ForwardWorkspace::ForwardWorkspace(const ForwardLayout& l) : layout(l) {
   rescales.resize(l.rows);
   strip_keys.resize(l.strips);
   strip_fresh.resize(l.strips);
-  if (l.q_bf16 > 0 || l.k_pairs > 0) {
+  if (l.q_bf16 > 0) {
     q_bf16 = allocate_array<std::uint16_t>(l.q_bf16);
     p_bf16 = allocate_array<std::uint16_t>(l.p_bf16);
     k_pairs = allocate_array<std::uint16_t>(l.k_pairs);

@@ -16,7 +16,6 @@
 #include "flashattn/online_softmax.hpp"
 #include "flashattn/plan.hpp"
 #include "flashattn/problem.hpp"
-#include "src/cpu/kernels/amx_decode.hpp"
 #include "src/cpu/kernels/packed_head.hpp"
 
 namespace flashattn::cpu {
@@ -26,11 +25,9 @@ namespace flashattn::cpu {
 // (u8 codes) zero points of kv head 0 (null otherwise; the other heads follow at the
 // scales' head strides). Resolved once per key for every kv head; one array per field, so
 // that a loop over keys reads each with an 8-byte stride.
-// k_tiles (scores on AMX tiles, amx_decode.hpp): the block's 16-key K tiles of one kv head.
 struct DecodeKeys {
   std::vector<const unsigned char*> k, v;
   std::vector<const float*> k_descale, v_descale, k_zero_point, v_zero_point;
-  std::vector<amxdecode::KeyTile> k_tiles;
   void resize(std::size_t n) {
     k.resize(n);
     v.resize(n);
@@ -38,11 +35,8 @@ struct DecodeKeys {
     v_descale.resize(n);
     k_zero_point.resize(n);
     v_zero_point.resize(n);
-    const std::size_t tiles = (n + amxdecode::kKeys - 1) / amxdecode::kKeys;
-    k_tiles.resize(tiles);
   }
-  static constexpr std::size_t kBytesPerKey =
-      2 * sizeof(const unsigned char*) + 4 * sizeof(const float*) + sizeof(amxdecode::KeyTile);
+  static constexpr std::size_t kBytesPerKey = 2 * sizeof(const unsigned char*) + 4 * sizeof(const float*);
 };
 
 // Keys whose K and V rows (every kv head: 2 KiB each at 8 heads × D 128 bf16) the decode
@@ -122,9 +116,6 @@ struct ForwardWorkspace {
   // (block_k / 2, kMicroCols, 2) each. The float32 Q tile and packed K/V are unused then.
   // k_pair_rows: while packing, the K rows of one panel as stored, (micro_cols, head_dim
   // rounded up to 32); v_pair_rows: the V rows of one pair of keys, (2, head_dim_v_padded).
-  // (decode, bf16 queries, scores on AMX tiles: amx_decode.hpp) k_pairs: a key block's K
-  // tiles that cannot be read in place, copied, (block_k rounded up to 16, head_dim rounded
-  // up to 32).
   hwy::AlignedFreeUniquePtr<std::uint16_t[]> q_bf16, p_bf16, k_pairs, v_pairs, k_pair_rows, v_pair_rows;
   DecodeKeys decode_keys;  // (block_k + kDecodePrefetchKeys): a key block's rows (decode)
   PackedHead packed;       // which head k/v buffers hold, and how much of it
