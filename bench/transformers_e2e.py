@@ -6,7 +6,10 @@ and decode (one token at a time on a KV cache of --decode-context tokens) with b
 backends in one process, alternating them run by run, and reports the best and the median
 time of the runs after a warm-up (on a shared machine the best is the one least disturbed),
 tokens/s and the attention share of the step: the time spent inside the model's attention
-function (the registered one, timed around each call) over the step's time.
+function (the registered one, timed around each call) over the step's time. The speed-up over
+SDPA is given twice: best run over best run, and the median (and range) of the rounds' own
+ratios — each round runs both backends back to back, so a drift of the machine's speed
+between rounds (10–25% within minutes on the VMs of docs/performance.md) cancels.
 
 The model is randomly initialised from a Llama config (grouped-query heads, rotary positions);
 its size is set by the options (default: 4 layers, hidden 512, 8 heads of dim 64, 2 kv heads,
@@ -152,19 +155,23 @@ def main(argv=None):
                 kept = runs[name][1:]
                 best = min(kept)
                 tokens = args.batch * (length if kind == "prefill" else args.decode_tokens)
+                # SDPA's time over this backend's in the same round: the two ran back to back, so a
+                # drift of the machine's speed between rounds cancels (best-of-n does not pair them).
+                paired = [s / t for (s, _), (t, _) in zip(runs["sdpa"][1:], kept)]
                 rows.append((dname, kind, length, name, best[0], statistics.median(t for t, _ in kept),
-                             tokens / best[0], best[1] / best[0]))
+                             tokens / best[0], best[1] / best[0], statistics.median(paired), min(paired), max(paired)))
 
     print(f"threads={args.threads or 'default'} layers={args.layers} hidden={args.hidden} heads={args.heads} "
           f"kv_heads={args.kv_heads} head_dim={args.hidden // args.heads} repeats={args.repeats} "
           f"decode_tokens={args.decode_tokens} batch={args.batch} left_pad={args.left_pad}")
     print("| dtype | phase | tokens (prefill) / context (decode) | attention | best run (s) | median (s) "
-          "| tokens/s (best) | attention share (best) | speed-up vs SDPA (best) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| tokens/s (best) | attention share (best) | speed-up vs SDPA (best) "
+          "| speed-up vs SDPA (rounds paired: median, range) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     sdpa = {(d, k, n): t for d, k, n, name, t, *_ in rows if name == "sdpa"}
-    for d, k, n, name, t, med, tps, share in rows:
+    for d, k, n, name, t, med, tps, share, paired, low, high in rows:
         print(f"| {d} | {k} | {n} | {name} | {t:.3f} | {med:.3f} | {tps:.1f} | {100 * share:.0f}% "
-              f"| {sdpa[(d, k, n)] / t:.2f}x |")
+              f"| {sdpa[(d, k, n)] / t:.2f}x | {paired:.2f}x ({low:.2f}–{high:.2f}) |")
     return rows
 
 

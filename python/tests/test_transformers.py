@@ -407,8 +407,9 @@ def test_bench_smoke():
                        "--kv-heads", "2", "--intermediate", "48", "--vocab", "64"])
     assert sorted((kind, name) for _, kind, _, name, *_ in rows) == [
         ("decode", "fa_cpu"), ("decode", "sdpa"), ("prefill", "fa_cpu"), ("prefill", "sdpa")]
-    for *_, best, median, tokens_per_s, share in rows:
+    for _, _, _, name, best, median, tokens_per_s, share, paired, low, high in rows:
         assert 0 < best <= median and tokens_per_s > 0 and 0 < share < 1
+        assert 0 < low <= paired <= high and (name != "sdpa" or low == high == 1.0)
 
 
 def test_decode_call_bench_smoke():
