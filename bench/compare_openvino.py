@@ -5,8 +5,9 @@ Times both on the same inputs, shapes and thread count (issue 25's quick shapes 
 B=1, Hq=16, S=4096, D=64/128/256, 2 threads, f32/bf16, causal or not), the two taking turns
 round by round so that drift in the machine's speed lands on both, and prints per case each
 one's GFLOP/s (the visible pairs' FLOPs, as `flashattn bench` counts them: 4·D per pair per
-(batch, head)), their ratio and the largest difference between the outputs relative to
-OpenVINO's largest value. OpenVINO runs a one-op model (opset13 scaled_dot_product_attention,
+(batch, head)), their ratio (of the medians), the median and range of the rounds' own
+ratios (each round's two bursts ran back to back: drift between rounds cancels in them) and
+the largest difference between the outputs relative to OpenVINO's largest value. OpenVINO runs a one-op model (opset13 scaled_dot_product_attention,
 (B, H, S, D) layout, compiled for CPU with INFERENCE_NUM_THREADS and the latency hint); bf16
 cases give it the same bf16 values in float32 with the bf16 inference precision hint, and the
 precision its CPU plugin chose is printed (float32 on CPUs without bf16 arithmetic). OpenVINO
@@ -25,6 +26,7 @@ back to back.
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -74,8 +76,10 @@ def openvino_sdpa(ov, a, dtype, causal, shape):
 
 
 def compare(ov, np, ml_dtypes, flashattn, a, dtype, causal, s, d):
-    """GFLOP/s of flashattn and OpenVINO (medians of alternating runs), OpenVINO's precision,
-    and max|flashattn - openvino| / max|openvino|."""
+    """GFLOP/s of flashattn and OpenVINO (medians of alternating runs), the rounds' own ratios
+    (OpenVINO's median time over flashattn's in each round: the two ran back to back, so a drift
+    of the machine's speed between rounds cancels), OpenVINO's precision, and
+    max|flashattn - openvino| / max|openvino|."""
     rng = np.random.default_rng(7)
     shape = (a.batch, s, a.heads, d)  # flashattn's layout; OpenVINO's is (batch, heads, seqlen, dim)
     store = ml_dtypes.bfloat16 if dtype == "bf16" else np.float32
@@ -90,18 +94,25 @@ def compare(ov, np, ml_dtypes, flashattn, a, dtype, causal, s, d):
         return flashattn.flash_attn_func(q, k, v, causal=causal, num_threads=a.threads)
 
     times = {"flashattn": [], "openvino": []}
+    paired = []
     for r in range(a.repeats + 1):  # the first round warms both up
+        burst = {}
         for name, fn in (("flashattn", ours), ("openvino", request.infer)):
             fn()  # the switch from the other library: its idle workers, this one's wake-up
+            burst[name] = []
             for _ in range(a.burst):
                 t0 = time.perf_counter()
                 fn()
-                if r > 0:
-                    times[name].append(time.perf_counter() - t0)
+                burst[name].append(time.perf_counter() - t0)
+        if r > 0:
+            for name, t in burst.items():
+                times[name] += t
+            paired.append(statistics.median(burst["openvino"]) / statistics.median(burst["flashattn"]))
     theirs = request.get_output_tensor(0).data.transpose(0, 2, 1, 3).astype(np.float32)
     diff = float(np.abs(ours().astype(np.float32) - theirs).max() / np.abs(theirs).max())
     flops = 4.0 * d * a.batch * a.heads * visible_pairs(s, causal)
-    return {name: flops / sorted(t)[len(t) // 2] * 1e-9 for name, t in times.items()}, precision, diff
+    gflops = {name: flops / sorted(t)[len(t) // 2] * 1e-9 for name, t in times.items()}
+    return gflops, (statistics.median(paired), min(paired), max(paired)), precision, diff
 
 
 def main(argv):
@@ -124,16 +135,17 @@ def main(argv):
           f"B={a.batch}, H={a.heads}, median of {a.repeats} rounds × {a.burst} calls, taking turns, forward GFLOP/s "
           "of the visible pairs")
     print(f"{'dtype':5} {'mask':6} {'D':>4} {'S':>6} {'flashattn':>10} {'openvino':>10} {'ratio':>7} "
-          f"{'ov precision':>12} {'rel. diff':>10}")
+          f"{'paired (range)':>20} {'ov precision':>12} {'rel. diff':>10}")
     failed = False
     for dtype in a.dtypes:
         for d in a.dims:
             for s in a.seqlens:
                 for causal in a.causal:
-                    g, precision, diff = compare(ov, np, ml_dtypes, flashattn, a, dtype, causal == "yes", s, d)
+                    g, (paired, low, high), precision, diff = compare(ov, np, ml_dtypes, flashattn, a, dtype,
+                                                                      causal == "yes", s, d)
                     print(f"{dtype:5} {'causal' if causal == 'yes' else 'full':6} {d:4} {s:6} {g['flashattn']:10.1f} "
-                          f"{g['openvino']:10.1f} {g['flashattn'] / g['openvino']:6.2f}x {precision:>12} {diff:10.2e}",
-                          flush=True)
+                          f"{g['openvino']:10.1f} {g['flashattn'] / g['openvino']:6.2f}x "
+                          f"{f'{paired:.2f}x ({low:.2f}–{high:.2f})':>20} {precision:>12} {diff:10.2e}", flush=True)
                     failed |= not diff <= TOLERANCE[dtype]
     if failed:
         print("compare_openvino: flashattn and OpenVINO disagree beyond the tolerance", file=sys.stderr)
