@@ -4,9 +4,10 @@
 Times both on the same shapes, dtypes and thread count (issue 7's base case by default:
 B=1, Hq=16, S=4096, D=128, 2 threads, f32/bf16, causal or not, forward and backward) and
 prints, per case, each one's GFLOP/s (4·B·H·S²·D, halved when causal, 2.5× for backward —
-the convention of `flashattn bench`), their ratio and the largest difference between their
-outputs or gradients relative to torch's largest value (a check that both computed the same
-thing). The same again under torch.compile (`--compile BACKEND`, inductor by default;
+the convention of `flashattn bench`), their ratio (of the medians), the median and range of
+each repeat's own ratio (the two ran back to back in it: drift between repeats cancels) and the
+largest difference between their outputs or gradients relative to torch's largest value (a
+check that both computed the same thing). The same again under torch.compile (`--compile BACKEND`, inductor by default;
 flashattn with fullgraph=True, so a graph break is an error): both compiled GFLOP/s, their
 ratio, and flashattn's compiled over eager GFLOP/s. `--masks bool,float` adds the SDPA
 drop-in: flashattn.scaled_dot_product_attention against torch's SDPA with the same (S, S)
@@ -60,11 +61,11 @@ def parse_args(argv):
     return a
 
 
-def median_seconds(fns, repeats):
-    """Each named function's median time, the functions taking turns within every repeat: on a
+def timed_turns(fns, repeats):
+    """Each named function's times, the functions taking turns within every repeat: on a
     machine whose speed drifts (a VM, a neighbour's job), timing one library's repeats and then
     the other's can put minutes of drift between them (docs/performance.md, twenty-first
-    session)."""
+    session); times[name][i] and times[other][i] ran back to back."""
     for fn in fns.values():
         fn()  # warm-up
     times = {name: [] for name in fns}
@@ -73,7 +74,7 @@ def median_seconds(fns, repeats):
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
 
 
 def relative_diff(ours, theirs):
@@ -129,7 +130,7 @@ def compare(torch, flashattn, a, op, dtype, causal, s, d, mask_kind="none"):
             for name, (fn, inputs, _, _) in variants.items():
                 results[name] = [fn(*inputs)]
                 steps[name] = lambda fn=fn, inputs=inputs: fn(*inputs)
-            seconds = median_seconds(steps, a.repeats)
+            times = timed_turns(steps, a.repeats)
     else:
         # Backward: through autograd, timing only the gradient of an already computed output.
         flops *= 2.5
@@ -141,13 +142,17 @@ def compare(torch, flashattn, a, op, dtype, causal, s, d, mask_kind="none"):
                 results[name] = torch.autograd.grad(out, leaves, grad_out, retain_graph=True)
 
             steps[name] = step
-        seconds = median_seconds(steps, a.repeats)
+        times = timed_turns(steps, a.repeats)
     reference = results["torch"]
     diff = 0.0
     for name, (_, _, _, sdpa_layout) in variants.items():
         for got, ref in zip(results[name], reference):
             diff = max(diff, relative_diff(got if sdpa_layout else got.transpose(1, 2), ref))
-    return {name: flops / t * 1e-9 for name, t in seconds.items()}, diff
+    # torch's time over flashattn's in each repeat (the two ran back to back): drift between
+    # repeats cancels in these, as it does not in the ratio of the medians.
+    paired = [t / f for t, f in zip(times["torch"], times["flashattn"])]
+    gflops = {name: flops / statistics.median(t) * 1e-9 for name, t in times.items()}
+    return gflops, (statistics.median(paired), min(paired), max(paired)), diff
 
 
 def main(argv):
@@ -170,6 +175,7 @@ def main(argv):
           f"B={a.batch}, H={a.heads}, median of {a.repeats} (the variants taking turns), GFLOP/s"
           + (f"; compiled: torch.compile(backend={a.compile!r})" if compiled else ""))
     print(f"{'op':4} {'dtype':5} {'mask':6} {'attn_mask':9} {'D':>4} {'S':>6} {'flashattn':>10} {'torch':>10} {'ratio':>7}"
+          f" {'paired (range)':>20}"
           + (f" {'fa comp.':>10} {'torch comp.':>11} {'ratio':>7} {'fa comp./eager':>14}" if compiled else "")
           + f" {'rel. diff':>10}")
     failed = False
@@ -178,9 +184,11 @@ def main(argv):
             for s in a.seqlens:
                 for causal in a.causal:
                     for op, mask in ((op, mask) for mask in a.masks for op in a.ops):
-                        g, diff = compare(torch, flashattn, a, op, dtype, causal == "yes", s, d, mask)
+                        g, (paired, low, high), diff = compare(torch, flashattn, a, op, dtype, causal == "yes", s, d,
+                                                               mask)
                         line = (f"{op:4} {dtype:5} {'causal' if causal == 'yes' else 'full':6} {mask:9} {d:4} {s:6} "
-                                f"{g['flashattn']:10.1f} {g['torch']:10.1f} {g['flashattn'] / g['torch']:6.2f}x")
+                                f"{g['flashattn']:10.1f} {g['torch']:10.1f} {g['flashattn'] / g['torch']:6.2f}x "
+                                f"{f'{paired:.2f}x ({low:.2f}–{high:.2f})':>20}")
                         if compiled:
                             fc, tc = g["flashattn compiled"], g["torch compiled"]
                             line += f" {fc:10.1f} {tc:11.1f} {fc / tc:6.2f}x {fc / g['flashattn']:13.2f}x"
