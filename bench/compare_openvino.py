@@ -31,7 +31,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # compare_torch beside it, however run
-from compare_torch import MIN_REPEATS, TOLERANCE, csv  # noqa: E402
+from compare_torch import MIN_REPEATS, TOLERANCE, csv, paired_column, paired_ratios  # noqa: E402
 
 
 def parse_args(argv):
@@ -94,7 +94,7 @@ def compare(ov, np, ml_dtypes, flashattn, a, dtype, causal, s, d):
         return flashattn.flash_attn_func(q, k, v, causal=causal, num_threads=a.threads)
 
     times = {"flashattn": [], "openvino": []}
-    paired = []
+    rounds = {"flashattn": [], "openvino": []}  # each round's median
     for r in range(a.repeats + 1):  # the first round warms both up
         burst = {}
         for name, fn in (("flashattn", ours), ("openvino", request.infer)):
@@ -107,12 +107,12 @@ def compare(ov, np, ml_dtypes, flashattn, a, dtype, causal, s, d):
         if r > 0:
             for name, t in burst.items():
                 times[name] += t
-            paired.append(statistics.median(burst["openvino"]) / statistics.median(burst["flashattn"]))
+                rounds[name].append(statistics.median(t))
     theirs = request.get_output_tensor(0).data.transpose(0, 2, 1, 3).astype(np.float32)
     diff = float(np.abs(ours().astype(np.float32) - theirs).max() / np.abs(theirs).max())
     flops = 4.0 * d * a.batch * a.heads * visible_pairs(s, causal)
     gflops = {name: flops / sorted(t)[len(t) // 2] * 1e-9 for name, t in times.items()}
-    return gflops, (statistics.median(paired), min(paired), max(paired)), precision, diff
+    return gflops, paired_ratios(rounds["openvino"], rounds["flashattn"]), precision, diff
 
 
 def main(argv):
@@ -141,11 +141,10 @@ def main(argv):
         for d in a.dims:
             for s in a.seqlens:
                 for causal in a.causal:
-                    g, (paired, low, high), precision, diff = compare(ov, np, ml_dtypes, flashattn, a, dtype,
-                                                                      causal == "yes", s, d)
+                    g, paired, precision, diff = compare(ov, np, ml_dtypes, flashattn, a, dtype, causal == "yes", s, d)
                     print(f"{dtype:5} {'causal' if causal == 'yes' else 'full':6} {d:4} {s:6} {g['flashattn']:10.1f} "
-                          f"{g['openvino']:10.1f} {g['flashattn'] / g['openvino']:6.2f}x "
-                          f"{f'{paired:.2f}x ({low:.2f}–{high:.2f})':>20} {precision:>12} {diff:10.2e}", flush=True)
+                          f"{g['openvino']:10.1f} {g['flashattn'] / g['openvino']:6.2f}x {paired_column(paired)} "
+                          f"{precision:>12} {diff:10.2e}", flush=True)
                     failed |= not diff <= TOLERANCE[dtype]
     if failed:
         print("compare_openvino: flashattn and OpenVINO disagree beyond the tolerance", file=sys.stderr)

@@ -77,6 +77,19 @@ def timed_turns(fns, repeats):
     return times
 
 
+def paired_ratios(theirs, ours):
+    """Median, smallest and largest of theirs[i] / ours[i]: times that ran back to back, so a
+    drift of the machine's speed between the pairs cancels in each ratio."""
+    ratios = [t / o for t, o in zip(theirs, ours)]
+    return statistics.median(ratios), min(ratios), max(ratios)
+
+
+def paired_column(paired):
+    """paired_ratios as a 20-character column: median (range)."""
+    median, low, high = paired
+    return f"{f'{median:.2f}x ({low:.2f}–{high:.2f})':>20}"
+
+
 def relative_diff(ours, theirs):
     """max|ours - theirs| / max|theirs|, in float32."""
     theirs = theirs.float()
@@ -148,11 +161,8 @@ def compare(torch, flashattn, a, op, dtype, causal, s, d, mask_kind="none"):
     for name, (_, _, _, sdpa_layout) in variants.items():
         for got, ref in zip(results[name], reference):
             diff = max(diff, relative_diff(got if sdpa_layout else got.transpose(1, 2), ref))
-    # torch's time over flashattn's in each repeat (the two ran back to back): drift between
-    # repeats cancels in these, as it does not in the ratio of the medians.
-    paired = [t / f for t, f in zip(times["torch"], times["flashattn"])]
     gflops = {name: flops / statistics.median(t) * 1e-9 for name, t in times.items()}
-    return gflops, (statistics.median(paired), min(paired), max(paired)), diff
+    return gflops, paired_ratios(times["torch"], times["flashattn"]), diff
 
 
 def main(argv):
@@ -184,11 +194,10 @@ def main(argv):
             for s in a.seqlens:
                 for causal in a.causal:
                     for op, mask in ((op, mask) for mask in a.masks for op in a.ops):
-                        g, (paired, low, high), diff = compare(torch, flashattn, a, op, dtype, causal == "yes", s, d,
-                                                               mask)
+                        g, paired, diff = compare(torch, flashattn, a, op, dtype, causal == "yes", s, d, mask)
                         line = (f"{op:4} {dtype:5} {'causal' if causal == 'yes' else 'full':6} {mask:9} {d:4} {s:6} "
                                 f"{g['flashattn']:10.1f} {g['torch']:10.1f} {g['flashattn'] / g['torch']:6.2f}x "
-                                f"{f'{paired:.2f}x ({low:.2f}–{high:.2f})':>20}")
+                                f"{paired_column(paired)}")
                         if compiled:
                             fc, tc = g["flashattn compiled"], g["torch compiled"]
                             line += f" {fc:10.1f} {tc:11.1f} {fc / tc:6.2f}x {fc / g['flashattn']:13.2f}x"

@@ -113,9 +113,10 @@ void bench_cases(const BenchFlags& f) {
   // int8 (u8, s8; per-token scales), contiguous and paged, beside the machine's copy bandwidth
   // and its read bandwidth on the bench's threads (read_gbps: what a decode step, which only
   // reads, approaches); then a batch of 32 sequences of 1024 tokens (the same bytes) decoding
-  // in one call, as an inference engine's step does, paged by 16. Then two bf16 shapes of their own: multi-head attention (32 / 32 heads, D 128, one row
-  // per kv head) over 4096 tokens, and a small model's step (8 / 2 heads, D 64: the model of
-  // bench/transformers_e2e.py) over 1024 tokens, where the call's fixed cost shows.
+  // in one call, as an inference engine's step does, paged by 16. Then two bf16 shapes of
+  // their own: multi-head attention (32 / 32 heads, D 128, one row per kv head) over 4096
+  // tokens, and a small model's step (8 / 2 heads, D 64: the model of bench/transformers_e2e.py)
+  // over 1024 tokens, where the call's fixed cost shows.
   if (std::find(f.ops.begin(), f.ops.end(), "decode") != f.ops.end()) {
     r.copy_gbps = copy_gbps(f.repeats);
     r.read_gbps = read_gbps(f.repeats, f.shape.threads);
