@@ -39,11 +39,20 @@ HWY_INLINE void MaskRow(const RowMods& mods, float* HWY_RESTRICT srow, std::int6
 
 // P = 2^(c·S − m) of columns [from, to) with one of the exp2 implementations, one rounding
 // for c·S − m (with c = 1 exactly S − m); returns Σ P.
+// Two vectors a step, summed in order (the sum's rounding is the one-vector loop's).
 template <class Exp2Fn>
 HWY_INLINE VF ExpRange(Exp2Fn exp2, float* HWY_RESTRICT srow, std::int64_t from, std::int64_t to, VF vc, VF vm,
                        VF vsum) {
   const DF df;
-  for (std::int64_t j = from; j < to; j += kLanes) {
+  std::int64_t j = from;
+  for (; j + 2 * kLanes <= to; j += 2 * kLanes) {
+    const VF p0 = exp2(df, hn::MulSub(hn::Load(df, srow + j), vc, vm));
+    const VF p1 = exp2(df, hn::MulSub(hn::Load(df, srow + j + kLanes), vc, vm));
+    hn::Store(p0, df, srow + j);
+    hn::Store(p1, df, srow + j + kLanes);
+    vsum = hn::Add(hn::Add(vsum, p0), p1);
+  }
+  for (; j < to; j += kLanes) {
     const VF pj = exp2(df, hn::MulSub(hn::Load(df, srow + j), vc, vm));
     hn::Store(pj, df, srow + j);
     vsum = hn::Add(vsum, pj);
@@ -76,8 +85,18 @@ static void SoftmaxRow(const RowMods& mods, float* HWY_RESTRICT srow, std::int64
                 std::int64_t ldo, std::int32_t& rescales, bool deferred, float score_scale = 1.0f) {
   const DF df;
   const AttentionProblem& p = *mods.problem;
-  VF vmax = hn::Set(df, kNegInf);
-  for (std::int64_t j = 0; j < cols; j += kLanes) vmax = hn::Max(vmax, hn::Load(df, srow + j));
+  // Four maxima in turn: one chain would wait on each Max's latency (a row of 256 scores is
+  // 16 vectors).
+  VF vmax = hn::Set(df, kNegInf), m1 = vmax, m2 = vmax, m3 = vmax;
+  std::int64_t j = 0;
+  for (; j + 4 * kLanes <= cols; j += 4 * kLanes) {
+    vmax = hn::Max(vmax, hn::Load(df, srow + j));
+    m1 = hn::Max(m1, hn::Load(df, srow + j + kLanes));
+    m2 = hn::Max(m2, hn::Load(df, srow + j + 2 * kLanes));
+    m3 = hn::Max(m3, hn::Load(df, srow + j + 3 * kLanes));
+  }
+  for (; j < cols; j += kLanes) vmax = hn::Max(vmax, hn::Load(df, srow + j));
+  vmax = hn::Max(hn::Max(vmax, m1), hn::Max(m2, m3));
   float tile_max = hn::GetLane(hn::MaxOfLanes(df, vmax)) * score_scale;
   // Max may drop a NaN (x86 returns its second operand when either is NaN): a row whose
   // visible scores are all NaN could read as a row without visible keys. It must be NaN.
