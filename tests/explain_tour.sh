@@ -7,7 +7,7 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
 "$cli" explain --seqlen 300 --heads 2 --dim 64 --arch b200 --json > "$work/gpu.json"
-"$cli" explain --seqlen-q 200 --seqlen-k 330 --heads 4 --heads-kv 2 --dim 40 --dim-v 24 --dtype f32 \
+"$cli" explain --seqlen-q 200 --seqlen-k 700 --heads 4 --heads-kv 2 --dim 40 --dim-v 24 --dtype f32 \
   --window-size 50 10 --no-causal --arch cpu --threads 2 --measure --repeats 1 --json > "$work/cpu.json"
 "$cli" explain --seqlen 300 --heads 2 --dim 64 --arch b200 --standard eager --dropout-p 0.1 --json > "$work/eager.json"
 "$cli" explain --seqlen 256 --heads 1 --dim 32 --arch a100 > "$work/text.txt"
