@@ -322,6 +322,52 @@ TEST(Variants, TopLeftRejectedByName) {
          "causal_alignment: top_left is not supported by forward_fp8");
 }
 
+// A boolean attn_mask's summary classifies every block as its bytes say — empty (all 0),
+// full (none 0, whatever non-zero value), partial — on every SIMD target: mask planes per
+// batch element and head, rows a stride apart that exceeds their length, lengths off the
+// vector (the row and column tails), documents with runs of full rows and single rows that
+// differ, and a random mask whose row blocks settle after their first row.
+TEST(Variants, BooleanMaskSummaryMatchesItsBytes) {
+  constexpr std::int64_t batch = 2, heads = 3, sq = 77, sk = 150, row_stride = 171;
+  std::vector<std::uint8_t> storage(static_cast<std::size_t>(batch * heads * sq * row_stride), 7);
+  std::mt19937_64 rng(990);
+  for (std::int64_t plane = 0; plane < batch * heads; ++plane)
+    for (std::int64_t i = 0; i < sq; ++i)
+      for (std::int64_t j = 0; j < sk; ++j) {
+        const std::int64_t len = 19 + 7 * plane;
+        bool keep = i / len == j / len && j <= i;
+        if (plane == 1) keep = keep || (i % 13 == 5 && j % 29 == 3);  // lone rows differ
+        if (plane == 4) keep = rng() % 3 != 0;                         // random
+        if (plane == 5) keep = true;                                   // full everywhere
+        storage[static_cast<std::size_t>((plane * sq + i) * row_stride + j)] =
+            keep ? static_cast<std::uint8_t>(1 + rng() % 255) : 0;
+      }
+  const TensorView mask(storage.data(), DType::u8, {batch, heads, sq, sk},
+                        {heads * sq * row_stride, sq * row_stride, row_stride, 1});
+  for_each_simd_target([&](const std::string&) {
+    for (const auto& [br, bc] : {std::pair<std::int64_t, std::int64_t>{8, 32}, {6, 16}, {64, 128}, {1, 8}}) {
+      SCOPED_TRACE("blocks " + std::to_string(br) + " x " + std::to_string(bc));
+      for (int threads : {1, 3}) {
+        const cpu::DenseMaskSummary summary(mask, sq, sk, br, bc, threads);
+        const cpu::DenseMaskBlocks& m = summary.blocks();
+        ASSERT_EQ(m.row_blocks, (sq + br - 1) / br);
+        ASSERT_EQ(m.col_blocks, (sk + bc - 1) / bc);
+        for (std::int64_t plane = 0; plane < batch * heads; ++plane)
+          for (std::int64_t rb = 0; rb < m.row_blocks; ++rb)
+            for (std::int64_t cb = 0; cb < m.col_blocks; ++cb) {
+              bool kept = false, hidden = false;
+              for (std::int64_t i = rb * br; i < std::min(sq, (rb + 1) * br); ++i)
+                for (std::int64_t j = cb * bc; j < std::min(sk, (cb + 1) * bc); ++j)
+                  (storage[static_cast<std::size_t>((plane * sq + i) * row_stride + j)] != 0 ? kept : hidden) = true;
+              ASSERT_EQ(m.states[m.plane(plane / heads, plane % heads) + rb * m.col_blocks + cb],
+                        static_cast<std::uint8_t>(classify_block(kept, hidden)))
+                  << "plane " << plane << " block (" << rb << ", " << cb << "), " << threads << " threads";
+            }
+      }
+    }
+  });
+}
+
 // A boolean attn_mask of a structured pattern (packed documents, causal within each, per
 // batch element) has its summary's partial blocks copied out (DenseMaskBlocks::keep), each
 // byte the mask's, no slot elsewhere, and the kernels read those: forward and backward

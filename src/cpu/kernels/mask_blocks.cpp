@@ -30,6 +30,32 @@ void MinMaxBytes(const std::uint8_t* HWY_RESTRICT row, std::int64_t n, std::uint
   }
 }
 
+// The same for rows 1..rows − 1 of a block whose row 0 is at `row` (rows `stride` bytes
+// apart): a vector of columns at a time through every row, its running minimum and
+// maximum in registers — one load a row and vector, where MinMaxBytes row by row loads and
+// stores low and high for each.
+void MinMaxRows(const std::uint8_t* HWY_RESTRICT row, std::int64_t stride, std::int64_t rows, std::int64_t n,
+                std::uint8_t* HWY_RESTRICT low, std::uint8_t* HWY_RESTRICT high) {
+  const hn::ScalableTag<std::uint8_t> d;
+  const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
+  std::int64_t c = 0;
+  for (; c + lanes <= n; c += lanes) {
+    auto vlo = hn::LoadU(d, low + c), vhi = hn::LoadU(d, high + c);
+    for (std::int64_t i = 1; i < rows; ++i) {
+      const auto v = hn::LoadU(d, row + i * stride + c);
+      vlo = hn::Min(vlo, v);
+      vhi = hn::Max(vhi, v);
+    }
+    hn::StoreU(vlo, d, low + c);
+    hn::StoreU(vhi, d, high + c);
+  }
+  for (; c < n; ++c)
+    for (std::int64_t i = 1; i < rows; ++i) {
+      low[c] = std::min(low[c], row[i * stride + c]);
+      high[c] = std::max(high[c], row[i * stride + c]);
+    }
+}
+
 // For each block of `block` bytes of [0, n) (the last may be shorter): the smallest of low
 // into block_low and the largest of high into block_high.
 void BlockExtremes(const std::uint8_t* HWY_RESTRICT low, const std::uint8_t* HWY_RESTRICT high, std::int64_t n,
@@ -68,6 +94,7 @@ HWY_AFTER_NAMESPACE();
 namespace flashattn::cpu {
 
 HWY_EXPORT(MinMaxBytes);
+HWY_EXPORT(MinMaxRows);
 HWY_EXPORT(BlockExtremes);
 
 namespace {
@@ -98,10 +125,12 @@ DenseMaskSummary::DenseMaskSummary(const TensorView& mask, std::int64_t seqlen_q
   const auto* m = static_cast<const std::uint8_t*>(mask.data);
   const std::int64_t element = static_cast<std::int64_t>(dtype_size(mask.dtype));
   const auto min_max = HWY_DYNAMIC_DISPATCH(MinMaxBytes);
+  const auto min_max_rows = HWY_DYNAMIC_DISPATCH(MinMaxRows);
   const auto block_extremes = HWY_DYNAMIC_DISPATCH(BlockExtremes);
   // One (plane, row block) per iteration: element-wise over its rows (whole rows, the last
   // dim contiguous where it is longer than 1; a boolean mask's on the widest SIMD target,
-  // a bias's vectorised by the compiler), then one reduction per column block
+  // its first row alone and the others together (MinMaxRows), a bias's row by row,
+  // vectorised by the compiler), then one reduction per column block
   // (BlockExtremes, vectors of 16 bytes: std::max_element's byte at a time was a third of
   // the pass). A boolean mask's block is empty where its largest entry is
   // 0, full where its smallest is not; a bias's is empty where every entry is −∞, else
@@ -135,6 +164,10 @@ DenseMaskSummary::DenseMaskSummary(const TensorView& mask, std::int64_t seqlen_q
         default: OrNotMinusInfinity<std::uint16_t>(row, n, 0xFC00u, high); break;  // f16
       }
       if (i == rb * b.block_rows && i + 1 < row_end && all_partial()) break;
+      if (boolean) {  // the block's other rows at once (row i is in low and high)
+        min_max_rows(row, row_stride, row_end - i, n, low, high);
+        break;
+      }
     }
     std::uint8_t* states = states_.data() + item * b.col_blocks;
     block_extremes(low, high, cols, b.block_cols, block_low.data(), block_high.data());
