@@ -351,7 +351,8 @@ CpuBackwardPlan plan_backward(const AttentionProblem& p, const CpuHardware& hw,
   plan.head_dim_padded = round_up(p.head_dim, mc);
   plan.head_dim_v_padded = round_up(p.head_dim_v, mc);
   // A K/V tile is the row side of the dK/dV products and the column side of S and dP:
-  // whole micro-tiles both ways, about 128 keys as in the forward.
+  // whole micro-tiles both ways, about 128 keys (the float32 forward's 256 were 0.93–1.04×
+  // here: docs/performance.md, twenty-eighth session).
   const std::int64_t unit = std::lcm(mr, mc);
   constexpr std::int64_t kBlockK = 128;
   plan.block_k = std::max<std::int64_t>(1, (kBlockK + unit / 2) / unit) * unit;
