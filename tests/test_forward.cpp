@@ -299,5 +299,22 @@ TEST(Forward, PlanSplitsKeysOnlyWhenThreadsWouldIdle) {
   EXPECT_EQ(plan_forward(decode, hw, 5).splits, 5);
 }
 
+// The float32 kernel's K/V tile: 256 keys where a V panel of them (256 × micro_cols floats)
+// fills at most two thirds of L1d, else 128; never more keys than the problem has (rounded
+// up to a panel).
+TEST(Forward, PlanWidensFloat32KeyTilesWhereL1HoldsTheirPanels) {
+  const AttentionProblem p = AttentionProblem::from_sizes(1, 1024, 1024, 4, 4, 64, 64, DType::f32, {});
+  CpuHardware hw = CpuHardware::detect(2);
+  hw.micro_cols = 32;  // AVX-512's panels: 32 KiB at 256 keys
+  hw.l1d_bytes = 48 * 1024;
+  EXPECT_EQ(plan_forward(p, hw).block_k, 256);
+  hw.l1d_bytes = 32 * 1024;
+  EXPECT_EQ(plan_forward(p, hw).block_k, 128);
+  hw.micro_cols = 16;  // AVX2's: 16 KiB
+  EXPECT_EQ(plan_forward(p, hw).block_k, 256);
+  const AttentionProblem short_keys = AttentionProblem::from_sizes(1, 1024, 100, 4, 4, 64, 64, DType::f32, {});
+  EXPECT_EQ(plan_forward(short_keys, hw).block_k, 112);
+}
+
 }  // namespace
 }  // namespace flashattn::test
