@@ -250,12 +250,13 @@ CpuForwardPlan cpu::plan_forward(const AttentionProblem& p, const detail::Proble
   // K/V tile: its keys amortize the per-tile softmax bookkeeping (row max and sum, rescale
   // of õ, the mask step) over block_k·(D + Dv) FMAs per row, while a B panel of the
   // micro-kernel — block_k rows of V or D rows of Kᵀ, micro_cols floats wide — stays within
-  // L1: the float32 kernel takes 256 keys where such a V panel fills at most two thirds of
-  // L1d, else 128 — measured on the Sapphire Rapids' 48 KiB with AVX-512's 32-float panels
-  // (docs/performance.md, twenty-eighth session: +2–5%); a 32 KiB L1d (Zen 4) keeps 128 there,
-  // and AVX2's 16-float panels take 256 by the same rule, unmeasured. On AMX tiles 256: õ's C tiles are loaded and stored once per
-  // K/V tile of P·V, and from L2 they cost as much as the products they hold; twice the
-  // depth halves that (eighteenth session: 3–10%; 512 was no faster than 128).
+  // L1. The float32 kernel takes 256 keys where such a V panel fills at most two thirds of
+  // L1d, else 128: measured on the Sapphire Rapids' 48 KiB with AVX-512's 32-float panels
+  // (docs/performance.md, twenty-eighth session: +2–5%); a 32 KiB L1d (Zen 4) keeps 128,
+  // and AVX2's 16-float panels take 256 by the same rule, unmeasured. On AMX tiles 256: õ's
+  // C tiles are loaded and stored once per K/V tile of P·V, and from L2 they cost as much as
+  // the products they hold; twice the depth halves that (eighteenth session: 3–10%; 512 was
+  // no faster than 128, and 0.96–0.97× of 256 in the twenty-eighth).
   const bool wide_tile = plan.kernel == ForwardKernel::tiled
                              ? 256 * mc * static_cast<std::int64_t>(sizeof(float)) * 3 <=
                                    2 * static_cast<std::int64_t>(hw.l1d_bytes)
