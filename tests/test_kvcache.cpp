@@ -438,9 +438,9 @@ TEST(KvCache, DecodeKernelMatchesTheReferenceOnEveryLayout) {
 
 // A kv head with one or two query rows (multi-head attention's decode, a group of two q heads)
 // over a cache of values is planned as those rows (block_q 1 or 2), not padded to four, and
-// the decode kernel's products then take them alone: their outputs and lse are bit for bit those of the same rows
-// among four of a kv head (copies beside them), on every compiled SIMD target, in every K/V
-// dtype, with and without the ragged last pair of a row.
+// the decode kernel's products then take them alone: their outputs and lse are bit for bit
+// those of the same rows among four of a kv head (copies beside them), on every compiled SIMD
+// target, in every K/V dtype, with and without the ragged last pair of a row.
 TEST(KvCache, DecodeSingleRowsEqualTheirRowsInFours) {
   const CpuHardware hw = CpuHardware::detect(2);
   for (DType dtype : {DType::f32, DType::bf16, DType::f16}) {

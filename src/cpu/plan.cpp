@@ -257,9 +257,9 @@ CpuForwardPlan cpu::plan_forward(const AttentionProblem& p, const detail::Proble
   // C tiles are loaded and stored once per K/V tile of P·V, and from L2 they cost as much as
   // the products they hold; twice the depth halves that (eighteenth session: 3–10%; 512 was
   // no faster than 128, and 0.96–0.97× of 256 in the twenty-eighth).
+  const std::int64_t wide_v_panel_bytes = 256 * mc * static_cast<std::int64_t>(sizeof(float));
   const bool wide_tile = plan.kernel == ForwardKernel::tiled
-                             ? 256 * mc * static_cast<std::int64_t>(sizeof(float)) * 3 <=
-                                   2 * static_cast<std::int64_t>(hw.l1d_bytes)
+                             ? 3 * wide_v_panel_bytes <= 2 * static_cast<std::int64_t>(hw.l1d_bytes)
                              : plan.kernel == ForwardKernel::tiled_bf16 && hw.amx_bf16;
   const std::int64_t kBlockK = wide_tile ? 256 : 128;
   plan.block_k = std::min(round_up(kBlockK, mc), round_up(std::max<std::int64_t>(p.seqlen_k, 1), mc));
