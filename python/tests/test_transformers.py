@@ -332,9 +332,11 @@ def test_decode_step_in_place_equals_varlen(dtype):
 
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_padded_prompt_plan_equals_the_checked_mask(side):
-    """A padded prompt's plan, found from the padding mask alone (_plan_from_padding), computes
-    what the plan checked from transformers' materialized bool mask computes, for causal,
-    sliding-window and bidirectional layers; a row with a gap takes the general check."""
+    """A padded prompt's plan, found from the padding mask alone (_plan_from_padding,
+    _plan_from_key_padding), computes what the plan checked from transformers' materialized
+    bool mask computes, for causal, sliding-window and bidirectional layers — the causal ones
+    without the padding rows, the bidirectional one every row; a row with a gap takes the
+    general check."""
     from transformers import masking_utils as mu
 
     gen = torch.Generator().manual_seed(6)
@@ -352,8 +354,10 @@ def test_padded_prompt_plan_equals_the_checked_mask(side):
                                              mask_function=function, attention_mask=padding)
         mask = mu.sdpa_mask(batch_size=3, q_length=length, kv_length=length, mask_function=function,
                             attention_mask=padding, allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
-        checked = fa_hf._plan_from_bool(mask[:, 0] & padding[:, :, None])
+        every_row = function is mu.bidirectional_mask_function
+        checked = fa_hf._plan_from_bool(mask[:, 0] & (True if every_row else padding[:, :, None]))
         assert plan.varlen is not None and plan.causal == checked.causal
+        assert (plan.varlen[0].numel() == 3 * length) == every_row
         fast = fa_hf.attention_forward(module, q, k, v, plan, scaling=0.25)[0]
         slow = fa_hf.attention_forward(module, q, k, v, checked, scaling=0.25)[0]
         assert (fast - slow).abs().max() <= 1e-6
@@ -363,6 +367,64 @@ def test_padded_prompt_plan_equals_the_checked_mask(side):
     with pytest.raises(ValueError, match="attention_mask"):
         fa_hf.attention_mask_function(batch_size=3, q_length=length, kv_length=length, attention_mask=gap,
                                       mask_function=mu.sliding_window_causal_mask_function(5))
+
+
+def bart_models():
+    """(flashattn, SDPA) BART encoder-decoders with the same random weights."""
+    config = transformers.BartConfig(
+        vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=96, decoder_ffn_dim=96, max_position_embeddings=64,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None,
+        init_std=0.2)
+    torch.manual_seed(0)
+    ours = transformers.AutoModelForSeq2SeqLM.from_config(copy.deepcopy(config), attn_implementation=ATTN).eval()
+    theirs = transformers.AutoModelForSeq2SeqLM.from_config(copy.deepcopy(config), attn_implementation="sdpa").eval()
+    theirs.load_state_dict(ours.state_dict())
+    return ours, theirs
+
+
+@pytest.mark.parametrize("decoder_length", [9, 16, 21])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_cross_attention_to_a_padded_encoder_equals_sdpa(decoder_length, side):
+    """BART: the decoder's cross-attention reads a padded encoder's states under a
+    bidirectional mask over the encoder's tokens; every decoder row is computed (its queries
+    are not the encoder's tokens), for decoders shorter than, as long as and longer than the
+    encoder, and in greedy generation (one query a step over the cached encoder states)."""
+    ours, theirs = bart_models()
+    ids, mask = batch(seed=7, length=16, side=side)
+    calls = []
+    transformers.AttentionInterface.register(ATTN, lambda *a, **kw: calls.append(1) or fa_hf.attention_forward(*a, **kw))
+    try:
+        with torch.no_grad():
+            decoder = torch.randint(3, VOCAB, (2, decoder_length), generator=torch.Generator().manual_seed(8))
+            got = ours(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder).logits
+            want = theirs(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder).logits
+            assert len(calls) == 3 * 2, "flashattn runs every attention of the model: 2 encoder, 2 x 2 decoder"
+            assert (got - want).abs().max().item() <= 1e-5 * (1 + want.abs().max().item())
+            options = dict(attention_mask=mask, max_new_tokens=decoder_length, do_sample=False, num_beams=1)
+            assert torch.equal(ours.generate(ids, **options), theirs.generate(ids, **options))
+    finally:
+        fa_hf.register()
+
+
+@pytest.mark.parametrize("family", ["bloom", "mpt", "falcon"])
+def test_models_adding_alibi_to_the_mask_refused(family):
+    """BLOOM, MPT and Falcon with ALiBi compute attention themselves on the mask tensor plus
+    their bias: the mask plan used as a tensor raises ValueError naming attention_mask (was:
+    an AttributeError or TypeError from deep inside the model)."""
+    config = {
+        "bloom": lambda: transformers.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=1, n_head=4),
+        "mpt": lambda: transformers.MptConfig(vocab_size=VOCAB, d_model=64, n_layers=1, n_heads=4, max_seq_len=64),
+        "falcon": lambda: transformers.FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=1,
+                                                    num_attention_heads=4, alibi=True,
+                                                    new_decoder_architecture=False, multi_query=False),
+    }[family]()
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=ATTN).eval()
+    ids, mask = batch()
+    with torch.no_grad(), pytest.raises(ValueError, match="attention_mask: the model used .* as a tensor"):
+        model(input_ids=ids, attention_mask=mask)
+    plan = fa_hf._Plan(1, 2, 2, True, (-1, 0))
+    assert not hasattr(plan, "dtype") and getattr(plan, "device", None) is None
 
 
 MINILM_SENTENCES = [

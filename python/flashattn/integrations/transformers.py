@@ -15,8 +15,11 @@ transformers' own flash-attention path does), each with one ``causal`` flag and 
 ``window_size`` in flashattn's bottom-right-aligned convention. A pattern not of that form
 raises ValueError naming ``attention_mask``: nothing is approximated.
 
-Outputs at padding positions are 0 (as in transformers' flash-attention path): queries on
-padding tokens are left out, since no real token sees them. A decode step of a left-padded batch
+Under a causal or windowed mask, outputs at padding positions are 0 (as in transformers'
+flash-attention path): queries on padding tokens are left out, since no real token sees them.
+Under a bidirectional mask every query row is computed against its batch element's real keys,
+as SDPA computes it: its queries may be another sequence's tokens (cross-attention from a
+decoder to a padded encoder's states). A decode step of a left-padded batch
 reads the KV cache in place (``flash_attn_with_kvcache`` with ``cache_leftpad``) when no
 gradient is needed. Refused with ValueError naming the argument: ``output_attentions=True``, an
 attention bias (``position_bias``, a float mask with values other than 0 and the minimum),
@@ -54,6 +57,17 @@ _REFUSED_SET = frozenset(_REFUSED)
 _ROW_CHUNK = 1024
 
 
+def _used_as_tensor(what):
+    return (f"attention_mask: the model used the {ATTN_IMPLEMENTATION!r} mask plan as a tensor ({what}): its attention "
+            "does not go through transformers' attention interface (BLOOM, MPT and Falcon with ALiBi add their bias "
+            "to the mask themselves); load it with attn_implementation='sdpa' or 'eager'")
+
+
+class _PlanUsedAsTensor(ValueError, AttributeError):
+    """A tensor's attribute asked of a _Plan: a ValueError for the caller, an AttributeError
+    for hasattr and getattr with a default."""
+
+
 class _Plan:
     """One attention call in flashattn's terms, for a (batch, q_length, kv_length) problem.
 
@@ -77,6 +91,13 @@ class _Plan:
         self.causal, self.window = bool(causal), (int(window[0]), int(window[1]))
         self.keys = (0, self.kv_length) if keys is None else keys
         self.varlen, self.cache = varlen, cache
+
+    def __getattr__(self, name):  # only names the plan lacks: a tensor's (dtype, to, ...)
+        raise _PlanUsedAsTensor(_used_as_tensor(f"attribute {name!r}"))
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        raise ValueError(_used_as_tensor(getattr(func, "__name__", repr(func))))
 
     def __repr__(self):
         kind = ("in place over the cache" if self.cache is not None else "varlen" if self.varlen is not None
@@ -160,6 +181,21 @@ def _plan_from_padding(padding, causal, window):
     return _Plan(batch, length, length, causal, window, varlen=(index, index, cu, cu, longest, longest))
 
 
+def _plan_from_key_padding(real_keys, q_length):
+    """The varlen _Plan of a bidirectional mask over the keys real_keys (batch, kv_length)
+    marks: every query row sees the same keys — an encoder's, or a cross-attention's, whose
+    queries are not the padded sequence's tokens — so every row is computed, as SDPA computes
+    it, against its batch element's real keys (none: out 0)."""
+    batch, kv_length = real_keys.shape
+    real = real_keys.to(torch.bool)
+    n_k = real.sum(-1)
+    cu_q = torch.arange(0, (batch + 1) * q_length, q_length, dtype=torch.int32)
+    cu_k = F.pad(n_k.cumsum(0), (1, 0)).to(torch.int32)
+    varlen = (torch.arange(batch * q_length), real.flatten().nonzero().flatten(), cu_q, cu_k, q_length,
+              int(n_k.max()))
+    return _Plan(batch, q_length, kv_length, False, (-1, -1), varlen=varlen)
+
+
 def _sliding_window_of(mask_function, masking_utils):
     """w when mask_function is transformers' sliding_window_causal_mask_function(w) unchanged (an
     and_masks of its sliding_window_overlay(w) and causal_mask_function), else None."""
@@ -204,10 +240,10 @@ def attention_mask_function(batch_size, q_length, kv_length, q_offset=0, kv_offs
             window = _sliding_window_of(mask_function, masking_utils)
             if window is not None:  # keys kv > q - window: the query's and the window - 1 before
                 return _Plan(batch_size, q_length, kv_length, True, (window - 1, 0))
+    if padding is not None and mask_function is masking_utils.bidirectional_mask_function:
+        return _plan_from_key_padding(padding[:, int(kv_offset):int(kv_offset) + kv_length], q_length)
     if padding is not None and int(q_offset) == int(kv_offset) == 0 and 1 < q_length == kv_length == padding.shape[-1]:
-        if mask_function is masking_utils.bidirectional_mask_function:
-            band = (False, (-1, -1))
-        elif mask_function is masking_utils.causal_mask_function:
+        if mask_function is masking_utils.causal_mask_function:
             band = (True, (-1, 0))
         else:
             window = _sliding_window_of(mask_function, masking_utils)
@@ -221,10 +257,13 @@ def attention_mask_function(batch_size, q_length, kv_length, q_offset=0, kv_offs
                                    allow_is_bidirectional_skip=False, use_vmap=use_vmap, device=device)
     mask = mask.expand(batch_size, 1, q_length, kv_length)[:, 0]
     q0 = int(q_offset)
-    if padding is not None and q0 + q_length <= padding.shape[-1]:
-        # A query on a padding token (right padding, as in training batches) sees keys, but no
-        # real token sees it, so its output reaches nothing: it is left out (0, as in
-        # transformers' flash-attention path) and the real rows keep one bottom-right band.
+    if padding is not None and q0 + q_length <= padding.shape[-1] and not bool((mask == mask[:, :1]).all()):
+        # Rows that see different keys (causal, windows) are self-attention: query i is token
+        # q0 + i of the padded sequence. One on a padding token (right padding, as in training
+        # batches) sees keys, but no real token sees it, so its output reaches nothing: it is
+        # left out (0, as in transformers' flash-attention path) and the real rows keep one
+        # bottom-right band. Rows that all see the same keys are computed as they are: their
+        # queries may be another sequence's tokens (cross-attention to a padded encoder).
         mask = mask & padding[:, q0:q0 + q_length, None].to(torch.bool)
     return _plan_from_bool(mask)
 
