@@ -172,6 +172,136 @@ def test_training_gradients_within_rule(family, side):
     check_rule(grads[0], grads[1], grads[2], dtype, 3, f"{family} gradients")
 
 
+@FAMILY
+def test_packed_sequences_within_rule_and_equal_to_each_alone(family):
+    """Sequences packed in one row, told apart by position_ids restarting at 0 and no
+    attention_mask (transformers' padding-free training batches): each one a sequence of
+    flashattn's variable-length batch. Logits and training gradients within the rule of
+    transformers' own attention (whose mask is block-diagonal), and the logits those of each
+    sequence run alone."""
+    lengths = (5, 9, 7)
+    ids = torch.randint(1, VOCAB, (1, sum(lengths)), generator=torch.Generator().manual_seed(9))
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    labels = ids.clone()
+    logits, grads = [], []
+    for model in models(family, torch.float32):
+        with torch.no_grad():
+            logits.append(model(ids, position_ids=positions, use_cache=False).logits)
+        model.train()
+        model(ids, position_ids=positions, labels=labels, use_cache=False).loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        model.eval()
+    check_rule(logits[0], logits[1], logits[2], torch.float32, 2, f"{family} packed logits")
+    check_rule(grads[0], grads[1], grads[2], torch.float32, 3, f"{family} packed gradients")
+    ours = models(family, torch.float32)[0]
+    with torch.no_grad():
+        alone = torch.cat([ours(part, use_cache=False).logits for part in ids.split(lengths, 1)], 1)
+    assert (alone - logits[0]).abs().max() <= 1e-5 * (1 + alone.abs().max())
+
+
+def test_mask_plans_cut_packed_sequences():
+    """_plan_from_bool on masks holding several sequences per batch element — documents of
+    random lengths after left padding, each causal, sliding-window or bidirectional alike
+    (chunked attention is causal documents of one length) — computes the mask exactly; one
+    document with another band is refused."""
+    gen = torch.Generator().manual_seed(11)
+    module, length = torch.nn.Module(), 31
+    q, k, v = (torch.randn(3, heads, length, 8, generator=gen) for heads in (4, 2, 2))
+    pos = torch.arange(length)
+    for trial in range(24):
+        window = (None, 3, 0)[trial % 3]  # causal, a window of 3 keys, bidirectional
+        mask = torch.zeros(3, length, length, dtype=torch.bool)
+        for b in range(3):
+            cuts = torch.randint(1, 8, (length,), generator=gen).cumsum(0)
+            start = int(torch.randint(0, 6, (1,), generator=gen))  # left padding
+            doc = torch.bucketize(pos, cuts, right=True)
+            same = (doc[:, None] == doc[None, :]) & (pos[None, :] >= start) & (pos[:, None] >= start)
+            band = pos[None, :] <= pos[:, None] if window != 0 else torch.ones_like(same)
+            if window:
+                band &= pos[None, :] > pos[:, None] - window
+            mask[b] = same & band
+        plan = fa_hf._plan_from_bool(mask)
+        got = fa_hf.attention_forward(module, q, k, v, plan, scaling=0.5)[0].transpose(1, 2)
+        groups = q.shape[1] // k.shape[1]
+        keys, values = (x.double().repeat_interleave(groups, 1) for x in (k, v))
+        scores = (q.double() @ keys.transpose(-1, -2) * 0.5).masked_fill(~mask[:, None], -torch.inf)
+        want = torch.softmax(scores, -1).nan_to_num() @ values  # rows that see no key: 0
+        assert plan.varlen is not None and (got - want).abs().max() <= 1e-5, f"trial {trial}, window {window}"
+    nothing = torch.zeros(3, length, length, dtype=torch.bool)
+    assert not fa_hf.attention_forward(module, q, k, v, fa_hf._plan_from_bool(nothing), scaling=0.5)[0].any()
+    mask[0, 2 * length // 3:, :] = False
+    mask[0, 2 * length // 3:, 2 * length // 3:] = True  # a last bidirectional document among causal ones
+    with pytest.raises(ValueError, match="in each of packed ones"):
+        fa_hf._plan_from_bool(mask)
+
+
+_SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+              initializer_range=0.2)
+_TWO_KINDS = dict(sliding_window=6, layer_types=["sliding_attention", "full_attention"])
+# Architectures whose attention differs from the three families above in what reaches the
+# attention function: q/k norms, partial rotary, no rotary on some layers, fused QKV, absolute
+# positions, multi-query, multi-head latent attention (v's head dim not q's), chunked
+# attention, layers of two kinds, a bidirectional encoder with local layers.
+ARCHITECTURES = {
+    "qwen3": ("qwen3", dict(_SMALL, head_dim=16)),
+    "phi3": ("phi3", dict(_SMALL, sliding_window=6)),
+    "gemma3_text": ("gemma3_text", dict(_SMALL, head_dim=16, query_pre_attn_scalar=16, **_TWO_KINDS)),
+    "cohere2": ("cohere2", dict(_SMALL, **_TWO_KINDS)),
+    "gpt_neox": ("gpt_neox", dict(_SMALL, rotary_pct=0.25)),
+    "gpt2": ("gpt2", dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256, n_inner=96,
+                          pad_token_id=0, initializer_range=0.2)),
+    "gpt_bigcode": ("gpt_bigcode", dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                                        n_inner=96, multi_query=True, pad_token_id=0, initializer_range=0.2)),
+    "opt": ("opt", dict(vocab_size=VOCAB, hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4,
+                        word_embed_proj_dim=64, max_position_embeddings=256, pad_token_id=0, init_std=0.2)),
+    "falcon": ("falcon", dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              new_decoder_architecture=True, num_kv_heads=2, pad_token_id=0, initializer_range=0.2)),
+    "starcoder2": ("starcoder2", dict(_SMALL, sliding_window=6)),
+    "olmo2": ("olmo2", dict(_SMALL)),
+    "smollm3": ("smollm3", dict(_SMALL, use_sliding_window=True, no_rope_layers=[1, 0], **_TWO_KINDS)),
+    "deepseek_v3": ("deepseek_v3", dict(_SMALL, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=32,
+                                        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4,
+                                        num_experts_per_tok=2, first_k_dense_replace=1, moe_intermediate_size=32,
+                                        n_shared_experts=1, n_group=1, topk_group=1)),
+    "llama4_text": ("llama4_text", dict(_SMALL, head_dim=16, intermediate_size_mlp=96, num_local_experts=2,
+                                        num_experts_per_tok=1, attention_chunk_size=6, interleave_moe_layer_step=1,
+                                        layer_types=["chunked_attention", "full_attention"], no_rope_layers=[1, 0])),
+    "modernbert": ("modernbert", dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, local_attention=6, global_attn_every_n_layers=2,
+                                      pad_token_id=0, initializer_range=0.2)),
+}
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_architectures_equal_sdpa(name):
+    """Logits of tiny random models of each architecture on a left-padded batch (a decoder's
+    generation prompt; right padding for the encoder) and greedy generation equal SDPA's, and
+    flashattn ran every attention layer."""
+    model_type, kwargs = ARCHITECTURES[name]
+    config = transformers.AutoConfig.for_model(model_type, **kwargs)
+    encoder = model_type == "modernbert"
+    auto = transformers.AutoModelForMaskedLM if encoder else transformers.AutoModelForCausalLM
+    torch.manual_seed(0)
+    theirs = auto.from_config(copy.deepcopy(config), attn_implementation="sdpa").eval()
+    ours = auto.from_config(copy.deepcopy(config), attn_implementation=ATTN).eval()
+    ours.load_state_dict(theirs.state_dict())
+    ids, mask = batch(seed=4, length=15, side="right" if encoder else "left")
+    calls = []
+    transformers.AttentionInterface.register(ATTN, lambda *a, **kw: calls.append(1) or fa_hf.attention_forward(*a, **kw))
+    try:
+        with torch.no_grad():
+            got, want = (m(ids, attention_mask=mask).logits for m in (ours, theirs))
+            assert len(calls) == 2, f"flashattn ran {len(calls)} of the 2 layers' attention"
+            valid = mask.bool()
+            assert (got - want)[valid].abs().max() <= 1e-4 * (1 + want[valid].abs().max())
+            if not encoder:
+                options = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+                assert torch.equal(ours.generate(ids, **options), theirs.generate(ids, **options))
+    finally:
+        fa_hf.register()
+
+
 def test_window_and_softcap_matter():
     """The sliding window and the softcap change these models' logits, so the tests above
     would see them ignored."""

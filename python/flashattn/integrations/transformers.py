@@ -12,8 +12,10 @@ pattern the model asks for (causal or bidirectional, padding, sliding window, ca
 any overlay a model adds) and expresses it as what flashattn computes: either a dense batch,
 or a variable-length batch of the tokens left after removing padding (``cu_seqlens``, as
 transformers' own flash-attention path does), each with one ``causal`` flag and one
-``window_size`` in flashattn's bottom-right-aligned convention. A pattern not of that form
-raises ValueError naming ``attention_mask``: nothing is approximated.
+``window_size`` in flashattn's bottom-right-aligned convention. Sequences packed in one row
+(``position_ids`` restarting at 0 without an attention mask: padding-free training batches) and
+chunked attention (Llama 4: causal within chunks) are sequences of that batch too. A pattern
+not of that form raises ValueError naming ``attention_mask``: nothing is approximated.
 
 Under a causal or windowed mask, outputs at padding positions are 0 (as in transformers'
 flash-attention path): queries on padding tokens are left out, since no real token sees them.
@@ -109,11 +111,14 @@ class _Plan:
 def _plan_from_bool(mask):
     """A _Plan computing exactly the bool mask (batch, q_length, kv_length), True = attend.
 
-    Rows that see no key are padding; keys that no row sees are dropped. What remains must be,
-    in every batch element, one band j - i - (n_k - n_q) in [-left, right] (bottom-right
-    aligned, -1 unbounded) with the same (left, right) for the whole batch. Checked from each
-    row's first and last key and count: count = last - first + 1 among the kept keys makes the
-    row one interval, which must then be the band's."""
+    Rows that see no key are padding; keys that no row sees are dropped. What remains is cut
+    into segments: a row whose keys all come after every earlier row's starts one (the next
+    document of a packed batch, the next chunk of chunked attention), and each segment is one
+    sequence of a variable-length batch. In every segment each row must see one band
+    j - i - (n_k - n_q) in [-left, right] of the segment's keys (bottom-right aligned, -1
+    unbounded), with the same (left, right) everywhere. Checked from each row's first and last
+    key and count: count = last - first + 1 among the kept keys makes the row one interval,
+    which must then be the band's."""
     batch, q_length, kv_length = mask.shape
     raw = mask.view(torch.uint8)
     count, first, last = (torch.empty(batch, q_length, dtype=torch.long) for _ in range(3))
@@ -126,38 +131,55 @@ def _plan_from_bool(mask):
     n_q, n_k = rows.sum(-1), cols.sum(-1)
     ck = cols.cumsum(-1) - 1  # index of each kept key among the kept keys of its batch element
     first_c, last_c = torch.gather(ck, 1, first), torch.gather(ck, 1, last)
-    diagonal = rows.cumsum(-1) - 1 + (n_k - n_q)[:, None]  # bottom-right aligned, in kept keys
     if not bool((~rows | (last_c - first_c + 1 == count)).all()):
         raise ValueError("attention_mask: a query row sees keys with gaps between them (not padding); flashattn "
                          "cannot express it — use attn_implementation='sdpa' or 'eager' for this model")
-    # A row whose band is cut by the first (last) kept key says nothing about left (right).
-    cut_left, cut_right = rows & (first_c > 0), rows & (last_c < (n_k - 1)[:, None])
+    if not bool(rows.any()):  # no row sees a key: every output row is 0
+        empty, cu = torch.zeros(0, dtype=torch.long), torch.zeros(1, dtype=torch.int32)
+        return _Plan(batch, q_length, kv_length, False, (-1, -1), varlen=(empty, empty, cu, cu, 0, 0))
+    # Segments: the rows from one whose first key follows every earlier row's last key.
+    earlier_last = F.pad(torch.where(rows, last_c, -1).cummax(-1).values[:, :-1], (1, 0), value=-1)
+    starts = rows & (first_c > earlier_last)
+    segment = (starts.flatten().cumsum(0) - 1).view(batch, q_length)  # over the whole batch, rows in order
+    segments = int(starts.sum())
+    seg_rows = segment[rows]
+    n_q_seg = torch.bincount(seg_rows, minlength=segments)
+    seg_first = first_c[starts]  # in kept keys, batch element by batch element
+    seg_last = torch.full((segments,), -1, dtype=torch.long).scatter_reduce(0, seg_rows, last_c[rows], "amax")
+    n_k_seg = seg_last - seg_first + 1
+    s = segment.clamp(min=0)  # rows' segments (padding rows: any, they are masked out below)
+    position = rows.flatten().cumsum(0).view(batch, q_length) - 1  # index among the batch's rows
+    row_in_segment = position - F.pad(n_q_seg.cumsum(0), (1, 0))[s]
+    diagonal = row_in_segment + (n_k_seg - n_q_seg)[s] + seg_first[s]  # bottom-right aligned, in kept keys
+    # A row whose band is cut by its segment's first (last) key says nothing about left (right).
+    cut_left, cut_right = rows & (first_c > seg_first[s]), rows & (last_c < seg_last[s])
     left = int((diagonal - first_c)[cut_left].max()) if bool(cut_left.any()) else -1
     right = int((last_c - diagonal)[cut_right].max()) if bool(cut_right.any()) else -1
     if (bool(cut_left.any()) and left < 0) or (bool(cut_right.any()) and right < 0):
         raise ValueError(f"attention_mask: a query row that does not see its own diagonal (window ({left}, "
                          f"{right}) in flashattn's bottom-right convention) cannot be expressed")
-    lo = (diagonal - left).clamp(min=0) if left >= 0 else torch.zeros_like(diagonal)
-    hi = torch.minimum(diagonal + right, (n_k - 1)[:, None]) if right >= 0 else (n_k - 1)[:, None].expand_as(diagonal)
+    lo = torch.maximum(diagonal - left, seg_first[s]) if left >= 0 else seg_first[s]
+    hi = torch.minimum(diagonal + right, seg_last[s]) if right >= 0 else seg_last[s]
     wrong = rows & ((first_c != lo) | (last_c != hi))
     if bool(wrong.any()):
         b, r = (int(x) for x in wrong.nonzero()[0])
         raise ValueError(
             f"attention_mask: row {r} of batch element {b} is not a padding mask combined with one causal or "
             f"sliding window band (window ({left}, {right}) in flashattn's bottom-right convention fits the other "
-            "rows); flashattn cannot express it — use attn_implementation='sdpa' or 'eager' for this model")
+            "rows), in one sequence or in each of packed ones; flashattn cannot express it — use "
+            "attn_implementation='sdpa' or 'eager' for this model")
     causal = right == 0
-    if bool(rows.all()) and bool((cols == cols[:1]).all()):
+    if segments == batch and bool(rows.all()) and bool((cols == cols[:1]).all()):
         idx = cols[0].nonzero().flatten()
         k0, k1 = (int(idx[0]), int(idx[-1]) + 1) if idx.numel() else (0, 0)
         if k1 - k0 == idx.numel():
             return _Plan(batch, q_length, kv_length, causal, (left, right), keys=(k0, k1))
-    cu_q = F.pad(n_q.cumsum(0), (1, 0)).to(torch.int32)
-    cu_k = F.pad(n_k.cumsum(0), (1, 0)).to(torch.int32)
+    cu_q = F.pad(n_q_seg.cumsum(0), (1, 0)).to(torch.int32)
+    cu_k = F.pad(n_k_seg.cumsum(0), (1, 0)).to(torch.int32)
     varlen = (rows.flatten().nonzero().flatten(), cols.flatten().nonzero().flatten(), cu_q, cu_k,
-              int(n_q.max()), int(n_k.max()))
+              int(n_q_seg.max()) if segments else 0, int(n_k_seg.max()) if segments else 0)
     cache = None
-    if q_length == 1 and bool(rows.all()) and bool((n_k == last[:, 0] - first[:, 0] + 1).all()):
+    if segments == batch and q_length == 1 and bool(rows.all()) and bool((n_k == last[:, 0] - first[:, 0] + 1).all()):
         cache = (first[:, 0].to(torch.int32), (last[:, 0] + 1).to(torch.int32))
     return _Plan(batch, q_length, kv_length, causal, (left, right), varlen=varlen, cache=cache)
 
@@ -345,6 +367,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                    softcap=softcap, learnable_sink=sinks)
     q_index, k_index, cu_q, cu_k, max_q, max_k = plan.varlen
     heads, heads_kv = q.shape[2], k.shape[2]
+    if q_index.numel() == 0:  # no row sees a key
+        return q.new_zeros(batch, q_length, heads, v.shape[-1]), None
     out = flash_attn_varlen_func(q.reshape(batch * q_length, heads, -1).index_select(0, q_index),
                                  k.reshape(batch * kv_length, heads_kv, -1).index_select(0, k_index),
                                  v.reshape(batch * kv_length, heads_kv, -1).index_select(0, k_index),
