@@ -27,6 +27,8 @@ try:
 except ImportError:
     pytest.skip("transformers is not installed", allow_module_level=True)
 
+import torch.nn.functional as F  # noqa: E402
+
 from flashattn.integrations import transformers as fa_hf  # noqa: E402
 
 fa_hf.register()
@@ -390,26 +392,31 @@ def test_output_attentions_refused():
 
 
 def test_four_d_masks():
-    """A 4-d mask passed by the caller: padding with causality is computed; anything else
-    (a bias, an arbitrary pattern) raises ValueError naming attention_mask."""
+    """A 4-d mask passed by the caller: padding with causality is planned as a band; anything
+    else — an attention bias, a pattern with holes, a mask per head — runs as a dense
+    attn_mask of flashattn's SDPA: each equal to what transformers' SDPA computes with it."""
     ours, theirs, _ = models("llama", torch.float32)
     ids, mask = batch()
     causal = torch.ones(PROMPT, PROMPT, dtype=torch.bool).tril()
     allowed = causal[None, None] & mask.bool()[:, None, None, :]
     additive = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    biased = additive.clone()
+    biased[0, 0, 5, 2] = -1.0
+    holes = allowed.clone()
+    holes[0, 0, 8, 3] = False
+    per_head = allowed.expand(2, 4, PROMPT, PROMPT).clone()
+    per_head[1, 2, 9, 6] = False
+    plans = [fa_hf._plan_from_tensor(m, 2, PROMPT, PROMPT) for m in (allowed, additive, biased, holes, per_head)]
+    assert [p.dense is None for p in plans] == [True, True, False, False, False]
     with torch.no_grad():
         expected = theirs(ids, attention_mask=mask).logits
         for four_d in (allowed, additive):
             got = ours(ids, attention_mask=four_d).logits
             assert (got - expected)[mask.bool()].abs().max() <= 1e-4
-        biased = additive.clone()
-        biased[0, 0, 5, 2] = -1.0
-        with pytest.raises(ValueError, match="attention_mask"):
-            ours(ids, attention_mask=biased)
-        holes = allowed.clone()
-        holes[0, 0, 8, 3] = False
-        with pytest.raises(ValueError, match="attention_mask"):
-            ours(ids, attention_mask=holes)
+        for four_d in (biased, holes, per_head):
+            got, want = ours(ids, attention_mask=four_d).logits, theirs(ids, attention_mask=four_d).logits
+            assert (got - want)[mask.bool()].abs().max() <= 1e-4
+            assert (got - expected)[mask.bool()].abs().max() > 1e-3  # the change matters
 
 
 def test_mask_function_plans():
@@ -429,9 +436,12 @@ def test_mask_function_plans():
                                          mask_function=mu.sliding_window_causal_mask_function(4),
                                          attention_mask=torch.ones(1, 24, dtype=torch.bool))
     assert plan.keys == (0, 4) and plan.varlen is None
+    # A prefix-LM overlay is no band: a dense attn_mask, transformers' own mask.
     prefix_lm = mu.or_masks(mu.causal_mask_function, lambda b, h, q, kv: kv < 3)
-    with pytest.raises(ValueError, match="attention_mask"):
-        fa_hf.attention_mask_function(batch_size=1, q_length=8, kv_length=8, mask_function=prefix_lm, use_vmap=True)
+    plan = fa_hf.attention_mask_function(batch_size=1, q_length=8, kv_length=8, mask_function=prefix_lm, use_vmap=True)
+    want = mu.sdpa_mask(batch_size=1, q_length=8, kv_length=8, mask_function=prefix_lm, use_vmap=True,
+                        allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
+    assert plan.dense is not None and torch.equal(plan.dense, want) and torch.equal(plan.bool_mask(), want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -494,9 +504,16 @@ def test_padded_prompt_plan_equals_the_checked_mask(side):
     gap = padding.clone()
     gap[0, 10] = False
     assert fa_hf._plan_from_padding(gap, True, (-1, 0)) is None
-    with pytest.raises(ValueError, match="attention_mask"):
-        fa_hf.attention_mask_function(batch_size=3, q_length=length, kv_length=length, attention_mask=gap,
-                                      mask_function=mu.sliding_window_causal_mask_function(5))
+    window = mu.sliding_window_causal_mask_function(5)
+    plan = fa_hf.attention_mask_function(batch_size=3, q_length=length, kv_length=length, attention_mask=gap,
+                                         mask_function=window)
+    mask = mu.sdpa_mask(batch_size=3, q_length=length, kv_length=length, mask_function=window, attention_mask=gap,
+                        allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
+    assert plan.dense is not None  # rows with a gap in their keys: the dense mask
+    got = fa_hf.attention_forward(module, q, k, v, plan, scaling=0.25)[0]
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25, enable_gqa=True).transpose(1, 2)
+    seen = mask[:, 0].any(-1)
+    assert (got - want)[seen].abs().max() <= 1e-5
 
 
 def bart_models():
@@ -535,6 +552,40 @@ def test_cross_attention_to_a_padded_encoder_equals_sdpa(decoder_length, side):
             assert torch.equal(ours.generate(ids, **options), theirs.generate(ids, **options))
     finally:
         fa_hf.register()
+
+
+def test_t5_relative_position_bias_equals_sdpa():
+    """T5 adds a learned relative position bias (position_bias) to every score: it runs as an
+    additive attn_mask of flashattn's SDPA (the model's mask applied to it as transformers'
+    SDPA path does), in the encoder's, the decoder's and the cross-attention, with a padded
+    encoder: logits and greedy generation equal SDPA's, and a training step's gradients —
+    the bias's embedding's included, which reach it through the mask — within float32
+    rounding of them."""
+    config = transformers.T5Config(
+        vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=96, num_layers=2, num_decoder_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, dropout_rate=0.0, pad_token_id=0, eos_token_id=1,
+        decoder_start_token_id=0)
+    torch.manual_seed(0)
+    theirs = transformers.AutoModelForSeq2SeqLM.from_config(copy.deepcopy(config), attn_implementation="sdpa")
+    ours = transformers.AutoModelForSeq2SeqLM.from_config(copy.deepcopy(config), attn_implementation=ATTN)
+    ours.load_state_dict(theirs.state_dict())
+    ids, mask = batch(seed=12, length=16, side="right")
+    decoder = torch.randint(2, VOCAB, (2, 11), generator=torch.Generator().manual_seed(13))
+    grads = []
+    for model in (ours, theirs):
+        model.train()
+        model(input_ids=ids, attention_mask=mask, labels=decoder).loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+        model.eval()
+    bias = "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+    assert grads[1][bias].abs().max() > 0
+    scale = max(g.abs().max() for g in grads[1].values())
+    assert max((grads[0][n] - grads[1][n]).abs().max() for n in grads[1]) <= 1e-5 * scale
+    with torch.no_grad():
+        got, want = (m(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder).logits for m in (ours, theirs))
+        assert (got - want).abs().max() <= 1e-5 * (1 + want.abs().max())
+        options = dict(attention_mask=mask, max_new_tokens=12, do_sample=False)
+        assert torch.equal(ours.generate(ids, **options), theirs.generate(ids, **options))
 
 
 @pytest.mark.parametrize("family", ["bloom", "mpt", "falcon"])

@@ -14,8 +14,11 @@ or a variable-length batch of the tokens left after removing padding (``cu_seqle
 transformers' own flash-attention path does), each with one ``causal`` flag and one
 ``window_size`` in flashattn's bottom-right-aligned convention. Sequences packed in one row
 (``position_ids`` restarting at 0 without an attention mask: padding-free training batches) and
-chunked attention (Llama 4: causal within chunks) are sequences of that batch too. A pattern
-not of that form raises ValueError naming ``attention_mask``: nothing is approximated.
+chunked attention (Llama 4: causal within chunks) are sequences of that batch too. Any other
+pattern (a prefix-LM overlay, rows with gaps, a mask per head, a caller's attention bias) runs
+as a dense ``attn_mask`` of flashattn's ``scaled_dot_product_attention``, as transformers' SDPA
+path runs it, and so does T5's relative position bias (``position_bias``, with the mask applied
+to it as that path applies it, differentiable): nothing is approximated.
 
 Under a causal or windowed mask, outputs at padding positions are 0 (as in transformers'
 flash-attention path): queries on padding tokens are left out, since no real token sees them.
@@ -23,10 +26,10 @@ Under a bidirectional mask every query row is computed against its batch element
 as SDPA computes it: its queries may be another sequence's tokens (cross-attention from a
 decoder to a padded encoder's states). A decode step of a left-padded batch
 reads the KV cache in place (``flash_attn_with_kvcache`` with ``cache_leftpad``) when no
-gradient is needed. Refused with ValueError naming the argument: ``output_attentions=True``, an
-attention bias (``position_bias``, a float mask with values other than 0 and the minimum),
+gradient is needed. Refused with ValueError naming the argument: ``output_attentions=True``,
 an argument named ``sinks``, packed sequences given as ``cu_seq_lens_*``, a paged cache
-(``block_table``), head masks. gpt-oss's attention sinks (``s_aux``, one logit per q head in
+(``block_table``), head masks, softcap or sinks with a dense ``attn_mask``, and a model that
+uses the mask as a tensor in attention of its own (BLOOM, MPT, Falcon with ALiBi). gpt-oss's attention sinks (``s_aux``, one logit per q head in
 every row's softmax denominator) are taken, as flashattn's ``learnable_sink``, with their
 gradient.
 
@@ -51,7 +54,7 @@ ATTN_IMPLEMENTATION = "fa_cpu"
 
 # Arguments some models pass to the attention function that change what it computes and that
 # flashattn does not take (an additive bias, sinks of unknown semantics, packed sequences, head masks).
-_REFUSED = ("position_bias", "sinks", "head_mask", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+_REFUSED = ("sinks", "head_mask", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
             "max_length_k", "indices", "block_indices", "block_table")
 _REFUSED_SET = frozenset(_REFUSED)
 
@@ -77,9 +80,12 @@ class _Plan:
     in q_index and the keys in k_index (flat indices into batch * length) take part, packed by
     cu_seqlens; the other rows of the output are 0 (they are padding: no key is visible). Cache:
     for one query per batch element over keys [leftpad, seqlens) of each row (a decode step of
-    a left-padded batch), the same computation read in place by flash_attn_with_kvcache."""
+    a left-padded batch), the same computation read in place by flash_attn_with_kvcache. Dense
+    attn_mask: a mask none of those express (rows with gaps, masks that differ between heads,
+    attention biases), computed exactly by flashattn's SDPA with it (B or 1, Hq or 1, Sq, Sk)."""
 
-    __slots__ = ("batch", "q_length", "kv_length", "causal", "window", "keys", "varlen", "cache")
+    __slots__ = ("batch", "q_length", "kv_length", "causal", "window", "keys", "varlen", "cache", "dense",
+                 "bool_mask")
     # transformers' mask utilities take a plan made ahead of the forward (generate() does so for
     # static caches) for a prepared 4-d mask and hand it back to attention_mask_function.
     ndim = 4
@@ -88,11 +94,14 @@ class _Plan:
     def shape(self):
         return (self.batch, 1, self.q_length, self.kv_length)
 
-    def __init__(self, batch, q_length, kv_length, causal, window, keys=None, varlen=None, cache=None):
+    def __init__(self, batch, q_length, kv_length, causal, window, keys=None, varlen=None, cache=None, dense=None):
         self.batch, self.q_length, self.kv_length = int(batch), int(q_length), int(kv_length)
         self.causal, self.window = bool(causal), (int(window[0]), int(window[1]))
         self.keys = (0, self.kv_length) if keys is None else keys
-        self.varlen, self.cache = varlen, cache
+        self.varlen, self.cache, self.dense = varlen, cache, dense
+        # () -> transformers' own bool mask (batch or 1, 1, q_length, kv_length) that this plan
+        # computes, materialized only when asked (T5's position_bias needs it); None: unknown.
+        self.bool_mask = None
 
     def __getattr__(self, name):  # only names the plan lacks: a tensor's (dtype, to, ...)
         raise _PlanUsedAsTensor(_used_as_tensor(f"attribute {name!r}"))
@@ -103,7 +112,7 @@ class _Plan:
 
     def __repr__(self):
         kind = ("in place over the cache" if self.cache is not None else "varlen" if self.varlen is not None
-                else f"dense keys[{self.keys[0]}:{self.keys[1]}]")
+                else "as a dense attn_mask" if self.dense is not None else f"dense keys[{self.keys[0]}:{self.keys[1]}]")
         return (f"flashattn mask plan (batch {self.batch}, q_length {self.q_length}, kv_length {self.kv_length}, "
                 f"{kind}, causal={self.causal}, window_size={self.window})")
 
@@ -250,6 +259,17 @@ def attention_mask_function(batch_size, q_length, kv_length, q_offset=0, kv_offs
             raise ValueError(f"attention_mask: {attention_mask} does not match this forward (batch {batch_size}, "
                              f"q_length {q_length}, kv_length {kv_length})")
         return attention_mask
+    plan = _plan_for(masking_utils, batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
+                     attention_mask, use_vmap, device)
+    plan.bool_mask = lambda: masking_utils.sdpa_mask(
+        batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
+        mask_function=mask_function, attention_mask=attention_mask, allow_is_causal_skip=False,
+        allow_is_bidirectional_skip=False, use_vmap=use_vmap, device=device)
+    return plan
+
+
+def _plan_for(masking_utils, batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+              use_vmap, device):
     padding = None
     if attention_mask is not None:
         padding = masking_utils.prepare_padding_mask(attention_mask, kv_length, int(kv_offset))
@@ -277,6 +297,7 @@ def attention_mask_function(batch_size, q_length, kv_length, q_offset=0, kv_offs
                                    q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
                                    attention_mask=attention_mask, allow_is_causal_skip=False,
                                    allow_is_bidirectional_skip=False, use_vmap=use_vmap, device=device)
+    full = mask
     mask = mask.expand(batch_size, 1, q_length, kv_length)[:, 0]
     q0 = int(q_offset)
     if padding is not None and q0 + q_length <= padding.shape[-1] and not bool((mask == mask[:, :1]).all()):
@@ -287,27 +308,37 @@ def attention_mask_function(batch_size, q_length, kv_length, q_offset=0, kv_offs
         # bottom-right band. Rows that all see the same keys are computed as they are: their
         # queries may be another sequence's tokens (cross-attention to a padded encoder).
         mask = mask & padding[:, q0:q0 + q_length, None].to(torch.bool)
-    return _plan_from_bool(mask)
+    return _plan_or_dense(mask, full)
+
+
+def _plan_or_dense(mask, full):
+    """_plan_from_bool(mask), or where no band plan expresses it, the dense plan of `full`
+    (batch or 1, heads or 1, q_length, kv_length): transformers' own mask, bool or additive."""
+    try:
+        return _plan_from_bool(mask)
+    except ValueError:
+        return _Plan(mask.shape[0], mask.shape[1], mask.shape[2], False, (-1, -1), dense=full)
 
 
 def _plan_from_tensor(mask, batch, q_length, kv_length):
-    """A _Plan for a 4-d mask tensor a model or its caller built itself (bool, or additive float
-    with 0 for attend and the dtype's minimum or -inf for masked)."""
+    """A _Plan for a 4-d mask tensor a model or its caller built itself: bool, or additive
+    float — 0 for attend and the dtype's minimum or -inf for masked planned as a bool mask, any
+    other values (an attention bias) and masks that differ between heads as a dense attn_mask."""
     if mask.dim() != 4 or mask.shape[-2:] != (q_length, kv_length) or mask.shape[0] not in (1, batch):
         raise ValueError(f"attention_mask: expected a plan from this backend's mask function or a 4-d mask "
                          f"({batch} or 1, heads or 1, {q_length}, {kv_length}), got shape {tuple(mask.shape)}")
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(f"attention_mask: dtype {mask.dtype} is neither bool nor floating point")
+    dense = _Plan(batch, q_length, kv_length, False, (-1, -1), dense=mask)
     if not bool((mask == mask[:, :1]).all()):
-        raise ValueError("attention_mask: a mask that differs between heads cannot be expressed")
-    mask = mask[:, 0]
+        return dense
+    visible = mask[:, 0]
     if mask.dtype != torch.bool:
-        if not mask.is_floating_point():
-            raise TypeError(f"attention_mask: dtype {mask.dtype} is neither bool nor floating point")
-        blocked = mask <= torch.finfo(mask.dtype).min
-        if not bool((blocked | (mask == 0)).all()):
-            raise ValueError("attention_mask: an additive float mask with values other than 0 and the dtype's "
-                             "minimum (an attention bias) cannot be expressed")
-        mask = ~blocked
-    return _plan_from_bool(mask.expand(batch, q_length, kv_length).contiguous())
+        blocked = visible <= torch.finfo(mask.dtype).min
+        if not bool((blocked | (visible == 0)).all()):
+            return dense
+        visible = ~blocked
+    return _plan_or_dense(visible.expand(batch, q_length, kv_length).contiguous(), mask)
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
@@ -323,6 +354,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                 raise ValueError(f"{name}: not supported by attn_implementation={ATTN_IMPLEMENTATION!r}")
     batch, _, q_length, _ = query.shape
     kv_length = key.shape[2]
+    sinks = kwargs.get("s_aux")  # gpt-oss: (Hq) unscaled logits, as learnable_sink
+    dropout, softcap = float(dropout), 0.0 if softcap is None else float(softcap)
+    if kwargs.get("position_bias") is not None:
+        return _biased_forward(module, query, key, value, attention_mask, kwargs["position_bias"], dropout, scaling,
+                               softcap, is_causal, sinks), None
     if isinstance(attention_mask, _Plan):
         plan = attention_mask
         if (plan.batch, plan.q_length, plan.kv_length) != (batch, q_length, kv_length):
@@ -341,9 +377,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                                  "ambiguous; pass the model's attention_mask")
             window = (int(sliding_window) - 1, 0)
         plan = _Plan(batch, q_length, kv_length, causal, window)
-
-    sinks = kwargs.get("s_aux")  # gpt-oss: (Hq) unscaled logits, as learnable_sink
-    dropout, softcap = float(dropout), 0.0 if softcap is None else float(softcap)
+    if plan.dense is not None:
+        return _sdpa_forward(query, key, value, plan.dense, dropout, scaling, softcap, sinks, "attention_mask"), None
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad or (
         sinks is not None and sinks.requires_grad))
@@ -375,6 +410,49 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                                  cu_q, cu_k, max_q, max_k, **options)
     full = out.new_zeros(batch * q_length, heads, out.shape[-1]).index_copy(0, q_index, out)
     return full.view(batch, q_length, heads, -1), None
+
+
+def _biased_forward(module, query, key, value, attention_mask, position_bias, dropout, scaling, softcap, is_causal,
+                    sinks):
+    """T5's relative position bias (position_bias (1 or B, Hq, Sq, Sk), added to the scaled
+    scores) under the model's mask, combined as transformers' SDPA path combines them — the
+    bias where the mask attends, the lower of the two dtypes' minimum elsewhere, a float mask
+    added — into one additive attn_mask of flashattn's SDPA, which differentiates it (the bias
+    is learned). -> (B, Sq, Hq, Dv)."""
+    q_length, kv_length = query.shape[2], key.shape[2]
+    if isinstance(attention_mask, _Plan) and attention_mask.dense is not None:
+        mask = attention_mask.dense
+    elif isinstance(attention_mask, _Plan):
+        if attention_mask.bool_mask is None:
+            raise ValueError(f"attention_mask: {attention_mask} was not made by this backend's mask function, so "
+                             "position_bias cannot be combined with it")
+        mask = attention_mask.bool_mask()
+    elif attention_mask is None:
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        mask = torch.arange(q_length)[:, None] >= torch.arange(kv_length) if causal and q_length > 1 else None
+    else:
+        mask = attention_mask
+    if mask is None:
+        bias = position_bias
+    elif mask.dtype == torch.bool:
+        bias = torch.where(mask, position_bias, max(torch.finfo(key.dtype).min, torch.finfo(position_bias.dtype).min))
+    else:
+        bias = position_bias + mask
+    return _sdpa_forward(query, key, value, bias, dropout, scaling, softcap, sinks, "position_bias")
+
+
+def _sdpa_forward(query, key, value, attn_mask, dropout, scaling, softcap, sinks, argument):
+    """flashattn's SDPA with a dense attn_mask (bool, or added to the scaled scores), as
+    transformers' SDPA path computes it; its gradient flows to a float mask that requires it.
+    -> (B, Sq, Hq, Dv)."""
+    from .. import scaled_dot_product_attention
+
+    if softcap or sinks is not None:
+        raise ValueError(f"{argument}: a mask or bias flashattn computes as a dense attn_mask cannot be combined "
+                         f"with {'softcap' if softcap else 's_aux'} by attn_implementation={ATTN_IMPLEMENTATION!r}")
+    out = scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout, scale=scaling,
+                                       enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2)
 
 
 def register():
