@@ -53,7 +53,7 @@ from .. import _interface as _impl
 ATTN_IMPLEMENTATION = "fa_cpu"
 
 # Arguments some models pass to the attention function that change what it computes and that
-# flashattn does not take (an additive bias, sinks of unknown semantics, packed sequences, head masks).
+# flashattn does not take (sinks of unknown semantics, packed sequences given as offsets, head masks).
 _REFUSED = ("sinks", "head_mask", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
             "max_length_k", "indices", "block_indices", "block_table")
 _REFUSED_SET = frozenset(_REFUSED)
