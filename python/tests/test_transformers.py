@@ -15,6 +15,7 @@ are not compared (no token sees them).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 
@@ -118,6 +119,17 @@ def batch(seed=1, length=PROMPT, side="left"):
     return ids, mask
 
 
+@contextlib.contextmanager
+def counted_calls():
+    """flashattn's attention function registered behind a list that grows by one a call."""
+    calls = []
+    transformers.AttentionInterface.register(ATTN, lambda *a, **kw: calls.append(1) or fa_hf.attention_forward(*a, **kw))
+    try:
+        yield calls
+    finally:
+        fa_hf.register()
+
+
 def floor(ref, dtype):
     """The rounding of the reference to dtype (upstream's atol term)."""
     return 2 * (ref.to(dtype) + 0.3 - 0.3 - ref.to(dtype)).abs().max().item()
@@ -199,6 +211,40 @@ def test_packed_sequences_within_rule_and_equal_to_each_alone(family):
     with torch.no_grad():
         alone = torch.cat([ours(part, use_cache=False).logits for part in ids.split(lengths, 1)], 1)
     assert (alone - logits[0]).abs().max() <= 1e-5 * (1 + alone.abs().max())
+
+
+def test_padding_free_collator_offsets():
+    """DataCollatorWithFlattening(return_flash_attn_kwargs=True) hands the model the packed
+    sequences' offsets (cu_seq_lens_q/k, max_length_q/k), which reach the attention function
+    as transformers' flash-attention path takes them: with position_ids the logits and
+    gradients equal SDPA's (which reads the sequences from position_ids); without them each
+    sequence is still attended alone (SDPA ignores the offsets); offsets other than the
+    position_ids' sequences, or some of the four, raise ValueError naming the argument."""
+    ours, theirs, _ = models("mistral", torch.float32)
+    gen = torch.Generator().manual_seed(14)
+    features = [{"input_ids": torch.randint(1, VOCAB, (n,), generator=gen).tolist()} for n in (5, 9, 7)]
+    packed = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)(features)
+    logits, grads = [], []
+    for model in (ours, theirs):
+        model.train()
+        out = model(**packed, use_cache=False)
+        out.loss.backward()
+        logits.append(out.logits.detach())
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        model.eval()
+    assert (logits[0] - logits[1]).abs().max() <= 1e-5 * (1 + logits[1].abs().max())
+    assert (grads[0] - grads[1]).abs().max() <= 1e-5 * grads[1].abs().max()
+    with torch.no_grad():
+        alone = torch.cat([ours(torch.tensor([f["input_ids"]]), use_cache=False).logits for f in features], 1)
+        offsets_only = {k: v for k, v in packed.items() if k != "position_ids"}
+        got = ours(**offsets_only, use_cache=False).logits
+        assert (got - alone).abs().max() <= 1e-5 * (1 + alone.abs().max())
+        wrong = dict(packed, cu_seq_lens_q=torch.tensor([0, 5, 12, 21], dtype=torch.int32))
+        with pytest.raises(ValueError, match="cu_seq_lens_q"):
+            ours(**wrong, use_cache=False)
+        some = {k: v for k, v in packed.items() if k != "max_length_k"}
+        with pytest.raises(ValueError, match="max_length_k"):
+            ours(**some, use_cache=False)
 
 
 def test_mask_plans_cut_packed_sequences():
@@ -289,19 +335,14 @@ def test_architectures_equal_sdpa(name):
     ours = auto.from_config(copy.deepcopy(config), attn_implementation=ATTN).eval()
     ours.load_state_dict(theirs.state_dict())
     ids, mask = batch(seed=4, length=15, side="right" if encoder else "left")
-    calls = []
-    transformers.AttentionInterface.register(ATTN, lambda *a, **kw: calls.append(1) or fa_hf.attention_forward(*a, **kw))
-    try:
-        with torch.no_grad():
-            got, want = (m(ids, attention_mask=mask).logits for m in (ours, theirs))
-            assert len(calls) == 2, f"flashattn ran {len(calls)} of the 2 layers' attention"
-            valid = mask.bool()
-            assert (got - want)[valid].abs().max() <= 1e-4 * (1 + want[valid].abs().max())
-            if not encoder:
-                options = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
-                assert torch.equal(ours.generate(ids, **options), theirs.generate(ids, **options))
-    finally:
-        fa_hf.register()
+    with torch.no_grad(), counted_calls() as calls:
+        got, want = (m(ids, attention_mask=mask).logits for m in (ours, theirs))
+        assert len(calls) == 2, f"flashattn ran {len(calls)} of the 2 layers' attention"
+        valid = mask.bool()
+        assert (got - want)[valid].abs().max() <= 1e-4 * (1 + want[valid].abs().max())
+        if not encoder:
+            options = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+            assert torch.equal(ours.generate(ids, **options), theirs.generate(ids, **options))
 
 
 def test_window_and_softcap_matter():
@@ -539,19 +580,14 @@ def test_cross_attention_to_a_padded_encoder_equals_sdpa(decoder_length, side):
     encoder, and in greedy generation (one query a step over the cached encoder states)."""
     ours, theirs = bart_models()
     ids, mask = batch(seed=7, length=16, side=side)
-    calls = []
-    transformers.AttentionInterface.register(ATTN, lambda *a, **kw: calls.append(1) or fa_hf.attention_forward(*a, **kw))
-    try:
-        with torch.no_grad():
-            decoder = torch.randint(3, VOCAB, (2, decoder_length), generator=torch.Generator().manual_seed(8))
-            got = ours(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder).logits
-            want = theirs(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder).logits
-            assert len(calls) == 3 * 2, "flashattn runs every attention of the model: 2 encoder, 2 x 2 decoder"
-            assert (got - want).abs().max().item() <= 1e-5 * (1 + want.abs().max().item())
-            options = dict(attention_mask=mask, max_new_tokens=decoder_length, do_sample=False, num_beams=1)
-            assert torch.equal(ours.generate(ids, **options), theirs.generate(ids, **options))
-    finally:
-        fa_hf.register()
+    with torch.no_grad(), counted_calls() as calls:
+        decoder = torch.randint(3, VOCAB, (2, decoder_length), generator=torch.Generator().manual_seed(8))
+        got = ours(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder).logits
+        want = theirs(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder).logits
+        assert len(calls) == 3 * 2, "flashattn runs every attention of the model: 2 encoder, 2 x 2 decoder"
+        assert (got - want).abs().max().item() <= 1e-5 * (1 + want.abs().max().item())
+        options = dict(attention_mask=mask, max_new_tokens=decoder_length, do_sample=False, num_beams=1)
+        assert torch.equal(ours.generate(ids, **options), theirs.generate(ids, **options))
 
 
 def test_t5_relative_position_bias_equals_sdpa():

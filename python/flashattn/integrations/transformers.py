@@ -13,25 +13,27 @@ any overlay a model adds) and expresses it as what flashattn computes: either a 
 or a variable-length batch of the tokens left after removing padding (``cu_seqlens``, as
 transformers' own flash-attention path does), each with one ``causal`` flag and one
 ``window_size`` in flashattn's bottom-right-aligned convention. Sequences packed in one row
-(``position_ids`` restarting at 0 without an attention mask: padding-free training batches) and
-chunked attention (Llama 4: causal within chunks) are sequences of that batch too. Any other
-pattern (a prefix-LM overlay, rows with gaps, a mask per head, a caller's attention bias) runs
-as a dense ``attn_mask`` of flashattn's ``scaled_dot_product_attention``, as transformers' SDPA
-path runs it, and so does T5's relative position bias (``position_bias``, with the mask applied
-to it as that path applies it, differentiable): nothing is approximated.
+(``position_ids`` restarting at 0 without an attention mask: padding-free training batches)
+and chunked attention (Llama 4: causal within chunks) are sequences of that batch too; so are
+the offsets ``cu_seq_lens_q/k`` and ``max_length_q/k`` of transformers' padding-free
+collator, taken as its flash-attention path takes them (they must agree with
+``position_ids`` where both are given). Any other pattern (a prefix-LM overlay, rows with
+gaps, a mask per head, a caller's attention bias) runs as a dense ``attn_mask`` of flashattn's
+``scaled_dot_product_attention``, as transformers' SDPA path runs it, and so does T5's
+relative position bias (``position_bias``, with the mask applied to it as that path applies
+it, differentiable): nothing is approximated.
 
 Under a causal or windowed mask, outputs at padding positions are 0 (as in transformers'
 flash-attention path): queries on padding tokens are left out, since no real token sees them.
 Under a bidirectional mask every query row is computed against its batch element's real keys,
 as SDPA computes it: its queries may be another sequence's tokens (cross-attention from a
-decoder to a padded encoder's states). A decode step of a left-padded batch
-reads the KV cache in place (``flash_attn_with_kvcache`` with ``cache_leftpad``) when no
-gradient is needed. Refused with ValueError naming the argument: ``output_attentions=True``,
-an argument named ``sinks``, packed sequences given as ``cu_seq_lens_*``, a paged cache
-(``block_table``), head masks, softcap or sinks with a dense ``attn_mask``, and a model that
-uses the mask as a tensor in attention of its own (BLOOM, MPT, Falcon with ALiBi). gpt-oss's attention sinks (``s_aux``, one logit per q head in
-every row's softmax denominator) are taken, as flashattn's ``learnable_sink``, with their
-gradient.
+decoder to a padded encoder's states). A decode step of a left-padded batch reads the KV cache
+in place (``flash_attn_with_kvcache`` with ``cache_leftpad``) when no gradient is needed.
+Refused with ValueError naming the argument: ``output_attentions=True``, an argument named
+``sinks``, a paged cache (``block_table``), head masks, softcap or sinks with a dense
+``attn_mask``, and a model that uses the mask as a tensor in attention of its own (BLOOM, MPT,
+Falcon with ALiBi). gpt-oss's attention sinks (``s_aux``, one logit per q head in every row's
+softmax denominator) are taken, as flashattn's ``learnable_sink``, with their gradient.
 
 Where the model passes no mask, the module's ``is_causal`` (or the ``is_causal`` argument) and
 ``sliding_window`` decide, as in transformers' flash-attention path: a causal window of
@@ -53,9 +55,11 @@ from .. import _interface as _impl
 ATTN_IMPLEMENTATION = "fa_cpu"
 
 # Arguments some models pass to the attention function that change what it computes and that
-# flashattn does not take (sinks of unknown semantics, packed sequences given as offsets, head masks).
-_REFUSED = ("sinks", "head_mask", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
-            "max_length_k", "indices", "block_indices", "block_table")
+# flashattn does not take (sinks of unknown semantics, head masks, paged caches).
+_REFUSED = ("sinks", "head_mask", "indices", "block_indices", "block_table")
+# transformers' padding-free batches (DataCollatorWithFlattening(return_flash_attn_kwargs=True)):
+# the sequences' offsets in the one packed row, as its flash-attention path takes them.
+_PACKED = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 _REFUSED_SET = frozenset(_REFUSED)
 
 # Rows of a materialized mask checked at a time (bounds the checker's memory at long lengths).
@@ -379,6 +383,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         plan = _Plan(batch, q_length, kv_length, causal, window)
     if plan.dense is not None:
         return _sdpa_forward(query, key, value, plan.dense, dropout, scaling, softcap, sinks, "attention_mask"), None
+    if any(kwargs.get(name) is not None for name in _PACKED):
+        plan = _packed_plan(plan, batch, q_length, kv_length, *(kwargs.get(name) for name in _PACKED))
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad or (
         sinks is not None and sinks.requires_grad))
@@ -410,6 +416,36 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                                  cu_q, cu_k, max_q, max_k, **options)
     full = out.new_zeros(batch * q_length, heads, out.shape[-1]).index_copy(0, q_index, out)
     return full.view(batch, q_length, heads, -1), None
+
+
+def _packed_plan(plan, batch, q_length, kv_length, cu_q, cu_k, max_q, max_k):
+    """The varlen plan of a padding-free batch given by its offsets (cu_seq_lens_q/k,
+    max_length_q/k: all four, one packed row, every token of it in a sequence), with the
+    layer's band (causal, window) in each sequence, as transformers' flash-attention path
+    computes it. Where the model's mask already cut the row into sequences (position_ids
+    restarting), they must be these."""
+    names = dict(zip(_PACKED, (cu_q, cu_k, max_q, max_k)))
+    missing = [name for name, x in names.items() if x is None]
+    if missing:
+        raise ValueError(f"{missing[0]}: a padding-free batch needs all of {', '.join(_PACKED)}")
+    if batch != 1:
+        raise ValueError(f"cu_seq_lens_q: a padding-free batch is one packed row, got batch {batch}")
+    cu_q, cu_k = (torch.as_tensor(c).to(torch.int32) for c in (cu_q, cu_k))
+    for name, cu, total in (("cu_seq_lens_q", cu_q, q_length), ("cu_seq_lens_k", cu_k, kv_length)):
+        if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != total or bool((cu.diff() < 0).any()):
+            raise ValueError(f"{name}: expected offsets from 0 to the row's {total} tokens, non-decreasing, got "
+                             f"{cu.tolist()}")
+    if cu_q.numel() != cu_k.numel():
+        raise ValueError(f"cu_seq_lens_k: {cu_k.numel() - 1} sequences, cu_seq_lens_q {cu_q.numel() - 1}")
+    if plan.varlen is not None and not (torch.equal(plan.varlen[2], cu_q) and torch.equal(plan.varlen[3], cu_k)):
+        raise ValueError(f"cu_seq_lens_q: the sequences {cu_q.tolist()} are not those of the model's attention mask "
+                         f"and position_ids ({plan.varlen[2].tolist()})")
+    if plan.keys != (0, kv_length):
+        raise ValueError(f"cu_seq_lens_k: the model's attention mask hides keys outside [{plan.keys[0]}, "
+                         f"{plan.keys[1]}) of the packed row")
+    rows, keys = torch.arange(q_length), torch.arange(kv_length)
+    return _Plan(batch, q_length, kv_length, plan.causal, plan.window,
+                 varlen=(rows, keys, cu_q, cu_k, int(cu_q.diff().max()), int(cu_k.diff().max())))
 
 
 def _biased_forward(module, query, key, value, attention_mask, position_bias, dropout, scaling, softcap, is_causal,
