@@ -21,7 +21,9 @@ collator, taken as its flash-attention path takes them (they must agree with
 gaps, a mask per head, a caller's attention bias) runs as a dense ``attn_mask`` of flashattn's
 ``scaled_dot_product_attention``, as transformers' SDPA path runs it, and so does T5's
 relative position bias (``position_bias``, with the mask applied to it as that path applies
-it, differentiable): nothing is approximated.
+it, differentiable): nothing is approximated. Under ``torch.compile`` the mask function
+cannot read a mask's values to plan, so every mask runs as that dense ``attn_mask`` (a custom
+op with fake kernels: ``fullgraph=True`` compiles).
 
 Under a causal or windowed mask, outputs at padding positions are 0 (as in transformers'
 flash-attention path): queries on padding tokens are left out, since no real token sees them.
@@ -263,6 +265,12 @@ def attention_mask_function(batch_size, q_length, kv_length, q_offset=0, kv_offs
             raise ValueError(f"attention_mask: {attention_mask} does not match this forward (batch {batch_size}, "
                              f"q_length {q_length}, kv_length {kv_length})")
         return attention_mask
+    if torch.compiler.is_compiling():  # planning reads the mask's values: the dense mask, traced as SDPA's
+        dense = masking_utils.sdpa_mask(
+            batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
+            mask_function=mask_function, attention_mask=attention_mask, allow_is_causal_skip=False,
+            allow_is_bidirectional_skip=False, use_vmap=use_vmap, device=device)
+        return _Plan(batch_size, q_length, kv_length, False, (-1, -1), dense=dense)
     plan = _plan_for(masking_utils, batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
                      attention_mask, use_vmap, device)
     plan.bool_mask = lambda: masking_utils.sdpa_mask(
