@@ -62,6 +62,7 @@ _REFUSED = ("sinks", "head_mask", "indices", "block_indices", "block_table")
 # transformers' padding-free batches (DataCollatorWithFlattening(return_flash_attn_kwargs=True)):
 # the sequences' offsets in the one packed row, as its flash-attention path takes them.
 _PACKED = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+_PACKED_SET = frozenset(_PACKED)
 _REFUSED_SET = frozenset(_REFUSED)
 
 # Rows of a materialized mask checked at a time (bounds the checker's memory at long lengths).
@@ -391,7 +392,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         plan = _Plan(batch, q_length, kv_length, causal, window)
     if plan.dense is not None:
         return _sdpa_forward(query, key, value, plan.dense, dropout, scaling, softcap, sinks, "attention_mask"), None
-    if any(kwargs.get(name) is not None for name in _PACKED):
+    if not _PACKED_SET.isdisjoint(kwargs) and any(kwargs.get(name) is not None for name in _PACKED):
         plan = _packed_plan(plan, batch, q_length, kv_length, *(kwargs.get(name) for name in _PACKED))
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad or (
