@@ -277,10 +277,14 @@ def test_mask_plans_cut_packed_sequences():
         assert plan.varlen is not None and (got - want).abs().max() <= 1e-5, f"trial {trial}, window {window}"
     nothing = torch.zeros(3, length, length, dtype=torch.bool)
     assert not fa_hf.attention_forward(module, q, k, v, fa_hf._plan_from_bool(nothing), scaling=0.5)[0].any()
-    mask[0, 2 * length // 3:, :] = False
-    mask[0, 2 * length // 3:, 2 * length // 3:] = True  # a last bidirectional document among causal ones
+    mixed = torch.zeros(1, length, length, dtype=torch.bool)
+    for first, last in ((0, 10), (10, 20)):
+        mixed[0, first:last, first:last] = torch.ones(last - first, last - first, dtype=torch.bool).tril()
+    mixed[0, 20:, 20:] = True  # a bidirectional document after two causal ones
     with pytest.raises(ValueError, match="in each of packed ones"):
-        fa_hf._plan_from_bool(mask)
+        fa_hf._plan_from_bool(mixed)
+    plan = fa_hf._plan_or_dense(mixed, mixed[:, None])  # what the mask function makes of it
+    assert plan.dense is not None
 
 
 _SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -346,19 +350,31 @@ def test_architectures_equal_sdpa(name):
 
 
 def test_torch_compile_fullgraph():
-    """Under torch.compile the mask function cannot read the mask's values to plan: it hands the
-    attention function transformers' dense mask, which runs through flashattn's SDPA op (fake
-    kernels: no graph break). A left-padded forward compiled with fullgraph=True equals the
-    eager one, and so does greedy generation on a static cache with the model compiled."""
+    """Under torch.compile planning cannot read a mask's values: a mask made in the compiled
+    region, or a 4-d mask passed in, runs as the dense mask through flashattn's SDPA op (fake
+    kernels: no graph break), cut to a padding-free batch's offsets where it has them. A
+    left-padded forward, one with a 4-d mask and a padding-free batch given by its offsets
+    alone, compiled with fullgraph=True, equal the eager ones, and so does greedy generation
+    on a static cache with the model compiled (its masks planned outside the graph)."""
     model = models("llama", torch.float32)[0]
     ids, mask = batch(seed=15)
+    four_d = torch.ones(PROMPT, PROMPT, dtype=torch.bool).tril()[None, None] & mask.bool()[:, None, None, :]
+    offsets = dict(cu_seq_lens_q=torch.tensor([0, 4, PROMPT], dtype=torch.int32), max_length_q=PROMPT - 4,
+                   max_length_k=PROMPT - 4)
+    offsets["cu_seq_lens_k"] = offsets["cu_seq_lens_q"]
     args = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, cache_implementation="static", pad_token_id=0)
     with torch.no_grad():
-        eager, tokens = model(ids, attention_mask=mask).logits, model.generate(ids, **args)
-        compiled = torch.compile(model, fullgraph=True)(ids, attention_mask=mask).logits
-        assert (compiled - eager)[mask.bool()].abs().max() <= 1e-5 * (1 + eager.abs().max())
+        compiled = torch.compile(model, fullgraph=True)
+        for call in (dict(attention_mask=mask), dict(attention_mask=four_d), dict(offsets, use_cache=False)):
+            row = slice(None) if "use_cache" not in call else slice(0, 1)
+            eager, got = (m(ids[row], **call).logits for m in (model, compiled))
+            valid = mask[row].bool() if "attention_mask" in call else torch.ones_like(ids[row], dtype=torch.bool)
+            assert (got - eager)[valid].abs().max() <= 1e-5 * (1 + eager.abs().max()), list(call)
+        tokens = model.generate(ids, **args)
         model.forward = torch.compile(model.forward, fullgraph=True, dynamic=False)
         assert torch.equal(model.generate(ids, **args), tokens)
+        alone = torch.cat([model(part, use_cache=False).logits for part in ids[:1].split([4, PROMPT - 4], 1)], 1)
+        assert (model(ids[:1], **offsets, use_cache=False).logits - alone).abs().max() <= 1e-5 * (1 + alone.abs().max())
 
 
 def test_window_and_softcap_matter():
@@ -552,12 +568,16 @@ def test_padded_prompt_plan_equals_the_checked_mask(side):
         mask = mu.sdpa_mask(batch_size=3, q_length=length, kv_length=length, mask_function=function,
                             attention_mask=padding, allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
         every_row = function is mu.bidirectional_mask_function
-        checked = fa_hf._plan_from_bool(mask[:, 0] & (True if every_row else padding[:, :, None]))
+        kept = mask[:, 0] & (True if every_row else padding[:, :, None])
+        checked = fa_hf._plan_from_bool(kept)
         assert plan.varlen is not None and plan.causal == checked.causal
         assert (plan.varlen[0].numel() == 3 * length) == every_row
         fast = fa_hf.attention_forward(module, q, k, v, plan, scaling=0.25)[0]
         slow = fa_hf.attention_forward(module, q, k, v, checked, scaling=0.25)[0]
         assert (fast - slow).abs().max() <= 1e-6
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25, enable_gqa=True).transpose(1, 2)
+        seen = kept.any(-1)  # the rows computed; the others (padding queries under causal masks) are 0
+        assert (fast - want)[seen].abs().max() <= 1e-5 and not fast[~seen].any()
     gap = padding.clone()
     gap[0, 10] = False
     assert fa_hf._plan_from_padding(gap, True, (-1, 0)) is None

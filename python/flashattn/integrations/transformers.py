@@ -14,16 +14,17 @@ or a variable-length batch of the tokens left after removing padding (``cu_seqle
 transformers' own flash-attention path does), each with one ``causal`` flag and one
 ``window_size`` in flashattn's bottom-right-aligned convention. Sequences packed in one row
 (``position_ids`` restarting at 0 without an attention mask: padding-free training batches)
-and chunked attention (Llama 4: causal within chunks) are sequences of that batch too; so are
-the offsets ``cu_seq_lens_q/k`` and ``max_length_q/k`` of transformers' padding-free
-collator, taken as its flash-attention path takes them (they must agree with
-``position_ids`` where both are given). Any other pattern (a prefix-LM overlay, rows with
-gaps, a mask per head, a caller's attention bias) runs as a dense ``attn_mask`` of flashattn's
-``scaled_dot_product_attention``, as transformers' SDPA path runs it, and so does T5's
-relative position bias (``position_bias``, with the mask applied to it as that path applies
-it, differentiable): nothing is approximated. Under ``torch.compile`` the mask function
-cannot read a mask's values to plan, so every mask runs as that dense ``attn_mask`` (a custom
-op with fake kernels: ``fullgraph=True`` compiles).
+and chunked attention (Llama 4: causal within chunks) are sequences of that batch too. The
+offsets ``cu_seq_lens_q/k`` and ``max_length_q/k`` of transformers' padding-free collator cut
+the row into sequences as its flash-attention path does (where ``position_ids`` restart too,
+the sequences must be the same; a dense mask is cut to them). Any other pattern (a prefix-LM
+overlay, rows with gaps, a mask per head, a caller's attention bias) runs as a dense
+``attn_mask`` of flashattn's ``scaled_dot_product_attention``, as transformers' SDPA path runs
+it, and so does T5's relative position bias (``position_bias``, with the mask applied to it as
+that path applies it, differentiable): nothing is approximated. Under ``torch.compile``
+planning cannot read a mask's values, so a mask made inside the compiled region, or a 4-d mask
+passed in, runs as that dense ``attn_mask`` (a custom op with fake kernels: ``fullgraph=True``
+compiles); plans made outside it (``generate()``'s static-cache masks) run as they are.
 
 Under a causal or windowed mask, outputs at padding positions are 0 (as in transformers'
 flash-attention path): queries on padding tokens are left out, since no real token sees them.
@@ -343,7 +344,7 @@ def _plan_from_tensor(mask, batch, q_length, kv_length):
     if mask.dtype != torch.bool and not mask.is_floating_point():
         raise TypeError(f"attention_mask: dtype {mask.dtype} is neither bool nor floating point")
     dense = _Plan(batch, q_length, kv_length, False, (-1, -1), dense=mask)
-    if not bool((mask == mask[:, :1]).all()):
+    if torch.compiler.is_compiling() or not bool((mask == mask[:, :1]).all()):  # planning reads its values
         return dense
     visible = mask[:, 0]
     if mask.dtype != torch.bool:
@@ -390,9 +391,13 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                                  "ambiguous; pass the model's attention_mask")
             window = (int(sliding_window) - 1, 0)
         plan = _Plan(batch, q_length, kv_length, causal, window)
+    packed = not _PACKED_SET.isdisjoint(kwargs) and any(kwargs.get(name) is not None for name in _PACKED)
     if plan.dense is not None:
-        return _sdpa_forward(query, key, value, plan.dense, dropout, scaling, softcap, sinks, "attention_mask"), None
-    if not _PACKED_SET.isdisjoint(kwargs) and any(kwargs.get(name) is not None for name in _PACKED):
+        dense = plan.dense
+        if packed:
+            dense = _packed_dense(dense, batch, q_length, kv_length, *(kwargs.get(name) for name in _PACKED))
+        return _sdpa_forward(query, key, value, dense, dropout, scaling, softcap, sinks, "attention_mask"), None
+    if packed:
         plan = _packed_plan(plan, batch, q_length, kv_length, *(kwargs.get(name) for name in _PACKED))
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad or (
@@ -427,25 +432,32 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     return full.view(batch, q_length, heads, -1), None
 
 
-def _packed_plan(plan, batch, q_length, kv_length, cu_q, cu_k, max_q, max_k):
-    """The varlen plan of a padding-free batch given by its offsets (cu_seq_lens_q/k,
-    max_length_q/k: all four, one packed row, every token of it in a sequence), with the
-    layer's band (causal, window) in each sequence, as transformers' flash-attention path
-    computes it. Where the model's mask already cut the row into sequences (position_ids
-    restarting), they must be these."""
-    names = dict(zip(_PACKED, (cu_q, cu_k, max_q, max_k)))
-    missing = [name for name, x in names.items() if x is None]
+def _packed_offsets(batch, q_length, kv_length, cu_q, cu_k, max_q, max_k):
+    """(cu_q, cu_k) int32 of a padding-free batch given by its offsets (cu_seq_lens_q/k,
+    max_length_q/k: all four, one packed row, every token of it in a sequence), checked —
+    their values only outside torch.compile, where reading them would break the graph."""
+    missing = [name for name, x in zip(_PACKED, (cu_q, cu_k, max_q, max_k)) if x is None]
     if missing:
         raise ValueError(f"{missing[0]}: a padding-free batch needs all of {', '.join(_PACKED)}")
     if batch != 1:
         raise ValueError(f"cu_seq_lens_q: a padding-free batch is one packed row, got batch {batch}")
     cu_q, cu_k = (torch.as_tensor(c).to(torch.int32) for c in (cu_q, cu_k))
     for name, cu, total in (("cu_seq_lens_q", cu_q, q_length), ("cu_seq_lens_k", cu_k, kv_length)):
-        if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != total or bool((cu.diff() < 0).any()):
+        if cu.dim() != 1 or cu.numel() < 2 or (not torch.compiler.is_compiling() and (
+                int(cu[0]) != 0 or int(cu[-1]) != total or bool((cu.diff() < 0).any()))):
             raise ValueError(f"{name}: expected offsets from 0 to the row's {total} tokens, non-decreasing, got "
                              f"{cu.tolist()}")
     if cu_q.numel() != cu_k.numel():
         raise ValueError(f"cu_seq_lens_k: {cu_k.numel() - 1} sequences, cu_seq_lens_q {cu_q.numel() - 1}")
+    return cu_q, cu_k
+
+
+def _packed_plan(plan, batch, q_length, kv_length, *offsets):
+    """The varlen plan of a padding-free batch (_packed_offsets), with the layer's band
+    (causal, window) in each sequence, as transformers' flash-attention path computes it.
+    Where the model's mask already cut the row into sequences (position_ids restarting), they
+    must be these."""
+    cu_q, cu_k = _packed_offsets(batch, q_length, kv_length, *offsets)
     if plan.varlen is not None and not (torch.equal(plan.varlen[2], cu_q) and torch.equal(plan.varlen[3], cu_k)):
         raise ValueError(f"cu_seq_lens_q: the sequences {cu_q.tolist()} are not those of the model's attention mask "
                          f"and position_ids ({plan.varlen[2].tolist()})")
@@ -455,6 +467,17 @@ def _packed_plan(plan, batch, q_length, kv_length, cu_q, cu_k, max_q, max_k):
     rows, keys = torch.arange(q_length), torch.arange(kv_length)
     return _Plan(batch, q_length, kv_length, plan.causal, plan.window,
                  varlen=(rows, keys, cu_q, cu_k, int(cu_q.diff().max()), int(cu_k.diff().max())))
+
+
+def _packed_dense(dense, batch, q_length, kv_length, *offsets):
+    """A dense mask (bool, or additive float) cut to a padding-free batch's sequences
+    (_packed_offsets): query i sees key j only where both lie in the same sequence."""
+    cu_q, cu_k = _packed_offsets(batch, q_length, kv_length, *offsets)
+    same = (torch.bucketize(torch.arange(q_length), cu_q[1:], right=True)[:, None]
+            == torch.bucketize(torch.arange(kv_length), cu_k[1:], right=True)[None, :])
+    if dense.dtype == torch.bool:
+        return dense & same
+    return torch.where(same, dense, torch.finfo(dense.dtype).min)
 
 
 def _biased_forward(module, query, key, value, attention_mask, position_bias, dropout, scaling, softcap, is_causal,
