@@ -257,9 +257,10 @@ def attention_mask_function(batch_size, q_length, kv_length, q_offset=0, kv_offs
                             attention_mask=None, use_vmap=False, device="cpu", **kwargs):
     """The AttentionMaskInterface function: a _Plan instead of a 4-d mask.
 
-    The plain patterns (causal or sliding-window causal with the queries ending where the keys
-    end, or bidirectional, without padding) are planned from their arguments; anything else is materialized as
-    transformers' own bool mask (what eager and SDPA would use) and checked exactly."""
+    The plain patterns (causal or sliding-window causal with the queries ending where the
+    keys end, or bidirectional, without padding) are planned from their arguments; anything
+    else is materialized as transformers' own bool mask (what eager and SDPA would use) and
+    checked exactly."""
     from transformers import masking_utils
 
     if isinstance(attention_mask, _Plan):
@@ -267,23 +268,23 @@ def attention_mask_function(batch_size, q_length, kv_length, q_offset=0, kv_offs
             raise ValueError(f"attention_mask: {attention_mask} does not match this forward (batch {batch_size}, "
                              f"q_length {q_length}, kv_length {kv_length})")
         return attention_mask
-    if torch.compiler.is_compiling():  # planning reads the mask's values: the dense mask, traced as SDPA's
-        dense = masking_utils.sdpa_mask(
+
+    def materialize():  # transformers' own bool mask (batch or 1, 1, q_length, kv_length)
+        return masking_utils.sdpa_mask(
             batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
             mask_function=mask_function, attention_mask=attention_mask, allow_is_causal_skip=False,
             allow_is_bidirectional_skip=False, use_vmap=use_vmap, device=device)
-        return _Plan(batch_size, q_length, kv_length, False, (-1, -1), dense=dense)
+
+    if torch.compiler.is_compiling():  # planning reads the mask's values: the dense mask, traced as SDPA's
+        return _Plan(batch_size, q_length, kv_length, False, (-1, -1), dense=materialize())
     plan = _plan_for(masking_utils, batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
-                     attention_mask, use_vmap, device)
-    plan.bool_mask = lambda: masking_utils.sdpa_mask(
-        batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
-        mask_function=mask_function, attention_mask=attention_mask, allow_is_causal_skip=False,
-        allow_is_bidirectional_skip=False, use_vmap=use_vmap, device=device)
+                     attention_mask, materialize)
+    plan.bool_mask = materialize
     return plan
 
 
 def _plan_for(masking_utils, batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
-              use_vmap, device):
+              materialize):
     padding = None
     if attention_mask is not None:
         padding = masking_utils.prepare_padding_mask(attention_mask, kv_length, int(kv_offset))
@@ -307,11 +308,7 @@ def _plan_for(masking_utils, batch_size, q_length, kv_length, q_offset, kv_offse
         plan = None if band is None else _plan_from_padding(padding, *band)
         if plan is not None:
             return plan
-    mask = masking_utils.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
-                                   q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
-                                   attention_mask=attention_mask, allow_is_causal_skip=False,
-                                   allow_is_bidirectional_skip=False, use_vmap=use_vmap, device=device)
-    full = mask
+    mask = full = materialize()
     mask = mask.expand(batch_size, 1, q_length, kv_length)[:, 0]
     q0 = int(q_offset)
     if padding is not None and q0 + q_length <= padding.shape[-1] and not bool((mask == mask[:, :1]).all()):
