@@ -660,6 +660,24 @@ def test_t5_relative_position_bias_equals_sdpa():
         assert torch.equal(ours.generate(ids, **options), theirs.generate(ids, **options))
 
 
+def test_position_bias_cut_to_packed_sequences():
+    """A position_bias with a padding-free batch's offsets: the bias applies within each
+    sequence and no query sees another sequence's keys (torch's SDPA on the bias cut the same
+    way), rather than the offsets being dropped."""
+    gen = torch.Generator().manual_seed(16)
+    q, k, v = (torch.randn(1, 2, 9, 8, generator=gen) for _ in range(3))
+    bias = torch.randn(1, 2, 9, 9, generator=gen)
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    module = torch.nn.Module()
+    module.is_causal = False
+    got = fa_hf.attention_forward(module, q, k, v, None, scaling=0.3, position_bias=bias, cu_seq_lens_q=cu,
+                                  cu_seq_lens_k=cu, max_length_q=5, max_length_k=5)[0]
+    doc = torch.tensor([0] * 4 + [1] * 5)
+    want = F.scaled_dot_product_attention(q, k, v, scale=0.3,
+                                          attn_mask=bias.masked_fill(doc[:, None] != doc[None, :], -torch.inf))
+    assert (got - want.transpose(1, 2)).abs().max() <= 1e-5
+
+
 @pytest.mark.parametrize("family", ["bloom", "mpt", "falcon"])
 def test_models_adding_alibi_to_the_mask_refused(family):
     """BLOOM, MPT and Falcon with ALiBi compute attention themselves on the mask tensor plus

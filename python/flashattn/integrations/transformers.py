@@ -149,8 +149,8 @@ def _plan_from_bool(mask):
     ck = cols.cumsum(-1) - 1  # index of each kept key among the kept keys of its batch element
     first_c, last_c = torch.gather(ck, 1, first), torch.gather(ck, 1, last)
     if not bool((~rows | (last_c - first_c + 1 == count)).all()):
-        raise ValueError("attention_mask: a query row sees keys with gaps between them (not padding); flashattn "
-                         "cannot express it — use attn_implementation='sdpa' or 'eager' for this model")
+        raise ValueError("attention_mask: a query row sees keys with gaps between them (not padding): no band "
+                         "plan expresses it")
     if not bool(rows.any()):  # no row sees a key: every output row is 0
         empty, cu = torch.zeros(0, dtype=torch.long), torch.zeros(1, dtype=torch.int32)
         return _Plan(batch, q_length, kv_length, False, (-1, -1), varlen=(empty, empty, cu, cu, 0, 0))
@@ -183,8 +183,7 @@ def _plan_from_bool(mask):
         raise ValueError(
             f"attention_mask: row {r} of batch element {b} is not a padding mask combined with one causal or "
             f"sliding window band (window ({left}, {right}) in flashattn's bottom-right convention fits the other "
-            "rows), in one sequence or in each of packed ones; flashattn cannot express it — use "
-            "attn_implementation='sdpa' or 'eager' for this model")
+            "rows), in one sequence or in each of packed ones: no band plan expresses it")
     causal = right == 0
     if segments == batch and bool(rows.all()) and bool((cols == cols[:1]).all()):
         idx = cols[0].nonzero().flatten()
@@ -194,7 +193,7 @@ def _plan_from_bool(mask):
     cu_q = F.pad(n_q_seg.cumsum(0), (1, 0)).to(torch.int32)
     cu_k = F.pad(n_k_seg.cumsum(0), (1, 0)).to(torch.int32)
     varlen = (rows.flatten().nonzero().flatten(), cols.flatten().nonzero().flatten(), cu_q, cu_k,
-              int(n_q_seg.max()) if segments else 0, int(n_k_seg.max()) if segments else 0)
+              int(n_q_seg.max()), int(n_k_seg.max()))
     cache = None
     if segments == batch and q_length == 1 and bool(rows.all()) and bool((n_k == last[:, 0] - first[:, 0] + 1).all()):
         cache = (first[:, 0].to(torch.int32), (last[:, 0] + 1).to(torch.int32))
@@ -352,6 +351,12 @@ def _plan_from_tensor(mask, batch, q_length, kv_length):
     return _plan_or_dense(visible.expand(batch, q_length, kv_length).contiguous(), mask)
 
 
+def _layer_causal(module, is_causal):
+    """Whether a layer called without a mask is causal: its is_causal argument, else the
+    module's attribute, else causal (transformers' rule)."""
+    return is_causal if is_causal is not None else getattr(module, "is_causal", True)
+
+
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
                       softcap=None, is_causal=None, **kwargs):
     """The AttentionInterface function: query (B, Hq, Sq, D), key/value (B, Hkv, Sk, D) from the
@@ -367,9 +372,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     kv_length = key.shape[2]
     sinks = kwargs.get("s_aux")  # gpt-oss: (Hq) unscaled logits, as learnable_sink
     dropout, softcap = float(dropout), 0.0 if softcap is None else float(softcap)
+    packed = not _PACKED_SET.isdisjoint(kwargs) and any(kwargs.get(name) is not None for name in _PACKED)
+    offsets = tuple(kwargs.get(name) for name in _PACKED) if packed else None
     if kwargs.get("position_bias") is not None:
         return _biased_forward(module, query, key, value, attention_mask, kwargs["position_bias"], dropout, scaling,
-                               softcap, is_causal, sinks), None
+                               softcap, is_causal, sinks, offsets), None
     if isinstance(attention_mask, _Plan):
         plan = attention_mask
         if (plan.batch, plan.q_length, plan.kv_length) != (batch, q_length, kv_length):
@@ -380,7 +387,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             raise TypeError(f"attention_mask: expected a torch.Tensor or None, got {type(attention_mask).__name__}")
         plan = _plan_from_tensor(attention_mask, batch, q_length, kv_length)
     else:
-        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        causal = _layer_causal(module, is_causal)
         window = (-1, 0) if causal else (-1, -1)
         if sliding_window is not None and kv_length > sliding_window:
             if not causal:
@@ -388,14 +395,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                                  "ambiguous; pass the model's attention_mask")
             window = (int(sliding_window) - 1, 0)
         plan = _Plan(batch, q_length, kv_length, causal, window)
-    packed = not _PACKED_SET.isdisjoint(kwargs) and any(kwargs.get(name) is not None for name in _PACKED)
     if plan.dense is not None:
-        dense = plan.dense
-        if packed:
-            dense = _packed_dense(dense, batch, q_length, kv_length, *(kwargs.get(name) for name in _PACKED))
+        dense = plan.dense if offsets is None else _packed_dense(plan.dense, batch, q_length, kv_length, *offsets)
         return _sdpa_forward(query, key, value, dense, dropout, scaling, softcap, sinks, "attention_mask"), None
-    if packed:
-        plan = _packed_plan(plan, batch, q_length, kv_length, *(kwargs.get(name) for name in _PACKED))
+    if offsets is not None:
+        plan = _packed_plan(plan, batch, q_length, kv_length, *offsets)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad or (
         sinks is not None and sinks.requires_grad))
@@ -478,12 +482,13 @@ def _packed_dense(dense, batch, q_length, kv_length, *offsets):
 
 
 def _biased_forward(module, query, key, value, attention_mask, position_bias, dropout, scaling, softcap, is_causal,
-                    sinks):
+                    sinks, offsets):
     """T5's relative position bias (position_bias (1 or B, Hq, Sq, Sk), added to the scaled
     scores) under the model's mask, combined as transformers' SDPA path combines them — the
     bias where the mask attends, the lower of the two dtypes' minimum elsewhere, a float mask
     added — into one additive attn_mask of flashattn's SDPA, which differentiates it (the bias
-    is learned). -> (B, Sq, Hq, Dv)."""
+    is learned); cut to a padding-free batch's sequences where offsets are given.
+    -> (B, Sq, Hq, Dv)."""
     q_length, kv_length = query.shape[2], key.shape[2]
     if isinstance(attention_mask, _Plan) and attention_mask.dense is not None:
         mask = attention_mask.dense
@@ -493,7 +498,7 @@ def _biased_forward(module, query, key, value, attention_mask, position_bias, dr
                              "position_bias cannot be combined with it")
         mask = attention_mask.bool_mask()
     elif attention_mask is None:
-        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        causal = _layer_causal(module, is_causal)
         mask = torch.arange(q_length)[:, None] >= torch.arange(kv_length) if causal and q_length > 1 else None
     else:
         mask = attention_mask
@@ -503,6 +508,8 @@ def _biased_forward(module, query, key, value, attention_mask, position_bias, dr
         bias = torch.where(mask, position_bias, max(torch.finfo(key.dtype).min, torch.finfo(position_bias.dtype).min))
     else:
         bias = position_bias + mask
+    if offsets is not None:
+        bias = _packed_dense(bias, query.shape[0], q_length, kv_length, *offsets)
     return _sdpa_forward(query, key, value, bias, dropout, scaling, softcap, sinks, "position_bias")
 
 
