@@ -77,22 +77,11 @@ class Timed:
             self.seconds += time.perf_counter() - t0
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    if args.threads > 0:  # before the OpenMP runtimes start
-        os.environ["OMP_NUM_THREADS"] = str(args.threads)
+def measure(args, timers):
+    """The rows of main's table: each case timed with each backend (timers: name -> Timed,
+    registered under that name), rounds alternating."""
     import torch
     import transformers
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    from flashattn.integrations import transformers as fa_hf
-
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    fa_hf.register()
-    timers = {fa_hf.ATTN_IMPLEMENTATION: Timed(fa_hf.attention_forward), "sdpa": Timed(sdpa_attention_forward)}
-    for name, timer in timers.items():  # this process only: SDPA's own function, timed
-        transformers.AttentionInterface.register(name, timer)
 
     config = transformers.LlamaConfig(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
@@ -160,6 +149,30 @@ def main(argv=None):
                 paired = [s / t for (s, _), (t, _) in zip(runs["sdpa"][1:], kept)]
                 rows.append((dname, kind, length, name, best[0], statistics.median(t for t, _ in kept),
                              tokens / best[0], best[1] / best[0], statistics.median(paired), min(paired), max(paired)))
+    return rows
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.threads > 0:  # before the OpenMP runtimes start
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    import torch
+    import transformers
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from flashattn.integrations import transformers as fa_hf
+
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    fa_hf.register()
+    timers = {fa_hf.ATTN_IMPLEMENTATION: Timed(fa_hf.attention_forward), "sdpa": Timed(sdpa_attention_forward)}
+    for name, timer in timers.items():  # SDPA's own function, timed, until the runs end
+        transformers.AttentionInterface.register(name, timer)
+    try:
+        rows = measure(args, timers)
+    finally:  # the registrations as they were: a caller (the tests) goes on in this process
+        fa_hf.register()
+        transformers.AttentionInterface.register("sdpa", sdpa_attention_forward)
 
     print(f"threads={args.threads or 'default'} layers={args.layers} hidden={args.hidden} heads={args.heads} "
           f"kv_heads={args.kv_heads} head_dim={args.hidden // args.heads} repeats={args.repeats} "

@@ -114,7 +114,8 @@ def plan(q: Array, k: Array, v: Array, dropout_p: float = 0.0, softmax_scale: Op
          pack_gqa: Optional[bool] = None) -> Dict[str, Any]: ...
 def scaled_dot_product_attention(query: Array, key: Array, value: Array, attn_mask: Optional[Array] = None,
                                  dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
-                                 enable_gqa: bool = False) -> Array: ...
+                                 enable_gqa: bool = False, *, softcap: float = 0.0,
+                                 learnable_sink: Optional[Array] = None) -> Array: ...
 class BlockMask:
     shape: Tuple[int, int, int, int]
     BLOCK_SIZE: Tuple[int, int]

@@ -8,7 +8,10 @@ True keeps; float: added to the scaled scores), broadcast from the right as SDPA
 
 Torch tensors go through the custom ops flashattn::sdpa_fwd / flashattn::sdpa_bwd (fake
 kernels for torch.compile, autograd for dq, dk, dv and a float attn_mask's gradient, the
-library's dbias summed over the mask's broadcast dims); NumPy arrays are forward only.
+library's dbias summed over the mask's broadcast dims, and the sinks' dsinks); NumPy arrays
+are forward only. Beyond SDPA's arguments, keyword-only: softcap and learnable_sink (the
+library's soft-capping and attention sinks, as flash_attn_func takes them), which torch's SDPA
+lacks and which models such as Gemma 2 and gpt-oss combine with a dense mask.
 """
 
 from __future__ import annotations
@@ -25,9 +28,9 @@ Tensor = torch.Tensor if torch is not None else np.ndarray  # the ops' schema re
 _MASK64 = (1 << 64) - 1
 
 
-def _check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-    """SDPA's argument rules, as ValueError/TypeError naming the argument, before any work
-    (or any draw from a random generator)."""
+def _check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap):
+    """SDPA's argument rules (and softcap's type), as ValueError/TypeError naming the argument,
+    before any work (or any draw from a random generator)."""
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not (_impl._is_tensor(x) or isinstance(x, np.ndarray)):
             raise TypeError(f"{name}: expected a numpy.ndarray or a torch.Tensor, got {type(x).__name__}")
@@ -43,6 +46,8 @@ def _check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
         raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p!r}")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap: expected a float, got {type(softcap).__name__}")
     hq, hkv = query.shape[1], key.shape[1]
     if not enable_gqa and hq != hkv:
         raise ValueError(f"key: {hkv} heads but query has {hq}; pass enable_gqa=True for grouped-query attention")
@@ -61,9 +66,9 @@ def _check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
         raise ValueError(f"attn_mask: rank {attn_mask.ndim} does not broadcast to (batch, heads, seqlen_q, seqlen_k)")
 
 
-def _opts(attn_mask, dropout_p, is_causal, scale, rng_state, num_threads):
-    o = _impl._options(dropout_p, scale, is_causal, (-1, -1), 0.0, None, False, None, attn_mask=attn_mask,
-                       causal_alignment="top_left")
+def _opts(attn_mask, dropout_p, is_causal, scale, rng_state, num_threads, softcap, sinks):
+    o = _impl._options(dropout_p, scale, is_causal, (-1, -1), softcap, None, False, None, sinks=sinks,
+                       attn_mask=attn_mask, causal_alignment="top_left")
     if rng_state is not None:
         o.seed, o.offset = (int(x) & _MASK64 for x in rng_state.tolist())
     o.num_threads = _impl._resolve_threads(num_threads, True)
@@ -71,7 +76,7 @@ def _opts(attn_mask, dropout_p, is_causal, scale, rng_state, num_threads):
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                                 enable_gqa=False):
+                                 enable_gqa=False, *, softcap=0.0, learnable_sink=None):
     """torch.nn.functional.scaled_dot_product_attention on flashattn's CPU kernels.
 
     query (B, Hq, Sq, D), key (B, Hkv, Sk, D), value (B, Hkv, Sk, Dv) -> (B, Hq, Sq, Dv), torch
@@ -81,46 +86,58 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     (top-left). scale: default 1/sqrt(D). enable_gqa: Hq a multiple of Hkv. dropout_p: the
     library's dropout (its own RNG, seeded from torch's generator: the masks differ from
     torch's). Gradients of query, key, value and a float attn_mask through autograd (the
-    mask's in its own shape and dtype, summed over its broadcast dims, as torch's)."""
-    _check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    scale = None if scale is None else float(scale)
+    mask's in its own shape and dtype, summed over its broadcast dims, as torch's).
+
+    Keyword-only extras (not torch's): softcap, the scaled scores soft-capped to
+    softcap·tanh(s / softcap) before attn_mask is added (0: off); learnable_sink (Hq,), one
+    logit per query head added to every row's softmax denominator (gpt-oss's sinks), its
+    gradient through autograd."""
+    _check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap)
+    scale, softcap = None if scale is None else float(scale), float(softcap)
     if _impl._is_tensor(query):
         q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+        sinks = _impl._learnable_sink(learnable_sink, q)
         if isinstance(attn_mask, np.ndarray):
             attn_mask = torch.from_numpy(attn_mask)
         rng_state = _impl._torch_rng_state(dropout_p, None)
-        args = (q, k, v, attn_mask, float(dropout_p), bool(is_causal), scale, rng_state, 0)
-        direct = _impl._torch_ops.direct(q, k, v, attn_mask)
+        args = (q, k, v, attn_mask, float(dropout_p), bool(is_causal), scale, rng_state, 0, softcap, sinks)
+        direct = _impl._torch_ops.direct(q, k, v, attn_mask, sinks)
         out, _ = (_sdpa_fwd if direct else torch.ops.flashattn.sdpa_fwd)(*args)
         return out.transpose(1, 2)
     q, k, v = (np.swapaxes(x, 1, 2) for x in (query, key, value))
-    o = _impl._options(dropout_p, scale, is_causal, (-1, -1), 0.0, None, False,
-                       _impl._numpy_seed(dropout_p, None), attn_mask=attn_mask, causal_alignment="top_left")
+    o = _impl._options(dropout_p, scale, is_causal, (-1, -1), softcap, None, False,
+                       _impl._numpy_seed(dropout_p, None), sinks=_impl._learnable_sink(learnable_sink, q),
+                       attn_mask=attn_mask, causal_alignment="top_left")
     o.num_threads = _impl._resolve_threads(None, False)
     out, _, _ = _impl._forward(q, k, v, o, False)
     return np.swapaxes(out, 1, 2)
 
 
 def _sdpa_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], dropout_p: float, is_causal: bool,
-              scale: Optional[float], rng_state: Optional[Tensor], num_threads: int) -> tuple[Tensor, Tensor]:
-    """out (B, Sq, Hq, Dv) and softmax_lse (B, Hq, Sq) float32 of (B, S, H, D) views."""
-    out, lse, _ = _impl._forward(q, k, v, _opts(attn_mask, dropout_p, is_causal, scale, rng_state, num_threads), False)
+              scale: Optional[float], rng_state: Optional[Tensor], num_threads: int, softcap: float = 0.0,
+              sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """out (B, Sq, Hq, Dv) and softmax_lse (B, Hq, Sq) float32 of (B, S, H, D) views (sinks:
+    float32 (Hq))."""
+    o = _opts(attn_mask, dropout_p, is_causal, scale, rng_state, num_threads, softcap, sinks)
+    out, lse, _ = _impl._forward(q, k, v, o, False)
     return out, lse
 
 
 def _sdpa_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse: Tensor,
               attn_mask: Optional[Tensor], dropout_p: float, is_causal: bool, scale: Optional[float],
-              rng_state: Optional[Tensor], num_threads: int,
-              attn_mask_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """dq, dk, dv (B, S, H, D), contiguous, of sum(dout * out), and with attn_mask_grad the
-    float attn_mask's gradient in its shape and dtype (else an empty (0,) tensor)."""
-    o = _opts(attn_mask, dropout_p, is_causal, scale, rng_state, num_threads)
+              rng_state: Optional[Tensor], num_threads: int, attn_mask_grad: bool, softcap: float = 0.0,
+              sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """dq, dk, dv (B, S, H, D), contiguous, of sum(dout * out); with attn_mask_grad the float
+    attn_mask's gradient in its shape and dtype (else an empty (0,) tensor); dsinks as the
+    backward ops' (float32 (Hq) with sinks, else (0,))."""
+    o = _opts(attn_mask, dropout_p, is_causal, scale, rng_state, num_threads, softcap, sinks)
+    dsinks = _impl._torch_ops._dsinks(o, q, sinks)
     if not attn_mask_grad:
-        return (*_impl._backward(dout, q, k, v, out, softmax_lse, o), q.new_empty((0,)))
+        return (*_impl._backward(dout, q, k, v, out, softmax_lse, o), q.new_empty((0,)), dsinks)
     dbias = torch.zeros((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape), dtype=torch.float32)
     o.dbias = dbias.numpy()
     dq, dk, dv = _impl._backward(dout, q, k, v, out, softmax_lse, o)
-    return dq, dk, dv, dbias.reshape(attn_mask.shape).to(attn_mask.dtype)
+    return dq, dk, dv, dbias.reshape(attn_mask.shape).to(attn_mask.dtype), dsinks
 
 
 if torch is not None:
@@ -135,26 +152,28 @@ if torch is not None:
 
     @sdpa_bwd.register_fake
     def _(dout, q, k, v, out, softmax_lse, attn_mask, dropout_p, is_causal, scale, rng_state, num_threads,
-          attn_mask_grad):
+          attn_mask_grad, softcap=0.0, sinks=None):
         dmask = attn_mask.new_empty(attn_mask.shape) if attn_mask_grad else q.new_empty((0,))
-        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dmask
+        dsinks = q.new_empty((0 if sinks is None else sinks.shape[0],), dtype=torch.float32)
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dmask, dsinks
 
     def _setup(ctx, inputs, output):
-        q, k, v, attn_mask, dropout_p, is_causal, scale, rng_state, num_threads = inputs
+        q, k, v, attn_mask, dropout_p, is_causal, scale, rng_state, num_threads, softcap, sinks = inputs
         out, lse = output
-        ctx.options = (dropout_p, is_causal, scale, num_threads)
-        ctx.has_mask, ctx.has_rng = attn_mask is not None, rng_state is not None
-        ctx.save_for_backward(q, k, v, out, lse, *(t for t in (attn_mask, rng_state) if t is not None))
+        ctx.options = (dropout_p, is_causal, scale, num_threads, softcap)
+        ctx.present = tuple(t is not None for t in (attn_mask, rng_state, sinks))
+        ctx.save_for_backward(q, k, v, out, lse, *(t for t in (attn_mask, rng_state, sinks) if t is not None))
         ctx.mark_non_differentiable(lse)
 
     def _backward(ctx, dout, _dlse):
         q, k, v, out, lse, *rest = ctx.saved_tensors
-        mask = rest.pop(0) if ctx.has_mask else None
-        rng = rest.pop(0) if ctx.has_rng else None
-        dropout_p, is_causal, scale, num_threads = ctx.options
+        mask, rng, sinks = (rest.pop(0) if present else None for present in ctx.present)
+        dropout_p, is_causal, scale, num_threads, softcap = ctx.options
         mask_grad = ctx.needs_input_grad[3]
-        dq, dk, dv, dmask = torch.ops.flashattn.sdpa_bwd(dout.to(q.dtype), q, k, v, out, lse, mask, dropout_p,
-                                                         is_causal, scale, rng, num_threads, mask_grad)
-        return dq, dk, dv, dmask if mask_grad else None, None, None, None, None, None
+        dq, dk, dv, dmask, dsinks = torch.ops.flashattn.sdpa_bwd(dout.to(q.dtype), q, k, v, out, lse, mask, dropout_p,
+                                                                 is_causal, scale, rng, num_threads, mask_grad,
+                                                                 softcap, sinks)
+        return (dq, dk, dv, dmask if mask_grad else None, None, None, None, None, None, None,
+                dsinks if sinks is not None else None)
 
     torch.library.register_autograd("flashattn::sdpa_fwd", _backward, setup_context=_setup)

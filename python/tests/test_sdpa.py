@@ -8,7 +8,9 @@ float64, the naive same-precision implementation SDPA's formula in torch ops on 
 dtype (every product, score and probability rounded to it); float32: error <= 1e-5 out /
 1e-4 grads; bfloat16: <= 2x / 3x the naive one's error. Then an
 expanded mask's gradient, dropout (the library's RNG, as flash_attn_func's), NumPy arrays,
-bad inputs, opcheck and torch.compile(fullgraph=True), mask gradient included. Skipped without torch."""
+bad inputs, opcheck and torch.compile(fullgraph=True), mask gradient included; the keyword-only
+extras softcap and learnable_sink (not torch's) against the same rule, with the sinks' gradient.
+Skipped without torch."""
 
 import numpy as np
 import pytest
@@ -43,16 +45,24 @@ def make_mask(gen, kind, shape, dtype):
     return m.to(dtype)
 
 
-def naive_sdpa(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
-    """SDPA's definition in torch ops, in q's dtype (the naive same-precision implementation)."""
+def naive_sdpa(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, softcap=0.0,
+               learnable_sink=None):
+    """SDPA's definition in torch ops, in q's dtype (the naive same-precision implementation);
+    softcap caps the scaled scores before the mask is added, learnable_sink joins every row's
+    softmax as one more logit per head (dropped from the product with v)."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     s = (q * (q.shape[-1] ** -0.5 if scale is None else scale)) @ k.transpose(-1, -2)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     if is_causal:
         attn_mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()
     if attn_mask is not None:
         s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask
-    return torch.softmax(s, dim=-1) @ v
+    if learnable_sink is None:
+        return torch.softmax(s, dim=-1) @ v
+    sink = learnable_sink.to(s.dtype).view(1, -1, 1, 1).expand(*s.shape[:-1], 1)
+    return torch.softmax(torch.cat([s, sink], -1), dim=-1)[..., :-1] @ v
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
@@ -121,6 +131,37 @@ def test_expanded_mask_gradient(dtype):
         within_torch(name, g, r, n, name != "out", f"seed={seed}")
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
+@pytest.mark.parametrize("kind", ["none", "bool", "float"])
+def test_softcap_and_sinks(kind, dtype):
+    """softcap and learnable_sink (keyword-only, not torch's) with every kind of mask, GQA, Sq <
+    Sk: out, dq, dk, dv, the float mask's and the sinks' gradients within the rule against the
+    float64 definition (naive_sdpa); each of the two changes the result."""
+    dt = DTYPES[dtype]
+    seed = seed_for("softcap_sinks", kind, dtype)
+    gen, q, k, v, dout = inputs(seed, 2, 4, 2, 23, 41, 16, dt)
+    mask = None if kind == "none" else make_mask(gen, kind, (2, 1, 23, 41), dt)
+    sinks = torch.empty(4).uniform_(-1.0, 3.0, generator=gen).to(dt)
+    grad_of = ("learnable_sink",) + (("attn_mask",) if kind == "float" else ())
+    extras = dict(attn_mask=mask, scale=0.4, enable_gqa=True, softcap=1.5, learnable_sink=sinks)
+    got, naive = (run(fn, q, k, v, dout, grad_of=grad_of, **extras)
+                  for fn in (flashattn.scaled_dot_product_attention, naive_sdpa))
+    wide = {name: x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+            for name, x in extras.items()}
+    ref = run(naive_sdpa, q.double(), k.double(), v.double(), dout.double(), grad_of=grad_of, **wide)
+    names = ("out", "dq", "dk", "dv", "dsinks", "dmask")[:len(got)]
+    for name, g, r, n in zip(names, got, ref, naive):
+        assert g.dtype == dt and g.shape == r.shape, name
+        within_torch(name, g, r, n, name != "out", f"seed={seed}")
+    for change in (dict(softcap=0.0), dict(learnable_sink=None)):
+        other = flashattn.scaled_dot_product_attention(q, k, v, **{**extras, **change})
+        assert (other - got[0]).abs().max() > 1e-2, change
+    if dt == torch.float32:
+        arrays = {name: x.numpy() if isinstance(x, torch.Tensor) else x for name, x in extras.items()}
+        numpy_out = flashattn.scaled_dot_product_attention(q.numpy(), k.numpy(), v.numpy(), **arrays)
+        np.testing.assert_allclose(numpy_out, got[0].detach().numpy(), atol=1e-6, rtol=0)
+
+
 def test_numpy_arrays():
     gen, q, k, v, _ = inputs(seed_for("numpy"), 1, 4, 2, 17, 29, 16, torch.float32)
     m = torch.randn(17, 29, generator=gen)
@@ -169,8 +210,14 @@ def test_dropout_is_the_librarys():
     (lambda q, k, v: flashattn.scaled_dot_product_attention(q, k, v, scale="x"), TypeError, "scale"),
     (lambda q, k, v: flashattn.scaled_dot_product_attention(q, k.numpy(), v), TypeError, "mix"),
     (lambda q, k, v: flashattn.scaled_dot_product_attention(q.to(torch.float64), k, v), TypeError, "query: dtype"),
+    (lambda q, k, v: flashattn.scaled_dot_product_attention(q, k, v, softcap=True), TypeError, "softcap"),
+    (lambda q, k, v: flashattn.scaled_dot_product_attention(q, k, v, softcap=-1.0), ValueError, "softcap"),
+    (lambda q, k, v: flashattn.scaled_dot_product_attention(q, k, v, learnable_sink=torch.zeros(3)), ValueError,
+     "learnable_sink: expected shape"),
+    (lambda q, k, v: flashattn.scaled_dot_product_attention(q, k, v, learnable_sink=torch.zeros(2).numpy()),
+     TypeError, "learnable_sink"),
 ], ids=["rank", "causal_and_mask", "heads", "mask_dtype", "mask_shape", "mask_rank", "mask_type", "dropout",
-        "scale", "mixed", "float64"])
+        "scale", "mixed", "float64", "softcap_type", "softcap_negative", "sinks_shape", "sinks_mixed"])
 def test_bad_inputs_name_the_argument(call, error, fragment):
     _, q, k, v, _ = inputs(1, 1, 2, 2, 8, 9, 8, torch.float32)
     with pytest.raises(error, match=fragment):
@@ -191,6 +238,12 @@ def test_opcheck():
     for mask, mask_grad in ((None, False), (mask2d, False), (mask2d, True)):
         torch.library.opcheck(torch.ops.flashattn.sdpa_bwd, (dout, qt, kt, vt, out, lse, mask, 0.0, False, 0.3, None, 1,
                                                              mask_grad))
+    sinks = torch.randn(2, generator=gen)
+    torch.library.opcheck(torch.ops.flashattn.sdpa_fwd, (t(q), t(k), t(v), bias, 0.0, False, None, None, 1, 2.0,
+                                                         sinks.clone().requires_grad_(True)))
+    out, lse = torch.ops.flashattn.sdpa_fwd(qt, kt, vt, mask2d, 0.0, False, 0.3, None, 1, 2.0, sinks)
+    torch.library.opcheck(torch.ops.flashattn.sdpa_bwd, (dout, qt, kt, vt, out, lse, mask2d, 0.0, False, 0.3, None, 1,
+                                                         True, 2.0, sinks))
 
 
 def test_compile_fullgraph_matches_eager():

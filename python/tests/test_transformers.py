@@ -834,3 +834,40 @@ def test_gpt_oss_generate_greedy_same_tokens():
     ids, mask = batch(side="left")
     args = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(ours.generate(ids, **args), theirs.generate(ids, **args))
+
+
+def test_softcap_and_sinks_on_the_dense_route():
+    """Gemma 2's softcap and gpt-oss's sinks on the route of masks no band expresses (a dense
+    attn_mask of flashattn's SDPA): with a 4-d mask with a hole, logits within the rule of the
+    model's eager attention against float64; compiled with fullgraph=True (where every mask made
+    in the graph takes that route), logits equal the eager ones, and in training the sinks' and
+    the query projections' gradients too."""
+    ids, mask = batch(side="left")
+    real = mask.bool()
+    allowed = torch.ones(PROMPT, PROMPT, dtype=torch.bool).tril()[None, None] & real[:, None, None, :]
+    allowed[0, 0, 8, 3] = False  # no band plan has a hole
+    additive = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    assert fa_hf._plan_from_tensor(allowed, 2, PROMPT, PROMPT).dense is not None
+    gemma2, gpt_oss = models("gemma2", torch.float32), gpt_oss_models(torch.float32)
+    with torch.no_grad():
+        for (ours, theirs, ref), ref_mask in ((gemma2, allowed), (gpt_oss, additive)):
+            want = ref(ids, attention_mask=ref_mask).logits[real]
+            check_rule(ours(ids, attention_mask=allowed).logits[real],
+                       theirs(ids, attention_mask=additive).logits[real], want, torch.float32, 2,
+                       f"{type(ours).__name__} with a dense mask")
+    gpt_oss[0].set_experts_implementation("batched_mm")  # the eager experts loop over data (no full graph)
+    for ours in (gemma2[0], gpt_oss[0]):
+        compiled = torch.compile(ours, fullgraph=True)
+        with torch.no_grad():
+            eager, got = (m(ids, attention_mask=mask).logits[real] for m in (ours, compiled))
+        assert (got - eager).abs().max() <= 1e-5 * (1 + eager.abs().max()), type(ours).__name__
+        ours.train()
+        grads = []
+        for model in (ours, compiled):
+            ours.zero_grad()
+            model(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss.backward()
+            grads.append(torch.cat([p.grad.flatten() for name, p in ours.named_parameters()
+                                    if name.endswith(("self_attn.sinks", "q_proj.weight"))]))
+        ours.eval()
+        assert grads[0].abs().max() > 0
+        assert (grads[1] - grads[0]).abs().max() <= 1e-4 * (1 + grads[0].abs().max()), type(ours).__name__

@@ -33,10 +33,11 @@ as SDPA computes it: its queries may be another sequence's tokens (cross-attenti
 decoder to a padded encoder's states). A decode step of a left-padded batch reads the KV cache
 in place (``flash_attn_with_kvcache`` with ``cache_leftpad``) when no gradient is needed.
 Refused with ValueError naming the argument: ``output_attentions=True``, an argument named
-``sinks``, a paged cache (``block_table``), head masks, softcap or sinks with a dense
-``attn_mask``, and a model that uses the mask as a tensor in attention of its own (BLOOM, MPT,
-Falcon with ALiBi). gpt-oss's attention sinks (``s_aux``, one logit per q head in every row's
-softmax denominator) are taken, as flashattn's ``learnable_sink``, with their gradient.
+``sinks``, a paged cache (``block_table``), head masks, and a model that uses the mask as a
+tensor in attention of its own (BLOOM, MPT, Falcon with ALiBi). gpt-oss's attention sinks
+(``s_aux``, one logit per q head in every row's softmax denominator) are taken, as flashattn's
+``learnable_sink``, with their gradient, and Gemma 2's ``softcap``, on every route (the dense
+``attn_mask`` one included, so both models compile).
 
 Where the model passes no mask, the module's ``is_causal`` (or the ``is_causal`` argument) and
 ``sliding_window`` decide, as in transformers' flash-attention path: a causal window of
@@ -397,7 +398,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         plan = _Plan(batch, q_length, kv_length, causal, window)
     if plan.dense is not None:
         dense = plan.dense if offsets is None else _packed_dense(plan.dense, batch, q_length, kv_length, *offsets)
-        return _sdpa_forward(query, key, value, dense, dropout, scaling, softcap, sinks, "attention_mask"), None
+        return _sdpa_forward(query, key, value, dense, dropout, scaling, softcap, sinks), None
     if offsets is not None:
         plan = _packed_plan(plan, batch, q_length, kv_length, *offsets)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
@@ -510,20 +511,19 @@ def _biased_forward(module, query, key, value, attention_mask, position_bias, dr
         bias = position_bias + mask
     if offsets is not None:
         bias = _packed_dense(bias, query.shape[0], q_length, kv_length, *offsets)
-    return _sdpa_forward(query, key, value, bias, dropout, scaling, softcap, sinks, "position_bias")
+    return _sdpa_forward(query, key, value, bias, dropout, scaling, softcap, sinks)
 
 
-def _sdpa_forward(query, key, value, attn_mask, dropout, scaling, softcap, sinks, argument):
+def _sdpa_forward(query, key, value, attn_mask, dropout, scaling, softcap, sinks):
     """flashattn's SDPA with a dense attn_mask (bool, or added to the scaled scores), as
-    transformers' SDPA path computes it; its gradient flows to a float mask that requires it.
+    transformers' SDPA path computes it, and the layer's softcap and sinks (Gemma 2, gpt-oss),
+    which that path lacks; its gradient flows to a float mask and to sinks that require it.
     -> (B, Sq, Hq, Dv)."""
     from .. import scaled_dot_product_attention
 
-    if softcap or sinks is not None:
-        raise ValueError(f"{argument}: a mask or bias flashattn computes as a dense attn_mask cannot be combined "
-                         f"with {'softcap' if softcap else 's_aux'} by attn_implementation={ATTN_IMPLEMENTATION!r}")
     out = scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout, scale=scaling,
-                                       enable_gqa=query.shape[1] != key.shape[1])
+                                       enable_gqa=query.shape[1] != key.shape[1], softcap=softcap,
+                                       learnable_sink=sinks)
     return out.transpose(1, 2)
 
 
