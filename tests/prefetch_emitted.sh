@@ -3,8 +3,9 @@
 # whose only effect is a prefetch (its IPA sees no side effect) unless it was inlined first:
 # that halved decode_fp16 once, and left the tiled forward's attn_mask prefetch out, without
 # any test noticing (docs/performance.md, twenty-first and twenty-second sessions). Checked:
-# the narrow decode kernels' prefetcht1 per code format, and in the tiled forward, on every
-# SIMD target, the five row prefetches (K, V, Q, output, attn_mask) of each kernel.
+# the narrow decode kernels' prefetcht1 per code format (int8_dot's scores included), and in
+# the tiled forward, on every SIMD target, the five row prefetches (K, V, Q, output,
+# attn_mask) of each kernel.
 # Arguments: the flashattn_cpu objects.
 set -euo pipefail
 case "$(uname -m)" in x86_64 | i?86) ;; *) echo "not x86: the prefetch is __builtin_prefetch there"; exit 0 ;; esac
@@ -12,7 +13,7 @@ command -v objdump > /dev/null || { echo "objdump missing (binutils)" >&2; exit 
 checked=0
 for object in "$@"; do
   case "$object" in
-    *fp16_decode.cpp.o | *bf16_decode.cpp.o)
+    *fp16_decode.cpp.o | *bf16_decode.cpp.o | *int8_dot.cpp.o)
       code=$(objdump -d --no-show-raw-insn "$object")
       if [[ "$object" == *fp16_decode.cpp.o ]] && ! grep -q "vfmadd231ph" <<< "$code"; then
         echo "$(basename "$object"): built without AVX512-FP16 (its stubs), nothing to check"
@@ -21,7 +22,10 @@ for object in "$@"; do
       fi
       count=$(grep -c "prefetcht1" <<< "$code" || true)
       echo "$(basename "$object"): $count prefetcht1"
-      if [ "$count" -lt 3 ]; then
+      # Score loops: fp16_decode's e4m3, u8 and s8; bf16_decode's e4m3; int8_dot's u8 and s8.
+      formats=3
+      case "$object" in *bf16_decode.cpp.o) formats=1 ;; *int8_dot.cpp.o) formats=2 ;; esac
+      if [ "$count" -lt "$formats" ]; then
         echo "$(basename "$object"): expected a prefetcht1 per code format's score loop" >&2
         exit 1
       fi
@@ -43,4 +47,4 @@ for object in "$@"; do
       checked=$((checked + 1)) ;;
   esac
 done
-[ "$checked" -eq 3 ] || { echo "found $checked of the three checked objects in: $*" >&2; exit 1; }
+[ "$checked" -eq 4 ] || { echo "found $checked of the four checked objects in: $*" >&2; exit 1; }

@@ -23,6 +23,7 @@
 #include "src/cpu/kernels/bf16_dot.hpp"
 #include "src/cpu/kernels/bf16_decode.hpp"
 #include "src/cpu/kernels/fp16_decode.hpp"
+#include "src/cpu/kernels/int8_dot.hpp"
 #include "tests/support/support.hpp"
 
 namespace flashattn::test {
@@ -146,6 +147,14 @@ TEST(CpuFeatures, DecodeFp16ExactlyWhereTheCpuHasAvx512Fp16) {
   // fails here rather than skipping decode_fp16's tests.
   EXPECT_EQ(cpu::fp16dot::available(), cpu) << "/proc/cpuinfo avx512_fp16: " << cpu;
   EXPECT_EQ(CpuHardware::detect(0).decode_fp16, cpu);
+}
+
+TEST(CpuFeatures, Int8DotExactlyWhereTheCpuHasAvx512Vnni) {
+  FLASHATTN_REQUIRE_CPUINFO(info);
+  const bool cpu = info.has("avx512_vnni") && info.has("avx512bw") && info.has("avx512vl");
+  EXPECT_EQ(cpu::int8dot::available(), cpu) << "/proc/cpuinfo avx512_vnni: " << info.has("avx512_vnni");
+  // decode_bf16 scores int8 K codes on it: every CPU with AVX512-BF16 has it.
+  if (cpu::bf16decode::available()) EXPECT_TRUE(cpu::int8dot::available());
 }
 
 TEST(CpuFeatures, DecodeBf16ExactlyWhereTheCpuHasAvx512Bf16) {

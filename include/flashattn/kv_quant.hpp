@@ -42,8 +42,10 @@
 // rounded to half, partial sums of a few terms): roundings of 2^-11 relative, a small part of
 // the half step above (src/cpu/kernels/fp16_decode.hpp; tests/test_int8_cache.cpp holds it
 // to twice a half-precision yardstick's error). decode_bf16 (AVX512-BF16 without AVX512-FP16,
-// planned on AMD's cores) rounds Q and P·scale to bf16 (2^-9 relative) and sums in float32
-// (src/cpu/kernels/bf16_decode.hpp; held to twice a bf16 yardstick's error).
+// planned on AMD's cores) rounds P·scale to bf16 (2^-9 relative) and sums in float32, and
+// multiplies the K codes on AVX512-VNNI's integer products by Q rounded to integers of 2^-13
+// of each row's largest magnitude, exactly (src/cpu/kernels/bf16_decode.hpp and
+// int8_dot.hpp; held to twice the error of a yardstick that rounds the same operands).
 #pragma once
 
 #include <cstdint>

@@ -35,7 +35,8 @@ Exp2Impl parse_exp2_impl(const std::string& name);
 // sums, moved to float32 every few terms (errors a few percent of the codes' own quantization
 // error; src/cpu/kernels/fp16_decode.hpp); "decode_bf16" — the same on AVX512-BF16 dot
 // products (codes widened exactly to bf16, q and P rounded to bf16, sums in float32;
-// src/cpu/kernels/bf16_decode.hpp), for CPUs without AVX512-FP16 such as AMD Zen 4.
+// src/cpu/kernels/bf16_decode.hpp; int8 K codes scored on AVX512-VNNI's integer products,
+// int8_dot.hpp), for CPUs without AVX512-FP16 such as AMD Zen 4.
 // `automatic` lets the planner choose: for at most 16 rows per kv head where the cache is
 // quantized (FP8 or int8 codes), decode_fp16 where head_dim ≤ 512 (its half-precision bound)
 // and the CPU has AVX512-FP16, else decode_bf16 where the CPU has AVX512-BF16, else decode

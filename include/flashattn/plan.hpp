@@ -29,7 +29,8 @@ struct CpuHardware {
   bool amx_bf16 = false;          // and they run on AMX tiles (AMX-BF16, and Linux granted this
                                   // process the tile state)
   bool decode_fp16 = false;       // the decode_fp16 kernel can run: the CPU has AVX512-FP16
-  bool decode_bf16 = false;       // the decode_bf16 kernel can run: the CPU has AVX512-BF16
+  bool decode_bf16 = false;       // the decode_bf16 kernel can run: the CPU has AVX512-BF16 (int8
+                                  // caches: and AVX512-VNNI, which every such CPU has)
 
   // Cache sizes from the OS, micro-kernel geometry from the dispatched SIMD target.
   static CpuHardware detect(int num_threads);

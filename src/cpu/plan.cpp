@@ -17,6 +17,7 @@
 #include "src/cpu/kernels/bf16_decode.hpp"
 #include "src/cpu/kernels/fp16_decode.hpp"
 #include "src/cpu/kernels/forward_kernel.hpp"
+#include "src/cpu/kernels/int8_dot.hpp"
 #include "src/cpu/planner.hpp"
 
 namespace flashattn {
@@ -103,7 +104,10 @@ ForwardKernel choose_kernel(const AttentionProblem& p, const detail::ProblemInte
   const bool quantized = internals.fp8_kv_cache || internals.int8_kv_cache;
   const bool fp16_decode =
       quantized && rows <= kDecodeRows && p.head_dim <= cpu::fp16dot::kMaxHeadDim && hw.decode_fp16;
-  const bool bf16_decode = quantized && rows <= kDecodeRows && hw.decode_bf16;
+  // decode_bf16 scores int8 K codes on AVX512-VNNI (int8_dot.hpp), which every CPU with
+  // AVX512-BF16 has.
+  const bool vnni = !internals.int8_kv_cache || cpu::int8dot::available();
+  const bool bf16_decode = quantized && rows <= kDecodeRows && hw.decode_bf16 && vnni;
   for (const auto& [kernel, runs, isa, has] :
        {std::tuple{ForwardKernel::decode_fp16, fp16_decode, "AVX512-FP16", hw.decode_fp16},
         std::tuple{ForwardKernel::decode_bf16, bf16_decode, "AVX512-BF16", hw.decode_bf16}})
@@ -111,8 +115,11 @@ ForwardKernel choose_kernel(const AttentionProblem& p, const detail::ProblemInte
       throw Error("kernel " + std::string(to_string(kernel)) +
                   ": needs a quantized KV cache, FP8 (e4m3) or int8 codes (k/v: " + to_string(kv_dtype) + "), at most " +
                   std::to_string(kDecodeRows) + " query rows per kv head (heads_q / heads_kv · seqlen_q: " +
-                  std::to_string(rows) + ") and a CPU with " + isa + " (this one: " + (has ? "yes" : "no") +
-                  "); use kernel decode or auto");
+                  std::to_string(rows) + ") and a CPU with " + isa + " (this one: " + (has ? "yes" : "no") + ")" +
+                  (kernel == ForwardKernel::decode_bf16 && internals.int8_kv_cache
+                       ? std::string(", for int8 codes also AVX512-VNNI (this one: ") + (vnni ? "yes" : "no") + ")"
+                       : std::string()) +
+                  "; use kernel decode or auto");
   if (requested != ForwardKernel::automatic) return requested;
   // decode_fp16 for FP8 and int8 caches alike where it runs: over int8 codes it was within ±8%
   // of the float32 decode kernel on a Xeon without AMX and 15–40% faster on a Sapphire Rapids

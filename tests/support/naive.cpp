@@ -219,9 +219,10 @@ std::vector<ForwardKernel> narrow_decode_kernels() {
 
 reference::Result narrow_precision_attention(ForwardKernel kernel, const Tensor& q, const Tensor& kc, const Tensor& kd,
                                              const Tensor& vc, const Tensor& vd, const AttentionOptions& o,
-                                             const Tensor* kz, const Tensor* vz) {
+                                             const Tensor* kz, const Tensor* vz, bool k_int8) {
   // The operands' rounding, and that of a run's partial sum: half and half, or bf16 and float32.
   const bool bf16 = kernel == ForwardKernel::decode_bf16;
+  const bool integer_scores = bf16 && k_int8;
   auto narrow = [bf16](float x) { return bf16 ? round_to(DType::bf16, x) : half(x); };
   auto sum = [bf16](float x) { return bf16 ? x : half(x); };
   const std::int64_t batch = q.shape()[0], sq = q.shape()[1], hq = q.shape()[2], d = q.shape()[3];
@@ -243,8 +244,20 @@ reference::Result narrow_precision_attention(ForwardKernel kernel, const Tensor&
         for (std::int64_t e = 0; e < d; ++e) qh[e] = narrow(static_cast<float>(qi[e] * q_unit));
         std::vector<double> s(static_cast<std::size_t>(end));
         double m = -INFINITY;
+        std::vector<double> qi_fixed(static_cast<std::size_t>(d));  // integer_scores: q in integers of 2^-13
+        for (std::int64_t e = 0; e < d; ++e) qi_fixed[e] = std::nearbyint(qi[e] * q_unit * 0x1p13) * 0x1p-13;
         for (std::int64_t j = 0; j < end; ++j) {
           double total = 0.0;
+          if (integer_scores) {
+            double centre = 0.0;  // Σq · (K's zero point + 128)
+            for (std::int64_t e = 0; e < d; ++e) {
+              total += qi_fixed[e] * (kc.get(((b * sk + j) * hkv + g) * d + e) + 128.0);
+              centre += qi[e] * ((kz != nullptr ? kz->get((b * sk + j) * hkv + g) : 0.0) + 128.0);
+            }
+            s[j] = (total / q_unit - centre) * kd.get((b * sk + j) * hkv + g);
+            m = std::max(m, s[j]);
+            continue;
+          }
           for (std::int64_t e0 = 0; e0 < d; e0 += 8) {
             float run = 0.0f;
             for (std::int64_t e = e0; e < std::min(e0 + 8, d); ++e)

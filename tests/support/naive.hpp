@@ -68,10 +68,14 @@ double unit_scale(const std::vector<double>& x);
 // times the K factor. P·V: each probability times its V factor, scaled by a power of two
 // into [1, 2) per row and rounded to half (bf16), times the codes, summed over runs of 16
 // keys likewise, less Σ p·factor·zero in double. Softmax in double; causal (bottom-right) or
-// full, GQA, no other option. Returns out and lse like reference::attention.
+// full, GQA, no other option. Returns out and lse like reference::attention. k_int8: K holds
+// int8 codes, which decode_bf16 scores on integer products (src/cpu/kernels/int8_dot.hpp):
+// q's row brought into [2^13, 2^14) and rounded to integers, the products exact, and 128·Σq
+// more taken off (that kernel reads the codes 128 higher); decode_fp16 as above.
 reference::Result narrow_precision_attention(ForwardKernel kernel, const Tensor& q, const Tensor& kc, const Tensor& kd,
                                              const Tensor& vc, const Tensor& vd, const AttentionOptions& o,
-                                             const Tensor* kz = nullptr, const Tensor* vz = nullptr);
+                                             const Tensor* kz = nullptr, const Tensor* vz = nullptr,
+                                             bool k_int8 = false);
 
 // One rounding of the narrow products' type relative to a value: 2^-11 for decode_fp16's
 // half, 2^-9 for decode_bf16's bf16 — the error any P·V on them carries, which the

@@ -173,14 +173,8 @@ void PackQ4(const float* q, std::int64_t ldq, std::int64_t rows, std::int64_t d,
 void ScoreKeys4(KvCodes codes, const std::uint16_t* panels, std::int64_t panel_count, std::int64_t head_panels,
                 const unsigned char* const* krows, std::int64_t k_head, std::int64_t count, std::int64_t d, float* s,
                 std::int64_t lds, const fp16dot::Fetch& fetch) {
-  switch (codes) {
-    case KvCodes::e4m3:
-      return ScoreCodes4<KvCodes::e4m3>(panels, panel_count, head_panels, krows, k_head, count, d, s, lds, fetch);
-    case KvCodes::u8:
-      return ScoreCodes4<KvCodes::u8>(panels, panel_count, head_panels, krows, k_head, count, d, s, lds, fetch);
-    case KvCodes::s8:
-      return ScoreCodes4<KvCodes::s8>(panels, panel_count, head_panels, krows, k_head, count, d, s, lds, fetch);
-  }
+  (void)codes;  // e4m3: int8 K codes score on int8dot (the header)
+  ScoreCodes4<KvCodes::e4m3>(panels, panel_count, head_panels, krows, k_head, count, d, s, lds, fetch);
 }
 
 void PairKeys(const float* src, std::uint32_t* dst, std::int64_t n) { PairRows(src, dst, n); }

@@ -6,14 +6,15 @@
 // integers they are (u8 read as code − 128, s8 as is) — and each VDPBF16PS takes two
 // products per float32 lane, summed in float32 (the instruction's own rounding, denormals
 // read and written as zero):
-//   S = Q·Kᵀ: q rows scaled by a power of two to a largest magnitude in [2^(e−1), 2^e),
-//     e = kTop, and rounded to bf16 (2^-9 relative); each lane sums its pairs of products
-//     over the head dimension in float32, then four keys' lanes add in a tree.
+//   S = Q·Kᵀ (e4m3 K codes; int8 K codes score on int8_dot.hpp's integer products): q rows
+//     scaled by a power of two to a largest magnitude in [2^(e−1), 2^e), e = kTop, and
+//     rounded to bf16 (2^-9 relative); each lane sums its pairs of products over the head
+//     dimension in float32, then four keys' lanes add in a tree.
 //   õ += P·V: P, times the V factor and a power of two that keeps it ≤ 2^kTop, is rounded to
 //     bf16 in pairs of keys; the V rows of a pair of keys interleave so that one VDPBF16PS
 //     adds both keys' products to each output column, in float32.
 // Unlike decode_fp16 no partial sum is kept in a narrow type, so no head-dim bound applies;
-// the roundings are of q and of P·factor, each 2^-9 relative, against the codes' own
+// the roundings are of q (e4m3 K) and of P·factor, each 2^-9 relative, against the codes' own
 // quantization (2^-4 relative for e4m3, half a step for int8: kv_quant.hpp). The tests hold
 // the kernel to twice the error of a scalar yardstick that rounds the same two operands
 // (tests/support/naive.hpp). Compiled once for the baseline ISA, each function carrying the
@@ -40,7 +41,8 @@ bool available();
 void PackQ4(const float* q, std::int64_t ldq, std::int64_t rows, std::int64_t d, int top, std::uint16_t* panel,
             float* unit);
 
-// ScoreKeys4 of fp16_decode.hpp on bf16 dot products.
+// ScoreKeys4 of fp16_decode.hpp on bf16 dot products, for e4m3 codes only (`codes` must be
+// e4m3: decode_bf16 scores int8 K codes on int8dot::ScoreKeys4).
 void ScoreKeys4(KvCodes codes, const std::uint16_t* panels, std::int64_t panel_count, std::int64_t head_panels,
                 const unsigned char* const* krows, std::int64_t k_head, std::int64_t count, std::int64_t d, float* s,
                 std::int64_t lds, const fp16dot::Fetch& fetch);

@@ -37,6 +37,7 @@
 #include "src/cpu/kernels/bf16_decode.hpp"
 #include "src/cpu/kernels/fp16_decode.hpp"
 #include "src/cpu/kernels/forward_rows-inl.h"
+#include "src/cpu/kernels/int8_dot.hpp"
 #include "src/cpu/kernels/kv_pack-inl.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -383,14 +384,20 @@ struct NarrowProducts {
   void (*pair)(const float*, std::uint32_t*, std::int64_t);  // P as accumulate_rows4 reads it, in place
   void (*accumulate_rows4)(KvCodes, const std::uint32_t*, std::int64_t, const unsigned char* const*, std::int64_t,
                            std::int64_t, std::int64_t, float, float*, std::int64_t);
+  // The scores of int8 K codes on int8dot's integer products instead (DecodeQuantItem).
+  bool int8_scores_on_vnni;
 };
 static_assert(fp16dot::kHalves == bf16decode::kPanelLanes, "one panel layout for both");
 constexpr NarrowProducts kFp16Products{
     [](KvCodes c) { return fp16dot::q_exponent(c); }, [](KvCodes c) { return fp16dot::p_exponent(c); },
-    &fp16dot::PackQ4, &fp16dot::ScoreKeys4, &fp16dot::PairHalves, &fp16dot::AccumulateRows4};
+    &fp16dot::PackQ4, &fp16dot::ScoreKeys4, &fp16dot::PairHalves, &fp16dot::AccumulateRows4, false};
+// bf16's int8 scores widened every code to float32 and narrowed it to bf16 (seven
+// instructions a vector, for four products): on int8dot's VPDPBUSD, with none, the
+// Sapphire Rapids of docs/performance.md ran decode_bf16 over int8 caches 20–25% faster
+// (thirtieth session); decode_fp16's two (a widening, a conversion) stay its own.
 constexpr NarrowProducts kBf16Products{
     [](KvCodes) { return bf16decode::kTop; }, [](KvCodes) { return bf16decode::kTop; },
-    &bf16decode::PackQ4, &bf16decode::ScoreKeys4, &bf16decode::PairKeys, &bf16decode::AccumulateRows4};
+    &bf16decode::PackQ4, &bf16decode::ScoreKeys4, &bf16decode::PairKeys, &bf16decode::AccumulateRows4, true};
 
 // The Q panels (decode_fp16, decode_bf16): each four rows packed to 16 bits in the q tile
 // (pack_q4), each row scaled by a power of two below 2^top that its q unit undoes on the scores.
@@ -641,14 +648,16 @@ void LoadQSums(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeShape
 }
 
 // Each of the block's keys' factor and zero point for kv head g: factor[c] = unit·scale,
-// zero[c] = its zero point as LoadKv reads u8 codes, z − kU8Centre (0 without zero points;
-// both 0 past n). (Q·codes read − ΣQ·zero)·factor is the key's score, and P·factor what
-// multiplies its codes in P·V.
+// zero[c] = its zero point as LoadKv reads u8 codes, z − kU8Centre (0 without zero points),
+// plus `shift` (both 0 past n). (Q·codes read − ΣQ·zero)·factor is the key's score, and
+// P·factor what multiplies its codes in P·V; shift: what the codes read are above LoadKv's
+// (int8dot's scores read them 128 higher).
 HWY_INLINE void LoadKeyFactors(const float* const* scales, const float* const* zero_points, std::int64_t head_stride,
-                               float unit, std::int64_t g, std::int64_t n, std::int64_t cols, float* factor, float* zero) {
+                               float unit, float shift, std::int64_t g, std::int64_t n, std::int64_t cols,
+                               float* factor, float* zero) {
   for (std::int64_t c = 0; c < cols; ++c) {
     factor[c] = c < n ? unit * scales[c][g * head_stride] : 0.0f;
-    zero[c] = c < n && zero_points[c] != nullptr ? zero_points[c][g * head_stride] - kU8Centre : 0.0f;
+    zero[c] = c < n ? (zero_points[c] != nullptr ? zero_points[c][g * head_stride] - kU8Centre : 0.0f) + shift : 0.0f;
   }
 }
 
@@ -671,12 +680,24 @@ float NarrowVScale(const float* factors, std::int64_t cols, int top) {
 //   õ += P·((code − z)·scale)  = (P·scale)·code − Σ_keys (P·scale)·z   (per row: one term)
 // with kKvUnit in the factors of an e4m3 pool, whose z is 0. The narrow products also undo
 // each Q row's power of two on its scores (q units) and P·scale's on the P·V sums (v units),
-// as DecodeNarrowItem does.
+// as DecodeNarrowItem does. decode_bf16's scores of int8 K codes run on int8dot's integer
+// products, which read the codes 128 higher: ΣQ·128 more comes off each score.
 void DecodeQuantItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item, const NarrowProducts* narrow) {
   const KvScales& ks = prm.paged.k;
   const KvScales& vs = prm.paged.v;
   const float k_unit = ks.codes == KvCodes::e4m3 ? kKvUnit<KvFormat::e4m3> : 1.0f;
   const float v_unit = vs.codes == KvCodes::e4m3 ? kKvUnit<KvFormat::e4m3> : 1.0f;
+  const bool int8_scores = narrow != nullptr && narrow->int8_scores_on_vnni && ks.codes != KvCodes::e4m3;
+  NarrowProducts products;
+  if (int8_scores) {  // P·V stays the narrow kernel's
+    products = *narrow;
+    products.q_exponent = [](KvCodes) { return int8dot::kTop; };
+    products.pack_q4 = &int8dot::PackQ4;
+    products.score_keys4 = &int8dot::ScoreKeys4;
+    narrow = &products;
+  }
+  const bool q_sums_needed = ks.zero_point != nullptr || int8_scores;
+  const float k_shift = int8_scores ? static_cast<float>(kU8Centre) : 0.0f;
   const DecodeShape sh(prm, item);
   if (narrow != nullptr)
     PackQNarrow(prm, ws, sh, *narrow, narrow->q_exponent(ks.codes));
@@ -685,7 +706,7 @@ void DecodeQuantItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_
   const float* q_units = narrow != nullptr ? ws.q_units.get() : nullptr;  // (all_rows): PackQNarrow's
   float* q_sums = ws.q_units.get() + sh.all_rows;            // (all_rows): ΣQ of each row
   float* v_terms = q_sums + sh.all_rows;                     // (all_rows): what V's zero points take from õ
-  if (ks.zero_point != nullptr) LoadQSums(prm, ws, sh, q_sums);
+  if (q_sums_needed) LoadQSums(prm, ws, sh, q_sums);
   float* k_factor = ws.descales.get();  // (block_k) each
   float* k_zero = k_factor + sh.bc;
   float* v_factor = k_zero + sh.bc;
@@ -704,12 +725,12 @@ void DecodeQuantItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_
     else
       WithCodes(ks.codes, [&](auto f) { ScoreBlock<decltype(f)::value>(prm, ws, sh, n, ahead); });
     for (std::int64_t g = 0; g < sh.hkv; ++g) {
-      LoadKeyFactors(keys.k_descale.data(), keys.k_zero_point.data(), ks.head_stride, k_unit, g, n, cols, k_factor,
-                     k_zero);
+      LoadKeyFactors(keys.k_descale.data(), keys.k_zero_point.data(), ks.head_stride, k_unit, k_shift, g, n, cols,
+                     k_factor, k_zero);
       for (std::int64_t r = 0; r < sh.rows; ++r) {
         const std::int64_t row = g * sh.rows4 + r;
         float* srow = ws.s_tile.get() + row * sh.bc;
-        const VF q_sum = hn::Set(DF(), ks.zero_point != nullptr ? q_sums[row] : 0.0f);
+        const VF q_sum = hn::Set(DF(), q_sums_needed ? q_sums[row] : 0.0f);
         const VF q_unit = hn::Set(DF(), q_units != nullptr ? q_units[row] : 1.0f);
         for (std::int64_t c = 0; c < cols; c += kLanes) {
           const VF centred =
@@ -717,8 +738,8 @@ void DecodeQuantItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_
           hn::Store(hn::Mul(centred, hn::Load(DF(), k_factor + c)), DF(), srow + c);
         }
       }
-      LoadKeyFactors(keys.v_descale.data(), keys.v_zero_point.data(), vs.head_stride, v_unit, g, n, cols, v_factor,
-                     v_zero);
+      LoadKeyFactors(keys.v_descale.data(), keys.v_zero_point.data(), vs.head_stride, v_unit, 0.0f, g, n, cols,
+                     v_factor, v_zero);
       // Narrow products: P·factor·2^u ≤ 2^p_exponent; the sums are multiplied back by 2^-u.
       const float v_scale = narrow != nullptr ? NarrowVScale(v_factor, cols, narrow->p_exponent(vs.codes)) : 1.0f;
       if (narrow != nullptr) {
