@@ -92,15 +92,17 @@ bwd = torch.library.custom_op("flashattn::bwd", _bwd, mutates_args=())
 
 
 def _fake_grads(op_impl):
-    """The fake kernel of a backward op: dq, dk, dv like q, k, v and dsinks as _dsinks makes it
-    (the call's arguments bound to the op's signature, defaults included, to find its sinks)."""
+    """The fake kernel of a backward op: dq, dk, dv of q, k, v's shapes, contiguous as the
+    native backward writes them (whatever q, k, v's strides: inductor checks the real ones
+    against these), and dsinks as _dsinks makes it (the call's arguments bound to the op's
+    signature, defaults included, to find its sinks)."""
     signature = inspect.signature(op_impl)
 
     def fake(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         q, k, v, sinks = (bound.arguments[n] for n in ("q", "k", "v", "sinks"))
-        return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+        return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
                 q.new_empty((0 if sinks is None else sinks.shape[0],), dtype=torch.float32))
 
     return fake

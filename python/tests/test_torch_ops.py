@@ -219,6 +219,41 @@ def test_compile_inductor_no_graph_break():
     torch.testing.assert_close(got, eager, atol=1e-5, rtol=1e-5, msg=lambda m: f"(seed={seed})\n{m}")
 
 
+def test_inductor_backward_of_strided_views():
+    """Training under inductor (the default backend) with q, k, v as the strided views models
+    pass — (B, H, S, D) transposed to (B, S, H, D), a packed batch's columns — through flash_attn_func
+    (flashattn::bwd) and flash_attn_varlen_func (varlen_bwd), sinks with them: inductor checks the
+    gradients' real strides against the fake kernels' (contiguous, as the native backward writes
+    them), and the gradients equal eager's. Without the compile caches, so that an earlier
+    process's graphs cannot stand in for this one's."""
+    seed = seed_for("inductor_strided_backward")
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 4, 6, 16, generator=gen)
+    w = torch.randn(16, 16, generator=gen)
+    sinks = torch.randn(4, generator=gen)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+
+    def dense(x, w, sinks):
+        q, k = (x @ w).transpose(1, 2), x.transpose(1, 2)
+        return flashattn.flash_attn_func(q, k, k, causal=True, learnable_sink=sinks).square().sum()
+
+    def packed(x, w, sinks):
+        q, k = (x @ w).transpose(1, 2).reshape(12, 4, 16), x.transpose(1, 2).reshape(12, 4, 16)
+        return flashattn.flash_attn_varlen_func(q, k, k, cu, cu, 7, 7, learnable_sink=sinks).square().sum()
+
+    for fn in (dense, packed):
+        grads = []
+        for run in (fn, torch.compile(fn)):
+            leaves = [t.clone().requires_grad_(True) for t in (x, w, sinks)]
+            with torch._inductor.config.patch(fx_graph_cache=False), \
+                    torch._functorch.config.patch(enable_autograd_cache=False):
+                run(*leaves).backward()
+            grads.append([t.grad for t in leaves])
+        for eager, compiled in zip(*grads):
+            torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5,
+                                       msg=lambda m: f"{fn.__name__} (seed={seed})\n{m}")
+
+
 def test_export():
     seed = seed_for("export")
     model, x = _model_and_input(seed)
