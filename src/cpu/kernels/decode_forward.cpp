@@ -393,8 +393,9 @@ constexpr NarrowProducts kFp16Products{
     &fp16dot::PackQ4, &fp16dot::ScoreKeys4, &fp16dot::PairHalves, &fp16dot::AccumulateRows4, false};
 // bf16's int8 scores widened every code to float32 and narrowed it to bf16 (seven
 // instructions a vector, for four products): on int8dot's VPDPBUSD, with none, the
-// Sapphire Rapids of docs/performance.md ran decode_bf16 over int8 caches 20–25% faster
-// (thirtieth session); decode_fp16's two (a widening, a conversion) stay its own.
+// Sapphire Rapids of docs/performance.md ran decode_bf16 over int8 caches 18–23% faster at
+// 4096 tokens, 6–10% at 32768 (thirtieth session); decode_fp16's two (a widening, a
+// conversion) stay its own.
 constexpr NarrowProducts kBf16Products{
     [](KvCodes) { return bf16decode::kTop; }, [](KvCodes) { return bf16decode::kTop; },
     &bf16decode::PackQ4, &bf16decode::ScoreKeys4, &bf16decode::PairKeys, &bf16decode::AccumulateRows4, true};
