@@ -508,6 +508,45 @@ void check_append_run(const Formats& f, std::int64_t page_size) {
           << "per-page scales are the caller's: appends only read them";
 }
 
+// A query row with a non-finite element: decode_bf16's integer scores (int8_dot.hpp, which
+// round q to integers) give that (q head)'s output NaN, not the scores of wrapped integers,
+// and every other head the output of the finite query, bit for bit; likewise for the other
+// kernels this CPU runs over the cache (decode, decode_fp16), which compute with q as it is.
+TEST(Int8Cache, NonFiniteQueryRowGivesNaNOnlyThere) {
+  constexpr std::int64_t keys = 37, hq = 4, hkv = 2, d = 40, bad_head = 1;
+  Pool kp(kS8Token, 1, keys, hkv, d), vp(kU8Token, 1, keys, hkv, d);
+  std::mt19937_64 rng(5);
+  kp.fill_random(rng);
+  vp.fill_random(rng);
+  Tensor seqlens(DType::i32, {1});
+  seqlens.set(0, static_cast<float>(keys));
+  const Tensor q = random_tensor(DType::f32, {1, 1, hq, d}, 6);
+  std::vector<ForwardKernel> kernels{ForwardKernel::decode};
+  for (const ForwardKernel narrow : narrow_decode_kernels()) kernels.push_back(narrow);
+  for (const float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()})
+    for (const ForwardKernel kernel : kernels) {
+      SCOPED_TRACE(std::string(to_string(kernel)) + ", q element " + std::to_string(bad));
+      Tensor q_bad = random_tensor(DType::f32, {1, 1, hq, d}, 6);
+      q_bad.set(bad_head * d + 7, bad);
+      AttentionOptions o;
+      o.kernel = kernel;
+      KvCache c;
+      kp.attach(c, true);
+      vp.attach(c, false);
+      c.cache_seqlens = seqlens.view();
+      const ForwardResult good = forward_with_kvcache(q.view(), c, o);
+      const ForwardResult got = forward_with_kvcache(q_bad.view(), c, o);
+      for (std::int64_t h = 0; h < hq; ++h)
+        for (std::int64_t e = 0; e < d; ++e) {
+          const float x = got.out.get(h * d + e);
+          if (h == bad_head)
+            ASSERT_TRUE(std::isnan(x)) << "head " << h << " element " << e << ": " << x;
+          else
+            ASSERT_EQ(x, good.out.get(h * d + e)) << "head " << h << " element " << e;
+        }
+    }
+}
+
 TEST(Int8Cache, AppendsQuantizeWithinTheStatedBound) {
   for_each_simd_target([](const std::string&) {
     for (const Formats& f : kFormats)
