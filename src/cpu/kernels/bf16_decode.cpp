@@ -82,11 +82,7 @@ FLASHATTN_BF16_DECODE_TARGET void ScoreCodes4(const std::uint16_t* panels, std::
   const std::int64_t panel_lanes = 4 * ((d + kPanelLanes - 1) / kPanelLanes) * kPanelLanes;
   const unsigned char* row[4];
   for (std::int64_t i = 0; i < panel_count; ++i) {
-    if (i % head_panels == 0) {  // a kv head's first panel: its rows of the keys ahead
-      const std::int64_t g = i / head_panels;
-      fp16dot::PrefetchHead(fetch, g, k_head);
-      for (std::int64_t k = 0; k < 4; ++k) row[k] = krows[std::min<std::int64_t>(k, count - 1)] + g * k_head;  // a short group repeats its last key
-    }
+    fp16dot::StartHead(fetch, i, head_panels, krows, k_head, count, row);
     ScorePanel<C>(panels + i * panel_lanes, row, count, d, s + i * 4 * lds, lds);
   }
 }

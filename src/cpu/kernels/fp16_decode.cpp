@@ -96,11 +96,7 @@ void ScoreCodes4(const std::uint16_t* panels, std::int64_t panel_count, std::int
   const std::int64_t panel_halves = 4 * ((d + kHalves - 1) / kHalves) * kHalves;
   const unsigned char* row[4];
   for (std::int64_t i = 0; i < panel_count; ++i) {
-    if (i % head_panels == 0) {  // a kv head's first panel: its rows of the keys ahead (into L2, as ScoreBlock)
-      const std::int64_t g = i / head_panels;
-      PrefetchHead(fetch, g, k_head);
-      for (std::int64_t k = 0; k < 4; ++k) row[k] = krows[std::min<std::int64_t>(k, count - 1)] + g * k_head;  // a short group repeats its last key
-    }
+    StartHead(fetch, i, head_panels, krows, k_head, count, row);
     ScorePanel<C>(panels + i * panel_halves, row, count, d, s + i * 4 * lds, lds);
   }
 }

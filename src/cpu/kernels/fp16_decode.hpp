@@ -91,6 +91,17 @@ inline void PrefetchHead(const Fetch& fetch, std::int64_t g, std::int64_t k_head
     for (std::int64_t off = 0; off < fetch.v_bytes; off += 64) FetchLineToL2(fetch.v[c] + g * fetch.v_head + off);
   }
 }
+
+// The panel walk of ScoreKeys4 (every narrow product's): before panel i, the first of kv head
+// g = i / head_panels, that head's rows of `fetch` are prefetched (into L2, as ScoreBlock) and
+// row[k] set to its rows of the keys (a short group repeats its last key).
+inline void StartHead(const Fetch& fetch, std::int64_t i, std::int64_t head_panels, const unsigned char* const* krows,
+                      std::int64_t k_head, std::int64_t count, const unsigned char** row) {
+  if (i % head_panels != 0) return;
+  const std::int64_t g = i / head_panels;
+  PrefetchHead(fetch, g, k_head);
+  for (std::int64_t k = 0; k < 4; ++k) row[k] = krows[std::min<std::int64_t>(k, count - 1)] + g * k_head;
+}
 // The scores of `count` ≤ 4 keys for every panel i < panel_count (PackQ4's, one after the
 // other), head_panels to a kv head: s[(4i + r)·lds + k] = (row r of panel i)·(the d codes
 // at krows[k] + g·k_head, g = i / head_panels, read as the header says). Before a kv head's

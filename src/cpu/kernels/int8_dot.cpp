@@ -84,11 +84,7 @@ FLASHATTN_INT8_DOT_TARGET void ScoreCodes4(const unsigned char* panels, std::int
   const std::int64_t panel_bytes = 4 * ((d + kCodes - 1) / kCodes) * 2 * kCodes;
   const unsigned char* row[4];
   for (std::int64_t i = 0; i < panel_count; ++i) {
-    if (i % head_panels == 0) {  // a kv head's first panel: its rows of the keys ahead
-      const std::int64_t g = i / head_panels;
-      fp16dot::PrefetchHead(fetch, g, k_head);
-      for (std::int64_t k = 0; k < 4; ++k) row[k] = krows[std::min<std::int64_t>(k, count - 1)] + g * k_head;  // a short group repeats its last key
-    }
+    fp16dot::StartHead(fetch, i, head_panels, krows, k_head, count, row);
     ScorePanel<C>(panels + i * panel_bytes, row, count, d, s + i * 4 * lds, lds);
   }
 }
