@@ -49,7 +49,8 @@ FLASHATTN_INT8_DOT_INLINE __m512i KeySums4(__m512i a0, __m512i a1, __m512i a2, _
 }
 
 // 256·(blocks 0 + 1) + (blocks 2 + 3) of KeySums4's result: the four keys' scores (the hi
-// plane's sums in the low 256 bits, the lo plane's in the high), one rounding to float32.
+// plane's sums in the low 256 bits, the lo plane's in the high) in float32: Σhi exact, Σlo and
+// the sum each rounded once (int8_dot.hpp).
 FLASHATTN_INT8_DOT_INLINE __m128 Scores(__m512i sums) {
   const __m256i hi = _mm512_castsi512_si256(sums), lo = _mm512_extracti64x4_epi64(sums, 1);
   const __m128i hi4 = _mm_add_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
