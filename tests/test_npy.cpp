@@ -9,6 +9,7 @@
 #include <fstream>
 #include <functional>
 #include <string>
+#include <system_error>
 #include <tuple>
 #include <vector>
 
@@ -22,13 +23,40 @@ namespace {
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 
-// A per-test file name so tests never see each other's files.
+// Removes the files (and directories) a test was handed by temp_path when the test ends,
+// so that runs leave nothing behind in the temporary directory.
+class RemoveTempPaths : public ::testing::EmptyTestEventListener {
+ public:
+  static RemoveTempPaths& instance() {
+    static RemoveTempPaths* const listener = [] {
+      auto* created = new RemoveTempPaths;
+      ::testing::UnitTest::GetInstance()->listeners().Append(created);  // gtest owns it
+      return created;
+    }();
+    return *listener;
+  }
+  void add(const std::string& path) { paths_.push_back(path); }
+  void OnTestEnd(const ::testing::TestInfo&) override {
+    for (const std::string& path : paths_) {
+      std::error_code ignored;
+      std::filesystem::remove_all(path, ignored);
+    }
+    paths_.clear();
+  }
+
+ private:
+  std::vector<std::string> paths_;
+};
+
+// A per-test file name so tests never see each other's files; removed when the test ends.
 std::string temp_path(const std::string& suffix = "") {
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
   std::string name = std::string(info->test_suite_name()) + "_" + info->name() + suffix;
   for (char& c : name)
     if (c == '/') c = '_';
-  return (std::filesystem::path(::testing::TempDir()) / (name + ".npy")).string();
+  const std::string path = (std::filesystem::path(::testing::TempDir()) / (name + ".npy")).string();
+  RemoveTempPaths::instance().add(path);
+  return path;
 }
 
 void write_bytes(const std::string& path, const std::string& bytes) {
