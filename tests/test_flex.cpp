@@ -543,6 +543,14 @@ TEST(Flex, BadInputNamesTheArgument) {
   expect_error([&] { forward(in.q.view(), in.k.view(), in.v.view(), o); },
                {"score_hook.partial_slots: slot " + std::to_string(with_bytes.partial_keep.shape()[0]),
                 "(0, 0, 1, 2)"});
+  // A block state that is no ScoreBlock, at its place in the hook's block mask.
+  BlockMask bad_state = create_block_mask(causal, 1, 1, s.seqlen_q, s.seqlen_k, 8);
+  o.score_hook = masks.hook(&bad_state);
+  const TensorView& states = o.score_hook.block_mask;
+  ASSERT_EQ(states.data, bad_state.blocks.data());
+  bad_state.blocks.data_as<std::uint8_t>()[states.strides[2] + 2 * states.strides[3]] = 7;
+  expect_error([&] { forward(in.q.view(), in.k.view(), in.v.view(), o); },
+               {"score_hook.block_mask: value 7 at (0, 0, 1, 2)", "ScoreBlock"});
   o.score_hook = masks.hook(&with_bytes);
   o.score_hook.partial_keep = with_bytes.partial_slots.view();
   expect_error([&] { forward(in.q.view(), in.k.view(), in.v.view(), o); }, {"score_hook.partial_keep"});

@@ -172,7 +172,8 @@ def _trace(fn, n_scores, mod_name, score=0.0):
             out = func(*args, **kwargs)
             dep = bits_of((args, kwargs)) & ~_UNIT
             name = func.overloadpacket.__name__.rstrip("_")
-            if func._schema.is_mutable:  # an index changed in place is no longer the index
+            mutable = func._schema.is_mutable
+            if mutable:  # an index changed in place is no longer the index
                 for t in tree_leaves((args, kwargs)):
                     pristine.pop(id(t), None)
             elif _is_difference(name, args, kwargs, pristine):
@@ -187,10 +188,17 @@ def _trace(fn, n_scores, mod_name, score=0.0):
                     reasons.append(why)
                 elif name != "tanh" and _keeps_unit(name, args, kwargs, bits_of):
                     dep |= _UNIT
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor):
-                    bits[id(t)] = dep
-                    alive.append(t)
+            written = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            for t in written:
+                bits[id(t)] = dep
+                alive.append(t)
+            if mutable:  # the tensor written in place changed its views' values too
+                storages = {t.untyped_storage().data_ptr() for t in written}
+                for t in inputs + alive:
+                    if t.untyped_storage().data_ptr() in storages and all(t is not w for w in written):
+                        old = bits.get(id(t), 0)
+                        bits[id(t)] = (old | dep) & ~_UNIT | (old & dep & _UNIT)
+                        pristine.pop(id(t), None)
             return out
 
     inputs = [torch.full((1,), score, dtype=torch.float64) for _ in range(n_scores)]
@@ -281,6 +289,14 @@ class BlockMask:
         self.shape = tuple(shape)
         self.BLOCK_SIZE = (block_size, block_size)
         self.mask_mod = mask_mod
+        self._reads = None  # bits 0, 1: whether mask_mod reads b, h (None: not traced yet)
+
+    def _reads_index(self, d):
+        """Whether mask_mod reads index d (0: b, 1: h); a BlockMask without one reads none."""
+        if self._reads is None:
+            name = f"mask_mod {getattr(self.mask_mod, '__name__', type(self.mask_mod).__name__)}"
+            self._reads = 0 if self.mask_mod is None else _trace(self.mask_mod, 0, name)[0] & 0b11
+        return bool(self._reads & (1 << d))
 
     @property
     def seq_lengths(self):
@@ -375,7 +391,9 @@ def _create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE):
         slots += n_partial
     states, index = torch.cat(states, dim=2), torch.cat(index, dim=2)
     blocks = torch.cat(blocks, dim=0) if slots else torch.zeros(0, bs, bs, dtype=torch.bool)
-    return BlockMask(states, index, blocks.contiguous(), (b, h, q_len, kv_len), bs, mask_mod)
+    mask = BlockMask(states, index, blocks.contiguous(), (b, h, q_len, kv_len), bs, mask_mod)
+    mask._reads = dep & 0b11
+    return mask
 
 
 # ---- score_mod -------------------------------------------------------------------------------
@@ -391,17 +409,23 @@ def _compact(x):
     return x.contiguous()
 
 
+# The largest |c| of f(s) = a*s + c the kernels take: they add c * log2(e) in float32.
+_C_LIMIT = float(np.finfo(np.float32).max) / math.log2(math.e)
+
+
 def _check_values(name, f0, f1, position):
     """The slope f1 − f0 (None for None), 0 where f0 is -inf (a key hidden at every score);
-    ValueError unless every f0 is finite or -inf and every slope finite, naming the (b, h,
-    q_idx, kv_idx) that position(index into f0) gives. One reduction per tensor when all is
-    well."""
+    ValueError unless every f0 is -inf or finite of magnitude at most _C_LIMIT and every slope
+    finite, naming the (b, h, q_idx, kv_idx) that position(index into f0) gives. Two
+    reductions per tensor when all is well."""
     slope = None if f1 is None else f1 - f0
-    total = f0.sum().item()  # -inf: no nan, no +inf
-    if (math.isfinite(total) or total == -math.inf) and (slope is None or math.isfinite(slope.sum().item())):
+    lo, hi = (x.item() for x in torch.aminmax(f0))  # nan: both comparisons below fail
+    in_range = hi <= _C_LIMIT and (lo >= -_C_LIMIT or (
+        lo == -math.inf and not bool(((f0 < -_C_LIMIT) & (f0 != -math.inf)).any())))
+    if in_range and (slope is None or math.isfinite(slope.sum().item())):
         return slope
     hidden = f0 == -math.inf
-    bad = ~(torch.isfinite(f0) | hidden)
+    bad = ~hidden & ~(f0.abs() <= _C_LIMIT)
     if slope is not None:
         slope.masked_fill_(hidden, 0.0)
         bad |= ~torch.isfinite(slope)
@@ -410,7 +434,8 @@ def _check_values(name, f0, f1, position):
         got = f0[at].item() if f1 is None else (f0[at].item(), f1[at].item())
         raise ValueError(f"{name}: returned {got!r} at score {'0' if f1 is None else '(0, 1)'} for "
                          f"(b, h, q_idx, kv_idx) = {position(at)} (each 0 where score_mod "
-                         "does not read it): only finite values and -inf are taken")
+                         f"does not read it): only -inf and finite values of magnitude up to {_C_LIMIT:.4g} "
+                         "(float32's largest over log2(e)) are taken")
     return slope
 
 
@@ -618,10 +643,9 @@ def _check(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_o
         raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
     if kernel_options is not None:
         raise ValueError(f"kernel_options: flashattn's CPU kernels take none, got {kernel_options!r}")
+    _sdpa.check_layout(query, key, value, scale, enable_gqa)
     b, hq, sq, _ = query.shape
-    hkv, sk = key.shape[1], key.shape[2]
-    if not enable_gqa and hq != hkv:
-        raise ValueError(f"key: {hkv} heads but query has {hq}; pass enable_gqa=True for grouped-query attention")
+    sk = key.shape[2]
     if block_mask is None:
         return
     if not isinstance(block_mask, BlockMask):
@@ -632,6 +656,12 @@ def _check(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_o
     if (mq, mk) != (sq, sk) or mb not in (1, b) or mh not in (1, hq):
         raise ValueError(f"block_mask: built for (B, H, Q_LEN, KV_LEN) = {block_mask.shape}, which does not fit "
                          f"query and key's ({b}, {hq}, {sq}, {sk}) (B and H may be 1)")
+    for d, (arg, index, built, size) in enumerate((("B", "b", mb, b), ("H", "h", mh, hq))):
+        if built == 1 < size and block_mask._reads_index(d):
+            raise ValueError(f"block_mask: built with {arg} = 1 (or None), so its mask_mod was evaluated at {index} = 0 "
+                             f"only, but mask_mod reads {index} and query has {size} of them; build it with "
+                             f"create_block_mask(mask_mod, ..., {arg}={size}, ...) (torch's eager flex_attention "
+                             f"calls mask_mod with every {index})")
 
 
 def _mods(score_mod, block_mask, sizes):
@@ -671,10 +701,10 @@ def _flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa,
     return (out, lse) if return_lse else out
 
 
-def _check_mods(q, k, partial_index, partial_blocks, score_a, score_c):
+def _check_mods(q, k, score_a, score_c):
     """What the native hook reads without bounds checks, checked against q, k (B, S, H, D): a
-    and c float32 broadcastable to (B, Hq, Sq, Sk), partial slots within partial_blocks. (The
-    library checks the block states' shape and the partial index's and blocks' shapes.)"""
+    and c float32 broadcastable to (B, Hq, Sq, Sk). (The native side checks the block states,
+    every partial block's slot and the partial blocks' shape.)"""
     full = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
     for name, x in (("score_a", score_a), ("score_c", score_c)):
         if x is not None and (x.dtype != torch.float32 or x.dim() != 4
@@ -684,8 +714,6 @@ def _check_mods(q, k, partial_index, partial_blocks, score_a, score_c):
             raise ValueError(f"{name}: expected float32 broadcastable to (B, Hq, Sq, Sk) = {full} or of shape "
                              f"(B or 1, Hq or 1, 1, Sq + Sk - 1) = one value per diagonal, got "
                              f"{x.dtype} {tuple(x.shape)}")
-    if partial_index is not None and partial_index.numel() and int(partial_index.max()) >= partial_blocks.shape[0]:
-        raise ValueError(f"partial_index: slot {int(partial_index.max())} of {partial_blocks.shape[0]} partial blocks")
 
 
 def _opts(q, k, scale, block_states, partial_index, partial_blocks, block_size, score_a, score_c, softcap,
@@ -712,7 +740,7 @@ def _flex_fwd(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], block_sta
               score_a: Optional[Tensor], score_c: Optional[Tensor], softcap: float,
               num_threads: int) -> tuple[Tensor, Tensor]:
     """out (B, Sq, Hq, Dv) and softmax_lse (B, Hq, Sq) float32 of (B, S, H, D) views."""
-    _check_mods(q, k, partial_index, partial_blocks, score_a, score_c)
+    _check_mods(q, k, score_a, score_c)
     o = _opts(q, k, scale, block_states, partial_index, partial_blocks, block_size, score_a, score_c, softcap,
               num_threads)
     out, lse, _ = _impl._forward(q, k, v, o, False)
@@ -724,7 +752,7 @@ def _flex_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softma
               partial_blocks: Optional[Tensor], block_size: int, score_a: Optional[Tensor],
               score_c: Optional[Tensor], softcap: float, num_threads: int) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv (B, S, H, D) of sum(dout * out); P is recomputed from softmax_lse."""
-    _check_mods(q, k, partial_index, partial_blocks, score_a, score_c)
+    _check_mods(q, k, score_a, score_c)
     o = _opts(q, k, scale, block_states, partial_index, partial_blocks, block_size, score_a, score_c, softcap,
               num_threads)
     return _impl._backward(dout, q, k, v, out, softmax_lse, o)

@@ -16,6 +16,8 @@ lacks and which models such as Gemma 2 and gpt-oss combine with a dense mask.
 
 from __future__ import annotations
 
+import math
+
 from typing import Optional
 
 import numpy as np
@@ -26,6 +28,32 @@ torch = _impl.torch
 Tensor = torch.Tensor if torch is not None else np.ndarray  # the ops' schema reads the annotations
 
 _MASK64 = (1 << 64) - 1
+
+
+def check_layout(query, key, value, scale, enable_gqa):
+    """query (B, Hq, Sq, D), key (B, Hkv, Sk, D), value (B, Hkv, Sk, Dv) of one dtype, and a
+    finite scale, as ValueError/TypeError naming SDPA's arguments (the native checks name the
+    (B, S, H, D) views q, k, v). Rank and dtype kinds are checked before."""
+    for name, x in (("key", key), ("value", value)):
+        if x.dtype != query.dtype:
+            raise TypeError(f"{name}: dtype {x.dtype} but query has {query.dtype} (query, key and value share one "
+                            "dtype)")
+        if x.shape[0] != query.shape[0]:
+            raise ValueError(f"{name}: batch {x.shape[0]} but query has {query.shape[0]}")
+    if tuple(value.shape[1:3]) != tuple(key.shape[1:3]):
+        raise ValueError(f"value: (heads, seqlen) {tuple(value.shape[1:3])} but key has {tuple(key.shape[1:3])}")
+    if key.shape[3] != query.shape[3]:
+        raise ValueError(f"key: head_dim {key.shape[3]} but query has {query.shape[3]}")
+    hq, hkv = query.shape[1], key.shape[1]
+    if hq < 1 or hkv < 1:
+        raise ValueError(f"{'query' if hq < 1 else 'key'}: 0 heads; flashattn needs at least one (torch's SDPA "
+                         "returns an empty result)")
+    if not enable_gqa and hq != hkv:
+        raise ValueError(f"key: {hkv} heads but query has {hq}; pass enable_gqa=True for grouped-query attention")
+    if hq % hkv:
+        raise ValueError(f"query: {hq} heads, not a multiple of key's and value's {hkv} (grouped-query attention)")
+    if scale is not None and not math.isfinite(scale):
+        raise ValueError(f"scale: must be finite, got {scale!r}")
 
 
 def _check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap):
@@ -48,9 +76,7 @@ def _check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
         raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"softcap: expected a float, got {type(softcap).__name__}")
-    hq, hkv = query.shape[1], key.shape[1]
-    if not enable_gqa and hq != hkv:
-        raise ValueError(f"key: {hkv} heads but query has {hq}; pass enable_gqa=True for grouped-query attention")
+    check_layout(query, key, value, scale, enable_gqa)
     if attn_mask is None:
         return
     if _impl._is_tensor(attn_mask):

@@ -451,10 +451,51 @@ def test_bad_inputs_name_the_argument():
         (lambda: flashattn.create_block_mask("causal", None, None, 9, 9), TypeError, "mask_mod: expected a callable"),
         (lambda: flashattn.flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s + learned[h]),
          NotImplementedError, "score_mod <lambda>: its result requires grad"),
+        # flex_attention's names, not the native views' q, k, v.
+        (lambda: flashattn.flex_attention(q, k.bfloat16(), v), TypeError, "key: dtype torch.bfloat16 but query"),
+        (lambda: flashattn.flex_attention(q, k, v, scale=math.nan), ValueError, "scale: must be finite"),
+        (lambda: flashattn.flex_attention(q[:, :0], k[:, :0], v[:, :0]), ValueError, "query: 0 heads"),
+        # c * log2(e) overflows float32 above float32's largest over log2(e): refused, not NaN.
+        (lambda: flashattn.flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s + torch.where(j == 3, 3e38, 0.0)),
+         ValueError, r"score_mod <lambda>: returned 3\.0+\d*e\+38 .* \(0, 0, 0, 3\).*magnitude up to 2\.359e\+38"),
+        # A mask evaluated at b = 0 (or h = 0) only cannot stand for a mask_mod that reads b (h).
+        (lambda: flashattn.flex_attention(torch.cat([q, q]), torch.cat([k, k]), torch.cat([v, v]),
+                                          block_mask=flashattn.create_block_mask(lambda b, h, i, j: (i >= j) | (b == 1),
+                                                                                 None, None, 9, 9, BLOCK_SIZE=4)),
+         ValueError, "block_mask: built with B = 1 .* mask_mod reads b and query has 2 of them"),
+        (lambda: flashattn.flex_attention(q, k, v, block_mask=flashattn.create_block_mask(
+            lambda b, h, i, j: (i >= j) | (h == 1), 1, 1, 9, 9, BLOCK_SIZE=4)),
+         ValueError, "block_mask: built with H = 1 .* mask_mod reads h and query has 2 of them"),
     ]
     for call, error, fragment in calls:
         with pytest.raises(error, match=fragment):
             call()
+
+
+def test_block_mask_broadcast_where_mask_mod_ignores_the_index():
+    """B = None / H = None stand for every batch element and head when mask_mod does not read
+    b / h: the result equals the mask built per (b, h)."""
+    q, k, v = (torch.randn(2, 3, 9, 8) for _ in range(3))
+    causal = lambda b, h, i, j: i >= j  # noqa: E731
+    got = flashattn.flex_attention(q, k, v, block_mask=flashattn.create_block_mask(causal, None, None, 9, 9, BLOCK_SIZE=4))
+    want = flashattn.flex_attention(q, k, v, block_mask=flashattn.create_block_mask(causal, 2, 3, 9, 9, BLOCK_SIZE=4))
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("score_mod, slope, offset", [
+    (lambda s, b, h, i, j: (lambda t: (s.mul_(2.0), t + 0.5)[1])(s.view(s.shape)), 2.0, 0.5),
+    (lambda s, b, h, i, j: (lambda t: (s.div_(4.0), t - 0.25 * j)[1])(s[...]), 0.25, "kv"),
+    (lambda s, b, h, i, j: (lambda c: (c.mul_(-1.0), c - 1.0)[1])(s.clone()), -1.0, -1.0),
+], ids=["view-then-mul_", "slice-then-div_", "clone-then-mul_"])
+def test_score_mod_writing_the_score_in_place_is_followed_through_its_views(score_mod, slope, offset):
+    """A score_mod that changes the score in place is evaluated with the change seen by every
+    view of it (a view taken before mul_ was taken for the score itself: slope 1)."""
+    _, q, k, v, _ = inputs(seed_for("in-place"), HQ, 7, 10, torch.float32)
+    bias = -0.25 * torch.arange(10, dtype=torch.float64) if offset == "kv" else offset
+    scores = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    want = torch.softmax(slope * scores + bias, dim=-1) @ v.double()
+    got = flashattn.flex_attention(q, k, v, score_mod=score_mod)
+    torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=0)
 
 
 def test_return_lse_matches_torch():
@@ -503,8 +544,8 @@ def test_opcheck():
 
 
 def test_ops_check_what_the_hook_reads():
-    """The ops refuse coefficients that do not broadcast to the problem and partial slots
-    beyond the partial blocks, before the native call."""
+    """The ops refuse coefficients that do not broadcast to the problem, block states that are
+    no ScoreBlock and partial slots outside the partial blocks, before the native call."""
     q, k, v = (torch.randn(1, 9, 2, 8) for _ in range(3))
     bm = flashattn.create_block_mask(lambda b, h, i, j: i >= j, None, None, 9, 9, BLOCK_SIZE=4)
     mods = (bm._states, bm._partial_index, bm._partial_blocks, 4)
@@ -514,9 +555,25 @@ def test_ops_check_what_the_hook_reads():
         torch.ops.flashattn.flex_fwd(q, k, v, None, *mods, None, torch.zeros(1, 1, 1, 18), 0.0, 1)  # 17 diagonals
     with pytest.raises(ValueError, match="score_a: expected float32"):
         torch.ops.flashattn.flex_fwd(q, k, v, None, *mods, torch.zeros(1, 1, 1, 1, dtype=torch.float64), None, 0.0, 1)
-    with pytest.raises(ValueError, match="partial_index: slot"):
+    with pytest.raises(ValueError, match=r"block_mask: partial index 1 of the partial block at \(0, 0, 1, 1\) is "
+                                         "outside its 1 partial blocks"):
         torch.ops.flashattn.flex_fwd(q, k, v, None, bm._states, bm._partial_index, bm._partial_blocks[:1], 4, None,
                                      None, 0.0, 1)
+    # Every slot is read, negative ones too (a slot of -7 read bytes before the table, -1e8 crashed).
+    for slot in (-7, -1, -100_000_000):
+        index = bm._partial_index.clone()
+        index[index >= 0] = slot
+        with pytest.raises(ValueError, match=f"partial index {slot} of the partial block at"):
+            torch.ops.flashattn.flex_fwd(q, k, v, None, bm._states, index, bm._partial_blocks, 4, None, None, 0.0, 1)
+        with pytest.raises(ValueError, match=f"partial index {slot}"):
+            flashattn.flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                     block_mask=flashattn.BlockMask(bm._states, index, bm._partial_blocks, bm.shape, 4,
+                                                                    bm.mask_mod))
+    states = bm._states.clone()
+    states[0, 0, 2, 0] = 9
+    with pytest.raises(ValueError, match=r"block_mask: block state 9 at \(0, 0, 2, 0\) is not 0 \(empty\)"):
+        torch.ops.flashattn.flex_fwd(q, k, v, None, states, bm._partial_index, bm._partial_blocks, 4, None, None, 0.0,
+                                     1)
     with pytest.raises(ValueError, match="score_hook.block_mask: shape"):
         torch.ops.flashattn.flex_fwd(q, k, v, None, bm._states[:, :, :2], bm._partial_index[:, :, :2],
                                      bm._partial_blocks, 4, None, None, 0.0, 1)

@@ -12,6 +12,8 @@ bad inputs, opcheck and torch.compile(fullgraph=True), mask gradient included; t
 extras softcap and learnable_sink (not torch's) against the same rule, with the sinks' gradient.
 Skipped without torch."""
 
+import math
+
 import numpy as np
 import pytest
 
@@ -216,8 +218,25 @@ def test_dropout_is_the_librarys():
      "learnable_sink: expected shape"),
     (lambda q, k, v: flashattn.scaled_dot_product_attention(q, k, v, learnable_sink=torch.zeros(2).numpy()),
      TypeError, "learnable_sink"),
+    # SDPA's names, not the native (B, S, H, D) views' q, k, v.
+    (lambda q, k, v: flashattn.scaled_dot_product_attention(q, k.bfloat16(), v), TypeError,
+     "key: dtype torch.bfloat16 but query has torch.float32"),
+    (lambda q, k, v: flashattn.scaled_dot_product_attention(q, k, v.half()), TypeError, "value: dtype"),
+    (lambda q, k, v: flashattn.scaled_dot_product_attention(torch.cat([q, q]), k, v), ValueError,
+     "key: batch 1 but query has 2"),
+    (lambda q, k, v: flashattn.scaled_dot_product_attention(q, k, v[:, :, :5]), ValueError,
+     r"value: \(heads, seqlen\) \(2, 5\) but key has \(2, 9\)"),
+    (lambda q, k, v: flashattn.scaled_dot_product_attention(q, k[..., :4], v), ValueError,
+     "key: head_dim 4 but query has 8"),
+    (lambda q, k, v: flashattn.scaled_dot_product_attention(q[:, :0], k, v, enable_gqa=True), ValueError,
+     "query: 0 heads"),
+    (lambda q, k, v: flashattn.scaled_dot_product_attention(torch.cat([q, q[:, :1]], 1), k, v, enable_gqa=True),
+     ValueError, "query: 3 heads, not a multiple of key's and value's 2"),
+    (lambda q, k, v: flashattn.scaled_dot_product_attention(q, k, v, scale=math.inf), ValueError,
+     "scale: must be finite"),
 ], ids=["rank", "causal_and_mask", "heads", "mask_dtype", "mask_shape", "mask_rank", "mask_type", "dropout",
-        "scale", "mixed", "float64", "softcap_type", "softcap_negative", "sinks_shape", "sinks_mixed"])
+        "scale", "mixed", "float64", "softcap_type", "softcap_negative", "sinks_shape", "sinks_mixed", "key_dtype",
+        "value_dtype", "key_batch", "value_shape", "key_head_dim", "no_heads", "gqa_ratio", "scale_inf"])
 def test_bad_inputs_name_the_argument(call, error, fragment):
     _, q, k, v, _ = inputs(1, 1, 2, 2, 8, 9, 8, torch.float32)
     with pytest.raises(error, match=fragment):

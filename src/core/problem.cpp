@@ -24,6 +24,21 @@ void require(bool ok, const Message& message) {
 
 std::string str(std::int64_t v) { return std::to_string(v); }
 
+// score_hook.block_mask: every value a ScoreBlock, read in full like the slots below.
+void check_block_states(const TensorView& m) {
+  const auto* data = static_cast<const std::uint8_t*>(m.data);
+  for (std::int64_t a = 0; a < m.shape[0]; ++a)
+    for (std::int64_t b = 0; b < m.shape[1]; ++b)
+      for (std::int64_t c = 0; c < m.shape[2]; ++c)
+        for (std::int64_t d = 0; d < m.shape[3]; ++d) {
+          const std::uint8_t s = data[a * m.strides[0] + b * m.strides[1] + c * m.strides[2] + d * m.strides[3]];
+          require(s <= static_cast<std::uint8_t>(ScoreBlock::full), [&] {
+            return "score_hook.block_mask: value " + str(s) + " at (" + str(a) + ", " + str(b) + ", " + str(c) +
+                   ", " + str(d) + ") is not a ScoreBlock: 0 (empty), 1 (partial) or 2 (full)";
+          });
+        }
+}
+
 // score_hook.partial_slots and partial_keep (options.hpp), when set: slots of block_mask's
 // shape, each −1 or a slot of partial_keep (slots, bs, bs) — every value read, so that no
 // slot the kernels follow lies outside partial_keep.
@@ -208,6 +223,7 @@ AttentionProblem AttentionProblem::from_sizes(std::int64_t batch, std::int64_t s
                  "ceil(seqlen_q / block), ceil(seqlen_k / block)) = (" + str(batch) + ", " + str(heads_q) + ", " +
                  str(want[2]) + ", " + str(want[3]) + ") for block_size " + str(bs);
         });
+      check_block_states(m);
       check_partial_blocks(hook, m, bs);
     } else {
       require(hook.partial_slots.data == nullptr && hook.partial_keep.data == nullptr, [&] {

@@ -181,6 +181,32 @@ struct FlexHook {
   std::vector<std::uint8_t> fine_states;
   flashattn::TensorView fine_view;
 
+  // Every block state is a ScoreBlock and every partial block's slot lies in partial_blocks
+  // (the ops take these tables from any caller; apply() and refine() read them unchecked).
+  void validate() const {
+    const flashattn::TensorView& st = block_states;
+    for (std::int64_t b = 0; b < st.shape[0]; ++b)
+      for (std::int64_t h = 0; h < st.shape[1]; ++h)
+        for (std::int64_t bi = 0; bi < st.shape[2]; ++bi)
+          for (std::int64_t bj = 0; bj < st.shape[3]; ++bj) {
+            const auto where = [&] {
+              return " at (" + std::to_string(b) + ", " + std::to_string(h) + ", " + std::to_string(bi) + ", " +
+                     std::to_string(bj) + ")";
+            };
+            const std::uint8_t s = static_cast<const std::uint8_t*>(st.data)[offset(st, b, h, bi, bj)];
+            if (s > static_cast<std::uint8_t>(flashattn::ScoreBlock::full))
+              throw flashattn::Error("block_mask: block state " + std::to_string(s) + where() +
+                                     " is not 0 (empty), 1 (partial) or 2 (full)");
+            if (s != static_cast<std::uint8_t>(flashattn::ScoreBlock::partial)) continue;
+            const std::int32_t slot =
+                static_cast<const std::int32_t*>(partial_index.data)[offset(partial_index, b, h, bi, bj)];
+            if (slot < 0 || slot >= partial_blocks.shape[0])
+              throw flashattn::Error("block_mask: partial index " + std::to_string(slot) + " of the partial block" +
+                                     where() + " is outside its " + std::to_string(partial_blocks.shape[0]) +
+                                     " partial blocks");
+          }
+  }
+
   // For a call of seqlen_q × seqlen_k (not refined where the caller's blocks do not cover it:
   // the library's check of their shape then names the mismatch).
   void refine(std::int64_t seqlen_q, std::int64_t seqlen_k) {
@@ -198,13 +224,8 @@ struct FlexHook {
           for (std::int64_t bj = 0; bj < kb; ++bj) {
             const flashattn::ScoreBlock s = state(b, h, bi, bj);
             std::int64_t slot = -1;
-            if (s == flashattn::ScoreBlock::partial) {
+            if (s == flashattn::ScoreBlock::partial)  // validate() checked it
               slot = static_cast<const std::int32_t*>(partial_index.data)[offset(partial_index, b, h, bi, bj)];
-              if (slot < 0 || slot >= partial_blocks.shape[0])
-                throw flashattn::Error("block_mask: partial index " + std::to_string(slot) + " of block (" +
-                                       std::to_string(bi) + ", " + std::to_string(bj) + ") is outside its " +
-                                       std::to_string(partial_blocks.shape[0]) + " partial blocks");
-            }
             for (std::int64_t fi = 0; fi < r && bi * r + fi < fq; ++fi)
               for (std::int64_t fj = 0; fj < r && bj * r + fj < fk; ++fj) {
                 flashattn::ScoreBlock f = s;
@@ -335,6 +356,7 @@ struct Options {
         throw flashattn::Error("block_mask: its partial index must have the block states' shape and its partial "
                                "blocks shape (n, block_size, block_size) with block_size >= 1, got block_size " +
                                std::to_string(flex_block_size));
+      flex.validate();
       flex.refine(flex_seqlen_q, flex_seqlen_k);
     }
     if (flex.has_mask() || flex.has_score()) o.score_hook = flex.hook();
