@@ -22,9 +22,12 @@
 //   per_token  one per (token, kv head), shape (pages or batch_cache, page_size or
 //              seqlen_cache, heads_kv): the slot's own. An append computes them from the token's
 //              row (its head_dim or head_dim_v values x): u8 scale = (max x − min x)/255,
-//              zero_point = −min x / scale; s8 scale = max|x| / 127. A constant row (u8) or an
-//              all-zero row (s8) gets scale 1 (and zero_point −min x), and is stored exactly;
-//              a row whose step would underflow float32 gets scale 1 too (within the bound).
+//              zero_point = −min x / scale; s8 scale = max|x| / 127. A constant row c (u8)
+//              gets every code 128 with scale |c| and zero_point 128 − sign c (scale 1 and
+//              zero_point 128 for zeros), an all-zero row (s8) scale 1: both are stored
+//              exactly, and the narrow decode kernels below read their codes as 0 (no
+//              half-precision rounding of 128·scale); a row whose step would underflow
+//              float32 gets scale 1 (within the bound).
 //
 // Error bound (tests/test_int8_cache.cpp): every appended x reads back as x̂ with
 //   |x̂ − x| ≤ (1/2 + 2^-23·(1 + |zero_point|))·scale

@@ -60,10 +60,17 @@ void quantize_int8(KvCodes codes, const float* x, std::int64_t n, bool choose_sc
       hi = std::max(hi, static_cast<double>(x[i]));
       amax = std::max(amax, std::fabs(static_cast<double>(x[i])));
     }
-    // A constant (u8) or all-zero (s8) row, or one whose step would underflow float32: step 1.
+    // An all-zero (s8) row, or one whose step would underflow float32: step 1.
     const auto step = static_cast<float>(u8 ? (hi - lo) / kU8Max : amax / kS8Max);
     *scale = step > 0.0f ? step : 1.0f;
     *zero_point = u8 ? static_cast<float>(-lo / static_cast<double>(*scale)) : 0.0f;
+    if (u8 && hi == lo && std::isfinite(lo)) {
+      // A constant row c (u8): every code 128 — which the narrow decode kernels read as 0, so
+      // no product of theirs rounds it — and c = (128 − zero_point)·scale exactly.
+      const auto c = static_cast<float>(lo);  // a float: lo is one of x
+      *scale = c != 0.0f ? std::fabs(c) : 1.0f;
+      *zero_point = c > 0.0f ? 127.0f : c < 0.0f ? 129.0f : 128.0f;
+    }
   }
   const double s = *scale, z = u8 ? static_cast<double>(*zero_point) : 0.0;
   for (std::int64_t i = 0; i < n; ++i) {

@@ -518,10 +518,12 @@ HWY_INLINE void ScaleRow(float* HWY_RESTRICT x, float scale, std::int64_t cols) 
 
 // Mask and online softmax of kv head g's rows over the block's keys j0.. (n, cols with
 // padding); padding rows get no probability mass. `finish(srow)` then turns each real row's
-// P into what the P·V step reads.
+// P into what the P·V step reads. With `narrow` products P must stay ≤ 1 (their power of two
+// keeps P·factor ≤ 2^p_exponent, fp16_decode.hpp: a P of 2^8 under the problem's rescale
+// threshold overflowed half precision), so those rows rescale at every new maximum.
 template <class FinishFn>
 HWY_INLINE void SoftmaxRows(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeShape& sh, std::int64_t g, std::int64_t j0,
-                 std::int64_t n, std::int64_t cols, FinishFn finish) {
+                 std::int64_t n, std::int64_t cols, bool narrow, FinishFn finish) {
   const AttentionProblem& p = prm.problem;
   for (std::int64_t r = 0; r < sh.rows4; ++r) {
     float* srow = ws.s_tile.get() + (g * sh.rows4 + r) * sh.bc;
@@ -535,7 +537,8 @@ HWY_INLINE void SoftmaxRows(const ForwardParams& prm, ForwardWorkspace& ws, cons
                        prm.score_hook, sh.item.batch, g * sh.group + r / p.seqlen_q);
     MaskRow(mods, srow, i, j0, n, cols);
     SoftmaxRow(mods, srow, i, j0, cols, ws.states[static_cast<std::size_t>(row)], ws.o_acc.get() + row * sh.dv_pad,
-               sh.dv_pad, ws.rescales[static_cast<std::size_t>(row)], prm.switches.deferred_normalization);
+               sh.dv_pad, ws.rescales[static_cast<std::size_t>(row)], prm.switches.deferred_normalization,
+               narrow ? 0.0f : p.rescale_threshold);
     finish(srow);
   }
 }
@@ -615,9 +618,9 @@ void DecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t ite
         DescaleScores(prm, ws, sh, g, n, cols, nullptr);
         LoadVDescales(prm, ws, g, n, cols);
         ScaleRow(ws.descales.get(), kKvUnit<F>, cols);
-        SoftmaxRows(prm, ws, sh, g, j0, n, cols, [&](float* srow) { MulRow(srow, ws.descales.get(), cols); });
+        SoftmaxRows(prm, ws, sh, g, j0, n, cols, false, [&](float* srow) { MulRow(srow, ws.descales.get(), cols); });
       } else {
-        SoftmaxRows(prm, ws, sh, g, j0, n, cols, [](float*) {});
+        SoftmaxRows(prm, ws, sh, g, j0, n, cols, false, [](float*) {});
       }
     }
     AccumulateBlock<F>(prm, ws, sh, n);
@@ -747,7 +750,7 @@ void DecodeQuantItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_
         ScaleRow(v_factor, v_scale, cols);
         ws.v_units[g] = 1.0f / v_scale;
       }
-      SoftmaxRows(prm, ws, sh, g, j0, n, cols, [&](float* srow) {
+      SoftmaxRows(prm, ws, sh, g, j0, n, cols, narrow != nullptr, [&](float* srow) {
         MulRow(srow, v_factor, cols);
         if (vs.zero_point != nullptr) {
           VF sum = hn::Zero(DF());
@@ -795,7 +798,7 @@ void DecodeNarrowItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64
       const float v_scale = NarrowVScale(ws.descales.get(), cols, np.p_exponent(KvCodes::e4m3));
       ws.v_units[g] = kKvUnit<F> / v_scale;
       ScaleRow(ws.descales.get(), v_scale, cols);
-      SoftmaxRows(prm, ws, sh, g, j0, n, cols, [&](float* srow) {
+      SoftmaxRows(prm, ws, sh, g, j0, n, cols, true, [&](float* srow) {
         MulRow(srow, ws.descales.get(), cols);
         np.pair(srow, reinterpret_cast<std::uint32_t*>(srow), cols);  // in place
       });

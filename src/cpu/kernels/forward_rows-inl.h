@@ -75,14 +75,15 @@ HWY_INLINE std::int64_t Poly3Columns(const AttentionProblem& p, std::int64_t col
 // scaled them): the maximum and the exponent take the factor, so a kernel whose products
 // store unscaled scores (tiled_bf16 on AMX tiles) needs no pass to scale them — valid
 // where the mask step only hides scores (RowMods::only_hides).
-// õ (orow, ldo floats) is rescaled when the reference maximum moves by more than the
-// problem's rescale threshold; `rescales` counts those moves.
+// õ (orow, ldo floats) is rescaled when the reference maximum moves by more than
+// `rescale_threshold` (the problem's, or 0 where P must stay ≤ 1); `rescales` counts those moves.
 // `deferred` false (a measurement switch): the output is kept normalized at every tile, as
 // FlashAttention-1 did — orow holds õ/ℓ, rescaled by ℓ_old·factor/ℓ_new, and P is divided by
 // ℓ_new — instead of dividing õ by ℓ once at the end.
 static void SoftmaxRow(const RowMods& mods, float* HWY_RESTRICT srow, std::int64_t i, std::int64_t j0,
                 std::int64_t cols, OnlineSoftmaxState& state, float* HWY_RESTRICT orow,
-                std::int64_t ldo, std::int32_t& rescales, bool deferred, float score_scale = 1.0f) {
+                std::int64_t ldo, std::int32_t& rescales, bool deferred, float rescale_threshold,
+                float score_scale = 1.0f) {
   const DF df;
   const AttentionProblem& p = *mods.problem;
   // Four maxima in turn: one chain would wait on each Max's latency (a row of 256 scores is
@@ -103,7 +104,7 @@ static void SoftmaxRow(const RowMods& mods, float* HWY_RESTRICT srow, std::int64
   if (tile_max == kNegInf && std::any_of(srow, srow + cols, [](float s) { return std::isnan(s); }))
     tile_max = std::numeric_limits<float>::quiet_NaN();
   const float old_max = state.max;
-  const float factor = state.rescale_to(tile_max, p.rescale_threshold);
+  const float factor = state.rescale_to(tile_max, rescale_threshold);
   if (state.max != old_max && old_max != kNegInf) ++rescales;
   // A row's first visible tile (old_max −∞) finds õ zero — or NaN from a V that P = 0
   // multiplied — which the factor 0 would leave as it is.

@@ -11,8 +11,9 @@
 //     int8), so for D ≤ kMaxHeadDim a half sum of 4·16 products stays below half's largest
 //     finite 65504 (e4m3: 64 · 2^8 · 1.875 = 30720; int8: 64 · 2^2 · 128 = 32768); the
 //     planner never chooses the kernel above it, and asking for it there is an Error.
-//   õ += P·V: P, times the V factor and a power of two that keeps it ≤ 2^p_exponent(codes),
-//     is rounded to half; two runs of kAccumulateKeys keys are each summed in order and then
+//   õ += P·V: P (≤ 1: these rows rescale at every new maximum, whatever the problem's
+//     rescale threshold — decode_forward.cpp's SoftmaxRows), times the V factor and a power
+//     of two that keeps it ≤ 2^p_exponent(codes), is rounded to half; two runs of kAccumulateKeys keys are each summed in order and then
 //     added in half (≤ 16 · 2^p · the largest code ≤ 2^15), then added to the float32 õ.
 // Each half-precision rounding is 2^-11 relative, against the codes' own quantization —
 // 2^-4 relative for e4m3, half a step (1/256 of a u8 row's range, 1/254 of an s8 row's

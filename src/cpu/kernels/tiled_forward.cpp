@@ -435,7 +435,7 @@ void TiledItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item
       MaskRow(mods, srow, i, j, n_r, cols, mask_scales ? scale : 1.0f);
       if (prm.switches.software_prefetch) mods.prefetch_dense_mask(i, j0 + bc, std::min(j0 + 2 * bc, key_end));
       SoftmaxRow(mods, srow, i, j, cols, state[r], o_acc + r * dv_pad, dv_pad, rescales[r], deferred,
-                 softmax_scales ? scale : 1.0f);
+                 p.rescale_threshold, softmax_scales ? scale : 1.0f);
       Products::FinishRow(ws, bc, r, j - j0, cols);
     });
     Products::Accumulate(prm, ws, j0, keys, strips);
