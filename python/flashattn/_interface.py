@@ -95,6 +95,13 @@ def _inputs(tensors=False, **named):
     return raws, dtypes
 
 
+def _shape(x, layout, name="q"):
+    """x's shape, of the rank of `layout` (its dims' names), or ValueError naming x."""
+    if len(x.shape) != len(layout):
+        raise ValueError(f"{name}: expected rank {len(layout)} ({', '.join(layout)}), got shape {tuple(x.shape)}")
+    return tuple(x.shape)
+
+
 def _native(*raws):
     """Raw views for the native core, each torch tensor among them (from _raw or _empty with
     `tensor`) as a DLPack capsule made by torch's C function: the binding reads it as it reads
@@ -545,7 +552,8 @@ def _direct_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad, blo
             names[name] = _TORCH_DTYPES.get(x.dtype)
             if names[name] is None or (x.stride(-1) != 1 and x.shape[-1] != 1):
                 return None
-    if any(x is not None and x.dtype != torch.int32 for x in (cache_seqlens, cache_leftpad, block_table)):
+    if any(x is not None and (x.dtype != torch.int32 or (x.dim() > 0 and x.stride(-1) != 1 and x.shape[-1] > 1))
+           for x in (cache_seqlens, cache_leftpad, block_table)):  # the general route copies strided tables
         return None
     key = ("kvcache", softmax_scale, causal, tuple(window_size), softcap, kernel, _resolve_threads(num_threads, True))
     options = _DIRECT_OPTIONS.get(key)
@@ -754,6 +762,11 @@ def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
             seqused_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
         else:
             seqused_k = np.diff(np.asarray(cu_seqlens_k).astype(np.int64)).astype(np.int32)
+        compiling = _is_tensor(cu_seqlens_k) and torch.compiler.is_compiling()  # no data read in a graph
+        if not compiling and bool((seqused_k < 0).any()):
+            at = next(i for i, n in enumerate(seqused_k.tolist()) if n < 0)
+            raise ValueError(f"cu_seqlens_k: must be non-decreasing (it gives the key counts without seqused_k), "
+                             f"got {int(cu_seqlens_k[at])} at [{at}] then {int(cu_seqlens_k[at + 1])}")
     if len(window_size) != 2:
         raise ValueError(f"window_size: expected (left, right), got {window_size!r}")
     if _is_tensor(q):
@@ -795,7 +808,7 @@ def _paged_varlen_forward(q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, block
         _reject_scales(k_cache, k_scale, v_scale, k_zero_point, v_zero_point)
         raws, dts = _inputs(q=q, k_cache=k_cache, v_cache=v_cache, tensors=True)
         scales = [None, None, None, None]
-    total, hq, _ = raws["q"].shape
+    total, hq, _ = _shape(raws["q"], ("total_q", "heads", "head_dim"))
     dt = dts["q"]
     out, out_raw = _empty((total, hq, raws["v_cache"].shape[-1]), dt, q, tensor=True)
     lse, lse_raw = _empty((hq, total), "f32", q, tensor=True)
@@ -952,10 +965,10 @@ def _kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
 
     dv = raws["v_cache"].shape[-1]
     if cu_seqlens_q is not None:  # packed (FA3): q (total_q, Hq, D)
-        total, hq, _ = raws["q"].shape
+        total, hq, _ = _shape(raws["q"], ("total_q", "heads", "head_dim"))
         (out, out_raw), (lse, lse_raw) = _empty((total, hq, dv), dt, q, True), _empty((hq, total), "f32", q, True)
     else:
-        batch, sq, hq, _ = raws["q"].shape
+        batch, sq, hq, _ = _shape(raws["q"], ("batch", "seqlen", "heads", "head_dim"))
         (out, out_raw), (lse, lse_raw) = (_empty((batch, sq, hq, dv), dt, q, True),
                                           _empty((batch, hq, sq), "f32", q, True))
     _C.forward_with_kvcache(*_native(raws["q"], raws["k_cache"], raws["v_cache"], new.get("k"), new.get("v"),
@@ -1025,7 +1038,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
             if x is not None and not _is_tensor(x):
                 raise TypeError(f"inputs mix numpy arrays and torch tensors: q, {name}")
-        if cache_seqlens is not None and not hasattr(cache_seqlens, "shape"):
+        if isinstance(cache_seqlens, (list, tuple)):
+            cache_seqlens = torch.tensor(cache_seqlens, dtype=torch.int32)
+        elif cache_seqlens is not None and not hasattr(cache_seqlens, "shape"):
             cache_seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32)
         if (rotary_cos is None and rotary_sin is None and cache_batch_idx is None and alibi_slopes is None
                 and num_splits == 0 and k_scale is None and v_scale is None and sinks is None and cu_seqlens_q is None
@@ -1056,7 +1071,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         direct = _torch_ops.direct(*(a for a in args if isinstance(a, torch.Tensor)))
         out, lse = (_torch_ops.fwd_kvcache_direct if direct else torch.ops.flashattn.fwd_kvcache)(*args)
         return (out, lse) if return_softmax_lse else out
-    if cache_seqlens is not None and not hasattr(cache_seqlens, "shape"):
+    if isinstance(cache_seqlens, (list, tuple)):
+        cache_seqlens = np.asarray(cache_seqlens, dtype=np.int32)
+    elif cache_seqlens is not None and not hasattr(cache_seqlens, "shape"):
         cache_seqlens = np.full((batch,), int(cache_seqlens), dtype=np.int32)
     opts = _options(0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, False, None, kernel, sinks=sinks,
                     pack_gqa=pack_gqa)

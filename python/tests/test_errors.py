@@ -296,6 +296,11 @@ def test_kvcache_errors():
     with pytest.raises(ValueError, match="heads_kv: must be >= 1, got 0"):
         flashattn.flash_attn_with_kvcache(q, np.zeros((1, 16, 0, 8), np.float32), np.zeros((1, 16, 0, 8), np.float32),
                                           cache_seqlens=4)
+    with pytest.raises(ValueError, match=r"q: expected rank 4 \(batch, seqlen, heads, head_dim\), got shape"):
+        flashattn.flash_attn_with_kvcache(q[0], k_cache, v_cache, cache_seqlens=4)
+    # cache_seqlens as a list is taken as the array it spells.
+    np.testing.assert_array_equal(flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=[4]),
+                                  flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=4))
     # q's head_dim must be the cache's (it was read as the first head_dim values of each key).
     with pytest.raises(ValueError, match="k_cache: head_dim 8 does not match q's 4"):
         flashattn.flash_attn_with_kvcache(q[..., :4], k_cache, v_cache, cache_seqlens=4)

@@ -92,6 +92,14 @@ def test_bad_calls_raise():
     with pytest.raises(ValueError, match="dropout_p"):
         flashattn.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, None, 70, 2100, dropout_p=0.1,
                                          block_table=table, seqused_k=seqused)
+    with pytest.raises(ValueError, match=r"q: expected rank 3 \(total_q, heads, head_dim\)"):
+        flashattn.flash_attn_varlen_func(q[None], k_cache, v_cache, cu_q, None, 70, 2100, block_table=table,
+                                         seqused_k=seqused)
+    # Without seqused_k, cu_seqlens_k gives the key counts: named when they would be negative.
+    cu_k = torch.cat([torch.zeros(1, dtype=torch.int32), seqused.cumsum(0).to(torch.int32)])
+    cu_k[2] = cu_k[1] - 1
+    with pytest.raises(ValueError, match=r"cu_seqlens_k: must be non-decreasing .* at \[1\]"):
+        flashattn.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, 70, 2100, block_table=table)
     with pytest.raises(ValueError, match="inference only"):
         flashattn.flash_attn_varlen_func(q.requires_grad_(), k_cache, v_cache, cu_q, None, 70, 2100,
                                          block_table=table, seqused_k=seqused)

@@ -397,6 +397,14 @@ def test_direct_route_of_flash_attn_with_kvcache_equals_the_op(dtype):
         flashattn.flash_attn_with_kvcache(q[..., :8], *caches[0], cache_seqlens=seqlens, block_table=table,
                                           pack_gqa=False)
     assert str(direct.value) == str(general.value)
+    # Tables with a strided last dimension (views into wider ones) go the general way, which
+    # copies them (the direct route refused them with a stride error).
+    wide_seqlens = torch.stack([seqlens, torch.zeros_like(seqlens)], dim=1)[:, 0]
+    wide_table = torch.stack([table, torch.full_like(table, 99)], dim=2).flatten(1)[:, ::2]
+    assert wide_seqlens.stride(-1) == 2 and wide_table.stride(-1) == 2 and torch.equal(wide_table, table)
+    strided = flashattn.flash_attn_with_kvcache(q, *caches[0], cache_seqlens=wide_seqlens, block_table=wide_table)
+    plain = flashattn.flash_attn_with_kvcache(q, *caches[0], cache_seqlens=seqlens, block_table=table)
+    assert torch.equal(strided, plain)
 
 
 def test_compile_kvcache_step_writes_the_cache():
