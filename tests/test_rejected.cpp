@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -114,6 +115,42 @@ TEST(Rejected, KvCacheBadOutputsAndOptionsLeaveTheCacheAsItWas) {
   kernel.kernel = ForwardKernel::tiled_bf16;
   expect_rejected([&] { forward_with_kvcache(call.q.view(), call.cache(), call.out.view(), call.lse.view(), kernel); },
                   {"kernel tiled_bf16", "needs bf16"}, call.guarded());
+  // The planner's refusal (pack_gqa with ALiBi's per-head slopes) comes before the append too:
+  // it came from planning, after the new keys were written.
+  const Tensor slopes = filled(DType::f32, {CacheCall::kHeadsQ}, 0.5f);
+  AttentionOptions packed;
+  packed.pack_gqa = true;
+  packed.alibi_slopes = slopes.view();
+  expect_rejected([&] { forward_with_kvcache(call.q.view(), call.cache(), call.out.view(), call.lse.view(), packed); },
+                  {"pack_gqa: true is not supported with"}, call.guarded());
+}
+
+// Block sizes up to INT64_MAX count one block for the whole sequence: ceil(S / block) wrapped
+// to 0 there, so an empty table passed the shape check and the kernels read (quantize_fp8
+// wrote) its element 0 — a crash on null data.
+TEST(Rejected, BlockSizesUpToInt64MaxCountOneBlock) {
+  constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+  const Tensor q = random_tensor(DType::f32, {1, 4, 1, 16}, 11);
+  AttentionOptions o;
+  o.block_mask = TensorView(nullptr, DType::u8, {0, 0});
+  o.block_mask_block_size = kMax;
+  expect_error([&] { forward(q.view(), q.view(), q.view(), o); }, {"block_mask: shape (0, 0) but expected (1, 1)"});
+  const Tensor one_block = filled(DType::u8, {1, 1}, 1.0f);
+  o.block_mask = one_block.view();
+  const ForwardResult masked = forward(q.view(), q.view(), q.view(), o);
+  const ForwardResult plain = forward(q.view(), q.view(), q.view());
+  EXPECT_EQ(checksum(masked.out), checksum(plain.out));
+  AttentionOptions hooked;
+  hooked.score_hook.apply = [](const void*, const ScoreSpan&) {};
+  hooked.score_hook.mask = [](const void*, std::int64_t, std::int64_t, std::int64_t, std::int64_t) { return true; };
+  hooked.score_hook.block_mask = TensorView(nullptr, DType::u8, {1, 1, 0, 0});
+  hooked.score_hook.block_size = kMax;
+  expect_error([&] { forward(q.view(), q.view(), q.view(), hooked); }, {"score_hook.block_mask: shape (1, 1, 0, 0)"});
+  const Fp8Tensor codes = quantize_fp8(q.view(), Fp8Format::e4m3, kMax);
+  EXPECT_EQ(codes.descale.shape(), (std::vector<std::int64_t>{1, 1, 1}));
+  Fp8View k = codes.view();
+  k.descale = TensorView(nullptr, DType::f32, {1, 1, 0});
+  expect_error([&] { forward_fp8(codes.view(), k, codes.view(), DType::f32); }, {"k.descale: shape (1, 1, 0)"});
 }
 
 TEST(Rejected, KvCacheOutputAliasingTheCache) {

@@ -194,6 +194,47 @@ TEST(Variants, SlidingWindow) {
     for (const char* v : {"window", "leftonly", "rightonly", "causal+window"}) check_variant(s, v, DType::f32, seed++);
 }
 
+// A window side that reaches past every key is the unbounded one, up to INT64_MAX (the key
+// range's arithmetic overflowed there: rows saw no key): the same output and lse as no
+// window, forward and backward, fewer queries than keys and more, both alignments.
+TEST(Variants, HugeWindowSidesAreUnbounded) {
+  constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+  for (const auto& [sq, sk] : {std::pair<std::int64_t, std::int64_t>{37, 20}, {20, 37}})
+    for (const bool causal : {false, true})
+      for (const CausalAlignment alignment : {CausalAlignment::bottom_right, CausalAlignment::top_left}) {
+        SCOPED_TRACE("Sq " + std::to_string(sq) + " Sk " + std::to_string(sk) + (causal ? " causal " : " ") +
+                     to_string(alignment));
+        const Tensor q = random_tensor(DType::f32, {2, sq, 2, 16}, 21), k = random_tensor(DType::f32, {2, sk, 2, 16}, 22);
+        const Tensor v = random_tensor(DType::f32, {2, sk, 2, 16}, 23), dout = random_tensor(DType::f32, {2, sq, 2, 16}, 24);
+        AttentionOptions o;
+        o.causal = causal;
+        o.causal_alignment = alignment;
+        const ForwardResult want = forward(q.view(), k.view(), v.view(), o);
+        const BackwardResult want_grads = backward(dout.view(), q.view(), k.view(), v.view(), want.out.view(),
+                                                   want.lse.view(), o);
+        using Window = AttentionOptions::WindowSize;
+        for (const Window w : {Window{-1, kMax}, Window{kMax, -1}, Window{kMax, kMax}, Window{kMax - 3, kMax - 3},
+                               Window{sq + sk, sq + sk}}) {
+          if (causal && w.right > 0) continue;  // causal means right = 0
+          SCOPED_TRACE("window (" + std::to_string(w.left) + ", " + std::to_string(w.right) + ")");
+          o.window_size = w;
+          const ForwardResult got = forward(q.view(), k.view(), v.view(), o);
+          const auto differ = [](const Tensor& a, const Tensor& b) {
+            double most = 0.0;
+            for (std::int64_t i = 0; i < a.numel(); ++i) most = std::max<double>(most, std::fabs(a.get(i) - b.get(i)));
+            return most;
+          };
+          EXPECT_LE(differ(got.out, want.out), 1e-6);
+          EXPECT_LE(differ(got.lse, want.lse), 1e-5);
+          const BackwardResult grads = backward(dout.view(), q.view(), k.view(), v.view(), got.out.view(),
+                                                got.lse.view(), o);
+          EXPECT_LE(differ(grads.dq, want_grads.dq), 1e-5);
+          EXPECT_LE(differ(grads.dk, want_grads.dk), 1e-5);
+          EXPECT_LE(differ(grads.dv, want_grads.dv), 1e-5);
+        }
+      }
+}
+
 TEST(Variants, Softcap) {
   std::uint64_t seed = 20;
   for (const Shape& s : kShapes)

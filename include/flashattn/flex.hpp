@@ -215,8 +215,7 @@ BlockMask create_block_mask(const MaskMod& mask_mod, std::int64_t batch, std::in
   const std::int64_t unit =
       block_size % BlockMask::kKernelBlock == 0 && block_size > BlockMask::kKernelBlock ? BlockMask::kKernelBlock
                                                                                           : block_size;
-  const auto blocks_of = [](std::int64_t n, std::int64_t size) { return (n + size - 1) / size; };
-  const std::int64_t uq = blocks_of(seqlen_q, unit), uk = blocks_of(seqlen_k, unit);
+    const std::int64_t uq = blocks_of(seqlen_q, unit), uk = blocks_of(seqlen_k, unit);
   Tensor units(DType::u8, {batch, heads, uq, uk});
   std::uint8_t* u = units.data_as<std::uint8_t>();
   flex::detail::parallel_rows(batch * heads * uq, [&](std::int64_t item) {

@@ -12,7 +12,7 @@
 
 namespace flashattn {
 
-// The transform's size for rows of `dim` features: the power of two >= dim.
+// The transform's size for rows of `dim` features: the power of two >= dim (an Error above 2^62).
 std::int64_t hadamard_dim(std::int64_t dim);
 // Sign (+1 or −1) of column `column` of diag(signs) for `seed`.
 float hadamard_sign(std::uint64_t seed, std::int64_t column);

@@ -52,6 +52,10 @@ std::string to_string(Device device);
 
 // Attention tensors have rank 4; split-KV partial outputs (splits, batch, seqlen, heads,
 // dim) have rank 5.
+// The blocks of `size` (≥ 1) that cover n ≥ 0 elements, for any size up to INT64_MAX (where
+// (n + size − 1) / size overflows: a block size from a caller is any int64).
+constexpr std::int64_t blocks_of(std::int64_t n, std::int64_t size) { return n / size + (n % size != 0 ? 1 : 0); }
+
 inline constexpr int kMaxRank = 5;
 
 // A strided view of up to kMaxRank dimensions. Shapes and strides are in elements.

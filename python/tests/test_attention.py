@@ -568,6 +568,29 @@ def test_varlen_softmax_lse(variant, dtype):
     np.testing.assert_allclose(lse[fin], exp_lse[fin], rtol=1e-6, atol=1e-6, err_msg=ctx)
 
 
+def test_varlen_s_dmask_holds_each_sequence_in_its_corner():
+    """With dropout, a varlen S_dmask (batch, Hq, max_seqlen_q, max_seqlen_k) holds sequence b's
+    signed probabilities in [b, :, :lq, :lk] and zeros elsewhere: each sequence's block is
+    written through the view's strides (it was copied as if contiguous, scrambling rows)."""
+    heads, d = 2, 8
+    rng = np.random.default_rng(seed_for("varlen_s_dmask"))
+    seqlens_q, seqlens_k = [2, 3, 1], [3, 2, 4]
+    q = rng.standard_normal((sum(seqlens_q), heads, d)).astype(F32)
+    k = rng.standard_normal((sum(seqlens_k), heads, d)).astype(F32)
+    v = rng.standard_normal((sum(seqlens_k), heads, d)).astype(F32)
+    cu_q, cu_k = _cu(seqlens_q), _cu(seqlens_k)
+    _, _, s = flashattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(seqlens_q), max(seqlens_k), dropout_p=0.5,
+                                               return_attn_probs=True, seed=1)
+    for b, (lq, lk) in enumerate(zip(seqlens_q, seqlens_k)):
+        qs, ks = q[cu_q[b]:cu_q[b + 1]].astype(np.float64), k[cu_k[b]:cu_k[b + 1]].astype(np.float64)
+        scores = np.einsum("qhd,khd->hqk", qs, ks) / np.sqrt(d)
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        np.testing.assert_allclose(np.abs(s[b, :, :lq, :lk]), probs, atol=1e-6, err_msg=f"sequence {b}")
+        outside = np.abs(s[b]).sum() - np.abs(s[b, :, :lq, :lk]).sum()
+        assert outside == 0, f"sequence {b}: S_dmask written outside its corner"
+
+
 @dtype_param()
 @pytest.mark.parametrize("variant", [dict(), dict(causal=True, alibi="batch"), dict(window_size=(6, 2), softcap=2.0)],
                          ids=["plain", "causal-alibi_batch", "window-softcap"])

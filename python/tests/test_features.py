@@ -447,6 +447,9 @@ def test_hadamard_rotate_errors():
         flashattn.hadamard_rotate(np.zeros((1, 2, 3, 8), np.int32))
     with pytest.raises(ValueError, match="head_dim: expected an integer >= 1"):
         flashattn.hadamard_dim(0)
+    assert flashattn.hadamard_dim(2**62) == 2**62
+    with pytest.raises(ValueError, match="hadamard_dim: head_dim 4611686018427387905 has no power of two"):
+        flashattn.hadamard_dim(2**62 + 1)  # the doubling overflowed and looped for ever
 
 
 # ---- the plan ---------------------------------------------------------------------------------

@@ -569,6 +569,9 @@ def test_ops_check_what_the_hook_reads():
             flashattn.flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                      block_mask=flashattn.BlockMask(bm._states, index, bm._partial_blocks, bm.shape, 4,
                                                                     bm.mask_mod))
+    with pytest.raises(TypeError, match="expected int32 elements"):  # a float32 index's bits are no slots
+        torch.ops.flashattn.flex_fwd(q, k, v, None, bm._states, bm._partial_index.float(), bm._partial_blocks, 4,
+                                     None, None, 0.0, 1)
     states = bm._states.clone()
     states[0, 0, 2, 0] = 9
     with pytest.raises(ValueError, match=r"block_mask: block state 9 at \(0, 0, 2, 0\) is not 0 \(empty\)"):

@@ -187,7 +187,7 @@ AttentionProblem AttentionProblem::from_sizes(std::int64_t batch, std::int64_t s
     const TensorView& m = options.block_mask;
     detail::check_view("block_mask", m, 2, "(q blocks, k blocks)");
     detail::check_dtype("block_mask", m, DType::u8, "a boolean mask, one byte per block");
-    detail::check_shape("block_mask", m, {(seqlen_q + bs - 1) / bs, (seqlen_k + bs - 1) / bs},
+    detail::check_shape("block_mask", m, {blocks_of(seqlen_q, bs), blocks_of(seqlen_k, bs)},
                         "(ceil(seqlen_q / block), ceil(seqlen_k / block))");
   }
   if (options.attn_mask.data != nullptr || options.attn_mask.rank != 0) {
@@ -216,7 +216,7 @@ AttentionProblem AttentionProblem::from_sizes(std::int64_t batch, std::int64_t s
       const TensorView& m = hook.block_mask;
       detail::check_view("score_hook.block_mask", m, 4, "(batch or 1, heads_q or 1, q blocks, kv blocks)");
       detail::check_dtype("score_hook.block_mask", m, DType::u8, "ScoreBlock values, one byte per block");
-      const std::int64_t want[4] = {batch, heads_q, (seqlen_q + bs - 1) / bs, (seqlen_k + bs - 1) / bs};
+      const std::int64_t want[4] = {batch, heads_q, blocks_of(seqlen_q, bs), blocks_of(seqlen_k, bs)};
       for (int d = 0; d < 4; ++d)
         require(m.shape[d] == want[d] || (d < 2 && m.shape[d] == 1), [&] {
           return "score_hook.block_mask: shape " + detail::shape_string(m) + " is not (batch or 1, heads_q or 1, " +
@@ -265,8 +265,10 @@ AttentionProblem AttentionProblem::from_inputs(const TensorView& q, const Tensor
 AttentionProblem::KeyRange AttentionProblem::key_range(std::int64_t row) const {
   const std::int64_t d = diagonal(row);
   KeyRange r{0, seqlen_k};
-  if (window_left >= 0) r.begin = std::max<std::int64_t>(0, d - window_left);
-  if (window_right >= 0) r.end = std::clamp<std::int64_t>(d + window_right + 1, 0, seqlen_k);
+  // Compared before subtracting or adding: a side up to INT64_MAX must not overflow (a side
+  // reaching past every key is the unbounded one).
+  if (window_left >= 0 && window_left < d) r.begin = d - window_left;
+  if (window_right >= 0 && window_right < seqlen_k - d) r.end = std::max<std::int64_t>(d + window_right + 1, 0);
   return r;
 }
 

@@ -214,7 +214,7 @@ void check_fp8_input(const char* name, const Fp8View& x) {
     throw Error(std::string(name) + ".block_size: must be >= 0 (0 = one scale per tensor), got " +
                 std::to_string(x.block_size));
   const std::int64_t batch = x.codes.shape[0], seqlen = x.codes.shape[1], heads = x.codes.shape[2];
-  const std::int64_t blocks = x.block_size == 0 ? 1 : (seqlen + x.block_size - 1) / x.block_size;
+  const std::int64_t blocks = x.block_size == 0 ? 1 : blocks_of(seqlen, x.block_size);
   check_dtype(descale_name.c_str(), x.descale, DType::f32, "descale factors are float32");
   if (x.block_size == 0) {
     check_view(descale_name.c_str(), x.descale, 1, "(1) per tensor");

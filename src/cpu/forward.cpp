@@ -246,6 +246,7 @@ void cpu::run_forward_batch(std::span<const detail::ForwardJob> jobs, std::span<
 
 void cpu::check_forward(const detail::ForwardJob& job) {
   cpu::forward_kernel(job.problem, job.internals, CpuHardware::detect(job.options.num_threads), job.options.kernel);
+  cpu::pack_gqa_request(job.problem, job.options);  // the planner's refusal, before a caller writes
 }
 
 }  // namespace flashattn

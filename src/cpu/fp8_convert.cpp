@@ -71,15 +71,16 @@ namespace {
 
 constexpr const char* kLayout = "(batch, seqlen, heads, dim)";
 
-std::int64_t blocks_of(std::int64_t seqlen, std::int64_t block_size) {
-  return block_size == 0 ? 1 : (seqlen + block_size - 1) / block_size;
+// Descale blocks per (b, h): one per tensor (block_size 0).
+std::int64_t descale_blocks(std::int64_t seqlen, std::int64_t block_size) {
+  return block_size == 0 ? 1 : blocks_of(seqlen, block_size);
 }
 
 // Index into descale of row s of (b, h): 0 per tensor.
 std::int64_t descale_index(const TensorView& x, std::int64_t block_size, std::int64_t b, std::int64_t s,
                            std::int64_t h) {
   if (block_size == 0) return 0;
-  return (b * x.shape[2] + h) * blocks_of(x.shape[1], block_size) + s / block_size;
+  return (b * x.shape[2] + h) * descale_blocks(x.shape[1], block_size) + s / block_size;
 }
 
 }  // namespace
@@ -92,7 +93,7 @@ Fp8Tensor quantize_fp8(const TensorView& x, Fp8Format format, std::int64_t block
   const std::int64_t batch = x.shape[0], seqlen = x.shape[1], heads = x.shape[2], dim = x.shape[3];
   Fp8Tensor result{Tensor(DType::u8, {batch, seqlen, heads, dim}),
                    block_size == 0 ? Tensor(DType::f32, {1})
-                                   : Tensor(DType::f32, {batch, heads, blocks_of(seqlen, block_size)}),
+                                   : Tensor(DType::f32, {batch, heads, descale_blocks(seqlen, block_size)}),
                    format, block_size};
   float* descale = result.descale.data_as<float>();
   std::fill(descale, descale + result.descale.numel(), 0.0f);  // amax first

@@ -14,6 +14,9 @@
 namespace flashattn {
 
 std::int64_t hadamard_dim(std::int64_t dim) {
+  constexpr std::int64_t kLargest = std::int64_t{1} << 62;  // the largest power of two in int64
+  if (dim > kLargest)
+    throw Error("hadamard_dim: head_dim " + std::to_string(dim) + " has no power of two at or above it in int64");
   std::int64_t n = 1;
   while (n < dim) n *= 2;
   return n;

@@ -32,6 +32,9 @@ flashattn::DType dtype_of(const Array& a, const std::string& name, const char* a
   if (bits != 8 * flashattn::dtype_size(d))
     throw nb::type_error((std::string(arg) + ": buffer of " + std::to_string(bits) +
                           "-bit elements does not hold dtype " + name).c_str());
+  // Tables of indices and counts: integers, not another 32-bit type's bits read as them.
+  if (d == flashattn::DType::i32 && a.dtype().code != static_cast<std::uint8_t>(nb::dlpack::dtype_code::Int))
+    throw nb::type_error((std::string(arg) + ": expected int32 elements, got 32-bit elements of another kind").c_str());
   return d;
 }
 
@@ -559,8 +562,17 @@ NB_MODULE(_C, m) {
         const flashattn::Tensor p = flashattn::reference::attention_probs(in(q, dtypes, "q"), in(k, dtypes, "k"),
                                                                           in(v, dtypes, "v"), options);
         const flashattn::MutableTensorView dst = out(probs, "f32", "S_dmask");
-        if (dst.numel() != p.numel()) throw flashattn::Error("S_dmask: wrong size");
-        std::copy_n(p.data_as<float>(), p.numel(), static_cast<float*>(dst.data));
+        bool same = dst.rank == 4 && p.shape().size() == 4;
+        for (int d = 0; same && d < 4; ++d) same = dst.shape[d] == p.shape()[static_cast<std::size_t>(d)];
+        if (!same) throw flashattn::Error("S_dmask: shape is not (batch, heads_q, seqlen_q, seqlen_k) of these inputs");
+        // dst may be a view into a larger buffer (a sequence's corner of the varlen S_dmask).
+        const float* src = p.data_as<float>();
+        auto* base = static_cast<float*>(dst.data);
+        for (std::int64_t b = 0; b < dst.shape[0]; ++b)
+          for (std::int64_t h = 0; h < dst.shape[1]; ++h)
+            for (std::int64_t i = 0; i < dst.shape[2]; ++i)
+              for (std::int64_t j = 0; j < dst.shape[3]; ++j)
+                base[b * dst.strides[0] + h * dst.strides[1] + i * dst.strides[2] + j * dst.strides[3]] = *src++;
       },
       "dropped-and-scaled attention probabilities (B, Hq, Sq, Sk), float32 (testing only)");
 
