@@ -127,6 +127,13 @@ TEST(Errors, BadOptions) {
   AttentionOptions nan_scale;
   nan_scale.softmax_scale = std::nanf("");
   expect_error([&] { in.run(nan_scale); }, {"softmax_scale: must be finite", "nan"});
+  // Finite but past float32's largest / log2(e): scale·log2(e) was inf, the output NaN.
+  AttentionOptions huge_scale;
+  huge_scale.softmax_scale = 3e38f;
+  expect_error([&] { in.run(huge_scale); }, {"softmax_scale", "at most float32's largest / log2(e)"});
+  AttentionOptions huge_softcap;
+  huge_softcap.softcap = 3e38f;
+  expect_error([&] { in.run(huge_softcap); }, {"softcap", "at most float32's largest / log2(e)"});
   AttentionOptions threads;
   threads.num_threads = -2;
   expect_error([&] { in.run(threads); }, {"num_threads", "-2"});

@@ -410,7 +410,7 @@ def _compact(x):
 
 
 # The largest |c| of f(s) = a*s + c the kernels take: they add c * log2(e) in float32.
-_C_LIMIT = float(np.finfo(np.float32).max) / math.log2(math.e)
+_C_LIMIT = _sdpa.LARGEST_SCALED
 
 
 def _check_values(name, f0, f1, position):

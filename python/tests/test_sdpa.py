@@ -234,9 +234,11 @@ def test_dropout_is_the_librarys():
      ValueError, "query: 3 heads, not a multiple of key's and value's 2"),
     (lambda q, k, v: flashattn.scaled_dot_product_attention(q, k, v, scale=math.inf), ValueError,
      "scale: must be finite"),
+    (lambda q, k, v: flashattn.scaled_dot_product_attention(q, k, v, scale=3e38), ValueError,
+     "scale: must be finite, of magnitude at most"),
 ], ids=["rank", "causal_and_mask", "heads", "mask_dtype", "mask_shape", "mask_rank", "mask_type", "dropout",
         "scale", "mixed", "float64", "softcap_type", "softcap_negative", "sinks_shape", "sinks_mixed", "key_dtype",
-        "value_dtype", "key_batch", "value_shape", "key_head_dim", "no_heads", "gqa_ratio", "scale_inf"])
+        "value_dtype", "key_batch", "value_shape", "key_head_dim", "no_heads", "gqa_ratio", "scale_inf", "scale_huge"])
 def test_bad_inputs_name_the_argument(call, error, fragment):
     _, q, k, v, _ = inputs(1, 1, 2, 2, 8, 9, 8, torch.float32)
     with pytest.raises(error, match=fragment):

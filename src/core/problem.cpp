@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <sstream>
 
 #include "flashattn/error.hpp"
@@ -95,15 +96,21 @@ AttentionProblem AttentionProblem::from_sizes(std::int64_t batch, std::int64_t s
           [&] { return "head_dim: " + str(head_dim) + " out of range [1, " + str(kMaxHeadDim) + "]"; });
   require(head_dim_v >= 1 && head_dim_v <= kMaxHeadDim,
           [&] { return "head_dim_v: " + str(head_dim_v) + " out of range [1, " + str(kMaxHeadDim) + "]"; });
+  // The kernels work in log2 units: softmax_scale and softcap times log2 e must stay finite.
+  constexpr float kLargestScaled = std::numeric_limits<float>::max() / 1.4426950408889634f;
   if (options.softmax_scale)
-    require(std::isfinite(*options.softmax_scale),
-            [&] { return "softmax_scale: must be finite, got " + std::to_string(*options.softmax_scale); });
+    require(std::isfinite(*options.softmax_scale) && std::fabs(*options.softmax_scale) <= kLargestScaled, [&] {
+      return "softmax_scale: must be finite, of magnitude at most float32's largest / log2(e) = 2.36e38, got " +
+             std::to_string(*options.softmax_scale);
+    });
   require(options.window_size.left >= -1 && options.window_size.right >= -1, [&] {
     return "window_size: (" + str(options.window_size.left) + ", " + str(options.window_size.right) +
            ") but each side must be >= -1 (-1 = unbounded)";
   });
-  require(std::isfinite(options.softcap) && options.softcap >= 0.0f,
-          [&] { return "softcap: must be >= 0 (0 disables it), got " + std::to_string(options.softcap); });
+  require(std::isfinite(options.softcap) && options.softcap >= 0.0f && options.softcap <= kLargestScaled, [&] {
+    return "softcap: must be >= 0 (0 disables it) and at most float32's largest / log2(e) = 2.36e38, got " +
+           std::to_string(options.softcap);
+  });
   require(options.dropout_p >= 0.0f && options.dropout_p < 1.0f,
           [&] { return "dropout_p: must be in [0, 1), got " + std::to_string(options.dropout_p); });
   require(options.num_splits >= 0,
