@@ -355,7 +355,11 @@ def _create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE):
     b = 1 if B is None else _positive_int("B", B)
     h = 1 if H is None else _positive_int("H", H)
     q_len, kv_len = _positive_int("Q_LEN", Q_LEN), _positive_int("KV_LEN", KV_LEN)
-    if torch.device(device).type != "cpu":
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device: not a device ({e}), got {device!r}") from None
+    if kind != "cpu":
         raise ValueError(f"device: flashattn runs on the CPU, got {device!r}")
     bs = _block_size_arg(BLOCK_SIZE)
     name = f"mask_mod {getattr(mask_mod, '__name__', type(mask_mod).__name__)}"

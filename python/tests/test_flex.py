@@ -444,6 +444,8 @@ def test_bad_inputs_name_the_argument():
          "score_mod <lambda>: returned nan"),
         (lambda: flashattn.create_block_mask(causal, 0, None, 9, 9), ValueError, "B: expected a positive integer"),
         (lambda: flashattn.create_block_mask(causal, None, None, 9, 9, device="cuda"), ValueError, "device"),
+        (lambda: flashattn.create_block_mask(causal, None, None, 9, 9, device="bogus"), ValueError,
+         "device: not a device"),
         (lambda: flashattn.create_block_mask(causal, None, None, 9, 9, BLOCK_SIZE=(4, 8)), ValueError,
          "BLOCK_SIZE: flashattn's blocks are square"),
         (lambda: flashattn.create_block_mask(lambda b, h, i, j: (i - j).float(), None, None, 9, 9), TypeError,
