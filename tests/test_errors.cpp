@@ -134,6 +134,19 @@ TEST(Errors, BadOptions) {
   AttentionOptions huge_softcap;
   huge_softcap.softcap = 3e38f;
   expect_error([&] { in.run(huge_softcap); }, {"softcap", "at most float32's largest / log2(e)"});
+  // Sink logits and ALiBi slopes likewise (sink·log2 e was inf: out and lse NaN; a slope's
+  // inf times the diagonal's distance 0 was NaN).
+  Tensor sinks(DType::f32, {4}), slopes(DType::f32, {2, 4});
+  for (std::int64_t h = 0; h < 4; ++h) sinks.set(h, h == 2 ? 3e38f : 0.5f);
+  for (std::int64_t i = 0; i < 8; ++i) slopes.set(i, i == 6 ? std::nanf("") : 0.25f);
+  AttentionOptions huge_sink;
+  huge_sink.sinks = sinks.view();
+  expect_error([&] { in.run(huge_sink); }, {"sinks: sink logit of head 2", "at most float32's largest"});
+  AttentionOptions bad_slope;
+  bad_slope.alibi_slopes = slopes.view();
+  expect_error([&] { in.run(bad_slope); }, {"alibi_slopes: slope of batch 1, head 2 is nan"});
+  slopes.set(6, -3e38f);
+  expect_error([&] { in.run(bad_slope); }, {"alibi_slopes: slope of batch 1, head 2", "at most float32's largest"});
   AttentionOptions threads;
   threads.num_threads = -2;
   expect_error([&] { in.run(threads); }, {"num_threads", "-2"});

@@ -425,6 +425,32 @@ TEST(Int8Cache, NarrowDecodeWhenLaterKeysScoreHigherWithinTheRescaleThreshold) {
   }
 }
 
+// decode_fp16's half-precision P·V takes P ≤ 1: dropout's 1/(1 − p) (forward_with_kvcache
+// takes dropout_p from C++) overflowed it to inf at p = 0.97. Asked by name, it is an Error
+// naming dropout; the planner takes another kernel, whose output is finite.
+TEST(Int8Cache, DecodeFp16RefusesDropout) {
+  if (!CpuHardware::detect(0).decode_fp16) GTEST_SKIP() << "no AVX512-FP16 on this CPU: decode_fp16 cannot run here";
+  constexpr std::int64_t keys = 512, d = 64;
+  Pool kp(kS8Token, 1, keys, 1, d), vp(kS8Token, 1, keys, 1, d);
+  std::mt19937_64 rng(97);
+  kp.fill_random(rng);
+  vp.fill_random(rng);
+  const Tensor q = random_tensor(DType::f32, {1, 1, 1, d}, 98);
+  Tensor seqlens(DType::i32, {1});
+  seqlens.set(0, static_cast<float>(keys));
+  KvCache c;
+  kp.attach(c, true);
+  vp.attach(c, false);
+  c.cache_seqlens = seqlens.view();
+  AttentionOptions o;
+  o.dropout_p = 0.97f;
+  o.kernel = ForwardKernel::decode_fp16;
+  expect_error([&] { forward_with_kvcache(q.view(), c, o); }, {"kernel decode_fp16", "no dropout (dropout_p: 0.97"});
+  o.kernel = ForwardKernel::automatic;
+  const ForwardResult got = forward_with_kvcache(q.view(), c, o);
+  for (std::int64_t i = 0; i < got.out.numel(); ++i) ASSERT_TRUE(std::isfinite(got.out.get(i))) << "out " << i;
+}
+
 // Rows quantized per token that are constant — all zeros, or one value each (what appends of
 // such rows store) — read back at the kernels' float32 accuracy on every decode kernel: the
 // narrow ones read the u8 codes as code − 128, and a constant row stored at code 0 with scale

@@ -293,6 +293,42 @@ TEST(Variants, AttnMask) {
   check_variant({2, 97, 97, 4, 2, 32, 24}, "bias", DType::bf16, seed++, false, 2);
 }
 
+// Biases of float32's largest magnitudes: a row whose every bias is finfo(float32).min (as
+// transformers pads) weighs its keys alike — the mean of V, as the float64 definition and
+// torch's SDPA — and one key biased +3e38 takes the row; bias·log2 e overflowed to ∓∞ (the
+// first row was hidden whole: out 0, lse −∞; the second NaN). Rows of the tiled and decode
+// kernels, f32 and bf16 biases (bf16's largest is 3.39e38), every SIMD target.
+TEST(Variants, LargestFiniteBiasesAreBiasesNotHiddenKeys) {
+  constexpr float kLowest = std::numeric_limits<float>::lowest();
+  for_each_simd_target([&](const std::string&) {
+    for (const std::int64_t sq : {1, 9})
+      for (const DType bias_dtype : {DType::f32, DType::bf16}) {
+        SCOPED_TRACE("Sq " + std::to_string(sq) + ", bias " + to_string(bias_dtype));
+        constexpr std::int64_t sk = 70;
+        const Tensor q = random_tensor(DType::f32, {1, sq, 2, 16}, 61), k = random_tensor(DType::f32, {1, sk, 2, 16}, 62);
+        const Tensor v = random_tensor(DType::f32, {1, sk, 2, 16}, 63);
+        Tensor bias(bias_dtype, {1, 2, sq, sk});
+        for (std::int64_t h = 0; h < 2; ++h)
+          for (std::int64_t i = 0; i < sq; ++i)
+            for (std::int64_t j = 0; j < sk; ++j) {
+              const float lowest = bias_dtype == DType::f32 ? kLowest : -3.3e38f;
+              // head 0: every bias the lowest; head 1: the lowest but for key 5 + i, +3e38
+              bias.set((h * sq + i) * sk + j, h == 1 && j == 5 + i ? 3e38f : lowest);
+            }
+        AttentionOptions o;
+        o.attn_mask = bias.view();
+        const reference::Result want = reference::attention(q.view(), k.view(), v.view(), o);
+        const ForwardResult got = forward(q.view(), k.view(), v.view(), o);
+        EXPECT_LE(max_abs_error(got.out, want.out), 1e-5);
+        for (std::int64_t i = 0; i < got.lse.numel(); ++i) ASSERT_TRUE(std::isfinite(got.lse.get(i))) << "lse " << i;
+        for (std::int64_t i = 0; i < sq; ++i)
+          for (std::int64_t e = 0; e < 16; ++e) {  // head 1 of row i is V's row 5 + i
+            ASSERT_FLOAT_EQ(got.out.get((i * 2 + 1) * 16 + e), v.get(((5 + i) * 2 + 1) * 16 + e));
+          }
+      }
+  });
+}
+
 // causal_alignment top_left (SDPA's is_causal): causal, windows and ALiBi measured from key i,
 // on Sq < Sk, Sq == Sk, Sq > Sk and the decode shape, with windows, ALiBi, dense masks,
 // dropout, block masks and sinks, 1–3 threads, every SIMD target.

@@ -179,7 +179,9 @@ struct KvCache {
   // two, re-encoding the page's earlier tokens when it does; every stored x reads back as
   // x̂ with |x̂ − x| ≤ 2^-4·|x| + 2^-9·descale, descale < 2·(largest |x| of the page)/448.
   // Pages that already hold tokens must have finite positive descales; new k, v must be
-  // finite (e4m3 has no infinity). Code 0x7F/0xFF (NaN) is not a cache value. Codes are
+  // finite (e4m3 has no infinity). Code 0x7F/0xFF (NaN) is not a cache value: appends never
+  // write it, and a cache filled by the caller must not hold it (the float32 decode kernel
+  // reads it as NaN, decode_fp16 and decode_bf16 as ±480·descale; unchecked). Codes are
   // read exactly whatever the CPU's denormals-are-zero mode (MXCSR DAZ, e.g.
   // torch.set_flush_denormal(True)): subnormal codes (|value| < 2^-6·descale) included.
   MutableTensorView k_scale, v_scale;

@@ -185,7 +185,9 @@ struct AttentionOptions {
   // one pass over the mask; docs/algorithm.md §6). f32, bf16 or f16: added to the score
   // after softmax_scale, softcap and ALiBi (s = softcap·tanh(scale·q·k / softcap) − ALiBi
   // + bias; SDPA adds it to the scaled score, which is the same without softcap); −∞
-  // entries hide their key. A row left without visible keys gives o = 0 and lse = −∞ (or
+  // entries hide their key, and only they: a finite bias beyond ±2.35e38 (float32's largest
+  // over log2 e: the kernels add bias·log2 e) counts as ±2.35e38, so a row biased
+  // finfo(float32).min everywhere weighs its keys alike. A row left without visible keys gives o = 0 and lse = −∞ (or
   // the sink). Combines with every other variant. Unset (null data) disables it. Supported
   // by attention_forward / attention_backward on the CPU (not on CUDA, varlen, KV cache,
   // FP8 or the ring, which reject it by name).
@@ -232,8 +234,11 @@ struct AttentionOptions {
   // Conditional rescaling, in log2 units: the online-softmax state (m, ℓ, õ) is rescaled
   // only when a tile's maximum exceeds the reference m by more than this; otherwise m is
   // kept and that tile's probabilities are computed against it (they stay below
-  // 2^threshold, so nothing overflows). The final õ/ℓ is exact for any threshold. 0 is the
-  // classic rule (rescale whenever the maximum grows); unset means 8 (a factor 256).
+  // 2^threshold). The final õ/ℓ is exact for any threshold, as long as the unnormalized õ,
+  // up to seqlen_k·2^threshold·max|v|, stays below float32's largest (|v| below about 1e33
+  // for a million keys at the default). 0 is the classic rule (rescale whenever the maximum
+  // grows); unset means 8 (a factor 256). The narrow decode kernels (decode_fp16,
+  // decode_bf16) always take 0: their half-precision or bf16 P·V needs P ≤ 1.
   std::optional<float> rescale_threshold;
   // Statistics, forward() only: when set, int32 (batch, heads_q, seqlen_q) receives the
   // number of times each row's state was rescaled (its reference maximum moved after the

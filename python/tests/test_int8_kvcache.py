@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import flashattn
-from reference import attention_ref, planned_quantized_decode, quantized_cache_tolerance
+from reference import attention_ref, planned_quantized_decode, quantized_cache_tolerance, run_kernel
 
 FORMATS = [("u8", "u8"), ("s8", "s8"), ("u8", "s8"), ("s8", "e4m3")]
 
@@ -132,3 +132,37 @@ def test_int8_kvcache_rejects_bad_formats():
     with pytest.raises(ValueError, match="v_quant: expected 'e4m3', 'u8' or 's8', got 'int4'"):
         flashattn.flash_attn_with_kvcache(q, k_cache, k_cache.copy(), k_scale=k_scale, v_scale=k_scale.copy(),
                                           k_quant="u8", k_zero_point=k_zero, v_quant="int4")
+
+
+@pytest.mark.parametrize("fmt", ["s8", "u8", "e4m3"])
+@pytest.mark.parametrize("kernel", ["decode", "decode_fp16", "decode_bf16"])
+def test_huge_query_scales_keep_the_winning_key(fmt, kernel):
+    """softmax_scale up to 1e33 (q·scale·log2 e past 2^104; the float32 decode kernel's Q·codes,
+    before the int8 scale, reach float32's largest near 1e35): the softmax is one key, the one
+    q is made of, on every decode kernel. The narrow kernels scaled each q row by at most 2^-100
+    into their range: beyond, half-precision products were inf (NaN out) and decode_bf16's
+    integer q split wrapped (another key won)."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(31)
+    n, d = 64, 64
+    x = rng.standard_normal((1, n, 1, d)).astype(np.float32)
+    codes, scale, zero = empty_cache(fmt, True, 1, n, 1, d)
+    v_codes, v_scale, v_zero = empty_cache(fmt, True, 1, n, 1, d)
+    if fmt == "e4m3":
+        codes[:] = x.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+        v_codes[:] = rng.standard_normal(codes.shape).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+        scale[:], v_scale[:] = 1.0, 1.0
+    else:
+        flashattn.flash_attn_with_kvcache(x[:, :1], codes, v_codes, k=x, v=rng.standard_normal(x.shape).astype(np.float32),
+                                          cache_seqlens=np.array([0], np.int32), k_scale=scale, v_scale=v_scale,
+                                          k_zero_point=zero, v_zero_point=v_zero, k_quant=fmt, v_quant=fmt)
+    keys, vals = values(fmt, codes, scale, zero)[0], values(fmt, v_codes, v_scale, v_zero)[0]
+    q = keys[7][None, None].astype(np.float32)  # key 7 scores |k7|², far above every other key
+    extra = {} if fmt == "e4m3" else dict(k_zero_point=zero, v_zero_point=v_zero, k_quant=fmt, v_quant=fmt)
+    tolerance = quantized_cache_tolerance(kernel) * np.abs(vals).max()
+    for softmax_scale in (1e25, 1e31, 1e33):
+        out = run_kernel(kernel, lambda: flashattn.flash_attn_with_kvcache(
+            q, codes, v_codes, cache_seqlens=np.array([n], np.int32), k_scale=scale, v_scale=v_scale,
+            softmax_scale=softmax_scale, kernel=kernel, num_threads=1, **extra))
+        assert np.abs(out[0, 0, 0] - vals[7, 0]).max() <= tolerance, (softmax_scale, out[0, 0, 0, :4], vals[7, 0, :4])

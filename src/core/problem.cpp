@@ -24,6 +24,15 @@ void require(bool ok, const Message& message) {
 }
 
 std::string str(std::int64_t v) { return std::to_string(v); }
+std::string num(float v) {  // six significant digits: 3e+38, not std::to_string's 39 digits
+  std::ostringstream s;
+  s << v;
+  return s.str();
+}
+
+// The kernels work in log2 units: softmax_scale, softcap, sink logits and ALiBi slopes times
+// log2 e must stay finite in float32.
+constexpr float kLargestScaled = std::numeric_limits<float>::max() / 1.4426950408889634f;
 
 // score_hook.block_mask: every value a ScoreBlock, read in full like the slots below.
 void check_block_states(const TensorView& m) {
@@ -96,12 +105,10 @@ AttentionProblem AttentionProblem::from_sizes(std::int64_t batch, std::int64_t s
           [&] { return "head_dim: " + str(head_dim) + " out of range [1, " + str(kMaxHeadDim) + "]"; });
   require(head_dim_v >= 1 && head_dim_v <= kMaxHeadDim,
           [&] { return "head_dim_v: " + str(head_dim_v) + " out of range [1, " + str(kMaxHeadDim) + "]"; });
-  // The kernels work in log2 units: softmax_scale and softcap times log2 e must stay finite.
-  constexpr float kLargestScaled = std::numeric_limits<float>::max() / 1.4426950408889634f;
   if (options.softmax_scale)
     require(std::isfinite(*options.softmax_scale) && std::fabs(*options.softmax_scale) <= kLargestScaled, [&] {
       return "softmax_scale: must be finite, of magnitude at most float32's largest / log2(e) = 2.36e38, got " +
-             std::to_string(*options.softmax_scale);
+             num(*options.softmax_scale);
     });
   require(options.window_size.left >= -1 && options.window_size.right >= -1, [&] {
     return "window_size: (" + str(options.window_size.left) + ", " + str(options.window_size.right) +
@@ -109,7 +116,7 @@ AttentionProblem AttentionProblem::from_sizes(std::int64_t batch, std::int64_t s
   });
   require(std::isfinite(options.softcap) && options.softcap >= 0.0f && options.softcap <= kLargestScaled, [&] {
     return "softcap: must be >= 0 (0 disables it) and at most float32's largest / log2(e) = 2.36e38, got " +
-           std::to_string(options.softcap);
+           num(options.softcap);
   });
   require(options.dropout_p >= 0.0f && options.dropout_p < 1.0f,
           [&] { return "dropout_p: must be in [0, 1), got " + std::to_string(options.dropout_p); });
@@ -161,8 +168,10 @@ AttentionProblem AttentionProblem::from_sizes(std::int64_t batch, std::int64_t s
     detail::check_shape("sinks", s, {heads_q}, "(heads_q)");
     for (std::int64_t h = 0; s.device == Device::cpu && h < heads_q; ++h) {
       const float x = static_cast<const float*>(s.data)[h * s.strides[0]];
-      require(std::isfinite(x),
-              [&] { return "sinks: sink logit of head " + str(h) + " is " + std::to_string(x) + ", expected finite"; });
+      require(std::isfinite(x) && std::fabs(x) <= kLargestScaled, [&] {
+        return "sinks: sink logit of head " + str(h) + " is " + num(x) +
+               ", expected finite, of magnitude at most float32's largest / log2(e) = 2.36e38";
+      });
     }
   }
   p.block_mask_block_size = options.block_mask.data != nullptr || options.block_mask.rank != 0
@@ -187,6 +196,16 @@ AttentionProblem AttentionProblem::from_sizes(std::int64_t batch, std::int64_t s
       detail::check_shape("alibi_slopes", a, {heads_q}, "(heads_q)");
     else
       detail::check_shape("alibi_slopes", a, {batch, heads_q}, "(batch, heads_q)");
+    const std::int64_t rows = a.rank == 1 ? 1 : batch;
+    for (std::int64_t b = 0; a.device == Device::cpu && b < rows; ++b)
+      for (std::int64_t h = 0; h < heads_q; ++h) {
+        const float x = static_cast<const float*>(a.data)[(a.rank == 1 ? 0 : b * a.strides[0]) + h * a.strides[a.rank - 1]];
+        require(std::isfinite(x) && std::fabs(x) <= kLargestScaled, [&] {
+          return "alibi_slopes: slope of " + (a.rank == 1 ? std::string() : "batch " + str(b) + ", ") + "head " +
+                 str(h) + " is " + num(x) + ", expected finite, of magnitude at most float32's largest / "
+                 "log2(e) = 2.36e38";
+        });
+      }
   }
   if (options.block_mask.data != nullptr || options.block_mask.rank != 0) {
     const std::int64_t bs = options.block_mask_block_size;

@@ -102,8 +102,9 @@ ForwardKernel choose_kernel(const AttentionProblem& p, const detail::ProblemInte
     throw Error("kernel decode_fp16: head_dim " + std::to_string(p.head_dim) + " above its limit " +
                 std::to_string(cpu::fp16dot::kMaxHeadDim) + " (half-precision partial sums); use kernel decode or auto");
   const bool quantized = internals.fp8_kv_cache || internals.int8_kv_cache;
-  const bool fp16_decode =
-      quantized && rows <= kDecodeRows && p.head_dim <= cpu::fp16dot::kMaxHeadDim && hw.decode_fp16;
+  // Its half-precision P·V takes P ≤ 1 (fp16_decode.hpp): dropout's 1/(1 − p) is refused.
+  const bool fp16_decode = quantized && rows <= kDecodeRows && p.head_dim <= cpu::fp16dot::kMaxHeadDim &&
+                           hw.decode_fp16 && p.dropout_p == 0.0f;
   // decode_bf16 scores int8 K codes on AVX512-VNNI (int8_dot.hpp), which every CPU with
   // AVX512-BF16 has.
   const bool vnni = !internals.int8_kv_cache || cpu::int8dot::available();
@@ -119,6 +120,9 @@ ForwardKernel choose_kernel(const AttentionProblem& p, const detail::ProblemInte
                   (kernel == ForwardKernel::decode_bf16 && internals.int8_kv_cache
                        ? std::string(", for int8 codes also AVX512-VNNI (this one: ") + (vnni ? "yes" : "no") + ")"
                        : std::string()) +
+                  (kernel == ForwardKernel::decode_fp16 ? ", and no dropout (dropout_p: " + std::to_string(p.dropout_p) +
+                                                              ")"
+                                                        : std::string()) +
                   "; use kernel decode or auto");
   if (requested != ForwardKernel::automatic) return requested;
   // decode_fp16 for FP8 and int8 caches alike where it runs: over int8 codes it was within ±8%

@@ -481,7 +481,8 @@ void ScoreBlockNarrow(ForwardWorkspace& ws, const DecodeShape& sh, const NarrowP
 }
 
 // FP8: Q·(values·descale) = (Q·values read)·(kKvUnit·descale), on kv head g's real rows;
-// q_units (the narrow products', else null) also undoes each row's Q scaling.
+// q_units (the narrow products', else null) also undoes each row's Q scaling, multiplied
+// into the factor before the score (which it could take past float32's largest alone).
 HWY_INLINE void DescaleScores(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeShape& sh, std::int64_t g,
                    std::int64_t n, std::int64_t cols, const float* q_units) {
   constexpr float kUnit = kKvUnit<KvFormat::e4m3>;
@@ -493,7 +494,7 @@ HWY_INLINE void DescaleScores(const ForwardParams& prm, ForwardWorkspace& ws, co
     float* srow = ws.s_tile.get() + (g * sh.rows4 + r) * sh.bc;
     const VF unit = hn::Set(DF(), q_units != nullptr ? q_units[g * sh.rows4 + r] : 1.0f);
     for (std::int64_t c = 0; c < n; c += kLanes)
-      hn::Store(hn::Mul(hn::Mul(hn::Load(DF(), srow + c), hn::Load(DF(), factor + c)), unit), DF(), srow + c);
+      hn::Store(hn::Mul(hn::Load(DF(), srow + c), hn::Mul(hn::Load(DF(), factor + c), unit)), DF(), srow + c);
   }
 }
 
@@ -666,15 +667,16 @@ HWY_INLINE void LoadKeyFactors(const float* const* scales, const float* const* z
 }
 
 // The power of two that P·factor is multiplied by (the narrow products): it brings the largest
-// of the block's `cols` factors (V descales or scales) to at most 2^top, so P·factor is at
-// most 2^top in half precision or bf16.
+// of the block's `cols` factors (V descales or scales, > 0) to at most 2^top, so P·factor is
+// at most 2^top in half precision or bf16 — for every finite factor: the exponent is within
+// ±126 (a normal float and its inverse), as RowShift's.
 float NarrowVScale(const float* factors, std::int64_t cols, int top) {
   VF largest = hn::Zero(DF());
   for (std::int64_t c = 0; c < cols; c += kLanes) largest = hn::Max(largest, hn::Load(DF(), factors + c));
   int exponent = 0;
   const float most = hn::GetLane(hn::MaxOfLanes(DF(), largest));
   if (most > 0.0f && std::isfinite(most)) std::frexp(most, &exponent);  // most < 2^exponent
-  return std::ldexp(1.0f, std::clamp(top - exponent, -100, 100));
+  return std::ldexp(1.0f, std::clamp(top - exponent, -126, 126));
 }
 
 // One decode work item on a cache with int8 codes in K or V (the other pool may be e4m3), each
@@ -731,15 +733,19 @@ void DecodeQuantItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_
     for (std::int64_t g = 0; g < sh.hkv; ++g) {
       LoadKeyFactors(keys.k_descale.data(), keys.k_zero_point.data(), ks.head_stride, k_unit, k_shift, g, n, cols,
                      k_factor, k_zero);
+      MulRow(k_zero, k_factor, cols);
+      // S·(q unit·factor) − ΣQ·(zero·factor): the small factors first, so that a product of the
+      // narrow sums (up to 2^15) and a q unit (up to 2^126) never overflows before the scale
+      // takes it back (q·softmax_scale near float32's largest gave inf).
       for (std::int64_t r = 0; r < sh.rows; ++r) {
         const std::int64_t row = g * sh.rows4 + r;
         float* srow = ws.s_tile.get() + row * sh.bc;
         const VF q_sum = hn::Set(DF(), q_sums_needed ? q_sums[row] : 0.0f);
         const VF q_unit = hn::Set(DF(), q_units != nullptr ? q_units[row] : 1.0f);
         for (std::int64_t c = 0; c < cols; c += kLanes) {
-          const VF centred =
-              hn::NegMulAdd(q_sum, hn::Load(DF(), k_zero + c), hn::Mul(hn::Load(DF(), srow + c), q_unit));
-          hn::Store(hn::Mul(centred, hn::Load(DF(), k_factor + c)), DF(), srow + c);
+          const VF unit_factor = hn::Mul(q_unit, hn::Load(DF(), k_factor + c));
+          hn::Store(hn::NegMulAdd(q_sum, hn::Load(DF(), k_zero + c), hn::Mul(hn::Load(DF(), srow + c), unit_factor)),
+                    DF(), srow + c);
         }
       }
       LoadKeyFactors(keys.v_descale.data(), keys.v_zero_point.data(), vs.head_stride, v_unit, 0.0f, g, n, cols,

@@ -52,8 +52,12 @@ void PackQ4(const float* q, std::int64_t ldq, std::int64_t rows, std::int64_t d,
             float* unit);
 
 // The power of two 2^shift that brings the largest finite |x| of the d values at row into
-// [2^(top − 1), 2^top) (shift within ±100; 0 for a row of zeros, or when !live): PackQ4's
-// scaling of each Q row, in either narrow type.
+// [2^(top − 1), 2^top) (0 for a row of zeros, or when !live): PackQ4's scaling of each Q row,
+// in either narrow type. shift is within ±126, so that 2^shift and 2^-shift are normal
+// floats: every finite row's largest (below 2^128) is brought down into the range (±100
+// left rows above 2^(top + 100) — q·softmax_scale beyond 1e31 — unscaled: inf in half, and
+// int8dot's high byte wrapped); rows below 2^(top − 126) stay below the range, which rounds
+// them to 0 in half precision: scores of at most 2^-112 of the largest.
 inline int RowShift(const float* row, std::int64_t d, bool live, int top) {
   float largest = 0.0f;
   if (live)
@@ -61,7 +65,7 @@ inline int RowShift(const float* row, std::int64_t d, bool live, int top) {
       if (std::isfinite(row[e])) largest = std::max(largest, std::fabs(row[e]));
   int exponent = 0;
   if (largest > 0.0f) std::frexp(largest, &exponent);  // largest in [2^(exponent - 1), 2^exponent)
-  return std::clamp(top - exponent, -100, 100);
+  return std::clamp(top - exponent, -126, 126);
 }
 
 // Rows to prefetch: of keys c < count, kv head g's k_bytes at k[c] + g·k_head and v_bytes at

@@ -14,6 +14,7 @@
 #include <hwy/highway.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 
@@ -260,7 +261,21 @@ struct RowMods {
   // are contiguous (attn_mask's last dim is) or one value (a size-1 key dim): whole vectors
   // are loaded and widened to float32 (u8 to u32, bf16 and f16 promoted), the tail by element.
   // A bias with score_scale ≠ 1 (only_adds_bias) takes scores not yet scaled: s·score_scale +
-  // bias·log2e.
+  // bias·log2e. A finite bias beyond ±kLargestBias (float32's largest over log2 e) is taken
+  // as ±kLargestBias, so that bias·log2e stays finite: a row whose every bias is
+  // finfo(float32).min (transformers' padding) weighs its keys alike, as the definition does,
+  // instead of hiding them all as −∞ would; only −∞ hides a key.
+  static constexpr float kLargestBias = 2.35e38f;
+  static float bounded_bias(float bias) {
+    return std::isfinite(bias) ? std::clamp(bias, -kLargestBias, kLargestBias) : bias;
+  }
+  template <class DF, class V>
+  static V BoundedBias(DF df, V bias) {
+    const auto largest = hn::Set(df, kLargestBias);
+    const auto beyond = hn::Gt(hn::Abs(bias), largest);  // ±∞ too, never NaN
+    if (HWY_LIKELY(hn::AllFalse(df, beyond))) return bias;
+    return hn::IfThenElse(hn::And(beyond, hn::IsFinite(bias)), hn::CopySign(largest, bias), bias);
+  }
   void apply_dense_mask(float* HWY_RESTRICT s, std::int64_t i, std::int64_t j0, std::int64_t lo, std::int64_t hi,
                         float score_scale = 1.0f) const {
     using DF = hn::ScalableTag<float>;
@@ -275,7 +290,8 @@ struct RowMods {
       if (problem->attn_mask == AttentionProblem::MaskKind::boolean) {
         if (x == 0.0f) std::fill(s + lo, s + hi, kNegInf);
       } else {
-        for (std::int64_t c = lo; c < hi; ++c) s[c] += x * kLog2e;
+        const float scaled = bounded_bias(x) * kLog2e;
+        for (std::int64_t c = lo; c < hi; ++c) s[c] += scaled;
       }
       return;
     }
@@ -286,10 +302,11 @@ struct RowMods {
       if (score_scale != 1.0f) {
         const auto scale = hn::Set(df, score_scale);
         for (; c + lanes <= hi; c += lanes)
-          hn::StoreU(hn::MulAdd(hn::LoadU(df, s + c), scale, hn::Mul(load(c), log2e)), df, s + c);
+          hn::StoreU(hn::MulAdd(hn::LoadU(df, s + c), scale, hn::Mul(BoundedBias(df, load(c)), log2e)), df, s + c);
         return;
       }
-      for (; c + lanes <= hi; c += lanes) hn::StoreU(hn::MulAdd(load(c), log2e, hn::LoadU(df, s + c)), df, s + c);
+      for (; c + lanes <= hi; c += lanes)
+        hn::StoreU(hn::MulAdd(BoundedBias(df, load(c)), log2e, hn::LoadU(df, s + c)), df, s + c);
     };
     switch (attn_mask->dtype) {
       case DType::u8:
@@ -315,7 +332,7 @@ struct RowMods {
     }
     const hn::CappedTag<float, 1> d1;  // the tail by the vectors' formula
     for (; c < hi; ++c) {
-      const float bias = detail::load_element(*attn_mask, first + c);
+      const float bias = bounded_bias(detail::load_element(*attn_mask, first + c));
       s[c] = score_scale != 1.0f
                  ? hn::GetLane(hn::MulAdd(hn::Set(d1, s[c]), hn::Set(d1, score_scale), hn::Set(d1, bias * kLog2e)))
                  : hn::GetLane(hn::MulAdd(hn::Set(d1, bias), hn::Set(d1, kLog2e), hn::Set(d1, s[c])));
