@@ -102,6 +102,15 @@ struct Pool {
   }
 };
 
+// A KV cache reading pool kp as K and vp as V, seqlens keys each.
+KvCache cache_of(Pool& kp, Pool& vp, const Tensor& seqlens) {
+  KvCache c;
+  kp.attach(c, true);
+  vp.attach(c, false);
+  c.cache_seqlens = seqlens.view();
+  return c;
+}
+
 // quantize_int8 (what an append does) stays within the stated bound: per token on rows of
 // every kind — centred, offset far from 0, constant, all zero, tiny, huge — and per page on
 // values within the page's range, while values beyond it saturate to the end codes.
@@ -411,10 +420,7 @@ TEST(Int8Cache, NarrowDecodeWhenLaterKeysScoreHigherWithinTheRescaleThreshold) {
         o.kernel = kernel;
         o.num_splits = 1;
         o.num_threads = threads;
-        KvCache c;
-        kp.attach(c, true);
-        vp.attach(c, false);
-        c.cache_seqlens = seqlens.view();
+        const KvCache c = cache_of(kp, vp, seqlens);
         const ForwardResult got = forward_with_kvcache(q.view(), c, o);
         for (std::int64_t i = 0; i < got.out.numel(); ++i) ASSERT_TRUE(std::isfinite(got.out.get(i))) << "out " << i;
         const double tolerance =
@@ -438,10 +444,7 @@ TEST(Int8Cache, DecodeFp16RefusesDropout) {
   const Tensor q = random_tensor(DType::f32, {1, 1, 1, d}, 98);
   Tensor seqlens(DType::i32, {1});
   seqlens.set(0, static_cast<float>(keys));
-  KvCache c;
-  kp.attach(c, true);
-  vp.attach(c, false);
-  c.cache_seqlens = seqlens.view();
+  const KvCache c = cache_of(kp, vp, seqlens);
   AttentionOptions o;
   o.dropout_p = 0.97f;
   o.kernel = ForwardKernel::decode_fp16;
@@ -481,10 +484,7 @@ TEST(Int8Cache, ConstantRowsPerTokenReadBackOnEveryDecodeKernel) {
         SCOPED_TRACE(to_string(kernel));
         AttentionOptions o;
         o.kernel = kernel;
-        KvCache c;
-        kp.attach(c, true);
-        vp.attach(c, false);
-        c.cache_seqlens = seqlens.view();
+        const KvCache c = cache_of(kp, vp, seqlens);
         const ForwardResult got = forward_with_kvcache(q.view(), c, o);
         for (std::int64_t i = 0; i < got.out.numel(); ++i)  // P sums to 1: the mean of equal values
           ASSERT_NEAR(got.out.get(i), constant, 4e-7 * std::fabs(constant)) << "out " << i;
@@ -685,10 +685,7 @@ TEST(Int8Cache, NonFiniteQueryRowGivesNaNOnlyThere) {
       q_bad.set(bad_head * d + 7, bad);
       AttentionOptions o;
       o.kernel = kernel;
-      KvCache c;
-      kp.attach(c, true);
-      vp.attach(c, false);
-      c.cache_seqlens = seqlens.view();
+      const KvCache c = cache_of(kp, vp, seqlens);
       const ForwardResult good = forward_with_kvcache(q.view(), c, o);
       const ForwardResult got = forward_with_kvcache(q_bad.view(), c, o);
       for (std::int64_t h = 0; h < hq; ++h)

@@ -6,33 +6,10 @@ import numpy as np
 import pytest
 
 import flashattn
-from reference import attention_ref, planned_quantized_decode, quantized_cache_tolerance, run_kernel
+from reference import (attention_ref, empty_cache, planned_quantized_decode, quantized_cache_tolerance, run_kernel,
+                       values)
 
 FORMATS = [("u8", "u8"), ("s8", "s8"), ("u8", "s8"), ("s8", "e4m3")]
-
-
-def empty_cache(fmt, per_token, pages, slots, hkv, d):
-    """Codes, scales and zero points (None but for u8) of an empty pool of `fmt`: per-token
-    scales (pages, slots, Hkv) for int8, which appends set; e4m3 descales per page."""
-    codes = np.zeros((pages, slots, hkv, d), np.int8 if fmt == "s8" else np.uint8)
-    if fmt == "e4m3":
-        return codes, np.zeros((pages, hkv), np.float32), None
-    shape = (pages, slots, hkv) if per_token else (pages, hkv)
-    scale = np.full(shape, 0.25 if fmt == "u8" else 0.0625, np.float32)  # per page: ±8 and ±32 covered
-    zero = np.full(shape, 127.5, np.float32) if fmt == "u8" else None
-    return codes, scale, zero
-
-
-def values(fmt, codes, scale, zero):
-    """The float64 values of a pool, (pages, slots, Hkv, D)."""
-    if fmt == "e4m3":
-        import ml_dtypes
-        return codes.view(ml_dtypes.float8_e4m3fn).astype(np.float64) * scale[:, None, :, None]
-    s = scale[..., None] if scale.ndim == 3 else scale[:, None, :, None]
-    if fmt == "s8":
-        return codes.astype(np.float64) * s
-    z = zero[..., None] if zero.ndim == 3 else zero[:, None, :, None]
-    return (codes.astype(np.float64) - z) * s
 
 
 @pytest.mark.parametrize("per_token", [True, False])
