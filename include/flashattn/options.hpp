@@ -187,10 +187,10 @@ struct AttentionOptions {
   // + bias; SDPA adds it to the scaled score, which is the same without softcap); −∞
   // entries hide their key, and only they: a finite bias beyond ±2.35e38 (float32's largest
   // over log2 e: the kernels add bias·log2 e) counts as ±2.35e38, so a row biased
-  // finfo(float32).min everywhere weighs its keys alike. A row left without visible keys gives o = 0 and lse = −∞ (or
-  // the sink). Combines with every other variant. Unset (null data) disables it. Supported
-  // by attention_forward / attention_backward on the CPU (not on CUDA, varlen, KV cache,
-  // FP8 or the ring, which reject it by name).
+  // finfo(float32).min everywhere weighs its keys alike. A row left without visible keys
+  // gives o = 0 and lse = −∞ (or the sink). Combines with every other variant. Unset (null
+  // data) disables it. Supported by attention_forward / attention_backward on the CPU (not
+  // on CUDA, varlen, KV cache, FP8 or the ring, which reject it by name).
   TensorView attn_mask;
   // User-defined score_mod and mask_mod (see ScoreHook; built by flex.hpp), applied after
   // attn_mask: s = score_mod(softcap·tanh(scale·q·k / softcap) − ALiBi + bias, b, h, i, j),

@@ -13,8 +13,9 @@
 //     planner never chooses the kernel above it, and asking for it there is an Error.
 //   õ += P·V: P (≤ 1: these rows rescale at every new maximum, whatever the problem's
 //     rescale threshold — decode_forward.cpp's SoftmaxRows), times the V factor and a power
-//     of two that keeps it ≤ 2^p_exponent(codes), is rounded to half; two runs of kAccumulateKeys keys are each summed in order and then
-//     added in half (≤ 16 · 2^p · the largest code ≤ 2^15), then added to the float32 õ.
+//     of two that keeps it ≤ 2^p_exponent(codes), is rounded to half; two runs of
+//     kAccumulateKeys keys are each summed in order and then added in half (≤ 16 · 2^p ·
+//     the largest code ≤ 2^15), then added to the float32 õ.
 // Each half-precision rounding is 2^-11 relative, against the codes' own quantization —
 // 2^-4 relative for e4m3, half a step (1/256 of a u8 row's range, 1/254 of an s8 row's
 // largest value) for int8: the kernel's error is the quantization's and a few percent of it
@@ -54,10 +55,9 @@ void PackQ4(const float* q, std::int64_t ldq, std::int64_t rows, std::int64_t d,
 // The power of two 2^shift that brings the largest finite |x| of the d values at row into
 // [2^(top − 1), 2^top) (0 for a row of zeros, or when !live): PackQ4's scaling of each Q row,
 // in either narrow type. shift is within ±126, so that 2^shift and 2^-shift are normal
-// floats: every finite row's largest (below 2^128) is brought down into the range (±100
-// left rows above 2^(top + 100) — q·softmax_scale beyond 1e31 — unscaled: inf in half, and
-// int8dot's high byte wrapped); rows below 2^(top − 126) stay below the range, which rounds
-// them to 0 in half precision: scores of at most 2^-112 of the largest.
+// floats: every finite row's largest (below 2^128) is brought down into the range; rows
+// below 2^(top − 126) stay below it, which rounds them to 0 in half precision: scores of at
+// most 2^-112 of the largest.
 inline int RowShift(const float* row, std::int64_t d, bool live, int top) {
   float largest = 0.0f;
   if (live)
