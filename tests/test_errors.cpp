@@ -127,13 +127,19 @@ TEST(Errors, BadOptions) {
   AttentionOptions nan_scale;
   nan_scale.softmax_scale = std::nanf("");
   expect_error([&] { in.run(nan_scale); }, {"softmax_scale: must be finite", "nan"});
-  // Finite but past float32's largest / log2(e): scale·log2(e) was inf, the output NaN.
+  // Finite but past float32's largest / log2(e): scale·log2(e) was inf, the output NaN. The
+  // limit, AttentionProblem::kLargestScaled, is named in the message.
   AttentionOptions huge_scale;
   huge_scale.softmax_scale = 3e38f;
-  expect_error([&] { in.run(huge_scale); }, {"softmax_scale", "at most float32's largest / log2(e)"});
+  expect_error([&] { in.run(huge_scale); }, {"softmax_scale", "at most 2.35e+38", "3e+38"});
+  // Between the limit and float32's largest / log2(e) (2.3587e38), where scale·log2(e) may
+  // round up to inf: refused as well.
+  AttentionOptions boundary_scale;
+  boundary_scale.softmax_scale = 2.355e38f;
+  expect_error([&] { in.run(boundary_scale); }, {"softmax_scale", "at most 2.35e+38", "2.355e+38"});
   AttentionOptions huge_softcap;
   huge_softcap.softcap = 3e38f;
-  expect_error([&] { in.run(huge_softcap); }, {"softcap", "at most float32's largest / log2(e)"});
+  expect_error([&] { in.run(huge_softcap); }, {"softcap", "at most 2.35e+38", "3e+38"});
   // Sink logits and ALiBi slopes likewise (sink·log2 e was inf: out and lse NaN; a slope's
   // inf times the diagonal's distance 0 was NaN).
   Tensor sinks(DType::f32, {4}), slopes(DType::f32, {2, 4});
@@ -141,12 +147,12 @@ TEST(Errors, BadOptions) {
   for (std::int64_t i = 0; i < 8; ++i) slopes.set(i, i == 6 ? std::nanf("") : 0.25f);
   AttentionOptions huge_sink;
   huge_sink.sinks = sinks.view();
-  expect_error([&] { in.run(huge_sink); }, {"sinks: sink logit of head 2", "at most float32's largest"});
+  expect_error([&] { in.run(huge_sink); }, {"sinks: sink logit of head 2", "at most 2.35e+38"});
   AttentionOptions bad_slope;
   bad_slope.alibi_slopes = slopes.view();
   expect_error([&] { in.run(bad_slope); }, {"alibi_slopes: slope of batch 1, head 2 is nan"});
   slopes.set(6, -3e38f);
-  expect_error([&] { in.run(bad_slope); }, {"alibi_slopes: slope of batch 1, head 2", "at most float32's largest"});
+  expect_error([&] { in.run(bad_slope); }, {"alibi_slopes: slope of batch 1, head 2", "at most 2.35e+38"});
   AttentionOptions threads;
   threads.num_threads = -2;
   expect_error([&] { in.run(threads); }, {"num_threads", "-2"});

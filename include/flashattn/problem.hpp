@@ -52,6 +52,12 @@ struct AttentionProblem {
   // the planner never chooses it above that.
   static constexpr std::int64_t kMaxHeadDim = 576;
 
+  // The largest magnitude of a value the kernels multiply by log2 e in float32: softmax_scale,
+  // softcap, sink logits, ALiBi slopes (checked, Error beyond it) and attn_mask biases (a
+  // finite one beyond it counts as ±kLargestScaled). Just under float32's largest / log2 e
+  // (2.3587e38), whose product with log2 e can round up to inf.
+  static constexpr float kLargestScaled = 2.35e38f;
+
   // Validates q, k, v (and their consistency) and resolves the options.
   static AttentionProblem from_inputs(const TensorView& q, const TensorView& k,
                                       const TensorView& v, const AttentionOptions& options);

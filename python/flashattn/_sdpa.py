@@ -29,7 +29,7 @@ Tensor = torch.Tensor if torch is not None else np.ndarray  # the ops' schema re
 
 _MASK64 = (1 << 64) - 1
 # The largest magnitude of a scale (or score_mod's c) the kernels take: they multiply it by log2(e) in float32.
-LARGEST_SCALED = float(np.finfo(np.float32).max) / math.log2(math.e)
+LARGEST_SCALED = _impl._C.LARGEST_SCALED
 
 
 def check_layout(query, key, value, scale, enable_gqa):
@@ -55,8 +55,7 @@ def check_layout(query, key, value, scale, enable_gqa):
     if hq % hkv:
         raise ValueError(f"query: {hq} heads, not a multiple of key's and value's {hkv} (grouped-query attention)")
     if scale is not None and not (math.isfinite(scale) and abs(scale) <= LARGEST_SCALED):
-        raise ValueError(f"scale: must be finite, of magnitude at most float32's largest / log2(e) = 2.36e38, got "
-                         f"{scale!r}")
+        raise ValueError(f"scale: must be finite, of magnitude at most {LARGEST_SCALED:.3g}, got {scale!r}")
 
 
 def _check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap):

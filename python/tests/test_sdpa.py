@@ -245,6 +245,23 @@ def test_bad_inputs_name_the_argument(call, error, fragment):
         call(q, k, v)
 
 
+def test_largest_scale_is_taken_and_finite_just_beyond_it_refused():
+    """One limit for scale, softcap, sinks, slopes and score_mod constants (the C++
+    AttentionProblem::kLargestScaled): at it the kernels' scale·log2(e) stays finite; just
+    past it (below float32's largest / log2(e), where the product can round to inf) refused."""
+    limit = flashattn._C.LARGEST_SCALED
+    assert limit == float(np.float32(2.35e38))
+    assert np.isfinite(np.float32(limit) * np.float32(math.log2(math.e)))
+    _, q, k, v, _ = inputs(1, 1, 2, 2, 8, 9, 8, torch.float32)
+    small = (q * 1e-37, k * 1e-2, v)  # scores of order 1 after the scale
+    got = flashattn.scaled_dot_product_attention(*small, scale=limit)
+    scores = (small[0].double() @ small[1].double().transpose(-1, -2)) * limit
+    want = torch.softmax(scores, -1) @ v.double()
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=0)
+    with pytest.raises(ValueError, match="scale: must be finite, of magnitude at most 2.35e\\+38"):
+        flashattn.scaled_dot_product_attention(q, k, v, scale=2.355e38)
+
+
 def test_opcheck():
     gen, q, k, v, _ = inputs(seed_for("opcheck"), 1, 2, 2, 9, 12, 8, torch.float32)
     m = torch.rand(1, 1, 9, 12, generator=gen) > 0.3

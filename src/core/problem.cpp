@@ -30,10 +30,6 @@ std::string num(float v) {  // six significant digits: 3e+38, not std::to_string
   return s.str();
 }
 
-// The kernels work in log2 units: softmax_scale, softcap, sink logits and ALiBi slopes times
-// log2 e must stay finite in float32.
-constexpr float kLargestScaled = std::numeric_limits<float>::max() / 1.4426950408889634f;
-
 // score_hook.block_mask: every value a ScoreBlock, read in full like the slots below.
 void check_block_states(const TensorView& m) {
   const auto* data = static_cast<const std::uint8_t*>(m.data);
@@ -107,7 +103,7 @@ AttentionProblem AttentionProblem::from_sizes(std::int64_t batch, std::int64_t s
           [&] { return "head_dim_v: " + str(head_dim_v) + " out of range [1, " + str(kMaxHeadDim) + "]"; });
   if (options.softmax_scale)
     require(std::isfinite(*options.softmax_scale) && std::fabs(*options.softmax_scale) <= kLargestScaled, [&] {
-      return "softmax_scale: must be finite, of magnitude at most float32's largest / log2(e) = 2.36e38, got " +
+      return "softmax_scale: must be finite, of magnitude at most " + num(kLargestScaled) + ", got " +
              num(*options.softmax_scale);
     });
   require(options.window_size.left >= -1 && options.window_size.right >= -1, [&] {
@@ -115,7 +111,7 @@ AttentionProblem AttentionProblem::from_sizes(std::int64_t batch, std::int64_t s
            ") but each side must be >= -1 (-1 = unbounded)";
   });
   require(std::isfinite(options.softcap) && options.softcap >= 0.0f && options.softcap <= kLargestScaled, [&] {
-    return "softcap: must be >= 0 (0 disables it) and at most float32's largest / log2(e) = 2.36e38, got " +
+    return "softcap: must be >= 0 (0 disables it) and at most " + num(kLargestScaled) + ", got " +
            num(options.softcap);
   });
   require(options.dropout_p >= 0.0f && options.dropout_p < 1.0f,
@@ -170,7 +166,7 @@ AttentionProblem AttentionProblem::from_sizes(std::int64_t batch, std::int64_t s
       const float x = static_cast<const float*>(s.data)[h * s.strides[0]];
       require(std::isfinite(x) && std::fabs(x) <= kLargestScaled, [&] {
         return "sinks: sink logit of head " + str(h) + " is " + num(x) +
-               ", expected finite, of magnitude at most float32's largest / log2(e) = 2.36e38";
+               ", expected finite, of magnitude at most " + num(kLargestScaled);
       });
     }
   }
@@ -202,8 +198,7 @@ AttentionProblem AttentionProblem::from_sizes(std::int64_t batch, std::int64_t s
         const float x = static_cast<const float*>(a.data)[(a.rank == 1 ? 0 : b * a.strides[0]) + h * a.strides[a.rank - 1]];
         require(std::isfinite(x) && std::fabs(x) <= kLargestScaled, [&] {
           return "alibi_slopes: slope of " + (a.rank == 1 ? std::string() : "batch " + str(b) + ", ") + "head " +
-                 str(h) + " is " + num(x) + ", expected finite, of magnitude at most float32's largest / "
-                 "log2(e) = 2.36e38";
+                 str(h) + " is " + num(x) + ", expected finite, of magnitude at most " + num(kLargestScaled);
         });
       }
   }

@@ -425,6 +425,8 @@ nb::dict backward_plan_dict(const flashattn::CpuBackwardPlan& p) {
 NB_MODULE(_C, m) {
   m.doc() = "flashattn native core: exact tiled attention with an online softmax on the CPU";
   m.attr("__version__") = FLASHATTN_VERSION;
+  // The largest |softmax_scale|, |softcap|, sink logit, ALiBi slope or score_mod constant.
+  m.attr("LARGEST_SCALED") = flashattn::AttentionProblem::kLargestScaled;
   // Options objects kept alive by torch autograd contexts at interpreter exit are not leaks.
   nb::set_leak_warnings(false);
 

@@ -261,11 +261,11 @@ struct RowMods {
   // are contiguous (attn_mask's last dim is) or one value (a size-1 key dim): whole vectors
   // are loaded and widened to float32 (u8 to u32, bf16 and f16 promoted), the tail by element.
   // A bias with score_scale ≠ 1 (only_adds_bias) takes scores not yet scaled: s·score_scale +
-  // bias·log2e. A finite bias beyond ±kLargestBias (float32's largest over log2 e) is taken
-  // as ±kLargestBias, so that bias·log2e stays finite: a row whose every bias is
+  // bias·log2e. A finite bias beyond ±kLargestBias (AttentionProblem::kLargestScaled) is
+  // taken as ±kLargestBias, so that bias·log2e stays finite: a row whose every bias is
   // finfo(float32).min (transformers' padding) weighs its keys alike, as the definition does,
   // instead of hiding them all as −∞ would; only −∞ hides a key.
-  static constexpr float kLargestBias = 2.35e38f;
+  static constexpr float kLargestBias = AttentionProblem::kLargestScaled;
   static float bounded_bias(float bias) {
     return std::isfinite(bias) ? std::clamp(bias, -kLargestBias, kLargestBias) : bias;
   }
