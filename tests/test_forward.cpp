@@ -3,7 +3,9 @@
 
 #include <cmath>
 #include <limits>
+#include <optional>
 
+#include "src/cpu/kernels/forward_kernel.hpp"
 #include "tests/support/support.hpp"
 
 namespace flashattn::test {
@@ -297,6 +299,65 @@ TEST(Forward, PlanSplitsKeysOnlyWhenThreadsWouldIdle) {
   EXPECT_EQ(plan_forward(prefill, hw).splits, 1);
   EXPECT_EQ(plan_forward(decode, hw, 1).splits, 1);
   EXPECT_EQ(plan_forward(decode, hw, 5).splits, 5);
+}
+
+// Short decode calls over bf16 and f16 caches run the AVX2 target's decode kernel where
+// CpuHardware::short_decode_bytes says so (Intel's AVX-512 CPUs), the plan's geometry that
+// target's; float32, longer calls, prefill and hardware without the rule keep the
+// dispatched target.
+TEST(Forward, ShortBf16DecodeRunsTheAvx2KernelWhereTheHardwareSaysSo) {
+  const std::optional<cpu::KernelGeometry> avx2 = cpu::avx2_kernel_geometry();
+  if (!avx2)
+    GTEST_SKIP() << "the AVX2 target is not compiled here (FLASHATTN_SIMD_TARGETS=native on an AVX-512 CPU) or "
+                    "this CPU cannot run it";
+  CpuHardware hw = CpuHardware::detect(2);
+  hw.short_decode_bytes = std::size_t{1} << 20;
+  auto plan = [&](std::int64_t sk, std::int64_t sq, DType dtype) {
+    return plan_forward(AttentionProblem::from_sizes(1, sq, sk, 8, 2, 64, 64, dtype, {}), hw);
+  };
+  // K and V of 2048 keys: 2048 · 2 kv heads · (64 + 64) · 2 bytes = 1 MiB.
+  for (DType dtype : {DType::bf16, DType::f16}) {
+    SCOPED_TRACE(to_string(dtype));
+    const CpuForwardPlan short_call = plan(2048, 1, dtype);
+    EXPECT_EQ(short_call.kernel, ForwardKernel::decode);
+    EXPECT_TRUE(short_call.avx2_decode);
+    EXPECT_EQ(short_call.hardware.simd_target, avx2->target);
+    EXPECT_EQ(short_call.hardware.micro_cols, avx2->micro_cols);
+    EXPECT_EQ(short_call.head_dim_v_padded % avx2->micro_cols, 0);
+    EXPECT_NE(short_call.describe().find(std::string("simd=") + avx2->target), std::string::npos);
+    EXPECT_FALSE(plan(2049, 1, dtype).avx2_decode);
+  }
+  EXPECT_FALSE(plan(1024, 1, DType::f32).avx2_decode);
+  EXPECT_FALSE(plan(1024, 64, DType::bf16).avx2_decode);  // 32 rows per kv head: tiled
+  hw.short_decode_bytes = 0;
+  EXPECT_FALSE(plan(16, 1, DType::bf16).avx2_decode);
+}
+
+// The same through forward() on the dispatched target (no loop over the targets, which
+// turns the AVX2 decode kernel off): bf16 and f16 decode below and above this CPU's
+// short_decode_bytes against the float64 reference, the kernel that ran read from the
+// call's report.
+TEST(Forward, ShortBf16AndF16DecodeMatchTheReferenceOnTheKernelThePlannerPicks) {
+  const CpuHardware hw = CpuHardware::detect(2);
+  ::testing::Test::RecordProperty("short_decode_bytes", std::to_string(hw.short_decode_bytes));
+  std::uint64_t seed = 3300;
+  for (DType dtype : {DType::bf16, DType::f16})
+    for (const Shape& shape : {Shape{2, 1, 1025, 8, 2, 64, 64}, Shape{1, 3, 300, 6, 3, 37, 45},
+                               Shape{1, 2, 777, 4, 4, 128, 96}, Shape{1, 1, 40000, 2, 1, 8, 8}})
+      for (int threads : {1, 3}) {
+        PlansRun ran;
+        AttentionOptions o;
+        o.causal = true;
+        o.num_threads = threads;
+        o.plans_run = &ran;
+        const Case c(shape, dtype, o, seed++);
+        check_forward(c);
+        ASSERT_EQ(ran.forward.size(), 1u);
+        const std::int64_t bytes = shape.batch * shape.seqlen_k * shape.heads_kv * (shape.head_dim + shape.head_dim_v) * 2;
+        EXPECT_EQ(ran.forward[0].avx2_decode,
+                  hw.short_decode_bytes > 0 && bytes <= static_cast<std::int64_t>(hw.short_decode_bytes))
+            << c.describe() << ": " << ran.forward[0].describe();
+      }
 }
 
 // The float32 kernel's K/V tile: 256 keys where a V panel of them (256 × micro_cols floats)

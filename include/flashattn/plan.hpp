@@ -31,6 +31,12 @@ struct CpuHardware {
   bool decode_fp16 = false;       // the decode_fp16 kernel can run: the CPU has AVX512-FP16
   bool decode_bf16 = false;       // the decode_bf16 kernel can run: the CPU has AVX512-BF16 (int8
                                   // caches: and AVX512-VNNI, which every such CPU has)
+  // Decode calls over bf16 or f16 caches that read at most this many K/V bytes run the
+  // decode kernel of the AVX2 target (256-bit vectors) instead of AVX-512's: set on Intel
+  // CPUs dispatching to an AVX-512 target, whose 512-bit arithmetic slows the work around a
+  // short call more than the wider vectors gain in it (docs/performance.md, thirty-second
+  // session); 0 (never) elsewhere and where the AVX2 target is not compiled.
+  std::size_t short_decode_bytes = 0;
 
   // Cache sizes from the OS, micro-kernel geometry from the dispatched SIMD target.
   static CpuHardware detect(int num_threads);
@@ -96,6 +102,9 @@ struct CpuForwardPlan {
   int threads = 1;
   std::size_t workspace_bytes_per_thread = 0;
   std::size_t shared_bytes = 0;      // split-KV partial outputs and lses
+  // decode on the AVX2 target (CpuHardware::short_decode_bytes): hardware then holds that
+  // target's name and micro-tile geometry, which the plan's sizes follow.
+  bool avx2_decode = false;
   CpuHardware hardware;
 
   std::size_t workspace_bytes() const { return workspace_bytes_per_thread * threads + shared_bytes; }

@@ -117,7 +117,7 @@ void run_region(std::span<const detail::ForwardJob> live, std::span<PlannedJob> 
   // termination inside an OpenMP region.
   cpu::ForwardWorkspaces workspaces(layout, threads);
   std::vector<cpu::ForwardWorkItemFn> kernels;
-  for (const PlannedJob& pj : planned) kernels.push_back(cpu::forward_work_item_kernel(pj.plan.kernel));
+  for (const PlannedJob& pj : planned) kernels.push_back(cpu::forward_work_item_kernel(pj.plan));
   // The first write to the caller's memory: planning and allocation, which may throw, are done.
   for (const detail::ForwardJob& job : live) zero_rescale_counts(job.options);
 #pragma omp parallel num_threads(threads)

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <optional>
 #include <sstream>
 #include <tuple>
 
@@ -66,6 +67,17 @@ CpuHardware CpuHardware::detect(int num_threads) {
   hw.amx_bf16 = hw.bf16_dot && cpu::bf16dot::uses_amx();
   hw.decode_fp16 = cpu::fp16dot::available();
   hw.decode_bf16 = cpu::bf16decode::available();
+  // Intel's cores slow down around 512-bit arithmetic (a lower clock licence while it runs
+  // and after); AMD's Zen 4 does not. A Llama-style model's decode step (8 q / 2 kv heads of
+  // 64, bf16, 2 threads) ran 1.5-3% faster end to end with the AVX2 decode kernel than with
+  // AVX-512's over 1024 cached tokens (0.5 MiB of K and V a layer), and alike over 4096 (2 MiB),
+  // on the Sapphire Rapids of docs/performance.md (thirty-second session); float32 caches
+  // alike with either; long calls alone (a loop of them) run 10-20% faster on AVX-512.
+  static const bool intel = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel") != 0;
+  }();
+  if (hw.float_lanes == 16 && intel && cpu::avx2_kernel_geometry()) hw.short_decode_bytes = std::size_t{1} << 20;
   return hw;
 }
 
@@ -147,6 +159,22 @@ std::int64_t choose_splits(int requested, std::int64_t items, std::int64_t k_til
   if (splits == 0)
     splits = items >= 2 * threads || threads == 1 ? 1 : (2 * threads + items - 1) / std::max<std::int64_t>(items, 1);
   return std::clamp<std::int64_t>(splits, 1, std::max<std::int64_t>(k_tiles, 1));
+}
+
+// Whether `kernel` runs on the AVX2 target (CpuHardware::short_decode_bytes): decode over a
+// bf16 or f16 cache of values whose K and V, every batch element's, are at most that many
+// bytes. The problem's own sizes alone decide, never the thread count, so that a sequence
+// planned alone (plan_forward_alone) gets the same kernel in any batch.
+bool short_decode_on_avx2(const AttentionProblem& p, const detail::ProblemInternals& internals, const CpuHardware& hw,
+                          ForwardKernel kernel) {
+  const DType kv = internals.kv_dtype(p);
+  if (kernel != ForwardKernel::decode || hw.short_decode_bytes == 0 || internals.fp8_kv_cache ||
+      internals.int8_kv_cache || (kv != DType::bf16 && kv != DType::f16))
+    return false;
+  const double bytes = static_cast<double>(p.batch) * static_cast<double>(p.seqlen_k) *
+                       static_cast<double>(p.heads_kv) * static_cast<double>(p.head_dim + p.head_dim_v) *
+                       static_cast<double>(dtype_size(kv));
+  return bytes <= static_cast<double>(hw.short_decode_bytes);
 }
 
 }  // namespace
@@ -234,7 +262,7 @@ CpuForwardPlan cpu::plan_forward_alone(const AttentionProblem& p, const detail::
     splits = static_cast<int>((p.seqlen_k + kSplitKeys - 1) / kSplitKeys);
   const std::optional<bool> pack = q_tiles ? pack_gqa_request(p, options) : false;
   CpuForwardPlan plan = plan_forward(p, internals, one, splits, block_q, kernel, pack);  // the kernel chosen once
-  plan.hardware = hw;
+  plan.hardware.threads = hw.threads;
   plan.threads = static_cast<int>(std::clamp<std::int64_t>(plan.work_items, 1, hw.threads));
   return plan;
 }
@@ -255,7 +283,16 @@ CpuForwardPlan cpu::plan_forward(const AttentionProblem& p, const detail::Proble
   CpuForwardPlan plan;
   plan.hardware = hw;
   plan.kernel = choose_kernel(p, internals, hw, kernel);
-  const std::int64_t mr = hw.micro_rows, mc = hw.micro_cols;
+  const std::optional<cpu::KernelGeometry> avx2 = cpu::avx2_kernel_geometry();
+  if (avx2 && short_decode_on_avx2(p, internals, hw, plan.kernel)) {
+    const cpu::KernelGeometry& g = *avx2;
+    plan.avx2_decode = true;
+    plan.hardware.simd_target = g.target;
+    plan.hardware.float_lanes = g.float_lanes;
+    plan.hardware.micro_rows = g.micro_rows;
+    plan.hardware.micro_cols = g.micro_cols;
+  }
+  const std::int64_t mr = plan.hardware.micro_rows, mc = plan.hardware.micro_cols;
   plan.head_dim_v_padded = round_up(p.head_dim_v, mc);
 
   // K/V tile: its keys amortize the per-tile softmax bookkeeping (row max and sum, rescale

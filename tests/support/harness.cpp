@@ -7,10 +7,14 @@
 #include <cstring>
 
 #include "flashattn/error.hpp"
+#include "src/cpu/kernels/forward_kernel.hpp"
 
 namespace flashattn::test {
 
 void for_each_simd_target(const std::function<void(const std::string&)>& body) {
+  // Each target's kernels alone: short bf16/f16 decode calls would otherwise run the AVX2
+  // decode kernel under an AVX-512 target (CpuHardware::short_decode_bytes).
+  cpu::set_avx2_decode_enabled(false);
   for (const std::int64_t target : hwy::SupportedAndGeneratedTargets()) {
     hwy::SetSupportedTargetsForTest(target);
     const std::string name = hwy::TargetName(target);
@@ -18,6 +22,7 @@ void for_each_simd_target(const std::function<void(const std::string&)>& body) {
     body(name);
   }
   hwy::SetSupportedTargetsForTest(0);
+  cpu::set_avx2_decode_enabled(true);
 }
 
 void expect_error(const std::function<void()>& call, const std::vector<std::string>& fragments) {

@@ -853,8 +853,17 @@ HWY_EXPORT(ForwardDecodeItem);
 HWY_EXPORT(ForwardDecodeFp16Item);
 HWY_EXPORT(ForwardDecodeBf16Item);
 
-ForwardWorkItemFn decode_work_item_kernel(ForwardKernel kernel) {
+ForwardWorkItemFn decode_work_item_kernel(ForwardKernel kernel, bool avx2) {
   kernel_geometry();  // the first dispatched call picks the target; then the table is direct
+  if (avx2) {
+    // A hand-made plan naming it where avx2_kernel_geometry() is nullopt: never an illegal instruction.
+    if (kernel != ForwardKernel::decode || !avx2_kernel_geometry())
+      throw Error(std::string("plan: avx2_decode with kernel ") + to_string(kernel) +
+                  " needs the decode kernel and a compiled, enabled AVX2 target this CPU runs");
+#if HWY_TARGETS & HWY_AVX2
+    return &N_AVX2::ForwardDecodeItem;
+#endif
+  }
   if (kernel == ForwardKernel::decode_fp16) {
     if (!fp16dot::available())  // as for tiled_bf16: never an illegal instruction
       throw Error("kernel decode_fp16: this CPU (AVX512-FP16) cannot run it");

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 
 #include "flashattn/options.hpp"
 #include "flashattn/plan.hpp"
@@ -68,15 +69,23 @@ struct KernelGeometry {
   int micro_cols;
 };
 KernelGeometry kernel_geometry();
+// The geometry of the AVX2 target where it is compiled, the CPU runs it and
+// set_avx2_decode_enabled has not turned it off, else nullopt: the 256-bit decode kernel of
+// short decode calls on AVX-512 CPUs that lower their clock for 512-bit work
+// (CpuHardware::short_decode_bytes). Cheap: no CPUID (a VM exit each) per call.
+std::optional<KernelGeometry> avx2_kernel_geometry();
+// Off (false): decode runs on the dispatched target alone, as the tests that loop over the
+// SIMD targets need; on (the default) again with true. Not while a call plans.
+void set_avx2_decode_enabled(bool enabled);
 
 // The kernel for one work item (batch, q head, q block), resolved once per call; Error for
 // tiled_bf16 where tiled_bf16_available() is false.
 using ForwardWorkItemFn = void (*)(const ForwardParams&, ForwardWorkspace&, std::int64_t item);
-ForwardWorkItemFn forward_work_item_kernel(ForwardKernel kernel);
+ForwardWorkItemFn forward_work_item_kernel(const CpuForwardPlan& plan);
 // The work item of decode, decode_fp16 or decode_bf16, resolved once per call
 // (decode_forward.cpp); Error for decode_fp16 (decode_bf16) where the CPU lacks AVX512-FP16
-// (AVX512-BF16).
-ForwardWorkItemFn decode_work_item_kernel(ForwardKernel kernel);
+// (AVX512-BF16). avx2: decode's item of the AVX2 target (a plan of avx2_kernel_geometry()).
+ForwardWorkItemFn decode_work_item_kernel(ForwardKernel kernel, bool avx2);
 
 // The CPU has AVX512-BF16 and the SIMD target chosen at run time has the tiled_bf16 kernel.
 bool tiled_bf16_available();

@@ -19,6 +19,7 @@
 #include <hwy/highway.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <string>
 
@@ -498,17 +499,37 @@ HWY_EXPORT(TiledBf16WorkItem);
 
 KernelGeometry kernel_geometry() { return HWY_DYNAMIC_DISPATCH(GetKernelGeometry)(); }
 
+namespace {
+std::atomic<bool> avx2_decode_enabled{true};
+}  // namespace
+
+void set_avx2_decode_enabled(bool enabled) { avx2_decode_enabled.store(enabled, std::memory_order_relaxed); }
+
+std::optional<KernelGeometry> avx2_kernel_geometry() {
+#if HWY_TARGETS & HWY_AVX2
+  // Highway's AVX2 target needs these (hwy/targets.cc); libgcc reads CPUID once.
+  static const bool runs = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("bmi2") &&
+           __builtin_cpu_supports("f16c");
+  }();
+  if (runs && avx2_decode_enabled.load(std::memory_order_relaxed)) return N_AVX2::GetKernelGeometry();
+#endif
+  return std::nullopt;
+}
+
 bool tiled_bf16_available() {
   return bf16dot::available() && HWY_DYNAMIC_DISPATCH(TiledBf16WorkItem)() != nullptr;
 }
 
-ForwardWorkItemFn forward_work_item_kernel(ForwardKernel kernel) {
+ForwardWorkItemFn forward_work_item_kernel(const CpuForwardPlan& plan) {
   kernel_geometry();  // the first dispatched call picks the target; then the table is direct
+  const ForwardKernel kernel = plan.kernel;
   switch (kernel) {
     case ForwardKernel::tiled: return &HWY_DYNAMIC_DISPATCH(TiledWorkItem);
     case ForwardKernel::decode:
     case ForwardKernel::decode_fp16:
-    case ForwardKernel::decode_bf16: return decode_work_item_kernel(kernel);
+    case ForwardKernel::decode_bf16: return decode_work_item_kernel(kernel, plan.avx2_decode);
     case ForwardKernel::tiled_bf16:
       // The plan checked this; the check here keeps a hand-made plan from an illegal instruction.
       if (!tiled_bf16_available())
