@@ -65,8 +65,10 @@ Result attention(const TensorView& q, const TensorView& k, const TensorView& v,
 // The attention probabilities after dropout — P/(1 − p) where kept, 0 where dropped or
 // masked — as upstream's return_attn_probs: (batch, heads_q, seqlen_q, seqlen_k) float32.
 // It materializes Sq × Sk per head: for testing and inspection, never for speed.
+// `batch_offset` as attention_row's: sequence b of a variable-length batch, taken as a
+// batch-1 problem, draws its dropout as batch index b.
 Tensor attention_probs(const TensorView& q, const TensorView& k, const TensorView& v,
-                       const AttentionOptions& options = {});
+                       const AttentionOptions& options = {}, std::int64_t batch_offset = 0);
 
 struct Gradients {
   std::vector<double> dq;  // (batch, seqlen_q, heads_q, head_dim), contiguous

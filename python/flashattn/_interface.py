@@ -403,8 +403,9 @@ def _varlen_probs(q, k, v, cu_q, cu_k, max_q, max_k, opts):
         q0, q1, k0, k1 = int(cq[b]), int(cq[b + 1]), int(ck[b]), int(ck[b + 1])
         if alibi is not None and alibi.ndim == 2:
             opts.alibi_slopes = alibi[b]
+        # Sequence b draws its dropout as batch index b (the kernels' varlen rule).
         _C.attention_probs(raws["q"][None, q0:q1], raws["k"][None, k0:k1], raws["v"][None, k0:k1],
-                           probs_raw[b:b + 1, :, :q1 - q0, :k1 - k0], dts, opts)
+                           probs_raw[b:b + 1, :, :q1 - q0, :k1 - k0], dts, opts, b)
     opts.alibi_slopes = alibi
     return probs
 

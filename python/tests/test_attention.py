@@ -591,6 +591,26 @@ def test_varlen_s_dmask_holds_each_sequence_in_its_corner():
         assert outside == 0, f"sequence {b}: S_dmask written outside its corner"
 
 
+def test_varlen_s_dmask_holds_the_dropout_each_sequence_ran():
+    """S_dmask's signs are the dropout the kernels applied (negative: dropped), so the output
+    rebuilt from them is the call's output — sequence b's pattern is drawn as batch index b,
+    as the kernels draw it (every sequence after the first showed sequence 0's)."""
+    heads, d, p = 2, 8, 0.5
+    rng = np.random.default_rng(seed_for("varlen_s_dmask_dropout"))
+    seqlens_q, seqlens_k = [5, 3, 6, 1], [7, 4, 6, 9]
+    q = rng.standard_normal((sum(seqlens_q), heads, d)).astype(F32)
+    k = rng.standard_normal((sum(seqlens_k), heads, d)).astype(F32)
+    v = rng.standard_normal((sum(seqlens_k), heads, d)).astype(F32)
+    cu_q, cu_k = _cu(seqlens_q), _cu(seqlens_k)
+    out, _, s = flashattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(seqlens_q), max(seqlens_k), dropout_p=p,
+                                                 causal=True, return_attn_probs=True, seed=7)
+    for b, (lq, lk) in enumerate(zip(seqlens_q, seqlens_k)):
+        corner = s[b, :, :lq, :lk].astype(np.float64)
+        weights = np.where(np.signbit(corner), 0.0, np.abs(corner)) / (1 - p)
+        rebuilt = np.einsum("hqk,khd->qhd", weights, v[cu_k[b]:cu_k[b + 1]].astype(np.float64))
+        np.testing.assert_allclose(rebuilt, out[cu_q[b]:cu_q[b + 1]], atol=1e-5, err_msg=f"sequence {b}")
+
+
 @dtype_param()
 @pytest.mark.parametrize("variant", [dict(), dict(causal=True, alibi="batch"), dict(window_size=(6, 2), softcap=2.0)],
                          ids=["plain", "causal-alibi_batch", "window-softcap"])

@@ -159,9 +159,9 @@ Result attention(const TensorView& q, const TensorView& k, const TensorView& v,
 }
 
 Tensor attention_probs(const TensorView& q, const TensorView& k, const TensorView& v,
-                       const AttentionOptions& options) {
+                       const AttentionOptions& options, std::int64_t batch_offset) {
   const AttentionProblem p = AttentionProblem::from_inputs(q, k, v, options);
-  const Semantics sem{&p, &options};
+  const Semantics sem{&p, &options, batch_offset};
   Tensor probs(DType::f32, {p.batch, p.heads_q, p.seqlen_q, p.seqlen_k});
   float* out = probs.data_as<float>();
   const std::int64_t group = p.heads_q / p.heads_kv;
@@ -171,7 +171,7 @@ Tensor attention_probs(const TensorView& q, const TensorView& k, const TensorVie
       for (std::int64_t i = 0; i < p.seqlen_q; ++i) {
         std::vector<double> out_row(static_cast<std::size_t>(p.head_dim_v));
         double lse = 0.0;
-        attention_row(p, options, q, k, v, b, h, i, out_row.data(), &lse);
+        attention_row(p, options, q, k, v, b, h, i, out_row.data(), &lse, batch_offset);
         float* row = out + ((b * p.heads_q + h) * p.seqlen_q + i) * p.seqlen_k;
         for (std::int64_t j = 0; j < p.seqlen_k; ++j) {
           const bool seen = sem.visible(i, j) && !std::isinf(lse);

@@ -558,11 +558,11 @@ NB_MODULE(_C, m) {
 
   m.def(
       "attention_probs",
-      [](Array q, Array k, Array v, Array probs, const Dtypes& dtypes, const Options& opt) {
+      [](Array q, Array k, Array v, Array probs, const Dtypes& dtypes, const Options& opt, std::int64_t batch_offset) {
         const flashattn::AttentionOptions options = opt.get();
         nb::gil_scoped_release release;
         const flashattn::Tensor p = flashattn::reference::attention_probs(in(q, dtypes, "q"), in(k, dtypes, "k"),
-                                                                          in(v, dtypes, "v"), options);
+                                                                          in(v, dtypes, "v"), options, batch_offset);
         const flashattn::MutableTensorView dst = out(probs, "f32", "S_dmask");
         bool same = dst.rank == 4 && p.shape().size() == 4;
         for (int d = 0; same && d < 4; ++d) same = dst.shape[d] == p.shape()[static_cast<std::size_t>(d)];
@@ -576,7 +576,10 @@ NB_MODULE(_C, m) {
               for (std::int64_t j = 0; j < dst.shape[3]; ++j)
                 base[b * dst.strides[0] + h * dst.strides[1] + i * dst.strides[2] + j * dst.strides[3]] = *src++;
       },
-      "dropped-and-scaled attention probabilities (B, Hq, Sq, Sk), float32 (testing only)");
+      nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("probs"), nb::arg("dtypes"), nb::arg("options"),
+      nb::arg("batch_offset") = 0,
+      "dropped-and-scaled attention probabilities (B, Hq, Sq, Sk), float32 (testing only); batch_offset: the batch "
+      "index of batch element 0 for dropout (a varlen sequence's own)");
 
   m.def(
       "forward_with_kvcache",
