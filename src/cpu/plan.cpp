@@ -68,11 +68,12 @@ CpuHardware CpuHardware::detect(int num_threads) {
   hw.decode_fp16 = cpu::fp16dot::available();
   hw.decode_bf16 = cpu::bf16decode::available();
   // Intel's cores slow down around 512-bit arithmetic (a lower clock licence while it runs
-  // and after); AMD's Zen 4 does not. A Llama-style model's decode step (8 q / 2 kv heads of
-  // 64, bf16, 2 threads) ran 1.5-3% faster end to end with the AVX2 decode kernel than with
-  // AVX-512's over 1024 cached tokens (0.5 MiB of K and V a layer), and alike over 4096 (2 MiB),
-  // on the Sapphire Rapids of docs/performance.md (thirty-second session); float32 caches
-  // alike with either; long calls alone (a loop of them) run 10-20% faster on AVX-512.
+  // and after); AMD's Zen 4 does not. A Llama-style model's bf16 decode (8 q / 2 kv heads of
+  // 64, 2 threads) ran at 1.01-1.04x SDPA's speed end to end with the AVX2 decode kernel
+  // against 0.92-0.95x with AVX-512's over 1024 cached tokens (0.5 MiB of K and V a layer),
+  // and alike over 4096 (2 MiB), on the Sapphire Rapids of docs/performance.md (thirty-second
+  // session); float32 caches alike with either; long calls alone (a loop of them) run 10-20%
+  // faster on AVX-512.
   static const bool intel = [] {
     __builtin_cpu_init();
     return __builtin_cpu_is("intel") != 0;
