@@ -660,6 +660,34 @@ def test_t5_relative_position_bias_equals_sdpa():
         assert torch.equal(ours.generate(ids, **options), theirs.generate(ids, **options))
 
 
+def test_t5_static_cache_generation_equals_sdpa():
+    """T5's decoder on a static cache: its mask plan's dense mask (built when position_bias
+    needs it, after generate() has moved the cache position on in place) lets each query see
+    the keys written so far and not the next slot — logits of every step equal SDPA's (they
+    were 0.3-1.3 off, the unwritten slot seen); and a plan's mask does not follow an offset
+    tensor changed after the plan was made."""
+    from transformers import masking_utils
+    offset = torch.tensor(1)
+    plan = fa_hf.attention_mask_function(batch_size=1, q_length=1, kv_length=3, q_offset=offset, kv_offset=0,
+                                         mask_function=masking_utils.causal_mask_function)
+    offset += 1
+    assert plan.bool_mask()[0, 0, 0].tolist() == [True, True, False]
+    config = transformers.T5Config(
+        vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=2,
+        relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0, pad_token_id=0,
+        eos_token_id=1, decoder_start_token_id=0)
+    torch.manual_seed(0)
+    theirs = transformers.AutoModelForSeq2SeqLM.from_config(copy.deepcopy(config), attn_implementation="sdpa").eval()
+    ours = transformers.AutoModelForSeq2SeqLM.from_config(copy.deepcopy(config), attn_implementation=ATTN).eval()
+    ours.load_state_dict(theirs.state_dict())
+    ids = torch.randint(3, VOCAB, (1, 8), generator=torch.Generator().manual_seed(21))
+    options = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_logits=True,
+                   eos_token_id=None, cache_implementation="static")
+    with torch.no_grad():
+        got, want = (torch.stack(m.generate(ids, **options).logits) for m in (ours, theirs))
+    assert (got - want).abs().max() <= 1e-5 * (1 + want.abs().max())
+
+
 def test_position_bias_cut_to_packed_sequences():
     """A position_bias with a padding-free batch's offsets: the bias applies within each
     sequence and no query sees another sequence's keys (torch's SDPA on the bias cut the same

@@ -277,6 +277,11 @@ def attention_mask_function(batch_size, q_length, kv_length, q_offset=0, kv_offs
 
     if torch.compiler.is_compiling():  # planning reads the mask's values: the dense mask, traced as SDPA's
         return _Plan(batch_size, q_length, kv_length, False, (-1, -1), dense=materialize())
+    # materialize may run after this call returns (bool_mask: position_bias models): with the
+    # offsets as they are now — generate() on a static cache moves its 0-d cache_position on
+    # in place before the plan is used, and the mask built then let a query see the next,
+    # unwritten slot.
+    q_offset, kv_offset = int(q_offset), int(kv_offset)
     plan = _plan_for(masking_utils, batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
                      attention_mask, materialize)
     plan.bool_mask = materialize
@@ -334,7 +339,9 @@ def _plan_or_dense(mask, full):
 def _plan_from_tensor(mask, batch, q_length, kv_length):
     """A _Plan for a 4-d mask tensor a model or its caller built itself: bool, or additive
     float — 0 for attend and the dtype's minimum or -inf for masked planned as a bool mask, any
-    other values (an attention bias) and masks that differ between heads as a dense attn_mask."""
+    other values (an attention bias) and masks that differ between heads as a dense attn_mask.
+    A row at the minimum on every key then sees no key (out 0, as transformers' flash-attention
+    path gives padding rows; SDPA and eager weigh its keys alike)."""
     if mask.dim() != 4 or mask.shape[-2:] != (q_length, kv_length) or mask.shape[0] not in (1, batch):
         raise ValueError(f"attention_mask: expected a plan from this backend's mask function or a 4-d mask "
                          f"({batch} or 1, heads or 1, {q_length}, {kv_length}), got shape {tuple(mask.shape)}")
