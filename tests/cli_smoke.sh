@@ -168,6 +168,51 @@ for b in range(2):
                 ref = sum(math.exp(s[n] - m) / t * v[(ck[b] + j) * 4 + c] for n, j in enumerate(keys))
                 assert abs(o[((cq[b] + i) * 2 + h) * 4 + c] - ref) < 1e-5, (b, h, i, c)
 PY
+
+# Bad files and sizes met before a library call: exit 2 with a message naming the option,
+# never a crash (these were a segfault, out-of-bounds reads, an abort and a hang), and no
+# output written.
+fails_with() {  # fails_with FRAGMENT COMMAND...
+  local fragment=$1 rc=0
+  shift
+  "$@" > /dev/null 2> "$work/err.txt" || rc=$?
+  [ "$rc" = 2 ] || { echo "expected exit 2 from: $* (got $rc)"; cat "$work/err.txt"; exit 1; }
+  grep -qF -- "$fragment" "$work/err.txt" || { echo "expected '$fragment' from: $*"; cat "$work/err.txt"; exit 1; }
+}
+python3 - "$work" <<'PY'
+import sys
+from npyio import save
+w = sys.argv[1]
+save(f"{w}/cu_empty.npy", (0,), [], "<i4")
+save(f"{w}/cuk4.npy", (4,), [0, 5, 13, 13], "<i4")
+save(f"{w}/cu_f32.npy", (3,), [0, 3, 9])
+save(f"{w}/cu_down.npy", (3,), [0, 9, 3], "<i4")
+PY
+attend_varlen=("$cli" attend --q "$work/vq.npy" --k "$work/vk.npy" --v "$work/vv.npy" --out "$work/never.npy")
+fails_with "--cu-seqlens-q: expected int32 offsets of rank 1" \
+  "${attend_varlen[@]}" --cu-seqlens-q "$work/cu_empty.npy" --cu-seqlens-k "$work/cuk.npy"
+fails_with "--cu-seqlens-k: expected int32 offsets" \
+  "${attend_varlen[@]}" --cu-seqlens-q "$work/cuq.npy" --cu-seqlens-k "$work/cu_f32.npy"
+fails_with "--cu-seqlens-q: 3 offsets but --cu-seqlens-k has 4" \
+  "${attend_varlen[@]}" --cu-seqlens-q "$work/cuq.npy" --cu-seqlens-k "$work/cuk4.npy"
+fails_with "--cu-seqlens-q: decreasing at 2 (9, then 3)" \
+  "${attend_varlen[@]}" --cu-seqlens-q "$work/cu_down.npy" --cu-seqlens-k "$work/cuk.npy"
+fails_with "--cu-seqlens-q: expected int32 offsets" "$cli" run --heads 2 --dim 8 --repeats 1 \
+  --cu-seqlens-q "$work/cu_empty.npy" --cu-seqlens-k "$work/cuk.npy"
+[ ! -e "$work/never.npy" ] || { echo "a refused attend wrote its output"; exit 1; }
+attend=("$cli" attend --q "$work/q.npy" --k "$work/k.npy" --v "$work/v.npy")
+fails_with "--out: the file of --q" "${attend[@]}" --out "$work/q.npy"
+fails_with "--dq and --dv: the same file" "${attend[@]}" --out "$work/o2.npy" --dout "$work/q.npy" \
+  --dq "$work/g.npy" --dk "$work/gk.npy" --dv "$work/g.npy"
+fails_with "dout: shape (1, 13, 1, 8)" "${attend[@]}" --out "$work/o2.npy" --dout "$work/k.npy" \
+  --dq "$work/gq.npy" --dk "$work/gk.npy" --dv "$work/gv.npy"
+[ ! -e "$work/o2.npy" ] || { echo "attend wrote --out before its backward failed"; exit 1; }
+fails_with "flashattn: error:" "$cli" run --heads 2 --dim 8 --repeats 1 --threads 1 --seqlen-k 9223372036854775807
+fails_with "overflow the cost model's 64-bit counts" "$cli" explain --seqlen 2147483648 --heads 2 --dim 8
+if "$cli" run --seqlen 16 --heads 2 --dim 8 --repeats 1 --threads 32768 > /dev/null 2> "$work/err.txt"; then
+  echo "expected --threads 32768 refused"; exit 1
+fi
+grep -q "not in range 0 to 4096" "$work/err.txt"
 echo "cli smoke (variants, varlen): ok"
 "$cli" run --cu-seqlens-q "$work/cuq.npy" --cu-seqlens-k "$work/cuk.npy" --heads 2 --heads-kv 1 --dim 4 \
   --dtype f32 --window-size 3 0 --repeats 1 --backward --json > "$work/varlen.json"

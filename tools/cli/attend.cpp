@@ -1,9 +1,11 @@
 // `flashattn attend`: file mode. Reads q, k, v from NumPy .npy files, writes out and lse,
 // so anyone can check flashattn with their own tools.
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
+#include <iterator>
 #include <optional>
-#include <algorithm>
+#include <utility>
 
 #include "tools/cli/commands.hpp"
 #include "tools/support/npy.hpp"
@@ -18,12 +20,29 @@ Tensor converted(const Tensor& t, DType dtype) {
   return r;
 }
 
-// Largest difference of consecutive offsets (the longest sequence).
-std::int64_t max_length(const Tensor& cu) {
-  std::int64_t m = 0;
-  for (std::int64_t b = 1; b < cu.numel(); ++b)
-    m = std::max<std::int64_t>(m, static_cast<std::int64_t>(cu.get(b) - cu.get(b - 1)));
-  return m;
+// Every output path differs from the others and from every input's: out is written before
+// dout is read, and a second output would overwrite the first.
+void check_paths(const AttendFlags& f) {
+  namespace fs = std::filesystem;
+  const std::pair<const char*, const std::string*> inputs[] = {
+      {"--q", &f.q}, {"--k", &f.k}, {"--v", &f.v}, {"--dout", &f.dout},
+      {"--cu-seqlens-q", &f.cu_seqlens_q}, {"--cu-seqlens-k", &f.cu_seqlens_k}};
+  const std::pair<const char*, const std::string*> outputs[] = {
+      {"--out", &f.out}, {"--lse", &f.lse}, {"--dq", &f.dq}, {"--dk", &f.dk}, {"--dv", &f.dv}};
+  auto same = [](const std::string& a, const std::string& b) {
+    std::error_code ea, eb;
+    return fs::weakly_canonical(a, ea) == fs::weakly_canonical(b, eb) && !ea && !eb;
+  };
+  for (std::size_t i = 0; i < std::size(outputs); ++i) {
+    const auto& [name, path] = outputs[i];
+    if (path->empty()) continue;
+    for (std::size_t j = i + 1; j < std::size(outputs); ++j)
+      if (!outputs[j].second->empty() && same(*path, *outputs[j].second))
+        throw Error(std::string(name) + " and " + outputs[j].first + ": the same file (" + *path + ")");
+    for (const auto& [input, in_path] : inputs)
+      if (!in_path->empty() && same(*path, *in_path))
+        throw Error(std::string(name) + ": the file of " + input + " (" + *path + "), which it would overwrite");
+  }
 }
 
 std::string shape_text(const std::vector<std::int64_t>& shape) {
@@ -35,6 +54,7 @@ std::string shape_text(const std::vector<std::int64_t>& shape) {
 }  // namespace
 
 void attend(AttendFlags& f) {
+  check_paths(f);
   Tensor q = support::read_npy(f.q), k = support::read_npy(f.k), v = support::read_npy(f.v);
   // --dtype bf16 rounds the inputs to bf16; by default the kernel runs in q's file dtype.
   const DType dtype = f.dtype ? parse_dtype(*f.dtype) : q.dtype();
@@ -52,27 +72,31 @@ void attend(AttendFlags& f) {
               shape_text(q.shape()).c_str(), to_string(dtype).c_str(), f.causal ? "true" : "false",
               f.softmax_scale ? std::to_string(*f.softmax_scale).c_str() : "1/sqrt(D)",
               f.deterministic ? "true" : "false", varlen ? " varlen" : "");
-  Tensor cu_q, cu_k;
+  VarlenOffsets cu;
   VarlenSeqlens seqlens;
   if (varlen) {
-    cu_q = support::read_npy(f.cu_seqlens_q);
-    cu_k = support::read_npy(f.cu_seqlens_k);
-    seqlens = {cu_q.view(), cu_k.view(), max_length(cu_q), max_length(cu_k)};
+    cu = read_varlen_offsets(f.cu_seqlens_q, f.cu_seqlens_k);
+    seqlens = {cu.q.view(), cu.k.view(), cu.max_q, cu.max_k};
   }
+  // Every input read and every result computed before the first output is written: a bad
+  // dout (or a failing backward) leaves no file behind.
+  const Tensor dout = f.dout.empty() ? Tensor() : converted(support::read_npy(f.dout), dtype);
   const ForwardResult r = varlen ? forward_varlen(q.view(), k.view(), v.view(), seqlens, options)
                                  : forward(q.view(), k.view(), v.view(), options);
+  std::optional<BackwardResult> g;
+  if (!f.dout.empty())
+    g = varlen ? backward_varlen(dout.view(), q.view(), k.view(), v.view(), r.out.view(), r.lse.view(), seqlens,
+                                 options)
+               : backward(dout.view(), q.view(), k.view(), v.view(), r.out.view(), r.lse.view(), options);
   // NumPy has no bf16: a bf16 result is written as float32 (exactly representable).
-  support::write_npy(f.out, r.out.dtype() == DType::bf16 ? converted(r.out, DType::f32) : r.out);
-  if (!f.lse.empty()) support::write_npy(f.lse, r.lse);
-  if (f.dout.empty()) return;
-  const Tensor dout = converted(support::read_npy(f.dout), dtype);
-  const BackwardResult g =
-      varlen ? backward_varlen(dout.view(), q.view(), k.view(), v.view(), r.out.view(), r.lse.view(),
-                               seqlens, options)
-             : backward(dout.view(), q.view(), k.view(), v.view(), r.out.view(), r.lse.view(), options);
-  const std::pair<const std::string*, const Tensor*> grads[] = {{&f.dq, &g.dq}, {&f.dk, &g.dk}, {&f.dv, &g.dv}};
-  for (const auto& [path, grad] : grads)
-    support::write_npy(*path, grad->dtype() == DType::bf16 ? converted(*grad, DType::f32) : *grad);
+  auto write = [](const std::string& path, const Tensor& t) {
+    support::write_npy(path, t.dtype() == DType::bf16 ? converted(t, DType::f32) : t);
+  };
+  write(f.out, r.out);
+  if (!f.lse.empty()) write(f.lse, r.lse);
+  if (!g) return;
+  const std::pair<const std::string*, const Tensor*> grads[] = {{&f.dq, &g->dq}, {&f.dk, &g->dk}, {&f.dv, &g->dv}};
+  for (const auto& [path, grad] : grads) write(*path, *grad);
 }
 
 }  // namespace flashattn::cli

@@ -33,6 +33,31 @@ const Preset& preset_by_name(const std::string& name) {
   throw Error("--preset: unknown preset '" + name + "' (known: gpt2-medium)");
 }
 
+// The cost model counts FLOPs and bytes in int64 and walks every (Q tile, K/V tile) pair of
+// every head: a problem past either is refused by name instead of miscounted (negative
+// FLOPs) or walked for hours. Tiles of at least kSmallestTile rows and keys unless --tile
+// sets them.
+constexpr std::int64_t kSmallestTile = 16;
+void check_countable(const AttentionProblem& p, std::int64_t tile_q, std::int64_t tile_k) {
+  auto g3 = [](double x) {
+    char text[32];
+    std::snprintf(text, sizeof text, "%.3g", x);
+    return std::string(text);
+  };
+  const double heads = static_cast<double>(p.batch) * static_cast<double>(p.heads_q);
+  const double work = 4.0 * heads * static_cast<double>(p.seqlen_q) * static_cast<double>(p.seqlen_k) *
+                      static_cast<double>(std::max(p.head_dim, p.head_dim_v));
+  if (work * 4.0 > 0x1p62)
+    throw Error("explain: batch " + std::to_string(p.batch) + " x heads " + std::to_string(p.heads_q) + " x seqlen_q " +
+                std::to_string(p.seqlen_q) + " x seqlen_k " + std::to_string(p.seqlen_k) +
+                ": its FLOPs (about " + g3(work) + ") overflow the cost model's 64-bit counts");
+  const double pairs = heads * std::ceil(static_cast<double>(p.seqlen_q) / static_cast<double>(tile_q)) *
+                       std::ceil(static_cast<double>(p.seqlen_k) / static_cast<double>(tile_k));
+  if (pairs > 0x1p32)
+    throw Error("explain: " + g3(pairs) + " (Q tile, K/V tile) pairs to walk (tiles of " +
+                std::to_string(tile_q) + " x " + std::to_string(tile_k) + "), more than the cost model's 2^32");
+}
+
 Account make_account(const ExplainFlags& f, const AttentionProblem& p, const AttentionOptions& options) {
   Account a{p, architecture_by_name(f.arch, f.shape.threads)};
   if (a.arch.cpu) {
@@ -296,6 +321,7 @@ void explain(ExplainFlags flags) {
   options.dropout_p = f.dropout_p;
   if (!f.tile.empty()) options.block_q = f.tile[0];
   const AttentionProblem p = f.shape.problem(options);
+  check_countable(p, f.tile.empty() ? kSmallestTile : f.tile[0], f.tile.empty() ? kSmallestTile : f.tile[1]);
   Account a = make_account(f, p, options);
   if (!f.preset.empty()) a.preset = &preset_by_name(f.preset);
   std::optional<Measured> m;

@@ -59,4 +59,15 @@ struct VariantFlags {
   bool needs_flashattn_only() const;  // beyond what the standard baseline implements
 };
 
+// A packed variable-length batch's offsets, from the .npy files of --cu-seqlens-q and
+// --cu-seqlens-k: int32, rank 1, as many of each (at least two), each from 0 and
+// non-decreasing — an Error naming the flag otherwise, before any offset is used as a length.
+struct VarlenOffsets {
+  Tensor q, k;                      // as read, for VarlenSeqlens
+  std::vector<std::int64_t> at_q, at_k;
+  std::int64_t max_q = 0, max_k = 0;  // the longest sequence
+  std::int64_t batch() const { return static_cast<std::int64_t>(at_q.size()) - 1; }
+};
+VarlenOffsets read_varlen_offsets(const std::string& q_path, const std::string& k_path);
+
 }  // namespace flashattn::cli

@@ -5,8 +5,10 @@
 // of tools/cli/commands.hpp, which the subcommands' own files run.
 #include <CLI/CLI.hpp>
 
+#include <exception>
 #include <iostream>
 #include <memory>
+#include <new>
 #include <set>
 #include <string>
 #include <tuple>
@@ -15,6 +17,10 @@
 #include "tools/cli/commands.hpp"
 
 namespace flashattn::cli {
+
+// The most worker threads an option takes: far beyond any machine's cores, well below what
+// makes the OpenMP runtime fail to create a team (a crash in the baseline's regions).
+constexpr int kMaxThreads = 4096;
 namespace {
 
 // The long names of the options given on the command line, "--" included (both names of a
@@ -38,7 +44,8 @@ void add_shape(CLI::App& app, ShapeFlags& s, bool with_mode = true) {
   app.add_option("--heads-kv", s.heads_kv, "key/value heads (GQA/MQA; default: --heads)");
   app.add_option("--dim", s.dim, "head dimension of q and k")->capture_default_str();
   app.add_option("--dim-v", s.dim_v, "head dimension of v (default: --dim)");
-  app.add_option("--threads", s.threads, "worker threads (0 = all cores)")->capture_default_str();
+  app.add_option("--threads", s.threads, "worker threads (0 = all cores)")
+      ->check(CLI::Range(0, kMaxThreads))->capture_default_str();
   app.add_option("--kernel", s.kernel,
                  "CPU forward kernel: auto, tiled, tiled_bf16 (bf16 on AVX512-BF16; bench: its bf16 cases), decode, "
                  "decode_fp16 (FP8 or int8 cache on AVX512-FP16; bench: its e4m3, u8 and s8 decode cases) or "
@@ -127,7 +134,8 @@ void add_attend(CLI::App& app) {
   cmd->add_option("--dtype", flags->dtype, "compute dtype f32|f16|bf16 (default: q's dtype)");
   cmd->add_flag("--causal", flags->causal, "bottom-right aligned causal mask");
   cmd->add_option("--softmax-scale", flags->softmax_scale, "scale of Q·Kᵀ (default 1/sqrt(D))");
-  cmd->add_option("--threads", flags->threads, "worker threads (0 = all cores)");
+  cmd->add_option("--threads", flags->threads, "worker threads (0 = all cores)")
+      ->check(CLI::Range(0, kMaxThreads));
   CLI::Option* dout = cmd->add_option("--dout", flags->dout, "upstream gradient (B, Sq, Hq, Dv): computes dq, dk, dv")
                           ->check(CLI::ExistingFile);
   for (auto [name, target, help] : {std::tuple{"--dq", &flags->dq, "gradient of q (.npy)"},
@@ -242,7 +250,8 @@ void add_tour(CLI::App& app) {
   cmd->add_option("--max-seqlen", flags->max_seqlen, "largest N of the sweeps (from 256, doubling)")->capture_default_str();
   cmd->add_option("--dim", flags->dim, "head dimension")->capture_default_str();
   cmd->add_option("--heads", flags->heads, "heads of the sweeps")->capture_default_str();
-  cmd->add_option("--threads", flags->threads, "worker threads (0 = all cores)")->capture_default_str();
+  cmd->add_option("--threads", flags->threads, "worker threads (0 = all cores)")
+      ->check(CLI::Range(0, kMaxThreads))->capture_default_str();
   cmd->add_option("--repeats", flags->repeats, "timed runs per measurement (median)")->capture_default_str();
   cmd->add_option("--out", flags->out, "directory for the figures (SVG)");
   cmd->callback([flags] { tour(*flags); });
@@ -288,6 +297,12 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   } catch (const flashattn::Error& e) {
+    std::cerr << "flashattn: error: " << e.what() << "\n";
+    return 2;
+  } catch (const std::bad_alloc&) {  // sizes the options allow but this machine's memory does not hold
+    std::cerr << "flashattn: error: out of memory for the problem the options describe\n";
+    return 2;
+  } catch (const std::exception& e) {  // std::length_error and the like: never a terminate
     std::cerr << "flashattn: error: " << e.what() << "\n";
     return 2;
   }

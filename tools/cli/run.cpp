@@ -48,15 +48,11 @@ void run_decode(const RunFlags& f) {
 // flashattn only (the textbook baseline has no packed form), its time, GFLOP/s and the
 // max error against float64 on sampled rows of every sequence.
 void run_varlen(const RunFlags& f, const AttentionOptions& options) {
-  const Tensor cu_q = support::read_npy(f.cu_seqlens_q), cu_k = support::read_npy(f.cu_seqlens_k);
-  const std::int64_t batch = cu_q.numel() - 1;
-  std::int64_t max_q = 0, max_k = 0;
+  const VarlenOffsets cu = read_varlen_offsets(f.cu_seqlens_q, f.cu_seqlens_k);
+  const std::int64_t batch = cu.batch();
   double flops = 0.0;
   for (std::int64_t b = 0; b < batch; ++b) {
-    const auto sq = static_cast<std::int64_t>(cu_q.get(b + 1) - cu_q.get(b));
-    const auto sk = static_cast<std::int64_t>(cu_k.get(b + 1) - cu_k.get(b));
-    max_q = std::max(max_q, sq);
-    max_k = std::max(max_k, sk);
+    const std::int64_t sq = cu.at_q[b + 1] - cu.at_q[b], sk = cu.at_k[b + 1] - cu.at_k[b];
     ShapeFlags one = f.shape;
     one.batch = 1;
     one.seqlen_q = sq;
@@ -65,8 +61,8 @@ void run_varlen(const RunFlags& f, const AttentionOptions& options) {
   }
   ShapeFlags packed = f.shape;  // a (1, total, H, D) problem supplies the random tensors
   packed.batch = 1;
-  packed.seqlen_q = static_cast<std::int64_t>(cu_q.get(batch));
-  packed.seqlen_k = static_cast<std::int64_t>(cu_k.get(batch));
+  packed.seqlen_q = cu.at_q.back();
+  packed.seqlen_k = cu.at_k.back();
   AttentionOptions plain = options;
   plain.alibi_slopes = {};
   const AttentionProblem whole = packed.problem(plain);
@@ -78,7 +74,7 @@ void run_varlen(const RunFlags& f, const AttentionOptions& options) {
     v.strides = {t.view().strides[1], t.view().strides[2], 1, 0};
     return v;
   };
-  const VarlenSeqlens seqlens{cu_q.view(), cu_k.view(), max_q, max_k};
+  const VarlenSeqlens seqlens{cu.q.view(), cu.k.view(), cu.max_q, cu.max_k};
   ForwardResult fwd;
   const double fwd_s = median_seconds(
       [&] { fwd = forward_varlen(drop_batch(in.q), drop_batch(in.k), drop_batch(in.v), seqlens, options); },
@@ -95,9 +91,8 @@ void run_varlen(const RunFlags& f, const AttentionOptions& options) {
   double error = 0.0;
   std::vector<double> row(static_cast<std::size_t>(whole.head_dim_v));
   for (std::int64_t b = 0; b < batch; ++b) {
-    const auto q0 = static_cast<std::int64_t>(cu_q.get(b)), k0 = static_cast<std::int64_t>(cu_k.get(b));
-    const auto sq = static_cast<std::int64_t>(cu_q.get(b + 1)) - q0;
-    const auto sk = static_cast<std::int64_t>(cu_k.get(b + 1)) - k0;
+    const std::int64_t q0 = cu.at_q[b], k0 = cu.at_k[b];
+    const std::int64_t sq = cu.at_q[b + 1] - q0, sk = cu.at_k[b + 1] - k0;
     if (sq == 0) continue;
     auto slice = [](const Tensor& t, std::int64_t begin, std::int64_t len) {
       TensorView v = t.view();
