@@ -213,6 +213,12 @@ if "$cli" run --seqlen 16 --heads 2 --dim 8 --repeats 1 --threads 32768 > /dev/n
   echo "expected --threads 32768 refused"; exit 1
 fi
 grep -q "not in range 0 to 4096" "$work/err.txt"
+if "$cli" run --seqlen 16 --heads 2 --dim 8 --repeats 1 --dropout-p 0.1 --seed -1 > /dev/null 2> "$work/err.txt"; then
+  echo "expected --seed -1 refused (it ran as 2^64 - 1)"; exit 1
+fi
+grep -q "expected an integer from 0 to 2^64 - 1" "$work/err.txt"
+ln "$work/q.npy" "$work/q_link.npy"
+fails_with "--out: the file of --q" "${attend[@]}" --out "$work/q_link.npy"
 echo "cli smoke (variants, varlen): ok"
 "$cli" run --cu-seqlens-q "$work/cuq.npy" --cu-seqlens-k "$work/cuk.npy" --heads 2 --heads-kv 1 --dim 4 \
   --dtype f32 --window-size 3 0 --repeats 1 --backward --json > "$work/varlen.json"

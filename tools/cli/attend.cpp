@@ -29,8 +29,9 @@ void check_paths(const AttendFlags& f) {
       {"--cu-seqlens-q", &f.cu_seqlens_q}, {"--cu-seqlens-k", &f.cu_seqlens_k}};
   const std::pair<const char*, const std::string*> outputs[] = {
       {"--out", &f.out}, {"--lse", &f.lse}, {"--dq", &f.dq}, {"--dk", &f.dk}, {"--dv", &f.dv}};
-  auto same = [](const std::string& a, const std::string& b) {
-    std::error_code ea, eb;
+  auto same = [](const std::string& a, const std::string& b) {  // hard and symbolic links included
+    std::error_code ea, eb, e;
+    if (fs::equivalent(a, b, e) && !e) return true;
     return fs::weakly_canonical(a, ea) == fs::weakly_canonical(b, eb) && !ea && !eb;
   };
   for (std::size_t i = 0; i < std::size(outputs); ++i) {

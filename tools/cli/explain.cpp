@@ -33,11 +33,11 @@ const Preset& preset_by_name(const std::string& name) {
   throw Error("--preset: unknown preset '" + name + "' (known: gpt2-medium)");
 }
 
-// The cost model counts FLOPs and bytes in int64 and walks every (Q tile, K/V tile) pair of
-// every head: a problem past either is refused by name instead of miscounted (negative
-// FLOPs) or walked for hours. Tiles of at least kSmallestTile rows and keys unless --tile
-// sets them.
-constexpr std::int64_t kSmallestTile = 16;
+// The cost model counts FLOPs and bytes in int64 and walks the (Q tile, K/V tile) pairs of
+// one (batch, head): a problem past either is refused by name instead of miscounted
+// (negative FLOPs) or walked for hours. Tiles of kTypicalTile rows and keys unless --tile
+// sets them; at most 2^30 pairs (4M tokens of such tiles).
+constexpr std::int64_t kTypicalTile = 128;
 void check_countable(const AttentionProblem& p, std::int64_t tile_q, std::int64_t tile_k) {
   auto g3 = [](double x) {
     char text[32];
@@ -51,11 +51,11 @@ void check_countable(const AttentionProblem& p, std::int64_t tile_q, std::int64_
     throw Error("explain: batch " + std::to_string(p.batch) + " x heads " + std::to_string(p.heads_q) + " x seqlen_q " +
                 std::to_string(p.seqlen_q) + " x seqlen_k " + std::to_string(p.seqlen_k) +
                 ": its FLOPs (about " + g3(work) + ") overflow the cost model's 64-bit counts");
-  const double pairs = heads * std::ceil(static_cast<double>(p.seqlen_q) / static_cast<double>(tile_q)) *
-                       std::ceil(static_cast<double>(p.seqlen_k) / static_cast<double>(tile_k));
-  if (pairs > 0x1p32)
+  const double pairs = std::ceil(static_cast<double>(p.seqlen_q) / static_cast<double>(tile_q)) *
+                      std::ceil(static_cast<double>(p.seqlen_k) / static_cast<double>(tile_k));
+  if (pairs > 0x1p30)
     throw Error("explain: " + g3(pairs) + " (Q tile, K/V tile) pairs to walk (tiles of " +
-                std::to_string(tile_q) + " x " + std::to_string(tile_k) + "), more than the cost model's 2^32");
+                std::to_string(tile_q) + " x " + std::to_string(tile_k) + ") of one head, more than the cost model's 2^30");
 }
 
 Account make_account(const ExplainFlags& f, const AttentionProblem& p, const AttentionOptions& options) {
@@ -321,7 +321,7 @@ void explain(ExplainFlags flags) {
   options.dropout_p = f.dropout_p;
   if (!f.tile.empty()) options.block_q = f.tile[0];
   const AttentionProblem p = f.shape.problem(options);
-  check_countable(p, f.tile.empty() ? kSmallestTile : f.tile[0], f.tile.empty() ? kSmallestTile : f.tile[1]);
+  check_countable(p, f.tile.empty() ? kTypicalTile : f.tile[0], f.tile.empty() ? kTypicalTile : f.tile[1]);
   Account a = make_account(f, p, options);
   if (!f.preset.empty()) a.preset = &preset_by_name(f.preset);
   std::optional<Measured> m;

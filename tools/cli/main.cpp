@@ -5,6 +5,8 @@
 // of tools/cli/commands.hpp, which the subcommands' own files run.
 #include <CLI/CLI.hpp>
 
+#include <cerrno>
+#include <cstdlib>
 #include <exception>
 #include <iostream>
 #include <memory>
@@ -21,6 +23,17 @@ namespace flashattn::cli {
 // The most worker threads an option takes: far beyond any machine's cores, well below what
 // makes the OpenMP runtime fail to create a team (a crash in the baseline's regions).
 constexpr int kMaxThreads = 4096;
+
+// An unsigned 64-bit option as written: digits only, at most 2^64 - 1 (CLI11 reads -1 and
+// 2^64 as 2^64 - 1).
+const CLI::Validator kUint64{[](const std::string& text) -> std::string {
+                               const bool digits = !text.empty() && text.find_first_not_of("0123456789") == std::string::npos;
+                               errno = 0;
+                               if (!digits || (std::strtoull(text.c_str(), nullptr, 10), errno == ERANGE))
+                                 return "expected an integer from 0 to 2^64 - 1, got " + text;
+                               return std::string();
+                             },
+                             "UINT64"};
 namespace {
 
 // The long names of the options given on the command line, "--" included (both names of a
@@ -74,7 +87,7 @@ void add_variants(CLI::App& app, VariantFlags& v) {
   app.add_option("--alibi-slopes", v.alibi_slopes_path, "ALiBi slopes .npy, float32 (heads) or (batch, heads)")
       ->check(CLI::ExistingFile);
   app.add_option("--dropout-p", v.dropout_p, "dropout probability on the attention weights");
-  app.add_option("--seed", v.seed, "dropout seed");
+  app.add_option("--seed", v.seed, "dropout seed")->check(kUint64);
   CLI::Option* mask = app.add_option("--block-mask", v.block_mask_path,
                                      "block-sparse mask .npy, bool/uint8 (q blocks, k blocks)")
                           ->check(CLI::ExistingFile);
@@ -203,7 +216,7 @@ void add_numerics(CLI::App& app) {
   add_shape(*cmd, flags->shape, /*with_mode=*/false);
   cmd->add_option("--dtype", flags->shape.dtype, "dtype of the speed experiment: f32, bf16 or f16")
       ->capture_default_str();
-  cmd->add_option("--seed", flags->seed, "seed of every random input")->capture_default_str();
+  cmd->add_option("--seed", flags->seed, "seed of every random input")->capture_default_str()->check(kUint64);
   cmd->add_option("--repeats", flags->repeats, "timed rounds of the speed experiment (median)")
       ->capture_default_str()->check(CLI::Range(1, 1000));
   cmd->add_option("--fp8-format", flags->fp8_format, "FP8 format of the error experiment: e4m3 or e5m2")
