@@ -12,6 +12,7 @@
 #include <memory>
 #include <new>
 #include <set>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 
@@ -314,6 +315,9 @@ int main(int argc, char** argv) {
     return 2;
   } catch (const std::bad_alloc&) {  // sizes the options allow but this machine's memory does not hold
     std::cerr << "flashattn: error: out of memory for the problem the options describe\n";
+    return 2;
+  } catch (const std::length_error& e) {  // sizes past what a std::vector can hold
+    std::cerr << "flashattn: error: the problem the options describe is too large to allocate (" << e.what() << ")\n";
     return 2;
   } catch (const std::exception& e) {  // std::length_error and the like: never a terminate
     std::cerr << "flashattn: error: " << e.what() << "\n";
