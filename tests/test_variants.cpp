@@ -329,6 +329,71 @@ TEST(Variants, LargestFiniteBiasesAreBiasesNotHiddenKeys) {
   });
 }
 
+// Rows whose every visible score carries the same huge bias (a padding row of −1e4, −1e9 or
+// float32's lowest on every key; its query zero, so the float64 scores are exactly the bias and
+// P uniform over the keys it sees): their lse, m + log2 ℓ, rounds to m in float32 (exactly
+// past 2^30), and a P recomputed from it summed to ℓ — gradients n times too large. The
+// backward recomputes such rows' offsets from their own scores (counters.large_lse_rows);
+// their gradients, dbias and dsinks (sinks at the rows' bias: the sink a (n + 1)th equal
+// logit) match the reference as any row's do. Causal or not, 1 and 3 threads (the third
+// deterministic), every SIMD target.
+TEST(Variants, RowsWhoseEveryScoreIsHugeKeepNormalizedGradients) {
+  const std::int64_t b = 2, sq = 40, sk = 150, hq = 4, hkv = 2, d = 24;
+  const auto huge = [](std::int64_t i) {
+    return i == 7 ? std::numeric_limits<float>::lowest() : i % 5 == 1 ? -1e4f : i % 5 == 3 ? -1e9f : 0.0f;
+  };
+  std::int64_t huge_rows = 0;
+  for (std::int64_t i = 0; i < sq; ++i) huge_rows += huge(i) != 0.0f;
+  Tensor q = random_tensor(DType::f32, {b, sq, hq, d}, 71);
+  const Tensor k = random_tensor(DType::f32, {b, sk, hkv, d}, 72), v = random_tensor(DType::f32, {b, sk, hkv, d}, 73);
+  const Tensor dout = random_tensor(DType::f32, {b, sq, hq, d}, 74);
+  Tensor bias = random_tensor(DType::f32, {b, 1, sq, sk}, 75);
+  for (std::int64_t bi = 0; bi < b; ++bi)
+    for (std::int64_t i = 0; i < sq; ++i) {
+      if (huge(i) == 0.0f) continue;
+      for (std::int64_t e = 0; e < hq * d; ++e) q.set((bi * sq + i) * hq * d + e, 0.0f);
+      for (std::int64_t j = 0; j < sk; ++j) bias.set((bi * sq + i) * sk + j, huge(i));
+    }
+  Tensor sinks(DType::f32, {hq});
+  for (std::int64_t h = 0; h < hq; ++h) sinks.set(h, -1e9f);
+  for_each_simd_target([&](const std::string&) {
+    for (const bool causal : {false, true})
+      for (const bool with_sinks : {false, true})
+        for (const int threads : {1, 3}) {
+          SCOPED_TRACE(std::string(causal ? "causal" : "full") + (with_sinks ? ", sinks" : "") + ", threads " +
+                       std::to_string(threads));
+          // With sinks, the rows of −1e9 alone: the sink drowns the others' keys.
+          Tensor mask = bias;
+          if (with_sinks)
+            for (std::int64_t e = 0; e < mask.numel(); ++e)
+              if (mask.get(e) < -1.0f && mask.get(e) != -1e9f) mask.set(e, -1e9f);
+          AttentionOptions o;
+          o.causal = causal;
+          o.attn_mask = mask.view();
+          o.num_threads = threads;
+          o.deterministic = threads == 3;
+          if (with_sinks) o.sinks = sinks.view();
+          const ForwardResult fwd = forward(q.view(), k.view(), v.view(), o);
+          Tensor dbias(DType::f32, mask.shape()), dsinks(DType::f32, {hq});
+          o.dbias = dbias.view();
+          if (with_sinks) o.dsinks = dsinks.view();
+          KernelCounters counters;
+          o.counters = &counters;
+          const BackwardResult got =
+              backward(dout.view(), q.view(), k.view(), v.view(), fwd.out.view(), fwd.lse.view(), o);
+          o.counters = nullptr;
+          const reference::Gradients want =
+              reference::attention_backward(dout.view(), q.view(), k.view(), v.view(), o);
+          EXPECT_EQ(counters.large_lse_rows, b * hq * huge_rows);
+          EXPECT_LE(max_abs_error(got.dq, want.dq), 1e-4) << "dq";
+          EXPECT_LE(max_abs_error(got.dk, want.dk), 1e-4) << "dk";
+          EXPECT_LE(max_abs_error(got.dv, want.dv), 1e-4) << "dv";
+          EXPECT_LE(max_abs_error(dbias, want.dbias), 1e-4 * static_cast<double>(hq)) << "dbias";
+          if (with_sinks) EXPECT_LE(max_abs_error(dsinks, want.dsinks), 1e-4 * static_cast<double>(b * sq)) << "dsinks";
+        }
+  });
+}
+
 // causal_alignment top_left (SDPA's is_causal): causal, windows and ALiBi measured from key i,
 // on Sq < Sk, Sq == Sk, Sq > Sk and the decode shape, with windows, ALiBi, dense masks,
 // dropout, block masks and sinks, 1–3 threads, every SIMD target.

@@ -43,6 +43,10 @@ struct KernelCounters {
   std::int64_t dq_written = 0;       // dq elements written
   std::int64_t dk_written = 0;       // dk elements written
   std::int64_t dv_written = 0;       // dv elements written
+  // Rows whose lse is too large for P to be recomputed from it (|lse| ≥ 710: a large bias or
+  // score_mod constant on every key the row sees): their P is normalized by their own scores,
+  // recomputed once per row before the tiles (those K reads are not in k_read).
+  std::int64_t large_lse_rows = 0;
 
   KernelCounters& operator+=(const KernelCounters& o) {
     q_read += o.q_read;
@@ -63,6 +67,7 @@ struct KernelCounters {
     dq_written += o.dq_written;
     dk_written += o.dk_written;
     dv_written += o.dv_written;
+    large_lse_rows += o.large_lse_rows;
     return *this;
   }
 };

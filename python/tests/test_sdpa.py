@@ -94,6 +94,32 @@ def test_matches_torch(mask, seqlens, gqa, scale, dtype):
         within_torch(name, g, r, n, name != "out", context)
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
+@pytest.mark.parametrize("fill", [-1e4, -1e9, "min"])
+def test_rows_whose_every_score_is_huge(fill, dtype):
+    """Rows whose float mask holds the same huge negative value on every key (padding rows of
+    -1e4, -1e9 or finfo.min), with a gradient flowing into them: their lse, m + log l, rounds
+    to m in float32, and gradients recomputed from it came out up to Sk times too large. Every
+    gradient is within 3x the naive same-precision implementation's error (which, its scores
+    rounded near the bias, is large on those rows) of the float64 definition. The reference is
+    SDPA's formula in float64 ops: torch's own float64 SDPA keeps m + log l in one double and
+    meets the same rounding at finfo.min."""
+    dt = DTYPES[dtype]
+    seed = seed_for("huge_rows", fill, dtype)
+    gen, q, k, v, dout = inputs(seed, 2, 4, 2, 37, 53, 24, dt)
+    value = torch.finfo(dt).min if fill == "min" else fill
+    mask = make_mask(gen, "float", (2, 1, 37, 53), dt)
+    mask[:, :, 3:9] = value
+    mask[1, :, 20] = value
+    kw = dict(attn_mask=mask, enable_gqa=True, grad_of=("attn_mask",))
+    got = run(flashattn.scaled_dot_product_attention, q, k, v, dout, **kw)
+    naive = run(naive_sdpa, q, k, v, dout, **kw)
+    ref = run(naive_sdpa, q.double(), k.double(), v.double(), dout.double(), **{**kw, "attn_mask": mask.double()})
+    for name, g, r, n in zip(("dq", "dk", "dv", "dmask"), got[1:], ref[1:], naive[1:]):
+        err, naive_err = ((x.double() - r).abs().max().item() for x in (g, n))
+        assert err <= 3 * naive_err + 1e-4, f"{name}: max error {err:.3e}, naive {naive_err:.3e} (seed={seed})"
+
+
 def test_strided_views_not_copies():
     """Inputs in SDPA's layout reach the library as transposed views: a (B, S, H, D) tensor
     transposed to (B, H, S, D) gives the same result, and the output is a view of (B, Sq, Hq, Dv)."""

@@ -104,11 +104,17 @@ double dot_row(const AttentionProblem& p, const TensorView& q, const TensorView&
   return dot;
 }
 
-}  // namespace
+// lse = max + log_sum, kept in two parts: where |max| is so large that double cannot hold
+// max + log Σ (a bias of float32's lowest on every key), P = e^((s − max) − log_sum) still
+// sums to 1.
+struct RowLse {
+  double max = -std::numeric_limits<double>::infinity(), log_sum = 0.0;
+  double lse() const { return max + log_sum; }
+};
 
-void attention_row(const AttentionProblem& p, const AttentionOptions& options, const TensorView& q,
-                   const TensorView& k, const TensorView& v, std::int64_t b, std::int64_t h,
-                   std::int64_t i, double* out_row, double* lse, std::int64_t batch_offset) {
+RowLse softmax_row(const AttentionProblem& p, const AttentionOptions& options, const TensorView& q,
+                   const TensorView& k, const TensorView& v, std::int64_t b, std::int64_t h, std::int64_t i,
+                   double* out_row, std::int64_t batch_offset) {
   const Semantics sem{&p, &options, batch_offset};
   const std::int64_t kv_head = h / (p.heads_q / p.heads_kv);
   std::fill(out_row, out_row + p.head_dim_v, 0.0);
@@ -125,10 +131,7 @@ void attention_row(const AttentionProblem& p, const AttentionOptions& options, c
   }
   // The sink: one more logit in the denominator, with no value.
   const double sink = p.sinks ? sem.sink(h) : -std::numeric_limits<double>::infinity();
-  if (keys.empty()) {
-    *lse = sink;
-    return;
-  }
+  if (keys.empty()) return {sink, 0.0};
   const double m = std::max(*std::max_element(s.begin(), s.end()), sink);
   double sum = std::exp(sink - m);
   for (double& x : s) sum += (x = std::exp(x - m));
@@ -138,7 +141,15 @@ void attention_row(const AttentionProblem& p, const AttentionOptions& options, c
     for (std::int64_t c = 0; c < p.head_dim_v; ++c)
       out_row[c] += pj * static_cast<double>(detail::load_element(v, detail::offset4(v, b, j, kv_head, c)));
   }
-  *lse = m + std::log(sum);
+  return {m, std::log(sum)};
+}
+
+}  // namespace
+
+void attention_row(const AttentionProblem& p, const AttentionOptions& options, const TensorView& q,
+                   const TensorView& k, const TensorView& v, std::int64_t b, std::int64_t h,
+                   std::int64_t i, double* out_row, double* lse, std::int64_t batch_offset) {
+  *lse = softmax_row(p, options, q, k, v, b, h, i, out_row, batch_offset).lse();
 }
 
 Result attention(const TensorView& q, const TensorView& k, const TensorView& v,
@@ -170,12 +181,12 @@ Tensor attention_probs(const TensorView& q, const TensorView& k, const TensorVie
     for (std::int64_t h = 0; h < p.heads_q; ++h)
       for (std::int64_t i = 0; i < p.seqlen_q; ++i) {
         std::vector<double> out_row(static_cast<std::size_t>(p.head_dim_v));
-        double lse = 0.0;
-        attention_row(p, options, q, k, v, b, h, i, out_row.data(), &lse, batch_offset);
+        const RowLse lse = softmax_row(p, options, q, k, v, b, h, i, out_row.data(), batch_offset);
         float* row = out + ((b * p.heads_q + h) * p.seqlen_q + i) * p.seqlen_k;
         for (std::int64_t j = 0; j < p.seqlen_k; ++j) {
-          const bool seen = sem.visible(i, j) && !std::isinf(lse);
-          row[j] = seen ? static_cast<float>(std::exp(sem.score(b, h, i, j, dot_row(p, q, k, b, h, h / group, i, j)) - lse) *
+          const bool seen = sem.visible(i, j) && !std::isinf(lse.max);
+          const double sij = seen ? sem.score(b, h, i, j, dot_row(p, q, k, b, h, h / group, i, j)) : 0.0;
+          row[j] = seen ? static_cast<float>(std::exp((sij - lse.max) - lse.log_sum) *
                                              sem.dropout_weight(b, h, i, j))
                         : 0.0f;
         }
@@ -206,22 +217,21 @@ Gradients attention_backward(const TensorView& dout, const TensorView& q, const 
       std::vector<double> out_row(static_cast<std::size_t>(dv));
       for (std::int64_t h = kvh * group; h < (kvh + 1) * group; ++h)
         for (std::int64_t i = 0; i < p.seqlen_q; ++i) {
-          double lse = 0.0;
-          attention_row(p, options, q, k, v, b, h, i, out_row.data(), &lse);
-          if (std::isinf(lse)) continue;  // no visible key: no gradient
+          const RowLse lse = softmax_row(p, options, q, k, v, b, h, i, out_row.data(), 0);
+          if (std::isinf(lse.max)) continue;  // no visible key: no gradient
           double delta = 0.0;  // D_i = rowsum(dO ∘ O) = Σ_j P_ij dP_ij
           for (std::int64_t c = 0; c < dv; ++c)
             delta += static_cast<double>(load_element(dout, offset4(dout, b, i, h, c))) *
                      out_row[static_cast<std::size_t>(c)];
           // d/dsink of Σ dO∘O: the sink's probability e^{sink − lse} times (0 − D_i).
-          if (p.sinks) dsinks_bh[static_cast<std::size_t>(b * p.heads_q + h)] -= std::exp(sem.sink(h) - lse) * delta;
+          if (p.sinks) dsinks_bh[static_cast<std::size_t>(b * p.heads_q + h)] -= std::exp((sem.sink(h) - lse.max) - lse.log_sum) * delta;
           const AttentionProblem::KeyRange range = p.key_range(i);
           for (std::int64_t j = range.begin; j < range.end; ++j) {
             if (!sem.visible(i, j)) continue;
             const double dot = dot_row(p, q, k, b, h, kvh, i, j);
             const double sij = sem.score(b, h, i, j, dot);
             if (sij == -std::numeric_limits<double>::infinity()) continue;  // hidden: no gradient
-            const double pij = std::exp(sij - lse);
+            const double pij = std::exp((sij - lse.max) - lse.log_sum);
             const double w = sem.dropout_weight(b, h, i, j);
             double dp = 0.0;  // dP_ij = w · dO_i·V_j
             for (std::int64_t c = 0; c < dv; ++c) {

@@ -9,6 +9,7 @@
 
 #include "flashattn/attention.hpp"
 #include "flashattn/error.hpp"
+#include "flashattn/online_softmax.hpp"
 #include "src/cpu/kernels/backward_kernel.hpp"
 #include "src/cpu/allocate.hpp"
 #include "src/cpu/drivers.hpp"
@@ -37,6 +38,8 @@ void cpu::run_backward(const detail::BackwardJob& job) {
   const std::size_t d_pad = static_cast<std::size_t>(plan.head_dim_padded);
   const std::size_t rows = static_cast<std::size_t>(heads * p.seqlen_q);
   auto delta = cpu::allocate_floats(rows + 1);
+  auto lse2 = cpu::allocate_floats(rows + 1);
+  auto lse2_low = cpu::allocate_floats(rows + 1);
   auto dq_accum = cpu::allocate_floats_written(rows * d_pad + 1);
   std::fill(dq_accum.get(), dq_accum.get() + rows * d_pad, 0.0f);
   std::unique_ptr<std::mutex[]> dq_locks;
@@ -66,8 +69,8 @@ void cpu::run_backward(const detail::BackwardJob& job) {
   const cpu::BackwardParams params{p, job.internals, plan, job.dout, job.q, job.k, job.v, job.out, job.lse,
                                    job.dq, job.dk, job.dv,
                                    options.alibi_slopes, options.block_mask, options.attn_mask, mask_blocks.blocks(),
-                                   options.score_hook,
-                                   delta.get(), dq_accum.get(), dq_locks.get(), dq_tickets.get(),
+                                   options.score_hook, options.sinks,
+                                   delta.get(), lse2.get(), lse2_low.get(), dq_accum.get(), dq_locks.get(), dq_tickets.get(),
                                    dbias, dbias_shared, dbias_in_item_order, dbias_tickets.get()};
   // Items are handed out strictly in order (an atomic counter, not an OpenMP schedule):
   // the deterministic mode's tickets rely on K/V block kb − 1 starting before kb.
@@ -101,16 +104,23 @@ void cpu::run_backward(const detail::BackwardJob& job) {
   }
   if (options.dsinks.data != nullptr) {
     // dsinks_h = −Σ_{b,i} e^{sink_h − lse}·D (docs/algorithm.md "Attention sinks"), one
-    // thread in (b, i) order: the same bits for every thread count. Added to what the
-    // caller zeroed (src/cpu/backend.cpp): the sequences of backward_varlen add up.
+    // thread in (b, i) order: the same bits for every thread count. A large row's lse as the
+    // kernels took it (lse2 + lse2_low, log2 units, against the sink in float32 as they
+    // scale it). Added to what the caller zeroed (src/cpu/backend.cpp): the sequences of
+    // backward_varlen add up.
     for (std::int64_t h = 0; h < p.heads_q; ++h) {
-      const double sink = static_cast<const float*>(options.sinks.data)[h * options.sinks.strides[0]];
+      const float sink = static_cast<const float*>(options.sinks.data)[h * options.sinks.strides[0]];
       double sum = 0.0;
       for (std::int64_t b = 0; b < p.batch; ++b)
         for (std::int64_t i = 0; i < p.seqlen_q; ++i) {
+          const std::size_t row = static_cast<std::size_t>((b * p.heads_q + h) * p.seqlen_q + i);
           const float lse = static_cast<const float*>(job.lse.data)[b * job.lse.strides[0] + h * job.lse.strides[1] +
                                                                     i * job.lse.strides[2]];
-          sum += std::exp(sink - lse) * delta[(b * p.heads_q + h) * p.seqlen_q + i];
+          const double e = cpu::IsLargeLse2(lse * OnlineSoftmaxState::kLog2e)
+                               ? std::exp2((static_cast<double>(sink * OnlineSoftmaxState::kLog2e) - lse2[row]) -
+                                           lse2_low[row])
+                               : std::exp(static_cast<double>(sink) - lse);
+          sum += e * delta[row];
         }
       static_cast<float*>(options.dsinks.data)[h * options.dsinks.strides[0]] -= static_cast<float>(sum);
     }

@@ -323,7 +323,7 @@ nlohmann::json counters_json(const KernelCounters& c) {
           {"dout_read", c.dout_read},     {"stats_read", c.stats_read},
           {"dq_accum_read", c.dq_accum_read}, {"dq_accum_written", c.dq_accum_written},
           {"dq_written", c.dq_written},   {"dk_written", c.dk_written},
-          {"dv_written", c.dv_written}};
+          {"dv_written", c.dv_written},   {"large_lse_rows", c.large_lse_rows}};
 }
 
 nlohmann::json prediction_json(const cost::Prediction& p) {

@@ -2,6 +2,7 @@
 // target kernel (tiled_backward.cpp).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <atomic>
 #include <mutex>
@@ -29,7 +30,13 @@ struct BackwardParams {
   TensorView attn_mask;                 // from the options; empty when unused
   DenseMaskBlocks attn_mask_blocks;     // a boolean attn_mask's tiles (the driver's summary)
   ScoreHook score_hook;                 // from the options; apply null when unused
+  TensorView sinks;                     // from the options; empty when unused
   float* delta = nullptr;     // (batch, heads_q, seqlen_q): D = rowsum(dO ∘ O)
+  // (batch, heads_q, seqlen_q), filled with delta: each row's exp2 offset of P in two parts,
+  // P = 2^((S' − lse2) − lse2_low) — lse·log2e and 0, or, where float32 cannot hold the lse
+  // to the precision P needs, the row's maximum score and log2 ℓ (BackwardDelta).
+  float* lse2 = nullptr;
+  float* lse2_low = nullptr;
   float* dq_accum = nullptr;  // (batch, heads_q, seqlen_q, head_dim_padded), float32
   // Default mode: kDqLockStripes locks over the Q tiles of dq_accum; tiles add in any order.
   std::mutex* dq_locks = nullptr;
@@ -48,6 +55,15 @@ struct BackwardParams {
   bool dbias_in_item_order = false;
   std::atomic<std::int64_t>* dbias_tickets = nullptr;
 };
+
+// Is lse·log2e (float32) so large that the backward recomputes the row's exp2 offset from its
+// own scores (BackwardDelta: BackwardParams::lse2, lse2_low)? At 2^10 a float32 lse·log2e is
+// off by up to 2^-14, P by 4e-5 relative, about a naive float32 softmax's error; beyond, the
+// error grows with |lse| (3e-4 at a −1e4 padding bias), and past 2^30 (a −1e9 bias on every
+// key) m + log2 ℓ rounds to m, so P = 2^(S' − lse·log2e) sums to ℓ, not 1. Only rows with
+// |lse| ≥ 710 qualify: a large bias or score_mod constant on every key the row sees, or
+// scores as large.
+inline bool IsLargeLse2(float lse2) { return std::abs(lse2) >= 1024.0f && std::isfinite(lse2); }
 
 // One work item's share of a shared dbias (BackwardParams::dbias_shared): (planes, rows,
 // cols) with planes its q heads (1 where dbias broadcasts over heads), rows seqlen_q (or 1)
@@ -137,7 +153,8 @@ struct BackwardWorkspace {
   // D_pad), then (micro_cols, Dv_pad)).
   hwy::AlignedFreeUniquePtr<std::uint16_t[]> pack_rows;
   hwy::AlignedFreeUniquePtr<float[]> dbias_tile;  // (DbiasTileShape) with a shared dbias, else empty
-  std::vector<float> row_lse2;   // (block_q): lse·log2e, the exp2 offset of each row
+  std::vector<float> row_lse2;      // (block_q): each row's exp2 offset (BackwardParams::lse2)
+  std::vector<float> row_lse2_low;  // (block_q): its low part (BackwardParams::lse2_low)
   std::vector<float> row_delta;  // (block_q): D of each row
   PackedHead packed;  // which head k/v buffers hold, and how much of it
   KernelCounters counters;  // this thread's share of the call's counts (counters.hpp)

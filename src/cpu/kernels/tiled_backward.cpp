@@ -18,6 +18,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <thread>
 #include <tuple>
 
@@ -64,6 +65,75 @@ void* OutRowPointer(const MutableTensorView& t, std::int64_t b, std::int64_t s, 
          detail::offset4(t, b, s, h, 0) * static_cast<std::int64_t>(dtype_size(t.dtype));
 }
 
+// The buffers of RowOffset, allocated at a call's first large row.
+struct RowOffsetScratch {
+  hwy::AlignedFreeUniquePtr<float[]> q, k_rows, kt, scores;
+  RowOffsetScratch(const BackwardParams& prm)
+      : q(hwy::AllocateAligned<float>(static_cast<std::size_t>(prm.plan.head_dim_padded))),
+        k_rows(hwy::AllocateAligned<float>(static_cast<std::size_t>(kMicroCols * prm.plan.head_dim_padded))),
+        kt(hwy::AllocateAligned<float>(static_cast<std::size_t>(prm.plan.head_dim_padded * kMicroCols))),
+        scores(hwy::AllocateAligned<float>(static_cast<std::size_t>(RoundUp(prm.plan.block_k, kMicroTileLcm)))) {}
+};
+
+// The exp2 offset of row i of (b, h) in two parts, (m, log2 ℓ): m the maximum of the row's
+// scores S' (and of the sink's logit), ℓ = Σ 2^(S' − m) over the keys it sees (and the sink).
+// The scores are computed as the tiles compute them — Q·scale·log2e and K rows converted as
+// the f32 products convert them, one FMA chain per score in head-dim order (MicroTile's),
+// then RowMods::apply per K/V tile — so that where a bias dominates the scores the
+// products' S' − m is exact and P = 2^((S' − m) − log2 ℓ) sums to 1. (m, log2 ℓ) = (−∞, 0)
+// for a row that sees no key.
+std::pair<float, float> RowOffset(const BackwardParams& prm, const RowMods& mods, RowOffsetScratch& s, std::int64_t b,
+                                  std::int64_t h, std::int64_t i) {
+  const AttentionProblem& p = prm.problem;
+  const DF df;
+  const std::int64_t bc = prm.plan.block_k, d = p.head_dim, d_pad = prm.plan.head_dim_padded;
+  const std::int64_t kv_head = h / (p.heads_q / p.heads_kv);
+  LoadRow(RowPointer(prm.q, b, i, h), p.dtype, d, p.softmax_scale * OnlineSoftmaxState::kLog2e, s.q.get());
+  float m = -std::numeric_limits<float>::infinity();
+  double l = 0.0;  // Σ 2^(S' − m) over the keys so far
+  const auto add = [&](float tile_max, auto sum_over) {
+    if (tile_max == -std::numeric_limits<float>::infinity()) return;
+    const float m_new = std::max(m, tile_max);
+    l = l * std::exp2(static_cast<double>(m) - m_new) + sum_over(m_new);
+    m = m_new;
+  };
+  for (std::int64_t j0 = 0; j0 < p.seqlen_k; j0 += bc) {
+    const std::int64_t n = std::min(bc, p.seqlen_k - j0), n_pad = RoundUp(n, kMicroTileLcm);
+    if (!mods.tile_has_work(i, 1, j0, n)) continue;
+    for (std::int64_t c0 = 0; c0 < n_pad; c0 += kMicroCols) {
+      for (std::int64_t e = 0; e < kMicroCols; ++e) {
+        float* row = s.k_rows.get() + e * d_pad;
+        const std::int64_t j = j0 + c0 + e;
+        if (j < p.seqlen_k) LoadRow(RowPointer(prm.k, b, j, kv_head), prm.k.dtype, d, 1.0f, row);
+        std::fill(row + (j < p.seqlen_k ? d : 0), row + d_pad, 0.0f);
+      }
+      TransposeKeys(df, s.k_rows.get(), d_pad, d, s.kt.get(), kMicroCols);
+      for (std::int64_t v = 0; v < kMicroVecs; ++v) {
+        VF acc = hn::Zero(df);
+        for (std::int64_t c = 0; c < d; ++c)
+          acc = hn::MulAdd(hn::Set(df, s.q[c]), hn::Load(df, s.kt.get() + c * kMicroCols + v * kLanes), acc);
+        hn::Store(acc, df, s.scores.get() + c0 + v * kLanes);
+      }
+    }
+    float* scores = s.scores.get();
+    mods.apply(scores, nullptr, i, j0, n, n_pad);
+    add(*std::max_element(scores, scores + n_pad), [&](float m_new) {
+      VF sum = hn::Zero(df);
+      for (std::int64_t c = 0; c < n_pad; c += kLanes)
+        sum = hn::Add(sum, Exp2(df, hn::Sub(hn::Load(df, scores + c), hn::Set(df, m_new))));
+      return static_cast<double>(hn::GetLane(hn::SumOfLanes(df, sum)));
+    });
+  }
+  if (prm.sinks.data != nullptr) {
+    const float sink2 = static_cast<const float*>(prm.sinks.data)[h * prm.sinks.strides[0]] * OnlineSoftmaxState::kLog2e;
+    add(sink2, [&](float m_new) { return std::exp2(static_cast<double>(sink2) - m_new); });
+  }
+  if (l == 0.0) return {-std::numeric_limits<float>::infinity(), 0.0f};
+  return {m, static_cast<float>(std::log2(l))};
+}
+
+// D = rowsum(dO ∘ O) and the exp2 offsets of P (BackwardParams::lse2, lse2_low) of every
+// row of (b, h).
 void BackwardDelta(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t bh) {
   const AttentionProblem& p = prm.problem;
   const std::int64_t b = bh / p.heads_q, h = bh % p.heads_q;
@@ -71,6 +141,8 @@ void BackwardDelta(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_
   const std::int64_t dv = p.head_dim_v;
   auto o_row = hwy::AllocateAligned<float>(static_cast<std::size_t>(2 * RoundUp(dv, kLanes)));
   float* go_row = o_row.get() + RoundUp(dv, kLanes);
+  std::optional<RowMods> mods;
+  std::optional<RowOffsetScratch> scratch;
   for (std::int64_t i = 0; i < p.seqlen_q; ++i) {
     LoadRow(RowPointer(prm.out, b, i, h), p.dtype, dv, 1.0f, o_row.get());
     LoadRow(RowPointer(prm.dout, b, i, h), p.dtype, dv, 1.0f, go_row);
@@ -79,19 +151,32 @@ void BackwardDelta(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_
     VF acc = hn::Zero(df);
     for (std::int64_t c = 0; c < dv; c += kLanes)
       acc = hn::MulAdd(hn::Load(df, o_row.get() + c), hn::Load(df, go_row + c), acc);
-    prm.delta[bh * p.seqlen_q + i] = hn::GetLane(hn::SumOfLanes(df, acc));
+    const std::int64_t row = bh * p.seqlen_q + i;
+    prm.delta[row] = hn::GetLane(hn::SumOfLanes(df, acc));
+    const float lse2 = *LsePointer(prm, b, h, i) * OnlineSoftmaxState::kLog2e;
+    prm.lse2[row] = lse2;
+    prm.lse2_low[row] = 0.0f;
+    if (IsLargeLse2(lse2)) {
+      if (!mods)
+        mods.emplace(p, prm.internals, prm.alibi_slopes, prm.block_mask, prm.attn_mask, prm.attn_mask_blocks,
+                     prm.score_hook, b, h);
+      if (!scratch) scratch.emplace(prm);
+      std::tie(prm.lse2[row], prm.lse2_low[row]) = RowOffset(prm, *mods, *scratch, b, h, i);
+      ws.counters.large_lse_rows += 1;
+    }
   }
   ws.counters.o_read += p.seqlen_q * dv;
   ws.counters.dout_read += p.seqlen_q * dv;
 }
 
-// Loads lse·log2e and D of rows [i0, i0 + rows) of (b, h); rows up to rows_pad get zeros.
+// Loads the exp2 offsets and D of rows [i0, i0 + rows) of (b, h); rows up to rows_pad get zeros.
 void LoadRowStats(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t b, std::int64_t h,
                   std::int64_t i0, std::int64_t rows, std::int64_t rows_pad) {
-  const AttentionProblem& p = prm.problem;
+  const std::int64_t first = (b * prm.problem.heads_q + h) * prm.problem.seqlen_q + i0;
   for (std::int64_t r = 0; r < rows_pad; ++r) {
-    ws.row_lse2[r] = r < rows ? *LsePointer(prm, b, h, i0 + r) * OnlineSoftmaxState::kLog2e : 0.0f;
-    ws.row_delta[r] = r < rows ? prm.delta[(b * p.heads_q + h) * p.seqlen_q + i0 + r] : 0.0f;
+    ws.row_lse2[r] = r < rows ? prm.lse2[first + r] : 0.0f;
+    ws.row_lse2_low[r] = r < rows ? prm.lse2_low[first + r] : 0.0f;
+    ws.row_delta[r] = r < rows ? prm.delta[first + r] : 0.0f;
   }
 }
 
@@ -313,7 +398,9 @@ void AddDbiasTile(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t
 // so P = 0 there. With `dbias`, each row's dS before the chain rule through softcap (the
 // gradient of the score after the mask step; dbias excludes a score_hook) is added there.
 // p_tile holds S' over `score_scale` (> 0; 1 where the products scaled it; other factors only
-// where the mask step only hides scores): P = 2^(score_scale·S − lse), one rounding.
+// where the mask step only hides scores): P = 2^((score_scale·S − lse2) − lse2_low), the first
+// difference rounded once, the second exact where lse2_low is 0 (every row but BackwardDelta's
+// large ones).
 void ComputePAndDS(BackwardWorkspace& ws, const RowMods& mods, const DbiasRows& dbias, std::int64_t bc,
                    std::int64_t i0, std::int64_t rows, std::int64_t rows_pad, std::int64_t j0, std::int64_t n,
                    std::int64_t n_pad, float score_scale) {
@@ -335,10 +422,10 @@ void ComputePAndDS(BackwardWorkspace& ws, const RowMods& mods, const DbiasRows& 
       std::fill(wrow, wrow + n_pad, 1.0f);
       mods.apply_dropout(wrow, i, j0, n_pad);
     }
-    const VF lse2 = hn::Set(df, ws.row_lse2[r]), vc = hn::Set(df, score_scale);
-    const VF delta = hn::Set(df, ws.row_delta[r]);
+    const VF lse2 = hn::Set(df, ws.row_lse2[r]), lse2_low = hn::Set(df, ws.row_lse2_low[r]);
+    const VF vc = hn::Set(df, score_scale), delta = hn::Set(df, ws.row_delta[r]);
     for (std::int64_t j = 0; j < n_pad; j += kLanes) {
-      const VF pj = Exp2(df, hn::MulSub(hn::Load(df, prow + j), vc, lse2));
+      const VF pj = Exp2(df, hn::Sub(hn::MulSub(hn::Load(df, prow + j), vc, lse2), lse2_low));
       VF dp = hn::Load(df, dsrow + j);
       VF pw = pj;
       if (dropout) {  // dP of the undropped P is w·dP of the dropped one

@@ -211,6 +211,7 @@ std::size_t backward_q_rows_bytes(const CpuBackwardPlan& plan, const AttentionPr
 
 BackwardWorkspace::BackwardWorkspace(const CpuBackwardPlan& plan, const AttentionProblem& p)
     : row_lse2(static_cast<std::size_t>(plan.block_q)),
+      row_lse2_low(static_cast<std::size_t>(plan.block_q)),
       row_delta(static_cast<std::size_t>(plan.block_q)) {
   const BackwardSizes s(plan, p);
   q_tile = allocate_floats(s.bq * (s.d_pad + kRowLdPad));
