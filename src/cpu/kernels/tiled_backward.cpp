@@ -398,9 +398,8 @@ void AddDbiasTile(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t
 // so P = 0 there. With `dbias`, each row's dS before the chain rule through softcap (the
 // gradient of the score after the mask step; dbias excludes a score_hook) is added there.
 // p_tile holds S' over `score_scale` (> 0; 1 where the products scaled it; other factors only
-// where the mask step only hides scores): P = 2^((score_scale·S − lse2) − lse2_low), the first
-// difference rounded once, the second exact where lse2_low is 0 (every row but BackwardDelta's
-// large ones).
+// where the mask step only hides scores): P = 2^(score_scale·S − lse2), one rounding, or for
+// BackwardDelta's large rows (lse2_low ≠ 0) P = 2^((score_scale·S − lse2) − lse2_low).
 void ComputePAndDS(BackwardWorkspace& ws, const RowMods& mods, const DbiasRows& dbias, std::int64_t bc,
                    std::int64_t i0, std::int64_t rows, std::int64_t rows_pad, std::int64_t j0, std::int64_t n,
                    std::int64_t n_pad, float score_scale) {
@@ -422,10 +421,18 @@ void ComputePAndDS(BackwardWorkspace& ws, const RowMods& mods, const DbiasRows& 
       std::fill(wrow, wrow + n_pad, 1.0f);
       mods.apply_dropout(wrow, i, j0, n_pad);
     }
-    const VF lse2 = hn::Set(df, ws.row_lse2[r]), lse2_low = hn::Set(df, ws.row_lse2_low[r]);
-    const VF vc = hn::Set(df, score_scale), delta = hn::Set(df, ws.row_delta[r]);
+    float row_lse2 = ws.row_lse2[r], row_scale = score_scale;
+    if (ws.row_lse2_low[r] != 0.0f) {  // a large row's two-part offset, taken in a pass of its own
+      const VF hi = hn::Set(df, row_lse2), low = hn::Set(df, ws.row_lse2_low[r]), vc = hn::Set(df, score_scale);
+      for (std::int64_t j = 0; j < n_pad; j += kLanes)
+        hn::Store(hn::Sub(hn::MulSub(hn::Load(df, prow + j), vc, hi), low), df, prow + j);
+      row_lse2 = 0.0f;  // the loop below then takes the row as it is: x·1 − 0 = x
+      row_scale = 1.0f;
+    }
+    const VF lse2 = hn::Set(df, row_lse2), vc = hn::Set(df, row_scale);
+    const VF delta = hn::Set(df, ws.row_delta[r]);
     for (std::int64_t j = 0; j < n_pad; j += kLanes) {
-      const VF pj = Exp2(df, hn::Sub(hn::MulSub(hn::Load(df, prow + j), vc, lse2), lse2_low));
+      const VF pj = Exp2(df, hn::MulSub(hn::Load(df, prow + j), vc, lse2));
       VF dp = hn::Load(df, dsrow + j);
       VF pw = pj;
       if (dropout) {  // dP of the undropped P is w·dP of the dropped one
