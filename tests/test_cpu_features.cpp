@@ -153,6 +153,7 @@ TEST(CpuFeatures, Int8DotExactlyWhereTheCpuHasAvx512Vnni) {
   FLASHATTN_REQUIRE_CPUINFO(info);
   const bool cpu = info.has("avx512_vnni") && info.has("avx512bw") && info.has("avx512vl");
   EXPECT_EQ(cpu::int8dot::available(), cpu) << "/proc/cpuinfo avx512_vnni: " << info.has("avx512_vnni");
+  EXPECT_EQ(CpuHardware::detect(0).int8_dot, cpu);
   // decode_bf16 scores int8 K codes on it: every CPU with AVX512-BF16 has it.
   if (cpu::bf16decode::available()) EXPECT_TRUE(cpu::int8dot::available());
 }

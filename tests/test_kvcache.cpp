@@ -1007,6 +1007,7 @@ TEST(KvCache, DecodeFp16IsPlannedForQuantizedCachesOnly) {
   // does not use); asked for without AVX512-BF16, an Error.
   CpuHardware zen4 = without, intel = without;
   zen4.decode_bf16 = intel.decode_bf16 = true;
+  zen4.int8_dot = intel.int8_dot = true;
   zen4.bf16_dot_fast = true;
   zen4.amx_bf16 = false;
   intel.bf16_dot_fast = true;
@@ -1018,6 +1019,14 @@ TEST(KvCache, DecodeFp16IsPlannedForQuantizedCachesOnly) {
     expect_error([&] { cpu::plan_forward(p, cache, without, 0, 0, ForwardKernel::decode_bf16); },
                  {"kernel decode_bf16", "AVX512-BF16 (this one: no)"});
   }
+  // The planner takes VNNI from the hardware it is given, not from the CPU running the test:
+  // without it, int8 codes plan decode (FP8 still decode_bf16) and asking names it.
+  CpuHardware zen4_without_vnni = zen4;
+  zen4_without_vnni.int8_dot = false;
+  EXPECT_EQ(cpu::plan_forward(p, kFp8Cache, zen4_without_vnni).kernel, ForwardKernel::decode_bf16);
+  EXPECT_EQ(cpu::plan_forward(p, kInt8Cache, zen4_without_vnni).kernel, ForwardKernel::decode);
+  expect_error([&] { cpu::plan_forward(p, kInt8Cache, zen4_without_vnni, 0, 0, ForwardKernel::decode_bf16); },
+               {"kernel decode_bf16", "AVX512-VNNI (this one: no)"});
   // No head-dim bound of its own: DeepSeek's MLA decode (head_dim 576) too.
   const AttentionProblem mla = AttentionProblem::from_sizes(1, 1, 500, 16, 1, 576, 512, DType::bf16, {});
   EXPECT_EQ(cpu::plan_forward(mla, kFp8Cache, zen4).kernel, ForwardKernel::decode_bf16);

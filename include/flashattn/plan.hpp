@@ -29,8 +29,9 @@ struct CpuHardware {
   bool amx_bf16 = false;          // and they run on AMX tiles (AMX-BF16, and Linux granted this
                                   // process the tile state)
   bool decode_fp16 = false;       // the decode_fp16 kernel can run: the CPU has AVX512-FP16
-  bool decode_bf16 = false;       // the decode_bf16 kernel can run: the CPU has AVX512-BF16 (int8
-                                  // caches: and AVX512-VNNI, which every such CPU has)
+  bool decode_bf16 = false;       // the decode_bf16 kernel can run: the CPU has AVX512-BF16
+  bool int8_dot = false;          // the CPU has AVX512-VNNI, on which decode_bf16 scores int8 K
+                                  // codes (every CPU with AVX512-BF16 has it)
   // Decode calls over bf16 or f16 caches that read at most this many K/V bytes run the
   // decode kernel of the AVX2 target (256-bit vectors) instead of AVX-512's: set on Intel
   // CPUs dispatching to an AVX-512 target, whose 512-bit arithmetic slows the work around a

@@ -67,6 +67,7 @@ CpuHardware CpuHardware::detect(int num_threads) {
   hw.amx_bf16 = hw.bf16_dot && cpu::bf16dot::uses_amx();
   hw.decode_fp16 = cpu::fp16dot::available();
   hw.decode_bf16 = cpu::bf16decode::available();
+  hw.int8_dot = cpu::int8dot::available();
   // Intel's cores slow down around 512-bit arithmetic (a lower clock licence while it runs
   // and after); AMD's Zen 4 does not. A Llama-style model's bf16 decode (8 q / 2 kv heads of
   // 64, 2 threads) ran at 1.01-1.04x SDPA's speed end to end with the AVX2 decode kernel
@@ -120,7 +121,7 @@ ForwardKernel choose_kernel(const AttentionProblem& p, const detail::ProblemInte
                            hw.decode_fp16 && p.dropout_p == 0.0f;
   // decode_bf16 scores int8 K codes on AVX512-VNNI (int8_dot.hpp), which every CPU with
   // AVX512-BF16 has.
-  const bool vnni = !internals.int8_kv_cache || cpu::int8dot::available();
+  const bool vnni = !internals.int8_kv_cache || hw.int8_dot;
   const bool bf16_decode = quantized && rows <= kDecodeRows && hw.decode_bf16 && vnni;
   for (const auto& [kernel, runs, isa, has] :
        {std::tuple{ForwardKernel::decode_fp16, fp16_decode, "AVX512-FP16", hw.decode_fp16},

@@ -690,6 +690,7 @@ NB_MODULE(_C, m) {
             {"tiled_bf16_default", hw.bf16_dot_fast ? "1" : "0"},
             {"decode_fp16", hw.decode_fp16 ? "1" : "0"},
             {"decode_bf16", hw.decode_bf16 ? "1" : "0"},
+            {"int8_dot", hw.int8_dot ? "1" : "0"},
             {"amx_bf16", hw.amx_bf16 ? "1" : "0"},
         };
       },
