@@ -22,6 +22,9 @@
 #include <atomic>
 #include <cstring>
 #include <string>
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>  // avx2_kernel_geometry's F16C check
+#endif
 
 #include "flashattn/online_softmax.hpp"
 #include "flashattn/error.hpp"
@@ -507,11 +510,13 @@ void set_avx2_decode_enabled(bool enabled) { avx2_decode_enabled.store(enabled, 
 
 std::optional<KernelGeometry> avx2_kernel_geometry() {
 #if HWY_TARGETS & HWY_AVX2
-  // Highway's AVX2 target needs these (hwy/targets.cc); libgcc reads CPUID once.
+  // Highway's AVX2 target needs these (hwy/targets.cc); the CPU is asked once. F16C from
+  // CPUID leaf 1 directly: clang's __builtin_cpu_supports does not know it.
   static const bool runs = [] {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("bmi2") &&
-           __builtin_cpu_supports("f16c");
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("bmi2") && f16c;
   }();
   if (runs && avx2_decode_enabled.load(std::memory_order_relaxed)) return N_AVX2::GetKernelGeometry();
 #endif
