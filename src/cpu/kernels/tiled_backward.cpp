@@ -18,7 +18,6 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
-#include <optional>
 #include <thread>
 #include <tuple>
 
@@ -65,71 +64,87 @@ void* OutRowPointer(const MutableTensorView& t, std::int64_t b, std::int64_t s, 
          detail::offset4(t, b, s, h, 0) * static_cast<std::int64_t>(dtype_size(t.dtype));
 }
 
-// The buffers of RowOffset, allocated at a call's first large row.
-struct RowOffsetScratch {
+// Large rows (IsLargeLse2) recomputed together, up to this many at a time: whole micro-tiles
+// of rows, so that their scores run on the products' micro-kernel.
+constexpr std::int64_t kLargeRowGroup = 8 * kMicroRows;
+
+// The buffers of LargeRowOffsets, allocated at a (batch, head)'s first large row.
+struct LargeRowScratch {
+  std::int64_t d_ld, n_ld;
   hwy::AlignedFreeUniquePtr<float[]> q, k_rows, kt, scores;
-  RowOffsetScratch(const BackwardParams& prm)
-      : q(hwy::AllocateAligned<float>(static_cast<std::size_t>(prm.plan.head_dim_padded))),
-        k_rows(hwy::AllocateAligned<float>(static_cast<std::size_t>(kMicroCols * prm.plan.head_dim_padded))),
-        kt(hwy::AllocateAligned<float>(static_cast<std::size_t>(prm.plan.head_dim_padded * kMicroCols))),
-        scores(hwy::AllocateAligned<float>(static_cast<std::size_t>(RoundUp(prm.plan.block_k, kMicroTileLcm)))) {}
+  explicit LargeRowScratch(const CpuBackwardPlan& plan)
+      : d_ld(RowLd(plan.head_dim_padded)), n_ld(RoundUp(plan.block_k, kMicroTileLcm)),
+        q(hwy::AllocateAligned<float>(static_cast<std::size_t>(kLargeRowGroup * d_ld))),
+        k_rows(hwy::AllocateAligned<float>(static_cast<std::size_t>(kMicroCols * plan.head_dim_padded))),
+        kt(hwy::AllocateAligned<float>(static_cast<std::size_t>(plan.head_dim_padded * n_ld))),
+        scores(hwy::AllocateAligned<float>(static_cast<std::size_t>(kLargeRowGroup * n_ld))) {}
 };
 
-// The exp2 offset of row i of (b, h) in two parts, (m, log2 ℓ): m the maximum of the row's
-// scores S' (and of the sink's logit), ℓ = Σ 2^(S' − m) over the keys it sees (and the sink).
-// The scores are computed as the tiles compute them — Q·scale·log2e and K rows converted as
-// the f32 products convert them, one FMA chain per score in head-dim order (MicroTile's),
-// then RowMods::apply per K/V tile — so that where a bias dominates the scores the
-// products' S' − m is exact and P = 2^((S' − m) − log2 ℓ) sums to 1. (m, log2 ℓ) = (−∞, 0)
-// for a row that sees no key.
-std::pair<float, float> RowOffset(const BackwardParams& prm, const RowMods& mods, RowOffsetScratch& s, std::int64_t b,
-                                  std::int64_t h, std::int64_t i) {
+// The exp2 offsets of the large rows `rows` of (b, h) in two parts, (m, log2 ℓ), into
+// prm.lse2 and prm.lse2_low: m the maximum of the row's scores S' (and of the sink's logit),
+// ℓ = Σ 2^(S' − m) over the keys it sees (and the sink). The scores are computed as the
+// tiles compute them — Q·scale·log2e and K rows converted as the f32 products convert them,
+// K/V tile by K/V tile on the micro-kernel (one FMA chain per score in head-dim order), then
+// RowMods::apply — so that where a bias dominates the scores, S' − m in the tiles is exact
+// and P = 2^((S' − m) − log2 ℓ) sums to 1. A row that sees no key gets (−∞, 0).
+void LargeRowOffsets(const BackwardParams& prm, const RowMods& mods, LargeRowScratch& s, std::int64_t b,
+                     std::int64_t h, const std::vector<std::int64_t>& rows) {
   const AttentionProblem& p = prm.problem;
   const DF df;
   const std::int64_t bc = prm.plan.block_k, d = p.head_dim, d_pad = prm.plan.head_dim_padded;
-  const std::int64_t kv_head = h / (p.heads_q / p.heads_kv);
-  LoadRow(RowPointer(prm.q, b, i, h), p.dtype, d, p.softmax_scale * OnlineSoftmaxState::kLog2e, s.q.get());
-  float m = -std::numeric_limits<float>::infinity();
-  double l = 0.0;  // Σ 2^(S' − m) over the keys so far
-  const auto add = [&](float tile_max, auto sum_over) {
-    if (tile_max == -std::numeric_limits<float>::infinity()) return;
-    const float m_new = std::max(m, tile_max);
-    l = l * std::exp2(static_cast<double>(m) - m_new) + sum_over(m_new);
-    m = m_new;
-  };
-  for (std::int64_t j0 = 0; j0 < p.seqlen_k; j0 += bc) {
-    const std::int64_t n = std::min(bc, p.seqlen_k - j0), n_pad = RoundUp(n, kMicroTileLcm);
-    if (!mods.tile_has_work(i, 1, j0, n)) continue;
-    for (std::int64_t c0 = 0; c0 < n_pad; c0 += kMicroCols) {
-      for (std::int64_t e = 0; e < kMicroCols; ++e) {
-        float* row = s.k_rows.get() + e * d_pad;
-        const std::int64_t j = j0 + c0 + e;
-        if (j < p.seqlen_k) LoadRow(RowPointer(prm.k, b, j, kv_head), prm.k.dtype, d, 1.0f, row);
-        std::fill(row + (j < p.seqlen_k ? d : 0), row + d_pad, 0.0f);
+  const std::int64_t kv_head = h / (p.heads_q / p.heads_kv), first_row = (b * p.heads_q + h) * p.seqlen_q;
+  const float q_scale = p.softmax_scale * OnlineSoftmaxState::kLog2e;
+  const float sink2 = prm.sinks.data != nullptr
+                          ? static_cast<const float*>(prm.sinks.data)[h * prm.sinks.strides[0]] * OnlineSoftmaxState::kLog2e
+                          : -std::numeric_limits<float>::infinity();
+  for (std::size_t g0 = 0; g0 < rows.size(); g0 += kLargeRowGroup) {
+    const std::int64_t count = std::min<std::int64_t>(kLargeRowGroup, static_cast<std::int64_t>(rows.size() - g0));
+    const std::int64_t count_pad = RoundUp(count, kMicroRows);
+    const std::int64_t* group = rows.data() + g0;
+    for (std::int64_t r = 0; r < count_pad; ++r) {
+      float* qrow = s.q.get() + r * s.d_ld;
+      if (r < count) LoadRow(RowPointer(prm.q, b, group[r], h), p.dtype, d, q_scale, qrow);
+      std::fill(qrow + (r < count ? d : 0), qrow + d_pad, 0.0f);
+    }
+    // Per row: the maximum so far and Σ 2^(S' − max), starting from the sink alone.
+    std::vector<float> m(static_cast<std::size_t>(count), sink2);
+    std::vector<double> l(static_cast<std::size_t>(count), sink2 == -std::numeric_limits<float>::infinity() ? 0.0 : 1.0);
+    for (std::int64_t j0 = 0; j0 < p.seqlen_k; j0 += bc) {
+      const std::int64_t n = std::min(bc, p.seqlen_k - j0), n_pad = RoundUp(n, kMicroTileLcm);
+      bool any = false;
+      for (std::int64_t r = 0; r < count && !any; ++r) any = mods.tile_has_work(group[r], 1, j0, n);
+      if (!any) continue;
+      for (std::int64_t c0 = 0; c0 < n_pad; c0 += kMicroCols) {
+        for (std::int64_t e = 0; e < kMicroCols; ++e) {
+          float* row = s.k_rows.get() + e * d_pad;
+          const std::int64_t j = j0 + c0 + e;
+          if (j < p.seqlen_k) LoadRow(RowPointer(prm.k, b, j, kv_head), prm.k.dtype, d, 1.0f, row);
+          std::fill(row + (j < p.seqlen_k ? d : 0), row + d_pad, 0.0f);
+        }
+        TransposeKeys(df, s.k_rows.get(), d_pad, d, s.kt.get() + c0, n_pad);
       }
-      TransposeKeys(df, s.k_rows.get(), d_pad, d, s.kt.get(), kMicroCols);
-      for (std::int64_t v = 0; v < kMicroVecs; ++v) {
-        VF acc = hn::Zero(df);
-        for (std::int64_t c = 0; c < d; ++c)
-          acc = hn::MulAdd(hn::Set(df, s.q[c]), hn::Load(df, s.kt.get() + c * kMicroCols + v * kLanes), acc);
-        hn::Store(acc, df, s.scores.get() + c0 + v * kLanes);
+      TileGemm<false>({s.q.get(), s.d_ld}, s.kt.get(), n_pad, s.scores.get(), n_pad, count_pad, n_pad, d);
+      for (std::int64_t r = 0; r < count; ++r) {
+        if (!mods.tile_has_work(group[r], 1, j0, n)) continue;
+        float* scores = s.scores.get() + r * n_pad;
+        mods.apply(scores, nullptr, group[r], j0, n, n_pad);
+        const float tile_max = *std::max_element(scores, scores + n_pad);
+        if (tile_max == -std::numeric_limits<float>::infinity()) continue;
+        const float m_new = std::max(m[r], tile_max);
+        VF sum = hn::Zero(df);
+        for (std::int64_t c = 0; c < n_pad; c += kLanes)
+          sum = hn::Add(sum, Exp2(df, hn::Sub(hn::Load(df, scores + c), hn::Set(df, m_new))));
+        l[r] = l[r] * std::exp2(static_cast<double>(m[r]) - m_new) + hn::GetLane(hn::SumOfLanes(df, sum));
+        m[r] = m_new;
       }
     }
-    float* scores = s.scores.get();
-    mods.apply(scores, nullptr, i, j0, n, n_pad);
-    add(*std::max_element(scores, scores + n_pad), [&](float m_new) {
-      VF sum = hn::Zero(df);
-      for (std::int64_t c = 0; c < n_pad; c += kLanes)
-        sum = hn::Add(sum, Exp2(df, hn::Sub(hn::Load(df, scores + c), hn::Set(df, m_new))));
-      return static_cast<double>(hn::GetLane(hn::SumOfLanes(df, sum)));
-    });
+    for (std::int64_t r = 0; r < count; ++r) {
+      const std::int64_t row = first_row + group[r];
+      const bool sees = l[r] > 0.0;
+      prm.lse2[row] = sees ? m[r] : -std::numeric_limits<float>::infinity();
+      prm.lse2_low[row] = sees ? static_cast<float>(std::log2(l[r])) : 0.0f;
+    }
   }
-  if (prm.sinks.data != nullptr) {
-    const float sink2 = static_cast<const float*>(prm.sinks.data)[h * prm.sinks.strides[0]] * OnlineSoftmaxState::kLog2e;
-    add(sink2, [&](float m_new) { return std::exp2(static_cast<double>(sink2) - m_new); });
-  }
-  if (l == 0.0) return {-std::numeric_limits<float>::infinity(), 0.0f};
-  return {m, static_cast<float>(std::log2(l))};
 }
 
 // D = rowsum(dO ∘ O) and the exp2 offsets of P (BackwardParams::lse2, lse2_low) of every
@@ -141,8 +156,7 @@ void BackwardDelta(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_
   const std::int64_t dv = p.head_dim_v;
   auto o_row = hwy::AllocateAligned<float>(static_cast<std::size_t>(2 * RoundUp(dv, kLanes)));
   float* go_row = o_row.get() + RoundUp(dv, kLanes);
-  std::optional<RowMods> mods;
-  std::optional<RowOffsetScratch> scratch;
+  std::vector<std::int64_t> large;
   for (std::int64_t i = 0; i < p.seqlen_q; ++i) {
     LoadRow(RowPointer(prm.out, b, i, h), p.dtype, dv, 1.0f, o_row.get());
     LoadRow(RowPointer(prm.dout, b, i, h), p.dtype, dv, 1.0f, go_row);
@@ -153,17 +167,16 @@ void BackwardDelta(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_
       acc = hn::MulAdd(hn::Load(df, o_row.get() + c), hn::Load(df, go_row + c), acc);
     const std::int64_t row = bh * p.seqlen_q + i;
     prm.delta[row] = hn::GetLane(hn::SumOfLanes(df, acc));
-    const float lse2 = *LsePointer(prm, b, h, i) * OnlineSoftmaxState::kLog2e;
-    prm.lse2[row] = lse2;
+    prm.lse2[row] = *LsePointer(prm, b, h, i) * OnlineSoftmaxState::kLog2e;
     prm.lse2_low[row] = 0.0f;
-    if (IsLargeLse2(lse2)) {
-      if (!mods)
-        mods.emplace(p, prm.internals, prm.alibi_slopes, prm.block_mask, prm.attn_mask, prm.attn_mask_blocks,
-                     prm.score_hook, b, h);
-      if (!scratch) scratch.emplace(prm);
-      std::tie(prm.lse2[row], prm.lse2_low[row]) = RowOffset(prm, *mods, *scratch, b, h, i);
-      ws.counters.large_lse_rows += 1;
-    }
+    if (IsLargeLse2(prm.lse2[row])) large.push_back(i);
+  }
+  if (!large.empty()) {
+    const RowMods mods(p, prm.internals, prm.alibi_slopes, prm.block_mask, prm.attn_mask, prm.attn_mask_blocks,
+                       prm.score_hook, b, h);
+    LargeRowScratch scratch(prm.plan);
+    LargeRowOffsets(prm, mods, scratch, b, h, large);
+    ws.counters.large_lse_rows += static_cast<std::int64_t>(large.size());
   }
   ws.counters.o_read += p.seqlen_q * dv;
   ws.counters.dout_read += p.seqlen_q * dv;
