@@ -201,7 +201,7 @@ struct BackwardSizes {
 
 std::size_t backward_workspace_bytes(const CpuBackwardPlan& plan, const AttentionProblem& p) {
   const BackwardSizes s(plan, p);
-  return s.floats() * sizeof(float) + s.bf16_elements() * sizeof(std::uint16_t) + s.bq * 2 * sizeof(float) +
+  return s.floats() * sizeof(float) + s.bf16_elements() * sizeof(std::uint16_t) + s.bq * 3 * sizeof(float) +
          (s.keep_q ? s.kept_q_bytes() + s.kept_rows() / s.bq : 0);
 }
 
