@@ -24,6 +24,7 @@
 #include "src/cpu/kernels/bf16_decode.hpp"
 #include "src/cpu/kernels/fp16_decode.hpp"
 #include "src/cpu/kernels/int8_dot.hpp"
+#include "src/cpu/kernels/forward_kernel.hpp"
 #include "tests/support/support.hpp"
 
 namespace flashattn::test {
@@ -107,6 +108,17 @@ TEST(CpuFeatures, ForEachSimdTargetVisitsTheDispatchedOne) {
   GTEST_SKIP() << "built with FLASHATTN_SIMD_TARGETS=native: SIMD targets " << FLASHATTN_SIMD_TARGETS_LEFT_OUT
                << " are not compiled; the tests over every compiled target ran " << visited << " only";
 #endif
+}
+
+// The AVX2 decode kernel (short bf16 decode calls on Intel's AVX-512 CPUs) is offered exactly
+// where Highway's AVX2 target is compiled and runs — its own CPUID check (AVX2, FMA, BMI2, F16C
+// read from leaf 1) agreeing with Highway's and with /proc/cpuinfo.
+TEST(CpuFeatures, Avx2DecodeGeometryExactlyWhereTheAvx2TargetRuns) {
+  FLASHATTN_REQUIRE_CPUINFO(info);
+  bool avx2_runs = false;
+  for_each_simd_target([&](const std::string& name) { avx2_runs = avx2_runs || name == "AVX2"; });
+  EXPECT_EQ(cpu::avx2_kernel_geometry().has_value(), avx2_runs);
+  if (avx2_runs) EXPECT_TRUE(info.has("avx2") && info.has("fma") && info.has("bmi2") && info.has("f16c"));
 }
 
 TEST(CpuFeatures, Bf16DotExactlyWhereTheCpuHasAvx512Bf16) {
