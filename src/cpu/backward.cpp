@@ -22,6 +22,41 @@ void cpu::check_backward(const detail::BackwardJob& job) {
                   job.options.backward_kernel);
 }
 
+namespace {
+
+// The rows whose exp2 offset the large-row pass recomputes (cpu::IsLargeLse2 of the forward's
+// lse), found before the threads start: their pass's buffers are allocated only where a call
+// has such rows, and its items (up to 8 micro-tiles of rows of one (batch, head)) spread over
+// every thread however few heads hold them.
+struct LargeRows {
+  std::vector<std::int64_t> rows;
+  std::vector<cpu::LargeRowItem> items;
+};
+
+LargeRows large_rows(const TensorView& lse, const AttentionProblem& p, const CpuBackwardPlan& plan) {
+  LargeRows r;
+  const auto* data = static_cast<const float*>(lse.data);
+  const std::int64_t per_item = std::min<std::int64_t>(8 * plan.hardware.micro_rows, cpu::kLargeRowsPerItem);
+  std::vector<std::size_t> starts;  // each item's first row in r.rows, pointed at once r.rows stops growing
+  for (std::int64_t b = 0; b < p.batch; ++b)
+    for (std::int64_t h = 0; h < p.heads_q; ++h)
+      for (std::int64_t i = 0, in_item = 0; i < p.seqlen_q; ++i) {
+        const float lse2 = data[b * lse.strides[0] + h * lse.strides[1] + i * lse.strides[2]] * OnlineSoftmaxState::kLog2e;
+        if (!cpu::IsLargeLse2(lse2)) continue;
+        if (in_item == 0) {
+          r.items.push_back({b * p.heads_q + h, nullptr, 0});
+          starts.push_back(r.rows.size());
+        }
+        r.rows.push_back(i);
+        ++r.items.back().count;
+        in_item = (in_item + 1) % per_item;
+      }
+  for (std::size_t k = 0; k < r.items.size(); ++k) r.items[k].rows = r.rows.data() + starts[k];
+  return r;
+}
+
+}  // namespace
+
 void cpu::run_backward(const detail::BackwardJob& job) {
   const AttentionProblem& p = job.problem;
   const AttentionOptions& options = job.options;
@@ -79,10 +114,13 @@ void cpu::run_backward(const detail::BackwardJob& job) {
   // the caller, not a termination inside an OpenMP region.
   std::vector<cpu::BackwardWorkspace> workspaces;
   workspaces.reserve(static_cast<std::size_t>(plan.threads));
+  const LargeRows large = large_rows(job.lse, p, plan);
   for (int t = 0; t < plan.threads; ++t) {
     workspaces.emplace_back(plan, p);
     if (dbias_shared) workspaces.back().dbias_tile = cpu::allocate_floats(cpu::DbiasTileShape(plan, p, dbias).size());
+    if (!large.items.empty()) workspaces.back().allocate_large_rows(plan);
   }
+  const auto large_items = static_cast<std::int64_t>(large.items.size());
   const std::int64_t dbias_rows = dbias.data != nullptr ? dbias.shape[0] * dbias.shape[1] * dbias.shape[2] : 0;
 #pragma omp parallel num_threads(plan.threads)
   {
@@ -96,6 +134,11 @@ void cpu::run_backward(const detail::BackwardJob& job) {
     }
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t bh = 0; bh < heads; ++bh) kernels.delta(params, workspace, bh);
+    if (large_items > 0) {  // every thread sees the same count
+#pragma omp for schedule(dynamic, 1)
+      for (std::int64_t item = 0; item < large_items; ++item)
+        kernels.large_rows(params, workspace, large.items[static_cast<std::size_t>(item)]);
+    }
     for (std::int64_t item = next_item++; item < plan.kv_work_items; item = next_item++)
       kernels.kv_item(params, workspace, item);
 #pragma omp barrier

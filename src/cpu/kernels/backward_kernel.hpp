@@ -65,6 +65,17 @@ struct BackwardParams {
 // scores as large.
 inline bool IsLargeLse2(float lse2) { return std::abs(lse2) >= 1024.0f && std::isfinite(lse2); }
 
+// The large rows of one (batch, head): `count` ≤ kLargeRowsPerItem row indices from `rows`.
+// The driver finds them in the forward's lse before its threads start and hands them out as
+// work items of their own (BackwardLargeRowsFn), so that a head whose every row is large
+// spreads over every thread; the kernel recomputes them 8·micro_rows at a time.
+inline constexpr std::int64_t kLargeRowsPerItem = 64;
+struct LargeRowItem {
+  std::int64_t batch_head = 0;
+  const std::int64_t* rows = nullptr;
+  std::int64_t count = 0;
+};
+
 // One work item's share of a shared dbias (BackwardParams::dbias_shared): (planes, rows,
 // cols) with planes its q heads (1 where dbias broadcasts over heads), rows seqlen_q (or 1)
 // and cols block_k (or 1), float32, contiguous.
@@ -156,6 +167,13 @@ struct BackwardWorkspace {
   std::vector<float> row_lse2;      // (block_q): each row's exp2 offset (BackwardParams::lse2)
   std::vector<float> row_lse2_low;  // (block_q): its low part (BackwardParams::lse2_low)
   std::vector<float> row_delta;  // (block_q): D of each row
+  hwy::AlignedFreeUniquePtr<float[]> delta_rows;  // (2, Dv_pad): an O row and a dO row (BackwardDelta)
+  // The large-row pass's buffers (BackwardLargeRowsFn), allocated by allocate_large_rows
+  // where a call has large rows, else empty: Q rows·scale·log2e (kLargeRowsPerItem,
+  // RowLd(D_pad)), micro_cols K rows (micro_cols, D_pad), a tile's Kᵀ (D_pad, block_k) and
+  // the group's scores (kLargeRowsPerItem, block_k).
+  hwy::AlignedFreeUniquePtr<float[]> large_q, large_k_rows, large_kt, large_scores;
+  void allocate_large_rows(const CpuBackwardPlan& plan);
   PackedHead packed;  // which head k/v buffers hold, and how much of it
   KernelCounters counters;  // this thread's share of the call's counts (counters.hpp)
 };
@@ -164,8 +182,11 @@ std::size_t backward_workspace_bytes(const CpuBackwardPlan& plan, const Attentio
 // The bytes of one thread's Q/dO copy (BackwardWorkspace::q_kept) were the plan to keep it.
 std::size_t backward_q_rows_bytes(const CpuBackwardPlan& plan, const AttentionProblem& problem);
 
-// One (batch, head) row range of D = rowsum(dO ∘ O).
+// One (batch, head) row range of D = rowsum(dO ∘ O), and of each row's exp2 offset lse·log2e
+// (BackwardParams::lse2; lse2_low 0).
 using BackwardDeltaFn = void (*)(const BackwardParams&, BackwardWorkspace&, std::int64_t batch_head);
+// The two-part exp2 offsets of one item of large rows (IsLargeLse2), after the delta pass.
+using BackwardLargeRowsFn = void (*)(const BackwardParams&, BackwardWorkspace&, const LargeRowItem&);
 // dK, dV and the dQ shares of one K/V tile of one (batch, kv head).
 using BackwardKvItemFn = void (*)(const BackwardParams&, BackwardWorkspace&, std::int64_t item);
 // Epilogue: dq = dq_accum · scale in dq's dtype, for one (batch, head).
@@ -173,6 +194,7 @@ using BackwardStoreDqFn = void (*)(const BackwardParams&, BackwardWorkspace&, st
 
 struct BackwardKernels {
   BackwardDeltaFn delta;
+  BackwardLargeRowsFn large_rows;
   BackwardKvItemFn kv_item;
   BackwardStoreDqFn store_dq;
 };

@@ -67,48 +67,42 @@ void* OutRowPointer(const MutableTensorView& t, std::int64_t b, std::int64_t s, 
 // Large rows (IsLargeLse2) recomputed together, up to this many at a time: whole micro-tiles
 // of rows, so that their scores run on the products' micro-kernel.
 constexpr std::int64_t kLargeRowGroup = 8 * kMicroRows;
+static_assert(kLargeRowGroup <= kLargeRowsPerItem, "a group fits the workspace's large-row buffers");
 
-// The buffers of LargeRowOffsets, allocated at a (batch, head)'s first large row.
-struct LargeRowScratch {
-  std::int64_t d_ld, n_ld;
-  hwy::AlignedFreeUniquePtr<float[]> q, k_rows, kt, scores;
-  explicit LargeRowScratch(const CpuBackwardPlan& plan)
-      : d_ld(RowLd(plan.head_dim_padded)), n_ld(RoundUp(plan.block_k, kMicroTileLcm)),
-        q(hwy::AllocateAligned<float>(static_cast<std::size_t>(kLargeRowGroup * d_ld))),
-        k_rows(hwy::AllocateAligned<float>(static_cast<std::size_t>(kMicroCols * plan.head_dim_padded))),
-        kt(hwy::AllocateAligned<float>(static_cast<std::size_t>(plan.head_dim_padded * n_ld))),
-        scores(hwy::AllocateAligned<float>(static_cast<std::size_t>(kLargeRowGroup * n_ld))) {}
-};
-
-// The exp2 offsets of the large rows `rows` of (b, h) in two parts, (m, log2 ℓ), into
+// The exp2 offsets of an item's large rows of (b, h) in two parts, (m, log2 ℓ), into
 // prm.lse2 and prm.lse2_low: m the maximum of the row's scores S' (and of the sink's logit),
 // ℓ = Σ 2^(S' − m) over the keys it sees (and the sink). The scores are computed as the
 // tiles compute them — Q·scale·log2e and K rows converted as the f32 products convert them,
 // K/V tile by K/V tile on the micro-kernel (one FMA chain per score in head-dim order), then
 // RowMods::apply — so that where a bias dominates the scores, S' − m in the tiles is exact
 // and P = 2^((S' − m) − log2 ℓ) sums to 1. A row that sees no key gets (−∞, 0).
-void LargeRowOffsets(const BackwardParams& prm, const RowMods& mods, LargeRowScratch& s, std::int64_t b,
-                     std::int64_t h, const std::vector<std::int64_t>& rows) {
+void BackwardLargeRows(const BackwardParams& prm, BackwardWorkspace& ws, const LargeRowItem& item) {
   const AttentionProblem& p = prm.problem;
+  const std::int64_t b = item.batch_head / p.heads_q, h = item.batch_head % p.heads_q;
+  const RowMods mods(p, prm.internals, prm.alibi_slopes, prm.block_mask, prm.attn_mask, prm.attn_mask_blocks,
+                     prm.score_hook, b, h);
   const DF df;
+  const std::int64_t d_ld = RowLd(prm.plan.head_dim_padded);
   const std::int64_t bc = prm.plan.block_k, d = p.head_dim, d_pad = prm.plan.head_dim_padded;
   const std::int64_t kv_head = h / (p.heads_q / p.heads_kv), first_row = (b * p.heads_q + h) * p.seqlen_q;
   const float q_scale = p.softmax_scale * OnlineSoftmaxState::kLog2e;
   const float sink2 = prm.sinks.data != nullptr
                           ? static_cast<const float*>(prm.sinks.data)[h * prm.sinks.strides[0]] * OnlineSoftmaxState::kLog2e
                           : -std::numeric_limits<float>::infinity();
-  for (std::size_t g0 = 0; g0 < rows.size(); g0 += kLargeRowGroup) {
-    const std::int64_t count = std::min<std::int64_t>(kLargeRowGroup, static_cast<std::int64_t>(rows.size() - g0));
+  for (std::int64_t g0 = 0; g0 < item.count; g0 += kLargeRowGroup) {
+    const std::int64_t count = std::min(kLargeRowGroup, item.count - g0);
     const std::int64_t count_pad = RoundUp(count, kMicroRows);
-    const std::int64_t* group = rows.data() + g0;
+    const std::int64_t* group = item.rows + g0;
     for (std::int64_t r = 0; r < count_pad; ++r) {
-      float* qrow = s.q.get() + r * s.d_ld;
+      float* qrow = ws.large_q.get() + r * d_ld;
       if (r < count) LoadRow(RowPointer(prm.q, b, group[r], h), p.dtype, d, q_scale, qrow);
       std::fill(qrow + (r < count ? d : 0), qrow + d_pad, 0.0f);
     }
     // Per row: the maximum so far and Σ 2^(S' − max), starting from the sink alone.
-    std::vector<float> m(static_cast<std::size_t>(count), sink2);
-    std::vector<double> l(static_cast<std::size_t>(count), sink2 == -std::numeric_limits<float>::infinity() ? 0.0 : 1.0);
+    float m[kLargeRowGroup];
+    double l[kLargeRowGroup];
+    std::fill(m, m + count, sink2);
+    std::fill(l, l + count, sink2 == -std::numeric_limits<float>::infinity() ? 0.0 : 1.0);
     for (std::int64_t j0 = 0; j0 < p.seqlen_k; j0 += bc) {
       const std::int64_t n = std::min(bc, p.seqlen_k - j0), n_pad = RoundUp(n, kMicroTileLcm);
       bool any = false;
@@ -116,17 +110,18 @@ void LargeRowOffsets(const BackwardParams& prm, const RowMods& mods, LargeRowScr
       if (!any) continue;
       for (std::int64_t c0 = 0; c0 < n_pad; c0 += kMicroCols) {
         for (std::int64_t e = 0; e < kMicroCols; ++e) {
-          float* row = s.k_rows.get() + e * d_pad;
+          float* row = ws.large_k_rows.get() + e * d_pad;
           const std::int64_t j = j0 + c0 + e;
           if (j < p.seqlen_k) LoadRow(RowPointer(prm.k, b, j, kv_head), prm.k.dtype, d, 1.0f, row);
           std::fill(row + (j < p.seqlen_k ? d : 0), row + d_pad, 0.0f);
         }
-        TransposeKeys(df, s.k_rows.get(), d_pad, d, s.kt.get() + c0, n_pad);
+        TransposeKeys(df, ws.large_k_rows.get(), d_pad, d, ws.large_kt.get() + c0, n_pad);
       }
-      TileGemm<false>({s.q.get(), s.d_ld}, s.kt.get(), n_pad, s.scores.get(), n_pad, count_pad, n_pad, d);
+      TileGemm<false>({ws.large_q.get(), d_ld}, ws.large_kt.get(), n_pad, ws.large_scores.get(), n_pad, count_pad,
+                      n_pad, d);
       for (std::int64_t r = 0; r < count; ++r) {
         if (!mods.tile_has_work(group[r], 1, j0, n)) continue;
-        float* scores = s.scores.get() + r * n_pad;
+        float* scores = ws.large_scores.get() + r * n_pad;
         mods.apply(scores, nullptr, group[r], j0, n, n_pad);
         const float tile_max = *std::max_element(scores, scores + n_pad);
         if (tile_max == -std::numeric_limits<float>::infinity()) continue;
@@ -145,38 +140,29 @@ void LargeRowOffsets(const BackwardParams& prm, const RowMods& mods, LargeRowScr
       prm.lse2_low[row] = sees ? static_cast<float>(std::log2(l[r])) : 0.0f;
     }
   }
+  ws.counters.large_lse_rows += item.count;
 }
 
 // D = rowsum(dO ∘ O) and the exp2 offsets of P (BackwardParams::lse2, lse2_low) of every
-// row of (b, h).
+// row of (b, h), as lse·log2e: BackwardLargeRows then redoes the large rows'.
 void BackwardDelta(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t bh) {
   const AttentionProblem& p = prm.problem;
   const std::int64_t b = bh / p.heads_q, h = bh % p.heads_q;
   const DF df;
-  const std::int64_t dv = p.head_dim_v;
-  auto o_row = hwy::AllocateAligned<float>(static_cast<std::size_t>(2 * RoundUp(dv, kLanes)));
-  float* go_row = o_row.get() + RoundUp(dv, kLanes);
-  std::vector<std::int64_t> large;
+  const std::int64_t dv = p.head_dim_v, dv_lanes = RoundUp(dv, kLanes);
+  float* o_row = ws.delta_rows.get();
+  float* go_row = o_row + dv_lanes;
   for (std::int64_t i = 0; i < p.seqlen_q; ++i) {
-    LoadRow(RowPointer(prm.out, b, i, h), p.dtype, dv, 1.0f, o_row.get());
+    LoadRow(RowPointer(prm.out, b, i, h), p.dtype, dv, 1.0f, o_row);
     LoadRow(RowPointer(prm.dout, b, i, h), p.dtype, dv, 1.0f, go_row);
-    std::fill(o_row.get() + dv, o_row.get() + RoundUp(dv, kLanes), 0.0f);
-    std::fill(go_row + dv, go_row + RoundUp(dv, kLanes), 0.0f);
+    std::fill(o_row + dv, o_row + dv_lanes, 0.0f);
+    std::fill(go_row + dv, go_row + dv_lanes, 0.0f);
     VF acc = hn::Zero(df);
-    for (std::int64_t c = 0; c < dv; c += kLanes)
-      acc = hn::MulAdd(hn::Load(df, o_row.get() + c), hn::Load(df, go_row + c), acc);
+    for (std::int64_t c = 0; c < dv; c += kLanes) acc = hn::MulAdd(hn::Load(df, o_row + c), hn::Load(df, go_row + c), acc);
     const std::int64_t row = bh * p.seqlen_q + i;
     prm.delta[row] = hn::GetLane(hn::SumOfLanes(df, acc));
     prm.lse2[row] = *LsePointer(prm, b, h, i) * OnlineSoftmaxState::kLog2e;
     prm.lse2_low[row] = 0.0f;
-    if (IsLargeLse2(prm.lse2[row])) large.push_back(i);
-  }
-  if (!large.empty()) {
-    const RowMods mods(p, prm.internals, prm.alibi_slopes, prm.block_mask, prm.attn_mask, prm.attn_mask_blocks,
-                       prm.score_hook, b, h);
-    LargeRowScratch scratch(prm.plan);
-    LargeRowOffsets(prm, mods, scratch, b, h, large);
-    ws.counters.large_lse_rows += static_cast<std::int64_t>(large.size());
   }
   ws.counters.o_read += p.seqlen_q * dv;
   ws.counters.dout_read += p.seqlen_q * dv;
@@ -762,6 +748,7 @@ HWY_AFTER_NAMESPACE();
 namespace flashattn::cpu {
 
 HWY_EXPORT(BackwardDelta);
+HWY_EXPORT(BackwardLargeRows);
 HWY_EXPORT(BackwardKvItem);
 HWY_EXPORT(BackwardStoreDq);
 
@@ -777,7 +764,8 @@ BackwardKernels backward_kernels(BackwardKernel kernel) {
       throw Error("backward_kernel tiled_bf16: this CPU (AVX512-BF16) or SIMD target (" +
                   std::string(kernel_geometry().target) + ") cannot run it");
   }
-  return {&HWY_DYNAMIC_DISPATCH(BackwardDelta), kv_item, &HWY_DYNAMIC_DISPATCH(BackwardStoreDq)};
+  return {&HWY_DYNAMIC_DISPATCH(BackwardDelta), &HWY_DYNAMIC_DISPATCH(BackwardLargeRows), kv_item,
+          &HWY_DYNAMIC_DISPATCH(BackwardStoreDq)};
 }
 
 }  // namespace flashattn::cpu

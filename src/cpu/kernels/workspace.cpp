@@ -202,7 +202,17 @@ struct BackwardSizes {
 std::size_t backward_workspace_bytes(const CpuBackwardPlan& plan, const AttentionProblem& p) {
   const BackwardSizes s(plan, p);
   return s.floats() * sizeof(float) + s.bf16_elements() * sizeof(std::uint16_t) + s.bq * 3 * sizeof(float) +
+         2 * s.dv_pad * sizeof(float) +
          (s.keep_q ? s.kept_q_bytes() + s.kept_rows() / s.bq : 0);
+}
+
+void BackwardWorkspace::allocate_large_rows(const CpuBackwardPlan& plan) {
+  const auto rows = static_cast<std::size_t>(kLargeRowsPerItem);
+  const auto d_pad = static_cast<std::size_t>(plan.head_dim_padded), bc = static_cast<std::size_t>(plan.block_k);
+  large_q = allocate_floats(rows * (d_pad + kRowLdPad));
+  large_k_rows = allocate_floats(static_cast<std::size_t>(plan.hardware.micro_cols) * d_pad);
+  large_kt = allocate_floats(d_pad * bc);
+  large_scores = allocate_floats(rows * bc);
 }
 
 std::size_t backward_q_rows_bytes(const CpuBackwardPlan& plan, const AttentionProblem& p) {
@@ -214,6 +224,7 @@ BackwardWorkspace::BackwardWorkspace(const CpuBackwardPlan& plan, const Attentio
       row_lse2_low(static_cast<std::size_t>(plan.block_q)),
       row_delta(static_cast<std::size_t>(plan.block_q)) {
   const BackwardSizes s(plan, p);
+  delta_rows = allocate_floats(2 * s.dv_pad);
   q_tile = allocate_floats(s.bq * (s.d_pad + kRowLdPad));
   do_tile = allocate_floats(s.bq * (s.dv_pad + kRowLdPad));
   p_tile = allocate_floats(s.bq * s.bc);
