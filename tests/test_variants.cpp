@@ -400,6 +400,46 @@ TEST(Variants, RowsWhoseEveryScoreIsHugeKeepNormalizedGradients) {
   });
 }
 
+// A single head whose every row is large: its rows are recomputed as work items of their own
+// (up to 8 micro-tiles of rows each), spread over the threads however few heads there are.
+// The deterministic mode's gradients are the same bits on 1, 2 and 3 threads, and match the
+// reference; every SIMD target. (Run under ThreadSanitizer by scripts/test.)
+TEST(Variants, LargeRowsOfOneHeadSpreadOverTheThreads) {
+  // Queries zero and one bias per row (−1e4, −1e9, float32's lowest), as in the test above: the
+  // float64 scores are exactly the bias and P uniform over the keys.
+  const std::int64_t sq = 130, sk = 40, d = 16;
+  const Tensor q(DType::f32, {1, sq, 1, d}), k = random_tensor(DType::f32, {1, sk, 1, d}, 82);
+  const Tensor v = random_tensor(DType::f32, {1, sk, 1, d}, 83), dout = random_tensor(DType::f32, {1, sq, 1, d}, 84);
+  Tensor bias(DType::f32, {1, 1, sq, sk});
+  for (std::int64_t i = 0; i < sq; ++i)
+    for (std::int64_t j = 0; j < sk; ++j)
+      bias.set(i * sk + j, i % 3 == 0 ? -1e4f : i % 3 == 1 ? -1e9f : std::numeric_limits<float>::lowest());
+  for_each_simd_target([&](const std::string&) {
+    AttentionOptions o;
+    o.attn_mask = bias.view();
+    o.deterministic = true;
+    const ForwardResult fwd = forward(q.view(), k.view(), v.view(), o);
+    const reference::Gradients want = reference::attention_backward(dout.view(), q.view(), k.view(), v.view(), o);
+    std::vector<BackwardResult> runs;
+    for (const int threads : {1, 2, 3}) {
+      SCOPED_TRACE("threads " + std::to_string(threads));
+      o.num_threads = threads;
+      KernelCounters counters;
+      o.counters = &counters;
+      runs.push_back(backward(dout.view(), q.view(), k.view(), v.view(), fwd.out.view(), fwd.lse.view(), o));
+      EXPECT_EQ(counters.large_lse_rows, sq);
+      EXPECT_LE(max_abs_error(runs.back().dq, want.dq), 1e-4) << "dq";
+      EXPECT_LE(max_abs_error(runs.back().dk, want.dk), 1e-4) << "dk";
+      EXPECT_LE(max_abs_error(runs.back().dv, want.dv), 1e-4) << "dv";
+    }
+    for (std::size_t r = 1; r < runs.size(); ++r)
+      for (const auto& [got, first] : {std::pair{&runs[r].dq, &runs[0].dq}, {&runs[r].dk, &runs[0].dk},
+                                       {&runs[r].dv, &runs[0].dv}})
+        EXPECT_EQ(std::memcmp(got->data(), first->data(), static_cast<std::size_t>(got->numel()) * 4), 0)
+            << (r + 1) << " threads against 1";
+  });
+}
+
 // causal_alignment top_left (SDPA's is_causal): causal, windows and ALiBi measured from key i,
 // on Sq < Sk, Sq == Sk, Sq > Sk and the decode shape, with windows, ALiBi, dense masks,
 // dropout, block masks and sinks, 1–3 threads, every SIMD target.
