@@ -294,6 +294,83 @@ TEST(Int8Cache, KernelsReadEveryCodeOnEveryLayout) {
   });
 }
 
+// Scales near float32's largest (an append of values near it chooses an e4m3 descale of 2^120;
+// a caller may set int8 scales so): the float32 decode kernel took kKvUnit·descale, P·kKvUnit·
+// descale and (zero point − 128)·scale as products of their own, each past float32's largest
+// where the values are not, and gave NaN; the tiled kernel read them. Page 1's kv head 0
+// holds keys and values of about 2^112–2^116 (e4m3 at a descale of 2^121) or up to 3e38 and
+// 3e37 (int8 at scales of 1e37); its scores are huge, so each row takes its largest key's value.
+// The other head and page are ordinary. Against the float64 reference by upstream's rule, 1–3
+// threads and split-KV, every SIMD target. (The narrow decode kernels take other steps: not
+// covered here.)
+TEST(Int8Cache, DecodeKernelReadsScalesNearFloat32sLargest) {
+  constexpr std::int64_t hq = 4, hkv = 2, d = 24, ps = 16, pages = 2, keys = 32;
+  for_each_simd_target([&](const std::string&) {
+    for (const KvQuant& quant : {kE4m3, kU8Page, kS8Page}) {
+      SCOPED_TRACE(name(quant));
+      Pool kp(quant, pages, ps, hkv, d), vp(quant, pages, ps, hkv, d);
+      std::mt19937_64 rng(120);
+      kp.fill_random(rng);
+      vp.fill_random(rng);
+      // Page 1, kv head 0: huge scales over small codes.
+      const bool fp8 = quant.codes == KvCodes::e4m3;
+      kp.scale.set(kp.at(1, 0, 0), fp8 ? 0x1p121f : 1e37f);
+      vp.scale.set(vp.at(1, 0, 0), fp8 ? 0x1p121f : 1e37f);
+      if (quant.codes == KvCodes::u8) kp.zero.set(kp.at(1, 0, 0), 0.0f), vp.zero.set(vp.at(1, 0, 0), 0.0f);
+      for (std::int64_t slot = 0; slot < ps; ++slot)
+        for (std::int64_t e = 0; e < d; ++e) {
+          const auto draw = [&](int most) { return static_cast<int>(rng() % static_cast<std::uint64_t>(2 * most + 1)) - most; };
+          if (fp8) {  // e4m3 codes of exponent field ≤ 1: |value| < 2^-5, times the descale
+            kp.code(1, slot, 0, e) = static_cast<std::uint8_t>((rng() & 0x80) | (rng() % 0x10));
+            vp.code(1, slot, 0, e) = static_cast<std::uint8_t>((rng() & 0x80) | (rng() % 0x10));
+          } else {  // int8 codes: K within ±30 (3e38), V within ±3 (3e37) of the zero point 0
+            const auto code = [&](int most) {
+              return static_cast<std::uint8_t>(quant.codes == KvCodes::u8 ? std::abs(draw(most)) : draw(most));
+            };
+            kp.code(1, slot, 0, e) = code(30);
+            vp.code(1, slot, 0, e) = code(3);
+          }
+        }
+      Tensor table(DType::i32, {1, pages}), seqlens(DType::i32, {1});
+      table.set(0, 0.0f), table.set(1, 1.0f);
+      seqlens.set(0, static_cast<float>(keys));
+      Tensor k(DType::f32, {1, keys, hkv, d}), v(DType::f32, {1, keys, hkv, d});
+      for (std::int64_t pos = 0; pos < keys; ++pos)
+        for (std::int64_t h = 0; h < hkv; ++h)
+          for (std::int64_t e = 0; e < d; ++e) {
+            k.set((pos * hkv + h) * d + e, kp.value(pos / ps, pos % ps, h, e));
+            v.set((pos * hkv + h) * d + e, vp.value(pos / ps, pos % ps, h, e));
+          }
+      Tensor q = random_tensor(DType::f32, {1, 1, hq, d}, 121);
+      if (!fp8)  // q heads 0 and 1 read kv head 0: scores within float32's range
+        for (std::int64_t e = 0; e < 2 * d; ++e) q.set(e, q.get(e) * 0x1p-20f);
+      AttentionOptions o;
+      o.kernel = ForwardKernel::decode;
+      const AttentionProblem p = AttentionProblem::from_sizes(1, 1, keys, hq, hkv, d, d, DType::f32, o);
+      const reference::Result want = reference::attention(q.view(), k.view(), v.view(), o);
+      // u8: the decode kernel's (P·scale)·(code − 128) − (P·scale)·(zero point − 128), as
+      // kv_quant.hpp states: a float32 rounding of each term, up to 256 steps of the scale.
+      const double decomposition = quant.codes == KvCodes::u8 ? 0x1p-23 * 256.0 * 1e37 : 0.0;
+      const double tolerance =
+          std::max({1e-5, 2.0 * max_abs_error(naive_same_precision(p, o, q, k, v), want.out), decomposition});
+      for (const auto& [splits, threads] : {std::pair{1, 1}, {2, 2}, {2, 3}}) {
+        SCOPED_TRACE("splits " + std::to_string(splits) + ", threads " + std::to_string(threads));
+        o.num_splits = splits;
+        o.num_threads = threads;
+        KvCache c = cache_of(kp, vp, seqlens);
+        c.block_table = table.view();
+        const ForwardResult got = forward_with_kvcache(q.view(), c, o);
+        for (std::int64_t i = 0; i < got.out.numel(); ++i) ASSERT_TRUE(std::isfinite(got.out.get(i))) << "out " << i;
+        EXPECT_LE(max_abs_error(got.out, want.out), tolerance);
+        for (std::int64_t i = 0; i < got.lse.numel(); ++i) {
+          const double lse = want.lse[static_cast<std::size_t>(i)];
+          EXPECT_NEAR(got.lse.get(i), lse, 1e-4 * std::max(1.0, std::fabs(lse))) << "lse " << i;
+        }
+      }
+    }
+  });
+}
+
 // decode_fp16's half-precision sums cannot overflow over int8 codes at its largest head dim
 // (512, fp16_decode.hpp): every code at an end of its range (u8 0 and 255, s8 −128 and 127:
 // magnitude 128 read) and q rows of equal elements of one sign just below a power of two, so

@@ -481,20 +481,29 @@ void ScoreBlockNarrow(ForwardWorkspace& ws, const DecodeShape& sh, const NarrowP
 }
 
 // FP8: Q·(values·descale) = (Q·values read)·(kKvUnit·descale), on kv head g's real rows;
-// q_units (the narrow products', else null) also undoes each row's Q scaling, multiplied
-// into the factor before the score (which it could take past float32's largest alone).
+// q_units (the narrow products', else null) also undoes each row's Q scaling. With r =
+// kKvUnit·unit, a power of two, the score is (S·descale)·r where r ≥ 1 and S·(descale·r)
+// where r < 1: the same bits either way, but neither product passes float32's largest unless
+// the score does — kKvUnit·descale alone does for descales above 2^120, which an append of
+// values near float32's largest chooses, and S·q unit for Q near it.
 HWY_INLINE void DescaleScores(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeShape& sh, std::int64_t g,
                    std::int64_t n, std::int64_t cols, const float* q_units) {
   constexpr float kUnit = kKvUnit<KvFormat::e4m3>;
   const std::int64_t descale_head = prm.paged.k.head_stride;
   float* factor = ws.descales.get();
   const DecodeKeys& keys = ws.decode_keys;
-  for (std::int64_t c = 0; c < cols; ++c) factor[c] = c < n ? kUnit * keys.k_descale[c][g * descale_head] : 0.0f;
+  for (std::int64_t c = 0; c < cols; ++c) factor[c] = c < n ? keys.k_descale[c][g * descale_head] : 0.0f;
   for (std::int64_t r = 0; r < sh.rows; ++r) {
     float* srow = ws.s_tile.get() + (g * sh.rows4 + r) * sh.bc;
-    const VF unit = hn::Set(DF(), q_units != nullptr ? q_units[g * sh.rows4 + r] : 1.0f);
-    for (std::int64_t c = 0; c < n; c += kLanes)
-      hn::Store(hn::Mul(hn::Load(DF(), srow + c), hn::Mul(hn::Load(DF(), factor + c), unit)), DF(), srow + c);
+    // q units are powers of two of at most 2^126 (RowShift), so r is one of at most 2^134:
+    // as two factors, each within float32's range.
+    const float unit = q_units != nullptr ? q_units[g * sh.rows4 + r] : 1.0f;
+    const bool up = unit * kUnit >= 1.0f;
+    const VF r1 = hn::Set(DF(), unit), r2 = hn::Set(DF(), kUnit);
+    for (std::int64_t c = 0; c < n; c += kLanes) {
+      const VF s = hn::Load(DF(), srow + c), f = hn::Load(DF(), factor + c);
+      hn::Store(up ? hn::Mul(hn::Mul(hn::Mul(s, f), r1), r2) : hn::Mul(s, hn::Mul(hn::Mul(f, r1), r2)), DF(), srow + c);
+    }
   }
 }
 
@@ -515,6 +524,47 @@ HWY_INLINE void MulRow(float* HWY_RESTRICT x, const float* HWY_RESTRICT y, std::
 HWY_INLINE void ScaleRow(float* HWY_RESTRICT x, float scale, std::int64_t cols) {
   for (std::int64_t c = 0; c < cols; c += kLanes)
     hn::Store(hn::Mul(hn::Load(DF(), x + c), hn::Set(DF(), scale)), DF(), x + c);
+}
+
+// The float32 products' P·V over a quantized V: P·factor (P up to 2^8 under the rescale
+// threshold, the factor a V scale or descale) times the codes read (|code − 128| ≤ 128 for
+// int8, 2^-8·value for e4m3). For factors near float32's largest — which appends of values
+// near it choose, or a caller's scales — those products overflow where the values do not.
+// So each kv head's factors are taken ws.v_units[g] times (1, or a power of two below 1 from
+// the first block whose largest factor passes 2^kVFactorTop on), õ of its rows held in those
+// units: a head whose unit falls has its õ rescaled; FinishVUnits multiplies it back at the
+// end. Caches of ordinary scales never leave unit 1: the same bits as without.
+constexpr int kVFactorTop = 100;
+
+HWY_INLINE void StartVUnits(ForwardWorkspace& ws, const DecodeShape& sh) {
+  std::fill(ws.v_units.get(), ws.v_units.get() + sh.hkv, 1.0f);
+}
+
+// The unit of kv head g's V factors (cols of them) for this block; rescales õ where it falls.
+HWY_INLINE float VFactorUnit(ForwardWorkspace& ws, const DecodeShape& sh, std::int64_t g, const float* factor,
+                             std::int64_t cols) {
+  const float most = *std::max_element(factor, factor + cols);
+  int exponent = 0;
+  std::frexp(most, &exponent);  // most < 2^exponent
+  const float unit = std::ldexp(1.0f, -std::max(0, exponent - kVFactorTop));
+  float& held = ws.v_units[g];
+  if (unit < held) {
+    for (std::int64_t r = g * sh.rows4; r < g * sh.rows4 + sh.rows; ++r)
+      ScaleRow(ws.o_acc.get() + r * sh.dv_pad, unit / held, sh.dv_pad);
+    held = unit;
+  }
+  return held;
+}
+
+// õ of every real row back from its head's unit, times `unit` (kKvUnit for e4m3 values read
+// 2^-8 times their size: the factors leave it out, so that they overflow no sooner).
+HWY_INLINE void FinishVUnits(ForwardWorkspace& ws, const DecodeShape& sh, float unit) {
+  for (std::int64_t g = 0; g < sh.hkv; ++g) {
+    const float factor = unit / ws.v_units[g];
+    if (factor == 1.0f) continue;
+    for (std::int64_t r = g * sh.rows4; r < g * sh.rows4 + sh.rows; ++r)
+      ScaleRow(ws.o_acc.get() + r * sh.dv_pad, factor, sh.dv_pad);
+  }
 }
 
 // Mask and online softmax of kv head g's rows over the block's keys j0.. (n, cols with
@@ -606,6 +656,7 @@ void DecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t ite
   const DecodeShape sh(prm, item);
   LoadQPanels<F>(prm, ws, sh);
   ResetRows(ws, sh.all_rows, sh.dv_pad);
+  if constexpr (F == KvFormat::e4m3) StartVUnits(ws, sh);
   ws.counters.q_read += sh.hkv * sh.rows * sh.d;
   const std::int64_t key_end = sh.item.key_end;
   for (std::int64_t j0 = sh.item.first_block; j0 < key_end; j0 += sh.bc) {
@@ -617,8 +668,8 @@ void DecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t ite
     for (std::int64_t g = 0; g < sh.hkv; ++g) {
       if constexpr (F == KvFormat::e4m3) {  // P·(values·descale) = (P·kKvUnit·descale)·(values read)
         DescaleScores(prm, ws, sh, g, n, cols, nullptr);
-        LoadVDescales(prm, ws, g, n, cols);
-        ScaleRow(ws.descales.get(), kKvUnit<F>, cols);
+        LoadVDescales(prm, ws, g, n, cols);  // kKvUnit is applied to õ at the end (FinishVUnits)
+        ScaleRow(ws.descales.get(), VFactorUnit(ws, sh, g, ws.descales.get(), cols), cols);
         SoftmaxRows(prm, ws, sh, g, j0, n, cols, false, [&](float* srow) { MulRow(srow, ws.descales.get(), cols); });
       } else {
         SoftmaxRows(prm, ws, sh, g, j0, n, cols, false, [](float*) {});
@@ -626,6 +677,7 @@ void DecodeItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t ite
     }
     AccumulateBlock<F>(prm, ws, sh, n);
   }
+  if constexpr (F == KvFormat::e4m3) FinishVUnits(ws, sh, kKvUnit<F>);
   StoreRows<F>(prm, ws, sh);
 }
 
@@ -703,6 +755,9 @@ void DecodeQuantItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_
     narrow = &products;
   }
   const bool q_sums_needed = ks.zero_point != nullptr || int8_scores;
+  // An e4m3 K without the narrow products: its scores take kKvUnit after the descale, as
+  // DescaleScores's (e4m3 has no zero points, so the ΣQ term is zero).
+  const float k_first = narrow != nullptr ? k_unit : 1.0f, k_after = narrow != nullptr ? 1.0f : k_unit;
   const float k_shift = int8_scores ? static_cast<float>(kU8Centre) : 0.0f;
   const DecodeShape sh(prm, item);
   if (narrow != nullptr)
@@ -717,7 +772,9 @@ void DecodeQuantItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_
   float* k_zero = k_factor + sh.bc;
   float* v_factor = k_zero + sh.bc;
   float* v_zero = v_factor + sh.bc;
+  float* k_zero_factor = v_zero + sh.bc;  // the narrow products' zero·factor
   ResetRows(ws, sh.all_rows, sh.dv_pad);
+  if (narrow == nullptr) StartVUnits(ws, sh);
   ws.counters.q_read += sh.hkv * sh.rows * sh.d;
   const std::int64_t key_end = sh.item.key_end;
   const DecodeKeys& keys = ws.decode_keys;
@@ -731,30 +788,46 @@ void DecodeQuantItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_
     else
       WithCodes(ks.codes, [&](auto f) { ScoreBlock<decltype(f)::value>(prm, ws, sh, n, ahead); });
     for (std::int64_t g = 0; g < sh.hkv; ++g) {
-      LoadKeyFactors(keys.k_descale.data(), keys.k_zero_point.data(), ks.head_stride, k_unit, k_shift, g, n, cols,
+      LoadKeyFactors(keys.k_descale.data(), keys.k_zero_point.data(), ks.head_stride, k_first, k_shift, g, n, cols,
                      k_factor, k_zero);
-      MulRow(k_zero, k_factor, cols);
-      // S·(q unit·factor) − ΣQ·(zero·factor): the small factors first, so that a product of the
-      // narrow sums (up to 2^15) and a q unit (up to 2^126) never overflows before the scale
-      // takes it back (q·softmax_scale near float32's largest gave inf).
+      // Narrow products: S·(q unit·factor) − ΣQ·(zero·factor): the small factors first, so
+      // that a product of the narrow sums (up to 2^15) and a q unit (up to 2^126) never
+      // overflows before the scale takes it back (q·softmax_scale near float32's largest gave inf).
+      if (narrow != nullptr) {
+        std::copy(k_zero, k_zero + cols, k_zero_factor);
+        MulRow(k_zero_factor, k_factor, cols);
+      }
       for (std::int64_t r = 0; r < sh.rows; ++r) {
         const std::int64_t row = g * sh.rows4 + r;
         float* srow = ws.s_tile.get() + row * sh.bc;
         const VF q_sum = hn::Set(DF(), q_sums_needed ? q_sums[row] : 0.0f);
         const VF q_unit = hn::Set(DF(), q_units != nullptr ? q_units[row] : 1.0f);
+        if (narrow != nullptr) {
+          for (std::int64_t c = 0; c < cols; c += kLanes) {
+            const VF unit_factor = hn::Mul(q_unit, hn::Load(DF(), k_factor + c));
+            hn::Store(hn::NegMulAdd(q_sum, hn::Load(DF(), k_zero_factor + c), hn::Mul(hn::Load(DF(), srow + c), unit_factor)),
+                      DF(), srow + c);
+          }
+          continue;
+        }
+        // float32 products (no q unit): (S − ΣQ·zero)·factor·k_after, the codes' sum before
+        // the scale — (code − 128)·scale and (zero − 128)·scale alone pass float32's largest
+        // for scales above 2^120 / 128 where (code − zero)·scale does not.
+        const VF after = hn::Set(DF(), k_after);
         for (std::int64_t c = 0; c < cols; c += kLanes) {
-          const VF unit_factor = hn::Mul(q_unit, hn::Load(DF(), k_factor + c));
-          hn::Store(hn::NegMulAdd(q_sum, hn::Load(DF(), k_zero + c), hn::Mul(hn::Load(DF(), srow + c), unit_factor)),
-                    DF(), srow + c);
+          const VF codes = hn::NegMulAdd(q_sum, hn::Load(DF(), k_zero + c), hn::Load(DF(), srow + c));
+          hn::Store(hn::Mul(hn::Mul(codes, hn::Load(DF(), k_factor + c)), after), DF(), srow + c);
         }
       }
-      LoadKeyFactors(keys.v_descale.data(), keys.v_zero_point.data(), vs.head_stride, v_unit, 0.0f, g, n, cols,
-                     v_factor, v_zero);
+      LoadKeyFactors(keys.v_descale.data(), keys.v_zero_point.data(), vs.head_stride, narrow != nullptr ? v_unit : 1.0f,
+                     0.0f, g, n, cols, v_factor, v_zero);
       // Narrow products: P·factor·2^u ≤ 2^p_exponent; the sums are multiplied back by 2^-u.
       const float v_scale = narrow != nullptr ? NarrowVScale(v_factor, cols, narrow->p_exponent(vs.codes)) : 1.0f;
       if (narrow != nullptr) {
         ScaleRow(v_factor, v_scale, cols);
         ws.v_units[g] = 1.0f / v_scale;
+      } else {
+        ScaleRow(v_factor, VFactorUnit(ws, sh, g, v_factor, cols), cols);
       }
       SoftmaxRows(prm, ws, sh, g, j0, n, cols, narrow != nullptr, [&](float* srow) {
         MulRow(srow, v_factor, cols);
@@ -779,6 +852,7 @@ void DecodeQuantItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_
           for (std::int64_t e = 0; e < sh.dv; ++e) orow[e] -= term;
         }
   }
+  if (narrow == nullptr) FinishVUnits(ws, sh, v_unit);  // v_unit: an e4m3 V's kKvUnit, as DecodeItem's
   StoreRows<KvFormat::u8>(prm, ws, sh);
 }
 

@@ -32,7 +32,7 @@ ForwardLayout::ForwardLayout(const CpuForwardPlan& plan, const AttentionProblem&
     q_rows = 4 * d_pad;
     q_units = 3 * rows;
     v_units = tiles_held;
-    descales = 4 * bc;
+    descales = 5 * bc;
     decode_keys = bc + static_cast<std::size_t>(kDecodePrefetchKeys);
   } else if (bf16) {
     q_bf16 = rows * d_even;

@@ -101,7 +101,7 @@ struct ForwardWorkspace {
   // sums (heads_kv); (decode, int8 cache) q_units then holds each row's ΣQ (rows) and what
   // V's zero points take from each row's õ (rows); (decode, quantized cache) a key block's
   // per-key factors (block_k each): FP8 descales, K's then V's; int8: K's scales and
-  // zero-point terms, then V's scales and zero points.
+  // zero points, V's scales and zero points, then (the narrow products) K's zero·scale.
   hwy::AlignedFreeUniquePtr<float[]> q_rows, q_units, v_units, descales;
   std::vector<OnlineSoftmaxState> states;  // (rows): m and ℓ of each row
   std::vector<std::int32_t> rescales;      // (rows): rescales of each row (counters, rescale_counts)
