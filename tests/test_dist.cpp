@@ -350,6 +350,53 @@ TEST(Ring, ZigzagBalancesCausalWork) {
 }
 
 // Options the ring cannot express, and a rank whose arguments differ: every rank throws.
+// Options that only the steps' kernels check — a kernel the dtype rules out (tiled_bf16 on
+// float32, on every CPU), dsinks and dbias (the ring takes no sinks or masks) — are Errors on
+// every rank before the ring turns, also on a rank whose causal shard is empty (S < P): it
+// never calls a kernel, and a step that threw with the next transfers posted left them
+// writing into freed buffers. A valid call afterwards runs as usual.
+TEST(Ring, KernelOptionsAreErrorsOnEveryRankBeforeTheRingTurns) {
+  const Case c = ring_case(1, 1, 2, 1, 8, 8, true, DType::f32, 52);
+  const ShardLayout layout = ShardLayout::contiguous;
+  const AttentionProblem& p = c.problem();
+  const Global g = make_global(c);
+  const auto ranges = dist::shard_ranges(p.seqlen_q, world_size(), world_rank(), layout);
+  const Tensor q = shard_of(g.q, ranges, 1), k = shard_of(g.k, ranges, 1), v = shard_of(g.v, ranges, 1);
+  const Tensor dout = shard_of(g.dout, ranges, 1);
+  Tensor out(p.dtype, q.shape()), lse(DType::f32, {p.batch, p.heads_q, q.shape()[1]});
+  Tensor dq(p.dtype, q.shape()), dk(p.dtype, k.shape()), dv(p.dtype, v.shape());
+  Tensor dsinks(DType::f32, {p.heads_q}), dbias(DType::f32, {1, 1, p.seqlen_q, p.seqlen_k});
+  AttentionOptions bf16_kernel = g.options, bf16_backward = g.options, with_dsinks = g.options, with_dbias = g.options;
+  bf16_kernel.kernel = ForwardKernel::tiled_bf16;
+  bf16_backward.backward_kernel = BackwardKernel::tiled_bf16;
+  with_dsinks.dsinks = dsinks.view();
+  with_dbias.dbias = dbias.view();
+  const auto expect_error = [&](bool backward, const AttentionOptions& options, const std::string& needle) {
+    SCOPED_TRACE((backward ? "ring_backward, " : "ring_forward, ") + needle);
+    try {
+      if (backward)
+        dist::ring_backward(dout.view(), q.view(), k.view(), v.view(), out.view(), lse.view(), dq.view(), dk.view(),
+                            dv.view(), options, ring_options(c, layout));
+      else
+        dist::ring_forward(q.view(), k.view(), v.view(), out.view(), lse.view(), options, ring_options(c, layout));
+      ADD_FAILURE() << "no error, expected one naming " << needle;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  expect_error(false, bf16_kernel, "tiled_bf16");
+  expect_error(true, bf16_kernel, "tiled_bf16");
+  expect_error(true, bf16_backward, "tiled_bf16");
+  expect_error(true, with_dsinks, "dsinks");
+  expect_error(true, with_dbias, "dbias");
+  dist::ring_forward(q.view(), k.view(), v.view(), out.view(), lse.view(), g.options, ring_options(c, layout));
+  dist::ring_backward(dout.view(), q.view(), k.view(), v.view(), out.view(), lse.view(), dq.view(), dk.view(), dv.view(),
+                      g.options, ring_options(c, layout));
+  const ForwardResult want = forward(g.q.view(), g.k.view(), g.v.view(), g.options);
+  if (q.shape()[1] == 1)
+    for (std::int64_t e = 0; e < out.numel(); ++e) EXPECT_NEAR(out.get(e), want.out.get(e), 1e-6) << e;
+}
+
 TEST(Ring, UnsupportedOptionsAreErrorsOnEveryRank) {
   const Case c = ring_case(1, 20, 2, 1, 8, 8, true, DType::f32, 50);
   const ShardLayout layout = ShardLayout::zigzag;

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "flashattn/error.hpp"
+#include "flashattn/plan.hpp"
 
 namespace flashattn::dist::detail {
 
@@ -77,6 +78,21 @@ void reject_unsupported(const char* operation, const AttentionOptions& options) 
     throw Error(op + ": sinks are not supported by the ring (each block's partial would count the sink again)");
   if (options.rescale_counts.data != nullptr || options.rescale_counts.rank != 0)
     throw Error(op + ": rescale_counts are reported by forward() and forward_fp8() only, not by the ring");
+  if (options.dsinks.data != nullptr || options.dsinks.rank != 0) throw Error(op + ": dsinks (the ring takes no sinks)");
+  if (options.dbias.data != nullptr || options.dbias.rank != 0) throw Error(op + ": dbias (the ring takes no attn_mask)");
+}
+
+// The kernels the steps will run, planned here on every rank before the ring turns: a rank
+// whose shard has no tokens (causal, S < P) never calls them, and a step that threw while
+// the next shard's transfers were posted left them writing into freed buffers. A shard of
+// one token at least, so that the planner sees the dtype and options the steps pass.
+void check_kernels(const AttentionProblem& local, const AttentionOptions& options, bool backward) {
+  AttentionProblem p = local;
+  p.seqlen_q = std::max<std::int64_t>(p.seqlen_q, 1);
+  p.seqlen_k = std::max<std::int64_t>(p.seqlen_k, 1);
+  const CpuHardware hw = CpuHardware::detect(options.num_threads);
+  plan_forward(p, hw, options.num_splits, options.block_q, options.kernel);
+  if (backward) plan_backward(p, hw, options.deterministic, options.backward_kernel);
 }
 
 }  // namespace
@@ -100,6 +116,7 @@ AttentionProblem check_arguments(RingComm& comm, const RingOptions& ring, const 
                     std::to_string(expected) + " of the global seqlen " + std::to_string(ring.seqlen) +
                     " (" + layout + " shards, dist::shard_length)");
     local_checks(problem);
+    check_kernels(problem, options, op == "ring_backward");
   } catch (const Error& e) {
     failure = e.what();
   }
