@@ -116,6 +116,16 @@ Global make_global(const Case& c) {
   return {std::move(in.q), std::move(in.k), std::move(in.v), std::move(in.dout), c.options()};
 }
 
+// This rank's shards of the global inputs (dist::shard_ranges) and an out and lse to fill.
+struct RankShards {
+  std::vector<dist::TokenRange> ranges;
+  Tensor q, k, v, dout, out, lse;
+  RankShards(const Global& g, const AttentionProblem& p, ShardLayout layout)
+      : ranges(dist::shard_ranges(p.seqlen_q, world_size(), world_rank(), layout)), q(shard_of(g.q, ranges, 1)),
+        k(shard_of(g.k, ranges, 1)), v(shard_of(g.v, ranges, 1)), dout(shard_of(g.dout, ranges, 1)),
+        out(p.dtype, dout.shape()), lse(DType::f32, {p.batch, p.heads_q, q.shape()[1]}) {}
+};
+
 RingOptions ring_options(const Case& c, ShardLayout layout) {
   RingOptions ring;
   ring.seqlen = c.problem().seqlen_q;
@@ -360,10 +370,9 @@ TEST(Ring, KernelOptionsAreErrorsOnEveryRankBeforeTheRingTurns) {
   const ShardLayout layout = ShardLayout::contiguous;
   const AttentionProblem& p = c.problem();
   const Global g = make_global(c);
-  const auto ranges = dist::shard_ranges(p.seqlen_q, world_size(), world_rank(), layout);
-  const Tensor q = shard_of(g.q, ranges, 1), k = shard_of(g.k, ranges, 1), v = shard_of(g.v, ranges, 1);
-  const Tensor dout = shard_of(g.dout, ranges, 1);
-  Tensor out(p.dtype, q.shape()), lse(DType::f32, {p.batch, p.heads_q, q.shape()[1]});
+  RankShards shards(g, p, layout);
+  const Tensor &q = shards.q, &k = shards.k, &v = shards.v, &dout = shards.dout;
+  Tensor &out = shards.out, &lse = shards.lse;
   Tensor dq(p.dtype, q.shape()), dk(p.dtype, k.shape()), dv(p.dtype, v.shape());
   Tensor dsinks(DType::f32, {p.heads_q}), dbias(DType::f32, {1, 1, p.seqlen_q, p.seqlen_k});
   AttentionOptions bf16_kernel = g.options, bf16_backward = g.options, with_dsinks = g.options, with_dbias = g.options;
@@ -402,9 +411,9 @@ TEST(Ring, UnsupportedOptionsAreErrorsOnEveryRank) {
   const ShardLayout layout = ShardLayout::zigzag;
   const AttentionProblem& p = c.problem();
   const Global g = make_global(c);
-  const auto ranges = dist::shard_ranges(p.seqlen_q, world_size(), world_rank(), layout);
-  const Tensor q = shard_of(g.q, ranges, 1), k = shard_of(g.k, ranges, 1), v = shard_of(g.v, ranges, 1);
-  Tensor out(p.dtype, q.shape()), lse(DType::f32, {p.batch, p.heads_q, q.shape()[1]});
+  RankShards shards(g, p, layout);
+  const Tensor &q = shards.q, &k = shards.k, &v = shards.v, &dout = shards.dout;
+  Tensor &out = shards.out, &lse = shards.lse;
   // Sentinels that every rejected call must leave as they are.
   constexpr float kUnwritten = 7.0f;
   for (Tensor* t : {&out, &lse})
@@ -464,7 +473,6 @@ TEST(Ring, UnsupportedOptionsAreErrorsOnEveryRank) {
   }
   // Backward: the same options rejected by name, the gradients left unwritten ...
   Tensor dq(p.dtype, q.shape()), dk(p.dtype, k.shape()), dv(p.dtype, v.shape());
-  const Tensor dout = shard_of(g.dout, ranges, 1);
   for (Tensor* t : {&dq, &dk, &dv})
     for (std::int64_t e = 0; e < t->numel(); ++e) t->set(e, kUnwritten);
   for (const auto& [options, needle] : {std::pair{top_left, "causal_alignment top_left"}, std::pair{hooked, "score_hook"}}) {
