@@ -408,11 +408,17 @@ CpuBackwardPlan plan_backward(const AttentionProblem& p, const CpuHardware& hw,
   constexpr std::int64_t kBlockK = 128;
   plan.block_k = std::max<std::int64_t>(1, (kBlockK + unit / 2) / unit) * unit;
   plan.block_k = std::min(plan.block_k, round_up(std::max<std::int64_t>(p.seqlen_k, 1), unit));
-  // Q tile: 64 rows keep Q, dO, P, dS and the dK/dV accumulators (≈ 320 KiB at
-  // D = 128) inside a 512 KiB L2. Independent of the thread count, so deterministic
-  // results are too.
+  // Q tile: about 64 rows keep Q, dO, P, dS and the dK/dV accumulators (≈ 320 KiB at
+  // D = 128) inside a 512 KiB L2. The float32 kernel's tiles share the rows evenly, whole
+  // micro-tiles each, so that no short last tile pays a tile's fixed costs for a few rows
+  // (128 rows: two of 66, not 60, 60 and 8); tiled_bf16 pads rows to whole AMX chunks and
+  // keeps 64. Independent of the thread count, so deterministic results are too.
   constexpr std::int64_t kBlockQ = 64;
   plan.block_q = std::max(mr, kBlockQ / mr * mr);
+  if (plan.kernel == BackwardKernel::tiled && p.seqlen_q > 0) {
+    const std::int64_t tiles = (p.seqlen_q + kBlockQ - 1) / kBlockQ;
+    plan.block_q = round_up((p.seqlen_q + tiles - 1) / tiles, mr);
+  }
   plan.q_blocks = (p.seqlen_q + plan.block_q - 1) / plan.block_q;
   plan.k_blocks = (p.seqlen_k + plan.block_k - 1) / plan.block_k;
   plan.kv_work_items = p.batch * p.heads_kv * plan.k_blocks;

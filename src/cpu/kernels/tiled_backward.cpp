@@ -17,7 +17,6 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
-#include <numeric>
 #include <thread>
 #include <tuple>
 
@@ -37,10 +36,6 @@ namespace flashattn::cpu::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
 std::int64_t RoundUp(std::int64_t n, std::int64_t m) { return (n + m - 1) / m * m; }
-
-// A K/V tile is the row dimension of the dK/dV products and the column dimension of the
-// S/dP products, so its padded width must be whole micro-tiles both ways.
-constexpr std::int64_t kMicroTileLcm = std::lcm(kMicroRows, kMicroCols);
 
 // The backward reads K and V as ordinary views (its entry points take no block table).
 constexpr PagedKv kUnpaged{};
@@ -104,7 +99,7 @@ void BackwardLargeRows(const BackwardParams& prm, BackwardWorkspace& ws, const L
     std::fill(m, m + count, sink2);
     std::fill(l, l + count, sink2 == -std::numeric_limits<float>::infinity() ? 0.0 : 1.0);
     for (std::int64_t j0 = 0; j0 < p.seqlen_k; j0 += bc) {
-      const std::int64_t n = std::min(bc, p.seqlen_k - j0), n_pad = RoundUp(n, kMicroTileLcm);
+      const std::int64_t n = std::min(bc, p.seqlen_k - j0), n_pad = RoundUp(n, kMicroCols);
       bool any = false;
       for (std::int64_t r = 0; r < count && !any; ++r) any = mods.tile_has_work(group[r], 1, j0, n);
       if (!any) continue;
@@ -208,10 +203,12 @@ KeptTile KeepTile(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t
 struct Fp32BackwardProducts {
   static constexpr std::int64_t kRowMultiple = kMicroRows;  // a Q tile's rows, padded
 
-  // dK and dV of a K/V tile accumulate as rows of keys: (block_k, D_pad), (block_k, Dv_pad).
-  static void ZeroDkDv(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t n_pad) {
-    std::fill(ws.dk_acc.get(), ws.dk_acc.get() + n_pad * prm.plan.head_dim_padded, 0.0f);
-    std::fill(ws.dv_acc.get(), ws.dv_acc.get() + n_pad * prm.plan.head_dim_v_padded, 0.0f);
+  // dK and dV of a K/V tile accumulate as rows of keys: (block_k, D_pad), (block_k, Dv_pad),
+  // n keys padded to whole micro-tiles of rows (block_k is a multiple of those and of columns).
+  static std::int64_t KeyRows(std::int64_t n) { return RoundUp(n, kMicroRows); }
+  static void ZeroDkDv(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t n) {
+    std::fill(ws.dk_acc.get(), ws.dk_acc.get() + KeyRows(n) * prm.plan.head_dim_padded, 0.0f);
+    std::fill(ws.dv_acc.get(), ws.dv_acc.get() + KeyRows(n) * prm.plan.head_dim_v_padded, 0.0f);
   }
 
   // dK = scale·dSᵀ·Q = ln2·dSᵀ·Q' because Q' = Q·scale·log2e.
@@ -306,15 +303,20 @@ struct Fp32BackwardProducts {
                     ws.ds_tile.get(), bc, rows_pad, n_pad, dv);
   }
 
-  // dV += Pᵀ·dO and dK += dSᵀ·Q' (Pᵀ, dSᵀ read through transposed views), and this tile's
-  // dQ share dS·K into dq_tile.
+  // dV += Pᵀ·dO and dK += dSᵀ·Q' (Pᵀ, dSᵀ read through transposed views) over the n keys'
+  // KeyRows, and this tile's dQ share dS·K into dq_tile over the n_pad columns. Columns of P
+  // and dS past n_pad up to KeyRows(n) (the key rows' micro-tile padding) become zeros.
   static void Gradients(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t j0, std::int64_t rows_pad,
-                        std::int64_t n_pad) {
-    const std::int64_t bc = prm.plan.block_k;
+                        std::int64_t n, std::int64_t n_pad) {
+    const std::int64_t bc = prm.plan.block_k, key_rows = KeyRows(n);
     const std::int64_t d_pad = prm.plan.head_dim_padded, dv_pad = prm.plan.head_dim_v_padded;
-    TileGemm<true>({ws.p_tile.get(), 1, bc}, ws.do_rows, RowLd(dv_pad), ws.dv_acc.get(), dv_pad, n_pad, dv_pad,
+    for (std::int64_t r = 0; r < rows_pad && key_rows > n_pad; ++r) {
+      std::fill(ws.p_tile.get() + r * bc + n_pad, ws.p_tile.get() + r * bc + key_rows, 0.0f);
+      std::fill(ws.ds_tile.get() + r * bc + n_pad, ws.ds_tile.get() + r * bc + key_rows, 0.0f);
+    }
+    TileGemm<true>({ws.p_tile.get(), 1, bc}, ws.do_rows, RowLd(dv_pad), ws.dv_acc.get(), dv_pad, key_rows, dv_pad,
                    rows_pad);
-    TileGemm<true>({ws.ds_tile.get(), 1, bc}, ws.q_rows, RowLd(d_pad), ws.dk_acc.get(), d_pad, n_pad, d_pad,
+    TileGemm<true>({ws.ds_tile.get(), 1, bc}, ws.q_rows, RowLd(d_pad), ws.dk_acc.get(), d_pad, key_rows, d_pad,
                    rows_pad);
     TileGemm<false>({ws.ds_tile.get(), bc}, ws.k_packed.get() + j0 * RowLd(d_pad), RowLd(d_pad), ws.dq_tile.get(), d_pad,
                     rows_pad, d_pad, n_pad);
@@ -602,7 +604,7 @@ struct Bf16BackwardProducts {
   }
 
   static void Gradients(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t j0, std::int64_t rows_pad,
-                        std::int64_t n_pad) {
+                        std::int64_t /*n*/, std::int64_t n_pad) {
     const std::int64_t bq = prm.plan.block_q, bc = prm.plan.block_k;
     const std::int64_t d_pad = prm.plan.head_dim_padded, dv_pad = prm.plan.head_dim_v_padded;
     // P and dS paired two rows at a time — word (row pair p, key j) at 2·(p·bc + j): the B
@@ -646,12 +648,12 @@ void KvItem(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t item)
   const std::int64_t kv_head = bkv % p.heads_kv, b = bkv / p.heads_kv;
   const std::int64_t group = p.heads_q / p.heads_kv;
   const std::int64_t j0 = kb * bc, n = std::min(bc, p.seqlen_k - j0);
-  const std::int64_t n_pad = RoundUp(n, kMicroTileLcm);
+  const std::int64_t n_pad = RoundUp(n, kMicroCols);  // the scores' columns
   Products::Pack(prm, ws, b, kv_head, j0, j0 + n);
   ws.counters.k_read += n * p.head_dim;
   ws.counters.v_read += n * p.head_dim_v;
 
-  Products::ZeroDkDv(prm, ws, n_pad);
+  Products::ZeroDkDv(prm, ws, n);
   if (prm.dbias_shared) {
     const DbiasTileShape t(plan, p, prm.dbias);
     std::fill(ws.dbias_tile.get(), ws.dbias_tile.get() + t.size(), 0.0f);
@@ -680,7 +682,7 @@ void KvItem(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t item)
       Products::ScoresAndDp(prm, ws, kb, rows_pad, n_pad, exponent_scales ? 1.0f : scale);
       ComputePAndDS(ws, mods, dbias, bc, i0, rows, rows_pad, j0, n, n_pad, exponent_scales ? scale : 1.0f);
       // dV, dK and this K/V tile's dQ share, added to the shared float32 accumulator.
-      Products::Gradients(prm, ws, j0, rows_pad, n_pad);
+      Products::Gradients(prm, ws, j0, rows_pad, n, n_pad);
       const float* dq_tile = ws.dq_tile.get();
       const std::int64_t tile_id = (b * p.heads_q + h) * plan.q_blocks + qb;
       float* dst = prm.dq_accum + ((b * p.heads_q + h) * p.seqlen_q + i0) * d_pad;
