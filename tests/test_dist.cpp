@@ -9,9 +9,11 @@
 #include <cstdio>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #include "flashattn/dist.hpp"
 #include "flashattn/flex.hpp"
+#include "src/dist/ring_comm.hpp"
 #include "tests/support/support.hpp"
 
 namespace flashattn::test {
@@ -502,6 +504,38 @@ TEST(Ring, UnsupportedOptionsAreErrorsOnEveryRank) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find(world_rank() == 0 ? "out" : "rank(s) 0 rejected"), std::string::npos)
         << e.what();
+  }
+}
+
+// The ring's transfers cancel what is still posted when a step throws before they are waited
+// for: a message that arrives afterwards is not taken by the abandoned receive (whose buffer
+// the unwinding would free), and the next receive of the same kind gets it.
+TEST(Ring, TransfersAbandonedByAnExceptionAreCancelled) {
+  RingOptions ring;
+  ring.comm = MPI_COMM_WORLD;
+  ring.timeout_seconds = 10.0;
+  dist::detail::RingComm comm(ring, "transfers test");
+  constexpr std::size_t kBytes = 64;
+  constexpr unsigned char kUnwritten = 0xA5;
+  std::vector<unsigned char> abandoned(kBytes, kUnwritten), later(kBytes, kUnwritten), sent(kBytes);
+  for (std::size_t i = 0; i < kBytes; ++i) sent[i] = static_cast<unsigned char>(comm.rank() * 7 + i);
+  try {
+    dist::detail::Transfers receive("a receive abandoned by a step that throws");
+    comm.receive(receive, abandoned.data(), kBytes, dist::detail::Payload::k);
+    throw Error("a step failed");
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "a step failed");
+  }
+  MPI_Barrier(MPI_COMM_WORLD);  // every receive cancelled before any rank sends
+  dist::detail::Transfers send("the send"), receive("the receive after the cancelled one");
+  comm.send(send, sent.data(), kBytes, dist::detail::Payload::k);
+  comm.receive(receive, later.data(), kBytes, dist::detail::Payload::k);
+  comm.wait(send);
+  comm.wait(receive);
+  const int prev = (comm.rank() + comm.size() - 1) % comm.size();
+  for (std::size_t i = 0; i < kBytes; ++i) {
+    EXPECT_EQ(abandoned[i], kUnwritten) << "the abandoned receive's buffer was written, byte " << i;
+    EXPECT_EQ(later[i], static_cast<unsigned char>(prev * 7 + i)) << "byte " << i;
   }
 }
 

@@ -119,12 +119,13 @@ RingStats ring_backward(const TensorView& dout, const TensorView& q, const Tenso
   };
 
   // sent[i]: the sends of dk_acc[i], dv_acc[i], waited for before the buffers are reused.
-  detail::Transfers sent[2] = {{{}, "the send of a dK/dV accumulator"}, {{}, "the send of a dK/dV accumulator"}};
+  detail::Transfers sent[2] = {detail::Transfers("the send of a dK/dV accumulator"),
+                               detail::Transfers("the send of a dK/dV accumulator")};
   for (int step = 0; step < ranks; ++step) {
     const int key_rank = (me - step + ranks) % ranks;
     const int now = step % 2, next = 1 - now;
     const int arriving_rank = (key_rank - 1 + ranks) % ranks;
-    detail::Transfers kv{{}, detail::kv_exchange_name(comm, step, key_rank)};
+    detail::Transfers kv(detail::kv_exchange_name(comm, step, key_rank));
     if (step + 1 < ranks) {
       const std::int64_t sent_tokens = geometry.length(key_rank), arriving = geometry.length(arriving_rank);
       comm.send(kv, k_buffers[now].data(), static_cast<std::size_t>(b * sent_tokens * hkv * d) * element, Payload::k);
@@ -133,8 +134,8 @@ RingStats ring_backward(const TensorView& dout, const TensorView& q, const Tenso
       comm.receive(kv, v_buffers[next].data(), static_cast<std::size_t>(b * arriving * hkv * dvd) * element, Payload::v);
     }
     // The accumulator of the visiting shard, from rank − 1 who added its share last step.
-    detail::Transfers accumulator{{}, "the dK/dV accumulator of rank " + std::to_string(key_rank) + "'s keys (step " +
-                                          std::to_string(step) + ")"};
+    detail::Transfers accumulator("the dK/dV accumulator of rank " + std::to_string(key_rank) + "'s keys (step " +
+                                  std::to_string(step) + ")");
     if (step > 0) {
       comm.wait(sent[now]);
       const auto [dk_bytes, dv_bytes] = accumulator_bytes(geometry.length(key_rank));
@@ -158,7 +159,7 @@ RingStats ring_backward(const TensorView& dout, const TensorView& q, const Tenso
   const int own = ranks > 1 ? ranks % 2 : 0;
   if (ranks > 1) {
     comm.wait(sent[own]);
-    detail::Transfers home{{}, "the finished dK/dV of this rank's keys"};
+    detail::Transfers home("the finished dK/dV of this rank's keys");
     const auto [dk_bytes, dv_bytes] = accumulator_bytes(sl);
     comm.receive(home, dk_acc[own].data(), dk_bytes, Payload::dk);
     comm.receive(home, dv_acc[own].data(), dv_bytes, Payload::dv);

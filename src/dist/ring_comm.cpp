@@ -128,17 +128,29 @@ void RingComm::receive(Transfers& transfers, void* data, std::size_t bytes, Payl
   }
 }
 
-void RingComm::fail(std::vector<MPI_Request>& requests, const std::string& message, bool point_to_point) {
-  // Best effort: pending receives are cancelled so that no late message lands in a freed
-  // buffer. A collective's request may be neither cancelled nor freed (MPI-3 §5.12): it is
-  // abandoned.
-  if (point_to_point)
-    for (MPI_Request& request : requests)
-      if (request != MPI_REQUEST_NULL) {
-        MPI_Cancel(&request);
-        MPI_Request_free(&request);
-      }
+namespace {
+
+// Best effort: pending receives are cancelled so that no late message lands in a freed
+// buffer, and the requests are freed.
+void cancel_all(std::vector<MPI_Request>& requests) {
+  for (MPI_Request& request : requests)
+    if (request != MPI_REQUEST_NULL) {
+      MPI_Cancel(&request);
+      MPI_Request_free(&request);
+    }
   requests.clear();
+}
+
+}  // namespace
+
+Transfers::~Transfers() { cancel_all(requests); }
+
+void RingComm::fail(std::vector<MPI_Request>& requests, const std::string& message, bool point_to_point) {
+  // A collective's request may be neither cancelled nor freed (MPI-3 §5.12): it is abandoned.
+  if (point_to_point)
+    cancel_all(requests);
+  else
+    requests.clear();
   throw Error(message);
 }
 

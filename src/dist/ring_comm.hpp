@@ -10,6 +10,7 @@
 #include <functional>
 #include <initializer_list>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "flashattn/dist.hpp"
@@ -21,8 +22,16 @@ namespace flashattn::dist::detail {
 enum class Payload { k, v, dk, dv };
 const char* payload_name(Payload payload);
 
-// Non-blocking transfers that are waited for together.
+// Non-blocking transfers that are waited for together. Declared after the buffers they
+// read and write: if anything throws before they are waited for (a kernel, an allocation),
+// the destructor cancels and frees what is still posted, so that no late message lands in a
+// buffer the unwinding frees.
 struct Transfers {
+  explicit Transfers(std::string what_) : what(std::move(what_)) {}
+  ~Transfers();
+  Transfers(const Transfers&) = delete;
+  Transfers& operator=(const Transfers&) = delete;
+
   std::vector<MPI_Request> requests;
   std::string what;  // for error messages, e.g. "K/V shard of rank 2 (step 1)"
 };

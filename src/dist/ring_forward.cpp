@@ -93,7 +93,7 @@ RingStats ring_forward(const TensorView& q, const TensorView& k, const TensorVie
   for (int step = 0; step < ranks; ++step) {
     const int key_rank = (me - step + ranks) % ranks;
     const int now = step % 2, next = 1 - now;
-    detail::Transfers kv{{}, detail::kv_exchange_name(comm, step, key_rank)};
+    detail::Transfers kv(detail::kv_exchange_name(comm, step, key_rank));
     if (step + 1 < ranks) {
       const std::int64_t sent = geometry.length(key_rank);
       const std::int64_t arriving = geometry.length((key_rank - 1 + ranks) % ranks);
