@@ -5,6 +5,7 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -468,6 +469,14 @@ TEST(Ring, UnsupportedOptionsAreErrorsOnEveryRank) {
     RingOptions mismatched = ring_options(c, layout);
     if (world_rank() == 1) mismatched.seqlen = p.seqlen_q + 2 * world_size();
     expect_error(g.options, mismatched, world_rank() == 1 ? "global seqlen" : "rank(s) 1 rejected");
+    // Rank 1 alone passes a timeout that is not > 0: it names the field, the others name it
+    // at once (they do not wait in the communicator's duplication for their whole timeout).
+    RingOptions one_bad_timeout = ring_options(c, layout);
+    if (world_rank() == 1) one_bad_timeout.timeout_seconds = -1.0;
+    const auto before = std::chrono::steady_clock::now();
+    expect_error(g.options, one_bad_timeout, world_rank() == 1 ? "timeout_seconds must be > 0" : "rank(s) 1 rejected");
+    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - before).count(),
+              kTestTimeoutSeconds / 2);
     // Rank 0 alone asks for a different softmax scale: every rank names the field.
     AttentionOptions scaled = g.options;
     if (world_rank() == 0) scaled.softmax_scale = 0.5f;

@@ -53,9 +53,11 @@ RingComm::RingComm(const RingOptions& options, const char* operation)
   MPI_Finalized(&finalized);
   if (!initialized || finalized)
     throw Error(op + ": MPI is not initialized (call MPI_Init_thread first) or already finalized");
-  if (!(options.timeout_seconds > 0.0))
-    throw Error(op + ": timeout_seconds must be > 0, got " + std::to_string(options.timeout_seconds));
   if (options.comm == MPI_COMM_NULL) throw Error(op + ": comm is MPI_COMM_NULL");
+  if (!(options.timeout_seconds > 0.0)) {
+    options_error_ = op + ": timeout_seconds must be > 0, got " + std::to_string(options.timeout_seconds);
+    timeout_seconds_ = RingOptions{}.timeout_seconds;
+  }
   int thread_level = MPI_THREAD_SINGLE;
   MPI_Query_thread(&thread_level);
   helper_thread_allowed_ = thread_level >= MPI_THREAD_SERIALIZED;

@@ -39,7 +39,10 @@ struct Transfers {
 class RingComm {
  public:
   // Duplicates `options.comm` (a polled MPI_Comm_idup, so a dead rank cannot hang it here).
-  // `operation` names the calling function in every error message.
+  // `operation` names the calling function in every error message. A timeout_seconds that
+  // is not > 0 is not thrown here, where the other ranks would wait in the duplication for
+  // their whole timeout: it is options_error(), which the argument check that every rank
+  // agrees on throws; until then the default timeout applies.
   RingComm(const RingOptions& options, const char* operation);
   ~RingComm();
   RingComm(const RingComm&) = delete;
@@ -48,6 +51,8 @@ class RingComm {
   int rank() const { return rank_; }
   int size() const { return size_; }
   const char* operation() const { return operation_; }
+  // What is wrong with the RingOptions this rank passed; empty when nothing is.
+  const std::string& options_error() const { return options_error_; }
 
   // Sends `bytes` from `data` to rank + 1 / receives them from rank − 1; the buffer must stay
   // untouched until the transfers are waited for.
@@ -81,6 +86,7 @@ class RingComm {
   MPI_Comm comm_ = MPI_COMM_NULL;
   const char* operation_;
   double timeout_seconds_;
+  std::string options_error_;
   int rank_ = 0, size_ = 1;
   bool helper_thread_allowed_ = false;  // MPI_THREAD_SERIALIZED or more
   std::int64_t bytes_sent_ = 0;

@@ -105,6 +105,7 @@ AttentionProblem check_arguments(RingComm& comm, const RingOptions& ring, const 
   AttentionProblem problem;
   std::string failure;
   try {
+    if (!comm.options_error().empty()) throw Error(comm.options_error());
     reject_unsupported(comm.operation(), options);
     problem = AttentionProblem::from_inputs(q, k, v, options);
     const std::int64_t expected = shard_length(ring.seqlen, comm.size(), comm.rank(), ring.layout);
