@@ -102,6 +102,20 @@ double max_abs_difference(const Tensor& a, const Tensor& b) {
   return e;
 }
 
+// The most representable values of a and b's half dtype (bf16, f16) between two elements, at
+// positions where they differ by more than `floor`: 0 where they are equal, 1 where adjacent.
+std::int64_t max_steps_apart(const Tensor& a, const Tensor& b, double floor) {
+  const auto ordered = [](std::uint16_t bits) {  // sign-magnitude bits as an ordered integer
+    return (bits & 0x8000u) != 0 ? -static_cast<std::int64_t>(bits & 0x7FFFu) : static_cast<std::int64_t>(bits);
+  };
+  const auto* x = static_cast<const std::uint16_t*>(a.data());
+  const auto* y = static_cast<const std::uint16_t*>(b.data());
+  std::int64_t most = 0;
+  for (std::int64_t i = 0; i < a.numel(); ++i)
+    if (std::fabs(a.get(i) - b.get(i)) > floor) most = std::max(most, std::abs(ordered(x[i]) - ordered(y[i])));
+  return most;
+}
+
 double max_abs(const Tensor& t) {
   double m = 0.0;
   for (std::int64_t i = 0; i < t.numel(); ++i) m = std::fmax(m, std::fabs(t.get(i)));
@@ -139,10 +153,10 @@ RingOptions ring_options(const Case& c, ShardLayout layout) {
 
 // Forward: out and lse of the ring equal single-process flashattn's rows within the merge's
 // rounding, and the float64 reference's within the project's rule (f32 1e-5; otherwise
-// expect_within_yardstick, on this rank's rows). The merge's rounding: each of the ring's
-// partial outputs is rounded to the dtype once (at most u·max|v|, a partial being a convex
-// combination of rows of v) and both final outputs once (u·max|v| together), plus the
-// float32 floor 1e-5 of reordered accumulation.
+// expect_within_yardstick, on this rank's rows). The merge's rounding: the ring's partial
+// outputs stay float32 and both final outputs are rounded to the dtype once (u·max|v|
+// together), plus the float32 floor 1e-5 of reordered accumulation — so bf16/f16 elements
+// are equal or adjacent, where they differ by more than that floor.
 void check_ring_forward(const Case& c, ShardLayout layout) {
   SCOPED_TRACE(ring_trace(c, layout));
   const Global g = make_global(c);
@@ -158,6 +172,7 @@ void check_ring_forward(const Case& c, ShardLayout layout) {
   const ForwardResult single = forward(g.q.view(), g.k.view(), g.v.view(), g.options);
   const double merge_rounding = 2.0 * unit_roundoff(p.dtype) * max_abs(g.v) + 1e-5;
   EXPECT_LE(max_abs_difference(out, shard_of(single.out, ranges, 1)), merge_rounding);
+  if (p.dtype != DType::f32) EXPECT_LE(max_steps_apart(out, shard_of(single.out, ranges, 1), 1e-5), 1);
   EXPECT_LE(max_abs_difference(lse, shard_of(single.lse, ranges, 2)), 1e-5);
 
   const reference::Result want = reference::attention(g.q.view(), g.k.view(), g.v.view(), g.options);
@@ -211,6 +226,13 @@ void check_ring_backward(const Case& c, ShardLayout layout) {
   EXPECT_LE(max_abs_difference(dq, shard_of(single.dq, ranges, 1)), tol_q + single_q);
   EXPECT_LE(max_abs_difference(dk, shard_of(single.dk, ranges, 1)), tol_k + single_k);
   EXPECT_LE(max_abs_difference(dv, shard_of(single.dv, ranges, 1)), tol_v + single_v);
+  // Both sum float32 shares and round once: bf16/f16 elements equal or adjacent, where they
+  // differ by more than the float32 floor 1e-4 of reordered accumulation.
+  if (p.dtype != DType::f32) {
+    EXPECT_LE(max_steps_apart(dq, shard_of(single.dq, ranges, 1), 1e-4), 1);
+    EXPECT_LE(max_steps_apart(dk, shard_of(single.dk, ranges, 1), 1e-4), 1);
+    EXPECT_LE(max_steps_apart(dv, shard_of(single.dv, ranges, 1), 1e-4), 1);
+  }
 }
 
 // Sequence lengths: not divisible by 2P for P = 2, 3, 4 (uneven shards), and shorter than

@@ -5,14 +5,31 @@
 #include "src/api/run.hpp"
 
 namespace flashattn {
+namespace {
+
+void routed_backward(const TensorView& dout, const TensorView& q, const TensorView& k, const TensorView& v,
+                     const TensorView& out, const TensorView& lse, const MutableTensorView& dq,
+                     const MutableTensorView& dk, const MutableTensorView& dv, const AttentionOptions& options,
+                     detail::OutputDtypes grads) {
+  detail::run_backward(detail::route("backward", &detail::Backend::backward,
+                                    {{"dout", dout}, {"q", q}, {"k", k}, {"v", v}, {"out", out}, {"lse", lse},
+                                     {"dq", dq}, {"dk", dk}, {"dv", dv}}),
+                       dout, q, k, v, out, lse, dq, dk, dv, options, grads);
+}
+
+}  // namespace
 
 void backward(const TensorView& dout, const TensorView& q, const TensorView& k, const TensorView& v,
               const TensorView& out, const TensorView& lse, const MutableTensorView& dq, const MutableTensorView& dk,
               const MutableTensorView& dv, const AttentionOptions& options) {
-  detail::run_backward(detail::route("backward", &detail::Backend::backward,
-                                    {{"dout", dout}, {"q", q}, {"k", k}, {"v", v}, {"out", out}, {"lse", lse},
-                                     {"dq", dq}, {"dk", dk}, {"dv", dv}}),
-                       dout, q, k, v, out, lse, dq, dk, dv, options);
+  routed_backward(dout, q, k, v, out, lse, dq, dk, dv, options, detail::OutputDtypes::inputs);
+}
+
+void detail::backward_into_float32(const TensorView& dout, const TensorView& q, const TensorView& k,
+                                   const TensorView& v, const TensorView& out, const TensorView& lse,
+                                   const MutableTensorView& dq, const MutableTensorView& dk,
+                                   const MutableTensorView& dv, const AttentionOptions& options) {
+  routed_backward(dout, q, k, v, out, lse, dq, dk, dv, options, OutputDtypes::inputs_or_f32);
 }
 
 BackwardResult backward(const TensorView& dout, const TensorView& q, const TensorView& k, const TensorView& v,

@@ -19,9 +19,13 @@ void check_apart_from_options(const char* name, const TensorView& output, const 
 }
 
 AttentionProblem check_forward_call(const TensorView& q, const TensorView& k, const TensorView& v,
-                                    const TensorView& out, const TensorView& lse, const AttentionOptions& options) {
+                                    const TensorView& out, const TensorView& lse, const AttentionOptions& options,
+                                    OutputDtypes outputs) {
   AttentionProblem problem = AttentionProblem::from_inputs(q, k, v, options);
-  check_forward_outputs(problem, q, k, v, out, lse);
+  if (outputs == OutputDtypes::inputs_or_f32 && out.dtype == DType::f32)
+    check_forward_output_views(problem, q, k, v, out, lse);
+  else
+    check_forward_outputs(problem, q, k, v, out, lse);
   check_rescale_counts(problem, options, q, k, v, out, lse);
   for (const auto& [name, output] : {std::pair{"out", out}, {"lse", lse}, {"rescale_counts", options.rescale_counts}})
     check_apart_from_options(name, output, options);
@@ -31,7 +35,7 @@ AttentionProblem check_forward_call(const TensorView& q, const TensorView& k, co
 AttentionProblem check_backward_call(const TensorView& dout, const TensorView& q, const TensorView& k,
                                      const TensorView& v, const TensorView& out, const TensorView& lse,
                                      const TensorView& dq, const TensorView& dk, const TensorView& dv,
-                                     const AttentionOptions& options) {
+                                     const AttentionOptions& options, OutputDtypes grads_dtypes) {
   reject_rescale_counts("backward", options);
   AttentionProblem p = AttentionProblem::from_inputs(q, k, v, options);
   if (options.score_hook.score != nullptr && options.score_hook.derivative == nullptr)
@@ -49,7 +53,8 @@ AttentionProblem check_backward_call(const TensorView& dout, const TensorView& q
   for (int g = 0; g < 3; ++g) {
     const auto& [name, grad] = grads[g];
     const TensorView& ref = *like[g];
-    check_tensor(name, *grad, ref.dtype, "gradients have their input's dtype",
+    const bool f32 = grads_dtypes == OutputDtypes::inputs_or_f32 && grad->dtype == DType::f32;
+    check_tensor(name, *grad, f32 ? DType::f32 : ref.dtype, "gradients have their input's dtype",
                  {ref.shape[0], ref.shape[1], ref.shape[2], ref.shape[3]}, "(the shape of its input)");
     check_output_layout(name, *grad);
     for (const auto& [in_name, input] :

@@ -11,9 +11,15 @@
 
 namespace flashattn::detail {
 
+// The dtype rule of forward's out and backward's gradients: their inputs' dtype (the public
+// entry points), or that or float32 (the ring's steps, whose partial results are summed in
+// float32 and rounded once).
+enum class OutputDtypes { inputs, inputs_or_f32 };
+
 // forward(): q, k, v, the options, out and lse, and options.rescale_counts.
 AttentionProblem check_forward_call(const TensorView& q, const TensorView& k, const TensorView& v,
-                                    const TensorView& out, const TensorView& lse, const AttentionOptions& options);
+                                    const TensorView& out, const TensorView& lse, const AttentionOptions& options,
+                                    OutputDtypes outputs = OutputDtypes::inputs);
 
 // An output apart from the options' side inputs: attn_mask, alibi_slopes, the block-sparse
 // block_mask, sinks and the score hook's block mask (unset views and null outputs pass).
@@ -24,7 +30,7 @@ void check_apart_from_options(const char* name, const TensorView& output, const 
 AttentionProblem check_backward_call(const TensorView& dout, const TensorView& q, const TensorView& k,
                                      const TensorView& v, const TensorView& out, const TensorView& lse,
                                      const TensorView& dq, const TensorView& dk, const TensorView& dv,
-                                     const AttentionOptions& options);
+                                     const AttentionOptions& options, OutputDtypes grads = OutputDtypes::inputs);
 
 // forward_fp8(): each FP8 input (codes, block size, descales), the options as FP8
 // probabilities allow them, out (any floating dtype) and lse, options.rescale_counts. The

@@ -5,12 +5,26 @@
 #include "src/api/run.hpp"
 
 namespace flashattn {
+namespace {
+
+void routed_forward(const TensorView& q, const TensorView& k, const TensorView& v, const MutableTensorView& out,
+                    const MutableTensorView& lse, const AttentionOptions& options, detail::OutputDtypes outputs) {
+  detail::run_forward(
+      detail::route("forward", &detail::Backend::forward, {{"q", q}, {"k", k}, {"v", v}, {"out", out}, {"lse", lse}}),
+      q, k, v, out, lse, options, outputs);
+}
+
+}  // namespace
 
 void forward(const TensorView& q, const TensorView& k, const TensorView& v, const MutableTensorView& out,
              const MutableTensorView& lse, const AttentionOptions& options) {
-  detail::run_forward(
-      detail::route("forward", &detail::Backend::forward, {{"q", q}, {"k", k}, {"v", v}, {"out", out}, {"lse", lse}}),
-      q, k, v, out, lse, options);
+  routed_forward(q, k, v, out, lse, options, detail::OutputDtypes::inputs);
+}
+
+void detail::forward_into_float32(const TensorView& q, const TensorView& k, const TensorView& v,
+                                  const MutableTensorView& out, const MutableTensorView& lse,
+                                  const AttentionOptions& options) {
+  routed_forward(q, k, v, out, lse, options, OutputDtypes::inputs_or_f32);
 }
 
 ForwardResult forward(const TensorView& q, const TensorView& k, const TensorView& v,

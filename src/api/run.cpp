@@ -19,8 +19,9 @@ AttentionOptions host(const AttentionOptions& options) {
 }  // namespace
 
 void run_forward(const Backend& backend, const TensorView& q, const TensorView& k, const TensorView& v,
-                 const MutableTensorView& out, const MutableTensorView& lse, const AttentionOptions& options) {
-  const ForwardJob job{check_forward_call(host(q), host(k), host(v), host(out), host(lse), host(options)),
+                 const MutableTensorView& out, const MutableTensorView& lse, const AttentionOptions& options,
+                 OutputDtypes outputs) {
+  const ForwardJob job{check_forward_call(host(q), host(k), host(v), host(out), host(lse), host(options), outputs),
                        {}, q, k, v, out, lse, options, {}};
   backend.check_forward(job);
   begin_run(options);
@@ -29,9 +30,10 @@ void run_forward(const Backend& backend, const TensorView& q, const TensorView& 
 
 void run_backward(const Backend& backend, const TensorView& dout, const TensorView& q, const TensorView& k,
                   const TensorView& v, const TensorView& out, const TensorView& lse, const MutableTensorView& dq,
-                  const MutableTensorView& dk, const MutableTensorView& dv, const AttentionOptions& options) {
+                  const MutableTensorView& dk, const MutableTensorView& dv, const AttentionOptions& options,
+                  OutputDtypes grads) {
   const BackwardJob job{check_backward_call(host(dout), host(q), host(k), host(v), host(out), host(lse), host(dq),
-                                            host(dk), host(dv), host(options)),
+                                            host(dk), host(dv), host(options), grads),
                         {}, dout, q, k, v, out, lse, dq, dk, dv, options};
   backend.check_backward(job);
   begin_run(options);

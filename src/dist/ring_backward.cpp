@@ -11,6 +11,7 @@
 #include "flashattn/dist.hpp"
 #include "ring_comm.hpp"
 #include "ring_setup.hpp"
+#include "src/api/run.hpp"
 #include "src/core/validate.hpp"
 #include "views.hpp"
 
@@ -83,8 +84,10 @@ RingStats ring_backward(const TensorView& dout, const TensorView& q, const Tenso
   Tensor dv_acc[2] = {Tensor(DType::f32, {b, smax, hkv, dvd}), Tensor(DType::f32, {b, smax, hkv, dvd})};
   Tensor dk_step(DType::f32, {b, smax, hkv, d}), dv_step(DType::f32, {b, smax, hkv, dvd});
   Tensor dq_sum(DType::f32, {b, sl, hq, d});
-  // The kernel's gradients, in the inputs' dtype, before they are added in float32.
-  Tensor dq_call(p.dtype, {b, sl, hq, d}), dk_call(p.dtype, {b, smax, hkv, d}), dv_call(p.dtype, {b, smax, hkv, dvd});
+  // The kernel's gradients, float32 whatever the inputs' dtype, before they are added in float32:
+  // a shard's gradients are rounded once, at the end.
+  Tensor dq_call(DType::f32, {b, sl, hq, d}), dk_call(DType::f32, {b, smax, hkv, d}),
+      dv_call(DType::f32, {b, smax, hkv, dvd});
 
   const auto view_of = [](Tensor& t, std::int64_t tokens) {  // the first `tokens` tokens, contiguous
     return MutableTensorView(t.data(), t.dtype(), {t.shape()[0], tokens, t.shape()[2], t.shape()[3]});
@@ -108,10 +111,11 @@ RingStats ring_backward(const TensorView& dout, const TensorView& q, const Tenso
       call.causal = prefix.causal;
       const MutableTensorView dq_range = detail::tokens(dq_call.view(), at, n);
       const MutableTensorView dk_prefix = view_of(dk_call, prefix.keys), dv_prefix = view_of(dv_call, prefix.keys);
-      backward(detail::tokens(dout, at, n), detail::tokens(q, at, n),
-               detail::tokens(view_of(k_shard, keys_in_shard), 0, prefix.keys),
-               detail::tokens(view_of(v_shard, keys_in_shard), 0, prefix.keys), detail::tokens(out, at, n), detail::lse_tokens(lse, at, n), dq_range,
-               dk_prefix, dv_prefix, call);
+      flashattn::detail::backward_into_float32(
+          detail::tokens(dout, at, n), detail::tokens(q, at, n),
+          detail::tokens(view_of(k_shard, keys_in_shard), 0, prefix.keys),
+          detail::tokens(view_of(v_shard, keys_in_shard), 0, prefix.keys), detail::tokens(out, at, n),
+          detail::lse_tokens(lse, at, n), dq_range, dk_prefix, dv_prefix, call);
       detail::accumulate(detail::tokens(dq_sum.view(), at, n), dq_range, threads);
       detail::accumulate(detail::tokens(dk_share, 0, prefix.keys), dk_prefix, threads);
       detail::accumulate(detail::tokens(dv_share, 0, prefix.keys), dv_prefix, threads);

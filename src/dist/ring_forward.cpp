@@ -10,6 +10,7 @@
 #include "flashattn/dist.hpp"
 #include "ring_comm.hpp"
 #include "ring_setup.hpp"
+#include "src/api/run.hpp"
 #include "src/core/validate.hpp"
 #include "views.hpp"
 
@@ -51,8 +52,6 @@ RingStats ring_forward(const TensorView& q, const TensorView& k, const TensorVie
   // them; two sets, since a merge writes into the other one's split 0.
   Tensor outs[2] = {Tensor(DType::f32, {2, b, sl, hq, dv}), Tensor(DType::f32, {2, b, sl, hq, dv})};
   Tensor lses[2] = {Tensor(DType::f32, {2, b, hq, sl}), Tensor(DType::f32, {2, b, hq, sl})};
-  // The kernel writes q's dtype; a low-precision partial is widened into the float32 split.
-  Tensor partial_out = p.dtype == DType::f32 ? Tensor() : Tensor(p.dtype, {b, sl, hq, dv});
   const auto split = [&](int set, std::int64_t index) {
     return std::pair{detail::slice(outs[set].view(), 0, index, 1), detail::slice(lses[set].view(), 0, index, 1)};
   };
@@ -81,11 +80,10 @@ RingStats ring_forward(const TensorView& q, const TensorView& k, const TensorVie
       }
       AttentionOptions call = options;
       call.causal = prefix.causal;
-      const MutableTensorView kernel_out =
-          p.dtype == DType::f32 ? range_out : detail::tokens(partial_out.view(), range.local_begin, n);
-      forward(detail::tokens(q, range.local_begin, n), detail::tokens(k_all, 0, prefix.keys),
-              detail::tokens(v_all, 0, prefix.keys), kernel_out, range_lse, call);
-      if (p.dtype != DType::f32) detail::copy(range_out, kernel_out, threads);
+      // Straight into the float32 split whatever q's dtype: partials are rounded only once, merged.
+      flashattn::detail::forward_into_float32(detail::tokens(q, range.local_begin, n),
+                                              detail::tokens(k_all, 0, prefix.keys),
+                                              detail::tokens(v_all, 0, prefix.keys), range_out, range_lse, call);
     }
   };
 
