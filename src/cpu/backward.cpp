@@ -75,8 +75,7 @@ void cpu::run_backward(const detail::BackwardJob& job) {
   auto delta = cpu::allocate_floats(rows + 1);
   auto lse2 = cpu::allocate_floats(rows + 1);
   auto lse2_low = cpu::allocate_floats(rows + 1);
-  auto dq_accum = cpu::allocate_floats_written(rows * d_pad + 1);
-  std::fill(dq_accum.get(), dq_accum.get() + rows * d_pad, 0.0f);
+  auto dq_accum = cpu::allocate_floats_written(rows * d_pad + 1);  // zeroed by the D pass
   std::unique_ptr<std::mutex[]> dq_locks;
   std::unique_ptr<std::atomic<std::int64_t>[]> dq_tickets;
   if (plan.deterministic) {

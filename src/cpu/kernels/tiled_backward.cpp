@@ -139,9 +139,13 @@ void BackwardLargeRows(const BackwardParams& prm, BackwardWorkspace& ws, const L
 }
 
 // D = rowsum(dO ∘ O) and the exp2 offsets of P (BackwardParams::lse2, lse2_low) of every
-// row of (b, h), as lse·log2e: BackwardLargeRows then redoes the large rows'.
+// row of (b, h), as lse·log2e: BackwardLargeRows then redoes the large rows'. Zeroes the
+// head's rows of the dQ accumulator (by the thread that first touches them, all threads at
+// once, not one thread before the region).
 void BackwardDelta(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t bh) {
   const AttentionProblem& p = prm.problem;
+  const std::int64_t dq_floats = p.seqlen_q * prm.plan.head_dim_padded;
+  std::fill(prm.dq_accum + bh * dq_floats, prm.dq_accum + (bh + 1) * dq_floats, 0.0f);
   const std::int64_t b = bh / p.heads_q, h = bh % p.heads_q;
   const DF df;
   const std::int64_t dv = p.head_dim_v, dv_lanes = RoundUp(dv, kLanes);
