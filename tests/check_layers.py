@@ -24,7 +24,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "src/cpu": ("flashattn", "src/core", "src/cpu", "src/api/backend.hpp"),
     "src/cuda": ("flashattn", "src/core", "src/cuda", "src/api/backend.hpp"),
     "src/api": ("flashattn", "src/core", "src/api"),
-    "src/dist": ("flashattn", "src/core", "src/dist"),
+    "src/dist": ("flashattn", "src/core", "src/dist", "src/api/float32_out.hpp"),
     "src/python": ("flashattn",),
     "tools/support": ("flashattn", "tools/support"),
     "tools/baseline": ("flashattn", "src/core", "tools/baseline"),

@@ -1,6 +1,7 @@
 // backward(): checked once here, then run by the backend of the tensors' device.
 #include "flashattn/attention.hpp"
 #include "src/api/backend.hpp"
+#include "src/api/float32_out.hpp"
 #include "src/api/route.hpp"
 #include "src/api/run.hpp"
 

@@ -18,12 +18,4 @@ void run_backward(const Backend& backend, const TensorView& dout, const TensorVi
                   const MutableTensorView& dk, const MutableTensorView& dv, const AttentionOptions& options,
                   OutputDtypes grads = OutputDtypes::inputs);
 
-// forward() and backward() whose out and gradients may also be float32 for bf16/f16 inputs
-// (OutputDtypes::inputs_or_f32): the ring's steps, which sum them in float32.
-void forward_into_float32(const TensorView& q, const TensorView& k, const TensorView& v, const MutableTensorView& out,
-                          const MutableTensorView& lse, const AttentionOptions& options);
-void backward_into_float32(const TensorView& dout, const TensorView& q, const TensorView& k, const TensorView& v,
-                           const TensorView& out, const TensorView& lse, const MutableTensorView& dq,
-                           const MutableTensorView& dk, const MutableTensorView& dv, const AttentionOptions& options);
-
 }  // namespace flashattn::detail

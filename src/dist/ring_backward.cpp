@@ -11,7 +11,7 @@
 #include "flashattn/dist.hpp"
 #include "ring_comm.hpp"
 #include "ring_setup.hpp"
-#include "src/api/run.hpp"
+#include "src/api/float32_out.hpp"
 #include "src/core/validate.hpp"
 #include "views.hpp"
 
