@@ -297,14 +297,18 @@ TEST(Variants, AttnMask) {
 // transformers pads) weighs its keys alike — the mean of V, as the float64 definition and
 // torch's SDPA — and one key biased +3e38 takes the row; bias·log2 e overflowed to ∓∞ (the
 // first row was hidden whole: out 0, lse −∞; the second NaN). Rows of the tiled and decode
-// kernels, f32 and bf16 biases (bf16's largest is 3.39e38), every SIMD target.
+// kernels, f32 and bf16 biases (bf16's largest is 3.39e38), every SIMD target, the keys in one
+// part and split (split-KV) in two and three parts of different sizes: the parts' partial
+// results merged as one lse each weighed them alike (float32 rounds m + log ℓ to m there).
 TEST(Variants, LargestFiniteBiasesAreBiasesNotHiddenKeys) {
   constexpr float kLowest = std::numeric_limits<float>::lowest();
   for_each_simd_target([&](const std::string&) {
     for (const std::int64_t sq : {1, 9})
-      for (const DType bias_dtype : {DType::f32, DType::bf16}) {
-        SCOPED_TRACE("Sq " + std::to_string(sq) + ", bias " + to_string(bias_dtype));
-        constexpr std::int64_t sk = 70;
+      for (const DType bias_dtype : {DType::f32, DType::bf16})
+        for (const int splits : {1, 2, 3}) {
+        SCOPED_TRACE("Sq " + std::to_string(sq) + ", bias " + to_string(bias_dtype) + ", splits " +
+                     std::to_string(splits));
+        constexpr std::int64_t sk = 601;
         const Tensor q = random_tensor(DType::f32, {1, sq, 2, 16}, 61), k = random_tensor(DType::f32, {1, sk, 2, 16}, 62);
         const Tensor v = random_tensor(DType::f32, {1, sk, 2, 16}, 63);
         Tensor bias(bias_dtype, {1, 2, sq, sk});
@@ -317,8 +321,13 @@ TEST(Variants, LargestFiniteBiasesAreBiasesNotHiddenKeys) {
             }
         AttentionOptions o;
         o.attn_mask = bias.view();
+        o.num_splits = splits;
+        PlansRun plans;
+        o.plans_run = &plans;
         const reference::Result want = reference::attention(q.view(), k.view(), v.view(), o);
         const ForwardResult got = forward(q.view(), k.view(), v.view(), o);
+        ASSERT_EQ(plans.forward.size(), 1u);
+        ASSERT_EQ(plans.forward[0].splits, splits);
         EXPECT_LE(max_abs_error(got.out, want.out), 1e-5);
         for (std::int64_t i = 0; i < got.lse.numel(); ++i) ASSERT_TRUE(std::isfinite(got.lse.get(i))) << "lse " << i;
         for (std::int64_t i = 0; i < sq; ++i)

@@ -17,8 +17,9 @@ namespace flashattn {
 namespace {
 
 // Row (b, i, h) of the merge: out's row and its lse from every split's; acc holds
-// head_dim_v doubles.
-void merge_row(const TensorView& outs, const TensorView& lses, const MutableTensorView& out,
+// head_dim_v doubles. Without `sums`, lses are the splits' natural-log lses; with them, lses
+// hold the splits' maxima (log2 units) and sums (contiguous, lses' element order) their ℓ.
+void merge_row(const TensorView& outs, const TensorView& lses, const float* sums, const MutableTensorView& out,
                const MutableTensorView& lse, std::int64_t b, std::int64_t i, std::int64_t h, double* acc) {
   const auto* o = static_cast<const float*>(outs.data);
   const auto* l = static_cast<const float*>(lses.data);
@@ -26,11 +27,16 @@ void merge_row(const TensorView& outs, const TensorView& lses, const MutableTens
   std::fill(acc, acc + dv, 0.0);
   OnlineSoftmaxState state;
   for (std::int64_t s = 0; s < splits; ++s) {
-    const float split_lse = l[s * lses.strides[0] + b * lses.strides[1] + h * lses.strides[2] + i * lses.strides[3]];
-    // A normalized partial output is its state with ℓ = 1 at m = lse (log2 units).
-    const bool empty = split_lse == -std::numeric_limits<float>::infinity();
-    const OnlineSoftmaxState partial{empty ? split_lse : split_lse * OnlineSoftmaxState::kLog2e, empty ? 0.0f : 1.0f};
-    const OnlineSoftmaxState::MergeFactors f = state.merge(partial);
+    const std::int64_t at = s * lses.strides[0] + b * lses.strides[1] + h * lses.strides[2] + i * lses.strides[3];
+    // A normalized partial output is õ/ℓ of its state; without the state, the state with ℓ = 1
+    // at m = lse (log2 units).
+    OnlineSoftmaxState partial{l[at], sums != nullptr ? sums[at] : 1.0f};
+    if (sums == nullptr) {
+      const bool empty = l[at] == -std::numeric_limits<float>::infinity();
+      partial = {empty ? l[at] : l[at] * OnlineSoftmaxState::kLog2e, empty ? 0.0f : 1.0f};
+    }
+    OnlineSoftmaxState::MergeFactors f = state.merge(partial);
+    f.other *= partial.sum == 0.0f ? 1.0f : partial.sum;  // õ = ℓ · the normalized row
     const float* row = o + s * outs.strides[0] + b * outs.strides[1] + i * outs.strides[2] + h * outs.strides[3];
     const std::int64_t step = outs.strides[4];
     if (step == 1) {  // the drivers' partial rows: the same sums, vectorised
@@ -77,7 +83,7 @@ void merge_attention_states(const TensorView& outs, const TensorView& lses,
 #pragma omp for collapse(3) schedule(static)
     for (std::int64_t b = 0; b < batch; ++b)
       for (std::int64_t i = 0; i < sq; ++i)
-        for (std::int64_t h = 0; h < heads; ++h) merge_row(outs, lses, out, lse, b, i, h, acc.data());
+        for (std::int64_t h = 0; h < heads; ++h) merge_row(outs, lses, nullptr, out, lse, b, i, h, acc.data());
   }
 }
 
@@ -86,7 +92,16 @@ void detail::merge_states(const TensorView& outs, const TensorView& lses, const 
   double acc[AttentionProblem::kMaxHeadDim];  // on the stack: no allocation inside a running region
   const std::int64_t sq = outs.shape[2], heads = outs.shape[3];
   for (std::int64_t r = row_begin; r < row_end; ++r)
-    merge_row(outs, lses, out, lse, r / (sq * heads), r / heads % sq, r % heads, acc);
+    merge_row(outs, lses, nullptr, out, lse, r / (sq * heads), r / heads % sq, r % heads, acc);
+}
+
+void detail::merge_split_states(const TensorView& outs, const TensorView& maxes, const float* sums,
+                                const MutableTensorView& out, const MutableTensorView& lse, std::int64_t row_begin,
+                                std::int64_t row_end) {
+  double acc[AttentionProblem::kMaxHeadDim];
+  const std::int64_t sq = outs.shape[2], heads = outs.shape[3];
+  for (std::int64_t r = row_begin; r < row_end; ++r)
+    merge_row(outs, maxes, sums, out, lse, r / (sq * heads), r / heads % sq, r % heads, acc);
 }
 
 }  // namespace flashattn

@@ -15,4 +15,11 @@ namespace flashattn::detail {
 void merge_states(const TensorView& outs, const TensorView& lses, const MutableTensorView& out,
                   const MutableTensorView& lse, std::int64_t row_begin, std::int64_t row_end);
 
+// The same for the drivers' split-KV partials, each given by its softmax state instead of its
+// lse: `maxes` (laid out as lses) the states' maxima in log2 units and `sums` (contiguous in
+// the same order) their ℓ. Exact where one float32 lse could not hold m + log ℓ (|m| huge).
+void merge_split_states(const TensorView& outs, const TensorView& maxes, const float* sums,
+                        const MutableTensorView& out, const MutableTensorView& lse, std::int64_t row_begin,
+                        std::int64_t row_end);
+
 }  // namespace flashattn::detail

@@ -49,7 +49,8 @@ void add_counters(std::int64_t grid, const cpu::ForwardWorkspaces& workspaces, K
 // A job's plan and the split-KV partial results its items write before the merge.
 struct PlannedJob {
   CpuForwardPlan plan;
-  hwy::AlignedFreeUniquePtr<float[]> split_out, split_lse;  // checked allocations: an Error when memory runs out
+  // Checked allocations (an Error when memory runs out); split_states: the splits' maxima, then their sums.
+  hwy::AlignedFreeUniquePtr<float[]> split_out, split_states;
   cpu::DenseMaskSummary mask_blocks;  // attn_mask's, by the micro-tile's strips and panels
   cpu::ForwardParams params;
 };
@@ -60,12 +61,13 @@ PlannedJob planned_job(const detail::ForwardJob& job, const CpuForwardPlan& plan
   const AttentionProblem& p = job.problem;
   const std::int64_t split_rows = plan.splits > 1 ? plan.splits * p.batch * p.heads_q * p.seqlen_q : 0;
   pj.split_out = cpu::allocate_floats(static_cast<std::size_t>(split_rows * p.head_dim_v));
-  pj.split_lse = cpu::allocate_floats(static_cast<std::size_t>(split_rows));
+  pj.split_states = cpu::allocate_floats(static_cast<std::size_t>(2 * split_rows));
   pj.mask_blocks = cpu::DenseMaskSummary(job.options.attn_mask, p.seqlen_q, p.seqlen_k, plan.hardware.micro_rows,
                                          plan.hardware.micro_cols, plan.threads, /*bias_blocks=*/true);
   pj.params = {p, job.internals, plan, job.q, job.k, job.v, job.out, job.lse,
                job.options.alibi_slopes, job.options.block_mask, job.options.sinks, job.options.attn_mask,
-               pj.mask_blocks.blocks(), job.options.score_hook, pj.split_out.get(), pj.split_lse.get(), job.paged,
+               pj.mask_blocks.blocks(), job.options.score_hook, pj.split_out.get(), pj.split_states.get(),
+               pj.split_states.get() + split_rows, job.paged,
                job.options.rescale_counts, job.options.switches};
   return pj;
 }
@@ -158,8 +160,9 @@ void run_region(std::span<const detail::ForwardJob> live, std::span<PlannedJob> 
         const std::int64_t rows = p.batch * p.seqlen_q * p.heads_q, s = share - (merge_ends[j] - shares);
         const TensorView outs(planned[j].split_out.get(), DType::f32,
                               {plan.splits, p.batch, p.seqlen_q, p.heads_q, p.head_dim_v});
-        const TensorView lses(planned[j].split_lse.get(), DType::f32, {plan.splits, p.batch, p.heads_q, p.seqlen_q});
-        detail::merge_states(outs, lses, live[j].out, live[j].lse, rows * s / shares, rows * (s + 1) / shares);
+        const TensorView maxes(planned[j].params.split_max, DType::f32, {plan.splits, p.batch, p.heads_q, p.seqlen_q});
+        detail::merge_split_states(outs, maxes, planned[j].params.split_sum, live[j].out, live[j].lse,
+                                   rows * s / shares, rows * (s + 1) / shares);
       }
     }
     // Third phase, after the split merges wrote the jobs' outputs: the caller's merges.

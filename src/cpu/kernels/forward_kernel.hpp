@@ -53,9 +53,13 @@ struct ForwardParams {
   DenseMaskBlocks attn_mask_blocks;     // a boolean attn_mask's tiles (the driver's summary)
   ScoreHook score_hook;                 // from the options; apply null when unused
   // Split-KV partial results (plan.splits > 1): (splits, batch, seqlen_q, heads_q, Dv)
-  // normalized outputs and (splits, batch, heads_q, seqlen_q) lses, float32, contiguous.
+  // normalized outputs and each (splits, batch, heads_q, seqlen_q) row's softmax state, its
+  // max (log2 units) and ℓ, float32, contiguous — apart, not as one lse, which float32 rounds
+  // to the max where the scores are huge (a finfo.min mask row: log ℓ lost, splits of
+  // different sizes weighed alike).
   float* split_out = nullptr;
-  float* split_lse = nullptr;
+  float* split_max = nullptr;
+  float* split_sum = nullptr;
   PagedKv paged;
   MutableTensorView rescale_counts;  // int32 (batch, heads_q, seqlen_q), zeroed; null when not asked
   AttentionOptions::KernelSwitches switches;

@@ -165,7 +165,9 @@ static void StoreOutputRow(const ForwardParams& prm, ForwardWorkspace& ws, std::
   if (prm.plan.splits > 1) {
     StoreRow(orow, p.head_dim_v, inverse,
              prm.split_out + (((split * p.batch + b) * p.seqlen_q + i) * p.heads_q + h) * p.head_dim_v, DType::f32);
-    prm.split_lse[((split * p.batch + b) * p.heads_q + h) * p.seqlen_q + i] = final_state.lse();
+    const std::int64_t row = ((split * p.batch + b) * p.heads_q + h) * p.seqlen_q + i;
+    prm.split_max[row] = final_state.max;
+    prm.split_sum[row] = final_state.sum;
     return;
   }
   StoreRow(orow, p.head_dim_v, inverse, OutputRow(prm, b, i, h), prm.out.dtype);
