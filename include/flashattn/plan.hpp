@@ -102,7 +102,7 @@ struct CpuForwardPlan {
   std::int64_t splits = 1;           // split-KV: key ranges per Q tile, merged by lse
   int threads = 1;
   std::size_t workspace_bytes_per_thread = 0;
-  std::size_t shared_bytes = 0;      // split-KV partial outputs and lses
+  std::size_t shared_bytes = 0;      // split-KV partial outputs and softmax states (max and sum)
   // decode on the AVX2 target (CpuHardware::short_decode_bytes): hardware then holds that
   // target's name and micro-tile geometry, which the plan's sizes follow.
   bool avx2_decode = false;

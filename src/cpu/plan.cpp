@@ -376,7 +376,7 @@ CpuForwardPlan cpu::plan_forward(const AttentionProblem& p, const detail::Proble
   plan.workspace_bytes_per_thread = cpu::forward_workspace_bytes(plan, p);
   if (plan.splits > 1)
     plan.shared_bytes = static_cast<std::size_t>(plan.splits * p.batch * p.heads_q * p.seqlen_q *
-                                                 (p.head_dim_v + 1)) * sizeof(float);
+                                                 (p.head_dim_v + 2)) * sizeof(float);
   return plan;
 }
 
