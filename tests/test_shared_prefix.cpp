@@ -269,6 +269,48 @@ TEST(SharedPrefix, SinksCountOncePerRow) {
   }
 }
 
+// Every query and key the same, scores near 1e30: each row's softmax is uniform over its
+// keys, so its output is the mean of its prefix's and own values weighed by their counts. A
+// float32 lse rounds m + log ℓ to m there, and a merge of the passes through their lses
+// weighed them alike; the passes hand the merge their states (max and ℓ) apart. Passes
+// whole and split over the keys (num_splits 3: the split merge hands on the state too).
+TEST(SharedPrefix, HugeScoresWeighThePassesByTheirKeys) {
+  const std::vector<Seq> seqs{{2, 16, 0}, {1, 40, 0}, {1, 7, 1}};
+  for (int splits : {1, 3})
+    for (int threads : {1, 3}) {
+      SCOPED_TRACE(std::to_string(threads) + " threads, num_splits " + std::to_string(splits));
+      AttentionOptions o;
+      o.num_threads = threads;
+      o.num_splits = splits;
+      o.softmax_scale = 3e28f;  // q·k = kDim: every score 9.6e29
+      SharedBatch batch = make_shared(seqs, {300, 90}, DType::f32, 16, o, 61);
+      for (std::int64_t i = 0; i < batch.q.numel(); ++i) batch.q.set(i, 1.0f);
+      for (Tensor* pool : {&batch.k_pool, &batch.flat_k_pool})
+        for (std::int64_t i = 0; i < pool->numel(); ++i)
+          if (!std::isnan(pool->get(i))) pool->set(i, 1.0f);
+      PlansRun plans;
+      o.plans_run = &plans;
+      const ForwardResult shared = batch.run(o);
+      if (splits > 1)
+        EXPECT_TRUE(std::any_of(plans.forward.begin(), plans.forward.end(), [](const CpuForwardPlan& p) { return p.splits > 1; }));
+      expect_within_merge_rounding(shared, batch.run_unshared(o));
+      for (std::size_t b = 0; b < seqs.size(); ++b) {
+        const Inputs& in = batch.inputs[b];
+        const std::int64_t keys = batch.prefix_keys[static_cast<std::size_t>(seqs[b].prefix)] + seqs[b].own;
+        for (std::int64_t i = 0; i < batch.rows(b); ++i)
+          for (std::int64_t h = 0; h < kHq; ++h)
+            for (std::int64_t c = 0; c < kDim; ++c) {
+              double mean = 0.0;
+              for (std::int64_t j = 0; j < keys; ++j) mean += in.v.get((j * kHkv + h / (kHq / kHkv)) * kDim + c);
+              mean /= static_cast<double>(keys);
+              const std::int64_t at = ((batch.cu_q.get(static_cast<std::int64_t>(b)) + i) * kHq + h) * kDim + c;
+              ASSERT_NEAR(shared.out.get(at), mean, kFloat32OutTolerance)
+                  << "sequence " << b << " row " << i << " head " << h << " column " << c;
+            }
+      }
+    }
+}
+
 // One decode group of 32 sequences, a prefill chunk and a sequence without prefix: bit for
 // bit the same on 1, 2 and 3 threads, with and without key splits.
 TEST(SharedPrefix, BitIdenticalOnAnyThreads) {

@@ -115,9 +115,10 @@ BackwardResult backward_varlen(const TensorView& dout, const TensorView& q, cons
 // j / page_size]) followed by its own seqused_k[b]. The prefix's keys and values are read once
 // for the query rows of all its sequences — one problem over all their rows, whose q heads
 // share their kv head's K/V tiles — and that partial result is merged with each sequence's
-// own through their log-sum-exps (merge_attention_states' merge, in the same parallel
-// region): out and lse equal the unshared call over the concatenated keys within float32
-// rounding of the merge.
+// own by merge_attention_states' merge, in the same parallel region, from each row's softmax
+// state (max and ℓ apart, not one float32 lse, which loses log ℓ where the scores are huge):
+// out and lse equal the unshared call over the concatenated keys within float32 rounding of
+// the merge.
 // Rules, each an Error naming the argument: the sequences of one prefix are consecutive in the
 // batch (their query rows are one block of q, as FlashInfer's per-level qo_indptr); a sequence's
 // pages are not its prefix's pages; under causal (bottom-right over prefix + suffix) every query

@@ -27,6 +27,9 @@ struct ForwardJob {
   MutableTensorView out, lse;
   AttentionOptions options;
   PagedKv paged;
+  // Set for a pass that a StateMerge combines: lse then receives each row's softmax state,
+  // its max (log2 units), and lse_sums (laid out as lse, from its own pointer) its ℓ.
+  float* lse_sums = nullptr;
 };
 
 // One checked backward problem (`internals`: a sequence's batch index).
@@ -48,11 +51,13 @@ struct Fp8ForwardJob {
   AttentionOptions options;
 };
 
-// One merge of partial results over disjoint key sets, merge_attention_states' arguments:
-// outs (splits, batch, seqlen_q, heads_q, head_dim_v) and lses (splits, batch, heads_q,
-// seqlen_q) float32, into out and lse (a shared prefix's pass and a sequence's own).
+// One merge of partial results over disjoint key sets (a shared prefix's pass and a
+// sequence's own): outs (splits, batch, seqlen_q, heads_q, head_dim_v) float32 and each
+// row's softmax state as the passes' jobs wrote it (ForwardJob::lse_sums) — maxes laid out
+// as (splits, batch, heads_q, seqlen_q) lses, sums at the same offsets — into out and lse.
 struct StateMerge {
-  TensorView outs, lses;
+  TensorView outs, maxes;
+  const float* sums;
   MutableTensorView out, lse;
 };
 

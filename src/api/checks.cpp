@@ -35,7 +35,7 @@ AttentionProblem check_forward_call(const TensorView& q, const TensorView& k, co
 AttentionProblem check_backward_call(const TensorView& dout, const TensorView& q, const TensorView& k,
                                      const TensorView& v, const TensorView& out, const TensorView& lse,
                                      const TensorView& dq, const TensorView& dk, const TensorView& dv,
-                                     const AttentionOptions& options, OutputDtypes grads_dtypes) {
+                                     const AttentionOptions& options, OutputDtypes grad_dtypes) {
   reject_rescale_counts("backward", options);
   AttentionProblem p = AttentionProblem::from_inputs(q, k, v, options);
   if (options.score_hook.score != nullptr && options.score_hook.derivative == nullptr)
@@ -53,7 +53,7 @@ AttentionProblem check_backward_call(const TensorView& dout, const TensorView& q
   for (int g = 0; g < 3; ++g) {
     const auto& [name, grad] = grads[g];
     const TensorView& ref = *like[g];
-    const bool f32 = grads_dtypes == OutputDtypes::inputs_or_f32 && grad->dtype == DType::f32;
+    const bool f32 = grad_dtypes == OutputDtypes::inputs_or_f32 && grad->dtype == DType::f32;
     check_tensor(name, *grad, f32 ? DType::f32 : ref.dtype, "gradients have their input's dtype",
                  {ref.shape[0], ref.shape[1], ref.shape[2], ref.shape[3]}, "(the shape of its input)");
     check_output_layout(name, *grad);

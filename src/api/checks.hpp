@@ -30,7 +30,7 @@ void check_apart_from_options(const char* name, const TensorView& output, const 
 AttentionProblem check_backward_call(const TensorView& dout, const TensorView& q, const TensorView& k,
                                      const TensorView& v, const TensorView& out, const TensorView& lse,
                                      const TensorView& dq, const TensorView& dk, const TensorView& dv,
-                                     const AttentionOptions& options, OutputDtypes grads = OutputDtypes::inputs);
+                                     const AttentionOptions& options, OutputDtypes grad_dtypes = OutputDtypes::inputs);
 
 // forward_fp8(): each FP8 input (codes, block size, descales), the options as FP8
 // probabilities allow them, out (any floating dtype) and lse, options.rescale_counts. The

@@ -240,36 +240,40 @@ detail::ForwardJob paged_job(const TensorView& q, const PagedKvBatch& kv, const 
 }
 
 // The partial results of the sequences that continue a shared prefix, before their merge:
-// float32 out (2, rows, heads_q, head_dim_v) and lse (2, heads_q, rows), pass 0 the prefixes',
-// pass 1 the sequences' own, over those sequences' query rows, prefix after prefix.
+// float32 out (2, rows, heads_q, head_dim_v) and each row's softmax state — max (log2 units)
+// and ℓ, each (2, heads_q, rows) — pass 0 the prefixes', pass 1 the sequences' own, over
+// those sequences' query rows, prefix after prefix. States, not lses: a float32 lse rounds
+// m + log ℓ to m where the scores are huge, and the merge would weigh the passes alike.
 class Partials {
  public:
   Partials(std::int64_t rows, std::int64_t heads, std::int64_t dim_v)
       : rows_(rows), heads_(heads), dim_v_(dim_v), out_(DType::f32, {2, rows, heads, dim_v}),
-        lse_(DType::f32, {2, heads, rows}) {}
-  // Rows [from, from + n) of a pass, as a job's (1, n, heads_q, head_dim_v) out and (1, heads_q, n) lse.
+        max_(DType::f32, {2, heads, rows}), sum_(DType::f32, {2, heads, rows}) {}
+  // Rows [from, from + n) of a pass, as a job's (1, n, heads_q, head_dim_v) out and (1,
+  // heads_q, n) state (ForwardJob::lse, ForwardJob::lse_sums).
   MutableTensorView out(int pass, std::int64_t from, std::int64_t n) {
     return detail::packed_sequence(MutableTensorView(out_.data_as<float>() + pass * rows_ * heads_ * dim_v_, DType::f32,
                                                      {rows_, heads_, dim_v_}),
                                    from, n);
   }
-  MutableTensorView lse(int pass, std::int64_t from, std::int64_t n) {
-    return detail::packed_lse(MutableTensorView(lse_.data_as<float>() + pass * heads_ * rows_, DType::f32, {heads_, rows_}),
+  MutableTensorView max(int pass, std::int64_t from, std::int64_t n) {
+    return detail::packed_lse(MutableTensorView(max_.data_as<float>() + pass * heads_ * rows_, DType::f32, {heads_, rows_}),
                               from, n);
   }
+  float* sums(int pass, std::int64_t from) { return sum_.data_as<float>() + pass * heads_ * rows_ + from; }
   // Both passes of rows [from, from + n) merged into out and lse (batch-1 views).
   detail::StateMerge merge(std::int64_t from, std::int64_t n, const MutableTensorView& out,
                            const MutableTensorView& lse) {
-    const std::int64_t pass_out = rows_ * heads_ * dim_v_, pass_lse = heads_ * rows_;
+    const std::int64_t pass_out = rows_ * heads_ * dim_v_, pass_state = heads_ * rows_;
     return {TensorView(out_.data_as<float>() + from * heads_ * dim_v_, DType::f32, {2, 1, n, heads_, dim_v_},
                        {pass_out, pass_out, heads_ * dim_v_, dim_v_, 1}),
-            TensorView(lse_.data_as<float>() + from, DType::f32, {2, 1, heads_, n}, {pass_lse, pass_lse, rows_, 1}),
-            out, lse};
+            TensorView(max_.data_as<float>() + from, DType::f32, {2, 1, heads_, n}, {pass_state, pass_state, rows_, 1}),
+            sums(0, from), out, lse};
   }
 
  private:
   std::int64_t rows_, heads_, dim_v_;
-  Tensor out_, lse_;
+  Tensor out_, max_, sum_;
 };
 
 }  // namespace
@@ -311,7 +315,8 @@ void forward_varlen_paged(const TensorView& q, const TensorView& cu_seqlens_q, s
     const auto pi = static_cast<std::size_t>(p);
     const std::int64_t row = partial_row[pi] + q0 - r.cu_q[static_cast<std::size_t>(r.prefix_first[pi])];
     jobs.push_back(paged_job(q, kv, r, kv.block_table, b, r.keys[bi], q0, sq, partials.out(1, row, sq),
-                             partials.lse(1, row, sq), detail::sequence_options(options, b), b));
+                             partials.max(1, row, sq), detail::sequence_options(options, b), b));
+    jobs.back().lse_sums = partials.sums(1, row);
     if (sq > 0) merges.push_back(partials.merge(row, sq, detail::packed_sequence(out, q0, sq), detail::packed_lse(lse, q0, sq)));
   }
   // The prefix passes: every query row of the prefix's sequences sees every prefix key; the
@@ -324,8 +329,9 @@ void forward_varlen_paged(const TensorView& q, const TensorView& cu_seqlens_q, s
     const std::int64_t rows = partial_row[p + 1] - partial_row[p];
     if (rows == 0) continue;
     jobs.push_back(paged_job(q, kv, r, kv.prefix_block_table, static_cast<std::int64_t>(p), r.prefix_keys[p], q0, rows,
-                             partials.out(0, partial_row[p], rows), partials.lse(0, partial_row[p], rows),
+                             partials.out(0, partial_row[p], rows), partials.max(0, partial_row[p], rows),
                              prefix_options, first));
+    jobs.back().lse_sums = partials.sums(0, partial_row[p]);
   }
   for (const detail::ForwardJob& job : jobs) {
     detail::check_forward_output_views(job.problem, job.q, job.k, job.v, job.out, job.lse);

@@ -18,9 +18,12 @@ namespace {
 
 // Row (b, i, h) of the merge: out's row and its lse from every split's; acc holds
 // head_dim_v doubles. Without `sums`, lses are the splits' natural-log lses; with them, lses
-// hold the splits' maxima (log2 units) and sums (contiguous, lses' element order) their ℓ.
+// hold the splits' maxima (log2 units) and `sums` (laid out as lses, from its own pointer)
+// their ℓ. Without `out_sums`, lse receives the merged lse; with it, lse receives the merged
+// state's max (log2 units) and `out_sums` (laid out as lse) its ℓ.
 void merge_row(const TensorView& outs, const TensorView& lses, const float* sums, const MutableTensorView& out,
-               const MutableTensorView& lse, std::int64_t b, std::int64_t i, std::int64_t h, double* acc) {
+               const MutableTensorView& lse, float* out_sums, std::int64_t b, std::int64_t i, std::int64_t h,
+               double* acc) {
   const auto* o = static_cast<const float*>(outs.data);
   const auto* l = static_cast<const float*>(lses.data);
   const std::int64_t splits = outs.shape[0], dv = outs.shape[4];
@@ -48,7 +51,9 @@ void merge_row(const TensorView& outs, const TensorView& lses, const float* sums
   const double inv = state.inverse_sum();
   const std::int64_t at = detail::offset4(out, b, i, h, 0), step_out = out.strides[3];
   for (std::int64_t c = 0; c < dv; ++c) detail::store_element(out, at + c * step_out, static_cast<float>(acc[c] * inv));
-  static_cast<float*>(lse.data)[b * lse.strides[0] + h * lse.strides[1] + i * lse.strides[2]] = state.lse();
+  const std::int64_t lse_at = b * lse.strides[0] + h * lse.strides[1] + i * lse.strides[2];
+  static_cast<float*>(lse.data)[lse_at] = out_sums != nullptr ? state.max : state.lse();
+  if (out_sums != nullptr) out_sums[lse_at] = state.sum;
 }
 
 }  // namespace
@@ -83,25 +88,17 @@ void merge_attention_states(const TensorView& outs, const TensorView& lses,
 #pragma omp for collapse(3) schedule(static)
     for (std::int64_t b = 0; b < batch; ++b)
       for (std::int64_t i = 0; i < sq; ++i)
-        for (std::int64_t h = 0; h < heads; ++h) merge_row(outs, lses, nullptr, out, lse, b, i, h, acc.data());
+        for (std::int64_t h = 0; h < heads; ++h) merge_row(outs, lses, nullptr, out, lse, nullptr, b, i, h, acc.data());
   }
 }
 
-void detail::merge_states(const TensorView& outs, const TensorView& lses, const MutableTensorView& out,
-                          const MutableTensorView& lse, std::int64_t row_begin, std::int64_t row_end) {
+void detail::merge_states(const TensorView& outs, const TensorView& maxes, const float* sums,
+                          const MutableTensorView& out, const MutableTensorView& lse, float* out_sums,
+                          std::int64_t row_begin, std::int64_t row_end) {
   double acc[AttentionProblem::kMaxHeadDim];  // on the stack: no allocation inside a running region
   const std::int64_t sq = outs.shape[2], heads = outs.shape[3];
   for (std::int64_t r = row_begin; r < row_end; ++r)
-    merge_row(outs, lses, nullptr, out, lse, r / (sq * heads), r / heads % sq, r % heads, acc);
-}
-
-void detail::merge_split_states(const TensorView& outs, const TensorView& maxes, const float* sums,
-                                const MutableTensorView& out, const MutableTensorView& lse, std::int64_t row_begin,
-                                std::int64_t row_end) {
-  double acc[AttentionProblem::kMaxHeadDim];
-  const std::int64_t sq = outs.shape[2], heads = outs.shape[3];
-  for (std::int64_t r = row_begin; r < row_end; ++r)
-    merge_row(outs, maxes, sums, out, lse, r / (sq * heads), r / heads % sq, r % heads, acc);
+    merge_row(outs, maxes, sums, out, lse, out_sums, r / (sq * heads), r / heads % sq, r % heads, acc);
 }
 
 }  // namespace flashattn

@@ -7,19 +7,17 @@
 
 namespace flashattn::detail {
 
-// merge_attention_states(outs, lses, out, lse) of rows [row_begin, row_end) — (batch, seqlen_q,
-// heads_q) rows in that order — on the calling thread, without its checks: for views the
-// library built itself, in a parallel region that is already running (where an exception
-// could not leave it), head_dim_v at most AttentionProblem::kMaxHeadDim. The same arithmetic
-// row by row, so the same bits.
-void merge_states(const TensorView& outs, const TensorView& lses, const MutableTensorView& out,
-                  const MutableTensorView& lse, std::int64_t row_begin, std::int64_t row_end);
-
-// The same for the drivers' split-KV partials, each given by its softmax state instead of its
-// lse: `maxes` (laid out as lses) the states' maxima in log2 units and `sums` (contiguous in
-// the same order) their ℓ. Exact where one float32 lse could not hold m + log ℓ (|m| huge).
-void merge_split_states(const TensorView& outs, const TensorView& maxes, const float* sums,
-                        const MutableTensorView& out, const MutableTensorView& lse, std::int64_t row_begin,
-                        std::int64_t row_end);
+// merge_attention_states of rows [row_begin, row_end) — (batch, seqlen_q, heads_q) rows in
+// that order — on the calling thread, without its checks, for partial results given by their
+// softmax states instead of their lses: `maxes` (laid out as lses) the states' maxima in log2
+// units and `sums` (laid out as maxes, from its own pointer) their ℓ — apart, exact where one
+// float32 lse could not hold m + log ℓ (|m| huge: log ℓ lost, partials over different
+// numbers of keys weighed alike). With `out_sums` null, lse receives the merged lse; else the
+// merged state, as the partials' (lse its max, out_sums at lse's offsets its ℓ), for a merge
+// that follows. For views the library built itself, in a parallel region that is already
+// running (where an exception could not leave it), head_dim_v at most
+// AttentionProblem::kMaxHeadDim; a row's bits do not depend on who merges it.
+void merge_states(const TensorView& outs, const TensorView& maxes, const float* sums, const MutableTensorView& out,
+                  const MutableTensorView& lse, float* out_sums, std::int64_t row_begin, std::int64_t row_end);
 
 }  // namespace flashattn::detail

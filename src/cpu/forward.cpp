@@ -67,7 +67,7 @@ PlannedJob planned_job(const detail::ForwardJob& job, const CpuForwardPlan& plan
   pj.params = {p, job.internals, plan, job.q, job.k, job.v, job.out, job.lse,
                job.options.alibi_slopes, job.options.block_mask, job.options.sinks, job.options.attn_mask,
                pj.mask_blocks.blocks(), job.options.score_hook, pj.split_out.get(), pj.split_states.get(),
-               pj.split_states.get() + split_rows, job.paged,
+               pj.split_states.get() + split_rows, job.paged, job.lse_sums,
                job.options.rescale_counts, job.options.switches};
   return pj;
 }
@@ -161,16 +161,16 @@ void run_region(std::span<const detail::ForwardJob> live, std::span<PlannedJob> 
         const TensorView outs(planned[j].split_out.get(), DType::f32,
                               {plan.splits, p.batch, p.seqlen_q, p.heads_q, p.head_dim_v});
         const TensorView maxes(planned[j].params.split_max, DType::f32, {plan.splits, p.batch, p.heads_q, p.seqlen_q});
-        detail::merge_split_states(outs, maxes, planned[j].params.split_sum, live[j].out, live[j].lse,
-                                   rows * s / shares, rows * (s + 1) / shares);
+        detail::merge_states(outs, maxes, planned[j].params.split_sum, live[j].out, live[j].lse, live[j].lse_sums,
+                             rows * s / shares, rows * (s + 1) / shares);
       }
     }
     // Third phase, after the split merges wrote the jobs' outputs: the caller's merges.
     if (!merges.empty()) {
 #pragma omp for schedule(dynamic, 1)
       for (std::size_t m = 0; m < merges.size(); ++m)
-        detail::merge_states(merges[m].outs, merges[m].lses, merges[m].out, merges[m].lse, 0,
-                             merges[m].outs.shape[1] * merges[m].outs.shape[2] * merges[m].outs.shape[3]);
+        detail::merge_states(merges[m].outs, merges[m].maxes, merges[m].sums, merges[m].out, merges[m].lse, nullptr,
+                             0, merges[m].outs.shape[1] * merges[m].outs.shape[2] * merges[m].outs.shape[3]);
     }
   }
   if (options.counters != nullptr) {

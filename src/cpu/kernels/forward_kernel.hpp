@@ -61,6 +61,7 @@ struct ForwardParams {
   float* split_max = nullptr;
   float* split_sum = nullptr;
   PagedKv paged;
+  float* lse_sums = nullptr;  // the job's (detail::ForwardJob::lse_sums): lse gets the max, this ℓ
   MutableTensorView rescale_counts;  // int32 (batch, heads_q, seqlen_q), zeroed; null when not asked
   AttentionOptions::KernelSwitches switches;
 };

@@ -171,8 +171,9 @@ static void StoreOutputRow(const ForwardParams& prm, ForwardWorkspace& ws, std::
     return;
   }
   StoreRow(orow, p.head_dim_v, inverse, OutputRow(prm, b, i, h), prm.out.dtype);
-  static_cast<float*>(prm.lse.data)[b * prm.lse.strides[0] + h * prm.lse.strides[1] + i * prm.lse.strides[2]] =
-      final_state.lse();
+  const std::int64_t lse_at = b * prm.lse.strides[0] + h * prm.lse.strides[1] + i * prm.lse.strides[2];
+  static_cast<float*>(prm.lse.data)[lse_at] = prm.lse_sums != nullptr ? final_state.max : final_state.lse();
+  if (prm.lse_sums != nullptr) prm.lse_sums[lse_at] = final_state.sum;
 }
 
 // A work item's rows start over: softmax state empty, no rescales.
