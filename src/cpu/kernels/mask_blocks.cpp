@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "flashattn/options.hpp"  // classify_block
+
 HWY_BEFORE_NAMESPACE();
 namespace flashattn::cpu::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
@@ -56,32 +58,55 @@ void MinMaxRows(const std::uint8_t* HWY_RESTRICT row, std::int64_t stride, std::
     }
 }
 
-// For each block of `block` bytes of [0, n) (the last may be shorter): the smallest of low
-// into block_low and the largest of high into block_high.
-void BlockExtremes(const std::uint8_t* HWY_RESTRICT low, const std::uint8_t* HWY_RESTRICT high, std::int64_t n,
-                   std::int64_t block, std::uint8_t* HWY_RESTRICT block_low, std::uint8_t* HWY_RESTRICT block_high) {
-  const hn::CappedTag<std::uint8_t, 16> d;  // a forward key panel is 8-32 bytes, a backward tile's 128
+// Whether some byte of high[c0, c1) is not 0 (some entry of the block kept) and some byte of
+// low[c0, c1) is 0 (some entry hidden): vectors of 16 bytes (a forward key panel is 8-32
+// bytes, a backward tile's 128) tested against zero — no reduction of the bytes themselves,
+// whose horizontal minimum and maximum cost a dozen shuffles a block on AVX2.
+HWY_INLINE void BlockKeptHidden(const std::uint8_t* HWY_RESTRICT low, const std::uint8_t* HWY_RESTRICT high,
+                                std::int64_t c0, std::int64_t c1, bool& kept, bool& hidden) {
+  const hn::CappedTag<std::uint8_t, 16> d;
   const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
-  for (std::int64_t c0 = 0, k = 0; c0 < n; c0 += block, ++k) {
-    const std::int64_t c1 = std::min(n, c0 + block);
-    std::int64_t c = c0;
-    std::uint8_t lo = 0xFF, hi = 0;
-    if (c + lanes <= c1) {
-      auto vlo = hn::LoadU(d, low + c), vhi = hn::LoadU(d, high + c);
-      for (c += lanes; c + lanes <= c1; c += lanes) {
-        vlo = hn::Min(vlo, hn::LoadU(d, low + c));
-        vhi = hn::Max(vhi, hn::LoadU(d, high + c));
-      }
-      lo = hn::GetLane(hn::MinOfLanes(d, vlo));
-      hi = hn::GetLane(hn::MaxOfLanes(d, vhi));
+  std::int64_t c = c0;
+  kept = false;
+  hidden = false;
+  if (c + lanes <= c1) {
+    auto vlo = hn::LoadU(d, low + c), vhi = hn::LoadU(d, high + c);
+    for (c += lanes; c + lanes <= c1; c += lanes) {
+      vlo = hn::Min(vlo, hn::LoadU(d, low + c));
+      vhi = hn::Max(vhi, hn::LoadU(d, high + c));
     }
-    for (; c < c1; ++c) {
-      lo = std::min(lo, low[c]);
-      hi = std::max(hi, high[c]);
-    }
-    block_low[k] = lo;
-    block_high[k] = hi;
+    const auto zero = hn::Zero(d);
+    kept = !hn::AllTrue(d, hn::Eq(vhi, zero));
+    hidden = !hn::AllFalse(d, hn::Eq(vlo, zero));
   }
+  for (; c < c1; ++c) {
+    kept = kept || high[c] != 0;
+    hidden = hidden || low[c] == 0;
+  }
+}
+
+// Each block of `block` bytes of [0, n) (the last may be shorter) classified from the running
+// minimum (low) and maximum (high) of its entries over the rows read — empty, full or partial
+// (classify_block) — into states; `boolean` false (a bias: its values are still to be added)
+// makes every block that keeps an entry partial.
+void BlockStates(const std::uint8_t* HWY_RESTRICT low, const std::uint8_t* HWY_RESTRICT high, std::int64_t n,
+                 std::int64_t block, bool boolean, std::uint8_t* HWY_RESTRICT states) {
+  for (std::int64_t c0 = 0, k = 0; c0 < n; c0 += block, ++k) {
+    bool kept, hidden;
+    BlockKeptHidden(low, high, c0, std::min(n, c0 + block), kept, hidden);
+    states[k] = static_cast<std::uint8_t>(classify_block(kept, hidden || !boolean));
+  }
+}
+
+// Whether BlockStates would make every block partial; false at the first that is not.
+bool AllBlocksPartial(const std::uint8_t* HWY_RESTRICT low, const std::uint8_t* HWY_RESTRICT high, std::int64_t n,
+                      std::int64_t block, bool boolean) {
+  for (std::int64_t c0 = 0; c0 < n; c0 += block) {
+    bool kept, hidden;
+    BlockKeptHidden(low, high, c0, std::min(n, c0 + block), kept, hidden);
+    if (classify_block(kept, hidden || !boolean) != ScoreBlock::partial) return false;
+  }
+  return true;
 }
 
 }  // namespace flashattn::cpu::HWY_NAMESPACE
@@ -95,7 +120,8 @@ namespace flashattn::cpu {
 
 HWY_EXPORT(MinMaxBytes);
 HWY_EXPORT(MinMaxRows);
-HWY_EXPORT(BlockExtremes);
+HWY_EXPORT(BlockStates);
+HWY_EXPORT(AllBlocksPartial);
 
 namespace {
 
@@ -126,35 +152,24 @@ DenseMaskSummary::DenseMaskSummary(const TensorView& mask, std::int64_t seqlen_q
   const std::int64_t element = static_cast<std::int64_t>(dtype_size(mask.dtype));
   const auto min_max = HWY_DYNAMIC_DISPATCH(MinMaxBytes);
   const auto min_max_rows = HWY_DYNAMIC_DISPATCH(MinMaxRows);
-  const auto block_extremes = HWY_DYNAMIC_DISPATCH(BlockExtremes);
+  const auto block_states = HWY_DYNAMIC_DISPATCH(BlockStates);
+  const auto all_blocks_partial = HWY_DYNAMIC_DISPATCH(AllBlocksPartial);
   // One (plane, row block) per iteration: element-wise over its rows (whole rows, the last
   // dim contiguous where it is longer than 1; a boolean mask's on the widest SIMD target,
   // its first row alone and the others together (MinMaxRows), a bias's row by row,
-  // vectorised by the compiler), then one reduction per column block
-  // (BlockExtremes, vectors of 16 bytes: std::max_element's byte at a time was a third of
-  // the pass). A boolean mask's block is empty where its largest entry is
-  // 0, full where its smallest is not; a bias's is empty where every entry is −∞, else
-  // partial (its values are still to be added).
+  // vectorised by the compiler), then each column block classified (BlockStates). A boolean
+  // mask's block is empty where its largest entry is 0, full where its smallest is not; a
+  // bias's is empty where every entry is −∞, else partial (its values are still to be added).
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
   for (std::int64_t item = 0; item < planes * b.row_blocks; ++item) {
     const std::int64_t plane = item / b.row_blocks, rb = item % b.row_blocks;
     const std::int64_t base = plane / b.mask_heads * mask.strides[0] + plane % b.mask_heads * mask.strides[1];
     const std::int64_t row_end = std::min(rows, (rb + 1) * b.block_rows);
     std::vector<std::uint8_t> lowest(static_cast<std::size_t>(cols), 0xFF), highest(lowest.size(), 0);
-    std::vector<std::uint8_t> block_low(static_cast<std::size_t>(b.col_blocks)), block_high(block_low.size());
     // Locals and restrict: a byte store may alias anything, the loop's bound included.
     std::uint8_t* __restrict low = lowest.data();
     std::uint8_t* __restrict high = highest.data();
     const std::int64_t n = cols, row_stride = mask.strides[2];
-    // Every column block partial after the block's first row — a bias with a finite value in
-    // each, a boolean mask with both values in each (a random mask's usual case) — settles
-    // the row block: its other rows are not read.
-    const auto all_partial = [&] {
-      block_extremes(low, high, cols, b.block_cols, block_low.data(), block_high.data());
-      for (std::int64_t cb = 0; cb < b.col_blocks; ++cb)
-        if (block_high[cb] == 0 || (boolean && block_low[cb] != 0)) return false;
-      return true;
-    };
     for (std::int64_t i = rb * b.block_rows; i < row_end; ++i) {
       const std::uint8_t* row = m + (base + i * row_stride) * element;
       switch (mask.dtype) {
@@ -163,16 +178,16 @@ DenseMaskSummary::DenseMaskSummary(const TensorView& mask, std::int64_t seqlen_q
         case DType::bf16: OrNotMinusInfinity<std::uint16_t>(row, n, 0xFF80u, high); break;
         default: OrNotMinusInfinity<std::uint16_t>(row, n, 0xFC00u, high); break;  // f16
       }
-      if (i == rb * b.block_rows && i + 1 < row_end && all_partial()) break;
+      // Every column block partial after the block's first row — a bias with a finite value
+      // in each, a boolean mask with both values in each (a random mask's usual case) —
+      // settles the row block: its other rows are not read.
+      if (i == rb * b.block_rows && i + 1 < row_end && all_blocks_partial(low, high, cols, b.block_cols, boolean)) break;
       if (boolean) {  // the block's other rows at once (row i is in low and high)
         min_max_rows(row, row_stride, row_end - i, n, low, high);
         break;
       }
     }
-    std::uint8_t* states = states_.data() + item * b.col_blocks;
-    block_extremes(low, high, cols, b.block_cols, block_low.data(), block_high.data());
-    for (std::int64_t cb = 0; cb < b.col_blocks; ++cb)
-      states[cb] = static_cast<std::uint8_t>(classify_block(block_high[cb] != 0, !(boolean && block_low[cb] != 0)));
+    block_states(low, high, cols, b.block_cols, boolean, states_.data() + item * b.col_blocks);
   }
   b.states = states_.data();
   if (boolean && rows > 1 && cols > 1) copy_partial_blocks(m, mask, threads);
