@@ -464,6 +464,20 @@ def test_output_attentions_refused():
         ours(ids, attention_mask=mask, output_attentions=True)
 
 
+def test_sliding_window_one_with_a_cache_refused_by_name():
+    # transformers' sliding-window cache keeps every prefill key where sliding_window=1, while
+    # the mask it builds for the next step covers one key: eager spreads that mask over every
+    # key (a result that differs from its own full forward); flashattn refuses, naming why.
+    config = mistral_config()
+    config.sliding_window = 1
+    ours = build(config, fa_hf.ATTN_IMPLEMENTATION, torch.float32)
+    ids = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        prefill = ours(ids[:, :5], past_key_values=transformers.DynamicCache(config=ours.config), use_cache=True)
+        with pytest.raises(ValueError, match="attention_mask: .*sliding_window=1 keeps more keys"):
+            ours(ids[:, 5:], past_key_values=prefill.past_key_values, use_cache=True)
+
+
 def test_four_d_masks():
     """A 4-d mask passed by the caller: padding with causality is planned as a band; anything
     else — an attention bias, a pattern with holes, a mask per head — runs as a dense

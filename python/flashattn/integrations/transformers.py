@@ -388,8 +388,13 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if isinstance(attention_mask, _Plan):
         plan = attention_mask
         if (plan.batch, plan.q_length, plan.kv_length) != (batch, q_length, kv_length):
+            window = getattr(getattr(module, "config", None), "sliding_window", None)
+            hint = (f"; the model's cache holds {kv_length} keys where its mask covers {plan.kv_length} "
+                    f"(transformers' sliding-window cache with sliding_window={window} keeps more keys than the "
+                    f"mask it builds for them: eager would spread that mask over every key)"
+                    if window is not None and plan.kv_length < kv_length else "")
             raise ValueError(f"attention_mask: {plan} does not match query/key (batch {batch}, q_length "
-                             f"{q_length}, kv_length {kv_length})")
+                             f"{q_length}, kv_length {kv_length}){hint}")
     elif attention_mask is not None:
         if not isinstance(attention_mask, torch.Tensor):
             raise TypeError(f"attention_mask: expected a torch.Tensor or None, got {type(attention_mask).__name__}")
