@@ -769,9 +769,9 @@ if torch is not None:
     flex_fwd = torch.library.custom_op("flashattn::flex_fwd", _flex_fwd, mutates_args=())
     flex_bwd = torch.library.custom_op("flashattn::flex_bwd", _flex_bwd, mutates_args=())
 
-    flex_fwd.register_fake(_sdpa.fake_out_lse)
+    _impl._torch_ops.register_fake(flex_fwd, _flex_fwd, _sdpa.SDPA_NAMES)(_sdpa.fake_out_lse)
 
-    @flex_bwd.register_fake
+    @_impl._torch_ops.register_fake(flex_bwd, _flex_bwd, _sdpa.SDPA_NAMES)
     def _(dout, q, k, v, *args):
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 

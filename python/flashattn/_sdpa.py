@@ -168,17 +168,20 @@ def _sdpa_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softma
     return dq, dk, dv, dbias.reshape(attn_mask.shape).to(attn_mask.dtype), dsinks
 
 
+# The ops' tensor parameters by their names in SDPA's and FlexAttention's signatures, for errors.
+SDPA_NAMES = {"q": "query", "k": "key", "v": "value"}
+
 if torch is not None:
     sdpa_fwd = torch.library.custom_op("flashattn::sdpa_fwd", _sdpa_fwd, mutates_args=())
     sdpa_bwd = torch.library.custom_op("flashattn::sdpa_bwd", _sdpa_bwd, mutates_args=())
 
-    @sdpa_fwd.register_fake
+    @_impl._torch_ops.register_fake(sdpa_fwd, _sdpa_fwd, SDPA_NAMES)
     def fake_out_lse(q, k, v, *args):
         """out (B, Sq, Hq, Dv) and float32 lse (B, Hq, Sq) of (B, S, H, D) q, v: the forward ops' fake."""
         b, sq, hq, _ = q.shape
         return q.new_empty((b, sq, hq, v.shape[-1])), q.new_empty((b, hq, sq), dtype=torch.float32)
 
-    @sdpa_bwd.register_fake
+    @_impl._torch_ops.register_fake(sdpa_bwd, _sdpa_bwd, SDPA_NAMES)
     def _(dout, q, k, v, out, softmax_lse, attn_mask, dropout_p, is_causal, scale, rng_state, num_threads,
           attn_mask_grad, softcap=0.0, sinks=None):
         dmask = attn_mask.new_empty(attn_mask.shape) if attn_mask_grad else q.new_empty((0,))

@@ -40,6 +40,36 @@ def _opts(dropout_p, softmax_scale, causal, window_left, window_right, softcap, 
     return o
 
 
+def register_fake(op, impl, names=None):
+    """Decorator: `op`'s fake kernel, which first refuses tensors on different devices, naming
+    the argument (impl's parameter, or its public name in `names`). The dispatcher sends a call that mixes a meta tensor with
+    CPU ones to the fake kernel — whose outputs are empty tensors on q's device — never to the
+    CPU kernel, whose checks would name it. A call whose first tensor (q) is not on the CPU
+    passes: meta tensors give the outputs' shapes, as torch's own ops do (with the small CPU
+    tensors the wrappers make, such as cache_seqlens from an int)."""
+    signature, names = inspect.signature(impl), names or {}
+
+    def decorate(fake):
+        def checked(*args, **kwargs):
+            first = None
+            for parameter, value in signature.bind(*args, **kwargs).arguments.items():
+                name = names.get(parameter, parameter)
+                for t in value if isinstance(value, (list, tuple)) else (value,):
+                    if not isinstance(t, torch.Tensor):
+                        continue
+                    if first is None:
+                        first = (name, t.device)
+                    elif first[1].type == "cpu" and t.device.type != "cpu":
+                        raise ValueError(f"{name}: device {t.device}, but {first[0]} is on {first[1]} (only CPU "
+                                         f"tensors are supported)")
+            return fake(*args, **kwargs)
+
+        op.register_fake(checked)
+        return fake
+
+    return decorate
+
+
 # ---- forward and backward ---------------------------------------------------------------------
 
 
@@ -59,7 +89,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, softmax_scale: Optio
 fwd = torch.library.custom_op("flashattn::fwd", _fwd, mutates_args=())
 
 
-@fwd.register_fake
+@register_fake(fwd, _fwd)
 def _(q, k, v, *args):
     _check_rank("q", q, 4, "(batch, seqlen_q, heads_q, head_dim)")
     b, sq, hq, _ = q.shape
@@ -108,7 +138,7 @@ def _fake_grads(op_impl):
     return fake
 
 
-bwd.register_fake(_fake_grads(_bwd))
+register_fake(bwd, _bwd)(_fake_grads(_bwd))
 
 
 # ---- variable-length batches ------------------------------------------------------------------
@@ -132,7 +162,7 @@ def _varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
 varlen_fwd = torch.library.custom_op("flashattn::varlen_fwd", _varlen_fwd, mutates_args=())
 
 
-@varlen_fwd.register_fake
+@register_fake(varlen_fwd, _varlen_fwd)
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *args):
     _check_rank("q", q, 3, "(total_q, heads_q, head_dim)")
     total_q, hq, _ = q.shape
@@ -158,7 +188,7 @@ def _varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, soft
 varlen_bwd = torch.library.custom_op("flashattn::varlen_bwd", _varlen_bwd, mutates_args=())
 
 
-varlen_bwd.register_fake(_fake_grads(_varlen_bwd))
+register_fake(varlen_bwd, _varlen_bwd)(_fake_grads(_varlen_bwd))
 
 
 # ---- paged variable-length batches ------------------------------------------------------------
@@ -185,7 +215,7 @@ def _varlen_paged_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q:
 varlen_paged_fwd = torch.library.custom_op("flashattn::varlen_paged_fwd", _varlen_paged_fwd, mutates_args=())
 
 
-@varlen_paged_fwd.register_fake
+@register_fake(varlen_paged_fwd, _varlen_paged_fwd)
 def _(q, k_cache, v_cache, *args):
     _check_rank("q", q, 3, "(total_q, heads_q, head_dim)")
     total_q, hq, _ = q.shape
@@ -327,7 +357,7 @@ fwd_kvcache = torch.library.custom_op("flashattn::fwd_kvcache", _fwd_kvcache,
                                                     "v_zero_point"))
 
 
-@fwd_kvcache.register_fake
+@register_fake(fwd_kvcache, _fwd_kvcache)
 def _(*args, **kwargs):
     bound = inspect.signature(_fwd_kvcache).bind(*args, **kwargs)
     q, v_cache = bound.arguments["q"], bound.arguments["v_cache"]
@@ -359,7 +389,7 @@ def _fwd_fp8(q: Tensor, k: Tensor, v: Tensor, q_descale: Optional[Tensor], k_des
 fwd_fp8 = torch.library.custom_op("flashattn::fwd_fp8", _fwd_fp8, mutates_args=())
 
 
-@fwd_fp8.register_fake
+@register_fake(fwd_fp8, _fwd_fp8)
 def _(q, k, v, *args):
     _check_rank("q", q, 4, "(batch, seqlen_q, heads_q, head_dim)")
     b, sq, hq, _ = q.shape
@@ -377,7 +407,7 @@ def _combine(out_partial: Tensor, lse_partial: Tensor, out_dtype: str, num_threa
 combine = torch.library.custom_op("flashattn::combine", _combine, mutates_args=())
 
 
-@combine.register_fake
+@register_fake(combine, _combine)
 def _(out_partial, lse_partial, out_dtype, num_threads):
     _check_rank("out_partial", out_partial, 5, "(num_splits, batch, seqlen, heads, head_dim)")
     _, b, sq, h, dv = out_partial.shape

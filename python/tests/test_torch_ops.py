@@ -163,6 +163,30 @@ def test_meta_shapes():
     assert out.shape == (3, 1, 8, 32) and lse.shape == (3, 8, 1)
 
 
+def test_a_meta_tensor_among_cpu_ones_is_refused_by_name():
+    """The dispatcher sends a call that mixes a meta tensor with CPU ones to the fake kernel:
+    it names the argument (before, it returned uninitialised CPU memory)."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (rand(gen, (1, 6, 2, 8), torch.float32) for _ in range(3))
+    meta = k.to("meta")
+    calls = {
+        "flash_attn_func k": (lambda: flashattn.flash_attn_func(q, meta, v), "k: device meta, but q is on cpu"),
+        "flash_attn_varlen_func v": (lambda: flashattn.flash_attn_varlen_func(
+            q[0], k[0], meta[0], *(torch.tensor([0, 6], dtype=torch.int32),) * 2, 6, 6), "v: device meta"),
+        "sdpa key": (lambda: flashattn.scaled_dot_product_attention(q.transpose(1, 2), meta.transpose(1, 2),
+                                                                     v.transpose(1, 2)), "key: device meta"),
+        "sdpa attn_mask": (lambda: flashattn.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=torch.zeros(6, 6, device="meta")),
+            "attn_mask: device meta, but query is on cpu"),
+        "flex_attention value": (lambda: flashattn.flex_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                                  meta.transpose(1, 2)), "value"),
+    }
+    for what, (call, match) in calls.items():
+        with pytest.raises(ValueError, match=match):
+            call()
+            pytest.fail(f"{what}: no error")
+
+
 class _Block(torch.nn.Module):
     """Projections around flash_attn_func, as a model would use it."""
 
