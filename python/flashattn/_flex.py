@@ -242,8 +242,10 @@ def _soft_cap(score_mod, name, inputs_at_zero):
 
 def _evaluate(fn, prefix, sizes, dep, rows, q0, mod_name):
     """fn vmapped over (b, h, q_idx, kv_idx) — each read index of its size (q_idx from q0, `rows`
-    of them), each unread one of size 1 — with `prefix` the unbatched leading arguments: a
-    tensor of shape (1 or B, 1 or H, rows or 1, 1 or KV)."""
+    of them), each unread one of size 1 — with `prefix` the leading arguments (0-d tensors:
+    the score), each given as one copy per element, so that a mod may change it in place by a
+    value that depends on an index (score.add_(bias[kv_idx])): a tensor of shape (1 or B,
+    1 or H, rows or 1, 1 or KV)."""
     index = []
     for d, size in enumerate(sizes):
         if not dep & (1 << d):
@@ -252,9 +254,11 @@ def _evaluate(fn, prefix, sizes, dep, rows, q0, mod_name):
             index.append(torch.arange(q0, q0 + rows, dtype=torch.int64))
         else:
             index.append(torch.arange(size, dtype=torch.int64))
+    shape = tuple(len(i) for i in index)
+    prefix = tuple(torch.full(shape, p.item(), dtype=p.dtype) for p in prefix)
     f = fn
     for d in reversed(range(4)):
-        f = torch.vmap(f, in_dims=(None,) * len(prefix) + tuple(0 if e == d else None for e in range(4)))
+        f = torch.vmap(f, in_dims=(0,) * len(prefix) + tuple(0 if e == d else None for e in range(4)))
     with torch.no_grad():
         out = f(*prefix, *index)
     if not isinstance(out, torch.Tensor):

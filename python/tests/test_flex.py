@@ -488,10 +488,13 @@ def test_block_mask_broadcast_where_mask_mod_ignores_the_index():
     (lambda s, b, h, i, j: (lambda t: (s.mul_(2.0), t + 0.5)[1])(s.view(s.shape)), 2.0, 0.5),
     (lambda s, b, h, i, j: (lambda t: (s.div_(4.0), t - 0.25 * j)[1])(s[...]), 0.25, "kv"),
     (lambda s, b, h, i, j: (lambda c: (c.mul_(-1.0), c - 1.0)[1])(s.clone()), -1.0, -1.0),
-], ids=["view-then-mul_", "slice-then-div_", "clone-then-mul_"])
+    (lambda s, b, h, i, j: s.add_(-0.25 * j), 1.0, "kv"),
+    (lambda s, b, h, i, j: (s * 1.0).add_(-0.25 * j), 1.0, "kv"),
+], ids=["view-then-mul_", "slice-then-div_", "clone-then-mul_", "add_-by-index", "copy-then-add_-by-index"])
 def test_score_mod_writing_the_score_in_place_is_followed_through_its_views(score_mod, slope, offset):
     """A score_mod that changes the score in place is evaluated with the change seen by every
-    view of it (a view taken before mul_ was taken for the score itself: slope 1)."""
+    view of it (a view taken before mul_ was taken for the score itself: slope 1), also by a
+    value that depends on an index (each score evaluated from a copy of its own)."""
     _, q, k, v, _ = inputs(seed_for("in-place"), HQ, 7, 10, torch.float32)
     bias = -0.25 * torch.arange(10, dtype=torch.float64) if offset == "kv" else offset
     scores = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(q.shape[-1])
