@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import operator
 from typing import Optional
 
@@ -647,7 +648,7 @@ def _check(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_o
     if score_mod is not None and not callable(score_mod):
         raise TypeError(f"score_mod: expected a callable (score, b, h, q_idx, kv_idx) or None, got "
                         f"{type(score_mod).__name__}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
         raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
     if kernel_options is not None:
         raise ValueError(f"kernel_options: flashattn's CPU kernels take none, got {kernel_options!r}")

@@ -17,7 +17,7 @@ lacks and which models such as Gemma 2 and gpt-oss combine with a dense mask.
 from __future__ import annotations
 
 import math
-
+import numbers
 from typing import Optional
 
 import numpy as np
@@ -74,7 +74,7 @@ def _check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
         raise ValueError("attn_mask: must be None when is_causal=True (as torch's scaled_dot_product_attention)")
     if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p!r}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
         raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"softcap: expected a float, got {type(softcap).__name__}")

@@ -288,6 +288,18 @@ def test_largest_scale_is_taken_and_finite_just_beyond_it_refused():
         flashattn.scaled_dot_product_attention(q, k, v, scale=2.355e38)
 
 
+def test_numpy_scalar_scale_is_a_scale():
+    """scale takes any real number, NumPy's included (as torch's does), in the SDPA drop-in and
+    flex_attention; a bool is a TypeError."""
+    _, q, k, v, _ = inputs(2, 1, 2, 2, 5, 6, 8, torch.float32)
+    want = flashattn.scaled_dot_product_attention(q, k, v, scale=0.5)
+    for scale in (np.float32(0.5), np.float64(0.5)):
+        assert torch.equal(flashattn.scaled_dot_product_attention(q, k, v, scale=scale), want)
+        assert torch.equal(flashattn.flex_attention(q, k, v, scale=scale), flashattn.flex_attention(q, k, v, scale=0.5))
+    with pytest.raises(TypeError, match="scale"):
+        flashattn.scaled_dot_product_attention(q, k, v, scale=True)
+
+
 def test_opcheck():
     gen, q, k, v, _ = inputs(seed_for("opcheck"), 1, 2, 2, 9, 12, 8, torch.float32)
     m = torch.rand(1, 1, 9, 12, generator=gen) > 0.3
