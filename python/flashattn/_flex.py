@@ -644,6 +644,8 @@ def _check(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_o
             raise ValueError(f"{name}: expected rank 4 (batch, heads, seqlen, head_dim), got shape {tuple(x.shape)}")
         if x.device.type != "cpu":
             raise ValueError(f"{name}: only CPU tensors are supported, got device {x.device}")
+        if x.layout != torch.strided:
+            raise TypeError(f"{name}: layout {x.layout} is not supported (dense, strided tensors only)")
         _impl._dtype_of(x, name)
     if score_mod is not None and not callable(score_mod):
         raise TypeError(f"score_mod: expected a callable (score, b, h, q_idx, kv_idx) or None, got "

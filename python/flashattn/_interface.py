@@ -44,8 +44,11 @@ def _raw(x, name, int32=False, tensor=False):
         if not x.is_cpu:  # not device.type: a torch.device made per call costs 0.5 µs
             raise ValueError(f"{name}: only CPU tensors are supported, got device {x.device}")
         t = x.detach() if x.requires_grad else x  # a new tensor object costs about 0.5 µs
-        if t.dim() > 0 and t.stride(-1) != 1 and t.shape[-1] > 1:  # as upstream's maybe_contiguous
-            t = t.contiguous()
+        try:
+            if t.dim() > 0 and t.stride(-1) != 1 and t.shape[-1] > 1:  # as upstream's maybe_contiguous
+                t = t.contiguous()
+        except RuntimeError:  # no strides: a sparse or mkldnn tensor (checked here, not per call)
+            raise TypeError(f"{name}: layout {x.layout} is not supported (dense, strided tensors only)") from None
         if int32:
             if t.dtype != torch.int32:
                 raise TypeError(f"{name}: dtype {t.dtype} but expected torch.int32")

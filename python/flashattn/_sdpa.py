@@ -66,6 +66,8 @@ def _check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
             raise TypeError(f"{name}: expected a numpy.ndarray or a torch.Tensor, got {type(x).__name__}")
         if x.ndim != 4:
             raise ValueError(f"{name}: expected rank 4 (batch, heads, seqlen, head_dim), got shape {tuple(x.shape)}")
+        if _impl._is_tensor(x) and x.layout != torch.strided:
+            raise TypeError(f"{name}: layout {x.layout} is not supported (dense, strided tensors only)")
     if len({_impl._is_tensor(x) for x in (query, key, value)}) > 1:
         raise TypeError("inputs mix numpy arrays and torch tensors: query, key, value")
     for name, x in (("query", query), ("key", key), ("value", value)):

@@ -288,6 +288,18 @@ def test_largest_scale_is_taken_and_finite_just_beyond_it_refused():
         flashattn.scaled_dot_product_attention(q, k, v, scale=2.355e38)
 
 
+def test_sparse_inputs_are_type_errors_naming_them():
+    """A tensor without strides (sparse) is a TypeError naming the argument, in the SDPA drop-in,
+    flex_attention and flash_attn_func (before: torch's RuntimeError from reading its strides)."""
+    _, q, k, v, _ = inputs(3, 1, 2, 2, 4, 4, 8, torch.float32)
+    with pytest.raises(TypeError, match="key: layout torch.sparse_coo"):
+        flashattn.scaled_dot_product_attention(q, k.to_sparse(), v)
+    with pytest.raises(TypeError, match="query: layout torch.sparse_coo"):
+        flashattn.flex_attention(q.to_sparse(), k, v)
+    with pytest.raises(TypeError, match="v: layout torch.sparse_coo"):
+        flashattn.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2).to_sparse())
+
+
 def test_numpy_scalar_scale_is_a_scale():
     """scale takes any real number, NumPy's included (as torch's does), in the SDPA drop-in and
     flex_attention; a bool is a TypeError."""
