@@ -264,6 +264,34 @@ TEST(Ring, ForwardShorterThanTheRing) {
   check_ring_forward(ring_case(1, 0, 2, 1, 8, 8, true, DType::f32, 19), ShardLayout::zigzag);
 }
 
+// Every query and key the same and scores near 1e29: each row's softmax is uniform over the
+// global keys, so out is the mean of every value. A float32 lse rounds m + log ℓ to m there
+// and a merge through lses weighed the ranks' shards (of different lengths) alike; the steps
+// hand the merge their states (max and ℓ) apart.
+TEST(Ring, HugeScoresWeighTheShardsByTheirKeys) {
+  const Case c = ring_case(1, 37, 2, 1, 8, 8, false, DType::f32, 27);
+  const AttentionProblem& p = c.problem();
+  for (const ShardLayout layout : {ShardLayout::contiguous, ShardLayout::zigzag}) {
+    SCOPED_TRACE(ring_trace(c, layout));
+    Global g = make_global(c);
+    for (Tensor* t : {&g.q, &g.k})
+      for (std::int64_t i = 0; i < t->numel(); ++i) t->set(i, 1.0f);
+    g.options.softmax_scale = 1e28f;  // q·k = 8: every score 8e28
+    RankShards shards(g, p, layout);
+    dist::ring_forward(shards.q.view(), shards.k.view(), shards.v.view(), shards.out.view(), shards.lse.view(),
+                       g.options, ring_options(c, layout));
+    for (std::int64_t col = 0; col < p.head_dim_v; ++col) {
+      double mean = 0.0;
+      for (std::int64_t j = 0; j < p.seqlen_k; ++j) mean += g.v.get(j * p.head_dim_v + col);
+      mean /= static_cast<double>(p.seqlen_k);
+      for (std::int64_t i = 0; i < shards.q.shape()[1]; ++i)
+        for (std::int64_t h = 0; h < p.heads_q; ++h)
+          ASSERT_NEAR(shards.out.get((i * p.heads_q + h) * p.head_dim_v + col), mean, kFloat32OutTolerance)
+              << "row " << i << " head " << h << " column " << col;
+    }
+  }
+}
+
 TEST(Ring, BackwardNonCausalGqa) {
   check_ring_backward(ring_case(2, 37, 4, 2, 16, 24, false, DType::f32, 20), ShardLayout::contiguous);
 }

@@ -10,8 +10,11 @@
 
 namespace flashattn::detail {
 
+// With lse_sums (the CPU backend only), lse receives each row's softmax state, its max (log2
+// units), and lse_sums (laid out as lse, from its own pointer) its ℓ: for a merge that follows
+// (detail::merge_states), exact where one float32 lse could not hold m + log ℓ.
 void forward_into_float32(const TensorView& q, const TensorView& k, const TensorView& v, const MutableTensorView& out,
-                          const MutableTensorView& lse, const AttentionOptions& options);
+                          const MutableTensorView& lse, const AttentionOptions& options, float* lse_sums = nullptr);
 void backward_into_float32(const TensorView& dout, const TensorView& q, const TensorView& k, const TensorView& v,
                            const TensorView& out, const TensorView& lse, const MutableTensorView& dq,
                            const MutableTensorView& dk, const MutableTensorView& dv, const AttentionOptions& options);

@@ -9,10 +9,11 @@ namespace flashattn {
 namespace {
 
 void routed_forward(const TensorView& q, const TensorView& k, const TensorView& v, const MutableTensorView& out,
-                    const MutableTensorView& lse, const AttentionOptions& options, detail::OutputDtypes outputs) {
+                    const MutableTensorView& lse, const AttentionOptions& options, detail::OutputDtypes outputs,
+                    float* lse_sums = nullptr) {
   detail::run_forward(
       detail::route("forward", &detail::Backend::forward, {{"q", q}, {"k", k}, {"v", v}, {"out", out}, {"lse", lse}}),
-      q, k, v, out, lse, options, outputs);
+      q, k, v, out, lse, options, outputs, lse_sums);
 }
 
 }  // namespace
@@ -24,8 +25,8 @@ void forward(const TensorView& q, const TensorView& k, const TensorView& v, cons
 
 void detail::forward_into_float32(const TensorView& q, const TensorView& k, const TensorView& v,
                                   const MutableTensorView& out, const MutableTensorView& lse,
-                                  const AttentionOptions& options) {
-  routed_forward(q, k, v, out, lse, options, OutputDtypes::inputs_or_f32);
+                                  const AttentionOptions& options, float* lse_sums) {
+  routed_forward(q, k, v, out, lse, options, OutputDtypes::inputs_or_f32, lse_sums);
 }
 
 ForwardResult forward(const TensorView& q, const TensorView& k, const TensorView& v,

@@ -1,5 +1,9 @@
 #include "src/api/run.hpp"
 
+#include <string>
+#include <string_view>
+
+#include "flashattn/error.hpp"
 #include "src/api/checks.hpp"
 #include "src/api/route.hpp"
 
@@ -20,9 +24,11 @@ AttentionOptions host(const AttentionOptions& options) {
 
 void run_forward(const Backend& backend, const TensorView& q, const TensorView& k, const TensorView& v,
                  const MutableTensorView& out, const MutableTensorView& lse, const AttentionOptions& options,
-                 OutputDtypes outputs) {
+                 OutputDtypes outputs, float* lse_sums) {
   const ForwardJob job{check_forward_call(host(q), host(k), host(v), host(out), host(lse), host(options), outputs),
-                       {}, q, k, v, out, lse, options, {}};
+                       {}, q, k, v, out, lse, options, {}, lse_sums};
+  if (lse_sums != nullptr && std::string_view(backend.name) != "cpu")
+    throw Error(std::string("lse_sums: the ") + backend.name + " backend writes no softmax states (the CPU backend does)");
   backend.check_forward(job);
   begin_run(options);
   backend.forward(job);

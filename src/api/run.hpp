@@ -10,9 +10,11 @@
 
 namespace flashattn::detail {
 
+// With lse_sums (the CPU backend only), lse receives each row's softmax state: its max (log2
+// units), and lse_sums (laid out as lse) its ℓ (ForwardJob::lse_sums).
 void run_forward(const Backend& backend, const TensorView& q, const TensorView& k, const TensorView& v,
                  const MutableTensorView& out, const MutableTensorView& lse, const AttentionOptions& options,
-                 OutputDtypes outputs = OutputDtypes::inputs);
+                 OutputDtypes outputs = OutputDtypes::inputs, float* lse_sums = nullptr);
 void run_backward(const Backend& backend, const TensorView& dout, const TensorView& q, const TensorView& k,
                   const TensorView& v, const TensorView& out, const TensorView& lse, const MutableTensorView& dq,
                   const MutableTensorView& dk, const MutableTensorView& dv, const AttentionOptions& options,
