@@ -42,11 +42,12 @@ def _opts(dropout_p, softmax_scale, causal, window_left, window_right, softcap, 
 
 def register_fake(op, impl, names=None):
     """Decorator: `op`'s fake kernel, which first refuses tensors on different devices, naming
-    the argument (impl's parameter, or its public name in `names`). The dispatcher sends a call that mixes a meta tensor with
-    CPU ones to the fake kernel — whose outputs are empty tensors on q's device — never to the
-    CPU kernel, whose checks would name it. A call whose first tensor (q) is not on the CPU
-    passes: meta tensors give the outputs' shapes, as torch's own ops do (with the small CPU
-    tensors the wrappers make, such as cache_seqlens from an int)."""
+    the argument (impl's parameter, or its public name in `names`). The dispatcher sends a
+    call that mixes a meta tensor with CPU ones to the fake kernel — whose outputs are empty
+    tensors on q's device — never to the CPU kernel, whose checks would name it. A call whose
+    first tensor (q) is not on the CPU passes: meta tensors give the outputs' shapes, as
+    torch's own ops do (with the small CPU tensors the wrappers make, such as cache_seqlens
+    from an int)."""
     signature, names = inspect.signature(impl), names or {}
 
     def decorate(fake):
