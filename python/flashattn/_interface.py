@@ -479,6 +479,8 @@ def _torch_attention(q, k, v, varlen, dropout_p, softmax_scale, causal, window_s
         out, lse = fwd(q, k, v, *scalars)
     else:
         cu_q, cu_k, max_q, max_k = varlen
+        cu_q, cu_k = _cu_seqlens_tensor(cu_q, "cu_seqlens_q"), _cu_seqlens_tensor(cu_k, "cu_seqlens_k")
+        varlen = (cu_q, cu_k, max_q, max_k)
         direct = ops.direct(q, k, v, cu_q, cu_k, alibi_slopes, block_mask, sinks)
         fwd = ops._varlen_fwd if direct else torch.ops.flashattn.varlen_fwd
         out, lse = fwd(q, k, v, cu_q, cu_k, int(max_q), int(max_k), *scalars)
@@ -582,6 +584,16 @@ def _direct_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad, blo
 def _as_tensor(x):
     """Small tables (masks, slopes) beside tensors: NumPy ones taken as tensors."""
     return torch.from_numpy(np.ascontiguousarray(x)) if isinstance(x, np.ndarray) else x
+
+
+def _cu_seqlens_tensor(x, name):
+    """cu_seqlens beside torch inputs: a NumPy array taken as a tensor (as _as_tensor), anything
+    else that is no tensor a TypeError naming it (the ops' schemas take tensors)."""
+    if isinstance(x, np.ndarray):
+        return _as_tensor(x)
+    if not _is_tensor(x):
+        raise TypeError(f"{name}: expected an int32 torch.Tensor beside torch inputs, got {type(x).__name__}")
+    return x
 
 
 def _torch_s_dmask(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,

@@ -448,3 +448,17 @@ def test_compile_kvcache_step_writes_the_cache():
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k2, v2, k, v, seqlens)
     assert torch.equal(compiled, eager)
     assert torch.equal(k2, k_cache) and torch.equal(v2, v_cache), "compiled step did not append to the cache"
+
+
+def test_cu_seqlens_beside_torch_inputs_numpy_taken_anything_else_named():
+    """cu_seqlens as a NumPy array beside torch inputs is taken as a tensor (as the paged path's
+    tables); a list is a TypeError naming it (before: torch's dispatcher RuntimeError)."""
+    gen = torch.Generator().manual_seed(7)
+    q = rand(gen, (5, 2, 8), torch.float32)
+    cu = np.array([0, 2, 5], np.int32)
+    want = flashattn.flash_attn_varlen_func(q, q, q, torch.from_numpy(cu), torch.from_numpy(cu), 3, 3, causal=True)
+    assert torch.equal(flashattn.flash_attn_varlen_func(q, q, q, cu, cu, 3, 3, causal=True), want)
+    with pytest.raises(TypeError, match="cu_seqlens_k: expected an int32 torch.Tensor beside torch inputs, got list"):
+        flashattn.flash_attn_varlen_func(q, q, q, torch.from_numpy(cu), [0, 2, 5], 3, 3)
+    with pytest.raises(TypeError, match="cu_seqlens_q: .* got list"):
+        flashattn.flash_attn_varlen_qkvpacked_func(rand(gen, (5, 3, 2, 8), torch.float32, True), [0, 2, 5], 3)
