@@ -146,7 +146,10 @@ def test_pack_gqa(causal):
     seed = seed_for("pack_gqa", causal)
     q, k, v = make_qkv(seed, 2, 7, 301, 8, 2, 32)  # 7 rows a head, 4 q heads a kv head
     ref = attention_ref(q, k, v, causal=causal)[0]
-    assert flashattn.plan(q, k, v, causal=causal, pack_gqa=True)["forward"]["heads_per_item"] == 4
+    packed_plan = flashattn.plan(q, k, v, causal=causal, pack_gqa=True)["forward"]
+    assert packed_plan["heads_per_item"] == 4
+    # Without causal every row sees every key: the heads' rows lie back to back in the tile.
+    assert packed_plan["rows_across_heads"] == (not causal)
     assert flashattn.plan(q, k, v, causal=causal, pack_gqa=False)["forward"]["heads_per_item"] == 1
     outs = {pack: flashattn.flash_attn_func(q, k, v, causal=causal, num_splits=1, pack_gqa=pack, return_attn_probs=True)
             for pack in (None, True, False)}

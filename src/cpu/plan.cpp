@@ -332,8 +332,17 @@ CpuForwardPlan cpu::plan_forward(const AttentionProblem& p, const detail::Proble
   const bool pack = !is_decode(plan.kernel) && group > 1 && !variant_per_head &&
                     pack_gqa.value_or(2 * head_rows <= bq);
   plan.heads_per_item = pack ? group : 1;
-  if (pack) bq = std::max(mr, bq / group / mr * mr);
-  bq = std::min(bq, head_rows);
+  // Rows of every head back to back (rows_across_heads): valid where a micro-tile's rows may
+  // belong to two heads, so where every row sees the same keys. Each head then takes its
+  // share of the tile's rows unrounded (the tile rounded up once, by under micro_rows rows).
+  const AttentionProblem::KeyRange first = p.key_range(0), last = p.key_range(std::max<std::int64_t>(p.seqlen_q, 1) - 1);
+  plan.rows_across_heads = pack && first.begin == last.begin && first.end == last.end && p.block_mask_block_size == 0;
+  if (plan.rows_across_heads)
+    bq = std::clamp<std::int64_t>((bq + mr - 1) / group, 1, std::max<std::int64_t>(p.seqlen_q, 1));
+  else if (pack)
+    bq = std::min(std::max(mr, bq / group / mr * mr), head_rows);
+  else
+    bq = std::min(bq, head_rows);
   // Enough work items to keep every thread busy (docs/algorithm.md §3: parallelize over the sequence).
   const std::int64_t heads = p.batch * p.heads_q / plan.heads_per_item;
   while (bq > 2 * mr && heads * ((p.seqlen_q + bq - 1) / bq) < 4 * hw.threads)
@@ -457,7 +466,8 @@ std::string CpuForwardPlan::describe() const {
   std::ostringstream s;
   s << "kernel=" << to_string(kernel) << " simd=" << hardware.simd_target << " micro_tile="
     << hardware.micro_rows << "x" << hardware.micro_cols << " block_q=" << block_q << " block_k=" << block_k
-    << " q_blocks=" << q_blocks << " heads_per_item=" << heads_per_item << " splits=" << splits
+    << " q_blocks=" << q_blocks << " heads_per_item=" << heads_per_item
+    << (rows_across_heads ? " rows_across_heads=true" : "") << " splits=" << splits
     << " work_items=" << work_items
     << " threads=" << threads
     << " workspace_bytes=" << workspace_bytes();

@@ -379,10 +379,13 @@ void TiledItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item
   const std::int64_t b = w.batch, h0 = w.head, heads = w.heads, split = w.split, i0 = w.row_begin, rows = w.rows;
   const std::int64_t kv_head = h0 / (p.heads_q / p.heads_kv);
   // Each head's rows padded to whole strips: a strip never mixes heads, and every head's
-  // strips see the same keys (the same queries, the same variants).
-  const std::int64_t head_rows_pad = (rows + kMicroRows - 1) / kMicroRows * kMicroRows;
-  const std::int64_t head_strips = head_rows_pad / kMicroRows;
-  const std::int64_t rows_pad = heads * head_rows_pad, strips = heads * head_strips;
+  // strips see the same keys (the same queries, the same variants). Or, where every row sees
+  // the same keys (plan.rows_across_heads), the heads' rows back to back and the tile padded
+  // once: a strip may end one head's rows and begin the next's.
+  const std::int64_t head_rows_pad = plan.rows_across_heads ? rows : (rows + kMicroRows - 1) / kMicroRows * kMicroRows;
+  const std::int64_t rows_pad = (heads * head_rows_pad + kMicroRows - 1) / kMicroRows * kMicroRows;
+  const std::int64_t strips = rows_pad / kMicroRows;
+  const std::int64_t head_strips = plan.rows_across_heads ? strips : head_rows_pad / kMicroRows;
   const std::int64_t key_begin = w.key_begin, key_end = w.key_end;
   // The planner packs no variant that differs per q head, so head h0's serve every head.
   const RowMods mods(p, prm.internals, prm.alibi_slopes, prm.block_mask, prm.attn_mask, prm.attn_mask_blocks,
@@ -408,7 +411,9 @@ void TiledItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item
     work_end = last;
   }
   if (work_begin < work_end) Products::Pack(prm, ws, b, kv_head, std::max(key_begin, work_begin), work_end);
-  for (std::int64_t e = 0; e < heads; ++e) Products::LoadQ(prm, ws, b, h0 + e, i0, rows, head_rows_pad, e * head_rows_pad);
+  for (std::int64_t e = 0; e < heads; ++e)  // the last head's rows end with the tile's padding
+    Products::LoadQ(prm, ws, b, h0 + e, i0, rows, e + 1 < heads ? head_rows_pad : rows_pad - e * head_rows_pad,
+                    e * head_rows_pad);
   ws.counters.q_read += heads * rows * d;
 
   float* s_tile = ws.s_tile.get();  // (rows_pad, bc)
@@ -429,8 +434,9 @@ void TiledItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item
     CountTiles(ws.counters, 1, heads * rows, n, d, p.head_dim_v);
 
     StripKeys* keys = ws.strip_keys.data();  // (strips)
-    FindStripKeys(p, mods, i0, head_strips, j0, n, keys);
-    for (std::int64_t e = 1; e < heads; ++e) std::copy(keys, keys + head_strips, keys + e * head_strips);
+    FindStripKeys(p, mods, i0, head_strips, j0, n, keys);  // rows_across_heads: every strip, the same keys
+    if (!plan.rows_across_heads)
+      for (std::int64_t e = 1; e < heads; ++e) std::copy(keys, keys + head_strips, keys + e * head_strips);
     Products::Scores(prm, ws, j0, keys, strips, n_pad, softmax_scales || mask_scales ? 1.0f : scale);
     // Row by row, while the row is in L1: the mask step, then the online-softmax update.
     ForEachSpanRow(p, i0, rows_pad, head_rows_pad, j0, n, keys, [&](std::int64_t r, std::int64_t i, std::int64_t j,
