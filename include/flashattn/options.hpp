@@ -255,7 +255,10 @@ struct AttentionOptions {
   // planner packs where heads_q > heads_kv and a head's rows fill less than half a Q tile;
   // true: wherever heads_q > heads_kv; false: never. Not with alibi_slopes, dropout,
   // attn_mask or a score_hook, which differ per q head (true with one is an Error; unset
-  // does not pack). The result does not depend on it (bit for bit at num_splits 1).
+  // does not pack). The result does not depend on it (bit for bit at num_splits 1, with
+  // exp2 exact or poly3 and deferred normalization — under mixed a row's split between the
+  // two follows its micro-tile's span of keys, which packing may widen, and without deferred
+  // normalization each tile of the span rescales õ).
   std::optional<bool> pack_gqa;
   // Forward only (CPU): the kernel to run (see ForwardKernel); a kernel the inputs or this
   // CPU cannot run is an Error naming it. `tiled` forces the float32 products on bf16

@@ -98,12 +98,10 @@ struct CpuForwardPlan {
   std::int64_t head_dim_v_padded = 0;  // Dv rounded up to micro_cols
   std::int64_t q_blocks = 0;         // per (batch, head)
   std::int64_t work_items = 0;       // batch · heads_q / heads_per_item · q_blocks · splits (decode: batch · splits)
-  std::int64_t heads_per_item = 1;   // tiled: 1, or heads_q / heads_kv under pack_gqa (block_q rows each)
-  // pack_gqa where every query row sees the same keys (no causal diagonal, window or block
-  // mask cuts them): the heads' rows lie back to back in the Q tile, padded to whole
-  // micro-tile rows once per tile instead of once per head, so block_q need not be a
-  // multiple of micro_rows (4 heads of 32 rows: 132 rows computed, not 144).
-  bool rows_across_heads = false;
+  // tiled: 1, or heads_q / heads_kv under pack_gqa: block_q rows of each, back to back in the
+  // Q tile, which is padded to whole micro-tile rows once (block_q need not be a multiple of
+  // micro_rows: 4 heads of 32 rows are 132 rows on AVX2's 6-row strips, not 4 × 36)
+  std::int64_t heads_per_item = 1;
   std::int64_t splits = 1;           // split-KV: key ranges per Q tile, merged by lse
   int threads = 1;
   std::size_t workspace_bytes_per_thread = 0;

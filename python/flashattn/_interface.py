@@ -1384,8 +1384,8 @@ def plan(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(
          num_splits=0, block_mask=None, block_mask_block_size=0, pack_gqa=None):
     """The plans flash_attn_func and its backward run for these inputs and options, from the
     planner the library calls (plan_forward, plan_backward on CpuHardware::detect): a dict with
-    "forward" (kernel, block_q, block_k, splits, heads_per_item (pack_gqa), rows_across_heads
-    (pack_gqa with the heads' rows back to back), work_items, threads, workspace bytes, ...),
+    "forward" (kernel, block_q, block_k, splits, heads_per_item (pack_gqa), work_items, threads,
+    workspace bytes, ...),
     "backward" (kernel, block_q, block_k, kv_work_items, threads, workspace bytes, ...) and
     "problem" (the validated problem, described). Nothing is computed; inputs are validated as
     a call validates them (a kernel this CPU cannot run raises ValueError)."""

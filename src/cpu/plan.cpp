@@ -326,21 +326,14 @@ CpuForwardPlan cpu::plan_forward(const AttentionProblem& p, const detail::Proble
   // K/V tile streamed once for them all. Unset, it packs where a head's rows fill at most
   // half a Q tile: the tile then holds rows of every head of the group, instead of a few rows
   // of one head per pass over the whole of K and V. The tile's rows are shared among the
-  // heads, block_q each.
+  // heads, block_q each, unrounded: their rows lie back to back and the tile is padded once.
   const std::int64_t group = p.heads_q / p.heads_kv;
   const bool variant_per_head = per_head_variant(p, false) != nullptr;
   const bool pack = !is_decode(plan.kernel) && group > 1 && !variant_per_head &&
                     pack_gqa.value_or(2 * head_rows <= bq);
   plan.heads_per_item = pack ? group : 1;
-  // Rows of every head back to back (rows_across_heads): valid where a micro-tile's rows may
-  // belong to two heads, so where every row sees the same keys. Each head then takes its
-  // share of the tile's rows unrounded (the tile rounded up once, by under micro_rows rows).
-  const AttentionProblem::KeyRange first = p.key_range(0), last = p.key_range(std::max<std::int64_t>(p.seqlen_q, 1) - 1);
-  plan.rows_across_heads = pack && first.begin == last.begin && first.end == last.end && p.block_mask_block_size == 0;
-  if (plan.rows_across_heads)
+  if (pack)  // the tile's rows, rounded up once, by under micro_rows
     bq = std::clamp<std::int64_t>((bq + mr - 1) / group, 1, std::max<std::int64_t>(p.seqlen_q, 1));
-  else if (pack)
-    bq = std::min(std::max(mr, bq / group / mr * mr), head_rows);
   else
     bq = std::min(bq, head_rows);
   // Enough work items to keep every thread busy (docs/algorithm.md §3: parallelize over the sequence).
@@ -466,8 +459,7 @@ std::string CpuForwardPlan::describe() const {
   std::ostringstream s;
   s << "kernel=" << to_string(kernel) << " simd=" << hardware.simd_target << " micro_tile="
     << hardware.micro_rows << "x" << hardware.micro_cols << " block_q=" << block_q << " block_k=" << block_k
-    << " q_blocks=" << q_blocks << " heads_per_item=" << heads_per_item
-    << (rows_across_heads ? " rows_across_heads=true" : "") << " splits=" << splits
+    << " q_blocks=" << q_blocks << " heads_per_item=" << heads_per_item << " splits=" << splits
     << " work_items=" << work_items
     << " threads=" << threads
     << " workspace_bytes=" << workspace_bytes();

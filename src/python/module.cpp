@@ -392,7 +392,6 @@ nb::dict forward_plan_dict(const flashattn::CpuForwardPlan& p) {
   d["work_items"] = p.work_items;
   d["splits"] = p.splits;
   d["heads_per_item"] = p.heads_per_item;
-  d["rows_across_heads"] = p.rows_across_heads;
   d["threads"] = p.threads;
   d["workspace_bytes_per_thread"] = p.workspace_bytes_per_thread;
   d["shared_bytes"] = p.shared_bytes;

@@ -47,21 +47,30 @@ void PackHead(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t b, st
            prm.switches.software_prefetch, ws.packed, ws.counters, place);
 }
 
-// The keys of tile [j0, j0 + n) that each row strip of the Q tile starting at query i0
-// computes. Key ranges are non-decreasing in the row, so strip s (queries i0 + s·kMicroRows
-// on; padding rows count as the last query) sees at most [its first row's begin, its last
-// row's end); within that, only the blocks some row of the strip may see under the block
-// masks (RowMods::narrow_span); rounded out to whole panels of kMicroCols keys, that is its
-// span. Outside it every score of the strip is masked (causal, window, the masks' empty
+// The query of row r of a Q tile of `rows` queries from i0 a head, its heads' rows back to
+// back (pack_gqa), `real` rows in all: i0 + r % rows; padding rows repeat the last query.
+HWY_INLINE std::int64_t RowQuery(std::int64_t i0, std::int64_t r, std::int64_t rows, std::int64_t real) {
+  return i0 + (r < real ? r % rows : rows - 1);
+}
+
+// The keys of tile [j0, j0 + n) that each row strip of a Q tile (RowQuery's) computes. Key
+// ranges are non-decreasing in the query, so a strip sees at most [its first query's begin,
+// its last query's end) — every query of the tile's, where the strip ends one head's rows
+// and begins the next's; within that, only the blocks some row of the strip may see under
+// the block masks (RowMods::narrow_span); rounded out to whole panels of kMicroCols keys,
+// that is its span. Outside it every score of the strip is masked (causal, window, the masks' empty
 // blocks): no S micro-tile, no exponential and no P·V depth is spent there, so a diagonal
 // tile costs about its visible triangle, not its square. A strip that sees none of the
 // tile's keys gets an empty span and is skipped: its softmax state and õ stay as they are,
 // exactly what an all-masked row would leave.
 void FindStripKeys(const AttentionProblem& p, const RowMods& mods, std::int64_t i0, std::int64_t strips,
-                   std::int64_t j0, std::int64_t n, StripKeys* HWY_RESTRICT keys) {
+                   std::int64_t rows, std::int64_t real, std::int64_t j0, std::int64_t n,
+                   StripKeys* HWY_RESTRICT keys) {
   for (std::int64_t s = 0; s < strips; ++s) {
-    const std::int64_t first = std::min(i0 + s * kMicroRows, p.seqlen_q - 1);
-    const std::int64_t last = std::min(i0 + (s + 1) * kMicroRows - 1, p.seqlen_q - 1);
+    const std::int64_t r0 = s * kMicroRows, r1 = std::min(r0 + kMicroRows, real) - 1;  // its real rows
+    const bool wraps = r0 / rows != r1 / rows;
+    const std::int64_t first = wraps ? i0 : RowQuery(i0, r0, rows, real);
+    const std::int64_t last = wraps ? i0 + rows - 1 : RowQuery(i0, r1, rows, real);
     std::int64_t lo = std::max<std::int64_t>(p.key_range(first).begin - j0, 0);
     std::int64_t hi = std::min(p.key_range(last).end - j0, n);
     mods.narrow_span(first, last, j0, lo, hi);
@@ -80,17 +89,16 @@ HWY_INLINE void ScoreTile(const StripKeys* HWY_RESTRICT keys, std::int64_t strip
       if (keys[s].begin <= j && j < keys[s].end) micro(s, j);
 }
 
-// row(r, i, j, n_r, cols): each row r of the tile over its strip's span — query i, keys j..
-// of which n_r are real, cols with padding, at column j − j0 of the row; rows of an empty
-// span are left alone. The tile's rows are consecutive queries from i0 of one head, in
-// blocks of head_rows per head under pack_gqa; padded rows copy the last query.
+// row(r, i, j, n_r, cols): each row r < rows_pad of the tile over its strip's span — query
+// i (RowQuery), keys j.. of which n_r are real, cols with padding, at column j − j0 of the
+// row; rows of an empty span are left alone.
 template <class RowFn>
-HWY_INLINE void ForEachSpanRow(const AttentionProblem& p, std::int64_t i0, std::int64_t rows, std::int64_t head_rows,
+HWY_INLINE void ForEachSpanRow(std::int64_t i0, std::int64_t rows_pad, std::int64_t rows, std::int64_t real,
                                std::int64_t j0, std::int64_t n, const StripKeys* HWY_RESTRICT keys, RowFn row) {
-  for (std::int64_t r = 0; r < rows; ++r) {
+  for (std::int64_t r = 0; r < rows_pad; ++r) {
     const StripKeys k = keys[r / kMicroRows];
     if (k.begin == k.end) continue;
-    row(r, std::min(i0 + r % head_rows, p.seqlen_q - 1), j0 + k.begin, std::min(n, k.end) - k.begin, k.end - k.begin);
+    row(r, RowQuery(i0, r, rows, real), j0 + k.begin, std::min(n, k.end) - k.begin, k.end - k.begin);
   }
 }
 
@@ -378,14 +386,12 @@ void TiledItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item
   const ForwardWorkItem w = plan.work_item(p, item);
   const std::int64_t b = w.batch, h0 = w.head, heads = w.heads, split = w.split, i0 = w.row_begin, rows = w.rows;
   const std::int64_t kv_head = h0 / (p.heads_q / p.heads_kv);
-  // Each head's rows padded to whole strips: a strip never mixes heads, and every head's
-  // strips see the same keys (the same queries, the same variants). Or, where every row sees
-  // the same keys (plan.rows_across_heads), the heads' rows back to back and the tile padded
-  // once: a strip may end one head's rows and begin the next's.
-  const std::int64_t head_rows_pad = plan.rows_across_heads ? rows : (rows + kMicroRows - 1) / kMicroRows * kMicroRows;
-  const std::int64_t rows_pad = (heads * head_rows_pad + kMicroRows - 1) / kMicroRows * kMicroRows;
+  // The heads' rows back to back (row e·rows + r: head h0 + e, query i0 + r), the tile padded
+  // to whole strips once; a strip may end one head's rows and begin the next's. The planner
+  // packs no variant that differs per q head, so every row of a strip goes through the
+  // strip's products and its own query's masks.
+  const std::int64_t rows_pad = (heads * rows + kMicroRows - 1) / kMicroRows * kMicroRows;
   const std::int64_t strips = rows_pad / kMicroRows;
-  const std::int64_t head_strips = plan.rows_across_heads ? strips : head_rows_pad / kMicroRows;
   const std::int64_t key_begin = w.key_begin, key_end = w.key_end;
   // The planner packs no variant that differs per q head, so head h0's serve every head.
   const RowMods mods(p, prm.internals, prm.alibi_slopes, prm.block_mask, prm.attn_mask, prm.attn_mask_blocks,
@@ -412,8 +418,7 @@ void TiledItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item
   }
   if (work_begin < work_end) Products::Pack(prm, ws, b, kv_head, std::max(key_begin, work_begin), work_end);
   for (std::int64_t e = 0; e < heads; ++e)  // the last head's rows end with the tile's padding
-    Products::LoadQ(prm, ws, b, h0 + e, i0, rows, e + 1 < heads ? head_rows_pad : rows_pad - e * head_rows_pad,
-                    e * head_rows_pad);
+    Products::LoadQ(prm, ws, b, h0 + e, i0, rows, e + 1 < heads ? rows : rows_pad - e * rows, e * rows);
   ws.counters.q_read += heads * rows * d;
 
   float* s_tile = ws.s_tile.get();  // (rows_pad, bc)
@@ -434,12 +439,10 @@ void TiledItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item
     CountTiles(ws.counters, 1, heads * rows, n, d, p.head_dim_v);
 
     StripKeys* keys = ws.strip_keys.data();  // (strips)
-    FindStripKeys(p, mods, i0, head_strips, j0, n, keys);  // rows_across_heads: every strip, the same keys
-    if (!plan.rows_across_heads)
-      for (std::int64_t e = 1; e < heads; ++e) std::copy(keys, keys + head_strips, keys + e * head_strips);
+    FindStripKeys(p, mods, i0, strips, rows, heads * rows, j0, n, keys);
     Products::Scores(prm, ws, j0, keys, strips, n_pad, softmax_scales || mask_scales ? 1.0f : scale);
     // Row by row, while the row is in L1: the mask step, then the online-softmax update.
-    ForEachSpanRow(p, i0, rows_pad, head_rows_pad, j0, n, keys, [&](std::int64_t r, std::int64_t i, std::int64_t j,
+    ForEachSpanRow(i0, rows_pad, rows, heads * rows, j0, n, keys, [&](std::int64_t r, std::int64_t i, std::int64_t j,
                                                                     std::int64_t n_r, std::int64_t cols) {
       float* srow = s_tile + r * bc + (j - j0);
       MaskRow(mods, srow, i, j, n_r, cols, mask_scales ? scale : 1.0f);
@@ -462,7 +465,7 @@ void TiledItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item
     for (std::int64_t r = 0; r < rows; ++r) {
       if (prm.switches.software_prefetch && plan.splits == 1 && r + kRowPrefetchDistance < rows)
         PrefetchRow(OutputRow(prm, b, i0 + r + kRowPrefetchDistance, h0 + e), out_bytes);
-      const std::int64_t t = e * head_rows_pad + r;  // the row in the tile
+      const std::int64_t t = e * rows + r;  // the row in the tile
       StoreOutputRow(prm, ws, split, b, h0 + e, i0 + r, o_acc + t * dv_pad, state[t], rescales[t]);
     }
   }

@@ -18,11 +18,9 @@ ForwardLayout::ForwardLayout(const CpuForwardPlan& plan, const AttentionProblem&
   // Tiles held at once: one, (decode) one per kv head — Q rows and a block of V rows each —
   // or (pack_gqa) one per q head of the kv head, stacked into one Q tile.
   const auto tiles_held = static_cast<std::size_t>(decode ? p.heads_kv : plan.heads_per_item);
-  // A tiled item's heads' rows, each rounded up to whole micro-tile rows: enough for either
-  // layout of pack_gqa (rows_across_heads rounds the tile once).
-  const auto mr = static_cast<std::size_t>(plan.hardware.micro_rows);
-  rows = (decode ? static_cast<std::size_t>(plan.block_q) : round_up(static_cast<std::size_t>(plan.block_q), mr)) *
-         tiles_held;
+  // A tiled item's rows: its heads' back to back, rounded up to whole micro-tile rows once.
+  rows = static_cast<std::size_t>(plan.block_q) * tiles_held;
+  if (!decode) rows = round_up(rows, static_cast<std::size_t>(plan.hardware.micro_rows));
   const auto bc = static_cast<std::size_t>(plan.block_k);
   const auto d = static_cast<std::size_t>(p.head_dim);
   const auto dv_pad = static_cast<std::size_t>(plan.head_dim_v_padded);

@@ -105,7 +105,7 @@ struct ForwardWorkspace {
   hwy::AlignedFreeUniquePtr<float[]> q_rows, q_units, v_units, descales;
   std::vector<OnlineSoftmaxState> states;  // (rows): m and ℓ of each row
   std::vector<std::int32_t> rescales;      // (rows): rescales of each row (counters, rescale_counts)
-  std::vector<StripKeys> strip_keys;       // (block_q / micro_rows): each row strip's span of the current tile
+  std::vector<StripKeys> strip_keys;       // (rows / micro_rows): each row strip's span of the current tile
   // (tiled) per row strip, whether no product has written its õ rows yet: its first P·V
   // stores instead of adding to zeros (no fill of õ per work item).
   std::vector<std::uint8_t> strip_fresh;
