@@ -13,7 +13,9 @@
 // −∞ would compute 2^(−∞ − (−∞)) = NaN, so the factor is defined as 0 there (õ is 0
 // anyway); finalize gives out = 0 and lse = −∞ for such rows, never NaN.
 // NaN scores (NaN or ±∞ in the inputs) are not hidden: a NaN maximum or sum propagates
-// to that row's output and lse, and only to that row.
+// to that row's output and lse, and only to that row. (A non-finite value in V reaches, in
+// P·V, also the rows whose micro-tile computes its key with an exact zero probability:
+// 0·∞ = NaN, as in any dense product.)
 #pragma once
 
 #include <cmath>
