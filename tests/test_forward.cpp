@@ -139,7 +139,7 @@ TEST(Forward, StridedViewsAndUntouchedMemory) {
           if (c >= d) {
             ASSERT_EQ(got, sentinel);
           } else {
-            err = std::fmax(err, std::fabs(got - want.out[static_cast<std::size_t>(((bi * s + i) * h + hi) * d + c)]));
+            err = std::max(err, abs_difference(got, want.out[static_cast<std::size_t>(((bi * s + i) * h + hi) * d + c)]));
           }
         }
   EXPECT_LE(err, 1e-5);

@@ -703,7 +703,7 @@ void check_append_run(const Formats& f, std::int64_t page_size) {
       const double naive = max_abs_error(naive_same_precision(p, o, qb, k_hat, v_hat), want.out);
       double err = 0.0;
       for (std::int64_t i = 0; i < qb.numel(); ++i)
-        err = std::max(err, std::fabs(got.out.get(b * qb.numel() + i) - want.out[static_cast<std::size_t>(i)]));
+        err = std::max(err, abs_difference(got.out.get(b * qb.numel() + i), want.out[static_cast<std::size_t>(i)]));
       if (o.kernel == ForwardKernel::decode) {
         EXPECT_LE(err, std::max(1e-5, 2.0 * naive));
         continue;

@@ -282,7 +282,7 @@ TEST(KvCache, SequencesOfABatchDecodeTogetherEachAsAlone) {
         const double tolerance = std::max(1e-5, 2.0 * max_abs_error(naive_same_precision(p, ob, qb, kb, vb), want.out));
         double error = 0.0;
         for (std::int64_t e = 0; e < kHq * kDim; ++e)
-          error = std::max(error, std::fabs(got.out.get(b * kHq * kDim + e) - want.out[static_cast<std::size_t>(e)]));
+          error = std::max(error, abs_difference(got.out.get(b * kHq * kDim + e), want.out[static_cast<std::size_t>(e)]));
         EXPECT_LE(error, tolerance);
         for (std::int64_t h = 0; h < kHq; ++h)
           ASSERT_NEAR(got.lse.get(b * kHq + h), want.lse[static_cast<std::size_t>(h)], 1e-4) << "lse of head " << h;
@@ -911,8 +911,8 @@ void check_fp8_cache_run(std::int64_t page_size) {
       double err_hat = 0.0, err_logical = 0.0;
       for (std::int64_t i = 0; i < qb.numel(); ++i) {
         const double x = got.out.get(b * qb.numel() + i);
-        err_hat = std::max(err_hat, std::fabs(x - on_hat.out[static_cast<std::size_t>(i)]));
-        err_logical = std::max(err_logical, std::fabs(x - on_logical.out[static_cast<std::size_t>(i)]));
+        err_hat = std::max(err_hat, abs_difference(x, on_hat.out[static_cast<std::size_t>(i)]));
+        err_logical = std::max(err_logical, abs_difference(x, on_logical.out[static_cast<std::size_t>(i)]));
       }
       // Scores reach ~100 once keys of magnitude 30 arrive: float32 is judged by upstream's
       // rule, at most twice a naive float32 implementation's error (1e-5 at least).

@@ -73,8 +73,8 @@ TEST(OnlineSoftmaxState, EmptyRowsNeverProduceNaN) {
   EXPECT_EQ(empty.inverse_sum(), 0.0f);
   OnlineSoftmaxState other;
   const auto f = empty.merge(other);
-  EXPECT_FALSE(std::isnan(f.self));
-  EXPECT_FALSE(std::isnan(f.other));
+  EXPECT_EQ(f.self, 1.0f);  // neither state saw a key: factors 1 and 0, never NaN
+  EXPECT_EQ(f.other, 0.0f);
   EXPECT_EQ(empty.lse(), -kInf);
 
   OnlineSoftmaxState seen;

@@ -665,6 +665,7 @@ def test_t5_relative_position_bias_equals_sdpa():
         model.eval()
     bias = "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
     assert grads[1][bias].abs().max() > 0
+    assert all(torch.isfinite(g).all() for grad in grads for g in grad.values())  # max() below drops a NaN
     scale = max(g.abs().max() for g in grads[1].values())
     assert max((grads[0][n] - grads[1][n]).abs().max() for n in grads[1]) <= 1e-5 * scale
     with torch.no_grad():
