@@ -58,9 +58,9 @@ HWY_INLINE std::int64_t RowQuery(std::int64_t i0, std::int64_t r, std::int64_t r
 // its last query's end) — every query of the tile's, where the strip ends one head's rows
 // and begins the next's; within that, only the blocks some row of the strip may see under
 // the block masks (RowMods::narrow_span); rounded out to whole panels of kMicroCols keys,
-// that is its span. Outside it every score of the strip is masked (causal, window, the masks' empty
-// blocks): no S micro-tile, no exponential and no P·V depth is spent there, so a diagonal
-// tile costs about its visible triangle, not its square. A strip that sees none of the
+// that is its span. Outside it every score of the strip is masked (causal, window, the
+// masks' empty blocks): no S micro-tile, no exponential and no P·V depth is spent there, so
+// a diagonal tile costs about its visible triangle, not its square. A strip that sees none of the
 // tile's keys gets an empty span and is skipped: its softmax state and õ stay as they are,
 // exactly what an all-masked row would leave.
 void FindStripKeys(const AttentionProblem& p, const RowMods& mods, std::int64_t i0, std::int64_t strips,
@@ -387,9 +387,8 @@ void TiledItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item
   const std::int64_t b = w.batch, h0 = w.head, heads = w.heads, split = w.split, i0 = w.row_begin, rows = w.rows;
   const std::int64_t kv_head = h0 / (p.heads_q / p.heads_kv);
   // The heads' rows back to back (row e·rows + r: head h0 + e, query i0 + r), the tile padded
-  // to whole strips once; a strip may end one head's rows and begin the next's. The planner
-  // packs no variant that differs per q head, so every row of a strip goes through the
-  // strip's products and its own query's masks.
+  // to whole strips once; a strip may end one head's rows and begin the next's, each row
+  // masked to its own query.
   const std::int64_t rows_pad = (heads * rows + kMicroRows - 1) / kMicroRows * kMicroRows;
   const std::int64_t strips = rows_pad / kMicroRows;
   const std::int64_t key_begin = w.key_begin, key_end = w.key_end;
