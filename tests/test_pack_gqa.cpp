@@ -127,11 +127,21 @@ TEST(PackGqa, PlannerPacksFewRowsPerHeadOfAGroup) {
     EXPECT_EQ(chunk.block_q, 8);
     EXPECT_EQ(chunk.q_blocks, 1);
   }
-  // 32 rows a head of a group of 4 (a shared prefix's pass): one tile of 128 rows (rounded
-  // to whole micro-tiles once), not 30 and 2 rows a head (a head's 32 rows padded to 36).
+  // 32 rows a head of a group of 4 (a shared prefix's pass): each head takes a quarter of
+  // the Q tile's rows unrounded — with this machine's L2 a tile of 126 rows or more (Zen 3 and
+  // later, Sapphire Rapids), 32 rows a head in one tile (132 rows computed on AVX2), not 30 and
+  // 2 rows a head (a head's 32 rows padded to 36).
+  AttentionOptions unpacked;
+  unpacked.pack_gqa = false;
+  const std::int64_t tile_rows = plan(4096, 8, 8, unpacked).block_q;  // the planner's Q tile
   const CpuForwardPlan prefix = plan(32, 32, 8);
-  EXPECT_EQ(prefix.block_q, 32);
-  EXPECT_EQ(prefix.q_blocks, 1) << prefix.describe();
+  if (prefix.heads_per_item > 1)  // packed where a head's rows fill at most half the tile
+    EXPECT_EQ(prefix.block_q, std::min<std::int64_t>(32, (tile_rows + hw.micro_rows - 1) / 4))
+        << "tile rows " << tile_rows << ", " << prefix.describe();
+  if (tile_rows >= 126) {
+    EXPECT_EQ(prefix.heads_per_item, 4) << prefix.describe();
+    EXPECT_EQ(prefix.q_blocks, 1) << prefix.describe();
+  }
   // A long prefill fills its tiles alone; MHA has nothing to pack; decode kernels hold every
   // head's rows already.
   EXPECT_EQ(plan(4096, 32, 4).heads_per_item, 1);
