@@ -246,7 +246,7 @@ TEST(Int8Cache, KernelsReadEveryCodeOnEveryLayout) {
             AttentionOptions o;
             const AttentionProblem p = AttentionProblem::from_sizes(1, sq, keys, s.hq, s.hkv, s.d, s.dv, DType::f32, o);
             const reference::Result want = reference::attention(q.view(), k.view(), v.view(), o);
-            const double naive_float = max_abs_error(naive_same_precision(p, o, q, k, v), want.out);
+            const double naive_float = naive_output_error(naive_same_precision(p, o, q, k, v), want.out, p.dtype, o.exp2);
             std::vector<ForwardKernel> kernels{sq == 1 ? ForwardKernel::decode : ForwardKernel::tiled};
             if (sq == 1)
               for (const ForwardKernel narrow : narrow_decode_kernels()) kernels.push_back(narrow);
@@ -352,7 +352,7 @@ TEST(Int8Cache, DecodeKernelReadsScalesNearFloat32sLargest) {
       // kv_quant.hpp states: a float32 rounding of each term, up to 256 steps of the scale.
       const double decomposition = quant.codes == KvCodes::u8 ? 0x1p-23 * 256.0 * 1e37 : 0.0;
       const double tolerance =
-          std::max({1e-5, 2.0 * max_abs_error(naive_same_precision(p, o, q, k, v), want.out), decomposition});
+          std::max({1e-5, 2.0 * naive_output_error(naive_same_precision(p, o, q, k, v), want.out, p.dtype, o.exp2), decomposition});
       for (const auto& [splits, threads] : {std::pair{1, 1}, {2, 2}, {2, 3}}) {
         SCOPED_TRACE("splits " + std::to_string(splits) + ", threads " + std::to_string(threads));
         o.num_splits = splits;
@@ -700,7 +700,7 @@ void check_append_run(const Formats& f, std::int64_t page_size) {
       std::memcpy(qb.data(), q_rot.data_as<float>() + b * n * kHq * kDim, static_cast<std::size_t>(qb.numel()) * 4);
       const reference::Result want = reference::attention(qb.view(), k_hat.view(), v_hat.view(), o);
       const AttentionProblem p = AttentionProblem::from_sizes(1, n, seqlen, kHq, kHkv, kDim, kDim, DType::f32, o);
-      const double naive = max_abs_error(naive_same_precision(p, o, qb, k_hat, v_hat), want.out);
+      const double naive = naive_output_error(naive_same_precision(p, o, qb, k_hat, v_hat), want.out, p.dtype, o.exp2);
       double err = 0.0;
       for (std::int64_t i = 0; i < qb.numel(); ++i)
         err = std::max(err, abs_difference(got.out.get(b * qb.numel() + i), want.out[static_cast<std::size_t>(i)]));

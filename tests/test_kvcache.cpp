@@ -279,7 +279,7 @@ TEST(KvCache, SequencesOfABatchDecodeTogetherEachAsAlone) {
         const AttentionProblem p = AttentionProblem::from_sizes(1, 1, n, kHq, kHkv, kDim, kDim, DType::f32, ob);
         ASSERT_EQ(plan_forward(p, CpuHardware::detect(threads)).kernel, ForwardKernel::decode);
         const reference::Result want = reference::attention(qb.view(), kb.view(), vb.view(), ob);
-        const double tolerance = std::max(1e-5, 2.0 * max_abs_error(naive_same_precision(p, ob, qb, kb, vb), want.out));
+        const double tolerance = std::max(1e-5, 2.0 * naive_output_error(naive_same_precision(p, ob, qb, kb, vb), want.out, p.dtype, ob.exp2));
         double error = 0.0;
         for (std::int64_t e = 0; e < kHq * kDim; ++e)
           error = std::max(error, abs_difference(got.out.get(b * kHq * kDim + e), want.out[static_cast<std::size_t>(e)]));
@@ -406,7 +406,7 @@ TEST(KvCache, DecodeKernelMatchesTheReferenceOnEveryLayout) {
         const AttentionProblem p = AttentionProblem::from_sizes(1, 1, keys, s.hq, s.hkv, s.d, s.dv, dtype, o);
         ASSERT_EQ(plan_forward(p, CpuHardware::detect(0)).kernel, ForwardKernel::decode);
         const reference::Result want = reference::attention(q.view(), k.view(), v.view(), o);
-        const double tolerance = std::max(1e-5, 2.0 * max_abs_error(naive_same_precision(p, o, q, k, v), want.out));
+        const double tolerance = std::max(1e-5, 2.0 * naive_output_error(naive_same_precision(p, o, q, k, v), want.out, p.dtype, o.exp2));
         for (std::int64_t ps : {0, 1, 3, 16, 256}) {
           SCOPED_TRACE(ps == 0 ? std::string("contiguous") : "page size " + std::to_string(ps));
           const std::int64_t pages = ps > 0 ? (keys + ps - 1) / ps : 1, slots = ps > 0 ? ps : keys + 5;
@@ -552,7 +552,7 @@ void expect_fp8_codes_read_on_every_layout(ForwardKernel kernel) {
           fill(v_cache, v_scale, v, vc, vd, s.dv, pos, page, slot);
         }
         const reference::Result want = reference::attention(q.view(), k.view(), v.view(), o);
-        const double naive_float = max_abs_error(naive_same_precision(p, o, q, k, v), want.out);
+        const double naive_float = naive_output_error(naive_same_precision(p, o, q, k, v), want.out, p.dtype, o.exp2);
         const bool narrow = kernel != ForwardKernel::decode;
         const reference::Result yardstick =
             narrow ? narrow_precision_attention(kernel, q, kc, kd, vc, vd, o) : reference::Result{};
@@ -644,7 +644,7 @@ void expect_fp8_codes_read_with_daz(ForwardKernel kernel) {
         SCOPED_TRACE(to_string(o.kernel));
         const AttentionProblem p = AttentionProblem::from_sizes(1, sq, kKeys, kHq, kHkv, kDim, kDim, DType::f32, o);
         const reference::Result want = reference::attention(q.view(), k.view(), v.view(), o);
-        double bound = std::max(1e-5, 2.0 * max_abs_error(naive_same_precision(p, o, q, k, v), want.out));
+        double bound = std::max(1e-5, 2.0 * naive_output_error(naive_same_precision(p, o, q, k, v), want.out, p.dtype, o.exp2));
         if (o.kernel != ForwardKernel::decode && o.kernel != ForwardKernel::automatic) {  // as in DecodeKernelReadsEveryFp8CodeOnEveryLayout
           Tensor ones(DType::f32, {1, kKeys, kHkv});
           for (std::int64_t i = 0; i < ones.numel(); ++i) ones.set(i, 1.0f);
@@ -726,7 +726,7 @@ void expect_fp8_decode_rescales(ForwardKernel kernel) {
           kernel != ForwardKernel::decode
               ? 2.0 * std::max(max_abs_error(narrow_precision_attention(kernel, q, k, ones, v, ones, o).out, want.out),
                                narrow_rounding(kernel) * v_max)
-              : std::max(1e-5, 2.0 * max_abs_error(naive_same_precision(p, o, q, k, v), want.out));
+              : std::max(1e-5, 2.0 * naive_output_error(naive_same_precision(p, o, q, k, v), want.out, p.dtype, o.exp2));
       KvCache c{codes_k.view(), codes_v.view(), TensorView{}, seqlens.view()};
       c.k_scale = k_scale.view();
       c.v_scale = v_scale.view();
@@ -917,7 +917,7 @@ void check_fp8_cache_run(std::int64_t page_size) {
       // Scores reach ~100 once keys of magnitude 30 arrive: float32 is judged by upstream's
       // rule, at most twice a naive float32 implementation's error (1e-5 at least).
       const AttentionProblem p = AttentionProblem::from_sizes(1, n, seqlen, C::kHq, C::kHkv, C::kDim, C::kDim, DType::f32, o);
-      const double naive = max_abs_error(naive_same_precision(p, o, qb, k_hat, v_hat), on_hat.out);
+      const double naive = naive_output_error(naive_same_precision(p, o, qb, k_hat, v_hat), on_hat.out, p.dtype, o.exp2);
       EXPECT_LE(err_hat, std::max(1e-5, 2.0 * naive)) << "sequence " << b;
       EXPECT_LE(err_logical, explained + 1e-5) << "sequence " << b;
     }

@@ -183,7 +183,7 @@ int expect_rescales_on_every_target(ForwardKernel kernel, DType dtype, std::int6
       for (std::int64_t e = 0; e < in.v.numel(); ++e) v_max = std::fmax(v_max, std::fabs(in.v.get(e)));
       const double tolerance =
           dtype == DType::f32 ? 1e-5 * v_max
-                              : 2.0 * max_abs_error(naive_same_precision(p, o, in.q, in.k, in.v), want.out) + 1e-5;
+                              : 2.0 * naive_output_error(naive_same_precision(p, o, in.q, in.k, in.v), want.out, p.dtype, o.exp2) + 1e-5;
       EXPECT_LE(max_abs_error(out, want.out), tolerance);
       expect_lse_near(lse, want.lse);
     }
@@ -280,7 +280,7 @@ TEST(Exp2Impl, Poly3AndMixedStayWithinTheirBoundsForEveryDtype) {
       } else {
         const AttentionProblem p = AttentionProblem::from_inputs(in.q.view(), in.k.view(), in.v.view(), options);
         EXPECT_LE(max_abs_error(got.out, want.out),
-                  2.0 * max_abs_error(naive_same_precision(p, options, in.q, in.k, in.v), want.out) + 1e-5);
+                  2.0 * naive_output_error(naive_same_precision(p, options, in.q, in.k, in.v), want.out, p.dtype, options.exp2) + 1e-5);
       }
       for (std::int64_t e = 0; e < got.lse.numel(); ++e)
         // ℓ off by a relative 7.5e-5 moves lse = m + log ℓ by as much.

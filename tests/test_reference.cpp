@@ -1,4 +1,5 @@
 // The float64 reference against closed forms, so it cannot be wrong the way a kernel is.
+#include <gtest/gtest-spi.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -76,6 +77,23 @@ TEST(Reference, ErrorMeasuresCountANaNOutputAsInfinite) {
   out.set(0, 1.0f), out.set(1, std::nanf("")), out.set(2, -INFINITY);
   EXPECT_EQ(max_abs_error(out, want), INFINITY);
   EXPECT_NE(yardstick_verdict(out, want, want, DType::bf16), "");
+}
+
+// A naive output that is NaN somewhere, or off by more than kNaiveOutputShare of the largest
+// |value|, fails the test and counts as 0 instead of making the output tolerance +∞ or huge;
+// a sound one is its largest error.
+TEST(Reference, NaiveOutputErrorRejectsABrokenYardstick) {
+  // Static: EXPECT_NONFATAL_FAILURE's statement may not name local variables.
+  static const std::vector<double> want{0.5, -2.0, 1.0};
+  static double error = -1.0;
+  EXPECT_NEAR(naive_output_error({0.5, -1.99, 1.0}, want, DType::bf16, Exp2Impl::exact), 0.01, 1e-15);
+  EXPECT_NONFATAL_FAILURE(error = naive_output_error({0.5, std::nan(""), 1.0}, want, DType::bf16, Exp2Impl::exact),
+                          "cannot judge a kernel");
+  EXPECT_EQ(error, 0.0);
+  error = -1.0;
+  EXPECT_NONFATAL_FAILURE(error = naive_output_error({0.0, 0.0, 0.0}, want, DType::f32, Exp2Impl::poly3),
+                          "cannot judge a kernel");  // zeros: off by the largest |value|
+  EXPECT_EQ(error, 0.0);
 }
 
 // A naive backward sloppier than kGradientYardstickUlps cannot widen the gradients'

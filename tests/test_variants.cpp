@@ -139,7 +139,7 @@ void check_variant(const Shape& s, const std::string& name, DType dtype, std::ui
   const reference::Result want = reference::attention(q.view(), k.view(), v.view(), o);
   const AttentionProblem p = AttentionProblem::from_inputs(q.view(), k.view(), v.view(), o);
   double tol_out = 1e-5;
-  if (dtype != DType::f32) tol_out += 2.0 * max_abs_error(naive_same_precision(p, o, q, k, v), want.out);
+  if (dtype != DType::f32) tol_out += 2.0 * naive_output_error(naive_same_precision(p, o, q, k, v), want.out, p.dtype, o.exp2);
   EXPECT_LE(max_abs_error(fwd.out, want.out), tol_out) << "out";
   expect_lse_near(fwd.lse, want.lse);
 
@@ -630,7 +630,7 @@ TEST(Variants, BooleanMaskPartialBlocksCopiedOut) {
   const ForwardResult fwd = forward(q.view(), k.view(), v.view(), o);
   const reference::Result want = reference::attention(q.view(), k.view(), v.view(), o);
   const AttentionProblem p = AttentionProblem::from_inputs(q.view(), k.view(), v.view(), o);
-  const double naive_error = max_abs_error(naive_same_precision(p, o, q, k, v), want.out);
+  const double naive_error = naive_output_error(naive_same_precision(p, o, q, k, v), want.out, p.dtype, o.exp2);
   EXPECT_LE(max_abs_error(fwd.out, want.out), 1e-5 + 2.0 * naive_error);
   expect_lse_near(fwd.lse, want.lse);
 }
@@ -760,7 +760,7 @@ TEST(Variants, SinksDecodeKernelSplitKv) {
           const ForwardResult got = forward(q.view(), k.view(), v.view(), o);
           const reference::Result want = reference::attention(q.view(), k.view(), v.view(), o);
           double tol = 1e-5;
-          if (dtype != DType::f32) tol += 2.0 * max_abs_error(naive_same_precision(p, o, q, k, v), want.out);
+          if (dtype != DType::f32) tol += 2.0 * naive_output_error(naive_same_precision(p, o, q, k, v), want.out, p.dtype, o.exp2);
           EXPECT_LE(max_abs_error(got.out, want.out), tol);
           expect_lse_near(got.lse, want.lse);
         }

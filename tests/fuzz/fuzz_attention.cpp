@@ -230,6 +230,14 @@ std::vector<double> out_moves_d(const Placed& pout, const std::vector<double>& w
   return moved;
 }
 
+// A naive same-precision implementation's largest error, checked finite: a NaN in its result
+// counts as an error of +∞ (test::abs_difference), which would make any tolerance pass.
+double finite_naive(double naive_error) {
+  check(std::isfinite(naive_error), "the naive same-precision yardstick's error is " + std::to_string(naive_error) +
+                                        ": it cannot judge a kernel");
+  return naive_error;
+}
+
 // The naive same-precision implementation's largest error as the fuzzer's yardstick, counted as
 // at least one ulp of the largest |value| in dtype (the unit tests hold their naive results
 // within 2 ulps for outputs and 8 for gradients, and see up to 3.8 on gradients): over a fuzzed case's few elements the naive result's largest error can fall far below
@@ -237,7 +245,7 @@ std::vector<double> out_moves_d(const Placed& pout, const std::vector<double>& w
 // elements, regressions bf16-dropout-*), against the kernel's 1–3.3 — where over the unit
 // tests' thousands it does not.
 double yardstick(double naive_error, DType dtype, double largest) {
-  return std::max(naive_error, test::ulp(dtype, largest));
+  return std::max(finite_naive(naive_error), test::ulp(dtype, largest));
 }
 
 // dq, dk, dv against the float64 reference within upstream's rule (3× the naive same-precision
@@ -1300,7 +1308,7 @@ void run_kvcache(FuzzedDataProvider& fdp) {
     NarrowBound half;
     if (rows_b > 0) half = narrow_bound(plans.forward[plan_of++].kernel, qb, kb, vb, hq, hkv, p.softmax_scale);
     const double tol = 1e-5 * (1.0 + max_abs(want.out)) + half.out +
-                       2.0 * test::max_abs_error(test::naive_same_precision(p, o, qb, kb, vb), want.out);
+                       2.0 * finite_naive(test::max_abs_error(test::naive_same_precision(p, o, qb, kb, vb), want.out));
     for (std::int64_t e = 0; e < qb.numel() / d * dv; ++e)
       check(std::fabs(pout.get(q0 * hq * dv + e) - want.out[static_cast<std::size_t>(e)]) <= tol,
             "kvcache out of sequence " + std::to_string(b) + " differs from the reference");
@@ -1618,7 +1626,7 @@ void run_paged(FuzzedDataProvider& fdp) {
     }
     const AttentionProblem p = AttentionProblem::from_inputs(qb.view(), kb.view(), vb.view(), o);
     const reference::Result want = reference::attention(qb.view(), kb.view(), vb.view(), o);
-    const double naive = test::max_abs_error(test::naive_same_precision(p, o, qb, kb, vb), want.out);
+    const double naive = finite_naive(test::max_abs_error(test::naive_same_precision(p, o, qb, kb, vb), want.out));
     const NarrowBound half = narrow_bound(narrow_ran, qb, kb, vb, hq, hkv, p.softmax_scale);
     const double tol = 1e-5 * (1.0 + max_abs(want.out)) + 2.0 * naive + unit * max_abs(want.out) + half.out;
     double error = 0.0;

@@ -89,6 +89,15 @@ void expect_within_yardstick(const Tensor& got, const std::vector<double>& want,
   EXPECT_TRUE(verdict.empty()) << verdict;
 }
 
+double naive_output_error(const std::vector<double>& naive, const std::vector<double>& want, DType dtype,
+                          Exp2Impl exp2) {
+  const double error = max_abs_error(naive, want), largest = largest_magnitude(want);
+  if (std::isfinite(error) && error <= kNaiveOutputShare * largest) return error;
+  ADD_FAILURE() << "the naive " << to_string(dtype) << " output (exp2 " << to_string(exp2) << ") is off by " << error
+                << " against a largest |value| of " << largest << ": it cannot judge a kernel";
+  return 0.0;
+}
+
 void expect_lse_near(const Tensor& lse, const std::vector<double>& want) {
   for (std::int64_t i = 0; i < lse.numel(); ++i) {
     const double e = want[static_cast<std::size_t>(i)];

@@ -62,6 +62,20 @@ std::string yardstick_verdict(const Tensor& got, const std::vector<double>& want
 void expect_within_yardstick(const Tensor& got, const std::vector<double>& want,
                              const std::vector<double>& yardstick, DType dtype);
 
+// The largest error of a naive same-precision output (naive_same_precision) against the
+// float64 `want`: the yardstick of upstream's output rule at the call sites that add their
+// own floors. A naive result that is not finite (a NaN counts as an error of +∞, which
+// would pass any kernel) or off by more than kNaiveOutputShare of the largest |want| (zeros,
+// a dropped key, garbage) fails the test (ADD_FAILURE, naming dtype and exp2) and counts as 0,
+// so that a broken yardstick cannot widen a tolerance. Not an ulp bound, as
+// yardstick_verdict's: this naive result rounds S to dtype, and its error grows with the
+// scores and with |V| where the output cancels — measured up to 17 bf16 ulps and 407
+// float32 ulps of the largest |want| in the unit tests (a bf16 case with rising scores:
+// 0.12 of it), so the share is a guard against a broken yardstick, not a precision claim.
+constexpr double kNaiveOutputShare = 0.25;
+double naive_output_error(const std::vector<double>& naive, const std::vector<double>& want, DType dtype,
+                          Exp2Impl exp2);
+
 // lse against the float64 reference's: −∞ exactly for rows without visible keys, else
 // within kLseTolerance + 1e-6·|lse|.
 void expect_lse_near(const Tensor& lse, const std::vector<double>& want);
