@@ -270,7 +270,7 @@ grep -q "a quantized KV cache, FP8 (e4m3) or int8 codes" "$work/err.txt"
 echo "cli smoke (decode): ok"
 
 # The serving batch, small: one forward_varlen_paged call against one call per sequence, and
-# sequences sharing a prefix, shared against unshared.
+# sequences sharing a prefix, shared against unshared, and small chunks, pack_gqa against not.
 "$cli" bench --ops serve_smoke --json --repeats 5 --sgemm-size 64 > "$work/serve.json" 2> "$work/err.txt"
 python3 - "$work/serve.json" <<'PY'
 import json, sys
@@ -279,6 +279,8 @@ j = json.load(open(sys.argv[1]))
 assert c["case"] == "smoke" and c["speedup_vs_per_sequence"] > 0 and c["decode_gbps"] > 0 and j["copy_gbps"] > 0, c
 assert j["read_gbps"] > 0, j["read_gbps"]
 assert c["shared_sequences"] == 4 and c["shared_prefix"] == 320 and c["shared_prefix_speedup"] > 0, c
+assert (c["chunk_sequences"], c["chunk_rows"], c["chunk_cached"]) == (3, 5, 200), c
+assert c["pack_gqa_speedup"] > 0 and c["chunk_gbps"] > 0, c
 PY
 echo "cli smoke (serve): ok"
 

@@ -149,7 +149,8 @@ void bench_cases(const BenchFlags& f) {
     time_decode(1, 1024, "", 0, 8, 2, 64);
   }
   // Serving: issue 23's batch of prefill chunks and decode rows (serve), or a small one of
-  // the same kinds (serve_smoke), in one call against one call per sequence.
+  // the same kinds (serve_smoke), in one call against one call per sequence; with the shared
+  // prefix and small-chunk steps (serve.hpp).
   for (const char* op : {"serve", "serve_smoke"}) {
     if (std::find(f.ops.begin(), f.ops.end(), op) == f.ops.end()) continue;
     if (!r.copy_gbps) r.copy_gbps = copy_gbps(f.repeats);
@@ -229,6 +230,12 @@ void bench_cases(const BenchFlags& f) {
                 static_cast<long long>(s.c.shared_prefix), static_cast<long long>(s.c.shared_own),
                 s.m.shared_prefix_seconds, s.m.unshared_prefix_seconds,
                 s.m.unshared_prefix_seconds / s.m.shared_prefix_seconds);
+    std::printf("%-10s serve %-5s %lld sequences of %lld new tokens over %lld cached: %.4f s, pack_gqa off %.4f s "
+                "(%.2fx); %.2f GB/s of K/V (%3.0f%% of copy)\n",
+                "flashattn", s.c.name.c_str(), static_cast<long long>(s.c.chunk_sequences),
+                static_cast<long long>(s.c.chunk_rows), static_cast<long long>(s.c.chunk_cached), s.m.chunk_seconds,
+                s.m.chunk_unpacked_seconds, s.m.chunk_unpacked_seconds / s.m.chunk_seconds, s.m.chunk_gbps,
+                100.0 * s.m.chunk_gbps / r.copy_gbps.value_or(0.0));
   }
   for (const MasksRun& k : r.masks) {
     std::printf("masks %s: %lld documents of %lld tokens, %lld heads, D %lld, %s; create_block_mask %.4f s\n",

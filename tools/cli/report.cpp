@@ -137,7 +137,14 @@ std::string bench_json(const BenchReport& r) {
                           {"shared_own", s.c.shared_own},
                           {"shared_prefix_seconds", s.m.shared_prefix_seconds},
                           {"unshared_prefix_seconds", s.m.unshared_prefix_seconds},
-                          {"shared_prefix_speedup", s.m.unshared_prefix_seconds / s.m.shared_prefix_seconds}});
+                          {"shared_prefix_speedup", s.m.unshared_prefix_seconds / s.m.shared_prefix_seconds},
+                          {"chunk_sequences", s.c.chunk_sequences},
+                          {"chunk_rows", s.c.chunk_rows},
+                          {"chunk_cached", s.c.chunk_cached},
+                          {"chunk_seconds", s.m.chunk_seconds},
+                          {"chunk_unpacked_seconds", s.m.chunk_unpacked_seconds},
+                          {"chunk_gbps", s.m.chunk_gbps},
+                          {"pack_gqa_speedup", s.m.chunk_unpacked_seconds / s.m.chunk_seconds}});
   for (const MasksRun& k : r.masks) {
     for (const MaskRun& run : k.m.runs) {
       Measurement m{Impl::flashattn};

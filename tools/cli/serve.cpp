@@ -31,6 +31,9 @@ ServeCase ServeCase::smoke() {
   c.shared_sequences = 4;
   c.shared_prefix = 320;
   c.shared_own = 20;
+  c.chunk_sequences = 3;
+  c.chunk_rows = 5;
+  c.chunk_cached = 200;
   return c;
 }
 
@@ -79,6 +82,31 @@ void fill(Tensor& t) {
   }
 }
 
+// The K and V bytes of `keys` keys.
+double kv_bytes(const ServeCase& c, std::int64_t keys) {
+  return static_cast<double>(keys) * static_cast<double>(2 * c.heads_kv * c.dim) * static_cast<double>(dtype_size(c.dtype));
+}
+
+// Median seconds of `first` and of `second` over `repeats` runs each, timed alternately after
+// a warm-up pair, so that a load that changes during the run (a shared machine) weighs on
+// both alike.
+template <class First, class Second>
+std::pair<double, double> alternate(int repeats, const First& first, const Second& second) {
+  std::vector<double> a, b;
+  for (int r = 0; r <= repeats; ++r) {
+    for (bool which : {true, false}) {
+      const auto t0 = std::chrono::steady_clock::now();
+      which ? first() : second();
+      if (r > 0)
+        (which ? a : b).push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+  }
+  let_worker_threads_sleep();
+  std::sort(a.begin(), a.end());
+  std::sort(b.begin(), b.end());
+  return {a[a.size() / 2], b[b.size() / 2]};
+}
+
 // One decode step of c.shared_sequences sequences that continue one prefix of
 // c.shared_prefix keys with c.shared_own keys each: (shared, unshared) median seconds of
 // `repeats` runs, the unshared call's table rows being the prefix's pages followed by the
@@ -118,20 +146,34 @@ std::pair<double, double> time_shared_prefix(const ServeCase& c, int repeats) {
   with.prefix_seqused_k = prefix_keys_t.view();
   with.prefix_idx = prefix_idx.view();
   const PagedKvBatch without{k_pool.view(), v_pool.view(), unshared_table.view(), unshared_keys.view(), {}, {}, {}, {}, {}};
-  // Timed alternately, a warm-up pair first, so that a load that changes during the run (a
-  // shared machine) weighs on both alike.
-  std::vector<double> s, u;
-  for (int r = 0; r <= repeats; ++r) {
-    for (auto [kv, times] : {std::pair<const PagedKvBatch*, std::vector<double>*>{&with, &s}, {&without, &u}}) {
-      const auto t0 = std::chrono::steady_clock::now();
-      forward_varlen_paged(shared.q.view(), shared.cu_q.view(), 1, *kv, options);
-      if (r > 0) times->push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    }
-  }
-  let_worker_threads_sleep();
-  std::sort(s.begin(), s.end());
-  std::sort(u.begin(), u.end());
-  return {s[s.size() / 2], u[u.size() / 2]};
+  return alternate(
+      repeats, [&] { forward_varlen_paged(shared.q.view(), shared.cu_q.view(), 1, with, options); },
+      [&] { forward_varlen_paged(shared.q.view(), shared.cu_q.view(), 1, without, options); });
+}
+
+// One step of c.chunk_sequences sequences adding c.chunk_rows tokens each over
+// c.chunk_cached cached ones, causal, each over its own pages: (pack_gqa as planned,
+// pack_gqa off) median seconds of `repeats` runs.
+std::pair<double, double> time_chunks(const ServeCase& c, int repeats) {
+  const std::int64_t keys = c.chunk_cached + c.chunk_rows, pages_each = (keys + c.page_size - 1) / c.page_size;
+  Tensor k_pool(c.dtype, {c.chunk_sequences * pages_each, c.page_size, c.heads_kv, c.dim});
+  Tensor v_pool(c.dtype, k_pool.shape());
+  fill(k_pool);
+  fill(v_pool);
+  std::vector<std::int64_t> first_page;
+  for (std::int64_t b = 0; b < c.chunk_sequences; ++b) first_page.push_back(b * pages_each);
+  const Batch batch = make_batch(c, std::vector<std::pair<std::int64_t, std::int64_t>>(
+                                        static_cast<std::size_t>(c.chunk_sequences), {c.chunk_rows, keys}),
+                                 first_page, pages_each);
+  const PagedKvBatch kv{k_pool.view(), v_pool.view(), batch.table.view(), batch.seqused.view(), {}, {}, {}, {}, {}};
+  AttentionOptions planned;
+  planned.causal = true;
+  planned.num_threads = c.threads;
+  AttentionOptions unpacked = planned;
+  unpacked.pack_gqa = false;
+  return alternate(
+      repeats, [&] { forward_varlen_paged(batch.q.view(), batch.cu_q.view(), c.chunk_rows, kv, planned); },
+      [&] { forward_varlen_paged(batch.q.view(), batch.cu_q.view(), c.chunk_rows, kv, unpacked); });
 }
 
 }  // namespace
@@ -175,10 +217,10 @@ ServeMeasurement measure_serve(const ServeCase& c, int repeats) {
   let_worker_threads_sleep();
   std::int64_t decode_keys = 0;
   for (std::int64_t k : c.decode_keys) decode_keys += k;
-  const double bytes = static_cast<double>(decode_keys) * static_cast<double>(2 * c.heads_kv * c.dim) *
-                       static_cast<double>(dtype_size(c.dtype));
-  m.decode_gbps = bytes / m.decode_seconds / 1e9;
+  m.decode_gbps = kv_bytes(c, decode_keys) / m.decode_seconds / 1e9;
   std::tie(m.shared_prefix_seconds, m.unshared_prefix_seconds) = time_shared_prefix(c, repeats);
+  std::tie(m.chunk_seconds, m.chunk_unpacked_seconds) = time_chunks(c, repeats);
+  m.chunk_gbps = kv_bytes(c, c.chunk_sequences * (c.chunk_cached + c.chunk_rows)) / m.chunk_seconds / 1e9;
   return m;
 }
 
