@@ -268,10 +268,10 @@ TEST(Int8Cache, KernelsReadEveryCodeOnEveryLayout) {
               c.cache_seqlens = seqlens.view();
               const ForwardResult got = forward_with_kvcache(q.view(), c, o);
               const double tolerance = std::max(
-                  1e-5, 2.0 * (narrow ? std::max(max_abs_error(yardstick.out, want.out), narrow_rounding(kernel) * v_max)
+                  1e-5, 2.0 * (narrow ? std::max(yardstick_error(yardstick.out, want.out, "the narrow-precision yardstick's out", kNaiveOutputShare), narrow_rounding(kernel) * v_max)
                                       : naive_float));
               EXPECT_LE(max_abs_error(got.out, want.out), tolerance);
-              const double lse_tolerance = narrow ? 1e-4 + 2.0 * max_abs_error(yardstick.lse, want.lse) : 1e-4;
+              const double lse_tolerance = narrow ? 1e-4 + 2.0 * yardstick_error(yardstick.lse, want.lse, "the narrow-precision yardstick's lse", INFINITY) : 1e-4;
               for (std::int64_t i = 0; i < got.lse.numel(); ++i)
                 ASSERT_NEAR(got.lse.get(i), want.lse[static_cast<std::size_t>(i)],
                             lse_tolerance * (narrow ? std::max(1.0, std::fabs(want.lse[static_cast<std::size_t>(i)])) : 1.0))
@@ -424,11 +424,11 @@ TEST(Int8Cache, DecodeFp16SumsStayFiniteAtItsLargestHeadDim) {
       c.cache_seqlens = seqlens.view();
       const ForwardResult got = forward_with_kvcache(q.view(), c, o);
       for (std::int64_t i = 0; i < got.out.numel(); ++i) ASSERT_TRUE(std::isfinite(got.out.get(i))) << "out " << i;
-      const double tolerance = 2.0 * std::max(max_abs_error(yardstick.out, want.out), 0x1p-11 * v_max);
+      const double tolerance = 2.0 * std::max(yardstick_error(yardstick.out, want.out, "the narrow-precision yardstick's out", kNaiveOutputShare), 0x1p-11 * v_max);
       EXPECT_LE(max_abs_error(got.out, want.out), std::max(1e-5, tolerance));
       for (std::int64_t i = 0; i < got.lse.numel(); ++i)
         ASSERT_NEAR(got.lse.get(i), want.lse[static_cast<std::size_t>(i)],
-                    (1e-4 + 2.0 * max_abs_error(yardstick.lse, want.lse)) *
+                    (1e-4 + 2.0 * yardstick_error(yardstick.lse, want.lse, "the narrow-precision yardstick's lse", INFINITY)) *
                         std::max(1.0, std::fabs(want.lse[static_cast<std::size_t>(i)])))
             << "lse " << i;
     }
@@ -501,7 +501,7 @@ TEST(Int8Cache, NarrowDecodeWhenLaterKeysScoreHigherWithinTheRescaleThreshold) {
         const ForwardResult got = forward_with_kvcache(q.view(), c, o);
         for (std::int64_t i = 0; i < got.out.numel(); ++i) ASSERT_TRUE(std::isfinite(got.out.get(i))) << "out " << i;
         const double tolerance =
-            2.0 * std::max(max_abs_error(yardstick.out, want.out), narrow_rounding(kernel) * v_max);
+            2.0 * std::max(yardstick_error(yardstick.out, want.out, "the narrow-precision yardstick's out", kNaiveOutputShare), narrow_rounding(kernel) * v_max);
         EXPECT_LE(max_abs_error(got.out, want.out), std::max(1e-5, tolerance));
       }
     }

@@ -569,10 +569,10 @@ void expect_fp8_codes_read_on_every_layout(ForwardKernel kernel) {
             // The narrow kernels: twice the yardstick's error, or twice one rounding of the
             // largest value where that is more (narrow_rounding).
             const double tolerance = std::max(
-                1e-5, 2.0 * (narrow ? std::max(max_abs_error(yardstick.out, want.out), narrow_rounding(kernel) * v_max)
+                1e-5, 2.0 * (narrow ? std::max(yardstick_error(yardstick.out, want.out, "the narrow-precision yardstick's out", kNaiveOutputShare), narrow_rounding(kernel) * v_max)
                                     : naive_float));
             EXPECT_LE(max_abs_error(got.out, want.out), tolerance);
-            const double lse_tolerance = narrow ? 1e-4 + 2.0 * max_abs_error(yardstick.lse, want.lse) : 1e-4;
+            const double lse_tolerance = narrow ? 1e-4 + 2.0 * yardstick_error(yardstick.lse, want.lse, "the narrow-precision yardstick's lse", INFINITY) : 1e-4;
             for (std::int64_t i = 0; i < got.lse.numel(); ++i)
               ASSERT_NEAR(got.lse.get(i), want.lse[static_cast<std::size_t>(i)],
                           lse_tolerance * std::max(1.0, std::fabs(want.lse[static_cast<std::size_t>(i)])))
@@ -651,7 +651,7 @@ void expect_fp8_codes_read_with_daz(ForwardKernel kernel) {
           double v_max = 0.0;
           for (std::int64_t i = 0; i < v.numel(); ++i) v_max = std::max(v_max, static_cast<double>(std::fabs(v.get(i))));
           const reference::Result yardstick = narrow_precision_attention(o.kernel, q, k, ones, v, ones, o);
-          bound = 2.0 * std::max(max_abs_error(yardstick.out, want.out), narrow_rounding(o.kernel) * v_max);
+          bound = 2.0 * std::max(yardstick_error(yardstick.out, want.out, "the narrow-precision yardstick's out", kNaiveOutputShare), narrow_rounding(o.kernel) * v_max);
         }
         KvCache c{codes_k.view(), codes_v.view(), TensorView{}, seqlens.view()};
         c.k_scale = k_scale.view();
@@ -724,7 +724,7 @@ void expect_fp8_decode_rescales(ForwardKernel kernel) {
       const reference::Result want = reference::attention(q.view(), k.view(), v.view(), o);
       const double bound =
           kernel != ForwardKernel::decode
-              ? 2.0 * std::max(max_abs_error(narrow_precision_attention(kernel, q, k, ones, v, ones, o).out, want.out),
+              ? 2.0 * std::max(yardstick_error(narrow_precision_attention(kernel, q, k, ones, v, ones, o).out, want.out, "the narrow-precision yardstick\'s out", kNaiveOutputShare),
                                narrow_rounding(kernel) * v_max)
               : std::max(1e-5, 2.0 * naive_output_error(naive_same_precision(p, o, q, k, v), want.out, p.dtype, o.exp2));
       KvCache c{codes_k.view(), codes_v.view(), TensorView{}, seqlens.view()};

@@ -81,7 +81,7 @@ TEST(Reference, ErrorMeasuresCountANaNOutputAsInfinite) {
 
 // A naive output that is NaN somewhere, or off by more than kNaiveOutputShare of the largest
 // |value|, fails the test and counts as 0 instead of making the output tolerance +∞ or huge;
-// a sound one is its largest error.
+// a sound one is its largest error. Likewise any yardstick through yardstick_error.
 TEST(Reference, NaiveOutputErrorRejectsABrokenYardstick) {
   // Static: EXPECT_NONFATAL_FAILURE's statement may not name local variables.
   static const std::vector<double> want{0.5, -2.0, 1.0};
@@ -93,6 +93,10 @@ TEST(Reference, NaiveOutputErrorRejectsABrokenYardstick) {
   error = -1.0;
   EXPECT_NONFATAL_FAILURE(error = naive_output_error({0.0, 0.0, 0.0}, want, DType::f32, Exp2Impl::poly3),
                           "cannot judge a kernel");  // zeros: off by the largest |value|
+  EXPECT_EQ(error, 0.0);
+  // An lse's yardstick: finiteness alone.
+  EXPECT_EQ(yardstick_error({1.0, 5.0}, {1.0, 2.0}, "lse", INFINITY), 3.0);
+  EXPECT_NONFATAL_FAILURE(error = yardstick_error({1.0, std::nan("")}, {1.0, 2.0}, "lse", INFINITY), "lse is off by inf");
   EXPECT_EQ(error, 0.0);
 }
 

@@ -89,13 +89,19 @@ void expect_within_yardstick(const Tensor& got, const std::vector<double>& want,
   EXPECT_TRUE(verdict.empty()) << verdict;
 }
 
+double yardstick_error(const std::vector<double>& yardstick, const std::vector<double>& want, const std::string& what,
+                       double share) {
+  const double error = max_abs_error(yardstick, want), largest = largest_magnitude(want);
+  if (std::isfinite(error) && error <= share * largest) return error;
+  ADD_FAILURE() << what << " is off by " << error << " against a largest |value| of " << largest
+                << ": it cannot judge a kernel";
+  return 0.0;
+}
+
 double naive_output_error(const std::vector<double>& naive, const std::vector<double>& want, DType dtype,
                           Exp2Impl exp2) {
-  const double error = max_abs_error(naive, want), largest = largest_magnitude(want);
-  if (std::isfinite(error) && error <= kNaiveOutputShare * largest) return error;
-  ADD_FAILURE() << "the naive " << to_string(dtype) << " output (exp2 " << to_string(exp2) << ") is off by " << error
-                << " against a largest |value| of " << largest << ": it cannot judge a kernel";
-  return 0.0;
+  return yardstick_error(naive, want, "the naive " + to_string(dtype) + " output (exp2 " + to_string(exp2) + ")",
+                         kNaiveOutputShare);
 }
 
 void expect_lse_near(const Tensor& lse, const std::vector<double>& want) {

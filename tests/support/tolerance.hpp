@@ -62,16 +62,21 @@ std::string yardstick_verdict(const Tensor& got, const std::vector<double>& want
 void expect_within_yardstick(const Tensor& got, const std::vector<double>& want,
                              const std::vector<double>& yardstick, DType dtype);
 
-// The largest error of a naive same-precision output (naive_same_precision) against the
-// float64 `want`: the yardstick of upstream's output rule at the call sites that add their
-// own floors. A naive result that is not finite (a NaN counts as an error of +∞, which
-// would pass any kernel) or off by more than kNaiveOutputShare of the largest |want| (zeros,
-// a dropped key, garbage) fails the test (ADD_FAILURE, naming dtype and exp2) and counts as 0,
-// so that a broken yardstick cannot widen a tolerance. Not an ulp bound, as
-// yardstick_verdict's: this naive result rounds S to dtype, and its error grows with the
-// scores and with |V| where the output cancels — measured up to 17 bf16 ulps and 407
-// float32 ulps of the largest |want| in the unit tests (a bf16 case with rising scores:
-// 0.12 of it), so the share is a guard against a broken yardstick, not a precision claim.
+// A yardstick's largest error against the float64 `want`, as a tolerance may use it:
+// finite (a NaN in the yardstick counts as an error of +∞, which would pass any kernel) and
+// at most `share` of the largest |want| (zeros, garbage), else the test fails (ADD_FAILURE,
+// naming `what`) and the error counts as 0, so that a broken yardstick cannot widen a
+// tolerance. `share` +∞: finiteness alone (an lse, whose values may lie near 0).
+double yardstick_error(const std::vector<double>& yardstick, const std::vector<double>& want, const std::string& what,
+                       double share);
+
+// yardstick_error for the naive same-precision output (naive_same_precision), the yardstick
+// of upstream's output rule at the call sites that add their own floors, with a share of
+// kNaiveOutputShare. Not an ulp bound, as yardstick_verdict's: this naive result rounds S
+// to dtype, and its error grows with the scores and with |V| where the output cancels —
+// measured up to 17 bf16 ulps and 407 float32 ulps of the largest |want| in the unit tests
+// (a bf16 case with rising scores: 0.12 of it) — so the share guards against a broken
+// yardstick; it is not a precision claim.
 constexpr double kNaiveOutputShare = 0.25;
 double naive_output_error(const std::vector<double>& naive, const std::vector<double>& want, DType dtype,
                           Exp2Impl exp2);
