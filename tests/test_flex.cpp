@@ -59,9 +59,9 @@ ForwardResult check_against_reference(const Inputs& in, AttentionOptions o, int 
   double tq = 1e-4, tk = 1e-4, tv = 1e-4;
   if (low) {
     const NaiveGradients n = naive_backward_same_precision(p, o, in.dout, in.q, in.k, in.v);
-    tq += 3.0 * max_abs_error(n.dq, g.dq);
-    tk += 3.0 * max_abs_error(n.dk, g.dk);
-    tv += 3.0 * max_abs_error(n.dv, g.dv);
+    tq += 3.0 * yardstick_error(n.dq, g.dq, "the naive dq", INFINITY);
+    tk += 3.0 * yardstick_error(n.dk, g.dk, "the naive dk", INFINITY);
+    tv += 3.0 * yardstick_error(n.dv, g.dv, "the naive dv", INFINITY);
   }
   EXPECT_LE(max_abs_error(got.dq, g.dq), tq) << "dq";
   EXPECT_LE(max_abs_error(got.dk, g.dk), tk) << "dk";

@@ -237,7 +237,7 @@ int expect_backward_on_rising_scores(BackwardKernel kernel, DType dtype) {
       double largest = 0.0;
       for (double x : *grads[g].second) largest = std::fmax(largest, std::fabs(x));
       const double tolerance = dtype == DType::f32 ? 1e-4 * std::fmax(1.0, largest)
-                                                   : 3.0 * max_abs_error(*naive_grads[g], *grads[g].second) + 1e-4;
+                                                   : 3.0 * yardstick_error(*naive_grads[g], *grads[g].second, "the naive gradient", INFINITY) + 1e-4;
       EXPECT_LE(max_abs_error(*grads[g].first, *grads[g].second), tolerance) << "gradient d" << "qkv"[g];
     }
   });

@@ -159,10 +159,10 @@ void check_variant(const Shape& s, const std::string& name, DType dtype, std::ui
   double tb = 1e-4 + 1e-5 * summed;
   if (dtype != DType::f32) {
     const NaiveGradients n = naive_backward_same_precision(p, o, dout, q, k, v);
-    tq += 3.0 * max_abs_error(n.dq, g.dq);
-    tk += 3.0 * max_abs_error(n.dk, g.dk);
-    tv += 3.0 * max_abs_error(n.dv, g.dv);
-    if (with_dbias) tb += 3.0 * max_abs_error(n.dbias, g.dbias);
+    tq += 3.0 * yardstick_error(n.dq, g.dq, "the naive dq", INFINITY);
+    tk += 3.0 * yardstick_error(n.dk, g.dk, "the naive dk", INFINITY);
+    tv += 3.0 * yardstick_error(n.dv, g.dv, "the naive dv", INFINITY);
+    if (with_dbias) tb += 3.0 * yardstick_error(n.dbias, g.dbias, "the naive dbias", INFINITY);
   }
   EXPECT_LE(max_abs_error(got.dq, g.dq), tq) << "dq";
   EXPECT_LE(max_abs_error(got.dk, g.dk), tk) << "dk";

@@ -89,12 +89,13 @@ double kv_bytes(const ServeCase& c, std::int64_t keys) {
 
 // Median seconds of `first` and of `second` over `repeats` runs each, timed alternately after
 // a warm-up pair, so that a load that changes during the run (a shared machine) weighs on
-// both alike.
+// both alike; which runs first swaps every round, so that neither always finds the other's
+// data in the caches.
 template <class First, class Second>
 std::pair<double, double> alternate(int repeats, const First& first, const Second& second) {
   std::vector<double> a, b;
   for (int r = 0; r <= repeats; ++r) {
-    for (bool which : {true, false}) {
+    for (bool which : {r % 2 == 0, r % 2 != 0}) {
       const auto t0 = std::chrono::steady_clock::now();
       which ? first() : second();
       if (r > 0)
@@ -152,8 +153,8 @@ std::pair<double, double> time_shared_prefix(const ServeCase& c, int repeats) {
 }
 
 // One step of c.chunk_sequences sequences adding c.chunk_rows tokens each over
-// c.chunk_cached cached ones, causal, each over its own pages: (pack_gqa as planned,
-// pack_gqa off) median seconds of `repeats` runs.
+// c.chunk_cached cached ones, causal, each over its own pages: (pack_gqa on, pack_gqa off)
+// median seconds of `repeats` runs.
 std::pair<double, double> time_chunks(const ServeCase& c, int repeats) {
   const std::int64_t keys = c.chunk_cached + c.chunk_rows, pages_each = (keys + c.page_size - 1) / c.page_size;
   Tensor k_pool(c.dtype, {c.chunk_sequences * pages_each, c.page_size, c.heads_kv, c.dim});
@@ -166,13 +167,14 @@ std::pair<double, double> time_chunks(const ServeCase& c, int repeats) {
                                         static_cast<std::size_t>(c.chunk_sequences), {c.chunk_rows, keys}),
                                  first_page, pages_each);
   const PagedKvBatch kv{k_pool.view(), v_pool.view(), batch.table.view(), batch.seqused.view(), {}, {}, {}, {}, {}};
-  AttentionOptions planned;
-  planned.causal = true;
-  planned.num_threads = c.threads;
-  AttentionOptions unpacked = planned;
+  AttentionOptions packed;
+  packed.causal = true;
+  packed.num_threads = c.threads;
+  packed.pack_gqa = true;
+  AttentionOptions unpacked = packed;
   unpacked.pack_gqa = false;
   return alternate(
-      repeats, [&] { forward_varlen_paged(batch.q.view(), batch.cu_q.view(), c.chunk_rows, kv, planned); },
+      repeats, [&] { forward_varlen_paged(batch.q.view(), batch.cu_q.view(), c.chunk_rows, kv, packed); },
       [&] { forward_varlen_paged(batch.q.view(), batch.cu_q.view(), c.chunk_rows, kv, unpacked); });
 }
 

@@ -46,7 +46,7 @@ struct ServeMeasurement {
   std::size_t pool_bytes = 0;         // K and V pools
   double shared_prefix_seconds = 0.0;    // the shared-prefix decode step, prefix shared (median)
   double unshared_prefix_seconds = 0.0;  // the same step, each sequence reading the prefix (median)
-  double chunk_seconds = 0.0;            // the small-chunk step, pack_gqa as planned (median)
+  double chunk_seconds = 0.0;            // the small-chunk step, pack_gqa on (median)
   double chunk_unpacked_seconds = 0.0;   // the same step, pack_gqa off (median)
   double chunk_gbps = 0.0;               // its K and V bytes per chunk_seconds
 };

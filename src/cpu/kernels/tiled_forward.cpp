@@ -150,12 +150,13 @@ struct Fp32Products {
         std::fill(k_rows + e * ld, k_rows + e * ld + d, 0.0f);
         std::fill(v_row, v_row + dv, 0.0f);
       }
-      // Locals and restrict: the closure's captures would otherwise be reloaded after every store.
-      const float* HWY_RESTRICT src = v_row;
-      float* HWY_RESTRICT vt = ws.v_packed.get() + (at / bc) * bc * dv_pad + (at % bc) * kMicroCols;
-      for (std::int64_t c = 0, n = dv_pad, stride = bc; c < n; c += kMicroCols)
-        for (std::int64_t v = 0; v < kMicroVecs; ++v)
-          hn::Store(hn::Load(df, src + c + v * kLanes), df, vt + c * stride + v * kLanes);
+      {  // Locals and restrict (their own scope): the closure's captures would otherwise be reloaded after every store.
+        const float* HWY_RESTRICT src = v_row;
+        float* HWY_RESTRICT vt = ws.v_packed.get() + (at / bc) * bc * dv_pad + (at % bc) * kMicroCols;
+        for (std::int64_t c = 0, n = dv_pad, stride = bc; c < n; c += kMicroCols)
+          for (std::int64_t v = 0; v < kMicroVecs; ++v)
+            hn::Store(hn::Load(df, src + c + v * kLanes), df, vt + c * stride + v * kLanes);
+      }
       if (e == kMicroCols - 1)
         TransposeKeys(df, k_rows, ld, d,
                       ws.k_packed.get() + (at / bc) * d * bc + (at % bc) / kMicroCols * d * kMicroCols, kMicroCols);
