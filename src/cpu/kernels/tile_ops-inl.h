@@ -51,25 +51,29 @@ struct MatA {
   MatA rows_from(std::int64_t r) const { return {data + r * row_stride, row_stride, col_stride}; }
 };
 
-// C(kMicroRows × kMicroCols) (+)= A(kMicroRows × depth) · B(depth × kMicroCols).
-// B and C rows are vector-aligned.
-template <bool kAccumulate>
+// The half-height micro-tile's rows: a strip of a Q tile with no more real rows than this
+// computes only these (the tiled forward's float32 products), not kMicroRows of which most pad.
+constexpr std::int64_t kTailRows = kMicroRows / 2;
+
+// C(kRows × kMicroCols) (+)= A(kRows × depth) · B(depth × kMicroCols), kRows kMicroRows or
+// kTailRows. B and C rows are vector-aligned.
+template <bool kAccumulate, std::int64_t kRows = kMicroRows>
 HWY_INLINE void MicroTile(MatA a, const float* HWY_RESTRICT b, std::int64_t ldb,
                           float* HWY_RESTRICT c, std::int64_t ldc, std::int64_t depth) {
   const DF df;
-  VF acc[kMicroRows][kMicroVecs];
-  for (std::int64_t r = 0; r < kMicroRows; ++r)
+  VF acc[kRows][kMicroVecs];
+  for (std::int64_t r = 0; r < kRows; ++r)
     for (std::int64_t v = 0; v < kMicroVecs; ++v)
       acc[r][v] = kAccumulate ? hn::Load(df, c + r * ldc + v * kLanes) : hn::Zero(df);
   for (std::int64_t p = 0; p < depth; ++p) {
     VF bv[kMicroVecs];
     for (std::int64_t v = 0; v < kMicroVecs; ++v) bv[v] = hn::Load(df, b + p * ldb + v * kLanes);
-    for (std::int64_t r = 0; r < kMicroRows; ++r) {
+    for (std::int64_t r = 0; r < kRows; ++r) {
       const VF ar = hn::Set(df, a.data[r * a.row_stride + p * a.col_stride]);
       for (std::int64_t v = 0; v < kMicroVecs; ++v) acc[r][v] = hn::MulAdd(ar, bv[v], acc[r][v]);
     }
   }
-  for (std::int64_t r = 0; r < kMicroRows; ++r)
+  for (std::int64_t r = 0; r < kRows; ++r)
     for (std::int64_t v = 0; v < kMicroVecs; ++v) hn::Store(acc[r][v], df, c + r * ldc + v * kLanes);
 }
 

@@ -89,13 +89,13 @@ HWY_INLINE void ScoreTile(const StripKeys* HWY_RESTRICT keys, std::int64_t strip
       if (keys[s].begin <= j && j < keys[s].end) micro(s, j);
 }
 
-// row(r, i, j, n_r, cols): each row r < rows_pad of the tile over its strip's span — query
+// row(r, i, j, n_r, cols): each row r < rows_run of the tile over its strip's span — query
 // i (RowQuery), keys j.. of which n_r are real, cols with padding, at column j − j0 of the
 // row; rows of an empty span are left alone.
 template <class RowFn>
-HWY_INLINE void ForEachSpanRow(std::int64_t i0, std::int64_t rows_pad, std::int64_t rows, std::int64_t real,
+HWY_INLINE void ForEachSpanRow(std::int64_t i0, std::int64_t rows_run, std::int64_t rows, std::int64_t real,
                                std::int64_t j0, std::int64_t n, const StripKeys* HWY_RESTRICT keys, RowFn row) {
-  for (std::int64_t r = 0; r < rows_pad; ++r) {
+  for (std::int64_t r = 0; r < rows_run; ++r) {
     const StripKeys k = keys[r / kMicroRows];
     if (k.begin == k.end) continue;
     row(r, RowQuery(i0, r, rows, real), j0 + k.begin, std::min(n, k.end) - k.begin, k.end - k.begin);
@@ -183,15 +183,23 @@ struct Fp32Products {
   // The S tile of keys j0.. (n_pad of them) over each strip's span.
   // S = Q·Kᵀ, scaled: LoadQ scaled Q (`scale` is always 1 here: kMayLeaveScoresUnscaled).
   static constexpr bool kMayLeaveScoresUnscaled = false;
+  // A last strip of at most kTailRows real rows runs the half-height micro-tile (ws.half_tail).
+  static constexpr bool kHalfTail = true;
   static void Scores(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t j0, const StripKeys* keys,
                      std::int64_t strips, std::int64_t n_pad, float /*scale*/) {
     const std::int64_t d = prm.problem.head_dim, bc = prm.plan.block_k;
     const float* q_tile = ws.q_tile.get();
     const float* k_tile = ws.k_packed.get() + ((j0 - ws.packed.begin) / bc) * d * bc;
     float* s_tile = ws.s_tile.get();  // (rows_pad, bc)
+    const std::int64_t tail = ws.half_tail ? strips - 1 : strips;  // the half-height strip, if any
     ScoreTile(keys, strips, n_pad, [&](std::int64_t s, std::int64_t j) {
-      MicroTile<false>({q_tile + s * kMicroRows * d, d}, k_tile + j / kMicroCols * d * kMicroCols, kMicroCols,
-                       s_tile + s * kMicroRows * bc + j, bc, d);
+      const MatA q{q_tile + s * kMicroRows * d, d};
+      const float* k_panel = k_tile + j / kMicroCols * d * kMicroCols;
+      float* out = s_tile + s * kMicroRows * bc + j;
+      if (s != tail)
+        MicroTile<false>(q, k_panel, kMicroCols, out, bc, d);
+      else
+        MicroTile<false, kTailRows>(q, k_panel, kMicroCols, out, bc, d);
     });
   }
 
@@ -207,14 +215,19 @@ struct Fp32Products {
     const float* v_tile = ws.v_packed.get() + (j0 - ws.packed.begin) * dv_pad;
     float* o_acc = ws.o_acc.get();
     const std::uint8_t* fresh = ws.strip_fresh.data();
+    const std::int64_t tail = ws.half_tail ? strips - 1 : strips;  // as in Scores
     AccumulateTile(keys, strips, dv_pad, [&](std::int64_t s, std::int64_t c, StripKeys k) {
       const MatA p_rows{s_tile + s * kMicroRows * bc + k.begin, bc};
       const float* v_panel = v_tile + c / kMicroCols * bc * kMicroCols + k.begin * kMicroCols;
       float* o = o_acc + s * kMicroRows * dv_pad + c;
-      if (fresh[s])
-        MicroTile<false>(p_rows, v_panel, kMicroCols, o, dv_pad, k.end - k.begin);
+      const std::int64_t depth = k.end - k.begin;
+      if (s == tail)
+        fresh[s] ? MicroTile<false, kTailRows>(p_rows, v_panel, kMicroCols, o, dv_pad, depth)
+                 : MicroTile<true, kTailRows>(p_rows, v_panel, kMicroCols, o, dv_pad, depth);
+      else if (fresh[s])
+        MicroTile<false>(p_rows, v_panel, kMicroCols, o, dv_pad, depth);
       else
-        MicroTile<true>(p_rows, v_panel, kMicroCols, o, dv_pad, k.end - k.begin);
+        MicroTile<true>(p_rows, v_panel, kMicroCols, o, dv_pad, depth);
     });
     StripsWritten(ws, keys, strips);
   }
@@ -312,6 +325,8 @@ struct Bf16Products {
   // S times `scale` (softmax_scale·log2e, or 1 where the softmax takes the factor: see
   // TiledItem). On AMX tiles a factor other than 1 is a pass over the stored scores.
   static constexpr bool kMayLeaveScoresUnscaled = true;
+  // Whole strips only: the bf16 micro-kernels (and AMX's blocks of strips) have one height.
+  static constexpr bool kHalfTail = false;
   static void Scores(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t j0, const StripKeys* keys,
                      std::int64_t strips, std::int64_t n_pad, float scale) {
     const std::int64_t d_even = EvenHeadDim(prm), bc = prm.plan.block_k, panel_stride = d_even * kMicroCols;
@@ -394,6 +409,10 @@ void TiledItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item
   // masked to its own query.
   const std::int64_t rows_pad = (heads * rows + kMicroRows - 1) / kMicroRows * kMicroRows;
   const std::int64_t strips = rows_pad / kMicroRows;
+  // A last strip of at most kTailRows real rows computes kTailRows (Products::kHalfTail):
+  // rows_run of the tile's rows are computed, the rest neither computed nor read.
+  ws.half_tail = Products::kHalfTail && heads * rows - (strips - 1) * kMicroRows <= kTailRows;
+  const std::int64_t rows_run = ws.half_tail ? rows_pad - (kMicroRows - kTailRows) : rows_pad;
   const std::int64_t key_begin = w.key_begin, key_end = w.key_end;
   // The planner packs no variant that differs per q head, so head h0's serve every head.
   const RowMods mods(p, prm.internals, prm.alibi_slopes, prm.block_mask, prm.attn_mask, prm.attn_mask_blocks,
@@ -444,7 +463,7 @@ void TiledItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item
     FindStripKeys(p, mods, i0, strips, rows, heads * rows, j0, n, keys);
     Products::Scores(prm, ws, j0, keys, strips, n_pad, softmax_scales || mask_scales ? 1.0f : scale);
     // Row by row, while the row is in L1: the mask step, then the online-softmax update.
-    ForEachSpanRow(i0, rows_pad, rows, heads * rows, j0, n, keys, [&](std::int64_t r, std::int64_t i, std::int64_t j,
+    ForEachSpanRow(i0, rows_run, rows, heads * rows, j0, n, keys, [&](std::int64_t r, std::int64_t i, std::int64_t j,
                                                                     std::int64_t n_r, std::int64_t cols) {
       float* srow = s_tile + r * bc + (j - j0);
       MaskRow(mods, srow, i, j, n_r, cols, mask_scales ? scale : 1.0f);

@@ -109,6 +109,10 @@ struct ForwardWorkspace {
   // (tiled) per row strip, whether no product has written its õ rows yet: its first P·V
   // stores instead of adding to zeros (no fill of õ per work item).
   std::vector<std::uint8_t> strip_fresh;
+  // (tiled, float32 products) whether the tile's last strip holds at most kTailRows real rows
+  // and so runs the half-height micro-tile: its other kMicroRows − kTailRows rows are neither
+  // computed nor read.
+  bool half_tail = false;
   // (tiled_bf16) bf16 operands of the VDPBF16PS micro-kernel (bf16_dot.hpp), all with pairs
   // along the products' depth: Q rows unscaled, head_dim rounded up to even (q_bf16, block_q
   // rows); P rounded, (block_q, block_k); k tiles of K, each as panels of kMicroCols keys,
