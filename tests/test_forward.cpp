@@ -52,26 +52,40 @@ TEST(Forward, GroupedAndMultiQuery) {
 // The float32 products compute a Q tile's last strip at half height where it holds no more
 // than half a strip's real rows (tile_ops-inl.h: kTailRows): its rows come out bit-identical
 // to the same rows computed within a whole strip (the same queries in a tile of two whole
-// strips), on every SIMD target.
+// strips), on every SIMD target, over several K/V tiles (P·V accumulating, rescales), with
+// deferred normalization and without; KernelCounters::rows_computed shows which ran.
 TEST(Forward, HalfHeightLastStripIsBitIdenticalToAWholeOne) {
   for_each_simd_target([&](const std::string& target) {
-    const std::int64_t strip = CpuHardware::detect(1).micro_rows;
+    const std::int64_t strip = CpuHardware::detect(1).micro_rows, keys = 700;
     const Tensor q = random_tensor(DType::f32, {1, 2 * strip, 3, 40}, 900);
-    const Tensor k = random_tensor(DType::f32, {1, 150, 3, 40}, 901);
-    const Tensor v = random_tensor(DType::f32, {1, 150, 3, 24}, 902);
-    AttentionOptions o;
-    o.num_threads = 1;
-    o.kernel = ForwardKernel::tiled;
-    const ForwardResult whole = forward(q.view(), k.view(), v.view(), o);
-    for (std::int64_t tail = 1; tail <= strip / 2; ++tail) {
-      const std::int64_t sq = strip + tail;  // a whole strip, then `tail` rows: half height
-      SCOPED_TRACE(target + ": " + std::to_string(strip) + "-row strips, last holds " + std::to_string(tail));
-      const ForwardResult half = forward(TensorView(q.data(), DType::f32, {1, sq, 3, 40}), k.view(), v.view(), o);
-      for (std::int64_t e = 0; e < half.out.numel(); ++e)
-        ASSERT_EQ(half.out.get(e), whole.out.get(e)) << "out element " << e;
-      for (std::int64_t h = 0; h < 3; ++h)
-        for (std::int64_t i = 0; i < sq; ++i)
-          ASSERT_EQ(half.lse.get(h * sq + i), whole.lse.get(h * 2 * strip + i)) << "lse of head " << h << " row " << i;
+    const Tensor k = random_tensor(DType::f32, {1, keys, 3, 40}, 901);
+    const Tensor v = random_tensor(DType::f32, {1, keys, 3, 24}, 902);
+    for (const bool deferred : {true, false}) {
+      AttentionOptions o;
+      o.num_threads = 1;
+      o.kernel = ForwardKernel::tiled;
+      o.switches.deferred_normalization = deferred;
+      KernelCounters whole_counts;
+      o.counters = &whole_counts;
+      const ForwardResult whole = forward(q.view(), k.view(), v.view(), o);
+      ASSERT_GT(whole_counts.tiles_computed, 3) << "several K/V tiles a head";
+      const std::int64_t tiles_per_head = whole_counts.tiles_computed / 3;
+      EXPECT_EQ(whole_counts.rows_computed, whole_counts.tiles_computed * 2 * strip);
+      for (std::int64_t tail = 1; tail <= strip / 2; ++tail) {
+        const std::int64_t sq = strip + tail;  // a whole strip, then `tail` rows: half height
+        SCOPED_TRACE(target + ": " + std::to_string(strip) + "-row strips, last holds " + std::to_string(tail) +
+                     (deferred ? "" : ", normalized every tile"));
+        KernelCounters counts;
+        o.counters = &counts;
+        const ForwardResult half = forward(TensorView(q.data(), DType::f32, {1, sq, 3, 40}), k.view(), v.view(), o);
+        EXPECT_EQ(counts.tiles_computed, 3 * tiles_per_head);
+        EXPECT_EQ(counts.rows_computed, counts.tiles_computed * (strip + strip / 2)) << "the last strip at half height";
+        for (std::int64_t e = 0; e < half.out.numel(); ++e)
+          ASSERT_EQ(half.out.get(e), whole.out.get(e)) << "out element " << e;
+        for (std::int64_t h = 0; h < 3; ++h)
+          for (std::int64_t i = 0; i < sq; ++i)
+            ASSERT_EQ(half.lse.get(h * sq + i), whole.lse.get(h * 2 * strip + i)) << "lse of head " << h << " row " << i;
+      }
     }
   });
 }

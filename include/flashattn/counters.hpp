@@ -30,6 +30,10 @@ struct KernelCounters {
   // Forward.
   std::int64_t o_written = 0;    // output elements written (split-KV: each split's partial output)
   std::int64_t lse_written = 0;  // log-sum-exps written (likewise per split)
+  // (tiled forward, float32 products) Q rows the products computed over the computed tiles:
+  // each tile's real rows and its last strip's padding — to a whole micro-tile strip, or to
+  // its half-height (a last strip of at most half a strip's real rows).
+  std::int64_t rows_computed = 0;
   // Online-softmax rescales: moves of a row's reference maximum after its first visible key
   // (per split), as AttentionOptions::rescale_counts counts them per row — here for every
   // forward kernel and entry point, forward_with_kvcache and forward_varlen included.
@@ -58,6 +62,7 @@ struct KernelCounters {
     scores += o.scores;
     o_written += o.o_written;
     lse_written += o.lse_written;
+    rows_computed += o.rows_computed;
     rescales += o.rescales;
     o_read += o.o_read;
     dout_read += o.dout_read;

@@ -221,9 +221,10 @@ struct Fp32Products {
       const float* v_panel = v_tile + c / kMicroCols * bc * kMicroCols + k.begin * kMicroCols;
       float* o = o_acc + s * kMicroRows * dv_pad + c;
       const std::int64_t depth = k.end - k.begin;
-      if (s == tail)
-        fresh[s] ? MicroTile<false, kTailRows>(p_rows, v_panel, kMicroCols, o, dv_pad, depth)
-                 : MicroTile<true, kTailRows>(p_rows, v_panel, kMicroCols, o, dv_pad, depth);
+      if (s == tail && fresh[s])
+        MicroTile<false, kTailRows>(p_rows, v_panel, kMicroCols, o, dv_pad, depth);
+      else if (s == tail)
+        MicroTile<true, kTailRows>(p_rows, v_panel, kMicroCols, o, dv_pad, depth);
       else if (fresh[s])
         MicroTile<false>(p_rows, v_panel, kMicroCols, o, dv_pad, depth);
       else
@@ -458,6 +459,7 @@ void TiledItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item
     const std::int64_t n_pad = (n + kMicroCols - 1) / kMicroCols * kMicroCols;
     if (!mods.tile_has_work(i0, rows, j0, n)) continue;  // block-sparse: skip it entirely
     CountTiles(ws.counters, 1, heads * rows, n, d, p.head_dim_v);
+    if (Products::kHalfTail) ws.counters.rows_computed += rows_run;
 
     StripKeys* keys = ws.strip_keys.data();  // (strips)
     FindStripKeys(p, mods, i0, strips, rows, heads * rows, j0, n, keys);
