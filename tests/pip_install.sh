@@ -11,6 +11,10 @@ trap 'rm -rf "$work"' EXIT
 build=${2:-$work/build}
 settings=(--config-settings=build-dir="$build")
 if command -v ccache >/dev/null; then
+  # The project's compiler cache (scripts/setup's), its paths relative to the source tree: a
+  # clean clone anywhere hits what an earlier clone compiled (with ccache's own defaults every
+  # clone's absolute paths missed, and the wheel's build took 6 minutes of CTest's time).
+  export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/flashattn-ccache} CCACHE_BASEDIR=$(cd "$src" && pwd -P)
   settings+=(--config-settings=cmake.define.CMAKE_CXX_COMPILER_LAUNCHER=ccache
              --config-settings=cmake.define.CMAKE_C_COMPILER_LAUNCHER=ccache)
 fi
