@@ -523,7 +523,8 @@ TEST(Variants, TopLeftRejectedByName) {
 // full (none 0, whatever non-zero value), partial — on every SIMD target: mask planes per
 // batch element and head, rows a stride apart that exceeds their length, lengths off the
 // vector (the row and column tails), documents with runs of full rows and single rows that
-// differ, and a random mask whose row blocks settle after their first row.
+// differ, and a random mask whose row blocks settle after their first row; each row block's
+// span runs from its first block that keeps a key to past its last.
 TEST(Variants, BooleanMaskSummaryMatchesItsBytes) {
   constexpr std::int64_t batch = 2, heads = 3, sq = 77, sk = 150, row_stride = 171;
   std::vector<std::uint8_t> storage(static_cast<std::size_t>(batch * heads * sq * row_stride), 7);
@@ -550,7 +551,20 @@ TEST(Variants, BooleanMaskSummaryMatchesItsBytes) {
         ASSERT_EQ(m.row_blocks, (sq + br - 1) / br);
         ASSERT_EQ(m.col_blocks, (sk + bc - 1) / bc);
         for (std::int64_t plane = 0; plane < batch * heads; ++plane)
-          for (std::int64_t rb = 0; rb < m.row_blocks; ++rb)
+          for (std::int64_t rb = 0; rb < m.row_blocks; ++rb) {
+            // The row block's span: from its first block that keeps a key to past its last.
+            std::int64_t first = m.col_blocks, end = 0;
+            for (std::int64_t i = rb * br; i < std::min(sq, (rb + 1) * br); ++i)
+              for (std::int64_t j = 0; j < sk; ++j)
+                if (storage[static_cast<std::size_t>((plane * sq + i) * row_stride + j)] != 0)
+                  first = std::min(first, j / bc), end = std::max(end, j / bc + 1);
+            const std::int32_t* span = m.spans + 2 * (m.plane_index(plane / heads, plane % heads) * m.row_blocks + rb);
+            if (first < end) {
+              ASSERT_EQ(span[0], first) << "plane " << plane << " row block " << rb;
+              ASSERT_EQ(span[1], end) << "plane " << plane << " row block " << rb;
+            } else {
+              ASSERT_GE(span[0], span[1]) << "plane " << plane << " row block " << rb << ": keeps no key";
+            }
             for (std::int64_t cb = 0; cb < m.col_blocks; ++cb) {
               bool kept = false, hidden = false;
               for (std::int64_t i = rb * br; i < std::min(sq, (rb + 1) * br); ++i)
@@ -560,6 +574,7 @@ TEST(Variants, BooleanMaskSummaryMatchesItsBytes) {
                         static_cast<std::uint8_t>(classify_block(kept, hidden)))
                   << "plane " << plane << " block (" << rb << ", " << cb << "), " << threads << " threads";
             }
+          }
       }
     }
   });

@@ -148,6 +148,7 @@ DenseMaskSummary::DenseMaskSummary(const TensorView& mask, std::int64_t seqlen_q
   b.mask_heads = mask.shape[1];
   const std::int64_t planes = b.mask_batch * b.mask_heads;
   states_.resize(static_cast<std::size_t>(planes * b.row_blocks * b.col_blocks));
+  spans_.resize(static_cast<std::size_t>(2 * planes * b.row_blocks));
   const auto* m = static_cast<const std::uint8_t*>(mask.data);
   const std::int64_t element = static_cast<std::int64_t>(dtype_size(mask.dtype));
   const auto min_max = HWY_DYNAMIC_DISPATCH(MinMaxBytes);
@@ -187,9 +188,17 @@ DenseMaskSummary::DenseMaskSummary(const TensorView& mask, std::int64_t seqlen_q
         break;
       }
     }
-    block_states(low, high, cols, b.block_cols, boolean, states_.data() + item * b.col_blocks);
+    std::uint8_t* states = states_.data() + item * b.col_blocks;
+    block_states(low, high, cols, b.block_cols, boolean, states);
+    const auto empty = [&](std::int64_t block) { return static_cast<ScoreBlock>(states[block]) == ScoreBlock::empty; };
+    std::int64_t first = 0, end = b.col_blocks;
+    while (first < end && empty(first)) ++first;
+    while (end > first && empty(end - 1)) --end;
+    spans_[static_cast<std::size_t>(2 * item)] = static_cast<std::int32_t>(first);
+    spans_[static_cast<std::size_t>(2 * item + 1)] = static_cast<std::int32_t>(end);
   }
   b.states = states_.data();
+  b.spans = spans_.data();
   if (boolean && rows > 1 && cols > 1) copy_partial_blocks(m, mask, threads);
 }
 

@@ -28,10 +28,18 @@ struct DenseMaskBlocks {
   // instead of rows of the mask a row apart (DenseMaskSummary keeps them within a budget).
   const std::int32_t* slots = nullptr;
   const std::uint8_t* keep = nullptr;
+  // Per (plane, row block), at 2·(plane·row_blocks + row block): the column blocks from its
+  // first non-empty one to past its last (an empty span where all are) — a tile outside every
+  // span of its row blocks is empty without a look at its states (a document mask's other
+  // documents).
+  const std::int32_t* spans = nullptr;
 
-  // The offset of (batch, head)'s plane in `states`.
+  // The index of (batch, head)'s plane, and its offset in `states`.
+  std::int64_t plane_index(std::int64_t batch, std::int64_t head) const {
+    return (mask_batch > 1 ? batch : 0) * mask_heads + (mask_heads > 1 ? head : 0);
+  }
   std::int64_t plane(std::int64_t batch, std::int64_t head) const {
-    return ((mask_batch > 1 ? batch : 0) * mask_heads + (mask_heads > 1 ? head : 0)) * row_blocks * col_blocks;
+    return plane_index(batch, head) * row_blocks * col_blocks;
   }
 };
 
@@ -54,6 +62,7 @@ class DenseMaskSummary {
   void copy_partial_blocks(const std::uint8_t* m, const TensorView& mask, int threads);
 
   std::vector<std::uint8_t> states_;
+  std::vector<std::int32_t> spans_;
   std::vector<std::int32_t> slots_;
   std::vector<std::uint8_t> keep_;
   DenseMaskBlocks blocks_;

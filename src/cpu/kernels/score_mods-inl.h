@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <utility>
 
 #include "flashattn/dropout.hpp"
 #include "flashattn/online_softmax.hpp"
@@ -49,6 +50,7 @@ struct RowMods {
   // head)'s plane in it.
   const DenseMaskBlocks* mask_blocks = nullptr;
   std::int64_t mask_blocks_plane = 0;
+  const std::int32_t* mask_spans = nullptr;  // the plane's row blocks' spans (DenseMaskBlocks::spans)
   // options.score_hook (null when there is none) and, where it has a block mask, the
   // offset of this (batch, head)'s plane in it (docs/algorithm.md §6.2).
   const ScoreHook* hook = nullptr;
@@ -83,6 +85,7 @@ struct RowMods {
       if (dense_blocks.states != nullptr) {
         mask_blocks = &dense_blocks;
         mask_blocks_plane = dense_blocks.plane(batch, h);
+        mask_spans = dense_blocks.spans + 2 * dense_blocks.plane_index(batch, h) * dense_blocks.row_blocks;
       }
     }
     constexpr float kLog2e = OnlineSoftmaxState::kLog2e;
@@ -126,6 +129,43 @@ struct RowMods {
     return false;
   }
 
+  // The keys [begin, end) outside which the blocks of attn_mask's summary and of the score
+  // hook's block mask hide every key from the queries [i0, i0 + rows) (whole blocks: a
+  // document mask's other documents); every key without them. A tile beyond them holds no
+  // work, and the walks of tile_has_work need not visit it.
+  std::pair<std::int64_t, std::int64_t> kept_keys(std::int64_t i0, std::int64_t rows) const {
+    std::int64_t begin = 0, end = problem->seqlen_k;
+    const auto narrow = [&](std::int64_t first_block, std::int64_t end_block, std::int64_t width) {
+      begin = std::max(begin, first_block * width);
+      end = std::min(end, end_block * width);
+    };
+    if (mask_blocks != nullptr) {
+      const DenseMaskBlocks& m = *mask_blocks;
+      std::int64_t first = m.col_blocks, last = 0;
+      for (std::int64_t bi = i0 / m.block_rows; bi <= (i0 + rows - 1) / m.block_rows; ++bi)
+        if (mask_spans[2 * bi] < mask_spans[2 * bi + 1]) {
+          first = std::min<std::int64_t>(first, mask_spans[2 * bi]);
+          last = std::max<std::int64_t>(last, mask_spans[2 * bi + 1]);
+        }
+      narrow(first, last, m.block_cols);
+    }
+    if (hook != nullptr && hook->block_size > 0) {
+      const TensorView& m = hook->block_mask;
+      const std::int64_t bs = hook->block_size, blocks = m.shape[3];
+      std::int64_t first = blocks, last = 0;
+      for (std::int64_t bi = i0 / bs; bi <= (i0 + rows - 1) / bs; ++bi) {
+        const std::uint8_t* row = static_cast<const std::uint8_t*>(m.data) + hook_blocks_base + bi * m.strides[2];
+        const auto kept = [&](std::int64_t bj) { return static_cast<ScoreBlock>(row[bj * m.strides[3]]) != ScoreBlock::empty; };
+        std::int64_t lo = 0, hi = blocks;
+        while (lo < hi && !kept(lo)) ++lo;
+        while (hi > lo && !kept(hi - 1)) --hi;
+        if (lo < hi) first = std::min(first, lo), last = std::max(last, hi);
+      }
+      narrow(first, last, bs);
+    }
+    return {begin, std::max(begin, end)};
+  }
+
   // Narrows columns [lo, hi) of a tile (keys j0 + c) for the queries [first, last] to those
   // between the first and the last block that a block mask keeps for any of them — the
   // attn_mask's summary, the score hook's block mask, the block-sparse block_mask:
@@ -144,6 +184,48 @@ struct RowMods {
       trim(hook->block_size, [&](std::int64_t j) { return !hook_keeps_any(first, rows, j, 1); });
     if (block_mask != nullptr)
       trim(problem->block_mask_block_size, [&](std::int64_t j) { return !block_mask_keeps_any(first, rows, j, 1); });
+  }
+
+  // Narrows [lo, hi) further by whole panels of `panel` keys (tile-relative, as the strips'
+  // spans are rounded) that no query of [first, last] keeps by the score hook's bytes of its
+  // partial blocks (ScoreHook::partial_keep): within a document mask's diagonal block, a strip
+  // of rows computes to its last row's diagonal, not to the block's end. Nothing without the
+  // bytes.
+  void narrow_to_kept_bytes(std::int64_t first, std::int64_t last, std::int64_t j0, std::int64_t panel,
+                            std::int64_t& lo, std::int64_t& hi) const {
+    if (hook_slots == nullptr) return;
+    while (lo < hi) {
+      const std::int64_t end = std::min(hi, (lo / panel + 1) * panel);
+      if (hook_keeps_key_of(first, last, j0 + lo, j0 + end)) break;
+      lo = end;
+    }
+    while (hi > lo) {
+      const std::int64_t begin = std::max(lo, (hi - 1) / panel * panel);
+      if (hook_keeps_key_of(first, last, j0 + begin, j0 + hi)) break;
+      hi = begin;
+    }
+  }
+
+  // May a query of [first, last] keep a key of [j_begin, j_end)? By the bytes of a partial
+  // block that holds them; true where the keys span two blocks or a query's block is full or
+  // partial without bytes (mask_mod decides there).
+  bool hook_keeps_key_of(std::int64_t first, std::int64_t last, std::int64_t j_begin, std::int64_t j_end) const {
+    const std::int64_t bs = hook->block_size, block = j_begin / bs;
+    if ((j_end - 1) / bs != block) return true;
+    const std::uint8_t* keep = static_cast<const std::uint8_t*>(hook->partial_keep.data);
+    for (std::int64_t i = first; i <= last; ++i) {
+      const ScoreBlock state = hook_block(i, j_begin);
+      if (state == ScoreBlock::empty) continue;
+      const std::int32_t slot = state == ScoreBlock::partial
+                                    ? hook_slots[hook_slots_base + (i / bs) * hook->partial_slots.strides[2] +
+                                                 block * hook->partial_slots.strides[3]]
+                                    : -1;
+      if (slot < 0) return true;
+      const std::uint8_t* row = keep + (slot * bs + i % bs) * bs;  // the block's keys from block·bs
+      for (std::int64_t j = j_begin; j < j_end; ++j)
+        if (row[j - block * bs] != 0) return true;
+    }
+    return false;
   }
 
   // Does apply() only hide scores (set them to −∞), never change a visible one? Then a
@@ -191,11 +273,15 @@ struct RowMods {
   bool dense_mask_keeps_any(std::int64_t i0, std::int64_t rows, std::int64_t j0, std::int64_t n) const {
     if (mask_blocks == nullptr) return true;
     const DenseMaskBlocks& m = *mask_blocks;
-    const std::int64_t bj0 = j0 / m.block_cols, bj1 = (j0 + n - 1) / m.block_cols;
+    const std::int64_t bj0 = j0 / m.block_cols, bj1 = (j0 + n - 1) / m.block_cols + 1;
     const std::uint8_t* plane = m.states + mask_blocks_plane;
-    for (std::int64_t bi = i0 / m.block_rows; bi <= (i0 + rows - 1) / m.block_rows; ++bi)
-      for (std::int64_t bj = bj0; bj <= bj1; ++bj)
+    for (std::int64_t bi = i0 / m.block_rows; bi <= (i0 + rows - 1) / m.block_rows; ++bi) {
+      // Only the blocks within the row block's span can be non-empty.
+      const std::int64_t from = std::max<std::int64_t>(bj0, mask_spans[2 * bi]);
+      const std::int64_t to = std::min<std::int64_t>(bj1, mask_spans[2 * bi + 1]);
+      for (std::int64_t bj = from; bj < to; ++bj)
         if (static_cast<ScoreBlock>(plane[bi * m.col_blocks + bj]) != ScoreBlock::empty) return true;
+    }
     return false;
   }
 

@@ -57,7 +57,8 @@ HWY_INLINE std::int64_t RowQuery(std::int64_t i0, std::int64_t r, std::int64_t r
 // ranges are non-decreasing in the query, so a strip sees at most [its first query's begin,
 // its last query's end) — every query of the tile's, where the strip ends one head's rows
 // and begins the next's; within that, only the blocks some row of the strip may see under
-// the block masks (RowMods::narrow_span); rounded out to whole panels of kMicroCols keys,
+// the block masks (RowMods::narrow_span) and, in a score hook's partial blocks, the panels
+// some row keeps by their bytes (RowMods::narrow_to_kept_bytes); rounded out to whole panels of kMicroCols keys,
 // that is its span. Outside it every score of the strip is masked (causal, window, the
 // masks' empty blocks): no S micro-tile, no exponential and no P·V depth is spent there, so
 // a diagonal tile costs about its visible triangle, not its square. A strip that sees none of the
@@ -74,6 +75,7 @@ void FindStripKeys(const AttentionProblem& p, const RowMods& mods, std::int64_t 
     std::int64_t lo = std::max<std::int64_t>(p.key_range(first).begin - j0, 0);
     std::int64_t hi = std::min(p.key_range(last).end - j0, n);
     mods.narrow_span(first, last, j0, lo, hi);
+    mods.narrow_to_kept_bytes(first, last, j0, kMicroCols, lo, hi);
     keys[s] = lo < hi ? StripKeys{lo / kMicroCols * kMicroCols, (hi + kMicroCols - 1) / kMicroCols * kMicroCols}
                       : StripKeys{};
   }
@@ -431,6 +433,10 @@ void TiledItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item
   // a dense mask's summary: a document mask's other documents) are neither packed nor
   // visited.
   std::int64_t work_begin = w.first_block, work_end = key_end;
+  const auto [kept_begin, kept_end] = mods.kept_keys(i0, rows);
+  if (kept_begin > work_begin) work_begin = std::min(work_end, work_begin + (kept_begin - work_begin) / bc * bc);
+  if (kept_end < work_end)
+    work_end = std::clamp(work_begin + (kept_end - work_begin + bc - 1) / bc * bc, work_begin, work_end);
   const auto has_work = [&](std::int64_t j0) { return mods.tile_has_work(i0, rows, j0, std::min(bc, key_end - j0)); };
   while (work_begin < work_end && !has_work(work_begin)) work_begin += bc;
   while (work_end > work_begin) {
