@@ -187,6 +187,13 @@ void bench_cases(const BenchFlags& f) {
         {seqlen, plan_forward(p, hw).workspace_bytes(), plan_backward(p, hw, false).workspace_bytes(), square,
          2.0 * square});
   }
+  {  // every case bounded by a peak: measured again beside them (confirm_peaks)
+    std::vector<std::pair<std::string, double>> bounded;
+    for (const TimedCase& c : r.cases) bounded.emplace_back(c.m.kernel, c.m.gflops);
+    for (const MasksRun& k : r.masks)
+      for (const MaskRun& run : k.m.runs) bounded.emplace_back(run.kernel, run.gflops);
+    confirm_peaks(r.peaks, bounded, threads, f.repeats);
+  }
   if (f.json) {
     std::cout << bench_json(r) << "\n";
     return;

@@ -52,7 +52,8 @@ ShapeFlags shape_of(const ShapeFlags& base, const Point& pt) {
 
 // Times one op of flashattn at `pt` on `in` (inputs of pt's sizes and dtype).
 // sgemm is measured again just before it, at the run's thread count, into the case's
-// `sgemm_gflops`, and the peaks at the case's threads into its `peaks`: on a shared or boosting machine the speed drifts over a run (a quick run's
+// `sgemm_gflops`, and the peaks at the case's threads into its `peaks` (and after it:
+// confirm_peaks): on a shared or boosting machine the speed drifts over a run (a quick run's
 // first sgemm came out 13% above one taken minutes later), and the case's `vs_sgemm`, the
 // GFLOP/s divided by that sgemm, compares like with like — ratios between cases too.
 SweepCase timed_case(const ShapeFlags& base, const Point& pt, Op op, const Inputs& in, int repeats, int sgemm_n,
@@ -69,6 +70,7 @@ SweepCase timed_case(const ShapeFlags& base, const Point& pt, Op op, const Input
               p, pt.threads, sgemm, 0.0, std::move(peaks)};
   c.m.out = Tensor();  // not reported
   c.vs_sgemm = c.m.gflops / sgemm;
+  confirm_peaks(c.peaks, {{c.m.kernel, c.m.gflops}}, pt.threads, repeats);
   return c;
 }
 
@@ -108,7 +110,7 @@ SweepTarget target(const std::string& name, const std::string& measure, double r
 SweepTarget peak_target(const std::string& name, const SweepCase& c, double at_least) {
   const Peaks::Bound bound = c.peaks.bound_of(c.m.kernel);
   const double fraction = bound.peak->gflops ? c.m.gflops / *bound.peak->gflops : 0.0;
-  return target(name, std::string("flashattn GFLOP/s / ") + bound.name + " peak measured before the case", fraction,
+  return target(name, std::string("flashattn GFLOP/s / ") + bound.name + " peak measured beside the case", fraction,
                 at_least);
 }
 

@@ -196,6 +196,20 @@ Peaks measure_peaks(int threads, int repeats) {
   return p;
 }
 
+void confirm_peaks(Peaks& peaks, const std::vector<std::pair<std::string, double>>& cases, int threads, int repeats) {
+  const auto exceeded = [&] {
+    for (const auto& [kernel, gflops] : cases)
+      if (const Peak& peak = *peaks.bound_of(kernel).peak; peak.gflops && gflops > *peak.gflops) return true;
+    return false;
+  };
+  for (int run = 0; run < 4 && (run == 0 || exceeded()); ++run) {
+    const Peaks again = measure_peaks(threads, repeats);
+    for (const auto& [best, now] : {std::pair{&peaks.fma, &again.fma}, std::pair{&peaks.bf16_dot, &again.bf16_dot},
+                                    std::pair{&peaks.amx_bf16, &again.amx_bf16}})
+      if (best->gflops && now->gflops) best->gflops = std::max(*best->gflops, *now->gflops);
+  }
+}
+
 std::string percent_of_peak(double gflops, const Peak& peak) {
   if (!peak.gflops) return "-";
   char buf[16];

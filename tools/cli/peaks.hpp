@@ -13,6 +13,8 @@
 
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace flashattn::cli {
 
@@ -36,6 +38,12 @@ struct Peaks {
 
 // Each loop `threads` threads at once, best of `repeats` after one warm-up run.
 Peaks measure_peaks(int threads, int repeats);
+// Measures the peaks once more after the cases they bound, and again (at most three more
+// times) while one of `cases` — (kernel, GFLOP/s) — ran faster than the peak that bounds it,
+// keeping each peak's best: a peak measured while the host held one of the bench's cores
+// back (a virtual machine's steal time) came out at half the machine's, and every fraction
+// of it doubled (a masks run reported 157%). A case still above its peak then shows it.
+void confirm_peaks(Peaks& peaks, const std::vector<std::pair<std::string, double>>& cases, int threads, int repeats);
 // `gflops` as a percentage of `peak` for a table ("37%"), "-" where the peak was not measured.
 std::string percent_of_peak(double gflops, const Peak& peak);
 // One line a peak on stdout: its GFLOP/s and loop, or why it was not measured.

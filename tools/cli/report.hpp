@@ -70,7 +70,7 @@ struct MemoryRow {
 struct BenchReport {
   int threads = 0;  // as requested (0 = all cores)
   double sgemm_gflops = 0.0;
-  Peaks peaks;  // measured before the cases, at the run's threads
+  Peaks peaks;  // measured before and after the cases, at the run's threads (confirm_peaks)
   std::optional<double> copy_gbps;  // with decode or serve cases
   std::optional<double> read_gbps;  // with decode or serve cases: read_gbps at the bench's threads
   std::vector<TimedCase> cases;
@@ -133,7 +133,7 @@ struct SweepCase {
   AttentionProblem p;
   int threads = 0;
   double sgemm_gflops = 0.0, vs_sgemm = 0.0;
-  Peaks peaks;  // measured just before the case, like its sgemm
+  Peaks peaks;  // measured just before the case, like its sgemm, and after it (confirm_peaks)
 };
 struct SweepTarget {
   std::string name, measure;
