@@ -492,6 +492,36 @@ TEST(Variants, TopLeftCausalIsTheLowerTriangle) {
   }
 }
 
+// Top-left windows on Sq far above Sk: the later Q tiles' windows begin past the last key
+// (their first tile lies beyond their key range's end), beside a mask that keeps only the
+// first keys and a score hook's block mask that does the same — the masks' kept keys end
+// before the rows' windows begin, and those rows see no key (out 0, lse −∞), 1–3 threads.
+TEST(Variants, TopLeftWindowsPastTheKeysWithMasks) {
+  constexpr std::int64_t sq = 700, sk = 40;
+  const Tensor q = random_tensor(DType::f32, {1, sq, 1, 16}, 11);
+  const Tensor k = random_tensor(DType::f32, {1, sk, 1, 16}, 12);
+  const Tensor v = random_tensor(DType::f32, {1, sk, 1, 16}, 13);
+  Tensor first_keys(DType::u8, {1, 1, sq, sk});
+  for (std::int64_t e = 0; e < first_keys.numel(); ++e) first_keys.set(e, e % sk < 4 ? 1.0f : 0.0f);
+  const auto first_four = [](std::int64_t, std::int64_t, std::int64_t, std::int64_t kv) { return kv < 4; };
+  const FlexMods mods(flex::NoScoreMod{}, first_four);
+  const BlockMask blocks = create_block_mask(first_four, 1, 1, sq, sk, 8);
+  for (const bool hook : {false, true})
+    for (int threads : {1, 2, 3}) {
+      SCOPED_TRACE(std::string(hook ? "score hook" : "attn_mask") + ", " + std::to_string(threads) + " threads");
+      AttentionOptions o;
+      o.causal_alignment = CausalAlignment::top_left;
+      o.window_size = {0, -1};
+      o.num_threads = threads;
+      if (hook) o.score_hook = mods.hook(&blocks);
+      else o.attn_mask = first_keys.view();
+      const ForwardResult got = forward(q.view(), k.view(), v.view(), o);
+      const reference::Result want = reference::attention(q.view(), k.view(), v.view(), o);
+      EXPECT_LE(max_abs_error(got.out, want.out), 1e-5);
+      expect_lse_near(got.lse, want.lse);
+    }
+}
+
 // The entry points whose positions are not one (Sq, Sk) matrix's reject top_left by name.
 TEST(Variants, TopLeftRejectedByName) {
   AttentionOptions o;

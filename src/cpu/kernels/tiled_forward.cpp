@@ -433,10 +433,12 @@ void TiledItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item
   // a dense mask's summary: a document mask's other documents) are neither packed nor
   // visited.
   std::int64_t work_begin = w.first_block, work_end = key_end;
-  const auto [kept_begin, kept_end] = mods.kept_keys(i0, rows);
-  if (kept_begin > work_begin) work_begin = std::min(work_end, work_begin + (kept_begin - work_begin) / bc * bc);
-  if (kept_end < work_end)
-    work_end = std::clamp(work_begin + (kept_end - work_begin + bc - 1) / bc * bc, work_begin, work_end);
+  // (first_block may lie past key_end: rows whose window begins past the last key.)
+  if (const auto [kept_begin, kept_end] = mods.kept_keys(i0, rows); work_begin < work_end) {
+    if (kept_begin > work_begin) work_begin = std::min(work_end, work_begin + (kept_begin - work_begin) / bc * bc);
+    if (kept_end < work_end)
+      work_end = std::min(work_end, std::max(work_begin, work_begin + (kept_end - work_begin + bc - 1) / bc * bc));
+  }
   const auto has_work = [&](std::int64_t j0) { return mods.tile_has_work(i0, rows, j0, std::min(bc, key_end - j0)); };
   while (work_begin < work_end && !has_work(work_begin)) work_begin += bc;
   while (work_end > work_begin) {
