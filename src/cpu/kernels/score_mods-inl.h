@@ -119,6 +119,13 @@ struct RowMods {
         static_cast<const std::uint8_t*>(m.data)[hook_blocks_base + (i / bs) * m.strides[2] + (j / bs) * m.strides[3]]);
   }
 
+  // The slot in ScoreHook::partial_keep of query i's block `block` of keys (−1: its bytes are
+  // not held); hook_slots must be set.
+  std::int32_t hook_slot(std::int64_t i, std::int64_t block) const {
+    const TensorView& slots = hook->partial_slots;
+    return hook_slots[hook_slots_base + (i / hook->block_size) * slots.strides[2] + block * slots.strides[3]];
+  }
+
   // Is any block of the score hook's block mask that meets the tile not empty? True without one.
   bool hook_keeps_any(std::int64_t i0, std::int64_t rows, std::int64_t j0, std::int64_t n) const {
     if (hook == nullptr || hook->block_size == 0) return true;
@@ -216,10 +223,7 @@ struct RowMods {
     for (std::int64_t i = first; i <= last; ++i) {
       const ScoreBlock state = hook_block(i, j_begin);
       if (state == ScoreBlock::empty) continue;
-      const std::int32_t slot = state == ScoreBlock::partial
-                                    ? hook_slots[hook_slots_base + (i / bs) * hook->partial_slots.strides[2] +
-                                                 block * hook->partial_slots.strides[3]]
-                                    : -1;
+      const std::int32_t slot = state == ScoreBlock::partial ? hook_slot(i, block) : -1;
       if (slot < 0) return true;
       const std::uint8_t* row = keep + (slot * bs + i % bs) * bs;  // the block's keys from block·bs
       for (std::int64_t j = j_begin; j < j_end; ++j)
@@ -495,10 +499,7 @@ struct RowMods {
         std::fill(s + c, s + end, kNegInf);
       } else if (state == ScoreBlock::partial || hook->score != nullptr) {
         // A partial block whose bytes the hook holds: the score_mod alone, then the bytes.
-        const std::int32_t slot = state == ScoreBlock::partial && hook_slots != nullptr
-                                      ? hook_slots[hook_slots_base + (i / bs) * hook->partial_slots.strides[2] +
-                                                   block * hook->partial_slots.strides[3]]
-                                      : -1;
+        const std::int32_t slot = state == ScoreBlock::partial && hook_slots != nullptr ? hook_slot(i, block) : -1;
         float* g = grad != nullptr ? grad + c : nullptr;
         if (slot < 0 || hook->score != nullptr)
           hook->apply(hook->mods,
