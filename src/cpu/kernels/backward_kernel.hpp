@@ -17,6 +17,7 @@
 #include "src/core/problem_internals.hpp"
 #include "src/cpu/kernels/mask_blocks.hpp"
 #include "src/cpu/kernels/packed_head.hpp"
+#include "src/cpu/kernels/strip_keys.hpp"
 
 namespace flashattn::cpu {
 
@@ -99,6 +100,14 @@ inline constexpr std::int64_t kDqLockStripes = 1024;
 inline constexpr std::int64_t kRowLdPad = 16;
 inline constexpr std::int64_t RowLd(std::int64_t padded) { return padded + kRowLdPad; }
 
+// The most rows a Q tile is padded to a multiple of (tiled_bf16's; the float32 kernel pads to
+// micro_rows): a tile of at most block_q rows has at most StripsFor(block_q, micro_rows) row strips.
+inline constexpr std::int64_t kMaxRowMultiple = 32;
+inline std::size_t StripsFor(std::int64_t block_q, std::int64_t micro_rows) {
+  const std::int64_t rows = (block_q + kMaxRowMultiple - 1) / kMaxRowMultiple * kMaxRowMultiple;
+  return static_cast<std::size_t>((rows + micro_rows - 1) / micro_rows);
+}
+
 // The most a thread's Q/dO copy (BackwardWorkspace::q_kept, CpuBackwardPlan::keep_q_rows)
 // may take; past it the float32 kernel gathers each Q tile's rows anew for every K/V tile.
 // Beyond kQCacheFreeBytes for all threads together, the copies are kept only where they take
@@ -167,6 +176,9 @@ struct BackwardWorkspace {
   std::vector<float> row_lse2;      // (block_q): each row's exp2 offset (BackwardParams::lse2)
   std::vector<float> row_lse2_low;  // (block_q): its low part (BackwardParams::lse2_low)
   std::vector<float> row_delta;  // (block_q): D of each row
+  // (StripsFor): each row strip's span of the current K/V tile (FindStripKeys); (block_k /
+  // micro_rows, rounded up): the Q tile rows each strip of key rows meets (the float32 kernel)
+  std::vector<StripKeys> strip_keys, key_strip_rows;
   hwy::AlignedFreeUniquePtr<float[]> delta_rows;  // (2, Dv_pad): an O row and a dO row (BackwardDelta)
   // The large-row pass's buffers (BackwardLargeRowsFn), allocated by allocate_large_rows
   // where a call has large rows, else empty: Q rows·scale·log2e (kLargeRowsPerItem,

@@ -295,35 +295,67 @@ struct Fp32BackwardProducts {
     }
   }
 
-  // S' = Q'·Kᵀ into p_tile and dP = dO·Vᵀ into ds_tile, for K/V tile `tile`.
+  // S' = Q'·Kᵀ into p_tile and dP = dO·Vᵀ into ds_tile, for K/V tile `tile`, each row strip
+  // over its span of `keys` (FindStripKeys) only: elsewhere the tiles keep what they held,
+  // which ComputePAndDS replaces by zeros.
   // S' from the pre-scaled Q (`scale` is always 1 here: kMayLeaveScoresUnscaled).
   static constexpr bool kMayLeaveScoresUnscaled = false;
   static void ScoresAndDp(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t tile,
-                          std::int64_t rows_pad, std::int64_t n_pad, float /*scale*/) {
+                          std::int64_t rows_pad, std::int64_t n_pad, float /*scale*/, const StripKeys* keys) {
     const std::int64_t bc = prm.plan.block_k, d = prm.problem.head_dim, dv = prm.problem.head_dim_v;
-    TileGemm<false>({ws.q_rows, RowLd(prm.plan.head_dim_padded)}, ws.kt_packed.get() + tile * d * RowLd(bc), RowLd(bc),
-                    ws.p_tile.get(), bc, rows_pad, n_pad, d);
-    TileGemm<false>({ws.do_rows, RowLd(prm.plan.head_dim_v_padded)}, ws.vt_packed.get() + tile * dv * RowLd(bc), RowLd(bc),
-                    ws.ds_tile.get(), bc, rows_pad, n_pad, dv);
+    const std::int64_t strips = rows_pad / kMicroRows;
+    for (const auto& [a, ld, b, c, depth] :
+         {std::tuple{ws.q_rows, RowLd(prm.plan.head_dim_padded), ws.kt_packed.get() + tile * d * RowLd(bc),
+                     ws.p_tile.get(), d},
+          std::tuple{ws.do_rows, RowLd(prm.plan.head_dim_v_padded), ws.vt_packed.get() + tile * dv * RowLd(bc),
+                     ws.ds_tile.get(), dv}})
+      ScoreTile(keys, strips, n_pad, [&, a = a, ld = ld, b = b, c = c, depth = depth](std::int64_t s, std::int64_t j) {
+        MicroTile<false>({a + s * kMicroRows * ld, ld}, b + j, RowLd(bc), c + s * kMicroRows * bc + j, bc, depth);
+      });
   }
 
   // dV += Pᵀ·dO and dK += dSᵀ·Q' (Pᵀ, dSᵀ read through transposed views) over the n keys'
-  // KeyRows, and this tile's dQ share dS·K into dq_tile over the n_pad columns. Columns of P
-  // and dS past n_pad up to KeyRows(n) (the key rows' micro-tile padding) become zeros.
+  // KeyRows, and this tile's dQ share dS·K into dq_tile over the n_pad columns. P and dS are
+  // zero outside each row strip's span of `keys` (ComputePAndDS), so each product's depth is
+  // narrowed to where they are not: dQ's row strip to its span of keys, a strip of key rows of
+  // dV and dK to the row strips whose spans it meets. Columns of P and dS past n_pad up to
+  // KeyRows(n) (the key rows' micro-tile padding) become zeros.
   static void Gradients(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t j0, std::int64_t rows_pad,
-                        std::int64_t n, std::int64_t n_pad) {
-    const std::int64_t bc = prm.plan.block_k, key_rows = KeyRows(n);
+                        std::int64_t n, std::int64_t n_pad, const StripKeys* keys) {
+    const std::int64_t bc = prm.plan.block_k, key_rows = KeyRows(n), strips = rows_pad / kMicroRows;
     const std::int64_t d_pad = prm.plan.head_dim_padded, dv_pad = prm.plan.head_dim_v_padded;
     for (std::int64_t r = 0; r < rows_pad && key_rows > n_pad; ++r) {
       std::fill(ws.p_tile.get() + r * bc + n_pad, ws.p_tile.get() + r * bc + key_rows, 0.0f);
       std::fill(ws.ds_tile.get() + r * bc + n_pad, ws.ds_tile.get() + r * bc + key_rows, 0.0f);
     }
-    TileGemm<true>({ws.p_tile.get(), 1, bc}, ws.do_rows, RowLd(dv_pad), ws.dv_acc.get(), dv_pad, key_rows, dv_pad,
-                   rows_pad);
-    TileGemm<true>({ws.ds_tile.get(), 1, bc}, ws.q_rows, RowLd(d_pad), ws.dk_acc.get(), d_pad, key_rows, d_pad,
-                   rows_pad);
-    TileGemm<false>({ws.ds_tile.get(), bc}, ws.k_packed.get() + j0 * RowLd(d_pad), RowLd(d_pad), ws.dq_tile.get(), d_pad,
-                    rows_pad, d_pad, n_pad);
+    // The Q tile rows (whole strips) that each strip of key rows meets.
+    StripKeys* depth = ws.key_strip_rows.data();
+    for (std::int64_t k0 = 0; k0 < key_rows; k0 += kMicroRows) {
+      StripKeys& rows = depth[k0 / kMicroRows];
+      rows = {};
+      for (std::int64_t s = 0; s < strips; ++s) {
+        if (keys[s].begin >= k0 + kMicroRows || keys[s].end <= k0) continue;
+        if (rows.begin == rows.end) rows.begin = s * kMicroRows;
+        rows.end = (s + 1) * kMicroRows;
+      }
+    }
+    for (const auto& [a, b, ldb, c, ldc] :
+         {std::tuple{ws.p_tile.get(), ws.do_rows, RowLd(dv_pad), ws.dv_acc.get(), dv_pad},
+          std::tuple{ws.ds_tile.get(), ws.q_rows, RowLd(d_pad), ws.dk_acc.get(), d_pad}})
+      for (std::int64_t col = 0; col < ldc; col += kMicroCols)
+        for (std::int64_t k0 = 0; k0 < key_rows; k0 += kMicroRows) {
+          const StripKeys rows = depth[k0 / kMicroRows];
+          if (rows.begin != rows.end)
+            MicroTile<true>({a + k0 + rows.begin * bc, 1, bc}, b + rows.begin * ldb + col, ldb, c + k0 * ldc + col, ldc,
+                            rows.end - rows.begin);
+        }
+    const float* k_rows = ws.k_packed.get() + j0 * RowLd(d_pad);
+    for (std::int64_t col = 0; col < d_pad; col += kMicroCols)
+      for (std::int64_t s = 0; s < strips; ++s) {
+        const StripKeys k = keys[s];
+        MicroTile<false>({ws.ds_tile.get() + s * kMicroRows * bc + k.begin, bc}, k_rows + k.begin * RowLd(d_pad) + col,
+                         RowLd(d_pad), ws.dq_tile.get() + s * kMicroRows * d_pad + col, d_pad, k.end - k.begin);
+      }
   }
 };
 
@@ -404,10 +436,12 @@ void AddDbiasTile(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t
 // gradient of the score after the mask step; dbias excludes a score_hook) is added there.
 // p_tile holds S' over `score_scale` (> 0; 1 where the products scaled it; other factors only
 // where the mask step only hides scores): P = 2^(score_scale·S − lse2), one rounding, or for
-// BackwardDelta's large rows (lse2_low ≠ 0) P = 2^((score_scale·S − lse2) − lse2_low).
+// BackwardDelta's large rows (lse2_low ≠ 0) P = 2^((score_scale·S − lse2) − lse2_low). Each
+// row is computed over its strip's span of `keys` (FindStripKeys, a strip of kMicroRows rows)
+// and zero outside it, whatever the products left there.
 void ComputePAndDS(BackwardWorkspace& ws, const RowMods& mods, const DbiasRows& dbias, std::int64_t bc,
                    std::int64_t i0, std::int64_t rows, std::int64_t rows_pad, std::int64_t j0, std::int64_t n,
-                   std::int64_t n_pad, float score_scale) {
+                   std::int64_t n_pad, float score_scale, const StripKeys* keys) {
   const bool grad = mods.needs_grad(), dropout = mods.dropout_threshold != 0;
   const DF df;
   for (std::int64_t r = 0; r < rows_pad; ++r) {
@@ -415,28 +449,35 @@ void ComputePAndDS(BackwardWorkspace& ws, const RowMods& mods, const DbiasRows& 
     float* dsrow = ws.ds_tile.get() + r * bc;
     float* grow = ws.g_tile.get() + r * bc;
     float* wrow = ws.w_tile.get() + r * bc;
-    if (r >= rows || ws.row_lse2[r] == -std::numeric_limits<float>::infinity()) {
-      std::fill(prow, prow + n_pad, 0.0f);  // padding, or a row that sees no key at all
+    const StripKeys span = keys[r / kMicroRows];
+    if (r >= rows || ws.row_lse2[r] == -std::numeric_limits<float>::infinity() || span.begin == span.end) {
+      std::fill(prow, prow + n_pad, 0.0f);  // padding, a row that sees no key at all or none of these
       std::fill(dsrow, dsrow + n_pad, 0.0f);
       continue;
     }
+    // Outside its strip's span the row hides every key: P and dS are zero there.
+    const std::int64_t lo = span.begin, hi = span.end, real = std::min(n, hi) - lo;
+    for (float* row : {prow, dsrow}) {
+      std::fill(row, row + lo, 0.0f);
+      std::fill(row + hi, row + n_pad, 0.0f);
+    }
     const std::int64_t i = i0 + r;
-    mods.apply(prow, grad ? grow : nullptr, i, j0, n, n_pad);
+    mods.apply(prow + lo, grad ? grow + lo : nullptr, i, j0 + lo, real, hi - lo);
     if (dropout) {
-      std::fill(wrow, wrow + n_pad, 1.0f);
-      mods.apply_dropout(wrow, i, j0, n_pad);
+      std::fill(wrow + lo, wrow + hi, 1.0f);
+      mods.apply_dropout(wrow + lo, i, j0 + lo, hi - lo);
     }
     float row_lse2 = ws.row_lse2[r], row_scale = score_scale;
     if (ws.row_lse2_low[r] != 0.0f) {  // a large row's two-part offset, taken in a pass of its own
-      const VF hi = hn::Set(df, row_lse2), low = hn::Set(df, ws.row_lse2_low[r]), vc = hn::Set(df, score_scale);
-      for (std::int64_t j = 0; j < n_pad; j += kLanes)
-        hn::Store(hn::Sub(hn::MulSub(hn::Load(df, prow + j), vc, hi), low), df, prow + j);
+      const VF high = hn::Set(df, row_lse2), low = hn::Set(df, ws.row_lse2_low[r]), vc = hn::Set(df, score_scale);
+      for (std::int64_t j = lo; j < hi; j += kLanes)
+        hn::Store(hn::Sub(hn::MulSub(hn::Load(df, prow + j), vc, high), low), df, prow + j);
       row_lse2 = 0.0f;  // the loop below then takes the row as it is: x·1 − 0 = x
       row_scale = 1.0f;
     }
     const VF lse2 = hn::Set(df, row_lse2), vc = hn::Set(df, row_scale);
     const VF delta = hn::Set(df, ws.row_delta[r]);
-    for (std::int64_t j = 0; j < n_pad; j += kLanes) {
+    for (std::int64_t j = lo; j < hi; j += kLanes) {
       const VF pj = Exp2(df, hn::MulSub(hn::Load(df, prow + j), vc, lse2));
       VF dp = hn::Load(df, dsrow + j);
       VF pw = pj;
@@ -455,7 +496,8 @@ void ComputePAndDS(BackwardWorkspace& ws, const RowMods& mods, const DbiasRows& 
       hn::Store(ds, df, dsrow + j);
     }
     if (dbias.base != nullptr)
-      AddDbiasRow(grad ? grow : dsrow, n, dbias.base + i * dbias.row_stride, dbias.col_stride);
+      AddDbiasRow((grad ? grow : dsrow) + lo, real, dbias.base + i * dbias.row_stride + lo * dbias.col_stride,
+                  dbias.col_stride);
   }
 }
 
@@ -595,7 +637,7 @@ struct Bf16BackwardProducts {
   // KvItem) and dP. On AMX tiles a factor other than 1 is a pass over the stored scores.
   static constexpr bool kMayLeaveScoresUnscaled = true;
   static void ScoresAndDp(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t tile,
-                          std::int64_t rows_pad, std::int64_t n_pad, float scale) {
+                          std::int64_t rows_pad, std::int64_t n_pad, float scale, const StripKeys* /*keys*/) {
     const AttentionProblem& p = prm.problem;
     const std::int64_t bc = prm.plan.block_k, d_pad = prm.plan.head_dim_padded, dv_pad = prm.plan.head_dim_v_padded;
     const std::int64_t d_even = Even(p.head_dim), dv_even = Even(p.head_dim_v);
@@ -608,7 +650,7 @@ struct Bf16BackwardProducts {
   }
 
   static void Gradients(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t j0, std::int64_t rows_pad,
-                        std::int64_t /*n*/, std::int64_t n_pad) {
+                        std::int64_t /*n*/, std::int64_t n_pad, const StripKeys* /*keys*/) {
     const std::int64_t bq = prm.plan.block_q, bc = prm.plan.block_k;
     const std::int64_t d_pad = prm.plan.head_dim_padded, dv_pad = prm.plan.head_dim_v_padded;
     // P and dS paired two rows at a time — word (row pair p, key j) at 2·(p·bc + j): the B
@@ -683,10 +725,12 @@ void KvItem(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t item)
       ws.counters.dq_accum_written += rows * p.head_dim;
       LoadRowStats(prm, ws, b, h, i0, rows, rows_pad);
       Products::LoadQ(prm, ws, b, h, i0, rows, rows_pad);
-      Products::ScoresAndDp(prm, ws, kb, rows_pad, n_pad, exponent_scales ? 1.0f : scale);
-      ComputePAndDS(ws, mods, dbias, bc, i0, rows, rows_pad, j0, n, n_pad, exponent_scales ? scale : 1.0f);
+      StripKeys* keys = ws.strip_keys.data();  // each row strip's keys of the tile
+      FindStripKeys(p, mods, i0, (rows_pad + kMicroRows - 1) / kMicroRows, rows, rows, j0, n, keys);
+      Products::ScoresAndDp(prm, ws, kb, rows_pad, n_pad, exponent_scales ? 1.0f : scale, keys);
+      ComputePAndDS(ws, mods, dbias, bc, i0, rows, rows_pad, j0, n, n_pad, exponent_scales ? scale : 1.0f, keys);
       // dV, dK and this K/V tile's dQ share, added to the shared float32 accumulator.
-      Products::Gradients(prm, ws, j0, rows_pad, n, n_pad);
+      Products::Gradients(prm, ws, j0, rows_pad, n, n_pad, keys);
       const float* dq_tile = ws.dq_tile.get();
       const std::int64_t tile_id = (b * p.heads_q + h) * plan.q_blocks + qb;
       float* dst = prm.dq_accum + ((b * p.heads_q + h) * p.seqlen_q + i0) * d_pad;

@@ -47,50 +47,6 @@ void PackHead(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t b, st
            prm.switches.software_prefetch, ws.packed, ws.counters, place);
 }
 
-// The query of row r of a Q tile of `rows` queries from i0 a head, its heads' rows back to
-// back (pack_gqa), `real` rows in all: i0 + r % rows; padding rows repeat the last query.
-HWY_INLINE std::int64_t RowQuery(std::int64_t i0, std::int64_t r, std::int64_t rows, std::int64_t real) {
-  return i0 + (r < real ? r % rows : rows - 1);
-}
-
-// The keys of tile [j0, j0 + n) that each row strip of a Q tile (RowQuery's) computes. Key
-// ranges are non-decreasing in the query, so a strip sees at most [its first query's begin,
-// its last query's end) — every query of the tile's, where the strip ends one head's rows
-// and begins the next's; within that, only the blocks some row of the strip may see under
-// the block masks (RowMods::narrow_span) and, in a score hook's partial blocks, the panels
-// some row keeps by their bytes (RowMods::narrow_to_kept_bytes); rounded out to whole panels of kMicroCols keys,
-// that is its span. Outside it every score of the strip is masked (causal, window, the
-// masks' empty blocks): no S micro-tile, no exponential and no P·V depth is spent there, so
-// a diagonal tile costs about its visible triangle, not its square. A strip that sees none of the
-// tile's keys gets an empty span and is skipped: its softmax state and õ stay as they are,
-// exactly what an all-masked row would leave.
-void FindStripKeys(const AttentionProblem& p, const RowMods& mods, std::int64_t i0, std::int64_t strips,
-                   std::int64_t rows, std::int64_t real, std::int64_t j0, std::int64_t n,
-                   StripKeys* HWY_RESTRICT keys) {
-  for (std::int64_t s = 0; s < strips; ++s) {
-    const std::int64_t r0 = s * kMicroRows, r1 = std::min(r0 + kMicroRows, real) - 1;  // its real rows
-    const bool wraps = r0 / rows != r1 / rows;
-    const std::int64_t first = wraps ? i0 : RowQuery(i0, r0, rows, real);
-    const std::int64_t last = wraps ? i0 + rows - 1 : RowQuery(i0, r1, rows, real);
-    std::int64_t lo = std::max<std::int64_t>(p.key_range(first).begin - j0, 0);
-    std::int64_t hi = std::min(p.key_range(last).end - j0, n);
-    mods.narrow_span(first, last, j0, lo, hi);
-    mods.narrow_to_kept_bytes(first, last, j0, kMicroCols, lo, hi);
-    keys[s] = lo < hi ? StripKeys{lo / kMicroCols * kMicroCols, (hi + kMicroCols - 1) / kMicroCols * kMicroCols}
-                      : StripKeys{};
-  }
-}
-
-// micro(s, j): S(strip s, panel j) = Q(strip)·Kᵀ(panel), for every panel j in the strip's
-// span. Panels outermost: one packed K panel (contiguous) stays in L1 while the row strips
-// pass over it.
-template <class MicroFn>
-HWY_INLINE void ScoreTile(const StripKeys* HWY_RESTRICT keys, std::int64_t strips, std::int64_t n_pad, MicroFn micro) {
-  for (std::int64_t j = 0; j < n_pad; j += kMicroCols)
-    for (std::int64_t s = 0; s < strips; ++s)
-      if (keys[s].begin <= j && j < keys[s].end) micro(s, j);
-}
-
 // row(r, i, j, n_r, cols): each row r < rows_run of the tile over its strip's span — query
 // i (RowQuery), keys j.. of which n_r are real, cols with padding, at column j − j0 of the
 // row; rows of an empty span are left alone.

@@ -17,6 +17,7 @@
 #include "flashattn/plan.hpp"
 #include "flashattn/problem.hpp"
 #include "src/cpu/kernels/packed_head.hpp"
+#include "src/cpu/kernels/strip_keys.hpp"
 
 namespace flashattn::cpu {
 
@@ -47,14 +48,6 @@ struct DecodeKeys {
 // K with V took bf16 decode from 6.6 to 5.0–5.3 ms, and distances of 8, 16 and 32 keys
 // measured alike within the noise.
 constexpr std::int64_t kDecodePrefetchKeys = 16;
-
-// Columns [begin, end) of a K/V tile that one row strip of a Q tile (the micro-kernel's
-// rows) computes, in whole micro-kernel panels; begin == end: none (tiled_forward.cpp,
-// FindStripKeys).
-struct StripKeys {
-  std::int64_t begin = 0;
-  std::int64_t end = 0;
-};
 
 // Elements of each buffer of ForwardWorkspace for a plan (0: the kernel does not use it).
 // "rows" are the rows a work item holds: block_q, or (decode) block_q per kv head.
