@@ -83,21 +83,32 @@ HWY_INLINE void TransposeLanes([[maybe_unused]] D d, [[maybe_unused]] hn::Vec<D>
 #endif
 }
 
-// panel[c·panel_stride + e] = rows[e·ld + c] for the kMicroCols rows e and columns c < cols
+// panel[c·panel_stride + e] = rows[e][c] for the kMicroCols rows e and columns c < cols
 // (32-bit values: float, or a pair of bf16): the transpose of a block of kMicroCols keys.
-// rows are vector-aligned, ld a multiple of kLanes (the values from cols to ld are read and
-// dropped); panel and panel_stride keep every store vector-aligned.
+// Each row is read in whole vectors (the values from cols to cols rounded up to kLanes are
+// read and dropped: a caller's row must hold them, or cols be a multiple of kLanes); panel
+// and panel_stride keep every store vector-aligned.
 template <class D>
-HWY_INLINE void TransposeKeys(D d, const hn::TFromD<D>* HWY_RESTRICT rows, std::int64_t ld, std::int64_t cols,
-                              hn::TFromD<D>* HWY_RESTRICT panel, std::int64_t panel_stride) {
+HWY_INLINE void TransposeKeyRows(D d, const hn::TFromD<D>* const* HWY_RESTRICT rows, std::int64_t cols,
+                                 hn::TFromD<D>* HWY_RESTRICT panel, std::int64_t panel_stride) {
   for (std::int64_t c0 = 0; c0 < cols; c0 += kLanes)
     for (std::int64_t half = 0; half < kMicroVecs; ++half) {
       hn::Vec<D> v[kLanes];  // keys half·kLanes.., columns c0..
-      for (std::int64_t r = 0; r < kLanes; ++r) v[r] = hn::Load(d, rows + (half * kLanes + r) * ld + c0);
+      for (std::int64_t r = 0; r < kLanes; ++r) v[r] = hn::LoadU(d, rows[half * kLanes + r] + c0);
       TransposeLanes(d, v);
       for (std::int64_t c = 0; c < std::min(kLanes, cols - c0); ++c)
         hn::Store(v[c], d, panel + (c0 + c) * panel_stride + half * kLanes);
     }
+}
+
+// TransposeKeyRows of the kMicroCols rows ld values apart from `rows` (ld a multiple of
+// kLanes, so that each row holds the values read past cols).
+template <class D>
+HWY_INLINE void TransposeKeys(D d, const hn::TFromD<D>* HWY_RESTRICT rows, std::int64_t ld, std::int64_t cols,
+                              hn::TFromD<D>* HWY_RESTRICT panel, std::int64_t panel_stride) {
+  const hn::TFromD<D>* row[kMicroCols];
+  for (std::int64_t e = 0; e < kMicroCols; ++e) row[e] = rows + e * ld;
+  TransposeKeyRows(d, row, cols, panel, panel_stride);
 }
 
 // Rows a and b (16-bit values, bf16) as the pairs (a[c], b[c]) for c < cols, a multiple of

@@ -83,41 +83,58 @@ HWY_INLINE void StripsWritten(ForwardWorkspace& ws, const StripKeys* HWY_RESTRIC
 // at packing (quantized caches' codes dequantized), Q pre-scaled by softmax_scale·log2e as it is loaded.
 struct Fp32Products {
   // K tiles as panels of kMicroCols keys, each (head_dim, kMicroCols) — Kᵀ; V tiles as panels
-  // of kMicroCols columns, each (block_k, kMicroCols). A panel's K rows are converted into
-  // k_rows and transposed in registers at its last key (TransposeKeys); each V row is
-  // converted into v_row and copied a vector at a time into its panels. Packing only moves
-  // the converted values: padding keys and the columns from head_dim_v to head_dim_v_padded
-  // are zeros.
+  // of kMicroCols columns, each (block_k, kMicroCols). A panel's K rows are transposed in
+  // registers at its last key (TransposeKeyRows) and each V row is stored a vector at a time
+  // into its panels; padding keys and the columns from head_dim_v to head_dim_v_padded are
+  // zeros. Float32 rows without scales and of whole vectors (head_dim and head_dim_v multiples
+  // of kLanes) are read in place: the K rows' pointers are kept until the panel's last key,
+  // the V row is stored straight into the panels. Other rows are converted first (quantized
+  // caches' codes dequantized), K into k_rows, V into v_row: packing then moves the converted
+  // values. Either way the panels hold the same values.
   static void Pack(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t b, std::int64_t kv_head,
                    std::int64_t from, std::int64_t to) {
     const std::int64_t bc = prm.plan.block_k, d = prm.problem.head_dim, dv = prm.problem.head_dim_v;
     const std::int64_t dv_pad = prm.plan.head_dim_v_padded;
     const std::int64_t ld = (d + kLanes - 1) / kLanes * kLanes;
     const DF df;
-    float* k_rows = ws.k_rows.get();  // (kMicroCols, ld): the keys of one panel
+    const bool in_place = prm.k.dtype == DType::f32 && prm.v.dtype == DType::f32 && prm.paged.k.scale == nullptr &&
+                          prm.paged.v.scale == nullptr && d % kLanes == 0 && dv % kLanes == 0;
+    float* k_rows = ws.k_rows.get();  // (kMicroCols, ld): the keys of one panel, converted; in place: row 0 zeros
     float* v_row = ws.v_row.get();    // (dv_pad)
-    for (std::int64_t e = 0; e < kMicroCols; ++e) std::fill(k_rows + e * ld + d, k_rows + (e + 1) * ld, 0.0f);
+    if (in_place)
+      std::fill(k_rows, k_rows + ld, 0.0f);
+    else
+      for (std::int64_t e = 0; e < kMicroCols; ++e) std::fill(k_rows + e * ld + d, k_rows + (e + 1) * ld, 0.0f);
     std::fill(v_row + dv, v_row + dv_pad, 0.0f);
+    const float* panel_rows[kMicroCols];  // in place: the panel's K rows
     const KvRows kv{&prm.k, &prm.v, &prm.paged, b, kv_head};
     PackHead(prm, ws, b, kv_head, from, to, [&](std::int64_t j, const void* k_row, const void* v_row_src) {
       const std::int64_t e = j % kMicroCols, at = j - ws.packed.begin;  // at: its place (packed_head.hpp)
-      if (k_row != nullptr) {
+      const float* v_src = v_row;  // the V row's values, dv_pad of them
+      if (in_place) {
+        panel_rows[e] = k_row != nullptr ? static_cast<const float*>(k_row) : k_rows;
+        if (v_row_src != nullptr) v_src = static_cast<const float*>(v_row_src);
+      } else if (k_row != nullptr) {
         kv.load_k(j, k_row, d, k_rows + e * ld);
         kv.load_v(j, v_row_src, dv, v_row);
       } else {
         std::fill(k_rows + e * ld, k_rows + e * ld + d, 0.0f);
-        std::fill(v_row, v_row + dv, 0.0f);
       }
+      if (v_row_src == nullptr) std::fill(v_row, v_row + dv, 0.0f);
       {  // Locals and restrict (their own scope): the closure's captures would otherwise be reloaded after every store.
-        const float* HWY_RESTRICT src = v_row;
+        const float* HWY_RESTRICT src = v_src;
+        const std::int64_t real = v_src == v_row ? dv_pad : dv;  // in place: the caller's row ends at dv
         float* HWY_RESTRICT vt = ws.v_packed.get() + (at / bc) * bc * dv_pad + (at % bc) * kMicroCols;
-        for (std::int64_t c = 0, n = dv_pad, stride = bc; c < n; c += kMicroCols)
-          for (std::int64_t v = 0; v < kMicroVecs; ++v)
-            hn::Store(hn::Load(df, src + c + v * kLanes), df, vt + c * stride + v * kLanes);
+        for (std::int64_t c = 0, stride = bc; c < dv_pad; c += kLanes)
+          hn::Store(c < real ? hn::LoadU(df, src + c) : hn::Zero(df), df, vt + (c - c % kMicroCols) * stride + c % kMicroCols);
       }
-      if (e == kMicroCols - 1)
-        TransposeKeys(df, k_rows, ld, d,
-                      ws.k_packed.get() + (at / bc) * d * bc + (at % bc) / kMicroCols * d * kMicroCols, kMicroCols);
+      if (e == kMicroCols - 1) {
+        float* panel = ws.k_packed.get() + (at / bc) * d * bc + (at % bc) / kMicroCols * d * kMicroCols;
+        if (in_place)
+          TransposeKeyRows(df, panel_rows, d, panel, kMicroCols);
+        else
+          TransposeKeys(df, k_rows, ld, d, panel, kMicroCols);
+      }
     });
   }
 
