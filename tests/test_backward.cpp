@@ -233,6 +233,41 @@ TEST(Backward, RowsWithoutVisibleKeysContributeNothing) {
   check_case({1, 40, 25, 2, 1, 16, 16}, true, DType::f32, 2, true, 1101);
 }
 
+// The row strips' spans (docs/algorithm.md §3): on a causal diagonal or a window's edges the
+// forward and the backward compute each strip over the keys some row of it sees, not whole
+// tiles. A strip's span overshoots a row's visible keys by under a panel and a strip's height
+// at each end it cuts (KernelCounters::scores_computed), where whole tiles would overshoot by
+// about half a tile a row; the gradients stay within the rule (check_case). Every SIMD target.
+TEST(Backward, StripsComputeTheirSpansOnly) {
+  for_each_simd_target([](const std::string& target) {
+    const CpuHardware hw = CpuHardware::detect(1);
+    const std::int64_t heads = 2, slack_per_row = hw.micro_cols + hw.micro_rows;
+    struct Shape2 {
+      std::int64_t s, window, visible, ends;  // sequence, left window (-1: none), visible pairs a head, ends cut
+    };
+    for (const Shape2& c : {Shape2{1024, -1, 1024 * 1025 / 2, 1}, Shape2{256, 16, 17 * 256 - 16 * 17 / 2, 2}}) {
+      const Case k = backward_case({1, c.s, c.s, heads, heads, 64, 64}, true, DType::f32, 2, false, 1150);
+      AttentionOptions o = k.options();
+      o.window_size = {c.window, 0};
+      KernelCounters fwd, bwd;
+      o.counters = &fwd;
+      const Inputs in = k.inputs();
+      const ForwardResult f = forward(in.q.view(), in.k.view(), in.v.view(), o);
+      o.counters = &bwd;
+      backward(in.dout.view(), in.q.view(), in.k.view(), in.v.view(), f.out.view(), f.lse.view(), o);
+      const std::int64_t visible = heads * c.visible;
+      const std::int64_t bound = visible + heads * (c.s + hw.micro_rows) * c.ends * slack_per_row;
+      for (const auto& [name, counts] : {std::pair<const char*, const KernelCounters*>{"forward", &fwd}, {"backward", &bwd}}) {
+        SCOPED_TRACE(target + ", window " + std::to_string(c.window) + ", " + name);
+        EXPECT_GE(counts->scores_computed, visible);
+        EXPECT_LE(counts->scores_computed, bound);
+        EXPECT_GT(counts->scores, bound) << "whole tiles would compute more: the case tells spans from tiles";
+      }
+    }
+  });
+  check_case({1, 200, 200, 2, 1, 64, 64}, true, DType::f32, 3, true, 1151);
+}
+
 TEST(Backward, EmptySizes) {
   for (const auto& [b, sq, sk] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{0, 5, 5}, {2, 0, 5}, {2, 5, 0}})
     for (bool det : {false, true}) {

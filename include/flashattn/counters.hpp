@@ -27,6 +27,12 @@ struct KernelCounters {
   std::int64_t tiles_skipped = 0;   // pairs of the tile grid skipped (causal, window, block mask,
                                     // a boolean attn_mask's or a score_hook's empty blocks)
   std::int64_t scores = 0;          // score entries of the computed tiles (rows × keys, no padding)
+  // (tiled kernels) score entries the products computed: each row strip of a computed tile
+  // over its span of the tile's keys — the keys some row of it may see, in whole micro-tile
+  // panels (docs/algorithm.md §3) — its padding rows and columns included; the bf16 backward
+  // (tiled_bf16) computes whole tiles. Against `scores`: what the narrowing of causal
+  // diagonals, windows and masks left of the tiles. Depends on the micro-tile's geometry.
+  std::int64_t scores_computed = 0;
   // Forward.
   std::int64_t o_written = 0;    // output elements written (split-KV: each split's partial output)
   std::int64_t lse_written = 0;  // log-sum-exps written (likewise per split)
@@ -60,6 +66,7 @@ struct KernelCounters {
     tiles_computed += o.tiles_computed;
     tiles_skipped += o.tiles_skipped;
     scores += o.scores;
+    scores_computed += o.scores_computed;
     o_written += o.o_written;
     lse_written += o.lse_written;
     rows_computed += o.rows_computed;

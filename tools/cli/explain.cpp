@@ -216,6 +216,13 @@ void print_text(const Account& a, const std::optional<Measured>& m) {
     std::printf("  %-34s %16lld %16lld%s\n", name, static_cast<long long>(want), static_cast<long long>(got),
                 want == got ? "" : "   (differs)");
   };
+  // What the row strips' spans left of the computed tiles (causal diagonals, windows, masks).
+  const auto spans = [](const KernelCounters& c) {
+    std::printf("  scores the row strips computed (their spans, padding included): %lld (%.2f of the tiles' %lld)\n",
+                static_cast<long long>(c.scores_computed),
+                static_cast<double>(c.scores_computed) / static_cast<double>(std::max<std::int64_t>(1, c.scores)),
+                static_cast<long long>(c.scores));
+  };
   const KernelCounters& f = m->run.forward;
   const KernelCounters& mf = model.forward;
   std::printf("  %-34s %16s %16s\n", "forward counter", "model", "measured");
@@ -229,6 +236,7 @@ void print_text(const Account& a, const std::optional<Measured>& m) {
   std::printf("  K/V elements packed from the caller's memory: %lld (each streamed %.1f times on average)\n",
               static_cast<long long>(f.kv_packed),
               static_cast<double>(f.k_read + f.v_read) / static_cast<double>(std::max<std::int64_t>(1, f.kv_packed)));
+  spans(f);
   const KernelCounters& b = m->run.backward;
   const KernelCounters& mb = model.backward;
   std::printf("  %-34s %16s %16s   (%s)\n", "backward counter", "model", "measured", m->run.backward_plan.describe().c_str());
@@ -239,6 +247,7 @@ void print_text(const Account& a, const std::optional<Measured>& m) {
   line("dQ accumulator elements written", mb.dq_accum_written, b.dq_accum_written);
   line("tiles computed", mb.tiles_computed, b.tiles_computed);
   line("tiles skipped", mb.tiles_skipped, b.tiles_skipped);
+  spans(b);
   std::printf("  time: forward %.3f ms, backward %.3f ms", m->run.forward_seconds * 1e3, m->run.backward_seconds * 1e3);
   if (m->has_cpu_prediction)
     std::printf(" (model on this CPU: %.3f ms, %.3f ms)", m->cpu_fwd.seconds * 1e3, m->cpu_bwd.seconds * 1e3);

@@ -606,6 +606,15 @@ inline void FindStripKeys(const AttentionProblem& p, const RowMods& mods, std::i
   }
 }
 
+// The score entries `strips` row strips compute over their spans (KernelCounters::
+// scores_computed): kMicroRows rows a strip, the last kTailRows where it runs at half height.
+HWY_INLINE std::int64_t SpanScores(const StripKeys* HWY_RESTRICT keys, std::int64_t strips, bool half_tail) {
+  std::int64_t sum = 0;
+  for (std::int64_t s = 0; s < strips; ++s)
+    sum += (half_tail && s == strips - 1 ? kTailRows : kMicroRows) * (keys[s].end - keys[s].begin);
+  return sum;
+}
+
 // micro(s, j): S(strip s, panel j) = Q(strip)·Kᵀ(panel), for every panel j in the strip's
 // span. Panels outermost: one packed K panel (contiguous) stays in L1 while the row strips
 // pass over it.

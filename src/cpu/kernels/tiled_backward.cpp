@@ -206,6 +206,10 @@ KeptTile KeepTile(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t
 // widened at packing, Q pre-scaled by scale·log2e as it is loaded.
 struct Fp32BackwardProducts {
   static constexpr std::int64_t kRowMultiple = kMicroRows;  // a Q tile's rows, padded
+  // The scores ScoresAndDp computes: each strip over its span.
+  static std::int64_t ScoresComputed(const StripKeys* keys, std::int64_t rows_pad, std::int64_t /*n_pad*/) {
+    return SpanScores(keys, rows_pad / kMicroRows, false);
+  }
 
   // dK and dV of a K/V tile accumulate as rows of keys: (block_k, D_pad), (block_k, Dv_pad),
   // n keys padded to whole micro-tiles of rows (block_k is a multiple of those and of columns).
@@ -516,6 +520,10 @@ struct Bf16BackwardProducts {
 
   // A Q tile's rows, padded: whole AMX chunks of 16 row pairs, the depth of dVᵀ and dKᵀ.
   static constexpr std::int64_t kRowMultiple = 32;
+  // The scores ScoresAndDp computes: the whole tile.
+  static std::int64_t ScoresComputed(const StripKeys* /*keys*/, std::int64_t rows_pad, std::int64_t n_pad) {
+    return rows_pad * n_pad;
+  }
   static std::int64_t Even(std::int64_t n) { return (n + 1) / 2 * 2; }
 
   // dKᵀ and dVᵀ of a K/V tile accumulate as rows of head-dim columns: (D_pad, block_k),
@@ -727,6 +735,7 @@ void KvItem(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t item)
       Products::LoadQ(prm, ws, b, h, i0, rows, rows_pad);
       StripKeys* keys = ws.strip_keys.data();  // each row strip's keys of the tile
       FindStripKeys(p, mods, i0, (rows_pad + kMicroRows - 1) / kMicroRows, rows, rows, j0, n, keys);
+      ws.counters.scores_computed += Products::ScoresComputed(keys, rows_pad, n_pad);
       Products::ScoresAndDp(prm, ws, kb, rows_pad, n_pad, exponent_scales ? 1.0f : scale, keys);
       ComputePAndDS(ws, mods, dbias, bc, i0, rows, rows_pad, j0, n, n_pad, exponent_scales ? scale : 1.0f, keys);
       // dV, dK and this K/V tile's dQ share, added to the shared float32 accumulator.

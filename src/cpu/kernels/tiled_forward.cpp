@@ -444,6 +444,7 @@ void TiledItem(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t item
 
     StripKeys* keys = ws.strip_keys.data();  // (strips)
     FindStripKeys(p, mods, i0, strips, rows, heads * rows, j0, n, keys);
+    ws.counters.scores_computed += SpanScores(keys, strips, ws.half_tail);
     Products::Scores(prm, ws, j0, keys, strips, n_pad, softmax_scales || mask_scales ? 1.0f : scale);
     // Row by row, while the row is in L1: the mask step, then the online-softmax update.
     ForEachSpanRow(i0, rows_run, rows, heads * rows, j0, n, keys, [&](std::int64_t r, std::int64_t i, std::int64_t j,
