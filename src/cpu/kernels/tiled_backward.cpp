@@ -202,6 +202,14 @@ KeptTile KeepTile(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_t
   return kept;
 }
 
+// Whether each of the `strips` row strips spans the whole tile of n_pad columns: no causal
+// diagonal, window or mask narrows any of them.
+bool WholeSpans(const StripKeys* keys, std::int64_t strips, std::int64_t n_pad) {
+  for (std::int64_t s = 0; s < strips; ++s)
+    if (keys[s].begin != 0 || keys[s].end != n_pad) return false;
+  return true;
+}
+
 // The backward's five products on float32 FMAs (the forward's micro-kernel), K and V
 // widened at packing, Q pre-scaled by scale·log2e as it is loaded.
 struct Fp32BackwardProducts {
@@ -309,6 +317,13 @@ struct Fp32BackwardProducts {
                           std::int64_t rows_pad, std::int64_t n_pad, float /*scale*/, const StripKeys* keys) {
     const std::int64_t bc = prm.plan.block_k, d = prm.problem.head_dim, dv = prm.problem.head_dim_v;
     const std::int64_t strips = rows_pad / kMicroRows;
+    if (WholeSpans(keys, strips, n_pad)) {  // the whole tile, without a look at each micro-tile's span
+      TileGemm<false>({ws.q_rows, RowLd(prm.plan.head_dim_padded)}, ws.kt_packed.get() + tile * d * RowLd(bc),
+                      RowLd(bc), ws.p_tile.get(), bc, rows_pad, n_pad, d);
+      TileGemm<false>({ws.do_rows, RowLd(prm.plan.head_dim_v_padded)}, ws.vt_packed.get() + tile * dv * RowLd(bc),
+                      RowLd(bc), ws.ds_tile.get(), bc, rows_pad, n_pad, dv);
+      return;
+    }
     for (const auto& [a, ld, b, c, depth] :
          {std::tuple{ws.q_rows, RowLd(prm.plan.head_dim_padded), ws.kt_packed.get() + tile * d * RowLd(bc),
                      ws.p_tile.get(), d},
@@ -332,6 +347,15 @@ struct Fp32BackwardProducts {
     for (std::int64_t r = 0; r < rows_pad && key_rows > n_pad; ++r) {
       std::fill(ws.p_tile.get() + r * bc + n_pad, ws.p_tile.get() + r * bc + key_rows, 0.0f);
       std::fill(ws.ds_tile.get() + r * bc + n_pad, ws.ds_tile.get() + r * bc + key_rows, 0.0f);
+    }
+    if (WholeSpans(keys, strips, n_pad)) {  // every product over the whole tile
+      TileGemm<true>({ws.p_tile.get(), 1, bc}, ws.do_rows, RowLd(dv_pad), ws.dv_acc.get(), dv_pad, key_rows, dv_pad,
+                     rows_pad);
+      TileGemm<true>({ws.ds_tile.get(), 1, bc}, ws.q_rows, RowLd(d_pad), ws.dk_acc.get(), d_pad, key_rows, d_pad,
+                     rows_pad);
+      TileGemm<false>({ws.ds_tile.get(), bc}, ws.k_packed.get() + j0 * RowLd(d_pad), RowLd(d_pad), ws.dq_tile.get(),
+                      d_pad, rows_pad, d_pad, n_pad);
+      return;
     }
     // The Q tile rows (whole strips) that each strip of key rows meets.
     StripKeys* depth = ws.key_strip_rows.data();
@@ -462,10 +486,11 @@ void ComputePAndDS(BackwardWorkspace& ws, const RowMods& mods, const DbiasRows& 
     }
     // Outside its strip's span the row hides every key: P and dS are zero there.
     const std::int64_t lo = span.begin, hi = span.end, real = std::min(n, hi) - lo;
-    for (float* row : {prow, dsrow}) {
-      std::fill(row, row + lo, 0.0f);
-      std::fill(row + hi, row + n_pad, 0.0f);
-    }
+    if (lo > 0 || hi < n_pad)
+      for (float* row : {prow, dsrow}) {
+        std::fill(row, row + lo, 0.0f);
+        std::fill(row + hi, row + n_pad, 0.0f);
+      }
     const std::int64_t i = i0 + r;
     mods.apply(prow + lo, grad ? grow + lo : nullptr, i, j0 + lo, real, hi - lo);
     if (dropout) {
