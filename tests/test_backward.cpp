@@ -268,6 +268,43 @@ TEST(Backward, StripsComputeTheirSpansOnly) {
   check_case({1, 200, 200, 2, 1, 64, 64}, true, DType::f32, 3, true, 1151);
 }
 
+// The strips' narrowing drops only exact zeros: the causal (and windowed) backward gives the
+// bits of the same mask as an additive bias of 0 and −∞, which the backward computes over whole
+// tiles (it summarises no bias) — bottom-right alignment with seqlen_q above and below
+// seqlen_k (rows that see no key), grouped heads, every SIMD target, deterministic dQ.
+TEST(Backward, NarrowedStripsGiveTheWholeTilesBits) {
+  for_each_simd_target([](const std::string& target) {
+    std::uint64_t seed = 1160;
+    for (const auto& [sq, sk, left] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{200, 200, -1},
+                                       {150, 230, -1}, {230, 150, 40}, {177, 177, 20}}) {
+      SCOPED_TRACE(target + ": " + std::to_string(sq) + " x " + std::to_string(sk) + ", left window " +
+                   std::to_string(left));
+      Case c = backward_case({1, sq, sk, 4, 2, 40, 24}, true, DType::f32, 2, true, seed++);
+      AttentionOptions causal = c.options();
+      causal.window_size = {left, 0};
+      const Inputs in = c.inputs();
+      const ForwardResult f = forward(in.q.view(), in.k.view(), in.v.view(), causal);
+      Tensor bias(DType::f32, {1, 1, sq, sk});
+      for (std::int64_t i = 0; i < sq; ++i)
+        for (std::int64_t j = 0; j < sk; ++j) {
+          const std::int64_t diagonal = i + sk - sq;  // bottom-right: query i sees keys up to it
+          const bool seen = j <= diagonal && (left < 0 || j >= diagonal - left);
+          bias.set(i * sk + j, seen ? 0.0f : -std::numeric_limits<float>::infinity());
+        }
+      AttentionOptions masked = c.options();
+      masked.causal = false;
+      masked.attn_mask = bias.view();
+      const auto grads = [&](const AttentionOptions& o) {
+        return backward(in.dout.view(), in.q.view(), in.k.view(), in.v.view(), f.out.view(), f.lse.view(), o);
+      };
+      const BackwardResult narrowed = grads(causal), whole = grads(masked);
+      for (const auto& [name, a, b] : {std::tuple{"dq", &narrowed.dq, &whole.dq}, {"dk", &narrowed.dk, &whole.dk},
+                                       {"dv", &narrowed.dv, &whole.dv}})
+        for (std::int64_t e = 0; e < a->numel(); ++e) ASSERT_EQ(a->get(e), b->get(e)) << name << " element " << e;
+    }
+  });
+}
+
 TEST(Backward, EmptySizes) {
   for (const auto& [b, sq, sk] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{0, 5, 5}, {2, 0, 5}, {2, 5, 0}})
     for (bool det : {false, true}) {

@@ -101,7 +101,9 @@ inline constexpr std::int64_t kRowLdPad = 16;
 inline constexpr std::int64_t RowLd(std::int64_t padded) { return padded + kRowLdPad; }
 
 // The most rows a Q tile is padded to a multiple of (tiled_bf16's; the float32 kernel pads to
-// micro_rows): a tile of at most block_q rows has at most StripsFor(block_q, micro_rows) row strips.
+// micro_rows, and block_q is a multiple of those): a tile of at most block_q rows, padded to
+// micro_rows or to a divisor of kMaxRowMultiple, has at most StripsFor(block_q, micro_rows)
+// row strips.
 inline constexpr std::int64_t kMaxRowMultiple = 32;
 inline std::size_t StripsFor(std::int64_t block_q, std::int64_t micro_rows) {
   const std::int64_t rows = (block_q + kMaxRowMultiple - 1) / kMaxRowMultiple * kMaxRowMultiple;

@@ -213,8 +213,7 @@ bool WholeSpans(const StripKeys* keys, std::int64_t strips, std::int64_t n_pad) 
 // The backward's five products on float32 FMAs (the forward's micro-kernel), K and V
 // widened at packing, Q pre-scaled by scale·log2e as it is loaded.
 struct Fp32BackwardProducts {
-  static constexpr std::int64_t kRowMultiple = kMicroRows;  // a Q tile's rows, padded
-  static_assert(kRowMultiple <= kMaxRowMultiple, "the workspace's row strips (StripsFor) cover a padded tile");
+  static constexpr std::int64_t kRowMultiple = kMicroRows;  // a Q tile's rows, padded (within StripsFor's strips)
   // The scores ScoresAndDp computes: each strip over its span.
   static std::int64_t ScoresComputed(const StripKeys* keys, std::int64_t rows_pad, std::int64_t /*n_pad*/) {
     return SpanScores(keys, rows_pad / kMicroRows, false);
@@ -546,7 +545,7 @@ struct Bf16BackwardProducts {
 
   // A Q tile's rows, padded: whole AMX chunks of 16 row pairs, the depth of dVᵀ and dKᵀ.
   static constexpr std::int64_t kRowMultiple = 32;
-  static_assert(kRowMultiple <= kMaxRowMultiple, "the workspace's row strips (StripsFor) cover a padded tile");
+  static_assert(kMaxRowMultiple % kRowMultiple == 0, "the workspace's row strips (StripsFor) cover a padded tile");
   // The scores ScoresAndDp computes: the whole tile.
   static std::int64_t ScoresComputed(const StripKeys* /*keys*/, std::int64_t rows_pad, std::int64_t n_pad) {
     return rows_pad * n_pad;

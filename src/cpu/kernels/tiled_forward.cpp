@@ -90,7 +90,9 @@ struct Fp32Products {
   // of kLanes) are read in place: the K rows' pointers are kept until the panel's last key,
   // the V row is stored straight into the panels. Other rows are converted first (quantized
   // caches' codes dequantized), K into k_rows, V into v_row: packing then moves the converted
-  // values. Either way the panels hold the same values.
+  // values. Either way the panels hold the same values. (A panel's row pointers live only in
+  // one call: PackKeys begins every call at a tile's first key, so each panel's keys come in
+  // the call that ends it.)
   static void Pack(const ForwardParams& prm, ForwardWorkspace& ws, std::int64_t b, std::int64_t kv_head,
                    std::int64_t from, std::int64_t to) {
     const std::int64_t bc = prm.plan.block_k, d = prm.problem.head_dim, dv = prm.problem.head_dim_v;
