@@ -583,10 +583,10 @@ HWY_INLINE std::int64_t RowQuery(std::int64_t i0, std::int64_t r, std::int64_t r
 // and begins the next's; within that, only the blocks some row of the strip may see under
 // the block masks (RowMods::narrow_span) and, in a score hook's partial blocks, the panels
 // some row keeps by their bytes (RowMods::narrow_to_kept_bytes); rounded out to whole panels
-// of kMicroCols keys, that is its span. Outside it every score of the strip is masked (causal, window, the
-// masks' empty blocks): no S micro-tile, no exponential and no P·V depth is spent there (the
-// backward: no S' or dP micro-tile, no exponential, no depth of dQ, dK or dV), so a diagonal
-// tile costs about its visible triangle, not its square. A strip that sees none of the tile's
+// of kMicroCols keys, that is its span. Outside it every score of the strip is masked (causal,
+// window, the masks' empty blocks): no S micro-tile, no exponential and no P·V depth is spent
+// there (the backward: no S' or dP micro-tile, no exponential, no depth of dQ, dK or dV), so a
+// diagonal tile costs about its visible triangle, not its square. A strip that sees none of the tile's
 // keys gets an empty span and is skipped: the forward leaves its softmax state and õ as they
 // are, exactly what an all-masked row would leave; the backward's P and dS rows are zero.
 inline void FindStripKeys(const AttentionProblem& p, const RowMods& mods, std::int64_t i0, std::int64_t strips,

@@ -128,7 +128,8 @@ struct Fp32Products {
         const std::int64_t real = v_src == v_row ? dv_pad : dv;  // in place: the caller's row ends at dv
         float* HWY_RESTRICT vt = ws.v_packed.get() + (at / bc) * bc * dv_pad + (at % bc) * kMicroCols;
         for (std::int64_t c = 0, stride = bc; c < dv_pad; c += kLanes)
-          hn::Store(c < real ? hn::LoadU(df, src + c) : hn::Zero(df), df, vt + (c - c % kMicroCols) * stride + c % kMicroCols);
+          hn::Store(c < real ? hn::LoadU(df, src + c) : hn::Zero(df), df,
+                    vt + (c - c % kMicroCols) * stride + c % kMicroCols);
       }
       if (e == kMicroCols - 1) {
         float* panel = ws.k_packed.get() + (at / bc) * d * bc + (at % bc) / kMicroCols * d * kMicroCols;
