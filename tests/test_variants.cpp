@@ -573,7 +573,7 @@ TEST(Variants, BooleanMaskSummaryMatchesItsBytes) {
   const TensorView mask(storage.data(), DType::u8, {batch, heads, sq, sk},
                         {heads * sq * row_stride, sq * row_stride, row_stride, 1});
   for_each_simd_target([&](const std::string&) {
-    for (const auto& [br, bc] : {std::pair<std::int64_t, std::int64_t>{8, 32}, {6, 16}, {64, 128}, {1, 8}}) {
+    for (const auto& [br, bc] : {std::pair<std::int64_t, std::int64_t>{8, 32}, {6, 16}, {64, 128}, {1, 8}, {7, 24}}) {
       SCOPED_TRACE("blocks " + std::to_string(br) + " x " + std::to_string(bc));
       for (int threads : {1, 3}) {
         const cpu::DenseMaskSummary summary(mask, sq, sk, br, bc, threads);
