@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import threading
 
 import ml_dtypes
@@ -180,6 +181,57 @@ def _int_arg(name, value, minimum):
     return int(value)
 
 
+def _seqlen_arg(name, value):
+    """A max_seqlen argument as an int (int() of it, as the native call takes it), named where
+    it is not an integer."""
+    if isinstance(value, (float, np.floating)) and not float(value).is_integer():
+        raise TypeError(f"{name}: expected an integer, got {value!r}")
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}: expected an integer, got {value!r}") from None
+
+
+def _cache_seqlens_values(cache_seqlens, batch):
+    """cache_seqlens given as an integer (each sequence's) or a list of them: the ints, each in
+    int32's range; None for an array or tensor (of rank >= 1, checked natively) or None."""
+    if cache_seqlens is None or len(getattr(cache_seqlens, "shape", ())) > 0:
+        return None
+    values = list(cache_seqlens) if isinstance(cache_seqlens, (list, tuple)) else [cache_seqlens] * batch
+    ints = []
+    for x in values:
+        try:
+            ints.append(operator.index(x))  # int, NumPy integers, integer 0-d tensors; not floats or bools' kin
+        except TypeError:
+            raise TypeError(f"cache_seqlens: expected integers, got {x!r}") from None
+        if not -(1 << 31) <= ints[-1] < (1 << 31):
+            raise ValueError(f"cache_seqlens: {ints[-1]} is out of the int32 range")
+    return ints
+
+
+def _scale_arg(softmax_scale):
+    """softmax_scale as a float, or None (1 / sqrt(head_dim)); named where it is not a number."""
+    if softmax_scale is None:
+        return None
+    try:
+        return float(softmax_scale)
+    except (TypeError, ValueError):
+        raise TypeError(f"softmax_scale: expected a number or None, got {softmax_scale!r}") from None
+
+
+def _window_arg(window_size):
+    """window_size as (left, right) ints (-1: unbounded), named where it is not a pair of
+    integers the native library can hold (int64)."""
+    try:
+        left, right = window_size
+        pair = (int(left), int(right))
+    except (TypeError, ValueError):
+        raise TypeError(f"window_size: expected (left, right) integers, got {window_size!r}") from None
+    if any(not -(1 << 63) <= x < (1 << 63) for x in pair):
+        raise ValueError(f"window_size: {pair} is out of the int64 range")
+    return pair
+
+
 def _pack_gqa_arg(pack_gqa):
     """FA3's pack_gqa: None (the planner's choice), True or False (AttentionOptions::pack_gqa)."""
     if pack_gqa is None or isinstance(pack_gqa, (bool, np.bool_)):
@@ -238,10 +290,9 @@ def _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slope
     o.block_mask = _block_mask_raw(block_mask, block_mask_block_size)
     o.block_mask_block_size = int(block_mask_block_size)
     o.kernel, o.backward_kernel = str(kernel), str(backward_kernel)
-    o.softmax_scale = None if softmax_scale is None else float(softmax_scale)
+    o.softmax_scale = _scale_arg(softmax_scale)
     o.causal = bool(causal)
-    if len(window_size) != 2:
-        raise ValueError(f"window_size: expected (left, right), got {window_size!r}")
+    window_size = _window_arg(window_size)
     o.window_left, o.window_right = int(window_size[0]), int(window_size[1])
     o.softcap = float(softcap)
     if alibi_slopes is not None:
@@ -430,8 +481,7 @@ def _attention(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, s
     if len({_is_tensor(x) for x in (q, k, v)}) > 1:
         raise TypeError("inputs mix numpy arrays and torch tensors: q, k, v")
     sinks = _learnable_sink(learnable_sink, q)
-    if len(window_size) != 2:
-        raise ValueError(f"window_size: expected (left, right), got {window_size!r}")
+    window_size = _window_arg(window_size)
     if any(_is_fp8(x) for x in (q, k, v)):
         if varlen is not None:
             raise NotImplementedError("q: FP8 inputs are supported by flash_attn_func only, not the varlen functions")
@@ -469,7 +519,7 @@ def _torch_attention(q, k, v, varlen, dropout_p, softmax_scale, causal, window_s
         alibi_slopes = torch.as_tensor(alibi_slopes)
     if num_threads is not None and num_threads != 0:
         num_threads = _resolve_threads(num_threads, True)
-    scalars = (float(dropout_p), None if softmax_scale is None else float(softmax_scale), bool(causal),
+    scalars = (float(dropout_p), _scale_arg(softmax_scale), bool(causal),
                int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes, bool(deterministic),
                rng_state, str(kernel), str(backward_kernel), int(num_threads or 0),
                _int_arg("num_splits", num_splits, 0), block_mask, int(block_mask_block_size), sinks, pack_gqa)
@@ -740,6 +790,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Equal to the unshared call over the concatenated keys within float32 rounding."""
     learnable_sink = _sink_alias(learnable_sink, sinks)
     prefixes = (prefix_block_table, prefix_seqused_k, prefix_idx)
+    max_seqlen_q = _seqlen_arg("max_seqlen_q", max_seqlen_q)
     if block_table is not None:
         return _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, dropout_p, softmax_scale, causal,
                              window_size, softcap, alibi_slopes, return_attn_probs, block_table, seqused_k,
@@ -751,6 +802,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                     ("k_quant", k_quant), ("v_quant", v_quant)):
         if x is not None:
             raise ValueError(f"{name}: belongs to a paged batch (block_table)")
+    max_seqlen_k = _seqlen_arg("max_seqlen_k", max_seqlen_k)
     return _attention(q, k, v, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), dropout_p, softmax_scale,
                       causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, seed, kernel,
                       backward_kernel, num_threads, num_splits, learnable_sink=learnable_sink, pack_gqa=pack_gqa)
@@ -774,17 +826,22 @@ def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     if seqused_k is None:
         if cu_seqlens_k is None:
             raise ValueError("seqused_k: a paged batch needs seqused_k or cu_seqlens_k for its key counts")
+        cu_seqlens_k = _raw(cu_seqlens_k, "cu_seqlens_k", int32=True, tensor=True)[0]
+        table_shape = tuple(getattr(block_table, "shape", ()))  # block_table's own checks come later
+        batch = table_shape[0] if len(table_shape) == 2 else None
+        if cu_seqlens_k.ndim != 1 or (batch is not None and cu_seqlens_k.shape[0] != batch + 1):
+            raise ValueError(f"cu_seqlens_k: shape {tuple(cu_seqlens_k.shape)} but expected ({batch} + 1,): one "
+                             f"offset per sequence of block_table {table_shape} and the end")
         if _is_tensor(cu_seqlens_k):  # torch ops only, so that a compiled graph keeps it
-            seqused_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
+            seqused_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
         else:
-            seqused_k = np.diff(np.asarray(cu_seqlens_k).astype(np.int64)).astype(np.int32)
+            seqused_k = np.diff(cu_seqlens_k)
         compiling = _is_tensor(cu_seqlens_k) and torch.compiler.is_compiling()  # no data read in a graph
         if not compiling and bool((seqused_k < 0).any()):
             at = next(i for i, n in enumerate(seqused_k.tolist()) if n < 0)
             raise ValueError(f"cu_seqlens_k: must be non-decreasing (it gives the key counts without seqused_k), "
                              f"got {int(cu_seqlens_k[at])} at [{at}] then {int(cu_seqlens_k[at + 1])}")
-    if len(window_size) != 2:
-        raise ValueError(f"window_size: expected (left, right), got {window_size!r}")
+    window_size = _window_arg(window_size)
     if _is_tensor(q):
         if alibi_slopes is not None and not _is_tensor(alibi_slopes):
             alibi_slopes = torch.as_tensor(alibi_slopes)
@@ -793,7 +850,7 @@ def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         tables = [_as_tensor(x) for x in (cu_seqlens_q, block_table, seqused_k, k_scale, v_scale, *prefixes,
                                           k_zero_point, v_zero_point)]
         args = (q, k_cache, v_cache, tables[0], int(max_seqlen_q), tables[1], tables[2], tables[3], tables[4],
-                None if softmax_scale is None else float(softmax_scale), bool(causal), int(window_size[0]),
+                _scale_arg(softmax_scale), bool(causal), int(window_size[0]),
                 int(window_size[1]), float(softcap), alibi_slopes, str(kernel), int(num_threads or 0),
                 _int_arg("num_splits", num_splits, 0), _learnable_sink(learnable_sink, q), *tables[5:],
                 k_quant, v_quant, _pack_gqa_arg(pack_gqa))
@@ -954,6 +1011,8 @@ def _kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
                      v_quant=""):
     """The KV-cache call on raw views: (out, softmax_lse); the caches (and a quantized cache's
     scales and zero points, as appends need) are written in place."""
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_writable(cache, name, "flash_attn_with_kvcache takes a writable cache (it appends k and v in place)")
     if _is_codes(k_cache):
         raws, dts = _inputs(q=q, tensors=True)
         raws["k_cache"], raws["v_cache"] = _codes(k_cache, "k_cache"), _codes(v_cache, "v_cache")
@@ -1046,18 +1105,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         # whose NumPy strides are 0, is left to the native shape checks.)
         if step != 1 and 0 not in cache.shape:
             raise ValueError(f"{name}: last dimension must be contiguous (stride 1), got stride {step}")
-    if len(window_size) != 2:
-        raise ValueError(f"window_size: expected (left, right), got {window_size!r}")
+    window_size = _window_arg(window_size)
     batch = q.shape[0] if cu_seqlens_q is None else len(cu_seqlens_q) - 1
     sinks = _learnable_sink(learnable_sink, q)
     if _is_tensor(q):
         for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
             if x is not None and not _is_tensor(x):
                 raise TypeError(f"inputs mix numpy arrays and torch tensors: q, {name}")
-        if isinstance(cache_seqlens, (list, tuple)):
-            cache_seqlens = torch.tensor(cache_seqlens, dtype=torch.int32)
-        elif cache_seqlens is not None and not hasattr(cache_seqlens, "shape"):
-            cache_seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32)
+        values = _cache_seqlens_values(cache_seqlens, batch)
+        if values is not None:
+            cache_seqlens = torch.tensor(values, dtype=torch.int32)
         if (rotary_cos is None and rotary_sin is None and cache_batch_idx is None and alibi_slopes is None
                 and num_splits == 0 and k_scale is None and v_scale is None and sinks is None and cu_seqlens_q is None
                 and cu_seqlens_k_new is None and max_seqlen_q is None and k_zero_point is None and v_zero_point is None
@@ -1078,7 +1135,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             num_threads = _resolve_threads(num_threads, True)
         args = (q, k_cache, v_cache, k, v, tensor(rotary_cos), tensor(rotary_sin), tensor(cache_seqlens),
                 tensor(cache_batch_idx), tensor(cache_leftpad), tensor(block_table),
-                None if softmax_scale is None else float(softmax_scale), bool(causal), int(window_size[0]),
+                _scale_arg(softmax_scale), bool(causal), int(window_size[0]),
                 int(window_size[1]), float(softcap), bool(rotary_interleaved), alibi_slopes, int(num_splits),
                 tensor(k_scale), tensor(v_scale), str(kernel), int(num_threads or 0), sinks, tensor(cu_seqlens_q),
                 tensor(cu_seqlens_k_new), int(max_seqlen_q or 0), tensor(k_zero_point), tensor(v_zero_point),
@@ -1087,10 +1144,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         direct = _torch_ops.direct(*(a for a in args if isinstance(a, torch.Tensor)))
         out, lse = (_torch_ops.fwd_kvcache_direct if direct else torch.ops.flashattn.fwd_kvcache)(*args)
         return (out, lse) if return_softmax_lse else out
-    if isinstance(cache_seqlens, (list, tuple)):
-        cache_seqlens = np.asarray(cache_seqlens, dtype=np.int32)
-    elif cache_seqlens is not None and not hasattr(cache_seqlens, "shape"):
-        cache_seqlens = np.full((batch,), int(cache_seqlens), dtype=np.int32)
+    values = _cache_seqlens_values(cache_seqlens, batch)
+    if values is not None:
+        cache_seqlens = np.asarray(values, dtype=np.int32)
     opts = _options(0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, False, None, kernel, sinks=sinks,
                     pack_gqa=pack_gqa)
     opts.num_splits = int(num_splits)
@@ -1253,7 +1309,7 @@ def _fp8_attention(q, k, v, descales, dropout_p, softmax_scale, causal, window_s
         _check_block_mask(block_mask, block_mask_block_size)
         rng_state = _torch_rng_state(dropout_p, seed)
         args = (q, k, v, *(_as_tensor(d) for d in descales), float(dropout_p),
-                None if softmax_scale is None else float(softmax_scale), bool(causal), int(window_size[0]),
+                _scale_arg(softmax_scale), bool(causal), int(window_size[0]),
                 int(window_size[1]), float(softcap), _as_tensor(alibi_slopes), rng_state, str(kernel),
                 int(_resolve_threads(num_threads, True) if num_threads else 0), _int_arg("num_splits", num_splits, 0),
                 _as_tensor(block_mask), int(block_mask_block_size), sinks, _pack_gqa_arg(pack_gqa))
@@ -1285,8 +1341,16 @@ def _dtype_code(dtype, tensors, name):
     return code
 
 
+def _check_writable(x, name, what="it is written in place"):
+    """A read-only NumPy array (np.broadcast_to's views, a read-only memmap) where the call
+    writes: named, before the native binding refuses it without a name."""
+    if isinstance(x, np.ndarray) and not x.flags.writeable:
+        raise ValueError(f"{name}: a read-only array, but {what}")
+
+
 def _output_raw(x, name):
     """A zero-copy view of an output the caller passed (written in place, so never copied)."""
+    _check_writable(x, name)
     if _is_tensor(x):
         if x.device.type != "cpu":
             raise ValueError(f"{name}: only CPU tensors are supported, got device {x.device}")
@@ -1349,10 +1413,19 @@ def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None, *, nu
     if _torch_ops.direct(out_partial, lse_partial, out):
         o, lse = _combine(out_partial, lse_partial, out, out_dtype, _resolve_threads(threads, True))
     else:
-        o, lse = torch.ops.flashattn.combine(out_partial, lse_partial, code, int(threads))
-        if out is not None:
+        if out is not None:  # the direct path's checks (the native call's), before anything runs
             if _dtype_of(out, "out") != code:
                 raise TypeError(f"out: dtype {out.dtype} does not match out_dtype {out_dtype!r}")
+            want = tuple(out_partial.shape[1:]) if out_partial.dim() == 5 else None
+            if want is not None and tuple(out.shape) != want:
+                raise ValueError(f"out: shape {tuple(out.shape)} but expected {want} (batch, seqlen_q, heads_q, "
+                                 "head_dim_v)")
+            if not torch.compiler.is_compiling() and any(
+                    out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for x in (out_partial, lse_partial)):
+                raise ValueError("out: shares memory with out_partial or lse_partial (inputs are never modified; pass "
+                                 "a separate buffer)")
+        o, lse = torch.ops.flashattn.combine(out_partial, lse_partial, code, int(threads))
+        if out is not None:
             out.copy_(o)
             o = out
     return o, lse.transpose(1, 2)
@@ -1374,7 +1447,9 @@ def hadamard_rotate(x, seed=0):
     if raw.ndim != 4:
         raise ValueError(f"x: expected rank 4 (batch, seqlen, heads, head_dim), got rank {raw.ndim}")
     b, s, h, d = raw.shape
-    y, y_raw = _empty((b, s, h, hadamard_dim(d) if d > 0 else 0), "f32", x)
+    if d < 1:
+        raise ValueError(f"x: head_dim must be at least 1, got shape {tuple(raw.shape)}")
+    y, y_raw = _empty((b, s, h, hadamard_dim(d)), "f32", x)
     _C.hadamard_rotate(raw, y_raw, dt, int(seed) & ((1 << 64) - 1))
     return y
 
@@ -1389,8 +1464,7 @@ def plan(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(
     "backward" (kernel, block_q, block_k, kv_work_items, threads, workspace bytes, ...) and
     "problem" (the validated problem, described). Nothing is computed; inputs are validated as
     a call validates them (a kernel this CPU cannot run raises ValueError)."""
-    if len(window_size) != 2:
-        raise ValueError(f"window_size: expected (left, right), got {window_size!r}")
+    window_size = _window_arg(window_size)
     raws, dts = _inputs(q=q, k=k, v=v)
     opts = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, None,
                     kernel, backward_kernel, num_splits, block_mask, block_mask_block_size, pack_gqa=pack_gqa)

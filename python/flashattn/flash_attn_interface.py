@@ -117,9 +117,19 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
 
 
 def _write_grads(grads, dq, dk, dv):
-    for dst, src in zip((dq, dk, dv), grads):
-        if dst is not None:
-            dst.copy_(src)
+    """Copies the gradients into the caller's dq, dk, dv (those not None), each checked first
+    against its gradient's shape and dtype (as upstream's kernels check them): nothing is
+    written where one is refused."""
+    pairs = [(name, dst, src) for name, dst, src in zip(("dq", "dk", "dv"), (dq, dk, dv), grads) if dst is not None]
+    for name, dst, src in pairs:
+        if not isinstance(dst, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(dst).__name__}")
+        if dst.dtype != src.dtype:
+            raise TypeError(f"{name}: dtype {dst.dtype} but expected {src.dtype} (its input's)")
+        if dst.shape != src.shape:
+            raise ValueError(f"{name}: shape {tuple(dst.shape)} but expected {tuple(src.shape)} (its input's)")
+    for _, dst, src in pairs:
+        dst.copy_(src)
 
 
 def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p: float,

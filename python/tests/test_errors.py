@@ -344,3 +344,67 @@ def test_backward_kernel_reaches_autograd():
     out = flashattn.flash_attn_func(q, k, v, backward_kernel="tiled_bf16")  # the forward runs
     with pytest.raises(ValueError, match="backward_kernel tiled_bf16"):
         out.sum().backward()
+
+
+@pytest.mark.parametrize("kwargs, exc, pattern", [
+    (dict(window_size=3), TypeError, r"window_size: expected \(left, right\) integers, got 3"),
+    (dict(window_size=None), TypeError, r"window_size: expected \(left, right\) integers, got None"),
+    (dict(window_size=("a", 1)), TypeError, r"window_size: expected \(left, right\) integers"),
+    (dict(window_size=(2**70, 0)), ValueError, r"window_size: .* out of the int64 range"),
+    (dict(softmax_scale="x"), TypeError, r"softmax_scale: expected a number or None, got 'x'"),
+], ids=["window_int", "window_none", "window_str", "window_huge", "scale_str"])
+def test_scalar_arguments_are_named(kwargs, exc, pattern):
+    q, k, v = qkv()
+    with pytest.raises(exc, match=pattern):
+        flashattn.flash_attn_func(q, k, v, **kwargs)
+
+
+def test_varlen_and_kvcache_scalars_are_named():
+    q, k, v = qkv(batch=1)
+    cu = np.array([0, 8], np.int32)
+    with pytest.raises(TypeError, match="max_seqlen_q: expected an integer, got None"):
+        flashattn.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, None, 8)
+    with pytest.raises(TypeError, match="max_seqlen_k: expected an integer, got 'a'"):
+        flashattn.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 8, "a")
+    k_cache, v_cache = np.zeros((1, 16, 2, 8), np.float32), np.zeros((1, 16, 2, 8), np.float32)
+    with pytest.raises(ValueError, match="cache_seqlens: 4294967300 is out of the int32 range"):
+        flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=2**32 + 4)
+    with pytest.raises(TypeError, match="cache_seqlens: expected integers, got 2.5"):
+        flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=2.5)
+    # A NumPy integer is an integer, as a Python int is.
+    k_cache[0, :8], v_cache[0, :8] = k[0], v[0]
+    np.testing.assert_array_equal(flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=np.int32(8)),
+                                  flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=8))
+    with pytest.raises(ValueError, match=r"x: head_dim must be at least 1"):
+        flashattn.hadamard_rotate(np.zeros((1, 2, 2, 0), np.float32))
+
+
+def test_read_only_arrays_are_inputs_not_outputs():
+    """Read-only NumPy arrays (np.broadcast_to views, read-only memmaps) are read like any
+    other; where the call writes (a caller's out, a KV cache) they are refused by name, with
+    nothing written."""
+    q, k, v = qkv()
+    want = flashattn.flash_attn_func(q, k, v, causal=True)
+    frozen = [x.copy() for x in (q, k, v)]
+    for x in frozen:
+        x.flags.writeable = False
+    np.testing.assert_array_equal(flashattn.flash_attn_func(*frozen, causal=True), want)
+    k_shared = np.broadcast_to(k[:1], k.shape)  # read-only, stride 0 over the batch
+    np.testing.assert_array_equal(flashattn.flash_attn_func(q, k_shared, v[:1].repeat(2, 0)),
+                                  flashattn.flash_attn_func(q, np.ascontiguousarray(k_shared), v[:1].repeat(2, 0)))
+    cu = np.array([0, 8], np.int32)
+    cu.flags.writeable = False
+    np.testing.assert_array_equal(flashattn.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 8, 8),
+                                  flashattn.flash_attn_func(q[:1], k[:1], v[:1])[0])
+    partial = np.zeros((2, 1, 8, 4, 8), np.float32)
+    lse = np.zeros((2, 1, 8, 4), np.float32)
+    out = np.full((1, 8, 4, 8), 7.0, np.float32)
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match="out: a read-only array, but it is written in place"):
+        flashattn.flash_attn_combine(partial, lse, out=out)
+    assert (out == 7.0).all()
+    k_cache = np.zeros((2, 16, 2, 8), np.float32)
+    k_cache.flags.writeable = False
+    with pytest.raises(ValueError, match="k_cache: a read-only array, but flash_attn_with_kvcache takes a writable"):
+        flashattn.flash_attn_with_kvcache(q, k_cache, np.zeros_like(k_cache), k=k, v=v, cache_seqlens=0)
+    assert not k_cache.any()

@@ -405,6 +405,18 @@ def test_flash_attn_combine_errors():
         flashattn.flash_attn_combine(outs, lses, out=np.zeros((1, 3, 2, 16), np.float32)[..., ::2])
     with pytest.raises(TypeError, match="inputs mix numpy arrays and torch tensors"):
         flashattn.flash_attn_combine(torch.from_numpy(outs), lses)
+    # Through the op (an input that requires grad, a torch function mode): the same checks, nothing written.
+    t_outs, t_lses = torch.from_numpy(outs).requires_grad_(), torch.from_numpy(lses)
+    for mode in (torch.device("cpu"), torch.autograd.set_grad_enabled(True)):
+        with mode:
+            wrong = torch.full((2, 3, 2, 8), 5.0)
+            with pytest.raises(ValueError, match=r"out: shape \(2, 3, 2, 8\) but expected \(1, 3, 2, 8\)"):
+                flashattn.flash_attn_combine(t_outs, t_lses, out=wrong)
+            assert (wrong == 5.0).all()
+            partial = torch.ones(2, 1, 3, 2, 8, requires_grad=True) * 1.0
+            with pytest.raises(ValueError, match="out: shares memory with out_partial or lse_partial"):
+                flashattn.flash_attn_combine(partial, t_lses, out=partial[0])
+            assert (partial == 1.0).all()
 
 
 # ---- hadamard_rotate --------------------------------------------------------------------------

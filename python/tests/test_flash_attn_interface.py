@@ -125,6 +125,18 @@ def test_low_level_dropout_rng_state_round_trip():
     with pytest.raises(ValueError, match="rng_state"):
         fai._flash_attn_backward(dout, q.detach(), k.detach(), v.detach(), out, lse, *grads, 0.3, None, False, -1,
                                  -1, 0.0, None, True, None)
+    # The caller's dq, dk, dv are checked against the gradients before any is written.
+    kept = [torch.full_like(t, 3.0) for t in grads]
+    for i, (bad, exc, pattern) in enumerate(((torch.zeros(3, *q.shape[1:]), ValueError, r"dq: shape \(3,"),
+                                             (torch.zeros(k.shape, dtype=torch.float64), TypeError,
+                                              "dk: dtype torch.float64 but expected torch.float32"),
+                                             (torch.zeros(*v.shape[:-1], 1), ValueError, "dv: shape"))):
+        args = list(kept)
+        args[i] = bad
+        with pytest.raises(exc, match=pattern):
+            fai._flash_attn_backward(dout, q.detach(), k.detach(), v.detach(), out, lse, *args, 0.3, None, False,
+                                     -1, -1, 0.0, None, True, rng_state)
+        assert all((t == 3.0).all() for t in kept) and not bad.any()
     with pytest.raises(ValueError, match="return_softmax"):
         fai._flash_attn_forward(q, k, v, 0.0, None, False, -1, -1, 0.0, None, True)
 

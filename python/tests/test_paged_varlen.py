@@ -100,6 +100,13 @@ def test_bad_calls_raise():
     cu_k[2] = cu_k[1] - 1
     with pytest.raises(ValueError, match=r"cu_seqlens_k: must be non-decreasing .* at \[1\]"):
         flashattn.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, 70, 2100, block_table=table)
+    # ... int32 as everywhere (an int64 offset past 2^32 would wrap, a float truncate), one a sequence and the end.
+    cu_k = torch.cat([torch.zeros(1, dtype=torch.int32), seqused.cumsum(0).to(torch.int32)])
+    for wide in (cu_k.to(torch.int64) + (1 << 32) * (torch.arange(len(cu_k)) > 0), cu_k.double(), cu_k.numpy().astype(np.int64)):
+        with pytest.raises(TypeError, match=r"cu_seqlens_k: dtype .* but expected (torch\.)?int32"):
+            flashattn.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, wide, 70, 2100, block_table=table)
+    with pytest.raises(ValueError, match=r"cu_seqlens_k: shape \(\d+,\) but expected \(\d+ \+ 1,\)"):
+        flashattn.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k[:-1], 70, 2100, block_table=table)
     with pytest.raises(ValueError, match="inference only"):
         flashattn.flash_attn_varlen_func(q.requires_grad_(), k_cache, v_cache, cu_q, None, 70, 2100,
                                          block_table=table, seqused_k=seqused)

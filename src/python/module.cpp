@@ -20,11 +20,16 @@
 #include "flashattn/flashattn.hpp"
 
 namespace nb = nanobind;
+// Arrays the library writes (outputs, caches it appends to) and arrays it only reads: In
+// takes read-only NumPy arrays too (np.broadcast_to views, read-only memmaps), which
+// nanobind refuses where a binding may write.
 using Array = nb::ndarray<nb::device::cpu>;
+using In = nb::ndarray<nb::ro, nb::device::cpu>;
 
 namespace {
 
-flashattn::DType dtype_of(const Array& a, const std::string& name, const char* arg) {
+template <class A>
+flashattn::DType dtype_of(const A& a, const std::string& name, const char* arg) {
   const flashattn::DType d = name == "i32"  ? flashattn::DType::i32
                              : name == "u8" ? flashattn::DType::u8  // FP8 e4m3 codes of a KV cache
                                             : flashattn::parse_dtype(name);
@@ -38,8 +43,8 @@ flashattn::DType dtype_of(const Array& a, const std::string& name, const char* a
   return d;
 }
 
-template <class View, class Ptr>
-View view_of(const Array& a, flashattn::DType dtype, Ptr data, const char* arg) {
+template <class View, class A, class Ptr>
+View view_of(const A& a, flashattn::DType dtype, Ptr data, const char* arg) {
   View v;
   v.data = data;
   v.dtype = dtype;
@@ -54,7 +59,7 @@ View view_of(const Array& a, flashattn::DType dtype, Ptr data, const char* arg) 
   return v;
 }
 
-flashattn::TensorView in(const Array& a, const std::string& dtype, const char* arg) {
+flashattn::TensorView in(const In& a, const std::string& dtype, const char* arg) {
   return view_of<flashattn::TensorView>(a, dtype_of(a, dtype, arg), static_cast<const void*>(a.data()), arg);
 }
 
@@ -62,7 +67,7 @@ flashattn::MutableTensorView out(const Array& a, const std::string& dtype, const
   return view_of<flashattn::MutableTensorView>(a, dtype_of(a, dtype, arg), static_cast<void*>(a.data()), arg);
 }
 
-flashattn::TensorView optional_in(const std::optional<Array>& a, const std::string& dtype,
+flashattn::TensorView optional_in(const std::optional<In>& a, const std::string& dtype,
                                   const char* arg) {
   return a ? in(*a, dtype, arg) : flashattn::TensorView{};
 }
@@ -75,13 +80,13 @@ const std::string& dtype_named(const Dtypes& dtypes, const char* arg) {
   if (it == dtypes.end()) throw nb::value_error((std::string(arg) + ": no dtype given for it").c_str());
   return it->second;
 }
-flashattn::TensorView in(const Array& a, const Dtypes& dtypes, const char* arg) {
+flashattn::TensorView in(const In& a, const Dtypes& dtypes, const char* arg) {
   return in(a, dtype_named(dtypes, arg), arg);
 }
 flashattn::MutableTensorView out(const Array& a, const Dtypes& dtypes, const char* arg) {
   return out(a, dtype_named(dtypes, arg), arg);
 }
-flashattn::TensorView optional_in(const std::optional<Array>& a, const Dtypes& dtypes, const char* arg) {
+flashattn::TensorView optional_in(const std::optional<In>& a, const Dtypes& dtypes, const char* arg) {
   return a ? in(*a, dtypes, arg) : flashattn::TensorView{};
 }
 
@@ -293,9 +298,9 @@ struct Options {
   bool causal = false;
   std::int64_t window_left = -1, window_right = -1;
   float softcap = 0.0f;
-  std::optional<Array> alibi_slopes;
+  std::optional<In> alibi_slopes;
   std::string alibi_dtype = "f32";  // the slopes' own dtype: the library checks it
-  std::optional<Array> sinks;       // (heads_q) sink logits
+  std::optional<In> sinks;       // (heads_q) sink logits
   std::string sinks_dtype = "f32";  // the sinks' own dtype: the library checks it
   std::optional<Array> dsinks;      // backward only: float32 (heads_q) receives the sinks' gradient
   float dropout_p = 0.0f;
@@ -305,16 +310,16 @@ struct Options {
   int num_threads = 0;
   int num_splits = 0;
   std::optional<bool> pack_gqa;     // AttentionOptions::pack_gqa (None: the planner's choice)
-  std::optional<Array> block_mask;  // u8 (q blocks, k blocks)
+  std::optional<In> block_mask;  // u8 (q blocks, k blocks)
   std::int64_t block_mask_block_size = 0;
-  std::optional<Array> attn_mask;         // rank 4, broadcastable to (batch, heads_q, seqlen_q, seqlen_k)
+  std::optional<In> attn_mask;         // rank 4, broadcastable to (batch, heads_q, seqlen_q, seqlen_k)
   std::string attn_mask_dtype = "u8";     // "u8" (a boolean mask) or a bias's floating dtype
   std::optional<Array> dbias;             // backward only: float32 of attn_mask's shape receives the bias's gradient
   std::string causal_alignment = "bottom_right";  // or "top_left" (SDPA's is_causal)
   std::string kernel = "auto";           // AttentionOptions::kernel by name
   std::string backward_kernel = "auto";  // AttentionOptions::backward_kernel by name
   // FlexAttention's evaluated mods (FlexHook): block mask and partial blocks, score_mod's a, c.
-  std::optional<Array> flex_block_states, flex_partial_index, flex_partial_blocks, flex_score_a, flex_score_c;
+  std::optional<In> flex_block_states, flex_partial_index, flex_partial_blocks, flex_score_a, flex_score_c;
   std::int64_t flex_block_size = 0;
   std::int64_t flex_seqlen_q = 0, flex_seqlen_k = 0;  // the call's, for FlexHook::refine (0: not refined)
   // The hook's views, rebuilt by get(): AttentionOptions::score_hook points at it, so these
@@ -377,7 +382,7 @@ struct Options {
 };
 
 // An FP8 input: u8 codes with float32 descales of the layout its block_size implies.
-flashattn::Fp8View fp8_in(const Array& codes, const Array& descale, const std::string& format,
+flashattn::Fp8View fp8_in(const In& codes, const In& descale, const std::string& format,
                           std::int64_t block_size, const char* arg, const char* descale_arg) {
   return {in(codes, "u8", arg), in(descale, "f32", descale_arg), flashattn::parse_fp8_format(format), block_size};
 }
@@ -480,7 +485,7 @@ NB_MODULE(_C, m) {
 
   m.def(
       "forward",
-      [](Array q, Array k, Array v, Array o, Array lse, const Dtypes& dtypes, const Options& opt) {
+      [](In q, In k, In v, Array o, Array lse, const Dtypes& dtypes, const Options& opt) {
         const flashattn::AttentionOptions options = opt.get();
         nb::gil_scoped_release release;
         flashattn::forward(in(q, dtypes, "q"), in(k, dtypes, "k"), in(v, dtypes, "v"), out(o, dtypes, "out"),
@@ -490,7 +495,7 @@ NB_MODULE(_C, m) {
 
   m.def(
       "backward",
-      [](Array dout, Array q, Array k, Array v, Array o, Array lse, Array dq, Array dk, Array dv,
+      [](In dout, In q, In k, In v, In o, In lse, Array dq, Array dk, Array dv,
          const Dtypes& dtypes, const Options& opt) {
         const flashattn::AttentionOptions options = opt.get();
         nb::gil_scoped_release release;
@@ -502,7 +507,7 @@ NB_MODULE(_C, m) {
 
   m.def(
       "forward_varlen",
-      [](Array q, Array k, Array v, Array cu_q, Array cu_k, std::int64_t max_q, std::int64_t max_k,
+      [](In q, In k, In v, In cu_q, In cu_k, std::int64_t max_q, std::int64_t max_k,
          Array o, Array lse, const Dtypes& dtypes, const Options& opt) {
         const flashattn::AttentionOptions options = opt.get();
         const flashattn::VarlenSeqlens s{in(cu_q, "i32", "cu_seqlens_q"), in(cu_k, "i32", "cu_seqlens_k"), max_q,
@@ -515,7 +520,7 @@ NB_MODULE(_C, m) {
 
   m.def(
       "backward_varlen",
-      [](Array dout, Array q, Array k, Array v, Array o, Array lse, Array cu_q, Array cu_k,
+      [](In dout, In q, In k, In v, In o, In lse, In cu_q, In cu_k,
          std::int64_t max_q, std::int64_t max_k, Array dq, Array dk, Array dv, const Dtypes& dtypes,
          const Options& opt) {
         const flashattn::AttentionOptions options = opt.get();
@@ -530,10 +535,10 @@ NB_MODULE(_C, m) {
 
   m.def(
       "forward_varlen_paged",
-      [](Array q, Array cu_q, std::int64_t max_q, Array k_cache, Array v_cache, Array block_table, Array seqused_k,
-         std::optional<Array> k_scale, std::optional<Array> v_scale, std::optional<Array> prefix_block_table,
-         std::optional<Array> prefix_seqused_k, std::optional<Array> prefix_idx, Array o, Array lse,
-         const Dtypes& dtypes, const Options& opt, std::optional<Array> k_zero, std::optional<Array> v_zero,
+      [](In q, In cu_q, std::int64_t max_q, In k_cache, In v_cache, In block_table, In seqused_k,
+         std::optional<In> k_scale, std::optional<In> v_scale, std::optional<In> prefix_block_table,
+         std::optional<In> prefix_seqused_k, std::optional<In> prefix_idx, Array o, Array lse,
+         const Dtypes& dtypes, const Options& opt, std::optional<In> k_zero, std::optional<In> v_zero,
          const Quants& quants) {
         const flashattn::AttentionOptions options = opt.get();
         flashattn::PagedKvBatch kv{in(k_cache, dtypes, "k_cache"),
@@ -558,7 +563,7 @@ NB_MODULE(_C, m) {
 
   m.def(
       "attention_probs",
-      [](Array q, Array k, Array v, Array probs, const Dtypes& dtypes, const Options& opt, std::int64_t batch_offset) {
+      [](In q, In k, In v, Array probs, const Dtypes& dtypes, const Options& opt, std::int64_t batch_offset) {
         const flashattn::AttentionOptions options = opt.get();
         nb::gil_scoped_release release;
         const flashattn::Tensor p = flashattn::reference::attention_probs(in(q, dtypes, "q"), in(k, dtypes, "k"),
@@ -583,12 +588,12 @@ NB_MODULE(_C, m) {
 
   m.def(
       "forward_with_kvcache",
-      [](Array q, Array k_cache, Array v_cache, std::optional<Array> k, std::optional<Array> v,
-         std::optional<Array> cos, std::optional<Array> sin, std::optional<Array> cache_seqlens,
-         std::optional<Array> cache_batch_idx, std::optional<Array> cache_leftpad, std::optional<Array> block_table,
+      [](In q, Array k_cache, Array v_cache, std::optional<In> k, std::optional<In> v,
+         std::optional<In> cos, std::optional<In> sin, std::optional<In> cache_seqlens,
+         std::optional<In> cache_batch_idx, std::optional<In> cache_leftpad, std::optional<In> block_table,
          bool interleaved, Array o, Array lse, const Dtypes& dtypes,
-         std::optional<Array> k_scale, std::optional<Array> v_scale, const Options& opt, std::optional<Array> cu_q,
-         std::optional<Array> cu_new, std::int64_t max_q, std::optional<Array> k_zero, std::optional<Array> v_zero,
+         std::optional<Array> k_scale, std::optional<Array> v_scale, const Options& opt, std::optional<In> cu_q,
+         std::optional<In> cu_new, std::int64_t max_q, std::optional<Array> k_zero, std::optional<Array> v_zero,
          const Quants& quants) {
         const flashattn::AttentionOptions options = opt.get();
         flashattn::KvCache c;
@@ -621,8 +626,8 @@ NB_MODULE(_C, m) {
 
   m.def(
       "forward_fp8",
-      [](Array q, Array q_descale, const std::string& q_format, std::int64_t q_block, Array k, Array k_descale,
-         const std::string& k_format, std::int64_t k_block, Array v, Array v_descale, const std::string& v_format,
+      [](In q, In q_descale, const std::string& q_format, std::int64_t q_block, In k, In k_descale,
+         const std::string& k_format, std::int64_t k_block, In v, In v_descale, const std::string& v_format,
          std::int64_t v_block, Array o, Array lse, const std::string& out_dtype, const Options& opt) {
         const flashattn::AttentionOptions options = opt.get();
         const flashattn::Fp8View qv = fp8_in(q, q_descale, q_format, q_block, "q", "q_descale");
@@ -635,7 +640,7 @@ NB_MODULE(_C, m) {
 
   m.def(
       "merge_attention_states",
-      [](Array outs, Array lses, Array o, Array lse, const std::string& out_dtype, int num_threads) {
+      [](In outs, In lses, Array o, Array lse, const std::string& out_dtype, int num_threads) {
         Options::record_threads(num_threads);
         nb::gil_scoped_release release;
         flashattn::merge_attention_states(in(outs, "f32", "out_partial"), in(lses, "f32", "lse_partial"),
@@ -646,7 +651,7 @@ NB_MODULE(_C, m) {
 
   m.def(
       "hadamard_rotate",
-      [](Array x, Array y, const std::string& dtype, std::uint64_t seed) {
+      [](In x, Array y, const std::string& dtype, std::uint64_t seed) {
         const flashattn::TensorView xv = in(x, dtype, "x");
         const flashattn::MutableTensorView yv = out(y, "f32", "out");
         nb::gil_scoped_release release;
@@ -657,7 +662,7 @@ NB_MODULE(_C, m) {
 
   m.def(
       "plan",
-      [](Array q, Array k, Array v, const Dtypes& dtypes, const Options& opt) {
+      [](In q, In k, In v, const Dtypes& dtypes, const Options& opt) {
         const flashattn::AttentionOptions options = opt.get();
         // The calls forward() and backward() make: the same problem, hardware and planner.
         const flashattn::AttentionProblem problem = flashattn::AttentionProblem::from_inputs(
