@@ -109,6 +109,11 @@ inline std::size_t StripsFor(std::int64_t block_q, std::int64_t micro_rows) {
   const std::int64_t rows = (block_q + kMaxRowMultiple - 1) / kMaxRowMultiple * kMaxRowMultiple;
   return static_cast<std::size_t>((rows + micro_rows - 1) / micro_rows);
 }
+// The strips of micro_rows key rows a K/V tile of block_k keys has (the float32 kernel's
+// dV/dK products, BackwardWorkspace::key_strip_rows).
+inline std::size_t KeyStripsFor(std::int64_t block_k, std::int64_t micro_rows) {
+  return static_cast<std::size_t>((block_k + micro_rows - 1) / micro_rows);
+}
 
 // The most a thread's Q/dO copy (BackwardWorkspace::q_kept, CpuBackwardPlan::keep_q_rows)
 // may take; past it the float32 kernel gathers each Q tile's rows anew for every K/V tile.
@@ -178,8 +183,8 @@ struct BackwardWorkspace {
   std::vector<float> row_lse2;      // (block_q): each row's exp2 offset (BackwardParams::lse2)
   std::vector<float> row_lse2_low;  // (block_q): its low part (BackwardParams::lse2_low)
   std::vector<float> row_delta;  // (block_q): D of each row
-  // (StripsFor): each row strip's span of the current K/V tile (FindStripKeys); (block_k /
-  // micro_rows, rounded up): the Q tile rows each strip of key rows meets (the float32 kernel)
+  // (StripsFor): each row strip's span of the current K/V tile (FindStripKeys); (KeyStripsFor):
+  // the Q tile rows each strip of key rows meets (the float32 kernel)
   std::vector<StripKeys> strip_keys, key_strip_rows;
   hwy::AlignedFreeUniquePtr<float[]> delta_rows;  // (2, Dv_pad): an O row and a dO row (BackwardDelta)
   // The large-row pass's buffers (BackwardLargeRowsFn), allocated by allocate_large_rows

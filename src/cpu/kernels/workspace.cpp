@@ -205,7 +205,7 @@ std::size_t backward_workspace_bytes(const CpuBackwardPlan& plan, const Attentio
   const BackwardSizes s(plan, p);
   return s.floats() * sizeof(float) + s.bf16_elements() * sizeof(std::uint16_t) + s.bq * 3 * sizeof(float) +
          (StripsFor(plan.block_q, plan.hardware.micro_rows) +
-          static_cast<std::size_t>((plan.block_k + plan.hardware.micro_rows - 1) / plan.hardware.micro_rows)) *
+          KeyStripsFor(plan.block_k, plan.hardware.micro_rows)) *
              sizeof(StripKeys) +
          2 * s.dv_pad * sizeof(float) +
          (s.keep_q ? s.kept_q_bytes() + s.kept_rows() / s.bq : 0);
@@ -229,7 +229,7 @@ BackwardWorkspace::BackwardWorkspace(const CpuBackwardPlan& plan, const Attentio
       row_lse2_low(static_cast<std::size_t>(plan.block_q)),
       row_delta(static_cast<std::size_t>(plan.block_q)),
       strip_keys(StripsFor(plan.block_q, plan.hardware.micro_rows)),
-      key_strip_rows(static_cast<std::size_t>((plan.block_k + plan.hardware.micro_rows - 1) / plan.hardware.micro_rows)) {
+      key_strip_rows(KeyStripsFor(plan.block_k, plan.hardware.micro_rows)) {
   const BackwardSizes s(plan, p);
   delta_rows = allocate_floats(2 * s.dv_pad);
   q_tile = allocate_floats(s.bq * (s.d_pad + kRowLdPad));
