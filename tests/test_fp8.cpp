@@ -355,6 +355,17 @@ TEST(Fp8Forward, RejectsBadDescalesCodesAndThresholds) {
                {"rescale_threshold", "at most 8", "9"});
   Tensor out(DType::u8, {1, 8, 2, 16}), lse(DType::f32, {1, 2, 8});
   expect_error([&] { forward_fp8(q.view(), k.view(), v.view(), out.view(), lse.view()); }, {"out", "u8", "floating"});
+  // Outputs apart from the descales and the options' inputs, as forward()'s from its inputs.
+  Tensor out_f(DType::f32, {1, 8, 2, 16});
+  Fp8View q_in_out = q.view();
+  out_f.set(0, 1.0f);  // a valid descale, until the call would write it
+  q_in_out.descale = TensorView(out_f.data(), DType::f32, {1});
+  expect_error([&] { forward_fp8(q_in_out, k.view(), v.view(), out_f.view(), lse.view()); },
+               {"out: output memory overlaps input q_descale"});
+  AttentionOptions sinks_in_lse;
+  sinks_in_lse.sinks = TensorView(lse.data(), DType::f32, {2});
+  expect_error([&] { forward_fp8(q.view(), k.view(), v.view(), out_f.view(), lse.view(), sinks_in_lse); },
+               {"lse: output memory overlaps input sinks"});
 }
 
 }  // namespace

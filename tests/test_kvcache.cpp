@@ -960,6 +960,27 @@ TEST(KvCache, Fp8CacheBadInputNamesTheArgument) {
   for (std::int64_t i = 0; i < cache.k_scale.numel(); ++i) cache.k_scale.set(i, 1.0f), cache.v_scale.set(i, 1.0f);
   k_new.set(5, NAN);
   expect_error([&] { forward_with_kvcache(q.view(), c); }, {"k: [0, 0, 0, 5] is not finite"});
+  k_new.set(5, 0.5f);
+  // Keys finite before rotary but not after it (a non-finite table entry, or an overflow):
+  // named as rotated, before the append (whose codes and descale would take them) writes.
+  Tensor cos(DType::f32, {8, 4}), sin(DType::f32, {8, 4});
+  for (std::int64_t i = 0; i < cos.numel(); ++i) cos.set(i, 1.0f), sin.set(i, 0.0f);
+  cos.set(3 * 4 + 1, NAN);  // position 3: sequence 0's new token
+  KvCache rotated = c;
+  rotated.rotary_cos = cos.view();
+  rotated.rotary_sin = sin.view();
+  expect_error([&] { forward_with_kvcache(q.view(), rotated); },
+               {"k: [0, 0, 0, 2] rotated at position 3 is not finite", "rotary_cos"});
+  cos.set(3 * 4 + 1, 1.0f);
+  k_new.set(0, 3e38f), k_new.set(1, 3e38f);  // finite; the rotation's sum (interleaved pairs) overflows
+  sin.set(3 * 4, 1.0f);
+  expect_error([&] { forward_with_kvcache(q.view(), rotated); }, {"k: [0, 0, 0, 1] rotated at position 3 is not finite"});
+  k_new.set(0, 0.5f), k_new.set(1, 0.5f);
+  // An appended descale is written: a stride-0 view (an expanded tensor) would share it among pages.
+  KvCache shared = c;
+  shared.k_scale = MutableTensorView(cache.k_scale.data(), DType::f32, {cache.pages, Fp8Cache::kHkv}, {0, 1});
+  expect_error([&] { forward_with_kvcache(q.view(), shared); },
+               {"k_scale: stride 0 of dim 0", "outputs need distinct addresses"});
   EXPECT_EQ(std::memcmp(before.data(), cache.k_codes.data(), before.size()), 0) << "a rejected call wrote the cache";
   KvCache no_scales = c;
   no_scales.v_scale = {};

@@ -116,6 +116,13 @@ AttentionProblem check_forward_fp8_call(const Fp8View& q, const Fp8View& k, cons
                 std::to_string(problem.rescale_threshold));
   check_forward_output_views(problem, q.codes, k.codes, v.codes, out, lse);
   check_rescale_counts(problem, options, q.codes, k.codes, v.codes, out, lse);
+  for (const auto& [name, output] : {std::pair{"out", out}, {"lse", lse}, {"rescale_counts", options.rescale_counts}}) {
+    if (output.data == nullptr) continue;
+    for (const auto& [in_name, descale] : {std::pair{"q_descale", q.descale}, {"k_descale", k.descale},
+                                           {"v_descale", v.descale}})
+      check_no_overlap(name, output, in_name, descale);
+    check_apart_from_options(name, output, options);
+  }
   return problem;
 }
 

@@ -357,7 +357,6 @@ void check_scales(const TensorView& q, const KvCache& c, const CacheCall& r) {
 
 // The new tokens to append.
 void check_new_tokens(const TensorView& q, const KvCache& c, const CacheCall& r) {
-  const bool quantized = r.quantized;
   const std::int64_t batch = r.batch, hkv = r.hkv, d = r.d, dv = r.dv;
   if (is_set(c.k) != is_set(c.v)) throw Error("k, v: the new keys and values come together");
   if (is_set(c.k)) {
@@ -381,18 +380,39 @@ void check_new_tokens(const TensorView& q, const KvCache& c, const CacheCall& r)
       detail::check_no_overlap("k_cache", c.k_cache, name, input);
       detail::check_no_overlap("v_cache", c.v_cache, name, input);
     }
-    if (quantized)  // no finite scale represents ±∞, and a NaN code would read back as a number
-      for (const auto& [name, input] : {std::pair{"k", c.k}, {"v", c.v}})
-        for (std::int64_t b = 0; b < batch; ++b) {
-          const TensorView rows = r.new_tokens(input, b);
-          for (std::int64_t t = 0; t < rows.shape[1]; ++t)
-            for (std::int64_t h = 0; h < hkv; ++h)
-              for (std::int64_t e = 0; e < rows.shape[3]; ++e)
-                if (!std::isfinite(detail::load_element(rows, detail::offset4(rows, 0, t, h, e))))
-                  throw Error(std::string(name) + ": [" + str(b) + ", " + str(t) + ", " + str(h) + ", " + str(e) +
-                              "] is not finite; a quantized cache stores finite values only");
-        }
   }
+}
+
+// A quantized cache's new tokens as the append stores them, keys rotated: finite (no finite
+// scale represents ±∞, and a NaN code would read back as a number) — a non-finite rotary
+// entry, or a rotation that overflows, named as such. After check_rotary: its tables are
+// known to cover every position.
+void check_quantized_tokens(const KvCache& c, const CacheCall& r) {
+  if (!r.quantized || !is_set(c.k)) return;
+  std::vector<float> row(static_cast<std::size_t>(std::max(r.d, r.dv))), rotated(row.size());
+  for (const auto& [name, input, keys] : {std::tuple{"k", c.k, true}, {"v", c.v, false}})
+    for (std::int64_t b = 0; b < r.batch; ++b) {
+      const TensorView rows = r.new_tokens(input, b);
+      const std::int64_t width = rows.shape[3], position = r.seqlens[r.at(b)];
+      for (std::int64_t t = 0; t < rows.shape[1]; ++t)
+        for (std::int64_t h = 0; h < r.hkv; ++h) {
+          const auto where = [&](std::int64_t e) {
+            return std::string(name) + ": [" + str(b) + ", " + str(t) + ", " + str(h) + ", " + str(e) + "]";
+          };
+          for (std::int64_t e = 0; e < width; ++e) {
+            row[e] = detail::load_element(rows, detail::offset4(rows, 0, t, h, e));
+            if (!std::isfinite(row[e]))
+              throw Error(where(e) + " is not finite; a quantized cache stores finite values only");
+          }
+          if (!keys || r.rotary_dim == 0) continue;
+          rotate(c, position + t, row.data(), rotated.data(), width);
+          for (std::int64_t e = 0; e < width; ++e)
+            if (!std::isfinite(rotated[e]))
+              throw Error(where(e) + " rotated at position " + str(position + t) + " is not finite (rotary_cos, " +
+                          "rotary_sin: their entries there, or the rotation overflows); a quantized cache stores " +
+                          "finite values only");
+        }
+    }
 }
 
 // Rotary tables: shapes, and a position for every token they rotate.
@@ -403,8 +423,9 @@ void check_rotary(const TensorView& q, const KvCache& c, const AttentionOptions&
   if (is_set(c.rotary_cos) || is_set(c.rotary_sin)) {
     detail::check_view("rotary_cos", c.rotary_cos, 2, "(positions, rotary_dim / 2)");
     detail::check_view("rotary_sin", c.rotary_sin, 2, "(positions, rotary_dim / 2)");
-    if (!is_floating(c.rotary_cos.dtype) || !is_floating(c.rotary_sin.dtype))
-      throw Error("rotary_cos: dtype " + to_string(c.rotary_cos.dtype) + " is not a floating dtype");
+    for (const auto& [name, table] : {std::pair{"rotary_cos", c.rotary_cos}, {"rotary_sin", c.rotary_sin}})
+      if (!is_floating(table.dtype))
+        throw Error(std::string(name) + ": dtype " + to_string(table.dtype) + " is not a floating dtype");
     detail::check_shape("rotary_sin", c.rotary_sin, {c.rotary_cos.shape[0], c.rotary_cos.shape[1]},
                         "(the shape of rotary_cos)");
     r.rotary_dim = 2 * c.rotary_cos.shape[1];
@@ -460,6 +481,13 @@ void check_outputs_and_targets(const TensorView& q, const KvCache& c, const Muta
         for (const detail::NamedView& table : tables) detail::check_no_overlap(name, scale, table.name, table.view);
         detail::check_apart_from_options(name, scale, options);
       }
+    // What appends write of them — an FP8 page's descale, per-token scales and zero points
+    // (int8 per-page ones are the caller's, only read) — one element each: a stride-0 view
+    // (an expanded tensor) would let one page's append rescale another's codes.
+    for (const detail::PoolScales& pool : {k_scales(c), v_scales(c)})
+      if (pool.quant.codes == KvCodes::e4m3 || pool.per_token())
+        for (const auto& [name, view] : {std::pair{pool.scale_name, pool.scale}, {pool.zero_name, pool.zero_point}})
+          if (is_set(view)) detail::check_output_layout(name, view);
     check_append_targets(layout, seqlens, r.added, batch);
   }
   detail::check_sequence_options(options, batch, r.hq);
@@ -473,6 +501,7 @@ CacheCall check_cache_call(const TensorView& q, const KvCache& c, const MutableT
   if (r.quantized) check_scales(q, c, r);
   check_new_tokens(q, c, r);
   check_rotary(q, c, options, r);
+  check_quantized_tokens(c, r);
   check_outputs_and_targets(q, c, out, lse, options, r);
   return r;
 }
