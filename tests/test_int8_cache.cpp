@@ -870,6 +870,12 @@ TEST(Int8Cache, BadInputNamesTheArgument) {
   k_new.set(3, INFINITY);
   expect_error([&] { forward_with_kvcache(q.view(), c); }, {"k: [0, 0, 0, 3] is not finite", "quantized cache"});
   k_new.set(3, 0.0f);
+  // Per-token scales an append writes, as a stride-0 view over the slots (an expanded
+  // tensor): one float for every token of a page would take each new token's scale.
+  c = cache();
+  c.k_scale = MutableTensorView(kp.scale.data(), DType::f32, {kPages, kPage, kHkv}, {kPage * kHkv, 0, 1});
+  c.k_zero_point = MutableTensorView(kp.zero.data(), DType::f32, {kPages, kPage, kHkv}, {kPage * kHkv, 0, 1});
+  expect_error([&] { forward_with_kvcache(q.view(), c); }, {"k_scale: stride 0 of dim 1", "distinct addresses"});
   unchanged();
   // forward_varlen_paged: the slots each sequence reads.
   Tensor cu_q(DType::i32, {2});

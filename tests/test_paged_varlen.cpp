@@ -169,6 +169,9 @@ TEST(PagedVarlen, AlibiSlopesPerSequence) {
     const ForwardResult x = sequence_result(a, batch, s), y = sequence_result(b, batch, s);
     EXPECT_EQ(bitwise_equal(x.out, y.out), s != 2) << "sequence " << s;
   }
+  // A bad slope is named by its sequence and head, as forward()'s are by batch and head.
+  rows.set(1 * kHq + 1, NAN);
+  expect_error([&] { batch.run(each); }, {"alibi_slopes: slope of batch 1, head 1 is nan"});
 }
 
 // The sequences `pick` of a batch, in that order, over the same pools.

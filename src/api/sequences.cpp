@@ -39,9 +39,7 @@ std::vector<std::int64_t> read_offsets(const char* name, const TensorView& cu, s
 void check_sequence_options(const AttentionOptions& options, std::int64_t batch, std::int64_t heads_q) {
   const TensorView& a = options.alibi_slopes;
   if (a.rank != 2) return;  // rank 1 (or anything else) is checked per sequence
-  check_view("alibi_slopes", a, 2, "(batch, heads_q)");
-  check_dtype("alibi_slopes", a, DType::f32, "slopes are float32");
-  check_shape("alibi_slopes", a, {batch, heads_q}, "(batch, heads_q)");
+  check_alibi_slopes(a, batch, heads_q);
 }
 
 AttentionOptions sequence_options(const AttentionOptions& options, std::int64_t b) {
