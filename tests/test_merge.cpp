@@ -89,6 +89,33 @@ TEST(Merge, ThreadCountsGiveBitIdenticalRows) {
       }
 }
 
+// The weights of splits with large lses: each lse's rounding in log2 units (|lse|·2^-24)
+// must not reach them — two splits at L and L − 1 with rows +1 and −1 merge to tanh(1/2)
+// (0.46211715726) within float32 rounding at any L — and lses near float32's largest merge
+// to a finite result.
+TEST(Merge, LargeLsesWeighTheSplitsByTheirDifference) {
+  Tensor outs(DType::f32, {2, 1, 1, 1, 1}), lses(DType::f32, {2, 1, 1, 1});
+  Tensor out(DType::f32, {1, 1, 1, 1}), lse(DType::f32, {1, 1, 1});
+  outs.set(0, 1.0f), outs.set(1, -1.0f);
+  for (const float top : {0.7f, 57.7f, 700.7f, 12345.7f, -12345.7f, 3e37f}) {
+    lses.set(0, top), lses.set(1, top - std::max(1.0f, std::nextafter(top, INFINITY) - top));
+    const double gap = static_cast<double>(lses.get(0)) - lses.get(1);
+    const double want = std::tanh(gap / 2.0);  // (e^g − 1) / (e^g + 1)
+    merge_attention_states(outs.view(), lses.view(), out.view(), lse.view());
+    EXPECT_NEAR(out.get(0), want, 4e-7) << "lse " << top;
+    const double want_lse = lses.get(0) + std::log1p(std::exp(-gap));
+    EXPECT_NEAR(lse.get(0), want_lse, 4e-7 * std::max(1.0, std::fabs(want_lse))) << "lse " << top;
+  }
+  lses.set(0, 3e38f), lses.set(1, 3e38f);
+  merge_attention_states(outs.view(), lses.view(), out.view(), lse.view());
+  EXPECT_EQ(out.get(0), 0.0f);
+  EXPECT_NEAR(lse.get(0), 3e38, 3e38 * 1e-6);
+  lses.set(1, -std::numeric_limits<float>::infinity());
+  merge_attention_states(outs.view(), lses.view(), out.view(), lse.view());
+  EXPECT_EQ(out.get(0), 1.0f);
+  EXPECT_EQ(lse.get(0), 3e38f);
+}
+
 TEST(Merge, AllSplitsEmptyGiveZeroAndMinusInfinity) {
   Tensor outs(DType::f32, {3, 1, 2, 1, 4}), lses(DType::f32, {3, 1, 1, 2});
   for (std::int64_t i = 0; i < lses.numel(); ++i) lses.set(i, -std::numeric_limits<float>::infinity());

@@ -28,15 +28,28 @@ void merge_row(const TensorView& outs, const TensorView& lses, const float* sums
   const auto* l = static_cast<const float*>(lses.data);
   const std::int64_t splits = outs.shape[0], dv = outs.shape[4];
   std::fill(acc, acc + dv, 0.0);
+  const auto split_at = [&](std::int64_t s) {
+    return s * lses.strides[0] + b * lses.strides[1] + h * lses.strides[2] + i * lses.strides[3];
+  };
+  // Natural-log lses are weighed relative to the row's largest finite one: only their
+  // differences (exact where they are close) are scaled to log2 units, not each lse, whose
+  // rounding there would grow with |lse| (an error of |lse|·2^-24 in every weight), and an
+  // lse near float32's largest does not overflow. The merged lse adds it back once.
+  float shift = 0.0f;
+  if (sums == nullptr) {
+    float top = -std::numeric_limits<float>::infinity();
+    for (std::int64_t s = 0; s < splits; ++s) top = std::max(top, l[split_at(s)]);
+    if (std::isfinite(top)) shift = top;
+  }
   OnlineSoftmaxState state;
   for (std::int64_t s = 0; s < splits; ++s) {
-    const std::int64_t at = s * lses.strides[0] + b * lses.strides[1] + h * lses.strides[2] + i * lses.strides[3];
+    const std::int64_t at = split_at(s);
     // A normalized partial output is õ/ℓ of its state; without the state, the state with ℓ = 1
-    // at m = lse (log2 units).
+    // at m = lse − shift (log2 units).
     OnlineSoftmaxState partial{l[at], sums != nullptr ? sums[at] : 1.0f};
     if (sums == nullptr) {
       const bool empty = l[at] == -std::numeric_limits<float>::infinity();
-      partial = {empty ? l[at] : l[at] * OnlineSoftmaxState::kLog2e, empty ? 0.0f : 1.0f};
+      partial = {empty ? l[at] : (l[at] - shift) * OnlineSoftmaxState::kLog2e, empty ? 0.0f : 1.0f};
     }
     OnlineSoftmaxState::MergeFactors f = state.merge(partial);
     f.other *= partial.sum == 0.0f ? 1.0f : partial.sum;  // õ = ℓ · the normalized row
@@ -52,7 +65,7 @@ void merge_row(const TensorView& outs, const TensorView& lses, const float* sums
   const std::int64_t at = detail::offset4(out, b, i, h, 0), step_out = out.strides[3];
   for (std::int64_t c = 0; c < dv; ++c) detail::store_element(out, at + c * step_out, static_cast<float>(acc[c] * inv));
   const std::int64_t lse_at = b * lse.strides[0] + h * lse.strides[1] + i * lse.strides[2];
-  static_cast<float*>(lse.data)[lse_at] = out_sums != nullptr ? state.max : state.lse();
+  static_cast<float*>(lse.data)[lse_at] = out_sums != nullptr ? state.max : state.lse() + shift;
   if (out_sums != nullptr) out_sums[lse_at] = state.sum;
 }
 
