@@ -192,21 +192,35 @@ def _seqlen_arg(name, value):
         raise TypeError(f"{name}: expected an integer, got {value!r}") from None
 
 
-def _cache_seqlens_values(cache_seqlens, batch):
-    """cache_seqlens given as an integer (each sequence's) or a list of them: the ints, each in
-    int32's range; None for an array or tensor (of rank >= 1, checked natively) or None."""
-    if cache_seqlens is None or len(getattr(cache_seqlens, "shape", ())) > 0:
-        return None
-    values = list(cache_seqlens) if isinstance(cache_seqlens, (list, tuple)) else [cache_seqlens] * batch
-    ints = []
-    for x in values:
-        try:
-            ints.append(operator.index(x))  # int, NumPy integers, integer 0-d tensors; not floats or bools' kin
-        except TypeError:
-            raise TypeError(f"cache_seqlens: expected integers, got {x!r}") from None
-        if not -(1 << 31) <= ints[-1] < (1 << 31):
-            raise ValueError(f"cache_seqlens: {ints[-1]} is out of the int32 range")
-    return ints
+def _cache_seqlens_int(x):
+    """One cache_seqlens given as an integer (int, a NumPy integer; a traced int under
+    torch.compile passes as it is, for the op to check): checked against int32's range."""
+    if torch is not None and isinstance(x, torch.SymInt):
+        return x
+    try:
+        value = operator.index(x)  # not floats
+    except TypeError:
+        raise TypeError(f"cache_seqlens: expected integers, got {x!r}") from None
+    if not -(1 << 31) <= value < (1 << 31):
+        raise ValueError(f"cache_seqlens: {value} is out of the int32 range")
+    return value
+
+
+def _cache_seqlens_table(cache_seqlens, batch, tensors):
+    """cache_seqlens as the call's int32 table: an integer for every sequence or a list of
+    them made one (a torch tensor or a NumPy array as `tensors` says); arrays and tensors as
+    they are (checked natively)."""
+    if _is_tensor(cache_seqlens) and cache_seqlens.dim() == 0 and torch.compiler.is_compiling():
+        if cache_seqlens.dtype != torch.int32:  # no data read in a graph: int32 as the tables are
+            raise TypeError(f"cache_seqlens: dtype {cache_seqlens.dtype} but expected torch.int32")
+        return cache_seqlens.reshape(1).expand(batch)
+    if cache_seqlens is None or (isinstance(cache_seqlens, (np.ndarray, _TENSOR)) and cache_seqlens.ndim > 0):
+        return cache_seqlens
+    if isinstance(cache_seqlens, (list, tuple)):
+        values = [_cache_seqlens_int(x) for x in cache_seqlens]
+        return torch.tensor(values, dtype=torch.int32) if tensors else np.asarray(values, dtype=np.int32)
+    value = _cache_seqlens_int(cache_seqlens)
+    return torch.full((batch,), value, dtype=torch.int32) if tensors else np.full((batch,), value, dtype=np.int32)
 
 
 def _scale_arg(softmax_scale):
@@ -1112,9 +1126,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
             if x is not None and not _is_tensor(x):
                 raise TypeError(f"inputs mix numpy arrays and torch tensors: q, {name}")
-        values = _cache_seqlens_values(cache_seqlens, batch)
-        if values is not None:
-            cache_seqlens = torch.tensor(values, dtype=torch.int32)
+        cache_seqlens = _cache_seqlens_table(cache_seqlens, batch, True)
         if (rotary_cos is None and rotary_sin is None and cache_batch_idx is None and alibi_slopes is None
                 and num_splits == 0 and k_scale is None and v_scale is None and sinks is None and cu_seqlens_q is None
                 and cu_seqlens_k_new is None and max_seqlen_q is None and k_zero_point is None and v_zero_point is None
@@ -1144,9 +1156,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         direct = _torch_ops.direct(*(a for a in args if isinstance(a, torch.Tensor)))
         out, lse = (_torch_ops.fwd_kvcache_direct if direct else torch.ops.flashattn.fwd_kvcache)(*args)
         return (out, lse) if return_softmax_lse else out
-    values = _cache_seqlens_values(cache_seqlens, batch)
-    if values is not None:
-        cache_seqlens = np.asarray(values, dtype=np.int32)
+    cache_seqlens = _cache_seqlens_table(cache_seqlens, batch, False)
     opts = _options(0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, False, None, kernel, sinks=sinks,
                     pack_gqa=pack_gqa)
     opts.num_splits = int(num_splits)

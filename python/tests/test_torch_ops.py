@@ -450,6 +450,24 @@ def test_compile_kvcache_step_writes_the_cache():
     assert torch.equal(k2, k_cache) and torch.equal(v2, v_cache), "compiled step did not append to the cache"
 
 
+def test_compile_kvcache_with_an_int_or_0d_cache_seqlens():
+    """cache_seqlens as a Python int (a traced int once dynamo makes it dynamic) or a 0-d
+    int32 tensor compiles whole, step after step, as eager."""
+    gen = torch.Generator().manual_seed(seed_for("compile_kvcache_int"))
+
+    def step(q, k_cache, v_cache, k, v, n):
+        return flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=n, causal=True)
+
+    k_cache, v_cache = torch.zeros(2, 12, 2, 16), torch.zeros(2, 12, 2, 16)
+    k2, v2 = k_cache.clone(), v_cache.clone()
+    compiled = torch.compile(step, fullgraph=True, dynamic=True, backend="aot_eager")
+    for n in (3, 4, torch.tensor(5, dtype=torch.int32)):
+        q, k, v = rand(gen, (2, 1, 4, 16), torch.float32), rand(gen, (2, 1, 2, 16), torch.float32), \
+            rand(gen, (2, 1, 2, 16), torch.float32)
+        assert torch.equal(compiled(q, k2, v2, k, v, n), step(q, k_cache, v_cache, k, v, n)), n
+        assert torch.equal(k2, k_cache) and torch.equal(v2, v_cache), n
+
+
 def test_cu_seqlens_beside_torch_inputs_numpy_taken_anything_else_named():
     """cu_seqlens as a NumPy array beside torch inputs is taken as a tensor (as the paged path's
     tables); a list is a TypeError naming it (before: torch's dispatcher RuntimeError)."""
