@@ -1,12 +1,15 @@
 // One rank of a ring is killed (SIGKILL) while ring_forward runs. The survivors must leave
 // ring_forward with a flashattn::Error naming the peer they waited for, within their timeout,
-// instead of hanging. dist_dead_rank.sh runs this under mpirun and checks what they print.
+// instead of hanging. With the argument "absent" the rank never enters the ring (it sleeps
+// past the others' timeout, then exits): the others time out duplicating the communicator,
+// each naming itself. dist_dead_rank.sh runs both under mpirun and checks what they print.
 #include <mpi.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <string>
 #include <thread>
 
 #include "flashattn/dist.hpp"
@@ -46,6 +49,12 @@ int main(int argc, char** argv) {
   options.causal = true;
   options.num_threads = 1;
 
+  if (rank == kVictim && argc > 1 && std::string(argv[1]) == "absent") {
+    std::this_thread::sleep_for(std::chrono::duration<double>(2 * kTimeoutSeconds + 1.0));
+    std::printf("rank %d: absent\n", rank);
+    std::fflush(stdout);
+    _exit(4);  // the others' duplication of the communicator is still posted
+  }
   if (rank == kVictim)
     std::thread([] {
       std::this_thread::sleep_for(kKillAfter);

@@ -28,3 +28,19 @@ for survivor in 0 2; do
   fi
 done
 echo "PASS: both survivors stopped with an error after ${elapsed} s"
+# Rank 1 never enters the ring: the others time out duplicating the communicator, each
+# naming itself (rank r of 3), not rank 0 of 1.
+timeout 90 "$mpirun" --allow-run-as-root --oversubscribe --enable-recovery -np 3 "$program" absent >"$log" 2>&1
+status=$?
+cat "$log"
+if [ "$status" -eq 124 ]; then
+  echo "FAIL: the ring hung waiting for the absent rank (killed after 90 s)"
+  exit 1
+fi
+for survivor in 0 2; do
+  if ! grep -q "^rank $survivor: flashattn::Error: ring_forward: rank $survivor of 3 waited .* to enter the ring" "$log"; then
+    echo "FAIL: rank $survivor did not report, as rank $survivor of 3, the rank that never entered the ring"
+    exit 1
+  fi
+done
+echo "PASS: both stopped naming themselves when a rank never entered the ring"

@@ -62,14 +62,16 @@ RingComm::RingComm(const RingOptions& options, const char* operation)
   MPI_Query_thread(&thread_level);
   helper_thread_allowed_ = thread_level >= MPI_THREAD_SERIALIZED;
 
+  // This rank's place, from the caller's communicator: the duplication's own errors and
+  // timeout name it too.
+  MPI_Comm_rank(options.comm, &rank_);
+  MPI_Comm_size(options.comm, &size_);
   // A duplicate keeps the ring's messages apart from the caller's and lets errors return
   // instead of aborting.
   std::vector<MPI_Request> dup(1);
   check(MPI_Comm_idup(options.comm, &comm_, dup.data()), "MPI_Comm_idup");
   poll_until_done(dup, "every rank to enter the ring (communicator duplication)", false);
   MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
-  MPI_Comm_rank(comm_, &rank_);
-  MPI_Comm_size(comm_, &size_);
 }
 
 RingComm::~RingComm() {
