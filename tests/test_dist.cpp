@@ -546,6 +546,23 @@ TEST(Ring, UnsupportedOptionsAreErrorsOnEveryRank) {
     }
     EXPECT_TRUE(unwritten(dq) && unwritten(dk) && unwritten(dv)) << "a call rejected for " << needle << " wrote a gradient";
   }
+  // Rank 1 alone calls ring_backward where the others call ring_forward: every rank names the
+  // operation at once (their first exchanges look alike; they would wait out the timeout).
+  if (world_size() > 1) {
+    try {
+      if (world_rank() == 1)
+        dist::ring_backward(dout.view(), q.view(), k.view(), v.view(), out.view(), lse.view(), dq.view(), dk.view(),
+                            dv.view(), g.options, ring_options(c, layout));
+      else
+        dist::ring_forward(q.view(), k.view(), v.view(), out.view(), lse.view(), g.options, ring_options(c, layout));
+      ADD_FAILURE() << "no error for ring_forward and ring_backward mixed";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("the ranks pass different operation (ring_forward or ring_backward)"),
+                std::string::npos)
+          << e.what();
+    }
+    EXPECT_TRUE(unwritten(out) && unwritten(lse) && unwritten(dq) && unwritten(dk) && unwritten(dv));
+  }
   // ... and a gradient that aliases an input, on every rank.
   try {
     dist::ring_backward(dout.view(), q.view(), k.view(), v.view(), out.view(), lse.view(),

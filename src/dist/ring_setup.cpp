@@ -123,8 +123,11 @@ AttentionProblem check_arguments(RingComm& comm, const RingOptions& ring, const 
   }
   comm.agree(failure.empty(), failure);
 
-  // The same sizes and options everywhere: the message sizes and the merged result depend on them.
+  // The same call, sizes and options everywhere: the message sizes and the merged result
+  // depend on them (ring_forward on some ranks and ring_backward on another would exchange
+  // alike until the backward's accumulators, then time out).
   const std::pair<const char*, std::int64_t> fields[] = {
+      {"operation (ring_forward or ring_backward)", op == "ring_backward"},
       {"global seqlen", ring.seqlen},
       {"layout", static_cast<std::int64_t>(ring.layout)},
       {"batch", problem.batch},
