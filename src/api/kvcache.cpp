@@ -390,14 +390,15 @@ void check_new_tokens(const TensorView& q, const KvCache& c, const CacheCall& r)
 void check_quantized_tokens(const KvCache& c, const CacheCall& r) {
   if (!r.quantized || !is_set(c.k)) return;
   std::vector<float> row(static_cast<std::size_t>(std::max(r.d, r.dv))), rotated(row.size());
-  for (const auto& [name, input, keys] : {std::tuple{"k", c.k, true}, {"v", c.v, false}})
+  for (const auto& [name_of, input, keys] : {std::tuple{"k", c.k, true}, {"v", c.v, false}})
     for (std::int64_t b = 0; b < r.batch; ++b) {
+      const std::string name = name_of;  // a lambda may not capture a structured binding (clang)
       const TensorView rows = r.new_tokens(input, b);
       const std::int64_t width = rows.shape[3], position = r.seqlens[r.at(b)];
       for (std::int64_t t = 0; t < rows.shape[1]; ++t)
         for (std::int64_t h = 0; h < r.hkv; ++h) {
           const auto where = [&](std::int64_t e) {
-            return std::string(name) + ": [" + str(b) + ", " + str(t) + ", " + str(h) + ", " + str(e) + "]";
+            return name + ": [" + str(b) + ", " + str(t) + ", " + str(h) + ", " + str(e) + "]";
           };
           for (std::int64_t e = 0; e < width; ++e) {
             row[e] = detail::load_element(rows, detail::offset4(rows, 0, t, h, e));
