@@ -433,6 +433,9 @@ TEST(Ring, KernelOptionsAreErrorsOnEveryRankBeforeTheRingTurns) {
   bf16_backward.backward_kernel = BackwardKernel::tiled_bf16;
   with_dsinks.dsinks = dsinks.view();
   with_dbias.dbias = dbias.view();
+  const Tensor dlse(DType::f32, {p.batch, p.heads_q, p.seqlen_q});
+  AttentionOptions with_dlse = g.options;
+  with_dlse.dlse = dlse.view();
   const auto expect_error = [&](bool backward, const AttentionOptions& options, const std::string& needle) {
     SCOPED_TRACE((backward ? "ring_backward, " : "ring_forward, ") + needle);
     try {
@@ -451,6 +454,7 @@ TEST(Ring, KernelOptionsAreErrorsOnEveryRankBeforeTheRingTurns) {
   expect_error(true, bf16_backward, "tiled_bf16");
   expect_error(true, with_dsinks, "dsinks");
   expect_error(true, with_dbias, "dbias");
+  expect_error(true, with_dlse, "dlse");
   dist::ring_forward(q.view(), k.view(), v.view(), out.view(), lse.view(), g.options, ring_options(c, layout));
   dist::ring_backward(dout.view(), q.view(), k.view(), v.view(), out.view(), lse.view(), dq.view(), dk.view(), dv.view(),
                       g.options, ring_options(c, layout));

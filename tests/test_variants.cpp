@@ -145,6 +145,11 @@ void check_variant(const Shape& s, const std::string& name, DType dtype, std::ui
 
   Tensor dsinks(DType::f32, {s.heads_q});
   if (o.sinks.data != nullptr) o.dsinks = dsinks.view();
+  // A loss on lse too: its gradient, random and non-zero, shifts each row's D.
+  const Tensor dlse = name.find("dlse") != std::string::npos
+                          ? random_tensor(DType::f32, {s.batch, s.heads_q, s.seqlen_q}, seed + 4)
+                          : Tensor(DType::f32, {0});
+  if (dlse.numel() > 0) o.dlse = dlse.view();
   const bool with_dbias = name.find("dbias") != std::string::npos;
   Tensor dbias(DType::f32, with_dbias ? var.attn_mask.shape() : std::vector<std::int64_t>{0});
   if (with_dbias) o.dbias = dbias.view();
@@ -274,6 +279,20 @@ TEST(Variants, Sinks) {
   for_each_simd_target([&](const std::string&) {
     check_variant({1, 61, 77, 4, 2, 24, 24}, "window+softcap+alibi+sinks+split3", DType::f32, seed++, true, 3);
     check_variant({2, 2, 90, 4, 1, 40, 40}, "sinks+split3", DType::f32, seed++, false, 2);
+  });
+}
+
+// The gradient of lse (options.dlse, a loss such as a z-loss on lse): dq, dk, dv, dsinks and
+// dbias against the float64 reference's, alone and with causal, windows, softcap, ALiBi,
+// sinks, a bias, dropout and block masks, 1–3 threads (the deterministic mode on 3), every
+// SIMD target.
+TEST(Variants, LseGradient) {
+  std::uint64_t seed = 250;
+  check_on_shapes({"dlse", "causal+dlse", "window+softcap+alibi+sinks+dlse", "bias+dbias+dlse",
+                   "dropout+blocks16+dlse"},
+                  seed);
+  for_each_simd_target([&](const std::string&) {
+    check_variant({1, 61, 77, 4, 2, 24, 24}, "causal+sinks+dlse", DType::f32, seed++, true, 3);
   });
 }
 
@@ -1084,6 +1103,15 @@ TEST(Variants, BadSinksNameTheArgumentBeforeAnythingIsWritten) {
   AttentionOptions no_sinks;
   no_sinks.dsinks = dsinks.view();
   expect_backward(no_sinks, "dsinks: set without sinks");
+  // lse's gradient: lse's shape (2, 4, 10) and dtype, and apart from the outputs.
+  const Tensor dlse_shape(DType::f32, {2, 4, 9}), dlse_dtype(DType::bf16, {2, 4, 10});
+  AttentionOptions bad_dlse;
+  bad_dlse.dlse = dlse_shape.view();
+  expect_backward(bad_dlse, "dlse: shape (2, 4, 9) but expected (2, 4, 10)");
+  bad_dlse.dlse = dlse_dtype.view();
+  expect_backward(bad_dlse, "dlse: dtype bf16");
+  bad_dlse.dlse = TensorView(dq.data(), DType::f32, {2, 4, 10});
+  expect_backward(bad_dlse, "dlse");
 }
 
 // A bad dbias (no float attn_mask, a boolean one, another shape or dtype, overlapping an input or

@@ -55,6 +55,9 @@ void check_varlen(const std::vector<std::int32_t>& lq, const std::vector<std::in
   for (std::int64_t h = 0; h < hq; ++h) sinks.set(h, 0.75f * static_cast<float>(h) - 1.0f);
   const bool with_sinks = o.sinks.rank != 0;  // a marker: filled here, with dsinks
   if (with_sinks) o.sinks = sinks.view(), o.dsinks = dsinks.view();
+  const bool with_dlse = o.dlse.rank != 0;  // a marker: filled here with lse's gradient, (heads_q, total_q)
+  const Tensor dlse = random_tensor(DType::f32, {hq, tq}, seed + 4);
+  if (with_dlse) o.dlse = dlse.view();
   const ForwardResult f = forward_varlen(q.view(), k.view(), v.view(), s, o);
   const BackwardResult g =
       backward_varlen(dout.view(), q.view(), k.view(), v.view(), f.out.view(), f.lse.view(), s, o);
@@ -69,6 +72,10 @@ void check_varlen(const std::vector<std::int32_t>& lq, const std::vector<std::in
       for (std::int64_t h = 0; h < hq; ++h) row_slopes.set(h, slopes.get(b * hq + h));
       ob.alibi_slopes = row_slopes.view();
     }
+    Tensor dlse_b(DType::f32, {1, hq, sq});
+    for (std::int64_t h = 0; with_dlse && h < hq; ++h)
+      for (std::int64_t i = 0; i < sq; ++i) dlse_b.set(h * sq + i, dlse.get(h * tq + q0 + i));
+    if (with_dlse) ob.dlse = dlse_b.view();
     const Tensor qb = slice(q, q0, sq), kb = slice(k, k0, sk), vb = slice(v, k0, sk), dob = slice(dout, q0, sq);
     const ForwardResult fb = forward(qb.view(), kb.view(), vb.view(), ob);
     expect_bitwise_equal_rows(f.out, q0, fb.out, "out");
@@ -99,6 +106,8 @@ TEST(Varlen, EqualsEachSequenceOnItsOwn) {
   sinks.causal = true;
   sinks.sinks.rank = 1;  // filled per call with (heads_q) sink logits
   check_varlen(lq, lk, sinks, 4);
+  sinks.dlse.rank = 2;  // filled per call with lse's gradient
+  check_varlen(lq, lk, sinks, 5);
 }
 
 // Batch invariance: a sequence's out and lse are bit-identical whether it runs alone (a batch

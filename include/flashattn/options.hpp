@@ -227,6 +227,13 @@ struct AttentionOptions {
   // Set without a float attn_mask, of another shape or dtype, or overlapping an input or
   // another output: an Error. Unset (null data): not computed.
   MutableTensorView dbias;
+  // Backward only: the gradient of a loss with respect to lse, float32 of lse's shape —
+  // (batch, heads_q, seqlen_q), or (heads_q, total_q) for backward_varlen — added to dq, dk
+  // (and dsinks, dbias): ∂lse_i/∂s_ij = P_ij, so D_i becomes rowsum(dO ∘ O) − dlse_i. For
+  // losses on lse itself (z-loss) or on a merge of partial results. Unset (null data): lse's
+  // gradient is zero, as upstream FlashAttention takes it. CPU only (cuda and the ring
+  // reject it by name).
+  TensorView dlse;
 
   // Forward numerics (docs/algorithm.md §5); the backward always recomputes P with the exact exp2.
   Exp2Impl exp2 = Exp2Impl::automatic;

@@ -694,8 +694,8 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     affine in the score, or in cap * tanh(score / cap) (soft-capping; NotImplementedError
     otherwise); block_mask from
     flashattn.create_block_mask. scale: default 1/sqrt(D). enable_gqa: Hq a multiple of Hkv.
-    return_lse: also the log-sum-exp (B, Hq, Sq), float32, natural log (not differentiable).
-    Gradients of query, key and value through autograd."""
+    return_lse: also the log-sum-exp (B, Hq, Sq), float32, natural log. Gradients of query, key
+    and value through autograd, of the output and of lse (a loss on lse, such as a z-loss)."""
     _need_torch("flex_attention")
     return _flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, kernel_options)
 
@@ -761,11 +761,15 @@ def _flex_fwd(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], block_sta
 def _flex_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse: Tensor,
               scale: Optional[float], block_states: Optional[Tensor], partial_index: Optional[Tensor],
               partial_blocks: Optional[Tensor], block_size: int, score_a: Optional[Tensor],
-              score_c: Optional[Tensor], softcap: float, num_threads: int) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv (B, S, H, D) of sum(dout * out); P is recomputed from softmax_lse."""
+              score_c: Optional[Tensor], softcap: float, num_threads: int,
+              dlse: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv (B, S, H, D) of sum(dout * out) + sum(dlse * softmax_lse); P is recomputed
+    from softmax_lse."""
     _check_mods(q, k, score_a, score_c)
     o = _opts(q, k, scale, block_states, partial_index, partial_blocks, block_size, score_a, score_c, softcap,
               num_threads)
+    if dlse is not None:
+        o.dlse = dlse.numpy()
     return _impl._backward(dout, q, k, v, out, softmax_lse, o)
 
 
@@ -790,16 +794,16 @@ if torch is not None:
         ctx.present = tuple(n for n in _MOD_ARGS if mods[n] is not None)
         ctx.options = (scale, block_size, softcap, num_threads)
         ctx.save_for_backward(q, k, v, *output, *(mods[n] for n in ctx.present))
-        ctx.mark_non_differentiable(output[1])
 
-    def _backward(ctx, dout, _dlse):
+    def _backward(ctx, dout, dlse):
         q, k, v, out, lse, *rest = ctx.saved_tensors
         mods = dict.fromkeys(_MOD_ARGS)
         mods.update(zip(ctx.present, rest))
         scale, block_size, softcap, num_threads = ctx.options
         dq, dk, dv = torch.ops.flashattn.flex_bwd(dout.to(q.dtype), q, k, v, out, lse, scale, mods["block_states"],
                                                   mods["partial_index"], mods["partial_blocks"], block_size,
-                                                  mods["score_a"], mods["score_c"], softcap, num_threads)
+                                                  mods["score_a"], mods["score_c"], softcap, num_threads,
+                                                  None if dlse is None else dlse.to(torch.float32).contiguous())
         return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
     torch.library.register_autograd("flashattn::flex_fwd", _backward, setup_context=_setup)

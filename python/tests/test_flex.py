@@ -519,6 +519,45 @@ def test_return_lse_matches_torch():
     torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=0)
 
 
+def test_lse_is_differentiable():
+    """A loss on lse as well as on out (a z-loss): dq, dk, dv equal float64 autograd's through
+    logsumexp, with a score_mod and a mask that leaves one row without keys (its lse −∞ takes
+    no gradient); lse.sum() reaches the op as a stride-0 gradient."""
+    gen, q, k, v, _ = inputs(seed_for("lse grad"), HQ, 29, 45, torch.float32)
+    score_mod, mask_mod, _ = make_case("alibi_causal", 29, 45, gen)
+    hide_row = lambda b, h, qi, ki: mask_mod(b, h, qi, ki) & (qi != 3)  # noqa: E731
+    bm = flashattn.create_block_mask(hide_row, None, None, 29, 45, BLOCK_SIZE=BLOCK)
+    weights = torch.randn(B, HQ, 29, generator=gen, dtype=torch.float64)
+
+    def reference(q, k, v):
+        group = HQ // k.shape[1]
+        kk, vv = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        s = (q @ kk.transpose(-1, -2)) * q.shape[-1] ** -0.5
+        idx = (torch.arange(B).view(B, 1, 1, 1), torch.arange(HQ).view(1, HQ, 1, 1),
+               torch.arange(29).view(1, 1, 29, 1), torch.arange(45).view(1, 1, 1, 45))
+        s = score_mod(s, *idx).masked_fill(~hide_row(*idx), NEG_INF)
+        lse = torch.logsumexp(s, dim=-1)
+        p = torch.nan_to_num(torch.exp(s - lse.unsqueeze(-1)))
+        return p @ vv, lse
+
+    def grads(fn, dtype, loss):
+        leaves = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
+        out, lse = fn(*leaves)
+        loss(out.double(), lse.double()).backward()
+        return [torch.zeros(x.shape, dtype=torch.float64) if x.grad is None else x.grad.double() for x in leaves]
+
+    ours_fn = lambda q, k, v: flashattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm,  # noqa: E731
+                                                       return_lse=True)
+    finite = lambda lse: torch.where(torch.isinf(lse), 0.0, lse)  # noqa: E731
+    for loss in (lambda o, lse: (o * o).sum() * 0.1 + (finite(lse) * weights).sum() + (finite(lse) ** 2).sum() * 0.01,
+                 lambda o, lse: finite(lse).sum()):
+        want = grads(reference, torch.float64, loss)
+        got = grads(ours_fn, torch.float32, loss)
+        for name, g, w in zip(("dq", "dk", "dv"), got, want):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=0, msg=name)
+    assert got[0][:, :, 3].abs().max() == 0.0  # the row without keys
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_score_mod_adding_a_huge_constant_to_whole_rows(dtype):
     """A score_mod that adds -1e9 to every score of some rows (padding rows written as a score

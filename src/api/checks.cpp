@@ -13,7 +13,7 @@ void check_apart_from_options(const char* name, const TensorView& output, const 
   if (output.data == nullptr) return;
   for (const auto& [in_name, input] :
        {std::pair{"attn_mask", options.attn_mask}, {"alibi_slopes", options.alibi_slopes},
-        {"block_mask", options.block_mask}, {"sinks", options.sinks},
+        {"block_mask", options.block_mask}, {"sinks", options.sinks}, {"dlse", options.dlse},
         {"score_hook.block_mask", options.score_hook.block_mask}})
     if (input.data != nullptr) check_no_overlap(name, output, in_name, input);
 }
@@ -63,6 +63,9 @@ AttentionProblem check_backward_call(const TensorView& dout, const TensorView& q
     check_apart_from_options(name, *grad, options);
     for (int o = 0; o < g; ++o) check_no_overlap(name, *grad, grads[o].first, *grads[o].second);
   }
+  if (options.dlse.data != nullptr || options.dlse.rank != 0)
+    check_tensor("dlse", options.dlse, DType::f32, "dlse is float32, as lse", {p.batch, p.heads_q, p.seqlen_q},
+                 "(batch, heads_q, seqlen_q), lse's shape");
   if (options.dsinks.data != nullptr || options.dsinks.rank != 0) {
     if (!p.sinks) throw Error("dsinks: set without sinks");
     check_tensor("dsinks", options.dsinks.on(Device::cpu), DType::f32, "dsinks is float32", {p.heads_q}, "(heads_q)");

@@ -17,6 +17,7 @@ AttentionOptions host(const AttentionOptions& options) {
   o.alibi_slopes = host(options.alibi_slopes);
   o.block_mask = host(options.block_mask);
   o.attn_mask = host(options.attn_mask);
+  o.dlse = host(options.dlse);
   o.rescale_counts = options.rescale_counts.on(Device::cpu);
   return o;
 }

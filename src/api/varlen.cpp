@@ -125,6 +125,10 @@ void backward_varlen(const TensorView& dout, const TensorView& q, const TensorVi
                                {"cu_seqlens_q", seqlens.cu_seqlens_q}, {"cu_seqlens_k", seqlens.cu_seqlens_k}});
   for (const auto& [name, grad] : {std::pair{"dq", dq}, {"dk", dk}, {"dv", dv}})
     detail::check_apart_from_options(name, grad, options);
+  const bool dlse = options.dlse.data != nullptr || options.dlse.rank != 0;
+  if (dlse)
+    detail::check_tensor("dlse", options.dlse, DType::f32, "dlse is float32, as lse", {q.shape[1], q.shape[0]},
+                         "(heads_q, total_q), lse's shape");
   std::vector<detail::BackwardJob> jobs;
   for (std::int64_t b = 0; b < o.batch(); ++b) {
     const std::int64_t q0 = o.q[b], sq = o.q[b + 1] - q0, k0 = o.k[b], sk = o.k[b + 1] - k0;
@@ -140,6 +144,7 @@ void backward_varlen(const TensorView& dout, const TensorView& q, const TensorVi
                             detail::packed_sequence(dk, k0, sk),
                             detail::packed_sequence(dv, k0, sk),
                             detail::sequence_options(options, b)};
+    if (dlse) job.options.dlse = detail::packed_lse(options.dlse, q0, sq);
     job.problem = detail::check_backward_call(job.dout, job.q, job.k, job.v, job.out, job.lse, job.dq, job.dk,
                                               job.dv, job.options);
     backend.check_backward(job);

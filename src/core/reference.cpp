@@ -223,7 +223,10 @@ Gradients attention_backward(const TensorView& dout, const TensorView& q, const 
           for (std::int64_t c = 0; c < dv; ++c)
             delta += static_cast<double>(load_element(dout, offset4(dout, b, i, h, c))) *
                      out_row[static_cast<std::size_t>(c)];
-          // d/dsink of Σ dO∘O: the sink's probability e^{sink − lse} times (0 − D_i).
+          if (options.dlse.data != nullptr)  // ∂lse_i/∂s_ij = P_ij
+            delta -= static_cast<double>(load_element(
+                options.dlse, b * options.dlse.strides[0] + h * options.dlse.strides[1] + i * options.dlse.strides[2]));
+          // d/dsink of Σ dO∘O + dlse·lse: the sink's probability e^{sink − lse} times (0 − D_i).
           if (p.sinks) dsinks_bh[static_cast<std::size_t>(b * p.heads_q + h)] -= std::exp((sem.sink(h) - lse.max) - lse.log_sum) * delta;
           const AttentionProblem::KeyRange range = p.key_range(i);
           for (std::int64_t j = range.begin; j < range.end; ++j) {

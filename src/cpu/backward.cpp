@@ -103,7 +103,7 @@ void cpu::run_backward(const detail::BackwardJob& job) {
   const cpu::BackwardParams params{p, job.internals, plan, job.dout, job.q, job.k, job.v, job.out, job.lse,
                                    job.dq, job.dk, job.dv,
                                    options.alibi_slopes, options.block_mask, options.attn_mask, mask_blocks.blocks(),
-                                   options.score_hook, options.sinks,
+                                   options.score_hook, options.sinks, options.dlse,
                                    delta.get(), lse2.get(), lse2_low.get(), dq_accum.get(), dq_locks.get(), dq_tickets.get(),
                                    dbias, dbias_shared, dbias_in_item_order, dbias_tickets.get()};
   // Items are handed out strictly in order (an atomic counter, not an OpenMP schedule):

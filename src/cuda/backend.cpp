@@ -52,6 +52,7 @@ void check_supported(const AttentionProblem& p, const AttentionOptions& options)
   if (p.block_mask_block_size != 0 || options.block_mask.data != nullptr)
     throw Error("block_mask: not supported on cuda");
   if (options.counters != nullptr) throw Error("counters: not supported on cuda");
+  if (options.dlse.data != nullptr || options.dlse.rank != 0) throw Error("dlse: not supported on cuda");
   if (options.rescale_counts.data != nullptr || options.rescale_counts.rank != 0)
     throw Error("rescale_counts: not supported on cuda");
   if (options.plans_run != nullptr) throw Error("plans_run: not supported on cuda (it reports the CPU's plans)");

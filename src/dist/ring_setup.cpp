@@ -80,6 +80,8 @@ void reject_unsupported(const char* operation, const AttentionOptions& options) 
     throw Error(op + ": rescale_counts are reported by forward() and forward_fp8() only, not by the ring");
   if (options.dsinks.data != nullptr || options.dsinks.rank != 0) throw Error(op + ": dsinks (the ring takes no sinks)");
   if (options.dbias.data != nullptr || options.dbias.rank != 0) throw Error(op + ": dbias (the ring takes no attn_mask)");
+  if (options.dlse.data != nullptr || options.dlse.rank != 0)
+    throw Error(op + ": dlse (the ring's lse is not differentiable)");
 }
 
 // The kernels the steps will run, planned here on every rank before the ring turns: a rank

@@ -303,6 +303,7 @@ struct Options {
   std::optional<In> sinks;       // (heads_q) sink logits
   std::string sinks_dtype = "f32";  // the sinks' own dtype: the library checks it
   std::optional<Array> dsinks;      // backward only: float32 (heads_q) receives the sinks' gradient
+  std::optional<In> dlse;           // backward only: float32 of lse's shape, lse's gradient
   float dropout_p = 0.0f;
   std::uint64_t seed = 0;
   std::uint64_t offset = 0;
@@ -335,6 +336,7 @@ struct Options {
     o.alibi_slopes = optional_in(alibi_slopes, alibi_dtype, "alibi_slopes");
     o.sinks = optional_in(sinks, sinks_dtype, "sinks");
     if (dsinks) o.dsinks = out(*dsinks, "f32", "dsinks");
+    o.dlse = optional_in(dlse, "f32", "dlse");
     o.dropout_p = dropout_p;
     o.seed = seed;
     o.offset = offset;
@@ -459,6 +461,7 @@ NB_MODULE(_C, m) {
       .def_rw("sinks", &Options::sinks)
       .def_rw("sinks_dtype", &Options::sinks_dtype)
       .def_rw("dsinks", &Options::dsinks)
+      .def_rw("dlse", &Options::dlse)
       .def_rw("dropout_p", &Options::dropout_p)
       .def_rw("seed", &Options::seed)
       .def_rw("offset", &Options::offset)

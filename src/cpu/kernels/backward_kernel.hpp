@@ -32,7 +32,8 @@ struct BackwardParams {
   DenseMaskBlocks attn_mask_blocks;     // a boolean attn_mask's tiles (the driver's summary)
   ScoreHook score_hook;                 // from the options; apply null when unused
   TensorView sinks;                     // from the options; empty when unused
-  float* delta = nullptr;     // (batch, heads_q, seqlen_q): D = rowsum(dO ∘ O)
+  TensorView dlse;                      // from the options; empty when unused
+  float* delta = nullptr;     // (batch, heads_q, seqlen_q): D = rowsum(dO ∘ O) − dlse
   // (batch, heads_q, seqlen_q), filled with delta: each row's exp2 offset of P in two parts,
   // P = 2^((S' − lse2) − lse2_low) — lse·log2e and 0, or, where float32 cannot hold the lse
   // to the precision P needs, the row's maximum score and log2 ℓ (BackwardDelta).

@@ -138,7 +138,7 @@ void BackwardLargeRows(const BackwardParams& prm, BackwardWorkspace& ws, const L
   ws.counters.large_lse_rows += item.count;
 }
 
-// D = rowsum(dO ∘ O) and the exp2 offsets of P (BackwardParams::lse2, lse2_low) of every
+// D = rowsum(dO ∘ O) − dlse and the exp2 offsets of P (BackwardParams::lse2, lse2_low) of every
 // row of (b, h), as lse·log2e: BackwardLargeRows then redoes the large rows'. Zeroes the
 // head's rows of the dQ accumulator (by the thread that first touches them, all threads at
 // once, not one thread before the region).
@@ -160,6 +160,9 @@ void BackwardDelta(const BackwardParams& prm, BackwardWorkspace& ws, std::int64_
     for (std::int64_t c = 0; c < dv; c += kLanes) acc = hn::MulAdd(hn::Load(df, o_row + c), hn::Load(df, go_row + c), acc);
     const std::int64_t row = bh * p.seqlen_q + i;
     prm.delta[row] = hn::GetLane(hn::SumOfLanes(df, acc));
+    if (prm.dlse.data != nullptr)  // ∂lse_i/∂s_ij = P_ij: dS_ij = P_ij·(dP_ij − (D_i − dlse_i))
+      prm.delta[row] -= static_cast<const float*>(prm.dlse.data)[b * prm.dlse.strides[0] + h * prm.dlse.strides[1] +
+                                                                 i * prm.dlse.strides[2]];
     prm.lse2[row] = *LsePointer(prm, b, h, i) * OnlineSoftmaxState::kLog2e;
     prm.lse2_low[row] = 0.0f;
   }
