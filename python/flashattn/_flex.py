@@ -69,6 +69,12 @@ _AFFINE_UNARY = {"neg", "positive", "clone", "alias", "view", "_unsafe_view", "r
                  "unsqueeze", "permute", "t", "transpose", "detach", "contiguous", "lift_fresh", "lift_fresh_copy",
                  "_to_copy", "to", "select", "slice", "broadcast_to", "expand_copy", "view_copy"}
 _AFFINE_SUM = {"add", "sub", "rsub"}
+# aten factories that read only their first (tensor) argument's shape, dtype and device, not its
+# values: their result depends on no index and not on the score (torch.full_like(score, -inf),
+# zeros_like(b)). The random ones (rand_like, ...) are left out: a mod is evaluated on copies of
+# the inputs and at two scores, so random values would not be torch's anyway.
+_FACTORIES = {"empty_like", "zeros_like", "ones_like", "full_like", "new_empty", "new_zeros", "new_ones",
+              "new_full", "new_empty_strided"}
 
 
 def _affine_step(name, args, kwargs, on_score):
@@ -171,8 +177,9 @@ def _trace(fn, n_scores, mod_name, score=0.0):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             out = func(*args, **kwargs)
-            dep = bits_of((args, kwargs)) & ~_UNIT
             name = func.overloadpacket.__name__.rstrip("_")
+            # A factory's first argument gives only the shape, dtype and device of the result.
+            dep = bits_of((args[1:] if name in _FACTORIES else args, kwargs)) & ~_UNIT
             mutable = func._schema.is_mutable
             if mutable:  # an index changed in place is no longer the index
                 for t in tree_leaves((args, kwargs)):
@@ -262,8 +269,20 @@ def _evaluate(fn, prefix, sizes, dep, rows, q0, mod_name):
         f = torch.vmap(f, in_dims=(0,) * len(prefix) + tuple(0 if e == d else None for e in range(4)))
     with torch.no_grad():
         out = f(*prefix, *index)
+    return _one_per_element(out, shape, mod_name)
+
+
+def _one_per_element(out, shape, mod_name):
+    """out, the vmapped result of a mod over the (b, h, q_idx, kv_idx) batch `shape`; TypeError
+    unless it is a tensor, ValueError unless the mod gave one value (a 0-d tensor) per element
+    (a size-1 tensor is taken as one value)."""
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"{mod_name}: expected a tensor result, got {type(out).__name__}")
+    if out.numel() != math.prod(shape):
+        what = "bool (True keeps the key)" if mod_name.startswith("mask_mod") else "score"
+        raise ValueError(f"{mod_name}: returned a value of shape {tuple(out.shape[len(shape):])} per element; "
+                         f"it must return one {what} per element, a 0-d tensor for each (b, h, q_idx, kv_idx) "
+                         "(it is evaluated with torch.vmap over them, as torch evaluates it)")
     return out
 
 
@@ -423,16 +442,27 @@ _C_LIMIT = _sdpa.LARGEST_SCALED
 
 
 def _check_values(name, f0, f1, position):
-    """The slope f1 − f0 (None for None), 0 where f0 is -inf (a key hidden at every score);
-    ValueError unless every f0 is -inf or finite of magnitude at most _C_LIMIT and every slope
-    finite, naming the (b, h, q_idx, kv_idx) that position(index into f0) gives. Two
-    reductions per tensor when all is well."""
+    """(f0, the slope f1 − f0 (None for None)); where f0 and f1 are both finite and below
+    -_C_LIMIT (a mask value such as torch.finfo(score.dtype).min, which the kernels cannot
+    add), f0 is -_C_LIMIT and the slope 0 — as the SDPA path clamps attn_mask, such a key
+    weighs nothing beside others and a row of only such keys weighs them alike, as torch's —
+    and where f0 is -inf (a key hidden at every score) the slope is 0; ValueError unless every
+    f0 is then -inf or finite of magnitude at most _C_LIMIT and every slope finite, naming the
+    (b, h, q_idx, kv_idx) that position(index into f0) gives. Two reductions per tensor when
+    all is well."""
     slope = None if f1 is None else f1 - f0
-    lo, hi = (x.item() for x in torch.aminmax(f0))  # nan: both comparisons below fail
+    lo, hi = (x.item() for x in torch.aminmax(f0))  # nan: the comparisons below fail
+    if lo < -_C_LIMIT:
+        below = (f0 < -_C_LIMIT) & (f0 != -math.inf)
+        if f1 is not None:
+            below &= (f1 < -_C_LIMIT) & (f1 != -math.inf)
+            slope = slope.masked_fill(below, 0.0)
+        f0 = f0.masked_fill(below, -_C_LIMIT)
+        lo = torch.amin(f0).item()
     in_range = hi <= _C_LIMIT and (lo >= -_C_LIMIT or (
         lo == -math.inf and not bool(((f0 < -_C_LIMIT) & (f0 != -math.inf)).any())))
     if in_range and (slope is None or math.isfinite(slope.sum().item())):
-        return slope
+        return f0, slope
     hidden = f0 == -math.inf
     bad = ~hidden & ~(f0.abs() <= _C_LIMIT)
     if slope is not None:
@@ -444,8 +474,9 @@ def _check_values(name, f0, f1, position):
         raise ValueError(f"{name}: returned {got!r} at score {'0' if f1 is None else '(0, 1)'} for "
                          f"(b, h, q_idx, kv_idx) = {position(at)} (each 0 where score_mod "
                          f"does not read it): only -inf and finite values of magnitude up to {_C_LIMIT:.4g} "
-                         "(float32's largest over log2(e)) are taken")
-    return slope
+                         "(float32's largest over log2(e)) are taken, and values below minus that (at every "
+                         "score evaluated) as minus that")
+    return f0, slope
 
 
 class _Coefficient:
@@ -539,7 +570,7 @@ def _score_coefficients(score_mod, sizes):
             return f.to(torch.float64).reshape(shape[0], shape[1], n, shape[3])
 
         f0, f1 = at_score(0.0), (None if unit else at_score(probe))
-        slope = _check_values(name, f0, f1, lambda at, q0=q0: (at[0], at[1], at[2] + q0, at[3]))
+        f0, slope = _check_values(name, f0, f1, lambda at, q0=q0: (at[0], at[1], at[2] + q0, at[3]))
         if slope is not None and cap is not None:
             slope /= per_slope
         c.put(q0, f0)
@@ -586,7 +617,7 @@ def _relative_coefficients(score_mod, name, shape, unit, cap, probe, per_slope):
         def position(at):
             return at[0], at[1], int(q_idx[at[3]]), int(kv_idx[at[3]])
 
-        slope = _check_values(name, f0, f1, position)
+        f0, slope = _check_values(name, f0, f1, position)
         c[..., t0:t0 + n] = f0
         if slope is not None:
             a[..., t0:t0 + n] = slope / per_slope if cap is not None else slope
@@ -602,18 +633,20 @@ def _relative_coefficients(score_mod, name, shape, unit, cap, probe, per_slope):
 
 def _evaluate_diagonals(fn, prefix, shape, q_idx, kv_idx, mod_name):
     """fn vmapped over (b, h) — each read one of its size, each unread one of size 1 — and over
-    the pairs (q_idx[t], kv_idx[t]) together, with `prefix` the unbatched leading arguments: a
-    tensor of shape (1 or B, 1 or H, len(q_idx))."""
+    the pairs (q_idx[t], kv_idx[t]) together, with `prefix` the leading arguments (0-d tensors:
+    the score), each given as one copy per element as in _evaluate, so that a mod may change it
+    in place by a value that depends on an index (score.add_(bias[kv_idx - q_idx])): a tensor
+    of shape (1 or B, 1 or H, len(q_idx))."""
     b, h = (torch.arange(n, dtype=torch.int64) if n > 1 else torch.zeros(1, dtype=torch.int64) for n in shape[:2])
-    none = (None,) * len(prefix)
-    f = torch.vmap(fn, in_dims=none + (None, None, 0, 0))
-    f = torch.vmap(f, in_dims=none + (None, 0, None, None))
-    f = torch.vmap(f, in_dims=none + (0, None, None, None))
+    batch = (len(b), len(h), len(q_idx))
+    prefix = tuple(torch.full(batch, p.item(), dtype=p.dtype) for p in prefix)
+    first = (0,) * len(prefix)
+    f = torch.vmap(fn, in_dims=first + (None, None, 0, 0))
+    f = torch.vmap(f, in_dims=first + (None, 0, None, None))
+    f = torch.vmap(f, in_dims=first + (0, None, None, None))
     with torch.no_grad():
         out = f(*prefix, b, h, q_idx, kv_idx)
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"{mod_name}: expected a tensor result, got {type(out).__name__}")
-    return out
+    return _one_per_element(out, batch, mod_name)
 
 
 def _is_diagonal(x, sq, sk):

@@ -11,7 +11,9 @@ definition in torch ops (scores materialized, mods applied by broadcasting); the
 comparison is torch.nn.attention.flex_attention in eager mode on float64 inputs (torch
 refuses a CPU backward there, a device check its eager path does not need: the test lifts
 it). Then: the block mask's blocks against torch's, evaluation once per chunk of blocks
-(never per element), compact storage, non-affine score_mods refused by name, bad inputs,
+(never per element), compact storage, non-affine score_mods refused by name, in-place
+score_mods on the per-diagonal path, shape-only factories (full_like, new_zeros, ...),
+torch.finfo(dtype).min as a mask value, bad inputs (non-scalar mod results among them),
 opcheck, torch.compile and return_lse. Skipped without torch."""
 
 import math
@@ -451,6 +453,14 @@ def test_bad_inputs_name_the_argument():
         (lambda: flashattn.create_block_mask(lambda b, h, i, j: (i - j).float(), None, None, 9, 9), TypeError,
          "mask_mod <lambda>: expected a bool tensor"),
         (lambda: flashattn.create_block_mask("causal", None, None, 9, 9), TypeError, "mask_mod: expected a callable"),
+        # One value per (b, h, q_idx, kv_idx), not a raw reshape error.
+        (lambda: flashattn.create_block_mask(lambda b, h, i, j: torch.stack([i >= j, i < j]), 1, 1, 9, 9), ValueError,
+         r"mask_mod <lambda>: returned a value of shape \(2,\) per element; it must return one bool"),
+        (lambda: flashattn.flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s + torch.zeros(2) + i), ValueError,
+         r"score_mod <lambda>: returned a value of shape \(2,\) per element; it must return one score"),
+        (lambda: flashattn.flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s + (j - i) * torch.ones(3)),
+         ValueError, r"score_mod <lambda>: returned a value of shape \(3,\) per element"),  # per diagonal
+        (lambda: flashattn.flex_attention(torch.cat([q, q]), k, v), ValueError, "key: batch 1 but query has 2"),
         (lambda: flashattn.flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s + learned[h]),
          NotImplementedError, "score_mod <lambda>: its result requires grad"),
         # flex_attention's names, not the native views' q, k, v.
@@ -501,6 +511,112 @@ def test_score_mod_writing_the_score_in_place_is_followed_through_its_views(scor
     want = torch.softmax(slope * scores + bias, dim=-1) @ v.double()
     got = flashattn.flex_attention(q, k, v, score_mod=score_mod)
     torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=0)
+
+
+def test_in_place_score_mod_evaluated_per_diagonal():
+    """A score_mod that changes the score in place by a value that reads q_idx and kv_idx only
+    through kv_idx - q_idx (a relative bias, ALiBi) is still evaluated once per diagonal, each
+    diagonal's score a copy of its own: as its out-of-place form, against the float64 reference
+    and torch's FlexAttention."""
+    table, slopes = torch.randn(40, dtype=torch.float64), torch.rand(HQ, dtype=torch.float64) * 0.3
+
+    def rel_in_place(s, b, h, q, kv):
+        s.add_(table[kv - q + 20])
+        return s
+
+    def alibi_in_place(s, b, h, q, kv):
+        s.sub_((q - kv).abs() * slopes[h])
+        return s
+
+    out_of_place = {rel_in_place: lambda s, b, h, q, kv: s + table[kv - q + 20],
+                    alibi_in_place: lambda s, b, h, q, kv: s - (q - kv).abs() * slopes[h]}
+    _, q, k, v, dout = inputs(seed_for("in-place-diagonal"), HQ, 7, 10, torch.float32)
+    for mod, plain in out_of_place.items():
+        assert _flex._trace(mod, 1, mod.__name__)[4]  # taken as relative: the per-diagonal path
+        a, c, _ = _flex._score_coefficients(mod, (B, HQ, 7, 10))
+        assert a is None and c.shape == (1, HQ if mod is alibi_in_place else 1, 1, 7 + 10 - 1)
+        got = run(ours, q, k, v, dout, score_mod=mod)
+        ref = run(dense_flex, q.double(), k.double(), v.double(), dout.double(), score_mod=plain)
+        for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref):
+            within_torch(name, g, r, None, name != "out", mod.__name__)
+        torch.testing.assert_close(got[0].double(), torch_flex(q.double(), k.double(), v.double(), score_mod=plain),
+                                   atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("score_mod", [
+    lambda s, b, h, q, kv: torch.where(q >= kv, s, torch.full_like(s, NEG_INF)),
+    lambda s, b, h, q, kv: torch.where(q >= kv, s, s.new_full((), NEG_INF)),
+    lambda s, b, h, q, kv: torch.where(q >= kv, s, torch.empty_like(s).fill_(NEG_INF)),
+    lambda s, b, h, q, kv: s * torch.ones_like(s) + torch.zeros_like(s) + (q - kv) * 0.1,
+    lambda s, b, h, q, kv: s + s.new_zeros(()) + torch.full_like(q, 2) * 0.25 + s.new_ones(()),
+], ids=["full_like", "new_full", "empty_like-fill_", "ones_like-zeros_like", "new_zeros-full_like-index"])
+def test_factories_read_no_values(score_mod):
+    """empty_like, zeros_like, ones_like, full_like and new_* read only their tensor argument's
+    shape and dtype: a score_mod using them on the score is affine (torch.where(..., s,
+    full_like(s, -inf)) the common masking idiom), and one using them on an index reads no index."""
+    _, q, k, v, _ = inputs(seed_for("factories"), HQ, 7, 10, torch.float64)
+    got = flashattn.flex_attention(q.float(), k.float(), v.float(), score_mod=score_mod)
+    torch.testing.assert_close(got.double(), torch_flex(q, k, v, score_mod=score_mod), atol=1e-5, rtol=0)
+    torch.testing.assert_close(got.double(), dense_flex(q, k, v, score_mod=score_mod), atol=1e-5, rtol=0)
+
+
+def test_factories_on_indices_read_no_index():
+    """A mask_mod (or score_mod) that builds a tensor like b or h reads neither: its block mask is
+    stored once and stands for every batch element and head."""
+    fill = lambda b, h, q, kv: (q >= kv) | (torch.zeros_like(b) == 1) | (torch.full_like(h, 3) < 0)  # noqa: E731
+    bm = flashattn.create_block_mask(fill, None, None, 9, 9, BLOCK_SIZE=4)
+    assert not bm._reads_index(0) and not bm._reads_index(1)
+    assert flashattn.create_block_mask(fill, 2, 3, 9, 9, BLOCK_SIZE=4)._states.shape[:2] == (1, 1)
+    q, k, v = (torch.randn(2, 3, 9, 8) for _ in range(3))
+    causal = flashattn.create_block_mask(lambda b, h, i, j: i >= j, None, None, 9, 9, BLOCK_SIZE=4)
+    assert torch.equal(flashattn.flex_attention(q, k, v, block_mask=bm),
+                       flashattn.flex_attention(q, k, v, block_mask=causal))
+    a, c, _ = _flex._score_coefficients(lambda s, b, h, i, j: s + torch.ones_like(b) + h.new_zeros(()), (2, 3, 9, 9))
+    assert a is None and c.shape == (1, 1, 1, 1)
+
+
+@pytest.mark.parametrize("minimum", [torch.float64, torch.float32, torch.bfloat16, "score"])
+def test_score_mod_finfo_min_weighs_nothing(minimum):
+    """torch.finfo(dtype).min as a mask value in a score_mod (Hugging Face's idiom; the mods see
+    float64 scores, so finfo(score.dtype).min is float64's): a value below minus the largest the
+    kernels add (2.35e38) at every score evaluated is taken as that, as the SDPA path clamps
+    attn_mask — the key gets weight 0 beside others, and a row where every key gets it weighs
+    them alike (torch's out) — with the gradients of that function. Against float64 softmax with
+    -2.35e38 in its place, and torch's flex_attention (float32, where the value fits)."""
+    _, q, k, v, dout = inputs(seed_for("finfo-min", str(minimum)), HQ, 7, 10, torch.float32)
+
+    def make(low):
+        def where_min(s, b, h, i, j):  # a = 0 where it gives low: evaluated at two scores
+            return torch.where((i >= j) & (i >= 2), s, low(s))
+
+        def additive_min(s, b, h, i, j):  # an additive mask (a = 1): evaluated at score 0 only
+            return s + torch.where((i >= j) & (i >= 2), s.new_zeros(()), low(s))
+        return where_min, additive_min
+
+    def softmax_ref(q, k, v, score_mod):
+        s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+        idx = (None, torch.arange(HQ).view(HQ, 1, 1), torch.arange(7).view(7, 1), torch.arange(10))
+        return torch.softmax(score_mod(s, *idx), dim=-1) @ v
+
+    mods = make(lambda s: torch.finfo(s.dtype if minimum == "score" else minimum).min)
+    clamped = make(lambda s: -_flex._C_LIMIT)
+    where_inf = make(lambda s: NEG_INF)[0]
+    lse_inf = flashattn.flex_attention(q, k, v, score_mod=where_inf, return_lse=True)[1]
+    for mod, same in zip(mods, clamped):
+        got = run(ours, q, k, v, dout, score_mod=mod)
+        ref = run(softmax_ref, q.double(), k.double(), v.double(), dout.double(), score_mod=same)
+        for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref):
+            within_torch(name, g, r, None, name != "out", mod.__name__)
+        torch.testing.assert_close(got[0][:, :, :2], v.mean(dim=2, keepdim=True).expand(-1, -1, 2, -1))
+        lse = flashattn.flex_attention(q, k, v, score_mod=mod, return_lse=True)[1]
+        assert torch.equal(lse[:, :, 2:], lse_inf[:, :, 2:]) and bool((lse[:, :, :2] < -2e38).all())
+        if minimum != torch.float64:  # torch's float32 scores overflow float64's
+            torch.testing.assert_close(got[0], torch_flex(q, k, v, score_mod=mod), atol=1e-5, rtol=0)
+    # Large positive values, and a value below the limit at one score only, are still refused.
+    with pytest.raises(ValueError, match="score_mod <lambda>: returned"):
+        flashattn.flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s + torch.where(j == 3, 3e38, 0.0))
+    with pytest.raises(ValueError, match="score_mod <lambda>: returned"):
+        flashattn.flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: torch.where(j == 3, s * 1e300 - 1e300, s))
 
 
 def test_return_lse_matches_torch():
