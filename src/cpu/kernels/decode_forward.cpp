@@ -364,7 +364,16 @@ void LoadQPanels(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeSha
     for (std::int64_t r = 0; r < sh.rows; ++r) {
       LoadQRow(prm, sh, g, r, q_row);
       float* panel = q_panels + (g * sh.rows4 + r / pr * pr) * d_span + r % pr * kLanes;
-      for (std::int64_t e = 0; e < d; e += kPair)
+      std::int64_t e = 0;
+#if HWY_TARGET != HWY_SCALAR
+      const DF df;
+      for (; e + kPair <= d; e += kPair) {  // whole pairs: a vector each, in PairIndex's order
+        const VF lo = hn::LoadU(df, q_row + e), hi = hn::LoadU(df, q_row + e + kLanes);
+        hn::StoreU(kEvenOdd<F> ? hn::ConcatEven(df, hi, lo) : lo, df, panel + pr * e);
+        hn::StoreU(kEvenOdd<F> ? hn::ConcatOdd(df, hi, lo) : hi, df, panel + pr * e + pr * kLanes);
+      }
+#endif
+      for (; e < d; e += kPair)
         for (std::int64_t half = 0; half < 2; ++half)
           for (std::int64_t i = 0; i < kLanes; ++i) {
             const std::int64_t x = e + (e + kPair <= d ? PairIndex<F>(half, i) : half * kLanes + i);
