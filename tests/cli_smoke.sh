@@ -269,6 +269,78 @@ fi
 grep -q "a quantized KV cache, FP8 (e4m3) or int8 codes" "$work/err.txt"
 echo "cli smoke (decode): ok"
 
+# Options a mode does not read, counts and sizes out of range, empty problems: a clear error
+# naming the option (exit 2 from flashattn, CLI11's own code from a validator), never a crash,
+# a hang or a silently ignored option; empty problems print n/a, never nan.
+refused() {  # refused FRAGMENT COMMAND...: a non-zero exit that is not a signal, naming FRAGMENT
+  local fragment=$1 rc=0
+  shift
+  "$@" > /dev/null 2> "$work/err.txt" || rc=$?
+  [ "$rc" != 0 ] && [ "$rc" -lt 124 ] || { echo "expected a refusal from: $* (got $rc)"; cat "$work/err.txt"; exit 1; }
+  grep -qF -- "$fragment" "$work/err.txt" || { echo "expected '$fragment' from: $*"; cat "$work/err.txt"; exit 1; }
+}
+refused "--repeats: must be a positive integer, got 0" "$cli" explain --seqlen 64 --heads 1 --dim 32 --measure --repeats 0
+refused "--repeats: must be a positive integer, got 0" "$cli" run --seqlen 64 --heads 1 --dim 32 --repeats 0
+if "$cli" --help | grep -q "^  ring"; then
+  refused "--repeats: must be a positive integer, got 0" "$cli" ring --seqlen 64 --heads 2 --dim 32 --repeats 0
+fi
+refused "--sgemm-size: must be a positive integer, got 0" "$cli" bench --sgemm-size 0
+fails_with "tour: --max-seqlen must be at most 2^24" timeout 60 "$cli" tour --max-seqlen 9223372036854775807
+for value in 9223372036854775807 -5; do
+  refused "--cache-seqlen: Value $value not in range 0 to 16777215" "$cli" run --decode --cache-seqlen "$value"
+done
+for value in 9223372036854775807 -4; do
+  refused "--page-size: Value $value not in range 0 to 16777215" "$cli" run --decode --cache-seqlen 30 --page-size "$value"
+done
+decode=("$cli" run --decode --cache-seqlen 30 --heads 4 --heads-kv 2 --dim 32 --repeats 1)
+for option in "--dim-v 16" "--softcap 2" "--dropout-p 0.1" "--window-size 4 0" "--seqlen-q 4" "--seqlen-k 9" \
+    "--backward" "--softmax-scale 0.5" "--num-splits 2" "--pack-gqa on" "--samples 3"; do
+  # shellcheck disable=SC2086  # the option and its values as words
+  fails_with "--decode does not take ${option%% *}" "${decode[@]}" $option
+done
+fails_with "--decode does not take --causal/--no-causal" "${decode[@]}" --no-causal
+fails_with "--decode does not take --alibi-slopes" "${decode[@]}" --alibi-slopes "$work/slopes.npy"
+fails_with "--decode does not take --cu-seqlens-q" "${decode[@]}" --cu-seqlens-q "$work/cuq.npy" \
+  --cu-seqlens-k "$work/cuk.npy"
+for option in "--cache-seqlen 30" "--page-size 16" "--cache-dtype e4m3"; do
+  # shellcheck disable=SC2086
+  fails_with "run without --decode does not take ${option%% *}" "$cli" run --seqlen 16 --heads 2 --dim 8 --repeats 1 $option
+done
+"${decode[@]}" > "$work/decode.txt"
+grep -q "of K and V (7.8 KiB)" "$work/decode.txt" || { echo "decode: cache size not in KiB"; cat "$work/decode.txt"; exit 1; }
+run_varlen=("$cli" run --cu-seqlens-q "$work/cuq.npy" --cu-seqlens-k "$work/cuk.npy" --heads 2 --dim 4 --repeats 1)
+for option in "--batch 2" "--seqlen 9" "--seqlen-q 9" "--samples 3"; do
+  # shellcheck disable=SC2086
+  fails_with "--cu-seqlens-q/--cu-seqlens-k does not take ${option%% *}" "${run_varlen[@]}" $option
+done
+refused "--kernel" "$cli" numerics --seqlen 64 --heads 2 --dim 32 --kernel tiled
+fails_with "--ops: --quick times its fixed subset" "$cli" bench --quick --ops fwd
+fails_with "--ops: --sweep times fwd and bwd only, got decode" "$cli" bench --sweep --ops fwd,decode
+fails_with "--kernel decode_fp16: applies to the decode cases, and --ops has no decode" \
+  "$cli" bench --ops fwd --kernel decode_fp16 --seqlen 64 --heads 2 --dim 32
+fails_with "--kernel decode_bf16: --sweep and --quick time no decode case" "$cli" bench --sweep --kernel decode_bf16
+if ! grep -q avx512_fp16 /proc/cpuinfo; then  # refused before the baselines (sgemm 2048^3, peaks) run
+  fails_with "--kernel decode_fp16: needs a CPU with AVX512-FP16 (this one: no)" \
+    timeout 5 "$cli" bench --ops fwd,decode --kernel decode_fp16 --seqlen 64 --heads 2 --dim 32
+fi
+grep -qF "GFLOP/s counts the FLOPs of the visible (query, key) pairs only, 2*(D+Dv)" "$work/run.txt" \
+  || { echo "run: footnote does not describe the GFLOP/s column"; exit 1; }
+"$cli" run --seqlen 0 --heads 2 --dim 32 --repeats 1 > "$work/empty_run.txt" 2> /dev/null
+"$cli" explain --seqlen 0 --heads 2 --dim 32 > "$work/empty_explain.txt"
+"$cli" numerics --seqlen 0 --heads 2 --dim 32 --repeats 1 > "$work/empty_numerics.txt" 2> /dev/null
+for out in empty_run empty_explain empty_numerics; do
+  if grep -qi "nan" "$work/$out.txt"; then echo "$out: prints nan"; grep -i nan "$work/$out.txt"; exit 1; fi
+done
+grep -q "neither takes extra memory" "$work/empty_run.txt"
+grep -q "tiled 0 ms: n/a" "$work/empty_explain.txt"
+fails_with "--measure: no query row to run" "$cli" explain --seqlen 0 --heads 2 --dim 32 --measure
+fails_with "--dv: folder $work/absent of $work/absent/dv.npy is not an existing folder" "${attend[@]}" \
+  --out "$work/o3.npy" --lse "$work/lse3.npy" --dout "$work/do.npy" --dq "$work/dq3.npy" --dk "$work/dk3.npy" \
+  --dv "$work/absent/dv.npy"
+[ ! -e "$work/o3.npy" ] && [ ! -e "$work/lse3.npy" ] || { echo "attend wrote --out before checking --dv's folder"; exit 1; }
+fails_with "--out: $work is a folder, not a file" "${attend[@]}" --out "$work"
+echo "cli smoke (refusals, empty problems): ok"
+
 # The serving batch, small: one forward_varlen_paged call against one call per sequence, and
 # sequences sharing a prefix, shared against unshared, and small chunks, pack_gqa against not.
 "$cli" bench --ops serve_smoke --json --repeats 5 --sgemm-size 64 > "$work/serve.json" 2> "$work/err.txt"

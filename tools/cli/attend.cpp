@@ -7,6 +7,8 @@
 #include <optional>
 #include <utility>
 
+#include <unistd.h>
+
 #include "tools/cli/commands.hpp"
 #include "tools/support/npy.hpp"
 
@@ -20,8 +22,23 @@ Tensor converted(const Tensor& t, DType dtype) {
   return r;
 }
 
-// Every output path differs from the others and from every input's: out is written before
-// dout is read, and a second output would overwrite the first.
+// An output path that a write could not create — its folder missing or not writable, or the
+// path a folder or a read-only file — is an Error naming the option before anything runs:
+// otherwise --out would be written and --dv then fail.
+void check_writable(const char* name, const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code e;
+  const fs::path folder = fs::path(path).has_parent_path() ? fs::path(path).parent_path() : fs::path(".");
+  if (!fs::is_directory(folder, e))
+    throw Error(std::string(name) + ": folder " + folder.string() + " of " + path + " is not an existing folder");
+  if (fs::is_directory(path, e)) throw Error(std::string(name) + ": " + path + " is a folder, not a file");
+  const bool exists = fs::exists(path, e);
+  if (::access(exists ? path.c_str() : folder.c_str(), W_OK) != 0)
+    throw Error(std::string(name) + ": " + (exists ? path : "folder " + folder.string()) + " is not writable");
+}
+
+// Every output path can be written (check_writable) and differs from the others and from
+// every input's: a second output would overwrite the first.
 void check_paths(const AttendFlags& f) {
   namespace fs = std::filesystem;
   const std::pair<const char*, const std::string*> inputs[] = {
@@ -37,6 +54,7 @@ void check_paths(const AttendFlags& f) {
   for (std::size_t i = 0; i < std::size(outputs); ++i) {
     const auto& [name, path] = outputs[i];
     if (path->empty()) continue;
+    check_writable(name, *path);
     for (std::size_t j = i + 1; j < std::size(outputs); ++j)
       if (!outputs[j].second->empty() && same(*path, *outputs[j].second))
         throw Error(std::string(name) + " and " + outputs[j].first + ": the same file (" + *path + ")");

@@ -22,20 +22,64 @@
 namespace flashattn::cli {
 namespace {
 
+bool has_op(const BenchFlags& f, const char* op) { return std::find(f.ops.begin(), f.ops.end(), op) != f.ops.end(); }
+
+bool is_decode_kernel(const std::string& kernel) { return kernel.rfind("decode", 0) == 0; }
+
 // --sweep or --quick: the grid or the issue's subset, as JSON or a table, and the plot.
+// --quick times its fixed subset (its targets need every case of it): --ops is refused there;
+// --sweep times fwd and bwd only, and refuses the other ops by name; neither takes a decode kernel.
 void sweep_or_quick(const BenchFlags& f) {
+  if (f.quick && f.given.count("--ops") > 0)
+    throw Error("--ops: --quick times its fixed subset (fwd and bwd of issue 7's cases); drop --ops or use --sweep");
+  for (const std::string& op : f.ops)  // the default --ops (with decode) means "all it times"
+    if (f.sweep && f.given.count("--ops") > 0 && op != "fwd" && op != "bwd")
+      throw Error("--ops: --sweep times fwd and bwd only, got " + op);
+  if (is_decode_kernel(f.shape.kernel))
+    throw Error("--kernel " + f.shape.kernel + ": --sweep and --quick time no decode case");
   SweepFlags s = f.grid;
   s.shape = f.shape;
   s.repeats = f.repeats;
   s.sgemm_n = f.sgemm_n;
   s.ops.clear();
   for (const char* op : {"fwd", "bwd"})
-    if (std::find(f.ops.begin(), f.ops.end(), op) != f.ops.end()) s.ops.push_back(op);
-  if (f.sweep && s.ops.empty()) throw Error("--ops: --sweep times fwd and/or bwd, got only decode");
+    if (f.quick || has_op(f, op)) s.ops.push_back(op);
   sweep(s, f.quick, f.json, f.plot);
 }
 
+// The kernel requests checked before the baselines (minutes on a slow machine) run: each one
+// against the cases it applies to, planned on this CPU (ShapeFlags::set_case_dtype: tiled_bf16
+// to the bf16 cases, decode kernels to the decode cases only), and a request no timed case
+// would run refused by name.
+void check_kernels(const BenchFlags& f) {
+  const ForwardKernel forward_kernel = parse_forward_kernel(f.shape.kernel);
+  if (is_decode_kernel(f.shape.kernel) && !has_op(f, "decode"))
+    throw Error("--kernel " + f.shape.kernel + ": applies to the decode cases, and --ops has no decode");
+  if (parse_backward_kernel(f.shape.backward_kernel) != BackwardKernel::automatic && !has_op(f, "bwd"))
+    throw Error("--backward-kernel " + f.shape.backward_kernel +
+                ": applies to the backward cases, and --ops has no bwd");
+  const CpuHardware hw = CpuHardware::detect(f.shape.threads);
+  for (const char* dtype : {"f32", "bf16"}) {
+    ShapeFlags shape = f.shape;
+    shape.set_case_dtype(dtype);
+    const AttentionOptions options = shape.options();
+    const AttentionProblem p = shape.problem(options);
+    if (has_op(f, "fwd")) plan_forward(p, hw, options);
+    if (has_op(f, "bwd")) plan_backward(p, hw, false, options.backward_kernel);
+  }
+  // The decode cases: bf16 caches and FP8 / int8 (u8, s8) ones, which decode_fp16 and
+  // decode_bf16 take (the library's choose_kernel states the same needs).
+  if (!has_op(f, "decode")) return;
+  if (forward_kernel == ForwardKernel::decode_fp16 && !hw.decode_fp16)
+    throw Error("--kernel decode_fp16: needs a CPU with AVX512-FP16 (this one: no); use --kernel decode or auto");
+  if (forward_kernel == ForwardKernel::decode_bf16 && !(hw.decode_bf16 && hw.int8_dot))
+    throw Error(std::string("--kernel decode_bf16: needs a CPU with AVX512-BF16 (this one: ") +
+                (hw.decode_bf16 ? "yes" : "no") + ") and, for the int8 cases, AVX512-VNNI (this one: " +
+                (hw.int8_dot ? "yes" : "no") + "); use --kernel decode or auto");
+}
+
 void bench_cases(const BenchFlags& f) {
+  check_kernels(f);
   const int threads = resolved_threads(f.shape.threads);
   std::cerr << "sgemm " << f.sgemm_n << "^3 on " << threads << " threads (OpenBLAS "
             << baseline::openblas_corename() << ")\n";
@@ -57,8 +101,8 @@ void bench_cases(const BenchFlags& f) {
       const AttentionProblem p = shape.problem();
       std::cerr << "case " << p.describe() << "\n";
       const Inputs in = random_inputs(p, 7);
-      const bool fwd = std::find(f.ops.begin(), f.ops.end(), "fwd") != f.ops.end();
-      const bool bwd = std::find(f.ops.begin(), f.ops.end(), "bwd") != f.ops.end();
+      const bool fwd = has_op(f, "fwd");
+      const bool bwd = has_op(f, "bwd");
       for (Impl impl : {Impl::flashattn, Impl::standard})
         if (fwd) add(measure_forward(impl, p, shape.options(), in, f.repeats), p);
       if (!bwd) continue;

@@ -67,6 +67,7 @@ struct BenchFlags {
   bool sweep = false, quick = false;
   SweepFlags grid;  // --seqlens, --dims, --dtypes, --causal of --sweep
   std::string plot;
+  std::set<std::string> given;  // the options named on the command line ("--ops")
 };
 void bench(const BenchFlags& f);
 

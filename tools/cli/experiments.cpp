@@ -9,6 +9,8 @@
 #include <utility>
 #include <vector>
 
+#include "tools/cli/measure.hpp"
+
 namespace flashattn::cli {
 
 namespace {
@@ -149,19 +151,21 @@ Exp2Throughput exp2_throughput(int repeats) {
 
 void print_rescale_counts(const RescaleCounts& r) {
   for (const auto& [name, c] : {std::pair{"random", &r.random}, {"adversarial", &r.adversarial}})
-    std::printf("   %-11s rows %lld, %lld key tiles: classic %lld (%.2f/row), conditional %lld (%.2f/row), max |diff| %.2e\n",
+    std::printf("   %-11s rows %lld, %lld key tiles: classic %lld (%s/row), conditional %lld (%s/row), max |diff| %.2e\n",
                 name, static_cast<long long>(c->rows), static_cast<long long>(c->key_tiles),
-                static_cast<long long>(c->classic), c->classic_per_row, static_cast<long long>(c->conditional),
-                c->conditional_per_row, c->max_abs_diff);
+                static_cast<long long>(c->classic), number_or_na("%.2f", c->classic_per_row).c_str(),
+                static_cast<long long>(c->conditional), number_or_na("%.2f", c->conditional_per_row).c_str(),
+                c->max_abs_diff);
 }
 
 void print_fp8_error(const Fp8Error& f) {
-  std::printf("   bf16 attention                 %.3e\n", f.rmse_bf16);
-  std::printf("   FP8 per tensor                 %.3e\n", f.rmse_per_tensor);
-  std::printf("   FP8 per block (%lld/%lld rows)     %.3e\n", static_cast<long long>(f.block_q),
-              static_cast<long long>(f.block_k), f.rmse_per_block);
-  std::printf("   FP8 per tensor + Hadamard      %.3e\n", f.rmse_hadamard);
-  std::printf("   FP8 per block + Hadamard       %.3e\n", f.rmse_per_block_hadamard);
+  const auto rmse = [](double x) { return number_or_na("%.3e", x); };
+  std::printf("   bf16 attention                 %s\n", rmse(f.rmse_bf16).c_str());
+  std::printf("   FP8 per tensor                 %s\n", rmse(f.rmse_per_tensor).c_str());
+  std::printf("   FP8 per block (%lld/%lld rows)     %s\n", static_cast<long long>(f.block_q),
+              static_cast<long long>(f.block_k), rmse(f.rmse_per_block).c_str());
+  std::printf("   FP8 per tensor + Hadamard      %s\n", rmse(f.rmse_hadamard).c_str());
+  std::printf("   FP8 per block + Hadamard       %s\n", rmse(f.rmse_per_block_hadamard).c_str());
 }
 
 }  // namespace flashattn::cli

@@ -200,8 +200,9 @@ void print_text(const Account& a, const std::optional<Measured>& m) {
                                 std::pair{"standard backward", &a.predicted_std_bwd}})
     std::printf("  %-18s %10.4g ms  bound by %s (matrix products %.4g ms, memory %.4g ms, passes added)\n", name,
                 r->seconds * 1e3, r->bound.c_str(), r->compute_seconds * 1e3, r->memory_seconds * 1e3);
-  std::printf("  forward + backward: standard (%s) %.4g ms, tiled %.4g ms: %.2fx\n",
-              cost::to_string(a.standard_model).c_str(), standard_ms(a), flash_ms(a), standard_ms(a) / flash_ms(a));
+  std::printf("  forward + backward: standard (%s) %.4g ms, tiled %.4g ms: %s\n",
+              cost::to_string(a.standard_model).c_str(), standard_ms(a), flash_ms(a),
+              number_or_na("%.2fx", standard_ms(a) / flash_ms(a)).c_str());
   std::printf("  assumptions (tiled):\n");
   for (const std::string& s : a.predicted_fwd.assumptions) std::printf("   - %s\n", s.c_str());
   std::printf("   - %s\n", a.cached_bwd.assumption.c_str());
@@ -333,6 +334,10 @@ void explain(ExplainFlags flags) {
   check_countable(p, f.tile.empty() ? kTypicalTile : f.tile[0], f.tile.empty() ? kTypicalTile : f.tile[1]);
   Account a = make_account(f, p, options);
   if (!f.preset.empty()) a.preset = &preset_by_name(f.preset);
+  // No query row: the kernels run no plan whose counters --measure could show.
+  if (f.measure && (p.batch == 0 || p.seqlen_q == 0))
+    throw Error("--measure: no query row to run (batch " + std::to_string(p.batch) + ", seqlen_q " +
+                std::to_string(p.seqlen_q) + ")");
   std::optional<Measured> m;
   if (f.measure) m = measure(f, p, options, a);
   if (f.json) {

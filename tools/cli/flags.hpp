@@ -29,11 +29,12 @@ struct ShapeFlags {
   std::string backward_kernel = "auto";  // AttentionOptions::backward_kernel by name
   std::string pack_gqa = "auto";         // AttentionOptions::pack_gqa: auto (unset), on, off
 
-  // A benchmark case's dtype: a --kernel tiled_bf16 request applies to its bf16 cases, the
-  // others (f32) keep the planner's choice, so that one run times both.
+  // A benchmark's forward or backward case of this dtype: a --kernel tiled_bf16 request applies
+  // to its bf16 cases, the others (f32) keep the planner's choice, so that one run times both;
+  // a decode kernel applies to the decode cases only (bench.cpp), never to these.
   void set_case_dtype(const std::string& case_dtype) {
     dtype = case_dtype;
-    if (kernel == "tiled_bf16" && dtype != "bf16") kernel = "auto";
+    if ((kernel == "tiled_bf16" && dtype != "bf16") || kernel.rfind("decode", 0) == 0) kernel = "auto";
     if (backward_kernel == "tiled_bf16" && dtype != "bf16") backward_kernel = "auto";
   }
   AttentionOptions options() const;

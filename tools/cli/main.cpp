@@ -35,6 +35,22 @@ const CLI::Validator kUint64{[](const std::string& text) -> std::string {
                                return std::string();
                              },
                              "UINT64"};
+
+// A count such as --repeats: digits only, at least 1 (CLI11's PositiveNumber says "Value 0 not in
+// range 0.000000 to 1797..." with all 309 digits of the largest double). Values past the
+// option's type are CLI11's conversion error.
+const CLI::Validator kPositiveInt{[](const std::string& text) -> std::string {
+                                    const bool digits = !text.empty() && text.find_first_not_of("0123456789") == std::string::npos;
+                                    if (!digits || text.find_first_not_of('0') == std::string::npos)
+                                      return "must be a positive integer, got " + text;
+                                    return std::string();
+                                  },
+                                  "POSITIVE"};
+
+// The longest KV cache `run --decode` builds, and its largest page: cache positions are int32
+// and pass through float on their way into the cache's tensors (exact up to 2^24), and
+// cache_seqlen + 1 + page_size stays far from overflowing the int64 page arithmetic.
+constexpr std::int64_t kMaxCacheTokens = (std::int64_t{1} << 24) - 1;
 namespace {
 
 // The long names of the options given on the command line, "--" included (both names of a
@@ -47,9 +63,25 @@ std::set<std::string> given_options(const CLI::App& cmd) {
   return given;
 }
 
-// Sizes, --threads, --kernel, --backward-kernel and --pack-gqa; with_mode adds --dtype, --causal,
-// --softmax-scale and --num-splits too.
-void add_shape(CLI::App& app, ShapeFlags& s, bool with_mode = true) {
+// --kernel, --backward-kernel and --pack-gqa.
+void add_kernels(CLI::App& app, ShapeFlags& s) {
+  app.add_option("--kernel", s.kernel,
+                 "CPU forward kernel: auto, tiled, tiled_bf16 (bf16 on AVX512-BF16; bench: its bf16 cases), decode "
+                 "(bench: its decode cases), decode_fp16 (FP8 or int8 cache on AVX512-FP16; bench: its e4m3, u8 and "
+                 "s8 decode cases) or decode_bf16 (the same on AVX512-BF16)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"auto", "tiled", "tiled_bf16", "decode", "decode_fp16", "decode_bf16"}));
+  app.add_option("--backward-kernel", s.backward_kernel, "CPU backward kernel: auto, tiled or tiled_bf16 (bf16 on AVX512-BF16)")
+      ->capture_default_str()->check(CLI::IsMember({"auto", "tiled", "tiled_bf16"}));
+  app.add_option("--pack-gqa", s.pack_gqa,
+                 "tiled forward: stack the q heads of a kv head in one Q tile (FlashAttention-3's pack_gqa): auto "
+                 "(the planner's choice), on or off")
+      ->capture_default_str()->check(CLI::IsMember({"auto", "on", "off"}));
+}
+
+// Sizes, --threads and (with_kernels) --kernel, --backward-kernel and --pack-gqa; with_mode adds
+// --dtype, --causal, --softmax-scale and --num-splits too.
+void add_shape(CLI::App& app, ShapeFlags& s, bool with_mode = true, bool with_kernels = true) {
   app.add_option("--batch", s.batch, "batch size")->capture_default_str();
   app.add_option("--seqlen", s.seqlen, "sequence length of queries and keys")->capture_default_str();
   app.add_option("--seqlen-q", s.seqlen_q, "query sequence length (overrides --seqlen)");
@@ -60,18 +92,7 @@ void add_shape(CLI::App& app, ShapeFlags& s, bool with_mode = true) {
   app.add_option("--dim-v", s.dim_v, "head dimension of v (default: --dim)");
   app.add_option("--threads", s.threads, "worker threads (0 = all cores)")
       ->check(CLI::Range(0, kMaxThreads))->capture_default_str();
-  app.add_option("--kernel", s.kernel,
-                 "CPU forward kernel: auto, tiled, tiled_bf16 (bf16 on AVX512-BF16; bench: its bf16 cases), decode, "
-                 "decode_fp16 (FP8 or int8 cache on AVX512-FP16; bench: its e4m3, u8 and s8 decode cases) or "
-                 "decode_bf16 (the same on AVX512-BF16)")
-      ->capture_default_str()
-      ->check(CLI::IsMember({"auto", "tiled", "tiled_bf16", "decode", "decode_fp16", "decode_bf16"}));
-  app.add_option("--backward-kernel", s.backward_kernel, "CPU backward kernel: auto, tiled or tiled_bf16 (bf16 on AVX512-BF16)")
-      ->capture_default_str()->check(CLI::IsMember({"auto", "tiled", "tiled_bf16"}));
-  app.add_option("--pack-gqa", s.pack_gqa,
-                 "tiled forward: stack the q heads of a kv head in one Q tile (FlashAttention-3's pack_gqa): auto "
-                 "(the planner's choice), on or off")
-      ->capture_default_str()->check(CLI::IsMember({"auto", "on", "off"}));
+  if (with_kernels) add_kernels(app, s);
   if (!with_mode) return;
   app.add_option("--dtype", s.dtype, "f32, bf16 or f16")->capture_default_str();
   app.add_flag("--causal,!--no-causal", s.causal, "bottom-right aligned causal mask")
@@ -108,9 +129,9 @@ void add_run(CLI::App& app) {
   add_variants(*cmd, flags->variants);
   cmd->add_flag("--json", flags->json, "machine-readable output");
   cmd->add_option("--repeats", flags->repeats, "timed runs (median reported)")->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(kPositiveInt);
   cmd->add_option("--samples", flags->samples, "rows checked against the float64 reference")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()->check(kPositiveInt);
   CLI::Option* cq = cmd->add_option("--cu-seqlens-q", flags->cu_seqlens_q,
                                     "int32 offsets .npy (batch + 1): a packed variable-length batch")
                         ->check(CLI::ExistingFile);
@@ -122,9 +143,11 @@ void add_run(CLI::App& app) {
                 "also time backward (default and deterministic) against standard attention's");
   cmd->add_flag("--decode", flags->decode,
                 "one decoding step over a KV cache (defaults: 32 q heads, 8 kv heads, 32768 cached tokens)");
-  cmd->add_option("--cache-seqlen", flags->cached, "tokens already in the cache (--decode)")->capture_default_str();
-  cmd->add_option("--page-size", flags->page_size, "paged cache with pages of this many tokens (0 = contiguous)")
-      ->capture_default_str();
+  cmd->add_option("--cache-seqlen", flags->cached, "tokens already in the cache (--decode)")
+      ->capture_default_str()->check(CLI::Range(std::int64_t{0}, kMaxCacheTokens));
+  cmd->add_option("--page-size", flags->page_size,
+                  "paged cache with pages of this many tokens (--decode; 0 = contiguous)")
+      ->capture_default_str()->check(CLI::Range(std::int64_t{0}, kMaxCacheTokens));
   cmd->add_option("--cache-dtype", flags->cache_dtype,
                   "cache storage (--decode): e4m3 (FP8, one descale per page and kv head), u8 or s8 (int8, one "
                   "scale, and for u8 one zero point, per token and kv head); default: the --dtype")
@@ -182,10 +205,10 @@ void add_bench(CLI::App& app) {
   cmd->add_option("--repeats", flags->repeats, "timed runs per case, median reported (>= 5)")
       ->capture_default_str()->check(CLI::Range(5, 1000));
   cmd->add_option("--sgemm-size", flags->sgemm_n, "n of the n^3 sgemm baseline")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()->check(kPositiveInt);
   cmd->add_option("--ops", flags->ops, "which passes to time: fwd, bwd, decode, serve (issue 23's serving batch), serve_smoke "
                   "(a small one), masks (issue 24's document mask as mask_mod, varlen and a dense bool mask, and a "
-                  "score_mod), masks_smoke (a small one) (--sweep: fwd, bwd)")
+                  "score_mod), masks_smoke (a small one) (--sweep: fwd, bwd; --quick: its fixed subset, not --ops)")
       ->capture_default_str()
       ->check(CLI::IsMember({"fwd", "bwd", "decode", "serve", "serve_smoke", "masks", "masks_smoke"}))
       ->delimiter(',');
@@ -197,15 +220,18 @@ void add_bench(CLI::App& app) {
       ->excludes(sweep_flag);
   SweepFlags& g = flags->grid;
   cmd->add_option("--seqlens", g.seqlens, "--sweep: sequence lengths")
-      ->capture_default_str()->delimiter(',')->check(CLI::PositiveNumber)->needs(sweep_flag);
+      ->capture_default_str()->delimiter(',')->check(kPositiveInt)->needs(sweep_flag);
   cmd->add_option("--dims", g.dims, "--sweep: head dimensions")
-      ->capture_default_str()->delimiter(',')->check(CLI::PositiveNumber)->needs(sweep_flag);
+      ->capture_default_str()->delimiter(',')->check(kPositiveInt)->needs(sweep_flag);
   cmd->add_option("--dtypes", g.dtypes, "--sweep: f32, bf16")
       ->capture_default_str()->delimiter(',')->check(CLI::IsMember({"f32", "bf16"}))->needs(sweep_flag);
   cmd->add_option("--causal", g.causal, "--sweep: no, yes")
       ->capture_default_str()->delimiter(',')->check(CLI::IsMember({"no", "yes"}))->needs(sweep_flag);
   cmd->add_option("--plot", flags->plot, "--sweep or --quick: write GFLOP/s against S as SVG to this file");
-  cmd->callback([flags] { bench(*flags); });
+  cmd->callback([flags, cmd] {
+    flags->given = given_options(*cmd);
+    bench(*flags);
+  });
 }
 
 void add_numerics(CLI::App& app) {
@@ -214,7 +240,8 @@ void add_numerics(CLI::App& app) {
   flags->shape.heads = 8;
   CLI::App* cmd = app.add_subcommand(
       "numerics", "the numerics experiments: online softmax, exp2 accuracy, rescale counts, FP8 error, speed");
-  add_shape(*cmd, flags->shape, /*with_mode=*/false);
+  // The experiments choose their own kernels (exp2 variants, counters, FP8): no --kernel here.
+  add_shape(*cmd, flags->shape, /*with_mode=*/false, /*with_kernels=*/false);
   cmd->add_option("--dtype", flags->shape.dtype, "dtype of the speed experiment: f32, bf16 or f16")
       ->capture_default_str();
   cmd->add_option("--seed", flags->seed, "seed of every random input")->capture_default_str()->check(kUint64);
@@ -250,7 +277,8 @@ void add_explain(CLI::App& app) {
                   "per step, as PyTorch's eager code)")
       ->capture_default_str()->check(CLI::IsMember({"minimal", "eager"}));
   cmd->add_flag("--measure", flags->measure, "run the CPU kernels with counters and show them beside the model");
-  cmd->add_option("--repeats", flags->repeats, "timed runs of --measure (median)")->capture_default_str();
+  cmd->add_option("--repeats", flags->repeats, "timed runs of --measure (median)")->capture_default_str()
+      ->check(kPositiveInt);
   cmd->add_flag("--json", flags->json, "machine-readable output");
   cmd->callback([flags, cmd] {
     flags->given = given_options(*cmd);
@@ -261,12 +289,14 @@ void add_explain(CLI::App& app) {
 void add_tour(CLI::App& app) {
   auto flags = std::make_shared<TourFlags>();
   CLI::App* cmd = app.add_subcommand("tour", "a guided, measured walk through the four FlashAttention generations");
-  cmd->add_option("--max-seqlen", flags->max_seqlen, "largest N of the sweeps (from 256, doubling)")->capture_default_str();
+  cmd->add_option("--max-seqlen", flags->max_seqlen, "largest N of the sweeps (from 256, doubling; 16 to 2^24)")
+      ->capture_default_str();
   cmd->add_option("--dim", flags->dim, "head dimension")->capture_default_str();
   cmd->add_option("--heads", flags->heads, "heads of the sweeps")->capture_default_str();
   cmd->add_option("--threads", flags->threads, "worker threads (0 = all cores)")
       ->check(CLI::Range(0, kMaxThreads))->capture_default_str();
-  cmd->add_option("--repeats", flags->repeats, "timed runs per measurement (median)")->capture_default_str();
+  cmd->add_option("--repeats", flags->repeats, "timed runs per measurement (median)")->capture_default_str()
+      ->check(kPositiveInt);
   cmd->add_option("--out", flags->out, "directory for the figures (SVG)");
   cmd->callback([flags] { tour(*flags); });
 }
@@ -279,7 +309,8 @@ void add_ring(CLI::App& app) {
   add_shape(*sub, flags->shape);
   sub->add_option("--layout", flags->layout, "zigzag (balanced under causal) or contiguous")->capture_default_str();
   sub->add_flag("--backward", flags->backward, "also run ring_backward");
-  sub->add_option("--repeats", flags->repeats, "timed runs (the median is reported)")->capture_default_str();
+  sub->add_option("--repeats", flags->repeats, "timed runs (the median is reported)")->capture_default_str()
+      ->check(kPositiveInt);
   sub->add_option("--softcap", flags->softcap, "soft-capping: scores become softcap*tanh(s/softcap)");
   sub->add_option("--timeout", flags->timeout, "seconds any wait for a peer may take before it is an error")
       ->capture_default_str();

@@ -28,6 +28,7 @@ Inputs random_inputs(const AttentionProblem& p, std::uint64_t seed) {
 
 double median_seconds(const std::function<void()>& fn, int repeats, int warmup,
                       const std::string& label) {
+  if (repeats < 1) throw Error(label + ": the median of " + std::to_string(repeats) + " timed runs (at least 1)");
   using clock = std::chrono::steady_clock;
   std::vector<double> times;
   const auto start = clock::now();
@@ -76,6 +77,13 @@ std::string human_bytes(double bytes) {
   while (bytes >= 1024.0 && u < 3) bytes /= 1024.0, ++u;
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.1f %s", bytes, units[u]);
+  return buf;
+}
+
+std::string number_or_na(const char* format, double value) {
+  if (!std::isfinite(value)) return "n/a";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, format, value);
   return buf;
 }
 

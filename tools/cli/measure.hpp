@@ -20,6 +20,7 @@ Inputs random_inputs(const AttentionProblem& problem, std::uint64_t seed);
 
 // Median wall time of `repeats` calls after `warmup` calls; reports progress on stderr
 // under `label` when the whole measurement is expected to take more than a few seconds.
+// An Error for repeats < 1: no run to take the median of.
 double median_seconds(const std::function<void()>& fn, int repeats, int warmup,
                       const std::string& label);
 
@@ -34,6 +35,10 @@ double sampled_max_error(const AttentionProblem& problem, const AttentionOptions
 
 // "1.5 MiB": bytes with a binary unit.
 std::string human_bytes(double bytes);
+
+// `value` printed with a printf `format` of one double ("%.2fx"), or "n/a" when it is not a
+// number (the 0/0 of a ratio over an empty problem) or infinite.
+std::string number_or_na(const char* format, double value);
 
 enum class Impl { flashattn, standard };
 const char* impl_name(Impl impl);

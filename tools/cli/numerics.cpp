@@ -15,6 +15,7 @@
 #include "tools/cli/commands.hpp"
 #include "tools/cli/experiments.hpp"
 #include "tools/cli/machine.hpp"
+#include "tools/cli/measure.hpp"
 #include "tools/cli/report.hpp"
 
 namespace flashattn::cli {
@@ -157,8 +158,8 @@ void print_report(const NumericsReport& r) {
   const Speed& s = r.speed;
   std::printf("\n5. forward speed, %s, median of %d round-robin runs\n", s.dtype.c_str(), s.repeats);
   for (const SpeedCase& c : s.cases)
-    std::printf("   exp2 %-5s threshold %g: %7.1f GFLOP/s  (%.3fx exact/classic)\n", c.exp2.c_str(), c.rescale_threshold,
-                c.gflops, c.ratio_to_exact_classic);
+    std::printf("   exp2 %-5s threshold %g: %7.1f GFLOP/s  (%s exact/classic)\n", c.exp2.c_str(), c.rescale_threshold,
+                c.gflops, number_or_na("%.3fx", c.ratio_to_exact_classic).c_str());
   std::printf("   exp2 alone, one thread: exact %.2f, poly3 %.2f billion per second\n",
               s.exp2_throughput.exact_gexp_per_s, s.exp2_throughput.poly3_gexp_per_s);
 }

@@ -136,7 +136,9 @@ double communication_alone(const AttentionProblem& p, dist::ShardLayout layout, 
 }
 
 // Median (by time) of `repeats` runs after one warm-up; the ranks start each run together.
+// An Error for repeats < 1, before any run: every rank throws alike.
 dist::RingStats median_run(int repeats, const std::function<dist::RingStats()>& run) {
+  if (repeats < 1) throw Error("ring: the median of " + std::to_string(repeats) + " timed runs (at least 1)");
   run();
   std::vector<dist::RingStats> runs;
   for (int i = 0; i < repeats; ++i) {

@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <initializer_list>
 #include <iostream>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "tools/baseline/standard_attention.hpp"
@@ -18,8 +20,24 @@
 namespace flashattn::cli {
 namespace {
 
+// The options of `run` that one of its modes does not read: an Error naming the first one
+// given, instead of a run that silently ignores it.
+void refuse_unused(const RunFlags& f, const char* mode, std::initializer_list<const char*> unused) {
+  for (const char* name : unused)
+    if (f.given.count(name) > 0)  // given_options names both flags of --causal,!--no-causal
+      throw Error(std::string(mode) + " does not take " + (std::string(name) == "--causal" ? "--causal/--no-causal" : name));
+}
+
 // One decoding step over a KV cache: time, bandwidth, accuracy.
 void run_decode(const RunFlags& f) {
+  // The decode case builds its own problem (one query over the cache, no mask or variant) and
+  // checks it against a float64 reference of that problem: every option that would change it
+  // is refused rather than dropped.
+  refuse_unused(f, "--decode",
+                {"--seqlen", "--seqlen-q", "--seqlen-k", "--dim-v", "--causal", "--softmax-scale",
+                 "--num-splits", "--backward-kernel", "--pack-gqa", "--window-size", "--softcap", "--alibi-slopes",
+                 "--dropout-p", "--seed", "--block-mask", "--block-size", "--attn-mask", "--backward", "--samples",
+                 "--cu-seqlens-q", "--cu-seqlens-k"});
   DecodeCase c;
   c.batch = f.shape.batch;
   c.heads = f.given.count("--heads") ? f.shape.heads : 32;  // decode defaults: 32 q heads, 8 kv heads
@@ -40,14 +58,18 @@ void run_decode(const RunFlags& f) {
               static_cast<long long>(c.batch), static_cast<long long>(c.heads), static_cast<long long>(c.heads_kv),
               static_cast<long long>(c.dim), c.cache_name().c_str(), static_cast<long long>(c.cached),
               c.page_size > 0 ? (", pages of " + std::to_string(c.page_size)).c_str() : " (contiguous)");
-  std::printf("one token: %.3f ms, %.2f GB/s of K and V (%.1f MiB), max |err| vs float64 %.2e, kernel %s\n",
-              m.seconds * 1e3, m.gbps, static_cast<double>(m.cache_bytes) / (1 << 20), m.max_error, m.kernel.c_str());
+  std::printf("one token: %.3f ms, %.2f GB/s of K and V (%s), max |err| vs float64 %.2e, kernel %s\n",
+              m.seconds * 1e3, m.gbps, human_bytes(static_cast<double>(m.cache_bytes)).c_str(), m.max_error,
+              m.kernel.c_str());
 }
 
 // A packed variable-length batch of random inputs with the offsets of two .npy files:
 // flashattn only (the textbook baseline has no packed form), its time, GFLOP/s and the
 // max error against float64 on sampled rows of every sequence.
 void run_varlen(const RunFlags& f, const AttentionOptions& options) {
+  // The offsets give the batch and every sequence's lengths; the error is checked on three
+  // rows of each sequence, not --samples.
+  refuse_unused(f, "--cu-seqlens-q/--cu-seqlens-k", {"--batch", "--seqlen", "--seqlen-q", "--seqlen-k", "--samples"});
   const VarlenOffsets cu = read_varlen_offsets(f.cu_seqlens_q, f.cu_seqlens_k);
   const std::int64_t batch = cu.batch();
   double flops = 0.0;
@@ -136,10 +158,38 @@ void run_varlen(const RunFlags& f, const AttentionOptions& options) {
     std::printf("backward %10.2f ms %10.1f GFLOP/s\n", bwd_s * 1e3, 2.5 * flops / bwd_s * 1e-9);
 }
 
+// "uses 3.3x less extra memory" (than standard attention), "more" where flashattn takes more,
+// or what holds when either takes none (an empty problem: no ratio).
+std::string memory_comparison(std::size_t flash, std::size_t standard) {
+  char text[96];
+  if (flash == 0 && standard == 0) return "neither takes extra memory";
+  if (flash == 0) return "takes no extra memory (standard attention: " + human_bytes(static_cast<double>(standard)) + ")";
+  if (standard == 0) return "takes " + human_bytes(static_cast<double>(flash)) + " of extra memory, standard attention none";
+  const double ratio = static_cast<double>(standard) / static_cast<double>(flash);
+  if (ratio >= 1.0)
+    std::snprintf(text, sizeof text, "uses %.1fx less extra memory", ratio);
+  else
+    std::snprintf(text, sizeof text, "uses %.1fx more extra memory", 1.0 / ratio);
+  return text;
+}
+
+// "2.00x faster" (or "slower") of two times; neither is a ratio when a clock read 0.
+std::string speed_comparison(double flash_seconds, double standard_seconds) {
+  if (!(flash_seconds > 0.0) || !(standard_seconds > 0.0)) return "too fast to time against standard attention";
+  char text[64];
+  const double ratio = standard_seconds / flash_seconds;
+  if (ratio >= 1.0)
+    std::snprintf(text, sizeof text, "%.2fx faster than standard attention", ratio);
+  else
+    std::snprintf(text, sizeof text, "%.2fx slower than standard attention", 1.0 / ratio);
+  return text;
+}
+
 }  // namespace
 
 void run(RunFlags& f) {
   if (f.decode) return run_decode(f);
+  refuse_unused(f, "run without --decode", {"--cache-seqlen", "--page-size", "--cache-dtype"});
   AttentionOptions options = f.shape.options();
   f.variants.apply(options);
   if (!f.cu_seqlens_q.empty()) return run_varlen(f, options);
@@ -184,22 +234,23 @@ void run(RunFlags& f) {
     std::printf("%-10s %-18s %12.2f %10.1f %14s %22s\n", impl_name(m.impl), op, m.seconds * 1e3,
                 m.gflops, human_bytes(static_cast<double>(m.peak_bytes)).c_str(), error);
   }
+  const auto compare = [&](const char* pass, const Measurement& flash, const Measurement& standard) {
+    std::printf("%s: flashattn is %s and %s\n", pass, speed_comparison(flash.seconds, standard.seconds).c_str(),
+                memory_comparison(flash.peak_bytes, standard.peak_bytes).c_str());
+  };
+  std::printf("\n");
   if (baseline) {
-    std::printf("\nforward: flashattn is %.2fx faster and uses %.1fx less extra memory than standard attention\n",
-                results[1].seconds / results[0].seconds,
-                static_cast<double>(results[1].peak_bytes) / static_cast<double>(results[0].peak_bytes));
+    compare("forward", results[0], results[1]);
   } else {
-    std::printf("\n(standard attention implements causal and window only: not timed with these variants)\n");
+    std::printf("(standard attention implements causal and window only: not timed with these variants)\n");
   }
-  if (f.backward && baseline)
-    std::printf("backward: flashattn is %.2fx faster and uses %.1fx less extra memory than standard attention\n",
-                results[4].seconds / results[2].seconds,
-                static_cast<double>(results[4].peak_bytes) / static_cast<double>(results[2].peak_bytes));
+  if (f.backward && baseline) compare("backward", results[2], results[4]);
   if (f.backward)
     std::printf("deterministic backward costs %.2fx the default mode\n",
                 results[bwd + 1].seconds / results[bwd].seconds);
-  std::printf("(GFLOP/s counts 4*B*Hq*Sq*Sk*D, halved when causal, x2.5 for backward; "
-              "forward error on %d sampled rows; gradients are checked by the tests)\n",
+  std::printf("(GFLOP/s counts the FLOPs of the visible (query, key) pairs only, 2*(D+Dv) per pair and query head, "
+              "causal, window and block mask counted exactly; x2.5 for backward; forward error on %d sampled rows; "
+              "gradients are checked by the tests)\n",
               f.samples);
 }
 

@@ -20,6 +20,9 @@ namespace flashattn::cli {
 namespace {
 
 constexpr std::int64_t kFirstSeqlen = 256;
+// The longest sweep N: a tour that long already takes hours per chapter and N² scores of a
+// head (chapter 1's standard attention) take 1 TiB at 2^19; past 2^24 an option is a typo.
+constexpr std::int64_t kMaxSeqlen = std::int64_t{1} << 24;
 
 AttentionProblem square(const TourFlags& f, std::int64_t n, std::int64_t heads) {
   AttentionOptions o;
@@ -35,7 +38,10 @@ AttentionOptions options_of(const TourFlags& f) {
 
 std::vector<std::int64_t> seqlens(const TourFlags& f) {
   std::vector<std::int64_t> n;
-  for (std::int64_t s = kFirstSeqlen; s <= f.max_seqlen; s *= 2) n.push_back(s);
+  for (std::int64_t s = kFirstSeqlen; s <= f.max_seqlen; s *= 2) {
+    n.push_back(s);
+    if (s > f.max_seqlen / 2) break;  // the next doubling is past it (and never overflows)
+  }
   if (n.empty()) n.push_back(f.max_seqlen);
   return n;
 }
@@ -438,6 +444,9 @@ void chapter_exp_unit(const TourFlags& f, const cost::Architecture& cpu) {
 }  // namespace
 
 void tour(const TourFlags& f) {
+  if (f.max_seqlen > kMaxSeqlen)
+    throw Error("tour: --max-seqlen must be at most 2^24 (" + std::to_string(kMaxSeqlen) + "), got " +
+                std::to_string(f.max_seqlen));
   if (f.max_seqlen < 16 || f.dim < 1 || f.heads < 1 || f.repeats < 1)
     throw Error("tour: --max-seqlen must be >= 16 and --dim, --heads, --repeats >= 1, got " +
                 std::to_string(f.max_seqlen) + ", " + std::to_string(f.dim) + ", " + std::to_string(f.heads) + ", " +
