@@ -10,6 +10,7 @@
 #include <cstring>
 #include <cmath>
 #include <limits>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <sstream>
@@ -514,6 +515,104 @@ TEST(Flex, LargeBlocksHandTheKernelsBlocksOf32) {
 }
 
 // Bad input names the argument; paths without the hook reject it by name.
+// A score_mod functor with overloads for one precision only (its values and Dual<double>, or
+// its values and Dual<float>) is differentiated by the Dual it has: its gradients equal the
+// reference's. The double-only one was let through backward() and then taken as having
+// derivative 1 in the kernels (dq, dk a third of 3·s's).
+struct TripleInDouble {
+  double operator()(double s, std::int64_t, std::int64_t, std::int64_t, std::int64_t) const { return 3.0 * s; }
+  flex::Dual<double> operator()(flex::Dual<double> s, std::int64_t, std::int64_t, std::int64_t, std::int64_t) const {
+    return 3.0 * s;
+  }
+};
+struct TripleInFloat {
+  float operator()(float s, std::int64_t, std::int64_t, std::int64_t, std::int64_t) const { return 3.0f * s; }
+  flex::Dual<float> operator()(flex::Dual<float> s, std::int64_t, std::int64_t, std::int64_t, std::int64_t) const {
+    return 3.0f * s;
+  }
+};
+
+TEST(Flex, ScoreModOfOnePrecisionIsDifferentiatedInIt) {
+  const Shape s{2, 37, 45, 4, 2, 24};
+  const Inputs in = make_inputs(s, 940);
+  const FlexMods in_double{TripleInDouble{}};
+  const FlexMods in_float{TripleInFloat{}};
+  for (int threads : {1, 2}) {
+    AttentionOptions o;
+    o.score_hook = in_double.hook();
+    check_against_reference(in, o, threads);
+    o.score_hook = in_float.hook();
+    check_against_reference(in, o, threads);
+  }
+}
+
+// score_mod and mask_mod may throw: forward() and backward() rethrow the first exception
+// (they ran on the library's threads, where it ended the process), on every thread count,
+// and the same mods then serve a call that does not throw.
+TEST(Flex, ExceptionFromAModReachesTheCaller) {
+  const Shape s{1, 40, 64, 2, 1, 16};
+  const Inputs in = make_inputs(s, 945);
+  const std::vector<float> table(80, 0.25f);  // too short for kv − q past 40
+  const auto bias = [&table](auto x, std::int64_t, std::int64_t, std::int64_t q, std::int64_t kv) {
+    return x + table.at(static_cast<std::size_t>(kv - q + 39));
+  };
+  const auto causal_checked = [](std::int64_t, std::int64_t, std::int64_t q, std::int64_t kv) {
+    if (kv > 60) throw std::out_of_range("mask_mod: kv past 60");
+    return kv <= q + 24;
+  };
+  const FlexMods scores(bias);
+  const FlexMods masks(flex::NoScoreMod{}, causal_checked);
+  for (int threads : {1, 2, 3}) {
+    SCOPED_TRACE("threads " + std::to_string(threads));
+    AttentionOptions o;
+    o.num_threads = threads;
+    for (bool bwd : {false, true}) {
+        o.score_hook = scores.hook();
+        try {
+          if (bwd) {
+            AttentionOptions plain;
+            const ForwardResult f = forward(in.q.view(), in.k.view(), in.v.view(), plain);
+            backward(in.dout.view(), in.q.view(), in.k.view(), in.v.view(), f.out.view(), f.lse.view(), o);
+          } else {
+            forward(in.q.view(), in.k.view(), in.v.view(), o);
+          }
+          ADD_FAILURE() << "expected std::out_of_range";
+        } catch (const std::out_of_range&) {
+        }
+      }
+    o.score_hook = masks.hook();
+    EXPECT_THROW(forward(in.q.view(), in.k.view(), in.v.view(), o), std::out_of_range);
+  }
+  // The same mods over keys they can read: no stale exception, the reference's result.
+  const Shape ok{1, 40, 40, 2, 1, 16};
+  AttentionOptions o;
+  o.score_hook = scores.hook();
+  check_against_reference(make_inputs(ok, 946), o, 2);
+  o.score_hook = masks.hook();
+  check_against_reference(make_inputs(ok, 947), o, 2);
+}
+
+// A block_size past every sequence length, up to INT64_MAX: one block per plane, its bytes
+// kept or not by a budget that no longer overflows (unit² wrapped, passed the budget, and the
+// bytes' tensor was allocated from a wrapped size: a heap overflow); the reference's result.
+TEST(Flex, HugeBlockSizesMakeOneBlock) {
+  const Shape s{1, 10, 10, 2, 1, 16};
+  const Inputs in = make_inputs(s, 948);
+  const auto causal = [](std::int64_t, std::int64_t, std::int64_t q, std::int64_t kv) { return kv <= q; };
+  const FlexMods mods(flex::NoScoreMod{}, causal);
+  for (std::int64_t block : {std::int64_t{3037000501}, std::int64_t{4611686018427387905},
+                             std::numeric_limits<std::int64_t>::max()}) {
+    SCOPED_TRACE("block_size " + std::to_string(block));
+    const BlockMask m = create_block_mask(causal, 1, 1, s.seqlen_q, s.seqlen_k, block);
+    ASSERT_EQ(m.blocks.numel(), 1);
+    EXPECT_EQ(m.blocks.get(0), static_cast<float>(static_cast<std::uint8_t>(ScoreBlock::partial)));
+    EXPECT_TRUE(m.partial_keep.shape().empty());  // a block of block_size² bytes is over the budget
+    AttentionOptions o;
+    o.score_hook = mods.hook(&m);
+    check_against_reference(in, o, 2);
+  }
+}
+
 TEST(Flex, BadInputNamesTheArgument) {
   const Shape s{1, 20, 24, 2, 1, 16};
   const Inputs in = make_inputs(s, 950);

@@ -20,12 +20,24 @@
 // for which +, −, ·, / and flex::tanh, exp, log, sqrt, abs are defined (write those
 // unqualified or as flex::tanh, not std::tanh). Otherwise wrap it with its derivative:
 // flex::WithDerivative{score_mod, dscore_mod}, dscore_mod(score, b, h, q_idx, kv_idx).
-// A score_mod that is neither runs forward only; backward() rejects the hook by name.
+// A score_mod that is neither runs forward only; backward() rejects the hook by name. A
+// functor with an overload for Dual<float> or Dual<double> is differentiated by the one it
+// has. Dual has no comparisons: a generic score_mod whose body does not compile for Dual (a
+// clamp through std::max, a branch on the score) is a compile error, not a forward-only mod
+// (its body is instantiated to see what it returns): give such a mod a plain float score, or
+// wrap it in WithDerivative.
+//
+// score_mod and mask_mod may throw (a table lookup out of range): FlexMods catches the first
+// exception on the library's threads — where it would end the process — and forward() or
+// backward() rethrows it after the call (its outputs are then unspecified), as
+// create_block_mask rethrows mask_mod's.
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <limits>
 #include <type_traits>
@@ -127,9 +139,14 @@ T call_score(const F& f, T s, std::int64_t b, std::int64_t h, std::int64_t q, st
 }
 
 template <class T, class F>
-constexpr bool kDifferentiable =
-    IsWithDerivative<F>::value ||
-    std::is_invocable_v<const F&, Dual<T>, std::int64_t, std::int64_t, std::int64_t, std::int64_t>;
+constexpr bool kTakesDual = std::is_invocable_v<const F&, Dual<T>, std::int64_t, std::int64_t, std::int64_t, std::int64_t>;
+
+// Whether the backward can differentiate score_mod: wrapped with its derivative, or callable
+// on Dual<float> or Dual<double> — one rule for the kernels (float) and the reference (double),
+// each calling the overload there is (a mod written for Dual<double> only is differentiated
+// in double and rounded, not taken as having derivative 1).
+template <class F>
+constexpr bool kDifferentiable = IsWithDerivative<F>::value || kTakesDual<float, F> || kTakesDual<double, F>;
 
 // {score_mod(s), d score_mod / d s}.
 template <class T, class F>
@@ -137,7 +154,8 @@ Dual<T> call_with_derivative(const F& f, T s, std::int64_t b, std::int64_t h, st
   if constexpr (IsWithDerivative<F>::value) {
     return {call_score(f.f, s, b, h, q, kv), static_cast<T>(f.df(s, b, h, q, kv))};
   } else {
-    const auto r = f(Dual<T>{s, T(1)}, b, h, q, kv);
+    using U = std::conditional_t<kTakesDual<T, F>, T, std::conditional_t<std::is_same_v<T, float>, double, float>>;
+    const auto r = f(Dual<U>{static_cast<U>(s), U(1)}, b, h, q, kv);
     return {static_cast<T>(r.value), static_cast<T>(r.grad)};
   }
 }
@@ -161,10 +179,14 @@ void affine_span(float* scores, float* grad, std::int64_t n, const float* a, std
 // where `count` blocks of `block_bytes` take at most 128 bytes per (query + key) of each of
 // `planes` (batch, head) planes — the diagonals of causal, window, document and prefix masks;
 // a random-looking mask, partial everywhere, keeps none, so memory stays linear.
+// In double: `count` blocks of block_rows × block_cols bytes overflowed int64 for a block_size
+// near 2^32 or above, and a wrapped product passed the budget.
 constexpr std::int64_t kPartialBytesPerKey = 128;
-constexpr bool partial_blocks_fit(std::int64_t count, std::int64_t block_bytes, std::int64_t planes,
-                                  std::int64_t seqlen_q, std::int64_t seqlen_k) {
-  return count > 0 && count * block_bytes <= kPartialBytesPerKey * planes * (seqlen_q + seqlen_k);
+constexpr bool partial_blocks_fit(std::int64_t count, std::int64_t block_rows, std::int64_t block_cols,
+                                  std::int64_t planes, std::int64_t seqlen_q, std::int64_t seqlen_k) {
+  return count > 0 && static_cast<double>(count) * static_cast<double>(block_rows) * static_cast<double>(block_cols) <=
+                          static_cast<double>(kPartialBytesPerKey) * static_cast<double>(planes) *
+                              (static_cast<double>(seqlen_q) + static_cast<double>(seqlen_k));
 }
 // Numbers the partial blocks among states[0, n) (ScoreBlock values) in order: slots[e] is
 // block e's slot, −1 where it is not partial; returns each slot's block.
@@ -236,7 +258,7 @@ BlockMask create_block_mask(const MaskMod& mask_mod, std::int64_t batch, std::in
   // The partial units' bytes, within the budget: each evaluated again, whole.
   Tensor partial_slots, partial_keep;
   const std::int64_t partial = std::count(u, u + units.numel(), static_cast<std::uint8_t>(ScoreBlock::partial));
-  if (flex::detail::partial_blocks_fit(partial, unit * unit, batch * heads, seqlen_q, seqlen_k)) {
+  if (flex::detail::partial_blocks_fit(partial, unit, unit, batch * heads, seqlen_q, seqlen_k)) {
     partial_slots = Tensor(DType::i32, {batch, heads, uq, uk});
     partial_keep = Tensor(DType::u8, {partial, unit, unit});
     const std::vector<std::int64_t> at =
@@ -284,17 +306,25 @@ class FlexMods {
   static constexpr bool kHasMask = !std::is_same_v<MaskMod, flex::NoMaskMod>;
 
   explicit FlexMods(ScoreMod score_mod = {}, MaskMod mask_mod = {}) : score_mod_(score_mod), mask_mod_(mask_mod) {}
+  // A copy holds the same mods, and no exception of the original's calls.
+  FlexMods(const FlexMods& other) : score_mod_(other.score_mod_), mask_mod_(other.mask_mod_) {}
+  FlexMods& operator=(const FlexMods& other) {
+    score_mod_ = other.score_mod_;
+    mask_mod_ = other.mask_mod_;
+    return *this;
+  }
 
   // The hook for AttentionOptions::score_hook; `block_mask` (null: none) must outlive the calls too.
   ScoreHook hook(const BlockMask* block_mask = nullptr) const {
     ScoreHook h;
     h.apply = &apply;
+    h.take_error = &take_error;
     h.mods = this;
     if constexpr (kHasScore) {
       h.score = [](const void* self, double s, std::int64_t b, std::int64_t hd, std::int64_t q, std::int64_t kv) {
         return flex::detail::call_score(static_cast<const FlexMods*>(self)->score_mod_, s, b, hd, q, kv);
       };
-      if constexpr (flex::detail::kDifferentiable<double, ScoreMod>)
+      if constexpr (flex::detail::kDifferentiable<ScoreMod>)
         h.derivative = [](const void* self, double s, std::int64_t b, std::int64_t hd, std::int64_t q, std::int64_t kv) {
           return flex::detail::call_with_derivative(static_cast<const FlexMods*>(self)->score_mod_, s, b, hd, q, kv).grad;
         };
@@ -344,10 +374,9 @@ class FlexMods {
     }
   }
 
-  static void apply(const void* self, const ScoreSpan& sp) {
-    const FlexMods& m = *static_cast<const FlexMods*>(self);
+  static void run_span(const FlexMods& m, const ScoreSpan& sp) {
     const bool mask = kHasMask && sp.mask;
-    if constexpr (kHasScore && flex::detail::kDifferentiable<float, ScoreMod>) {
+    if constexpr (kHasScore && flex::detail::kDifferentiable<ScoreMod>) {
       if (sp.grad != nullptr) {
         if (mask) run<kHasMask, true>(m, sp); else run<false, true>(m, sp);
         return;
@@ -356,8 +385,35 @@ class FlexMods {
     if (mask) run<kHasMask, false>(m, sp); else run<false, false>(m, sp);
   }
 
+  // The kernels' call (ScoreHook::apply): an exception is kept, not thrown (the span is then
+  // hidden, so the call finishes) and ScoreHook::take_error hands it to forward()/backward().
+  static void apply(const void* self, const ScoreSpan& sp) noexcept {
+    const FlexMods& m = *static_cast<const FlexMods*>(self);
+    try {
+      run_span(m, sp);
+    } catch (...) {
+      if (!m.failed_.exchange(true)) m.error_ = std::current_exception();
+      for (std::int64_t c = 0; c < sp.n; ++c) {
+        sp.scores[c] = -std::numeric_limits<float>::infinity();
+        if (sp.grad != nullptr) sp.grad[c] = 0.0f;
+      }
+    }
+  }
+
+  static std::exception_ptr take_error(const void* self) {
+    const FlexMods& m = *static_cast<const FlexMods*>(self);
+    if (!m.failed_.load()) return nullptr;
+    std::exception_ptr e = m.error_;
+    m.error_ = nullptr;
+    m.failed_.store(false);
+    return e;
+  }
+
   ScoreMod score_mod_;
   MaskMod mask_mod_;
+  // The first exception a mod threw during a call (apply), until take_error.
+  mutable std::atomic<bool> failed_{false};
+  mutable std::exception_ptr error_;
 };
 
 }  // namespace flashattn

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <exception>
 #include <optional>
 #include <string>
 
@@ -105,8 +106,13 @@ constexpr ScoreBlock classify_block(bool any_kept, bool any_hidden) {
   return !any_kept ? ScoreBlock::empty : any_hidden ? ScoreBlock::partial : ScoreBlock::full;
 }
 struct ScoreHook {
-  // The kernels' call (null: no hook). `mods` is passed back to every function.
+  // The kernels' call (null: no hook). `mods` is passed back to every function. It runs on
+  // the library's threads (OpenMP) and must not throw: an exception would end the process.
   void (*apply)(const void* mods, const ScoreSpan& span) = nullptr;
+  // Optional: the first exception apply caught during the call (null: none), taken and
+  // rethrown by forward() and backward() once the call's threads are done (FlexMods keeps
+  // what its mods throw this way).
+  std::exception_ptr (*take_error)(const void* mods) = nullptr;
   // The float64 reference's per-score forms, in natural units: score_mod (null: none),
   // mask_mod (null: none; true keeps the key) and d score_mod / d score (null: the
   // backward rejects the hook).
@@ -225,7 +231,8 @@ struct AttentionOptions {
   // fixed order (bit-identical for every thread count). float32 whatever the bias's dtype
   // (the sums over broadcast dims stay in float32; convert it if you want the bias's dtype).
   // Set without a float attn_mask, of another shape or dtype, or overlapping an input or
-  // another output: an Error. Unset (null data): not computed.
+  // another output, or together with a score_hook (not supported): an Error. Unset (null
+  // data): not computed.
   MutableTensorView dbias;
   // Backward only: the gradient of a loss with respect to lse, float32 of lse's shape —
   // (batch, heads_q, seqlen_q), or (heads_q, total_q) for backward_varlen — added to dq, dk

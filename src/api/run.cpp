@@ -1,5 +1,6 @@
 #include "src/api/run.hpp"
 
+#include <exception>
 #include <string>
 #include <string_view>
 
@@ -21,6 +22,16 @@ AttentionOptions host(const AttentionOptions& options) {
   o.rescale_counts = options.rescale_counts.on(Device::cpu);
   return o;
 }
+
+// What a score hook's apply caught on the library's threads (ScoreHook::take_error): taken
+// before a run (a stale one from a call that failed otherwise) and rethrown after it.
+std::exception_ptr take_hook_error(const AttentionOptions& options) {
+  const ScoreHook& hook = options.score_hook;
+  return hook.take_error != nullptr ? hook.take_error(hook.mods) : nullptr;
+}
+void rethrow_hook_error(const AttentionOptions& options) {
+  if (const std::exception_ptr e = take_hook_error(options)) std::rethrow_exception(e);
+}
 }  // namespace
 
 void run_forward(const Backend& backend, const TensorView& q, const TensorView& k, const TensorView& v,
@@ -32,7 +43,9 @@ void run_forward(const Backend& backend, const TensorView& q, const TensorView& 
     throw Error(std::string("lse_sums: the ") + backend.name + " backend writes no softmax states (the CPU backend does)");
   backend.check_forward(job);
   begin_run(options);
+  take_hook_error(options);
   backend.forward(job);
+  rethrow_hook_error(options);
 }
 
 void run_backward(const Backend& backend, const TensorView& dout, const TensorView& q, const TensorView& k,
@@ -44,7 +57,9 @@ void run_backward(const Backend& backend, const TensorView& dout, const TensorVi
                         {}, dout, q, k, v, out, lse, dq, dk, dv, options};
   backend.check_backward(job);
   begin_run(options);
+  take_hook_error(options);
   backend.backward(job);
+  rethrow_hook_error(options);
 }
 
 }  // namespace flashattn::detail

@@ -258,7 +258,8 @@ void DenseMaskSummary::copy_partial_blocks(const std::uint8_t* m, const TensorVi
   DenseMaskBlocks& b = blocks_;
   const std::int64_t count = std::count(states_.begin(), states_.end(), static_cast<std::uint8_t>(ScoreBlock::partial));
   const std::int64_t size = b.block_rows * b.block_cols, rows = mask.shape[2], cols = mask.shape[3];
-  if (!flex::detail::partial_blocks_fit(count, size, b.mask_batch * b.mask_heads, rows, cols)) return;
+  if (!flex::detail::partial_blocks_fit(count, b.block_rows, b.block_cols, b.mask_batch * b.mask_heads, rows, cols))
+    return;
   slots_.resize(states_.size());
   const std::vector<std::int64_t> at =
       flex::detail::number_partial_blocks(states_.data(), static_cast<std::int64_t>(states_.size()), slots_.data());
