@@ -24,8 +24,6 @@ namespace {
 
 bool has_op(const BenchFlags& f, const char* op) { return std::find(f.ops.begin(), f.ops.end(), op) != f.ops.end(); }
 
-bool is_decode_kernel(const std::string& kernel) { return kernel.rfind("decode", 0) == 0; }
-
 // --sweep or --quick: the grid or the subset, as JSON or a table, and the plot.
 // --quick times its fixed subset (its targets need every case of it): --ops is refused there;
 // --sweep times fwd and bwd only, and refuses the other ops by name; neither takes a decode kernel.

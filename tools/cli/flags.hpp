@@ -12,6 +12,9 @@
 
 namespace flashattn::cli {
 
+// decode, decode_fp16 or decode_bf16 by name: kernels of bench's decode cases only.
+inline bool is_decode_kernel(const std::string& kernel) { return kernel.rfind("decode", 0) == 0; }
+
 struct ShapeFlags {
   std::int64_t batch = 1;
   std::int64_t seqlen = 4096;
@@ -34,7 +37,7 @@ struct ShapeFlags {
   // a decode kernel applies to the decode cases only (bench.cpp), never to these.
   void set_case_dtype(const std::string& case_dtype) {
     dtype = case_dtype;
-    if ((kernel == "tiled_bf16" && dtype != "bf16") || kernel.rfind("decode", 0) == 0) kernel = "auto";
+    if ((kernel == "tiled_bf16" && dtype != "bf16") || is_decode_kernel(kernel)) kernel = "auto";
     if (backward_kernel == "tiled_bf16" && dtype != "bf16") backward_kernel = "auto";
   }
   AttentionOptions options() const;
