@@ -3,6 +3,7 @@
 // reference on the dequantized inputs.
 #include <gtest/gtest.h>
 
+#include <cfloat>
 #include <cmath>
 #include <limits>
 #include <random>
@@ -172,6 +173,27 @@ TEST(Fp8, QuantizeScalesEachTensorOrBlockToTheFormatsMax) {
     const Tensor back_b = dequantize_fp8(b.view());
     EXPECT_NEAR(back_b.get(17 * 3 * 16 + 5), 40.0f, 1e-5f);
   }
+}
+
+// Blocks of tiny values (amax below 448·FLT_MIN): descale = amax / max would make 1 / descale
+// +∞ — zeros encoded as 0·∞ = NaN, everything else as ±max — or round to 0 (an invalid
+// descale). At least FLT_MIN, the codes stay finite and dequantize within half a unit.
+TEST(Fp8, QuantizeTinyBlocksKeepsEveryCodeFinite) {
+  for (Fp8Format f : kFormats)
+    for (const float t : {1e-30f, 1e-37f, 1e-44f}) {
+      SCOPED_TRACE(std::string(to_string(f)) + " t " + std::to_string(t));
+      Tensor x(DType::f32, {1, 1, 1, 4});
+      x.set(0, 0.0f), x.set(1, t), x.set(2, -t / 2), x.set(3, t / 3);
+      const Fp8Tensor q = quantize_fp8(x.view(), f);
+      const float descale = q.descale.get(0);
+      ASSERT_TRUE(std::isfinite(descale) && descale >= FLT_MIN) << descale;
+      const Tensor back = dequantize_fp8(q.view());
+      const double half_ulp = std::ldexp(1.0, -fp8_info(f).mantissa_bits - 1);
+      // Half a unit relative, or half the smallest subnormal step absolute.
+      const double floor = std::ldexp(1.0, 1 - fp8_info(f).bias - fp8_info(f).mantissa_bits - 1) * descale;
+      for (std::int64_t e = 0; e < 4; ++e)
+        EXPECT_LE(std::fabs(back.get(e) - x.get(e)), std::max(half_ulp * std::fabs(x.get(e)) * 1.0001, floor)) << e;
+    }
 }
 
 TEST(Fp8, QuantizeAndDequantizeRejectBadInput) {
@@ -346,6 +368,16 @@ TEST(Fp8Forward, RejectsBadDescalesCodesAndThresholds) {
   Fp8View qb = q.view();
   qb.descale = bad_descale.view();
   expect_error([&] { forward_fp8(qb, k.view(), v.view(), DType::f32); }, {"q.descale", "-0.5", "finite and > 0"});
+  // NaN codes (and e5m2's ±∞) stand for no value an attention could use: named, not read.
+  Fp8Tensor k_nan = quantize_fp8(random_tensor(DType::f32, {1, 9, 2, 16}, 2).view(), Fp8Format::e4m3, 4);
+  k_nan.codes.data_as<std::uint8_t>()[(1 * 2 + 0) * 16 + 3] = 0xFF;
+  expect_error([&] { forward_fp8(q.view(), k_nan.view(), v.view(), DType::f32); },
+               {"k.codes: entry (0, 1, 0, 3)", "code 255", "NaN"});
+  expect_error([&] { dequantize_fp8(k_nan.view()); }, {"x.codes: entry (0, 1, 0, 3)", "NaN"});
+  Fp8Tensor v_inf = quantize_fp8(random_tensor(DType::f32, {1, 9, 2, 16}, 3).view(), Fp8Format::e5m2);
+  v_inf.codes.data_as<std::uint8_t>()[(8 * 2 + 1) * 16 + 15] = 0x7C;  // e5m2 +∞
+  expect_error([&] { forward_fp8(q.view(), k.view(), v_inf.view(), DType::f32); },
+               {"v.codes: entry (0, 8, 1, 15)", "code 124", "NaN or infinite", "e5m2"});
   Fp8View kb = k.view();
   kb.codes = random_tensor(DType::f32, {1, 9, 2, 16}, 4).view();
   expect_error([&] { forward_fp8(q.view(), kb, v.view(), DType::f32); }, {"k.codes", "u8"});

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -143,10 +144,10 @@ TEST(Int8Cache, QuantizationWithinTheStatedBound) {
             ASSERT_EQ(out[i], 128) << "element " << i;
             ASSERT_EQ(int8_code_value(codes, out[i], scale, zero), x[i]) << "element " << i;
           }
-        } else if (static_cast<float>(step) > 0.0f) {
+        } else if (step >= FLT_MIN) {
           EXPECT_NEAR(scale, step, step * 0x1p-23);
         } else {
-          EXPECT_EQ(scale, 1.0f);
+          EXPECT_EQ(scale, step > 0.0 ? FLT_MIN : 1.0f);
         }
         for (std::size_t i = 0; i < x.size(); ++i) {
           if (codes == KvCodes::s8) ASSERT_GE(static_cast<std::int8_t>(out[i]), -127);
@@ -155,6 +156,25 @@ TEST(Int8Cache, QuantizationWithinTheStatedBound) {
           ASSERT_LE(std::fabs(got - x[i]), stated_bound(scale, codes == KvCodes::u8 ? zero : 0.0f)) << "element " << i;
         }
       }
+  // Rows whose step is subnormal (normal values a few subnormal units apart): a subnormal scale
+  // rounded down would clamp the row's largest element at the last code, 63× the bound.
+  {
+    const float u = 0x1p-149f;
+    const std::vector<float> tiny_u8 = {0x1p-126f, 0x1p-126f + 637 * u, 0x1p-126f + 300 * u};
+    const std::vector<float> tiny_s8 = {0.0f, 317 * u, -100 * u};
+    for (KvCodes codes : {KvCodes::u8, KvCodes::s8}) {
+      SCOPED_TRACE(std::string("subnormal step, ") + to_string(codes));
+      const std::vector<float>& x = codes == KvCodes::u8 ? tiny_u8 : tiny_s8;
+      std::vector<std::uint8_t> out(x.size());
+      float scale = 0.0f, zero = 0.0f;
+      quantize_int8(codes, x.data(), static_cast<std::int64_t>(x.size()), true, &scale, &zero, out.data());
+      EXPECT_EQ(scale, FLT_MIN);
+      for (std::size_t i = 0; i < x.size(); ++i)
+        ASSERT_LE(std::fabs(int8_code_value(codes, out[i], scale, zero) - static_cast<double>(x[i])),
+                  stated_bound(scale, codes == KvCodes::u8 ? zero : 0.0f))
+            << "element " << i;
+    }
+  }
   // Per page: the caller's scale and zero point; x within [(lo − z)·s, (hi − z)·s] is held
   // to the bound, x beyond saturates.
   for (KvCodes codes : {KvCodes::u8, KvCodes::s8}) {

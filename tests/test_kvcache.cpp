@@ -3,6 +3,7 @@
 // embeddings, GQA, causal; appends touch only the slots they name.
 #include <gtest/gtest.h>
 
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -943,6 +944,40 @@ TEST(KvCache, Fp8CacheQuantizesOnAppendWithinTheStatedBound) {
       check_fp8_cache_run(ps);
     }
   });
+}
+
+// A page whose stored descale is subnormal (finite and > 0: valid) takes an append: the
+// codes are made with 1 / descale, which would be +∞ — zeros became NaN codes (0x7F/0xFF)
+// that no append may write. The descale grows to a normal one and the old token is
+// re-encoded at the same value.
+TEST(KvCache, Fp8AppendOntoASubnormalDescaleWritesNoNaNCode) {
+  for (const float stored : {1e-40f, 1e-30f}) {
+    SCOPED_TRACE(stored);
+    Tensor kc(DType::u8, {1, 4, 1, 4}), vc(DType::u8, {1, 4, 1, 4});
+    std::memset(kc.data(), 0x38, 16);  // e4m3 1.0
+    std::memset(vc.data(), 0x38, 16);
+    Tensor ks(DType::f32, {1, 1}), vs(DType::f32, {1, 1}), seqlens(DType::i32, {1});
+    ks.set(0, stored), vs.set(0, stored), seqlens.set(0, 1.0f);
+    Tensor q(DType::f32, {1, 1, 1, 4}), k(DType::f32, {1, 1, 1, 4}), v(DType::f32, {1, 1, 1, 4});
+    for (std::int64_t e = 0; e < 4; ++e) q.set(e, 1.0f), k.set(e, e == 1 ? 3.0f * stored : 0.0f), v.set(e, 0.0f);
+    KvCache c{kc.view(), vc.view()};
+    c.k_scale = ks.view(), c.v_scale = vs.view(), c.cache_seqlens = seqlens.view(), c.k = k.view(), c.v = v.view();
+    AttentionOptions o;
+    o.num_threads = 1;
+    const ForwardResult r = forward_with_kvcache(q.view(), c, o);
+    for (const Tensor* codes : {&kc, &vc})
+      for (std::int64_t i = 0; i < 8; ++i)
+        ASSERT_NE(codes->data_as<std::uint8_t>()[i] & 0x7F, 0x7F) << "slot " << i / 4 << " element " << i % 4;
+    for (const Tensor* scale : {&ks, &vs}) EXPECT_GE(scale->get(0), FLT_MIN);
+    // The old token (all `stored`) and the new one (3·stored at element 1) read back.
+    for (std::int64_t e = 0; e < 4; ++e) {
+      EXPECT_NEAR(fp8_to_float(kc.data_as<std::uint8_t>()[e], Fp8Format::e4m3) * ks.get(0), stored, stored * 0x1p-4f);
+      EXPECT_NEAR(fp8_to_float(kc.data_as<std::uint8_t>()[4 + e], Fp8Format::e4m3) * ks.get(0), k.get(e),
+                  stored * 0x1p-3f);
+    }
+    for (std::int64_t e = 0; e < 4; ++e) ASSERT_TRUE(std::isfinite(r.out.get(e))) << e;
+    ASSERT_TRUE(std::isfinite(r.lse.get(0)));
+  }
 }
 
 TEST(KvCache, Fp8CacheBadInputNamesTheArgument) {

@@ -227,8 +227,9 @@ void merge_attention_states(const TensorView& outs, const TensorView& lses,
 // block of rows (see Fp8View and quantize_fp8), in the layout of forward(); out in any
 // floating dtype, lse float32. Scores accumulate in float32 and P is rounded to e4m3 before
 // P·V, as on an FP8 tensor core. On the CPU the FP8 values are decoded to float32 once per
-// call (FP8 numerics, not FP8 speed). Bad codes, descales (<= 0, non-finite) or shapes throw
-// Error; so does a rescale_threshold above 8 (unrescaled P ≤ 2^threshold must fit e4m3).
+// call (FP8 numerics, not FP8 speed). Bad codes (NaN; e5m2's ±∞), descales (<= 0,
+// non-finite) or shapes throw Error; so does a rescale_threshold above 8 (unrescaled P ≤
+// 2^threshold must fit e4m3).
 void forward_fp8(const Fp8View& q, const Fp8View& k, const Fp8View& v, const MutableTensorView& out,
                  const MutableTensorView& lse, const AttentionOptions& options = {});
 ForwardResult forward_fp8(const Fp8View& q, const Fp8View& k, const Fp8View& v, DType out_dtype,

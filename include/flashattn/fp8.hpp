@@ -71,13 +71,13 @@ struct Fp8Tensor {
 
 // Quantizes a floating (batch, seqlen, heads, dim) tensor: each tensor (block_size 0) or
 // block is scaled so that its largest magnitude becomes the format's max (descale =
-// amax / max; an all-zero block gets descale 1). Throws Error naming the element when x
+// max(amax / max, FLT_MIN), so that 1 / descale is finite; an all-zero block gets descale 1). Throws Error naming the element when x
 // holds a NaN or ±∞ (no finite scale could represent it).
 Fp8Tensor quantize_fp8(const TensorView& x, Fp8Format format, std::int64_t block_size = 0);
 
 // The float32 values an FP8 tensor stands for, shape of its codes. Validates the view:
-// u8 codes of rank 4, descale float32 of the shape its block_size implies, every descale
-// finite and > 0.
+// u8 codes of rank 4, none of them NaN (nor, in e5m2, ±∞), descale float32 of the shape its
+// block_size implies, every descale finite and > 0.
 Tensor dequantize_fp8(const Fp8View& x);
 
 }  // namespace flashattn

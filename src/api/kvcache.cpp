@@ -97,7 +97,8 @@ void fp8_append(const MutableTensorView& pool, const MutableTensorView& scale, c
     float& stored = descale_at(scale, page, h);
     float descale = old_end > old_begin ? stored : FLT_MIN;
     float grown = descale;
-    while (amax > kMax * grown) grown *= 2.0f;
+    // A stored subnormal descale grows to a normal one: the codes are made with 1 / descale.
+    while (amax > kMax * grown || grown < FLT_MIN) grown *= 2.0f;
     if (grown != descale) {
       for (std::int64_t i = old_begin; i < old_end; ++i) {
         convert_from_fp8(codes(page, i), decoded.data(), static_cast<std::size_t>(width), Fp8Format::e4m3,

@@ -5,6 +5,7 @@
 #include "flashattn/kv_quant.hpp"
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 
 #include "flashattn/error.hpp"
@@ -60,9 +61,11 @@ void quantize_int8(KvCodes codes, const float* x, std::int64_t n, bool choose_sc
       hi = std::max(hi, static_cast<double>(x[i]));
       amax = std::max(amax, std::fabs(static_cast<double>(x[i])));
     }
-    // An all-zero (s8) row, or one whose step would underflow float32: step 1.
-    const auto step = static_cast<float>(u8 ? (hi - lo) / kU8Max : amax / kS8Max);
-    *scale = step > 0.0f ? step : 1.0f;
+    // An all-zero (s8) or constant (u8) row: step 1. A step below FLT_MIN would keep only a
+    // subnormal's few bits — rounded down, the row's extremes would clamp at the last code —
+    // so it is FLT_MIN, which fits the row's spread in fewer codes.
+    const double step = u8 ? (hi - lo) / kU8Max : amax / kS8Max;
+    *scale = step >= FLT_MIN ? static_cast<float>(step) : step > 0.0 ? FLT_MIN : 1.0f;
     *zero_point = u8 ? static_cast<float>(-lo / static_cast<double>(*scale)) : 0.0f;
     if (u8 && hi == lo && std::isfinite(lo)) {
       // A constant row c (u8): every code 128 — which the narrow decode kernels read as 0, so

@@ -236,6 +236,26 @@ void check_fp8_input(const char* name, const Fp8View& x) {
                       std::to_string(block) + ") is " + std::to_string(d) +
                       " (descale factors must be finite and > 0)");
       }
+  // NaN codes (and e5m2's ±∞, which quantize_fp8 never writes: it saturates) stand for no
+  // value an attention could use; one would turn its rows' outputs into NaN.
+  const Fp8Info info = fp8_info(x.format);
+  const auto bad = [&](std::uint8_t c) {
+    return x.format == Fp8Format::e4m3 ? (c & 0x7F) == info.nan_code : (c & 0x7C) == 0x7C;
+  };
+  const auto* codes = static_cast<const std::uint8_t*>(x.codes.data);
+  const std::int64_t dim = x.codes.shape[3];
+  for (std::int64_t b = 0; b < batch; ++b)
+    for (std::int64_t s = 0; s < seqlen; ++s)
+      for (std::int64_t h = 0; h < heads; ++h) {
+        const std::uint8_t* row = codes + b * x.codes.strides[0] + s * x.codes.strides[1] + h * x.codes.strides[2];
+        for (std::int64_t c = 0; c < dim; ++c)
+          if (bad(row[c * x.codes.strides[3]]))
+            throw Error(codes_name + ": entry (" + std::to_string(b) + ", " + std::to_string(s) + ", " +
+                        std::to_string(h) + ", " + std::to_string(c) + ") is code " +
+                        std::to_string(row[c * x.codes.strides[3]]) + ", " +
+                        (x.format == Fp8Format::e4m3 ? "NaN" : "NaN or infinite") + " in " + to_string(x.format) +
+                        " (codes must stand for finite values)");
+      }
 }
 
 }  // namespace flashattn::detail

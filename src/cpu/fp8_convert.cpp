@@ -7,6 +7,7 @@
 #include <hwy/highway.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 
@@ -115,7 +116,10 @@ Fp8Tensor quantize_fp8(const TensorView& x, Fp8Format format, std::int64_t block
         }
       }
   const float max = fp8_info(format).max;
-  for (std::int64_t e = 0; e < result.descale.numel(); ++e) descale[e] = descale[e] == 0.0f ? 1.0f : descale[e] / max;
+  // At least FLT_MIN: 1 / descale stays finite (a block of tiny values would otherwise encode
+  // its zeros as 0·∞ = NaN and the rest as ±max).
+  for (std::int64_t e = 0; e < result.descale.numel(); ++e)
+    descale[e] = descale[e] == 0.0f ? 1.0f : std::max(descale[e] / max, FLT_MIN);
   auto* codes = result.codes.data_as<std::uint8_t>();
   for (std::int64_t b = 0; b < batch; ++b)
     for (std::int64_t s = 0; s < seqlen; ++s)
