@@ -637,23 +637,47 @@ void AccumulateBlockNarrow(ForwardWorkspace& ws, const DecodeShape& sh, const Na
                                ws.o_acc.get() + r * sh.dv_pad, sh.dv_pad);
 }
 
-// Epilogue: every real row's output (or split partial) and lse.
+#if HWY_TARGET != HWY_SCALAR
+// The whole pairs of an õ row back into row order, the inverse of LoadQPanels' ConcatEven
+// and ConcatOdd (element 2i of a pair is lane i of its even vector, 2i + 1 lane i of its odd
+// one): a 128-bit block at a time, where InterleaveLower and InterleaveUpper pair the lanes,
+// every block of a pair loaded before any is stored. (Element by element through a pair on
+// the stack, this was a sixth of a 16-token decode step: each vector load waited for eight
+// scalar stores.)
+HWY_INLINE void PairsToRowOrder(float* HWY_RESTRICT orow, std::int64_t dv) {
+  const hn::Full128<float> d4;
+  constexpr std::int64_t kBlocks = kLanes / 4;
+  for (std::int64_t e = 0; e + kPair <= dv; e += kPair) {
+    hn::Vec<decltype(d4)> even[kBlocks], odd[kBlocks];
+    for (std::int64_t b = 0; b < kBlocks; ++b) {
+      even[b] = hn::LoadU(d4, orow + e + 4 * b);
+      odd[b] = hn::LoadU(d4, orow + e + kLanes + 4 * b);
+    }
+    for (std::int64_t b = 0; b < kBlocks; ++b) {
+      hn::StoreU(hn::InterleaveLower(d4, even[b], odd[b]), d4, orow + e + 8 * b);
+      hn::StoreU(hn::InterleaveUpper(d4, even[b], odd[b]), d4, orow + e + 8 * b + 4);
+    }
+  }
+}
+#endif
+
+// Epilogue: every real row's output (or split partial) and lse. Rows in pair order are
+// reordered first, all of them: the stores have left for the cache by the time StoreOutputRow
+// reads them a vector at a time.
 template <KvFormat F>
 void StoreRows(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeShape& sh) {
   const AttentionProblem& p = prm.problem;
+#if HWY_TARGET != HWY_SCALAR
+  if constexpr (kEvenOdd<F>)
+    for (std::int64_t g = 0; g < sh.hkv; ++g)
+      for (std::int64_t r = 0; r < sh.rows; ++r) PairsToRowOrder(ws.o_acc.get() + (g * sh.rows4 + r) * sh.dv_pad, sh.dv);
+#endif
   for (std::int64_t g = 0; g < sh.hkv; ++g)
     for (std::int64_t r = 0; r < sh.rows; ++r) {
       const std::int64_t row = g * sh.rows4 + r;
-      float* orow = ws.o_acc.get() + row * sh.dv_pad;
-      if constexpr (kEvenOdd<F>)  // whole pairs back into row order
-        for (std::int64_t e = 0; e + kPair <= sh.dv; e += kPair) {
-          HWY_ALIGN float pair[kPair];
-          for (std::int64_t half = 0; half < 2; ++half)
-            for (std::int64_t i = 0; i < kLanes; ++i) pair[PairIndex<F>(half, i)] = orow[e + half * kLanes + i];
-          std::copy(pair, pair + kPair, orow + e);
-        }
-      StoreOutputRow(prm, ws, sh.item.split, sh.item.batch, g * sh.group + r / p.seqlen_q, r % p.seqlen_q, orow,
-                     ws.states[static_cast<std::size_t>(row)], ws.rescales[static_cast<std::size_t>(row)]);
+      StoreOutputRow(prm, ws, sh.item.split, sh.item.batch, g * sh.group + r / p.seqlen_q, r % p.seqlen_q,
+                     ws.o_acc.get() + row * sh.dv_pad, ws.states[static_cast<std::size_t>(row)],
+                     ws.rescales[static_cast<std::size_t>(row)]);
     }
   ws.counters.o_written += sh.hkv * sh.rows * sh.dv;
   ws.counters.lse_written += sh.hkv * sh.rows;
