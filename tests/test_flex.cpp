@@ -574,6 +574,17 @@ TEST(Flex, ExceptionFromAModReachesTheCaller) {
     o.score_hook = masks.hook();
     EXPECT_THROW(forward(in.q.view(), in.k.view(), in.v.view(), o), std::out_of_range);
   }
+  // The float64 reference calls the mods on its own threads too.
+  {
+    AttentionOptions o;
+    o.score_hook = scores.hook();
+    EXPECT_THROW(reference::attention(in.q.view(), in.k.view(), in.v.view(), o), std::out_of_range);
+    EXPECT_THROW(reference::attention_probs(in.q.view(), in.k.view(), in.v.view(), o), std::out_of_range);
+    EXPECT_THROW(reference::attention_backward(in.dout.view(), in.q.view(), in.k.view(), in.v.view(), o),
+                 std::out_of_range);
+    o.score_hook = masks.hook();
+    EXPECT_THROW(reference::attention(in.q.view(), in.k.view(), in.v.view(), o), std::out_of_range);
+  }
   // The same mods over keys they can read: no stale exception, the reference's result.
   const Shape ok{1, 40, 40, 2, 1, 16};
   AttentionOptions o;

@@ -55,6 +55,9 @@ void attention_row(const AttentionProblem& problem, const AttentionOptions& opti
                    std::int64_t head, std::int64_t row, double* out_row, double* lse,
                    std::int64_t batch_offset = 0);
 
+// attention, attention_probs and attention_backward run rows on OpenMP threads; an exception
+// from the options' score hook (score_mod, mask_mod: its score, mask and derivative) reaches
+// the caller once the threads are done.
 struct Result {
   std::vector<double> out;  // (batch, seqlen_q, heads_q, head_dim_v), contiguous
   std::vector<double> lse;  // (batch, heads_q, seqlen_q), contiguous

@@ -1,8 +1,10 @@
 #include "flashattn/reference.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
+#include <exception>
 #include <limits>
 
 #include "element.hpp"
@@ -152,20 +154,50 @@ void attention_row(const AttentionProblem& p, const AttentionOptions& options, c
   *lse = softmax_row(p, options, q, k, v, b, h, i, out_row, batch_offset).lse();
 }
 
+namespace {
+
+// The first exception a row task threw inside an OpenMP region (a score hook's score_mod or
+// mask_mod, a caller's function): kept, the other tasks skipped, and rethrown once the
+// region has ended — an exception may not leave an OpenMP region (it ends the process).
+class FirstException {
+ public:
+  template <class Task>
+  void run(Task task) noexcept {
+    if (failed_.load(std::memory_order_relaxed)) return;
+    try {
+      task();
+    } catch (...) {
+      if (!failed_.exchange(true)) error_ = std::current_exception();
+    }
+  }
+  void rethrow() const {
+    if (error_) std::rethrow_exception(error_);
+  }
+
+ private:
+  std::atomic<bool> failed_{false};
+  std::exception_ptr error_;
+};
+
+}  // namespace
+
 Result attention(const TensorView& q, const TensorView& k, const TensorView& v,
                  const AttentionOptions& options) {
   const AttentionProblem p = AttentionProblem::from_inputs(q, k, v, options);
   Result r;
   r.out.resize(static_cast<std::size_t>(p.batch * p.seqlen_q * p.heads_q * p.head_dim_v));
   r.lse.resize(static_cast<std::size_t>(p.batch * p.heads_q * p.seqlen_q));
+  FirstException errors;
 #pragma omp parallel for collapse(3) schedule(dynamic, 16)
   for (std::int64_t b = 0; b < p.batch; ++b)
     for (std::int64_t h = 0; h < p.heads_q; ++h)
       for (std::int64_t i = 0; i < p.seqlen_q; ++i)
-        attention_row(p, options, q, k, v, b, h, i,
-                      &r.out[static_cast<std::size_t>(((b * p.seqlen_q + i) * p.heads_q + h) *
-                                                      p.head_dim_v)],
-                      &r.lse[static_cast<std::size_t>((b * p.heads_q + h) * p.seqlen_q + i)]);
+        errors.run([&] {
+          attention_row(p, options, q, k, v, b, h, i,
+                        &r.out[static_cast<std::size_t>(((b * p.seqlen_q + i) * p.heads_q + h) * p.head_dim_v)],
+                        &r.lse[static_cast<std::size_t>((b * p.heads_q + h) * p.seqlen_q + i)]);
+        });
+  errors.rethrow();
   return r;
 }
 
@@ -176,10 +208,11 @@ Tensor attention_probs(const TensorView& q, const TensorView& k, const TensorVie
   Tensor probs(DType::f32, {p.batch, p.heads_q, p.seqlen_q, p.seqlen_k});
   float* out = probs.data_as<float>();
   const std::int64_t group = p.heads_q / p.heads_kv;
+  FirstException errors;
 #pragma omp parallel for collapse(3) schedule(dynamic, 16)
   for (std::int64_t b = 0; b < p.batch; ++b)
     for (std::int64_t h = 0; h < p.heads_q; ++h)
-      for (std::int64_t i = 0; i < p.seqlen_q; ++i) {
+      for (std::int64_t i = 0; i < p.seqlen_q; ++i) errors.run([&] {
         std::vector<double> out_row(static_cast<std::size_t>(p.head_dim_v));
         const RowLse lse = softmax_row(p, options, q, k, v, b, h, i, out_row.data(), batch_offset);
         float* row = out + ((b * p.heads_q + h) * p.seqlen_q + i) * p.seqlen_k;
@@ -190,7 +223,8 @@ Tensor attention_probs(const TensorView& q, const TensorView& k, const TensorVie
                                              sem.dropout_weight(b, h, i, j))
                         : 0.0f;
         }
-      }
+      });
+  errors.rethrow();
   return probs;
 }
 
@@ -211,9 +245,10 @@ Gradients attention_backward(const TensorView& dout, const TensorView& q, const 
   const bool bias = p.attn_mask == AttentionProblem::MaskKind::bias;
   std::vector<double> ds_all(static_cast<std::size_t>(bias ? p.batch * p.heads_q * p.seqlen_q * p.seqlen_k : 0), 0.0);
   // One (batch, kv head) per task: its dk/dv rows are written by nobody else.
+  FirstException errors;
 #pragma omp parallel for collapse(2) schedule(dynamic)
   for (std::int64_t b = 0; b < p.batch; ++b)
-    for (std::int64_t kvh = 0; kvh < p.heads_kv; ++kvh) {
+    for (std::int64_t kvh = 0; kvh < p.heads_kv; ++kvh) errors.run([&] {
       std::vector<double> out_row(static_cast<std::size_t>(dv));
       for (std::int64_t h = kvh * group; h < (kvh + 1) * group; ++h)
         for (std::int64_t i = 0; i < p.seqlen_q; ++i) {
@@ -253,7 +288,8 @@ Gradients attention_backward(const TensorView& dout, const TensorView& q, const 
             }
           }
         }
-    }
+    });
+  errors.rethrow();
   for (std::int64_t b = 0; b < p.batch && p.sinks; ++b)
     for (std::int64_t h = 0; h < p.heads_q; ++h)
       g.dsinks[static_cast<std::size_t>(h)] += dsinks_bh[static_cast<std::size_t>(b * p.heads_q + h)];
