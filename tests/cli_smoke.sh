@@ -210,6 +210,27 @@ fails_with "dout: shape (1, 13, 1, 8)" "${attend[@]}" --out "$work/o2.npy" --dou
 fails_with "the problem the options describe is too large to allocate" "$cli" run --heads 2 --dim 8 --repeats 1 \
   --threads 1 --seqlen-k 9223372036854775807
 fails_with "overflow the cost model's 64-bit counts" "$cli" explain --seqlen 2147483648 --heads 2 --dim 8
+# Bytes overflowed while FLOPs fit (a small head dim): negative byte counts were printed.
+fails_with "standard attention's traffic" "$cli" explain --batch 16384 --heads 1 --seqlen 4194304 --dim 1 \
+  --dtype f32 --tile 4096 4096
+# Rows the model walks one by one (--seqlen-k 1 kept the tile pairs few): ran for minutes.
+fails_with "walks every query row, at most 2^28" "$cli" explain --seqlen-q 1073741824 --seqlen-k 1 --heads 1
+# The CPU's tiles are its plan's, not --tile's BC: the walk's guard counted the wrong pairs.
+fails_with "(Q tile, K/V tile) pairs to walk (tiles of 6 x 256)" "$cli" explain --arch cpu --threads 1 --heads 1 \
+  --tile 1 1000000000 --seqlen 2097152
+fails_with "--sram-elements: a fast-memory size of at least 1 element, got 1e-300" "$cli" explain --sram-elements 1e-300
+fails_with "--sram-elements: a fast-memory size of at least 1 element, got inf" "$cli" explain --sram-elements inf
+# A tile past its sequence is one tile of it (near INT64_MAX the walks overflowed to 0 tiles).
+"$cli" explain --tile 9223372036854775807 9223372036854775807 --seqlen 300 --heads 1 --dim 32 --json > "$work/huge_tile.json"
+python3 - "$work/huge_tile.json" <<'PY'
+import json, sys
+j = json.load(open(sys.argv[1]))
+t = j["tiles"]
+assert t["forward"]["computed"] == 1 and t["backward"]["computed"] == 1, t
+PY
+# More threads than cores: the model's cores and L2s are the machine's.
+"$cli" explain --arch cpu --threads 64 --seqlen 512 --heads 2 --dim 32 > "$work/threads64.txt"
+grep -q "this CPU: $(nproc) cores" "$work/threads64.txt" || { echo "explain invented cores"; cat "$work/threads64.txt"; exit 1; }
 if "$cli" run --seqlen 16 --heads 2 --dim 8 --repeats 1 --threads 32768 > /dev/null 2> "$work/err.txt"; then
   echo "expected --threads 32768 refused"; exit 1
 fi

@@ -134,7 +134,7 @@ struct ForwardTile {
 // memory serves twice the rows of a 64-row block; on the H200 (docs/cuda.md) 8–9% faster than
 // 64 rows over 4 warps at S ≥ 4096, 5% slower causal at S = 1024; 32 rows per warp spills.
 // D = 256: 64 rows (O alone takes 128 accumulators). Two stages of K/V tiles: 48, 96 and
-// 160 KiB of shared memory, within the 163 KiB an sm_80 block may opt into.
+// 64 KiB of shared memory (smem_bytes), within the 163 KiB an sm_80 block may opt into.
 inline constexpr ForwardTile kForwardTiles[] = {
     {64, 128, 64, 4, 2},
     {128, 128, 64, 8, 2},

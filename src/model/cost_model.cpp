@@ -16,7 +16,8 @@ namespace {
 
 constexpr int kF32Bytes = 4;  // lse, D = rowsum(dO ∘ O), the dQ accumulator, split partials
 
-std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
+// a ≥ 0, b ≥ 1; no a + b − 1 to overflow near INT64_MAX.
+std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return a / b + (a % b != 0 ? 1 : 0); }
 
 int element_bytes(DType dtype) { return static_cast<int>(dtype_size(dtype)); }
 

@@ -1,5 +1,9 @@
 #include "tools/cli/account.hpp"
 
+#include <omp.h>
+
+#include <algorithm>
+
 #include "tools/baseline/standard_attention.hpp"
 #include "tools/cli/machine.hpp"
 #include "tools/cli/measure.hpp"
@@ -15,7 +19,8 @@ constexpr int kMeasureRepeats = 2;
 
 cost::Architecture architecture_by_name(const std::string& name, int threads) {
   if (name == "cpu") {
-    const int t = resolved_threads(threads);
+    // The cores that exist: more threads than cores share them (and their L2s).
+    const int t = std::min(resolved_threads(threads), omp_get_num_procs());
     const cost::CpuMeasurements m{cpu_clock_ghz(), baseline::sgemm_gflops(kSgemmN, t, kMeasureRepeats),
                                   copy_gbps(kMeasureRepeats)};
     return cost::cpu_architecture(CpuHardware::detect(t), m);

@@ -5,8 +5,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <initializer_list>
 #include <iostream>
 #include <optional>
+#include <sstream>
 
 #include "tools/cli/account.hpp"
 #include "tools/cli/commands.hpp"
@@ -33,29 +35,39 @@ const Preset& preset_by_name(const std::string& name) {
   throw Error("--preset: unknown preset '" + name + "' (known: gpt2-medium)");
 }
 
-// The cost model counts FLOPs and bytes in int64 and walks the (Q tile, K/V tile) pairs of
-// one (batch, head): a problem past either is refused by name instead of miscounted
-// (negative FLOPs) or walked for hours. Tiles of kTypicalTile rows and keys unless --tile
-// sets them; at most 2^30 pairs (4M tokens of such tiles).
-constexpr std::int64_t kTypicalTile = 128;
-void check_countable(const AttentionProblem& p, std::int64_t tile_q, std::int64_t tile_k) {
+// The cost model counts FLOPs and bytes in int64, walks every query row once and the (Q
+// tile, K/V tile) pairs of one (batch, head): a problem past any of them is refused by name
+// instead of miscounted (negative FLOPs or bytes) or walked for hours. `tilings` are the
+// model's (the CPU plan's where it runs); at most 2^30 pairs (4M tokens of 128-row tiles)
+// and 2^28 query rows (a few seconds).
+void check_countable(const AttentionProblem& p, std::initializer_list<cost::Tiling> tilings) {
   auto g3 = [](double x) {
     char text[32];
     std::snprintf(text, sizeof text, "%.3g", x);
     return std::string(text);
   };
+  const std::string shape = "batch " + std::to_string(p.batch) + " x heads " + std::to_string(p.heads_q) +
+                            " x seqlen_q " + std::to_string(p.seqlen_q) + " x seqlen_k " + std::to_string(p.seqlen_k);
   const double heads = static_cast<double>(p.batch) * static_cast<double>(p.heads_q);
-  const double work = 4.0 * heads * static_cast<double>(p.seqlen_q) * static_cast<double>(p.seqlen_k) *
-                      static_cast<double>(std::max(p.head_dim, p.head_dim_v));
+  const double entries = heads * static_cast<double>(p.seqlen_q) * static_cast<double>(p.seqlen_k);
+  const double work = 4.0 * entries * static_cast<double>(std::max(p.head_dim, p.head_dim_v));
   if (work * 4.0 > 0x1p62)
-    throw Error("explain: batch " + std::to_string(p.batch) + " x heads " + std::to_string(p.heads_q) + " x seqlen_q " +
-                std::to_string(p.seqlen_q) + " x seqlen_k " + std::to_string(p.seqlen_k) +
-                ": its FLOPs (about " + g3(work) + ") overflow the cost model's 64-bit counts");
-  const double pairs = std::ceil(static_cast<double>(p.seqlen_q) / static_cast<double>(tile_q)) *
-                      std::ceil(static_cast<double>(p.seqlen_k) / static_cast<double>(tile_k));
-  if (pairs > 0x1p30)
-    throw Error("explain: " + g3(pairs) + " (Q tile, K/V tile) pairs to walk (tiles of " +
-                std::to_string(tile_q) + " x " + std::to_string(tile_k) + ") of one head, more than the cost model's 2^30");
+    throw Error("explain: " + shape + ": its FLOPs (about " + g3(work) + ") overflow the cost model's 64-bit counts");
+  // Standard attention moves each S/P entry a few times in every pass (eager float32: under
+  // 100 bytes an entry, forward and backward), whatever the head dim.
+  if (entries * 256.0 > 0x1p62)
+    throw Error("explain: " + shape + ": standard attention's traffic (about " + g3(entries * 100.0) +
+                " bytes) overflows the cost model's 64-bit counts");
+  if (p.seqlen_q > (std::int64_t{1} << 28))
+    throw Error("explain: seqlen_q " + std::to_string(p.seqlen_q) +
+                ": the cost model walks every query row, at most 2^28 (268435456)");
+  for (const cost::Tiling& t : tilings) {
+    const double pairs = std::ceil(static_cast<double>(p.seqlen_q) / static_cast<double>(t.block_q)) *
+                         std::ceil(static_cast<double>(p.seqlen_k) / static_cast<double>(t.block_k));
+    if (pairs > 0x1p30)
+      throw Error("explain: " + g3(pairs) + " (Q tile, K/V tile) pairs to walk (tiles of " + std::to_string(t.block_q) +
+                  " x " + std::to_string(t.block_k) + ") of one head, more than the cost model's 2^30");
+  }
 }
 
 Account make_account(const ExplainFlags& f, const AttentionProblem& p, const AttentionOptions& options) {
@@ -65,9 +77,12 @@ Account make_account(const ExplainFlags& f, const AttentionProblem& p, const Att
     a.forward_tiling = cost::tiling_of(plan_forward(p, hw, options));
     a.backward_tiling = cost::tiling_of(plan_backward(p, hw, false));
   } else {
-    const std::int64_t br = f.tile.empty() ? kTableTile : f.tile[0], bc = f.tile.empty() ? kTableTile : f.tile[1];
+    // A tile past its sequence is one tile of it (--tile near INT64_MAX overflowed the walks).
+    const std::int64_t br = std::min(f.tile.empty() ? kTableTile : f.tile[0], std::max<std::int64_t>(p.seqlen_q, 1));
+    const std::int64_t bc = std::min(f.tile.empty() ? kTableTile : f.tile[1], std::max<std::int64_t>(p.seqlen_k, 1));
     a.forward_tiling = a.backward_tiling = cost::Tiling{br, bc};
   }
+  check_countable(p, {a.forward_tiling, a.backward_tiling});
   a.sram_elements = f.sram_elements.value_or(a.arch.smem_bytes /
                                               (a.arch.cpu ? 4.0 : static_cast<double>(dtype_size(p.dtype))));
   a.work = cost::work(p);
@@ -330,8 +345,13 @@ void explain(ExplainFlags flags) {
   if (!f.window_size.empty()) options.window_size = {f.window_size[0], f.window_size[1]};
   options.dropout_p = f.dropout_p;
   if (!f.tile.empty()) options.block_q = f.tile[0];
+  if (f.sram_elements && !(std::isfinite(*f.sram_elements) && *f.sram_elements >= 1.0))
+  {
+    std::ostringstream got;
+    got << *f.sram_elements;
+    throw Error("--sram-elements: a fast-memory size of at least 1 element, got " + got.str());
+  }
   const AttentionProblem p = f.shape.problem(options);
-  check_countable(p, f.tile.empty() ? kTypicalTile : f.tile[0], f.tile.empty() ? kTypicalTile : f.tile[1]);
   Account a = make_account(f, p, options);
   if (!f.preset.empty()) a.preset = &preset_by_name(f.preset);
   // No query row: the kernels run no plan whose counters --measure could show.
