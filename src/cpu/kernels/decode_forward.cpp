@@ -359,7 +359,9 @@ void LoadQPanels(const ForwardParams& prm, ForwardWorkspace& ws, const DecodeSha
   const std::int64_t d = sh.d, d_span = sh.d_span, pr = std::min<std::int64_t>(sh.rows4, 4);  // a panel's rows
   float* q_panels = ws.q_tile.get();
   float* q_row = ws.q_rows.get();  // one row in row order, loaded
-  std::fill(q_panels, q_panels + sh.all_rows * d_span, 0.0f);
+  // Every real row's d_span values are written below (the ragged pair with its zeros): only
+  // padding rows, which share their panels' vectors with real ones, need the zeros first.
+  if (sh.rows < sh.rows4) std::fill(q_panels, q_panels + sh.all_rows * d_span, 0.0f);
   for (std::int64_t g = 0; g < sh.hkv; ++g)
     for (std::int64_t r = 0; r < sh.rows; ++r) {
       LoadQRow(prm, sh, g, r, q_row);
