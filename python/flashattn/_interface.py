@@ -152,6 +152,8 @@ def _attn_mask_raw(attn_mask):
     (or uint8) masks as uint8 ("u8", non-zero keeps), float32/float16/bfloat16 biases as
     _raw's; rank < 4 padded with leading size-1 dims (SDPA's broadcasting from the right)."""
     if _is_tensor(attn_mask):
+        if attn_mask.layout != torch.strided:
+            raise TypeError(f"attn_mask: layout {attn_mask.layout} is not supported (dense, strided tensors only)")
         if attn_mask.device.type != "cpu":
             raise ValueError(f"attn_mask: only CPU tensors are supported, got device {attn_mask.device}")
         m = attn_mask.detach()

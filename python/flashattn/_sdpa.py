@@ -74,16 +74,22 @@ def _check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
         _impl._dtype_of(x, name)
     if attn_mask is not None and is_causal:
         raise ValueError("attn_mask: must be None when is_causal=True (as torch's scaled_dot_product_attention)")
-    if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or not 0.0 <= dropout_p < 1.0:
+    # Real numbers, NumPy's included (as torch's SDPA takes them); a bool or a non-number is a
+    # TypeError, a value out of range a ValueError.
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p: expected a float in [0, 1), got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p!r}")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
         raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
         raise TypeError(f"softcap: expected a float, got {type(softcap).__name__}")
     check_layout(query, key, value, scale, enable_gqa)
     if attn_mask is None:
         return
     if _impl._is_tensor(attn_mask):
+        if attn_mask.layout != torch.strided:
+            raise TypeError(f"attn_mask: layout {attn_mask.layout} is not supported (dense, strided tensors only)")
         floating = attn_mask.dtype.is_floating_point
         if attn_mask.dtype != torch.bool and not floating:
             raise TypeError(f"attn_mask: dtype {attn_mask.dtype} is neither bool nor floating")

@@ -300,6 +300,36 @@ def test_sparse_inputs_are_type_errors_naming_them():
         flashattn.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2).to_sparse())
 
 
+def test_sparse_masks_are_type_errors_naming_them():
+    """A sparse attn_mask (COO of any rank, CSR) is a TypeError naming its layout, as q, k, v
+    (before: torch's RuntimeError from reshape or contiguous, rank below 4 or bool)."""
+    _, q, k, v, _ = inputs(4, 1, 2, 2, 4, 4, 8, torch.float32)
+    dense = torch.rand(4, 4) > 0.3
+    for mask in (dense.to_sparse(), dense[None, None].to_sparse(), dense.float().to_sparse(),
+                 dense.float()[None, None].to_sparse(), dense.float().to_sparse_csr()):
+        with pytest.raises(TypeError, match="attn_mask: layout torch.sparse_c"):
+            flashattn.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_numpy_scalars_for_dropout_and_softcap():
+    """dropout_p and softcap take any real number, NumPy's included (torch's SDPA takes
+    np.float32 dropout); a string is a TypeError, a value out of range a ValueError."""
+    _, q, k, v, _ = inputs(5, 1, 2, 2, 5, 6, 8, torch.float32)
+    want = flashattn.scaled_dot_product_attention(q, k, v, softcap=5.0)
+    assert torch.equal(flashattn.scaled_dot_product_attention(q, k, v, softcap=np.float32(5)), want)
+    torch.manual_seed(3)
+    a = flashattn.scaled_dot_product_attention(q, k, v, dropout_p=np.float32(0.25))
+    torch.manual_seed(3)
+    b = flashattn.scaled_dot_product_attention(q, k, v, dropout_p=0.25)
+    assert torch.equal(a, b)
+    with pytest.raises(TypeError, match="dropout_p: expected a float in \\[0, 1\\), got str"):
+        flashattn.scaled_dot_product_attention(q, k, v, dropout_p="0.1")
+    with pytest.raises(ValueError, match="dropout_p: expected a float in \\[0, 1\\), got .*1.0"):
+        flashattn.scaled_dot_product_attention(q, k, v, dropout_p=np.float32(1.0))
+    with pytest.raises(ValueError, match="dropout_p"):
+        flashattn.scaled_dot_product_attention(q, k, v, dropout_p=float("nan"))
+
+
 def test_numpy_scalar_scale_is_a_scale():
     """scale takes any real number, NumPy's included (as torch's does), in the SDPA drop-in and
     flex_attention; a bool is a TypeError."""

@@ -739,6 +739,10 @@ def test_models_adding_alibi_to_the_mask_refused(family):
         model(input_ids=ids, attention_mask=mask)
     plan = fa_hf._Plan(1, 2, 2, True, (-1, 0))
     assert not hasattr(plan, "dtype") and getattr(plan, "device", None) is None
+    # Models that slice the mask before the interface (deepseek_v32's attention_mask[:, 0]):
+    # the same ValueError, not a TypeError that the plan is not subscriptable.
+    with pytest.raises(ValueError, match="attention_mask: the model used .* as a tensor \\(indexing\\)"):
+        plan[:, 0]
 
 
 MINILM_SENTENCES = [

@@ -115,6 +115,9 @@ class _Plan:
     def __getattr__(self, name):  # only names the plan lacks: a tensor's (dtype, to, ...)
         raise _PlanUsedAsTensor(_used_as_tensor(f"attribute {name!r}"))
 
+    def __getitem__(self, index):  # a model slicing the mask (attention_mask[:, 0]) before the interface
+        raise _PlanUsedAsTensor(_used_as_tensor("indexing"))
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         raise ValueError(_used_as_tensor(getattr(func, "__name__", repr(func))))
