@@ -72,6 +72,14 @@ def _check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
         raise TypeError("inputs mix numpy arrays and torch tensors: query, key, value")
     for name, x in (("query", query), ("key", key), ("value", value)):
         _impl._dtype_of(x, name)
+    # NumPy views may run backwards; the native views may not. Named here in SDPA's layout
+    # (the native check would name the transposed (B, S, H, D) view's dim).
+    for name, x in (("query", query), ("key", key), ("value", value), ("attn_mask", attn_mask)):
+        if isinstance(x, np.ndarray):
+            for dim, stride in enumerate(x.strides):
+                if stride < 0:
+                    raise ValueError(f"{name}: negative stride {stride // x.itemsize} in dim {dim} "
+                                     "(only non-negative strides are supported)")
     if attn_mask is not None and is_causal:
         raise ValueError("attn_mask: must be None when is_causal=True (as torch's scaled_dot_product_attention)")
     # Real numbers, NumPy's included (as torch's SDPA takes them); a bool or a non-number is a

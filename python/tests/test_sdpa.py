@@ -330,6 +330,19 @@ def test_numpy_scalars_for_dropout_and_softcap():
         flashattn.scaled_dot_product_attention(q, k, v, dropout_p=float("nan"))
 
 
+def test_numpy_negative_strides_named_in_sdpa_layout():
+    """A NumPy view running backwards is refused naming the argument and its dim in SDPA's
+    (B, H, S, D) layout (before: q/k/v and the dim of the transposed native view)."""
+    rng = np.random.default_rng(6)
+    q = rng.standard_normal((1, 2, 4, 8), dtype=np.float32)
+    with pytest.raises(ValueError, match="query: negative stride -8 in dim 2"):
+        flashattn.scaled_dot_product_attention(q[:, :, ::-1], q, q)
+    with pytest.raises(ValueError, match="value: negative stride -1 in dim 3"):
+        flashattn.scaled_dot_product_attention(q, q, q[..., ::-1])
+    with pytest.raises(ValueError, match="attn_mask: negative stride -4 in dim 0"):
+        flashattn.scaled_dot_product_attention(q, q, q, attn_mask=np.ones((4, 4), bool)[::-1])
+
+
 def test_numpy_scalar_scale_is_a_scale():
     """scale takes any real number, NumPy's included (as torch's does), in the SDPA drop-in and
     flex_attention; a bool is a TypeError."""
