@@ -253,7 +253,7 @@ void check_fp8_input(const char* name, const Fp8View& x) {
             throw Error(codes_name + ": entry (" + std::to_string(b) + ", " + std::to_string(s) + ", " +
                         std::to_string(h) + ", " + std::to_string(c) + ") is code " +
                         std::to_string(row[c * x.codes.strides[3]]) + ", " +
-                        (x.format == Fp8Format::e4m3 ? "NaN" : "NaN or infinite") + " in " + to_string(x.format) +
+                        (x.format == Fp8Format::e4m3 ? "NaN in e4m3" : "NaN or infinite in e5m2") +
                         " (codes must stand for finite values)");
       }
 }
