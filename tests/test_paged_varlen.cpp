@@ -365,6 +365,9 @@ TEST(PagedVarlen, RejectsBadCallsBeforeWriting) {
   const Tensor mask(DType::u8, {1, 1, 1});
   masked.block_mask = mask.view();
   expect_rejected(good, masked, {"block_mask"});
+  AttentionOptions dropout;  // keyed by the batch index, it would break batch invariance
+  dropout.dropout_p = 0.1f;
+  expect_rejected(good, dropout, {"dropout_p: 0.1", "inference only"});
   Batch f = fp8;
   f.k_scale.set(static_cast<std::int64_t>(f.table.get(0)) * kHkv + 1, 0.0f);
   expect_rejected(f, {}, {"k_scale", "finite positive descale"});

@@ -189,6 +189,12 @@ PagedCall check_paged_call(const TensorView& q, const TensorView& cu_seqlens_q, 
   check_tables(kv, r);
   detail::check_sequence_options(options, r.batch, q.shape[1]);
   check_prefixes(kv, options, r);
+  // A paged batch is inference only (as the Python interface says): a dropout mask is keyed
+  // by the sequence's index in the batch, which would break the batch invariance promised
+  // for a sequence's out and lse.
+  if (options.dropout_p != 0.0f)
+    throw Error("dropout_p: " + std::to_string(options.dropout_p) +
+                " not supported by forward_varlen_paged (a paged batch is inference only)");
   return r;
 }
 
