@@ -476,7 +476,7 @@ TEST(SharedPrefix, RejectsBadCallsBeforeWriting) {
   expect_rejected(good, alibi, {"alibi_slopes", "shared prefixes"});
   AttentionOptions dropout;
   dropout.dropout_p = 0.1f;
-  expect_rejected(good, dropout, {"dropout_p", "shared prefixes"});
+  expect_rejected(good, dropout, {"dropout_p", "a paged batch is inference only"});
 }
 
 // An FP8 pool: a prefix page with a zero descale is rejected like a sequence's.

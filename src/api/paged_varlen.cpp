@@ -108,16 +108,14 @@ bool has_prefixes(const PagedKvBatch& kv) {
 }
 
 // What a prefix pass cannot compute: masks and biases that depend on each query row's
-// absolute position (the pass sees one block of rows from many sequences), and dropout
-// (its mask is a function of the row and column it would not know).
+// absolute position (the pass sees one block of rows from many sequences). (Dropout no
+// paged batch takes: check_paged_call.)
 void check_prefix_options(const AttentionOptions& options) {
   constexpr const char* kWhy = " not supported with shared prefixes (prefix_idx): the prefix pass does not know each "
                                "query row's position";
   if (options.window_size.left >= 0 || options.window_size.right >= 0)
     throw Error("window_size: (" + str(options.window_size.left) + ", " + str(options.window_size.right) + ")" + kWhy);
   if (is_set(options.alibi_slopes)) throw Error(std::string("alibi_slopes:") + kWhy);
-  if (options.dropout_p != 0.0f)
-    throw Error("dropout_p: " + std::to_string(options.dropout_p) + " not supported with shared prefixes (prefix_idx)");
 }
 
 // The shared prefixes: their tables and key counts as the sequences'; each sequence's prefix
@@ -182,6 +180,12 @@ PagedCall check_paged_call(const TensorView& q, const TensorView& cu_seqlens_q, 
   detail::reject_top_left("forward_varlen_paged", options);
   detail::reject_score_hook("forward_varlen_paged", options);
   if (is_set(options.block_mask)) throw Error("block_mask: not supported with variable-length batches");
+  // A paged batch is inference only (as the Python interface says): a dropout mask is keyed
+  // by the sequence's index in the batch, which would break the batch invariance promised
+  // for a sequence's out and lse.
+  if (options.dropout_p != 0.0f)
+    throw Error("dropout_p: " + std::to_string(options.dropout_p) +
+                " not supported by forward_varlen_paged (a paged batch is inference only)");
   PagedCall r;
   check_pools(q, kv, r);
   r.cu_q = detail::read_offsets("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q");
@@ -189,12 +193,6 @@ PagedCall check_paged_call(const TensorView& q, const TensorView& cu_seqlens_q, 
   check_tables(kv, r);
   detail::check_sequence_options(options, r.batch, q.shape[1]);
   check_prefixes(kv, options, r);
-  // A paged batch is inference only (as the Python interface says): a dropout mask is keyed
-  // by the sequence's index in the batch, which would break the batch invariance promised
-  // for a sequence's out and lse.
-  if (options.dropout_p != 0.0f)
-    throw Error("dropout_p: " + std::to_string(options.dropout_p) +
-                " not supported by forward_varlen_paged (a paged batch is inference only)");
   return r;
 }
 

@@ -345,8 +345,7 @@ void explain(ExplainFlags flags) {
   if (!f.window_size.empty()) options.window_size = {f.window_size[0], f.window_size[1]};
   options.dropout_p = f.dropout_p;
   if (!f.tile.empty()) options.block_q = f.tile[0];
-  if (f.sram_elements && !(std::isfinite(*f.sram_elements) && *f.sram_elements >= 1.0))
-  {
+  if (f.sram_elements && !(std::isfinite(*f.sram_elements) && *f.sram_elements >= 1.0)) {
     std::ostringstream got;
     got << *f.sram_elements;
     throw Error("--sram-elements: a fast-memory size of at least 1 element, got " + got.str());
