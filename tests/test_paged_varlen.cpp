@@ -514,11 +514,11 @@ TEST(PagedVarlen, PackedKvCacheRejectsBadCallsBeforeWriting) {
   for (std::int64_t i = 0; i < out.numel(); ++i) out.set(i, 7.0f);
   for (std::int64_t i = 0; i < lse.numel(); ++i) lse.set(i, 7.0f);
   auto expect_rejected = [&](PackedAppend a, const Batch& bt, const std::function<void(KvCache&)>& edit,
-                             const std::vector<std::string>& fragments) {
+                             const std::vector<std::string>& fragments, const AttentionOptions& options = {}) {
     SCOPED_TRACE(fragments.front());
     KvCache c = a.cache(bt);
     edit(c);
-    expect_error([&] { forward_with_kvcache(bt.q.view(), c, out.view(), lse.view()); }, fragments);
+    expect_error([&] { forward_with_kvcache(bt.q.view(), c, out.view(), lse.view(), options); }, fragments);
     EXPECT_TRUE(bitwise_equal(a.k_pool, good.k_pool) && bitwise_equal(a.v_pool, good.v_pool));
     for (std::int64_t i = 0; i < out.numel(); ++i) ASSERT_EQ(out.get(i), 7.0f);
     for (std::int64_t i = 0; i < lse.numel(); ++i) ASSERT_EQ(lse.get(i), 7.0f);
@@ -540,6 +540,9 @@ TEST(PagedVarlen, PackedKvCacheRejectsBadCallsBeforeWriting) {
                   {"rotary_cos: 20 positions"});
   const Tensor wide(DType::bf16, {8, kHkv, kDim + 1});
   expect_rejected(good, batch, [&](KvCache& c) { c.v = wide.view(); }, {"v:"});
+  AttentionOptions dropout;  // the packed batch runs as forward_varlen_paged: inference only
+  dropout.dropout_p = 0.1f;
+  expect_rejected(good, batch, [](KvCache&) {}, {"dropout_p: 0.1", "packed", "inference only"}, dropout);
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <cfloat>
 #include <cmath>
 #include <map>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -230,6 +231,10 @@ CacheCall check_cache_views(const TensorView& q, const KvCache& c, const Attenti
     r.added.assign(r.at(r.batch), is_set(c.k) ? c.k.shape[1] : 0);
     return r;
   }
+  if (options.dropout_p != 0.0f)
+    throw Error("dropout_p: " + std::to_string(options.dropout_p) +
+                " not supported by a packed KV-cache batch (cu_seqlens_q: it runs as forward_varlen_paged, "
+                "which is inference only)");
   r.cu_q = detail::read_offsets("cu_seqlens_q", c.cu_seqlens_q, q.shape[0], c.max_seqlen_q, "max_seqlen_q");
   r.batch = static_cast<std::int64_t>(r.cu_q.size()) - 1;
   if (!is_set(c.block_table))
