@@ -14,6 +14,7 @@
 
 #include "flashattn/dist.hpp"
 #include "flashattn/flex.hpp"
+#include "flashattn/online_softmax.hpp"
 #include "src/dist/ring_comm.hpp"
 #include "tests/support/support.hpp"
 
@@ -292,6 +293,45 @@ TEST(Ring, HugeScoresWeighTheShardsByTheirKeys) {
   }
 }
 
+// Rows whose |lse| ≥ 710 (every score 1024 here: q = k = ones, head_dim 16, scale 64): the
+// backward recomputes such a row's normaliser from the keys it is given only where that agrees
+// with the given lse, and each shard holds a part of the keys — so the ring's shares take
+// the global lse as given (they were normalised per shard, dv P times too large). Exact to
+// that lse's float32 rounding: P within η = ln 2 · 2^-21 · |lse·log2e| relative (four ulps
+// of lse·log2e), the gradients within η of their largest magnitude beyond the float32 floor.
+TEST(Ring, BackwardHugeScoresTakeTheGlobalLse) {
+  for (const bool causal : {false, true}) {
+    const Case c = ring_case(1, 37, 2, 1, 16, 16, causal, DType::f32, 28);
+    const AttentionProblem& p = c.problem();
+    for (const ShardLayout layout : {ShardLayout::contiguous, ShardLayout::zigzag}) {
+      SCOPED_TRACE(ring_trace(c, layout));
+      Global g = make_global(c);
+      for (Tensor* t : {&g.q, &g.k})
+        for (std::int64_t i = 0; i < t->numel(); ++i) t->set(i, 1.0f);
+      g.options.softmax_scale = 64.0f;
+      RankShards shards(g, p, layout);
+      const RingOptions ring = ring_options(c, layout);
+      dist::ring_forward(shards.q.view(), shards.k.view(), shards.v.view(), shards.out.view(), shards.lse.view(),
+                         g.options, ring);
+      Tensor dq(p.dtype, shards.q.shape()), dk(p.dtype, shards.k.shape()), dv(p.dtype, shards.v.shape());
+      dist::ring_backward(shards.dout.view(), shards.q.view(), shards.k.view(), shards.v.view(), shards.out.view(),
+                          shards.lse.view(), dq.view(), dk.view(), dv.view(), g.options, ring);
+      const reference::Gradients want =
+          reference::attention_backward(g.dout.view(), g.q.view(), g.k.view(), g.v.view(), g.options);
+      const double eta = std::log(2.0) * 0x1p-21 * max_abs(shards.lse) * OnlineSoftmaxState::kLog2e;
+      ASSERT_GT(max_abs(shards.lse) * OnlineSoftmaxState::kLog2e, 1024.0) << "the rows are large";
+      const auto bound = [&](const std::vector<double>& grad) {
+        double most = 0.0;
+        for (const double x : grad) most = std::max(most, std::fabs(x));
+        return kGradientFloor + eta * most;
+      };
+      EXPECT_LE(max_abs_error(dq, shard_of(want.dq, g.q.shape(), shards.ranges, 1)), bound(want.dq)) << "dq";
+      EXPECT_LE(max_abs_error(dk, shard_of(want.dk, g.k.shape(), shards.ranges, 1)), bound(want.dk)) << "dk";
+      EXPECT_LE(max_abs_error(dv, shard_of(want.dv, g.v.shape(), shards.ranges, 1)), bound(want.dv)) << "dv";
+    }
+  }
+}
+
 TEST(Ring, BackwardNonCausalGqa) {
   check_ring_backward(ring_case(2, 37, 4, 2, 16, 24, false, DType::f32, 20), ShardLayout::contiguous);
 }
@@ -535,6 +575,12 @@ TEST(Ring, UnsupportedOptionsAreErrorsOnEveryRank) {
     AttentionOptions scaled = g.options;
     if (world_rank() == 0) scaled.softmax_scale = 0.5f;
     expect_error(scaled, ring_options(c, layout), "softmax_scale");
+    // ... and the options that choose the arithmetic (each rank's numerics would differ).
+    AttentionOptions exp2 = g.options, rescale = g.options, splits = g.options;
+    if (world_rank() == 1) exp2.exp2 = Exp2Impl::poly3, rescale.rescale_threshold = 4.0f, splits.num_splits = 2;
+    expect_error(exp2, ring_options(c, layout), "different exp2");
+    expect_error(rescale, ring_options(c, layout), "different rescale_threshold");
+    expect_error(splits, ring_options(c, layout), "different num_splits");
   }
   // Backward: the same options rejected by name, the gradients left unwritten ...
   Tensor dq(p.dtype, q.shape()), dk(p.dtype, k.shape()), dv(p.dtype, v.shape());

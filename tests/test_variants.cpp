@@ -465,6 +465,63 @@ TEST(Variants, LargeRowsOfOneHeadSpreadOverTheThreads) {
   });
 }
 
+// A backward over a part of the keys, given the lse of all of them (ring_backward's shares,
+// or a caller splitting K/V), adds up to the whole backward. Where |lse| ≥ 710 the backward
+// recomputes a row's normaliser from the keys it is given — but keeps the given lse where the
+// two disagree: each half of these keys holds about half a row's mass, and the large rows
+// were normalised per half (dv twice too large). Exact to the lse's float32 rounding: P
+// within η = ln 2 · 2^-21 · |lse·log2e| relative, the gradients within η of their largest
+// magnitude beyond the float32 floor. Every score 1024 (q = k = ones, head_dim 16, scale 64),
+// and random scores at scale 80 (|lse| 600–1100, some rows below the threshold); every SIMD
+// target, 1 and 3 threads.
+TEST(Variants, BackwardOverAPartOfTheKeysKeepsTheGivenLse) {
+  const std::int64_t sq = 40, sk = 64, half = 32, hq = 2, d = 16;
+  for (const bool equal_scores : {true, false}) {
+    Tensor q = random_tensor(DType::f32, {1, sq, hq, d}, 91), k = random_tensor(DType::f32, {1, sk, 1, d}, 92);
+    const Tensor v = random_tensor(DType::f32, {1, sk, 1, d}, 93), dout = random_tensor(DType::f32, {1, sq, hq, d}, 94);
+    if (equal_scores)
+      for (Tensor* t : {&q, &k})
+        for (std::int64_t i = 0; i < t->numel(); ++i) t->set(i, 1.0f);
+    AttentionOptions o;
+    o.softmax_scale = equal_scores ? 64.0f : 80.0f;
+    const reference::Gradients want = reference::attention_backward(dout.view(), q.view(), k.view(), v.view(), o);
+    const auto bound = [](const std::vector<double>& grad, double eta) {
+      double most = 0.0;
+      for (const double x : grad) most = std::max(most, std::fabs(x));
+      return kGradientFloor + eta * most;
+    };
+    for_each_simd_target([&](const std::string&) {
+      for (const int threads : {1, 3}) {
+        SCOPED_TRACE(std::string(equal_scores ? "equal scores" : "random scores") + ", threads " +
+                     std::to_string(threads));
+        o.num_threads = threads;
+        const ForwardResult fwd = forward(q.view(), k.view(), v.view(), o);
+        double lse2 = 0.0;
+        for (std::int64_t i = 0; i < fwd.lse.numel(); ++i)
+          lse2 = std::max(lse2, std::fabs(fwd.lse.get(i)) * static_cast<double>(OnlineSoftmaxState::kLog2e));
+        ASSERT_GT(lse2, 1024.0) << "large rows";
+        const double eta = std::log(2.0) * 0x1p-21 * lse2;
+        std::vector<double> dq(static_cast<std::size_t>(q.numel()), 0.0), dk, dv;
+        for (std::int64_t part = 0; part < 2; ++part) {
+          const TensorView kp(static_cast<const float*>(k.data()) + part * half * d, DType::f32, {1, half, 1, d});
+          const TensorView vp(static_cast<const float*>(v.data()) + part * half * d, DType::f32, {1, half, 1, d});
+          const BackwardResult got = backward(dout.view(), q.view(), kp, vp, fwd.out.view(), fwd.lse.view(), o);
+          for (std::int64_t i = 0; i < got.dq.numel(); ++i) dq[static_cast<std::size_t>(i)] += got.dq.get(i);
+          for (std::int64_t i = 0; i < got.dk.numel(); ++i) dk.push_back(got.dk.get(i)), dv.push_back(got.dv.get(i));
+        }
+        const auto error = [](const std::vector<double>& a, const std::vector<double>& b) {
+          double e = 0.0;
+          for (std::size_t i = 0; i < a.size(); ++i) e = std::max(e, std::fabs(a[i] - b[i]));
+          return e;
+        };
+        EXPECT_LE(error(dq, want.dq), bound(want.dq, eta)) << "dq";
+        EXPECT_LE(error(dk, want.dk), bound(want.dk, eta)) << "dk";
+        EXPECT_LE(error(dv, want.dv), bound(want.dv, eta)) << "dv";
+      }
+    });
+  }
+}
+
 // causal_alignment top_left (SDPA's is_causal): causal, windows and ALiBi measured from key i,
 // on Sq < Sk, Sq == Sk, Sq > Sk and the decode shape, with windows, ALiBi, dense masks,
 // dropout, block masks and sinks, 1–3 threads, every SIMD target.
@@ -1109,6 +1166,34 @@ TEST(Variants, BadSinksNameTheArgumentBeforeAnythingIsWritten) {
   expect_backward(bad_dlse, "dlse: dtype bf16");
   bad_dlse.dlse = TensorView(dq.data(), DType::f32, {2, 4, 10});
   expect_backward(bad_dlse, "dlse");
+  // dsinks over an input: q, k or v — read after dsinks is zeroed — are named, none written.
+  for (const char* input : {"q", "k", "v"}) {
+    Tensor qi = q, ki = k, vi = k;
+    Tensor& target = input[0] == 'q' ? qi : input[0] == 'k' ? ki : vi;
+    const Tensor before = target;
+    AttentionOptions over = o;
+    over.dsinks = MutableTensorView(target.data(), DType::f32, {4});
+    try {
+      backward(f.out.view(), qi.view(), ki.view(), vi.view(), f.out.view(), f.lse.view(), dq.view(), dk.view(),
+               dv.view(), over);
+      ADD_FAILURE() << "expected flashattn::Error naming dsinks and " << input;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("dsinks"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(std::string("overlaps input ") + input), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(std::memcmp(target.data(), before.data(), static_cast<std::size_t>(before.numel()) * 4), 0) << input;
+    EXPECT_EQ(dq.get(0), 7.0f);
+  }
+  // A row given lse −∞ sees nothing, as the kernels take it (a forward with sinks never returns
+  // it): no gradient, and no share of dsinks — it was exp(sink + ∞) = +∞.
+  Tensor lse_inf = f.lse;
+  lse_inf.set(3, -std::numeric_limits<float>::infinity());
+  AttentionOptions with_dsinks = o;
+  with_dsinks.dsinks = dsinks.view();
+  backward(f.out.view(), q.view(), k.view(), k.view(), f.out.view(), lse_inf.view(), dq.view(), dk.view(), dv.view(),
+           with_dsinks);
+  for (std::int64_t h = 0; h < 4; ++h) EXPECT_TRUE(std::isfinite(dsinks.get(h))) << "dsinks of head " << h;
+  for (std::int64_t e = 0; e < 8; ++e) EXPECT_EQ(dq.get(3 * 4 * 8 + e), 0.0f) << "dq of the row given lse -inf";
 }
 
 // A bad dbias (no float attn_mask, a boolean one, another shape or dtype, overlapping an input or

@@ -22,9 +22,10 @@
 namespace flashattn::dist {
 
 // How the global sequence of S tokens is cut among P ranks.
-//   contiguous: rank r holds the r-th of P contiguous, near-equal pieces. With a causal mask
-//               rank r's queries see r + 1 of the P key shards: the last rank works P times
-//               as long as the first, and the ring runs at the pace of the last.
+//   contiguous: rank r holds the r-th of P contiguous, near-equal pieces (the longer ones
+//               first: shard_ranges). With a causal mask rank r's queries see r + 1 of the P
+//               key shards: the last rank computes about 2P − 1 times the score pairs of the
+//               first, and the ring runs at the pace of the last.
 //   zigzag:     the sequence is cut into 2P near-equal chunks and rank r holds chunks r and
 //               2P − 1 − r, in that order. Under a causal mask every rank then has the same
 //               work at every step (one early and one late chunk), so no rank idles.
@@ -71,7 +72,10 @@ struct RingStats {
 // sequence's attention for the local queries. Supported options: causal, softmax_scale,
 // softcap, grouped-query heads, num_threads, num_splits; window_size, alibi_slopes,
 // dropout_p and block_mask depend on positions inside one call and are rejected. Every rank
-// must pass the same sizes, dtype and options (checked: an Error on every rank otherwise).
+// must pass the same sizes, dtype and options (checked — the sizes, dtype, causal,
+// softmax_scale, softcap and the options that choose the arithmetic: exp2, its poly3
+// fraction, rescale_threshold, kernel, backward_kernel, num_splits, block_q, pack_gqa,
+// deterministic — an Error on every rank otherwise; num_threads may differ).
 RingStats ring_forward(const TensorView& q, const TensorView& k, const TensorView& v,
                        const MutableTensorView& out, const MutableTensorView& lse,
                        const AttentionOptions& options, const RingOptions& ring);
@@ -79,7 +83,10 @@ RingStats ring_forward(const TensorView& q, const TensorView& k, const TensorVie
 // Backward on this rank's shard, with out and lse from ring_forward: dq, dk, dv of the whole
 // sequence's loss for the local q, k, v (shapes and dtypes of q, k, v). Partial gradients are
 // accumulated in float32 and rounded once. options.deterministic makes the result
-// bit-identical on every run (the ring's order of summation is fixed).
+// bit-identical on every run (the ring's order of summation is fixed). A row whose |lse| ≥
+// 710 (scores that large) takes P from the global lse as given, exact to its float32 rounding
+// (P within |lse·log2e|·2^-21·ln 2 relative, 5e-4 at |lse| = 1000), where flashattn::backward
+// over all the keys recomputes the row's normaliser exactly (docs/algorithm.md).
 RingStats ring_backward(const TensorView& dout, const TensorView& q, const TensorView& k,
                         const TensorView& v, const TensorView& out, const TensorView& lse,
                         const MutableTensorView& dq, const MutableTensorView& dk,

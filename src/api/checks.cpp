@@ -71,7 +71,8 @@ AttentionProblem check_backward_call(const TensorView& dout, const TensorView& q
     check_tensor("dsinks", options.dsinks.on(Device::cpu), DType::f32, "dsinks is float32", {p.heads_q}, "(heads_q)");
     check_output_layout("dsinks", options.dsinks);
     for (const auto& [in_name, input] :
-         {std::pair{"dout", dout}, {"out", out}, {"lse", lse}, {"dq", dq}, {"dk", dk}, {"dv", dv}})
+         {std::pair{"dout", dout}, {"q", q}, {"k", k}, {"v", v}, {"out", out}, {"lse", lse}, {"dq", dq}, {"dk", dk},
+          {"dv", dv}})
       check_no_overlap("dsinks", options.dsinks, in_name, input);
     check_apart_from_options("dsinks", options.dsinks, options);
   }

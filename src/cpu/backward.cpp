@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <atomic>
+#include <limits>
 #include <memory>
 #include <vector>
 
@@ -158,6 +159,9 @@ void cpu::run_backward(const detail::BackwardJob& job) {
           const std::size_t row = static_cast<std::size_t>((b * p.heads_q + h) * p.seqlen_q + i);
           const float lse = static_cast<const float*>(job.lse.data)[b * job.lse.strides[0] + h * job.lse.strides[1] +
                                                                     i * job.lse.strides[2]];
+          // A row given lse −∞ sees nothing, as the kernels take it (a forward with sinks
+          // never returns it): no share of the sink either.
+          if (lse == -std::numeric_limits<float>::infinity()) continue;
           const double e = cpu::IsLargeLse2(lse * OnlineSoftmaxState::kLog2e)
                                ? std::exp2((static_cast<double>(sink * OnlineSoftmaxState::kLog2e) - lse2[row]) -
                                            lse2_low[row])

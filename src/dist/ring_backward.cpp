@@ -1,6 +1,7 @@
 // ring_backward: the K/V shards take the forward's path around the ring, and behind each one
 // travels its float32 dK/dV accumulator. flashattn::backward given the *global* out and lse
-// recomputes the global P of a block pair exactly, so the dq, dk, dv it returns for one
+// recomputes the global P of a block pair from that lse (for a row with |lse| ≥ 710 too: it
+// keeps a given lse that its keys disagree with), so the dq, dk, dv it returns for one
 // (query range, visiting shard) pair are exact shares of the gradients: dq's are summed on
 // this rank, dk/dv's are added to the visiting accumulator, which moves on to rank + 1 and,
 // after P steps, is back at the shard's owner with every rank's share in it.

@@ -141,6 +141,16 @@ AttentionProblem check_arguments(RingComm& comm, const RingOptions& ring, const 
       {"causal", problem.causal},
       {"softmax_scale", std::bit_cast<std::int32_t>(problem.softmax_scale)},
       {"softcap", std::bit_cast<std::int32_t>(problem.softcap)},
+      // The options that choose the arithmetic, as passed (each rank resolves them on its own CPU).
+      {"exp2", static_cast<std::int64_t>(options.exp2)},
+      {"exp2_poly3_fraction", std::bit_cast<std::int32_t>(options.exp2_poly3_fraction)},
+      {"rescale_threshold", options.rescale_threshold ? std::bit_cast<std::int32_t>(*options.rescale_threshold) + (1ll << 32) : 0},
+      {"kernel", static_cast<std::int64_t>(options.kernel)},
+      {"backward_kernel", static_cast<std::int64_t>(options.backward_kernel)},
+      {"num_splits", options.num_splits},
+      {"block_q", options.block_q},
+      {"pack_gqa", options.pack_gqa ? 1 + static_cast<std::int64_t>(*options.pack_gqa) : 0},
+      {"deterministic", options.deterministic},
   };
   constexpr std::size_t kFields = std::size(fields);
   std::vector<std::int64_t> extremes(2 * kFields);  // max of v and of −v: max and −min

@@ -64,13 +64,21 @@ void* OutRowPointer(const MutableTensorView& t, std::int64_t b, std::int64_t s, 
 constexpr std::int64_t kLargeRowGroup = 8 * kMicroRows;
 static_assert(kLargeRowGroup <= kLargeRowsPerItem, "a group fits the workspace's large-row buffers");
 
+// How far, relative to |lse·log2e|, a large row's own m + log2 ℓ may lie from the caller's
+// lse·log2e and still be the same normaliser: 8 to 16 float32 ulps, the roundings of the
+// forward's scores, of lse and of its product with log2e. A row whose keys are split between
+// calls (ring_backward) differs by log2 of its mass outside this call's keys: a share below
+// about 7e-4 at |lse| = 710 (1e-2 at 1e4) passes as the same, the error P then carries.
+constexpr double kLargeLseAgreement = 0x1p-20;
+
 // The exp2 offsets of an item's large rows of (b, h) in two parts, (m, log2 ℓ), into
 // prm.lse2 and prm.lse2_low: m the maximum of the row's scores S' (and of the sink's logit),
 // ℓ = Σ 2^(S' − m) over the keys it sees (and the sink). The scores are computed as the
 // tiles compute them — Q·scale·log2e and K rows converted as the f32 products convert them,
 // K/V tile by K/V tile on the micro-kernel (one FMA chain per score in head-dim order), then
 // RowMods::apply — so that where a bias dominates the scores, S' − m in the tiles is exact
-// and P = 2^((S' − m) − log2 ℓ) sums to 1. A row that sees no key gets (−∞, 0).
+// and P = 2^((S' − m) − log2 ℓ) sums to 1 — where they agree with the caller's lse. A row
+// that sees no key gets (−∞, 0).
 void BackwardLargeRows(const BackwardParams& prm, BackwardWorkspace& ws, const LargeRowItem& item) {
   const AttentionProblem& p = prm.problem;
   const std::int64_t b = item.batch_head / p.heads_q, h = item.batch_head % p.heads_q;
@@ -130,9 +138,18 @@ void BackwardLargeRows(const BackwardParams& prm, BackwardWorkspace& ws, const L
     }
     for (std::int64_t r = 0; r < count; ++r) {
       const std::int64_t row = first_row + group[r];
-      const bool sees = l[r] > 0.0;
-      prm.lse2[row] = sees ? m[r] : -std::numeric_limits<float>::infinity();
-      prm.lse2_low[row] = sees ? static_cast<float>(std::log2(l[r])) : 0.0f;
+      if (!(l[r] > 0.0)) {  // no key of this call, and no sink
+        prm.lse2[row] = -std::numeric_limits<float>::infinity();
+        continue;
+      }
+      // The caller's lse stays the normaliser where it disagrees with this call's keys beyond
+      // its float32 rounding (kLargeLseAgreement): it came from more keys than this call sees
+      // (ring_backward's shards, a backward split over keys), and P = 2^(S' − lse·log2e)
+      // is then as exact as that lse.
+      const double own = static_cast<double>(m[r]) + std::log2(l[r]), given = prm.lse2[row];
+      if (std::abs(own - given) > std::abs(given) * kLargeLseAgreement) continue;
+      prm.lse2[row] = m[r];
+      prm.lse2_low[row] = static_cast<float>(std::log2(l[r]));
     }
   }
   ws.counters.large_lse_rows += item.count;
