@@ -207,6 +207,33 @@ fails_with "--dq and --dv: the same file" "${attend[@]}" --out "$work/o2.npy" --
 fails_with "dout: shape (1, 13, 1, 8)" "${attend[@]}" --out "$work/o2.npy" --dout "$work/k.npy" \
   --dq "$work/gq.npy" --dk "$work/gk.npy" --dv "$work/gv.npy"
 [ ! -e "$work/o2.npy" ] || { echo "attend wrote --out before its backward failed"; exit 1; }
+# Integer values for attention (they were converted value by value, silently), and a dtype
+# holding a NUL (it cut the message short): named, the bytes shown as '?'.
+python3 - "$work" <<'PY'
+import sys
+from npyio import save
+w = sys.argv[1]
+save(f"{w}/k_i32.npy", (1, 13, 1, 8), list(range(104)), "<i4")
+with open(f"{w}/nul.npy", "wb") as f:
+    header = "{'descr': '<f4\0', 'fortran_order': False, 'shape': (2, ), }"
+    header += " " * (63 - (10 + len(header)) % 64) + "\n"
+    f.write(b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode() + bytes(8))
+# A header-only file of 2^40 empty sequences: its backward ran for hours over batch x heads.
+with open(f"{w}/empty_rows.npy", "wb") as f:
+    header = "{'descr': '<f4', 'fortran_order': False, 'shape': (1099511627776, 0, 2, 8), }"
+    header += " " * (63 - (10 + len(header)) % 64) + "\n"
+    f.write(b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode())
+PY
+fails_with "--k: $work/k_i32.npy holds i32 values; attention takes a floating dtype" \
+  "$cli" attend --q "$work/q.npy" --k "$work/k_i32.npy" --v "$work/v.npy" --out "$work/o2.npy"
+fails_with "--dout: $work/k_i32.npy holds i32" "${attend[@]}" --out "$work/o2.npy" --dout "$work/k_i32.npy" \
+  --dq "$work/gq.npy" --dk "$work/gk.npy" --dv "$work/gv.npy"
+fails_with "unsupported dtype '<f4?' (supported:" "${attend[@]}" --out "$work/o2.npy" --dout "$work/nul.npy" \
+  --dq "$work/gq.npy" --dk "$work/gk.npy" --dv "$work/gv.npy"
+[ ! -e "$work/o2.npy" ] || { echo "a refused attend wrote --out"; exit 1; }
+e="$work/empty_rows.npy"
+timeout 60 "$cli" attend --q "$e" --k "$e" --v "$e" --dout "$e" --out "$work/eo.npy" --dq "$work/edq.npy" \
+  --dk "$work/edk.npy" --dv "$work/edv.npy" --threads 1 > /dev/null
 fails_with "the problem the options describe is too large to allocate" "$cli" run --heads 2 --dim 8 --repeats 1 \
   --threads 1 --seqlen-k 9223372036854775807
 fails_with "overflow the cost model's 64-bit counts" "$cli" explain --seqlen 2147483648 --heads 2 --dim 8

@@ -313,6 +313,21 @@ TEST(Backward, EmptySizes) {
       for (const Tensor* t : {&g.dq, &g.dk, &g.dv})
         for (std::int64_t i = 0; i < t->numel(); ++i) ASSERT_EQ(t->get(i), 0.0f);
     }
+  // No query rows: dk and dv written with zeros (they held 7), and in work bounded by them —
+  // a batch of 2^40 empty sequences (a header-only .npy) took hours over batch·heads.
+  const Tensor q(DType::f32, {2, 0, 2, 8}), k = random_tensor(DType::f32, {2, 5, 1, 8}, 3), lse(DType::f32, {2, 2, 0});
+  Tensor dq(DType::f32, {2, 0, 2, 8}), dk(DType::f32, {2, 5, 1, 8}), dv(DType::f32, {2, 5, 1, 8});
+  for (Tensor* t : {&dk, &dv})
+    for (std::int64_t i = 0; i < t->numel(); ++i) t->set(i, 7.0f);
+  backward(q.view(), q.view(), k.view(), k.view(), q.view(), lse.view(), dq.view(), dk.view(), dv.view());
+  for (const Tensor* t : {&dk, &dv})
+    for (std::int64_t i = 0; i < t->numel(); ++i) ASSERT_EQ(t->get(i), 0.0f);
+  float storage = 0.0f;
+  const std::int64_t huge = std::int64_t{1} << 40;
+  const TensorView none(&storage, DType::f32, {huge, 0, 2, 8}), no_lse(&storage, DType::f32, {huge, 2, 0});
+  const MutableTensorView no_grad(&storage, DType::f32, {huge, 0, 2, 8});
+  backward(none, none, none, none, none, no_lse, no_grad, no_grad, no_grad);
+  EXPECT_EQ(storage, 0.0f);
 }
 
 TEST(Backward, BadInputNamesTheArgument) {

@@ -156,6 +156,8 @@ TEST(Errors, BadOptions) {
   AttentionOptions threads;
   threads.num_threads = -2;
   expect_error([&] { in.run(threads); }, {"num_threads", "-2"});
+  threads.num_threads = kMaxThreads + 1;  // a team (and a workspace) per thread: refused by name
+  expect_error([&] { in.run(threads); }, {"num_threads: must be in [0, 4096]", "got 4097"});
 }
 
 TEST(Errors, OutputsMayNotOverlapInputsOrThemselves) {

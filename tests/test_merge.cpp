@@ -138,12 +138,16 @@ TEST(Merge, BadInputNamesTheArgument) {
   Tensor bf(DType::bf16, {2, 1, 3, 2, 4});
   EXPECT_THROW(merge_attention_states(bf.view(), lses.view(), out.view(), lse.view()), Error);
   Tensor lses_ok(DType::f32, {2, 1, 2, 3});
-  try {
-    merge_attention_states(outs.view(), lses_ok.view(), out.view(), lse.view(), -5);
-    ADD_FAILURE() << "expected flashattn::Error";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("num_threads: must be >= 0 (0 = all cores), got -5"), std::string::npos)
-        << e.what();
+  for (const int threads : {-5, kMaxThreads + 1}) {
+    try {
+      merge_attention_states(outs.view(), lses_ok.view(), out.view(), lse.view(), threads);
+      ADD_FAILURE() << "expected flashattn::Error";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("num_threads: must be in [0, 4096] (0 = all cores), got " +
+                                           std::to_string(threads)),
+                std::string::npos)
+          << e.what();
+    }
   }
 }
 

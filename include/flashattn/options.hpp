@@ -140,6 +140,11 @@ struct ScoreHook {
   TensorView partial_keep;
 };
 
+// The most worker threads a call takes (AttentionOptions::num_threads, merge_attention_states):
+// far beyond any machine's cores, well below what makes the OpenMP runtime fail to create a
+// team (it ends the process) or a workspace per thread exhaust memory.
+inline constexpr int kMaxThreads = 4096;
+
 struct AttentionOptions {
   // Scale applied to Q·Kᵀ before the softmax; 1/sqrt(head_dim) when unset.
   std::optional<float> softmax_scale;
@@ -205,7 +210,7 @@ struct AttentionOptions {
   // Supported by attention_forward / attention_backward on the CPU (tiled and decode
   // kernels); CUDA, varlen, KV cache, paged, FP8 and the ring reject it by name.
   ScoreHook score_hook;
-  // Worker threads; 0 means the OpenMP default (all cores).
+  // Worker threads; 0 means the OpenMP default (all cores); at most kMaxThreads.
   int num_threads = 0;
   // Forward only, split-KV ("flash-decoding"): the keys of every (batch, head, Q tile) are
   // split into this many parts that run in parallel and are merged exactly through their

@@ -93,8 +93,9 @@ void merge_attention_states(const TensorView& outs, const TensorView& lses,
     detail::check_no_overlap("lse", lse, name, input);
   }
   detail::check_no_overlap("lse", lse, "out", out);
-  if (num_threads < 0)
-    throw Error("num_threads: must be >= 0 (0 = all cores), got " + std::to_string(num_threads));
+  if (num_threads < 0 || num_threads > kMaxThreads)
+    throw Error("num_threads: must be in [0, " + std::to_string(kMaxThreads) + "] (0 = all cores), got " +
+                std::to_string(num_threads));
 
   const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
 #pragma omp parallel num_threads(threads)

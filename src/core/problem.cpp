@@ -149,8 +149,9 @@ AttentionProblem AttentionProblem::from_sizes(std::int64_t batch, std::int64_t s
   }
   require(options.block_q >= 0,
           [&] { return "block_q: must be >= 0 (0 = the planner's choice), got " + str(options.block_q); });
-  require(options.num_threads >= 0,
-          [&] { return "num_threads: must be >= 0 (0 = all cores), got " + str(options.num_threads); });
+  require(options.num_threads >= 0 && options.num_threads <= kMaxThreads, [&] {
+    return "num_threads: must be in [0, " + str(kMaxThreads) + "] (0 = all cores), got " + str(options.num_threads);
+  });
 
   AttentionProblem p;
   p.batch = batch;

@@ -2,8 +2,8 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <cmath>
 #include <atomic>
+#include <cmath>
 #include <limits>
 #include <memory>
 #include <vector>
@@ -12,6 +12,7 @@
 #include "flashattn/error.hpp"
 #include "flashattn/online_softmax.hpp"
 #include "src/cpu/kernels/backward_kernel.hpp"
+#include "src/core/element.hpp"
 #include "src/cpu/allocate.hpp"
 #include "src/cpu/drivers.hpp"
 
@@ -62,6 +63,15 @@ void cpu::run_backward(const detail::BackwardJob& job) {
   const AttentionProblem& p = job.problem;
   const AttentionOptions& options = job.options;
   if (p.batch == 0) return;
+  if (p.seqlen_q == 0) {  // no query, no gradient of K or V: zeros, in work bounded by dk and dv, not batch·heads
+    for (const MutableTensorView* grad : {&job.dk, &job.dv})
+      for (std::int64_t b = 0; b < grad->shape[0] && grad->numel() > 0; ++b)
+        for (std::int64_t j = 0; j < grad->shape[1]; ++j)
+          for (std::int64_t h = 0; h < grad->shape[2]; ++h)
+            for (std::int64_t e = 0; e < grad->shape[3]; ++e)
+              detail::store_element(*grad, detail::offset4(*grad, b, j, h, e), 0.0f);
+    return;
+  }
   const std::int64_t heads = p.batch * p.heads_q;
   CpuBackwardPlan plan =
       plan_backward(p, CpuHardware::detect(options.num_threads), options.deterministic, options.backward_kernel);

@@ -434,6 +434,7 @@ NB_MODULE(_C, m) {
   m.attr("__version__") = FLASHATTN_VERSION;
   // The largest |softmax_scale|, |softcap|, sink logit, ALiBi slope or score_mod constant.
   m.attr("LARGEST_SCALED") = flashattn::AttentionProblem::kLargestScaled;
+  m.attr("MAX_THREADS") = flashattn::kMaxThreads;
   // Options objects kept alive by torch autograd contexts at interpreter exit are not leaks.
   nb::set_leak_warnings(false);
 

@@ -15,6 +15,16 @@
 namespace flashattn::cli {
 namespace {
 
+// An input file of attention values: a floating dtype, or an Error naming the flag and the
+// file (an integer file would be converted value by value, silently).
+Tensor read_values(const char* flag, const std::string& path) {
+  Tensor t = support::read_npy(path);
+  if (t.dtype() != DType::f32 && t.dtype() != DType::bf16 && t.dtype() != DType::f16)
+    throw Error(std::string(flag) + ": " + path + " holds " + to_string(t.dtype()) +
+                " values; attention takes a floating dtype (f32, bf16, f16)");
+  return t;
+}
+
 Tensor converted(const Tensor& t, DType dtype) {
   if (t.dtype() == dtype) return t;
   Tensor r(dtype, t.shape());
@@ -74,7 +84,7 @@ std::string shape_text(const std::vector<std::int64_t>& shape) {
 
 void attend(AttendFlags& f) {
   check_paths(f);
-  Tensor q = support::read_npy(f.q), k = support::read_npy(f.k), v = support::read_npy(f.v);
+  Tensor q = read_values("--q", f.q), k = read_values("--k", f.k), v = read_values("--v", f.v);
   // --dtype bf16 rounds the inputs to bf16; by default the kernel runs in q's file dtype.
   const DType dtype = f.dtype ? parse_dtype(*f.dtype) : q.dtype();
   q = converted(q, dtype);
@@ -99,7 +109,7 @@ void attend(AttendFlags& f) {
   }
   // Every input read and every result computed before the first output is written: a bad
   // dout (or a failing backward) leaves no file behind.
-  const Tensor dout = f.dout.empty() ? Tensor() : converted(support::read_npy(f.dout), dtype);
+  const Tensor dout = f.dout.empty() ? Tensor() : converted(read_values("--dout", f.dout), dtype);
   const ForwardResult r = varlen ? forward_varlen(q.view(), k.view(), v.view(), seqlens, options)
                                  : forward(q.view(), k.view(), v.view(), options);
   std::optional<BackwardResult> g;

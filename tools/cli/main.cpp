@@ -21,10 +21,6 @@
 
 namespace flashattn::cli {
 
-// The most worker threads an option takes: far beyond any machine's cores, well below what
-// makes the OpenMP runtime fail to create a team (a crash in the baseline's regions).
-constexpr int kMaxThreads = 4096;
-
 // An unsigned 64-bit option as written: digits only, at most 2^64 - 1 (CLI11 reads -1 and
 // 2^64 as 2^64 - 1).
 const CLI::Validator kUint64{[](const std::string& text) -> std::string {

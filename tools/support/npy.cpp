@@ -20,6 +20,17 @@ constexpr char kMagic[] = "\x93NUMPY";
 constexpr std::size_t kMagicLen = 6;
 constexpr std::size_t kAlign = 64;
 
+// Header text as a message shows it: at most 160 characters, control and non-ASCII bytes as
+// '?' (a binary header, or a NUL that would cut the message short).
+std::string shown(std::string_view text) {
+  constexpr std::size_t kShown = 160;
+  std::string r(text.substr(0, kShown));
+  for (char& c : r)
+    if (static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) >= 0x7F) c = '?';
+  if (text.size() > kShown) r += "...";
+  return r;
+}
+
 [[noreturn]] void fail(const std::string& path, const std::string& what) {
   throw Error("npy: " + path + ": " + what);
 }
@@ -76,13 +87,8 @@ class HeaderParser {
 
  private:
   [[noreturn]] void malformed(const std::string& why) const {
-    constexpr std::size_t kShown = 160;  // keep messages readable for huge or binary headers
-    std::string shown(s_.substr(0, kShown));
-    for (char& c : shown)
-      if (static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) >= 0x7F) c = '?';
-    if (s_.size() > kShown) shown += "...";
-    fail(path_, "malformed header: " + why + " (at offset " + std::to_string(pos_) +
-                    " of header \"" + shown + "\")");
+    fail(path_, "malformed header: " + why + " (at offset " + std::to_string(pos_) + " of header \"" + shown(s_) +
+                    "\")");
   }
 
   char peek() const { return pos_ < s_.size() ? s_[pos_] : '\0'; }
@@ -224,7 +230,7 @@ flashattn::Tensor read_npy(const std::string& path) {
   } else if (header.descr == "|u1" || header.descr == "|b1") {
     dtype = DType::u8;
   } else {
-    fail(path, "unsupported dtype '" + header.descr +
+    fail(path, "unsupported dtype '" + shown(header.descr) +
                    "' (supported: little-endian float32 '<f4' and float16 '<f2'; int32 '<i4' and "
                    "bool/uint8 '|b1'/'|u1' for offsets and masks)");
   }

@@ -1,6 +1,6 @@
-// Minimal NumPy .npy reader/writer for the CLI and the tests: little-endian float32 /
-// float16 arrays in C order, rank 0..4. Everything else is rejected with a flashattn::Error that names the
-// file and the problem.
+// Minimal NumPy .npy reader/writer for the CLI and the tests: little-endian float32 / float16
+// arrays (and int32 offsets, bool/uint8 masks) in C order, rank 0..5 (kMaxRank). Everything
+// else is rejected with a flashattn::Error that names the file and the problem.
 #pragma once
 
 #include <string>
