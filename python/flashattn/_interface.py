@@ -184,9 +184,9 @@ def _int_arg(name, value, minimum):
 
 
 def _seqlen_arg(name, value):
-    """A max_seqlen argument as an int (int() of it, as the native call takes it), named where
-    it is not an integer."""
-    if isinstance(value, (float, np.floating)) and not float(value).is_integer():
+    """A max_seqlen argument or a window bound as an int (int() of it, as the native call takes
+    it; an integral float too), named where it is not an integer (a bool, 1.5: never truncated)."""
+    if isinstance(value, bool) or (isinstance(value, (float, np.floating)) and not float(value).is_integer()):
         raise TypeError(f"{name}: expected an integer, got {value!r}")
     try:
         return int(value)
@@ -199,6 +199,8 @@ def _cache_seqlens_int(x):
     torch.compile passes as it is, for the op to check): checked against int32's range."""
     if torch is not None and isinstance(x, torch.SymInt):
         return x
+    if isinstance(x, bool):
+        raise TypeError(f"cache_seqlens: expected integers, got {x!r}")
     try:
         value = operator.index(x)  # not floats
     except TypeError:
@@ -240,7 +242,7 @@ def _window_arg(window_size):
     integers the native library can hold (int64)."""
     try:
         left, right = window_size
-        pair = (int(left), int(right))
+        pair = (_seqlen_arg("window_size", left), _seqlen_arg("window_size", right))  # (1.7, 0): not truncated
     except (TypeError, ValueError):
         raise TypeError(f"window_size: expected (left, right) integers, got {window_size!r}") from None
     if any(not -(1 << 63) <= x < (1 << 63) for x in pair):
@@ -347,13 +349,21 @@ def _torch_rng_state(dropout_p, seed):
 _num_threads = 0  # flashattn.set_num_threads(); 0: unset
 
 
+def _checked_threads(num_threads):
+    """A num_threads argument as an int in [1, MAX_THREADS] (a team and a workspace per thread:
+    more fails to create a team, which ends the process)."""
+    if isinstance(num_threads, bool) or not isinstance(num_threads, (int, np.integer)):
+        raise TypeError(f"num_threads: expected a positive integer, got {num_threads!r}")
+    if not 1 <= num_threads <= _C.MAX_THREADS:
+        raise ValueError(f"num_threads: expected an integer in [1, {_C.MAX_THREADS}], got {num_threads!r}")
+    return int(num_threads)
+
+
 def set_num_threads(num_threads: int) -> None:
     """Worker threads of every later call that does not pass num_threads= (over torch's
     thread count for tensors and the OpenMP default for NumPy arrays)."""
     global _num_threads
-    if isinstance(num_threads, bool) or not isinstance(num_threads, (int, np.integer)) or num_threads < 1:
-        raise ValueError(f"num_threads: expected a positive integer, got {num_threads!r}")
-    _num_threads = int(num_threads)
+    _num_threads = _checked_threads(num_threads)
 
 
 def get_num_threads() -> int:
@@ -374,9 +384,7 @@ def _resolve_threads(num_threads, torch_inputs):
     torch.get_num_threads() — stated, not left to which OpenMP runtime the process loaded
     first — else 0, the OpenMP default."""
     if num_threads is not None and num_threads != 0:
-        if isinstance(num_threads, bool) or not isinstance(num_threads, (int, np.integer)) or num_threads < 1:
-            raise ValueError(f"num_threads: expected a positive integer, got {num_threads!r}")
-        return int(num_threads)
+        return _checked_threads(num_threads)
     if _num_threads:
         return _num_threads
     return torch.get_num_threads() if torch_inputs else 0
@@ -664,7 +672,11 @@ def _cu_seqlens_tensor(x, name):
 
 def _torch_s_dmask(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                    rng_state, block_mask=None, block_mask_block_size=0, sinks=None):
-    """S_dmask (see _s_dmask) of a torch call that drew rng_state."""
+    """S_dmask (see _s_dmask) of a torch call that drew rng_state: without dropout the empty
+    tensor, made before any native object (torch.compile traces it: return_attn_probs=True
+    compiles with fullgraph)."""
+    if not dropout_p > 0.0:
+        return q.new_empty((0,))
     opts = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, False, None,
                     block_mask=block_mask, block_mask_block_size=block_mask_block_size, sinks=sinks)
     if rng_state is not None:
@@ -866,8 +878,8 @@ def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         tables = [_as_tensor(x) for x in (cu_seqlens_q, block_table, seqused_k, k_scale, v_scale, *prefixes,
                                           k_zero_point, v_zero_point)]
         args = (q, k_cache, v_cache, tables[0], int(max_seqlen_q), tables[1], tables[2], tables[3], tables[4],
-                _scale_arg(softmax_scale), bool(causal), int(window_size[0]),
-                int(window_size[1]), float(softcap), alibi_slopes, str(kernel), int(num_threads or 0),
+                _scale_arg(softmax_scale), bool(causal), *window_size, float(softcap), alibi_slopes, str(kernel),
+                int(num_threads or 0),
                 _int_arg("num_splits", num_splits, 0), _learnable_sink(learnable_sink, q), *tables[5:],
                 k_quant, v_quant, _pack_gqa_arg(pack_gqa))
         direct = _torch_ops.direct(*(a for a in args if isinstance(a, torch.Tensor)))
@@ -1068,7 +1080,7 @@ def _kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
                                      ints(cache_leftpad, "cache_leftpad"), ints(block_table, "block_table"),
                                      bool(rotary_interleaved), out_raw, lse_raw, {**dts, **new_dts, "out": dt},
                                      scales["k_scale"], scales["v_scale"], opts, ints(cu_seqlens_q, "cu_seqlens_q"),
-                                     ints(cu_seqlens_k_new, "cu_seqlens_k_new"), int(max_seqlen_q or 0),
+                                     ints(cu_seqlens_k_new, "cu_seqlens_k_new"), _seqlen_arg("max_seqlen_q", max_seqlen_q or 0),
                                      scales["k_zero_point"], scales["v_zero_point"], _quants(k_quant, v_quant)))
     return out, lse
 
@@ -1149,10 +1161,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             num_threads = _resolve_threads(num_threads, True)
         args = (q, k_cache, v_cache, k, v, tensor(rotary_cos), tensor(rotary_sin), tensor(cache_seqlens),
                 tensor(cache_batch_idx), tensor(cache_leftpad), tensor(block_table),
-                _scale_arg(softmax_scale), bool(causal), int(window_size[0]),
-                int(window_size[1]), float(softcap), bool(rotary_interleaved), alibi_slopes, int(num_splits),
-                tensor(k_scale), tensor(v_scale), str(kernel), int(num_threads or 0), sinks, tensor(cu_seqlens_q),
-                tensor(cu_seqlens_k_new), int(max_seqlen_q or 0), tensor(k_zero_point), tensor(v_zero_point),
+                _scale_arg(softmax_scale), bool(causal), *_window_arg(window_size), float(softcap),
+                bool(rotary_interleaved), alibi_slopes,
+                _int_arg("num_splits", num_splits, 0), tensor(k_scale), tensor(v_scale), str(kernel),
+                int(num_threads or 0), sinks, tensor(cu_seqlens_q), tensor(cu_seqlens_k_new),
+                _seqlen_arg("max_seqlen_q", max_seqlen_q or 0), tensor(k_zero_point), tensor(v_zero_point),
                 _quant_name(k_cache, k_scale, k_quant, "k_quant"), _quant_name(v_cache, v_scale, v_quant, "v_quant"),
                 _pack_gqa_arg(pack_gqa))
         direct = _torch_ops.direct(*(a for a in args if isinstance(a, torch.Tensor)))
@@ -1161,7 +1174,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     cache_seqlens = _cache_seqlens_table(cache_seqlens, batch, False)
     opts = _options(0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, False, None, kernel, sinks=sinks,
                     pack_gqa=pack_gqa)
-    opts.num_splits = int(num_splits)
+    opts.num_splits = _int_arg("num_splits", num_splits, 0)
     opts.num_threads = _resolve_threads(num_threads, False)
     out, lse = _kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                                 cache_leftpad, block_table, rotary_interleaved, k_scale, v_scale, opts, cu_seqlens_q,
@@ -1321,8 +1334,8 @@ def _fp8_attention(q, k, v, descales, dropout_p, softmax_scale, causal, window_s
         _check_block_mask(block_mask, block_mask_block_size)
         rng_state = _torch_rng_state(dropout_p, seed)
         args = (q, k, v, *(_as_tensor(d) for d in descales), float(dropout_p),
-                _scale_arg(softmax_scale), bool(causal), int(window_size[0]),
-                int(window_size[1]), float(softcap), _as_tensor(alibi_slopes), rng_state, str(kernel),
+                _scale_arg(softmax_scale), bool(causal), *_window_arg(window_size), float(softcap),
+                _as_tensor(alibi_slopes), rng_state, str(kernel),
                 int(_resolve_threads(num_threads, True) if num_threads else 0), _int_arg("num_splits", num_splits, 0),
                 _as_tensor(block_mask), int(block_mask_block_size), sinks, _pack_gqa_arg(pack_gqa))
         direct = _torch_ops.direct(*(a for a in args if isinstance(a, torch.Tensor)))
@@ -1405,6 +1418,21 @@ def _combine(out_partial, lse_partial, out, out_dtype, num_threads):
     return o, lse
 
 
+def _spans_overlap(a, b):
+    """Whether two tensors' address spans (first to last element's bytes) intersect: the native
+    call's test of an output against an input, so both routes refuse the same buffers."""
+    def span(t):
+        lo = hi = t.data_ptr()
+        for size, stride in zip(t.shape, t.stride()):
+            reach = (size - 1) * stride * t.element_size()
+            lo, hi = (lo + reach, hi) if reach < 0 else (lo, hi + reach)
+        return lo, hi + t.element_size()
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    (a_lo, a_hi), (b_lo, b_hi) = span(a), span(b)
+    return a_lo < b_hi and b_lo < a_hi
+
+
 def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None, *, num_threads=None):
     """Exact combination of partial attention results over disjoint key sets, as upstream FA3's:
     out_partial float32 (num_splits, B, Sq, H, Dv), each normalized; lse_partial float32
@@ -1426,14 +1454,15 @@ def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None, *, nu
         o, lse = _combine(out_partial, lse_partial, out, out_dtype, _resolve_threads(threads, True))
     else:
         if out is not None:  # the direct path's checks (the native call's), before anything runs
+            if out.device.type != "cpu":  # a meta tensor would take the copy and hold nothing
+                raise ValueError(f"out: only CPU tensors are supported, got device {out.device}")
             if _dtype_of(out, "out") != code:
                 raise TypeError(f"out: dtype {out.dtype} does not match out_dtype {out_dtype!r}")
             want = tuple(out_partial.shape[1:]) if out_partial.dim() == 5 else None
             if want is not None and tuple(out.shape) != want:
                 raise ValueError(f"out: shape {tuple(out.shape)} but expected {want} (batch, seqlen_q, heads_q, "
                                  "head_dim_v)")
-            if not torch.compiler.is_compiling() and any(
-                    out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for x in (out_partial, lse_partial)):
+            if not torch.compiler.is_compiling() and any(_spans_overlap(out, x) for x in (out_partial, lse_partial)):
                 raise ValueError("out: shares memory with out_partial or lse_partial (inputs are never modified; pass "
                                  "a separate buffer)")
         o, lse = torch.ops.flashattn.combine(out_partial, lse_partial, code, int(threads))

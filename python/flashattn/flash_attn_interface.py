@@ -90,7 +90,7 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
                                dropout_p: float, softmax_scale: Optional[float], causal: bool,
                                window_size_left: int = -1, window_size_right: int = -1, softcap: float = 0.0,
                                alibi_slopes=None, return_softmax: bool = False, block_table=None, leftpad_k=None,
-                               seqused_k=None):
+                               seqused_k=None, zero_tensors: bool = False):
     """(out, softmax_lse (Hq, total_q), S_dmask, rng_state) of a packed variable-length batch."""
     if leftpad_k is not None:
         raise NotImplementedError("leftpad_k: not supported by the varlen forward on the CPU "
@@ -124,6 +124,8 @@ def _write_grads(grads, dq, dk, dv):
     for name, dst, src in pairs:
         if not isinstance(dst, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(dst).__name__}")
+        if dst.device != src.device:  # a meta tensor would take the copy and hold nothing
+            raise ValueError(f"{name}: device {dst.device} but expected {src.device} (its input's)")
         if dst.dtype != src.dtype:
             raise TypeError(f"{name}: dtype {dst.dtype} but expected {src.dtype} (its input's)")
         if dst.shape != src.shape:
@@ -149,7 +151,7 @@ def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_
                                 max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
                                 softmax_scale: Optional[float], causal: bool, window_size_left: int,
                                 window_size_right: int, softcap: float, alibi_slopes, deterministic: bool,
-                                rng_state=None):
+                                rng_state=None, zero_tensors: bool = False):
     """As _flash_attn_backward for a packed batch; softmax_d is (Hq, total_q)."""
     grads = torch.ops.flashattn.varlen_bwd(dout.to(q.dtype), q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k,
                                            int(max_seqlen_q), int(max_seqlen_k), float(dropout_p), softmax_scale,
@@ -217,7 +219,7 @@ def _varlen_backward(ctx, dout, dq, dk, dv):
 class FlashAttnFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                return_softmax):
+                return_softmax, is_grad_enabled=True):
         return _dense_forward(ctx, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                               deterministic, return_softmax)
 
@@ -226,13 +228,13 @@ class FlashAttnFunc(torch.autograd.Function):
         q, k, v = ctx.saved_tensors[:3]
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         _dense_backward(ctx, dout, dq, dk, dv)
-        return (dq, dk, dv) + (None,) * 8
+        return (dq, dk, dv) + (None,) * 9
 
 
 class FlashAttnQKVPackedFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                return_softmax):
+                return_softmax, is_grad_enabled=True):
         q, k, v = (qkv[:, :, i].detach() for i in range(3))
         return _dense_forward(ctx, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                               deterministic, return_softmax)
@@ -242,13 +244,13 @@ class FlashAttnQKVPackedFunc(torch.autograd.Function):
         q = ctx.saved_tensors[0]
         dqkv = q.new_empty((*q.shape[:-2], 3, *q.shape[-2:]))
         _dense_backward(ctx, dout, dqkv[:, :, 0], dqkv[:, :, 1], dqkv[:, :, 2])
-        return (dqkv,) + (None,) * 8
+        return (dqkv,) + (None,) * 9
 
 
 class FlashAttnKVPackedFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                return_softmax):
+                return_softmax, is_grad_enabled=True):
         k, v = kv[:, :, 0].detach(), kv[:, :, 1].detach()
         return _dense_forward(ctx, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                               deterministic, return_softmax)
@@ -258,13 +260,13 @@ class FlashAttnKVPackedFunc(torch.autograd.Function):
         q, k = ctx.saved_tensors[:2]
         dq, dkv = torch.empty_like(q), k.new_empty((*k.shape[:-2], 2, *k.shape[-2:]))
         _dense_backward(ctx, dout, dq, dkv[:, :, 0], dkv[:, :, 1])
-        return (dq, dkv) + (None,) * 8
+        return (dq, dkv) + (None,) * 9
 
 
 class FlashAttnVarlenFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-                window_size, softcap, alibi_slopes, deterministic, return_softmax, block_table):
+                window_size, softcap, alibi_slopes, deterministic, return_softmax, block_table, is_grad_enabled=True):
         return _varlen_forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                                return_softmax, block_table)
@@ -274,13 +276,13 @@ class FlashAttnVarlenFunc(torch.autograd.Function):
         q, k, v = ctx.saved_tensors[:3]
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         _varlen_backward(ctx, dout, dq, dk, dv)
-        return (dq, dk, dv) + (None,) * 13
+        return (dq, dk, dv) + (None,) * 14
 
 
 class FlashAttnVarlenQKVPackedFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal, window_size, softcap,
-                alibi_slopes, deterministic, return_softmax):
+                alibi_slopes, deterministic, return_softmax, is_grad_enabled=True):
         q, k, v = (qkv[:, i].detach() for i in range(3))
         return _varlen_forward(ctx, q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
                                causal, window_size, softcap, alibi_slopes, deterministic, return_softmax)
@@ -290,13 +292,13 @@ class FlashAttnVarlenQKVPackedFunc(torch.autograd.Function):
         q = ctx.saved_tensors[0]
         dqkv = q.new_empty((*q.shape[:-2], 3, *q.shape[-2:]))
         _varlen_backward(ctx, dout, dqkv[:, 0], dqkv[:, 1], dqkv[:, 2])
-        return (dqkv,) + (None,) * 10
+        return (dqkv,) + (None,) * 11
 
 
 class FlashAttnVarlenKVPackedFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-                window_size, softcap, alibi_slopes, deterministic, return_softmax):
+                window_size, softcap, alibi_slopes, deterministic, return_softmax, is_grad_enabled=True):
         k, v = kv[:, 0].detach(), kv[:, 1].detach()
         return _varlen_forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
@@ -307,4 +309,4 @@ class FlashAttnVarlenKVPackedFunc(torch.autograd.Function):
         q, k = ctx.saved_tensors[:2]
         dq, dkv = torch.empty_like(q), k.new_empty((*k.shape[:-2], 2, *k.shape[-2:]))
         _varlen_backward(ctx, dout, dq, dkv[:, 0], dkv[:, 1])
-        return (dq, dkv) + (None,) * 12
+        return (dq, dkv) + (None,) * 13

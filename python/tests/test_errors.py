@@ -351,8 +351,10 @@ def test_backward_kernel_reaches_autograd():
     (dict(window_size=None), TypeError, r"window_size: expected \(left, right\) integers, got None"),
     (dict(window_size=("a", 1)), TypeError, r"window_size: expected \(left, right\) integers"),
     (dict(window_size=(2**70, 0)), ValueError, r"window_size: .* out of the int64 range"),
+    (dict(window_size=(1.7, 0)), TypeError, r"window_size: expected \(left, right\) integers, got \(1.7, 0\)"),  # was 1
+    (dict(window_size=(2, True)), TypeError, r"window_size: expected \(left, right\) integers, got \(2, True\)"),
     (dict(softmax_scale="x"), TypeError, r"softmax_scale: expected a number or None, got 'x'"),
-], ids=["window_int", "window_none", "window_str", "window_huge", "scale_str"])
+], ids=["window_int", "window_none", "window_str", "window_huge", "window_fraction", "window_bool", "scale_str"])
 def test_scalar_arguments_are_named(kwargs, exc, pattern):
     q, k, v = qkv()
     with pytest.raises(exc, match=pattern):
@@ -371,6 +373,17 @@ def test_varlen_and_kvcache_scalars_are_named():
         flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=2**32 + 4)
     with pytest.raises(TypeError, match="cache_seqlens: expected integers, got 2.5"):
         flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=2.5)
+    with pytest.raises(TypeError, match="cache_seqlens: expected integers, got True"):
+        flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=True)
+    with pytest.raises(TypeError, match=r"window_size: expected \(left, right\) integers, got \(1.5, 0\)"):
+        flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=8, window_size=(1.5, 0))
+    # The torch route truncated these with int(): num_splits 2.7, max_seqlen_q 1.5.
+    torch = pytest.importorskip("torch")
+    tq, tk, tv = (torch.from_numpy(x) for x in (q, k_cache, v_cache))
+    with pytest.raises(ValueError, match="num_splits: expected an integer >= 0, got 2.7"):
+        flashattn.flash_attn_with_kvcache(tq, tk, tv, cache_seqlens=8, num_splits=2.7)
+    with pytest.raises(TypeError, match=r"window_size: expected \(left, right\) integers, got \(-1, 0.5\)"):
+        flashattn.flash_attn_with_kvcache(tq, tk, tv, cache_seqlens=8, window_size=(-1, 0.5))
     # A NumPy integer is an integer, as a Python int is.
     k_cache[0, :8], v_cache[0, :8] = k[0], v[0]
     np.testing.assert_array_equal(flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=np.int32(8)),

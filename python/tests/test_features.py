@@ -417,6 +417,17 @@ def test_flash_attn_combine_errors():
             with pytest.raises(ValueError, match="out: shares memory with out_partial or lse_partial"):
                 flashattn.flash_attn_combine(partial, t_lses, out=partial[0])
             assert (partial == 1.0).all()
+            with pytest.raises(ValueError, match="out: only CPU tensors are supported, got device meta"):
+                flashattn.flash_attn_combine(t_outs, t_lses, out=torch.empty(1, 3, 2, 8, device="meta"))
+    # An out in the storage of out_partial but apart from it: taken on both routes alike (the op's
+    # route refused any shared storage), the same result.
+    buffer = torch.zeros(3 * 48 + 48)
+    parts, out = buffer[:2 * 48].view(2, 1, 3, 2, 8), buffer[3 * 48:].view(1, 3, 2, 8)
+    parts.copy_(torch.randn(2, 1, 3, 2, 8))
+    lse_parts = torch.randn(2, 1, 3, 2)
+    direct = flashattn.flash_attn_combine(parts, lse_parts, out=out)[0].clone()
+    through_op = flashattn.flash_attn_combine(parts.detach().requires_grad_(), lse_parts, out=out)[0]
+    torch.testing.assert_close(through_op, direct, rtol=0, atol=0)
 
 
 # ---- hadamard_rotate --------------------------------------------------------------------------

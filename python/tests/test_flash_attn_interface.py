@@ -22,12 +22,12 @@ UPSTREAM_SIGNATURES = {
                            "alibi_slopes return_softmax",
     "_flash_attn_varlen_forward": "q k v cu_seqlens_q cu_seqlens_k max_seqlen_q max_seqlen_k dropout_p "
                                   "softmax_scale causal window_size_left window_size_right softcap alibi_slopes "
-                                  "return_softmax block_table leftpad_k seqused_k",
+                                  "return_softmax block_table leftpad_k seqused_k zero_tensors",
     "_flash_attn_backward": "dout q k v out softmax_lse dq dk dv dropout_p softmax_scale causal window_size_left "
                             "window_size_right softcap alibi_slopes deterministic rng_state",
     "_flash_attn_varlen_backward": "dout q k v out softmax_lse dq dk dv cu_seqlens_q cu_seqlens_k max_seqlen_q "
                                    "max_seqlen_k dropout_p softmax_scale causal window_size_left "
-                                   "window_size_right softcap alibi_slopes deterministic rng_state",
+                                   "window_size_right softcap alibi_slopes deterministic rng_state zero_tensors",
     "flash_attn_func": "q k v dropout_p softmax_scale causal window_size softcap alibi_slopes deterministic "
                        "return_attn_probs",
     "flash_attn_varlen_func": "q k v cu_seqlens_q cu_seqlens_k max_seqlen_q max_seqlen_k dropout_p softmax_scale "
@@ -35,18 +35,19 @@ UPSTREAM_SIGNATURES = {
 }
 UPSTREAM_CLASSES = {
     "FlashAttnFunc": "q k v dropout_p softmax_scale causal window_size softcap alibi_slopes deterministic "
-                     "return_softmax",
+                     "return_softmax is_grad_enabled",
     "FlashAttnQKVPackedFunc": "qkv dropout_p softmax_scale causal window_size softcap alibi_slopes deterministic "
-                              "return_softmax",
+                              "return_softmax is_grad_enabled",
     "FlashAttnKVPackedFunc": "q kv dropout_p softmax_scale causal window_size softcap alibi_slopes deterministic "
-                             "return_softmax",
+                             "return_softmax is_grad_enabled",
     "FlashAttnVarlenFunc": "q k v cu_seqlens_q cu_seqlens_k max_seqlen_q max_seqlen_k dropout_p softmax_scale "
-                           "causal window_size softcap alibi_slopes deterministic return_softmax block_table",
+                           "causal window_size softcap alibi_slopes deterministic return_softmax block_table "
+                           "is_grad_enabled",
     "FlashAttnVarlenQKVPackedFunc": "qkv cu_seqlens max_seqlen dropout_p softmax_scale causal window_size softcap "
-                                    "alibi_slopes deterministic return_softmax",
+                                    "alibi_slopes deterministic return_softmax is_grad_enabled",
     "FlashAttnVarlenKVPackedFunc": "q kv cu_seqlens_q cu_seqlens_k max_seqlen_q max_seqlen_k dropout_p "
                                    "softmax_scale causal window_size softcap alibi_slopes deterministic "
-                                   "return_softmax",
+                                   "return_softmax is_grad_enabled",
 }
 
 
@@ -130,13 +131,16 @@ def test_low_level_dropout_rng_state_round_trip():
     for i, (bad, exc, pattern) in enumerate(((torch.zeros(3, *q.shape[1:]), ValueError, r"dq: shape \(3,"),
                                              (torch.zeros(k.shape, dtype=torch.float64), TypeError,
                                               "dk: dtype torch.float64 but expected torch.float32"),
-                                             (torch.zeros(*v.shape[:-1], 1), ValueError, "dv: shape"))):
+                                             (torch.zeros(*v.shape[:-1], 1), ValueError, "dv: shape"),
+                                             # a meta tensor took the copy and held nothing
+                                             (torch.empty(k.shape, device="meta"), ValueError,
+                                              "dq: device meta but expected cpu"))):
         args = list(kept)
-        args[i] = bad
+        args[i % 3] = bad
         with pytest.raises(exc, match=pattern):
             fai._flash_attn_backward(dout, q.detach(), k.detach(), v.detach(), out, lse, *args, 0.3, None, False,
                                      -1, -1, 0.0, None, True, rng_state)
-        assert all((t == 3.0).all() for t in kept) and not bad.any()
+        assert all((t == 3.0).all() for t in kept) and (bad.is_meta or not bad.any())
     with pytest.raises(ValueError, match="return_softmax"):
         fai._flash_attn_forward(q, k, v, 0.0, None, False, -1, -1, 0.0, None, True)
 
@@ -158,6 +162,11 @@ def test_classes_match_functions():
         assert torch.equal(a, b)
     out, lse, s_dmask = fai.FlashAttnFunc.apply(q, k, v, *opts, True)
     assert lse.shape == (2, 4, 27) and s_dmask.shape == (0,)
+    # FlashAttention 2.7's flash_attn_func passes torch.is_grad_enabled() last: taken, the same.
+    out = fai.FlashAttnFunc.apply(q, k, v, *opts, False, torch.is_grad_enabled())
+    ref = flashattn.flash_attn_func(q, k, v, causal=True, deterministic=True)
+    for a, b in zip(_grads(out, dout, q, k, v), _grads(ref, dout, q, k, v)):
+        assert torch.equal(a, b)
 
     qkv = torch.randn(2, 19, 3, 2, 16, generator=gen, requires_grad=True)
     out = fai.FlashAttnQKVPackedFunc.apply(qkv, *opts, False)

@@ -307,6 +307,29 @@ def test_compile_dropout_draws_from_torch_generator():
     assert torch.equal(a, e) and not torch.equal(a, b)
 
 
+def test_compile_return_attn_probs_without_dropout():
+    """return_attn_probs=True is upstream's way to get softmax_lse (ring attention takes it):
+    without dropout S_dmask is the empty tensor, built inside the graph — it made a native
+    Options object that dynamo cannot trace. Dense and varlen, equal to eager."""
+    q, k, v = (torch.randn(1, 12, 2, 16, generator=torch.Generator().manual_seed(seed_for("probs", i)))
+               for i in range(3))
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+
+    def dense(q, k, v):
+        return flashattn.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+
+    def varlen(q, k, v):
+        return flashattn.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 7, 7, return_attn_probs=True)
+
+    for f in (dense, varlen):
+        torch._dynamo.reset()
+        got = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
+        want = f(q, k, v)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+        assert got[2].shape == (0,)
+
+
 def test_eager_inference_skips_the_dispatcher_only_where_nothing_watches():
     """Plain eager inference calls the implementation directly (same result as the op);
     an autograd graph, a dispatch mode (profilers, FlopCounterMode) or a traced graph gets

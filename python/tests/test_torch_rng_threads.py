@@ -158,10 +158,13 @@ def test_threads_follow_torch_and_arguments(restore_threads):
     assert flashattn.last_num_threads() == 3
     flashattn.flash_attn_func(q, k, v, num_threads=2)
     assert flashattn.last_num_threads() == 2
-    for bad in (-1, 1.5, True):
-        with pytest.raises(ValueError, match="num_threads"):
+    # A team and a workspace per thread: past MAX_THREADS (2**40 overflowed the native int)
+    # refused by name, as is a number that is not an integer.
+    for bad, error in ((-1, ValueError), (flashattn._C.MAX_THREADS + 1, ValueError), (2**40, ValueError),
+                       (1.5, TypeError), (True, TypeError)):
+        with pytest.raises(error, match="num_threads"):
             flashattn.flash_attn_func(q, k, v, num_threads=bad)
-        with pytest.raises(ValueError, match="num_threads"):
+        with pytest.raises(error, match="num_threads"):
             flashattn.set_num_threads(bad)
 
 
