@@ -152,7 +152,17 @@ TEST(Errors, BadOptions) {
   bad_slope.alibi_slopes = slopes.view();
   expect_error([&] { in.run(bad_slope); }, {"alibi_slopes: slope of batch 1, head 2 is nan"});
   slopes.set(6, -3e38f);
-  expect_error([&] { in.run(bad_slope); }, {"alibi_slopes: slope of batch 1, head 2", "at most 2.35e+38"});
+  expect_error([&] { in.run(bad_slope); }, {"alibi_slopes: slope of batch 1, head 2", "at most 3.91667e+37",
+                                             "over the largest query-key distance 6"});
+  // A slope within kLargestScaled whose product with a distance is not: slope·log2e·distance
+  // overflowed in float32 — −1e38 gave NaN rows (∞ − ∞), +1e38 rows taken as seeing no key.
+  for (const float slope : {-1e38f, 1e38f}) {
+    slopes.set(6, slope);
+    expect_error([&] { in.run(bad_slope); }, {"alibi_slopes: slope of batch 1, head 2", "distance 6"});
+  }
+  slopes.set(6, -3.9e37f);  // just within: every score finite, out finite, lse +inf at most
+  in.run(bad_slope);
+  for (std::int64_t e = 0; e < in.out.numel(); ++e) ASSERT_TRUE(std::isfinite(in.out.get(e))) << "out element " << e;
   AttentionOptions threads;
   threads.num_threads = -2;
   expect_error([&] { in.run(threads); }, {"num_threads", "-2"});

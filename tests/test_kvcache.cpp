@@ -224,6 +224,21 @@ TEST(KvCache, BadInputNamesTheArgument) {
   expect(paged_padded, "cache_leftpad: not supported with a paged cache");
   Tensor empty_pages(DType::f32, {12, 0, kHkv, kDim});
   expect({empty_pages.view(), empty_pages.view(), table.view(), s.seqlens.view()}, "page size 0");
+  // Named for what the caller passed: fewer cache rows than sequences without cache_batch_idx
+  // (it blamed cache_batch_idx), more new tokens than the capacity without cache_seqlens (it
+  // printed a cache_seqlens of -1).
+  Tensor two_rows(DType::f32, {2, 64, kHkv, kDim});
+  expect({two_rows.view(), two_rows.view(), {}, s.seqlens.view()}, "k_cache: 2 cache rows but q has batch 3");
+  Tensor small(DType::f32, {kBatch, 2, kHkv, kDim});
+  expect({small.view(), small.view(), {}, {}, {}, s.new_k.view(), s.new_v.view()},
+         "k: 3 new tokens of sequence 0 do not fit the cache capacity 2");
+  // A batch of none appending two tokens each is a call with nothing to do (its k was refused:
+  // the expected seqlen_new came from the first sequence).
+  const Tensor q0(DType::f32, {0, 1, kHq, kDim}), k0(DType::f32, {0, 2, kHkv, kDim});
+  Tensor cache0(DType::f32, {0, 8, kHkv, kDim});
+  KvCache none{cache0.view(), cache0.view()};
+  none.k = k0.view(), none.v = k0.view();
+  EXPECT_EQ(forward_with_kvcache(q0.view(), none).out.numel(), 0);
 }
 
 }  // namespace
@@ -231,6 +246,44 @@ TEST(KvCache, BadInputNamesTheArgument) {
 
 namespace flashattn::test {
 namespace {
+
+// A window bound of at least the cache's capacity counts as unbounded, as upstream's: such a
+// call is not windowed, so q rotates at cache_seqlens[b] (it rotated at cache_seqlens[b] + i,
+// 0.7 off) — contiguous and paged, the capacity seqlen_cache or max_pages·page_size.
+TEST(KvCache, WindowsAsWideAsTheCacheAreNoWindow) {
+  const std::int64_t cap = 16, d = 8;
+  const Tensor q = random_tensor(DType::f32, {1, 4, 2, d}, 61);
+  const Tensor k_new = random_tensor(DType::f32, {1, 4, 1, d}, 62), v_new = random_tensor(DType::f32, {1, 4, 1, d}, 63);
+  const Tensor pool = random_tensor(DType::f32, {1, cap, 1, d}, 64);
+  Tensor cos(DType::f32, {cap, d / 2}), sin(DType::f32, {cap, d / 2}), seqlens(DType::i32, {1}), table(DType::i32, {1, 4});
+  for (std::int64_t e = 0; e < cos.numel(); ++e)
+    cos.set(e, static_cast<float>(std::cos(0.4 * static_cast<double>(e))));
+  for (std::int64_t e = 0; e < sin.numel(); ++e)
+    sin.set(e, static_cast<float>(std::sin(0.4 * static_cast<double>(e))));
+  seqlens.set(0, 5.0f);
+  for (std::int64_t pg = 0; pg < 4; ++pg) table.set(pg, static_cast<float>(pg));
+  for (const bool paged : {false, true}) {
+    SCOPED_TRACE(paged ? "paged" : "contiguous");
+    const auto run = [&](std::int64_t left, std::int64_t right) {
+      Tensor k_cache = paged ? Tensor(DType::f32, {4, 4, 1, d}) : pool, v_cache = k_cache;
+      if (paged) std::memcpy(k_cache.data(), pool.data(), static_cast<std::size_t>(pool.numel()) * 4);
+      v_cache = k_cache;
+      KvCache c;
+      c.k_cache = k_cache.view(), c.v_cache = v_cache.view(), c.cache_seqlens = seqlens.view();
+      if (paged) c.block_table = table.view();
+      c.k = k_new.view(), c.v = v_new.view(), c.rotary_cos = cos.view(), c.rotary_sin = sin.view();
+      AttentionOptions o;
+      o.window_size = {left, right};
+      return forward_with_kvcache(q.view(), c, o);
+    };
+    const ForwardResult none = run(-1, -1);
+    for (const auto& [left, right] : {std::pair<std::int64_t, std::int64_t>{100, 100}, {cap, cap}, {-1, cap}}) {
+      const ForwardResult wide = run(left, right);
+      for (std::int64_t e = 0; e < none.out.numel(); ++e)
+        ASSERT_EQ(wide.out.get(e), none.out.get(e)) << "window (" << left << ", " << right << "), out element " << e;
+    }
+  }
+}
 
 // A batch of sequences of different lengths, one query each, takes the decode kernel in one
 // parallel region (their (sequence, key chunk) items shared by the threads): every

@@ -46,6 +46,26 @@ TEST(Reference, TwoKeysFollowTheLogisticFunction) {
   EXPECT_NEAR(r.lse[0], std::log(std::exp(a) + std::exp(b)), 1e-12);
 }
 
+// A finite bias beyond ±kLargestScaled counts as ±kLargestScaled (options.hpp), in the
+// reference as in the kernels: biases −3e38 and −2.5e38 weigh their two keys alike (the
+// reference took them as they are: the second key alone, lse 22% off the kernels').
+TEST(Reference, BiasesBeyondTheLargestScaledCountAsIt) {
+  const Tensor q(DType::f32, {1, 1, 1, 1}), k(DType::f32, {1, 2, 1, 1});
+  Tensor v(DType::f32, {1, 2, 1, 1}), bias(DType::f32, {1, 1, 1, 2});
+  v.set(0, 1.0f);
+  v.set(1, 2.0f);
+  bias.set(0, -3e38f);
+  bias.set(1, -2.5e38f);
+  AttentionOptions options;
+  options.attn_mask = bias.view();
+  const reference::Result r = reference::attention(q.view(), k.view(), v.view(), options);
+  EXPECT_EQ(r.out[0], 1.5);
+  EXPECT_EQ(r.lse[0], -static_cast<double>(AttentionProblem::kLargestScaled) + std::log(2.0));
+  const ForwardResult got = forward(q.view(), k.view(), v.view(), options);
+  EXPECT_EQ(got.out.get(0), 1.5f);
+  EXPECT_EQ(got.lse.get(0), static_cast<float>(r.lse[0]));
+}
+
 TEST(Reference, GroupedHeadsReadTheirSharedKvHead) {
   // With Hq = 4, Hkv = 2, q heads 0,1 use kv head 0 and 2,3 use kv head 1: giving every
   // q head the same query must give equal outputs within each group only.

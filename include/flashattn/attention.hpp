@@ -156,7 +156,9 @@ ForwardResult forward_varlen_paged(const TensorView& q, const TensorView& cu_seq
 // Rotary embeddings (rotary_cos, rotary_sin of shape (positions, rotary_dim / 2)) rotate the
 // first rotary_dim features of the new keys at their positions and of q at positions
 // cache_seqlens[b] + i when causal or windowed, else all at cache_seqlens[b] (as upstream);
-// interleaved pairs (2i, 2i+1) or GPT-NeoX halves (i, i + rotary_dim/2).
+// interleaved pairs (2i, 2i+1) or GPT-NeoX halves (i, i + rotary_dim/2). A window bound of at
+// least the cache's capacity (seqlen_cache, or max_pages·page_size) counts as unbounded, as
+// upstream's: such a call is not windowed.
 // Left padding (cache_leftpad, contiguous caches only, as upstream): sequence b's tokens
 // occupy slots [cache_leftpad[b], cache_seqlens[b]) of its cache row; the slots before are
 // padding, never attended. Positions stay slot numbers (rotary angles are taken at the

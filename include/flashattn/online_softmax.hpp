@@ -15,7 +15,9 @@
 // NaN scores (NaN or ±∞ in the inputs) are not hidden: a NaN maximum or sum propagates
 // to that row's output and lse, and only to that row. (A non-finite value in V reaches, in
 // P·V, also the rows whose micro-tile computes its key with an exact zero probability:
-// 0·∞ = NaN, as in any dense product.)
+// 0·∞ = NaN, as in any dense product — in the tiled kernels a strip of rows, which under
+// pack_gqa spans the q heads of a kv head; in the decode kernels every row of the kv head's
+// call, all its q heads and query rows.)
 #pragma once
 
 #include <cmath>

@@ -177,9 +177,11 @@ def _attn_mask_raw(attn_mask):
     raise TypeError(f"attn_mask: expected a numpy.ndarray or a torch.Tensor, got {type(attn_mask).__name__}")
 
 
-def _int_arg(name, value, minimum):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name}: expected an integer >= {minimum}, got {value!r}")
+def _int_arg(name, value, minimum, maximum=2**31 - 1):
+    """An integer option of the native library, by default a C int (2**31 overflowed it into
+    nanobind's error, which names no argument)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not minimum <= value <= maximum:
+        raise ValueError(f"{name}: expected an integer in [{minimum}, {maximum}], got {value!r}")
     return int(value)
 
 
@@ -1127,6 +1129,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     softmax_lse (Hq, total_q). Each sequence's result is that of flash_attn_varlen_func over
     the pools after the append, bit for bit."""
     learnable_sink = _sink_alias(learnable_sink, sinks)
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not (_is_tensor(x) or isinstance(x, np.ndarray)):
+            raise TypeError(f"{name}: expected a numpy.ndarray or a torch.Tensor, got {type(x).__name__}")
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         step = cache.stride(-1) if _is_tensor(cache) else cache.strides[-1] // cache.itemsize
         # Written in place: a contiguous copy would lose the appended tokens. (An empty cache,
@@ -1474,7 +1479,7 @@ def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None, *, nu
 
 def hadamard_dim(head_dim: int) -> int:
     """The size hadamard_rotate pads rows of head_dim features to: the power of two >= head_dim."""
-    return _C.hadamard_dim(_int_arg("head_dim", head_dim, 1))
+    return _C.hadamard_dim(_int_arg("head_dim", head_dim, 1, 2**63 - 1))
 
 
 def hadamard_rotate(x, seed=0):

@@ -380,10 +380,19 @@ def test_varlen_and_kvcache_scalars_are_named():
     # The torch route truncated these with int(): num_splits 2.7, max_seqlen_q 1.5.
     torch = pytest.importorskip("torch")
     tq, tk, tv = (torch.from_numpy(x) for x in (q, k_cache, v_cache))
-    with pytest.raises(ValueError, match="num_splits: expected an integer >= 0, got 2.7"):
+    with pytest.raises(ValueError, match=r"num_splits: expected an integer in \[0, 2147483647\], got 2.7"):
         flashattn.flash_attn_with_kvcache(tq, tk, tv, cache_seqlens=8, num_splits=2.7)
     with pytest.raises(TypeError, match=r"window_size: expected \(left, right\) integers, got \(-1, 0.5\)"):
         flashattn.flash_attn_with_kvcache(tq, tk, tv, cache_seqlens=8, window_size=(-1, 0.5))
+    # 2**31 splits overflowed the native int (nanobind's error named no argument); a cache or q
+    # that is not an array was an AttributeError.
+    for x in (tq, q):
+        with pytest.raises(ValueError, match=r"num_splits: expected an integer in \[0, 2147483647\], got 2147483648"):
+            flashattn.flash_attn_with_kvcache(x, tk if x is tq else k_cache, tv if x is tq else v_cache,
+                                              cache_seqlens=8, num_splits=2**31)
+    for args, name in (((q, None, v_cache), "k_cache"), ((q, k_cache, [1.0]), "v_cache"), (([1.0], k_cache, v_cache), "q")):
+        with pytest.raises(TypeError, match=f"{name}: expected a numpy.ndarray or a torch.Tensor"):
+            flashattn.flash_attn_with_kvcache(*args, cache_seqlens=8)
     # A NumPy integer is an integer, as a Python int is.
     k_cache[0, :8], v_cache[0, :8] = k[0], v[0]
     np.testing.assert_array_equal(flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=np.int32(8)),

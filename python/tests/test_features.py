@@ -131,7 +131,7 @@ def test_num_splits(splits):
 def test_num_splits_errors():
     q, k, v = make_qkv(1, 1, 1, 20, 2, 2, 8)
     for bad in (-1, 1.5, True):
-        with pytest.raises(ValueError, match="num_splits: expected an integer >= 0"):
+        with pytest.raises(ValueError, match=r"num_splits: expected an integer in \[0, "):
             flashattn.flash_attn_func(q, k, v, num_splits=bad)
 
 
@@ -470,7 +470,7 @@ def test_hadamard_rotate_errors():
         flashattn.hadamard_rotate(np.zeros((2, 3, 8), np.float32))
     with pytest.raises(TypeError, match="x: dtype int32"):
         flashattn.hadamard_rotate(np.zeros((1, 2, 3, 8), np.int32))
-    with pytest.raises(ValueError, match="head_dim: expected an integer >= 1"):
+    with pytest.raises(ValueError, match=r"head_dim: expected an integer in \[1, "):
         flashattn.hadamard_dim(0)
     assert flashattn.hadamard_dim(2**62) == 2**62
     with pytest.raises(ValueError, match="hadamard_dim: head_dim 4611686018427387905 has no power of two"):

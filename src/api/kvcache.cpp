@@ -274,8 +274,12 @@ void resolve_layout(const KvCache& c, CacheCall& r) {
     layout.capacity = c.k_cache.shape[1];
     layout.batch_idx = is_set(c.cache_batch_idx) ? read_i32("cache_batch_idx", c.cache_batch_idx, batch)
                                                   : std::vector<std::int64_t>(static_cast<std::size_t>(batch));
-    if (!is_set(c.cache_batch_idx))
+    if (!is_set(c.cache_batch_idx)) {
+      if (batch > c.k_cache.shape[0])
+        throw Error("k_cache: " + str(c.k_cache.shape[0]) + " cache rows but q has batch " + str(batch) +
+                    " (sequence b reads row b unless cache_batch_idx says otherwise)");
       for (std::int64_t b = 0; b < batch; ++b) layout.batch_idx[static_cast<std::size_t>(b)] = b;
+    }
     for (std::int64_t b = 0; b < batch; ++b) {
       const std::int64_t row = layout.batch_idx[static_cast<std::size_t>(b)];
       if (row < 0 || row >= c.k_cache.shape[0])
@@ -292,7 +296,13 @@ void resolve_sequences(const KvCache& c, CacheCall& r) {
   if (is_set(c.cache_seqlens)) {
     r.seqlens = read_i32("cache_seqlens", c.cache_seqlens, batch);
   } else {  // every sequence fills the cache
-    for (std::int64_t b = 0; b < batch; ++b) r.seqlens.push_back(layout.capacity - r.added[r.at(b)]);
+    for (std::int64_t b = 0; b < batch; ++b) {
+      if (r.added[r.at(b)] > layout.capacity)
+        throw Error("k: " + str(r.added[r.at(b)]) + " new tokens of sequence " + str(b) +
+                    " do not fit the cache capacity " + str(layout.capacity) +
+                    " (cache_seqlens unset: the cache holds capacity minus the new tokens)");
+      r.seqlens.push_back(layout.capacity - r.added[r.at(b)]);
+    }
   }
   const std::vector<std::int64_t>& seqlens = r.seqlens;
   for (std::int64_t b = 0; b < batch; ++b) {
@@ -374,9 +384,9 @@ void check_new_tokens(const TensorView& q, const KvCache& c, const CacheCall& r)
       detail::check_shape("k", c.k, {total, hkv, d}, "(total_new, heads_kv, head_dim)");
       detail::check_shape("v", c.v, {total, hkv, dv}, "(total_new, heads_kv, head_dim_v)");
     } else {
-      const std::int64_t s_new = r.added.empty() ? 0 : r.added[0];
       detail::check_view("k", c.k, 4, "(batch, seqlen_new, heads_kv, head_dim)");
       detail::check_view("v", c.v, 4, "(batch, seqlen_new, heads_kv, head_dim_v)");
+      const std::int64_t s_new = c.k.shape[1];  // batch 0 has no added[0]
       detail::check_dtype("k", c.k, q.dtype, "new keys have q's dtype");
       detail::check_dtype("v", c.v, q.dtype, "new values have q's dtype");
       detail::check_shape("k", c.k, {batch, s_new, hkv, d}, "(batch, seqlen_new, heads_kv, head_dim)");
@@ -641,10 +651,22 @@ const detail::Backend& cache_backend(const TensorView& q, const KvCache& c, cons
                         {"lse", lse}});
 }
 
+// As upstream: a window bound of at least the cache's capacity (its slots per sequence) is no
+// bound — unbounded, and not local, so q rotates at cache_seqlens[b] unless causal.
+AttentionOptions capacity_windows(const KvCache& c, const AttentionOptions& options) {
+  if (c.k_cache.rank != 4 || (is_set(c.block_table) && c.block_table.rank != 2)) return options;  // refused by the checks
+  const std::int64_t capacity = c.k_cache.shape[1] * (is_set(c.block_table) ? c.block_table.shape[1] : 1);
+  AttentionOptions r = options;
+  for (std::int64_t* bound : {&r.window_size.left, &r.window_size.right})
+    if (*bound >= capacity) *bound = -1;
+  return r;
+}
+
 }  // namespace
 
 void forward_with_kvcache(const TensorView& q, const KvCache& c, const MutableTensorView& out,
-                          const MutableTensorView& lse, const AttentionOptions& options) {
+                          const MutableTensorView& lse, const AttentionOptions& given) {
+  const AttentionOptions options = capacity_windows(c, given);
   const detail::Backend& backend = cache_backend(q, c, out, lse);
   const CacheCall call = check_cache_call(q, c, out, lse, options);
   // Every sequence is checked — options, output views, the kernel — before the append

@@ -82,7 +82,8 @@ void check_partial_blocks(const ScoreHook& hook, const TensorView& blocks, std::
 
 }  // namespace
 
-void detail::check_alibi_slopes(const TensorView& a, std::int64_t batch, std::int64_t heads_q) {
+void detail::check_alibi_slopes(const TensorView& a, std::int64_t batch, std::int64_t heads_q,
+                                std::int64_t distance) {
   require(a.rank == 1 || a.rank == 2,
           [&] { return "alibi_slopes: expected rank 1 (heads_q) or 2 (batch, heads_q), got rank " + str(a.rank); });
   detail::check_view("alibi_slopes", a, a.rank, a.rank == 1 ? "(heads_q)" : "(batch, heads_q)");
@@ -92,12 +93,16 @@ void detail::check_alibi_slopes(const TensorView& a, std::int64_t batch, std::in
   else
     detail::check_shape("alibi_slopes", a, {batch, heads_q}, "(batch, heads_q)");
   const std::int64_t rows = a.rank == 1 ? 1 : batch;
+  const double largest = static_cast<double>(AttentionProblem::kLargestScaled) / static_cast<double>(std::max<std::int64_t>(distance, 1));
   for (std::int64_t b = 0; a.device == Device::cpu && b < rows; ++b)
     for (std::int64_t h = 0; h < heads_q; ++h) {
       const float x = static_cast<const float*>(a.data)[(a.rank == 1 ? 0 : b * a.strides[0]) + h * a.strides[a.rank - 1]];
-      require(std::isfinite(x) && std::fabs(x) <= AttentionProblem::kLargestScaled, [&] {
+      require(std::isfinite(x) && std::fabs(x) <= largest, [&] {
         return "alibi_slopes: slope of " + (a.rank == 1 ? std::string() : "batch " + str(b) + ", ") + "head " +
-               str(h) + " is " + num(x) + ", expected finite, of magnitude at most " + num(AttentionProblem::kLargestScaled);
+               str(h) + " is " + num(x) + ", expected finite, of magnitude at most " + num(static_cast<float>(largest)) +
+               (distance > 1 ? " (" + num(AttentionProblem::kLargestScaled) + " over the largest query-key distance " +
+                                   str(distance) + ": slope times distance must stay within float32)"
+                             : std::string());
       });
     }
 }
@@ -203,7 +208,7 @@ AttentionProblem AttentionProblem::from_sizes(std::int64_t batch, std::int64_t s
   p.softmax_scale = options.softmax_scale
                         ? *options.softmax_scale
                         : static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
-  if (p.alibi) detail::check_alibi_slopes(options.alibi_slopes, batch, heads_q);
+  if (p.alibi) detail::check_alibi_slopes(options.alibi_slopes, batch, heads_q, std::max(seqlen_q, seqlen_k));
   if (options.block_mask.data != nullptr || options.block_mask.rank != 0) {
     const std::int64_t bs = options.block_mask_block_size;
     require(bs >= 1, [&] { return "block_mask_block_size: must be >= 1 with a block_mask, got " + str(bs); });

@@ -39,7 +39,9 @@ double Semantics::mask(std::int64_t b, std::int64_t h, std::int64_t i, std::int6
   for (int d = 0; d < 4; ++d)
     if (m.shape[d] > 1) offset += index[d] * m.strides[d];
   const double x = detail::load_element(m, offset);
-  if (problem->attn_mask == AttentionProblem::MaskKind::bias) return x;
+  // A finite bias beyond ±kLargestScaled counts as ±kLargestScaled (options.hpp): only −∞ hides a key.
+  constexpr double kLargest = AttentionProblem::kLargestScaled;
+  if (problem->attn_mask == AttentionProblem::MaskKind::bias) return std::isfinite(x) ? std::clamp(x, -kLargest, kLargest) : x;
   return x != 0.0 ? 0.0 : -std::numeric_limits<double>::infinity();
 }
 

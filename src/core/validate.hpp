@@ -29,8 +29,11 @@ void check_tensor(const char* name, const TensorView& view, DType dtype, const c
 // An output must not overlap itself (two elements at one address) nor any input.
 void check_output_layout(const char* name, const TensorView& out);
 // ALiBi slopes: float32 (heads_q) or (batch, heads_q), each finite and of magnitude at most
-// AttentionProblem::kLargestScaled; an Error names the batch and head of a bad one.
-void check_alibi_slopes(const TensorView& slopes, std::int64_t batch, std::int64_t heads_q);
+// AttentionProblem::kLargestScaled over `distance` (≥ 1), the largest |diagonal − key| of the
+// problem, so that the kernels' slope·log2e·distance stays finite in float32 (it overflowed
+// to ±∞: NaN rows, or rows taken as seeing no key); an Error names the batch and head of a
+// bad one.
+void check_alibi_slopes(const TensorView& slopes, std::int64_t batch, std::int64_t heads_q, std::int64_t distance = 1);
 void check_no_overlap(const char* out_name, const TensorView& out, const char* in_name,
                       const TensorView& in);
 
