@@ -265,6 +265,15 @@ TEST(Ring, ForwardShorterThanTheRing) {
   check_ring_forward(ring_case(1, 0, 2, 1, 8, 8, true, DType::f32, 19), ShardLayout::zigzag);
 }
 
+// The case's inputs with every query and key element 1: every score head_dim·scale.
+Global equal_scores(const Case& c, float scale) {
+  Global g = make_global(c);
+  for (Tensor* t : {&g.q, &g.k})
+    for (std::int64_t i = 0; i < t->numel(); ++i) t->set(i, 1.0f);
+  g.options.softmax_scale = scale;
+  return g;
+}
+
 // Every query and key the same and scores near 1e29: each row's softmax is uniform over the
 // global keys, so out is the mean of every value. A float32 lse rounds m + log ℓ to m there
 // and a merge through lses weighed the ranks' shards (of different lengths) alike; the steps
@@ -274,10 +283,7 @@ TEST(Ring, HugeScoresWeighTheShardsByTheirKeys) {
   const AttentionProblem& p = c.problem();
   for (const ShardLayout layout : {ShardLayout::contiguous, ShardLayout::zigzag}) {
     SCOPED_TRACE(ring_trace(c, layout));
-    Global g = make_global(c);
-    for (Tensor* t : {&g.q, &g.k})
-      for (std::int64_t i = 0; i < t->numel(); ++i) t->set(i, 1.0f);
-    g.options.softmax_scale = 1e28f;  // q·k = 8: every score 8e28
+    const Global g = equal_scores(c, 1e28f);  // q·k = 8: every score 8e28
     RankShards shards(g, p, layout);
     dist::ring_forward(shards.q.view(), shards.k.view(), shards.v.view(), shards.out.view(), shards.lse.view(),
                        g.options, ring_options(c, layout));
@@ -305,10 +311,7 @@ TEST(Ring, BackwardHugeScoresTakeTheGlobalLse) {
     const AttentionProblem& p = c.problem();
     for (const ShardLayout layout : {ShardLayout::contiguous, ShardLayout::zigzag}) {
       SCOPED_TRACE(ring_trace(c, layout));
-      Global g = make_global(c);
-      for (Tensor* t : {&g.q, &g.k})
-        for (std::int64_t i = 0; i < t->numel(); ++i) t->set(i, 1.0f);
-      g.options.softmax_scale = 64.0f;
+      const Global g = equal_scores(c, 64.0f);
       RankShards shards(g, p, layout);
       const RingOptions ring = ring_options(c, layout);
       dist::ring_forward(shards.q.view(), shards.k.view(), shards.v.view(), shards.out.view(), shards.lse.view(),
