@@ -549,6 +549,47 @@ TEST(Flex, ScoreModOfOnePrecisionIsDifferentiatedInIt) {
 // score_mod and mask_mod may throw: forward() and backward() rethrow the first exception
 // (they ran on the library's threads, where it ended the process), on every thread count,
 // and the same mods then serve a call that does not throw.
+// One FlexMods serves one call at a time: its exception slot is the object's, so concurrent
+// calls would take each other's exception (one failing for the other's mod, the other
+// returning unspecified outputs without a word). A call given mods that a running call holds
+// — here a call made from inside the first call's score_mod — is an Error naming score_hook
+// (rethrown by the first call as its mod's exception); a copy serves a second call, and once
+// a call returns, its mods serve the next.
+TEST(Flex, ModsServeOneCallAtATime) {
+  const Shape s{1, 8, 8, 1, 1, 8};
+  const Inputs in = make_inputs(s, 947);
+  const FlexMods<std::function<float(float, std::int64_t, std::int64_t, std::int64_t, std::int64_t)>>* shared = nullptr;
+  bool inside = false;  // the nested call's own mod calls no further
+  const std::function<float(float, std::int64_t, std::int64_t, std::int64_t, std::int64_t)> nested =
+      [&](float x, std::int64_t, std::int64_t, std::int64_t q, std::int64_t kv) {
+        if (q == 0 && kv == 0 && !inside) {
+          AttentionOptions inner;
+          inner.num_threads = 1;
+          inner.score_hook = shared->hook();
+          inside = true;
+          try {
+            forward(in.q.view(), in.k.view(), in.v.view(), inner);
+          } catch (...) {
+            inside = false;
+            throw;
+          }
+          inside = false;
+        }
+        return x;
+      };
+  const FlexMods mods(nested);
+  shared = &mods;
+  AttentionOptions o;
+  o.num_threads = 1;
+  o.score_hook = mods.hook();
+  expect_error([&] { forward(in.q.view(), in.k.view(), in.v.view(), o); },
+               {"score_hook: its mods serve another call now", "its own copy"});
+  const FlexMods copy = mods;  // the nested call through a copy: both run
+  shared = &copy;
+  check_against_reference(in, o, 1, false);
+  check_against_reference(in, o, 1, false);  // mods the call before held serve the next
+}
+
 TEST(Flex, ExceptionFromAModReachesTheCaller) {
   const Shape s{1, 40, 64, 2, 1, 16};
   const Inputs in = make_inputs(s, 945);

@@ -30,7 +30,9 @@
 // score_mod and mask_mod may throw (a table lookup out of range): FlexMods catches the first
 // exception on the library's threads — where it would end the process — and forward() or
 // backward() rethrows it after the call (its outputs are then unspecified), as
-// create_block_mask rethrows mask_mod's.
+// create_block_mask rethrows mask_mod's. One FlexMods serves one call at a time (its
+// exception slot is its own): a call given mods another call holds is an Error naming
+// score_hook — concurrent calls each take a copy (cheap: the copy holds the same mods).
 #pragma once
 
 #include <algorithm>
@@ -319,6 +321,8 @@ class FlexMods {
     ScoreHook h;
     h.apply = &apply;
     h.take_error = &take_error;
+    h.enter = &enter;
+    h.leave = &leave;
     h.mods = this;
     if constexpr (kHasScore) {
       h.score = [](const void* self, double s, std::int64_t b, std::int64_t hd, std::int64_t q, std::int64_t kv) {
@@ -409,11 +413,16 @@ class FlexMods {
     return e;
   }
 
+  // One call at a time (ScoreHook::enter, leave): the exception slot below is the object's.
+  static bool enter(const void* self) { return !static_cast<const FlexMods*>(self)->in_call_.exchange(true); }
+  static void leave(const void* self) { static_cast<const FlexMods*>(self)->in_call_.store(false); }
+
   ScoreMod score_mod_;
   MaskMod mask_mod_;
   // The first exception a mod threw during a call (apply), until take_error.
   mutable std::atomic<bool> failed_{false};
   mutable std::exception_ptr error_;
+  mutable std::atomic<bool> in_call_{false};  // a call holds the object (enter)
 };
 
 }  // namespace flashattn

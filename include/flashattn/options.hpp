@@ -113,6 +113,12 @@ struct ScoreHook {
   // rethrown by forward() and backward() once the call's threads are done (FlexMods keeps
   // what its mods throw this way).
   std::exception_ptr (*take_error)(const void* mods) = nullptr;
+  // Optional, with take_error: a call holds `mods` from before its run to after its rethrow
+  // (enter, then leave); enter returns false while another call holds them — an Error then,
+  // as take_error's slot is the object's: concurrent calls would take each other's exception
+  // (one failing for the other's mod, the other returning unspecified outputs silently).
+  bool (*enter)(const void* mods) = nullptr;
+  void (*leave)(const void* mods) = nullptr;
   // The float64 reference's per-score forms, in natural units: score_mod (null: none),
   // mask_mod (null: none; true keeps the key) and d score_mod / d score (null: the
   // backward rejects the hook).

@@ -32,6 +32,25 @@ std::exception_ptr take_hook_error(const AttentionOptions& options) {
 void rethrow_hook_error(const AttentionOptions& options) {
   if (const std::exception_ptr e = take_hook_error(options)) std::rethrow_exception(e);
 }
+
+// The hook's mods held by this call, from before its run to after its rethrow
+// (ScoreHook::enter, leave).
+class HookHold {
+ public:
+  explicit HookHold(const ScoreHook& hook) : hook_(hook) {
+    if (hook_.enter != nullptr && !hook_.enter(hook_.mods))
+      throw Error("score_hook: its mods serve another call now (FlexMods keeps one call's exception); give each "
+                  "concurrent call its own copy of the FlexMods");
+  }
+  ~HookHold() {
+    if (hook_.leave != nullptr) hook_.leave(hook_.mods);
+  }
+  HookHold(const HookHold&) = delete;
+  HookHold& operator=(const HookHold&) = delete;
+
+ private:
+  const ScoreHook& hook_;
+};
 }  // namespace
 
 void run_forward(const Backend& backend, const TensorView& q, const TensorView& k, const TensorView& v,
@@ -42,6 +61,7 @@ void run_forward(const Backend& backend, const TensorView& q, const TensorView& 
   if (lse_sums != nullptr && std::string_view(backend.name) != "cpu")
     throw Error(std::string("lse_sums: the ") + backend.name + " backend writes no softmax states (the CPU backend does)");
   backend.check_forward(job);
+  const HookHold hold(options.score_hook);
   begin_run(options);
   take_hook_error(options);
   backend.forward(job);
@@ -56,6 +76,7 @@ void run_backward(const Backend& backend, const TensorView& dout, const TensorVi
                                             host(dk), host(dv), host(options), grads),
                         {}, dout, q, k, v, out, lse, dq, dk, dv, options};
   backend.check_backward(job);
+  const HookHold hold(options.score_hook);
   begin_run(options);
   take_hook_error(options);
   backend.backward(job);
