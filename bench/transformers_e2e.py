@@ -156,9 +156,13 @@ def main(argv=None):
     args = parse_args(argv)
     if args.threads > 0:  # before the OpenMP runtimes start
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    import torch
-    import transformers
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    try:
+        import torch
+        import transformers
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    except ImportError as e:
+        print(f"transformers_e2e: {e.name} is not importable here, nothing to measure (it is optional)")
+        return True
 
     from flashattn.integrations import transformers as fa_hf
 
