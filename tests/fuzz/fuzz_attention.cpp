@@ -1135,7 +1135,9 @@ void run_kvcache(FuzzedDataProvider& fdp) {
       cos_t.set(pos * half + i, static_cast<float>(std::cos(angle)));
       sin_t.set(pos * half + i, static_cast<float>(std::sin(angle)));
     }
-  const bool positions_per_query = o.causal || o.window_size.left >= 0;
+  // Windowed (q rotated at each query's own position) as upstream has it: a window bound of at
+  // least the cache's capacity is no bound.
+  const bool positions_per_query = o.causal || (o.window_size.left >= 0 && o.window_size.left < capacity);
   // Row x (dim values) rotated at `pos` in float32, the arithmetic the library states for
   // its rotation (x_a·cos − x_b·sin, x_a·sin + x_b·cos), before rounding to the dtype.
   const auto rotated = [&](const Tensor& t, std::int64_t row, std::int64_t dim, std::int64_t pos) {
