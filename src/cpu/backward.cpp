@@ -11,8 +11,8 @@
 #include "flashattn/attention.hpp"
 #include "flashattn/error.hpp"
 #include "flashattn/online_softmax.hpp"
-#include "src/cpu/kernels/backward_kernel.hpp"
 #include "src/core/element.hpp"
+#include "src/cpu/kernels/backward_kernel.hpp"
 #include "src/cpu/allocate.hpp"
 #include "src/cpu/drivers.hpp"
 
