@@ -12,6 +12,7 @@
 #include <xmmintrin.h>
 #endif
 
+#include "src/cpu/kernels/bf16_decode.hpp"
 #include "src/cpu/planner.hpp"
 #include "tests/support/support.hpp"
 
@@ -649,6 +650,59 @@ TEST(KvCache, DecodeFp16KernelReadsEveryFp8CodeOnEveryLayout) {
 TEST(KvCache, DecodeBf16KernelReadsEveryFp8CodeOnEveryLayout) {
   if (!CpuHardware::detect(0).decode_bf16) GTEST_SKIP() << "no AVX512-BF16 on this CPU: decode_bf16 cannot run here";
   expect_fp8_codes_read_on_every_layout(ForwardKernel::decode_bf16);
+}
+
+// decode_bf16 widens e4m3 codes through byte tables where the CPU has AVX512-VBMI, else
+// through half precision and float32 (bf16_decode.hpp): the other widening against the
+// reference on every layout (the test above ran the default), then both on one cache of
+// random codes (every code but NaN, subnormal ones included) for the same bits — head dims
+// with tails of 32 codes and of fewer, an odd number of keys (a pair missing its second).
+TEST(KvCache, DecodeBf16WideningsGiveTheSameBits) {
+  if (!CpuHardware::detect(0).decode_bf16) GTEST_SKIP() << "no AVX512-BF16 on this CPU: decode_bf16 cannot run here";
+  struct Restore {
+    bool on;
+    ~Restore() { cpu::bf16decode::set_byte_tables(on); }
+  } restore{cpu::bf16decode::byte_tables()};
+  cpu::bf16decode::set_byte_tables(false);
+  expect_fp8_codes_read_on_every_layout(ForwardKernel::decode_bf16);
+  cpu::bf16decode::set_byte_tables(true);
+  if (!cpu::bf16decode::byte_tables())
+    GTEST_SKIP() << "no AVX512-VBMI on this CPU: decode_bf16's byte tables cannot run here (the other widening was checked)";
+  for (const auto [d, dv] : {std::pair<std::int64_t, std::int64_t>{128, 128}, {40, 24}, {96, 72}, {3, 5}, {576, 512}}) {
+    SCOPED_TRACE("D " + std::to_string(d) + " Dv " + std::to_string(dv));
+    constexpr std::int64_t keys = 77, hq = 8, hkv = 2;
+    std::mt19937_64 rng(d * 1000 + dv);
+    auto codes = [&](std::int64_t dim) {
+      Tensor t(DType::u8, {1, keys, hkv, dim});
+      for (std::int64_t i = 0; i < t.numel(); ++i) {
+        std::uint8_t code;
+        do code = static_cast<std::uint8_t>(rng()); while ((code & 0x7F) == 0x7F);  // no NaN
+        t.data_as<std::uint8_t>()[i] = code;
+      }
+      return t;
+    };
+    Tensor k_cache = codes(d), v_cache = codes(dv), k_scale(DType::f32, {1, hkv}), v_scale(DType::f32, {1, hkv});
+    for (std::int64_t h = 0; h < hkv; ++h) {
+      k_scale.set(h, 0x1p-6f * static_cast<float>(h + 1));
+      v_scale.set(h, 0x1p-4f);
+    }
+    Tensor seqlens(DType::i32, {1});
+    seqlens.set(0, static_cast<float>(keys));
+    const Tensor q = random_tensor(DType::f32, {1, 1, hq, d}, 90);
+    KvCache c{k_cache.view(), v_cache.view(), TensorView{}, seqlens.view()};
+    c.k_scale = k_scale.view();
+    c.v_scale = v_scale.view();
+    AttentionOptions o;
+    o.kernel = ForwardKernel::decode_bf16;
+    const ForwardResult tables = forward_with_kvcache(q.view(), c, o);
+    cpu::bf16decode::set_byte_tables(false);
+    const ForwardResult widened = forward_with_kvcache(q.view(), c, o);
+    cpu::bf16decode::set_byte_tables(true);
+    ASSERT_EQ(tables.out.numel(), widened.out.numel());
+    auto bytes = [](const Tensor& t) { return static_cast<std::size_t>(t.numel()) * dtype_size(t.dtype()); };
+    EXPECT_EQ(std::memcmp(tables.out.data(), widened.out.data(), bytes(tables.out)), 0);
+    EXPECT_EQ(std::memcmp(tables.lse.data(), widened.lse.data(), bytes(tables.lse)), 0);
+  }
 }
 
 #if defined(__x86_64__) || defined(__i386__)

@@ -36,6 +36,14 @@ constexpr int kTop = 0;
 // True when the CPU has AVX512-BF16 (bf16dot::available).
 bool available();
 
+// Whether e4m3 codes widen through byte tables (AVX512-VBMI's two-source byte permutes: six
+// instructions for 64 codes) rather than through half precision and float32 (fourteen). On by
+// default where the CPU has AVX512-VBMI (Zen 4, Intel since Ice Lake; not Cooper Lake); the
+// products, their order and so the results are the same bits either way. Tests switch it off
+// to reach the other widening; set_byte_tables(true) takes effect only with VBMI.
+bool byte_tables();
+void set_byte_tables(bool on);
+
 // PackQ4 of fp16_decode.hpp in bf16: the Q panel of four rows, vector j of row r at
 // panel + (4j + r)·kPanelLanes, each row times 2^k_r, unit[r] = 2^-k_r.
 void PackQ4(const float* q, std::int64_t ldq, std::int64_t rows, std::int64_t d, int top, std::uint16_t* panel,

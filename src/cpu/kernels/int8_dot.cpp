@@ -65,12 +65,15 @@ FLASHATTN_INT8_DOT_INLINE void ScorePanel(const unsigned char* panel, const unsi
   __m512i acc[4][4];  // [key][row]
   for (auto& key : acc)
     for (__m512i& a : key) a = _mm512_setzero_si512();
-  for (std::int64_t e = 0; e < d; e += kCodes, panel += 4 * 2 * kCodes)
-    for (std::int64_t k = 0; k < 4; ++k) {
-      const __m512i codes = LoadCodes<C>(row[k] + e, d - e);
-      for (std::int64_t r = 0; r < 4; ++r)
-        acc[k][r] = _mm512_dpbusd_epi32(acc[k][r], codes, _mm512_loadu_si512(panel + r * 2 * kCodes));
+  // Each Q vector loaded once for the four keys (per key it took as many loads as products).
+  for (std::int64_t e = 0; e < d; e += kCodes, panel += 4 * 2 * kCodes) {
+    __m512i codes[4];
+    for (std::int64_t k = 0; k < 4; ++k) codes[k] = LoadCodes<C>(row[k] + e, d - e);
+    for (std::int64_t r = 0; r < 4; ++r) {
+      const __m512i q = _mm512_loadu_si512(panel + r * 2 * kCodes);
+      for (std::int64_t k = 0; k < 4; ++k) acc[k][r] = _mm512_dpbusd_epi32(acc[k][r], codes[k], q);
     }
+  }
   alignas(16) float sums[4][4];  // [row][key]
   for (std::int64_t r = 0; r < 4; ++r) _mm_store_ps(sums[r], Scores(KeySums4(acc[0][r], acc[1][r], acc[2][r], acc[3][r])));
   for (std::int64_t r = 0; r < 4; ++r)
