@@ -401,21 +401,24 @@ TEST(Forward, ShortBf16AndF16DecodeMatchTheReferenceOnTheKernelThePlannerPicks) 
       }
 }
 
-// The float32 kernel's K/V tile: 256 keys where a V panel of them (256 × micro_cols floats)
-// fills at most two thirds of L1d, else 128; never more keys than the problem has (rounded
-// up to a panel).
-TEST(Forward, PlanWidensFloat32KeyTilesWhereL1HoldsTheirPanels) {
+// The tiled kernels' K/V tile: 256 keys whatever L1d holds (measured on a 48 KiB and on a
+// 32 KiB L1d, plan.cpp), never more keys than the problem has (rounded up to a panel); the
+// decode kernels start from 128 and fit their blocks to the caches.
+TEST(Forward, PlanTakesKeyTilesOf256ForTheTiledKernels) {
   const AttentionProblem p = AttentionProblem::from_sizes(1, 1024, 1024, 4, 4, 64, 64, DType::f32, {});
   CpuHardware hw = CpuHardware::detect(2);
-  hw.micro_cols = 32;  // AVX-512's panels: 32 KiB at 256 keys
-  hw.l1d_bytes = 48 * 1024;
-  EXPECT_EQ(plan_forward(p, hw).block_k, 256);
-  hw.l1d_bytes = 32 * 1024;
-  EXPECT_EQ(plan_forward(p, hw).block_k, 128);
-  hw.micro_cols = 16;  // AVX2's: 16 KiB
-  EXPECT_EQ(plan_forward(p, hw).block_k, 256);
+  for (const std::int64_t l1d : {32 * 1024, 48 * 1024})
+    for (const int cols : {16, 32}) {
+      SCOPED_TRACE("L1d " + std::to_string(l1d) + " micro_cols " + std::to_string(cols));
+      hw.l1d_bytes = static_cast<std::size_t>(l1d);
+      hw.micro_cols = cols;
+      EXPECT_EQ(plan_forward(p, hw).block_k, 256);
+    }
   const AttentionProblem short_keys = AttentionProblem::from_sizes(1, 1024, 100, 4, 4, 64, 64, DType::f32, {});
-  EXPECT_EQ(plan_forward(short_keys, hw).block_k, 112);
+  EXPECT_EQ(plan_forward(short_keys, hw).block_k, 128);  // 100 keys, panels of 32 columns
+  const AttentionProblem decode = AttentionProblem::from_sizes(1, 1, 4096, 8, 2, 32, 32, DType::f32, {});
+  EXPECT_EQ(plan_forward(decode, hw).kernel, ForwardKernel::decode);
+  EXPECT_LE(plan_forward(decode, hw).block_k, 128);
 }
 
 }  // namespace

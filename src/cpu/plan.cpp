@@ -298,20 +298,15 @@ CpuForwardPlan cpu::plan_forward(const AttentionProblem& p, const detail::Proble
   plan.head_dim_v_padded = round_up(p.head_dim_v, mc);
 
   // K/V tile: its keys amortize the per-tile softmax bookkeeping (row max and sum, rescale
-  // of õ, the mask step) over block_k·(D + Dv) FMAs per row, while a B panel of the
-  // micro-kernel — block_k rows of V or D rows of Kᵀ, micro_cols floats wide — stays within
-  // L1. The float32 kernel takes 256 keys where such a V panel fills at most two thirds of
-  // L1d, else 128: measured on the Sapphire Rapids' 48 KiB with AVX-512's 32-float panels
-  // (docs/performance.md, twenty-eighth session: +2–5%); a 32 KiB L1d (Zen 4) keeps 128,
-  // and AVX2's 16-float panels take 256 by the same rule, unmeasured. On AMX tiles 256: õ's
-  // C tiles are loaded and stored once per K/V tile of P·V, and from L2 they cost as much as
-  // the products they hold; twice the depth halves that (eighteenth session: 3–10%; 512 was
-  // no faster than 128, and 0.96–0.97× of 256 in the twenty-eighth).
-  const std::int64_t wide_v_panel_bytes = 256 * mc * static_cast<std::int64_t>(sizeof(float));
-  const bool wide_tile = plan.kernel == ForwardKernel::tiled
-                             ? 3 * wide_v_panel_bytes <= 2 * static_cast<std::int64_t>(hw.l1d_bytes)
-                             : plan.kernel == ForwardKernel::tiled_bf16 && hw.amx_bf16;
-  const std::int64_t kBlockK = wide_tile ? 256 : 128;
+  // of õ, the mask step) over block_k·(D + Dv) FMAs per row. The tiled kernels take 256 keys:
+  // measured against 128 on the Sapphire Rapids (48 KiB L1d, AVX-512's 32-float panels:
+  // +2–5% for float32, twenty-eighth session; on AMX tiles +3–10%, õ's C tiles loaded and
+  // stored once per K/V tile, eighteenth session; 512 no faster) and on a Zen 4, whose 32 KiB
+  // L1d such a V panel (256 × 32 floats) fills entirely — a rule that the panel fill at most
+  // two thirds of L1d kept it at 128 there until measured (forty-sixth session: float32
+  // +4–6% dense, tiled_bf16 +7–11%, windows and block masks +6–20%). The decode kernels
+  // start from 128 and fit their blocks to L1d and L2 below.
+  const std::int64_t kBlockK = is_decode(plan.kernel) ? 128 : 256;
   plan.block_k = std::min(round_up(kBlockK, mc), round_up(std::max<std::int64_t>(p.seqlen_k, 1), mc));
 
   // Q tile: the Q rows, their õ accumulators and the S tile should fill at most half of
