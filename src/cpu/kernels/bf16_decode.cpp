@@ -149,47 +149,49 @@ FLASHATTN_BF16_DECODE_INLINE __m128 FoldBlocks(__m512 v) {
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-// The scores of one panel (four rows) and four K rows: s[r·lds + k] for k < count.
-template <KvCodes C>
-FLASHATTN_BF16_DECODE_INLINE void ScorePanel(const std::uint16_t* panel, const unsigned char* const* row,
-                                             std::int64_t count, std::int64_t d, float* s, std::int64_t lds) {
-  __m512 acc[4][4];  // [key][row]
-  for (auto& key : acc)
-    for (__m512& a : key) a = _mm512_setzero_ps();
-  for (std::int64_t e = 0; e < d; e += kPanelLanes, panel += 4 * kPanelLanes)
-    for (std::int64_t k = 0; k < 4; ++k) {
-      const __m512bh v = LoadCodes<C>(row[k] + e, d - e);
-      for (std::int64_t r = 0; r < 4; ++r)
-        acc[k][r] = _mm512_dpbf16_ps(acc[k][r], (__m512bh)_mm512_loadu_si512(panel + r * kPanelLanes), v);
-    }
+// acc[k][r] += (row r's vector of the panel)·codes[k], each Q vector loaded once for the four
+// keys (per key, Zen 4 took as many loads as products).
+FLASHATTN_BF16_DECODE_INLINE void AddScores(const std::uint16_t* panel, const __m512i* codes, __m512 (*acc)[4]) {
+  for (std::int64_t r = 0; r < 4; ++r) {
+    const __m512bh q = (__m512bh)_mm512_loadu_si512(panel + r * kPanelLanes);
+    for (std::int64_t k = 0; k < 4; ++k) acc[k][r] = _mm512_dpbf16_ps(acc[k][r], q, (__m512bh)codes[k]);
+  }
+}
+
+// s[r·lds + k] = the score of row r and key k that acc[k][r]'s lanes add to, k < count.
+FLASHATTN_BF16_DECODE_INLINE void StoreScores(__m512 (*acc)[4], std::int64_t count, float* s, std::int64_t lds) {
   alignas(16) float sums[4][4];  // [row][key]
   for (std::int64_t r = 0; r < 4; ++r) _mm_store_ps(sums[r], FoldBlocks(KeySums4(acc[0][r], acc[1][r], acc[2][r], acc[3][r])));
   for (std::int64_t r = 0; r < 4; ++r)
     for (std::int64_t k = 0; k < count; ++k) s[r * lds + k] = sums[r][k];
 }
 
-// ScorePanel<e4m3> on WidenE4m3Pair (the same products in the same order: the same bits), each
-// Q vector loaded once for the four keys.
+// The scores of one panel (four rows) and four K rows: s[r·lds + k] for k < count.
+template <KvCodes C>
+FLASHATTN_BF16_DECODE_INLINE void ScorePanel(const std::uint16_t* panel, const unsigned char* const* row,
+                                             std::int64_t count, std::int64_t d, float* s, std::int64_t lds) {
+  __m512 acc[4][4] = {};  // [key][row]
+  for (std::int64_t e = 0; e < d; e += kPanelLanes, panel += 4 * kPanelLanes) {
+    __m512i codes[4];
+    for (std::int64_t k = 0; k < 4; ++k) codes[k] = (__m512i)LoadCodes<C>(row[k] + e, d - e);
+    AddScores(panel, codes, acc);
+  }
+  StoreScores(acc, count, s, lds);
+}
+
+// ScorePanel<e4m3> on WidenE4m3Pair (the same products in the same order: the same bits).
 FLASHATTN_BF16_VBMI_INLINE void ScorePanelE4m3(const E4m3Widen& t, const std::uint16_t* panel,
                                                const unsigned char* const* row, std::int64_t count, std::int64_t d,
                                                float* s, std::int64_t lds) {
   const __m512i order = _mm512_load_si512(kE4m3Orders.keys);
-  __m512 acc[4][4];  // [key][row]
-  for (auto& key : acc)
-    for (__m512& a : key) a = _mm512_setzero_ps();
+  __m512 acc[4][4] = {};  // [key][row]
   for (std::int64_t e = 0; e < d; e += kPanelLanes, panel += 4 * kPanelLanes) {
     __m512i codes[4];
     WidenE4m3Pair(t, order, row[0] + e, row[1] + e, d - e, codes[0], codes[1]);
     WidenE4m3Pair(t, order, row[2] + e, row[3] + e, d - e, codes[2], codes[3]);
-    for (std::int64_t r = 0; r < 4; ++r) {
-      const __m512bh q = (__m512bh)_mm512_loadu_si512(panel + r * kPanelLanes);
-      for (std::int64_t k = 0; k < 4; ++k) acc[k][r] = _mm512_dpbf16_ps(acc[k][r], q, (__m512bh)codes[k]);
-    }
+    AddScores(panel, codes, acc);
   }
-  alignas(16) float sums[4][4];  // [row][key]
-  for (std::int64_t r = 0; r < 4; ++r) _mm_store_ps(sums[r], FoldBlocks(KeySums4(acc[0][r], acc[1][r], acc[2][r], acc[3][r])));
-  for (std::int64_t r = 0; r < 4; ++r)
-    for (std::int64_t k = 0; k < count; ++k) s[r * lds + k] = sums[r][k];
+  StoreScores(acc, count, s, lds);
 }
 
 FLASHATTN_BF16_VBMI_TARGET void ScoreE4m3Tables(const std::uint16_t* panels, std::int64_t panel_count,
@@ -227,6 +229,28 @@ FLASHATTN_BF16_DECODE_INLINE void InOrder(__m512 lo, __m512 hi, __m512& first, _
   second = _mm512_permutex2var_ps(lo, second_index, hi);
 }
 
+// lo[r], hi[r] += the bf16 pair of weights of row r for keys c, c + 1 times the keys' pairs.
+FLASHATTN_BF16_DECODE_INLINE void AddPair(const std::uint32_t* p, std::int64_t ldp, std::int64_t c, __m512bh pairs_lo,
+                                          __m512bh pairs_hi, __m512* lo, __m512* hi) {
+  for (std::int64_t r = 0; r < 4; ++r) {
+    const __m512bh weights = (__m512bh)_mm512_set1_epi32(static_cast<int>(p[r * ldp + c / 2]));
+    lo[r] = _mm512_dpbf16_ps(lo[r], weights, pairs_lo);
+    hi[r] = _mm512_dpbf16_ps(hi[r], weights, pairs_hi);
+  }
+}
+
+// o[r·ldo + j] += unit·(column j of row r: lanes of first[r], then of second[r]), j < left ≤ 32.
+FLASHATTN_BF16_DECODE_INLINE void AddColumns(float* o, std::int64_t ldo, std::int64_t left, __m512 vunit,
+                                             const __m512* first, const __m512* second) {
+  const auto m0 = static_cast<__mmask16>(left >= 16 ? 0xFFFF : (1u << left) - 1u);
+  const auto m1 = static_cast<__mmask16>(left >= 32 ? 0xFFFF : left <= 16 ? 0 : (1u << (left - 16)) - 1u);
+  for (std::int64_t r = 0; r < 4; ++r) {
+    float* out = o + r * ldo;
+    _mm512_mask_storeu_ps(out, m0, _mm512_fmadd_ps(first[r], vunit, _mm512_maskz_loadu_ps(m0, out)));
+    _mm512_mask_storeu_ps(out + 16, m1, _mm512_fmadd_ps(second[r], vunit, _mm512_maskz_loadu_ps(m1, out + 16)));
+  }
+}
+
 template <KvCodes C>
 FLASHATTN_BF16_DECODE_TARGET void AccumulateCodes4(const std::uint32_t* p, std::int64_t ldp,
                                                    const unsigned char* const* vrows, std::int64_t offset,
@@ -235,27 +259,15 @@ FLASHATTN_BF16_DECODE_TARGET void AccumulateCodes4(const std::uint32_t* p, std::
   const __m512 vunit = _mm512_set1_ps(unit);
   for (std::int64_t e = 0; e < dv; e += kPanelLanes) {
     const std::int64_t left = std::min<std::int64_t>(kPanelLanes, dv - e);
-    const auto m0 = static_cast<__mmask16>(left >= 16 ? 0xFFFF : (1u << left) - 1u);
-    const auto m1 = static_cast<__mmask16>(left >= 32 ? 0xFFFF : left <= 16 ? 0 : (1u << (left - 16)) - 1u);
-    __m512 lo[4], hi[4];  // [row]: the columns as InOrder takes them
-    for (std::int64_t r = 0; r < 4; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
+    __m512 lo[4] = {}, hi[4] = {};  // [row]: the columns as InOrder takes them
     for (std::int64_t c = 0; c < n; c += 2) {
       const __m512i a = (__m512i)LoadCodes<C>(vrows[c] + offset + e, left);
       const __m512i b = c + 1 < n ? (__m512i)LoadCodes<C>(vrows[c + 1] + offset + e, left) : _mm512_setzero_si512();
-      const __m512bh pairs_lo = (__m512bh)_mm512_unpacklo_epi16(a, b), pairs_hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
-      for (std::int64_t r = 0; r < 4; ++r) {
-        const __m512bh weights = (__m512bh)_mm512_set1_epi32(static_cast<int>(p[r * ldp + c / 2]));
-        lo[r] = _mm512_dpbf16_ps(lo[r], weights, pairs_lo);
-        hi[r] = _mm512_dpbf16_ps(hi[r], weights, pairs_hi);
-      }
+      AddPair(p, ldp, c, (__m512bh)_mm512_unpacklo_epi16(a, b), (__m512bh)_mm512_unpackhi_epi16(a, b), lo, hi);
     }
-    for (std::int64_t r = 0; r < 4; ++r) {
-      __m512 first, second;
-      InOrder(lo[r], hi[r], first, second);
-      _mm512_mask_storeu_ps(o + r * ldo + e, m0, _mm512_fmadd_ps(first, vunit, _mm512_maskz_loadu_ps(m0, o + r * ldo + e)));
-      _mm512_mask_storeu_ps(o + r * ldo + e + 16, m1,
-                            _mm512_fmadd_ps(second, vunit, _mm512_maskz_loadu_ps(m1, o + r * ldo + e + 16)));
-    }
+    __m512 first[4], second[4];
+    for (std::int64_t r = 0; r < 4; ++r) InOrder(lo[r], hi[r], first[r], second[r]);
+    AddColumns(o + e, ldo, left, vunit, first, second);
   }
 }
 
@@ -272,25 +284,14 @@ FLASHATTN_BF16_VBMI_TARGET void AccumulateE4m3Tables(const std::uint32_t* p, std
   const __m512 vunit = _mm512_set1_ps(unit);
   for (std::int64_t e = 0; e < dv; e += kPanelLanes) {
     const std::int64_t left = std::min<std::int64_t>(kPanelLanes, dv - e);
-    const auto m0 = static_cast<__mmask16>(left >= 16 ? 0xFFFF : (1u << left) - 1u);
-    const auto m1 = static_cast<__mmask16>(left >= 32 ? 0xFFFF : left <= 16 ? 0 : (1u << (left - 16)) - 1u);
-    __m512 lo[4], hi[4];  // [row]: columns e..e+15, e+16..e+31
-    for (std::int64_t r = 0; r < 4; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
+    __m512 lo[4] = {}, hi[4] = {};  // [row]: columns e..e+15, e+16..e+31
     for (std::int64_t c = 0; c < n; c += 2) {
       __m512i pairs_lo, pairs_hi;
       WidenE4m3Pair(t, order, vrows[c] + offset + e, c + 1 < n ? vrows[c + 1] + offset + e : nullptr, left, pairs_lo,
                     pairs_hi);
-      for (std::int64_t r = 0; r < 4; ++r) {
-        const __m512bh weights = (__m512bh)_mm512_set1_epi32(static_cast<int>(p[r * ldp + c / 2]));
-        lo[r] = _mm512_dpbf16_ps(lo[r], weights, (__m512bh)pairs_lo);
-        hi[r] = _mm512_dpbf16_ps(hi[r], weights, (__m512bh)pairs_hi);
-      }
+      AddPair(p, ldp, c, (__m512bh)pairs_lo, (__m512bh)pairs_hi, lo, hi);
     }
-    for (std::int64_t r = 0; r < 4; ++r) {
-      float* out = o + r * ldo + e;
-      _mm512_mask_storeu_ps(out, m0, _mm512_fmadd_ps(lo[r], vunit, _mm512_maskz_loadu_ps(m0, out)));
-      _mm512_mask_storeu_ps(out + 16, m1, _mm512_fmadd_ps(hi[r], vunit, _mm512_maskz_loadu_ps(m1, out + 16)));
-    }
+    AddColumns(o + e, ldo, left, vunit, lo, hi);
   }
 }
 
